@@ -1,0 +1,23 @@
+"""spec_kernels: the three ops of a speculative decoding step.
+
+Glossary: a *tree* is one step's proposal for one sequence, T nodes in topological order with node 0
+the root (the last emitted token). See ../shared/DESIGN.md for the contracts.
+
+Importing this package never compiles anything; the C++ extension is built on first use.
+"""
+
+from spec_kernels.compact_kv import compact_kv_
+from spec_kernels.reference import compact_kv_ref, tree_attention_ref, verify_tree_ref
+from spec_kernels.tree_attention import tree_attention
+from spec_kernels.verify_tree import PAD_NODE, VerifyResult, verify_tree
+
+__all__ = [
+    "PAD_NODE",
+    "VerifyResult",
+    "compact_kv_",
+    "compact_kv_ref",
+    "tree_attention",
+    "tree_attention_ref",
+    "verify_tree",
+    "verify_tree_ref",
+]
