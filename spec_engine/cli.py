@@ -1,0 +1,141 @@
+"""The ``specdec`` command: ``specdec generate``, ``specdec serve``, ``specdec bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Model and speculation options shared by ``generate``, ``serve`` and ``bench``."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="target HF directory (default: the embedded default target)")
+    g.add_argument("--draft", help="draft HF directory (default: the embedded default draft, with --model unset)")
+    g.add_argument("--method", choices=["draft_model", "ngram", "none"], default=None,
+                   help="speculation method (default: draft_model when a draft is available, else none)")  # fmt: skip
+    g.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="gamma: tree depth (default 4)")
+    g.add_argument("--tree", type=str, default=None, help="static tree, children per depth, e.g. 3,2,1")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=16)
+
+
+def build_llm(args: argparse.Namespace, *, speculate: bool = True):
+    from spec_engine import LLM, default_model_paths
+
+    model, draft = args.model, args.draft
+    if model is None:
+        model, default_draft = default_model_paths()
+        draft = draft or default_draft
+    method = args.method or ("draft_model" if draft else "none")
+    spec = None
+    if speculate and method != "none":
+        spec = {"method": method}
+        if method == "draft_model":
+            if not draft:
+                raise SystemExit("error: --method draft_model needs --draft DIR")
+            spec["model"] = draft
+        if args.num_speculative_tokens is not None:
+            spec["num_speculative_tokens"] = args.num_speculative_tokens
+        if args.tree:
+            try:
+                spec["tree"] = [int(x) for x in args.tree.split(",")]
+            except ValueError:
+                raise SystemExit(f"error: --tree must be comma-separated ints, got {args.tree!r}") from None
+            spec.setdefault("num_speculative_tokens", len(spec["tree"]))
+    return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)  # fmt: skip
+
+
+def stats_line(out, elapsed: float) -> str:
+    m = out.metrics
+    n = len(out.outputs[0].token_ids)
+    return (
+        f"[specdec] {n} tokens in {elapsed:.2f}s: {n / elapsed:.1f} tok/s | acceptance alpha={m['acceptance_rate']:.3f}"
+        f" | mean accepted length tau={m['mean_accepted_length']:.2f} | steps={m['num_steps']}"
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from spec_engine import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed)  # fmt: skip
+    llm = build_llm(args)
+    t0 = time.perf_counter()
+    out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    elapsed = time.perf_counter() - t0
+    print(args.prompt + out.outputs[0].text)
+    print(stats_line(out, elapsed), file=sys.stderr if args.json else sys.stdout)
+    report = {"tokens_per_s": len(out.outputs[0].token_ids) / elapsed, **out.metrics}
+    if args.compare:
+        base = build_llm(args, speculate=False)
+        t0 = time.perf_counter()
+        ref = base.generate([args.prompt], params, use_tqdm=False)[0]
+        base_elapsed = time.perf_counter() - t0
+        base_tps = len(ref.outputs[0].token_ids) / base_elapsed
+        report["baseline_tokens_per_s"] = base_tps
+        report["speedup"] = report["tokens_per_s"] / base_tps
+        same = "same tokens" if ref.outputs[0].token_ids == out.outputs[0].token_ids else "different tokens (sampling)"
+        print(f"[specdec] no speculation: {base_tps:.1f} tok/s | speedup {report['speedup']:.2f}x | {same}",
+              file=sys.stderr if args.json else sys.stdout)  # fmt: skip
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from spec_engine.server.app import serve
+
+    return serve(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from spec_engine.benchmark import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding engine")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt and print speculation stats")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--compare", action="store_true", help="also run without speculation and print the speedup")
+    g.add_argument("--json", action="store_true", help="print the stats as one JSON line")
+    add_model_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-pending", type=int, default=64, help="requests in flight beyond which the server answers 429")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    add_model_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py); args after -- are passed through")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""A small draft model that proposes chains or static trees, level by level, on its own paged KV cache.
+
+Cache layout mirrors the target's: the root at slot L_b, tree node i at slot L_b + i, so one ``compact_kv_`` with
+the target's accepted path compacts it too. The deepest level is never run through the draft model, so after a
+step whose path ends there the draft cache lags the target by one token; the next step's first forward
+("catch-up") feeds the lagging tokens together with the root. Lag can grow while the row is not drafted.
+
+Children are drawn without replacement: Gumbel-top-b of log q for sampled rows (exactly sequential sampling without
+replacement), the b most likely tokens for greedy rows. Siblings are then distinct; with "iid" a tree of b
+children often repeats a token and wastes a branch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spec_engine.drafters.base import Draft, Drafter, StepBatch
+from spec_engine.kv_cache import PagedKVCache
+from spec_engine.models import LlamaForCausalLM
+from spec_engine.tree import StaticTree, causal_mask, tree_mask
+from spec_kernels import PAD_NODE, VerifyResult, compact_kv_
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, tree: StaticTree):
+        self.model, self.kv, self.tree = model, kv, tree
+        self.max_depth = tree.depth
+        self.max_nodes = tree.num_nodes
+        self._parents = tree.parents()  # [T_max]
+        self._built_depth = 0
+
+    def nodes_for_depth(self, depth: int) -> int:
+        return sum(self.tree.level_sizes[: depth + 1])
+
+    def prefill(self, input_ids, positions, seqlens, mask, block_table) -> None:
+        self.model(input_ids, positions, self.kv.data, seqlens, mask, block_table)
+
+    def _forward_logits(self, tokens, positions, seqlens, mask, block_table) -> torch.Tensor:
+        hidden = self.model(tokens, positions, self.kv.data, seqlens, mask, block_table)  # [B, T, hidden]
+        return self.model.logits(hidden)  # [B, T, V]
+
+    def _catch_up(self, batch: StepBatch) -> torch.Tensor:
+        """Feed each row's tokens the draft cache lacks, then its root; return q logits at the root [B, V]."""
+        lags = [int(L) - r.draft_len for r, L in zip(batch.requests, batch.seqlens.tolist())]
+        T = max(lags) + 1
+        tokens = torch.zeros(batch.size, T, dtype=torch.int64)  # [B, T], padded at the end
+        for b, (r, lag) in enumerate(zip(batch.requests, lags)):
+            tokens[b, : lag + 1] = torch.tensor(r.all_token_ids[len(r.all_token_ids) - 1 - lag :])
+        lag_t = torch.tensor(lags, dtype=torch.int32)
+        start = batch.seqlens - lag_t  # [B]: draft committed lengths
+        positions = start.long()[:, None] + torch.arange(T)
+        logits = self._forward_logits(tokens, positions, start, causal_mask(batch.size, T), batch.block_table)
+        return logits[torch.arange(batch.size), lag_t.long()]  # [B, V]
+
+    def propose(self, batch: StepBatch) -> Draft:
+        depth = max(batch.gammas)
+        T = self.nodes_for_depth(depth)
+        B, L = batch.size, batch.seqlens
+        levels = self.tree.level_slices
+        greedy = batch.temperature == 0  # [B]
+        temp = torch.where(greedy, 1.0, batch.temperature)[:, None, None]  # [B, 1, 1]
+        tokens = torch.zeros(B, T, dtype=torch.int64)  # [B, T]
+        tokens[:, 0] = batch.roots
+        logits = self._catch_up(batch)[:, None]  # [B, 1, V]: q logits of level 0
+        q = torch.zeros(B, T, logits.shape[-1])  # [B, T, V]
+        for d in range(1, depth + 1):
+            parent_level, level, b = levels[d - 1], levels[d], self.tree.branching[d - 1]
+            q_parent = torch.softmax(logits / temp, dim=-1)  # [B, n_parent, V]
+            q[:, parent_level] = q_parent
+            tokens[:, level] = self._draw_children(q_parent, b, greedy, batch).flatten(1)
+            if d == depth:
+                break
+            # Levels 1..d through the draft model; the root is already cached at slot L_b, an ancestor of all.
+            sub = slice(1, level.stop)
+            sub_parents = (self._parents[sub] - 1).expand(B, -1)  # [B, n]: re-rooted at node 1
+            mask = tree_mask(torch.where(sub_parents < 0, PAD_NODE, sub_parents))
+            if self.tree.is_chain:  # a chain's earlier nodes are all ancestors: keep them as prefix, run one node
+                sub, mask = slice(d, d + 1), torch.ones(B, 1, 1, dtype=torch.bool)
+            positions = L.long()[:, None] + self._depth(sub)
+            out = self._forward_logits(tokens[:, sub], positions, L + sub.start, mask, batch.block_table)
+            logits = out[:, level.start - sub.start :]  # [B, n_level, V]
+        parents = self._parents[:T].expand(B, T).clone()
+        for b, gamma in enumerate(batch.gammas):
+            parents[b, self.nodes_for_depth(gamma) :] = PAD_NODE
+        self._built_depth = depth
+        return Draft(tokens, parents, q, "without_replacement")
+
+    def _depth(self, sub: slice) -> torch.Tensor:
+        sizes = self.tree.level_sizes
+        depth = torch.cat([torch.full((n,), d) for d, n in enumerate(sizes)])
+        return depth[sub]
+
+    @staticmethod
+    def _draw_children(q: torch.Tensor, b: int, greedy: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """[B, n, V] -> [B, n, b]: b distinct children per node, in the order they were drawn."""
+        scores = q.log()
+        for row, req in enumerate(batch.requests):
+            if not greedy[row]:
+                u = torch.rand(q.shape[1:], generator=req.draft_generator).clamp_(min=1e-20)
+                scores[row] -= (-u.log()).log()  # + Gumbel(0, 1)
+        return scores.topk(b, dim=-1).indices
+
+    def commit(self, batch: StepBatch, result: VerifyResult) -> None:
+        compact_kv_(self.kv.planes, batch.seqlens, result.accepted_nodes, result.num_accepted,
+                    block_table=batch.block_table)  # fmt: skip
+        depths = self._depth(slice(0, None))
+        last = result.accepted_nodes.gather(1, (result.num_accepted - 1)[:, None])[:, 0]  # [B]
+        ran = depths[last] < self._built_depth  # the draft model ran the last path node: no lag
+        new_len = batch.seqlens.long() + result.num_accepted - (~ran).long()
+        for req, n in zip(batch.requests, new_len.tolist()):
+            req.draft_len = n

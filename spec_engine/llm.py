@@ -1,0 +1,238 @@
+"""The vLLM-style Python API: ``LLM(model, speculative_config).generate(prompts, SamplingParams)``."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from spec_engine.drafters.base import Drafter
+from spec_engine.drafters.draft_model import DraftModelDrafter
+from spec_engine.drafters.ngram import NgramDrafter
+from spec_engine.engine import Engine, Request
+from spec_engine.kv_cache import BlockAllocator, PagedKVCache, plan_num_blocks
+from spec_engine.models import load_model
+from spec_engine.sampling import SamplingParams
+from spec_engine.tree import StaticTree, chain
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": 4, "ngram": 4}
+SPECULATIVE_METHODS = tuple(DEFAULT_NUM_SPECULATIVE_TOKENS)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict = field(default_factory=dict)
+
+
+def load_tokenizer(model_dir: str | Path):
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception subclass on bad JSON
+        raise ValueError(f"corrupt tokenizer {path}: {e}") from e
+
+
+def _parse_speculative_config(spec: dict | None) -> dict | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError("speculative_config must be a dict or None")
+    method = spec.get("method", "draft_model" if "model" in spec else None)
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {method!r}")
+    unknown = set(spec) - {"method", "model", "num_speculative_tokens", "tree", "max_n", "min_n"}
+    if unknown:
+        raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
+    gamma = spec.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[method])
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= 16:
+        raise ValueError(f"num_speculative_tokens must be an int in [1, 16], got {gamma!r}")
+    tree = spec.get("tree")
+    if tree is not None:
+        if method != "draft_model":
+            raise ValueError("a static 'tree' needs method='draft_model'")
+        if not isinstance(tree, (list, tuple)) or not all(isinstance(b, int) and b >= 1 for b in tree):
+            raise ValueError(f"speculative_config.tree must be a list of positive ints, got {tree!r}")
+        if len(tree) > gamma:
+            raise ValueError(f"tree depth {len(tree)} exceeds num_speculative_tokens {gamma}")
+        if math.prod(tree) > 64:
+            raise ValueError(f"tree {list(tree)} has {math.prod(tree)} leaves; at most 64 are supported")
+    if method == "draft_model" and not spec.get("model"):
+        raise ValueError("speculative_config with method='draft_model' needs 'model': a draft model directory")
+    return {**spec, "method": method, "num_speculative_tokens": gamma}
+
+
+class LLM:
+    """Generate with a target model, optionally speculating.
+
+    Parameters
+    ----------
+    model : HF directory with config.json, *.safetensors and tokenizer.json.
+    speculative_config : None, ``{"method": "draft_model", "model": DIR, "num_speculative_tokens": g,
+        "tree": [b1, b2, ...]}`` (children per depth, padded with 1 up to g) or ``{"method": "ngram", ...}``.
+    device, dtype : where and in what precision the weights and KV caches live.
+    max_model_len : context length (prompt + output); defaults to the model's, capped at 4096.
+    max_num_seqs : requests decoded together.
+    kv_cache_memory : bytes for the KV caches of both models (requests that do not fit wait).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        speculative_config: dict | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        *,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 16,
+        kv_cache_memory: int | None = None,
+        block_size: int = 32,
+        prefill_chunk: int = 512,
+    ):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available")
+        torch_dtype = DTYPES[dtype]
+        spec = _parse_speculative_config(speculative_config)
+        self.model_dir = Path(model)
+        self.target = load_model(model, dtype=torch_dtype, device=device)
+        self.tokenizer = load_tokenizer(model)
+        cfg = self.target.config
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, 4096)
+        self.speculative_config = spec
+
+        draft_model = None
+        if spec and spec["method"] == "draft_model":
+            draft_model = load_model(spec["model"], dtype=torch_dtype, device=device)
+            if draft_model.config.vocab_size != cfg.vocab_size:
+                raise ValueError(
+                    f"draft vocab ({draft_model.config.vocab_size}) != target vocab ({cfg.vocab_size}): "
+                    "the draft model must share the target's tokenizer"
+                )
+            self._check_same_tokenizer(spec["model"])
+        cfgs = [cfg] + ([draft_model.config] if draft_model else [])
+        if kv_cache_memory is None:
+            per_seq = sum(2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim for c in cfgs)
+            per_seq *= torch.empty((), dtype=torch_dtype).itemsize * (self.max_model_len + 2 * 64 + block_size)
+            kv_cache_memory = min(2 << 30, max_num_seqs * per_seq)
+        num_blocks = plan_num_blocks(cfgs, torch_dtype, block_size, kv_cache_memory, self.max_model_len)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        kv = PagedKVCache(cfg, num_blocks, block_size, torch_dtype, device)
+
+        drafter: Drafter | None = None
+        gamma = spec["num_speculative_tokens"] if spec else 0
+        if spec and spec["method"] == "draft_model":
+            branching = tuple(spec.get("tree") or ())
+            tree = StaticTree(branching + (1,) * (gamma - len(branching))) if branching else chain(gamma)
+            drafter = DraftModelDrafter(draft_model, PagedKVCache(draft_model.config, num_blocks, block_size,
+                                                                  torch_dtype, device), tree)  # fmt: skip
+        elif spec:
+            drafter = NgramDrafter(gamma, spec.get("max_n", 4), spec.get("min_n", 1))
+        self.engine = Engine(
+            self.target, kv, self.allocator, drafter,
+            num_speculative_tokens=gamma, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+            prefill_chunk=prefill_chunk, eos_token_ids=cfg.eos_token_id,
+        )  # fmt: skip
+
+    def _check_same_tokenizer(self, draft_dir) -> None:
+        t, d = self.model_dir / "tokenizer.json", Path(draft_dir) / "tokenizer.json"
+        if (
+            t.is_file()
+            and d.is_file()
+            and json.loads(t.read_text()).get("model") != json.loads(d.read_text()).get("model")
+        ):
+            raise ValueError(f"the draft tokenizer ({d}) differs from the target's ({t})")
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer.json: pass {{'prompt_token_ids': [...]}} instead")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return None, list(prompt["prompt_token_ids"])
+        raise ValueError("each prompt must be a str or {'prompt_token_ids': [int, ...]}")
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one ``RequestOutput`` per prompt, in order.
+
+        Invalid input raises ``ValueError`` before any work starts, and the engine stays usable.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        parsed = [self._prompt_ids(p) for p in prompts]
+        for (_, ids), p in zip(parsed, params):  # validate everything before queueing anything
+            p.validate()
+            if not ids:
+                raise ValueError("the prompt is empty: give at least one token")
+            if len(ids) + p.max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds "
+                    f"max_model_len ({self.max_model_len})"
+                )
+        reqs: list[Request] = []
+        try:
+            for (_, ids), p in zip(parsed, params):
+                reqs.append(self.engine.add_request(ids, p))
+            total = sum(p.max_tokens for p in params)
+            with tqdm(total=total, desc="generate", unit="tok", disable=not use_tqdm, dynamic_ncols=True) as bar:
+                while any(not r.finished for r in reqs):
+                    for out in self.engine.step():
+                        bar.update(len(out.new_token_ids) + (out.request.params.max_tokens - len(
+                            out.request.output_token_ids) if out.finished else 0))  # fmt: skip
+        except BaseException:
+            for r in reqs:
+                if not r.finished:
+                    self.engine.abort(r.request_id)
+            raise
+        return [self._output(r, text) for r, (text, _) in zip(reqs, parsed)]
+
+    def _output(self, req: Request, prompt: str | None) -> RequestOutput:
+        ids = req.output_token_ids
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(0, self.decode(ids), list(ids), req.finish_reason)],
+            finished=req.finished,
+            metrics=req.metrics.as_dict(len(ids)),
+        )

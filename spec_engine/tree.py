@@ -1,0 +1,94 @@
+"""Token-tree shapes: static trees from children-per-depth, masks and depths from ``parents``.
+
+Glossary: node 0 is the root (the last emitted token); ``parents[b, i] < i`` for real nodes, ``PAD_NODE`` (-1) for
+the root and for padding. A chain is the tree ``[1] * gamma``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spec_kernels import PAD_NODE
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A tree shape fixed for every step: ``branching[d]`` children for each node at depth d.
+
+    Nodes are numbered breadth-first, so each depth is one contiguous range ``level_slices[d]``.
+    """
+
+    branching: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.branching or any(int(b) < 1 for b in self.branching):
+            raise ValueError(f"tree branching must be a non-empty list of positive ints, got {list(self.branching)}")
+
+    @property
+    def depth(self) -> int:
+        return len(self.branching)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(b == 1 for b in self.branching)
+
+    @property
+    def level_sizes(self) -> list[int]:
+        sizes = [1]
+        for b in self.branching:
+            sizes.append(sizes[-1] * b)
+        return sizes
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(self.level_sizes)
+
+    @property
+    def level_slices(self) -> list[slice]:
+        out, start = [], 0
+        for n in self.level_sizes:
+            out.append(slice(start, start + n))
+            start += n
+        return out
+
+    def parents(self) -> torch.Tensor:
+        """[T] int64, breadth-first: the children of level-d node j are consecutive."""
+        parents = [PAD_NODE]
+        for d, b in enumerate(self.branching):
+            level = self.level_slices[d]
+            parents.extend(p for p in range(level.start, level.stop) for _ in range(b))
+        return torch.tensor(parents, dtype=torch.int64)
+
+
+def chain(gamma: int) -> StaticTree:
+    return StaticTree((1,) * gamma)
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """[B, T] depth of every node (0 for the root and for padding). Nodes are topological, so one pass suffices."""
+    B, T = parents.shape
+    depth = torch.zeros(B, T, dtype=torch.int64, device=parents.device)
+    for i in range(1, T):
+        p = parents[:, i]
+        real = p >= 0
+        depth[:, i] = torch.where(real, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, 0)
+    return depth
+
+
+def tree_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool: node i sees j when j is i itself or an ancestor of i. Padding sees only itself."""
+    B, T = parents.shape
+    mask = torch.eye(T, dtype=torch.bool, device=parents.device).expand(B, T, T).clone()
+    for i in range(1, T):
+        p = parents[:, i]
+        real = p >= 0
+        inherited = mask[torch.arange(B, device=parents.device), p.clamp(min=0)]  # [B, T]: the parent's row
+        mask[:, i] |= inherited & real[:, None]
+    return mask
+
+
+def causal_mask(B: int, T: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, T, T] lower-triangular: a chunk of prompt tokens is a chain."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
