@@ -1,8 +1,13 @@
+import os
 import random
 
 import numpy as np
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when kernels are defined (at import), so it must be set before spec_kernels loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,247 @@
+"""Argument checks and the HF-order sampling transform shared by verify_tree's backends.
+
+Glossary:
+    transform   logits -> target distribution: logits / temperature, then top-k, top-p, min-p (HF's order),
+                renormalising after each. Every filter keeps the tokens whose scaled logit is >= a per-row
+                threshold, so the whole transform is one threshold plus one softmax.
+    top-k       keep the k largest logits; ties at the k-th value are all kept.
+    top-p       keep token i iff the mass of the tokens strictly more probable than i is < top_p. That is HF's
+                TopPLogitsWarper ("smallest set whose mass >= top_p") except that a tie at the boundary keeps the
+                whole tie group instead of an arbitrary sort-order subset of it, as top-k does.
+    min-p       keep p >= min_p * max p, i.e. z >= z_max + log(min_p) on the scaled logits z.
+    sanitise    NaN -> -inf and +inf -> float32 max; a row that is all -inf becomes all zeros (uniform; its
+                greedy token is id 0). So non-finite logits can never yield an id outside [0, V).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+DRAFT_SAMPLINGS = ("iid", "without_replacement")
+# A residual (or without-replacement draft) whose mass falls to <= RESIDUAL_EPS is rounding noise: the rejection
+# that produced it had probability ~0. We then fall back to the node's own distribution; the total-variation
+# error this admits is <= RESIDUAL_EPS per step.
+RESIDUAL_EPS = 1e-6
+# Above this many candidates the top-p threshold search gives up on torch.topk and sorts the row.
+TOPP_CANDIDATES = 1024
+
+
+class RowParams(NamedTuple):
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32, 1 = off
+    min_p: torch.Tensor  # [B] float32, 0 = off
+
+    @property
+    def greedy(self) -> torch.Tensor:  # [B] bool
+        return self.temperature == 0
+
+    def has_filters(self) -> bool:
+        return bool(((self.top_k > 0) | (self.top_p < 1) | (self.min_p > 0)).any())
+
+    def rows(self, idx: torch.Tensor) -> RowParams:
+        return RowParams(*(x[idx] for x in self))
+
+
+def _row_param(x, name: str, B: int, default: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if x is None:
+        return torch.full((B,), default, dtype=dtype, device=device)
+    x = torch.as_tensor(x, device=device)
+    if x.dim() > 1 or (x.dim() == 1 and x.shape[0] != B):
+        raise ValueError(f"verify_tree: {name} must be a scalar or have shape [B]=[{B}], got {tuple(x.shape)}")
+    if dtype == torch.int64 and x.is_floating_point():
+        if not bool((x == x.round()).all()):
+            raise ValueError(f"verify_tree: {name} must hold integers")
+    return x.to(dtype).expand(B).contiguous()
+
+
+def check_verify_tree_args(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_sampling: str,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+) -> tuple[torch.Tensor, RowParams]:
+    """Validate verify_tree's inputs; return parents as int64 and the per-row sampling parameters.
+
+    Raises ValueError with the offending argument named. Checking values (topological parents, token range,
+    parameter ranges) reads them on the host: one sync on CUDA.
+    """
+    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3:
+        raise ValueError("verify_tree: target_logits must be a [B, T, V] tensor")
+    if not target_logits.is_floating_point():
+        raise ValueError(f"verify_tree: target_logits must be floating point, got {target_logits.dtype}")
+    B, T, V = target_logits.shape
+    if B == 0 or T == 0 or V == 0:
+        raise ValueError(f"verify_tree: target_logits has an empty dimension: {tuple(target_logits.shape)}")
+    if draft_tokens.shape != (B, T) or draft_tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"verify_tree: draft_tokens must be int [B, T]=[{B}, {T}], got {draft_tokens.dtype} "
+            f"{tuple(draft_tokens.shape)}"
+        )
+    if parents.shape != (B, T) or parents.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"verify_tree: parents must be int32/int64 [B, T]=[{B}, {T}], got {parents.dtype} {tuple(parents.shape)}"
+        )
+    if draft_sampling not in DRAFT_SAMPLINGS:
+        raise ValueError(f"verify_tree: unknown draft_sampling {draft_sampling!r}; expected one of {DRAFT_SAMPLINGS}")
+    if draft_probs is not None:
+        if draft_probs.dim() != 3 or draft_probs.shape[:2] != (B, T) or not draft_probs.is_floating_point():
+            raise ValueError(
+                f"verify_tree: draft_probs must be floating [B, T, V]=[{B}, {T}, {V}], got {tuple(draft_probs.shape)}"
+            )
+        if draft_probs.shape[2] != V:
+            raise ValueError(
+                f"verify_tree: vocabulary mismatch: target_logits V={V}, draft_probs V={draft_probs.shape[2]}"
+            )
+    parents = parents.to(torch.int64)
+    node = torch.arange(T, device=parents.device)
+    if bool(((parents >= node) | (parents < -1)).any()):
+        raise ValueError("verify_tree: parents must be topological: -1 (root/padding) or parents[:, i] < i")
+    real = parents >= 0  # drafted nodes; their tokens index the vocabulary
+    if bool((real & ((draft_tokens < 0) | (draft_tokens >= V))).any()):
+        raise ValueError(f"verify_tree: draft_tokens of drafted nodes must be in [0, V={V})")
+
+    dev = target_logits.device
+    params = RowParams(
+        _row_param(temperature, "temperature", B, 1.0, torch.float32, dev),
+        _row_param(top_k, "top_k", B, 0, torch.int64, dev),
+        _row_param(top_p, "top_p", B, 1.0, torch.float32, dev),
+        _row_param(min_p, "min_p", B, 0.0, torch.float32, dev),
+    )
+    t, k, p, m = params
+    if not bool((torch.isfinite(t) & (t >= 0)).all()):
+        raise ValueError("verify_tree: temperature must be finite and >= 0 (0 = greedy)")
+    if bool((k < 0).any()):
+        raise ValueError("verify_tree: top_k must be >= 0 (0 = off)")
+    if not bool(((p > 0) & (p <= 1)).all()):
+        raise ValueError("verify_tree: top_p must be in (0, 1] (1 = off)")
+    if not bool(((m >= 0) & (m <= 1)).all()):
+        raise ValueError("verify_tree: min_p must be in [0, 1] (0 = off)")
+    return parents, params
+
+
+def sanitise_(z: torch.Tensor) -> torch.Tensor:
+    """In place on float32 rows [N, V]: NaN -> -inf, +inf -> float32 max, all -inf rows -> zeros. Cheap when clean:
+    one max pass finds the rows that need it."""
+    bad = ~torch.isfinite(z.amax(-1))  # NaN, +inf and all -inf rows all make the max non-finite
+    if bool(bad.any()):
+        zb = torch.nan_to_num(z[bad], nan=-math.inf, posinf=torch.finfo(torch.float32).max)
+        empty = zb.amax(-1) == -math.inf
+        zb[empty] = 0.0
+        z[bad] = zb
+    return z
+
+
+def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> sanitised float32 logits / temperature (greedy rows: temperature 1). Always a fresh tensor."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    z = logits.float() / t[:, None]  # [N, V]
+    return sanitise_(z)
+
+
+def keep_threshold(z: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """Per-row threshold thr [N] such that the transform keeps exactly z >= thr (-inf: keep all).
+
+    Cost: rows with top-k/top-p pay one torch.topk of TOPP_CANDIDATES (about one pass over V); a top-p row whose
+    candidates hold less than top_p of the mass falls back to a full sort. Rows without filters pay nothing.
+    """
+    N, V = z.shape
+    thr = torch.full((N,), -math.inf, device=z.device)
+    _, top_k, top_p, min_p = params
+    need = (top_k > 0) | (top_p < 1)
+    if bool(need.any()):
+        rows = need.nonzero().squeeze(1)
+        zr, kr, pr = z[rows], top_k[rows], top_p[rows]
+        num_cand = min(V, max(TOPP_CANDIDATES, int(kr.max())))
+        thr[rows] = _topk_topp_threshold(zr, kr, pr, num_cand)
+    if bool((min_p > 0).any()):
+        # HF compares probabilities: p >= min_p * p_max  <=>  z >= z_max + log(min_p)
+        thr_m = z.amax(-1) + torch.log(min_p)  # log(0) = -inf: off
+        thr = torch.maximum(thr, thr_m)
+    return thr
+
+
+def _topk_topp_threshold(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num_cand: int) -> torch.Tensor:
+    N, V = z.shape
+    s = torch.topk(z, num_cand, dim=-1, sorted=True).values  # [N, C] descending
+    k = torch.where((top_k > 0) & (top_k <= num_cand), top_k, torch.zeros_like(top_k))
+    thr_k = torch.where(k > 0, s.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1), torch.tensor(-math.inf))
+    # top-p runs on the top-k-renormalised distribution; its normaliser covers the whole kept row (ties included)
+    zk = torch.where(z >= thr_k[:, None], z, torch.tensor(-math.inf))
+    lse_k = torch.logsumexp(zk, -1)  # [N]
+    ps = torch.exp(s - lse_k[:, None]) * (s >= thr_k[:, None])  # [N, C]
+    cum = torch.cumsum(ps, -1)
+    excl = cum - ps  # mass strictly before each candidate in sorted order
+    num_keep = (excl < top_p[:, None]).sum(-1)  # >= 1; a prefix since excl is nondecreasing
+    thr_p = s.gather(1, (num_keep - 1)[:, None]).squeeze(1)
+    # the search is complete when the candidates hold >= top_p, or are the whole row
+    complete = (cum[:, -1] >= top_p) | (num_cand == V)
+    thr_p = torch.where(top_p < 1, thr_p, torch.tensor(-math.inf))
+    thr = torch.maximum(thr_k, thr_p)
+    if not bool(complete[top_p < 1].all()):
+        redo = ((top_p < 1) & ~complete).nonzero().squeeze(1)
+        thr[redo] = _topk_topp_threshold(z[redo], top_k[redo], top_p[redo], V)
+    return thr
+
+
+def transform_probs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """logits [N, V] -> the transformed target distribution [N, V] float32 (greedy rows: one-hot argmax)."""
+    z = scaled_logits(logits, params.temperature)
+    if params.has_filters():
+        thr = keep_threshold(z, params)
+        z = torch.where(z >= thr[:, None], z, torch.tensor(-math.inf))
+    p = torch.softmax(z, -1)
+    greedy = params.greedy
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(p).scatter_(1, z.argmax(-1, keepdim=True), 1.0)
+        p = torch.where(greedy[:, None], onehot, p)
+    return p
+
+
+def sample_from_weights(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample: w [N, V] >= 0 unnormalised with positive row mass, u [N] uniform in [0, 1) -> ids [N].
+
+    One uniform per row instead of V exponentials (an exponential race costs more in random numbers than in
+    logits on CPU). Never returns a zero-weight id: rounding past the end clamps to the last positive weight.
+    """
+    cdf = torch.cumsum(w, -1)  # [N, V]
+    total = cdf[:, -1:].contiguous()
+    idx = torch.searchsorted(cdf, u[:, None].to(cdf.dtype) * total, right=True)
+    last = torch.searchsorted(cdf, total, right=False)  # first index reaching the total: the last positive weight
+    return torch.minimum(idx, last).squeeze(1)
+
+
+def check_seed(seed, B: int):
+    """``seed`` is None, an int, or a [B] integer tensor of per-row seeds (a row's stream then depends only on its
+    own seed, so a request samples the same alone or inside any batch)."""
+    if seed is None or (isinstance(seed, int) and not isinstance(seed, bool)):
+        return seed
+    if isinstance(seed, torch.Tensor):
+        if seed.shape != (B,) or seed.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"seed tensor must be [B] = [{B}] int32/int64, got {tuple(seed.shape)} {seed.dtype}")
+        return seed
+    raise ValueError(f"seed must be None, an int or a [B] int tensor, got {type(seed).__name__}")
+
+
+def row_uniforms(seeds: torch.Tensor, n: int) -> torch.Tensor:
+    """[B] int seeds -> [B, n] float32 uniforms in [0, 1), counter-based (splitmix64 of (seed, index)).
+
+    Element (b, i) depends on seeds[b] and i only: not on B, n or the row's place in the batch.
+    """
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        x = seeds.detach().cpu().numpy().astype(np.uint64)[:, None] * np.uint64(0x9E3779B97F4A7C15)
+        x = x + (np.arange(n, dtype=np.uint64)[None, :] + np.uint64(1)) * np.uint64(0xD1B54A32D192ED03)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return torch.from_numpy((x >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24))

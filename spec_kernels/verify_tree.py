@@ -1,0 +1,561 @@
+"""verify_tree: lossless accept/reject of a token tree against the target (speculative decoding's verify step).
+
+Glossary:
+    node        one tree position; node 0 is the root (the last emitted token, never verified). ``parents[b, i]``
+                is i's parent, -1 for the root and for padding. ``target_logits[b, i]`` predicts i's children.
+    p, q        the transformed target distribution and the draft distribution at the current node.
+    accept test child x is accepted with probability min(1, p(x) / q(x)), written ``u * q(x) < p(x)`` for a
+                uniform u, which also covers q(x) = 0 (accept iff p(x) > 0).
+    residual    after a rejected sibling x, the next sibling is judged against norm(max(p - q, 0)); with
+                draft_probs=None (point-mass proposals) that is p with x zeroed. Without replacement, the
+                draft also loses x: q <- norm(q with x zeroed).
+    recovered / bonus   the one token sampled after the accepted path: from the residual when every child of
+                the last accepted node was rejected, from p when that node is a leaf.
+    transform   HF-order temperature / top-k / top-p / min-p; exact definitions in spec_kernels/_sampling.py.
+
+Backends (dispatch in :func:`verify_tree` only):
+    "torch"   verify_tree_ref: python loops, float64.
+    "native"  the CPU path: every sequence walks in lockstep, one tree level per step, and reads only the logits
+              rows of the nodes it visits: one transform pass per visited node plus one pass per rejected
+              sibling (draft_probs only), plus one inverse-CDF pass for the final token.
+    "triton"  one program per sequence walks its whole tree inside the kernel, tiled over V (BLOCK_V), with
+              the top-k/top-p thresholds found by bisection over the float bit patterns (no sort), and Philox
+              streams keyed by a per-row seed drawn from ``seed``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spec_kernels._backend import resolve_backend, triton_available
+from spec_kernels._sampling import (
+    RESIDUAL_EPS,
+    RowParams,
+    check_seed,
+    check_verify_tree_args,
+    row_uniforms,
+    sample_from_weights,
+    scaled_logits,
+    transform_probs,
+)
+from spec_kernels.reference import PAD_NODE, VerifyResult, verify_tree_ref
+
+__all__ = ["PAD_NODE", "VerifyResult", "verify_tree", "verify_tree_ref"]
+
+
+def verify_tree(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    *,
+    draft_probs: torch.Tensor | None = None,
+    draft_sampling: str = "iid",
+    temperature: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    seed: int | torch.Tensor | None = None,
+    backend: str | None = None,
+) -> VerifyResult:
+    """Verify one step's token trees against the target: accept a path from each root, then add one token.
+
+    The emitted tokens are distributed exactly as sampling the transformed target autoregressively, provided
+    each node's children were drawn from ``draft_probs`` as ``draft_sampling`` says (or are deterministic when
+    ``draft_probs`` is None). Greedy rows (temperature 0) follow the children equal to the target argmax.
+
+    Parameters
+    ----------
+    target_logits : the target's logits at each node, predicting that node's children.
+    draft_tokens : node tokens; the root's (node 0) is the last emitted token and is not verified.
+    parents : parent of each node, -1 for the root and for padding nodes (ignored); ``parents[:, i] < i``.
+    draft_probs : the draft distribution at each node, or None for deterministic (point-mass) children.
+    draft_sampling : "iid" (independent, with replacement) or "without_replacement".
+    temperature, top_k, top_p, min_p : per-row sampling parameters (scalars broadcast); None = 1, 0, 1, 0.
+        temperature 0 is greedy, top_k 0 and top_p 1 and min_p 0 are off.
+    seed : rows draw independent streams from it; the same seed on the same backend gives bitwise the same
+        result. None draws a fresh seed. A [B] integer tensor gives each row its own seed (an extension of the
+        contract): row b's randomness then depends on seed[b] alone, not on the batch it sits in.
+    backend : None (Triton on CUDA, native on CPU), "torch", "native" or "triton".
+
+    Returns
+    -------
+    VerifyResult(accepted_nodes, output_tokens, num_accepted), all int64.
+
+    Shapes
+    ------
+    target_logits [B, T, V], draft_tokens [B, T], parents [B, T], draft_probs [B, T, V] ->
+    accepted_nodes [B, T] (path from the root, padded with PAD_NODE), output_tokens [B, T] (accepted drafts, then
+    the recovered/bonus token, padded with -1), num_accepted [B] (path length incl. the root = tokens emitted).
+    """
+    kind = resolve_backend("verify_tree", backend, target_logits.device)
+    args = (target_logits, draft_tokens, parents)
+    kwargs = dict(
+        draft_probs=draft_probs,
+        draft_sampling=draft_sampling,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed,
+    )
+    if kind == "torch":
+        return verify_tree_ref(*args, **kwargs)
+    parents64, params = check_verify_tree_args(
+        target_logits, draft_tokens, parents, draft_probs, draft_sampling, temperature, top_k, top_p, min_p
+    )
+    seed = check_seed(seed, target_logits.shape[0])
+    if seed is None:
+        seed = int(torch.randint(2**62, ()))
+    tokens = draft_tokens.to(torch.int64)
+    if kind == "native":
+        return _verify_tree_native(target_logits, tokens, parents64, draft_probs, draft_sampling, params, seed)
+    out = torch.ops.spec_kernels.verify_tree_triton(
+        target_logits,
+        tokens,
+        parents64,
+        draft_probs,
+        draft_sampling == "without_replacement",
+        params.temperature,
+        params.top_k,
+        params.top_p,
+        params.min_p,
+        _philox_keys(seed, target_logits.shape[0], target_logits.device),
+    )
+    return VerifyResult(*out)
+
+
+def _philox_keys(seed: int | torch.Tensor, B: int, device: torch.device) -> torch.Tensor:
+    """[B] int64 Philox keys for the Triton kernel: the caller's per-row seeds, or B keys drawn from one seed."""
+    if isinstance(seed, torch.Tensor):
+        return (seed.to(torch.int64) % (2**31 - 1)).to(device)
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return torch.randint(2**31 - 1, (B,), generator=gen).to(device)
+
+
+# --- native CPU path --------------------------------------------------------------------------------------------
+
+
+def _argmax_rows(z: torch.Tensor) -> torch.Tensor:
+    """Sanitised argmax of raw logits rows [N, V] -> [N]; one pass unless a row holds NaN/inf."""
+    idx = z.argmax(-1)  # first maximum; NaN counts as the maximum, caught below
+    bad = ~torch.isfinite(z.gather(1, idx[:, None]).squeeze(1))
+    if bool(bad.any()):
+        idx[bad] = scaled_logits(z[bad], torch.ones(int(bad.sum()), device=z.device)).argmax(-1)
+    return idx
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised residual after rejecting x [N, 1]: max(p - q, 0), or p with x zeroed for point masses. [N, V]"""
+    return p.scatter_(1, x, 0.0) if q is None else (p - q).clamp_(min=0.0)
+
+
+def _verify_tree_native(
+    logits: torch.Tensor,  # [B, T, V]
+    tokens: torch.Tensor,  # [B, T] int64
+    parents: torch.Tensor,  # [B, T] int64
+    draft_probs: torch.Tensor | None,  # [B, T, V]
+    draft_sampling: str,
+    params: RowParams,
+    seed: int | torch.Tensor,
+) -> VerifyResult:
+    B, T, V = logits.shape
+    dev = logits.device
+    if isinstance(seed, torch.Tensor):
+        u = row_uniforms(seed, T + 1).to(dev)  # [B, T + 1]: per-row streams
+        u_final, u_accept = u[:, 0], u[:, 1:]
+    else:
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(seed)
+        u_accept = torch.rand(B, T, generator=gen, device=dev)  # [B, T]: node i's accept test
+        u_final = torch.rand(B, generator=gen, device=dev)  # [B]: the recovered/bonus token
+    accepted_nodes = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)
+    output_tokens = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)
+    num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)
+    accepted_nodes[:, 0] = 0
+    node_ids = torch.arange(T, device=dev)
+    without_replacement = draft_probs is not None and draft_sampling == "without_replacement"
+
+    rows = torch.arange(B, device=dev)  # rows still walking
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)  # their current node
+    depth = 0
+    while rows.numel() > 0:
+        prm = params.rows(rows)
+        row_tokens = tokens[rows]  # [N, T]
+        is_child = parents[rows] == cur[:, None]  # [N, T]
+        children = torch.where(is_child, node_ids, T).sort(-1).values  # [N, T]: children in index order, then T
+        z = logits[rows, cur]  # [N, V]: one read of each visited node's logits
+        nxt = torch.full_like(cur, -1)
+        if bool(prm.greedy.all()):
+            # greedy needs only the argmax: the first child matching it is the next node
+            amax = _argmax_rows(z)
+            match = (children < T) & (row_tokens.gather(1, children.clamp(max=T - 1)) == amax[:, None])
+            first = children.gather(1, match.to(torch.int8).argmax(-1, keepdim=True)).squeeze(1)
+            nxt = torch.where(match.any(-1), first, nxt)
+            final = amax
+        else:
+            p = transform_probs(z, prm)  # [N, V], normalised; greedy rows are one-hot, which greedy needs
+            q = draft_probs[rows, cur].float() if draft_probs is not None else None  # [N, V]
+            for rank in range(int(is_child.sum(-1).max())):
+                child = children[:, rank]
+                trying = (child < T) & (nxt < 0)
+                child = child.clamp(max=T - 1)
+                x = row_tokens.gather(1, child[:, None])  # [N, 1]
+                p_x = p.gather(1, x).squeeze(1)
+                q_x = q.gather(1, x).squeeze(1) if q is not None else torch.ones_like(p_x)
+                accept = trying & (u_accept[rows, child] * q_x < p_x)
+                nxt = torch.where(accept, child, nxt)
+                rej = (trying & ~accept).nonzero().squeeze(1)
+                if rej.numel() == 0:
+                    continue
+                xr = x[rej]
+                residual = _residual(p[rej], None if q is None else q[rej], xr)
+                mass = residual.sum(-1, keepdim=True)
+                residual /= mass
+                lost = (mass <= RESIDUAL_EPS).squeeze(1)
+                if bool(lost.any()):  # rounding noise: back to the node's own distribution
+                    residual[lost] = transform_probs(z[rej[lost]], prm.rows(rej[lost]))
+                p[rej] = residual
+                if without_replacement:
+                    q_left = q[rej].scatter_(1, xr, 0.0)
+                    q_mass = q_left.sum(-1, keepdim=True)
+                    q_left /= q_mass
+                    lost = (q_mass <= RESIDUAL_EPS).squeeze(1)
+                    if bool(lost.any()):
+                        q_left[lost] = draft_probs[rows[rej[lost]], cur[rej[lost]]].float()
+                    q[rej] = q_left
+            final = torch.zeros_like(cur)
+            done = nxt < 0
+            final[done] = sample_from_weights(p[done], u_final[rows[done]])
+        moved = nxt >= 0
+        done = ~moved
+        output_tokens[rows[done], depth] = final[done]
+        num_accepted[rows[done]] = depth + 1
+        rows, cur = rows[moved], nxt[moved]
+        depth += 1
+        if rows.numel() == 0:
+            break
+        accepted_nodes[rows, depth] = cur
+        output_tokens[rows, depth - 1] = tokens[rows, cur]
+    return VerifyResult(accepted_nodes, output_tokens, num_accepted)
+
+
+# --- Triton ----------------------------------------------------------------------------------------------------
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _load_z(row_ptr, offs, V, temp, all_neginf):
+        """Sanitised scaled logits of one tile: -inf beyond V, NaN -> -inf, +inf -> float32 max."""
+        mask = offs < V
+        z = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) / temp
+        z = tl.where(z != z, float("-inf"), z)
+        z = tl.minimum(z, 3.4028234663852886e38)
+        z = tl.where(all_neginf, 0.0, z)
+        return tl.where(mask, z, float("-inf")), mask
+
+    @triton.jit
+    def _key(z):
+        """Order-preserving int32 key of a float32 (bisection over keys finds an exact threshold in 32 steps)."""
+        bits = z.to(tl.int32, bitcast=True)
+        return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+    @triton.jit
+    def _verify_tree_kernel(
+        logits_ptr,  # [B, T, V]
+        tokens_ptr,  # [B, T] int64
+        parents_ptr,  # [B, T] int64
+        draft_probs_ptr,  # [B, T, V] (HAS_DRAFT)
+        temperature_ptr,  # [B] fp32
+        top_k_ptr,  # [B] int64
+        top_p_ptr,  # [B] fp32
+        min_p_ptr,  # [B] fp32
+        seeds_ptr,  # [B] int64
+        work_p_ptr,  # [B, V] fp32 scratch: the materialised residual p (HAS_DRAFT)
+        work_q_ptr,  # [B, V] fp32 scratch: the draft without earlier siblings (WITHOUT_REPLACEMENT)
+        accepted_nodes_ptr,  # [B, T] int64, pre-filled with -1
+        output_tokens_ptr,  # [B, T] int64, pre-filled with -1
+        num_accepted_ptr,  # [B] int64
+        T,
+        V,
+        stride_lb,
+        stride_lt,
+        stride_db,
+        stride_dt,
+        EPS: tl.constexpr,
+        HAS_DRAFT: tl.constexpr,
+        WITHOUT_REPLACEMENT: tl.constexpr,
+        HAS_FILTERS: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        temp = tl.load(temperature_ptr + b)
+        greedy = temp == 0.0
+        sampled = temp != 0.0
+        temp = tl.where(greedy, 1.0, temp)
+        top_k = tl.load(top_k_ptr + b)
+        top_p = tl.load(top_p_ptr + b)
+        min_p = tl.load(min_p_ptr + b)
+        seed = tl.load(seeds_ptr + b)
+        arange = tl.arange(0, BLOCK_V)
+        KEY_NEG_INF = tl.full((), -2139095041, tl.int32)  # _key(-inf)
+        tok_row = tokens_ptr + b * T
+        par_row = parents_ptr + b * T
+        work_p = work_p_ptr + b * V
+        work_q = work_q_ptr + b * V
+
+        tl.store(accepted_nodes_ptr + b * T, 0)
+        cur = 0
+        active = 1
+        for depth in range(0, T):
+            if active != 0:
+                row = logits_ptr + b * stride_lb + cur * stride_lt
+                # pass 1: max and first argmax of the scaled logits
+                z_max = float("-inf")
+                amax = 0
+                for v0 in range(0, V, BLOCK_V):
+                    z, _ = _load_z(row, v0 + arange, V, temp, False)
+                    tile_max = tl.max(z, 0)
+                    tile_arg = tl.argmax(z, 0)
+                    better = tile_max > z_max
+                    amax = tl.where(better, v0 + tile_arg, amax)
+                    z_max = tl.where(better, tile_max, z_max)
+                all_neginf = z_max == float("-inf")  # nothing finite: uniform over V, greedy id 0
+                z_max = tl.where(all_neginf, 0.0, z_max)
+
+                # the transform keeps key(z) >= thr; the thresholds are exact values of z, so ties are kept
+                thr = KEY_NEG_INF
+                if HAS_FILTERS:
+                    if (top_k > 0) & (top_k < V) & sampled:
+                        lo = KEY_NEG_INF.to(tl.int64)  # count(z >= lo) = V >= k
+                        hi = _key(z_max).to(tl.int64) + 1  # count(z >= hi) = 0 < k
+                        # bisection that snaps both ends to actual values: exact, and ~log2(distinct values) passes
+                        for _ in range(32):
+                            if hi - lo > 1:
+                                mid = (lo + hi) >> 1
+                                count = 0
+                                min_above = hi
+                                max_below = lo
+                                for v0 in range(0, V, BLOCK_V):
+                                    z, mask = _load_z(row, v0 + arange, V, temp, all_neginf)
+                                    k = _key(z).to(tl.int64)
+                                    above = (k >= mid) & mask
+                                    count += tl.sum(above.to(tl.int32), 0)
+                                    min_above = tl.minimum(min_above, tl.min(tl.where(above, k, hi), 0))
+                                    max_below = tl.maximum(max_below, tl.max(tl.where(mask & ~above, k, lo), 0))
+                                if count >= top_k:
+                                    lo = min_above
+                                    if count == top_k:
+                                        hi = lo + 1
+                                else:
+                                    hi = max_below + 1
+                        thr = lo.to(tl.int32)
+                    if (top_p < 1.0) & sampled:
+                        mass_k = 0.0
+                        for v0 in range(0, V, BLOCK_V):
+                            z, mask = _load_z(row, v0 + arange, V, temp, all_neginf)
+                            mass_k += tl.sum(tl.where((_key(z) >= thr) & mask, tl.exp(z - z_max), 0.0), 0)
+                        # smallest key whose strictly-greater mass is < top_p: the least kept value
+                        lo = KEY_NEG_INF.to(tl.int64) - 1
+                        hi = _key(z_max).to(tl.int64)
+                        for _ in range(33):
+                            if hi - lo > 1:
+                                mid = (lo + hi) >> 1
+                                mass_above = 0.0
+                                min_above = hi
+                                max_below = lo
+                                for v0 in range(0, V, BLOCK_V):
+                                    z, mask = _load_z(row, v0 + arange, V, temp, all_neginf)
+                                    k = _key(z).to(tl.int64)
+                                    kept = (k >= thr) & mask
+                                    above = kept & (k > mid)
+                                    mass_above += tl.sum(tl.where(above, tl.exp(z - z_max), 0.0), 0)
+                                    min_above = tl.minimum(min_above, tl.min(tl.where(above, k, hi), 0))
+                                    max_below = tl.maximum(max_below, tl.max(tl.where(kept & ~above, k, lo), 0))
+                                if mass_above < top_p * mass_k:
+                                    hi = tl.maximum(max_below, lo + 1)  # no value in (max_below, mid]
+                                else:
+                                    lo = min_above - 1  # no value in (mid, min_above)
+                        thr = tl.maximum(thr, hi.to(tl.int32))
+                    if min_p > 0.0:
+                        thr = tl.maximum(thr, _key(z_max + tl.log(min_p)))
+                mass = 0.0
+                for v0 in range(0, V, BLOCK_V):
+                    z, mask = _load_z(row, v0 + arange, V, temp, all_neginf)
+                    mass += tl.sum(tl.where((_key(z) >= thr) & mask, tl.exp(z - z_max), 0.0), 0)
+                lse = z_max + tl.log(mass)
+
+                # try the children in index order
+                nxt = -1
+                p_mat = 0  # residual p lives in work_p (unnormalised, mass p_mass)
+                p_mass = 1.0
+                q_mat = 0  # draft lives in work_q (unnormalised, mass q_mass)
+                q_mass = 1.0
+                rejected_mass = 0.0  # point-mass mode: p-mass of the rejected tokens since reset_from
+                reset_from = 1
+                for i in range(1, T):
+                    par = tl.load(par_row + i)
+                    if (nxt < 0) & (par == cur):
+                        x = tl.load(tok_row + i)
+                        if greedy:
+                            if x == amax:
+                                nxt = i
+                        else:
+                            u = tl.sum(tl.rand(seed, tl.zeros([1], tl.int32) + i), 0)
+                            z_x, _ = _load_z(row, x, V, temp, all_neginf)
+                            p_x = tl.where(_key(z_x) >= thr, tl.exp(z_x - lse), 0.0)
+                            if HAS_DRAFT:
+                                q_row = draft_probs_ptr + b * stride_db + cur * stride_dt
+                                if p_mat != 0:
+                                    p_x = tl.load(work_p + x) / p_mass
+                                q_x = tl.load(q_row + x).to(tl.float32)
+                                if WITHOUT_REPLACEMENT:
+                                    if q_mat != 0:
+                                        q_x = tl.load(work_q + x) / q_mass
+                                if u * q_x < p_x:
+                                    nxt = i
+                                else:
+                                    new_mass = 0.0
+                                    new_q_mass = 0.0
+                                    for v0 in range(0, V, BLOCK_V):
+                                        offs = v0 + arange
+                                        z, mask = _load_z(row, offs, V, temp, all_neginf)
+                                        p_v = tl.where(_key(z) >= thr, tl.exp(z - lse), 0.0)
+                                        if p_mat != 0:
+                                            p_v = tl.load(work_p + offs, mask=mask, other=0.0) / p_mass
+                                        q_v = tl.load(q_row + offs, mask=mask, other=0.0).to(tl.float32)
+                                        if WITHOUT_REPLACEMENT:
+                                            if q_mat != 0:
+                                                q_v = tl.load(work_q + offs, mask=mask, other=0.0) / q_mass
+                                        r = tl.where(mask, tl.maximum(p_v - q_v, 0.0), 0.0)
+                                        tl.store(work_p + offs, r, mask=mask)
+                                        new_mass += tl.sum(r, 0)
+                                        if WITHOUT_REPLACEMENT:
+                                            q_v = tl.where(mask & (offs != x), q_v, 0.0)
+                                            tl.store(work_q + offs, q_v, mask=mask)
+                                            new_q_mass += tl.sum(q_v, 0)
+                                    # a ~0 residual is rounding noise: fall back to the node's own distribution
+                                    p_mat = (new_mass > EPS).to(tl.int32)
+                                    p_mass = new_mass
+                                    if WITHOUT_REPLACEMENT:
+                                        q_mat = (new_q_mass > EPS).to(tl.int32)
+                                        q_mass = new_q_mass
+                            else:
+                                duplicate = 0
+                                for j in range(1, T):
+                                    if j < i:
+                                        if j >= reset_from:
+                                            dup = (tl.load(par_row + j) == cur) & (tl.load(tok_row + j) == x)
+                                            duplicate = tl.where(dup, 1, duplicate)
+                                p_x = tl.where(duplicate != 0, 0.0, p_x)
+                                if u * (1.0 - rejected_mass) < p_x:
+                                    nxt = i
+                                else:
+                                    rejected_mass += p_x
+                                    lost = 1.0 - rejected_mass <= EPS  # rounding noise: back to the node's p
+                                    rejected_mass = tl.where(lost, 0.0, rejected_mass)
+                                    reset_from = tl.where(lost, i + 1, reset_from)
+
+                if nxt >= 0:
+                    tl.store(accepted_nodes_ptr + b * T + depth + 1, nxt)
+                    tl.store(output_tokens_ptr + b * T + depth, tl.load(tok_row + nxt))
+                    cur = nxt
+                else:
+                    # recovered/bonus token: exponential race argmax(w / Exp(1)) over the residual weights w
+                    final = amax
+                    if not greedy:
+                        best = float("-inf")
+                        for v0 in range(0, V, BLOCK_V):
+                            offs = v0 + arange
+                            z, mask = _load_z(row, offs, V, temp, all_neginf)
+                            w = tl.where(_key(z) >= thr, tl.exp(z - lse), 0.0)
+                            if HAS_DRAFT:
+                                if p_mat != 0:
+                                    w = tl.load(work_p + offs, mask=mask, other=0.0)
+                            else:
+                                for j in range(1, T):
+                                    if j >= reset_from:
+                                        if tl.load(par_row + j) == cur:
+                                            w = tl.where(offs == tl.load(tok_row + j), 0.0, w)
+                            u = tl.rand(seed, T + offs)
+                            live = mask & (w > 0.0)
+                            gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-30)))
+                            score = tl.where(live, tl.log(tl.where(live, w, 1.0)) + gumbel, float("-inf"))
+                            tile_best = tl.max(score, 0)
+                            tile_arg = tl.argmax(score, 0)
+                            better = tile_best > best
+                            final = tl.where(better, v0 + tile_arg, final)
+                            best = tl.where(better, tile_best, best)
+                    tl.store(output_tokens_ptr + b * T + depth, final)
+                    tl.store(num_accepted_ptr + b, depth + 1)
+                    active = 0
+
+    @torch.library.custom_op("spec_kernels::verify_tree_triton", mutates_args=())
+    def _verify_tree_triton(
+        target_logits: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        parents: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        without_replacement: bool,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        seeds: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Launcher: inputs already checked by verify_tree. One program per sequence; seeds [B] int64 Philox keys."""
+        B, T, V = target_logits.shape
+        dev = target_logits.device
+        logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
+        has_draft = draft_probs is not None
+        probs = draft_probs
+        if has_draft and probs.stride(-1) != 1:
+            probs = probs.contiguous()
+        work_p = torch.empty((B, V) if has_draft else (1,), dtype=torch.float32, device=dev)
+        work_q = torch.empty((B, V) if has_draft and without_replacement else (1,), dtype=torch.float32, device=dev)
+        accepted_nodes = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)
+        output_tokens = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)
+        num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)
+        has_filters = bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any())
+        _verify_tree_kernel[(B,)](
+            logits,
+            draft_tokens.contiguous(),
+            parents.contiguous(),
+            probs if has_draft else logits,
+            temperature.contiguous(),
+            top_k.contiguous(),
+            top_p.contiguous(),
+            min_p.contiguous(),
+            seeds,
+            work_p,
+            work_q,
+            accepted_nodes,
+            output_tokens,
+            num_accepted,
+            T,
+            V,
+            logits.stride(0),
+            logits.stride(1),
+            probs.stride(0) if has_draft else 0,
+            probs.stride(1) if has_draft else 0,
+            EPS=RESIDUAL_EPS,
+            HAS_DRAFT=has_draft,
+            WITHOUT_REPLACEMENT=has_draft and without_replacement,
+            HAS_FILTERS=has_filters,
+            BLOCK_V=min(4096, triton.next_power_of_2(V)),
+        )
+        return accepted_nodes, output_tokens, num_accepted
+
+    @_verify_tree_triton.register_fake
+    def _(
+        target_logits, draft_tokens, parents, draft_probs, without_replacement, temperature, top_k, top_p, min_p, seeds
+    ):
+        B, T, _ = target_logits.shape
+        new = target_logits.new_empty
+        return (
+            new((B, T), dtype=torch.int64),
+            new((B, T), dtype=torch.int64),
+            new((B,), dtype=torch.int64),
+        )

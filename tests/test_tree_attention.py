@@ -1,0 +1,321 @@
+"""tree_attention: every backend against a float64 reference, with tolerances measured per STYLE.md.
+
+A backend passes when ``err(backend) <= 2 * err(tree_attention_ref in the same dtype) + ATOL[dtype]``, both errors
+measured against ``tree_attention_ref`` run in float64.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# The Triton interpreter is chosen when kernels are decorated (at import): set it before spec_kernels loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from spec_kernels.reference import tree_attention_ref  # noqa: E402
+
+ta = importlib.import_module("spec_kernels.tree_attention")  # the module; the package re-exports the function
+tree_attention = ta.tree_attention
+
+# Floor for outputs that are already at the dtype's rounding limit (|out| <= ~3): a quarter ulp at 1.
+ATOL = {torch.float32: 1e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _interpreted() -> bool:
+    """True when the Triton kernels were decorated under TRITON_INTERPRET=1 (CPU tensors can run them)."""
+    if not ta.triton_available():
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(ta._tree_attention_kernel, InterpretedFunction)
+
+
+INTERPRETER = pytest.mark.skipif(
+    not _interpreted(), reason="spec_kernels was imported before TRITON_INTERPRET=1 was set (set it in conftest.py)"
+)
+
+
+# --- inputs -----------------------------------------------------------------------------------------------------
+
+
+def random_tree_mask(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
+    """Trees from random parents (``parents[i] < i``); the mask is the ancestor closure plus the diagonal."""
+    mask = torch.zeros(B, T, T, dtype=torch.bool)
+    for b in range(B):
+        for i in range(T):
+            if i > 0:
+                parent = int(torch.randint(0, i, (1,), generator=gen))
+                mask[b, i] = mask[b, parent]
+            mask[b, i, i] = True
+    return mask
+
+
+def causal_mask(B: int, T: int) -> torch.Tensor:
+    return torch.tril(torch.ones(T, T, dtype=torch.bool)).expand(B, T, T).clone()
+
+
+def make_inputs(
+    seqlens: list[int],
+    T: int,
+    Hq: int,
+    Hkv: int,
+    D: int,
+    dtype: torch.dtype,
+    *,
+    block_size: int | None = None,
+    mask: torch.Tensor | None = None,
+    seed: int = 0,
+):
+    """Random q and cache. Slots past ``L_b + T`` hold large garbage, so reading them would show. With
+    ``block_size``, the cache is paged through a shuffled block table holding the same logical contents."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(seqlens)
+    S = max(seqlens) + T + 5
+    q = torch.randn(B, T, Hq, D, generator=gen).to(dtype)
+    k = torch.randn(B, S, Hkv, D, generator=gen)
+    v = torch.randn(B, S, Hkv, D, generator=gen)
+    for b, length in enumerate(seqlens):
+        k[b, length + T :] = 1e3
+        v[b, length + T :] = 1e3
+    k, v = k.to(dtype), v.to(dtype)
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32)
+    if mask is None:
+        mask = random_tree_mask(B, T, gen)
+    if block_size is None:
+        return q, k, v, cache_seqlens, mask, None
+    max_blocks = -(-S // block_size)
+    num_blocks = B * max_blocks + 3
+    block_table = torch.randperm(num_blocks, generator=gen)[: B * max_blocks].view(B, max_blocks).int()
+    k_paged = torch.full((num_blocks, block_size, Hkv, D), 1e3, dtype=dtype)
+    v_paged = k_paged.clone()
+    pos = torch.arange(max_blocks * block_size)
+    valid = pos < S
+    for b in range(B):
+        blocks, offsets = block_table[b, pos // block_size].long(), pos % block_size
+        k_paged[blocks[valid], offsets[valid]] = k[b]
+        v_paged[blocks[valid], offsets[valid]] = v[b]
+    return q, k_paged, v_paged, cache_seqlens, mask, block_table
+
+
+def check_against_fp64(out: torch.Tensor, q, k, v, cache_seqlens, mask, block_table, scale=None) -> None:
+    """STYLE.md rule 7: ``err(out) <= 2 * err(same-dtype torch) + ATOL``, errors vs a float64 reference."""
+    exact = tree_attention_ref(
+        q.double(), k.double(), v.double(), cache_seqlens, mask, block_table=block_table, softmax_scale=scale
+    )
+    same_dtype = tree_attention_ref(q, k, v, cache_seqlens, mask, block_table=block_table, softmax_scale=scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    err = (out.double() - exact).abs().max().item()
+    err_torch = (same_dtype.double() - exact).abs().max().item()
+    assert err <= 2 * err_torch + ATOL[q.dtype], f"err {err:.3g} vs torch {err_torch:.3g} ({q.dtype})"
+
+
+# --- native CPU path (the default on CPU) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("D", [64, 80, 128])
+@pytest.mark.parametrize("paged", [False, True])
+def test_native_matches_reference(dtype, group, D, paged):
+    # ragged lengths, including 0; random trees with T=7
+    inputs = make_inputs([0, 37, 90], 7, 2 * group, 2, D, dtype, block_size=16 if paged else None, seed=D + group)
+    check_against_fp64(tree_attention(*inputs[:5], block_table=inputs[5]), *inputs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_native_t64_equal_lengths(dtype, paged):
+    inputs = make_inputs([300, 300], 64, 8, 2, 64, dtype, block_size=32 if paged else None, seed=1)
+    check_against_fp64(tree_attention(*inputs[:5], block_table=inputs[5]), *inputs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_prefix(dtype):
+    inputs = make_inputs([0, 0], 9, 4, 4, 64, dtype, seed=2)
+    check_against_fp64(tree_attention(*inputs[:5]), *inputs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_t1_is_decode_attention(dtype, paged):
+    """T=1 is plain decode attention over the prefix plus the new token (SDPA on repeated K/V)."""
+    q, k, v, seqlens, mask, table = make_inputs([5, 64, 33], 1, 8, 2, 80, dtype, block_size=8 if paged else None)
+    out = tree_attention(q, k, v, seqlens, mask, block_table=table)
+    check_against_fp64(out, q, k, v, seqlens, mask, table)
+    dense = make_inputs([5, 64, 33], 1, 8, 2, 80, dtype)  # same seed: the same logical contents, contiguous
+    for b, length in enumerate(seqlens.tolist()):
+        keys = dense[1][b, : length + 1].double().repeat_interleave(4, dim=1).transpose(0, 1)  # [Hq, L+1, D]
+        values = dense[2][b, : length + 1].double().repeat_interleave(4, dim=1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q[b].double().transpose(0, 1), keys, values)  # [Hq, 1, D]
+        tol = 2 * ATOL[dtype] + (4e-3 if dtype == torch.bfloat16 else 5e-4 if dtype == torch.float16 else 0)
+        torch.testing.assert_close(out[b].double(), expected.transpose(0, 1), atol=tol, rtol=0)
+
+
+def test_causal_prefill_large_t():
+    """Prefill: a causal mask over a long chunk, ragged with one empty prefix, on the native path."""
+    inputs = make_inputs([0, 50], 300, 8, 2, 64, torch.float32, mask=causal_mask(2, 300), seed=3)
+    check_against_fp64(tree_attention(*inputs[:5]), *inputs)
+
+
+def test_softmax_scale():
+    inputs = make_inputs([20, 3], 5, 4, 2, 64, torch.float32, seed=4)
+    check_against_fp64(tree_attention(*inputs[:5], softmax_scale=0.3), *inputs, scale=0.3)
+
+
+BACKENDS = ["torch", "native", pytest.param("triton", marks=INTERPRETER)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_rows_no_nan(backend):
+    """Padding rows see only themselves; a row that sees nothing (L_b = 0, empty mask row) gives zeros."""
+    q, k, v, seqlens, mask, _ = make_inputs([0, 12], 4, 4, 2, 16, torch.float32, seed=5)
+    mask[:, 2:] = torch.eye(4, dtype=torch.bool)[2:]  # padding rows: diagonal only
+    mask[0, 3] = False  # sees nothing at all
+    out = tree_attention(q, k, v, seqlens, mask, backend=backend)
+    assert torch.isfinite(out).all()
+    assert (out[0, 3] == 0).all()
+    check_against_fp64(out, q, k, v, seqlens, mask, None)
+    # a diagonal-only row with L_b = 0 is exactly its own value vector
+    torch.testing.assert_close(out[0, 2], v[0, 2].repeat_interleave(2, dim=0))
+
+
+def test_stale_nan_slots_are_not_read():
+    q, k, v, seqlens, mask, _ = make_inputs([3, 30], 4, 4, 2, 16, torch.float32, seed=6)
+    k[0, 3 + 4 :] = float("nan")
+    v[0, 3 + 4 :] = float("nan")
+    assert torch.isfinite(tree_attention(q, k, v, seqlens, mask)).all()
+
+
+# --- Triton kernel ----------------------------------------------------------------------------------------------
+
+
+TRITON_CASES = [
+    # (seqlens, T, D, block_size)
+    ([0, 40], 6, 16, None),
+    ([17, 3], 1, 24, None),
+    ([33, 0], 5, 24, 8),
+    ([9, 26], 6, 16, 16),
+]
+
+
+@INTERPRETER
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", TRITON_CASES, ids=str)
+def test_triton_interpreter(dtype, case):
+    seqlens, T, D, block_size = case
+    inputs = make_inputs(seqlens, T, 4, 2, D, dtype, block_size=block_size, seed=T + D)
+    check_against_fp64(tree_attention(*inputs[:5], block_table=inputs[5], backend="triton"), *inputs)
+
+
+@INTERPRETER
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("paged", [False, True])
+def test_triton_split_prefix(dtype, paged):
+    """Flash-decoding: 3 prefix splits (one empty for the short sequence) merged by log-sum-exp."""
+    q, k, v, seqlens, mask, table = make_inputs([70, 2], 3, 8, 2, 16, dtype, block_size=16 if paged else None)
+    out = torch.ops.spec_kernels.tree_attention_triton(q, k, v, seqlens, mask, table, 16**-0.5, 3)
+    check_against_fp64(out, q, k, v, seqlens, mask, table)
+
+
+@INTERPRETER
+def test_triton_gqa_8_and_multiword_mask():
+    """Group of 8 heads per KV head, and T=70 > 64: the tree mask spans two bit words."""
+    inputs = make_inputs([4], 70, 8, 1, 16, torch.float16, seed=7)
+    check_against_fp64(tree_attention(*inputs[:5], backend="triton"), *inputs)
+
+
+def test_pack_tree_mask_bits():
+    mask = random_tree_mask(2, 70, torch.Generator().manual_seed(8))
+    words = ta._pack_tree_mask(mask)  # [2, 70, 2]
+    j = torch.arange(70)
+    unpacked = (words[:, :, j // 64] >> (j % 64)) & 1
+    assert torch.equal(unpacked.bool(), mask)
+
+
+def test_fake_tensor_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(2, 3, 8, 80, dtype=torch.bfloat16), torch.empty(2, 9, 2, 80, dtype=torch.bfloat16)
+        out = torch.ops.spec_kernels.tree_attention_triton(
+            q, k, k, torch.zeros(2, dtype=torch.int32), torch.ones(2, 3, 3, dtype=torch.bool), None, 0.1, 0
+        )
+    assert out.shape == (2, 3, 8, 80) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param(d, marks=CUDA) for d in DTYPES],
+)
+@pytest.mark.parametrize("paged", [False, True])
+def test_triton_cuda(dtype, paged):
+    inputs = make_inputs([0, 130, 1000], 64, 32, 8, 128, dtype, block_size=16 if paged else None)
+    inputs = tuple(x.cuda() if x is not None else None for x in inputs)
+    out = tree_attention(*inputs[:5], block_table=inputs[5])
+    check_against_fp64(out.cpu(), *(x.cpu() if x is not None else None for x in inputs))
+
+
+# --- bad input --------------------------------------------------------------------------------------------------
+
+
+def _valid():
+    return make_inputs([4, 6], 3, 4, 2, 16, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "mutate, error, match",
+    [
+        (
+            lambda a: {
+                **a,
+                "k_cache": a["k_cache"][:, :, :1].expand(-1, -1, 3, -1),
+                "v_cache": a["v_cache"][:, :, :1].expand(-1, -1, 3, -1),
+            },
+            ValueError,
+            "multiple of Hkv",
+        ),
+        (lambda a: {**a, "k_cache": a["k_cache"].half()}, TypeError, "share a dtype"),
+        (lambda a: {**a, "q": a["q"].double()}, TypeError, "float32, float16 or bfloat16"),
+        (lambda a: {**a, "tree_mask": a["tree_mask"].int()}, TypeError, "tree_mask must be bool"),
+        (lambda a: {**a, "tree_mask": a["tree_mask"][:, :2]}, ValueError, r"tree_mask must be \[B, T, T\]"),
+        (lambda a: {**a, "cache_seqlens": a["cache_seqlens"].float()}, TypeError, "cache_seqlens"),
+        (lambda a: {**a, "cache_seqlens": torch.tensor([4, 12], dtype=torch.int32)}, ValueError, "too short"),
+        (lambda a: {**a, "cache_seqlens": torch.tensor([-1, 2], dtype=torch.int32)}, ValueError, ">= 0"),
+        (lambda a: {**a, "block_table": torch.zeros(2, 1, dtype=torch.int32)}, ValueError, "block_table too short"),
+        (lambda a: {**a, "block_table": torch.zeros(2, 9, dtype=torch.float32)}, TypeError, "block_table"),
+        (lambda a: {**a, "tree_mask": a["tree_mask"].to("meta")}, ValueError, "one device"),
+        (lambda a: {**a, "v_cache": a["v_cache"][:, :-1]}, ValueError, "same 4-d shape"),
+        (lambda a: {**a, "backend": "cuda"}, ValueError, "unknown backend"),
+    ],
+)
+def test_bad_input(mutate, error, match):
+    q, k, v, seqlens, mask, _ = _valid()
+    args = {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": seqlens, "tree_mask": mask}
+    args = mutate(args)
+    if "block_table" in args and args["block_table"] is not None and args["block_table"].dtype == torch.int32:
+        # paged layout: a cache of 4 blocks of 4 slots, too few for L_b + T through a 1-block table
+        args["k_cache"], args["v_cache"] = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
+    with pytest.raises(error, match=match):
+        tree_attention(**args)
+
+
+def test_head_dim_too_large():
+    q, k, v, seqlens, mask, _ = make_inputs([2], 1, 2, 1, 272, torch.float32)
+    with pytest.raises(ValueError, match="exceeds"):
+        tree_attention(q, k, v, seqlens, mask)
+
+
+def test_triton_needs_interpreter_on_cpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, seqlens, mask, _ = _valid()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        tree_attention(q, k, v, seqlens, mask, backend="triton")

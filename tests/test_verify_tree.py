@@ -1,0 +1,450 @@
+"""verify_tree: exact cases, invariants, and chi-squared tests of the emitted tokens' joint distribution.
+
+The distribution tests build a tiny "language model" (random logits per context, V=4), draft trees from a draft
+model exactly as ``draft_sampling`` says, run one verify step for many rows at once, finish each row's first three
+tokens autoregressively from the exact target, and compare the joint of (x1, x2, x3) with the exact product of
+HF-warped conditionals (transformers' own warpers: an implementation independent of ours). A planted bug (no
+residual update after a rejection) must fail the same test, so the test is shown to have power.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from spec_kernels._sampling import RowParams, transform_probs  # noqa: E402
+from spec_kernels.reference import _transform_row_ref  # noqa: E402
+
+vt = importlib.import_module("spec_kernels.verify_tree")
+verify_tree, PAD_NODE = vt.verify_tree, vt.PAD_NODE
+
+
+def _interpreted() -> bool:
+    if not vt.triton_available():
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(vt._verify_tree_kernel, InterpretedFunction)
+
+
+TRITON = pytest.mark.skipif(
+    not (_interpreted() or torch.cuda.is_available()),
+    reason="spec_kernels was imported before TRITON_INTERPRET=1 was set (set it in conftest.py)",
+)
+BACKENDS = ["torch", "native", pytest.param("triton", marks=TRITON)]
+P_MIN = 1e-4  # chi2 acceptance: a correct sampler fails one test in 10^4
+P_BUG = 1e-8  # the planted bug must be rejected far beyond that
+
+
+def _warp_hf(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """HF's own warpers, in HF's order: the independent spec of the transform. logits [N, V] -> probs [N, V]."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    z = logits.double()
+    warpers = [TemperatureLogitsWarper(temperature)]
+    if top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+        warpers.append(TopPLogitsWarper(top_p))
+    if min_p > 0:
+        warpers.append(MinPLogitsWarper(min_p))
+    for w in warpers:
+        z = w(None, z)
+    return torch.softmax(z, -1)
+
+
+# --- tree fixtures ---------------------------------------------------------------------------------------------
+
+# root -> {1, 2}; 1 -> {3, 4}; 2 -> {5}; node 6 is padding
+PARENTS = [-1, 0, 0, 1, 1, 2, -1]
+
+
+def _greedy_walk(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
+    """Brute-force greedy verification of one row, straight from the contract."""
+    path, node = [0], 0
+    while True:
+        best = int(torch.nan_to_num(logits[node].double(), nan=-math.inf).argmax())
+        nxt = [i for i in range(node + 1, len(parents)) if parents[i] == node and tokens[i] == best]
+        if not nxt:
+            return path, [int(tokens[i]) for i in path[1:]] + [best]
+        node = nxt[0]
+        path.append(node)
+
+
+def _random_tree(B: int, T: int, V: int, gen: torch.Generator):
+    parents = torch.full((B, T), -1, dtype=torch.int64)
+    for i in range(1, T):
+        parents[:, i] = torch.randint(0, i, (B,), generator=gen)
+    pad = torch.rand(B, T, generator=gen) < 0.15
+    pad[:, 0] = False
+    parents[pad] = -1
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    return parents, tokens
+
+
+def _check_invariants(res, tokens: torch.Tensor, parents: torch.Tensor, V: int):
+    B, T = tokens.shape
+    acc, out, num = res
+    assert acc.dtype == out.dtype == num.dtype == torch.int64
+    assert (acc[:, 0] == 0).all() and (num >= 1).all() and (num <= T).all()
+    for b in range(B):
+        n = int(num[b])
+        assert (acc[b, n:] == PAD_NODE).all() and (out[b, n:] == PAD_NODE).all()
+        path = acc[b, :n].tolist()
+        for d in range(1, n):
+            assert parents[b, path[d]] == path[d - 1]  # the path follows the tree
+            assert out[b, d - 1] == tokens[b, path[d]]  # accepted drafts are emitted as drafted
+        assert 0 <= out[b, n - 1] < V
+
+
+# --- exact cases -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("V", [37, 1000])
+def test_greedy_matches_brute_force(backend, V):
+    if backend == "triton" and V > 100 and not torch.cuda.is_available():
+        pytest.skip("interpreter: small V only")
+    gen = torch.Generator().manual_seed(1)
+    B, T = 3, 7
+    logits = torch.randn(B, T, V, generator=gen)
+    parents, tokens = _random_tree(B, T, V, gen)
+    # plant matches so that paths go deep, plus a duplicate sibling that must not be taken twice
+    for b in range(B):
+        for i in range(1, T):
+            if parents[b, i] >= 0 and (i + b) % 2 == 0:
+                tokens[b, i] = logits[b, parents[b, i]].argmax()
+    res = verify_tree(logits, tokens, parents, temperature=torch.zeros(B), backend=backend)
+    _check_invariants(res, tokens, parents, V)
+    for b in range(B):
+        path, emitted = _greedy_walk(logits[b], tokens[b], parents[b])
+        assert res.accepted_nodes[b, : len(path)].tolist() == path
+        assert res.output_tokens[b, : len(path)].tolist() == emitted
+        assert int(res.num_accepted[b]) == len(path)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_hot_target_is_followed(backend):
+    # a one-hot target: the child equal to its token is always accepted, every other child always rejected
+    V, T = 11, 6
+    parents = torch.tensor([[-1, 0, 0, 2, 2, 3]])
+    tokens = torch.tensor([[0, 5, 7, 1, 9, 4]])
+    target = torch.tensor([7, 0, 9, 2, 0, 3])  # node -> the only token the target allows after it
+    logits = torch.full((1, T, V), -1e4)
+    logits[0, torch.arange(T), target] = 10.0
+    for probs in (None, torch.softmax(torch.randn(1, T, V), -1)):
+        res = verify_tree(logits, tokens, parents, draft_probs=probs, seed=3, backend=backend)
+        assert res.accepted_nodes[0].tolist() == [0, 2, 4, -1, -1, -1]
+        assert res.output_tokens[0].tolist() == [7, 9, 0, -1, -1, -1]  # node 4 is a leaf: bonus = its target 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["iid", "without_replacement"])
+def test_draft_equal_to_target_accepts_everything(backend, mode):
+    # q == p makes the accept probability 1: the whole chain is accepted and a bonus follows
+    V, T = 23, 5
+    logits = torch.randn(2, T, V)
+    probs = torch.softmax(logits, -1)
+    parents = torch.tensor([[-1, 0, 1, 2, 3]] * 2)
+    tokens = torch.randint(0, V, (2, T))
+    for seed in range(3):
+        res = verify_tree(logits, tokens, parents, draft_probs=probs, draft_sampling=mode, seed=seed, backend=backend)
+        assert res.num_accepted.tolist() == [T, T]
+        assert (res.output_tokens[:, : T - 1] == tokens[:, 1:]).all()
+        assert ((res.output_tokens[:, T - 1] >= 0) & (res.output_tokens[:, T - 1] < V)).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_child_rejected(backend):
+    # the target gives the children's tokens zero mass (top-k keeps only tokens 0..2): all rejected, and the
+    # recovered token comes from the residual, which also excludes the children
+    V, T = 13, 4
+    logits = torch.zeros(1, T, V)
+    logits[0, 0, :3] = torch.tensor([3.0, 2.0, 1.0])
+    parents = torch.tensor([[-1, 0, 0, 0]])
+    tokens = torch.tensor([[0, 5, 0, 8]])
+    tokens[0, 2] = 6
+    probs = torch.full((1, T, V), 1.0 / V)
+    for seed in range(4):
+        for kw in (dict(), dict(draft_probs=probs)):
+            res = verify_tree(logits, tokens, parents, top_k=3, seed=seed, backend=backend, **kw)
+            assert res.num_accepted.tolist() == [1]
+            assert res.output_tokens[0, 0] in (0, 1, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_invariants_random_trees(backend):
+    small = backend == "triton" and not torch.cuda.is_available()
+    B, T, V = (3, 6, 37) if small else (16, 26, 111)
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(B, T, V, generator=gen) * 3
+    parents, tokens = _random_tree(B, T, V, gen)
+    probs = torch.softmax(torch.randn(B, T, V, generator=gen), -1)
+    temperature = torch.rand(B, generator=gen) + 0.2
+    temperature[0] = 0.0
+    kws = [dict(), dict(draft_probs=probs), dict(draft_probs=probs, draft_sampling="without_replacement")]
+    for kw in kws[:1] if small else kws:
+        res = verify_tree(logits, tokens, parents, temperature=temperature, top_p=0.9, seed=0, backend=backend, **kw)
+        _check_invariants(res, tokens, parents, V)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seeded_runs_are_bitwise_reproducible(backend):
+    B, T, V = 3, 5, 37
+    logits = torch.randn(B, T, V)
+    parents, tokens = _random_tree(B, T, V, torch.Generator().manual_seed(2))
+    probs = torch.softmax(torch.randn(B, T, V), -1)
+    runs = [verify_tree(logits, tokens, parents, draft_probs=probs, seed=s, backend=backend) for s in (5, 5, 6)]
+    for x, y in zip(runs[0], runs[1]):
+        assert torch.equal(x, y)
+    if backend != "triton":  # a different seed changes something (three rows' worth of samples)
+        many = [verify_tree(logits, tokens, parents, draft_probs=probs, seed=s, backend=backend) for s in range(8)]
+        assert len({tuple(r.output_tokens.flatten().tolist()) for r in many}) > 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_inf_logits_give_valid_ids(backend):
+    B, T, V = 4, 3, 37
+    logits = torch.randn(B, T, V)
+    logits[0] = float("nan")
+    logits[1, :, 5] = float("inf")
+    logits[1, :, 9] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, :, ::2] = float("nan")
+    parents = torch.tensor([[-1, 0, 1]] * B)
+    tokens = torch.randint(0, V, (B, T))
+    for temperature in (0.0, 1.0):
+        res = verify_tree(logits, tokens, parents, temperature=temperature, top_p=0.8, seed=0, backend=backend)
+        _check_invariants(res, tokens, parents, V)
+        assert res.output_tokens[1, int(res.num_accepted[1]) - 1] in (5, 9)  # +inf tokens share all the mass
+        if temperature == 0.0:
+            assert res.output_tokens[2, 0] == 0  # nothing finite: greedy id 0
+
+
+# --- the transform ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "t,k,p,m", [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.2), (0.9, 20, 0.6, 0.05)]
+)
+def test_transform_matches_hf_warpers(t, k, p, m):
+    logits = torch.randn(6, 50) * 2
+    want = _warp_hf(logits, t, k, p, m)
+    for row in range(6):
+        assert torch.allclose(_transform_row_ref(logits[row], t, k, p, m), want[row], atol=1e-12)
+    dtypes = (torch.float32, torch.int64, torch.float32, torch.float32)
+    params = RowParams(*(torch.full((6,), v, dtype=d) for v, d in zip((t, k, p, m), dtypes)))
+    assert torch.allclose(transform_probs(logits, params).double(), want, atol=1e-6)
+
+
+def test_top_k_and_top_p_keep_ties():
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]])
+    params = RowParams(torch.ones(1), torch.tensor([2]), torch.ones(1), torch.zeros(1))
+    assert (transform_probs(logits, params)[0] > 0).tolist() == [True, True, True, True, False]
+    assert (_transform_row_ref(logits[0], 1.0, 2, 1.0, 0.0) > 0).tolist() == [True, True, True, True, False]
+    # top-p: 2.0 alone holds < 0.5 of the mass, so the first 1.0 is needed, and with it its ties
+    params = RowParams(torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.tensor([0.5]), torch.zeros(1))
+    assert (transform_probs(logits, params)[0] > 0).tolist() == [True, True, True, True, False]
+
+
+# --- distribution ----------------------------------------------------------------------------------------------
+
+V_SMALL = 4
+CTX_GEN = torch.Generator().manual_seed(1234)
+TARGET = [torch.randn(V_SMALL**d, V_SMALL, generator=CTX_GEN) * 1.2 for d in range(3)]  # logits per context
+DRAFT = [torch.softmax(torch.randn(V_SMALL**d, V_SMALL, generator=CTX_GEN), -1) for d in range(3)]
+FILTERS = {"none": (1.0, 0, 1.0, 0.0), "filtered": (0.8, 3, 0.85, 0.1)}
+
+
+def _ctx(prefix: list[torch.Tensor]) -> torch.Tensor:
+    """Context id of a token prefix (depth d): a base-V number."""
+    c = torch.zeros_like(prefix[0]) if prefix else None
+    for x in prefix:
+        c = c * V_SMALL + x
+    return c
+
+
+def _draft_step(B: int, mode: str, gen: torch.Generator):
+    """Draw B trees of shape PARENTS from the draft model exactly as ``mode`` says; return their target logits."""
+    T = len(PARENTS)
+    depth = [0, 1, 1, 2, 2, 2, 0]
+    tokens = torch.zeros(B, T, dtype=torch.int64)
+    ctx = torch.zeros(B, T, dtype=torch.int64)  # context id of each node: its path's tokens in base V
+    logits = torch.zeros(B, T, V_SMALL)
+    probs = torch.zeros(B, T, V_SMALL)
+    logits[:, 0], probs[:, 0] = TARGET[0][0], DRAFT[0][0]
+    for par in range(T):  # topological: a node's context is known before its children are drawn
+        kids = [i for i in range(T) if PARENTS[i] == par]
+        if not kids:
+            continue
+        if mode == "deterministic":  # any fixed rule: here the draft's top tokens, then a duplicate
+            order = probs[:, par].argsort(-1, descending=True)
+            for j, kid in enumerate(kids):
+                tokens[:, kid] = order[:, j]
+        else:
+            drawn = torch.multinomial(probs[:, par], len(kids), replacement=(mode == "iid"), generator=gen)
+            tokens[:, kids] = drawn
+        for kid in kids:
+            ctx[:, kid] = ctx[:, par] * V_SMALL + tokens[:, kid]
+            logits[:, kid] = TARGET[depth[kid]][ctx[:, kid]]
+            probs[:, kid] = DRAFT[depth[kid]][ctx[:, kid]]
+    parents = torch.tensor([PARENTS] * B)
+    return logits, tokens, parents, (None if mode == "deterministic" else probs)
+
+
+def _exact_joint(filt) -> np.ndarray:
+    t, k, p, m = filt
+    p1 = _warp_hf(TARGET[0], t, k, p, m)[0]  # [V]
+    p2 = _warp_hf(TARGET[1], t, k, p, m)  # [V, V]
+    p3 = _warp_hf(TARGET[2], t, k, p, m)  # [V*V, V]
+    joint = p1[:, None, None] * p2[:, :, None] * p3.view(V_SMALL, V_SMALL, V_SMALL)
+    return joint.flatten().numpy()
+
+
+def _sample_joint(backend: str, mode: str, filt, B: int, seed: int) -> np.ndarray:
+    """Counts of the first three emitted tokens over B rows: one verify step, then the exact target."""
+    gen = torch.Generator().manual_seed(seed)
+    logits, tokens, parents, probs = _draft_step(B, mode, gen)
+    t, k, p, m = filt
+    draft_sampling = "without_replacement" if mode == "without_replacement" else "iid"
+    res = verify_tree(
+        logits, tokens, parents, draft_probs=probs, draft_sampling=draft_sampling,
+        temperature=t, top_k=k, top_p=p, min_p=m, seed=seed, backend=backend,
+    )  # fmt: skip
+    out = res.output_tokens[:, :3].clone()  # [B, 3], -1 past the emitted tokens
+    for d in range(3):  # continue autoregressively from the exact target where the step stopped
+        need = out[:, d] < 0
+        if need.any():
+            ctx = _ctx([out[need, j] for j in range(d)]) if d else torch.zeros(int(need.sum()), dtype=torch.int64)
+            dist = _warp_hf(TARGET[d][ctx], t, k, p, m).float()
+            out[need, d] = torch.multinomial(dist, 1, generator=gen).squeeze(1)
+    codes = (out[:, 0] * V_SMALL + out[:, 1]) * V_SMALL + out[:, 2]
+    return np.bincount(codes.numpy(), minlength=V_SMALL**3)
+
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5  # pool the rare cells so chi2's approximation holds
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        assert obs[-1] == 0, "a token outside the target's support was emitted"
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+MODES = ["iid", "without_replacement", "deterministic"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("filt", list(FILTERS))
+def test_native_distribution_is_exact(mode, filt):
+    counts = _sample_joint("native", mode, FILTERS[filt], B=60_000, seed=11)
+    assert _chi2_pvalue(counts, _exact_joint(FILTERS[filt])) > P_MIN
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_planted_bug_is_caught(mode, monkeypatch):
+    # no residual update after a rejection: the next sibling and the recovered token see the unchanged p
+    monkeypatch.setattr(vt, "_residual", lambda p, q, x: p)
+    counts = _sample_joint("native", mode, FILTERS["none"], B=60_000, seed=11)
+    assert _chi2_pvalue(counts, _exact_joint(FILTERS["none"])) < P_BUG
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reference_distribution_is_exact(mode):
+    counts = _sample_joint("torch", mode, FILTERS["filtered"], B=1500, seed=12)
+    assert _chi2_pvalue(counts, _exact_joint(FILTERS["filtered"])) > P_MIN
+
+
+@TRITON
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_distribution_is_exact(mode):
+    big = torch.cuda.is_available()
+    filt = FILTERS["filtered"]
+    counts = _sample_joint("triton", mode, filt, B=60_000 if big else 40, seed=13)
+    assert _chi2_pvalue(counts, _exact_joint(filt)) > P_MIN
+
+
+# --- errors ----------------------------------------------------------------------------------------------------
+
+
+def _ok_args(B=2, T=3, V=5):
+    return torch.randn(B, T, V), torch.zeros(B, T, dtype=torch.int64), torch.tensor([[-1, 0, 1]] * B)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda a: {**a, "target_logits": a["target_logits"][0]}, "target_logits"),
+        (lambda a: {**a, "draft_tokens": a["draft_tokens"][:, :2]}, "draft_tokens"),
+        (lambda a: {**a, "parents": a["parents"].float()}, "parents"),
+        (lambda a: {**a, "parents": torch.tensor([[-1, 0, 2]] * 2)}, "topological"),
+        (lambda a: {**a, "parents": torch.tensor([[0, 0, 1]] * 2)}, "topological"),
+        (lambda a: {**a, "draft_tokens": torch.tensor([[0, 9, 0]] * 2)}, "draft_tokens"),
+        (lambda a: {**a, "draft_probs": torch.rand(2, 3, 6)}, "mismatch"),
+        (lambda a: {**a, "draft_sampling": "beam"}, "draft_sampling"),
+        (lambda a: {**a, "temperature": torch.tensor([1.0, -0.5])}, "temperature"),
+        (lambda a: {**a, "top_p": torch.tensor([0.0, 0.5])}, "top_p"),
+        (lambda a: {**a, "top_p": 1.5}, "top_p"),
+        (lambda a: {**a, "top_k": -1}, "top_k"),
+        (lambda a: {**a, "min_p": 2.0}, "min_p"),
+        (lambda a: {**a, "temperature": torch.ones(3)}, "temperature"),
+    ],
+)
+def test_bad_input_raises(backend, change, match):
+    logits, tokens, parents = _ok_args()
+    args = change(dict(target_logits=logits, draft_tokens=tokens, parents=parents))
+    with pytest.raises(ValueError, match=match):
+        verify_tree(**args, backend=backend)
+
+
+def test_unknown_backend_raises():
+    with pytest.raises(ValueError, match="backend"):
+        verify_tree(*_ok_args(), backend="cuda-magic")
+
+
+def test_ref_and_native_agree_with_int32_parents_and_padding():
+    logits, tokens, parents = _ok_args(B=2, T=3, V=5)
+    parents = torch.tensor([[-1, 0, -1], [-1, -1, -1]], dtype=torch.int32)
+    for backend in ("torch", "native"):
+        res = verify_tree(logits, tokens, parents, temperature=0.0, backend=backend)
+        assert res.accepted_nodes[1].tolist() == [0, -1, -1]
+        assert res.output_tokens[1, 0] == logits[1, 0].argmax()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_row_seeds_ignore_batch_composition(backend):
+    """A [B] seed tensor: row b's result depends on its own seed alone, not on its neighbours or its index."""
+    g = torch.Generator().manual_seed(3)
+    B, T, V = 4, 5, 11
+    logits = torch.randn(B, T, V, generator=g)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    parents = torch.tensor([-1, 0, 0, 1, 2]).expand(B, T)
+    probs = torch.softmax(torch.randn(B, T, V, generator=g), -1)
+    temp = torch.full((B,), 0.8)
+    seeds = torch.tensor([11, 22, 33, 44])
+    full = verify_tree(logits, tokens, parents, draft_probs=probs, temperature=temp, seed=seeds, backend=backend)
+    perm = torch.tensor([2, 0, 3, 1])
+    sub = verify_tree(logits[perm], tokens[perm], parents[perm], draft_probs=probs[perm], temperature=temp[perm],
+                      seed=seeds[perm], backend=backend)  # fmt: skip
+    for a, b in zip(full, sub):
+        assert torch.equal(a[perm], b)
+    with pytest.raises(ValueError, match="seed"):
+        verify_tree(logits, tokens, parents, temperature=temp, seed=torch.tensor([1, 2]), backend=backend)
