@@ -6,6 +6,7 @@ CPU fallback of last resort (``backend="torch"``). Clarity beats speed here.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -22,6 +23,16 @@ class VerifyResult(NamedTuple):
 # --- tree_attention -------------------------------------------------------------------------------------------
 
 
+def _gather_kv(cache: torch.Tensor, b: int, length: int, block_table: torch.Tensor | None) -> torch.Tensor:
+    """Logical positions ``0 .. length-1`` of sequence ``b``: ``[length, Hkv, D]``."""
+    if block_table is None:
+        return cache[b, :length]  # [length, Hkv, D]
+    block_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    blocks = block_table[b, pos // block_size].long()
+    return cache[blocks, pos % block_size]  # [length, Hkv, D]
+
+
 def tree_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -33,10 +44,61 @@ def tree_attention_ref(
     softmax_scale: float | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    raise NotImplementedError  # TREE_ATTENTION_REF (owned by the tree_attention work)
+    """Every tree node attends to the whole committed prefix plus the tree nodes its mask allows.
+
+    Softmax runs in float32 (float64 inputs stay float64, which makes this the tests' exact reference). A row that
+    sees nothing (L_b = 0 and an all-False mask row) outputs zeros rather than NaN.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    group = Hq // Hkv
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty_like(q)
+    for b in range(B):
+        L = int(cache_seqlens[b])
+        k = _gather_kv(k_cache, b, L + T, block_table).to(compute_dtype).repeat_interleave(group, dim=1)
+        v = _gather_kv(v_cache, b, L + T, block_table).to(compute_dtype).repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,shd->hts", q[b].to(compute_dtype), k) * scale  # [Hq, T, L+T]
+        prefix = torch.ones(T, L, dtype=torch.bool, device=q.device)
+        allowed = torch.cat([prefix, tree_mask[b]], dim=1)  # [T, L+T]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
+        out[b] = torch.einsum("hts,shd->thd", probs, v).to(q.dtype)  # [T, Hq, D]
+    return out
 
 
 # --- verify_tree ------------------------------------------------------------------------------------------------
+
+
+def _transform_row_ref(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor:
+    """One node's logits [V] -> its transformed target distribution [V] float64 (greedy: one-hot argmax).
+
+    HF order: logits / temperature, top-k (ties kept), top-p, min-p, renormalising after each. See
+    spec_kernels/_sampling.py for the exact filter definitions and the NaN/inf sanitising.
+    """
+    z = logits.double() / (temperature if temperature > 0 else 1.0)
+    z = torch.nan_to_num(z, nan=-math.inf, posinf=torch.finfo(torch.float32).max)
+    if bool((z == -math.inf).all()):
+        z = torch.zeros_like(z)  # nothing finite: uniform, greedy id 0
+    if temperature == 0:
+        return torch.nn.functional.one_hot(z.argmax(), z.numel()).double()
+    neg_inf = torch.tensor(-math.inf, dtype=z.dtype)
+    if 0 < top_k < z.numel():
+        kth = torch.sort(z, descending=True).values[top_k - 1]
+        z = torch.where(z >= kth, z, neg_inf)
+    if top_p < 1:
+        p = torch.softmax(z, -1)
+        p_sorted = torch.sort(p, descending=True).values
+        mass_before = torch.cumsum(p_sorted, 0) - p_sorted
+        smallest_kept = p_sorted[mass_before < top_p][-1]
+        z = torch.where(p >= smallest_kept, z, neg_inf)
+    if min_p > 0:
+        p = torch.softmax(z, -1)
+        z = torch.where(p >= min_p * p.max(), z, neg_inf)
+    return torch.softmax(z, -1)
 
 
 def verify_tree_ref(
@@ -50,10 +112,71 @@ def verify_tree_ref(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
     backend: str | None = None,
 ) -> VerifyResult:
-    raise NotImplementedError  # VERIFY_TREE_REF (owned by the verify_tree work)
+    """Reference verify_tree: python loops over rows, nodes and siblings, float64. See spec_kernels.verify_tree."""
+    from spec_kernels._sampling import RESIDUAL_EPS, check_seed, check_verify_tree_args
+
+    parents, params = check_verify_tree_args(
+        target_logits, draft_tokens, parents, draft_probs, draft_sampling, temperature, top_k, top_p, min_p
+    )
+    B, T, V = target_logits.shape
+    seed = check_seed(seed, target_logits.shape[0])
+    gen = torch.Generator()
+    gen.manual_seed(seed if isinstance(seed, int) else int(torch.randint(2**62, ())))
+    accepted_nodes = torch.full((B, T), PAD_NODE, dtype=torch.int64)
+    output_tokens = torch.full((B, T), PAD_NODE, dtype=torch.int64)
+    num_accepted = torch.zeros(B, dtype=torch.int64)
+    logits, tokens, par = target_logits.cpu(), draft_tokens.cpu().tolist(), parents.cpu().tolist()
+    probs = draft_probs.cpu().double() if draft_probs is not None else None
+    for b in range(B):
+        if isinstance(seed, torch.Tensor):  # per-row seeds: row b's stream depends on seed[b] alone
+            gen.manual_seed(int(seed[b]))
+        t, k, tp, mp = (
+            float(params.temperature[b]),
+            int(params.top_k[b]),
+            float(params.top_p[b]),
+            float(params.min_p[b]),
+        )
+        path, node = [0], 0
+        while True:
+            p_node = _transform_row_ref(logits[b, node], t, k, tp, mp)
+            q_node = probs[b, node] if probs is not None else None
+            p, q = p_node, q_node
+            children = [i for i in range(node + 1, T) if par[b][i] == node]
+            accepted = None
+            for child in children:
+                x = tokens[b][child]
+                q_x = 1.0 if q is None else float(q[x])  # draft_probs=None: a point-mass proposal
+                u = float(torch.rand((), generator=gen, dtype=torch.float64))
+                if u * q_x < float(p[x]):  # accept with probability min(1, p(x) / q(x))
+                    accepted = child
+                    break
+                # rejected: the next sibling is judged against the residual norm(max(p - q, 0))
+                if q is None:
+                    residual = p.clone()
+                    residual[x] = 0.0
+                else:
+                    residual = torch.clamp(p - q, min=0.0)
+                p = residual / residual.sum() if residual.sum() > RESIDUAL_EPS else p_node
+                if q is not None and draft_sampling == "without_replacement":
+                    q = q.clone()
+                    q[x] = 0.0  # the next sibling was drawn from the draft without x
+                    q = q / q.sum() if q.sum() > RESIDUAL_EPS else q_node
+            if accepted is None:
+                # recovered (a child was rejected) or bonus (leaf) token, from the current residual
+                final = int(torch.multinomial(p, 1, generator=gen))
+                break
+            path.append(accepted)
+            node = accepted
+        n = len(path)
+        accepted_nodes[b, :n] = torch.tensor(path)
+        output_tokens[b, : n - 1] = torch.tensor([tokens[b][i] for i in path[1:]], dtype=torch.int64)
+        output_tokens[b, n - 1] = final
+        num_accepted[b] = n
+    dev = target_logits.device
+    return VerifyResult(accepted_nodes.to(dev), output_tokens.to(dev), num_accepted.to(dev))
 
 
 # --- compact_kv_ ------------------------------------------------------------------------------------------------
@@ -68,4 +191,26 @@ def compact_kv_ref(
     block_table: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
-    raise NotImplementedError  # COMPACT_KV_REF (owned by the compact_kv work)
+    """Move the K/V rows of each accepted path to the first slots after the committed prefix, in place.
+
+    For every plane n, sequence b and t < num_accepted[b]:
+    ``cache[n, b, L_b + t] <- old cache[n, b, L_b + accepted_nodes[b, t]]`` with ``L_b = cache_seqlens[b]``; a paged
+    cache maps logical slot p of sequence b to ``cache[n, block_table[b, p // block_size], p % block_size]``.
+    Every source row is gathered (a copy) before any row is written, because paths like [0, 1, 3, 4] overlap.
+    ``backend`` is ignored: this is the reference.
+    """
+    num_nodes = accepted_nodes.shape[1]
+    steps = torch.arange(num_nodes, device=cache.device)  # [T]
+    keep = steps < num_accepted.to(torch.int64)[:, None]  # [B, T]
+    seq, step = keep.nonzero(as_tuple=True)  # [K], [K]: every (b, t) that moves a row
+    base = cache_seqlens.to(torch.int64)[seq]  # [K]
+    src = base + accepted_nodes.to(torch.int64)[seq, step]  # [K] logical source slots
+    dst = base + step  # [K] logical destination slots
+    if block_table is None:
+        rows = cache[:, seq, src].clone()  # [N, K, ...]: read everything first
+        cache[:, seq, dst] = rows
+    else:
+        block_size = cache.shape[2]
+        table = block_table.to(torch.int64)  # [B, max_blocks]
+        rows = cache[:, table[seq, src // block_size], src % block_size].clone()  # [N, K, ...]
+        cache[:, table[seq, dst // block_size], dst % block_size] = rows

@@ -1,0 +1,158 @@
+// The only file that registers ops: spec_kernels::compact_kv_ with CPU, CUDA and Meta kernels.
+//
+// Also the torch-facing half of the CUDA path (shape checks, device guard, current stream): nvcc 13 cannot compile
+// torch's CUDA headers, so csrc/compact_kv.cu stays torch-free and this host-compiled file calls its raw launcher.
+// CUDA parts build only with -DSPECDEC_WITH_CUDA (set by spec_kernels/_ext.py and setup.py when CUDA torch is
+// present), so a CPU-only build compiles this file without any CUDA header.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <Python.h>
+
+#ifdef SPECDEC_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "kernels/compact_kv.cuh"
+#endif
+
+namespace specdec {
+
+void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, const at::Tensor& accepted_nodes,
+                    const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table);
+
+namespace {
+
+void check_index(const at::Tensor& t, const char* name, int64_t rank, const char* shape, const at::Tensor& cache) {
+  TORCH_CHECK_VALUE(t.dim() == rank, "compact_kv_: ", name, " must be ", shape, ", got shape ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "compact_kv_: ", name,
+                   " must be int32 or int64, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == cache.device(), "compact_kv_: ", name, " is on ", t.device(),
+                    " but cache is on ", cache.device(), "; put all inputs on one device");
+}
+
+// Everything that needs no values: runs in the Meta kernel too, so fake-tensor tracing reports the same errors.
+// Raises ValueError / TypeError in Python, like spec_kernels.compact_kv_'s own checks.
+void check_inputs(const at::Tensor& cache, const at::Tensor& cache_seqlens, const at::Tensor& accepted_nodes,
+                  const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table) {
+  const bool paged = block_table.has_value();
+  TORCH_CHECK_VALUE(cache.dim() >= 3, "compact_kv_: cache must be ",
+                    paged ? "paged [N, num_blocks, block_size, ...]" : "[N, B, S, ...]", ", got shape ",
+                    cache.sizes());
+  TORCH_CHECK_VALUE(cache.is_contiguous(), "compact_kv_: cache must be contiguous (rows move as whole memcpy's), ",
+                    "got strides ", cache.strides());
+  check_index(cache_seqlens, "cache_seqlens", 1, "[B]", cache);
+  check_index(accepted_nodes, "accepted_nodes", 2, "[B, T]", cache);
+  check_index(num_accepted, "num_accepted", 1, "[B]", cache);
+  const int64_t batch = cache_seqlens.size(0);
+  TORCH_CHECK_VALUE(accepted_nodes.size(0) == batch, "compact_kv_: accepted_nodes has batch ",
+                    accepted_nodes.size(0), " but cache_seqlens has ", batch);
+  TORCH_CHECK_VALUE(num_accepted.size(0) == batch, "compact_kv_: num_accepted has batch ", num_accepted.size(0),
+                    " but cache_seqlens has ", batch);
+  if (paged) {
+    check_index(*block_table, "block_table", 2, "[B, max_blocks]", cache);
+    TORCH_CHECK_VALUE(block_table->size(0) == batch, "compact_kv_: block_table has batch ", block_table->size(0),
+                      " but cache_seqlens has ", batch);
+    TORCH_CHECK_VALUE(cache.size(2) > 0, "compact_kv_: paged cache has block_size 0");
+  } else {
+    TORCH_CHECK_VALUE(cache.size(1) == batch, "compact_kv_: cache [N, B, S, ...] has B = ", cache.size(1),
+                      " but cache_seqlens has ", batch, " (pass block_table for a paged cache)");
+  }
+}
+
+at::Tensor as_long(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
+
+void compact_kv_cpu_entry(at::Tensor cache, const at::Tensor& cache_seqlens, const at::Tensor& accepted_nodes,
+                          const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table) {
+  check_inputs(cache, cache_seqlens, accepted_nodes, num_accepted, block_table);
+  c10::optional<at::Tensor> table;
+  if (block_table.has_value()) table = block_table->to(at::kInt).contiguous();
+  compact_kv_cpu(cache, as_long(cache_seqlens), as_long(accepted_nodes), as_long(num_accepted), table);
+}
+
+void compact_kv_meta(at::Tensor cache, const at::Tensor& cache_seqlens, const at::Tensor& accepted_nodes,
+                     const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table) {
+  check_inputs(cache, cache_seqlens, accepted_nodes, num_accepted, block_table);
+}
+
+#ifdef SPECDEC_WITH_CUDA
+void compact_kv_cuda_entry(at::Tensor cache, const at::Tensor& cache_seqlens, const at::Tensor& accepted_nodes,
+                           const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table) {
+  check_inputs(cache, cache_seqlens, accepted_nodes, num_accepted, block_table);
+  const c10::cuda::CUDAGuard guard(cache.device());
+  // Values (an index past the cache, a bad block id) are not checked here: that would cost a host sync per step.
+  // The kernel skips such rows instead; the CPU path and spec_kernels.compact_kv_ on CPU tensors raise.
+  // .contiguous() is free for the usual contiguous inputs; int32 and int64 are both read as they are.
+  const at::Tensor seqlens = cache_seqlens.contiguous();  // [B]
+  const at::Tensor nodes = accepted_nodes.contiguous();   // [B, T]
+  const at::Tensor counts = num_accepted.contiguous();    // [B]
+  at::Tensor table;                                       // [B, max_blocks]
+  if (block_table.has_value()) table = block_table->contiguous();
+
+  const int64_t elem = cache.element_size();
+  CompactKvParams p{};
+  p.cache = cache.data_ptr();
+  p.cache_seqlens = seqlens.data_ptr();
+  p.accepted_nodes = nodes.data_ptr();
+  p.num_accepted = counts.data_ptr();
+  p.seqlens_int64 = seqlens.scalar_type() == at::kLong;
+  p.accepted_int64 = nodes.scalar_type() == at::kLong;
+  p.num_accepted_int64 = counts.scalar_type() == at::kLong;
+  p.num_planes = cache.size(0);
+  p.batch = seqlens.size(0);
+  p.max_nodes = nodes.size(1);
+  p.accepted_stride = nodes.stride(0);
+  p.row_bytes = elem;
+  for (int64_t d = 3; d < cache.dim(); ++d) p.row_bytes *= cache.size(d);
+  p.plane_stride = cache.stride(0) * elem;
+  p.seq_stride = cache.stride(1) * elem;
+  p.slot_stride = cache.stride(2) * elem;
+  if (table.defined()) {
+    p.block_table = table.data_ptr();
+    p.block_table_int64 = table.scalar_type() == at::kLong;
+    p.block_size = cache.size(2);
+    p.num_blocks = cache.size(1);
+    p.block_table_stride = table.stride(0);
+    p.capacity = table.size(1) * p.block_size;
+  } else {
+    p.capacity = cache.size(2);
+  }
+  const cudaError_t err = compact_kv_cuda(p, c10::cuda::getCurrentCUDAStream(cache.device().index()));
+  TORCH_CHECK(err == cudaSuccess, "compact_kv_: CUDA launch failed: ", cudaGetErrorString(err),
+              " (B and N must be <= 65535; T rows of staging must fit in shared memory)");
+}
+#endif
+
+}  // namespace
+}  // namespace specdec
+
+// TORCH_LIBRARY (not _FRAGMENT): this is the one C++ definition block of the namespace. Python ops registered with
+// torch.library.custom_op("spec_kernels::...") open FRAGMENTs, which coexist with it in either load order
+// (tests/test_compact_kv.py::test_python_custom_op_coexists checks both).
+TORCH_LIBRARY(spec_kernels, m) {
+  m.def(
+      "compact_kv_(Tensor(a!) cache, Tensor cache_seqlens, Tensor accepted_nodes, Tensor num_accepted, "
+      "Tensor? block_table=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) { m.impl("compact_kv_", &specdec::compact_kv_cpu_entry); }
+
+TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) { m.impl("compact_kv_", &specdec::compact_kv_meta); }
+
+#ifdef SPECDEC_WITH_CUDA
+TORCH_LIBRARY_IMPL(spec_kernels, CUDA, m) { m.impl("compact_kv_", &specdec::compact_kv_cuda_entry); }
+#endif
+
+// An empty Python module, so the ahead-of-time build (setup.py, spec_kernels._C) and the JIT build are both
+// importable; importing runs the registrations above. TORCH_EXTENSION_NAME is set by torch's build helpers.
+#define SPECDEC_CAT(a, b) a##b
+#define SPECDEC_PYINIT(name) SPECDEC_CAT(PyInit_, name)
+#define SPECDEC_STR_(x) #x
+#define SPECDEC_STR(x) SPECDEC_STR_(x)
+
+PyMODINIT_FUNC SPECDEC_PYINIT(TORCH_EXTENSION_NAME)(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, SPECDEC_STR(TORCH_EXTENSION_NAME), nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
