@@ -1,0 +1,138 @@
+"""The LLM API: bad input gets a clear error and leaves the engine usable; stops, limits and metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny_models import make_model, make_noisy_copy
+
+from spec_engine import LLM, SamplingParams
+
+PROMPT = {"prompt_token_ids": [3, 1, 4, 1, 5, 9, 2, 6]}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api")
+    target = make_model(root / "target", "llama_gqa", logit_scale=4.0)
+    draft = make_noisy_copy(target, root / "draft", noise=0.3)
+    other_vocab = make_model(root / "other", "llama_gqa", vocab_size=50)
+    return target, draft, other_vocab
+
+
+@pytest.fixture(scope="module")
+def llm(dirs):
+    target, draft, _ = dirs
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+    return LLM(str(target), speculative_config=spec, max_model_len=64)
+
+
+def greedy(llm, max_tokens=16, **kw):
+    return llm.generate(PROMPT, SamplingParams(max_tokens=max_tokens, **kw), use_tqdm=False)[0]
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ({"prompt_token_ids": []}, SamplingParams(max_tokens=8), "empty"),
+        ({"prompt_token_ids": [1, 96]}, SamplingParams(max_tokens=8), r"\[0, 96\)"),
+        ({"prompt_token_ids": [-1]}, SamplingParams(max_tokens=8), r"\[0, 96\)"),
+        ({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=8), "max_model_len"),
+        ({"prompt_token_ids": [1] * 80}, SamplingParams(max_tokens=1), "max_model_len"),
+        ("text", SamplingParams(max_tokens=8), "tokenizer"),
+        (42, SamplingParams(max_tokens=8), "prompt must be"),
+    ],
+)
+def test_bad_prompts_raise_and_the_engine_survives(llm, prompt, params, match):
+    before = greedy(llm).outputs[0].token_ids
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, params, use_tqdm=False)
+    assert llm.allocator.num_used == 0 and not llm.engine.has_unfinished()
+    assert greedy(llm).outputs[0].token_ids == before
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_k=-1), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(seed="x"), "seed"),
+    ],
+)
+def test_invalid_sampling_params(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_vocab_mismatch_is_refused_at_load(dirs):
+    target, _, other = dirs
+    with pytest.raises(ValueError, match="vocab"):
+        LLM(str(target), speculative_config={"method": "draft_model", "model": str(other)})
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ({"method": "eagle"}, "method"),
+        ({"method": "draft_model"}, "needs 'model'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "tree": [2]}, "tree"),
+        ({"method": "ngram", "bogus": 1}, "unknown"),
+    ],
+)
+def test_bad_speculative_config(dirs, spec, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(dirs[0]), speculative_config=spec)
+
+
+def test_missing_and_corrupt_checkpoints(dirs, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(str(tmp_path / "empty"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        LLM(str(bad))
+    (bad / "config.json").write_text((dirs[0] / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(str(bad))
+    (bad / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="corrupt"):
+        LLM(str(bad))
+    cfg = json.loads((dirs[0] / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, model_type="gpt2")))
+    with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3"):
+        LLM(str(bad))
+
+
+def test_max_tokens_is_exact_even_when_a_step_emits_several(llm):
+    for n in (1, 2, 3, 7):
+        assert len(greedy(llm, max_tokens=n).outputs[0].token_ids) == n
+
+
+def test_stop_token_ends_the_request(llm):
+    full = greedy(llm, max_tokens=16).outputs[0].token_ids
+    stop = full[5]
+    out = greedy(llm, max_tokens=16, stop_token_ids=[stop])
+    first = full.index(stop)
+    assert out.outputs[0].token_ids == full[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    assert greedy(llm, max_tokens=16).outputs[0].finish_reason == "length"
+
+
+def test_metrics(llm):
+    out = greedy(llm, max_tokens=16)
+    m = out.metrics
+    assert m["num_steps"] == sum(m["accepted_length_hist"])
+    assert m["num_accepted"] == sum(k * c for k, c in enumerate(m["accepted_length_hist"]))
+    assert 0 <= m["acceptance_rate"] <= 1 and m["mean_accepted_length"] >= 1
+    assert m["tokens_per_s"] > 0

@@ -1,0 +1,66 @@
+"""Tiny HF checkpoints made in the test session with transformers' ``save_pretrained`` (no hub, no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = {
+    "llama_gqa": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
+    "llama3_rope": dict(
+        model_type="llama",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },  # fmt: skip
+    ),
+    "qwen2_tied": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+}
+
+
+def hf_config(arch: str, vocab_size: int, hidden: int, layers: int, **over):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    spec = dict(ARCHS[arch])
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[spec.pop("model_type")]
+    kw = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, vocab_size=vocab_size,
+              max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+    kw.update(spec)
+    kw.update(over)
+    return cls(**kw)
+
+
+def make_model(path: Path, arch: str, *, vocab_size: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0,
+               logit_scale: float = 1.0, **over) -> Path:  # fmt: skip
+    """A random HF checkpoint. ``logit_scale`` sharpens the output distribution (random inits are near uniform)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, vocab_size, hidden, layers, **over))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+        model.get_output_embeddings().weight.mul_(logit_scale)
+    model.save_pretrained(path)
+    return path
+
+
+def make_noisy_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
+    """The target with Gaussian noise on every weight: a draft that agrees often but not always."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * noise * p.std())
+    model.save_pretrained(dst)
+    return dst
