@@ -6,6 +6,8 @@ comparison stops at the first such position.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from tiny_models import make_model, make_noisy_copy
@@ -31,12 +33,13 @@ def pair(request, tmp_path_factory):
     return request.param, target, draft
 
 
-def hf_greedy(model_dir, prompt: list[int], n: int) -> tuple[list[int], int]:
+@functools.cache
+def hf_greedy(model_dir, prompt: tuple[int, ...], n: int) -> tuple[list[int], int]:
     """HF's greedy tokens and how many of them are trustworthy (top-2 margin >= 1e-3)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([list(prompt)])
     out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_scores=True,
                          return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
     tokens = out.sequences[0, len(prompt) :].tolist()
@@ -58,7 +61,7 @@ def test_greedy_matches_hf(pair, mode):
         [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False
     )
     for prompt, out in zip(PROMPTS, outs):
-        ref, trusted = hf_greedy(target, prompt, MAX_TOKENS)
+        ref, trusted = hf_greedy(target, tuple(prompt), MAX_TOKENS)
         got = out.outputs[0].token_ids
         assert len(got) == MAX_TOKENS
         assert got[: trusted - 1] == ref[: trusted - 1], f"{arch}/{mode}: diverges from HF greedy"
