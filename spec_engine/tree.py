@@ -66,27 +66,34 @@ def chain(gamma: int) -> StaticTree:
     return StaticTree((1,) * gamma)
 
 
-def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """[B, T] depth of every node (0 for the root and for padding). Nodes are topological, so one pass suffices."""
+def tree_mask_and_depths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T, T] bool, [B, T] int64): node i sees j when j is i or an ancestor of i; depth of each node.
+
+    Every node climbs to the root at once, one level per iteration: depth + 1 iterations, not T. Padding
+    (parent -1 past the root) sees only itself and has depth 0.
+    """
     B, T = parents.shape
+    eye = torch.eye(T, dtype=torch.bool, device=parents.device)
+    mask = eye.expand(B, T, T).clone()
     depth = torch.zeros(B, T, dtype=torch.int64, device=parents.device)
-    for i in range(1, T):
-        p = parents[:, i]
-        real = p >= 0
-        depth[:, i] = torch.where(real, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, 0)
-    return depth
+    up = parents.clone()  # [B, T]: each node's current ancestor, -1 once past the root
+    while True:
+        alive = up >= 0
+        if not bool(alive.any()):
+            return mask, depth
+        mask |= eye[up.clamp(min=0)] & alive[..., None]
+        depth += alive
+        up = torch.where(alive, parents.gather(1, up.clamp(min=0)), -1)
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """[B, T] depth of every node (0 for the root and for padding)."""
+    return tree_mask_and_depths(parents)[1]
 
 
 def tree_mask(parents: torch.Tensor) -> torch.Tensor:
     """[B, T, T] bool: node i sees j when j is i itself or an ancestor of i. Padding sees only itself."""
-    B, T = parents.shape
-    mask = torch.eye(T, dtype=torch.bool, device=parents.device).expand(B, T, T).clone()
-    for i in range(1, T):
-        p = parents[:, i]
-        real = p >= 0
-        inherited = mask[torch.arange(B, device=parents.device), p.clamp(min=0)]  # [B, T]: the parent's row
-        mask[:, i] |= inherited & real[:, None]
-    return mask
+    return tree_mask_and_depths(parents)[0]
 
 
 def causal_mask(B: int, T: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -72,13 +72,15 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-CASES = list(itertools.product([[1, 1], [2, 2]], [1.0, 0.8]))
+CASES = [(t, p, "without_replacement") for t, p in itertools.product([[1, 1], [2, 2]], [1.0, 0.8])]
+CASES += [([2, 2], 0.8, "iid"), ([3, 1], 1.0, "deterministic")]
 
 
-@pytest.mark.parametrize("tree,top_p", CASES, ids=[f"tree{t}-top_p{p}" for t, p in CASES])
-def test_first_two_tokens_follow_the_target(pair, tree, top_p):
+@pytest.mark.parametrize("tree,top_p,mode", CASES, ids=[f"tree{t}-top_p{p}-{m}" for t, p, m in CASES])
+def test_first_two_tokens_follow_the_target(pair, tree, top_p, mode):
     target, draft = pair
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2, "tree": tree}
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2, "tree": tree,
+            "draft_sampling": mode}  # fmt: skip
     llm = LLM(str(target), speculative_config=spec, max_model_len=32, max_num_seqs=512)
     counts = sample_joint(llm, 1.0, top_p)
     assert llm.engine.stats["num_accepted"] > N // 4, "the draft must be accepted often for this test to bite"
@@ -89,7 +91,7 @@ def test_planted_bug_is_rejected(pair, monkeypatch):
     """Children taken greedily but reported as drawn from q: acceptance is then biased, and chi2 must see it."""
     target, draft = pair
 
-    def greedy_children(q, b, greedy, batch):
+    def greedy_children(q, b, greedy, batch, mode):
         return q.topk(b, dim=-1).indices
 
     monkeypatch.setattr(DraftModelDrafter, "_draw_children", staticmethod(greedy_children))

@@ -5,9 +5,12 @@ the target's accepted path compacts it too. The deepest level is never run throu
 step whose path ends there the draft cache lags the target by one token; the next step's first forward
 ("catch-up") feeds the lagging tokens together with the root. Lag can grow while the row is not drafted.
 
-Children are drawn without replacement: Gumbel-top-b of log q for sampled rows (exactly sequential sampling without
-replacement), the b most likely tokens for greedy rows. Siblings are then distinct; with "iid" a tree of b
-children often repeats a token and wastes a branch.
+How children are drawn (``draft_sampling``, one of ``verify_tree``'s modes):
+- "without_replacement" (default): Gumbel-top-b of log q for sampled rows, exactly sequential sampling without
+  replacement, so siblings are distinct; with "iid" a node's b children often repeat a token and waste a branch.
+- "iid": b independent draws from q.
+- "deterministic": the b most likely tokens, verified as point-mass proposals (``draft_probs=None``).
+Greedy rows always take the b most likely tokens: greedy verification ignores q.
 """
 
 from __future__ import annotations
@@ -20,10 +23,15 @@ from spec_engine.models import LlamaForCausalLM
 from spec_engine.tree import StaticTree, causal_mask, tree_mask
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_
 
+DRAFT_SAMPLING = ("without_replacement", "iid", "deterministic")
+
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, tree: StaticTree):
-        self.model, self.kv, self.tree = model, kv, tree
+    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, tree: StaticTree,
+                 draft_sampling: str = "without_replacement"):  # fmt: skip
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
+        self.model, self.kv, self.tree, self.draft_sampling = model, kv, tree, draft_sampling
         self.max_depth = tree.depth
         self.max_nodes = tree.num_nodes
         self._parents = tree.parents()  # [T_max]
@@ -67,7 +75,7 @@ class DraftModelDrafter(Drafter):
             parent_level, level, b = levels[d - 1], levels[d], self.tree.branching[d - 1]
             q_parent = torch.softmax(logits / temp, dim=-1)  # [B, n_parent, V]
             q[:, parent_level] = q_parent
-            tokens[:, level] = self._draw_children(q_parent, b, greedy, batch).flatten(1)
+            tokens[:, level] = self._draw_children(q_parent, b, greedy, batch, self.draft_sampling).flatten(1)
             if d == depth:
                 break
             # Levels 1..d through the draft model; the root is already cached at slot L_b, an ancestor of all.
@@ -83,7 +91,9 @@ class DraftModelDrafter(Drafter):
         for b, gamma in enumerate(batch.gammas):
             parents[b, self.nodes_for_depth(gamma) :] = PAD_NODE
         self._built_depth = depth
-        return Draft(tokens, parents, q, "without_replacement")
+        if self.draft_sampling == "deterministic":
+            return Draft(tokens, parents, None, "iid")
+        return Draft(tokens, parents, q, self.draft_sampling)
 
     def _depth(self, sub: slice) -> torch.Tensor:
         sizes = self.tree.level_sizes
@@ -91,14 +101,20 @@ class DraftModelDrafter(Drafter):
         return depth[sub]
 
     @staticmethod
-    def _draw_children(q: torch.Tensor, b: int, greedy: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """[B, n, V] -> [B, n, b]: b distinct children per node, in the order they were drawn."""
-        scores = q.log()
+    def _draw_children(q: torch.Tensor, b: int, greedy: torch.Tensor, batch: StepBatch, mode: str) -> torch.Tensor:
+        """[B, n, V] -> [B, n, b]: b children per node, in the order they were drawn."""
+        children = q.topk(b, dim=-1).indices  # greedy rows and "deterministic"
+        if mode == "deterministic":
+            return children
         for row, req in enumerate(batch.requests):
-            if not greedy[row]:
+            if greedy[row]:
+                continue
+            if mode == "iid":
+                children[row] = torch.multinomial(q[row], b, replacement=True, generator=req.draft_generator)
+            else:
                 u = torch.rand(q.shape[1:], generator=req.draft_generator).clamp_(min=1e-20)
-                scores[row] -= (-u.log()).log()  # + Gumbel(0, 1)
-        return scores.topk(b, dim=-1).indices
+                children[row] = (q[row].log() - (-u.log()).log()).topk(b, dim=-1).indices  # Gumbel-top-b
+        return children
 
     def commit(self, batch: StepBatch, result: VerifyResult) -> None:
         compact_kv_(self.kv.planes, batch.seqlens, result.accepted_nodes, result.num_accepted,
