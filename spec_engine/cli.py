@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-pending", type=int, default=64, help="requests in flight beyond which the server answers 429")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
 

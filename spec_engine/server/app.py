@@ -1,0 +1,372 @@
+"""``specdec serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on one ``AsyncEngine``.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream: true`` -> server-sent events in OpenAI's
+chunk format, a final usage chunk, then ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus).
+
+Limits: bodies over ``max_body_bytes`` get 413 (checked on Content-Length and while reading); more than
+``max_pending`` requests in flight get 429 with ``Retry-After: 1`` (below that bound, requests beyond the engine's
+``max_num_seqs`` wait in its FIFO queue). Every error is 4xx/5xx with OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from spec_engine.sampling import SamplingParams
+from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream
+from spec_engine.server.protocol import ChatCompletionRequest, ChatTemplate, CompletionRequest, error_param
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's JSON body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        headers = {"Retry-After": "1"} if self.status == 429 else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def create_app(llm, served_model_name: str, max_pending: int = 64, max_body_bytes: int = 1 << 20) -> FastAPI:
+    """The server for ``llm`` (a ``spec_engine.LLM``). Starts the engine loop thread now; stops it at shutdown.
+
+    ``app.state.engine`` is the ``AsyncEngine``; ``app.state.registry`` the app's own Prometheus registry.
+    """
+    engine = AsyncEngine(llm)
+    chat_template = ChatTemplate(llm.model_dir)
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(engine, max_pending))
+    http_requests = Counter("specdec_http_requests", "API requests by endpoint and HTTP status", ["endpoint", "status"],
+                            registry=registry)  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+    app.state.engine, app.state.registry = engine, registry
+
+    # --- errors: every one gets OpenAI's body --------------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        code = "not_found" if e.status_code == 404 else None
+        return APIError(e.status_code, str(e.detail), param=None, code=code).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return APIError(400, str(e)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        return APIError(500, f"internal error: {e!r}", "internal_error").response()
+
+    # --- helpers -------------------------------------------------------------------------------------------------
+
+    async def read_body(request: Request, model_cls):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the JSON body must be an object", code="invalid_json")
+        try:
+            req = model_cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = error_param(err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            raise APIError(400, f"{param}: {msg}" if param else msg, param=param, code=err["type"]) from None
+        unsupported = req.unsupported_field()
+        if unsupported is not None:
+            raise APIError(400, f"'{unsupported}' is not supported by this server", param=unsupported)
+        if req.model is not None and req.model != served_model_name:
+            raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{served_model_name}'",
+                           param="model", code="model_not_found")  # fmt: skip
+        return req
+
+    def sampling_params(req, prompt_len: int, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+        room = llm.max_model_len - prompt_len
+        if room < 1:
+            msg = f"the prompt has {prompt_len} tokens: no room for output in the context of {llm.max_model_len}"
+            raise APIError(400, msg, param="prompt", code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            msg = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) is past the context ({llm.max_model_len})"
+            raise APIError(400, msg, param="max_tokens", code="context_length_exceeded")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_k=max(req.top_k or 0, 0),
+                top_p=1.0 if req.top_p is None else req.top_p,
+                min_p=req.min_p or 0.0,
+                seed=req.seed,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        if llm.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer.json: send the prompt as a list of token ids",
+                           param="prompt")  # fmt: skip
+        return llm.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    async def start(ids: list[int], params: SamplingParams) -> RequestStream:
+        if engine.num_in_flight >= max_pending:
+            raise APIError(429, f"{engine.num_in_flight} requests in flight (the limit is {max_pending}); retry later",
+                           "rate_limit_error", code="too_many_requests")  # fmt: skip
+        try:
+            return await engine.add_request(ids, params)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "internal_error") from None
+
+    async def respond(endpoint: str, request: Request, handler: Callable) -> Response:
+        try:
+            response = await handler()
+        except APIError as e:
+            http_requests.labels(endpoint, str(e.status)).inc()
+            return e.response()
+        http_requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    # --- endpoints ---------------------------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        async def handle():
+            req = await read_body(request, CompletionRequest)
+            ids = encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+            params = sampling_params(req, len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+            stream = await start(ids, params)
+            head = {"id": f"cmpl-{stream.request_id}", "object": "text_completion", "created": int(time.time()),
+                    "model": served_model_name}  # fmt: skip
+
+            def choice(text: str, finish_reason: str | None) -> dict:
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+            if req.stream:
+                return _sse(stream, head, lambda d: [choice(d.text, d.finish_reason)], None, _include_usage(req))
+            text, last = await _collect(request, stream)
+            return JSONResponse({**head, "choices": [choice(text, last.finish_reason)], "usage": _usage(last)})
+
+        return await respond("completions", request, handle)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        async def handle():
+            req = await read_body(request, ChatCompletionRequest)
+            try:
+                prompt = chat_template.render(req.messages)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+            ids = encode(prompt, add_special_tokens=not chat_template.from_model)
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
+            stream = await start(ids, params)
+            head = {"id": f"chatcmpl-{stream.request_id}", "object": "chat.completion.chunk",
+                    "created": int(time.time()), "model": served_model_name}  # fmt: skip
+            if req.stream:
+                first = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+
+                def choices(d: Delta) -> list[dict]:
+                    delta = {"content": d.text} if d.text else {}
+                    return [{"index": 0, "delta": delta, "finish_reason": d.finish_reason}]
+
+                return _sse(stream, head, choices, first, _include_usage(req))
+            text, last = await _collect(request, stream)
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": last.finish_reason}
+            return JSONResponse({**head, "object": "chat.completion", "choices": [choice], "usage": _usage(last)})
+
+        return await respond("chat_completions", request, handle)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": served_model_name, "object": "model", "created": 0, "owned_by": "specdec",
+                "root": str(llm.model_dir), "max_model_len": llm.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        s = engine.stats()
+        body = {"status": "ok" if engine.alive else "dead", "model": served_model_name,
+                "num_requests_in_flight": engine.num_in_flight, "max_pending": max_pending, **s}  # fmt: skip
+        return JSONResponse(body, status_code=200 if engine.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# --- responses ---------------------------------------------------------------------------------------------------
+
+
+def _usage(d: Delta) -> dict:
+    u = d.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+
+
+def _include_usage(req) -> bool:
+    """The final usage chunk is on unless the client sets ``stream_options.include_usage`` to false."""
+    return req.stream_options is None or req.stream_options.include_usage is not False
+
+
+def _event(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _sse(stream: RequestStream, head: dict, choices: Callable[[Delta], list], first: list | None,
+         include_usage: bool) -> StreamingResponse:  # fmt: skip
+    """One ``data:`` event per engine step with new text (and the last one), the usage chunk, then [DONE].
+
+    When the client disconnects, Starlette stops iterating; closing the stream aborts the request."""
+
+    async def events() -> AsyncIterator[str]:
+        last = None
+        try:
+            if first is not None:
+                yield _event({**head, "choices": first})
+            async for delta in stream:
+                last = delta
+                if delta.text or delta.finished:
+                    yield _event({**head, "choices": choices(delta)})
+            if include_usage and last is not None:
+                yield _event({**head, "choices": [], "usage": _usage(last)})
+        except EngineDeadError as e:
+            yield _event({"error": {"message": str(e), "type": "internal_error", "param": None, "code": None}})
+        finally:
+            await stream.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _collect(request: Request, stream: RequestStream) -> tuple[str, Delta]:
+    """The whole text and the last delta; aborts the request when the client disconnects before the end."""
+
+    async def collect():
+        parts, last = [], None
+        async for delta in stream:
+            parts.append(delta.text)
+            last = delta
+        return "".join(parts), last
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await stream.aclose()
+    if not work.done():
+        raise APIError(499, "client closed the request", code="client_closed_request")
+    try:
+        return work.result()
+    except EngineDeadError as e:
+        raise APIError(503, str(e), "internal_error") from None
+
+
+# --- Prometheus --------------------------------------------------------------------------------------------------
+
+
+class _EngineCollector(Collector):
+    """Engine figures read from ``AsyncEngine.stats()`` at scrape time (counters are the engine's own totals)."""
+
+    def __init__(self, engine: AsyncEngine, max_pending: int):
+        self.engine, self.max_pending = engine, max_pending
+
+    def collect(self):
+        s = self.engine.stats()
+        finished = CounterMetricFamily("specdec_requests", "requests the engine finished, by reason", labels=["reason"])
+        for reason, n in s["num_requests_finished"].items():
+            finished.add_metric([reason], n)
+        yield finished
+        yield CounterMetricFamily("specdec_prompt_tokens", "prompt tokens of accepted requests", s["num_prompt_tokens"])
+        yield CounterMetricFamily("specdec_generation_tokens", "generated tokens", s["num_generated_tokens"])
+        yield GaugeMetricFamily("specdec_num_requests_running", "requests decoding now", s["num_requests_running"])
+        yield GaugeMetricFamily("specdec_num_requests_waiting", "requests queued for a slot", s["num_requests_waiting"])
+        yield GaugeMetricFamily("specdec_num_requests_in_flight", "accepted, unfinished requests (429 above "
+                                "specdec_max_pending)", self.engine.num_in_flight)  # fmt: skip
+        yield GaugeMetricFamily("specdec_max_pending", "the in-flight bound", self.max_pending)
+        yield GaugeMetricFamily("specdec_kv_cache_blocks_used", "KV blocks held by requests", s["kv_blocks_used"])
+        yield GaugeMetricFamily("specdec_kv_cache_blocks_total", "KV blocks in the cache", s["kv_blocks_total"])
+        usage = s["kv_blocks_used"] / s["kv_blocks_total"] if s["kv_blocks_total"] else 0.0
+        yield GaugeMetricFamily("specdec_kv_cache_usage_ratio", "fraction of KV blocks in use", usage)
+        yield CounterMetricFamily("specdec_spec_decode_num_steps", "target passes per decoding request", s["num_steps"])
+        yield CounterMetricFamily("specdec_spec_decode_num_drafted_tokens", "drafted tokens", s["num_drafted_tokens"])
+        yield CounterMetricFamily("specdec_spec_decode_num_accepted_tokens", "drafted tokens the target accepted",
+                                  s["num_accepted_tokens"])  # fmt: skip
+        yield GaugeMetricFamily("specdec_spec_decode_acceptance_rate", "accepted / drafted", s["acceptance_rate"])
+        yield GaugeMetricFamily("specdec_spec_decode_mean_accepted_length", "tau: tokens emitted per target pass",
+                                s["mean_accepted_length"])  # fmt: skip
+        hist = s["accepted_length_hist"]  # [k] = target passes that accepted k drafted tokens
+        cumulative, buckets = 0, []
+        for k, n in enumerate(hist):
+            cumulative += n
+            buckets.append((str(float(k)), cumulative))
+        buckets.append(("+Inf", cumulative))
+        h = HistogramMetricFamily("specdec_spec_decode_accepted_length", "drafted tokens accepted per target pass")
+        h.add_metric([], buckets, sum_value=float(sum(k * n for k, n in enumerate(hist))))
+        yield h
+
+
+# --- the CLI entry point -----------------------------------------------------------------------------------------
+
+
+def serve(args) -> int:
+    """``specdec serve``: build the LLM from the model arguments and run uvicorn until interrupted."""
+    import uvicorn
+
+    from spec_engine.cli import build_llm
+
+    llm = build_llm(args)
+    name = args.served_model_name or (Path(args.model).name if args.model else "specdec-default")
+    app = create_app(llm, name, max_pending=args.max_pending, max_body_bytes=args.max_body_bytes)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"[specdec] serving '{name}' at http://{host}:{args.port}/v1 (OpenAI API; /health, /metrics)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=getattr(args, "log_level", "info"))
+    return 0

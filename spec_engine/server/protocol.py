@@ -1,0 +1,176 @@
+"""The OpenAI request bodies the server accepts, validated field by field with pydantic (strict: no "0.5" strings
+for numbers, no booleans for ints), and the chat template that turns messages into a prompt.
+
+Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
+``ignore_eos``. OpenAI fields that would change the output but are not implemented (``stop`` strings, ``logprobs``,
+penalties, ...) are rejected with 400 when set, never silently ignored; unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# The default chat format, for models whose tokenizer_config.json has no chat_template: one "<|role|>\n" header per
+# message, the content, a newline, then the assistant header the model continues from.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_UNSUPPORTED = {  # field -> the value that means "not used"
+    "stop": None,
+    "logprobs": None,
+    "top_logprobs": None,
+    "echo": False,
+    "suffix": None,
+    "best_of": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": None,
+    "tools": None,
+    "response_format": None,
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool | None = None
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. None means "the default"."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int | None = Field(None, ge=1, le=1)  # one choice per request
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def unsupported_field(self) -> str | None:
+        """The first OpenAI field set to a value this server does not implement."""
+        for name, unused in _UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name, unused)
+            if value is not None and value != unused and value != []:
+                return name
+        return None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Any = Field(..., description="a string or a list of token ids (one prompt per request)")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # ["text"] or [[ids]]: a batch of one
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            raise ValueError("batched prompts are not supported: send one request per prompt")
+        raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, v):
+        """A string, or OpenAI content parts of type "text" (joined); null becomes ""."""
+        if v is None or isinstance(v, str):
+            return v or ""
+        if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in v):
+            if all(isinstance(p.get("text"), str) for p in v):
+                return "".join(p["text"] for p in v)
+        raise ValueError("content must be a string or a list of {'type': 'text', 'text': str} parts")
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
+
+def error_param(loc: tuple) -> str | None:
+    """('messages', 0, 'role') -> 'messages[0].role'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+# --- chat templates ----------------------------------------------------------------------------------------------
+
+
+class ChatTemplate:
+    """The model's chat template (``tokenizer_config.json``'s ``chat_template``, or a ``chat_template.jinja``
+    file) rendered as transformers does, or ``DEFAULT_CHAT_TEMPLATE`` when the model has none.
+
+    ``from_model`` says whether the rendered text already carries the special tokens (BOS...), in which case it
+    must be encoded without adding them again.
+    """
+
+    def __init__(self, model_dir: str | Path):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        model_dir = Path(model_dir)
+        cfg: dict = {}
+        cfg_path = model_dir / "tokenizer_config.json"
+        if cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"corrupt {cfg_path}: {e}") from e
+        source = cfg.get("chat_template")
+        if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default") or next(iter(named.values()), None)
+        jinja_file = model_dir / "chat_template.jinja"
+        if source is None and jinja_file.is_file():
+            source = jinja_file.read_text()
+        self.from_model = isinstance(source, str)
+        self.source = source if self.from_model else DEFAULT_CHAT_TEMPLATE
+        self.special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        self._template = env.from_string(self.source)
+
+    def render(self, messages: list[ChatMessage]) -> str:
+        """The prompt text; a template error (e.g. roles that must alternate) raises ``ValueError``."""
+        import jinja2
+
+        try:
+            return self._template.render(
+                messages=[m.model_dump() for m in messages], add_generation_prompt=True, **self.special
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat template: {e}") from e
+
+
+def _token_text(tok) -> str:
+    if isinstance(tok, dict):  # AddedToken serialised as {"content": "<s>", ...}
+        return tok.get("content", "")
+    return tok or ""

@@ -1,0 +1,405 @@
+"""The OpenAI-compatible server, end to end: real uvicorn servers on loopback, driven by the official ``openai``
+client (and raw ``httpx`` for malformed requests).
+
+Two servers share one tiny target checkpoint (byte-level BPE tokenizer, vocab 300, context 1024):
+- ``plain``: no speculation, the default chat template, ``max_pending=16`` (for the 429 test);
+- ``spec``: a draft model (a second checkpoint with the target's weights, so greedy acceptance is high and the
+  figures are worth checking), a chat template from ``tokenizer_config.json``, ``max_pending=64``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from models import make_tiny_llama, make_tokenizer
+from prometheus_client.parser import text_string_to_metric_families
+
+from spec_engine import LLM, SamplingParams
+from spec_engine.server.app import create_app
+from spec_engine.server.protocol import DEFAULT_CHAT_TEMPLATE
+
+CONTEXT = 1024
+LONG = CONTEXT - 64  # max_tokens of requests that must still be running when the test acts on them
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+PROMPTS = ["hello world", "def fib(n):", "the quick brown fox", "naïve café 日本語", "speculative decoding", "x"]
+BODY_LIMIT = 16384
+
+
+@contextlib.contextmanager
+def running_server(llm: LLM, name: str, max_pending: int):
+    """A real uvicorn server on a free loopback port, in a background thread; stopped and joined on exit."""
+    llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)  # builds the C++ ext here, not mid-test
+    app = create_app(llm, name, max_pending=max_pending, max_body_bytes=BODY_LIMIT)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive()
+        assert not app.state.engine.alive  # the lifespan shutdown stopped the engine loop
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server_models")
+    tok = make_tokenizer(root / "plain")
+    vocab = tok.get_vocab_size()
+    make_tiny_llama(root / "plain", vocab, layers=2, hidden=64, seed=0, max_position_embeddings=CONTEXT)
+    shutil.copytree(root / "plain", root / "templated")
+    (root / "templated" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    make_tokenizer(root / "draft")
+    make_tiny_llama(root / "draft", vocab, layers=2, hidden=64, seed=0, max_position_embeddings=CONTEXT)
+    return root, tok
+
+
+@pytest.fixture(scope="module")
+def plain(model_dirs):
+    root, _ = model_dirs
+    with running_server(LLM(root / "plain", max_num_seqs=16), "tiny-plain", max_pending=16) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def spec(model_dirs):
+    root, _ = model_dirs
+    cfg = {"method": "draft_model", "model": str(root / "draft"), "num_speculative_tokens": 3}
+    with running_server(LLM(root / "templated", cfg, max_num_seqs=16), "tiny-spec", max_pending=64) as s:
+        yield s
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def health(server) -> dict:
+    r = httpx.get(server[0] + "/health")
+    assert r.status_code == 200
+    return r.json()
+
+
+def wait_idle(server, timeout: float = 30) -> dict:
+    """/health once nothing is in flight (aborts and finishes land at the next engine step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = health(server)
+        if h["num_requests_in_flight"] == 0 and h["num_requests_running"] == 0 or time.monotonic() > deadline:
+            return h
+        time.sleep(0.05)
+
+
+def complete(server, prompt: str, max_tokens: int = 12, **kw) -> str:
+    out = client(server).completions.create(model=kw.pop("model", None) or name_of(server), prompt=prompt,
+                                            max_tokens=max_tokens, temperature=0, **kw)  # fmt: skip
+    return out.choices[0].text
+
+
+def name_of(server) -> str:
+    return httpx.get(server[0] + "/v1/models").json()["data"][0]["id"]
+
+
+# --- the happy paths ---------------------------------------------------------------------------------------------
+
+
+def test_models_and_health(plain, spec):
+    for server, name in ((plain, "tiny-plain"), (spec, "tiny-spec")):
+        models = client(server).models.list()
+        assert [m.id for m in models.data] == [name]
+        h = health(server)
+        assert h["status"] == "ok" and h["kv_blocks_total"] > 0
+
+
+@pytest.mark.parametrize("which", ["plain", "spec"])
+def test_completion(which, request):
+    server = request.getfixturevalue(which)
+    out = client(server).completions.create(model=name_of(server), prompt="hello world", max_tokens=10, temperature=0)
+    assert out.object == "text_completion" and len(out.choices) == 1
+    assert out.choices[0].finish_reason == "length"  # the tiny models have no EOS
+    assert out.usage.completion_tokens == 10 and out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 10
+    assert isinstance(out.choices[0].text, str) and out.choices[0].text
+    ids = [5, 17, 3, 60]  # token-id prompts work too
+    out = client(server).completions.create(model=name_of(server), prompt=ids, max_tokens=3, temperature=0)
+    assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("which,template", [("plain", DEFAULT_CHAT_TEMPLATE), ("spec", CHAT_TEMPLATE)])
+def test_chat_uses_the_model_template_or_the_default(which, template, request, model_dirs):
+    import jinja2
+
+    server = request.getfixturevalue(which)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello server"}]
+    out = client(server).chat.completions.create(model=name_of(server), messages=messages, max_tokens=6,
+                                                 temperature=0)  # fmt: skip
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant" and out.choices[0].finish_reason == "length"
+    rendered = jinja2.Template(template).render(messages=messages, add_generation_prompt=True)
+    assert out.usage.prompt_tokens == len(model_dirs[1].encode(rendered).ids)
+    assert out.usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize("which", ["plain", "spec"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_text_equals_non_streamed(which, endpoint, request):
+    server = request.getfixturevalue(which)
+    c, model = client(server), name_of(server)
+    for prompt in PROMPTS[:3]:
+        if endpoint == "completions":
+            full = c.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+            chunks = list(c.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True))
+            texts = [ch.choices[0].text for ch in chunks if ch.choices]
+        else:
+            msgs = [{"role": "user", "content": prompt}]
+            kw = dict(model=model, messages=msgs, max_tokens=16, temperature=0)
+            full = c.chat.completions.create(**kw).choices[0].message.content
+            chunks = list(c.chat.completions.create(**kw, stream=True))
+            assert chunks[0].choices[0].delta.role == "assistant"
+            texts = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
+        assert "".join(texts) == full
+        finishing = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16  # the final usage chunk
+
+
+def test_no_usage_chunk_when_opted_out(plain):
+    c = client(plain)
+    chunks = list(c.completions.create(model=name_of(plain), prompt="hi", max_tokens=4, temperature=0, stream=True,
+                                       stream_options={"include_usage": False}))  # fmt: skip
+    assert all(ch.choices for ch in chunks) and all(ch.usage is None for ch in chunks)
+
+
+def test_speculation_is_lossless_over_http(plain, spec):
+    for prompt in PROMPTS:
+        assert complete(spec, prompt, 16) == complete(plain, prompt, 16)
+
+
+def test_16_concurrent_greedy_requests_match_sequential(spec):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(16)]
+    sequential = [complete(spec, p, 12) for p in prompts]
+    before = health(spec)["num_steps"]
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = list(pool.map(lambda p: complete(spec, p, 12), prompts))
+    assert concurrent == sequential
+    assert health(spec)["num_steps"] > before
+
+
+# --- limits and errors -------------------------------------------------------------------------------------------
+
+
+def _json(body: dict) -> bytes:
+    return json.dumps(body).encode()
+
+
+BAD_REQUESTS = {  # name: (path, raw body, status, param)
+    "bad_json": ("/v1/completions", b'{"prompt": "x", ', 400, None),
+    "not_an_object": ("/v1/completions", b"[1, 2]", 400, None),
+    "missing_prompt": ("/v1/completions", _json({"max_tokens": 4}), 400, "prompt"),
+    "empty_prompt": ("/v1/completions", _json({"prompt": []}), 400, "prompt"),
+    "batched_prompts": ("/v1/completions", _json({"prompt": ["a", "b"]}), 400, "prompt"),
+    "missing_messages": ("/v1/chat/completions", _json({"max_tokens": 4}), 400, "messages"),
+    "bad_role": (
+        "/v1/chat/completions",
+        _json({"messages": [{"role": "robot", "content": "x"}]}),
+        400,
+        "messages[0].role",
+    ),  # fmt: skip
+    "max_tokens_0": ("/v1/completions", _json({"prompt": "x", "max_tokens": 0}), 400, "max_tokens"),
+    "max_tokens_past_context": ("/v1/completions", _json({"prompt": "x", "max_tokens": CONTEXT}), 400, "max_tokens"),
+    "prompt_past_context": (
+        "/v1/completions",
+        _json({"prompt": [7] * (CONTEXT + 5), "max_tokens": 1}),
+        400,
+        "prompt",
+    ),  # fmt: skip
+    "chat_past_context": (
+        "/v1/chat/completions",
+        _json({"messages": [{"role": "user", "content": "fox " * (2 * CONTEXT)}]}),
+        400,
+        "prompt",
+    ),  # fmt: skip
+    "temperature_negative": ("/v1/completions", _json({"prompt": "x", "temperature": -0.5}), 400, "temperature"),
+    "temperature_string": ("/v1/completions", _json({"prompt": "x", "temperature": "0.5"}), 400, "temperature"),
+    "top_p_zero": ("/v1/completions", _json({"prompt": "x", "top_p": 0}), 400, "top_p"),
+    "top_p_above_one": ("/v1/completions", _json({"prompt": "x", "top_p": 1.5}), 400, "top_p"),
+    "n_2": ("/v1/completions", _json({"prompt": "x", "n": 2}), 400, "n"),
+    "token_out_of_vocab": ("/v1/completions", _json({"prompt": [1, 2, 10**6]}), 400, None),
+    "stop_strings": ("/v1/completions", _json({"prompt": "x", "stop": ["\n"]}), 400, "stop"),
+    "unknown_model": ("/v1/completions", _json({"prompt": "x", "model": "gpt-17"}), 404, "model"),
+    "oversized_body": ("/v1/completions", _json({"prompt": "x" * (2 * BODY_LIMIT)}), 413, None),
+    "unknown_path": ("/v1/embeddings", _json({"input": "x"}), 404, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_4xx_and_the_server_keeps_serving(case, plain):
+    path, body, status, param = BAD_REQUESTS[case]
+    r = httpx.post(plain[0] + path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert complete(plain, "still there?", 3)  # the next good request works
+    assert wait_idle(plain)["kv_blocks_used"] == 0
+
+
+def test_oversized_body_without_content_length_is_cut_off(plain):
+    def chunks():  # a generator body goes out chunked: no Content-Length to check up front
+        yield b'{"prompt": "'
+        for _ in range(4):
+            yield b"x" * BODY_LIMIT
+        yield b'"}'
+
+    r = httpx.post(plain[0] + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert complete(plain, "still there?", 3)
+
+
+def test_openai_client_raises_on_4xx(spec):
+    c = client(spec)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=name_of(spec), prompt="x", max_tokens=2, temperature=-1)
+    assert complete(spec, "ok", 2)
+
+
+def test_429_beyond_max_pending_then_disconnects_free_the_kv_blocks(plain):
+    """Hold max_pending=16 long streams open, the 17th gets 429; dropping the streams aborts them at once."""
+    base = health(plain)
+    body = {"prompt": "hold the line", "max_tokens": LONG, "temperature": 0, "stream": True}
+    http = httpx.Client(base_url=plain[0], timeout=60)
+    streams = []
+    try:
+        for _ in range(16):
+            cm = http.stream("POST", "/v1/completions", json=body)
+            resp = cm.__enter__()
+            assert resp.status_code == 200
+            lines = resp.iter_lines()  # kept alive: dropping it would close the response
+            assert next(lines).startswith("data: ")  # the request is running: its first delta arrived
+            streams.append((cm, lines))
+        h = health(plain)
+        assert h["num_requests_in_flight"] == 16 and h["kv_blocks_used"] > 0
+        r = httpx.post(plain[0] + "/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        for cm, _ in streams:
+            cm.__exit__(None, None, None)  # closes the connection mid-stream: a client disconnect
+        http.close()
+    h = wait_idle(plain)
+    assert h["kv_blocks_used"] == 0 and h["num_requests_in_flight"] == 0
+    assert h["num_requests_finished"]["abort"] - base["num_requests_finished"]["abort"] == 16
+    assert h["num_generated_tokens"] - base["num_generated_tokens"] < 16 * (LONG)  # cut short, not finished
+    assert complete(plain, "after the storm", 3)
+
+
+def test_non_streaming_disconnect_aborts(plain):
+    base = health(plain)["num_requests_finished"]["abort"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(plain[0] + "/v1/completions", json={"prompt": "slow", "max_tokens": LONG, "temperature": 0},
+                   timeout=httpx.Timeout(5, read=0.3))  # fmt: skip
+    h = wait_idle(plain)
+    assert h["num_requests_finished"]["abort"] == base + 1 and h["kv_blocks_used"] == 0
+
+
+# --- metrics and load --------------------------------------------------------------------------------------------
+
+
+def test_metrics_show_acceptance(spec):
+    complete(spec, "def fib(n):", 16)
+    text = httpx.get(spec[0] + "/metrics").text
+    samples = {s.name + json.dumps(s.labels, sort_keys=True): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+
+    def value(name, **labels):
+        return samples[name + json.dumps(labels, sort_keys=True)]
+
+    drafted = value("specdec_spec_decode_num_drafted_tokens_total")
+    accepted = value("specdec_spec_decode_num_accepted_tokens_total")
+    steps = value("specdec_spec_decode_num_steps_total")
+    assert 0 < drafted <= 3 * steps and 0 < accepted <= drafted  # gamma = 3, or less where a controller chose so
+    assert value("specdec_spec_decode_acceptance_rate") == pytest.approx(accepted / drafted)
+    assert accepted / drafted > 0.5  # the draft has the target's weights
+    assert value("specdec_spec_decode_accepted_length_count") == steps
+    assert value("specdec_spec_decode_accepted_length_sum") == accepted
+    assert value("specdec_spec_decode_accepted_length_bucket", le="+Inf") == steps
+    assert value("specdec_spec_decode_mean_accepted_length") == pytest.approx((accepted + steps) / steps)
+    assert value("specdec_generation_tokens_total") > 0 and value("specdec_prompt_tokens_total") > 0
+    assert value("specdec_http_requests_total", endpoint="completions", status="200") >= 1
+    assert value("specdec_kv_cache_blocks_total") > 0
+    for gauge in ("specdec_num_requests_running", "specdec_num_requests_waiting", "specdec_kv_cache_usage_ratio"):
+        assert gauge + "{}" in samples
+
+
+def test_bounded_load_run_completes_and_frees_kv(spec):
+    c, model = client(spec), name_of(spec)
+    base = health(spec)
+
+    def one(i: int):
+        kw = dict(model=model, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=8, temperature=0.8, seed=i)
+        if i % 2:
+            chunks = list(c.completions.create(**kw, stream=True))
+            return chunks[-1].usage.completion_tokens, [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+        out = c.completions.create(**kw)
+        return out.usage.completion_tokens, out.choices[0].finish_reason
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(64)))
+    assert results == [(8, "length")] * 64
+    h = wait_idle(spec)
+    assert h["kv_blocks_used"] == 0 and h["num_requests_waiting"] == 0 and h["num_requests_in_flight"] == 0
+    assert h["num_requests_finished"]["length"] - base["num_requests_finished"]["length"] == 64
+
+
+# --- the backend API without HTTP ----------------------------------------------------------------------------------
+
+
+def test_async_engine_api(spec):
+    engine = spec[1].state.engine
+
+    async def run():
+        with pytest.raises(ValueError):  # invalid input raises before anything streams
+            await engine.add_request([1, 2, 3], SamplingParams(max_tokens=CONTEXT))
+        stream = await engine.add_request("hello world", SamplingParams(max_tokens=5))
+        deltas = [d async for d in stream]
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 5
+        assert sum(len(d.token_ids) for d in deltas) == 5 and deltas[-1].metrics["num_steps"] >= 1
+        # abort mid-stream: the request ends with "abort" and its blocks come back
+        stream = await engine.add_request("hello world", SamplingParams(max_tokens=LONG))
+        first = await stream.__anext__()
+        engine.abort(stream.request_id)
+        rest = [d async for d in stream]
+        assert not first.finished and rest[-1].finish_reason == "abort"
+
+    asyncio.run(run())
+    assert wait_idle(spec)["kv_blocks_used"] == 0
+
+
+def test_incremental_text_never_splits_a_character(spec, model_dirs):
+    """Byte-level tokens cut multi-byte characters: each delta holds a trailing U+FFFD back until it resolves."""
+    from spec_engine.server.async_engine import _Sink
+
+    text = "naïve 日本語 🙂!"
+    ids = model_dirs[1].encode(text).ids
+    assert len(ids) > len(text)  # several characters span more than one token
+    engine, sink = spec[1].state.engine, _Sink(None, None, 0)
+    pieces = [engine._new_text(sink, ids[:k], finished=k == len(ids)) for k in range(1, len(ids) + 1)]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
