@@ -45,7 +45,6 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True):
                 spec["tree"] = [int(x) for x in args.tree.split(",")]
             except ValueError:
                 raise SystemExit(f"error: --tree must be comma-separated ints, got {args.tree!r}") from None
-            spec.setdefault("num_speculative_tokens", len(spec["tree"]))
     return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)  # fmt: skip
 

@@ -20,12 +20,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spec_engine.adaptive import AdaptiveController, RowState
 from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
 from spec_engine.models import LlamaForCausalLM
 from spec_engine.sampling import SEED_MASK, SamplingParams
 from spec_engine.tree import causal_mask, tree_depths, tree_mask
-from spec_kernels import compact_kv_, verify_tree
+from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, verify_tree
+
+GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
 
 
 @dataclass
@@ -34,6 +37,8 @@ class RequestMetrics:
     num_drafted: int = 0  # tree depth asked per step, summed: the chances to accept
     num_accepted: int = 0  # drafted tokens the target kept
     accepted_hist: list[int] = field(default_factory=list)  # [k] = steps that accepted k drafts
+    gamma_hist: list[int] = field(default_factory=list)  # [g] = steps this request was drafted at depth g
+    alpha_estimate: float | None = None  # the adaptive controller's smoothed acceptance rate (None when fixed)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -47,6 +52,8 @@ class RequestMetrics:
             "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
             "mean_accepted_length": num_output_tokens / self.num_steps if self.num_steps else 0.0,  # tau
             "accepted_length_hist": list(self.accepted_hist),
+            "gamma_hist": list(self.gamma_hist),
+            "alpha_estimate": self.alpha_estimate,
             "time_to_first_token": (self.first_token_time or 0.0) - self.arrival_time,
             "elapsed": elapsed,
             "tokens_per_s": num_output_tokens / elapsed if elapsed > 0 else 0.0,
@@ -66,6 +73,7 @@ class Request:
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     draft_generator: torch.Generator | None = None
+    spec_state: RowState | None = None  # the adaptive controller's estimates for this request
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -88,7 +96,11 @@ class StepOutput:
 
 
 class Engine:
-    """Runs requests to completion on a target model, optionally speculating with ``drafter``."""
+    """Runs requests to completion on a target model, optionally speculating with ``drafter``.
+
+    ``num_speculative_tokens`` is the tree depth: fixed, or with ``adaptive=True`` the deepest the controller
+    (spec_engine/adaptive.py) may choose per row and step, 0 included.
+    """
 
     def __init__(
         self,
@@ -102,6 +114,7 @@ class Engine:
         max_num_seqs: int = 16,
         prefill_chunk: int = 512,
         eos_token_ids: list[int] | None = None,
+        adaptive: bool = False,
     ):
         self.target, self.kv, self.allocator, self.drafter = target, kv, allocator, drafter
         self.gamma = num_speculative_tokens if drafter is not None else 0
@@ -115,6 +128,14 @@ class Engine:
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0}
         self.accepted_hist = [0] * (self.gamma + 1)
+        self.gamma_history: deque[int] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode step: the deepest row's depth
+        self.gamma_hist = [0] * (self.gamma + 1)  # [g] = rows drafted at depth g, over all steps
+        self.step_times = (0.0, 0.0)  # the last speculative step's (draft, whole step) seconds
+        self.controller = None
+        if adaptive and drafter is not None:
+            tree = getattr(drafter, "tree", None)
+            self.controller = AdaptiveController(self.gamma, drafter.nodes_for_depth,
+                                                 tree=tree is not None and not tree.is_chain)  # fmt: skip
 
     # --- requests --------------------------------------------------------------------------------------------
 
@@ -125,11 +146,9 @@ class Engine:
         # the tree of the last step can run past max_tokens; its K/V still need rows
         return len(req.prompt_token_ids) + req.params.max_tokens + self.max_tree_nodes()
 
-    def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> Request:
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that can never run; nothing is queued."""
         params.validate()
-        ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
@@ -144,6 +163,12 @@ class Engine:
             > self.allocator.num_blocks - 1
         ):
             raise ValueError("this request needs more KV blocks than the whole cache holds; raise the KV budget")
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        ids = list(prompt_token_ids)
+        self.check_request(ids, params)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = Request(request_id or str(next(self._ids)), ids, params, seed)
         req.draft_generator = torch.Generator().manual_seed(seed)
@@ -220,7 +245,7 @@ class Engine:
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         gammas = self.choose_gammas(reqs)
-        lag = max(r.num_computed - r.draft_len for r in reqs)
+        lag = max(self.drafter.cache_lag(r) for r in reqs) if self.drafter is not None else 0
         seqlens = torch.tensor([r.num_computed for r in reqs], dtype=torch.int32)  # [B]
         batch = StepBatch(
             requests=reqs,
@@ -231,19 +256,23 @@ class Engine:
             gammas=gammas,
         )
         out_tokens, num_accepted = self._spec_step(batch)
+        if self.controller is not None:
+            self.controller.observe(reqs, gammas, num_accepted, *self.step_times)
+        self.gamma_history.append(max(gammas))
         return self._emit(reqs, gammas, out_tokens, num_accepted)
 
     def choose_gammas(self, reqs: list[Request]) -> list[int]:
-        """Tree depth per row this step. Fixed here; the adaptive controller overrides it."""
+        """Tree depth per row this step: fixed, or the adaptive controller's choice (0 = not drafted)."""
+        if self.controller is not None:
+            return self.controller.choose(reqs)
         return [self.gamma] * len(reqs)
 
     def _spec_step(self, batch: StepBatch) -> tuple[list[list[int]], list[int]]:
         """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches."""
-        drafting = self.drafter is not None and max(batch.gammas) > 0
-        if drafting:
-            draft = self.drafter.propose(batch)  # tokens/parents [B, T], draft_probs [B, T, V] | None
-        else:
-            draft = Draft(batch.roots[:, None], torch.full((batch.size, 1), -1, dtype=torch.int64))
+        start = time.perf_counter()
+        rows = [b for b, g in enumerate(batch.gammas) if g > 0] if self.drafter is not None else []
+        draft = self._propose(batch, rows)  # tokens/parents [B, T], draft_probs [B, T, V] | None
+        drafted = time.perf_counter()
         positions = batch.seqlens.long()[:, None] + tree_depths(draft.parents)  # [B, T]: L_b + depth
         hidden = self.target(draft.tokens, positions, self.kv.data, batch.seqlens, tree_mask(draft.parents),
                              batch.block_table)  # fmt: skip
@@ -257,9 +286,31 @@ class Engine:
         )
         compact_kv_(self.kv.planes, batch.seqlens, result.accepted_nodes, result.num_accepted,
                     block_table=batch.block_table)  # fmt: skip
-        if drafting:
-            self.drafter.commit(batch, result)
-        return result.output_tokens.tolist(), result.num_accepted.tolist()  # the step's one host sync
+        if rows:
+            self.drafter.commit(*_select_rows(batch, result, rows))
+        out = result.output_tokens.tolist(), result.num_accepted.tolist()  # the step's one host sync
+        self.step_times = (drafted - start, time.perf_counter() - start)
+        return out
+
+    def _propose(self, batch: StepBatch, rows: list[int]) -> Draft:
+        """The drafter's trees for ``rows`` (depth > 0), run on those rows only; every other row is its root alone."""
+        if len(rows) == batch.size:
+            return self.drafter.propose(batch)
+        root_only = torch.full((batch.size, 1), PAD_NODE, dtype=torch.int64)
+        if not rows:
+            return Draft(batch.roots[:, None], root_only)
+        sub = self.drafter.propose(_select_rows(batch, None, rows)[0])  # [B_d, T]
+        idx = torch.tensor(rows)
+        tokens = sub.tokens.new_zeros(batch.size, sub.tokens.shape[1])  # [B, T]
+        tokens[:, 0] = batch.roots
+        tokens[idx] = sub.tokens
+        parents = root_only.expand(-1, tokens.shape[1]).clone()  # [B, T]: undrafted rows are all padding
+        parents[idx] = sub.parents
+        probs = None
+        if sub.draft_probs is not None:
+            probs = sub.draft_probs.new_zeros(*tokens.shape, sub.draft_probs.shape[-1])  # [B, T, V]
+            probs[idx] = sub.draft_probs
+        return Draft(tokens, parents, probs, sub.draft_sampling)
 
     def _sampling_tensors(self, batch: StepBatch) -> dict:
         params = [r.params for r in batch.requests]
@@ -287,6 +338,9 @@ class Engine:
             m.num_accepted += n - 1
             m.accepted_hist.extend([0] * (n - len(m.accepted_hist)))
             m.accepted_hist[n - 1] += 1
+            m.gamma_hist.extend([0] * (gamma + 1 - len(m.gamma_hist)))
+            m.gamma_hist[gamma] += 1
+            self.gamma_hist[gamma] += 1
             if m.first_token_time is None:
                 m.first_token_time = now
             self.stats["num_steps"] += 1
@@ -310,3 +364,13 @@ class Engine:
                 self._finish(req, "stop")
                 return toks[: i + 1]
         return toks[:room]
+
+
+def _select_rows(batch: StepBatch, result: VerifyResult | None, rows: list[int]) -> tuple[StepBatch, VerifyResult]:
+    """The sub-batch (and verify result) of the drafted rows, for drafters that run on those rows only."""
+    if len(rows) == batch.size:
+        return batch, result
+    idx = torch.tensor(rows)
+    sub = StepBatch([batch.requests[b] for b in rows], batch.seqlens[idx], batch.roots[idx], batch.block_table[idx],
+                    batch.temperature[idx], [batch.gammas[b] for b in rows])  # fmt: skip
+    return sub, None if result is None else VerifyResult(*(x[idx.to(x.device)] for x in result))

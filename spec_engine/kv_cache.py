@@ -68,15 +68,17 @@ class BlockAllocator:
 
 
 def plan_num_blocks(
-    cfgs: list[ModelConfig], dtype: torch.dtype, block_size: int, memory_budget_bytes: int, max_model_len: int
+    cfgs: list[ModelConfig], dtype: torch.dtype, block_size: int, memory_budget_bytes: int, max_request_tokens: int
 ) -> int:
-    """How many blocks fit the budget, counting every model's bytes per token; at least one full-length request."""
+    """How many blocks fit the budget, counting every model's bytes per token; at least one largest request
+    (``max_request_tokens``: a full context plus the tree of its last step) and the scratch block."""
     per_token = sum(kv_bytes_per_token(c, dtype) for c in cfgs)
     num_blocks = memory_budget_bytes // (per_token * block_size)
-    min_blocks = 1 + math.ceil(max_model_len / block_size)
+    min_blocks = 1 + math.ceil(max_request_tokens / block_size)
     if num_blocks < min_blocks:
         raise ValueError(
             f"KV memory budget {memory_budget_bytes / 2**20:.0f} MiB holds {num_blocks} blocks of {block_size} tokens; "
-            f"one request of max_model_len={max_model_len} needs {min_blocks}. Raise the budget or lower max_model_len."
+            f"one request of {max_request_tokens} tokens (context + tree) needs {min_blocks}. Raise the budget or "
+            "lower max_model_len."
         )
     return int(num_blocks)

@@ -20,7 +20,8 @@ from spec_engine.sampling import SamplingParams
 from spec_engine.tree import StaticTree, chain
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": 4, "ngram": 4}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": "auto", "ngram": "auto"}  # "auto": adaptive (spec_engine/adaptive.py)
+ADAPTIVE_MAX_DEPTH = 8  # the deepest chain "auto" may draft; a static tree caps it at its own depth
 SPECULATIVE_METHODS = tuple(DEFAULT_NUM_SPECULATIVE_TOKENS)
 
 
@@ -62,13 +63,16 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
     method = spec.get("method", "draft_model" if "model" in spec else None)
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {method!r}")
-    unknown = set(spec) - {"method", "model", "num_speculative_tokens", "tree", "max_n", "min_n"}
+    unknown = set(spec) - {"method", "model", "num_speculative_tokens", "tree", "draft_sampling", "max_n", "min_n"}
     if unknown:
         raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
     gamma = spec.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[method])
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= 16:
-        raise ValueError(f"num_speculative_tokens must be an int in [1, 16], got {gamma!r}")
+    adaptive = gamma == "auto"
     tree = spec.get("tree")
+    if adaptive:
+        gamma = len(tree) if isinstance(tree, (list, tuple)) and tree else ADAPTIVE_MAX_DEPTH
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= 16:
+        raise ValueError(f"num_speculative_tokens must be 'auto' or an int in [1, 16], got {gamma!r}")
     if tree is not None:
         if method != "draft_model":
             raise ValueError("a static 'tree' needs method='draft_model'")
@@ -80,7 +84,7 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
             raise ValueError(f"tree {list(tree)} has {math.prod(tree)} leaves; at most 64 are supported")
     if method == "draft_model" and not spec.get("model"):
         raise ValueError("speculative_config with method='draft_model' needs 'model': a draft model directory")
-    return {**spec, "method": method, "num_speculative_tokens": gamma}
+    return {**spec, "method": method, "num_speculative_tokens": gamma, "adaptive": adaptive}
 
 
 class LLM:
@@ -91,6 +95,9 @@ class LLM:
     model : HF directory with config.json, *.safetensors and tokenizer.json.
     speculative_config : None, ``{"method": "draft_model", "model": DIR, "num_speculative_tokens": g,
         "tree": [b1, b2, ...]}`` (children per depth, padded with 1 up to g) or ``{"method": "ngram", ...}``.
+        ``num_speculative_tokens`` left out or ``"auto"`` is adaptive speculation: each step the engine picks the
+        depth per request, 0 (no drafting) to 8 for chains or to the tree's depth, to maximise the tokens per
+        second it expects from measured acceptance and measured step costs. An int fixes the depth.
     device, dtype : where and in what precision the weights and KV caches live.
     max_model_len : context length (prompt + output); defaults to the model's, capped at 4096.
     max_num_seqs : requests decoded together.
@@ -132,28 +139,33 @@ class LLM:
                     "the draft model must share the target's tokenizer"
                 )
             self._check_same_tokenizer(spec["model"])
+        gamma = spec["num_speculative_tokens"] if spec else 0
+        tree = None
+        if spec and spec["method"] == "draft_model":
+            branching = tuple(spec.get("tree") or ())
+            tree = StaticTree(branching + (1,) * (gamma - len(branching))) if branching else chain(gamma)
+        max_tree_nodes = tree.num_nodes if tree else gamma + 1
+        # one full-length request plus the tree of its last step must always fit
+        max_request_tokens = self.max_model_len + max_tree_nodes
         cfgs = [cfg] + ([draft_model.config] if draft_model else [])
         if kv_cache_memory is None:
             per_seq = sum(2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim for c in cfgs)
-            per_seq *= torch.empty((), dtype=torch_dtype).itemsize * (self.max_model_len + 2 * 64 + block_size)
+            per_seq *= torch.empty((), dtype=torch_dtype).itemsize * (max_request_tokens + block_size)
             kv_cache_memory = min(2 << 30, max_num_seqs * per_seq)
-        num_blocks = plan_num_blocks(cfgs, torch_dtype, block_size, kv_cache_memory, self.max_model_len)
+        num_blocks = plan_num_blocks(cfgs, torch_dtype, block_size, kv_cache_memory, max_request_tokens)
         self.allocator = BlockAllocator(num_blocks, block_size)
         kv = PagedKVCache(cfg, num_blocks, block_size, torch_dtype, device)
 
         drafter: Drafter | None = None
-        gamma = spec["num_speculative_tokens"] if spec else 0
-        if spec and spec["method"] == "draft_model":
-            branching = tuple(spec.get("tree") or ())
-            tree = StaticTree(branching + (1,) * (gamma - len(branching))) if branching else chain(gamma)
-            drafter = DraftModelDrafter(draft_model, PagedKVCache(draft_model.config, num_blocks, block_size,
-                                                                  torch_dtype, device), tree)  # fmt: skip
+        if tree is not None:
+            draft_kv = PagedKVCache(draft_model.config, num_blocks, block_size, torch_dtype, device)
+            drafter = DraftModelDrafter(draft_model, draft_kv, tree, spec.get("draft_sampling", "without_replacement"))
         elif spec:
             drafter = NgramDrafter(gamma, spec.get("max_n", 4), spec.get("min_n", 1))
         self.engine = Engine(
             self.target, kv, self.allocator, drafter,
             num_speculative_tokens=gamma, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-            prefill_chunk=prefill_chunk, eos_token_ids=cfg.eos_token_id,
+            prefill_chunk=prefill_chunk, eos_token_ids=cfg.eos_token_id, adaptive=bool(spec and spec["adaptive"]),
         )  # fmt: skip
 
     def _check_same_tokenizer(self, draft_dir) -> None:
@@ -176,7 +188,7 @@ class LLM:
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), (list, tuple)):
             return None, list(prompt["prompt_token_ids"])
         raise ValueError("each prompt must be a str or {'prompt_token_ids': [int, ...]}")
 
@@ -191,7 +203,7 @@ class LLM:
 
         Invalid input raises ``ValueError`` before any work starts, and the engine stays usable.
         """
-        if isinstance(prompts, (str, dict)):
+        if not isinstance(prompts, (list, tuple)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -201,14 +213,7 @@ class LLM:
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         parsed = [self._prompt_ids(p) for p in prompts]
         for (_, ids), p in zip(parsed, params):  # validate everything before queueing anything
-            p.validate()
-            if not ids:
-                raise ValueError("the prompt is empty: give at least one token")
-            if len(ids) + p.max_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds "
-                    f"max_model_len ({self.max_model_len})"
-                )
+            self.engine.check_request(ids, p)
         reqs: list[Request] = []
         try:
             for (_, ids), p in zip(parsed, params):

@@ -63,6 +63,10 @@ class Drafter(ABC):
     def commit(self, batch: StepBatch, result: VerifyResult) -> None:  # noqa: B027
         """Learn which path the target accepted (compact own caches, advance own lengths)."""
 
+    def cache_lag(self, request) -> int:
+        """Tokens the drafter's own cache still has to catch up on before it can draft for ``request``."""
+        return 0
+
     def nodes_for_depth(self, depth: int) -> int:
         """T of a tree of the given depth (for KV reservations and cost models)."""
         return depth + 1

@@ -37,6 +37,9 @@ class DraftModelDrafter(Drafter):
         self._parents = tree.parents()  # [T_max]
         self._built_depth = 0
 
+    def cache_lag(self, request) -> int:
+        return request.num_computed - request.draft_len
+
     def nodes_for_depth(self, depth: int) -> int:
         return sum(self.tree.level_sizes[: depth + 1])
 
@@ -49,7 +52,7 @@ class DraftModelDrafter(Drafter):
 
     def _catch_up(self, batch: StepBatch) -> torch.Tensor:
         """Feed each row's tokens the draft cache lacks, then its root; return q logits at the root [B, V]."""
-        lags = [int(L) - r.draft_len for r, L in zip(batch.requests, batch.seqlens.tolist())]
+        lags = [self.cache_lag(r) for r in batch.requests]
         T = max(lags) + 1
         tokens = torch.zeros(batch.size, T, dtype=torch.int64)  # [B, T], padded at the end
         for b, (r, lag) in enumerate(zip(batch.requests, lags)):

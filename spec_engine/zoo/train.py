@@ -49,7 +49,7 @@ class Recipe:
     vocab_size: int = 4096
     seq_len: int = 256
     batch_size: int = 12
-    target_steps: int = 1400
+    target_steps: int = 1300
     draft_steps: int = 600
     target_lr: float = 1.5e-3
     draft_lr: float = 3e-3

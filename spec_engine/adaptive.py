@@ -1,0 +1,241 @@
+"""Adaptive speculation: pick each row's tree depth every step to maximise expected emitted tokens per second.
+
+Glossary:
+    alpha_b,j   probability that row b's drafted path survives depth j, given it survived depth j-1 (a chain has
+                one alpha per row: the geometric model of ../shared/DESIGN.md)
+    E_b(g)      expected tokens row b emits from one step drafted at depth g: 1 + sum_{d<=g} prod_{j<=d} alpha_b,j,
+                which for a chain is (1 - alpha^(g+1)) / (1 - alpha)
+    G           the step's depth: the deepest row. Every row then pays for T = nodes_for_depth(G) target tokens,
+                because the target pass is dense [B, T]
+    B_d         rows drafted this step; the engine runs the drafter on those rows only
+
+Each step the controller scans G in 0..max_depth and, for each G, the number k of rows drafted (the k rows that
+gain most), and keeps the pair maximising
+    (sum of E over the k drafted rows + the B - k undrafted rows) / (t_draft(G, k) + t_target(B * T(G))).
+G = 0 turns the drafter off for the step: plain decoding. The scan is (max_depth + 1) * (B + 1) numbers: ~1e3 at
+max_depth 16 and B 64, ~100 us of Python at that size (~10 us at B = 1), and no forward pass.
+
+Estimates, all online and free:
+- acceptance: per request and depth, exponentially forgotten counts (``DECAY`` per drafted step of the row) of the
+  geometric MLE: alpha = (a + s * alpha_0) / (a + r + s). A step drafted at depth g that accepted k adds one accept
+  at depths 1..k and one reject at depth k+1 (if k < g). A chain pools the depths (which is exactly the geometric
+  MLE); a tree shrinks each depth toward the row's pooled estimate with ``DEPTH_PRIOR`` pseudo-trials. The prior
+  alpha_0 (``PRIOR_STRENGTH`` pseudo-trials) is the acceptance of the recent requests (a slower-forgetting estimate
+  over all rows, itself starting at 0.5): a new request starts where its predecessors ended, so it neither wastes
+  steps on a useless draft nor ramps up slowly with a good one.
+- cost: least squares with forgetting, t_target = a + b * (B*T) and t_draft = c * G + d * (B_d * draft tokens, the
+  catch-up of a lagging draft cache included), the draft part timed around ``Drafter.propose`` and the target part
+  the rest of the step. A weak prior on b / a and d / c splits the first observations, so the first step can run at
+  max depth (optimistic) and the measurements correct it. The engine's first step is not timed (one-time costs),
+  and a step slower than ``OUTLIER`` times its prediction is clipped, since other jobs on the machine preempt steps
+  at random. On CUDA the draft's kernels may finish after ``propose`` returns; their time then lands in the target
+  part, which still rises with G, so the sum the controller compares stays right.
+
+Rows dropped to depth 0 receive no acceptance evidence, so every ``PROBE_INTERVAL`` steps the rows that have not been
+drafted for their probe interval are drafted once (at G if others draft, else at depth 1). A probe that accepts
+nothing doubles the row's interval, up to ``MAX_PROBE_INTERVAL``: a useless draft then costs one depth-1 step in 64,
+about 0.5% of the time on this CPU, and a draft that turns useful is back within 64 steps. A new request starts with
+the interval of the last drafted row, so a stream of short requests does not probe a useless draft at every start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+DECAY = 0.9  # per drafted step of a row: a half-life of ~6.6 steps, so a request adapts within ~10 steps
+POPULATION_DECAY = 0.99  # per drafted row-step: the engine-wide estimate remembers ~100 of them
+PRIOR_STRENGTH = 2.0  # pseudo-trials of the prior: a row that rejects everything settles at alpha_0 / 6
+DEPTH_PRIOR = 2.0  # pseudo-trials pulling a tree depth's alpha toward the row's pooled alpha
+PROBE_INTERVAL = 16  # steps between probes of undrafted rows
+MAX_PROBE_INTERVAL = 64
+COST_FORGET = 0.97  # per observed step: the cost fits remember ~30 steps (batch size and context drift)
+TARGET_PER_TOKEN_PRIOR = 0.1  # b / a: on this CPU, HF eager verifies 6 tokens for ~1.7x the cost of one
+DRAFT_PER_TOKEN_PRIOR = 0.1  # d / c
+TOKENS_REF = 16.0  # token counts are divided by this so both coefficients of a fit have comparable scales
+OUTLIER = 3.0  # a step timed above this multiple of its prediction (preemption, a one-time load) is clipped to it
+
+
+class AcceptanceEstimate:
+    """Forgetful accept/reject counts of one request (or of all rows); see the module docstring.
+
+    Plain floats, not numpy: at these sizes numpy's per-call overhead would cost more than the step it steers.
+    """
+
+    def __init__(self, max_depth: int, per_depth: bool, prior: float = 0.5, decay: float = DECAY):
+        self.num_accepts = self.num_rejects = 0.0  # decayed counts over all depths: the pooled (chain) estimate
+        self.accepts = [0.0] * max_depth  # [D]: decayed count of steps whose path survived depth j+1 (trees only)
+        self.rejects = [0.0] * max_depth  # [D]: decayed count of steps whose path stopped at depth j+1 (trees only)
+        self.per_depth, self.prior, self.decay = per_depth, prior, decay
+
+    def update(self, depth: int, num_accepted: int) -> None:
+        if depth == 0:
+            return
+        rejected = num_accepted < depth
+        self.num_accepts = self.decay * self.num_accepts + num_accepted
+        self.num_rejects = self.decay * self.num_rejects + rejected
+        if self.per_depth:
+            self.accepts = [self.decay * a + (j < num_accepted) for j, a in enumerate(self.accepts)]
+            self.rejects = [self.decay * r + (rejected and j == num_accepted) for j, r in enumerate(self.rejects)]
+
+    @property
+    def alpha(self) -> float:
+        """The pooled (chain) acceptance rate per drafted token."""
+        return (self.num_accepts + PRIOR_STRENGTH * self.prior) / (self.num_accepts + self.num_rejects + PRIOR_STRENGTH)
+
+    def depth_alphas(self) -> list[float]:
+        """[D] alpha_j: the chance that the path survives depth j+1 once it reached depth j."""
+        pooled = self.alpha
+        if not self.per_depth:
+            return [pooled] * len(self.accepts)
+        return [(a + DEPTH_PRIOR * pooled) / (a + r + DEPTH_PRIOR) for a, r in zip(self.accepts, self.rejects)]
+
+    def expected_tokens(self, cap: float) -> list[float]:
+        """[D + 1] E(g) = 1 + sum_{d<=g} prod_{j<=d} alpha_j for g = 0..D, each capped at ``cap`` tokens."""
+        out, reach, total = [1.0], 1.0, 1.0
+        for a in self.depth_alphas():
+            reach *= a
+            total += reach
+            out.append(min(total, cap))
+        return out
+
+
+class LinearCost:
+    """t ~ theta . (x0, x1) by least squares with exponential forgetting, plus a ridge prior theta1 ~ ratio * theta0.
+
+    The prior weighs as one observation, so it only decides what the data cannot: the split between the two
+    coefficients while every observation has the same x. A 2x2 solve in closed form: cheaper than numpy's.
+    Observations above ``OUTLIER`` times the prediction are clipped: one slow step (the machine's other jobs) would
+    otherwise steer ~30 steps.
+    """
+
+    def __init__(self, prior_ratio: float, forget: float = COST_FORGET):
+        self.forget, self.ratio = forget, prior_ratio
+        self._xx = [0.0, 0.0, 0.0]  # decayed sums of x0*x0, x0*x1, x1*x1
+        self._xt = [0.0, 0.0]  # decayed sums of x0*t, x1*t
+        self.num_observed = 0
+        self.theta = (0.0, 0.0)
+
+    def observe(self, x0: float, x1: float, t: float) -> None:
+        if self.num_observed >= 2:
+            t = min(t, OUTLIER * self.predict(x0, x1))
+        f, xx, xt = self.forget, self._xx, self._xt
+        self._xx = [f * xx[0] + x0 * x0, f * xx[1] + x0 * x1, f * xx[2] + x1 * x1]
+        self._xt = [f * xt[0] + x0 * t, f * xt[1] + x1 * t]
+        self.num_observed += 1
+        a00, a01, a11 = self._xx[0] + self.ratio**2, self._xx[1] - self.ratio, self._xx[2] + 1.0  # + (-r, 1)(-r, 1)^T
+        det = a00 * a11 - a01 * a01
+        theta0 = (a11 * self._xt[0] - a01 * self._xt[1]) / det
+        theta1 = (a00 * self._xt[1] - a01 * self._xt[0]) / det
+        self.theta = (max(theta0, 0.0), max(theta1, 0.0))  # noise must not make more work look cheaper
+
+    def predict(self, x0: float, x1: float) -> float:
+        return self.theta[0] * x0 + self.theta[1] * x1
+
+
+@dataclass
+class RowState:
+    """What the controller keeps per request (``Request.spec_state``)."""
+
+    acceptance: AcceptanceEstimate
+    steps_undrafted: int = 0
+    probe_interval: int = PROBE_INTERVAL
+
+
+class AdaptiveController:
+    """Chooses per-row depths (``choose``) and learns from each step's outcome and timing (``observe``).
+
+    Parameters
+    ----------
+    max_depth : the deepest tree allowed (8 for ``"auto"`` chains, a static tree's own depth).
+    nodes_for_depth : T of a row drafted at depth g (``Drafter.nodes_for_depth``).
+    tree : the drafts are trees (wider than chains): track acceptance per depth, and count the draft model's
+        forward over all the nodes above the deepest level (a chain runs one new node per forward).
+    """
+
+    def __init__(self, max_depth: int, nodes_for_depth: Callable[[int], int], *, tree: bool = False):
+        self.max_depth = max_depth
+        self.tree = tree
+        self.nodes = [nodes_for_depth(g) for g in range(max_depth + 1)]  # [D+1]: T at depth g
+        # tokens per row of the draft forwards at depth g: the root, then (trees) the nodes of the levels above
+        self.draft_tokens = [0.0]  # [D+1]
+        for g in range(max_depth):
+            self.draft_tokens.append(self.draft_tokens[-1] + (max(self.nodes[g] - 1, 1) if tree else 1))
+        self.target_cost = LinearCost(TARGET_PER_TOKEN_PRIOR * TOKENS_REF)
+        self.draft_cost = LinearCost(DRAFT_PER_TOKEN_PRIOR * TOKENS_REF)
+        self.population = AcceptanceEstimate(max_depth, per_depth=False, decay=POPULATION_DECAY)
+        self.num_steps = 0
+        self.probe_interval = PROBE_INTERVAL  # the last drafted row's: where a new request's interval starts
+        self._lag = 0  # the drafted rows' largest draft-cache lag this step
+        self._cold = True  # the engine's first step pays one-time costs (extension loads, allocations): not timed
+
+    def state(self, req) -> RowState:
+        if req.spec_state is None:
+            acceptance = AcceptanceEstimate(self.max_depth, self.tree, prior=self.population.alpha)
+            req.spec_state = RowState(acceptance, probe_interval=self.probe_interval)
+        return req.spec_state
+
+    def choose(self, reqs: Sequence) -> list[int]:
+        """Depth per row for this step (0 = not drafted)."""
+        B, D = len(reqs), self.max_depth
+        states = [self.state(r) for r in reqs]
+        if not (self.target_cost.num_observed and self.draft_cost.num_observed):
+            return self._commit_choice(reqs, states, [D] * B)  # optimistic until costs are measured
+        # tokens past max_tokens are worth nothing
+        E = [s.acceptance.expected_tokens(max(r.params.max_tokens - len(r.output_token_ids), 1))
+             for s, r in zip(states, reqs)]  # [B][D+1]  # fmt: skip
+        best_rate, best_G, best_k = B / max(self.target_cost.predict(1.0, B / TOKENS_REF), 1e-9), 0, 0
+        cheapest = self.target_cost.predict(1.0, B * self.nodes[1] / TOKENS_REF) + self.draft_cost.predict(1.0, 0.0)
+        if (B + sum(row[D] - 1.0 for row in E)) / max(cheapest, 1e-9) <= best_rate:
+            D = 0  # not even every row at full depth for the cost of depth 1 beats plain decoding: skip the scan
+        for G in range(1, D + 1):
+            t_fixed = self.target_cost.predict(1.0, B * self.nodes[G] / TOKENS_REF) + self.draft_cost.predict(G, 0.0)
+            t_per_row = self.draft_cost.predict(0.0, self.draft_tokens[G] / TOKENS_REF)
+            gain = float(B)
+            for k, e in enumerate(sorted((row[G] - 1.0 for row in E), reverse=True), start=1):  # best rows first
+                gain += e
+                rate = gain / max(t_fixed + k * t_per_row, 1e-9)
+                if rate > best_rate:
+                    best_rate, best_G, best_k = rate, G, k
+        gammas = [0] * B
+        for b in sorted(range(B), key=lambda b: -E[b][best_G])[:best_k]:
+            gammas[b] = best_G
+        self._probe(states, gammas, best_G)
+        return self._commit_choice(reqs, states, gammas)
+
+    def _probe(self, states: list[RowState], gammas: list[int], G: int) -> None:
+        """Draft once the undrafted rows whose probe is due, so a request whose text turned predictable recovers."""
+        if self.num_steps % PROBE_INTERVAL:
+            return
+        due = [b for b, s in enumerate(states) if gammas[b] == 0 and s.steps_undrafted >= s.probe_interval]
+        for b in due:
+            gammas[b] = max(G, 1)
+
+    def _commit_choice(self, reqs: Sequence, states: list[RowState], gammas: list[int]) -> list[int]:
+        self.num_steps += 1
+        # a draft model first feeds the tokens its cache lacks (1 after a full chain, more after undrafted steps)
+        self._lag = max((r.num_computed - r.draft_len for r, g in zip(reqs, gammas) if g), default=0)
+        for s, g in zip(states, gammas):
+            s.steps_undrafted = s.steps_undrafted + 1 if g == 0 else 0
+        return gammas
+
+    def observe(self, reqs: Sequence, gammas: Sequence[int], num_accepted: Sequence[int], draft_seconds: float,
+                step_seconds: float) -> None:  # fmt: skip
+        """Learn from one step: ``num_accepted`` as verify_tree's (the root included), the step's wall times."""
+        for req, g, n in zip(reqs, gammas, num_accepted):
+            if g == 0:
+                continue
+            s = self.state(req)
+            s.acceptance.update(g, n - 1)
+            self.population.update(g, n - 1)
+            s.probe_interval = PROBE_INTERVAL if n > 1 else min(2 * s.probe_interval, MAX_PROBE_INTERVAL)
+            self.probe_interval = s.probe_interval
+            req.metrics.alpha_estimate = s.acceptance.alpha
+        if self._cold:
+            self._cold = False
+            return
+        B, G = len(reqs), max(gammas)
+        num_drafted = sum(g > 0 for g in gammas)
+        self.target_cost.observe(1.0, B * self.nodes[G] / TOKENS_REF, step_seconds - draft_seconds)
+        if G:
+            self.draft_cost.observe(G, num_drafted * (self.draft_tokens[G] + self._lag) / TOKENS_REF, draft_seconds)

@@ -1,0 +1,237 @@
+"""Continuous batching (admission, chunked prefill, KV accounting) and adaptive speculation (spec_engine/adaptive.py).
+
+Batch-invariance is exact here: a request's greedy tokens, and its seeded samples, do not depend on the requests
+that share its steps (per-row seeds are derived from the request seed and position).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import make_model, make_noisy_copy
+
+from spec_engine import LLM, SamplingParams
+from spec_engine.adaptive import AcceptanceEstimate, AdaptiveController
+from spec_engine.llm import ADAPTIVE_MAX_DEPTH, _parse_speculative_config
+
+PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77], [9] * 20, [30, 31], [4, 8, 15, 16, 23, 42],
+           list(range(40, 75)), [2, 90, 2, 90, 2]]  # fmt: skip
+MAX_TOKENS = [12, 20, 7, 16, 25, 9, 14, 18]
+TARGET_LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """target; noisy: a noisy copy (agrees often); same: the target's function at 1/8 the layers; random."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("batching")
+    target = make_model(root / "target", "llama_gqa", layers=TARGET_LAYERS, logit_scale=4.0)
+    with torch.no_grad():  # layers 1.. add nothing to the residual stream: the target equals its first layer
+        hf = AutoModelForCausalLM.from_pretrained(target)
+        for layer in hf.model.layers[1:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hf.save_pretrained(target)
+        hf.model.layers = hf.model.layers[:1]
+        hf.config.num_hidden_layers = 1
+        hf.save_pretrained(root / "same")
+    return {
+        "target": str(target),
+        "noisy": str(make_noisy_copy(target, root / "noisy", noise=0.3)),
+        "same": str(root / "same"),
+        "random": str(make_model(root / "random", "llama_gqa", layers=1, seed=7, logit_scale=4.0)),
+    }
+
+
+def _llm(models, draft=None, gamma=3, **kw):
+    spec = None if draft is None else {"model": models[draft], "num_speculative_tokens": gamma}
+    return LLM(models["target"], speculative_config=spec, max_model_len=128, **kw)
+
+
+def _generate(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _params(temperature=0.0):
+    return [SamplingParams(max_tokens=n, temperature=temperature, seed=100 + i, ignore_eos=True)
+            for i, n in enumerate(MAX_TOKENS)]  # fmt: skip
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batched_equals_one_at_a_time(models, temperature):
+    llm = _llm(models, "noisy", max_num_seqs=3)
+    params = _params(temperature)
+    batched = _generate(llm, PROMPTS, params)
+    alone = [_generate(llm, [p], [sp])[0] for p, sp in zip(PROMPTS, params)]
+    assert batched == alone
+    assert [len(t) for t in batched] == MAX_TOKENS
+    assert llm.engine.stats["num_accepted"] > 0  # the draft really was used
+    assert llm.allocator.num_used == 0
+
+
+def test_arrivals_while_running_are_served(models):
+    llm = _llm(models, "noisy", max_num_seqs=3)
+    params = _params()
+    alone = [_generate(llm, [p], [sp])[0] for p, sp in zip(PROMPTS, params)]
+    engine = llm.engine
+    reqs = [engine.add_request(PROMPTS[i], params[i]) for i in range(2)]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps % 2 == 0 and len(reqs) < len(PROMPTS):  # a new request every other step, while others decode
+            reqs.append(engine.add_request(PROMPTS[len(reqs)], params[len(reqs)]))
+            assert engine.running, "arrivals must join a running batch, not wait for it to drain"
+    assert len(reqs) == len(PROMPTS)
+    assert [r.output_token_ids for r in reqs] == alone
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert llm.allocator.num_used == 0
+
+
+def test_kv_accounting_returns_to_zero_after_aborts(models):
+    llm = _llm(models, "noisy", max_num_seqs=3)
+    engine = llm.engine
+    reqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, _params())]
+    engine.step()
+    engine.step()
+    assert llm.allocator.num_used > 0
+    engine.abort(engine.running[0].request_id)  # one decoding
+    engine.abort(engine.waiting[-1].request_id)  # one not yet admitted
+    while engine.has_unfinished():
+        engine.step()
+    assert sum(r.finish_reason == "abort" for r in reqs) == 2
+    assert llm.allocator.num_used == 0
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=50))
+    engine.step()
+    engine.abort(engine.running[0].request_id)
+    assert llm.allocator.num_used == 0 and not engine.has_unfinished()
+
+
+def _kv_budget(models, num_blocks: int, block_size: int) -> int:
+    """Bytes that plan_num_blocks turns into exactly ``num_blocks`` blocks for the target alone (float32)."""
+    cfg = json.loads(open(f"{models['target']}/config.json").read())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    return per_token * block_size * num_blocks
+
+
+def test_request_larger_than_cache_errors_and_others_wait(models):
+    # A cache that cannot hold one full-context request (64 tokens + the 1-node tree of plain decoding = 5 blocks of
+    # 16, plus scratch) is refused when the LLM is built, so no admitted request can ever be too large to run.
+    with pytest.raises(ValueError, match="Raise the budget"):
+        LLM(models["target"], max_model_len=64, block_size=16, kv_cache_memory=_kv_budget(models, 5, 16))
+    llm = LLM(models["target"], max_model_len=64, block_size=16, kv_cache_memory=_kv_budget(models, 6, 16))
+    assert llm.allocator.num_blocks == 6
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [1] * 40}, SamplingParams(max_tokens=25), use_tqdm=False)
+    assert not llm.engine.has_unfinished() and llm.allocator.num_used == 0
+    # two requests of 3 blocks each (5 usable): the second waits for the first's blocks, then completes
+    engine = llm.engine
+    reqs = [engine.add_request([3, 4, 5], SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(2)]
+    engine.step()
+    assert len(engine.running) == 1 and len(engine.waiting) == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert [len(r.output_token_ids) for r in reqs] == [40, 40]
+    assert reqs[0].output_token_ids == reqs[1].output_token_ids
+    assert llm.allocator.num_used == 0
+
+
+def test_mixed_row_depths_keep_greedy_tokens(models):
+    """Rows drafted at different depths (0 included: the drafter then runs on the other rows only) change nothing."""
+    reference = _generate(_llm(models, None, max_num_seqs=8), PROMPTS, _params())
+    llm = _llm(models, "noisy", gamma=4, max_num_seqs=8)
+    pattern = [4, 0, 2, 0, 1, 3, 0, 4]
+    llm.engine.choose_gammas = lambda reqs: [pattern[int(r.request_id) % 8] for r in reqs]
+    assert _generate(llm, PROMPTS, _params()) == reference
+    sampled = _generate(llm, PROMPTS, _params(temperature=0.8))
+    assert all(0 <= t < 96 for toks in sampled for t in toks) and [len(t) for t in sampled] == MAX_TOKENS
+    assert llm.allocator.num_used == 0
+
+
+def _adaptive(models, draft):
+    llm = LLM(models["target"], speculative_config={"model": models[draft]}, max_model_len=128)
+    assert llm.engine.controller is not None and llm.engine.gamma == ADAPTIVE_MAX_DEPTH
+    return llm
+
+
+def test_adaptive_useless_draft_falls_to_zero(models):
+    llm = _adaptive(models, "random")
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=60, ignore_eos=True),
+                       use_tqdm=False)[0]  # fmt: skip
+    history = list(llm.engine.gamma_history)
+    assert history[0] == ADAPTIVE_MAX_DEPTH  # optimistic until the costs are measured
+    later = history[4:]
+    assert max(later) <= 1 and later.count(0) >= 0.9 * len(later), history  # off, bar rare depth-1 probes
+    assert out.metrics["alpha_estimate"] < 0.3
+    assert out.metrics["gamma_hist"][0] >= 0.9 * out.metrics["num_steps"]
+
+
+def test_adaptive_good_draft_raises_gamma(models):
+    llm = _adaptive(models, "same")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], SamplingParams(max_tokens=60, ignore_eos=True),
+                        use_tqdm=False)  # fmt: skip
+    history = list(llm.engine.gamma_history)
+    assert np.median(history[:-2]) >= ADAPTIVE_MAX_DEPTH - 2, history  # the last steps need fewer tokens
+    assert all(o.metrics["alpha_estimate"] > 0.9 for o in outs)
+    assert outs[0].outputs[0].token_ids == _generate(_llm(models), [PROMPTS[0]], [SamplingParams(max_tokens=60)])[0]
+
+
+def test_parse_speculative_config_auto():
+    auto = _parse_speculative_config({"model": "d"})
+    assert auto["adaptive"] and auto["num_speculative_tokens"] == ADAPTIVE_MAX_DEPTH
+    assert _parse_speculative_config({"method": "ngram", "num_speculative_tokens": "auto"})["adaptive"]
+    tree = _parse_speculative_config({"model": "d", "tree": [3, 2, 1]})
+    assert tree["adaptive"] and tree["num_speculative_tokens"] == 3
+    fixed = _parse_speculative_config({"model": "d", "num_speculative_tokens": 5})
+    assert not fixed["adaptive"] and fixed["num_speculative_tokens"] == 5
+    with pytest.raises(ValueError, match="'auto' or an int"):
+        _parse_speculative_config({"model": "d", "num_speculative_tokens": "max"})
+
+
+def test_acceptance_estimate_is_the_forgetful_geometric_mle():
+    for per_depth in (False, True):
+        est = AcceptanceEstimate(4, per_depth=per_depth, prior=0.5)
+        est.update(4, 1)  # accepted depth 1, rejected at depth 2
+        est.update(4, 4)  # all accepted: no reject
+        assert est.alpha == pytest.approx((4.9 + 1) / (5.8 + 2))  # decay 0.9, prior 2 pseudo-trials at 0.5
+        assert est.expected_tokens(cap=3.0)[:2] == pytest.approx([1.0, 1.0 + est.depth_alphas()[0]])
+        assert est.expected_tokens(cap=3.0)[-1] == 3.0
+    assert np.allclose(est.accepts, [1.9, 1.0, 1.0, 1.0]) and np.allclose(est.rejects, [0, 0.9, 0, 0])
+    tree = AcceptanceEstimate(2, per_depth=True, prior=0.5)
+    for _ in range(20):
+        tree.update(2, 1)  # depth 1 always survives, depth 2 never
+    a1, a2 = tree.depth_alphas()
+    assert a1 > 0.85 and a2 < 0.55
+
+
+@pytest.mark.parametrize("alpha,expected", [(0.02, 0), (0.98, 8)])
+def test_controller_decision_with_known_costs(alpha, expected):
+    """Costs with a target pass of 10 ms + 0.1 ms per token, a draft forward of 1 ms: the scan's optimum."""
+    from types import SimpleNamespace
+
+    ctl = AdaptiveController(8, lambda g: g + 1)
+    ctl.target_cost.theta, ctl.target_cost.num_observed = np.array([10e-3, 1.6e-3]), 1
+    ctl.draft_cost.theta, ctl.draft_cost.num_observed = np.array([1e-3, 0.0]), 1
+    reqs = [
+        SimpleNamespace(
+            spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[], num_computed=0, draft_len=0
+        )
+    ]
+    ctl.population.prior = alpha
+    ctl.num_steps = 1  # not a probe step
+    assert ctl.choose(reqs) == [expected]
+    # a request that keeps failing next to one that accepts everything: it alone stops being drafted
+    good, bad = (SimpleNamespace(spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[],
+                                 num_computed=0, draft_len=0) for _ in range(2))  # fmt: skip
+    ctl.population.prior = 0.98
+    for _ in range(10):
+        ctl.state(good).acceptance.update(8, 8)
+        ctl.state(bad).acceptance.update(8, 0)
+    ctl.draft_cost.theta = np.array([1e-3, 5e-3])  # a drafted row costs real time: one that fails is not worth it
+    assert ctl.choose([good, bad]) == [8, 0]
