@@ -25,7 +25,7 @@ from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
 from spec_engine.models import LlamaForCausalLM
 from spec_engine.sampling import SEED_MASK, SamplingParams
-from spec_engine.tree import causal_mask, tree_depths, tree_mask
+from spec_engine.tree import causal_mask, tree_mask_and_depths
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, verify_tree
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
@@ -273,9 +273,9 @@ class Engine:
         rows = [b for b, g in enumerate(batch.gammas) if g > 0] if self.drafter is not None else []
         draft = self._propose(batch, rows)  # tokens/parents [B, T], draft_probs [B, T, V] | None
         drafted = time.perf_counter()
-        positions = batch.seqlens.long()[:, None] + tree_depths(draft.parents)  # [B, T]: L_b + depth
-        hidden = self.target(draft.tokens, positions, self.kv.data, batch.seqlens, tree_mask(draft.parents),
-                             batch.block_table)  # fmt: skip
+        mask, depths = tree_mask_and_depths(draft.parents)  # [B, T, T], [B, T]
+        positions = batch.seqlens.long()[:, None] + depths  # [B, T]: L_b + depth
+        hidden = self.target(draft.tokens, positions, self.kv.data, batch.seqlens, mask, batch.block_table)
         result = verify_tree(
             self.target.logits(hidden),  # [B, T, V]
             draft.tokens,

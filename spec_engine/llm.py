@@ -18,6 +18,7 @@ from spec_engine.kv_cache import BlockAllocator, PagedKVCache, plan_num_blocks
 from spec_engine.models import load_model
 from spec_engine.sampling import SamplingParams
 from spec_engine.tree import StaticTree, chain
+from spec_kernels._ext import load_ext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": "auto", "ngram": "auto"}  # "auto": adaptive (spec_engine/adaptive.py)
@@ -162,6 +163,7 @@ class LLM:
             drafter = DraftModelDrafter(draft_model, draft_kv, tree, spec.get("draft_sampling", "without_replacement"))
         elif spec:
             drafter = NgramDrafter(gamma, spec.get("max_n", 4), spec.get("min_n", 1))
+        load_ext()  # compact_kv_'s extension: compiled (once per machine) here, not inside the first timed step
         self.engine = Engine(
             self.target, kv, self.allocator, drafter,
             num_speculative_tokens=gamma, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,

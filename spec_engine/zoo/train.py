@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     eos_id = tok.token_to_id(EOS)
     vocab = tok.get_vocab_size()
-    max_len = 2048
+    max_len = recipe.seq_len  # the models never saw longer contexts: acceptance collapses past it (measured)
     t_cfg = hf_config(recipe.target_arch or TARGET_CONFIG, vocab, eos_id, max_len)
     d_cfg = hf_config(recipe.draft_arch or DRAFT_CONFIG, vocab, eos_id, max_len)
     target = LlamaForCausalLM(ModelConfig.from_dict(t_cfg))
