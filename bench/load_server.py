@@ -40,7 +40,7 @@ def make_tiny_pair(root: Path, layers: int, hidden: int) -> tuple[str, str]:
     its first two layers: the draft agrees with the target often (like a trained pair) at 2/layers of the cost.
     Needs transformers and tokenizers (test dependencies)."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from models import make_tiny_llama, make_tokenizer
+    from tiny_models import make_model, make_tokenizer
     from transformers import LlamaForCausalLM
 
     target, draft = root / "target", root / "draft"
@@ -48,7 +48,15 @@ def make_tiny_pair(root: Path, layers: int, hidden: int) -> tuple[str, str]:
         return str(target), str(draft)
     vocab = make_tokenizer(target).get_vocab_size()
     make_tokenizer(draft)
-    make_tiny_llama(target, vocab, layers=layers, hidden=hidden, seed=0, max_position_embeddings=1024)
+    make_model(
+        target,
+        "llama_gqa",
+        vocab_size=vocab,
+        layers=layers,
+        hidden=hidden,
+        logit_scale=4.0,
+        max_position_embeddings=1024,
+    )
     model = LlamaForCausalLM.from_pretrained(target)
     for layer in model.model.layers[2:]:
         layer.self_attn.o_proj.weight.data.mul_(0.02)

@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from models import make_tiny_llama, make_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_models import make_model, make_tokenizer
 
 from spec_engine import LLM, SamplingParams
 from spec_engine.server.app import create_app
@@ -62,11 +62,11 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("server_models")
     tok = make_tokenizer(root / "plain")
     vocab = tok.get_vocab_size()
-    make_tiny_llama(root / "plain", vocab, layers=2, hidden=64, seed=0, max_position_embeddings=CONTEXT)
+    make_model(root / "plain", "llama_gqa", vocab_size=vocab, logit_scale=4.0, max_position_embeddings=CONTEXT)
     shutil.copytree(root / "plain", root / "templated")
     (root / "templated" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     make_tokenizer(root / "draft")
-    make_tiny_llama(root / "draft", vocab, layers=2, hidden=64, seed=0, max_position_embeddings=CONTEXT)
+    make_model(root / "draft", "llama_gqa", vocab_size=vocab, logit_scale=4.0, max_position_embeddings=CONTEXT)
     return root, tok
 
 

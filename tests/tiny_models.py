@@ -1,7 +1,9 @@
-"""Tiny HF checkpoints made in the test session with transformers' ``save_pretrained`` (no hub, no downloads)."""
+"""Tiny HF model directories made in the test session: random checkpoints (transformers ``save_pretrained``) and a
+byte-level BPE ``tokenizer.json`` (HF ``tokenizers``). No hub, no downloads."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -38,8 +40,12 @@ def hf_config(arch: str, vocab_size: int, hidden: int, layers: int, **over):
 
 
 def make_model(path: Path, arch: str, *, vocab_size: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0,
-               logit_scale: float = 1.0, **over) -> Path:  # fmt: skip
-    """A random HF checkpoint. ``logit_scale`` sharpens the output distribution (random inits are near uniform)."""
+               logit_scale: float = 1.0, tokenizer_config: dict | None = None, **over) -> Path:  # fmt: skip
+    """A random HF checkpoint. ``logit_scale`` sharpens the output distribution (random inits are near uniform).
+
+    ``over`` overrides config fields (e.g. ``max_position_embeddings=256``); ``tokenizer_config`` is written as
+    ``tokenizer_config.json`` (e.g. ``{"chat_template": ...}``). The same arguments give the same weights.
+    """
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -50,6 +56,8 @@ def make_model(path: Path, arch: str, *, vocab_size: int = 96, hidden: int = 64,
                 p.normal_(0, 0.08)
         model.get_output_embeddings().weight.mul_(logit_scale)
     model.save_pretrained(path)
+    if tokenizer_config is not None:
+        (Path(path) / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return path
 
 
@@ -64,3 +72,34 @@ def make_noisy_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
             p.add_(torch.randn_like(p) * noise * p.std())
     model.save_pretrained(dst)
     return dst
+
+
+# Mixed scripts so the merges cover multi-byte UTF-8 and random models emit partial characters now and then.
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog. ",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "speculative decoding drafts tokens and the target verifies them in one pass. ",
+    "naïve café déjà vu — 日本語のテキスト, emoji 🙂🚀, Ελληνικά, русский. ",
+    "<|system|>\n<|user|>\n<|assistant|>\nhello world, hello server, hello client.\n",
+]
+
+
+def make_tokenizer(path: str | Path, vocab_size: int = 300, corpus: list[str] | None = None):
+    """Train a byte-level BPE on ``corpus`` and save it as ``path/tokenizer.json``; returns the ``Tokenizer``.
+
+    Byte-level means every string encodes (no unknown tokens) and every id sequence decodes, with U+FFFD where a
+    multi-byte character is cut.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator((corpus or CORPUS) * 4, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    return tok
