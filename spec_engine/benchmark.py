@@ -59,14 +59,18 @@ class Prompt:
 
 @dataclass
 class Run:
-    """One timed configuration: ours in some mode, or an HF peer."""
+    """One timed configuration (ours in some mode, or an HF peer) in one round of the round robin."""
 
     name: str
     kind: str  # "ours" | "hf"
     batch: int
+    round: str  # "modes" (ours at batch 1), "peers" (ours against HF, batch 1), "batch" (ours, batch > 1)
     gamma: float | None = None  # depth per step (mean for adaptive); None without speculation
     nodes: int | None = None  # T of the verified tree (gamma + 1 for a chain)
-    tokens_per_s: list[float] = field(default_factory=list)  # one sample per prompt (batch 1) or per batch call
+    gamma_cap: int | None = None  # fixed depth, for counting the positions a step tried
+    ref: Run | None = None  # ours without speculation in the same round: speedups are paired with it
+    tokens_per_s: list[float] = field(default_factory=list)  # one sample per group of prompts, in round order
+    prompt_idx: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     steps: int = 0
     drafted: int = 0
@@ -75,7 +79,6 @@ class Run:
     generated: int = 0
     hist: list[int] = field(default_factory=list)  # [k] = steps that accepted k drafts
     canary: str = ""
-    note: str = ""
     derived: dict = field(default_factory=dict)
 
     @property
@@ -92,12 +95,18 @@ class Run:
     def summary(self) -> dict:
         p20, p80 = self.quantiles()
         return {
-            "name": self.name, "kind": self.kind, "batch": self.batch, "gamma": self.gamma,
+            "name": self.name, "kind": self.kind, "batch": self.batch, "round": self.round, "gamma": self.gamma,
             "tokens_per_s": self.median, "tokens_per_s_p20": p20, "tokens_per_s_p80": p80,
             "samples": self.tokens_per_s, "num_steps": self.steps, "num_drafted": self.drafted,
             "num_accepted": self.accepted, "num_generated": self.generated, "accepted_length_hist": self.hist,
-            "canary": self.canary, "note": self.note, **self.derived,
+            "canary": self.canary, **self.derived,
         }  # fmt: skip
+
+
+def paired_ratio(a: Run, b: Run) -> float | None:
+    """Median over groups of a's tok/s / b's tok/s, both timed back to back in the same round."""
+    ratios = [x / y for x, y in zip(a.tokens_per_s, b.tokens_per_s) if y > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 # --- prompts ------------------------------------------------------------------------------------------------------
@@ -147,7 +156,7 @@ def _params(max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _absorb(run: Run, outs, gamma_cap: int | None) -> None:
+def _absorb(run: Run, outs) -> None:
     for o in outs:
         m = o.metrics
         run.outputs.append(list(o.outputs[0].token_ids))
@@ -159,27 +168,9 @@ def _absorb(run: Run, outs, gamma_cap: int | None) -> None:
         run.hist += [0] * (len(hist) - len(run.hist))
         for k, n in enumerate(hist):
             run.hist[k] += n
-            run.tried += n * (k if gamma_cap is not None and k >= gamma_cap else k + 1)
-
-
-def time_ours(llm, prompts: list[Prompt], batch: int, max_tokens: int, name: str, gamma: int | None) -> Run:
-    """Warm up, then time ``generate`` on consecutive groups of ``batch`` prompts."""
-    params = _params(max_tokens)
-    run = Run(name, "ours", batch, nodes=llm.engine.max_tree_nodes() if gamma else None)
-    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    groups = [g for g in groups if len(g) == batch] or [prompts[:batch]]
-    llm.generate([{"prompt_token_ids": p.ids[:32]} for p in groups[0]], _params(8), use_tqdm=False)
-    for group in groups:
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p.ids} for p in group], params, use_tqdm=False)
-        run.tokens_per_s.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0))
-        _absorb(run, outs, gamma)
+            run.tried += n * (k if run.gamma_cap is not None and k >= run.gamma_cap else k + 1)
     if run.drafted:
-        run.gamma = run.drafted / run.steps if gamma is None else gamma
-    return run
-
-
-# --- timing HF transformers ---------------------------------------------------------------------------------------
+        run.gamma = run.gamma_cap or run.drafted / run.steps
 
 
 def _hf_load(model_dir: str):
@@ -191,34 +182,78 @@ def _hf_load(model_dir: str):
     return model
 
 
-def time_hf(model, prompts: list[Prompt], max_tokens: int, name: str, gamma: int | None, **gen_kwargs) -> Run:
-    run = Run(name, "hf", 1, gamma)
+@dataclass
+class Contender:
+    """A run and what generates for it: our ``LLM``, or an HF model with its ``generate`` keyword arguments."""
 
-    def gen(ids: list[int], n: int) -> list[int]:
-        x = torch.tensor([ids])
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, **gen_kwargs)  # fmt: skip
-        return out[0, len(ids) :].tolist()
+    run: Run
+    llm: object
+    hf_kwargs: dict | None = None
 
-    with torch.inference_mode():
-        gen(prompts[0].ids[:32], 8)
-        for p in prompts:
-            t0 = time.perf_counter()
-            toks = gen(p.ids, max_tokens)
-            run.tokens_per_s.append(len(toks) / (time.perf_counter() - t0))
-            run.outputs.append(toks)
-            run.generated += len(toks)
-    return run
+    def _generate(self, group: list[Prompt], max_tokens: int) -> list:
+        if self.hf_kwargs is None:
+            return self.llm.generate([{"prompt_token_ids": p.ids} for p in group], _params(max_tokens), use_tqdm=False)
+        (p,) = group  # HF runs at batch 1 only
+        x = torch.tensor([p.ids])
+        with torch.inference_mode():
+            out = self.llm.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                    min_new_tokens=max_tokens, do_sample=False, **self.hf_kwargs)  # fmt: skip
+        return [out[0, len(p.ids) :].tolist()]
+
+    def warm(self, group: list[Prompt]) -> None:
+        self._generate([Prompt(p.name, p.ids[:32]) for p in group], 8)
+
+    def time(self, group: list[Prompt], idx: list[int], max_tokens: int, record: bool) -> float:
+        """Tokens/s of one ``generate`` on the group; ``record`` keeps its tokens and metrics."""
+        t0 = time.perf_counter()
+        outs = self._generate(group, max_tokens)
+        elapsed = time.perf_counter() - t0
+        r = self.run
+        if self.hf_kwargs is None:
+            num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            if record:
+                _absorb(r, outs)
+        else:
+            num_tokens = sum(len(t) for t in outs)
+            if record:
+                r.outputs += outs
+                r.generated += num_tokens
+        if record:
+            r.prompt_idx += idx
+        return num_tokens / elapsed
+
+
+def round_robin(contenders: list[Contender], groups: list[tuple[list[int], list[Prompt]]], max_tokens: int,
+                bar: tqdm, repeats: int = 1) -> None:  # fmt: skip
+    """Time every contender on every group, back to back, rotating who goes first; keep each pair's best of
+    ``repeats`` passes.
+
+    The machine is shared, so its load drifts and spikes: timing each group under all contenders within seconds of
+    each other, dividing pairwise, and keeping the fastest pass (interference only ever adds time) cancels most of
+    what timing mode after mode would bake into the speedups.
+    """
+    for c in contenders:
+        c.warm(groups[0][1])
+    best = [[0.0] * len(groups) for _ in contenders]
+    for rep in range(repeats):
+        for i, (idx, group) in enumerate(groups):
+            k = (i + rep) % len(contenders)
+            for j in list(range(k, len(contenders))) + list(range(k)):
+                c = contenders[j]
+                bar.set_postfix_str(f"{c.run.name} B={c.run.batch}")
+                best[j][i] = max(best[j][i], c.time(group, idx, max_tokens, record=rep == 0))
+                bar.update()
+    for c, tps in zip(contenders, best):
+        c.run.tokens_per_s = tps
 
 
 # --- the cost ratio c ---------------------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
-def measure_forward_ms(model, kv, batch: int, ctx: int, T: int, reps: int) -> float:
-    """Median ms of ``model`` + its logits on T new tokens per row over a ``ctx``-token cached prefix.
+def forward_step(model, kv, batch: int, ctx: int, T: int):
+    """A callable running ``model`` + its logits on T new tokens per row over a ``ctx``-token cached prefix.
 
-    The engine's own forward on its own paged cache (contents are irrelevant to the time); distinct blocks per row
+    The engine's own forward on its own paged cache (contents are irrelevant to the time), distinct blocks per row
     where the cache has them.
     """
     from spec_engine.tree import causal_mask
@@ -232,26 +267,34 @@ def measure_forward_ms(model, kv, batch: int, ctx: int, T: int, reps: int) -> fl
     positions = ctx + torch.arange(T).expand(batch, T)  # [B, T]
     mask = causal_mask(batch, T)
 
+    @torch.inference_mode()
     def once():
         model.logits(model(tokens, positions, kv.data, seqlens, mask, table))
 
-    once()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return once
 
 
 def measure_costs(llm, batches: list[int], ctx: int, sizes: list[int], reps: int) -> dict:
-    """{batch: {"target_ms": {T: ms}, "draft_ms": ms, "c": ratio}} for every verified tree size T in ``sizes``."""
+    """{batch: {"target_ms": {T: ms}, "draft_ms": ms, "c": ratio}} for every verified tree size T in ``sizes``.
+
+    Medians of ``reps`` rounds; each round times every forward once, back to back, so load drift hits all alike.
+    """
     eng = llm.engine
     out = {}
     for B in batches:
-        target = {T: measure_forward_ms(eng.target, eng.kv, B, ctx, T, reps) for T in sorted({1, *sizes})}
-        draft = measure_forward_ms(eng.drafter.model, eng.drafter.kv, B, ctx, 1, reps)
-        out[B] = {"target_ms": target, "draft_ms": draft, "c": draft / target[1]}
+        fns = {T: forward_step(eng.target, eng.kv, B, ctx, T) for T in sorted({1, *sizes})}
+        fns["draft"] = forward_step(eng.drafter.model, eng.drafter.kv, B, ctx, 1)
+        times = {k: [] for k in fns}
+        for fn in fns.values():
+            fn()
+        for _ in range(reps):
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(1e3 * (time.perf_counter() - t0))
+        ms = {k: statistics.median(v) for k, v in times.items()}
+        draft = ms.pop("draft")
+        out[B] = {"target_ms": ms, "draft_ms": draft, "c": draft / ms[1]}
     return out
 
 
@@ -281,14 +324,15 @@ def _patched(obj, name: str, wrapper):
             delattr(obj, name)
 
 
-def profile_steps(llm, prompt: Prompt, max_tokens: int) -> dict:
+def profile_steps(llm, prompts: list[Prompt], max_tokens: int) -> dict:
     """Wall time per step of each stage of ``Engine._spec_step`` (timers around the calls), plus torch.profiler's
-    top aten ops and cProfile's top Python functions for the same generate."""
+    top aten ops and cProfile's top Python functions for the same generate, all at batch ``len(prompts)``."""
     import spec_engine.engine as engine_mod
     from spec_engine.drafters import draft_model as draft_mod
 
     eng = llm.engine
     timers: dict[str, float] = {}
+    calls: dict[str, int] = {}
 
     def timed(label):
         def wrap(fn):
@@ -298,6 +342,7 @@ def profile_steps(llm, prompt: Prompt, max_tokens: int) -> dict:
                     return fn(*a, **k)
                 finally:
                     timers[label] = timers.get(label, 0.0) + time.perf_counter() - t0
+                    calls[label] = calls.get(label, 0) + 1
 
             return inner
 
@@ -308,7 +353,7 @@ def profile_steps(llm, prompt: Prompt, max_tokens: int) -> dict:
         (eng, "_propose", "Engine._propose (drafting, whole)"),
         (eng, "_block_table", "Engine._block_table"),
         (eng, "_emit", "Engine._emit"),
-        (eng, "_prefill", "Engine._prefill"),
+        (eng, "_prefill", "Engine._prefill (prompt, amortised over the steps)"),
         (eng.target, "forward", "target forward (LlamaForCausalLM.forward)"),
         (eng.target, "logits", "target logits (lm_head)"),
         (engine_mod, "verify_tree", "verify_tree"),
@@ -328,28 +373,28 @@ def profile_steps(llm, prompt: Prompt, max_tokens: int) -> dict:
                 (draft_mod, "tree_mask", "tree_mask (drafter)"),
                 (draft_mod, "compact_kv_", "compact_kv_ (draft)"),
             ]
-    req = {"prompt_token_ids": prompt.ids}
-    llm.generate([req], _params(16), use_tqdm=False)
+    req = [{"prompt_token_ids": p.ids} for p in prompts]
+    llm.generate(req, _params(16), use_tqdm=False)
     stack = []
     try:
         for obj, name, label in patches:
             cm = _patched(obj, name, timed(label))
             cm.__enter__()
             stack.append(cm)
-        before = eng.stats["num_steps"]
-        llm.generate([req], _params(max_tokens), use_tqdm=False)
-        num_steps = eng.stats["num_steps"] - before
+        llm.generate(req, _params(max_tokens), use_tqdm=False)
     finally:
         for cm in reversed(stack):
             cm.__exit__(None, None, None)
+    num_steps = calls["Engine._decode (whole step)"]
     stages = {k: 1e3 * v / num_steps for k, v in sorted(timers.items(), key=lambda kv: -kv[1])}
+    B = len(prompts)
 
     from torch.profiler import ProfilerActivity, profile
 
     before = eng.stats["num_steps"]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        llm.generate([req], _params(max_tokens), use_tqdm=False)
-    n = eng.stats["num_steps"] - before
+        llm.generate(req, _params(max_tokens), use_tqdm=False)
+    n = (eng.stats["num_steps"] - before) / B  # row-steps / rows: about the engine steps
     ops = [
         {"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / n, "calls_per_step": e.count / n}
         for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
@@ -358,12 +403,12 @@ def profile_steps(llm, prompt: Prompt, max_tokens: int) -> dict:
     pr = cProfile.Profile()
     before = eng.stats["num_steps"]
     pr.enable()
-    llm.generate([req], _params(max_tokens), use_tqdm=False)
+    llm.generate(req, _params(max_tokens), use_tqdm=False)
     pr.disable()
-    n = eng.stats["num_steps"] - before
+    n = (eng.stats["num_steps"] - before) / B
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(20)
-    return {"num_steps": num_steps, "stage_ms_per_step": stages, "torch_ops": ops, "cprofile_steps": n,
+    return {"batch": B, "num_steps": num_steps, "stage_ms_per_step": stages, "torch_ops": ops, "cprofile_steps": n,
             "cprofile_top_tottime": buf.getvalue()}  # fmt: skip
 
 
@@ -422,6 +467,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument("--out", default="bench/out", help="directory for e2e.json and the PNGs")
     ap.add_argument("--gammas", default=None, help="chain depths, e.g. 1,2,4 (default 1..8, quick 2,4,6)")
+    ap.add_argument("--repeats", type=int, default=None, help="passes per prompt, fastest kept (default 2, quick 1)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peers")
     ap.add_argument("--no-profile", action="store_true", help="skip the profile of one speculative step")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -440,17 +486,14 @@ def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
 
 
 def derive(runs: list[Run], costs: dict) -> None:
-    """Fill speedup, alpha, tau, c, E, bound, measured/bound for every run, against ours at the same batch."""
-    base = {r.batch: r.median for r in runs if r.kind == "ours" and r.name == "none"}
-    base1 = base.get(1)
+    """Fill speedup, alpha, tau, c, E, bound, measured/bound for every run; speedups pair it with ``run.ref``."""
     for r in runs:
         d = r.derived
-        ref = base.get(r.batch) if r.kind == "ours" else base1
-        d["speedup"] = r.median / ref if ref else None
+        d["speedup"] = paired_ratio(r, r.ref) if r.ref else None
         if not r.steps:
             continue
         d["tau"] = r.generated / r.steps
-        d["step_ms"] = 1e3 * r.batch / (r.median * d["tau"]) if r.median else None
+        d["step_ms"] = 1e3 * r.batch * d["tau"] / r.median if r.median else None  # B * tau tokens per step
         cost = costs.get(r.batch)
         if cost and (r.name == "none" or r.name.startswith(("chain", "useless_chain"))):
             # what the models alone cost per step (draft: the catch-up forward plus gamma - 1 more); the rest of
@@ -482,6 +525,7 @@ def derive(runs: list[Run], costs: dict) -> None:
 
 TABLE_COLUMNS = [  # (header, width, value of a run, format)
     ("mode", 22, lambda r: r.name, "<"),
+    ("round", 5, lambda r: r.round, "<"),
     ("B", 2, lambda r: r.batch, ">"),
     ("gamma", 5, lambda r: r.gamma, ".1f"),
     ("tok/s", 8, lambda r: r.median, ".1f"),
@@ -529,20 +573,22 @@ def markdown_table(runs: list[Run]) -> str:
 
 
 def goals(runs: list[Run], useless_note: str, big_batch: int) -> list[dict]:
-    ours1 = [r for r in runs if r.kind == "ours" and r.batch == 1 and r.drafted and not r.name.startswith("useless")]
-    best = max(ours1, key=lambda r: r.median, default=None)
-    hf_assisted = [r for r in runs if r.name.startswith("hf_assisted")]
-    best_hf = max(hf_assisted, key=lambda r: r.median, default=None)
-    chains = [r for r in ours1 if r.name.startswith("chain")]
-    best_chain = max(chains, key=lambda r: r.median, default=None)
+    modes = [r for r in runs if r.round == "modes" and r.drafted and not r.name.startswith("useless")]
+    best = max(modes, key=lambda r: r.derived.get("speedup") or 0, default=None)
+    chains = [r for r in modes if r.name.startswith("chain")]
+    best_chain = max(chains, key=lambda r: r.derived.get("speedup") or 0, default=None)
+    peers = [r for r in runs if r.round == "peers"]
+    hf_assisted = next((r for r in peers if r.name.startswith("hf_assisted")), None)
+    ours_peers = [r for r in peers if r.kind == "ours" and r.name != "none"]
+    best_peer = max(ours_peers, key=lambda r: r.median, default=None)
+    same = hf_assisted and next((r for r in ours_peers if r.name == f"chain{hf_assisted.gamma}"), None)
     useless = next((r for r in runs if r.name == "useless_adaptive"), None)
     useless_kind = "adaptive"
     if useless is None:
         useless = next((r for r in runs if r.name.startswith("useless_chain")), None)
         useless_kind = "static chain (adaptive unavailable)"
-    b16 = [r for r in runs if r.kind == "ours" and r.batch == big_batch and r.drafted]
-    best16 = max(b16, key=lambda r: r.median, default=None)
-    none16 = next((r for r in runs if r.kind == "ours" and r.batch == big_batch and r.name == "none"), None)
+    big = [r for r in runs if r.round == "batch" and r.batch == big_batch and r.drafted]
+    best_big = max(big, key=lambda r: r.derived.get("speedup") or 0, default=None)
     rows = []
 
     def add(goal, target, value, detail):
@@ -550,17 +596,17 @@ def goals(runs: list[Run], useless_note: str, big_batch: int) -> list[dict]:
                      "met": None if value is None else value >= target, "detail": detail})  # fmt: skip
 
     add("spec vs our no-spec, batch 1 greedy", 2.5, best and best.derived.get("speedup"), best and best.name)
-    same = best_hf and next((r for r in chains if r.gamma == best_hf.gamma), None)
-    detail = best_hf and f"{best.name} vs {best_hf.name}"
+    detail = hf_assisted and best_peer and f"{best_peer.name} vs {hf_assisted.name}, paired per prompt"
     if same:
-        detail += f"; same draft and gamma: {same.name} {same.median / best_hf.median:.2f}x"
-    add("ours vs HF assisted (best of each, tok/s)", 3.0, best and best_hf and best.median / best_hf.median, detail)
+        detail += f"; same draft and gamma: {same.name} {paired_ratio(same, hf_assisted):.2f}x"
+    add("ours vs HF assisted (tok/s)", 3.0, best_peer and hf_assisted and paired_ratio(best_peer, hf_assisted),
+        detail or "HF peers not run")  # fmt: skip
     add("measured / bound (best chain, batch 1)", 0.9, best_chain and best_chain.derived.get("measured_over_bound"),
         best_chain and best_chain.name)  # fmt: skip
     add(f"useless draft ({useless_kind}) vs no-spec", 0.95, useless and useless.derived.get("speedup"),
         useless.name if useless else useless_note)  # fmt: skip
-    add(f"batch {big_batch}: best spec vs no-spec", 1.0, best16 and none16 and best16.median / none16.median,
-        best16 and best16.name)  # fmt: skip
+    add(f"batch {big_batch}: best spec vs no-spec", 1.0, best_big and best_big.derived.get("speedup"),
+        best_big and best_big.name)  # fmt: skip
     return rows
 
 
@@ -574,7 +620,7 @@ def plots(runs: list[Run], out: Path, title: str) -> list[str]:
         print("[bench] matplotlib missing (pip install 'specdec[bench]'): no plots")
         return []
     files = []
-    ours1 = [r for r in runs if r.kind == "ours" and r.batch == 1]
+    ours1 = [r for r in runs if r.round == "modes"]
     chains = sorted((r for r in ours1 if r.name.startswith("chain")), key=lambda r: r.gamma)
     fig, ax = plt.subplots(figsize=(8, 5))
     if chains:
@@ -634,17 +680,28 @@ def plots(runs: list[Run], out: Path, title: str) -> list[str]:
     return files
 
 
-def _canary(run: Run, ref: Run | None) -> None:
-    if ref is None or run is ref:
-        run.canary = "ref" if run is ref else ""
+def _canary(run: Run, batch1: Run | None) -> None:
+    """Greedy tokens must equal ours without speculation: the same round's reference, and batch 1's for batch > 1."""
+    if run.ref is run:
+        if batch1 is None or run is batch1:
+            run.canary = "ref"
+            return
+        by_idx = dict(zip(batch1.prompt_idx, batch1.outputs))
+        same = sum(by_idx.get(i) == o for i, o in zip(run.prompt_idx, run.outputs))
+        run.canary = f"ref; {same}/{len(run.outputs)} equal to batch 1" + (
+            "" if same == len(run.outputs) else " MISMATCH"
+        )
         return
-    bad = [i for i, (a, b) in enumerate(zip(run.outputs, ref.outputs)) if a != b]
+    if run.ref is None:
+        return
+    bad = [i for i, (a, b) in enumerate(zip(run.outputs, run.ref.outputs)) if a != b]
     if not bad:
-        run.canary = "ok"
+        run.canary = "ok" if run.kind == "ours" else "same tokens"
         return
-    a, b = run.outputs[bad[0]], ref.outputs[bad[0]]
+    a, b = run.outputs[bad[0]], run.ref.outputs[bad[0]]
     pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    run.canary = f"MISMATCH {len(bad)}/{len(run.outputs)} (first: prompt {bad[0]} at token {pos})"
+    word = "MISMATCH" if run.kind == "ours" else "differs (float order)"
+    run.canary = f"{word} {len(bad)}/{len(run.outputs)} (first: prompt {run.prompt_idx[bad[0]]} at token {pos})"
 
 
 # --- main -----------------------------------------------------------------------------------------------------------
@@ -666,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     quick = args.quick
     max_tokens = args.max_tokens or (64 if quick else 128)
+    repeats = args.repeats or (1 if quick else 2)
     gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else ([2, 4, 6] if quick else list(range(1, 9)))
     trees = [[2, 2, 1]] if quick else [[2, 2, 1], [3, 2, 1, 1]]
     ngram_gamma = 4
@@ -682,25 +740,20 @@ def main(argv: list[str] | None = None) -> int:
 
     base_llm = llm_for(None)
     prompts, encoding = build_prompts(base_llm, num_held, num_numpy)
-    batch_prompts = prompts * -(-max(batches) // len(prompts)) if prompts else prompts
-    batch_prompts = batch_prompts[: max(max(batches), len(prompts))]
     ok_adaptive, why = adaptive_supported(draft_dir)
     if not ok_adaptive:
         notes.append(why)
     tmp = Path(tempfile.mkdtemp(prefix="specdec_useless_"))
     useless_dir = make_useless_draft(draft_dir, tmp / "draft")
 
-    plan: list[tuple[str, dict | None, int | None, list[int]]] = [("none", None, None, [1] + batches)]
-    for g in gammas:
-        plan.append((f"chain{g}", _chain(draft_dir, g), g, [1]))
-    for t in trees:
-        plan.append((_tree_name(t), {**_chain(draft_dir, len(t)), "tree": t}, len(t), [1]))
-    plan.append(("ngram", {"method": "ngram", "num_speculative_tokens": ngram_gamma}, ngram_gamma, [1]))
+    plan: list[tuple[str, dict | None, int | None]] = [("none", None, None)]
+    plan += [(f"chain{g}", _chain(draft_dir, g), g) for g in gammas]
+    plan += [(_tree_name(t), {**_chain(draft_dir, len(t)), "tree": t}, len(t)) for t in trees]
+    plan.append(("ngram", {"method": "ngram", "num_speculative_tokens": ngram_gamma}, ngram_gamma))
     if ok_adaptive:
-        plan.append(("adaptive", {**_chain(draft_dir, 1), "num_speculative_tokens": "auto"}, None, [1] + batches))
-        plan.append(("useless_adaptive", {**_chain(useless_dir, 1), "num_speculative_tokens": "auto"}, None, [1]))
-    plan.append(("useless_chain4", _chain(useless_dir, 4), 4, [1]))
-    hf_names = ["hf_greedy", "hf_assisted", "hf_prompt_lookup"]
+        plan.append(("adaptive", {**_chain(draft_dir, 1), "num_speculative_tokens": "auto"}, None))
+        plan.append(("useless_adaptive", {**_chain(useless_dir, 1), "num_speculative_tokens": "auto"}, None))
+    plan.append(("useless_chain4", _chain(useless_dir, 4), 4))
     hf_ok = not args.no_hf
     if hf_ok:
         try:
@@ -711,79 +764,90 @@ def main(argv: list[str] | None = None) -> int:
     else:
         notes.append("HF peers skipped (--no-hf)")
 
-    total = sum(len(bs) for *_, bs in plan) + 1 + len(batches) + (4 if hf_ok else 0)
+    def groups_of(B: int, min_groups: int) -> list[tuple[list[int], list[Prompt]]]:
+        idx = [i % len(prompts) for i in range(max(B, len(prompts)))]
+        groups = [(idx[i : i + B], [prompts[j] for j in idx[i : i + B]]) for i in range(0, len(idx) - B + 1, B)]
+        return groups * -(-min_groups // len(groups))
+
+    batch_contenders = 2 + ok_adaptive + (1 if min(gammas) > 2 or 2 in gammas else 0)
+    total = len(plan) * len(prompts) + (6 * len(prompts) if hf_ok else 0)
+    total = repeats * (total + sum(batch_contenders * len(groups_of(B, 2)) for B in batches))
     bar = tqdm(total=total, desc="bench", unit="run", dynamic_ncols=True)
-    runs: list[Run] = []
-    costs: dict = {}
     t_start = time.perf_counter()
-    for name, spec, gamma, bs in plan:
-        bar.set_postfix_str(name)
-        llm = base_llm if spec is None else llm_for(spec)
-        if name == f"chain{gammas[0]}":
-            bar.set_postfix_str("cost ratio c")
-            sizes = [g + 1 for g in gammas] + [_tree_nodes(t) for t in trees]
-            costs = measure_costs(llm, [1] + batches, PROMPT_LEN + max_tokens // 2, sizes, 10 if quick else 30)
-        for B in bs:
-            runs.append(time_ours(llm, prompts if B == 1 else batch_prompts, B, max_tokens, name, gamma))
-            bar.update()
-        del llm
 
-    # The baseline again, last: on a shared machine the load drifts, and the speedups divide by this median.
-    bar.set_postfix_str("none again")
-    none1 = next(r for r in runs if r.name == "none" and r.batch == 1)
-    none1.tokens_per_s += time_ours(base_llm, prompts, 1, max_tokens, "none", None).tokens_per_s
-    none1.note = "timed first and last of the batch-1 runs; median of both"
-    bar.update()
-
-    # The best batch-1 chain also runs batched (the batch-16 goal compares the best speculative mode).
+    # Round 1, "modes": every mode of ours at batch 1.
+    llms, runs, costs = {}, [], {}
+    for name, spec, gamma in plan:
+        bar.set_postfix_str(f"load {name}")
+        llms[name] = base_llm if spec is None else llm_for(spec)
+        nodes = llms[name].engine.max_tree_nodes() if gamma else None
+        runs.append(Run(name, "ours", 1, "modes", gamma=gamma, nodes=nodes, gamma_cap=gamma))
+    none1 = runs[0]
+    for r in runs:
+        r.ref = none1
+    bar.set_postfix_str("cost ratio c")
+    sizes = [g + 1 for g in gammas] + [_tree_nodes(t) for t in trees]
+    costs = measure_costs(llms[f"chain{gammas[0]}"], [1] + batches, PROMPT_LEN + max_tokens // 2, sizes,
+                          10 if quick else 30)  # fmt: skip
+    round_robin([Contender(r, llms[r.name]) for r in runs], groups_of(1, 1), max_tokens, bar, repeats)
     derive(runs, costs)
-    chains1 = [r for r in runs if r.name.startswith("chain") and r.batch == 1]
-    best_gamma = round(max(chains1, key=lambda r: r.median).gamma) if chains1 else 4
-    small_gamma = min(2, best_gamma)
-    best_llms = {g: llm_for(_chain(draft_dir, g)) for g in sorted({best_gamma, small_gamma})}
-    for B in batches:
-        for g, llm in best_llms.items():
-            bar.set_postfix_str(f"chain{g} B={B}")
-            runs.append(time_ours(llm, batch_prompts, B, max_tokens, f"chain{g}", g))
-        bar.update()
-    profile = None
-    if not args.no_profile:
-        bar.set_postfix_str("profile")
-        profile = profile_steps(best_llms[best_gamma], prompts[0], max_tokens)
-    best_llms.clear()
+    chains1 = [r for r in runs if r.name.startswith("chain")]
+    best_gamma = round(max(chains1, key=lambda r: r.derived["speedup"]).gamma)
+    keep = {"none", f"chain{best_gamma}", "chain2", "ngram", "adaptive"}
+    for name in [n for n in llms if n not in keep]:
+        del llms[name]
+    if "chain2" not in llms and 2 in gammas:
+        llms["chain2"] = llm_for(_chain(draft_dir, 2))
 
+    # Round 2, "peers": ours against HF transformers on the same weights, paired per prompt.
     if hf_ok:
         hf_target, hf_draft = _hf_load(target_dir), _hf_load(draft_dir)
         hf_draft.generation_config.num_assistant_tokens = best_gamma
         hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
         hf_draft.generation_config.assistant_confidence_threshold = 0.0  # never stop a draft early: the same γ
-        hf_plan = [
+        none_p = Run("none", "ours", 1, "peers")
+        ours = [none_p, Run(f"chain{best_gamma}", "ours", 1, "peers", gamma_cap=best_gamma),
+                Run("ngram", "ours", 1, "peers", gamma_cap=ngram_gamma)]  # fmt: skip
+        contenders = [Contender(r, llms[r.name]) for r in ours]
+        for name, g, kw_hf in (
             ("hf_greedy", None, {}),
             (f"hf_assisted_g{best_gamma}", best_gamma, {"assistant_model": hf_draft}),
             (f"hf_prompt_lookup_g{ngram_gamma}", ngram_gamma, {"prompt_lookup_num_tokens": ngram_gamma}),
-        ]
-        for name, g, gen_kw in hf_plan:
-            bar.set_postfix_str(name)
-            runs.append(time_hf(hf_target, prompts, max_tokens, name, g, **gen_kw))
-            bar.update()
-        bar.update()
-        del hf_target, hf_draft
-        hf_names = [n for n, *_ in hf_plan]
+        ):
+            contenders.append(Contender(Run(name, "hf", 1, "peers", gamma=g), hf_target, kw_hf))
+        for c in contenders:
+            c.run.ref = none_p
+        round_robin(contenders, groups_of(1, 1), max_tokens, bar, repeats)
+        runs += [c.run for c in contenders]
+        del hf_target, hf_draft, contenders
+
+    # Round 3, "batch": throughput at batch 4 and 16.
+    batch_modes = ["none", f"chain{best_gamma}"] + (["chain2"] if "chain2" in llms and best_gamma != 2 else [])
+    batch_modes += ["adaptive"] if ok_adaptive else []
+    for B in batches:
+        rs = [Run(n, "ours", B, "batch", gamma_cap=int(n[5:]) if n.startswith("chain") else None) for n in batch_modes]
+        for r in rs:
+            r.nodes = llms[r.name].engine.max_tree_nodes() if r.gamma_cap else None
+            r.ref = rs[0]
+        round_robin([Contender(r, llms[r.name]) for r in rs], groups_of(B, 2), max_tokens, bar, repeats)
+        runs += rs
     bar.close()
+
+    profiles = {}
+    if not args.no_profile:
+        targets = [(f"chain{best_gamma}", 1)] + ([("chain2", max(batches))] if "chain2" in llms else [])
+        for name, B in targets:
+            print(f"[bench] profiling {name} at batch {B}")
+            profiles[f"{name} B={B}"] = profile_steps(llms[name], [prompts[i % len(prompts)] for i in range(B)],
+                                                      max_tokens)  # fmt: skip
+    llms.clear()
     shutil.rmtree(tmp, ignore_errors=True)
 
-    refs = {r.batch: r for r in runs if r.kind == "ours" and r.name == "none"}
     for r in runs:
-        _canary(r, refs.get(r.batch) if r.kind == "ours" else refs.get(1))
-        if r.kind == "hf":
-            r.canary = r.canary.replace("MISMATCH", "differs") + " (vs ours; float order)"
-    if 1 in refs:
-        for B, ref in refs.items():
-            if B != 1:
-                same = sum(a == b for a, b in zip(ref.outputs, refs[1].outputs * -(-B // max(1, len(refs[1].outputs)))))
-                ref.canary = f"ref ({same}/{len(ref.outputs)} equal to batch 1)"
+        _canary(r, none1)
     derive(runs, costs)
-    runs.sort(key=lambda r: (r.kind != "ours", r.batch, r.name != "none", r.name))
+    order = {"modes": 0, "peers": 1, "batch": 2}
+    runs.sort(key=lambda r: (order[r.round], r.batch, r.kind != "ours", r.name != "none", r.name))
 
     title = f"{Path(target_dir).name}+{Path(draft_dir).name}, {platform.node()}, {torch.get_num_threads()} threads"
     text = table(runs)
@@ -798,14 +862,17 @@ def main(argv: list[str] | None = None) -> int:
     for g in goal_rows:
         met = {True: "MET", False: "NOT MET", None: "n/a"}[g["met"]]
         print(f"  {g['goal']:<45} target >= {g['target']:<4} value {_fmt(g['value'])}  {met}  ({g['detail']})")
-    if profile:
-        print(f"\nprofile of chain{best_gamma}, batch 1 (ms per step, {profile['num_steps']} steps):")
-        for k, ms in profile["stage_ms_per_step"].items():
+    for key, prof in profiles.items():
+        print(f"\nprofile of {key} (ms per engine step, {prof['num_steps']} steps):")
+        for k, ms in prof["stage_ms_per_step"].items():
             print(f"  {ms:8.3f}  {k}")
         print("  top aten ops (self ms per step):")
-        for o in profile["torch_ops"][:10]:
+        for o in prof["torch_ops"][:10]:
             print(f"  {o['self_ms_per_step']:8.3f}  {o['op']} (x{o['calls_per_step']:.1f})")
-        (out / "e2e_profile.txt").write_text(profile["cprofile_top_tottime"])
+    if profiles:
+        (out / "e2e_profile.txt").write_text(
+            "".join(f"=== {k}\n{p['cprofile_top_tottime']}\n" for k, p in profiles.items())
+        )
     for n in notes:
         print(f"note: {n}")
     pngs = plots(runs, out, title)
@@ -820,16 +887,17 @@ def main(argv: list[str] | None = None) -> int:
         "draft": str(draft_dir),
         "dtype": args.dtype,
         "max_tokens": max_tokens,
+        "repeats": repeats,
         "prompt_len": PROMPT_LEN,
         "prompts": [p.name for p in prompts],
         "prompt_encoding": encoding,
-        "c_method": "direct forward timing of the engine's models: 1 token/row on the paged KV cache, same batch",
+        "c_method": "direct timing of the engine's models (forward + logits), 1 token/row on the paged KV cache, "
+        "same batch and context, interleaved medians",
         "costs": {str(B): c for B, c in costs.items()},
         "runs": [r.summary() for r in runs],
         "goals": goal_rows,
-        "profile": profile,
+        "profiles": profiles,
         "notes": notes,
-        "hf_runs": hf_names if hf_ok else [],
         "wall_s": time.perf_counter() - t_start,
         "plots": pngs,
         "table": text,
