@@ -628,12 +628,13 @@ def plots(runs: list[Run], out: Path, title: str) -> list[str]:
         ax.plot(g, [r.derived.get("speedup") for r in chains], "o-", label="measured: draft chain", lw=2)
         ax.plot(g, [r.derived.get("bound") for r in chains], "s--", label="bound E/(1+γc)")
         ax.plot(g, [r.derived.get("bound_v") for r in chains], "^:", label="bound with measured verify cost E/(v+γc)")
-    for marker, prefix, label in (("D", "tree", "static trees"), ("P", "hf_assisted", "HF assisted (same draft)"),
-                                  ("X", "useless_chain", "useless draft chain")):  # fmt: skip
+    for marker, color, prefix, label in (("D", "tab:purple", "tree", "static trees"),
+                                         ("P", "tab:red", "hf_assisted", "HF assisted (same draft)"),
+                                         ("X", "tab:gray", "useless_chain", "useless draft chain")):  # fmt: skip
         sel = [r for r in runs if r.name.startswith(prefix) and r.batch == 1 and r.gamma]
         if sel:
             ax.scatter([r.gamma for r in sel], [r.derived.get("speedup") for r in sel], marker=marker, s=70,
-                       label=label, zorder=3)  # fmt: skip
+                       color=color, label=label, zorder=3)  # fmt: skip
             for r in sel:
                 ax.annotate(r.name, (r.gamma, r.derived.get("speedup")), fontsize=7, xytext=(4, 4),
                             textcoords="offset points")  # fmt: skip
