@@ -14,7 +14,7 @@ from spec_engine.drafters.base import Drafter
 from spec_engine.drafters.draft_model import DraftModelDrafter
 from spec_engine.drafters.ngram import NgramDrafter
 from spec_engine.engine import Engine, Request
-from spec_engine.kv_cache import BlockAllocator, PagedKVCache, plan_num_blocks
+from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
 from spec_engine.sampling import SamplingParams
 from spec_engine.tree import StaticTree, chain
@@ -149,10 +149,10 @@ class LLM:
         # one full-length request plus the tree of its last step must always fit
         max_request_tokens = self.max_model_len + max_tree_nodes
         cfgs = [cfg] + ([draft_model.config] if draft_model else [])
-        if kv_cache_memory is None:
-            per_seq = sum(2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim for c in cfgs)
-            per_seq *= torch.empty((), dtype=torch_dtype).itemsize * (max_request_tokens + block_size)
-            kv_cache_memory = min(2 << 30, max_num_seqs * per_seq)
+        if kv_cache_memory is None:  # room for max_num_seqs full-length requests and the scratch block, up to 2 GiB
+            per_block = block_size * sum(kv_bytes_per_token(c, torch_dtype) for c in cfgs)
+            blocks_per_seq = math.ceil(max_request_tokens / block_size)
+            kv_cache_memory = min(2 << 30, (max_num_seqs * blocks_per_seq + 1) * per_block)
         num_blocks = plan_num_blocks(cfgs, torch_dtype, block_size, kv_cache_memory, max_request_tokens)
         self.allocator = BlockAllocator(num_blocks, block_size)
         kv = PagedKVCache(cfg, num_blocks, block_size, torch_dtype, device)

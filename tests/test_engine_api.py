@@ -136,3 +136,19 @@ def test_metrics(llm):
     assert m["num_accepted"] == sum(k * c for k, c in enumerate(m["accepted_length_hist"]))
     assert 0 <= m["acceptance_rate"] <= 1 and m["mean_accepted_length"] >= 1
     assert m["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+@pytest.mark.parametrize("max_num_seqs,max_model_len", [(1, 47), (1, 64), (3, 33)])
+def test_default_kv_budget_fits_max_num_seqs_full_requests(dirs, spec, max_num_seqs, max_model_len):
+    """The default KV budget holds max_num_seqs full-length requests at once, for any block alignment."""
+    llm = LLM(str(dirs[0]), speculative_config=spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              block_size=16)  # fmt: skip
+    engine = llm.engine
+    assert engine.allocator.num_blocks - 1 >= max_num_seqs * engine.allocator.blocks_for(
+        max_model_len + engine.max_tree_nodes()
+    )
+    prompts = [{"prompt_token_ids": [1 + b] * 4} for b in range(max_num_seqs)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_model_len - 4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [max_model_len - 4] * max_num_seqs
+    assert engine.allocator.num_used == 0
