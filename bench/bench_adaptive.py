@@ -3,7 +3,8 @@
     python bench/bench_adaptive.py [--model DIR --draft DIR] [--quick]
 
 Configs (greedy, ignore_eos, the same prompts for every engine):
-- batch 1: no speculation, every fixed depth in --gammas, adaptive ("auto");
+- batch 1: no speculation, every fixed depth in --gammas, adaptive ("auto"); each run serves --batch1-prompts
+  prompts one after another (max_num_seqs 1), so no single prompt's predictability decides the ratios;
 - batch 16: no speculation, adaptive;
 - a useless draft (the draft's config, random init): no speculation (the batch-1 figure), adaptive.
 
@@ -78,11 +79,11 @@ def prompt_inputs(llm: LLM, n: int) -> list:
 class Config:
     """One engine and its timed runs."""
 
-    def __init__(self, name: str, args, draft: str | None, gamma, batch: int):
+    def __init__(self, name: str, args, draft: str | None, gamma, batch: int, num_prompts: int | None = None):
         spec = None if draft is None else {"model": draft, "num_speculative_tokens": gamma}
         self.name, self.batch, self.gamma = name, batch, gamma if draft else 0
         self.llm = LLM(args.model, speculative_config=spec, max_num_seqs=batch, max_model_len=args.max_tokens + 64)
-        self.prompts = prompt_inputs(self.llm, batch)
+        self.prompts = prompt_inputs(self.llm, num_prompts or batch)
         self.params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         self.llm.generate(self.prompts, self.params, use_tqdm=False)  # warm-up: kernels, the controller's cost fits
         self.llm.engine.gamma_hist = [0] * len(self.llm.engine.gamma_hist)
@@ -136,6 +137,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gammas", default="1,2,3,4,6,8")
+    ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts served one at a time per batch-1 run")
     ap.add_argument("--quick", action="store_true", help="48 tokens, depths 2,4,8")
     args = ap.parse_args(argv)
     if args.quick:
@@ -147,10 +149,11 @@ def main(argv=None) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         useless = random_draft(args.draft, Path(tmp) / "random_draft")
-        batch1 = [Config("none", args, None, 0, 1)]
-        batch1 += [Config(f"fixed gamma={g}", args, args.draft, g, 1) for g in gammas]
-        batch1 += [Config("adaptive", args, args.draft, "auto", 1), Config("adaptive, random draft", args, useless,
-                                                                           "auto", 1)]  # fmt: skip
+        n1 = args.batch1_prompts
+        batch1 = [Config("none", args, None, 0, 1, n1)]
+        batch1 += [Config(f"fixed gamma={g}", args, args.draft, g, 1, n1) for g in gammas]
+        batch1 += [Config("adaptive", args, args.draft, "auto", 1, n1),
+                   Config("adaptive, random draft", args, useless, "auto", 1, n1)]  # fmt: skip
         batch16 = [Config("none", args, None, 0, 16), Config("adaptive", args, args.draft, "auto", 16)]
         results = measure(batch1, args.repeats) + measure(batch16, args.repeats)
     for r in results:

@@ -23,6 +23,10 @@ Estimates, all online and free:
   alpha_0 (``PRIOR_STRENGTH`` pseudo-trials) is the acceptance of the recent requests (a slower-forgetting estimate
   over all rows, itself starting at 0.5): a new request starts where its predecessors ended, so it neither wastes
   steps on a useless draft nor ramps up slowly with a good one.
+- optimism: the controller plans with alpha + OPTIMISM * sqrt(alpha (1 - alpha) / (n + s)), n the row's drafted
+  tokens so far (not forgotten). Two unlucky first steps would otherwise put a good draft at alpha ~0.25 and off
+  until its next probe; with the bonus it keeps drafting shallowly until the evidence is real. The bonus shrinks as
+  the request goes on: after ~10 always-rejected tokens a useless draft is off (measured in bench_adaptive).
 - cost: least squares with forgetting, t_target = a + b * (B*T) and t_draft = c * G + d * (B_d * draft tokens, the
   catch-up of a lagging draft cache included), the draft part timed around ``Drafter.propose`` and the target part
   the rest of the step. A weak prior on b / a and d / c splits the first observations, so the first step can run at
@@ -49,6 +53,7 @@ PRIOR_STRENGTH = 2.0  # pseudo-trials of the prior: a row that rejects everythin
 DEPTH_PRIOR = 2.0  # pseudo-trials pulling a tree depth's alpha toward the row's pooled alpha
 PROBE_INTERVAL = 16  # steps between probes of undrafted rows
 MAX_PROBE_INTERVAL = 64
+OPTIMISM = 1.0  # standard errors added to alpha when planning (see "optimism" above)
 COST_FORGET = 0.97  # per observed step: the cost fits remember ~30 steps (batch size and context drift)
 TARGET_PER_TOKEN_PRIOR = 0.1  # b / a: on this CPU, HF eager verifies 6 tokens for ~1.7x the cost of one
 DRAFT_PER_TOKEN_PRIOR = 0.1  # d / c
@@ -64,6 +69,7 @@ class AcceptanceEstimate:
 
     def __init__(self, max_depth: int, per_depth: bool, prior: float = 0.5, decay: float = DECAY):
         self.num_accepts = self.num_rejects = 0.0  # decayed counts over all depths: the pooled (chain) estimate
+        self.num_trials = 0  # drafted tokens judged (accepts + rejects), never forgotten: the optimism's sample size
         self.accepts = [0.0] * max_depth  # [D]: decayed count of steps whose path survived depth j+1 (trees only)
         self.rejects = [0.0] * max_depth  # [D]: decayed count of steps whose path stopped at depth j+1 (trees only)
         self.per_depth, self.prior, self.decay = per_depth, prior, decay
@@ -72,6 +78,7 @@ class AcceptanceEstimate:
         if depth == 0:
             return
         rejected = num_accepted < depth
+        self.num_trials += num_accepted + rejected
         self.num_accepts = self.decay * self.num_accepts + num_accepted
         self.num_rejects = self.decay * self.num_rejects + rejected
         if self.per_depth:
@@ -83,17 +90,23 @@ class AcceptanceEstimate:
         """The pooled (chain) acceptance rate per drafted token."""
         return (self.num_accepts + PRIOR_STRENGTH * self.prior) / (self.num_accepts + self.num_rejects + PRIOR_STRENGTH)
 
-    def depth_alphas(self) -> list[float]:
+    @property
+    def alpha_optimistic(self) -> float:
+        """alpha plus ``OPTIMISM`` binomial standard errors: what the controller plans with."""
+        a = self.alpha
+        return min(a + OPTIMISM * (a * (1.0 - a) / (self.num_trials + PRIOR_STRENGTH)) ** 0.5, 1.0)
+
+    def depth_alphas(self, optimistic: bool = False) -> list[float]:
         """[D] alpha_j: the chance that the path survives depth j+1 once it reached depth j."""
-        pooled = self.alpha
+        pooled = self.alpha_optimistic if optimistic else self.alpha
         if not self.per_depth:
             return [pooled] * len(self.accepts)
         return [(a + DEPTH_PRIOR * pooled) / (a + r + DEPTH_PRIOR) for a, r in zip(self.accepts, self.rejects)]
 
-    def expected_tokens(self, cap: float) -> list[float]:
+    def expected_tokens(self, cap: float, optimistic: bool = False) -> list[float]:
         """[D + 1] E(g) = 1 + sum_{d<=g} prod_{j<=d} alpha_j for g = 0..D, each capped at ``cap`` tokens."""
         out, reach, total = [1.0], 1.0, 1.0
-        for a in self.depth_alphas():
+        for a in self.depth_alphas(optimistic):
             reach *= a
             total += reach
             out.append(min(total, cap))
@@ -182,7 +195,7 @@ class AdaptiveController:
         if not (self.target_cost.num_observed and self.draft_cost.num_observed):
             return self._commit_choice(reqs, states, [D] * B)  # optimistic until costs are measured
         # tokens past max_tokens are worth nothing
-        E = [s.acceptance.expected_tokens(max(r.params.max_tokens - len(r.output_token_ids), 1))
+        E = [s.acceptance.expected_tokens(max(r.params.max_tokens - len(r.output_token_ids), 1), optimistic=True)
              for s, r in zip(states, reqs)]  # [B][D+1]  # fmt: skip
         best_rate, best_G, best_k = B / max(self.target_cost.predict(1.0, B / TOKENS_REF), 1e-9), 0, 0
         cheapest = self.target_cost.predict(1.0, B * self.nodes[1] / TOKENS_REF) + self.draft_cost.predict(1.0, 0.0)
