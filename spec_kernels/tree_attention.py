@@ -105,6 +105,8 @@ def _check_inputs(
 
 # --- native CPU path --------------------------------------------------------------------------------------------
 
+BATCH_RAGGED_ELEMENTS = 1 << 20  # padded K elements up to which ragged lengths take one batched SDPA call
+
 
 def _attention_mask(cache_seqlens: torch.Tensor, tree_mask: torch.Tensor, num_keys: int) -> torch.Tensor:
     """``[B, T, num_keys]`` bool over logical positions: the prefix ``< L_b`` plus the allowed tree positions."""
@@ -161,21 +163,34 @@ def _native_tree_attention(
     tree_mask: torch.Tensor,
     block_table: torch.Tensor | None,
     scale: float,
+    ragged: str = "auto",
 ) -> torch.Tensor:
     """CPU path: torch SDPA (fp32 accumulation for fp16/bf16, so no upcast) over keys ``0 .. L_b+T-1``.
 
-    Equal lengths run as one batched call. Ragged lengths run one call per sequence over its own keys: a batched
-    call would read the stale slots past ``L_b+T`` of the shorter sequences (NaN there would leak through SDPA's
-    masked softmax) and spend work on them. Measured on this 2-core machine, 1 thread, Hq/Hkv=32/8, D=128, ragged
-    ``L_b`` in [L/2, L]: B=8 L=2048 T=8: 36 ms per-sequence vs 131 ms batched with zeroed slots; B=32 L=512 T=1:
-    23 vs 114 ms. Equal lengths: batched is 5-10% faster than the loop. Row folding with a bool mask beat
-    ``enable_gqa=True`` (7.1 vs 10.3 ms, B=8 L=512 T=8) and matmul-softmax-matmul (17 ms).
+    Equal lengths run as one batched call. Ragged lengths run either one batched call over ``max(L_b) + T`` keys,
+    the slots past each row's ``L_b + T`` masked and zeroed (stale values there, NaN included, must not leak
+    through SDPA's masked softmax), or one call per sequence over its own keys. The batched call wastes work on
+    padding and the loop pays a call per sequence, so ``ragged="auto"`` takes the batched call while the padded
+    K is small (``BATCH_RAGGED_ELEMENTS``); past that the gathered K/V leave the caches and the batched call loses
+    even when nearly full. Measured on this 2-core machine, 1 thread, paged, fp32 (batched vs looped, ms):
+    Hq/Hkv=5/1 D=64 B=16 L_b in [100, 250) T=3: 1.6 vs 3.3; B=64 L_b in [10, 250) T=5: 10.0 vs 15.7 (1.0e6
+    elements); Hq/Hkv=16/4 D=64 B=16 L_b in [200, 500) T=4: 13.6 vs 9.6 (2.1e6); Hq/Hkv=32/8 D=128 B=32
+    L_b in [256, 512) T=1: 208 vs 33. Row folding with a bool mask beat ``enable_gqa=True`` (7.1 vs 10.3 ms, B=8
+    L=512 T=8) and matmul-softmax-matmul (17 ms).
     """
     B, T = q.shape[:2]
     lengths = cache_seqlens.tolist()
+    num_keys = (max(lengths) if lengths else 0) + T
     if len(set(lengths)) <= 1:
-        num_keys = (lengths[0] if lengths else 0) + T
         k, v = (_cache_rows(c, block_table, slice(None), num_keys) for c in (k_cache, v_cache))
+        return _sdpa_tree(q, k, v, cache_seqlens, tree_mask, scale)
+    if ragged == "auto":
+        padded = B * num_keys * k_cache.shape[-2] * k_cache.shape[-1]
+        ragged = "batched" if padded <= BATCH_RAGGED_ELEMENTS else "loop"
+    if ragged == "batched":
+        past_end = torch.arange(num_keys) >= (cache_seqlens.long() + T)[:, None]  # [B, num_keys]
+        k, v = (_cache_rows(c, block_table, slice(None), num_keys).masked_fill(past_end[:, :, None, None], 0)
+                for c in (k_cache, v_cache))  # fmt: skip
         return _sdpa_tree(q, k, v, cache_seqlens, tree_mask, scale)
     outs = []
     for b, length in enumerate(lengths):

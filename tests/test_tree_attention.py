@@ -188,11 +188,33 @@ def test_padding_rows_no_nan(backend):
     torch.testing.assert_close(out[0, 2], v[0, 2].repeat_interleave(2, dim=0))
 
 
-def test_stale_nan_slots_are_not_read():
+@pytest.mark.parametrize("ragged", ["auto", "batched", "loop"])
+def test_stale_nan_slots_are_not_read(ragged):
     q, k, v, seqlens, mask, _ = make_inputs([3, 30], 4, 4, 2, 16, torch.float32, seed=6)
     k[0, 3 + 4 :] = float("nan")
     v[0, 3 + 4 :] = float("nan")
-    assert torch.isfinite(tree_attention(q, k, v, seqlens, mask)).all()
+    assert torch.isfinite(ta._native_tree_attention(q, k, v, seqlens, mask, None, 0.25, ragged)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_native_ragged_batched_and_looped_agree(dtype, paged):
+    """Ragged lengths: one padded SDPA call and one call per sequence both match the fp64 reference."""
+    inputs = make_inputs([0, 5, 61, 33], 6, 6, 2, 48, dtype, block_size=8 if paged else None, seed=11)
+    for ragged in ("batched", "loop"):
+        check_against_fp64(ta._native_tree_attention(*inputs, 48**-0.5, ragged), *inputs)
+
+
+def test_native_ragged_auto_picks_by_padded_size(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ta, "_cache_rows", lambda c, bt, seqs, n: calls.append(seqs) or c[seqs, :n])
+    inputs = make_inputs([4, 20, 9], 2, 4, 2, 16, torch.float32, seed=12)
+    ta._native_tree_attention(*inputs, 0.25)
+    assert calls == [slice(None)] * 2  # K and V gathered once: one batched call
+    calls.clear()
+    monkeypatch.setattr(ta, "BATCH_RAGGED_ELEMENTS", 3 * 22 * 2 * 16 - 1)  # the padded K no longer fits
+    ta._native_tree_attention(*inputs, 0.25)
+    assert len(calls) == 6 and slice(None) not in calls  # one call per sequence
 
 
 # --- Triton kernel ----------------------------------------------------------------------------------------------
