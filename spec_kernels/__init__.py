@@ -8,14 +8,16 @@ Importing this package never compiles anything; the C++ extension is built on fi
 
 from spec_kernels.compact_kv import compact_kv_
 from spec_kernels.reference import compact_kv_ref, tree_attention_ref, verify_tree_ref
-from spec_kernels.tree_attention import tree_attention
+from spec_kernels.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
 from spec_kernels.verify_tree import PAD_NODE, VerifyResult, verify_tree
 
 __all__ = [
     "PAD_NODE",
+    "TreeAttentionPlan",
     "VerifyResult",
     "compact_kv_",
     "compact_kv_ref",
+    "plan_tree_attention",
     "tree_attention",
     "tree_attention_ref",
     "verify_tree",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,10 @@ def _check_inputs(
     cache_seqlens: torch.Tensor,
     tree_mask: torch.Tensor,
     block_table: torch.Tensor | None,
+    check_lengths: bool = True,
 ) -> None:
-    """Raise a clear error for any input that breaks the contract in DESIGN.md."""
+    """Raise a clear error for any input that breaks the contract in DESIGN.md. ``check_lengths=False`` skips the
+    one check that reads ``cache_seqlens`` (a host sync on CPU): a plan already made it."""
     op = "tree_attention"
     if q.dim() != 4:
         raise ValueError(f"{op}: q must be [B, T, Hq, D], got shape {tuple(q.shape)}")
@@ -95,7 +98,7 @@ def _check_inputs(
     # L_b + T must fit. On CUDA the check is queued on the stream (no host sync, CUDA-graph safe).
     if q.device.type == "cuda":
         torch._assert_async((cache_seqlens >= 0).all() & (cache_seqlens.max() + T <= capacity), f"{op}: {what}")
-    elif B > 0:
+    elif B > 0 and check_lengths:
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
         if lo < 0:
             raise ValueError(f"{op}: cache_seqlens must be >= 0, got min {lo}")
@@ -108,6 +111,37 @@ def _check_inputs(
 BATCH_RAGGED_ELEMENTS = 1 << 20  # padded K elements up to which ragged lengths take one batched SDPA call
 
 
+@dataclass(frozen=True)
+class _SdpaCall:
+    """One SDPA call of the native path over sequences ``seqs``.
+
+    Shapes: key_rows ``[n, num_keys]`` int64 rows of the cache flattened to ``[rows, Hkv, D]`` (None: the
+    contiguous cache's own view ``cache[seqs, :num_keys]``); row_mask ``[n, 1, T*group, num_keys]`` bool (None:
+    every row sees every key); sees_nothing ``[n, T]`` bool (None: no row is empty).
+    """
+
+    seqs: slice
+    num_keys: int
+    key_rows: torch.Tensor | None
+    row_mask: torch.Tensor | None
+    sees_nothing: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class TreeAttentionPlan:
+    """The work of a native ``tree_attention`` call that depends only on ``cache_seqlens``, ``tree_mask`` and
+    ``block_table``: key rows and masks. A model's layers all attend with the same three tensors, so a forward
+    builds the plan once (``plan_tree_attention``) and every layer reuses it; on this CPU that removes ~40 small
+    ops per layer. Plans are for the native CPU path; other paths ignore them."""
+
+    batch: int
+    num_nodes: int  # T
+    group: int  # Hq // Hkv
+    cache_shape: tuple[int, ...]  # the k_cache shape it was built for
+    paged: bool
+    calls: tuple[_SdpaCall, ...]
+
+
 def _attention_mask(cache_seqlens: torch.Tensor, tree_mask: torch.Tensor, num_keys: int) -> torch.Tensor:
     """``[B, T, num_keys]`` bool over logical positions: the prefix ``< L_b`` plus the allowed tree positions."""
     B, T, _ = tree_mask.shape
@@ -117,87 +151,103 @@ def _attention_mask(cache_seqlens: torch.Tensor, tree_mask: torch.Tensor, num_ke
     return (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree)
 
 
-def _cache_rows(cache: torch.Tensor, block_table: torch.Tensor | None, seqs: slice, num_keys: int) -> torch.Tensor:
-    """Logical positions ``0 .. num_keys-1`` of sequences ``seqs``: a view of a contiguous cache, a gather of a
-    paged one. ``[num_seqs, num_keys, Hkv, D]``."""
+def _key_rows(
+    cache_shape: tuple[int, ...], block_table: torch.Tensor | None, seqs: slice, cache_seqlens: torch.Tensor, T: int,
+    num_keys: int,
+) -> torch.Tensor:  # fmt: skip
+    """``[n, num_keys]`` cache rows of positions ``0 .. num_keys-1`` of sequences ``seqs``.
+
+    Positions past ``L_b + T`` (padding of a batched call over ragged lengths: stale slots, or past the
+    sequence's blocks) are read from slot ``L_b`` instead, which the contract guarantees written. Whatever they
+    hold is then finite wherever the attended keys are, so the masked softmax's zero weights cannot meet a NaN
+    or inf from a stale slot.
+    """
+    lengths = cache_seqlens[seqs].long()[:, None]  # [n, 1]
+    n = lengths.shape[0]
+    pos = torch.arange(num_keys, device=cache_seqlens.device).expand(n, num_keys)
+    pos = torch.where(pos < lengths + T, pos, lengths)  # [n, num_keys]
+    rows_per_block = cache_shape[1]  # S for a contiguous cache
     if block_table is None:
-        return cache[seqs, :num_keys]
-    block_size = cache.shape[1]
-    blocks = block_table[seqs, : -(-num_keys // block_size)].long()  # [num_seqs, num_blocks_used]
-    return cache[blocks].flatten(1, 2)[:, :num_keys]
+        first = torch.arange(seqs.start or 0, (seqs.start or 0) + n, device=pos.device)[:, None] * rows_per_block
+        return first + pos
+    return block_table[seqs].long().gather(1, pos // rows_per_block) * rows_per_block + pos % rows_per_block
 
 
-def _sdpa_tree(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+def _plan_call(cache_shape, block_table, seqs, cache_seqlens, tree_mask, group, num_keys, equal) -> _SdpaCall:
+    lengths, mask = cache_seqlens[seqs], tree_mask[seqs]
+    allowed = _attention_mask(lengths, mask, num_keys)  # [n, T, num_keys]
+    sees = allowed.any(dim=-1)  # [n, T]; a row sees nothing only when L_b = 0 and its mask row is all False
+    view = block_table is None and equal  # a contiguous cache's own slice: nothing to gather
+    return _SdpaCall(
+        seqs=seqs,
+        num_keys=num_keys,
+        key_rows=None if view else _key_rows(cache_shape, block_table, seqs, cache_seqlens, mask.shape[1], num_keys),
+        row_mask=None if bool(allowed.all()) else allowed.repeat_interleave(group, dim=1)[:, None],
+        sees_nothing=None if bool(sees.all()) else ~sees,
+    )
+
+
+def _native_plan(
+    k_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
     tree_mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One SDPA call: q ``[B, T, Hq, D]`` over k, v ``[B, num_keys, Hkv, D]`` under the prefix + tree mask.
-
-    GQA folds each group into the query rows (``[B, Hkv, T*group, D]``), so K/V are never repeated.
+    block_table: torch.Tensor | None,
+    group: int,
+    ragged: str = "auto",
+) -> TreeAttentionPlan:
+    """Equal lengths: one batched SDPA call over ``L + T`` keys. Ragged lengths: one batched call over
+    ``max(L_b) + T`` keys (the slots past each row's ``L_b + T`` masked), or one call per sequence over its own
+    keys. The batched call wastes work on padding and the loop pays a call per sequence, so ``ragged="auto"``
+    batches while the padded K is small (``BATCH_RAGGED_ELEMENTS``); past that the gathered K/V leave the CPU
+    caches and the batched call loses even when nearly full. Measured on this 2-core machine, 1 thread, paged,
+    fp32 (batched vs looped, ms): Hq/Hkv=5/1 D=64 B=16 L_b in [100, 250) T=1: 0.5 vs 2.3; B=64 L_b in [10, 250)
+    T=5: 7.9 vs 10.8 (1.0e6 elements); Hq/Hkv=16/4 D=64 B=16 L_b in [200, 500) T=4: 5.9 vs 5.1 (2.1e6);
+    Hq/Hkv=32/8 D=128 B=32 L_b in [256, 512) T=1: 107 vs 25.
     """
-    B, T, Hq, D = q.shape
-    num_keys, Hkv = k.shape[1], k.shape[2]
+    B, T = tree_mask.shape[:2]
+    lengths = cache_seqlens.tolist()
+    num_keys = (max(lengths) if lengths else 0) + T
+    shape = tuple(k_cache.shape)
+    equal = len(set(lengths)) <= 1
+    if not equal and ragged == "auto":
+        ragged = "batched" if B * num_keys * shape[-2] * shape[-1] <= BATCH_RAGGED_ELEMENTS else "loop"
+    if equal or ragged == "batched":
+        calls = (_plan_call(shape, block_table, slice(0, B), cache_seqlens, tree_mask, group, num_keys, equal),)
+    else:
+        calls = tuple(_plan_call(shape, block_table, slice(b, b + 1), cache_seqlens, tree_mask, group, n + T, True)
+                      for b, n in enumerate(lengths))  # fmt: skip
+    return TreeAttentionPlan(B, T, group, shape, block_table is not None, calls)
+
+
+def _sdpa_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, call: _SdpaCall, scale: float):
+    """q ``[n, T, Hq, D]`` -> ``[n, T, Hq, D]``. GQA folds each group into the query rows (``[n, Hkv, T*group,
+    D]``), so K/V are never repeated."""
+    n, T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
     group = Hq // Hkv
-    allowed = _attention_mask(cache_seqlens, tree_mask, num_keys)  # [B, T, num_keys]
-    rows = q.reshape(B, T, Hkv, group, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * group, D)
-    row_mask = allowed.repeat_interleave(group, dim=1)[:, None]  # [B, 1, T*group, num_keys]
+    if call.key_rows is None:
+        k, v = k_cache[call.seqs, : call.num_keys], v_cache[call.seqs, : call.num_keys]  # [n, num_keys, Hkv, D]
+    else:  # index_select gathers 4-7x faster than advanced indexing here
+        rows = call.key_rows.flatten()
+        k, v = (c.flatten(0, 1).index_select(0, rows).view(n, call.num_keys, Hkv, D) for c in (k_cache, v_cache))
+    rows_q = q.reshape(n, T, Hkv, group, D).permute(0, 2, 1, 3, 4).reshape(n, Hkv, T * group, D)
     out = F.scaled_dot_product_attention(
-        rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=row_mask, scale=scale
-    )  # [B, Hkv, T*group, D]
-    out = out.view(B, Hkv, T, group, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
-    sees_nothing = ~allowed.any(dim=-1)  # [B, T]; only when L_b = 0 and a mask row is all False
-    if sees_nothing.any():
-        out = out.masked_fill(sees_nothing[:, :, None, None], 0.0)
+        rows_q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=call.row_mask, scale=scale
+    )  # [n, Hkv, T*group, D]
+    out = out.view(n, Hkv, T, group, D).permute(0, 2, 1, 3, 4).reshape(n, T, Hq, D)
+    if call.sees_nothing is not None:
+        out = out.masked_fill(call.sees_nothing[:, :, None, None], 0.0)
     return out
 
 
 def _native_tree_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    tree_mask: torch.Tensor,
-    block_table: torch.Tensor | None,
-    scale: float,
-    ragged: str = "auto",
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TreeAttentionPlan, scale: float
 ) -> torch.Tensor:
-    """CPU path: torch SDPA (fp32 accumulation for fp16/bf16, so no upcast) over keys ``0 .. L_b+T-1``.
-
-    Equal lengths run as one batched call. Ragged lengths run either one batched call over ``max(L_b) + T`` keys,
-    the slots past each row's ``L_b + T`` masked and zeroed (stale values there, NaN included, must not leak
-    through SDPA's masked softmax), or one call per sequence over its own keys. The batched call wastes work on
-    padding and the loop pays a call per sequence, so ``ragged="auto"`` takes the batched call while the padded
-    K is small (``BATCH_RAGGED_ELEMENTS``); past that the gathered K/V leave the caches and the batched call loses
-    even when nearly full. Measured on this 2-core machine, 1 thread, paged, fp32 (batched vs looped, ms):
-    Hq/Hkv=5/1 D=64 B=16 L_b in [100, 250) T=3: 1.6 vs 3.3; B=64 L_b in [10, 250) T=5: 10.0 vs 15.7 (1.0e6
-    elements); Hq/Hkv=16/4 D=64 B=16 L_b in [200, 500) T=4: 13.6 vs 9.6 (2.1e6); Hq/Hkv=32/8 D=128 B=32
-    L_b in [256, 512) T=1: 208 vs 33. Row folding with a bool mask beat ``enable_gqa=True`` (7.1 vs 10.3 ms, B=8
-    L=512 T=8) and matmul-softmax-matmul (17 ms).
-    """
-    B, T = q.shape[:2]
-    lengths = cache_seqlens.tolist()
-    num_keys = (max(lengths) if lengths else 0) + T
-    if len(set(lengths)) <= 1:
-        k, v = (_cache_rows(c, block_table, slice(None), num_keys) for c in (k_cache, v_cache))
-        return _sdpa_tree(q, k, v, cache_seqlens, tree_mask, scale)
-    if ragged == "auto":
-        padded = B * num_keys * k_cache.shape[-2] * k_cache.shape[-1]
-        ragged = "batched" if padded <= BATCH_RAGGED_ELEMENTS else "loop"
-    if ragged == "batched":
-        past_end = torch.arange(num_keys) >= (cache_seqlens.long() + T)[:, None]  # [B, num_keys]
-        k, v = (_cache_rows(c, block_table, slice(None), num_keys).masked_fill(past_end[:, :, None, None], 0)
-                for c in (k_cache, v_cache))  # fmt: skip
-        return _sdpa_tree(q, k, v, cache_seqlens, tree_mask, scale)
-    outs = []
-    for b, length in enumerate(lengths):
-        seq = slice(b, b + 1)
-        k, v = (_cache_rows(c, block_table, seq, length + T) for c in (k_cache, v_cache))
-        outs.append(_sdpa_tree(q[seq], k, v, cache_seqlens[seq], tree_mask[seq], scale))
-    return torch.cat(outs)  # [B, T, Hq, D]
+    """CPU path: torch SDPA (fp32 accumulation for fp16/bf16, so no upcast) over keys ``0 .. L_b+T-1``, as the
+    plan lays the calls out. Row folding with a bool mask beat ``enable_gqa=True`` (7.1 vs 10.3 ms, B=8 L=512
+    T=8) and matmul-softmax-matmul (17 ms)."""
+    outs = [_sdpa_call(q[call.seqs], k_cache, v_cache, call, scale) for call in plan.calls]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, T, Hq, D]
 
 
 # --- Triton kernel ----------------------------------------------------------------------------------------------
@@ -543,6 +593,7 @@ def tree_attention(
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     backend: str | None = None,
+    plan: TreeAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention of T tree nodes over the committed prefix plus their ancestors in the tree.
 
@@ -562,15 +613,18 @@ def tree_attention(
         ``block_table[b, p // block_size]`` at offset ``p % block_size``.
     softmax_scale : defaults to ``D ** -0.5``.
     backend : None (Triton on CUDA, native SDPA path on CPU), "torch" (the reference), "triton", "native".
+    plan : from ``plan_tree_attention`` with these same ``cache_seqlens``, ``tree_mask`` and ``block_table``, to
+        share their preparation among the calls of one forward (native path; other paths ignore it).
 
     Shapes
     ------
     q ``[B, T, Hq, D]`` with ``Hq % Hkv == 0`` and ``D <= 256``; cache_seqlens ``[B]``; tree_mask ``[B, T, T]``;
     block_table ``[B, max_blocks]``. Returns ``[B, T, Hq, D]`` in q's dtype.
     """
-    _check_inputs(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     backend = resolve_backend("tree_attention", backend, q.device)
+    planned = plan is not None and backend == "native"  # the plan checked the lengths: no second host sync
+    _check_inputs(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, check_lengths=not planned)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if backend == "torch":
         return tree_attention_ref(
             q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, softmax_scale=scale
@@ -578,5 +632,40 @@ def tree_attention(
     if backend == "native":
         if q.device.type != "cpu":
             raise RuntimeError(f"tree_attention: backend='native' is the CPU path; got {q.device.type} tensors")
-        return _native_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, scale)
+        group = q.shape[2] // k_cache.shape[2]
+        if plan is None:
+            plan = _native_plan(k_cache, cache_seqlens, tree_mask, block_table, group)
+        else:
+            made_for = (plan.batch, plan.num_nodes, plan.group, plan.cache_shape, plan.paged)
+            if made_for != (q.shape[0], q.shape[1], group, tuple(k_cache.shape), block_table is not None):
+                raise ValueError("tree_attention: the plan was made for other shapes (batch, T, heads, cache, paging)")
+        return _native_tree_attention(q, k_cache, v_cache, plan, scale)
     return _tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, scale, 0)
+
+
+def plan_tree_attention(
+    k_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tree_mask: torch.Tensor,
+    *,
+    num_q_heads: int,
+    block_table: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> TreeAttentionPlan | None:
+    """Prepare what every ``tree_attention`` call of one forward shares (same lengths, mask, block table and cache
+    layout; q and the cache contents may differ per call). Returns None where the chosen path needs no plan.
+
+    Shapes: k_cache as ``tree_attention`` (any layer's: they share one layout); cache_seqlens ``[B]``; tree_mask
+    ``[B, T, T]``; block_table ``[B, max_blocks]``.
+    """
+    if tree_mask.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(
+            f"plan_tree_attention: tree_mask must be [B, T, T] and k_cache 4-d, got {tuple(tree_mask.shape)} and "
+            f"{tuple(k_cache.shape)}"
+        )
+    B, T = tree_mask.shape[:2]
+    q_shape = k_cache.new_empty(()).expand(B, T, num_q_heads, k_cache.shape[-1])  # no memory: shape checks only
+    _check_inputs(q_shape, k_cache, k_cache, cache_seqlens, tree_mask, block_table)
+    if resolve_backend("tree_attention", backend, k_cache.device) != "native" or k_cache.device.type != "cpu":
+        return None
+    return _native_plan(k_cache, cache_seqlens, tree_mask, block_table, num_q_heads // k_cache.shape[2])

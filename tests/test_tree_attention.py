@@ -193,7 +193,8 @@ def test_stale_nan_slots_are_not_read(ragged):
     q, k, v, seqlens, mask, _ = make_inputs([3, 30], 4, 4, 2, 16, torch.float32, seed=6)
     k[0, 3 + 4 :] = float("nan")
     v[0, 3 + 4 :] = float("nan")
-    assert torch.isfinite(ta._native_tree_attention(q, k, v, seqlens, mask, None, 0.25, ragged)).all()
+    plan = ta._native_plan(k, seqlens, mask, None, 2, ragged)
+    assert torch.isfinite(ta._native_tree_attention(q, k, v, plan, 0.25)).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -201,20 +202,38 @@ def test_stale_nan_slots_are_not_read(ragged):
 def test_native_ragged_batched_and_looped_agree(dtype, paged):
     """Ragged lengths: one padded SDPA call and one call per sequence both match the fp64 reference."""
     inputs = make_inputs([0, 5, 61, 33], 6, 6, 2, 48, dtype, block_size=8 if paged else None, seed=11)
+    q, k, v, seqlens, mask, table = inputs
     for ragged in ("batched", "loop"):
-        check_against_fp64(ta._native_tree_attention(*inputs, 48**-0.5, ragged), *inputs)
+        plan = ta._native_plan(k, seqlens, mask, table, 3, ragged)
+        assert len(plan.calls) == (1 if ragged == "batched" else 4)
+        check_against_fp64(ta._native_tree_attention(q, k, v, plan, 48**-0.5), *inputs)
 
 
 def test_native_ragged_auto_picks_by_padded_size(monkeypatch):
-    calls = []
-    monkeypatch.setattr(ta, "_cache_rows", lambda c, bt, seqs, n: calls.append(seqs) or c[seqs, :n])
-    inputs = make_inputs([4, 20, 9], 2, 4, 2, 16, torch.float32, seed=12)
-    ta._native_tree_attention(*inputs, 0.25)
-    assert calls == [slice(None)] * 2  # K and V gathered once: one batched call
-    calls.clear()
+    q, k, v, seqlens, mask, _ = make_inputs([4, 20, 9], 2, 4, 2, 16, torch.float32, seed=12)
+    assert [c.seqs for c in ta._native_plan(k, seqlens, mask, None, 2).calls] == [slice(0, 3)]  # one batched call
     monkeypatch.setattr(ta, "BATCH_RAGGED_ELEMENTS", 3 * 22 * 2 * 16 - 1)  # the padded K no longer fits
-    ta._native_tree_attention(*inputs, 0.25)
-    assert len(calls) == 6 and slice(None) not in calls  # one call per sequence
+    assert [c.seqs for c in ta._native_plan(k, seqlens, mask, None, 2).calls] == [slice(b, b + 1) for b in range(3)]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_plan_shared_across_calls(paged):
+    """One plan serves every call with the same lengths, mask and table (two "layers" with different q, K, V)."""
+    layers = [make_inputs([0, 17, 40], 5, 4, 2, 32, torch.float32, block_size=8 if paged else None, seed=s)
+              for s in (20, 21)]  # fmt: skip
+    seqlens, mask, table = layers[0][3:]
+    plan = ta.plan_tree_attention(layers[0][1], seqlens, mask, num_q_heads=4, block_table=table)
+    assert isinstance(plan, ta.TreeAttentionPlan)
+    for q, k, v, *_ in layers:
+        out = tree_attention(q, k, v, seqlens, mask, block_table=table, plan=plan)
+        torch.testing.assert_close(out, tree_attention(q, k, v, seqlens, mask, block_table=table), rtol=0, atol=0)
+        check_against_fp64(out, q, k, v, seqlens, mask, table)
+    q, k, v = layers[0][:3]
+    with pytest.raises(ValueError, match="plan was made for other shapes"):
+        tree_attention(q[:, :4], k, v, seqlens, mask[:, :4, :4], block_table=table, plan=plan)
+    assert ta.plan_tree_attention(k, seqlens, mask, num_q_heads=4, block_table=table, backend="torch") is None
+    with pytest.raises(ValueError, match="block_table too short|cache too short"):
+        ta.plan_tree_attention(k, seqlens + 10**6, mask, num_q_heads=4, block_table=table)
 
 
 # --- Triton kernel ----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spec_engine.models.config import ModelConfig, rope_inv_freq
-from spec_kernels import tree_attention
+from spec_kernels import plan_tree_attention, tree_attention
 
 
 class RMSNorm(nn.Module):
@@ -64,13 +64,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, k_cache, v_cache, cache_seqlens, flat_slots, tree_mask, block_table):
+    def forward(self, x, cos, sin, k_cache, v_cache, cache_seqlens, flat_slots, tree_mask, block_table, plan):
         B, T, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
         # [rows, Hkv, D] <- [B * T, Hkv, D]: row = the physical cache row of position L_b + t
         k_cache.view(-1, self.num_kv_heads, self.head_dim)[flat_slots] = k.reshape(B * T, self.num_kv_heads, -1)
         v_cache.view(-1, self.num_kv_heads, self.head_dim)[flat_slots] = v.reshape(B * T, self.num_kv_heads, -1)
-        out = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table)  # [B, T, Hq, D]
+        out = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, plan=plan)
         return self.o_proj(out.reshape(B, T, -1))
 
     def forward_train(self, x, cos, sin):
@@ -164,10 +164,13 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
         cos, sin = self._rope(positions, h.dtype)
         flat_slots = cache_rows(cache_seqlens, input_ids.shape[1], kv_cache.shape[3], block_table)  # [B * T]
+        # key rows and masks, shared by every layer (None on paths that need none)
+        heads = self.config.num_attention_heads
+        plan = plan_tree_attention(kv_cache[0, 0], cache_seqlens, tree_mask, num_q_heads=heads, block_table=block_table)
         for i, layer in enumerate(self.model.layers):
             h = h + layer.self_attn(
                 layer.input_layernorm(h), cos, sin, kv_cache[i, 0], kv_cache[i, 1],
-                cache_seqlens, flat_slots, tree_mask, block_table,
+                cache_seqlens, flat_slots, tree_mask, block_table, plan,
             )  # fmt: skip
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
