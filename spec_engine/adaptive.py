@@ -23,10 +23,13 @@ Estimates, all online and free:
   alpha_0 (``PRIOR_STRENGTH`` pseudo-trials) is the acceptance of the recent requests (a slower-forgetting estimate
   over all rows, itself starting at 0.5): a new request starts where its predecessors ended, so it neither wastes
   steps on a useless draft nor ramps up slowly with a good one.
-- optimism: the controller plans with alpha + OPTIMISM * sqrt(alpha (1 - alpha) / (n + s)), n the row's drafted
+- optimism: the controller plans with alpha + OPTIMISM * sqrt(alpha (1 - alpha) / (n + n_0)), n the row's drafted
   tokens so far (not forgotten). Two unlucky first steps would otherwise put a good draft at alpha ~0.25 and off
   until its next probe; with the bonus it keeps drafting shallowly until the evidence is real. The bonus shrinks as
-  the request goes on: after ~10 always-rejected tokens a useless draft is off (measured in bench_adaptive).
+  the request goes on: after ~10 always-rejected tokens a useless draft is off (measured in bench_adaptive). A new
+  request starts from the recent requests' rate, itself well measured, so n_0 = ``OPTIMISM_PSEUDO_TRIALS`` = 8
+  keeps its first bonus moderate (+0.17 at alpha 0.66; n_0 = 2 gave +0.33 and sent every new request's first step
+  to depth 8, which a 16-row batch paid with T = 9).
 - cost: least squares with forgetting, t_target = a + b * (B*T) and t_draft = c * G + d * (B_d * draft tokens, the
   catch-up of a lagging draft cache included), the draft part timed around ``Drafter.propose`` and the target part
   the rest of the step. A weak prior on b / a and d / c splits the first observations, so the first step can run at
@@ -34,6 +37,14 @@ Estimates, all online and free:
   and a step slower than ``OUTLIER`` times its prediction is clipped, since other jobs on the machine preempt steps
   at random. On CUDA the draft's kernels may finish after ``propose`` returns; their time then lands in the target
   part, which still rises with G, so the sum the controller compares stays right.
+
+Margin: a step drafts only if it promises ``MIN_GAIN + TAIL_MARGIN * (1 - 1/B)`` times plain decoding's rate
+(1.05 at batch 1, 1.19 at 16). The model prices one step; it does not see what speculation costs around it: the
+draft model's prefill, and, when requests start together, the tail: rows finish at different steps, so the last
+steps run a few rows at nearly a full step's cost, where plain decoding finishes them all in the same step. The tail
+grows with the batch. At batch 16 on this CPU (fp32 verification is compute-bound: 2 tokens per row cost ~1.6x one)
+steps promising +7-15% measured 0.84-1.16x end to end (median 0.96x, 6 rounds), so such steps stay plain. Batch-1
+gains with a useful draft are 1.3-1.6x and pass the bar.
 
 Rows dropped to depth 0 receive no acceptance evidence, so every ``PROBE_INTERVAL`` steps the rows that have not been
 drafted for their probe interval are drafted once (at G if others draft, else at depth 1). A probe that accepts
@@ -54,11 +65,14 @@ DEPTH_PRIOR = 2.0  # pseudo-trials pulling a tree depth's alpha toward the row's
 PROBE_INTERVAL = 16  # steps between probes of undrafted rows
 MAX_PROBE_INTERVAL = 64
 OPTIMISM = 1.0  # standard errors added to alpha when planning (see "optimism" above)
+OPTIMISM_PSEUDO_TRIALS = 8.0  # the evidence a new request's prior is worth to the optimism bonus
 COST_FORGET = 0.97  # per observed step: the cost fits remember ~30 steps (batch size and context drift)
 TARGET_PER_TOKEN_PRIOR = 0.1  # b / a: on this CPU, HF eager verifies 6 tokens for ~1.7x the cost of one
 DRAFT_PER_TOKEN_PRIOR = 0.1  # d / c
 TOKENS_REF = 16.0  # token counts are divided by this so both coefficients of a fit have comparable scales
 OUTLIER = 3.0  # a step timed above this multiple of its prediction (preemption, a one-time load) is clipped to it
+MIN_GAIN = 1.05  # drafting must promise this multiple of plain decoding's tokens/s at batch 1 (see "margin")
+TAIL_MARGIN = 0.15  # added to it as the batch grows: MIN_GAIN + TAIL_MARGIN * (1 - 1/B)
 
 
 class AcceptanceEstimate:
@@ -94,7 +108,7 @@ class AcceptanceEstimate:
     def alpha_optimistic(self) -> float:
         """alpha plus ``OPTIMISM`` binomial standard errors: what the controller plans with."""
         a = self.alpha
-        return min(a + OPTIMISM * (a * (1.0 - a) / (self.num_trials + PRIOR_STRENGTH)) ** 0.5, 1.0)
+        return min(a + OPTIMISM * (a * (1.0 - a) / (self.num_trials + OPTIMISM_PSEUDO_TRIALS)) ** 0.5, 1.0)
 
     def depth_alphas(self, optimistic: bool = False) -> list[float]:
         """[D] alpha_j: the chance that the path survives depth j+1 once it reached depth j."""
@@ -197,7 +211,9 @@ class AdaptiveController:
         # tokens past max_tokens are worth nothing
         E = [s.acceptance.expected_tokens(max(r.params.max_tokens - len(r.output_token_ids), 1), optimistic=True)
              for s, r in zip(states, reqs)]  # [B][D+1]  # fmt: skip
-        best_rate, best_G, best_k = B / max(self.target_cost.predict(1.0, B / TOKENS_REF), 1e-9), 0, 0
+        # the rate to beat: plain decoding's, raised by the margin
+        margin = MIN_GAIN + TAIL_MARGIN * (1.0 - 1.0 / B)
+        best_rate, best_G, best_k = margin * B / max(self.target_cost.predict(1.0, B / TOKENS_REF), 1e-9), 0, 0
         cheapest = self.target_cost.predict(1.0, B * self.nodes[1] / TOKENS_REF) + self.draft_cost.predict(1.0, 0.0)
         if (B + sum(row[D] - 1.0 for row in E)) / max(cheapest, 1e-9) <= best_rate:
             D = 0  # not even every row at full depth for the cost of depth 1 beats plain decoding: skip the scan

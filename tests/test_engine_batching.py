@@ -259,3 +259,25 @@ def test_optimism_keeps_a_row_drafting_until_the_evidence_is_real():
     ctl.num_steps = 1
     assert ctl.choose([req]) == [0]
     assert acceptance.alpha_optimistic - acceptance.alpha < 0.1
+
+
+def test_margin_grows_with_the_batch():
+    """A promised +11% drafts at batch 1 (margin 1.05) but not at batch 16 (margin 1.19: the closed-batch tail)."""
+    from types import SimpleNamespace
+
+    ctl = AdaptiveController(8, lambda g: g + 1)
+    ctl.target_cost.theta, ctl.target_cost.num_observed = (10e-3, 0.0), 1  # verification width is free here
+    ctl.draft_cost.theta, ctl.draft_cost.num_observed = (0.8e-3, 0.0), 1  # 0.8 ms per draft forward
+    ctl.population.prior = 0.2  # depth 1: 1.2 tokens for 10.8 ms vs 1 for 10 ms, +11%; deeper gains less
+
+    def rows(n):
+        reqs = [SimpleNamespace(spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[],
+                                num_computed=0, draft_len=0) for _ in range(n)]  # fmt: skip
+        for r in reqs:
+            ctl.state(r).acceptance.num_trials = 10**6  # alpha known: no optimism bonus
+        return reqs
+
+    ctl.num_steps = 1  # not a probe step
+    assert ctl.choose(rows(1)) == [1]
+    ctl.num_steps = 1
+    assert ctl.choose(rows(16)) == [0] * 16
