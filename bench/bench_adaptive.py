@@ -6,7 +6,9 @@ Configs (greedy, ignore_eos, the same prompts for every engine):
 - batch 1: no speculation, every fixed depth in --gammas, adaptive ("auto"); each run serves --batch1-prompts
   prompts one after another (max_num_seqs 1), so no single prompt's predictability decides the ratios;
 - batch 16: no speculation, adaptive;
-- a useless draft (the draft's config, random init): no speculation (the batch-1 figure), adaptive.
+- a useless draft (the draft's config, random init): no speculation (the batch-1 figure), adaptive;
+- "none (control)": a second, identical no-speculation engine at each batch size. Its ratio to "none" is the
+  noise floor of the run: a ratio closer to 1 than the control's spread is a tie.
 
 One line per config: tok/s median [p20, p80] over --repeats timed runs (after one untimed warm-up run on the same
 engine, so the adaptive controller starts from measured costs, as in a running server), the ratio to no speculation,
@@ -123,10 +125,11 @@ class Config:
 
 
 def measure(configs: list[Config], repeats: int) -> list[dict]:
-    """Round-robin over the engines, so a change in machine load hits every config alike."""
-    for _ in range(repeats):
-        for c in configs:
-            c.time_once()
+    """Round-robin over the engines, so a change in machine load hits every config alike; each round starts one
+    config later, so no config always runs first (or right after the same neighbour)."""
+    for r in range(repeats):
+        for i in range(len(configs)):
+            configs[(r + i) % len(configs)].time_once()
     return [c.summary() for c in configs]
 
 
@@ -153,8 +156,10 @@ def main(argv=None) -> dict:
         batch1 = [Config("none", args, None, 0, 1, n1)]
         batch1 += [Config(f"fixed gamma={g}", args, args.draft, g, 1, n1) for g in gammas]
         batch1 += [Config("adaptive", args, args.draft, "auto", 1, n1),
-                   Config("adaptive, random draft", args, useless, "auto", 1, n1)]  # fmt: skip
-        batch16 = [Config("none", args, None, 0, 16), Config("adaptive", args, args.draft, "auto", 16)]
+                   Config("adaptive, random draft", args, useless, "auto", 1, n1),
+                   Config("none (control)", args, None, 0, 1, n1)]  # fmt: skip
+        batch16 = [Config("none", args, None, 0, 16), Config("adaptive", args, args.draft, "auto", 16),
+                   Config("none (control)", args, None, 0, 16)]  # fmt: skip
         results = measure(batch1, args.repeats) + measure(batch16, args.repeats)
     for r in results:
         base = results[0] if r["batch"] == 1 else results[len(batch1)]

@@ -341,6 +341,11 @@ def test_metrics_show_acceptance(spec):
     assert value("specdec_spec_decode_accepted_length_sum") == accepted
     assert value("specdec_spec_decode_accepted_length_bucket", le="+Inf") == steps
     assert value("specdec_spec_decode_mean_accepted_length") == pytest.approx((accepted + steps) / steps)
+    # the chosen depth per request and step: every decoding step counted once, drafted tokens as its sum
+    assert value("specdec_spec_decode_depth_count") == steps
+    assert value("specdec_spec_decode_depth_sum") == drafted
+    assert 0 <= value("specdec_spec_decode_depth_last") <= 3
+    assert value("specdec_spec_decode_adaptive") in (0.0, 1.0)
     assert value("specdec_generation_tokens_total") > 0 and value("specdec_prompt_tokens_total") > 0
     assert value("specdec_http_requests_total", endpoint="completions", status="200") >= 1
     assert value("specdec_kv_cache_blocks_total") > 0

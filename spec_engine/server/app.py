@@ -343,15 +343,26 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("specdec_spec_decode_acceptance_rate", "accepted / drafted", s["acceptance_rate"])
         yield GaugeMetricFamily("specdec_spec_decode_mean_accepted_length", "tau: tokens emitted per target pass",
                                 s["mean_accepted_length"])  # fmt: skip
-        hist = s["accepted_length_hist"]  # [k] = target passes that accepted k drafted tokens
-        cumulative, buckets = 0, []
-        for k, n in enumerate(hist):
-            cumulative += n
-            buckets.append((str(float(k)), cumulative))
-        buckets.append(("+Inf", cumulative))
-        h = HistogramMetricFamily("specdec_spec_decode_accepted_length", "drafted tokens accepted per target pass")
-        h.add_metric([], buckets, sum_value=float(sum(k * n for k, n in enumerate(hist))))
-        yield h
+        yield _histogram("specdec_spec_decode_accepted_length", "drafted tokens accepted per target pass",
+                         s["accepted_length_hist"])  # fmt: skip
+        yield _histogram("specdec_spec_decode_depth", "tree depth chosen per request and step (0 = not drafted)",
+                         s["depth_hist"])  # fmt: skip
+        yield GaugeMetricFamily("specdec_spec_decode_depth_last", "the deepest row's depth in the last decoding step",
+                                s["last_step_depth"])  # fmt: skip
+        yield GaugeMetricFamily("specdec_spec_decode_adaptive", "1 when the depth is chosen per step (adaptive)",
+                                float(s["adaptive"]))  # fmt: skip
+
+
+def _histogram(name: str, documentation: str, counts: list[int]) -> HistogramMetricFamily:
+    """A Prometheus histogram from integer-valued counts: ``counts[k]`` observations of the value k."""
+    cumulative, buckets = 0, []
+    for k, n in enumerate(counts):
+        cumulative += n
+        buckets.append((str(float(k)), cumulative))
+    buckets.append(("+Inf", cumulative))
+    h = HistogramMetricFamily(name, documentation)
+    h.add_metric([], buckets, sum_value=float(sum(k * n for k, n in enumerate(counts))))
+    return h
 
 
 # --- the CLI entry point -----------------------------------------------------------------------------------------

@@ -334,7 +334,10 @@ class AsyncEngine:
             "acceptance_rate": s["num_accepted"] / s["num_drafted"] if s["num_drafted"] else 0.0,
             "mean_accepted_length": (s["num_accepted"] + s["num_steps"]) / s["num_steps"] if s["num_steps"] else 0.0,
             "accepted_length_hist": hist,
-            "num_speculative_tokens": engine.gamma,
+            "num_speculative_tokens": engine.gamma,  # fixed depth, or the deepest the adaptive controller may pick
+            "adaptive": engine.controller is not None,
+            "depth_hist": list(engine.gamma_hist),  # [g] = row-steps drafted at depth g (0 = not drafted)
+            "last_step_depth": engine.gamma_history[-1] if engine.gamma_history else 0,
             "kv_blocks_used": alloc.num_used,
             "kv_blocks_total": alloc.num_blocks - 1,  # block 0 is scratch
         }
