@@ -60,8 +60,8 @@ class DraftModelDrafter(Drafter):
         lag_t = torch.tensor(lags, dtype=torch.int32)
         start = batch.seqlens - lag_t  # [B]: draft committed lengths
         positions = start.long()[:, None] + torch.arange(T)
-        logits = self._forward_logits(tokens, positions, start, causal_mask(batch.size, T), batch.block_table)
-        return logits[torch.arange(batch.size), lag_t.long()]  # [B, V]
+        hidden = self.model(tokens, positions, self.kv.data, start, causal_mask(batch.size, T), batch.block_table)
+        return self.model.logits(hidden[torch.arange(batch.size), lag_t.long()])  # [B, V]: the roots' only
 
     def propose(self, batch: StepBatch) -> Draft:
         depth = max(batch.gammas)
