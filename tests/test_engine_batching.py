@@ -14,7 +14,7 @@ import torch
 from tiny_models import make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
-from spec_engine.adaptive import AcceptanceEstimate, AdaptiveController
+from spec_engine.adaptive import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AcceptanceEstimate, AdaptiveController
 from spec_engine.llm import ADAPTIVE_MAX_DEPTH, _parse_speculative_config
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77], [9] * 20, [30, 31], [4, 8, 15, 16, 23, 42],
@@ -281,3 +281,29 @@ def test_margin_grows_with_the_batch():
     assert ctl.choose(rows(1)) == [1]
     ctl.num_steps = 1
     assert ctl.choose(rows(16)) == [0] * 16
+
+
+def test_probes_only_where_a_good_draft_could_pay():
+    """Verification that costs 10 ms per 16 tokens: at batch 16 even an alpha-0.8 draft loses to plain decoding,
+    so due rows are not probed (they are off for the cost, not their drafts); at batch 1 a due row with a
+    useless draft is probed at depth 1, so it could recover."""
+    from types import SimpleNamespace
+
+    ctl = AdaptiveController(8, lambda g: g + 1)
+    ctl.target_cost.theta, ctl.target_cost.num_observed = (10e-3, 10e-3), 1
+    ctl.draft_cost.theta, ctl.draft_cost.num_observed = (1e-3, 0.0), 1
+
+    def due_rows(n, alpha):
+        reqs = [SimpleNamespace(spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[],
+                                num_computed=0, draft_len=0) for _ in range(n)]  # fmt: skip
+        for r in reqs:
+            ctl.population.prior = alpha
+            state = ctl.state(r)
+            state.acceptance.num_trials = 10**6  # alpha known: no optimism bonus
+            state.steps_undrafted = MAX_PROBE_INTERVAL  # the probe is due
+        return reqs
+
+    ctl.num_steps = PROBE_INTERVAL  # a probe step
+    assert ctl.choose(due_rows(16, 0.7)) == [0] * 16
+    ctl.num_steps = PROBE_INTERVAL
+    assert ctl.choose(due_rows(1, 0.02)) == [1]
