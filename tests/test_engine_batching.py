@@ -307,3 +307,21 @@ def test_probes_only_where_a_good_draft_could_pay():
     assert ctl.choose(due_rows(16, 0.7)) == [0] * 16
     ctl.num_steps = PROBE_INTERVAL
     assert ctl.choose(due_rows(1, 0.02)) == [1]
+
+
+def test_long_draft_lag_catches_up_in_chunks(models, monkeypatch):
+    """Rows undrafted for 30 steps catch their draft cache up 4 tokens per forward; the draft is the target's
+    function, so every drafted token is accepted only if the cache was fed the right tokens at the right slots."""
+    import spec_engine.drafters.draft_model as draft_model
+
+    monkeypatch.setattr(draft_model, "CATCH_UP_CHUNK", 4)
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[6]]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    reference = _generate(_llm(models, None, max_num_seqs=3), prompts, [params] * 3)
+    llm = _llm(models, "same", gamma=3, max_num_seqs=3)
+    undrafted = {"0": 30, "1": 7, "2": 0}  # steps before each request is first drafted: lags 30, 7 and 1
+    llm.engine.choose_gammas = lambda reqs: [0 if r.metrics.num_steps < undrafted[r.request_id] else 3 for r in reqs]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    for o in outs:
+        assert o.metrics["num_drafted"] > 0 and o.metrics["num_accepted"] == o.metrics["num_drafted"], o.metrics

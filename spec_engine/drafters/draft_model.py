@@ -24,6 +24,7 @@ from spec_engine.tree import StaticTree, causal_mask, tree_mask
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_
 
 DRAFT_SAMPLING = ("without_replacement", "iid", "deterministic")
+CATCH_UP_CHUNK = 128  # tokens per catch-up forward of a long-lagging row (see _catch_up)
 
 
 class DraftModelDrafter(Drafter):
@@ -51,11 +52,28 @@ class DraftModelDrafter(Drafter):
         return self.model.logits(hidden)  # [B, T, V]
 
     def _catch_up(self, batch: StepBatch) -> torch.Tensor:
-        """Feed each row's tokens the draft cache lacks, then its root; return q logits at the root [B, V]."""
-        lags = [self.cache_lag(r) for r in batch.requests]
+        """Feed each row's tokens the draft cache lacks, then its root; return q logits at the root [B, V].
+
+        A row left undrafted for a long time (the adaptive controller turned it off) lags by many tokens: those
+        are fed first, ``CATCH_UP_CHUNK`` at a time and only on the rows that lag that much, so no forward is
+        wider than ``CATCH_UP_CHUNK + 1`` tokens and short rows are not padded to the longest lag."""
+        reqs = batch.requests
+        while True:
+            long = [b for b, r in enumerate(reqs) if self.cache_lag(r) > CATCH_UP_CHUNK]
+            if not long:
+                break
+            rows = torch.tensor(long)
+            tokens = torch.tensor([reqs[b].all_token_ids[reqs[b].draft_len :][:CATCH_UP_CHUNK] for b in long])
+            start = torch.tensor([reqs[b].draft_len for b in long], dtype=torch.int32)  # [n]
+            positions = start.long()[:, None] + torch.arange(CATCH_UP_CHUNK)  # [n, CATCH_UP_CHUNK]
+            mask = causal_mask(len(long), CATCH_UP_CHUNK)
+            self.model(tokens, positions, self.kv.data, start, mask, batch.block_table[rows])
+            for b in long:
+                reqs[b].draft_len += CATCH_UP_CHUNK
+        lags = [self.cache_lag(r) for r in reqs]
         T = max(lags) + 1
         tokens = torch.zeros(batch.size, T, dtype=torch.int64)  # [B, T], padded at the end
-        for b, (r, lag) in enumerate(zip(batch.requests, lags)):
+        for b, (r, lag) in enumerate(zip(reqs, lags)):
             tokens[b, : lag + 1] = torch.tensor(r.all_token_ids[len(r.all_token_ids) - 1 - lag :])
         lag_t = torch.tensor(lags, dtype=torch.int32)
         start = batch.seqlens - lag_t  # [B]: draft committed lengths
