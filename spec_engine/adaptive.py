@@ -40,11 +40,12 @@ Estimates, all online and free:
 
 Margin: a step drafts only if it promises ``MIN_GAIN + TAIL_MARGIN * (1 - 1/B)`` times plain decoding's rate
 (1.05 at batch 1, 1.19 at 16). The model prices one step; it does not see what speculation costs around it: the
-draft model's prefill, and, when requests start together, the tail: rows finish at different steps, so the last
-steps run a few rows at nearly a full step's cost, where plain decoding finishes them all in the same step. The tail
-grows with the batch. At batch 16 on this CPU (fp32 verification is compute-bound: 2 tokens per row cost ~1.6x one)
-steps promising +7-15% measured 0.84-1.16x end to end (median 0.96x, 6 rounds), so such steps stay plain. Batch-1
-gains with a useful draft are 1.3-1.6x and pass the bar.
+draft model's catch-up on a prompt (the engine fills the draft cache lazily, on a row's first drafted step, so an
+undrafted request never pays a draft prefill), and, when requests start together, the tail: rows finish at
+different steps, so the last steps run a few rows at nearly a full step's cost, where plain decoding finishes them
+all in the same step. The tail grows with the batch. At batch 16 on this CPU (fp32 verification is compute-bound:
+2 tokens per row cost ~1.6x one) steps promising +7-15% measured 0.84-1.16x end to end (median 0.96x, 6 rounds), so
+such steps stay plain. Batch-1 gains with a useful draft are 1.3-1.6x and pass the bar.
 
 Rows dropped to depth 0 receive no acceptance evidence, so every ``PROBE_INTERVAL`` steps the rows that have not been
 drafted for their probe interval are drafted once (at G if others draft, else at depth 1). A probe that accepts
@@ -192,11 +193,14 @@ class AdaptiveController:
     nodes_for_depth : T of a row drafted at depth g (``Drafter.nodes_for_depth``).
     tree : the drafts are trees (wider than chains): track acceptance per depth, and count the draft model's
         forward over all the nodes above the deepest level (a chain runs one new node per forward).
+    cache_lag : tokens a row's draft cache must catch up on before it is drafted (``Drafter.cache_lag``).
     """
 
-    def __init__(self, max_depth: int, nodes_for_depth: Callable[[int], int], *, tree: bool = False):
+    def __init__(self, max_depth: int, nodes_for_depth: Callable[[int], int], *, tree: bool = False,
+                 cache_lag: Callable[[object], int] = lambda req: 0):  # fmt: skip
         self.max_depth = max_depth
         self.tree = tree
+        self.cache_lag = cache_lag
         self.nodes = [nodes_for_depth(g) for g in range(max_depth + 1)]  # [D+1]: T at depth g
         # tokens per row of the draft forwards at depth g: the root, then (trees) the nodes of the levels above
         self.draft_tokens = [0.0]  # [D+1]
@@ -207,7 +211,7 @@ class AdaptiveController:
         self.population = AcceptanceEstimate(max_depth, per_depth=False, decay=POPULATION_DECAY)
         self.num_steps = 0
         self.probe_interval = PROBE_INTERVAL  # the last drafted row's: where a new request's interval starts
-        self._lag = 0  # the drafted rows' largest draft-cache lag this step
+        self._catch_up_tokens = 0  # tokens the draft cache catches up on this step, all rows
         self._cold = True  # the engine's first step pays one-time costs (extension loads, allocations): not timed
 
     def state(self, req) -> RowState:
@@ -276,8 +280,9 @@ class AdaptiveController:
 
     def _commit_choice(self, reqs: Sequence, states: list[RowState], gammas: list[int]) -> list[int]:
         self.num_steps += 1
-        # a draft model first feeds the tokens its cache lacks (1 after a full chain, more after undrafted steps)
-        self._lag = max((r.num_computed - r.draft_len for r, g in zip(reqs, gammas) if g), default=0)
+        # a draft model first feeds, on every row, the tokens its cache lacks (1 after a full chain; the prompt and
+        # the undrafted steps' tokens when a row is drafted after a stretch without)
+        self._catch_up_tokens = sum(self.cache_lag(r) for r in reqs) if any(gammas) else 0
         for s, g in zip(states, gammas):
             s.steps_undrafted = s.steps_undrafted + 1 if g == 0 else 0
         return gammas
@@ -301,4 +306,5 @@ class AdaptiveController:
         num_drafted = sum(g > 0 for g in gammas)
         self.target_cost.observe(1.0, B * self.nodes[G] / TOKENS_REF, step_seconds - draft_seconds)
         if G:
-            self.draft_cost.observe(G, num_drafted * (self.draft_tokens[G] + self._lag) / TOKENS_REF, draft_seconds)
+            tokens = num_drafted * self.draft_tokens[G] + self._catch_up_tokens
+            self.draft_cost.observe(G, tokens / TOKENS_REF, draft_seconds)

@@ -135,7 +135,8 @@ class Engine:
         if adaptive and drafter is not None:
             tree = getattr(drafter, "tree", None)
             self.controller = AdaptiveController(self.gamma, drafter.nodes_for_depth,
-                                                 tree=tree is not None and not tree.is_chain)  # fmt: skip
+                                                 tree=tree is not None and not tree.is_chain,
+                                                 cache_lag=drafter.cache_lag)  # fmt: skip
 
     # --- requests --------------------------------------------------------------------------------------------
 
@@ -236,11 +237,15 @@ class Engine:
         mask = causal_mask(len(reqs), T)
         table = self._block_table(reqs, int(seqlens.max()) + T)
         self.target(tokens, positions, self.kv.data, seqlens, mask, table)
-        if self.drafter is not None:
+        # With a fixed depth every request is drafted: the drafter sees the prompt now. The adaptive controller may
+        # never draft a request (batch 16 on CPU), so there the draft cache is filled by catch-up when it first does.
+        eager = self.drafter is not None and self.controller is None
+        if eager:
             self.drafter.prefill(tokens, positions, seqlens, mask, table)
         for r, c in zip(reqs, chunks):
             r.num_computed += len(c)
-            r.draft_len = r.num_computed
+            if eager:
+                r.draft_len = r.num_computed
 
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:

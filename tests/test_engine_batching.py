@@ -325,3 +325,28 @@ def test_long_draft_lag_catches_up_in_chunks(models, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == reference
     for o in outs:
         assert o.metrics["num_drafted"] > 0 and o.metrics["num_accepted"] == o.metrics["num_drafted"], o.metrics
+
+
+def test_adaptive_fills_the_draft_cache_lazily(models):
+    """Under the adaptive controller the draft model does not prefill: a request never drafted leaves its draft
+    cache empty, and one first drafted after its prompt and 5 steps catches up on all of it (35 + 5 tokens, chunked
+    past CATCH_UP_SLACK). The draft is the target's function: every drafted token is accepted only if the catch-up
+    fed the right tokens at the right slots."""
+    prompts = [PROMPTS[6], PROMPTS[0], PROMPTS[2]]  # 35, 9 and 1 tokens
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    reference = _generate(_llm(models, None, max_num_seqs=3), prompts, [params] * 3)
+    llm = _llm(models, "same", gamma="auto", max_num_seqs=3)
+    assert llm.engine.controller is not None
+    first_drafted = {"0": 5, "1": 0, "2": 10**9}  # request 2 is never drafted
+    requests = {}
+
+    def choose(reqs):
+        requests.update({r.request_id: r for r in reqs})
+        return [0 if r.metrics.num_steps < first_drafted[r.request_id] else 3 for r in reqs]
+
+    llm.engine.choose_gammas = choose
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert requests["2"].draft_len == 0 and outs[2].metrics["num_drafted"] == 0
+    for o in outs[:2]:
+        assert o.metrics["num_drafted"] > 0 and o.metrics["num_accepted"] == o.metrics["num_drafted"], o.metrics

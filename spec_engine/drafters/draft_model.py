@@ -25,6 +25,7 @@ from spec_kernels import PAD_NODE, VerifyResult, compact_kv_
 
 DRAFT_SAMPLING = ("without_replacement", "iid", "deterministic")
 CATCH_UP_CHUNK = 128  # tokens per catch-up forward of a long-lagging row (see _catch_up)
+CATCH_UP_SLACK = 8  # a row lagging more than this is caught up on its own, not padded into every row
 
 
 class DraftModelDrafter(Drafter):
@@ -54,22 +55,26 @@ class DraftModelDrafter(Drafter):
     def _catch_up(self, batch: StepBatch) -> torch.Tensor:
         """Feed each row's tokens the draft cache lacks, then its root; return q logits at the root [B, V].
 
-        A row left undrafted for a long time (the adaptive controller turned it off) lags by many tokens: those
-        are fed first, ``CATCH_UP_CHUNK`` at a time and only on the rows that lag that much, so no forward is
-        wider than ``CATCH_UP_CHUNK + 1`` tokens and short rows are not padded to the longest lag."""
+        A row that lags by more than ``CATCH_UP_SLACK`` tokens (its prompt, under the adaptive controller, or the
+        tokens of a stretch it was left undrafted) is fed first, ``CATCH_UP_CHUNK`` at a time and only on the rows
+        that lag that much: no forward is wider than ``CATCH_UP_CHUNK`` tokens, and the other rows are not padded
+        to the longest lag. The last forward feeds every row its few remaining tokens and its root."""
         reqs = batch.requests
         while True:
-            long = [b for b, r in enumerate(reqs) if self.cache_lag(r) > CATCH_UP_CHUNK]
+            long = [b for b, r in enumerate(reqs) if self.cache_lag(r) > CATCH_UP_SLACK]
             if not long:
                 break
-            rows = torch.tensor(long)
-            tokens = torch.tensor([reqs[b].all_token_ids[reqs[b].draft_len :][:CATCH_UP_CHUNK] for b in long])
-            start = torch.tensor([reqs[b].draft_len for b in long], dtype=torch.int32)  # [n]
-            positions = start.long()[:, None] + torch.arange(CATCH_UP_CHUNK)  # [n, CATCH_UP_CHUNK]
-            mask = causal_mask(len(long), CATCH_UP_CHUNK)
-            self.model(tokens, positions, self.kv.data, start, mask, batch.block_table[rows])
-            for b in long:
-                reqs[b].draft_len += CATCH_UP_CHUNK
+            counts = [min(self.cache_lag(reqs[b]), CATCH_UP_CHUNK) for b in long]
+            n = max(counts)
+            tokens = torch.zeros(len(long), n, dtype=torch.int64)  # [n_long, n], ragged rows padded at the end
+            for i, (b, count) in enumerate(zip(long, counts)):
+                start = reqs[b].draft_len
+                tokens[i, :count] = torch.tensor(reqs[b].all_token_ids[start : start + count])
+            start = torch.tensor([reqs[b].draft_len for b in long], dtype=torch.int32)  # [n_long]
+            positions = start.long()[:, None] + torch.arange(n)  # [n_long, n]
+            self.model(tokens, positions, self.kv.data, start, causal_mask(len(long), n), batch.block_table[long])
+            for b, count in zip(long, counts):
+                reqs[b].draft_len += count
         lags = [self.cache_lag(r) for r in reqs]
         T = max(lags) + 1
         tokens = torch.zeros(batch.size, T, dtype=torch.int64)  # [B, T], padded at the end
