@@ -211,7 +211,7 @@ class AdaptiveController:
         self.population = AcceptanceEstimate(max_depth, per_depth=False, decay=POPULATION_DECAY)
         self.num_steps = 0
         self.probe_interval = PROBE_INTERVAL  # the last drafted row's: where a new request's interval starts
-        self._catch_up_tokens = 0  # tokens the draft cache catches up on this step, all rows
+        self._catch_up_tokens = 0  # tokens the draft cache catches up on this step, drafted rows
         self._cold = True  # the engine's first step pays one-time costs (extension loads, allocations): not timed
 
     def state(self, req) -> RowState:
@@ -280,9 +280,9 @@ class AdaptiveController:
 
     def _commit_choice(self, reqs: Sequence, states: list[RowState], gammas: list[int]) -> list[int]:
         self.num_steps += 1
-        # a draft model first feeds, on every row, the tokens its cache lacks (1 after a full chain; the prompt and
-        # the undrafted steps' tokens when a row is drafted after a stretch without)
-        self._catch_up_tokens = sum(self.cache_lag(r) for r in reqs) if any(gammas) else 0
+        # a draft model first feeds each drafted row the tokens its cache lacks (1 after a full chain; the prompt
+        # and the undrafted steps' tokens when a row is drafted for the first time or after a stretch without)
+        self._catch_up_tokens = sum(self.cache_lag(r) for r, g in zip(reqs, gammas) if g)
         for s, g in zip(states, gammas):
             s.steps_undrafted = s.steps_undrafted + 1 if g == 0 else 0
         return gammas
