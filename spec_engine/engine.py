@@ -250,7 +250,9 @@ class Engine:
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         gammas = self.choose_gammas(reqs)
-        lag = max(self.drafter.cache_lag(r) for r in reqs) if self.drafter is not None else 0
+        # the drafter runs on the drafted rows only; an undrafted row's lag (its whole prompt, under the adaptive
+        # controller) must not widen every plain step's block table
+        lag = max((self.drafter.cache_lag(r) for r, g in zip(reqs, gammas) if g), default=0) if self.drafter else 0
         seqlens = torch.tensor([r.num_computed for r in reqs], dtype=torch.int32)  # [B]
         batch = StepBatch(
             requests=reqs,

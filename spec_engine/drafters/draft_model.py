@@ -68,8 +68,8 @@ class DraftModelDrafter(Drafter):
             n = max(counts)
             tokens = torch.zeros(len(long), n, dtype=torch.int64)  # [n_long, n], ragged rows padded at the end
             for i, (b, count) in enumerate(zip(long, counts)):
-                start = reqs[b].draft_len
-                tokens[i, :count] = torch.tensor(reqs[b].all_token_ids[start : start + count])
+                cached = reqs[b].draft_len
+                tokens[i, :count] = torch.tensor(reqs[b].all_token_ids[cached : cached + count])
             start = torch.tensor([reqs[b].draft_len for b in long], dtype=torch.int32)  # [n_long]
             positions = start.long()[:, None] + torch.arange(n)  # [n_long, n]
             self.model(tokens, positions, self.kv.data, start, causal_mask(len(long), n), batch.block_table[long])
