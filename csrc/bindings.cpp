@@ -1,4 +1,5 @@
-// The only file that registers ops: spec_kernels::compact_kv_ with CPU, CUDA and Meta kernels.
+// The only file that registers ops: spec_kernels::compact_kv_ with CPU, CUDA and Meta kernels, and
+// spec_kernels::linear (csrc/linear_cpu.cpp) with CPU and Meta kernels.
 //
 // Also the torch-facing half of the CUDA path (shape checks, device guard, current stream): nvcc 13 cannot compile
 // torch's CUDA headers, so csrc/compact_kv.cu stays torch-free and this host-compiled file calls its raw launcher.
@@ -22,6 +23,8 @@ namespace specdec {
 
 void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, const at::Tensor& accepted_nodes,
                     const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table);
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
 namespace {
 
@@ -135,11 +138,18 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def(
       "compact_kv_(Tensor(a!) cache, Tensor cache_seqlens, Tensor accepted_nodes, Tensor num_accepted, "
       "Tensor? block_table=None) -> ()");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) { m.impl("compact_kv_", &specdec::compact_kv_cpu_entry); }
+TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
+  m.impl("compact_kv_", &specdec::compact_kv_cpu_entry);
+  m.impl("linear", &specdec::linear_cpu);
+}
 
-TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) { m.impl("compact_kv_", &specdec::compact_kv_meta); }
+TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {
+  m.impl("compact_kv_", &specdec::compact_kv_meta);
+  m.impl("linear", &specdec::linear_meta);
+}
 
 #ifdef SPECDEC_WITH_CUDA
 TORCH_LIBRARY_IMPL(spec_kernels, CUDA, m) { m.impl("compact_kv_", &specdec::compact_kv_cuda_entry); }

@@ -7,7 +7,8 @@ Importing this package never compiles anything; the C++ extension is built on fi
 """
 
 from spec_kernels.compact_kv import compact_kv_
-from spec_kernels.reference import compact_kv_ref, tree_attention_ref, verify_tree_ref
+from spec_kernels.linear import linear
+from spec_kernels.reference import compact_kv_ref, linear_ref, tree_attention_ref, verify_tree_ref
 from spec_kernels.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
 from spec_kernels.verify_tree import PAD_NODE, VerifyResult, verify_tree
 
@@ -17,6 +18,8 @@ __all__ = [
     "VerifyResult",
     "compact_kv_",
     "compact_kv_ref",
+    "linear",
+    "linear_ref",
     "plan_tree_attention",
     "tree_attention",
     "tree_attention_ref",

@@ -214,3 +214,13 @@ def compact_kv_ref(
         table = block_table.to(torch.int64)  # [B, max_blocks]
         rows = cache[:, table[seq, src // block_size], src % block_size].clone()  # [N, K, ...]
         cache[:, table[seq, dst // block_size], dst % block_size] = rows
+
+
+# --- linear -----------------------------------------------------------------------------------------------------
+
+
+def linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias``: ``F.linear`` itself, ``[..., K] x [N, K] -> [..., N]``. ``backend`` is ignored."""
+    return torch.nn.functional.linear(x, weight, bias)

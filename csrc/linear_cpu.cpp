@@ -1,0 +1,357 @@
+// Small-M linear (out = x @ weight^T + bias) on CPU: AVX-512 fp32 FMA and AVX512-BF16 dot products.
+//
+// Glossary: M rows of x (decode: 1, verify: T), N output features (rows of weight [N, K]), K the reduction length.
+// A *tile* is NB weight rows x MB x rows computed together: each weight vector loaded feeds MB FMAs, each x vector
+// NB, and the NB * MB <= 16 accumulators stay in registers.
+//
+// Why not torch.mm: at M <= 16 its GEMMs cost 3-5x the weight bytes' streaming time on this 2-core AVX-512 CPU (the
+// default target's 57 matmuls: 2.91 ms at M=1 against 0.66 ms for a plain OpenMP dot-product loop). This kernel
+// streams each weight row once per call and reuses it from L1 across the rows of x.
+//
+// Batch invariance (the contract greedy speculation relies on): every output element is reduced in one fixed order
+// whatever M is and whichever rows share its tile. Accumulator lane l sums k = l, l + 16, ... (fp32) or the pairs
+// k = 2l, 2l + 1, 2l + 32, ... (bf16) in increasing k; the 16 lanes are then summed by one fixed tree (reduce16),
+// and the bias is added last. Tile shapes only choose which accumulators share registers, never the order of one
+// accumulator's additions, so linear(x)[i] is bitwise linear(x[i:i+1])[0].
+//
+// The AVX-512 code is compiled for its ISA with target attributes (no global -mavx512 flags), and chosen at run time
+// with __builtin_cpu_supports: a CPU without AVX-512 (or without AVX512-BF16, for bf16) takes a scalar path that is
+// correct and batch-invariant in its own, different, order.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SPECDEC_LINEAR_X86 1
+#include <immintrin.h>
+#define SPECDEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+#else
+#define SPECDEC_LINEAR_X86 0
+#endif
+
+namespace specdec {
+
+namespace {
+
+// What one call computes, as raw pointers: x [M, K] with row stride ldx, weight [N, K] contiguous, out [M, N].
+template <typename T>
+struct LinearArgs {
+  const T* x;
+  const T* w;
+  const T* bias;  // [N] or nullptr
+  T* out;
+  int64_t M, N, K, ldx;
+};
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// Writes one finished sum: bias last (fp32), then one rounding to the output dtype. c10::BFloat16's constructor
+// rounds to nearest even, like torch's own bf16 kernels.
+template <typename T>
+inline void store(const LinearArgs<T>& a, int64_t m, int64_t n, float sum) {
+  if (a.bias != nullptr) sum += to_float(a.bias[n]);
+  a.out[m * a.N + n] = static_cast<T>(sum);
+}
+
+// Rows of weight handed to a thread at a time: a whole number of the widest tile (16 rows), so how N is split across
+// threads never changes a tile's shape.
+constexpr int64_t kRowBlock = 16;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Scalar path: CPUs without AVX-512. One sequential fp32 sum per output.
+// ---------------------------------------------------------------------------------------------------------------
+
+template <typename T>
+void rows_scalar(const LinearArgs<T>& a, int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const T* w = a.w + n * a.K;
+    for (int64_t m = 0; m < a.M; ++m) {
+      const T* x = a.x + m * a.ldx;
+      float sum = 0.f;
+      for (int64_t k = 0; k < a.K; ++k) sum += to_float(x[k]) * to_float(w[k]);
+      store(a, m, n, sum);
+    }
+  }
+}
+
+#if SPECDEC_LINEAR_X86
+
+// ---------------------------------------------------------------------------------------------------------------
+// AVX-512 path.
+// ---------------------------------------------------------------------------------------------------------------
+
+// Sums the lanes of 16 accumulators at once: lane 4q + r of the result is the sum of acc[4r + q]. Every accumulator
+// goes through the same tree, ((v0+v8)+(v4+v12)) + ((v1+v9)+(v5+v13)) + ... (lane pairs i, i+8, then i, i+4, then
+// adjacent), whatever the others hold; unused accumulators are zero and never mix into used ones. One transposing
+// tree costs 15 adds + 30 shuffles per 16 outputs, against ~8 instructions per output for _mm512_reduce_add_ps.
+SPECDEC_AVX512 inline __m512 reduce16(const __m512* acc) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {  // halves: b[i] = [acc[2i] (8 lanes), acc[2i+1] (8 lanes)]
+    const __m512 lo = _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44);
+    const __m512 hi = _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE);
+    b[i] = _mm512_add_ps(lo, hi);
+  }
+  for (int i = 0; i < 4; ++i) {  // quarters: c[i] = [acc[4i], acc[4i+1], acc[4i+2], acc[4i+3]] (4 lanes each)
+    const __m512 lo = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88);
+    const __m512 hi = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD);
+    c[i] = _mm512_add_ps(lo, hi);
+  }
+  for (int i = 0; i < 2; ++i) {  // pairs of lanes within each quarter
+    const __m512 lo = _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 hi = _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1));
+    d[i] = _mm512_add_ps(lo, hi);
+  }
+  const __m512 lo = _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512 hi = _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1));
+  return _mm512_add_ps(lo, hi);
+}
+
+// Accumulator j = nb * MB + mb (weight row n0 + nb, x row m0 + mb) ends in lane 4 * (j % 4) + j / 4 of reduce16.
+template <typename T, int NB, int MB>
+SPECDEC_AVX512 inline void finish_tile(const LinearArgs<T>& a, const __m512* acc, int64_t n0, int64_t m0) {
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(acc));
+#pragma GCC unroll 16
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; ++mb) {
+      const int j = nb * MB + mb;
+      store(a, m0 + mb, n0 + nb, sums[4 * (j % 4) + j / 4]);
+    }
+  }
+}
+
+// fp32 tile: lane l of acc (n, m) sums x[m, k] * w[n, k] for k = l, l + 16, ..., the tail masked to zeros.
+template <int NB, int MB>
+SPECDEC_AVX512 void tile_f32(const LinearArgs<float>& a, int64_t n0, int64_t m0) {
+  static_assert(NB * MB <= 16, "a tile holds at most 16 accumulators");
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  const float* w = a.w + n0 * a.K;
+  const float* x = a.x + m0 * a.ldx;
+  const int64_t K = a.K;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 xv[MB];
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; ++mb) xv[mb] = _mm512_loadu_ps(x + mb * a.ldx + k);
+#pragma GCC unroll 16
+    for (int nb = 0; nb < NB; ++nb) {
+      const __m512 wv = _mm512_loadu_ps(w + nb * K + k);
+#pragma GCC unroll 4
+      for (int mb = 0; mb < MB; ++mb) acc[nb * MB + mb] = _mm512_fmadd_ps(wv, xv[mb], acc[nb * MB + mb]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 xv[MB];
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; ++mb) xv[mb] = _mm512_maskz_loadu_ps(mask, x + mb * a.ldx + k);
+#pragma GCC unroll 16
+    for (int nb = 0; nb < NB; ++nb) {
+      const __m512 wv = _mm512_maskz_loadu_ps(mask, w + nb * K + k);
+#pragma GCC unroll 4
+      for (int mb = 0; mb < MB; ++mb) acc[nb * MB + mb] = _mm512_fmadd_ps(wv, xv[mb], acc[nb * MB + mb]);
+    }
+  }
+  finish_tile<float, NB, MB>(a, acc, n0, m0);
+}
+
+// bf16 tile: lane l of acc (n, m) adds the products of the pair k = 2l, 2l + 1 (one vdpbf16ps), then the pair 32
+// further, ...; the tail is masked to zeros (an odd K pairs its last element with a zero).
+template <int NB, int MB>
+SPECDEC_AVX512 void tile_bf16(const LinearArgs<c10::BFloat16>& a, int64_t n0, int64_t m0) {
+  static_assert(NB * MB <= 16, "a tile holds at most 16 accumulators");
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(a.w) + n0 * a.K;
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(a.x) + m0 * a.ldx;
+  const int64_t K = a.K;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh xv[MB];
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; ++mb) xv[mb] = (__m512bh)_mm512_loadu_si512(x + mb * a.ldx + k);
+#pragma GCC unroll 16
+    for (int nb = 0; nb < NB; ++nb) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + nb * K + k);
+#pragma GCC unroll 4
+      for (int mb = 0; mb < MB; ++mb) acc[nb * MB + mb] = _mm512_dpbf16_ps(acc[nb * MB + mb], wv, xv[mb]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1);
+    __m512bh xv[MB];
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; ++mb) xv[mb] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + mb * a.ldx + k);
+#pragma GCC unroll 16
+    for (int nb = 0; nb < NB; ++nb) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + nb * K + k);
+#pragma GCC unroll 4
+      for (int mb = 0; mb < MB; ++mb) acc[nb * MB + mb] = _mm512_dpbf16_ps(acc[nb * MB + mb], wv, xv[mb]);
+    }
+  }
+  finish_tile<c10::BFloat16, NB, MB>(a, acc, n0, m0);
+}
+
+template <typename T, int NB, int MB>
+SPECDEC_AVX512 inline void tile(const LinearArgs<T>& a, int64_t n0, int64_t m0) {
+  if constexpr (std::is_same_v<T, float>) {
+    tile_f32<NB, MB>(a, n0, m0);
+  } else {
+    tile_bf16<NB, MB>(a, n0, m0);
+  }
+}
+
+// All M rows of x against weight rows [n0, n0 + NB): x in chunks of 4 rows plus one chunk of the rest, so the NB
+// weight rows (NB * K elements, <= 14 KB here) are read from memory once and from L1 by the later chunks.
+template <typename T, int NB>
+SPECDEC_AVX512 void rows_all_m(const LinearArgs<T>& a, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) tile<T, NB, 4>(a, n0, m);
+  switch (a.M - m) {
+    case 3:
+      tile<T, NB, 3>(a, n0, m);
+      break;
+    case 2:
+      tile<T, NB, 2>(a, n0, m);
+      break;
+    case 1:
+      tile<T, NB, 1>(a, n0, m);
+      break;
+    default:
+      break;
+  }
+}
+
+// Weight rows [n_begin, n_end): the widest tile that still keeps MB x rows in registers (16 accumulators), then
+// single rows for what does not fill one.
+template <typename T>
+SPECDEC_AVX512 void rows_avx512(const LinearArgs<T>& a, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  if (a.M == 1) {
+    for (; n + 16 <= n_end; n += 16) tile<T, 16, 1>(a, n, 0);
+  } else if (a.M == 2) {
+    for (; n + 8 <= n_end; n += 8) tile<T, 8, 2>(a, n, 0);
+  } else {
+    for (; n + 4 <= n_end; n += 4) rows_all_m<T, 4>(a, n);
+  }
+  for (; n < n_end; ++n) rows_all_m<T, 1>(a, n);
+}
+
+bool cpu_has_avx512() {
+  static const bool ok = std::getenv("SPECDEC_LINEAR_SCALAR") == nullptr && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("fma");
+  return ok;
+}
+
+bool cpu_has_avx512_bf16() {
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+#else
+
+bool cpu_has_avx512() { return false; }
+bool cpu_has_avx512_bf16() { return false; }
+
+template <typename T>
+void rows_avx512(const LinearArgs<T>&, int64_t, int64_t) {}
+
+#endif  // SPECDEC_LINEAR_X86
+
+template <typename T>
+void run(const LinearArgs<T>& a) {
+  const bool vector = std::is_same_v<T, float> ? cpu_has_avx512() : cpu_has_avx512_bf16();
+  const int64_t num_blocks = (a.N + kRowBlock - 1) / kRowBlock;
+  // >= 32 KB of weights per task: below that a second thread costs more to wake than it saves.
+  const int64_t block_bytes = kRowBlock * std::max<int64_t>(a.K, 1) * static_cast<int64_t>(sizeof(T));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{32} << 10) / block_bytes);
+  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+    const int64_t n_begin = begin * kRowBlock;
+    const int64_t n_end = std::min(end * kRowBlock, a.N);
+    if (vector) {
+      rows_avx512<T>(a, n_begin, n_end);
+    } else {
+      rows_scalar<T>(a, n_begin, n_end);
+    }
+  });
+}
+
+// Checks that need no values: shared by the CPU and Meta kernels, so fake-tensor tracing raises the same errors.
+// Raises ValueError / TypeError in Python, like spec_kernels.linear's own checks.
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "linear: x must be [..., K], got a 0-d tensor");
+  TORCH_CHECK_VALUE(weight.dim() == 2, "linear: weight must be [N, K], got shape ", weight.sizes());
+  TORCH_CHECK_VALUE(x.size(-1) == weight.size(1), "linear: x [..., K] has K = ", x.size(-1),
+                    " but weight [N, K] has K = ", weight.size(1));
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                   "linear: the native kernel takes float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "linear: weight is ", weight.scalar_type(), " but x is ",
+                   x.scalar_type());
+  TORCH_CHECK_VALUE(weight.device() == x.device(), "linear: weight is on ", weight.device(), " but x is on ",
+                    x.device());
+  TORCH_CHECK_VALUE(weight.is_contiguous(), "linear: weight must be contiguous [N, K] (rows are streamed), got strides ",
+                    weight.strides());
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "linear: bias must be [N] with N = ",
+                      weight.size(0), ", got shape ", bias->sizes());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "linear: bias is ", bias->scalar_type(), " but x is ",
+                     x.scalar_type());
+    TORCH_CHECK_VALUE(bias->device() == x.device(), "linear: bias is on ", bias->device(), " but x is on ",
+                      x.device());
+  }
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, const at::Tensor& weight) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = weight.size(0);
+  return shape;
+}
+
+}  // namespace
+
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  check_inputs(x, weight, bias);
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "linear: the native CPU kernel got tensors on ", x.device());
+  const int64_t K = weight.size(1);
+  const int64_t N = weight.size(0);
+  at::Tensor out = at::empty(out_shape(x, weight), x.options());  // [..., N]
+  const int64_t M = K == 0 ? out.numel() / std::max<int64_t>(N, 1) : x.numel() / K;
+  if (M == 0 || N == 0) return out;
+  // [M, K] with unit inner stride: a view when x is (a row slice of) a contiguous tensor, a copy otherwise.
+  at::Tensor rows = x.reshape({M, K});
+  if (K > 1 && rows.stride(1) != 1) rows = rows.contiguous();
+  at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+
+  if (x.scalar_type() == at::kFloat) {
+    run<float>({rows.data_ptr<float>(), weight.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+                out.data_ptr<float>(), M, N, K, rows.stride(0)});
+  } else {
+    using bf16 = c10::BFloat16;
+    run<bf16>({rows.data_ptr<bf16>(), weight.data_ptr<bf16>(), b.defined() ? b.data_ptr<bf16>() : nullptr,
+               out.data_ptr<bf16>(), M, N, K, rows.stride(0)});
+  }
+  return out;
+}
+
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  check_inputs(x, weight, bias);
+  return at::empty(out_shape(x, weight), x.options());
+}
+
+}  // namespace specdec
