@@ -7,6 +7,7 @@ line per (method, clients): request and token throughput, p50/p95 end-to-end lat
 
     python bench/load_server.py --quick --tiny            # a tiny random pair made on the spot (see make_tiny_pair)
     python bench/load_server.py --model DIR --draft DIR   # default: the embedded default pair
+    python bench/load_server.py --tiny --soak 30          # the soak (issue 22): mixed clients for 30 s, see run_soak
 
 There is no roofline here: the figure of merit is throughput at a latency, and the baseline is ``none`` (no
 speculation) on the same server and load. JSON goes to bench/out/load_server.json.
@@ -72,7 +73,7 @@ def start_server(model: str, draft: str | None, method: str, gamma: int, max_num
     import uvicorn
 
     from spec_engine import LLM, SamplingParams
-    from spec_engine.server.app import create_app
+    from spec_engine.server.app import create_app, uvicorn_config
 
     spec = None
     if method == "draft_model":
@@ -82,7 +83,7 @@ def start_server(model: str, draft: str | None, method: str, gamma: int, max_num
     llm = LLM(model, spec, max_num_seqs=max_num_seqs)
     llm.generate(["warm up"], SamplingParams(max_tokens=8), use_tqdm=False)
     app = create_app(llm, "bench", max_pending=1024)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -143,6 +144,97 @@ async def run_load(url: str, num_requests: int, clients: int, max_tokens: int) -
     }
 
 
+SOAK_KINDS = ("stream", "complete", "stream_then_leave", "complete_then_leave")
+
+
+async def run_soak(url: str, num_requests: int, duration_s: float, max_tokens: int, leave_after_s: float = 0.05):
+    """The soak of issue 22: ``num_requests`` requests started evenly over ``duration_s`` seconds, cycling through
+    ``SOAK_KINDS``: streamed and non-streamed requests read to the end, and clients that leave mid-request (a stream
+    closed after its first chunk; a non-streamed request dropped after ``leave_after_s``). Sampling alternates
+    between greedy and seeded. Ends once the server is idle (or 60 s after the last request, a hang guard).
+
+    Returns the figures: requests, tokens, p50/p95 latency of the requests read to the end, responses by status
+    (clients that left have none: "left"), "lost" (requests that neither finished nor were left by their client,
+    per the engine's own totals), 5xx seen by /metrics, and the final in-flight count and KV blocks.
+    """
+    statuses: dict[str, int] = {}
+    latencies, tokens = [], []
+
+    def seen(status) -> None:
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+
+    async def one(client: httpx.AsyncClient, i: int, start: float):
+        await asyncio.sleep(max(0.0, start - time.perf_counter()))
+        kind = SOAK_KINDS[i % len(SOAK_KINDS)]
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0.0 if i % 2 else 0.8, "seed": i, "stream": kind.startswith("stream")}  # fmt: skip
+        t0 = time.perf_counter()
+        if kind == "complete":
+            r = await client.post("/v1/completions", json=body)
+            seen(r.status_code)
+            if r.status_code == 200:
+                tokens.append(r.json()["usage"]["completion_tokens"])
+                latencies.append(time.perf_counter() - t0)
+        elif kind == "complete_then_leave":
+            try:
+                r = await asyncio.wait_for(client.post("/v1/completions", json=body), leave_after_s)
+                seen(r.status_code)  # finished before the client left
+            except TimeoutError:
+                seen("left")
+        else:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                seen(r.status_code if kind == "stream" or r.status_code != 200 else "left")
+                if r.status_code != 200:
+                    return
+                async for line in r.aiter_lines():
+                    if kind == "stream_then_leave" and line.startswith("data: {"):
+                        break  # leaving the block closes the connection mid-stream
+                    if line.startswith("data: {") and '"usage"' in line:
+                        tokens.append(json.loads(line[6:])["usage"]["completion_tokens"])
+                    if line.startswith("data: {") and '"error"' in line:
+                        seen("stream_error")
+                if kind == "stream":
+                    latencies.append(time.perf_counter() - t0)
+
+    def scrape(text: str) -> int:
+        return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+                   if line.startswith("specdec_http_requests_total{") and 'status="5' in line)  # fmt: skip
+
+    limits = httpx.Limits(max_connections=num_requests, max_keepalive_connections=8)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        before = (await client.get("/health")).json()
+        errors_before = scrape((await client.get("/metrics")).text)
+        t0 = time.perf_counter()
+        step = duration_s / max(num_requests, 1)
+        await asyncio.gather(*(one(client, i, t0 + i * step) for i in range(num_requests)))
+        wall = time.perf_counter() - t0
+        deadline = time.perf_counter() + 60
+        while True:
+            after = (await client.get("/health")).json()
+            if after["num_requests_in_flight"] == 0 or time.perf_counter() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        errors_after = scrape((await client.get("/metrics")).text)
+    finished = sum(after["num_requests_finished"].values()) - sum(before["num_requests_finished"].values())
+    accepted = after["num_requests_total"] - before["num_requests_total"]
+    q = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
+    return {
+        "requests": num_requests,
+        "wall_s": wall,
+        "tokens": sum(tokens),
+        "latency_p50_s": statistics.median(latencies) if latencies else None,
+        "latency_p95_s": q[18] if latencies else None,
+        "statuses": dict(sorted(statuses.items())),
+        "finished_by_reason": {
+            k: v - before["num_requests_finished"].get(k, 0) for k, v in after["num_requests_finished"].items()
+        },  # fmt: skip
+        "lost": accepted - finished,
+        "server_5xx": errors_after - errors_before,
+        "in_flight_after": after["num_requests_in_flight"],
+        "kv_blocks_used_after": after["kv_blocks_used"],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="target dir (default: the embedded default pair)")
@@ -157,6 +249,8 @@ def main() -> int:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--quick", action="store_true", help="32 requests of 32 tokens")
+    ap.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                    help="instead of the load table: the mixed-client soak (run_soak) over SECONDS")  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "load_server.json"))
     args = ap.parse_args()
     if args.quick:
@@ -173,6 +267,8 @@ def main() -> int:
         from spec_engine import default_model_paths
 
         model, draft = default_model_paths()
+    if args.soak is not None:
+        return soak_main(args, model, draft)
     clients = [int(c) for c in args.clients.split(",")]
     rows = []
     print(f"{'method':<12} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7} {'ttft50':>7} "
@@ -198,6 +294,29 @@ def main() -> int:
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"saved {out}")
     return 0
+
+
+def soak_main(args, model: str | None, draft: str | None) -> int:
+    method = "draft_model" if "," in args.methods else args.methods  # the default list soaks the draft model
+    url, stop = (args.url, lambda: None) if args.url else start_server(model, draft, method, args.gamma, 16)
+    try:
+        r = asyncio.run(run_soak(url, args.requests, args.soak, args.max_tokens))
+    finally:
+        stop()
+    r["method"] = method
+    print(f"soak ({method}): {r['requests']} requests over {r['wall_s']:.1f} s, {r['tokens']} tokens read; latency "
+          f"p50 {r['latency_p50_s']:.3f} s, p95 {r['latency_p95_s']:.3f} s")  # fmt: skip
+    print(f"  responses by status: {r['statuses']}; engine finished: {r['finished_by_reason']}")
+    print(f"  lost: {r['lost']}; server 5xx: {r['server_5xx']}; in flight after: {r['in_flight_after']}; "
+          f"KV blocks used after: {r['kv_blocks_used_after']}")  # fmt: skip
+    out = Path(args.out).with_name("load_server_soak.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.node(), "torch": torch.__version__, "model": model, "draft": draft,
+            "max_tokens": args.max_tokens, "seconds": args.soak}  # fmt: skip
+    out.write_text(json.dumps({"meta": meta, "soak": r}, indent=2))
+    print(f"saved {out}")
+    ok = r["lost"] == 0 and r["server_5xx"] == 0 and r["in_flight_after"] == 0 and r["kv_blocks_used_after"] == 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-pending", type=int, default=64, help="requests in flight beyond which the server answers 429")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--max-header-bytes", type=int, default=32 << 10,
+                   help="request line + headers past this get 431 and the connection closes")  # fmt: skip
+    s.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request head, then its body (408 and close after)")  # fmt: skip
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_model_args(s)
     s.set_defaults(func=cmd_serve)

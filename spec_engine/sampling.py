@@ -1,10 +1,28 @@
-"""Per-request sampling parameters (vLLM-style) and their validation."""
+"""Per-request sampling parameters (vLLM-style) and their validation.
+
+The engine builds float32 and int64 tensors from these values, so they are checked in those dtypes: a value that is
+fine as a Python float but ``inf`` or 0 in float32 (temperature 1e300, top_p 1e-300) or that overflows int64
+(top_k 2**64) is refused here, before it can fail inside a batched step that other requests share.
+"""
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 SEED_MASK = (1 << 62) - 1  # row seeds stay positive int64 after mixing
+INT64_MAX = (1 << 63) - 1
+# Below this, logits / temperature can overflow float32 (logits of 1e4 / 1e-35 = inf, then inf - inf = NaN); at it,
+# sampling is already greedy for every practical purpose.
+MIN_TEMPERATURE = 1e-5
+
+
+def as_float32(x: float) -> float:
+    """``x`` rounded to float32 as the engine's tensors hold it (inf past float32's range, 0 below its tiniest)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # struct refuses finite doubles past float32's range
+        return float("inf") if x > 0 else float("-inf")
 
 
 @dataclass
@@ -38,16 +56,27 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        temperature = as_float32(self.temperature)
+        if temperature == float("inf"):
+            raise ValueError(f"temperature must be finite in float32 (< 3.4e38), got {self.temperature}")
+        if self.temperature != 0 and not temperature >= MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
+        if not 0 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be in [0, 2**63) (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not as_float32(self.top_p) > 0:
+            raise ValueError(f"top_p must be > 0 in float32 (>= 1.4e-45), got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.stop_token_ids is not None:
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
+            ):
                 raise ValueError("stop_token_ids must be a list of ints")
 
     @property

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import make_model, make_tokenizer
 
 from spec_engine import LLM, SamplingParams
-from spec_engine.server.app import create_app
+from spec_engine.server.app import create_app, uvicorn_config
 from spec_engine.server.protocol import DEFAULT_CHAT_TEMPLATE
 
 CONTEXT = 1024
@@ -40,7 +40,7 @@ def running_server(llm: LLM, name: str, max_pending: int):
     """A real uvicorn server on a free loopback port, in a background thread; stopped and joined on exit."""
     llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)  # builds the C++ ext here, not mid-test
     app = create_app(llm, name, max_pending=max_pending, max_body_bytes=BODY_LIMIT)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, port=0, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

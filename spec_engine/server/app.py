@@ -3,10 +3,17 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream: true`` -> server-sent events in OpenAI's
 chunk format, a final usage chunk, then ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus).
 
-Limits: bodies over ``max_body_bytes`` get 413 (checked on Content-Length and while reading); more than
-``max_pending`` requests in flight get 429 with ``Retry-After: 1`` (below that bound, requests beyond the engine's
-``max_num_seqs`` wait in its FIFO queue). Every error is 4xx/5xx with OpenAI's body
-``{"error": {"message", "type", "param", "code"}}``, and the server keeps serving.
+Limits: bodies over ``max_body_bytes`` get 413 (checked on Content-Length and while reading); a body not received
+in full within ``request_timeout`` seconds of its head gets 408; JSON nested deeper than ``MAX_JSON_DEPTH`` or holding
+invalid Unicode (a lone surrogate) gets 400; more than ``max_pending`` requests in flight get 429 with
+``Retry-After: 1`` (below that bound, requests beyond the engine's ``max_num_seqs`` wait in its FIFO queue). Every
+error is 4xx/5xx with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``, and the server keeps serving;
+408, 413 and every 5xx also close the connection (``Connection: close``), and every one is counted in
+``specdec_http_requests_total``. The HTTP layer under the app (``http_guard``) adds its own limits on request heads.
+
+Isolation: a request whose engine row fails (the engine finishes it with reason "error") gets 500, or an SSE error
+event then ``[DONE]`` when streaming; the requests decoding beside it are not touched. Parsing, the chat template and
+tokenising long prompts run off the event loop, so one huge prompt never stalls /health or other streams.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -26,12 +34,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from spec_engine.sampling import SamplingParams
-from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream
+from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
+from spec_engine.server.http_guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_REQUEST_TIMEOUT, guarded_protocol
 from spec_engine.server.protocol import ChatCompletionRequest, ChatTemplate, CompletionRequest, error_param
 
+log = logging.getLogger("spec_engine.server")
+
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+MAX_JSON_DEPTH = 64  # an OpenAI body nests 4 deep (messages[i].content[j].text); 200,000 '[' hit RecursionError
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}  # metric labels
 
 
 class APIError(Exception):
@@ -43,14 +57,23 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        headers = {"Retry-After": "1"} if self.status == 429 else None
+        headers = {"Retry-After": "1"} if self.status == 429 else {}
+        if self.status >= 500 or self.status in (408, 413):  # the connection's state is unknown, or a body unread
+            headers["Connection"] = "close"
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-def create_app(llm, served_model_name: str, max_pending: int = 64, max_body_bytes: int = 1 << 20) -> FastAPI:
+def create_app(
+    llm,
+    served_model_name: str,
+    max_pending: int = 64,
+    max_body_bytes: int = 1 << 20,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+) -> FastAPI:
     """The server for ``llm`` (a ``spec_engine.LLM``). Starts the engine loop thread now; stops it at shutdown.
 
-    ``app.state.engine`` is the ``AsyncEngine``; ``app.state.registry`` the app's own Prometheus registry.
+    ``app.state.engine`` is the ``AsyncEngine``; ``app.state.registry`` the app's own Prometheus registry. Run it
+    with ``uvicorn_config`` (the guarded HTTP layer), e.g. ``uvicorn.Server(uvicorn_config(app, port=0)).run()``.
     """
     engine = AsyncEngine(llm)
     chat_template = ChatTemplate(llm.model_dir)
@@ -65,7 +88,7 @@ def create_app(llm, served_model_name: str, max_pending: int = 64, max_body_byte
         await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="specdec", lifespan=lifespan)
-    app.state.engine, app.state.registry = engine, registry
+    app.state.engine, app.state.registry, app.state.request_timeout = engine, registry, request_timeout
 
     # --- errors: every one gets OpenAI's body --------------------------------------------------------------------
 
@@ -83,7 +106,8 @@ def create_app(llm, served_model_name: str, max_pending: int = 64, max_body_byte
         return APIError(400, str(e)).response()
 
     @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception):
+    async def _internal_error(request: Request, e: Exception):  # outside the endpoints' own guard (``respond``)
+        http_requests.labels(ENDPOINTS.get(request.url.path, "other"), "500").inc()
         return APIError(500, f"internal error: {e!r}", "internal_error").response()
 
     # --- helpers -------------------------------------------------------------------------------------------------
@@ -93,16 +117,22 @@ def create_app(llm, served_model_name: str, max_pending: int = 64, max_body_byte
         if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
             raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_body_bytes:
-                raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
         try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the JSON body must be an object", code="invalid_json")
+            async with asyncio.timeout(request_timeout):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > max_body_bytes:
+                        raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
+        except TimeoutError:
+            msg = f"the request body did not arrive within {request_timeout:g} s"
+            raise APIError(408, msg, code="request_timeout") from None
+        except ClientDisconnect:
+            raise APIError(499, "client closed the request", code="client_closed_request") from None
+        # a 1 MB body takes milliseconds to parse and check: not on the event loop
+        return await asyncio.to_thread(validate, bytes(body), model_cls)
+
+    def validate(body: bytes, model_cls):
+        data = _parse_json(body)
         try:
             req = model_cls.model_validate(data)
         except ValidationError as e:
@@ -137,14 +167,18 @@ def create_app(llm, served_model_name: str, max_pending: int = 64, max_body_byte
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
             )
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        except ValueError as e:  # "top_p must be ...": the message starts with the field's name
+            field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
+            raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
 
-    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(text: str, add_special_tokens: bool = True) -> list[int]:
         if llm.tokenizer is None:
             raise APIError(400, "this model has no tokenizer.json: send the prompt as a list of token ids",
                            param="prompt")  # fmt: skip
-        return llm.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return await tokenize(llm.tokenizer, text, add_special_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
 
     async def start(ids: list[int], params: SamplingParams) -> RequestStream:
         if engine.num_in_flight >= max_pending:
@@ -158,21 +192,32 @@ def create_app(llm, served_model_name: str, max_pending: int = 64, max_body_byte
             raise APIError(503, str(e), "internal_error") from None
 
     async def respond(endpoint: str, request: Request, handler: Callable) -> Response:
+        """Run ``handler(count)``, answer any exception with OpenAI's body, and count the status. A stream counts
+        its own status when it ends (``count(status)``): 200, or 500/503 after an error event, or 499."""
+        counted = False
+
+        def count(status: int) -> None:
+            http_requests.labels(endpoint, str(status)).inc()
+
         try:
-            response = await handler()
+            response = await handler(count)
+            counted = isinstance(response, StreamingResponse)
         except APIError as e:
-            http_requests.labels(endpoint, str(e.status)).inc()
-            return e.response()
-        http_requests.labels(endpoint, str(response.status_code)).inc()
+            response = e.response()
+        except Exception as e:  # a bug, not the client's fault: log it, answer 500, keep serving
+            log.exception("%s failed", endpoint)
+            response = APIError(500, f"internal error: {e!r}", "internal_error").response()
+        if not counted:
+            count(response.status_code)
         return response
 
     # --- endpoints ---------------------------------------------------------------------------------------------
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        async def handle():
+        async def handle(count):
             req = await read_body(request, CompletionRequest)
-            ids = encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+            ids = await encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
             params = sampling_params(req, len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
             stream = await start(ids, params)
             head = {"id": f"cmpl-{stream.request_id}", "object": "text_completion", "created": int(time.time()),
@@ -182,7 +227,7 @@ def create_app(llm, served_model_name: str, max_pending: int = 64, max_body_byte
                 return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
             if req.stream:
-                return _sse(stream, head, lambda d: [choice(d.text, d.finish_reason)], None, _include_usage(req))
+                return _sse(stream, head, lambda d: [choice(d.text, d.finish_reason)], None, _include_usage(req), count)
             text, last = await _collect(request, stream)
             return JSONResponse({**head, "choices": [choice(text, last.finish_reason)], "usage": _usage(last)})
 
@@ -190,13 +235,13 @@ def create_app(llm, served_model_name: str, max_pending: int = 64, max_body_byte
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        async def handle():
+        async def handle(count):
             req = await read_body(request, ChatCompletionRequest)
             try:
-                prompt = chat_template.render(req.messages)
+                prompt = await asyncio.to_thread(chat_template.render, req.messages)
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
-            ids = encode(prompt, add_special_tokens=not chat_template.from_model)
+            ids = await encode(prompt, add_special_tokens=not chat_template.from_model)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
             stream = await start(ids, params)
@@ -209,7 +254,7 @@ def create_app(llm, served_model_name: str, max_pending: int = 64, max_body_byte
                     delta = {"content": d.text} if d.text else {}
                     return [{"index": 0, "delta": delta, "finish_reason": d.finish_reason}]
 
-                return _sse(stream, head, choices, first, _include_usage(req))
+                return _sse(stream, head, choices, first, _include_usage(req), count)
             text, last = await _collect(request, stream)
             message = {"role": "assistant", "content": text}
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": last.finish_reason}
@@ -254,30 +299,48 @@ def _event(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def _error_event(message: str, code: str | None = None) -> str:
+    return _event({"error": {"message": message, "type": "internal_error", "param": None, "code": code}})
+
+
 def _sse(stream: RequestStream, head: dict, choices: Callable[[Delta], list], first: list | None,
-         include_usage: bool) -> StreamingResponse:  # fmt: skip
-    """One ``data:`` event per engine step with new text (and the last one), the usage chunk, then [DONE].
+         include_usage: bool, count: Callable[[int], None]) -> StreamingResponse:  # fmt: skip
+    """One ``data:`` event per engine step with new text (and the last one), the usage chunk, then [DONE]. A request
+    the engine failed gets an error event instead of its last chunk, then [DONE]. ``count(status)`` once at the end.
 
     When the client disconnects, Starlette stops iterating; closing the stream aborts the request."""
 
     async def events() -> AsyncIterator[str]:
-        last = None
+        last, status = None, 499  # until the end is reached, the client left
         try:
             if first is not None:
                 yield _event({**head, "choices": first})
             async for delta in stream:
                 last = delta
+                if delta.finish_reason == "error":
+                    break
                 if delta.text or delta.finished:
                     yield _event({**head, "choices": choices(delta)})
-            if include_usage and last is not None:
-                yield _event({**head, "choices": [], "usage": _usage(last)})
+            if last is not None and last.finish_reason == "error":
+                status = 500
+                yield _error_event(_engine_error_message(last), "engine_error")
+            else:
+                if include_usage and last is not None:
+                    yield _event({**head, "choices": [], "usage": _usage(last)})
+                status = 200
         except EngineDeadError as e:
-            yield _event({"error": {"message": str(e), "type": "internal_error", "param": None, "code": None}})
+            status = 503
+            yield _error_event(str(e))
         finally:
             await stream.aclose()
+            count(status)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _engine_error_message(d: Delta) -> str:
+    return f"the engine failed this request: {d.error or 'unknown error'}"
 
 
 async def _collect(request: Request, stream: RequestStream) -> tuple[str, Delta]:
@@ -305,9 +368,42 @@ async def _collect(request: Request, stream: RequestStream) -> tuple[str, Delta]
     if not work.done():
         raise APIError(499, "client closed the request", code="client_closed_request")
     try:
-        return work.result()
+        text, last = work.result()
     except EngineDeadError as e:
         raise APIError(503, str(e), "internal_error") from None
+    if last.finish_reason == "error":
+        raise APIError(500, _engine_error_message(last), "internal_error", code="engine_error")
+    return text, last
+
+
+def _parse_json(body: bytes):
+    """The body as a JSON object; 400 for bad JSON, nesting past ``MAX_JSON_DEPTH``, or a lone surrogate (which
+    json accepts, as a \\ud800 escape or as raw bytes, and which no tokenizer or UTF-8 encoder takes)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the JSON body must be an object", code="invalid_json")
+    todo = [(data, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            for s in (key, item):
+                if isinstance(s, str) and not s.isascii():
+                    try:
+                        s.encode()
+                    except UnicodeEncodeError:
+                        msg = "invalid Unicode in a string: a lone surrogate"
+                        raise APIError(400, msg, code="invalid_json") from None
+            if isinstance(item, (dict, list)):
+                todo.append((item, depth + 1))
+    return data
 
 
 # --- Prometheus --------------------------------------------------------------------------------------------------
@@ -368,6 +464,18 @@ def _histogram(name: str, documentation: str, counts: list[int]) -> HistogramMet
 # --- the CLI entry point -----------------------------------------------------------------------------------------
 
 
+def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
+                   max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, **kwargs):  # fmt: skip
+    """A ``uvicorn.Config`` for ``app`` on the guarded h11 layer (``http_guard``), with the app's request timeout.
+
+    ``kwargs`` go to ``uvicorn.Config`` (``log_level``, ``lifespan``, ...)."""
+    import uvicorn
+
+    protocol = guarded_protocol(max_header_bytes, app.state.request_timeout)
+    return uvicorn.Config(app, host=host, port=port, http=protocol, h11_max_incomplete_event_size=max_header_bytes,
+                          **kwargs)  # fmt: skip
+
+
 def serve(args) -> int:
     """``specdec serve``: build the LLM from the model arguments and run uvicorn until interrupted."""
     import uvicorn
@@ -376,8 +484,11 @@ def serve(args) -> int:
 
     llm = build_llm(args)
     name = args.served_model_name or (Path(args.model).name if args.model else "specdec-default")
-    app = create_app(llm, name, max_pending=args.max_pending, max_body_bytes=args.max_body_bytes)
+    app = create_app(llm, name, max_pending=args.max_pending, max_body_bytes=args.max_body_bytes,
+                     request_timeout=args.request_timeout)  # fmt: skip
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"[specdec] serving '{name}' at http://{host}:{args.port}/v1 (OpenAI API; /health, /metrics)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=getattr(args, "log_level", "info"))
+    config = uvicorn_config(app, args.host, args.port, max_header_bytes=args.max_header_bytes,
+                            log_level=getattr(args, "log_level", "info"))  # fmt: skip
+    uvicorn.Server(config).run()
     return 0
