@@ -1,4 +1,14 @@
-"""Backend selection shared by every public op: dispatch happens here, once."""
+"""Backend selection shared by every public op: dispatch happens here, once.
+
+Glossary:
+- *device path*: the GPU code path (Triton or CUDA launcher, then a custom op). CUDA tensors take it, and so do
+  ``meta`` tensors: they stand in for a GPU on machines without one (every op and view works, any read of data
+  raises), so an op that completes on meta tensors is free of host syncs on CUDA. Custom ops dispatch to their fake
+  implementations there.
+- *value checks*: input checks that read tensor data (index ranges, parameter ranges). Free on CPU tensors; on the
+  device path each is either queued with ``torch._assert_async`` (no host sync) or run only when
+  ``SPECDEC_DEBUG_CHECKS=1``, as each op's docstring says.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +17,7 @@ import os
 import torch
 
 BACKENDS = ("torch", "triton", "native")
+DEVICE_PATH_TYPES = ("cuda", "meta")  # device types that take the GPU path
 
 
 def triton_interpret() -> bool:
@@ -22,19 +33,42 @@ def triton_available() -> bool:
     return True
 
 
-def resolve_backend(op: str, backend: str | None, device: torch.device) -> str:
+def on_device_path(device: torch.device) -> bool:
+    """True for CUDA tensors and their host-free stand-in, ``meta`` tensors."""
+    return device.type in DEVICE_PATH_TYPES
+
+
+def debug_checks() -> bool:
+    """True when ``SPECDEC_DEBUG_CHECKS=1``: the device path also runs the value checks that cost a host sync."""
+    return os.environ.get("SPECDEC_DEBUG_CHECKS", "0") not in ("", "0")
+
+
+def host_value_checks(device: torch.device) -> bool:
+    """Whether value checks that read data on the host run: always on CPU tensors (no sync to pay), on the device
+    path only with ``SPECDEC_DEBUG_CHECKS=1``."""
+    return device.type == "cpu" or debug_checks()
+
+
+def resolve_backend(op: str, backend: str | None, device: torch.device, *, has_triton: bool = True) -> str:
     """Pick the backend for ``op`` on ``device``, or raise a clear error when the asked one cannot run.
 
-    ``None`` means Triton (or CUDA) on CUDA tensors and the fastest CPU path ("native") on CPU tensors.
+    ``None`` means the device path on CUDA and meta tensors (Triton, or the CUDA extension ("native") for ops with
+    ``has_triton=False``) and the fastest CPU path ("native") on CPU tensors. An explicit "triton" runs on CUDA and
+    meta tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"{op}: unknown backend {backend!r}; expected None or one of {BACKENDS}")
     if backend is None:
-        return "triton" if device.type == "cuda" else "native"
+        return "triton" if has_triton and on_device_path(device) else "native"
     if backend == "triton":
+        if not has_triton:
+            raise ValueError(
+                f"{op}: there is no Triton backend (the op is C++/CUDA, see DESIGN.md); use backend=None, "
+                "'native' or 'torch'"
+            )
         if not triton_available():
             raise RuntimeError(f"{op}: backend='triton' needs the triton package (pip install triton)")
-        if device.type != "cuda" and not triton_interpret():
+        if not on_device_path(device) and not triton_interpret():
             raise RuntimeError(
                 f"{op}: backend='triton' on {device.type} tensors needs TRITON_INTERPRET=1 "
                 "(Triton's CPU interpreter); use backend=None or 'native' for the fast CPU path"

@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from spec_kernels._backend import host_value_checks
+
 DRAFT_SAMPLINGS = ("iid", "without_replacement")
 # A residual (or without-replacement draft) whose mass falls to <= RESIDUAL_EPS is rounding noise: the rejection
 # that produced it had probability ~0. We then fall back to the node's own distribution; the total-variation
@@ -47,15 +49,42 @@ class RowParams(NamedTuple):
 
 
 def _row_param(x, name: str, B: int, default: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scalar or [B] parameter as a [B] tensor on ``device``. Python numbers become a fill on the device (no
+    host-to-device copy); tensors must already be on ``device`` (a 0-d CPU tensor is a Python number here)."""
     if x is None:
         return torch.full((B,), default, dtype=dtype, device=device)
-    x = torch.as_tensor(x, device=device)
+    if isinstance(x, (list, tuple)):
+        x = torch.tensor(x, device=device)
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and x.device.type == "cpu" and device.type != "cpu":
+        x = x.item()  # a host value already: no device read
+    if not isinstance(x, torch.Tensor):
+        if dtype == torch.int64 and float(x) != round(float(x)):
+            raise ValueError(f"verify_tree: {name} must hold integers")
+        return torch.full((B,), x, dtype=dtype, device=device)
+    if x.device != device:
+        raise ValueError(
+            f"verify_tree: {name} is on {x.device} but target_logits is on {device}; put all inputs on one device"
+        )
     if x.dim() > 1 or (x.dim() == 1 and x.shape[0] != B):
         raise ValueError(f"verify_tree: {name} must be a scalar or have shape [B]=[{B}], got {tuple(x.shape)}")
-    if dtype == torch.int64 and x.is_floating_point():
+    if dtype == torch.int64 and x.is_floating_point() and host_value_checks(device):
         if not bool((x == x.round()).all()):
             raise ValueError(f"verify_tree: {name} must hold integers")
     return x.to(dtype).expand(B).contiguous()
+
+
+def filters_given(top_k, top_p, min_p) -> bool:
+    """Whether any row may filter, decided without reading device data: a filter is off when it is None or a Python
+    number at its off value (top_k 0, top_p 1, min_p 0); a tensor counts as on (its rows branch at run time)."""
+    off = {0: top_k, 1: top_p, 2: min_p}
+    for i, x in off.items():
+        if x is None:
+            continue
+        if isinstance(x, (torch.Tensor, list, tuple)):
+            return True
+        if float(x) != (1.0 if i == 1 else 0.0):
+            return True
+    return False
 
 
 def check_verify_tree_args(
@@ -71,8 +100,12 @@ def check_verify_tree_args(
 ) -> tuple[torch.Tensor, RowParams]:
     """Validate verify_tree's inputs; return parents as int64 and the per-row sampling parameters.
 
-    Raises ValueError with the offending argument named. Checking values (topological parents, token range,
-    parameter ranges) reads them on the host: one sync on CUDA.
+    Raises ValueError with the offending argument named. Shapes, dtypes and devices are checked everywhere (free).
+    Value checks read data, so on CPU tensors they all run, and on the device path (CUDA, meta; no host sync):
+    - parents topological and drafted tokens in [0, V): queued with ``torch._assert_async`` (a bad token would make
+      the kernel read outside the logits row, so this is always checked);
+    - sampling-parameter ranges (temperature, top_k, top_p, min_p): only with ``SPECDEC_DEBUG_CHECKS=1``; their
+      source (the engine's ``SamplingParams``) validates them on the host when a request arrives.
     """
     if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3:
         raise ValueError("verify_tree: target_logits must be a [B, T, V] tensor")
@@ -101,21 +134,37 @@ def check_verify_tree_args(
             raise ValueError(
                 f"verify_tree: vocabulary mismatch: target_logits V={V}, draft_probs V={draft_probs.shape[2]}"
             )
+    dev = target_logits.device
+    for name, t in (("draft_tokens", draft_tokens), ("parents", parents), ("draft_probs", draft_probs)):
+        if t is not None and t.device != dev:
+            raise ValueError(
+                f"verify_tree: {name} is on {t.device} but target_logits is on {dev}; put all inputs on one device"
+            )
     parents = parents.to(torch.int64)
-    node = torch.arange(T, device=parents.device)
-    if bool(((parents >= node) | (parents < -1)).any()):
-        raise ValueError("verify_tree: parents must be topological: -1 (root/padding) or parents[:, i] < i")
+    node = torch.arange(T, device=dev)
+    bad_parents = ((parents >= node) | (parents < -1)).any()
     real = parents >= 0  # drafted nodes; their tokens index the vocabulary
-    if bool((real & ((draft_tokens < 0) | (draft_tokens >= V))).any()):
+    bad_tokens = (real & ((draft_tokens < 0) | (draft_tokens >= V))).any()
+    host = host_value_checks(dev)
+    if not host:
+        torch._assert_async(
+            ~(bad_parents | bad_tokens),
+            f"verify_tree: parents must be topological (-1 or parents[:, i] < i) and the draft_tokens of drafted "
+            f"nodes in [0, V={V})",
+        )
+    elif bool(bad_parents):
+        raise ValueError("verify_tree: parents must be topological: -1 (root/padding) or parents[:, i] < i")
+    elif bool(bad_tokens):
         raise ValueError(f"verify_tree: draft_tokens of drafted nodes must be in [0, V={V})")
 
-    dev = target_logits.device
     params = RowParams(
         _row_param(temperature, "temperature", B, 1.0, torch.float32, dev),
         _row_param(top_k, "top_k", B, 0, torch.int64, dev),
         _row_param(top_p, "top_p", B, 1.0, torch.float32, dev),
         _row_param(min_p, "min_p", B, 0.0, torch.float32, dev),
     )
+    if not host:
+        return parents, params
     t, k, p, m = params
     if not bool((torch.isfinite(t) & (t >= 0)).all()):
         raise ValueError("verify_tree: temperature must be finite and >= 0 (0 = greedy)")

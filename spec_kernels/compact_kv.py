@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_kernels._backend import resolve_backend
+from spec_kernels._backend import debug_checks, on_device_path, resolve_backend
 from spec_kernels.reference import compact_kv_ref
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -70,7 +70,8 @@ def _check_values(
     num_accepted: torch.Tensor,
     block_table: torch.Tensor | None,
 ) -> None:
-    """Index ranges, for the reference path on CPU tensors (on CUDA reading values would cost a host sync per step).
+    """Index ranges, for the reference path on CPU tensors, and on CUDA with ``SPECDEC_DEBUG_CHECKS=1`` (reading
+    values there costs host syncs).
 
     The native CPU op checks the same ranges in C++ with the same messages, at no cost: this costs ~50 us, more than
     the whole native op at B=1.
@@ -86,7 +87,7 @@ def _check_values(
     if len(bad):
         b = int(bad[0])
         raise ValueError(f"compact_kv_: cache_seqlens[{b}] = {int(base[b])} is negative")
-    steps = torch.arange(num_nodes)  # [T]
+    steps = torch.arange(num_nodes, device=counts.device)  # [T]
     keep = steps < counts[:, None]  # [B, T]
     nodes = accepted_nodes.to(torch.int64)  # [B, T]
     bad = ((nodes < 0) & keep).nonzero()
@@ -166,8 +167,10 @@ def compact_kv_(
     ------
     TypeError, ValueError
         Bad ranks, batch sizes, dtypes, devices or a non-contiguous cache; on CPU tensors also an index past the
-        cache or the block table. CUDA tensors are not value-checked (that needs a host sync): rows whose slots fall
-        outside the cache are skipped by the kernel.
+        cache or the block table. CUDA tensors are value-checked only with ``SPECDEC_DEBUG_CHECKS=1`` (the checks
+        read indices on the host, a sync): otherwise rows whose slots fall outside the cache are skipped by the
+        kernel, with no host sync. Meta tensors (a stand-in for CUDA) take the CUDA path up to the op call and
+        then do nothing: the op has no output, and the C++ extension need not be built.
 
     Shapes
     ------
@@ -176,18 +179,17 @@ def compact_kv_(
     - accepted_nodes: ``[B, T]``
     - block_table: ``[B, max_blocks]``
     """
-    if backend == "triton":
-        raise ValueError(
-            "compact_kv_: there is no Triton backend (the op is C++/CUDA, see DESIGN.md); use backend=None, "
-            "'native' or 'torch'"
-        )
-    backend = "native" if backend is None else resolve_backend("compact_kv_", backend, cache.device)
+    backend = resolve_backend("compact_kv_", backend, cache.device, has_triton=False)
     _check_inputs(cache, cache_seqlens, accepted_nodes, num_accepted, block_table)
     if backend == "torch":
         if cache.device.type == "cpu":
             _check_values(cache, cache_seqlens, accepted_nodes, num_accepted, block_table)
         compact_kv_ref(cache, cache_seqlens, accepted_nodes, num_accepted, block_table=block_table)
         return
+    if on_device_path(cache.device) and debug_checks():
+        _check_values(cache, cache_seqlens, accepted_nodes, num_accepted, block_table)  # host syncs: debug only
+    if cache.device.type == "meta":
+        return  # the CUDA path up to the op call; the C++ op's Meta kernel would only repeat the checks above
     from spec_kernels._ext import load_ext
 
     load_ext()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spec_kernels._backend import resolve_backend, triton_available, triton_interpret
+from spec_kernels._backend import host_value_checks, resolve_backend, triton_available, triton_interpret
 from spec_kernels.reference import tree_attention_ref
 
 MAX_HEAD_DIM = 256
@@ -44,8 +44,12 @@ def _check_inputs(
     block_table: torch.Tensor | None,
     check_lengths: bool = True,
 ) -> None:
-    """Raise a clear error for any input that breaks the contract in DESIGN.md. ``check_lengths=False`` skips the
-    one check that reads ``cache_seqlens`` (a host sync on CPU): a plan already made it."""
+    """Raise a clear error for any input that breaks the contract in DESIGN.md.
+
+    Shapes, dtypes and devices are checked everywhere (metadata: free). The one value check, ``0 <= L_b`` and
+    ``L_b + T`` within the cache, reads ``cache_seqlens`` on CPU tensors (``check_lengths=False`` skips it where a
+    plan already made it) and is queued with ``torch._assert_async`` on the device path (CUDA, meta): no host sync,
+    a bad length fails the stream instead. ``SPECDEC_DEBUG_CHECKS=1`` reads it on the host there too."""
     op = "tree_attention"
     if q.dim() != 4:
         raise ValueError(f"{op}: q must be [B, T, Hq, D], got shape {tuple(q.shape)}")
@@ -95,10 +99,13 @@ def _check_inputs(
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) != 1:
         raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
-    # L_b + T must fit. On CUDA the check is queued on the stream (no host sync, CUDA-graph safe).
-    if q.device.type == "cuda":
+    # L_b + T must fit. On the device path the check is queued on the stream (no host sync, CUDA-graph safe);
+    # SPECDEC_DEBUG_CHECKS=1 reads the lengths instead, for the message with the numbers.
+    if B == 0:
+        return
+    if not host_value_checks(q.device):
         torch._assert_async((cache_seqlens >= 0).all() & (cache_seqlens.max() + T <= capacity), f"{op}: {what}")
-    elif B > 0 and check_lengths:
+    elif check_lengths:
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
         if lo < 0:
             raise ValueError(f"{op}: cache_seqlens must be >= 0, got min {lo}")
@@ -612,7 +619,9 @@ def tree_attention(
     block_table : int32, or None for a contiguous cache. Logical position p of sequence b lives in block
         ``block_table[b, p // block_size]`` at offset ``p % block_size``.
     softmax_scale : defaults to ``D ** -0.5``.
-    backend : None (Triton on CUDA, native SDPA path on CPU), "torch" (the reference), "triton", "native".
+    backend : None (Triton on CUDA and meta tensors, native SDPA path on CPU), "torch" (the reference), "triton",
+        "native". On CUDA the call never syncs with the host (see ``_check_inputs`` for the one value check); on meta
+        tensors it takes the same path and the custom op returns a fake output.
     plan : from ``plan_tree_attention`` with these same ``cache_seqlens``, ``tree_mask`` and ``block_table``, to
         share their preparation among the calls of one forward (native path; other paths ignore it).
 

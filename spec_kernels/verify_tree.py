@@ -33,6 +33,7 @@ from spec_kernels._sampling import (
     RowParams,
     check_seed,
     check_verify_tree_args,
+    filters_given,
     row_uniforms,
     sample_from_weights,
     scaled_logits,
@@ -75,7 +76,11 @@ def verify_tree(
     seed : rows draw independent streams from it; the same seed on the same backend gives bitwise the same
         result. None draws a fresh seed. A [B] integer tensor gives each row its own seed (an extension of the
         contract): row b's randomness then depends on seed[b] alone, not on the batch it sits in.
-    backend : None (Triton on CUDA, native on CPU), "torch", "native" or "triton".
+    backend : None (Triton on CUDA and meta tensors, native on CPU), "torch", "native" or "triton".
+
+    On CUDA the Triton path never syncs with the host: shapes, dtypes and devices are checked for free, value checks
+    are queued or debug-only (see ``check_verify_tree_args``), and every tensor argument (per-row parameters and
+    seeds included) must be on target_logits' device. Meta tensors take the same path and get fake outputs.
 
     Returns
     -------
@@ -88,6 +93,11 @@ def verify_tree(
     the recovered/bonus token, padded with -1), num_accepted [B] (path length incl. the root = tokens emitted).
     """
     kind = resolve_backend("verify_tree", backend, target_logits.device)
+    if kind == "native" and target_logits.device.type == "meta":
+        raise RuntimeError(
+            "verify_tree: backend='native' reads values on the host; meta tensors stand in for CUDA: use backend=None "
+            "or 'triton'"
+        )
     args = (target_logits, draft_tokens, parents)
     kwargs = dict(
         draft_probs=draft_probs,
@@ -120,17 +130,28 @@ def verify_tree(
         params.top_p,
         params.min_p,
         _philox_keys(seed, target_logits.shape[0], target_logits.device),
+        filters_given(top_k, top_p, min_p),
     )
     return VerifyResult(*out)
 
 
+PHILOX_KEY_MOD = 2**31 - 1  # a prime: keys s + b*c (c != 0 mod it) are distinct for every row b of a batch
+
+
 def _philox_keys(seed: int | torch.Tensor, B: int, device: torch.device) -> torch.Tensor:
-    """[B] int64 Philox keys for the Triton kernel: the caller's per-row seeds, or B keys drawn from one seed."""
+    """[B] int64 Philox keys for the Triton kernel: the caller's per-row seeds, or B keys derived from one seed.
+
+    Built on ``device`` without a host-to-device copy or a device read: an int seed picks (s, c) on the host, and
+    row b's key is ``(s + b * c) mod PHILOX_KEY_MOD``; distinct keys give independent Philox streams.
+    """
     if isinstance(seed, torch.Tensor):
-        return (seed.to(torch.int64) % (2**31 - 1)).to(device)
+        if seed.device != device:
+            raise ValueError(f"verify_tree: seed is on {seed.device} but target_logits is on {device}")
+        return seed.to(torch.int64) % PHILOX_KEY_MOD
     gen = torch.Generator()
     gen.manual_seed(seed)
-    return torch.randint(2**31 - 1, (B,), generator=gen).to(device)
+    start, step = torch.randint(1, PHILOX_KEY_MOD, (2,), generator=gen).tolist()  # CPU generator: no device read
+    return (start + torch.arange(B, dtype=torch.int64, device=device) * step) % PHILOX_KEY_MOD
 
 
 # --- native CPU path --------------------------------------------------------------------------------------------
@@ -504,8 +525,13 @@ if triton_available():
         top_p: torch.Tensor,
         min_p: torch.Tensor,
         seeds: torch.Tensor,
+        has_filters: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Launcher: inputs already checked by verify_tree. One program per sequence; seeds [B] int64 Philox keys."""
+        """Launcher: inputs already checked by verify_tree. One program per sequence; seeds [B] int64 Philox keys.
+
+        ``has_filters`` compiles the top-k/top-p/min-p code; decided from the arguments' presence, never their
+        values (that would be a host sync). Inside, each row branches at run time on its own top_k/top_p/min_p.
+        """
         B, T, V = target_logits.shape
         dev = target_logits.device
         logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
@@ -518,7 +544,6 @@ if triton_available():
         accepted_nodes = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)
         output_tokens = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)
         num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)
-        has_filters = bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any())
         _verify_tree_kernel[(B,)](
             logits,
             draft_tokens.contiguous(),
@@ -550,7 +575,17 @@ if triton_available():
 
     @_verify_tree_triton.register_fake
     def _(
-        target_logits, draft_tokens, parents, draft_probs, without_replacement, temperature, top_k, top_p, min_p, seeds
+        target_logits,
+        draft_tokens,
+        parents,
+        draft_probs,
+        without_replacement,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seeds,
+        has_filters,
     ):
         B, T, _ = target_logits.shape
         new = target_logits.new_empty
