@@ -18,14 +18,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from spec_engine.adaptive import AdaptiveController, RowState
-from spec_engine.drafters.base import Draft, Drafter, StepBatch
+from spec_engine.drafters.base import Draft, Drafter, RowView, StepBatch
+from spec_engine.drafters.draft_model import DraftModelDrafter
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
 from spec_engine.models import LlamaForCausalLM
+from spec_engine.rng import mix_key
 from spec_engine.sampling import SEED_MASK, SamplingParams
-from spec_engine.tree import causal_mask, tree_mask_and_depths
+from spec_engine.transfer import to_device
+from spec_engine.tree import causal_mask
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, verify_tree
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
@@ -69,15 +73,37 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # L: positions whose K/V are committed in the target cache
-    draft_len: int = 0  # the same for the drafter's cache
+    draft_len: int = 0  # the same for the drafter's cache (what its last commit returned)
     finish_reason: str | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    draft_generator: torch.Generator | None = None
     spec_state: RowState | None = None  # the adaptive controller's estimates for this request
+    slot: int = -1  # this request's row in the engine's RequestRows while it runs
+    history: np.ndarray = field(init=False, repr=False)  # [capacity] int64: prompt then output tokens
+    num_tokens: int = field(init=False)  # filled length of history
+
+    def __post_init__(self):
+        self.history = np.zeros(len(self.prompt_token_ids) + self.params.max_tokens, dtype=np.int64)
+        self.history[: len(self.prompt_token_ids)] = self.prompt_token_ids
+        self.num_tokens = len(self.prompt_token_ids)
+
+    def append(self, tokens: list[int]) -> None:
+        self.output_token_ids.extend(tokens)
+        self.history[self.num_tokens : self.num_tokens + len(tokens)] = tokens
+        self.num_tokens += len(tokens)
+
+    @property
+    def last_token(self) -> int:
+        return int(self.history[self.num_tokens - 1])
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def view(self) -> RowView:
+        tokens = self.history[: self.num_tokens]
+        tokens.flags.writeable = False  # a view: the drafter reads, the engine writes
+        return RowView(tokens, self.num_computed, self.draft_len, self.params.greedy)
 
     @property
     def prefilling(self) -> bool:
@@ -95,11 +121,48 @@ class StepOutput:
     finished: bool
 
 
+class RequestRows:
+    """Per-request step inputs in persistent host rows ``[max_num_seqs, ...]`` (vLLM's input batch), filled once at
+    admission; a step gathers its rows and sends them to the device in one copy per dtype (``to_device``).
+
+    Shapes: block_table [S, max_blocks] int32 (padded with the scratch block); temperature, top_p, min_p [S] float32;
+    top_k [S] int64.
+    """
+
+    def __init__(self, max_num_seqs: int, max_blocks: int):
+        self.block_table = torch.full((max_num_seqs, max_blocks), SCRATCH_BLOCK, dtype=torch.int32)
+        self.temperature = torch.zeros(max_num_seqs, dtype=torch.float32)
+        self.top_k = torch.zeros(max_num_seqs, dtype=torch.int64)
+        self.top_p = torch.ones(max_num_seqs, dtype=torch.float32)
+        self.min_p = torch.zeros(max_num_seqs, dtype=torch.float32)
+        self._free = list(range(max_num_seqs - 1, -1, -1))
+
+    def admit(self, req: Request) -> int:
+        slot = self._free.pop()
+        p = req.params
+        self.block_table[slot] = SCRATCH_BLOCK
+        self.block_table[slot, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            p.min_p,
+        )
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+
 class Engine:
     """Runs requests to completion on a target model, optionally speculating with ``drafter``.
 
     ``num_speculative_tokens`` is the tree depth: fixed, or with ``adaptive=True`` the deepest the controller
     (spec_engine/adaptive.py) may choose per row and step, 0 included.
+
+    Device-true: every tensor a step computes on lives on the target's device; the host keeps the bookkeeping
+    (lengths, blocks, parameters, token histories) in Python and numpy, sends each step's inputs in one copy per
+    dtype, and reads one thing back per step: the emitted tokens (``_read_step``).
     """
 
     def __init__(
@@ -117,6 +180,7 @@ class Engine:
         adaptive: bool = False,
     ):
         self.target, self.kv, self.allocator, self.drafter = target, kv, allocator, drafter
+        self.device = kv.data.device
         self.gamma = num_speculative_tokens if drafter is not None else 0
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -125,18 +189,32 @@ class Engine:
         self.vocab_size = target.config.vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.rows = RequestRows(max_num_seqs, allocator.blocks_for(max_model_len + self.max_tree_nodes()))
         self._ids = itertools.count()
-        self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0}
+        self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0}
         self.accepted_hist = [0] * (self.gamma + 1)
         self.gamma_history: deque[int] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode step: the deepest row's depth
         self.gamma_hist = [0] * (self.gamma + 1)  # [g] = rows drafted at depth g, over all steps
         self.step_times = (0.0, 0.0)  # the last speculative step's (draft, whole step) seconds
         self.controller = None
         if adaptive and drafter is not None:
-            tree = getattr(drafter, "tree", None)
+            tree = drafter.tree if isinstance(drafter, DraftModelDrafter) else None
             self.controller = AdaptiveController(self.gamma, drafter.nodes_for_depth,
                                                  tree=tree is not None and not tree.is_chain,
-                                                 cache_lag=drafter.cache_lag)  # fmt: skip
+                                                 cache_lag=self._cache_lag)  # fmt: skip
+
+    def metrics(self) -> dict:
+        """A snapshot of the engine's counters (copies: safe to read from another thread)."""
+        return {
+            **self.stats,
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "accepted_hist": list(self.accepted_hist),
+            "gamma_hist": list(self.gamma_hist),
+            "last_step_depth": self.gamma_history[-1] if self.gamma_history else 0,
+            "num_speculative_tokens": self.gamma,
+            "adaptive": self.controller is not None,
+        }
 
     # --- requests --------------------------------------------------------------------------------------------
 
@@ -146,6 +224,9 @@ class Engine:
     def tokens_to_reserve(self, req: Request) -> int:
         # the tree of the last step can run past max_tokens; its K/V still need rows
         return len(req.prompt_token_ids) + req.params.max_tokens + self.max_tree_nodes()
+
+    def _cache_lag(self, req: Request) -> int:
+        return req.num_computed - req.draft_len if self.drafter is not None and self.drafter.keeps_cache else 0
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never run; nothing is queued."""
@@ -172,7 +253,6 @@ class Engine:
         self.check_request(ids, params)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = Request(request_id or str(next(self._ids)), ids, params, seed)
-        req.draft_generator = torch.Generator().manual_seed(seed)
         req.metrics.arrival_time = time.perf_counter()
         self.waiting.append(req)
         return req
@@ -196,6 +276,7 @@ class Engine:
             if not self.allocator.can_allocate(self.tokens_to_reserve(req)):
                 break  # first come, first served: it waits for blocks to return
             req.blocks = self.allocator.allocate(self.tokens_to_reserve(req))
+            req.slot = self.rows.admit(req)
             self.running.append(self.waiting.popleft())
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -203,69 +284,86 @@ class Engine:
         req.metrics.finish_time = time.perf_counter()
         self.allocator.free(req.blocks)
         req.blocks = []
+        if req.slot >= 0:
+            self.rows.release(req.slot)
+            req.slot = -1
 
     # --- one engine iteration --------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """One iteration: admit, one prefill chunk, one speculative step. A request whose rows make the step fail
+        is found by re-running the rows one at a time and finished with reason "error"; the others go on."""
         self._admit()
-        prefilling = [r for r in self.running if r.prefilling]
-        if prefilling:
-            self._prefill(prefilling)
-        decoding = [r for r in self.running if not r.prefilling]
-        outputs = self._decode(decoding) if decoding else []
+        outputs = self._isolated(self._prefill, [r for r in self.running if r.prefilling])
+        outputs += self._isolated(self._decode, [r for r in self.running if not r.prefilling])
         self.running = [r for r in self.running if not r.finished]
         return outputs
 
+    def _isolated(self, run, reqs: list[Request]) -> list[StepOutput]:
+        """``run(reqs)``; if it raises, each request alone, failing only those that still raise. A failed run has
+        committed nothing (lengths and outputs change only after the step's one sync), so re-running is safe."""
+        if not reqs:
+            return []
+        try:
+            return run(reqs)
+        except Exception as error:
+            if len(reqs) == 1:
+                return [self._fail(reqs[0], error)]
+        outputs = []
+        for req in reqs:
+            try:
+                outputs += run([req])
+            except Exception as error:
+                outputs.append(self._fail(req, error))
+        return outputs
+
+    def _fail(self, req: Request, error: Exception) -> StepOutput:
+        req.error = f"{type(error).__name__}: {error}"
+        self.stats["num_errors"] += 1
+        self._finish(req, "error")
+        return StepOutput(req, [], True)
+
     def _block_table(self, reqs: list[Request], max_pos: int) -> torch.Tensor:
-        """[B, W] int32 covering positions < max_pos; rows are padded with the scratch block."""
-        width = -(-max_pos // self.allocator.block_size)
-        table = torch.full((len(reqs), width), SCRATCH_BLOCK, dtype=torch.int32)
-        for b, r in enumerate(reqs):
-            n = min(width, len(r.blocks))
-            table[b, :n] = torch.tensor(r.blocks[:n], dtype=torch.int32)
-        return table
+        """[B, W] int32 host rows covering positions < max_pos (padding is the scratch block)."""
+        width = min(-(-max_pos // self.allocator.block_size), self.rows.block_table.shape[1])
+        return self.rows.block_table[[r.slot for r in reqs], :width]
 
     @torch.inference_mode()
-    def _prefill(self, reqs: list[Request]) -> None:
-        chunks = [r.prompt_token_ids[r.num_computed : len(r.prompt_token_ids) - 1][: self.prefill_chunk] for r in reqs]
-        T = max(len(c) for c in chunks)
-        tokens = torch.zeros(len(reqs), T, dtype=torch.int64)  # [B, T], ragged rows padded at the end
-        for b, c in enumerate(chunks):
-            tokens[b, : len(c)] = torch.tensor(c)
-        seqlens = torch.tensor([r.num_computed for r in reqs], dtype=torch.int32)  # [B]
-        positions = seqlens.long()[:, None] + torch.arange(T)  # [B, T]
-        mask = causal_mask(len(reqs), T)
-        table = self._block_table(reqs, int(seqlens.max()) + T)
+    def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
+        counts = [min(len(r.prompt_token_ids) - 1 - r.num_computed, self.prefill_chunk) for r in reqs]
+        T = max(counts)
+        tokens = np.zeros((len(reqs), T), dtype=np.int64)  # [B, T], ragged rows padded at the end
+        for b, (r, n) in enumerate(zip(reqs, counts)):
+            tokens[b, :n] = r.history[r.num_computed : r.num_computed + n]
+        starts = [r.num_computed for r in reqs]
+        seqlens_h = torch.tensor(starts, dtype=torch.int32)  # [B]
+        tokens, seqlens, table = to_device(
+            self.device, torch.from_numpy(tokens), seqlens_h, self._block_table(reqs, max(starts) + T)
+        )
+        positions = seqlens.long()[:, None] + torch.arange(T, device=self.device)  # [B, T]
+        mask = causal_mask(len(reqs), T, self.device)
         self.target(tokens, positions, self.kv.data, seqlens, mask, table)
         # With a fixed depth every request is drafted: the drafter sees the prompt now. The adaptive controller may
         # never draft a request (batch 16 on CPU), so there the draft cache is filled by catch-up when it first does.
-        eager = self.drafter is not None and self.controller is None
+        eager = self.drafter is not None and self.drafter.keeps_cache and self.controller is None
         if eager:
             self.drafter.prefill(tokens, positions, seqlens, mask, table)
-        for r, c in zip(reqs, chunks):
-            r.num_computed += len(c)
+        for r, n in zip(reqs, counts):
+            r.num_computed += n
             if eager:
                 r.draft_len = r.num_computed
+        return []
 
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         gammas = self.choose_gammas(reqs)
-        # the drafter runs on the drafted rows only; an undrafted row's lag (its whole prompt, under the adaptive
-        # controller) must not widen every plain step's block table
-        lag = max((self.drafter.cache_lag(r) for r, g in zip(reqs, gammas) if g), default=0) if self.drafter else 0
-        seqlens = torch.tensor([r.num_computed for r in reqs], dtype=torch.int32)  # [B]
-        batch = StepBatch(
-            requests=reqs,
-            seqlens=seqlens,
-            roots=torch.tensor([r.all_token_ids[-1] for r in reqs]),
-            block_table=self._block_table(reqs, int(seqlens.max()) + self.max_tree_nodes() + lag + 1),
-            temperature=torch.tensor([float(r.params.temperature) for r in reqs]),
-            gammas=gammas,
-        )
-        out_tokens, num_accepted = self._spec_step(batch)
+        batch, sampling = self._step_inputs(reqs, gammas)
+        out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling)
         if self.controller is not None:
             self.controller.observe(reqs, gammas, num_accepted, *self.step_times)
         self.gamma_history.append(max(gammas))
+        for req, n in zip(reqs, draft_lens):
+            req.draft_len = n
         return self._emit(reqs, gammas, out_tokens, num_accepted)
 
     def choose_gammas(self, reqs: list[Request]) -> list[int]:
@@ -274,70 +372,107 @@ class Engine:
             return self.controller.choose(reqs)
         return [self.gamma] * len(reqs)
 
-    def _spec_step(self, batch: StepBatch) -> tuple[list[list[int]], list[int]]:
-        """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches."""
+    def _step_inputs(self, reqs: list[Request], gammas: list[int]) -> tuple[StepBatch, dict]:
+        """The step's inputs, gathered from the host rows and sent to the device together."""
+        # the drafter runs on the drafted rows only; an undrafted row's lag (its whole prompt, under the adaptive
+        # controller) must not widen every plain step's block table
+        lag = max((self._cache_lag(r) for r, g in zip(reqs, gammas) if g), default=0)
+        lengths = [r.num_computed for r in reqs]
+        slots = [r.slot for r in reqs]
+        # per-row seeds from (request seed, position): a request samples the same alone or in any batch
+        seeds = [(r.seed * 1_000_003 + L) & SEED_MASK for r, L in zip(reqs, lengths)]
+        host = {
+            "seqlens": torch.tensor(lengths, dtype=torch.int32),  # [B]
+            "roots": torch.tensor([r.last_token for r in reqs], dtype=torch.int64),  # [B]
+            "block_table": self._block_table(reqs, max(lengths) + self.max_tree_nodes() + lag + 1),  # [B, W]
+            "temperature": self.rows.temperature[slots],  # [B]
+            "keys": torch.tensor([mix_key(s, 1) for s in seeds], dtype=torch.int64),  # [B]: the drafter's stream
+        }
+        if not all(r.params.greedy for r in reqs):
+            host |= {
+                "top_k": self.rows.top_k[slots],
+                "top_p": self.rows.top_p[slots],
+                "min_p": self.rows.min_p[slots],
+                "seed": torch.tensor(seeds, dtype=torch.int64),
+            }
+        dev = dict(zip(host, to_device(self.device, *host.values())))
+        batch = StepBatch([r.view() for r in reqs], dev.pop("seqlens"), dev.pop("roots"), dev.pop("block_table"),
+                          dev["temperature"], dev.pop("keys"), gammas)  # fmt: skip
+        return batch, dev
+
+    def _spec_step(self, batch: StepBatch, sampling: dict) -> tuple[list[list[int]], list[int], list[int]]:
+        """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches.
+
+        Returns the host's (emitted tokens [B][T], num_accepted [B], the draft cache's new lengths [B])."""
         start = time.perf_counter()
         rows = [b for b, g in enumerate(batch.gammas) if g > 0] if self.drafter is not None else []
-        draft = self._propose(batch, rows)  # tokens/parents [B, T], draft_probs [B, T, V] | None
+        index = to_device(self.device, torch.tensor(rows, dtype=torch.int64))[0]  # [B_d]
+        draft = self._propose(batch, rows, index)  # tokens/parents [B, T], draft_probs [B, T, V] | None
         drafted = time.perf_counter()
-        mask, depths = tree_mask_and_depths(draft.parents)  # [B, T, T], [B, T]
-        positions = batch.seqlens.long()[:, None] + depths  # [B, T]: L_b + depth
-        hidden = self.target(draft.tokens, positions, self.kv.data, batch.seqlens, mask, batch.block_table)
+        positions = batch.seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
+        hidden = self.target(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask, batch.block_table)
         result = verify_tree(
             self.target.logits(hidden),  # [B, T, V]
             draft.tokens,
             draft.parents,
             draft_probs=draft.draft_probs,
             draft_sampling=draft.draft_sampling,
-            **self._sampling_tensors(batch),
+            **sampling,
         )
         compact_kv_(self.kv.planes, batch.seqlens, result.accepted_nodes, result.num_accepted,
                     block_table=batch.block_table)  # fmt: skip
+        out_tokens, num_accepted = self._read_step(result)  # the step's one host sync
+        draft_lens = [r.draft_len for r in batch.rows]
         if rows:
-            self.drafter.commit(*_select_rows(batch, result, rows))
-        out = result.output_tokens.tolist(), result.num_accepted.tolist()  # the step's one host sync
+            sub = batch.select(rows, index) if len(rows) < batch.size else batch
+            sub_result = VerifyResult(*(x[index] for x in result)) if len(rows) < batch.size else result
+            new_lens = self.drafter.commit(sub, sub_result, [num_accepted[b] for b in rows])
+            for b, n in zip(rows, new_lens or []):
+                draft_lens[b] = n
+        if self.drafter is None or not self.drafter.keeps_cache:
+            draft_lens = [r.num_computed + n for r, n in zip(batch.rows, num_accepted)]
         self.step_times = (drafted - start, time.perf_counter() - start)
-        return out
+        return out_tokens, num_accepted, draft_lens
 
-    def _propose(self, batch: StepBatch, rows: list[int]) -> Draft:
-        """The drafter's trees for ``rows`` (depth > 0), run on those rows only; every other row is its root alone."""
-        if len(rows) == batch.size:
+    @staticmethod
+    def _read_step(result: VerifyResult) -> tuple[list[list[int]], list[int]]:
+        """The step's one device -> host read: emitted tokens [B][T] and their counts [B], in one copy."""
+        both = torch.cat([result.output_tokens, result.num_accepted[:, None]], dim=1).tolist()  # [B, T + 1]
+        return [row[:-1] for row in both], [row[-1] for row in both]
+
+    def _propose(self, batch: StepBatch, rows: list[int], index: torch.Tensor) -> Draft:
+        """The drafter's trees for ``rows`` (depth > 0), run on those rows only; every other row is its root alone.
+
+        ``index`` is ``rows`` on the device."""
+        if rows and len(rows) == batch.size:
             return self.drafter.propose(batch)
-        root_only = torch.full((batch.size, 1), PAD_NODE, dtype=torch.int64)
+        B, dev = batch.size, self.device
         if not rows:
-            return Draft(batch.roots[:, None], root_only)
-        sub = self.drafter.propose(_select_rows(batch, None, rows)[0])  # [B_d, T]
-        idx = torch.tensor(rows)
-        tokens = sub.tokens.new_zeros(batch.size, sub.tokens.shape[1])  # [B, T]
+            return Draft(batch.roots[:, None], torch.full((B, 1), PAD_NODE, dtype=torch.int64, device=dev),
+                         torch.ones(B, 1, 1, dtype=torch.bool, device=dev),
+                         torch.zeros(B, 1, dtype=torch.int64, device=dev))  # fmt: skip
+        sub = self.drafter.propose(batch.select(rows, index))  # [B_d, T]
+        T = sub.tokens.shape[1]
+        tokens = sub.tokens.new_zeros(B, T)  # [B, T]
         tokens[:, 0] = batch.roots
-        tokens[idx] = sub.tokens
-        parents = root_only.expand(-1, tokens.shape[1]).clone()  # [B, T]: undrafted rows are all padding
-        parents[idx] = sub.parents
+        tokens[index] = sub.tokens
+        parents = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)  # undrafted rows: all padding
+        parents[index] = sub.parents
+        mask = torch.eye(T, dtype=torch.bool, device=dev).expand(B, T, T).clone()  # [B, T, T]: padding sees itself
+        mask[index] = sub.tree_mask
+        depths = torch.zeros(B, T, dtype=torch.int64, device=dev)
+        depths[index] = sub.depths
         probs = None
         if sub.draft_probs is not None:
-            probs = sub.draft_probs.new_zeros(*tokens.shape, sub.draft_probs.shape[-1])  # [B, T, V]
-            probs[idx] = sub.draft_probs
-        return Draft(tokens, parents, probs, sub.draft_sampling)
-
-    def _sampling_tensors(self, batch: StepBatch) -> dict:
-        params = [r.params for r in batch.requests]
-        if all(p.greedy for p in params):
-            return {"temperature": batch.temperature}
-        # Per-row seeds from (request seed, position): a request samples the same alone or in any batch.
-        seeds = [(r.seed * 1_000_003 + int(L)) & SEED_MASK for r, L in zip(batch.requests, batch.seqlens.tolist())]
-        return {
-            "temperature": batch.temperature,
-            "top_k": torch.tensor([p.top_k for p in params]),
-            "top_p": torch.tensor([float(p.top_p) for p in params]),
-            "min_p": torch.tensor([float(p.min_p) for p in params]),
-            "seed": torch.tensor(seeds, dtype=torch.int64),
-        }
+            probs = sub.draft_probs.new_zeros(B, T, sub.draft_probs.shape[-1])  # [B, T, V]
+            probs[index] = sub.draft_probs
+        return Draft(tokens, parents, mask, depths, probs, sub.draft_sampling)
 
     def _emit(self, reqs, gammas, out_tokens, num_accepted) -> list[StepOutput]:
         outputs, now = [], time.perf_counter()
         for req, gamma, toks, n in zip(reqs, gammas, out_tokens, num_accepted):
             new = self._truncate(req, toks[:n])
-            req.output_token_ids.extend(new)
+            req.append(new)
             req.num_computed += n
             m = req.metrics
             m.num_steps += 1
@@ -371,13 +506,3 @@ class Engine:
                 self._finish(req, "stop")
                 return toks[: i + 1]
         return toks[:room]
-
-
-def _select_rows(batch: StepBatch, result: VerifyResult | None, rows: list[int]) -> tuple[StepBatch, VerifyResult]:
-    """The sub-batch (and verify result) of the drafted rows, for drafters that run on those rows only."""
-    if len(rows) == batch.size:
-        return batch, result
-    idx = torch.tensor(rows)
-    sub = StepBatch([batch.requests[b] for b in rows], batch.seqlens[idx], batch.roots[idx], batch.block_table[idx],
-                    batch.temperature[idx], [batch.gammas[b] for b in rows])  # fmt: skip
-    return sub, None if result is None else VerifyResult(*(x[idx.to(x.device)] for x in result))

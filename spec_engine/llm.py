@@ -162,7 +162,7 @@ class LLM:
             draft_kv = PagedKVCache(draft_model.config, num_blocks, block_size, torch_dtype, device)
             drafter = DraftModelDrafter(draft_model, draft_kv, tree, spec.get("draft_sampling", "without_replacement"))
         elif spec:
-            drafter = NgramDrafter(gamma, spec.get("max_n", 4), spec.get("min_n", 1))
+            drafter = NgramDrafter(gamma, spec.get("max_n", 4), spec.get("min_n", 1), device=device)
         load_ext()  # compact_kv_'s extension: compiled (once per machine) here, not inside the first timed step
         self.engine = Engine(
             self.target, kv, self.allocator, drafter,
@@ -231,6 +231,9 @@ class LLM:
                 if not r.finished:
                     self.engine.abort(r.request_id)
             raise
+        failed = [r for r in reqs if r.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed in the engine: {failed[0].error}")
         return [self._output(r, text) for r, (text, _) in zip(reqs, parsed)]
 
     def _output(self, req: Request, prompt: str | None) -> RequestOutput:

@@ -155,8 +155,21 @@ def test_mixed_row_depths_keep_greedy_tokens(models):
 
 
 def _adaptive(models, draft):
+    """An adaptive engine whose controller sees modelled step costs, not the wall clock: a target pass of 10 ms +
+    0.1 ms per token, a draft forward of 2 ms. Its decisions then depend on acceptance alone, never on the load
+    of the machine running the test (a loaded CI machine once timed one step slow and switched a perfect draft off)."""
     llm = LLM(models["target"], speculative_config={"model": models[draft]}, max_model_len=128)
-    assert llm.engine.controller is not None and llm.engine.gamma == ADAPTIVE_MAX_DEPTH
+    engine, ctl = llm.engine, llm.engine.controller
+    assert ctl is not None and engine.gamma == ADAPTIVE_MAX_DEPTH
+    observe = ctl.observe
+
+    def observe_modelled_costs(reqs, gammas, num_accepted, draft_seconds, step_seconds):
+        G = max(gammas)
+        t_draft = 2e-3 * G
+        t_target = 10e-3 + 0.1e-3 * len(reqs) * engine.drafter.nodes_for_depth(G)
+        observe(reqs, gammas, num_accepted, t_draft, t_draft + t_target)
+
+    ctl.observe = observe_modelled_costs
     return llm
 
 

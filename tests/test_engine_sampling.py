@@ -91,10 +91,10 @@ def test_planted_bug_is_rejected(pair, monkeypatch):
     """Children taken greedily but reported as drawn from q: acceptance is then biased, and chi2 must see it."""
     target, draft = pair
 
-    def greedy_children(q, b, greedy, batch, mode):
+    def greedy_children(self, q, b, greedy, keys):
         return q.topk(b, dim=-1).indices
 
-    monkeypatch.setattr(DraftModelDrafter, "_draw_children", staticmethod(greedy_children))
+    monkeypatch.setattr(DraftModelDrafter, "_draw_children", greedy_children)
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
     llm = LLM(str(target), speculative_config=spec, max_model_len=32, max_num_seqs=512)
     assert chi2_pvalue(sample_joint(llm, 1.0, 1.0), exact_joint(target, 1.0, 1.0)) < P_BUG

@@ -1,58 +1,98 @@
-"""The drafter interface: anything that proposes a token tree per sequence each step."""
+"""The drafter interface: anything that proposes a token tree per sequence each step.
+
+Data flows one way (../shared/STYLE.md 14): the engine hands a drafter a ``StepBatch`` (device tensors plus a
+read-only ``RowView`` per row), the drafter returns a ``Draft``; after verification the engine calls ``commit``, and
+the drafter returns the new lengths of its own cache, which the engine stores. A drafter keeps no per-request state
+and nothing between ``propose`` and ``commit``.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from spec_kernels import VerifyResult
 
 
+@dataclass(frozen=True)
+class RowView:
+    """What a drafter may read of one request (host values; never written).
+
+    ``token_ids`` is a read-only view of the request's tokens, prompt then output, ending with the root:
+    ``len(token_ids) == num_computed + 1`` in a decode step. ``draft_len`` is the length of the drafter's own cache
+    for this request, as its last ``commit`` (or prefill) left it.
+    """
+
+    token_ids: np.ndarray
+    num_computed: int
+    draft_len: int
+    greedy: bool
+
+    @property
+    def cache_lag(self) -> int:
+        """Committed tokens the drafter's cache still lacks (the root is never cached)."""
+        return self.num_computed - self.draft_len
+
+
 @dataclass
 class StepBatch:
-    """What the engine tells a drafter about the sequences of one step (B rows).
+    """What the engine tells a drafter about the sequences of one step (B rows). Tensors are on the model's device.
 
     Shapes:
         seqlens: [B] int32, L_b: committed positions of the target cache
         roots: [B] int64, the last emitted token of each row (not yet in any cache)
         block_table: [B, max_blocks] int32, shared by the target and draft caches
         temperature: [B] float32 (0 = greedy)
-    ``requests`` holds the engine's per-request objects (token history, per-request state, RNG).
-    ``gammas`` is the tree depth each row asks for this step (0 = no drafting).
+        keys: [B] int64, the row's random stream for this step, a function of (request seed, L_b) only
+    ``rows`` are the requests' read-only views; ``gammas`` the tree depth each row asks for (0 = no drafting).
     """
 
-    requests: list
+    rows: list[RowView]
     seqlens: torch.Tensor
     roots: torch.Tensor
     block_table: torch.Tensor
     temperature: torch.Tensor
+    keys: torch.Tensor
     gammas: list[int]
 
     @property
     def size(self) -> int:
-        return len(self.requests)
+        return len(self.rows)
+
+    def select(self, rows: list[int], index: torch.Tensor) -> StepBatch:
+        """The sub-batch of ``rows``; ``index`` is the same list as a tensor on the batch's device."""
+        return StepBatch([self.rows[b] for b in rows], self.seqlens[index], self.roots[index],
+                         self.block_table[index], self.temperature[index], self.keys[index],
+                         [self.gammas[b] for b in rows])  # fmt: skip
 
 
 @dataclass
 class Draft:
     """One step's proposal. ``draft_probs`` is None for deterministic drafts (point-mass proposals).
 
-    Shapes: tokens, parents [B, T] int64 (parents -1 for the root and padding); draft_probs [B, T, V].
+    Shapes: tokens, parents [B, T] int64 (parents -1 for the root and padding); draft_probs [B, T, V];
+    tree_mask [B, T, T] bool and depths [B, T] int64 (see ``spec_engine.tree.tree_mask_and_depths``): a drafter
+    knows its tree's shape and hands them over, so the engine never derives them from device values.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
+    tree_mask: torch.Tensor
+    depths: torch.Tensor
     draft_probs: torch.Tensor | None = None
     draft_sampling: str = "iid"
 
 
 class Drafter(ABC):
-    """Proposes trees. Drafters with a KV cache keep it in step with the target's through ``prefill``/``commit``."""
+    """Proposes trees. Drafters with a KV cache (``keeps_cache``) keep it in step with the target's through
+    ``prefill``/``commit``."""
 
     max_depth: int  # the deepest tree this drafter proposes
     max_nodes: int  # T for a row drafted at max_depth
+    keeps_cache: bool = False  # True: commit returns the new lengths of the drafter's own cache
 
     def prefill(self, input_ids, positions, seqlens, mask, block_table) -> None:  # noqa: B027
         """See the same prompt chunk the target prefilled. Shapes as ``LlamaForCausalLM.forward``."""
@@ -60,12 +100,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, batch: StepBatch) -> Draft: ...
 
-    def commit(self, batch: StepBatch, result: VerifyResult) -> None:  # noqa: B027
-        """Learn which path the target accepted (compact own caches, advance own lengths)."""
+    def commit(self, batch: StepBatch, result: VerifyResult, num_accepted: list[int]) -> list[int] | None:
+        """Learn which path the target accepted: compact own caches; return each row's new cache length.
 
-    def cache_lag(self, request) -> int:
-        """Tokens the drafter's own cache still has to catch up on before it can draft for ``request``."""
-        return 0
+        ``num_accepted`` is ``result.num_accepted`` already read on the host (the step's one sync)."""
+        return None
 
     def nodes_for_depth(self, depth: int) -> int:
         """T of a tree of the given depth (for KV reservations and cost models)."""

@@ -15,32 +15,44 @@ Greedy rows always take the b most likely tokens: greedy verification ignores q.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from spec_engine import rng
 from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.models import LlamaForCausalLM
-from spec_engine.tree import StaticTree, causal_mask, tree_mask
+from spec_engine.transfer import to_device
+from spec_engine.tree import StaticTree, causal_mask, tree_mask_and_depths
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_
 
 DRAFT_SAMPLING = ("without_replacement", "iid", "deterministic")
 CATCH_UP_CHUNK = 128  # tokens per catch-up forward of a long-lagging row (see _catch_up)
 CATCH_UP_SLACK = 8  # a row lagging more than this is caught up on its own, not padded into every row
+MAX_SHAPES = 256  # tree shapes (one per pattern of row depths) kept on the device
 
 
 class DraftModelDrafter(Drafter):
+    keeps_cache = True
+
     def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, tree: StaticTree,
                  draft_sampling: str = "without_replacement"):  # fmt: skip
         if draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
         self.model, self.kv, self.tree, self.draft_sampling = model, kv, tree, draft_sampling
+        self.device = kv.data.device
         self.max_depth = tree.depth
         self.max_nodes = tree.num_nodes
-        self._parents = tree.parents()  # [T_max]
-        self._built_depth = 0
-
-    def cache_lag(self, request) -> int:
-        return request.num_computed - request.draft_len
+        self._parents = tree.parents()  # [T_max] host
+        node_depth = torch.cat([torch.full((n,), d) for d, n in enumerate(tree.level_sizes)])  # [T_max] host
+        # Level d's forward runs nodes 1 .. end of level d re-rooted at node 1 (the root is cached at slot L_b):
+        # their masks and depths, built once on the host and kept on the device.
+        self._levels = []
+        for level in tree.level_slices[1:-1]:
+            sub = (self._parents[1 : level.stop] - 1).clamp(min=PAD_NODE)[None]  # [1, n]
+            mask = tree_mask_and_depths(sub)[0]  # [1, n, n]
+            self._levels.append(to_device(self.device, mask, node_depth[1 : level.stop]))
+        self._shapes: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     def nodes_for_depth(self, depth: int) -> int:
         return sum(self.tree.level_sizes[: depth + 1])
@@ -48,9 +60,20 @@ class DraftModelDrafter(Drafter):
     def prefill(self, input_ids, positions, seqlens, mask, block_table) -> None:
         self.model(input_ids, positions, self.kv.data, seqlens, mask, block_table)
 
-    def _forward_logits(self, tokens, positions, seqlens, mask, block_table) -> torch.Tensor:
-        hidden = self.model(tokens, positions, self.kv.data, seqlens, mask, block_table)  # [B, T, hidden]
-        return self.model.logits(hidden)  # [B, T, V]
+    def _tree_shape(self, gammas: list[int]) -> list[torch.Tensor]:
+        """(parents [B, T], tree_mask [B, T, T], depths [B, T]) on the device for rows drafted at ``gammas``: the
+        static tree cut at each row's depth (nodes past it are padding), built on the host once per pattern."""
+        key = tuple(gammas)
+        if key not in self._shapes:
+            T = self.nodes_for_depth(max(gammas))
+            parents = self._parents[:T].repeat(len(gammas), 1)  # [B, T]
+            for b, g in enumerate(gammas):
+                parents[b, self.nodes_for_depth(g) :] = PAD_NODE
+            mask, depths = tree_mask_and_depths(parents)
+            if len(self._shapes) >= MAX_SHAPES:
+                self._shapes.clear()
+            self._shapes[key] = to_device(self.device, parents, mask, depths)
+        return self._shapes[key]
 
     def _catch_up(self, batch: StepBatch) -> torch.Tensor:
         """Feed each row's tokens the draft cache lacks, then its root; return q logits at the root [B, V].
@@ -58,96 +81,93 @@ class DraftModelDrafter(Drafter):
         A row that lags by more than ``CATCH_UP_SLACK`` tokens (its prompt, under the adaptive controller, or the
         tokens of a stretch it was left undrafted) is fed first, ``CATCH_UP_CHUNK`` at a time and only on the rows
         that lag that much: no forward is wider than ``CATCH_UP_CHUNK`` tokens, and the other rows are not padded
-        to the longest lag. The last forward feeds every row its few remaining tokens and its root."""
-        reqs = batch.requests
+        to the longest lag. The last forward feeds every row its few remaining tokens and its root. Token ids and
+        lengths come from the host views; only the block table rows are gathered on the device."""
+        rows, dev = batch.rows, self.device
+        cached = [r.draft_len for r in rows]  # this step's progress: the engine stores commit's lengths
         while True:
-            long = [b for b, r in enumerate(reqs) if self.cache_lag(r) > CATCH_UP_SLACK]
+            long = [b for b, r in enumerate(rows) if r.num_computed - cached[b] > CATCH_UP_SLACK]
             if not long:
                 break
-            counts = [min(self.cache_lag(reqs[b]), CATCH_UP_CHUNK) for b in long]
+            counts = [min(rows[b].num_computed - cached[b], CATCH_UP_CHUNK) for b in long]
             n = max(counts)
-            tokens = torch.zeros(len(long), n, dtype=torch.int64)  # [n_long, n], ragged rows padded at the end
+            tokens = np.zeros((len(long), n), dtype=np.int64)  # [n_long, n], ragged rows padded at the end
             for i, (b, count) in enumerate(zip(long, counts)):
-                cached = reqs[b].draft_len
-                tokens[i, :count] = torch.tensor(reqs[b].all_token_ids[cached : cached + count])
-            start = torch.tensor([reqs[b].draft_len for b in long], dtype=torch.int32)  # [n_long]
-            positions = start.long()[:, None] + torch.arange(n)  # [n_long, n]
-            self.model(tokens, positions, self.kv.data, start, causal_mask(len(long), n), batch.block_table[long])
+                tokens[i, :count] = rows[b].token_ids[cached[b] : cached[b] + count]
+            tokens, start, index = to_device(dev, torch.from_numpy(tokens),
+                                             torch.tensor([cached[b] for b in long], dtype=torch.int32),
+                                             torch.tensor(long, dtype=torch.int64))  # fmt: skip
+            positions = start.long()[:, None] + torch.arange(n, device=dev)  # [n_long, n]
+            self.model(tokens, positions, self.kv.data, start, causal_mask(len(long), n, dev), batch.block_table[index])
             for b, count in zip(long, counts):
-                reqs[b].draft_len += count
-        lags = [self.cache_lag(r) for r in reqs]
+                cached[b] += count
+        lags = [r.num_computed - c for r, c in zip(rows, cached)]
         T = max(lags) + 1
-        tokens = torch.zeros(batch.size, T, dtype=torch.int64)  # [B, T], padded at the end
-        for b, (r, lag) in enumerate(zip(reqs, lags)):
-            tokens[b, : lag + 1] = torch.tensor(r.all_token_ids[len(r.all_token_ids) - 1 - lag :])
-        lag_t = torch.tensor(lags, dtype=torch.int32)
-        start = batch.seqlens - lag_t  # [B]: draft committed lengths
-        positions = start.long()[:, None] + torch.arange(T)
-        hidden = self.model(tokens, positions, self.kv.data, start, causal_mask(batch.size, T), batch.block_table)
-        return self.model.logits(hidden[torch.arange(batch.size), lag_t.long()])  # [B, V]: the roots' only
+        tokens = np.zeros((batch.size, T), dtype=np.int64)  # [B, T], padded at the end
+        for b, (r, lag) in enumerate(zip(rows, lags)):
+            tokens[b, : lag + 1] = r.token_ids[len(r.token_ids) - 1 - lag :]
+        tokens, start, lag_t = to_device(dev, torch.from_numpy(tokens), torch.tensor(cached, dtype=torch.int32),
+                                         torch.tensor(lags, dtype=torch.int64))  # fmt: skip
+        positions = start.long()[:, None] + torch.arange(T, device=dev)  # [B, T]
+        hidden = self.model(tokens, positions, self.kv.data, start, causal_mask(batch.size, T, dev), batch.block_table)
+        return self.model.logits(hidden[torch.arange(batch.size, device=dev), lag_t])  # [B, V]: the roots' only
 
     def propose(self, batch: StepBatch) -> Draft:
         depth = max(batch.gammas)
         T = self.nodes_for_depth(depth)
-        B, L = batch.size, batch.seqlens
+        B, L, dev = batch.size, batch.seqlens, self.device
+        parents, tree_mask, depths = self._tree_shape(batch.gammas)
         levels = self.tree.level_slices
         greedy = batch.temperature == 0  # [B]
         temp = torch.where(greedy, 1.0, batch.temperature)[:, None, None]  # [B, 1, 1]
-        tokens = torch.zeros(B, T, dtype=torch.int64)  # [B, T]
+        tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)  # [B, T]
         tokens[:, 0] = batch.roots
         logits = self._catch_up(batch)[:, None]  # [B, 1, V]: q logits of level 0
-        q = torch.zeros(B, T, logits.shape[-1])  # [B, T, V]
+        q = torch.zeros(B, T, logits.shape[-1], device=dev)  # [B, T, V]
         for d in range(1, depth + 1):
             parent_level, level, b = levels[d - 1], levels[d], self.tree.branching[d - 1]
             q_parent = torch.softmax(logits / temp, dim=-1)  # [B, n_parent, V]
             q[:, parent_level] = q_parent
-            tokens[:, level] = self._draw_children(q_parent, b, greedy, batch, self.draft_sampling).flatten(1)
+            tokens[:, level] = self._draw_children(q_parent, b, greedy, batch.keys + d).flatten(1)
             if d == depth:
                 break
-            # Levels 1..d through the draft model; the root is already cached at slot L_b, an ancestor of all.
-            sub = slice(1, level.stop)
-            sub_parents = (self._parents[sub] - 1).expand(B, -1)  # [B, n]: re-rooted at node 1
-            mask = tree_mask(torch.where(sub_parents < 0, PAD_NODE, sub_parents))
             if self.tree.is_chain:  # a chain's earlier nodes are all ancestors: keep them as prefix, run one node
-                sub, mask = slice(d, d + 1), torch.ones(B, 1, 1, dtype=torch.bool)
-            positions = L.long()[:, None] + self._depth(sub)
+                sub, mask, sub_depths = slice(d, d + 1), torch.ones(B, 1, 1, dtype=torch.bool, device=dev), d
+            else:  # levels 1..d, re-rooted at node 1
+                sub, (mask, sub_depths) = slice(1, level.stop), self._levels[d - 1]
+                mask = mask.expand(B, -1, -1)
+            positions = L.long()[:, None] + sub_depths  # [B, n]
             out = self._forward_logits(tokens[:, sub], positions, L + sub.start, mask, batch.block_table)
             logits = out[:, level.start - sub.start :]  # [B, n_level, V]
-        parents = self._parents[:T].expand(B, T).clone()
-        for b, gamma in enumerate(batch.gammas):
-            parents[b, self.nodes_for_depth(gamma) :] = PAD_NODE
-        self._built_depth = depth
         if self.draft_sampling == "deterministic":
-            return Draft(tokens, parents, None, "iid")
-        return Draft(tokens, parents, q, self.draft_sampling)
+            return Draft(tokens, parents, tree_mask, depths, None, "iid")
+        return Draft(tokens, parents, tree_mask, depths, q, self.draft_sampling)
 
-    def _depth(self, sub: slice) -> torch.Tensor:
-        sizes = self.tree.level_sizes
-        depth = torch.cat([torch.full((n,), d) for d, n in enumerate(sizes)])
-        return depth[sub]
+    def _forward_logits(self, tokens, positions, seqlens, mask, block_table) -> torch.Tensor:
+        hidden = self.model(tokens, positions, self.kv.data, seqlens, mask, block_table)  # [B, T, hidden]
+        return self.model.logits(hidden)  # [B, T, V]
 
-    @staticmethod
-    def _draw_children(q: torch.Tensor, b: int, greedy: torch.Tensor, batch: StepBatch, mode: str) -> torch.Tensor:
-        """[B, n, V] -> [B, n, b]: b children per node, in the order they were drawn."""
+    def _draw_children(self, q: torch.Tensor, b: int, greedy: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """[B, n, V] -> [B, n, b]: b children per node, in the order they were drawn, for every row at once.
+
+        Random rows draw from counter-based streams (``spec_engine.rng``) keyed per row and level: no generator
+        objects, no per-row loop, and the same draws alone or in any batch."""
         children = q.topk(b, dim=-1).indices  # greedy rows and "deterministic"
-        if mode == "deterministic":
+        if self.draft_sampling == "deterministic":
             return children
-        for row, req in enumerate(batch.requests):
-            if greedy[row]:
-                continue
-            if mode == "iid":
-                children[row] = torch.multinomial(q[row], b, replacement=True, generator=req.draft_generator)
-            else:
-                u = torch.rand(q.shape[1:], generator=req.draft_generator).clamp_(min=1e-20)
-                children[row] = (q[row].log() - (-u.log()).log()).topk(b, dim=-1).indices  # Gumbel-top-b
-        return children
+        B, n, V = q.shape
+        if self.draft_sampling == "iid":  # inverse CDF: b independent draws per node
+            cdf = q.cumsum(-1)  # [B, n, V]
+            u = rng.uniform(keys, (n, b)) * cdf[..., -1:]  # [B, n, b]
+            draws = torch.searchsorted(cdf, u).clamp_(max=V - 1)
+        else:  # Gumbel-top-b: exactly sequential sampling without replacement
+            draws = (q.log() + rng.gumbel(keys, (n, V))).topk(b, dim=-1).indices
+        return torch.where(greedy[:, None, None], children, draws)
 
-    def commit(self, batch: StepBatch, result: VerifyResult) -> None:
+    def commit(self, batch: StepBatch, result: VerifyResult, num_accepted: list[int]) -> list[int]:
         compact_kv_(self.kv.planes, batch.seqlens, result.accepted_nodes, result.num_accepted,
                     block_table=batch.block_table)  # fmt: skip
-        depths = self._depth(slice(0, None))
-        last = result.accepted_nodes.gather(1, (result.num_accepted - 1)[:, None])[:, 0]  # [B]
-        ran = depths[last] < self._built_depth  # the draft model ran the last path node: no lag
-        new_len = batch.seqlens.long() + result.num_accepted - (~ran).long()
-        for req, n in zip(batch.requests, new_len.tolist()):
-            req.draft_len = n
+        # The deepest level drawn (max of the gammas) never ran through the draft model: a path that ends there
+        # leaves the cache one token short, fed by the next step's catch-up.
+        depth = max(batch.gammas)
+        return [r.num_computed + n - (n - 1 >= depth) for r, n in zip(batch.rows, num_accepted)]
