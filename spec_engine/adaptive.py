@@ -193,7 +193,7 @@ class AdaptiveController:
     nodes_for_depth : T of a row drafted at depth g (``Drafter.nodes_for_depth``).
     tree : the drafts are trees (wider than chains): track acceptance per depth, and count the draft model's
         forward over all the nodes above the deepest level (a chain runs one new node per forward).
-    cache_lag : tokens a row's draft cache must catch up on before it is drafted (the engine's ``num_computed - draft_len``).
+    cache_lag : tokens a row's draft cache must catch up on before it is drafted (``num_computed - draft_len``).
     """
 
     def __init__(self, max_depth: int, nodes_for_depth: Callable[[int], int], *, tree: bool = False,

@@ -19,7 +19,7 @@ def to_device(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
-    for dtype, idx in groups.items():
+    for idx in groups.values():
         staging = torch.cat([tensors[i].reshape(-1) for i in idx])  # [sum of numels]
         if device.type == "cuda":
             staging = staging.pin_memory()
