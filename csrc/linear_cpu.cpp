@@ -97,16 +97,19 @@ void rows_scalar(const LinearArgs<T>& a, int64_t n_begin, int64_t n_end) {
 // tree costs 15 adds + 30 shuffles per 16 outputs, against ~8 instructions per output for _mm512_reduce_add_ps.
 SPECDEC_AVX512 inline __m512 reduce16(const __m512* acc) {
   __m512 b[8], c[4], d[2];
+#pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {  // halves: b[i] = [acc[2i] (8 lanes), acc[2i+1] (8 lanes)]
     const __m512 lo = _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44);
     const __m512 hi = _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE);
     b[i] = _mm512_add_ps(lo, hi);
   }
+#pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {  // quarters: c[i] = [acc[4i], acc[4i+1], acc[4i+2], acc[4i+3]] (4 lanes each)
     const __m512 lo = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88);
     const __m512 hi = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD);
     c[i] = _mm512_add_ps(lo, hi);
   }
+#pragma GCC unroll 2
   for (int i = 0; i < 2; ++i) {  // pairs of lanes within each quarter
     const __m512 lo = _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0));
     const __m512 hi = _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1));
@@ -117,19 +120,51 @@ SPECDEC_AVX512 inline __m512 reduce16(const __m512* acc) {
   return _mm512_add_ps(lo, hi);
 }
 
-// Accumulator j = nb * MB + mb (weight row n0 + nb, x row m0 + mb) ends in lane 4 * (j % 4) + j / 4 of reduce16.
+// Where a tile keeps accumulator (nb, mb) so that reduce16 leaves x row mb's NB sums in lanes mb * NB .. + NB - 1,
+// in n order: lane 4q + r of reduce16 is accumulator 4r + q, so output lane L needs accumulator 4 (L % 4) + L / 4.
+template <int NB>
+constexpr int slot(int nb, int mb) {
+  return 4 * ((mb * NB + nb) % 4) + (mb * NB + nb) / 4;
+}
+
+// fp32 -> bf16 bits, rounded to nearest even with NaN -> 0x7FC0: c10::BFloat16's rounding, so outputs match torch's
+// bit for bit given the same fp32 sum (vcvtneps2bf16 would flush denormals).
+SPECDEC_AVX512 inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// Sums the tile's accumulators, adds the bias (fp32, last) and stores each x row's NB outputs.
 template <typename T, int NB, int MB>
 SPECDEC_AVX512 inline void finish_tile(const LinearArgs<T>& a, const __m512* acc, int64_t n0, int64_t m0) {
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, reduce16(acc));
-#pragma GCC unroll 16
-  for (int nb = 0; nb < NB; ++nb) {
-#pragma GCC unroll 4
-    for (int mb = 0; mb < MB; ++mb) {
-      const int j = nb * MB + mb;
-      store(a, m0 + mb, n0 + nb, sums[4 * (j % 4) + j / 4]);
+  static_assert((NB & (NB - 1)) == 0 && NB * MB <= 16, "NB is a power of two; a tile holds <= 16 accumulators");
+  __m512 sums = reduce16(acc);
+  if (a.bias != nullptr) {
+    const __mmask16 row_mask = static_cast<__mmask16>((1u << NB) - 1);
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 bias;
+    if constexpr (std::is_same_v<T, float>) {
+      bias = _mm512_maskz_loadu_ps(row_mask, a.bias + n0);
+    } else {
+      const __m256i raw = _mm256_maskz_loadu_epi16(row_mask, a.bias + n0);
+      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     }
+    // Lane L gets bias[n0 + L % NB]: every x row of the tile sees the same NB biases.
+    const __m512i wrap = _mm512_and_si512(iota, _mm512_set1_epi32(NB - 1));
+    sums = _mm512_add_ps(sums, _mm512_permutexvar_ps(wrap, bias));
   }
+  // One conversion for the whole tile, then each x row's NB outputs as one plain copy (8-64 bytes).
+  alignas(64) T rows[16];
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_store_ps(rows, sums);
+  } else {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(rows), to_bf16_bits(sums));
+  }
+#pragma GCC unroll 4
+  for (int mb = 0; mb < MB; ++mb) std::memcpy(a.out + (m0 + mb) * a.N + n0, rows + mb * NB, NB * sizeof(T));
 }
 
 // fp32 tile: lane l of acc (n, m) sums x[m, k] * w[n, k] for k = l, l + 16, ..., the tail masked to zeros.
@@ -151,7 +186,7 @@ SPECDEC_AVX512 void tile_f32(const LinearArgs<float>& a, int64_t n0, int64_t m0)
     for (int nb = 0; nb < NB; ++nb) {
       const __m512 wv = _mm512_loadu_ps(w + nb * K + k);
 #pragma GCC unroll 4
-      for (int mb = 0; mb < MB; ++mb) acc[nb * MB + mb] = _mm512_fmadd_ps(wv, xv[mb], acc[nb * MB + mb]);
+      for (int mb = 0; mb < MB; ++mb) acc[slot<NB>(nb, mb)] = _mm512_fmadd_ps(wv, xv[mb], acc[slot<NB>(nb, mb)]);
     }
   }
   if (k < K) {
@@ -163,7 +198,7 @@ SPECDEC_AVX512 void tile_f32(const LinearArgs<float>& a, int64_t n0, int64_t m0)
     for (int nb = 0; nb < NB; ++nb) {
       const __m512 wv = _mm512_maskz_loadu_ps(mask, w + nb * K + k);
 #pragma GCC unroll 4
-      for (int mb = 0; mb < MB; ++mb) acc[nb * MB + mb] = _mm512_fmadd_ps(wv, xv[mb], acc[nb * MB + mb]);
+      for (int mb = 0; mb < MB; ++mb) acc[slot<NB>(nb, mb)] = _mm512_fmadd_ps(wv, xv[mb], acc[slot<NB>(nb, mb)]);
     }
   }
   finish_tile<float, NB, MB>(a, acc, n0, m0);
@@ -189,7 +224,7 @@ SPECDEC_AVX512 void tile_bf16(const LinearArgs<c10::BFloat16>& a, int64_t n0, in
     for (int nb = 0; nb < NB; ++nb) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + nb * K + k);
 #pragma GCC unroll 4
-      for (int mb = 0; mb < MB; ++mb) acc[nb * MB + mb] = _mm512_dpbf16_ps(acc[nb * MB + mb], wv, xv[mb]);
+      for (int mb = 0; mb < MB; ++mb) acc[slot<NB>(nb, mb)] = _mm512_dpbf16_ps(acc[slot<NB>(nb, mb)], wv, xv[mb]);
     }
   }
   if (k < K) {
@@ -201,7 +236,7 @@ SPECDEC_AVX512 void tile_bf16(const LinearArgs<c10::BFloat16>& a, int64_t n0, in
     for (int nb = 0; nb < NB; ++nb) {
       const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + nb * K + k);
 #pragma GCC unroll 4
-      for (int mb = 0; mb < MB; ++mb) acc[nb * MB + mb] = _mm512_dpbf16_ps(acc[nb * MB + mb], wv, xv[mb]);
+      for (int mb = 0; mb < MB; ++mb) acc[slot<NB>(nb, mb)] = _mm512_dpbf16_ps(acc[slot<NB>(nb, mb)], wv, xv[mb]);
     }
   }
   finish_tile<c10::BFloat16, NB, MB>(a, acc, n0, m0);
