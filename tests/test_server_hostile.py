@@ -247,8 +247,10 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(server):
     smuggled = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     body = b"0\r\n\r\n" + smuggled
     head = post_head("/v1/completions", len(body), "Transfer-Encoding: chunked\r\n")
+    before = metric(server, "specdec_http_requests_total", endpoint="http", status="400")
     responses, closed = talk(server, head + body)
     assert [r[0] for r in responses] == [400] and closed  # the hidden request is never answered
+    assert metric(server, "specdec_http_requests_total", endpoint="http", status="400") == before + 1
     assert responses[0][1]["connection"] == "close" and "Transfer-Encoding" in error_of(responses[0][2])["message"]
 
 
@@ -256,8 +258,10 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(server):
 def test_oversized_headers_are_refused(pieces, server):
     head = post_head("/v1/completions", 2, "X-Filler: " + "a" * 100_000 + "\r\n") + b"{}"
     size = -(-len(head) // pieces)
+    before = metric(server, "specdec_http_requests_total", endpoint="http", status="431")
     responses, closed = talk(server, *(head[i : i + size] for i in range(0, len(head), size)))
     assert closed and all(r[0] == 431 for r in responses)  # 431, or a reset before it could be read: never served
+    assert metric(server, "specdec_http_requests_total", endpoint="http", status="431") == before + 1
 
 
 def test_headers_under_the_cap_are_fine(server):
@@ -278,10 +282,20 @@ def test_headers_under_the_cap_are_fine(server):
     ids=["silent", "half_head", "slowloris"],
 )
 def test_stalled_heads_time_out(chunks, server):
+    """Closed after ``REQUEST_TIMEOUT``: with a 408 when part of a request came, without a word when nothing did."""
+    before = metric(server, "specdec_http_requests_total", endpoint="http", status="408")
     responses, closed = talk(server, *chunks, pause=0.3)
     assert closed, f"the server held a stalled connection open for {HANG_GUARD} s"
-    assert [r[0] for r in responses] == [408]
-    assert responses[0][1]["connection"] == "close" and error_of(responses[0][2])["code"] == "request_timeout"
+    assert [r[0] for r in responses] == ([408] if chunks else [])
+    if chunks:
+        assert responses[0][1]["connection"] == "close" and error_of(responses[0][2])["code"] == "request_timeout"
+    expected = before + 1 if chunks else before
+    assert metric(server, "specdec_http_requests_total", endpoint="http", status="408") == expected
+
+
+def test_an_idle_keep_alive_connection_is_closed_without_a_408(server):
+    responses, closed = talk(server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert closed and [r[0] for r in responses] == [200]
 
 
 def test_stalled_body_times_out_and_is_counted(server):

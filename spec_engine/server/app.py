@@ -89,6 +89,8 @@ def create_app(
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.engine, app.state.registry, app.state.request_timeout = engine, registry, request_timeout
+    # requests refused by the HTTP layer (http_guard: 400 ambiguous framing, 408 stalled head, 431 huge head)
+    app.state.count_http_reject = lambda status: http_requests.labels("http", str(status)).inc()
 
     # --- errors: every one gets OpenAI's body --------------------------------------------------------------------
 
@@ -331,6 +333,10 @@ def _sse(stream: RequestStream, head: dict, choices: Callable[[Delta], list], fi
         except EngineDeadError as e:
             status = 503
             yield _error_event(str(e))
+        except Exception as e:  # a bug while streaming: end this stream cleanly, keep serving
+            log.exception("streaming failed")
+            status = 500
+            yield _error_event(f"internal error: {e!r}")
         finally:
             await stream.aclose()
             count(status)
@@ -471,7 +477,7 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
     ``kwargs`` go to ``uvicorn.Config`` (``log_level``, ``lifespan``, ...)."""
     import uvicorn
 
-    protocol = guarded_protocol(max_header_bytes, app.state.request_timeout)
+    protocol = guarded_protocol(max_header_bytes, app.state.request_timeout, app.state.count_http_reject)
     return uvicorn.Config(app, host=host, port=port, http=protocol, h11_max_incomplete_event_size=max_header_bytes,
                           **kwargs)  # fmt: skip
 

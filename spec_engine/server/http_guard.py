@@ -9,14 +9,17 @@ What plain uvicorn (h11) lets through, measured with raw sockets (issue 22):
 
 ``GuardedH11Protocol`` answers these with a JSON 4xx and ``Connection: close``: 400 for CL + TE, 431 for a head
 over ``max_header_bytes`` (sent in one write or many), 408 when a request head has not arrived in full within
-``request_timeout`` seconds of the connection opening or of the previous response. A stalled *body* is the app's to
-time out (it knows the endpoint, so the 408 is counted in its metrics).
+``request_timeout`` seconds of the connection opening or of the previous response (a connection that sent nothing
+in that time is closed without a word, as uvicorn closes idle keep-alive connections: a 408 there could cross a
+request the client is sending just then). A stalled *body* is the app's to time out (it knows the endpoint).
+Each refusal is reported to ``on_reject(status)`` (the app counts them in its metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -63,12 +66,18 @@ class GuardedH11Protocol(H11Protocol):
 
     max_header_bytes = DEFAULT_MAX_HEADER_BYTES
     request_timeout = DEFAULT_REQUEST_TIMEOUT
+    on_reject: Callable[[int], None] | None = None  # a staticmethod in configured subclasses
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.conn = _GuardedConnection(self.max_header_bytes, self._on_request)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_seen = False  # a request head arrived since the timer was last armed
+        self._num_bytes = 0  # received since the timer was last armed
+
+    def data_received(self, data: bytes) -> None:
+        self._num_bytes += len(data)
+        super().data_received(data)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -90,6 +99,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _arm(self) -> None:
         self._disarm()
+        self._num_bytes = 0
         self._head_timer = self.loop.call_later(self.request_timeout, self._head_timed_out)
 
     def _disarm(self) -> None:
@@ -101,24 +111,36 @@ class GuardedH11Protocol(H11Protocol):
         self._head_timer = None
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return  # the app is answering a request: its own timeouts apply
-        self.transport.write(_raw_response(408, f"no complete request head within {self.request_timeout:g} s"))
+        if self._num_bytes:
+            self._reject(408, f"no complete request head within {self.request_timeout:g} s")
         self.transport.close()
+
+    def _reject(self, status: int, message: str) -> None:
+        self.transport.write(_raw_response(status, message))
+        if self.on_reject is not None:
+            self.on_reject(status)
 
     def send_400_response(self, msg: str) -> None:
         """Every malformed request (h11's errors and ours) gets a JSON body with the right status, then close."""
         self._disarm()
         error = self.conn.last_error
-        status = error.error_status_hint if error is not None else 400
-        self.transport.write(_raw_response(status, str(error) if error is not None else msg))
+        self._reject(error.error_status_hint if error is not None else 400, str(error) if error is not None else msg)
         self.transport.close()
 
 
 def guarded_protocol(
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    on_reject: Callable[[int], None] | None = None,
 ) -> type[GuardedH11Protocol]:
-    """A ``GuardedH11Protocol`` class with these limits, for ``uvicorn.Config(http=...)``."""
-    limits = {"max_header_bytes": max_header_bytes, "request_timeout": request_timeout}
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), limits)
+    """A ``GuardedH11Protocol`` class with these limits, for ``uvicorn.Config(http=...)``; ``on_reject(status)`` is
+    called for every request refused at the HTTP layer."""
+    attrs = {
+        "max_header_bytes": max_header_bytes,
+        "request_timeout": request_timeout,
+        "on_reject": staticmethod(on_reject) if on_reject else None,
+    }
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), attrs)
 
 
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
