@@ -493,6 +493,31 @@ def _pick_num_splits(q: torch.Tensor, num_programs: int, capacity: int, block_n:
     return max(1, min(-(-2 * num_sms // num_programs), capacity // (4 * block_n), 64))
 
 
+FP32_TILE_PRODUCT = 1 << 16  # BLOCK_M * BLOCK_N * BLOCK_D of an fp32 tile: what 8 warps hold without spilling
+
+
+def _tile_config(dtype: torch.dtype, num_rows: int, D: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for ``num_rows = T * group`` query rows per KV head.
+
+    Chosen so that no configuration spills registers on sm_80 or sm_90a (``python bench/aot_compile.py`` checks
+    every one; bench/RESULTS.md has the table). fp32 takes a true fp32 dot, which runs on CUDA cores with both
+    operand tiles in registers: BLOCK_M * BLOCK_N * BLOCK_D above 2^16 spilled (BLOCK_M 16, BLOCK_N 64, BLOCK_D 128,
+    8 warps: 171 registers, no stack; BLOCK_M 32, BLOCK_N 64, BLOCK_D 64, 4 warps: 255 registers and 384 bytes of
+    stack; BLOCK_M 64, BLOCK_N 64, BLOCK_D 128: 6.6 KB of stack), so its rows come in blocks of at most 32 and
+    BLOCK_N shrinks as the others grow. fp16/bf16 dots run on tensor cores: BLOCK_M 64 with BLOCK_N 64 spilled
+    (BLOCK_D 128, 8 warps: 8-24 bytes of stack; BLOCK_D 64, 4 warps: 88 bytes), BLOCK_N 32 did not (188 registers).
+    """
+    block_d = max(16, triton.next_power_of_2(D))
+    if dtype == torch.float32:
+        block_m = min(32, max(16, triton.next_power_of_2(num_rows)))
+        block_n = max(16, min(64, FP32_TILE_PRODUCT // (block_m * block_d)))
+        return block_m, block_n, block_d, 8
+    block_m = min(64, max(16, triton.next_power_of_2(num_rows)))
+    block_n = 32 if block_m * block_d >= 64 * 128 else 64
+    num_warps = 8 if block_d >= 128 or block_m >= 64 else 4
+    return block_m, block_n, block_d, num_warps
+
+
 def _launch_tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -524,9 +549,7 @@ def _launch_tree_attention(
         block_table = seqlens  # unused: a valid pointer for the HAS_BLOCK_TABLE=False specialisation
         capacity = k_cache.shape[1]
 
-    block_d = max(16, triton.next_power_of_2(D))
-    block_m = min(64, max(16, triton.next_power_of_2(T * group)))
-    block_n = 64 if block_d <= 128 else 32  # keeps the [BLOCK_M, BLOCK_D] accumulator plus K/V tiles in registers
+    block_m, block_n, block_d, num_warps = _tile_config(q.dtype, T * group, D)
     num_row_blocks = triton.cdiv(T * group, block_m)
     if num_splits <= 0:
         num_splits = _pick_num_splits(q, num_row_blocks * B * Hkv, capacity, block_n)
@@ -556,7 +579,7 @@ def _launch_tree_attention(
         UPCAST_DOT=triton_interpret() and q.dtype == torch.bfloat16,
         # fp32 inputs get a true fp32 dot: TF32 would be ~1e-3 off, worse than torch's fp32 attention.
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_d <= 64 else 8,
+        num_warps=num_warps,
     )  # fmt: skip
     if is_split:
         num_rows = B * T * Hq
