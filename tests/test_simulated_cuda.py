@@ -1,0 +1,120 @@
+"""The engine's GPU path, proven on a CPU machine: whole engine steps with every model tensor on the ``meta`` device.
+
+Meta tensors stand in for CUDA ones: every op and view works on them, a CPU/meta mix raises ("Tensor on device cpu
+is not on the expected device meta"), and any read of their data raises ("Cannot copy out of meta tensor"). So an
+engine step whose weights and KV caches are on meta runs to its end exactly when it is device-true: every tensor it
+computes is on the model's device, and nothing reads device data, except the one read the design allows per step
+(``Engine._read_step``, the emitted tokens), which this test replaces by planted host values and counts.
+
+Before the device-true engine, the first prefill failed here on a device mix in ``LlamaForCausalLM._rope``
+(positions built on the CPU); with that fixed, each decode step read device data in the tree masks (one read per
+tree level), in ``verify_tree``'s value checks and filter switch, and in the drafter's per-row draws and commit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_model
+
+from spec_engine import LLM, SamplingParams
+from spec_engine.engine import Engine
+
+V = 96
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("meta")
+    return {
+        "target": make_model(root / "target", "llama_gqa", layers=2),
+        "draft": make_model(root / "draft", "llama_gqa", layers=1, seed=3),
+    }
+
+
+class PlantedReads:
+    """Stands in for the step's one device read: plants emitted tokens and accept counts, and counts the reads."""
+
+    def __init__(self, max_path: int = 1):
+        self.calls = 0
+        self.max_path = max_path  # the deepest tree's nodes + 1: a path is at most that long
+
+    def __call__(self, result):
+        assert result.output_tokens.device.type == "meta" and result.num_accepted.device.type == "meta"
+        B, T = result.output_tokens.shape
+        self.calls += 1
+        num_accepted = [1 + (b + self.calls) % min(T, self.max_path) for b in range(B)]  # every path length
+        tokens = [[(7 * b + 3 * i + self.calls) % V for i in range(T)] for b in range(B)]
+        return tokens, num_accepted
+
+
+SPECS = {
+    "none": None,
+    "chain": {"method": "draft_model", "num_speculative_tokens": 3},
+    "tree": {"method": "draft_model", "num_speculative_tokens": 3, "tree": [2, 2, 1]},
+    "tree_iid": {"method": "draft_model", "num_speculative_tokens": 2, "tree": [2, 2], "draft_sampling": "iid"},
+    "deterministic": {"method": "draft_model", "num_speculative_tokens": 2, "draft_sampling": "deterministic"},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "adaptive": {"method": "draft_model"},
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_engine_steps_are_device_true(models, name, monkeypatch):
+    spec = SPECS[name]
+    if spec is not None and spec["method"] == "draft_model":
+        spec = {**spec, "model": str(models["draft"])}
+    llm = LLM(str(models["target"]), speculative_config=spec, device="meta", max_model_len=128, prefill_chunk=16)
+    engine = llm.engine
+    assert all(p.device.type == "meta" for p in llm.target.parameters()) and engine.kv.data.device.type == "meta"
+    reads = PlantedReads(engine.gamma + 1)
+    monkeypatch.setattr(Engine, "_read_step", staticmethod(reads))
+    monkeypatch.setattr(Engine, "_fail", lambda self, req, error: (_ for _ in ()).throw(error))  # no isolation
+    # a ragged batch: a prompt longer than the prefill chunk, short ones, one token; greedy and sampled rows with
+    # every filter
+    prompts = [list(range(1, 40)), [5, 6, 7, 5, 6, 7, 5, 6], [9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, ignore_eos=True),
+    ]
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    num_steps = decode_steps = 0
+    while engine.has_unfinished():
+        before = reads.calls
+        decoding = sum(not r.prefilling for r in engine.running)
+        engine.step()
+        num_steps += 1
+        assert reads.calls - before <= 1, "more than one device read in one step"
+        decode_steps += reads.calls - before
+        assert num_steps < 100
+    assert all(r.finish_reason == "length" for r in reqs), [(r.finish_reason, r.error) for r in reqs]
+    assert [len(r.output_token_ids) for r in reqs] == [p.max_tokens for p in params]
+    assert decode_steps == reads.calls and decoding > 0
+    assert llm.allocator.num_used == 0
+
+
+def test_a_cpu_tensor_in_a_meta_step_is_caught(models, monkeypatch):
+    """The simulation has teeth: a step input left on the host fails the run (here, the roots)."""
+    llm = LLM(str(models["target"]), device="meta", max_model_len=64)
+    monkeypatch.setattr(Engine, "_read_step", staticmethod(PlantedReads()))
+    real = llm.engine._step_inputs
+
+    def roots_on_host(reqs, gammas):
+        batch, sampling = real(reqs, gammas)
+        batch.roots = torch.tensor([r.last_token for r in reqs])
+        return batch, sampling
+
+    monkeypatch.setattr(llm.engine, "_step_inputs", roots_on_host)
+    llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    outs = llm.engine.step()  # prefill, then the decode step fails on the device mix and fails its request alone
+    assert outs[0].request.finish_reason == "error" and "device" in outs[0].request.error
+
+
+def test_a_device_read_in_a_meta_step_is_caught(models):
+    """Without the planted read, the step's one read of device data is exactly where a meta run stops."""
+    llm = LLM(str(models["target"]), device="meta", max_model_len=64)
+    llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    outs = llm.engine.step()
+    assert outs[0].request.finish_reason == "error" and "meta" in outs[0].request.error
