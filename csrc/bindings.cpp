@@ -11,6 +11,8 @@
 #include <torch/library.h>
 
 #include <Python.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #ifdef SPECDEC_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -155,14 +157,52 @@ TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {
 TORCH_LIBRARY_IMPL(spec_kernels, CUDA, m) { m.impl("compact_kv_", &specdec::compact_kv_cuda_entry); }
 #endif
 
-// An empty Python module, so the ahead-of-time build (setup.py, spec_kernels._C) and the JIT build are both
-// importable; importing runs the registrations above. TORCH_EXTENSION_NAME is set by torch's build helpers.
+namespace specdec {
+namespace {
+
+// linear(x, weight, bias_or_None) -> Tensor: spec_kernels::linear called through the dispatcher's unboxed path.
+// torch.ops' boxed call from Python costs ~2.9 us against ~1.7 us for a plain binding; a forward makes 57 of them.
+// Going through the dispatcher (not linear_cpu directly) keeps fake tensors, dispatch modes and the Meta kernel
+// working. spec_kernels/linear.py uses torch.ops instead while torch.compile traces.
+PyObject* py_linear(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 3 && THPVariable_Check(args[0]) && THPVariable_Check(args[1]) &&
+                       (args[2] == Py_None || THPVariable_Check(args[2])),
+                   "linear(x, weight, bias): expected (Tensor, Tensor, Tensor or None)");
+  c10::optional<at::Tensor> bias;
+  if (args[2] != Py_None) bias = THPVariable_Unpack(args[2]);
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("spec_kernels::linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&)>();
+  at::Tensor out;
+  {
+    const pybind11::gil_scoped_release no_gil;
+    out = op.call(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), bias);
+  }
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef methods[] = {
+    {"linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_linear)), METH_FASTCALL,
+     "linear(x, weight, bias) -> Tensor: spec_kernels::linear without torch.ops' boxing."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+}  // namespace specdec
+
+// The Python module of the ahead-of-time build (setup.py, spec_kernels._C) and of the JIT build: importing it runs
+// the registrations above; its one function is the fast eager entry of spec_kernels::linear. TORCH_EXTENSION_NAME is
+// set by torch's build helpers.
 #define SPECDEC_CAT(a, b) a##b
 #define SPECDEC_PYINIT(name) SPECDEC_CAT(PyInit_, name)
 #define SPECDEC_STR_(x) #x
 #define SPECDEC_STR(x) SPECDEC_STR_(x)
 
 PyMODINIT_FUNC SPECDEC_PYINIT(TORCH_EXTENSION_NAME)(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, SPECDEC_STR(TORCH_EXTENSION_NAME), nullptr, -1, nullptr};
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, SPECDEC_STR(TORCH_EXTENSION_NAME), nullptr, -1,
+                               specdec::methods};
   return PyModule_Create(&module);
 }

@@ -169,7 +169,7 @@ SPECDEC_AVX512 inline void finish_tile(const LinearArgs<T>& a, const __m512* acc
 
 // fp32 tile: lane l of acc (n, m) sums x[m, k] * w[n, k] for k = l, l + 16, ..., the tail masked to zeros.
 template <int NB, int MB>
-SPECDEC_AVX512 void tile_f32(const LinearArgs<float>& a, int64_t n0, int64_t m0) {
+SPECDEC_AVX512 void tile_f32(const LinearArgs<float>& a, int64_t n0, int64_t m0, const char* prefetch) {
   static_assert(NB * MB <= 16, "a tile holds at most 16 accumulators");
   __m512 acc[16];
 #pragma GCC unroll 16
@@ -179,6 +179,11 @@ SPECDEC_AVX512 void tile_f32(const LinearArgs<float>& a, int64_t n0, int64_t m0)
   const int64_t K = a.K;
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
+    if (prefetch != nullptr) {
+#pragma GCC unroll 16
+      for (int nb = 0; nb < NB; ++nb) _mm_prefetch(prefetch + nb * 64, _MM_HINT_T1);
+      prefetch += NB * 64;
+    }
     __m512 xv[MB];
 #pragma GCC unroll 4
     for (int mb = 0; mb < MB; ++mb) xv[mb] = _mm512_loadu_ps(x + mb * a.ldx + k);
@@ -207,7 +212,7 @@ SPECDEC_AVX512 void tile_f32(const LinearArgs<float>& a, int64_t n0, int64_t m0)
 // bf16 tile: lane l of acc (n, m) adds the products of the pair k = 2l, 2l + 1 (one vdpbf16ps), then the pair 32
 // further, ...; the tail is masked to zeros (an odd K pairs its last element with a zero).
 template <int NB, int MB>
-SPECDEC_AVX512 void tile_bf16(const LinearArgs<c10::BFloat16>& a, int64_t n0, int64_t m0) {
+SPECDEC_AVX512 void tile_bf16(const LinearArgs<c10::BFloat16>& a, int64_t n0, int64_t m0, const char* prefetch) {
   static_assert(NB * MB <= 16, "a tile holds at most 16 accumulators");
   __m512 acc[16];
 #pragma GCC unroll 16
@@ -217,6 +222,11 @@ SPECDEC_AVX512 void tile_bf16(const LinearArgs<c10::BFloat16>& a, int64_t n0, in
   const int64_t K = a.K;
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
+    if (prefetch != nullptr) {
+#pragma GCC unroll 16
+      for (int nb = 0; nb < NB; ++nb) _mm_prefetch(prefetch + nb * 64, _MM_HINT_T1);
+      prefetch += NB * 64;
+    }
     __m512bh xv[MB];
 #pragma GCC unroll 4
     for (int mb = 0; mb < MB; ++mb) xv[mb] = (__m512bh)_mm512_loadu_si512(x + mb * a.ldx + k);
@@ -243,11 +253,14 @@ SPECDEC_AVX512 void tile_bf16(const LinearArgs<c10::BFloat16>& a, int64_t n0, in
 }
 
 template <typename T, int NB, int MB>
-SPECDEC_AVX512 inline void tile(const LinearArgs<T>& a, int64_t n0, int64_t m0) {
+SPECDEC_AVX512 inline void tile(const LinearArgs<T>& a, int64_t n0, int64_t m0, bool prefetch = false) {
+  // The next NB weight rows, contiguous after these: one cache line per row per k step (64 B of fp32 or bf16), pulled
+  // into L2 while this tile computes.
+  const char* next = prefetch ? reinterpret_cast<const char*>(a.w + (n0 + NB) * a.K) : nullptr;
   if constexpr (std::is_same_v<T, float>) {
-    tile_f32<NB, MB>(a, n0, m0);
+    tile_f32<NB, MB>(a, n0, m0, next);
   } else {
-    tile_bf16<NB, MB>(a, n0, m0);
+    tile_bf16<NB, MB>(a, n0, m0, next);
   }
 }
 
@@ -256,16 +269,16 @@ SPECDEC_AVX512 inline void tile(const LinearArgs<T>& a, int64_t n0, int64_t m0) 
 template <typename T, int NB>
 SPECDEC_AVX512 void rows_all_m(const LinearArgs<T>& a, int64_t n0) {
   int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) tile<T, NB, 4>(a, n0, m);
+  for (; m + 4 <= a.M; m += 4) tile<T, NB, 4>(a, n0, m, m == 0);
   switch (a.M - m) {
     case 3:
-      tile<T, NB, 3>(a, n0, m);
+      tile<T, NB, 3>(a, n0, m, m == 0);
       break;
     case 2:
-      tile<T, NB, 2>(a, n0, m);
+      tile<T, NB, 2>(a, n0, m, m == 0);
       break;
     case 1:
-      tile<T, NB, 1>(a, n0, m);
+      tile<T, NB, 1>(a, n0, m, m == 0);
       break;
     default:
       break;
@@ -278,9 +291,9 @@ template <typename T>
 SPECDEC_AVX512 void rows_avx512(const LinearArgs<T>& a, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
   if (a.M == 1) {
-    for (; n + 16 <= n_end; n += 16) tile<T, 16, 1>(a, n, 0);
+    for (; n + 16 <= n_end; n += 16) tile<T, 16, 1>(a, n, 0, true);
   } else if (a.M == 2) {
-    for (; n + 8 <= n_end; n += 8) tile<T, 8, 2>(a, n, 0);
+    for (; n + 8 <= n_end; n += 8) tile<T, 8, 2>(a, n, 0, true);
   } else {
     for (; n + 4 <= n_end; n += 4) rows_all_m<T, 4>(a, n);
   }

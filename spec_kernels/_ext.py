@@ -1,4 +1,4 @@
-"""Loader of the C++/CUDA extension in ``csrc/`` (the native backend of ``compact_kv_``).
+"""Loader of the C++/CUDA extension in ``csrc/`` (the native backends of ``compact_kv_`` and ``linear``).
 
 Importing this module compiles nothing. The first :func:`load_ext` call either imports the ahead-of-time build
 (``spec_kernels._C``, made by ``SPECDEC_BUILD_EXT=1 pip install -e . --no-build-isolation``) or JIT-builds the

@@ -160,6 +160,11 @@ def test_fake_tensor_and_compile():
     torch.library.opcheck(torch.ops.spec_kernels.linear.default, (x, w, b), test_utils=checks)
     compiled = torch.compile(lambda x, w, b: linear(x, w, b).relu(), backend="eager", fullgraph=True)
     assert torch.equal(compiled(x, w, b), linear(x, w, b).relu())
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:  # eager calls take the extension's direct entry, which still dispatches
+        out = linear(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b))
+    assert out.shape == (3, 24) and out.dtype == torch.float32
 
 
 def test_scalar_fallback():
