@@ -326,9 +326,14 @@ template <typename T>
 void run(const LinearArgs<T>& a) {
   const bool vector = std::is_same_v<T, float> ? cpu_has_avx512() : cpu_has_avx512_bf16();
   const int64_t num_blocks = (a.N + kRowBlock - 1) / kRowBlock;
-  // >= 32 KB of weights per task: below that a second thread costs more to wake than it saves.
-  const int64_t block_bytes = kRowBlock * std::max<int64_t>(a.K, 1) * static_cast<int64_t>(sizeof(T));
-  const int64_t grain = std::max<int64_t>(1, (int64_t{32} << 10) / block_bytes);
+  // Threads only for calls with >= ~5 us of one-thread work: waking the second thread costs ~2 us here (the v
+  // projection [64, 320] fp32 at M=1: 1.9 us on one thread, 3.6 us on two). One block's work is the larger of its
+  // streaming time (~130 KB/us from L2) and its FMA time (one core: ~200 GFLOP/s fp32, ~350 bf16), measured on
+  // the default target's matrices; at::parallel_for splits only ranges longer than `grain` blocks.
+  const double block_bytes = static_cast<double>(kRowBlock * a.K * static_cast<int64_t>(sizeof(T)));
+  const double block_flops = 2.0 * static_cast<double>(a.M * kRowBlock * a.K);
+  const double block_us = std::max(block_bytes / 130e3, block_flops / (std::is_same_v<T, float> ? 200e3 : 350e3));
+  const int64_t grain = static_cast<int64_t>(5.0 / std::max(block_us, 1e-3)) + 1;
   at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
     const int64_t n_begin = begin * kRowBlock;
     const int64_t n_end = std::min(end * kRowBlock, a.N);
