@@ -329,6 +329,7 @@ def profile_steps(llm, prompts: list[Prompt], max_tokens: int) -> dict:
     top aten ops and cProfile's top Python functions for the same generate, all at batch ``len(prompts)``."""
     import spec_engine.engine as engine_mod
     from spec_engine.drafters import draft_model as draft_mod
+    from spec_engine.drafters.draft_model import DraftModelDrafter
 
     eng = llm.engine
     timers: dict[str, float] = {}
@@ -358,19 +359,19 @@ def profile_steps(llm, prompts: list[Prompt], max_tokens: int) -> dict:
         (eng.target, "logits", "target logits (lm_head)"),
         (engine_mod, "verify_tree", "verify_tree"),
         (engine_mod, "compact_kv_", "compact_kv_ (target)"),
-        (engine_mod, "tree_mask", "tree_mask (engine)"),
-        (engine_mod, "tree_depths", "tree_depths"),
+        (eng, "_step_inputs", "Engine._step_inputs (host rows -> device)"),
+        (eng, "_read_step", "Engine._read_step (the one host read)"),
     ]
     if eng.drafter is not None:
         patches.append((eng.drafter, "propose", "drafter.propose (whole)"))
         patches.append((eng.drafter, "commit", "drafter.commit (whole)"))
-        if hasattr(eng.drafter, "model"):
+        if isinstance(eng.drafter, DraftModelDrafter):
             patches += [
                 (eng.drafter, "_catch_up", "draft _catch_up"),
                 (eng.drafter.model, "forward", "draft forward (LlamaForCausalLM.forward)"),
                 (eng.drafter.model, "logits", "draft logits (lm_head)"),
                 (eng.drafter, "_draw_children", "draft _draw_children (topk)"),
-                (draft_mod, "tree_mask", "tree_mask (drafter)"),
+                (eng.drafter, "_tree_shape", "draft _tree_shape"),
                 (draft_mod, "compact_kv_", "compact_kv_ (draft)"),
             ]
     req = [{"prompt_token_ids": p.ids} for p in prompts]

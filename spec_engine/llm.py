@@ -146,6 +146,10 @@ class LLM:
             branching = tuple(spec.get("tree") or ())
             tree = StaticTree(branching + (1,) * (gamma - len(branching))) if branching else chain(gamma)
         max_tree_nodes = tree.num_nodes if tree else gamma + 1
+        # the lean inference path: fused matrices and a RoPE table for every position a request can reach
+        for m in (self.target, draft_model):
+            if m is not None:
+                m.fuse(max_positions=self.max_model_len + max_tree_nodes + 1)
         # one full-length request plus the tree of its last step must always fit
         max_request_tokens = self.max_model_len + max_tree_nodes
         cfgs = [cfg] + ([draft_model.config] if draft_model else [])

@@ -6,6 +6,11 @@ Two forward paths share every weight:
 - ``forward``: the engine's path. It writes the new tokens' K/V into the cache at slots ``L_b .. L_b+T-1``
   and attends with ``spec_kernels.tree_attention`` (prefix + the nodes each row's tree mask allows).
 - ``forward_train``: plain causal attention over a whole batch, for the zoo training recipe.
+
+The engine's path is lean (``LlamaForCausalLM.fuse``, done at load): q/k/v and gate/up are one matrix each, so a
+layer runs 4 matmuls, not 7, each through ``spec_kernels.linear`` (the native small-M kernel on CPU: batch-invariant,
+2.5-4x torch's GEMMs at M <= 16); RMSNorm is ``F.rms_norm``; RoPE reads a cos/sin table by position; K and V are
+written to the cache in one indexed copy. The HF names stay: the separate projections are views of the fused rows.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spec_engine.models.config import ModelConfig, rope_inv_freq
-from spec_kernels import plan_tree_attention, tree_attention
+from spec_kernels import linear, plan_tree_attention, tree_attention
 
 
 class RMSNorm(nn.Module):
@@ -26,9 +31,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # float32 statistics as HF does: fp16/bf16 variance underflows on long rows.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -54,24 +57,45 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) D, hidden] once fused (see fuse)
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One q/k/v matrix; q_proj, k_proj and v_proj become views of its rows (no copy kept, HF names kept)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fuse_rows(projs)
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _fuse_rows(projs, bias=True)
+
+    def _project(self, x: torch.Tensor):
+        B, T, _ = x.shape
+        sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+        if self.qkv_weight is not None:
+            q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split(sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (
+            q.reshape(B, T, self.num_heads, self.head_dim),  # [B, T, Hq, D]
+            k.reshape(B, T, self.num_kv_heads, self.head_dim),  # [B, T, Hkv, D]
+            v.reshape(B, T, self.num_kv_heads, self.head_dim),  # [B, T, Hkv, D]
+        )
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, Hq, D]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        q, k, v = self._project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, k_cache, v_cache, cache_seqlens, flat_slots, tree_mask, block_table, plan):
+    def forward(self, x, cos, sin, layer_cache, cache_seqlens, flat_slots, tree_mask, block_table, plan):
+        """layer_cache: [2, blocks, block_size, Hkv, D], this layer's K and V planes."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
-        # [rows, Hkv, D] <- [B * T, Hkv, D]: row = the physical cache row of position L_b + t
-        k_cache.view(-1, self.num_kv_heads, self.head_dim)[flat_slots] = k.reshape(B * T, self.num_kv_heads, -1)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim)[flat_slots] = v.reshape(B * T, self.num_kv_heads, -1)
+        # [2, rows, Hkv, D] <- [2, B * T, Hkv, D]: row = the physical cache row of position L_b + t; K and V at once
+        planes = layer_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+        planes[:, flat_slots] = torch.stack((k, v)).view(2, B * T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = layer_cache[0], layer_cache[1]
         out = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, plan=plan)
-        return self.o_proj(out.reshape(B, T, -1))
+        return linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias)
 
     def forward_train(self, x, cos, sin):
         B, T, _ = x.shape
@@ -88,9 +112,32 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # [2 * intermediate, hidden] once fused
+
+    def fuse(self) -> None:
+        self.gate_up_weight = _fuse_rows((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
+
+
+def _fuse_rows(linears, bias: bool = False) -> torch.Tensor:
+    """The weights (or biases) of ``linears`` stacked by rows into one tensor, each module's own parameter becoming
+    a view of its rows: the fused matrix costs no extra memory, and state_dict still has the HF names."""
+    parts = [m.bias if bias else m.weight for m in linears]
+    fused = torch.cat([p.detach() for p in parts])
+    start = 0
+    for m, p in zip(linears, parts):
+        view = nn.Parameter(fused[start : start + p.shape[0]], requires_grad=False)
+        if bias:
+            m.bias = view
+        else:
+            m.weight = view
+        start += p.shape[0]
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -137,11 +184,33 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.rope_table: torch.Tensor | None = None  # [2, max_positions, D] cos and sin, once fused
+
+    def fuse(self, max_positions: int | None = None) -> LlamaForCausalLM:
+        """Prepare the engine's lean path (inference only): fused q/k/v and gate/up matrices, and with
+        ``max_positions`` a RoPE cos/sin table for positions below it. Returns self."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        if max_positions is not None:
+            positions = torch.arange(max_positions, device=self.inv_freq.device)
+            cos, sin = self._rope_from_freqs(positions, self.lm_head.weight.dtype)
+            self.rope_table = torch.stack((cos, sin))  # [2, max_positions, D]
+        return self
+
+    def _rope_from_freqs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq.float()  # [..., D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [..., D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos, sin [B, T, 1, D] for positions [B, T]: read from the table when there is one (positions past it are
+        the caller's error: the engine sizes the table to max_model_len plus a tree)."""
+        if self.rope_table is not None and self.rope_table.dtype == dtype:
+            cos, sin = self.rope_table[:, positions].unsqueeze(3)  # 2 x [B, T, 1, D]
+            return cos, sin
+        cos, sin = self._rope_from_freqs(positions, dtype)
+        return cos[:, :, None], sin[:, :, None]
 
     def forward(
         self,
@@ -169,15 +238,14 @@ class LlamaForCausalLM(nn.Module):
         plan = plan_tree_attention(kv_cache[0, 0], cache_seqlens, tree_mask, num_q_heads=heads, block_table=block_table)
         for i, layer in enumerate(self.model.layers):
             h = h + layer.self_attn(
-                layer.input_layernorm(h), cos, sin, kv_cache[i, 0], kv_cache[i, 1],
-                cache_seqlens, flat_slots, tree_mask, block_table, plan,
-            )  # fmt: skip
+                layer.input_layernorm(h), cos, sin, kv_cache[i], cache_seqlens, flat_slots, tree_mask, block_table, plan
+            )
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V] in float32."""
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Causal LM logits [B, T, V] for a batch of full sequences (no cache)."""

@@ -341,26 +341,25 @@ class AsyncEngine:
         self._sinks.clear()
 
     def _snapshot(self) -> dict:
-        engine, alloc, totals = self.engine, self.llm.allocator, self._totals
-        s = engine.stats
-        hist = list(engine.accepted_hist)  # [k] = target passes that accepted k drafted tokens
+        alloc, totals = self.llm.allocator, self._totals
+        m = self.engine.metrics()  # the engine's own snapshot: nothing here reads its attributes
         return {
-            "num_requests_running": len(engine.running),
-            "num_requests_waiting": len(engine.waiting),
+            "num_requests_running": m["num_requests_running"],
+            "num_requests_waiting": m["num_requests_waiting"],
             "num_requests_total": totals.num_requests,
             "num_requests_finished": dict(totals.finished),
             "num_prompt_tokens": totals.num_prompt_tokens,
-            "num_generated_tokens": s["num_generated"],
-            "num_steps": s["num_steps"],  # per-request target passes while decoding
-            "num_drafted_tokens": s["num_drafted"],
-            "num_accepted_tokens": s["num_accepted"],
-            "acceptance_rate": s["num_accepted"] / s["num_drafted"] if s["num_drafted"] else 0.0,
-            "mean_accepted_length": (s["num_accepted"] + s["num_steps"]) / s["num_steps"] if s["num_steps"] else 0.0,
-            "accepted_length_hist": hist,
-            "num_speculative_tokens": engine.gamma,  # fixed depth, or the deepest the adaptive controller may pick
-            "adaptive": engine.controller is not None,
-            "depth_hist": list(engine.gamma_hist),  # [g] = row-steps drafted at depth g (0 = not drafted)
-            "last_step_depth": engine.gamma_history[-1] if engine.gamma_history else 0,
+            "num_generated_tokens": m["num_generated"],
+            "num_steps": m["num_steps"],  # per-request target passes while decoding
+            "num_drafted_tokens": m["num_drafted"],
+            "num_accepted_tokens": m["num_accepted"],
+            "acceptance_rate": m["num_accepted"] / m["num_drafted"] if m["num_drafted"] else 0.0,
+            "mean_accepted_length": (m["num_accepted"] + m["num_steps"]) / m["num_steps"] if m["num_steps"] else 0.0,
+            "accepted_length_hist": m["accepted_hist"],  # [k] = target passes that accepted k drafted tokens
+            "num_speculative_tokens": m["num_speculative_tokens"],  # fixed depth, or the adaptive controller's deepest
+            "adaptive": m["adaptive"],
+            "depth_hist": m["gamma_hist"],  # [g] = row-steps drafted at depth g (0 = not drafted)
+            "last_step_depth": m["last_step_depth"],
             "kv_blocks_used": alloc.num_used,
             "kv_blocks_total": alloc.num_blocks - 1,  # block 0 is scratch
         }
