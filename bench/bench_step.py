@@ -241,6 +241,9 @@ def llama_fwd_sampler(bench: Path, model: Path, threads: int, T: int, reps: int)
     return lambda: [ns / 1e6 for ns in run()]
 
 
+# llama.cpp's logger is a leaked singleton drained by a thread: under load a run can exit (status 0) before its last
+# lines, the timing summary included, are written (llama.cpp issue 22142). Such a run is repeated.
+LOST_LOG_RETRIES = 5
 DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 ACCEPT = re.compile(r"n_drafted\s*=\s*(\d+).*?n_accept\s*=\s*(\d+)", re.S)
 
@@ -255,11 +258,15 @@ def llama_spec_sampler(spec_bin: Path, gguf: Path, gtype: str, draft_max: int, p
     def sample() -> list[float]:
         out = []
         for p in prompt_files:
-            log = subprocess.run([*base, "-f", str(p)], capture_output=True, text=True, check=True)
-            text = log.stdout + log.stderr
-            m = DECODED.search(text)
-            if m is None:
-                raise RuntimeError(f"no 'decoded' line from {spec_bin.name}: {text[-500:]}")
+            for _ in range(LOST_LOG_RETRIES):
+                log = subprocess.run([*base, "-f", str(p)], capture_output=True, text=True, check=True)
+                text = log.stdout + log.stderr
+                m = DECODED.search(text)
+                if m is not None:
+                    break
+                stats["lost_logs"] = stats.get("lost_logs", 0) + 1
+            else:
+                raise RuntimeError(f"no 'decoded' line from {spec_bin.name} in {LOST_LOG_RETRIES} runs: {text[-500:]}")
             out.append(int(m.group(1)) / float(m.group(2)))
             a = ACCEPT.search(text)
             if a:
@@ -428,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             "fwd_best": f["min"], "r": f["median"] / f1["median"],
                                                             "r_best": f["min"] / f1["min"]})  # fmt: skip
         print_step_cost(result)
+        save(result, Path(args.out))
 
     if not args.skip_decode:
         dtype = args.decode_dtype
@@ -477,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, st in llama_stats.items():
             if st.get("drafted"):
                 summary[name]["acceptance_rate"] = st["accepted"] / st["drafted"]
+            summary[name]["lost_logs"] = st.get("lost_logs", 0)
         base = by_name["specdec plain"]
         # our modes and HF ran the same prompts in the same order: ratios pair up; llama.cpp's compare medians
         vs_plain = {n: paired(m, base) for n, m in by_name.items() if n != base.name and not n.startswith("llama")}
@@ -503,12 +512,16 @@ def main(argv: list[str] | None = None) -> int:
         }
         print_decode(result)
 
+    save(result, Path(args.out))
+    return 0
+
+
+def save(result: dict, out: Path) -> None:
     result["loadavg_end"] = os.getloadavg()
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"[bench_step] wrote {out}")
-    return 0
+    out.with_suffix(".md").write_text(markdown(result))
+    print(f"[bench_step] wrote {out} and {out.with_suffix('.md')}")
 
 
 def _cpu_name() -> str:
@@ -555,6 +568,59 @@ def print_decode(result: dict) -> None:
         print(f"  {name:<34}{_fmt(s, '.1f'):<28}tok/s{rel}{extra}")
     print(f"  default spec per prompt vs plain: {', '.join(f'{x:.2f}' for x in d['spec_per_prompt_vs_plain'])}")
     print(f"  same tokens as plain: {d['same_tokens_as_plain']}")
+
+
+def _row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def markdown(result: dict) -> str:
+    """The tables of bench/RESULTS.md's "Step cost and peers" section."""
+    lines = []
+    if "step_cost" in result:
+        s = result["step_cost"]
+        lines += [f"Copy bandwidth: {_fmt(s['stream copy'], '.1f')} GB/s, best {s['stream copy']['max']:.1f}.", "",
+                  _row("model", "dtype", "T", "fwd ms, median [p20, p80]", "fwd best", "mm best", "r(T)", "r(T) best",
+                       "fwd/mm best"), _row(*["---"] * 9)]  # fmt: skip
+        for row in result["step_cost_derived"]:
+            if row["model"] == "c":
+                continue
+            f = s[f"{row['model']} {row['dtype']} fwd T={row['T']}"]
+            lines.append(_row(row["model"], row["dtype"], row["T"], _fmt(f, ".2f"), f"{row['fwd_best']:.2f}",
+                              f"{row['mm_best']:.2f}", f"{row['r']:.2f}", f"{row['r_best']:.2f}",
+                              f"{row['fwd_over_mm_best']:.2f}"))  # fmt: skip
+        lines.append("")
+        for row in result["step_cost_derived"]:
+            if row["model"] == "c":
+                lines.append(f"- c ({row['dtype']}): {row['c']:.3f} from medians, {row['c_best']:.3f} from bests (bare "
+                             f"matmuls {row['c_mm_best']:.3f}); control / fwd(1): {row['control_over_fwd']:.2f} "
+                             f"(bests {row['control_over_fwd_best']:.2f})")  # fmt: skip
+        if result.get("llama_fwd_derived"):
+            lines += ["", "| llama.cpp | GGUF | T | fwd ms, median [p20, p80] | fwd best | r(T) | r(T) best |",
+                      "|---|---|---|---|---|---|---|"]  # fmt: skip
+            for row in result["llama_fwd_derived"]:
+                f = s[f"llama.cpp {row['model']} {row['gguf']} fwd T={row['T']}"]
+                lines.append(_row(row["model"], row["gguf"], row["T"], _fmt(f, ".2f"), f"{row['fwd_best']:.2f}",
+                                  f"{row['r']:.2f}", f"{row['r_best']:.2f}"))  # fmt: skip
+    if "decode" in result:
+        d = result["decode"]
+        lines += ["", "| mode | tok/s, median [p20, p80] | best | vs plain | acceptance | same tokens |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for name, s in d["modes"].items():
+            p = d["paired_vs_plain"].get(name)
+            rel = f"{p['median']:.2f}x [{p['p20']:.2f}, {p['p80']:.2f}], min {p['min']:.2f}" if p else ""
+            if not p and s["median_over_plain"]:
+                rel = f"{s['median_over_plain']:.2f}x (medians)"
+            acc = s.get("acceptance_rate")
+            if name == "specdec default spec":
+                metrics = d["spec_metrics"].values()
+                acc = statistics.mean(m["acceptance_rate"] for m in metrics)
+            same = d["same_tokens_as_plain"].get(name, "")
+            lines.append(f"| {name} | {_fmt(s, '.1f')} | {s['max']:.1f} | {rel} | {f'{acc:.2f}' if acc else ''} | "
+                         f"{same} |")  # fmt: skip
+        per_prompt = ", ".join(f"{x:.2f}" for x in d["spec_per_prompt_vs_plain"])
+        lines += ["", f"Default speculative config / plain, per prompt (median over rounds): {per_prompt}."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
