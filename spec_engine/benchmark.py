@@ -258,18 +258,20 @@ def forward_step(model, kv, batch: int, ctx: int, T: int):
     """
     from spec_engine.tree import causal_mask
 
-    block_size, num_blocks = kv.data.shape[3], kv.data.shape[2]
+    block_size, num_blocks, dev = kv.data.shape[3], kv.data.shape[2], kv.data.device
     per_row = -(-(ctx + T) // block_size)
-    table = (torch.arange(batch * per_row) % (num_blocks - 1) + 1).view(batch, per_row).int()  # [B, W]
+    table = (torch.arange(batch * per_row) % (num_blocks - 1) + 1).view(batch, per_row).int().to(dev)  # [B, W]
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.config.vocab_size, (batch, T), generator=gen)  # [B, T]
-    seqlens = torch.full((batch,), ctx, dtype=torch.int32)  # [B]
-    positions = ctx + torch.arange(T).expand(batch, T)  # [B, T]
-    mask = causal_mask(batch, T)
+    tokens = torch.randint(0, model.config.vocab_size, (batch, T), generator=gen).to(dev)  # [B, T]
+    seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)  # [B]
+    positions = ctx + torch.arange(T, device=dev).expand(batch, T)  # [B, T]
+    mask = causal_mask(batch, T, dev)
 
     @torch.inference_mode()
     def once():
         model.logits(model(tokens, positions, kv.data, seqlens, mask, table))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # time the work, not its launch
 
     return once
 
@@ -472,6 +474,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peers")
     ap.add_argument("--no-profile", action="store_true", help="skip the profile of one speculative step")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     if argv and argv[0] == "--":  # ``specdec bench -- --quick`` passes the separator through
         argv = argv[1:]
     return ap.parse_args(argv)
@@ -734,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     max_len = PROMPT_LEN + max_tokens + 80
-    kw = dict(dtype=args.dtype, max_model_len=max_len, max_num_seqs=max(batches))
+    kw = dict(dtype=args.dtype, device=args.device, max_model_len=max_len, max_num_seqs=max(batches))
     notes: list[str] = []
 
     def llm_for(spec):
