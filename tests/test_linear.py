@@ -58,7 +58,7 @@ def test_matches_reference(dtype, num_rows, k, n, bias):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n", [(320, 448), (864, 1728), (200, 111), (320, 4096), (33, 17)])
 def test_batch_invariant(dtype, k, n):
-    """Row i's output is bitwise the same alone, in any prefix batch, and next to other rows (M up to 64)."""
+    """Row i's output is bitwise the same alone, in any prefix batch, beside other rows (M <= 64), on any threads."""
     gen = torch.Generator().manual_seed(k + n)
     x, w, b = _inputs(64, k, n, dtype, True, gen)
     full = linear(x[:16], w, b, backend="native")  # [16, N]
@@ -69,6 +69,12 @@ def test_batch_invariant(dtype, k, n):
     assert torch.equal(linear(x, w, b, backend="native")[:16], full), "M = 64"
     others = torch.cat([x[:3], torch.randn(5, k, generator=gen).to(dtype)])  # row 0-2 beside different rows
     assert torch.equal(linear(others, w, b, backend="native")[:3], full[:3])
+    threads = torch.get_num_threads()  # how N is split across threads changes nothing either
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linear(x[:16], w, b, backend="native"), full), "one thread"
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
