@@ -118,8 +118,9 @@ class DraftModelDrafter(Drafter):
         B, L, dev = batch.size, batch.seqlens, self.device
         parents, tree_mask, depths = self._tree_shape(batch.gammas)
         levels = self.tree.level_slices
-        greedy = batch.temperature == 0  # [B]
-        temp = torch.where(greedy, 1.0, batch.temperature)[:, None, None]  # [B, 1, 1]
+        all_greedy = all(r.greedy for r in batch.rows)  # host-known: no random draws at all
+        greedy = None if all_greedy else batch.temperature == 0  # [B]
+        temp = 1.0 if all_greedy else torch.where(greedy, 1.0, batch.temperature)[:, None, None]  # [B, 1, 1]
         tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)  # [B, T]
         tokens[:, 0] = batch.roots
         logits = self._catch_up(batch)[:, None]  # [B, 1, V]: q logits of level 0
@@ -137,23 +138,20 @@ class DraftModelDrafter(Drafter):
                 sub, (mask, sub_depths) = slice(1, level.stop), self._levels[d - 1]
                 mask = mask.expand(B, -1, -1)
             positions = L.long()[:, None] + sub_depths  # [B, n]
-            out = self._forward_logits(tokens[:, sub], positions, L + sub.start, mask, batch.block_table)
-            logits = out[:, level.start - sub.start :]  # [B, n_level, V]
+            hidden = self.model(tokens[:, sub], positions, self.kv.data, L + sub.start, mask, batch.block_table)
+            logits = self.model.logits(hidden[:, level.start - sub.start :])  # [B, n_level, V]: where it samples
         if self.draft_sampling == "deterministic":
             return Draft(tokens, parents, tree_mask, depths, None, "iid")
         return Draft(tokens, parents, tree_mask, depths, q, self.draft_sampling)
 
-    def _forward_logits(self, tokens, positions, seqlens, mask, block_table) -> torch.Tensor:
-        hidden = self.model(tokens, positions, self.kv.data, seqlens, mask, block_table)  # [B, T, hidden]
-        return self.model.logits(hidden)  # [B, T, V]
-
-    def _draw_children(self, q: torch.Tensor, b: int, greedy: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def _draw_children(self, q: torch.Tensor, b: int, greedy: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
         """[B, n, V] -> [B, n, b]: b children per node, in the order they were drawn, for every row at once.
 
-        Random rows draw from counter-based streams (``spec_engine.rng``) keyed per row and level: no generator
-        objects, no per-row loop, and the same draws alone or in any batch."""
+        ``greedy`` [B] bool marks the greedy rows, None when every row is greedy. Random rows draw from
+        counter-based streams (``spec_engine.rng``) keyed per row and level: no generator objects, no per-row loop,
+        and the same draws alone or in any batch."""
         children = q.topk(b, dim=-1).indices  # greedy rows and "deterministic"
-        if self.draft_sampling == "deterministic":
+        if greedy is None or self.draft_sampling == "deterministic":
             return children
         B, n, V = q.shape
         if self.draft_sampling == "iid":  # inverse CDF: b independent draws per node
