@@ -91,6 +91,8 @@ def test_strided_and_batched_x(dtype):
     assert out.shape == (2, 3, 111)
     assert torch.equal(out, linear(batched.reshape(6, 200), w, b, backend="native").reshape(2, 3, 111))
     _assert_close_to_ref(out, batched, w, b)
+    prefill = torch.randn(130, 200, generator=gen).to(dtype)  # M > 64 runs when asked for explicitly
+    _assert_close_to_ref(linear(prefill, w, b, backend="native"), prefill, w, b)
 
 
 def test_dispatch():
