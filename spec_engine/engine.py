@@ -419,8 +419,9 @@ class Engine:
             draft_sampling=draft.draft_sampling,
             **sampling,
         )
-        compact_kv_(self.kv.planes, batch.seqlens, result.accepted_nodes, result.num_accepted,
-                    block_table=batch.block_table)  # fmt: skip
+        if draft.tokens.shape[1] > 1:  # a lone root's path is itself: nothing to move
+            compact_kv_(self.kv.planes, batch.seqlens, result.accepted_nodes, result.num_accepted,
+                        block_table=batch.block_table)  # fmt: skip
         out_tokens, num_accepted = self._read_step(result)  # the step's one host sync
         draft_lens = [r.draft_len for r in batch.rows]
         if rows:

@@ -30,7 +30,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics as HF does: fp16/bf16 variance underflows on long rows.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op (8 vs 11-18 us on CPU)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
+        # float32 statistics as HF does: fp16/bf16 variance underflows on long rows; the weight multiplies after.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
