@@ -5,16 +5,18 @@ CPU tensors of representative shapes with its kernels replaced by recorders: tha
 constexprs and ``num_warps`` the launcher picks by default (there is no autotuning). Triton's own JIT binder then
 turns the captured arguments into the signature, constexprs and specialisation attributes (pointer and integer
 divisibility, integers equal to 1) a GPU launch would compile, and ``triton.compile`` builds the cubin for each
-architecture. ``cuobjdump -res-usage`` reads registers and stack per kernel, the SASS gives the spill stores
-(``STL``), and the compiled metadata gives shared memory.
+architecture. ptxas's own report (``-v``, which Triton runs) gives registers, stack frame and spill bytes (stores
+plus loads; ``cuobjdump -res-usage`` shows the same registers and stack), and the compiled metadata gives shared
+memory.
 
     python bench/aot_compile.py           # every configuration; JSON in bench/out/aot_compile.json
     python bench/aot_compile.py --quick   # a representative subset, for CI
 
-Exits non-zero when a configuration fails to compile, or spills (stack > 0 or spill stores > 0): every
+Exits non-zero when a configuration fails to compile, or spills (stack > 0 or spill bytes > 0): every
 configuration here is one the launchers pick by default.
 
-Configurations (the full set; ``--quick`` keeps D = 128, paged, T 4 and 16, no combine kernel, V = 32000):
+Configurations (the full set; ``--quick`` keeps fp32 and bf16, D = 128, paged, T 4 and 16, no combine kernel, and
+two verify variants with filters at V = 32000):
 - ``_tree_attention_kernel``: dtype (fp32/fp16/bf16) x head dim (64, 80, 128, 256: BLOCK_D 64/128/256) x
   paged/contiguous x the row blocks the launcher picks from T * group (T 4, 8, 16 at group 4: BLOCK_M 16/32/64,
   fp32 16/32/32); BLOCK_N and num_warps follow. At BLOCK_M 16 also the flash-decoding epilogue (IS_SPLIT, paged and
@@ -33,9 +35,12 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "0"  # the kernels must be JIT functions, not interpreted ones
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated (silences its warning)
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # Triton prints ptxas -v: registers, stack frame, spill stores and loads
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
+import io  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -59,8 +64,8 @@ VT = importlib.import_module("spec_kernels.verify_tree")
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}  # Triton targets sm_90a for capability 90 (wgmma needs the 'a' features)
 OUT = Path(__file__).resolve().parent / "out" / "aot_compile.json"
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+QUICK_DTYPES = ("fp32", "bf16")  # fp16 compiles like bf16
 HQ, HKV = 32, 8  # GQA group 4, as the Llama-family models the engine serves
 HEAD_DIMS = (64, 80, 128, 256)
 ROW_SHAPES = {"T4": 4, "T8": 8, "T16": 16}  # T * 4 rows: BLOCK_M 16, 32, 64 (fp32: 16, 32, 32)
@@ -149,7 +154,7 @@ def configurations(quick: bool) -> list[tuple[str, str, tuple]]:
     flash-decoding epilogue (IS_SPLIT) and the T = 1 specialisation of plain decoding.
     """
     tree = []  # (dtype, D, paged, rows, split)
-    for dt, D in itertools.product(DTYPES, (128,) if quick else HEAD_DIMS):
+    for dt, D in itertools.product(QUICK_DTYPES if quick else DTYPES, (128,) if quick else HEAD_DIMS):
         pagings, row_shapes = ((True,), ("T4", "T16")) if quick else ((False, True), tuple(ROW_SHAPES))
         tree += [(dt, D, paged, rows, False) for paged, rows in itertools.product(pagings, row_shapes)]
         if not quick:
@@ -163,10 +168,10 @@ def configurations(quick: bool) -> list[tuple[str, str, tuple]]:
     for dt, D, splits in itertools.product(DTYPES, () if quick else HEAD_DIMS, (2, 64)):
         for call in _combine_launches(dt, D, splits):
             out.append((call[0], f"{dt} D={D} splits={splits}", call))
-    drafts = ("none", "without_replacement") if quick else ("none", "iid", "without_replacement")
-    for dt, draft, filters, V in itertools.product(DTYPES, drafts, (True,) if quick else (False, True), VOCABS):
-        if quick and V != VOCABS[-1]:
-            continue
+    verify = itertools.product(DTYPES, ("none", "iid", "without_replacement"), (False, True), VOCABS)
+    if quick:  # the heaviest variants: every filter, a 2048-wide tile
+        verify = [("fp32", "none", True, VOCABS[-1]), ("bf16", "without_replacement", True, VOCABS[-1])]
+    for dt, draft, filters, V in verify:
         for call in _verify_launches(dt, draft, filters, V):
             out.append((call[0], f"{dt} draft={draft} filters={int(filters)} V={V}", call))
     return out
@@ -196,24 +201,52 @@ def _light(args: tuple) -> tuple:
     return tuple(torch.empty(16, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+PTXAS_USAGE = re.compile(r"Used (\d+) registers")
+PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _ptxas_log(compiled, capture: io.StringIO, arch: int) -> str:
+    """ptxas's own ``-v`` report of this kernel: the one Triton printed while compiling (TRITON_DUMP_PTXAS_LOG), or,
+    when the cubin came from Triton's cache, a second ptxas run over the cached PTX with Triton's flags."""
+    log = capture.getvalue()
+    if PTXAS_USAGE.search(log):
+        return log
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        cmd = [
+            get_ptxas(arch).path,
+            "-lineinfo",
+            "-v",
+            "--regAllocOptLevel=2",
+            f"--gpu-name={sm_arch_from_capability(arch)}",
+        ]
+        return subprocess.run(
+            [*cmd, str(ptx), "-o", str(ptx) + ".o"], capture_output=True, text=True, check=True
+        ).stderr
+
+
 def _compile_one(job: tuple) -> dict:
     kernel_name, cfg, arch_name, args, kwargs = job
     row = {"kernel": kernel_name, "config": cfg, "arch": arch_name, "tiles": _constexpr_summary(kwargs)}
     start = time.perf_counter()
     try:
-        fn, target, signature, constexprs, attrs, options = _specialise(kernel_name, args, kwargs, ARCHS[arch_name])
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            res = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True, check=True)
-            sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True, check=True)
-        usage = re.search(r"REG:(\d+) STACK:(\d+)", res.stdout)
+        arch = ARCHS[arch_name]
+        fn, target, signature, constexprs, attrs, options = _specialise(kernel_name, args, kwargs, arch)
+        capture = io.StringIO()
+        with contextlib.redirect_stdout(capture):
+            compiled = triton.compile(
+                ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+            )
+        log = _ptxas_log(compiled, capture, arch)
+        frame = PTXAS_FRAME.search(log)
         row.update(
-            regs=int(usage.group(1)),
-            stack=int(usage.group(2)),
+            regs=int(PTXAS_USAGE.search(log).group(1)),
+            stack=int(frame.group(1)),
             shared=int(compiled.metadata.shared),
-            spills=len(re.findall(r"\bSTL(\.\w+)*\b", sass.stdout)),  # local-memory stores: spilled registers
+            spills=int(frame.group(2)) + int(frame.group(3)),  # bytes of spill stores + loads
             ok=True,
         )
     except Exception as exc:  # reported per configuration; the exit status fails the run

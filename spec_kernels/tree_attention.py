@@ -309,7 +309,9 @@ if triton_available():
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         return m_new, l_i, acc
 
-    @triton.jit
+    # T is not specialised: T = 1 (plain decoding) compiled to its own kernel, which spilled in fp32 (192-376 bytes
+    # of stack at BLOCK_D 128/256) where the general one did not.
+    @triton.jit(do_not_specialize=["T"])
     def _tree_attention_kernel(
         q_ptr,
         k_ptr,
@@ -421,7 +423,9 @@ if triton_available():
 
         # A row that saw nothing (empty split, or L_b = 0 with an all-False mask row) has l_i = 0: write zeros.
         seen = l_i > 0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        # one division per row, not per element: IEEE divisions call a slow-path subroutine, and registers live
+        # across those calls spilled (8-16 bytes of stack, fp32)
+        out = acc * (1.0 / tl.where(seen, l_i, 1.0))[:, None]
         o_offs = (
             split.to(tl.int64) * stride_os
             + b.to(tl.int64) * stride_ob
@@ -459,7 +463,7 @@ if triton_available():
         part_ptrs = o_part_ptr + (offs_s.to(tl.int64) * num_rows + row)[:, None] * D + offs_d[None, :]
         part = tl.load(part_ptrs, mask=s_ok[:, None] & (offs_d < D)[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
         total = tl.sum(w, axis=0)
-        out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        out = tl.sum(part * w[:, None], axis=0) * (1.0 / tl.where(total > 0, total, 1.0))
         tl.store(out_ptr + row * D + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
@@ -493,27 +497,29 @@ def _pick_num_splits(q: torch.Tensor, num_programs: int, capacity: int, block_n:
     return max(1, min(-(-2 * num_sms // num_programs), capacity // (4 * block_n), 64))
 
 
-FP32_TILE_PRODUCT = 1 << 16  # BLOCK_M * BLOCK_N * BLOCK_D of an fp32 tile: what 8 warps hold without spilling
+FP32_TILE_PRODUCT = 1 << 16  # BLOCK_M * BLOCK_N * BLOCK_D of an fp32 tile that 8 warps hold without spilling
+HALF_TILE_ROWS_X_DIM = 64 * 128  # the largest BLOCK_M * BLOCK_D of a 16-bit tile; from half of it, BLOCK_N is 32
 
 
 def _tile_config(dtype: torch.dtype, num_rows: int, D: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for ``num_rows = T * group`` query rows per KV head.
 
-    Chosen so that no configuration spills registers on sm_80 or sm_90a (``python bench/aot_compile.py`` checks
-    every one; bench/RESULTS.md has the table). fp32 takes a true fp32 dot, which runs on CUDA cores with both
-    operand tiles in registers: BLOCK_M * BLOCK_N * BLOCK_D above 2^16 spilled (BLOCK_M 16, BLOCK_N 64, BLOCK_D 128,
-    8 warps: 171 registers, no stack; BLOCK_M 32, BLOCK_N 64, BLOCK_D 64, 4 warps: 255 registers and 384 bytes of
-    stack; BLOCK_M 64, BLOCK_N 64, BLOCK_D 128: 6.6 KB of stack), so its rows come in blocks of at most 32 and
-    BLOCK_N shrinks as the others grow. fp16/bf16 dots run on tensor cores: BLOCK_M 64 with BLOCK_N 64 spilled
-    (BLOCK_D 128, 8 warps: 8-24 bytes of stack; BLOCK_D 64, 4 warps: 88 bytes), BLOCK_N 32 did not (188 registers).
+    Chosen so that no configuration spills registers on sm_80 or sm_90a: ``python bench/aot_compile.py`` compiles
+    every one (bench/RESULTS.md has the table). Measured there (ptxas, before these rules):
+    - fp32 takes a true fp32 dot, on CUDA cores with both operand tiles in registers. BLOCK_M 32 spilled even at
+      BLOCK_M * BLOCK_N * BLOCK_D = 2^16 (BLOCK_N 32, BLOCK_D 64: 255 registers, 32-56 bytes of stack on sm_90a),
+      BLOCK_M 64 with BLOCK_N 64, BLOCK_D 128 spilled 6.6 KB. So fp32 rows come in blocks of 16, and BLOCK_N is
+      2^16 / (16 * BLOCK_D): 64, 32, 16 for BLOCK_D 64, 128, 256.
+    - fp16/bf16 dots run on tensor cores. BLOCK_M 64 with BLOCK_N 64 spilled (BLOCK_D 128, 8 warps: 8-24 bytes;
+      BLOCK_D 64, 4 warps: 88 bytes), with BLOCK_N 32 it did not (188 registers); BLOCK_M 64 at BLOCK_D 256 spilled
+      even with BLOCK_N 32 (16 bytes, sm_90a). So BLOCK_M * BLOCK_D stays <= 64 * 128, and BLOCK_N is 32 from half
+      of that on (and at BLOCK_D 256).
     """
     block_d = max(16, triton.next_power_of_2(D))
     if dtype == torch.float32:
-        block_m = min(32, max(16, triton.next_power_of_2(num_rows)))
-        block_n = max(16, min(64, FP32_TILE_PRODUCT // (block_m * block_d)))
-        return block_m, block_n, block_d, 8
-    block_m = min(64, max(16, triton.next_power_of_2(num_rows)))
-    block_n = 32 if block_m * block_d >= 64 * 128 else 64
+        return 16, max(16, min(64, FP32_TILE_PRODUCT // (16 * block_d))), block_d, 8
+    block_m = min(64, HALF_TILE_ROWS_X_DIM // block_d, max(16, triton.next_power_of_2(num_rows)))
+    block_n = 32 if block_d >= 256 or block_m * block_d >= HALF_TILE_ROWS_X_DIM // 2 else 64
     num_warps = 8 if block_d >= 128 or block_m >= 64 else 4
     return block_m, block_n, block_d, num_warps
 

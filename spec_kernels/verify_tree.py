@@ -268,10 +268,12 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _load_z(row_ptr, offs, V, temp, all_neginf):
+    def _load_z(row_ptr, offs, V, inv_temp, all_neginf):
         """Sanitised scaled logits of one tile: -inf beyond V, NaN -> -inf, +inf -> float32 max."""
         mask = offs < V
-        z = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) / temp
+        # times 1/temperature, not divided by it: an IEEE division per element calls ptxas's slow-path subroutine,
+        # and live registers around those calls spilled (4-104 bytes, sm_80 and sm_90a; bench/aot_compile.py)
+        z = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
         z = tl.where(z != z, float("-inf"), z)
         z = tl.minimum(z, 3.4028234663852886e38)
         z = tl.where(all_neginf, 0.0, z)
@@ -315,7 +317,7 @@ if triton_available():
         temp = tl.load(temperature_ptr + b)
         greedy = temp == 0.0
         sampled = temp != 0.0
-        temp = tl.where(greedy, 1.0, temp)
+        inv_temp = 1.0 / tl.where(greedy, 1.0, temp)
         top_k = tl.load(top_k_ptr + b)
         top_p = tl.load(top_p_ptr + b)
         min_p = tl.load(min_p_ptr + b)
@@ -337,7 +339,7 @@ if triton_available():
                 z_max = float("-inf")
                 amax = 0
                 for v0 in range(0, V, BLOCK_V):
-                    z, _ = _load_z(row, v0 + arange, V, temp, False)
+                    z, _ = _load_z(row, v0 + arange, V, inv_temp, False)
                     tile_max = tl.max(z, 0)
                     tile_arg = tl.argmax(z, 0)
                     better = tile_max > z_max
@@ -360,7 +362,7 @@ if triton_available():
                                 min_above = hi
                                 max_below = lo
                                 for v0 in range(0, V, BLOCK_V):
-                                    z, mask = _load_z(row, v0 + arange, V, temp, all_neginf)
+                                    z, mask = _load_z(row, v0 + arange, V, inv_temp, all_neginf)
                                     k = _key(z).to(tl.int64)
                                     above = (k >= mid) & mask
                                     count += tl.sum(above.to(tl.int32), 0)
@@ -376,7 +378,7 @@ if triton_available():
                     if (top_p < 1.0) & sampled:
                         mass_k = 0.0
                         for v0 in range(0, V, BLOCK_V):
-                            z, mask = _load_z(row, v0 + arange, V, temp, all_neginf)
+                            z, mask = _load_z(row, v0 + arange, V, inv_temp, all_neginf)
                             mass_k += tl.sum(tl.where((_key(z) >= thr) & mask, tl.exp(z - z_max), 0.0), 0)
                         # smallest key whose strictly-greater mass is < top_p: the least kept value
                         lo = KEY_NEG_INF.to(tl.int64) - 1
@@ -388,7 +390,7 @@ if triton_available():
                                 min_above = hi
                                 max_below = lo
                                 for v0 in range(0, V, BLOCK_V):
-                                    z, mask = _load_z(row, v0 + arange, V, temp, all_neginf)
+                                    z, mask = _load_z(row, v0 + arange, V, inv_temp, all_neginf)
                                     k = _key(z).to(tl.int64)
                                     kept = (k >= thr) & mask
                                     above = kept & (k > mid)
@@ -404,7 +406,7 @@ if triton_available():
                         thr = tl.maximum(thr, _key(z_max + tl.log(min_p)))
                 mass = 0.0
                 for v0 in range(0, V, BLOCK_V):
-                    z, mask = _load_z(row, v0 + arange, V, temp, all_neginf)
+                    z, mask = _load_z(row, v0 + arange, V, inv_temp, all_neginf)
                     mass += tl.sum(tl.where((_key(z) >= thr) & mask, tl.exp(z - z_max), 0.0), 0)
                 lse = z_max + tl.log(mass)
 
@@ -425,31 +427,33 @@ if triton_available():
                                 nxt = i
                         else:
                             u = tl.sum(tl.rand(seed, tl.zeros([1], tl.int32) + i), 0)
-                            z_x, _ = _load_z(row, x, V, temp, all_neginf)
+                            z_x, _ = _load_z(row, x, V, inv_temp, all_neginf)
                             p_x = tl.where(_key(z_x) >= thr, tl.exp(z_x - lse), 0.0)
                             if HAS_DRAFT:
                                 q_row = draft_probs_ptr + b * stride_db + cur * stride_dt
                                 if p_mat != 0:
-                                    p_x = tl.load(work_p + x) / p_mass
+                                    p_x = tl.load(work_p + x) * (1.0 / p_mass)
                                 q_x = tl.load(q_row + x).to(tl.float32)
                                 if WITHOUT_REPLACEMENT:
                                     if q_mat != 0:
-                                        q_x = tl.load(work_q + x) / q_mass
+                                        q_x = tl.load(work_q + x) * (1.0 / q_mass)
                                 if u * q_x < p_x:
                                     nxt = i
                                 else:
                                     new_mass = 0.0
+                                    inv_p_mass = 1.0 / p_mass
+                                    inv_q_mass = 1.0 / q_mass
                                     new_q_mass = 0.0
                                     for v0 in range(0, V, BLOCK_V):
                                         offs = v0 + arange
-                                        z, mask = _load_z(row, offs, V, temp, all_neginf)
+                                        z, mask = _load_z(row, offs, V, inv_temp, all_neginf)
                                         p_v = tl.where(_key(z) >= thr, tl.exp(z - lse), 0.0)
                                         if p_mat != 0:
-                                            p_v = tl.load(work_p + offs, mask=mask, other=0.0) / p_mass
+                                            p_v = tl.load(work_p + offs, mask=mask, other=0.0) * inv_p_mass
                                         q_v = tl.load(q_row + offs, mask=mask, other=0.0).to(tl.float32)
                                         if WITHOUT_REPLACEMENT:
                                             if q_mat != 0:
-                                                q_v = tl.load(work_q + offs, mask=mask, other=0.0) / q_mass
+                                                q_v = tl.load(work_q + offs, mask=mask, other=0.0) * inv_q_mass
                                         r = tl.where(mask, tl.maximum(p_v - q_v, 0.0), 0.0)
                                         tl.store(work_p + offs, r, mask=mask)
                                         new_mass += tl.sum(r, 0)
@@ -490,7 +494,7 @@ if triton_available():
                         best = float("-inf")
                         for v0 in range(0, V, BLOCK_V):
                             offs = v0 + arange
-                            z, mask = _load_z(row, offs, V, temp, all_neginf)
+                            z, mask = _load_z(row, offs, V, inv_temp, all_neginf)
                             w = tl.where(_key(z) >= thr, tl.exp(z - lse), 0.0)
                             if HAS_DRAFT:
                                 if p_mat != 0:
