@@ -23,7 +23,7 @@ Glossary:
     r(T)     fwd(T) / fwd(1): what a T-token verify costs in single-token forwards
     c        draft fwd(1) / target fwd(1)
     GB/s     weight bytes / fwd(1): a batch-1 forward streams every weight once, so this against the machine's
-             copy bandwidth (``stream``, a large ``clone``) is the memory roofline
+             copy bandwidth (``stream``, a large ``copy_``) is the memory roofline
     control  the plain mode timed again under another name; |control / plain - 1| is the noise of the run
 
 Decode tok/s of our engine is max_tokens / the wall time of one ``generate`` (prefill of the ~96-token prompt
@@ -144,12 +144,14 @@ def timed_ms(fn, reps: int):
 
 
 def stream_gbps(num_bytes: int = 256 << 20):
-    """A sampler: copy bandwidth (read + write) of a ``clone`` of ``num_bytes``."""
-    x = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
+    """A sampler: copy bandwidth (read + write) of ``num_bytes`` into a buffer allocated once (a fresh ``clone``
+    would time first-touch page faults, not memory)."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x).fill_(0.0)
 
     def sample() -> float:
         t0 = time.perf_counter()
-        x.clone()
+        y.copy_(x)
         return 2 * num_bytes / (time.perf_counter() - t0) / 1e9
 
     return sample
