@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from spec_engine.adaptive import AdaptiveController, RowState
+from spec_engine.coupling import perturbed_logits
 from spec_engine.drafters.base import Draft, Drafter, RowView, StepBatch
 from spec_engine.drafters.draft_model import DraftModelDrafter
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
@@ -33,6 +34,7 @@ from spec_engine.tree import causal_mask
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, verify_tree
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
+INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
 
 
 @dataclass
@@ -395,9 +397,15 @@ class Engine:
                 "min_p": self.rows.min_p[slots],
                 "seed": torch.tensor(seeds, dtype=torch.int64),
             }
+        if any(r.params.coupled for r in reqs):
+            host |= {
+                "coupled": torch.tensor([r.params.coupled for r in reqs]),
+                "noise_seeds": torch.tensor([r.seed & INT63_MASK for r in reqs], dtype=torch.int64),
+            }
         dev = dict(zip(host, to_device(self.device, *host.values())))
         batch = StepBatch([r.view() for r in reqs], dev.pop("seqlens"), dev.pop("roots"), dev.pop("block_table"),
-                          dev["temperature"], dev.pop("keys"), gammas)  # fmt: skip
+                          dev["temperature"], dev.pop("keys"), gammas, dev.pop("coupled", None),
+                          dev.pop("noise_seeds", None))  # fmt: skip
         return batch, dev
 
     def _spec_step(self, batch: StepBatch, sampling: dict) -> tuple[list[list[int]], list[int], list[int]]:
@@ -411,8 +419,13 @@ class Engine:
         drafted = time.perf_counter()
         positions = batch.seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
         hidden = self.target(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask, batch.block_table)
+        logits = self.target.logits(hidden)  # [B, T, V]
+        if batch.coupled is not None:  # coupled rows: the perturbed argmax is their sample, verified greedily
+            logits = perturbed_logits(logits, positions, batch.noise_seeds, batch.coupled, sampling["temperature"],
+                                      sampling["top_k"], sampling["top_p"], sampling["min_p"])  # fmt: skip
+            sampling = {**sampling, "temperature": torch.where(batch.coupled, 0.0, sampling["temperature"])}
         result = verify_tree(
-            self.target.logits(hidden),  # [B, T, V]
+            logits,
             draft.tokens,
             draft.parents,
             draft_probs=draft.draft_probs,

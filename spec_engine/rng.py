@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
+GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _M2 = -7723592293110705685  # 0x94D049BB133111EB
 UNIFORM_BITS = 24  # float32 holds 24 bits exactly: u = (k + 0.5) / 2^24, never 0 or 1
@@ -33,7 +33,7 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
 def mix_key(seed: int, counter: int) -> int:
     """Host-side mixing of two Python ints into one int64 key (a row's stream for one step)."""
     x = torch.tensor([(seed * 0x9E3779B1 + counter) & ((1 << 63) - 1)], dtype=torch.int64)
-    return int(mix64(x + _GOLDEN)[0])
+    return int(mix64(x + GOLDEN)[0])
 
 
 def uniform(keys: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -45,7 +45,7 @@ def uniform(keys: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     for s in shape:
         n *= s
     counters = torch.arange(n, device=keys.device, dtype=torch.int64)  # [n]
-    x = mix64(mix64(keys[:, None] + _GOLDEN) + counters * _GOLDEN)  # [B, n]
+    x = mix64(mix64(keys[:, None] + GOLDEN) + counters * GOLDEN)  # [B, n]
     k = _shr(x, 64 - UNIFORM_BITS)
     return ((k.to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))).view(keys.shape[0], *shape)
 

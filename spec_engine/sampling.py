@@ -28,7 +28,13 @@ def as_float32(x: float) -> float:
 @dataclass
 class SamplingParams:
     """How one request samples. ``temperature=0`` is greedy; the transform order is HF's (temperature, top-k, top-p,
-    min-p). ``seed`` makes a request's samples reproducible whatever batch it runs in."""
+    min-p). ``seed`` makes a request's samples reproducible whatever batch it runs in.
+
+    ``invariant``: sample through the position-keyed Gumbel coupling (``spec_engine.coupling``), so the tokens do not
+    depend on the drafter, the depth or the batch: with a seed, the same tokens with or without speculation. None (the
+    default) means on for seeded requests and off for unseeded ones, which keep rejection sampling: it accepts more
+    drafted tokens (1 - TV against at least (1 - TV) / (1 + TV)), and without a seed there is nothing to reproduce.
+    """
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -38,6 +44,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    invariant: bool | None = None
 
     def __post_init__(self):
         self.validate()
@@ -73,6 +80,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if self.invariant is not None and not isinstance(self.invariant, bool):
+            raise ValueError(f"invariant must be True, False or None, got {self.invariant!r}")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
@@ -82,3 +91,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled through the position-keyed coupling (see ``invariant``); greedy rows need no noise."""
+        return not self.greedy and (self.invariant if self.invariant is not None else self.seed is not None)

@@ -33,10 +33,15 @@ def pair(tmp_path_factory):
     return target, draft
 
 
-def exact_joint(target, temperature: float, top_p: float) -> np.ndarray:
-    """[V * V] exact P(x1, x2) of the HF-warped target."""
+def exact_joint(target, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0) -> np.ndarray:
+    """[V * V] exact P(x1, x2) of the HF-warped target (temperature, top-k, top-p, min-p: HF's order)."""
     from transformers import AutoModelForCausalLM
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
 
@@ -44,16 +49,23 @@ def exact_joint(target, temperature: float, top_p: float) -> np.ndarray:
         with torch.no_grad():
             z = model(torch.tensor([ids])).logits[:, -1].double()
         z = TemperatureLogitsWarper(temperature)(None, z)
+        if top_k:
+            z = TopKLogitsWarper(top_k)(None, z)
         if top_p < 1:
             z = TopPLogitsWarper(top_p)(None, z)
+        if min_p:
+            z = MinPLogitsWarper(min_p)(None, z)
         return torch.softmax(z, -1)[0].numpy()
 
     p1 = dist(PROMPT)
     return np.concatenate([p1[a] * dist(PROMPT + [a]) for a in range(V)])
 
 
-def sample_joint(llm: LLM, temperature: float, top_p: float) -> np.ndarray:
-    params = [SamplingParams(max_tokens=2, temperature=temperature, top_p=top_p, seed=1000 + i) for i in range(N)]
+def sample_joint(llm: LLM, temperature: float, top_p: float, invariant: bool = False, **filters) -> np.ndarray:
+    """Counts [V * V] of the first two tokens of N seeded requests; ``invariant=False`` keeps rejection sampling
+    (seeded requests are coupled by default), ``True`` samples through the position-keyed coupling."""
+    params = [SamplingParams(max_tokens=2, temperature=temperature, top_p=top_p, seed=1000 + i, invariant=invariant,
+                             **filters) for i in range(N)]  # fmt: skip
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, params, use_tqdm=False)
     counts = np.zeros(V * V)
     for o in outs:
@@ -91,7 +103,7 @@ def test_planted_bug_is_rejected(pair, monkeypatch):
     """Children taken greedily but reported as drawn from q: acceptance is then biased, and chi2 must see it."""
     target, draft = pair
 
-    def greedy_children(self, q, b, greedy, keys):
+    def greedy_children(self, q, b, greedy, keys, *coupling):
         return q.topk(b, dim=-1).indices
 
     monkeypatch.setattr(DraftModelDrafter, "_draw_children", greedy_children)
@@ -119,3 +131,39 @@ def test_seed_gives_the_same_output_alone_and_in_a_batch(pair):
     again = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=12, temperature=1.0, seed=8),
                          use_tqdm=False)  # fmt: skip
     assert again[0].outputs[0].token_ids != alone or V < 3  # a different seed samples differently (V^12 outcomes)
+
+
+# --- the position-keyed coupling (seeded requests: spec_engine/coupling.py) --------------------------------------
+
+COUPLED = [
+    ({"num_speculative_tokens": 2}, {}),
+    ({"num_speculative_tokens": 2, "tree": [2, 2]}, {"top_k": 4}),
+    ({"num_speculative_tokens": 3}, {"top_p": 0.8, "min_p": 0.05}),
+    (None, {"top_k": 3, "min_p": 0.1}),
+]
+
+
+@pytest.mark.parametrize("spec,filters", COUPLED, ids=["chain2", "tree22-topk", "chain3-topp-minp", "none-topk-minp"])
+def test_coupled_first_two_tokens_follow_the_target(pair, spec, filters):
+    """The coupling is an exact sampler: over N seeds its first two tokens follow the transformed joint."""
+    target, draft = pair
+    if spec is not None:
+        spec = {"method": "draft_model", "model": str(draft), **spec}
+    llm = LLM(str(target), speculative_config=spec, max_model_len=32, max_num_seqs=512)
+    f = {"top_p": 1.0, **filters}
+    counts = sample_joint(llm, 0.9, invariant=True, **f)
+    if spec is not None:
+        assert llm.engine.stats["num_accepted"] > N // 4, "the draft must be accepted often for this test to bite"
+    exact = exact_joint(target, 0.9, f["top_p"], f.get("top_k", 0), f.get("min_p", 0.0))
+    assert chi2_pvalue(counts, exact) > P_MIN
+
+
+def test_coupling_planted_bug_is_rejected(pair, monkeypatch):
+    """Exponential noise instead of Gumbel (argmax(z + E) is no Gumbel-max sample): chi2 must see it."""
+    import spec_engine.coupling as coupling
+
+    target, draft = pair
+    monkeypatch.setattr(coupling.rng, "gumbel", lambda keys, shape: -torch.log(coupling.rng.uniform(keys, shape)))
+    llm = LLM(str(target), speculative_config={"model": str(draft), "num_speculative_tokens": 2}, max_model_len=32,
+              max_num_seqs=512)  # fmt: skip
+    assert chi2_pvalue(sample_joint(llm, 1.0, 1.0, invariant=True), exact_joint(target, 1.0, 1.0)) < P_BUG

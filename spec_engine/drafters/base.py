@@ -47,6 +47,8 @@ class StepBatch:
         block_table: [B, max_blocks] int32, shared by the target and draft caches
         temperature: [B] float32 (0 = greedy)
         keys: [B] int64, the row's random stream for this step, a function of (request seed, L_b) only
+        coupled: [B] bool, rows sampled through the position-keyed coupling (``spec_engine.coupling``), or None
+            when no row is; noise_seeds: [B] int64, their noise seeds (None likewise)
     ``rows`` are the requests' read-only views; ``gammas`` the tree depth each row asks for (0 = no drafting).
     """
 
@@ -57,6 +59,8 @@ class StepBatch:
     temperature: torch.Tensor
     keys: torch.Tensor
     gammas: list[int]
+    coupled: torch.Tensor | None = None
+    noise_seeds: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -64,9 +68,11 @@ class StepBatch:
 
     def select(self, rows: list[int], index: torch.Tensor) -> StepBatch:
         """The sub-batch of ``rows``; ``index`` is the same list as a tensor on the batch's device."""
+        coupled = None if self.coupled is None else self.coupled[index]
+        noise_seeds = None if self.noise_seeds is None else self.noise_seeds[index]
         return StepBatch([self.rows[b] for b in rows], self.seqlens[index], self.roots[index],
                          self.block_table[index], self.temperature[index], self.keys[index],
-                         [self.gammas[b] for b in rows])  # fmt: skip
+                         [self.gammas[b] for b in rows], coupled, noise_seeds)  # fmt: skip
 
 
 @dataclass

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from spec_engine import rng
+from spec_engine.coupling import position_gumbel
 from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.models import LlamaForCausalLM
@@ -129,7 +130,11 @@ class DraftModelDrafter(Drafter):
             parent_level, level, b = levels[d - 1], levels[d], self.tree.branching[d - 1]
             q_parent = torch.softmax(logits / temp, dim=-1)  # [B, n_parent, V]
             q[:, parent_level] = q_parent
-            tokens[:, level] = self._draw_children(q_parent, b, greedy, batch.keys + d).flatten(1)
+            noise = None
+            if batch.coupled is not None:  # the target's noise at the parents' position: L_b + d - 1
+                noise = position_gumbel(batch.noise_seeds, L.long()[:, None] + (d - 1), q_parent.shape[-1])  # [B, 1, V]
+            children = self._draw_children(q_parent, b, greedy, batch.keys + d, batch.coupled, noise)  # [B, n, b]
+            tokens[:, level] = children.flatten(1)
             if d == depth:
                 break
             if self.tree.is_chain:  # a chain's earlier nodes are all ancestors: keep them as prefix, run one node
@@ -144,12 +149,17 @@ class DraftModelDrafter(Drafter):
             return Draft(tokens, parents, tree_mask, depths, None, "iid")
         return Draft(tokens, parents, tree_mask, depths, q, self.draft_sampling)
 
-    def _draw_children(self, q: torch.Tensor, b: int, greedy: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    def _draw_children(
+        self, q: torch.Tensor, b: int, greedy: torch.Tensor | None, keys: torch.Tensor,
+        coupled: torch.Tensor | None = None, noise: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """[B, n, V] -> [B, n, b]: b children per node, in the order they were drawn, for every row at once.
 
         ``greedy`` [B] bool marks the greedy rows, None when every row is greedy. Random rows draw from
         counter-based streams (``spec_engine.rng``) keyed per row and level: no generator objects, no per-row loop,
-        and the same draws alone or in any batch."""
+        and the same draws alone or in any batch. On the ``coupled`` [B] rows (None: no row is) the children are the
+        top-b of log q + ``noise`` [B, 1, V], the coupling's Gumbel noise at the parents' position: the target's own
+        perturbed choice whenever the two models agree."""
         children = q.topk(b, dim=-1).indices  # greedy rows and "deterministic"
         if greedy is None or self.draft_sampling == "deterministic":
             return children
@@ -160,6 +170,8 @@ class DraftModelDrafter(Drafter):
             draws = torch.searchsorted(cdf, u).clamp_(max=V - 1)
         else:  # Gumbel-top-b: exactly sequential sampling without replacement
             draws = (q.log() + rng.gumbel(keys, (n, V))).topk(b, dim=-1).indices
+        if coupled is not None:
+            draws = torch.where(coupled[:, None, None], (q.log() + noise).topk(b, dim=-1).indices, draws)
         return torch.where(greedy[:, None, None], children, draws)
 
     def commit(self, batch: StepBatch, result: VerifyResult, num_accepted: list[int]) -> list[int]:
