@@ -37,18 +37,20 @@ def _native_op():
 
 
 def _native_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether backend=None should take the native kernel: metadata only, ~0.5 us (57 calls per forward)."""
+    """Whether backend=None takes the native kernel: metadata only, ~0.5 us (a forward makes 57 calls).
+
+    A K mismatch or a 0-d x passes, and the kernel raises on it as F.linear would.
+    """
     dtype = x.dtype
     return (
         x.is_cpu
-        and weight.is_cpu
         and dtype in NATIVE_DTYPES
-        and weight.dtype == dtype
+        and weight.is_cpu
+        and weight.dtype is dtype
         and weight.dim() == 2
         and weight.is_contiguous()
-        and (bias is None or (bias.is_cpu and bias.dtype == dtype))
-        and x.dim() >= 1
-        and x.numel() <= MAX_NATIVE_ROWS * x.shape[-1]
+        and (bias is None or (bias.is_cpu and bias.dtype is dtype))
+        and x.numel() <= MAX_NATIVE_ROWS * weight.shape[1]
     )
 
 
@@ -59,7 +61,7 @@ def _check_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"linear: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise ValueError(
                 f"linear: backend='native' is a CPU kernel but {name} is on {t.device}; use backend=None or 'torch'"
             )
