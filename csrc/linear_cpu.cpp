@@ -269,20 +269,22 @@ SPECDEC_AVX512 inline void tile(const LinearArgs<T>& a, int64_t n0, int64_t m0, 
 }
 
 // All M rows of x against weight rows [n0, n0 + NB): x in chunks of 4 rows plus one chunk of the rest, so the NB
-// weight rows (NB * K elements, <= 14 KB here) are read from memory once and from L1 by the later chunks.
+// weight rows (NB * K elements, <= 14 KB here) are read from memory once and from L1 by the later chunks. Every chunk
+// prefetches the next NB rows, not only the first: a cold forward of the default target (fp32, one thread, weights
+// streamed from L3/DRAM) took 3.6 ms at M=16 with first-chunk prefetches, 2.7-2.9 ms with these, 4.7 ms with none.
 template <typename T, int NB>
-SPECDEC_AVX512 void rows_all_m(const LinearArgs<T>& a, int64_t n0) {
+SPECDEC_AVX512 void rows_all_m(const LinearArgs<T>& a, int64_t n0, bool prefetch) {
   int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) tile<T, NB, 4>(a, n0, m, m == 0);
+  for (; m + 4 <= a.M; m += 4) tile<T, NB, 4>(a, n0, m, prefetch);
   switch (a.M - m) {
     case 3:
-      tile<T, NB, 3>(a, n0, m, m == 0);
+      tile<T, NB, 3>(a, n0, m, prefetch);
       break;
     case 2:
-      tile<T, NB, 2>(a, n0, m, m == 0);
+      tile<T, NB, 2>(a, n0, m, prefetch);
       break;
     case 1:
-      tile<T, NB, 1>(a, n0, m, m == 0);
+      tile<T, NB, 1>(a, n0, m, prefetch);
       break;
     default:
       break;
@@ -299,9 +301,9 @@ SPECDEC_AVX512 void rows_avx512(const LinearArgs<T>& a, int64_t n_begin, int64_t
   } else if (a.M == 2) {
     for (; n + 8 <= n_end; n += 8) tile<T, 8, 2>(a, n, 0, true);
   } else {
-    for (; n + 4 <= n_end; n += 4) rows_all_m<T, 4>(a, n);
+    for (; n + 4 <= n_end; n += 4) rows_all_m<T, 4>(a, n, true);
   }
-  for (; n < n_end; ++n) rows_all_m<T, 1>(a, n);
+  for (; n < n_end; ++n) rows_all_m<T, 1>(a, n, false);
 }
 
 bool cpu_has_avx512() {
