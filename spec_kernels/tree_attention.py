@@ -286,15 +286,17 @@ if triton_available():
         k_offs,
         v_offs,
         offs_d,
+        key_ok,
         allowed,
         qk_scale,
         D,
         UPCAST_DOT: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
-        """One online-softmax step over a K/V tile; scores outside ``allowed`` [BLOCK_M, BLOCK_N] are dropped."""
+        """One online-softmax step over a K/V tile of keys ``key_ok`` [BLOCK_N]; scores outside ``allowed``
+        [BLOCK_M, BLOCK_N] are dropped. (Narrowing the loads to keys some row may see took a reduction across rows
+        per tile; with it ptxas spilled around its warp-shuffle calls, 8-16 bytes, and it saved at most T keys.)"""
         d_ok = offs_d < D
-        key_ok = tl.max(allowed.to(tl.int32), axis=0) > 0  # [BLOCK_N]: skip loading keys no row may see
         k = tl.load(k_ptr + k_offs[None, :] + offs_d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
         v = tl.load(v_ptr + v_offs[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST_DOT:
@@ -394,32 +396,33 @@ if triton_available():
             )  # fmt: skip
             allowed = row_ok[:, None] & key_ok[None, :]
             m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, allowed, qk_scale, D, UPCAST_DOT,
+                q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, key_ok, allowed, qk_scale, D, UPCAST_DOT,
                 INPUT_PRECISION,
             )  # fmt: skip
 
-        # Tree block: positions L + j under the bitmask; done once, by the last split.
-        if split == num_splits - 1:
-            for j0 in range(0, T, BLOCK_N):
-                j = j0 + offs_n
-                key_ok = j < T
-                pos = L + j
-                k_offs = _kv_row_offsets(
-                    pos, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_kb, stride_ks, stride_kh,
-                    HAS_BLOCK_TABLE,
-                )  # fmt: skip
-                v_offs = _kv_row_offsets(
-                    pos, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_vb, stride_vs, stride_vh,
-                    HAS_BLOCK_TABLE,
-                )  # fmt: skip
-                word_ptrs = mask_bits_ptr + b * stride_mb + t[:, None] * stride_mt + (j // 64)[None, :]
-                words = tl.load(word_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0)
-                bits = (words >> (j % 64).to(tl.int64)[None, :]) & 1
-                allowed = (bits != 0) & row_ok[:, None] & key_ok[None, :]
-                m_i, l_i, acc = _attend_block(
-                    q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, allowed, qk_scale, D, UPCAST_DOT,
-                    INPUT_PRECISION,
-                )  # fmt: skip
+        # Tree block: positions L + j under the bitmask; done once, by the last split. A loop bound, not an `if`:
+        # reductions inside a branch made ptxas outline its warp-shuffle slow path, and the call spilled registers.
+        tree_hi = tl.where(split == num_splits - 1, T, 0)
+        for j0 in range(0, tree_hi, BLOCK_N):
+            j = j0 + offs_n
+            key_ok = j < T
+            pos = L + j
+            k_offs = _kv_row_offsets(
+                pos, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_kb, stride_ks, stride_kh,
+                HAS_BLOCK_TABLE,
+            )  # fmt: skip
+            v_offs = _kv_row_offsets(
+                pos, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_vb, stride_vs, stride_vh,
+                HAS_BLOCK_TABLE,
+            )  # fmt: skip
+            word_ptrs = mask_bits_ptr + b * stride_mb + t[:, None] * stride_mt + (j // 64)[None, :]
+            words = tl.load(word_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0)
+            bits = (words >> (j % 64).to(tl.int64)[None, :]) & 1
+            allowed = (bits != 0) & row_ok[:, None] & key_ok[None, :]
+            m_i, l_i, acc = _attend_block(
+                q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, key_ok, allowed, qk_scale, D, UPCAST_DOT,
+                INPUT_PRECISION,
+            )  # fmt: skip
 
         # A row that saw nothing (empty split, or L_b = 0 with an all-False mask row) has l_i = 0: write zeros.
         seen = l_i > 0

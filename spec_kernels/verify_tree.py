@@ -573,9 +573,9 @@ if triton_available():
             HAS_DRAFT=has_draft,
             WITHOUT_REPLACEMENT=has_draft and without_replacement,
             HAS_FILTERS=has_filters,
-            # 4096-wide tiles spilled (4 warps: 16-40 bytes of stack on sm_80, fp16 logits also on sm_90a);
-            # 2048 did not (128 registers). bench/aot_compile.py checks every variant.
-            BLOCK_V=min(2048, triton.next_power_of_2(V)),
+            # Wider tiles spilled (ptxas: 4096 wide, 16-40 bytes of stack on sm_80 and sm_90a; 2048 wide, 96-208
+            # bytes on sm_90a with a draft); 1024 wide holds 78-87 registers. bench/aot_compile.py checks them all.
+            BLOCK_V=min(1024, triton.next_power_of_2(V)),
         )
         return accepted_nodes, output_tokens, num_accepted
 
