@@ -8,6 +8,12 @@ AVX512-BF16) built on first use by :mod:`spec_kernels._ext`. On this 2-core CPU 
 matmuls per forward 2.5-4x faster than ``torch.mm`` at M <= 16 (bench/bench_linear.py). It is batch-invariant: each
 output element is reduced in one fixed order whatever M is, so ``linear(x)[i]`` is bitwise
 ``linear(x[i:i+1])[0]``, and a tree node's logits in a T-token verify pass equal plain decoding's bit for bit.
+
+Threads: the kernel uses ``torch.get_num_threads()`` OpenMP threads (a second one only for calls with >= ~5 us of
+work). Interleaved with MKL's own multi-threaded fp32 GEMMs (``F.linear`` / ``matmul`` in float32 on CPU), both
+stall on a loaded machine: the default target's 33 fp32 matmuls at M=1 took ~260 ms per forward against ~1.3 ms
+alone, with torch's interleaved forwards slowed too. ``MKL_NUM_THREADS=1`` (set before torch loads) removes the
+stalls; bf16 (oneDNN) shows no such interference.
 """
 
 from __future__ import annotations
