@@ -7,9 +7,9 @@ streamed. A *forward* times all of one forward's matmuls back to back, every lay
 runs them: 8 x (qkv, o, gate_up, down) + lm_head = 33 fused matmuls, or 8 x (q, k, v, o, gate, up, down) + lm_head = 57
 unfused. The two contenders are interleaved rep by rep so a noisy shared machine hits both alike.
 
-The machine is shared: medians carry other processes' noise, p20 is closer to the quiet figure. With two threads,
-interleaving the native kernel with torch's multi-threaded fp32 GEMMs (MKL) stalls both (see spec_kernels/linear.py);
-run fp32 forwards with --threads 1 or MKL_NUM_THREADS=1 for figures a model would see.
+The machine is shared: medians carry other processes' noise, p20 is closer to the quiet figure. With two threads on a
+loaded machine, whole stretches of forwards wait a scheduler slice per call for the second thread (both contenders;
+see spec_kernels/linear.py): --threads 1 gives the steadier comparison.
 
 Usage: python bench/bench_linear.py [--quick] [--threads N]. Results go to bench/out/bench_linear.json.
 """
@@ -161,7 +161,6 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "loadavg_before_after": [load_before, os.getloadavg()],
-        "mkl_num_threads": os.environ.get("MKL_NUM_THREADS"),
         "note": "wall-clock on a shared machine: other processes add noise; compare the interleaved pairs",
     }
     out.write_text(json.dumps({"meta": meta, "forwards": forwards, "matrices": matrices}, indent=2))
