@@ -16,7 +16,8 @@ Exits non-zero when a configuration fails to compile, or spills (stack > 0 or sp
 configuration here is one the launchers pick by default.
 
 Configurations (the full set; ``--quick`` keeps fp32 and bf16, D = 128, paged, T 4 and 16, no combine kernel, and
-two verify variants with filters at V = 32000):
+two verify variants with a draft and filters at V = 32000). The full set still has 19 small call-site spills
+(bench/RESULTS.md), so it exits 1; the quick set has none of them and guards the launchers' tile choices in CI:
 - ``_tree_attention_kernel``: dtype (fp32/fp16/bf16) x head dim (64, 80, 128, 256: BLOCK_D 64/128/256) x
   paged/contiguous x the row blocks the launcher picks from T * group (T 4, 8, 16 at group 4: BLOCK_M 16/32/64,
   fp32 16/32/32); BLOCK_N and num_warps follow. At BLOCK_M 16 also the flash-decoding epilogue (IS_SPLIT, paged and
@@ -24,7 +25,7 @@ two verify variants with filters at V = 32000):
   a runtime argument, both divisible by 16): duplicates are compiled once.
 - ``_combine_splits_kernel``: output dtype x BLOCK_D x BLOCK_S 2 and 64 (the fewest and the most splits).
 - ``_verify_tree_kernel``: logits dtype x draft (none / iid / without replacement) x HAS_FILTERS x BLOCK_V 128 and
-  2048 (V = 111 and 32000: the smallest common tile and the cap).
+  1024 (V = 111 and 32000: the smallest common tile and the cap).
 
 Tested with Triton 3.9 (it uses the JIT's binder, ``create_function_from_signature`` and ``JITFunction._pack_args``).
 """
@@ -69,7 +70,7 @@ QUICK_DTYPES = ("fp32", "bf16")  # fp16 compiles like bf16
 HQ, HKV = 32, 8  # GQA group 4, as the Llama-family models the engine serves
 HEAD_DIMS = (64, 80, 128, 256)
 ROW_SHAPES = {"T4": 4, "T8": 8, "T16": 16}  # T * 4 rows: BLOCK_M 16, 32, 64 (fp32: 16, 32, 32)
-VOCABS = (111, 32000)  # BLOCK_V 128 and 2048, the smallest common tile and the largest
+VOCABS = (111, 32000)  # BLOCK_V 128 and 1024, the smallest common tile and the largest
 
 
 class _Recorder:
@@ -169,8 +170,8 @@ def configurations(quick: bool) -> list[tuple[str, str, tuple]]:
         for call in _combine_launches(dt, D, splits):
             out.append((call[0], f"{dt} D={D} splits={splits}", call))
     verify = itertools.product(DTYPES, ("none", "iid", "without_replacement"), (False, True), VOCABS)
-    if quick:  # the heaviest variants: every filter, a 2048-wide tile
-        verify = [("fp32", "none", True, VOCABS[-1]), ("bf16", "without_replacement", True, VOCABS[-1])]
+    if quick:  # the heaviest variants: a draft and every filter, the widest tile
+        verify = [("fp32", "without_replacement", True, VOCABS[-1]), ("bf16", "iid", True, VOCABS[-1])]
     for dt, draft, filters, V in verify:
         for call in _verify_launches(dt, draft, filters, V):
             out.append((call[0], f"{dt} draft={draft} filters={int(filters)} V={V}", call))

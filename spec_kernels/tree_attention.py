@@ -507,8 +507,9 @@ HALF_TILE_ROWS_X_DIM = 64 * 128  # the largest BLOCK_M * BLOCK_D of a 16-bit til
 def _tile_config(dtype: torch.dtype, num_rows: int, D: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for ``num_rows = T * group`` query rows per KV head.
 
-    Chosen so that no configuration spills registers on sm_80 or sm_90a: ``python bench/aot_compile.py`` compiles
-    every one (bench/RESULTS.md has the table). Measured there (ptxas, before these rules):
+    Chosen so that no configuration spills for register pressure on sm_80 or sm_90a: ``python bench/aot_compile.py``
+    compiles every one (bench/RESULTS.md has the table; a few still save 8-24 bytes around ptxas's outlined
+    warp-shuffle calls at 96-128 registers). Measured there (before these rules):
     - fp32 takes a true fp32 dot, on CUDA cores with both operand tiles in registers. BLOCK_M 32 spilled even at
       BLOCK_M * BLOCK_N * BLOCK_D = 2^16 (BLOCK_N 32, BLOCK_D 64: 255 registers, 32-56 bytes of stack on sm_90a),
       BLOCK_M 64 with BLOCK_N 64, BLOCK_D 128 spilled 6.6 KB. So fp32 rows come in blocks of 16, and BLOCK_N is
