@@ -83,6 +83,13 @@ class Attention(nn.Module):
         )
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if self.qkv_weight is not None and not self.qk_norm:
+            # fused: q and k are adjacent columns of one output, so one RoPE pass rotates both (6 ops, not 12)
+            B, T, _ = x.shape
+            H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [B, T, (Hq + 2 Hkv) D]
+            qk = apply_rope(qkv[..., : (H + Hkv) * D].reshape(B, T, H + Hkv, D), cos, sin)  # [B, T, Hq + Hkv, D]
+            return qk[:, :, :H], qk[:, :, H:], qkv[..., (H + Hkv) * D :].reshape(B, T, Hkv, D)
         q, k, v = self._project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
