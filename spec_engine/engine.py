@@ -24,7 +24,6 @@ import torch
 from spec_engine.adaptive import AdaptiveController, RowState
 from spec_engine.coupling import perturbed_logits
 from spec_engine.drafters.base import Draft, Drafter, RowView, StepBatch
-from spec_engine.drafters.draft_model import DraftModelDrafter
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
 from spec_engine.models import LlamaForCausalLM
 from spec_engine.rng import mix_key
@@ -200,7 +199,7 @@ class Engine:
         self.step_times = (0.0, 0.0)  # the last speculative step's (draft, whole step) seconds
         self.controller = None
         if adaptive and drafter is not None:
-            tree = drafter.tree if isinstance(drafter, DraftModelDrafter) else None
+            tree = drafter.tree
             self.controller = AdaptiveController(self.gamma, drafter.nodes_for_depth,
                                                  tree=tree is not None and not tree.is_chain,
                                                  cache_lag=self._cache_lag)  # fmt: skip

@@ -99,6 +99,7 @@ class Drafter(ABC):
     max_depth: int  # the deepest tree this drafter proposes
     max_nodes: int  # T for a row drafted at max_depth
     keeps_cache: bool = False  # True: commit returns the new lengths of the drafter's own cache
+    tree = None  # the StaticTree a tree drafter proposes (None: chains); the adaptive controller plans by depth
 
     def prefill(self, input_ids, positions, seqlens, mask, block_table) -> None:  # noqa: B027
         """See the same prompt chunk the target prefilled. Shapes as ``LlamaForCausalLM.forward``."""
