@@ -15,6 +15,7 @@ import torch
 GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _M2 = -7723592293110705685  # 0x94D049BB133111EB
+_U64 = (1 << 64) - 1
 UNIFORM_BITS = 24  # float32 holds 24 bits exactly: u = (k + 0.5) / 2^24, never 0 or 1
 
 
@@ -31,9 +32,13 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def mix_key(seed: int, counter: int) -> int:
-    """Host-side mixing of two Python ints into one int64 key (a row's stream for one step)."""
-    x = torch.tensor([(seed * 0x9E3779B1 + counter) & ((1 << 63) - 1)], dtype=torch.int64)
-    return int(mix64(x + GOLDEN)[0])
+    """Host-side mixing of two Python ints into one int64 key (a row's stream for one step): :func:`mix64` of
+    ``(seed * 0x9E3779B1 + counter) mod 2^63 + GOLDEN`` in plain integers (~1 us, against ~20 us through a tensor)."""
+    x = (((seed * 0x9E3779B1 + counter) & ((1 << 63) - 1)) + GOLDEN) & _U64
+    x = ((x ^ (x >> 30)) * (_M1 & _U64)) & _U64
+    x = ((x ^ (x >> 27)) * (_M2 & _U64)) & _U64
+    x ^= x >> 31
+    return x - (1 << 64) if x >= 1 << 63 else x  # as a signed int64
 
 
 def uniform(keys: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
