@@ -548,6 +548,7 @@ if triton_available():
         accepted_nodes = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)
         output_tokens = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)
         num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)
+        block_v = min(1024, triton.next_power_of_2(V))
         _verify_tree_kernel[(B,)](
             logits,
             draft_tokens.contiguous(),
@@ -574,8 +575,11 @@ if triton_available():
             WITHOUT_REPLACEMENT=has_draft and without_replacement,
             HAS_FILTERS=has_filters,
             # Wider tiles spilled (ptxas: 4096 wide, 16-40 bytes of stack on sm_80 and sm_90a; 2048 wide, 96-208
-            # bytes on sm_90a with a draft); 1024 wide holds 78-87 registers. bench/aot_compile.py checks them all.
-            BLOCK_V=min(1024, triton.next_power_of_2(V)),
+            # bytes on sm_90a with a draft). One warp per 128 logits: with 4 warps for any width, 128 and 1024 wide
+            # tiles saved 16-36 bytes around ptxas's outlined warp-shuffle calls; 1 and 8 warps saved none.
+            # bench/aot_compile.py checks every variant.
+            BLOCK_V=block_v,
+            num_warps=max(1, min(8, block_v // 128)),
         )
         return accepted_nodes, output_tokens, num_accepted
 
