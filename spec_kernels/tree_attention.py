@@ -516,15 +516,17 @@ def _tile_config(dtype: torch.dtype, num_rows: int, D: int) -> tuple[int, int, i
       2^16 / (16 * BLOCK_D): 64, 32, 16 for BLOCK_D 64, 128, 256.
     - fp16/bf16 dots run on tensor cores. BLOCK_M 64 with BLOCK_N 64 spilled (BLOCK_D 128, 8 warps: 8-24 bytes;
       BLOCK_D 64, 4 warps: 88 bytes), with BLOCK_N 32 it did not (188 registers); BLOCK_M 64 at BLOCK_D 256 spilled
-      even with BLOCK_N 32 (16 bytes, sm_90a). So BLOCK_M * BLOCK_D stays <= 64 * 128, and BLOCK_N is 32 from half
-      of that on (and at BLOCK_D 256).
+      even with BLOCK_N 32 (16 bytes, sm_90a). So BLOCK_M * BLOCK_D stays <= 64 * 128, and BLOCK_N is 32 at
+      BLOCK_M 64 and at BLOCK_D 256. The warp counts are measured per tile, not derived: 8-24 bytes were saved
+      around ptxas's outlined warp-shuffle calls at 96-128 registers with 4 warps at BLOCK_M 16 / BLOCK_D 64 and
+      with 8 warps at BLOCK_M 16 / BLOCK_D 256, and neither with the other count.
     """
     block_d = max(16, triton.next_power_of_2(D))
     if dtype == torch.float32:
         return 16, max(16, min(64, FP32_TILE_PRODUCT // (16 * block_d))), block_d, 8
     block_m = min(64, HALF_TILE_ROWS_X_DIM // block_d, max(16, triton.next_power_of_2(num_rows)))
-    block_n = 32 if block_d >= 256 or block_m * block_d >= HALF_TILE_ROWS_X_DIM // 2 else 64
-    num_warps = 8 if block_d >= 128 or block_m >= 64 else 4
+    block_n = 32 if block_d >= 256 or block_m >= 64 else 64
+    num_warps = 4 if (block_m, block_d) in ((32, 64), (16, 256)) else 8
     return block_m, block_n, block_d, num_warps
 
 
