@@ -76,9 +76,15 @@ def perturbed_logits(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
+    has_filters: bool = True,
 ) -> torch.Tensor:
     """[B, T, V] logits whose argmax at each node is the coupled sample there, on the ``coupled`` [B] rows; the
-    other rows' logits are returned unchanged. ``positions`` [B, T] are the nodes' absolute positions."""
+    other rows' logits are returned unchanged. ``positions`` [B, T] are the nodes' absolute positions.
+    ``has_filters=False`` (the caller knows no coupled row uses top-k, top-p or min-p) skips the per-node sort."""
     safe_t = torch.where(coupled, temperature, 1.0)  # uncoupled rows may be greedy (temperature 0)
-    z = filtered_logits(logits, safe_t, top_k, top_p, min_p) + position_gumbel(seeds, positions, logits.shape[-1])
+    if has_filters:
+        z = filtered_logits(logits, safe_t, top_k, top_p, min_p)
+    else:
+        z = logits.float() / safe_t[:, None, None]
+    z = z + position_gumbel(seeds, positions, logits.shape[-1])
     return torch.where(coupled[:, None, None], z, logits.float())

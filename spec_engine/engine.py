@@ -104,7 +104,9 @@ class Request:
     def view(self) -> RowView:
         tokens = self.history[: self.num_tokens]
         tokens.flags.writeable = False  # a view: the drafter reads, the engine writes
-        return RowView(tokens, self.num_computed, self.draft_len, self.params.greedy)
+        p = self.params
+        filters = p.coupled and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)
+        return RowView(tokens, self.num_computed, self.draft_len, p.greedy, filters)
 
     @property
     def prefilling(self) -> bool:
@@ -420,8 +422,9 @@ class Engine:
         hidden = self.target(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask, batch.block_table)
         logits = self.target.logits(hidden)  # [B, T, V]
         if batch.coupled is not None:  # coupled rows: the perturbed argmax is their sample, verified greedily
+            filters = any(r.coupled_filters for r in batch.rows)
             logits = perturbed_logits(logits, positions, batch.noise_seeds, batch.coupled, sampling["temperature"],
-                                      sampling["top_k"], sampling["top_p"], sampling["min_p"])  # fmt: skip
+                                      sampling["top_k"], sampling["top_p"], sampling["min_p"], filters)  # fmt: skip
             sampling = {**sampling, "temperature": torch.where(batch.coupled, 0.0, sampling["temperature"])}
         result = verify_tree(
             logits,
