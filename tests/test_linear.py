@@ -100,8 +100,10 @@ def test_dispatch():
     x, w, b = _inputs(4, 64, 40, torch.float32, True, gen)
     assert torch.equal(linear(x, w, b), linear(x, w, b, backend="native"))  # small M on CPU: native
     assert torch.equal(linear(x, w, b, backend="torch"), linear_ref(x, w, b))
-    big = torch.randn(65, 64, generator=gen)  # prefill-sized M: torch's GEMM
-    assert torch.equal(linear(big, w, b), F.linear(big, w, b))
+    big = torch.randn(130, 64, generator=gen)  # prefill-sized M: native in float32 (faster, batch-invariant)
+    assert torch.equal(linear(big, w, b), linear(big, w, b, backend="native"))
+    big16, w16, b16 = big.bfloat16(), w.bfloat16(), b.bfloat16()  # bfloat16 past 64 rows: torch's GEMM
+    assert torch.equal(linear(big16, w16, b16), F.linear(big16, w16, b16))
     x64, w64 = x.double(), w.double()  # other dtypes: F.linear
     assert torch.equal(linear(x64, w64), F.linear(x64, w64))
     w_t = w.t().contiguous().t()  # a non-contiguous weight: F.linear
