@@ -10,7 +10,10 @@ How children are drawn (``draft_sampling``, one of ``verify_tree``'s modes):
   replacement, so siblings are distinct; with "iid" a node's b children often repeat a token and waste a branch.
 - "iid": b independent draws from q.
 - "deterministic": the b most likely tokens, verified as point-mass proposals (``draft_probs=None``).
-Greedy rows always take the b most likely tokens: greedy verification ignores q.
+Greedy rows always take the b most likely tokens: greedy verification ignores q. Coupled rows (seeded sampling,
+``spec_engine/coupling.py``) take the top b of log q + the coupling's Gumbel noise at the parents' position: the
+target's own perturbed choice wherever the two models agree. Random draws come from counter-based streams keyed by
+(request seed, position): the same alone or in any batch, with no generator state.
 """
 
 from __future__ import annotations
