@@ -415,7 +415,8 @@ class Engine:
         Returns the host's (emitted tokens [B][T], num_accepted [B], the draft cache's new lengths [B])."""
         start = time.perf_counter()
         rows = [b for b, g in enumerate(batch.gammas) if g > 0] if self.drafter is not None else []
-        index = to_device(self.device, torch.tensor(rows, dtype=torch.int64))[0]  # [B_d]
+        partial = 0 < len(rows) < batch.size  # some rows drafted, not all: the drafter runs on a sub-batch
+        index = to_device(self.device, torch.tensor(rows, dtype=torch.int64))[0] if partial else None  # [B_d]
         draft = self._propose(batch, rows, index)  # tokens/parents [B, T], draft_probs [B, T, V] | None
         drafted = time.perf_counter()
         positions = batch.seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
@@ -440,8 +441,8 @@ class Engine:
         out_tokens, num_accepted = self._read_step(result)  # the step's one host sync
         draft_lens = [r.draft_len for r in batch.rows]
         if rows:
-            sub = batch.select(rows, index) if len(rows) < batch.size else batch
-            sub_result = VerifyResult(*(x[index] for x in result)) if len(rows) < batch.size else result
+            sub = batch.select(rows, index) if partial else batch
+            sub_result = VerifyResult(*(x[index] for x in result)) if partial else result
             new_lens = self.drafter.commit(sub, sub_result, [num_accepted[b] for b in rows])
             for b, n in zip(rows, new_lens or []):
                 draft_lens[b] = n
@@ -459,7 +460,7 @@ class Engine:
     def _propose(self, batch: StepBatch, rows: list[int], index: torch.Tensor) -> Draft:
         """The drafter's trees for ``rows`` (depth > 0), run on those rows only; every other row is its root alone.
 
-        ``index`` is ``rows`` on the device."""
+        ``index`` is ``rows`` on the device (None unless only some rows are drafted)."""
         if rows and len(rows) == batch.size:
             return self.drafter.propose(batch)
         B, dev = batch.size, self.device
