@@ -58,6 +58,27 @@ def stats_line(out, elapsed: float) -> str:
     )
 
 
+def explain(metrics: dict, speedup: float, same: bool, params) -> str | None:
+    """One line on why --compare came out as it did, when speculation did not help or the tokens differ."""
+    if not same and not params.greedy and params.seed is None:
+        return "the tokens differ because unseeded sampling draws anew each run; pass --seed for identical tokens"
+    if speedup >= 1.0:
+        return None
+    drafted, accepted = metrics["num_drafted"], metrics["num_accepted"]
+    steps_drafted = sum(metrics["gamma_hist"][1:])
+    if drafted == 0:
+        return "speculation did not help: no step was drafted (the controller chose plain decoding throughout)"
+    if steps_drafted < metrics["num_steps"] / 2:
+        return (
+            f"speculation did not help: the draft's guesses were rejected ({accepted} of {drafted} drafted tokens "
+            f"accepted), so the controller drafted only {steps_drafted} of {metrics['num_steps']} steps"
+        )
+    return (
+        f"speculation did not help: {metrics['mean_accepted_length']:.2f} tokens per target pass (alpha "
+        f"{metrics['acceptance_rate']:.2f}) did not pay for the draft's cost on this machine"
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from spec_engine import SamplingParams
 
@@ -78,9 +99,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         base_tps = len(ref.outputs[0].token_ids) / base_elapsed
         report["baseline_tokens_per_s"] = base_tps
         report["speedup"] = report["tokens_per_s"] / base_tps
-        same = "same tokens" if ref.outputs[0].token_ids == out.outputs[0].token_ids else "different tokens (sampling)"
-        print(f"[specdec] no speculation: {base_tps:.1f} tok/s | speedup {report['speedup']:.2f}x | {same}",
-              file=sys.stderr if args.json else sys.stdout)  # fmt: skip
+        same = ref.outputs[0].token_ids == out.outputs[0].token_ids
+        stream = sys.stderr if args.json else sys.stdout
+        why = explain(out.metrics, report["speedup"], same, params)
+        if why:
+            print(f"[specdec] {why}", file=stream)
+        tokens = "same tokens" if same else "DIFFERENT tokens"
+        print(f"[specdec] no speculation: {base_tps:.1f} tok/s | speedup {report['speedup']:.2f}x | {tokens}",
+              file=stream)  # fmt: skip
     if args.json:
         print(json.dumps(report))
     return 0

@@ -1,0 +1,49 @@
+"""The CLI's main job: `specdec generate --compare` ends with the contract line and explains a loss in one line."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import make_model, make_tokenizer
+
+from spec_engine import SamplingParams
+from spec_engine.cli import explain, main
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    for name, seed in (("target", 0), ("draft", 0)):  # the draft is the target's copy: every guess is accepted
+        tok = make_tokenizer(root / name)
+        make_model(root / name, "llama_gqa", vocab_size=tok.get_vocab_size(), seed=seed, logit_scale=4.0)
+    return root / "target", root / "draft"
+
+
+@pytest.mark.parametrize("extra", [[], ["--temperature", "0.8", "--seed", "5"]], ids=["greedy", "seeded"])
+def test_compare_ends_with_the_contract_line(pair, capsys, extra):
+    target, draft = pair
+    argv = ["generate", "--prompt", "def fib(n):", "--model", str(target), "--draft", str(draft), "--max-tokens", "24"]
+    assert main(argv + ["-k", "3", "--compare"] + extra) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("[specdec] no speculation: ") and " tok/s | speedup " in last
+    assert last.endswith("x | same tokens")  # greedy, and seeded sampling (the coupling), give the plain tokens
+
+
+def _metrics(drafted, accepted, steps, gamma_hist):
+    return {
+        "num_drafted": drafted,
+        "num_accepted": accepted,
+        "num_steps": steps,
+        "gamma_hist": gamma_hist,
+        "mean_accepted_length": 1.0 + accepted / steps,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+    }
+
+
+def test_explain_says_why_speculation_did_not_help():
+    greedy = SamplingParams(max_tokens=8)
+    assert explain(_metrics(40, 30, 10, [0, 0, 0, 0, 10]), 1.4, True, greedy) is None
+    assert "no step was drafted" in explain(_metrics(0, 0, 128, [128]), 0.97, True, greedy)
+    assert "0 of 18 drafted tokens" in explain(_metrics(18, 0, 128, [124, 2, 0, 0, 0, 0, 0, 0, 2]), 0.8, True, greedy)
+    assert "did not pay" in explain(_metrics(400, 100, 100, [0, 0, 0, 0, 100]), 0.9, True, greedy)
+    sampled = SamplingParams(max_tokens=8, temperature=1.0)
+    assert "--seed" in explain(_metrics(40, 30, 10, [0, 0, 0, 0, 10]), 1.4, False, sampled)
