@@ -21,6 +21,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=16)
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices for the target (only 1 so far)")
 
 
 def build_llm(args: argparse.Namespace, *, speculate: bool = True):
@@ -46,7 +47,8 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True):
             except ValueError:
                 raise SystemExit(f"error: --tree must be comma-separated ints, got {args.tree!r}") from None
     return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
-               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)  # fmt: skip
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
 
 
 def stats_line(out, elapsed: float) -> str:

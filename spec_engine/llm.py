@@ -103,6 +103,7 @@ class LLM:
     max_model_len : context length (prompt + output); defaults to the model's, capped at 4096.
     max_num_seqs : requests decoded together.
     kv_cache_memory : bytes for the KV caches of both models (requests that do not fit wait).
+    tensor_parallel_size : devices the target is sharded over; only 1 so far (anything else raises ValueError).
     """
 
     def __init__(
@@ -117,7 +118,13 @@ class LLM:
         kv_cache_memory: int | None = None,
         block_size: int = 32,
         prefill_chunk: int = 512,
+        tensor_parallel_size: int = 1,
     ):
+        if isinstance(tensor_parallel_size, bool) or tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size!r}: only 1 is supported so far (one device); sharding the "
+                "target across devices is not implemented yet"
+            )
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if device == "cuda" and not torch.cuda.is_available():
