@@ -97,10 +97,6 @@ class Request:
     def last_token(self) -> int:
         return int(self.history[self.num_tokens - 1])
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def view(self) -> RowView:
         tokens = self.history[: self.num_tokens]
         tokens.flags.writeable = False  # a view: the drafter reads, the engine writes

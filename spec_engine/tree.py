@@ -66,37 +66,25 @@ def chain(gamma: int) -> StaticTree:
     return StaticTree((1,) * gamma)
 
 
-def tree_mask_and_depths(parents: torch.Tensor, max_depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_mask_and_depths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """([B, T, T] bool, [B, T] int64): node i sees j when j is i or an ancestor of i; depth of each node.
 
-    Every node climbs to the root at once, one level per iteration. With ``max_depth`` (the deepest node, known to
-    the caller) the loop runs exactly that many iterations and never reads the tensors' values, so it queues on a
-    GPU without a host sync; without it the loop stops when every node has passed the root (a read per level).
-    Padding (parent -1 past the root) sees only itself and has depth 0.
+    Every node climbs to the root at once, one level per iteration: depth + 1 iterations, not T. Padding
+    (parent -1 past the root) sees only itself and has depth 0. It reads values once per level, so the engine runs
+    it on host tensors only (tree shapes are host-known: see ``Draft``) and sends the result to the device.
     """
     B, T = parents.shape
     eye = torch.eye(T, dtype=torch.bool, device=parents.device)
     mask = eye.expand(B, T, T).clone()
     depth = torch.zeros(B, T, dtype=torch.int64, device=parents.device)
     up = parents.clone()  # [B, T]: each node's current ancestor, -1 once past the root
-    for _ in range(T - 1 if max_depth is None else max_depth):
+    while True:
         alive = up >= 0
-        if max_depth is None and not bool(alive.any()):
-            break
+        if not bool(alive.any()):
+            return mask, depth
         mask |= eye[up.clamp(min=0)] & alive[..., None]
         depth += alive
         up = torch.where(alive, parents.gather(1, up.clamp(min=0)), -1)
-    return mask, depth
-
-
-def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """[B, T] depth of every node (0 for the root and for padding)."""
-    return tree_mask_and_depths(parents)[1]
-
-
-def tree_mask(parents: torch.Tensor) -> torch.Tensor:
-    """[B, T, T] bool: node i sees j when j is i itself or an ancestor of i. Padding sees only itself."""
-    return tree_mask_and_depths(parents)[0]
 
 
 def causal_mask(B: int, T: int, device: torch.device | str = "cpu") -> torch.Tensor:

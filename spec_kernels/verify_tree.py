@@ -177,7 +177,9 @@ def _verify_root_greedy(logits: torch.Tensor) -> VerifyResult:
     """Plain greedy decoding (every tree a lone root): the argmax, with no walk (a call at B=1: 195 -> 84 us)."""
     B = logits.shape[0]
     zeros = torch.zeros(B, 1, dtype=torch.int64, device=logits.device)  # [B, 1]
-    return VerifyResult(zeros, _argmax_rows(logits[:, 0])[:, None], torch.ones(B, dtype=torch.int64))
+    return VerifyResult(
+        zeros, _argmax_rows(logits[:, 0])[:, None], torch.ones(B, dtype=torch.int64, device=logits.device)
+    )
 
 
 def _verify_tree_native(

@@ -32,11 +32,6 @@ class RowView:
     greedy: bool
     coupled_filters: bool = False  # sampled through the coupling with top-k, top-p or min-p on
 
-    @property
-    def cache_lag(self) -> int:
-        """Committed tokens the drafter's cache still lacks (the root is never cached)."""
-        return self.num_computed - self.draft_len
-
 
 @dataclass
 class StepBatch:

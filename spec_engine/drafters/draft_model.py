@@ -167,14 +167,15 @@ class DraftModelDrafter(Drafter):
         if greedy is None or self.draft_sampling == "deterministic":
             return children
         B, n, V = q.shape
+        log_q = q.log()  # [B, n, V]
         if self.draft_sampling == "iid":  # inverse CDF: b independent draws per node
             cdf = q.cumsum(-1)  # [B, n, V]
             u = rng.uniform(keys, (n, b)) * cdf[..., -1:]  # [B, n, b]
             draws = torch.searchsorted(cdf, u).clamp_(max=V - 1)
         else:  # Gumbel-top-b: exactly sequential sampling without replacement
-            draws = (q.log() + rng.gumbel(keys, (n, V))).topk(b, dim=-1).indices
+            draws = (log_q + rng.gumbel(keys, (n, V))).topk(b, dim=-1).indices
         if coupled is not None:
-            draws = torch.where(coupled[:, None, None], (q.log() + noise).topk(b, dim=-1).indices, draws)
+            draws = torch.where(coupled[:, None, None], (log_q + noise).topk(b, dim=-1).indices, draws)
         return torch.where(greedy[:, None, None], children, draws)
 
     def commit(self, batch: StepBatch, result: VerifyResult, num_accepted: list[int]) -> list[int]:
