@@ -13,19 +13,17 @@ import asyncio
 import contextlib
 import json
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from tiny_models import make_model, make_tokenizer
+from tiny_models import make_model, make_tokenizer, serve_in_thread
 
 from spec_engine import LLM, SamplingParams
-from spec_engine.server.app import create_app, uvicorn_config
+from spec_engine.server.app import create_app
 from spec_engine.server.protocol import DEFAULT_CHAT_TEMPLATE
 
 CONTEXT = 1024
@@ -40,21 +38,9 @@ def running_server(llm: LLM, name: str, max_pending: int):
     """A real uvicorn server on a free loopback port, in a background thread; stopped and joined on exit."""
     llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)  # builds the C++ ext here, not mid-test
     app = create_app(llm, name, max_pending=max_pending, max_body_bytes=BODY_LIMIT)
-    server = uvicorn.Server(uvicorn_config(app, port=0, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
+    with serve_in_thread(app, log_level="warning") as port:
         yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive()
-        assert not app.state.engine.alive  # the lifespan shutdown stopped the engine loop
+    assert not app.state.engine.alive  # the lifespan shutdown stopped the engine loop
 
 
 @pytest.fixture(scope="module")

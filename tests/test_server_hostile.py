@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import select
 import socket
@@ -26,13 +25,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
-from tiny_models import make_model, make_tokenizer
+from tiny_models import make_model, make_tokenizer, serve_in_thread
 
 import spec_engine.engine
 from spec_engine import LLM, SamplingParams
-from spec_engine.engine import Request
-from spec_engine.server.app import MAX_JSON_DEPTH, create_app, uvicorn_config
+from spec_engine.server.app import MAX_JSON_DEPTH, create_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from load_server import run_soak  # noqa: E402
@@ -42,28 +39,14 @@ REQUEST_TIMEOUT = 1.0  # seconds; small so that the stall tests end fast
 MAX_HEADER_BYTES = 8192
 BODY_LIMIT = 256 << 10
 HANG_GUARD = 20.0  # seconds a socket read may wait before the test gives up: far above any expected answer
-ENGINE_ISOLATES_ROWS = "error" in {f.name for f in dataclasses.fields(Request)}
 
 
 @contextlib.contextmanager
 def running_server(llm: LLM):
     llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
     app = create_app(llm, "tiny", max_pending=32, max_body_bytes=BODY_LIMIT, request_timeout=REQUEST_TIMEOUT)
-    config = uvicorn_config(app, port=0, max_header_bytes=MAX_HEADER_BYTES, log_level="critical", lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
+    with serve_in_thread(app, max_header_bytes=MAX_HEADER_BYTES, log_level="critical") as port:
         yield port, app, llm
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -334,7 +317,6 @@ def test_long_prompts_are_tokenised_off_the_event_loop(server, monkeypatch):
 # --- isolation: a planted engine fault fails one request only ----------------------------------------------------
 
 
-@pytest.mark.skipif(not ENGINE_ISOLATES_ROWS, reason="the engine does not fail rows apart yet (Request.error)")
 def test_a_faulty_request_fails_alone(server, monkeypatch):
     """``verify_tree`` raises for any tree whose root is the POISON token (planted): the request whose prompt ends
     in it gets 500 (or an SSE error event then [DONE]); the three decoding beside it finish with the tokens they get

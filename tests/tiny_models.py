@@ -3,7 +3,10 @@ byte-level BPE ``tokenizer.json`` (HF ``tokenizers``). No hub, no downloads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -103,3 +106,26 @@ def make_tokenizer(path: str | Path, vocab_size: int = 300, corpus: list[str] | 
     tok.train_from_iterator((corpus or CORPUS) * 4, trainer)
     tok.save(str(path / "tokenizer.json"))
     return tok
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, **config):
+    """A real uvicorn server for ``app`` on a free loopback port, in a background thread; yields the port; stopped
+    and joined on exit. ``config`` goes to ``spec_engine.server.app.uvicorn_config`` (log_level, max_header_bytes)."""
+    import uvicorn
+
+    from spec_engine.server.app import uvicorn_config
+
+    server = uvicorn.Server(uvicorn_config(app, port=0, lifespan="on", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive()
