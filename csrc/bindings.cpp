@@ -1,5 +1,6 @@
 // The only file that registers ops: spec_kernels::compact_kv_ with CPU, CUDA and Meta kernels, and
-// spec_kernels::linear (csrc/linear_cpu.cpp) with CPU and Meta kernels.
+// spec_kernels::linear (csrc/linear_cpu.cpp) and spec_kernels::decoder_layers (csrc/decoder_layers_cpu.cpp) with CPU
+// and Meta kernels.
 //
 // Also the torch-facing half of the CUDA path (shape checks, device guard, current stream): nvcc 13 cannot compile
 // torch's CUDA headers, so csrc/compact_kv.cu stays torch-free and this host-compiled file calls its raw launcher.
@@ -27,6 +28,14 @@ void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, co
                     const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table);
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights, const at::Tensor& final_norm,
+                              at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                              const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
+                              int64_t num_heads, double eps);
+at::Tensor decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights, const at::Tensor& final_norm,
+                               at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                               const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
+                               int64_t num_heads, double eps);
 
 namespace {
 
@@ -141,16 +150,21 @@ TORCH_LIBRARY(spec_kernels, m) {
       "compact_kv_(Tensor(a!) cache, Tensor cache_seqlens, Tensor accepted_nodes, Tensor num_accepted, "
       "Tensor? block_table=None) -> ()");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def(
+      "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!) kv_cache, Tensor cache_seqlens, "
+      "Tensor rope, Tensor tree_mask, Tensor? block_table, int num_heads, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("compact_kv_", &specdec::compact_kv_cpu_entry);
   m.impl("linear", &specdec::linear_cpu);
+  m.impl("decoder_layers", &specdec::decoder_layers_cpu);
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {
   m.impl("compact_kv_", &specdec::compact_kv_meta);
   m.impl("linear", &specdec::linear_meta);
+  m.impl("decoder_layers", &specdec::decoder_layers_meta);
 }
 
 #ifdef SPECDEC_WITH_CUDA

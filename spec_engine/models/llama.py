@@ -3,14 +3,15 @@
 Parameter names match HF transformers, so HF checkpoints load as they are and our own checkpoints load in HF.
 Two forward paths share every weight:
 
-- ``forward``: the engine's path. It writes the new tokens' K/V into the cache at slots ``L_b .. L_b+T-1``
-  and attends with ``spec_kernels.tree_attention`` (prefix + the nodes each row's tree mask allows).
+- ``forward``: the engine's path. It writes the new tokens' K/V into the cache at slots ``L_b .. L_b+T-1`` and
+  attends to the prefix plus the nodes each row's tree mask allows, through ``spec_kernels.decoder_layers``: on CPU
+  float32 the whole layer stack is one C++ call (``csrc/decoder_layers_cpu.cpp``); elsewhere torch ops around the
+  ``linear`` and ``tree_attention`` kernels.
 - ``forward_train``: plain causal attention over a whole batch, for the zoo training recipe.
 
 The engine's path is lean (``LlamaForCausalLM.fuse``, done at load): q/k/v and gate/up are one matrix each, so a
-layer runs 4 matmuls, not 7, each through ``spec_kernels.linear`` (the native small-M kernel on CPU: batch-invariant,
-2.5-4x torch's GEMMs at M <= 16); RMSNorm is ``F.rms_norm``; RoPE reads a cos/sin table by position; K and V are
-written to the cache in one indexed copy. The HF names stay: the separate projections are views of the fused rows.
+layer runs 4 matmuls, not 7; RoPE reads a cos/sin table by position. The HF names stay: the separate projections are
+views of the fused rows.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from spec_engine.models.config import ModelConfig, rope_inv_freq
-from spec_kernels import linear, plan_tree_attention, tree_attention
+from spec_kernels import linear
+from spec_kernels.decoder_layers import decoder_layers
+from spec_kernels.reference import rms_norm_ref
+from spec_kernels.reference import rope_ref as apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -32,15 +36,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op (8 vs 11-18 us on CPU)
             return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
-        # float32 statistics as HF does: fp16/bf16 variance underflows on long rows; the weight multiplies after.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [B, T, H, D]; cos, sin [B, T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -69,42 +65,14 @@ class Attention(nn.Module):
         if self.q_proj.bias is not None:
             self.qkv_bias = _fuse_rows(projs, bias=True)
 
-    def _project(self, x: torch.Tensor):
-        B, T, _ = x.shape
-        sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
-        if self.qkv_weight is not None:
-            q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split(sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return (
-            q.reshape(B, T, self.num_heads, self.head_dim),  # [B, T, Hq, D]
-            k.reshape(B, T, self.num_kv_heads, self.head_dim),  # [B, T, Hkv, D]
-            v.reshape(B, T, self.num_kv_heads, self.head_dim),  # [B, T, Hkv, D]
-        )
-
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        if self.qkv_weight is not None and not self.qk_norm:
-            # fused: q and k are adjacent columns of one output, so one RoPE pass rotates both (6 ops, not 12)
-            B, T, _ = x.shape
-            H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-            qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [B, T, (Hq + 2 Hkv) D]
-            qk = apply_rope(qkv[..., : (H + Hkv) * D].reshape(B, T, H + Hkv, D), cos, sin)  # [B, T, Hq + Hkv, D]
-            return qk[:, :, :H], qk[:, :, H:], qkv[..., (H + Hkv) * D :].reshape(B, T, Hkv, D)
-        q, k, v = self._project(x)
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)  # [B, T, Hq, D]
+        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def forward(self, x, cos, sin, layer_cache, cache_seqlens, flat_slots, tree_mask, block_table, plan):
-        """layer_cache: [2, blocks, block_size, Hkv, D], this layer's K and V planes."""
-        B, T, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin)
-        # [2, rows, Hkv, D] <- [2, B * T, Hkv, D]: row = the physical cache row of position L_b + t; K and V at once
-        planes = layer_cache.view(2, -1, self.num_kv_heads, self.head_dim)
-        planes[:, flat_slots] = torch.stack((k, v)).view(2, B * T, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = layer_cache[0], layer_cache[1]
-        out = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, plan=plan)
-        return linear(out.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias)
 
     def forward_train(self, x, cos, sin):
         B, T, _ = x.shape
@@ -127,10 +95,7 @@ class MLP(nn.Module):
         self.gate_up_weight = _fuse_rows((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _fuse_rows(linears, bias: bool = False) -> torch.Tensor:
@@ -147,6 +112,16 @@ def _fuse_rows(linears, bias: bool = False) -> torch.Tensor:
             m.weight = view
         start += p.shape[0]
     return fused
+
+
+def _layer_fields(layer: DecoderLayer) -> list[torch.Tensor | None]:
+    """One fused layer's tensors in the order of ``spec_kernels.reference.LAYER_FIELDS``."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+    return [
+        layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
+        layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.down_proj.weight, *norms,
+    ]  # fmt: skip
 
 
 class DecoderLayer(nn.Module):
@@ -166,21 +141,8 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def cache_rows(cache_seqlens: torch.Tensor, T: int, rows_per_block: int, block_table: torch.Tensor | None):
-    """[B * T] physical row of positions L_b .. L_b+T-1 in a cache flattened to [blocks * rows_per_block, ...].
-
-    Contiguous caches are the case "block b of sequence b holds all S positions".
-    """
-    B = cache_seqlens.shape[0]
-    pos = cache_seqlens.long()[:, None] + torch.arange(T, device=cache_seqlens.device)  # [B, T]
-    if block_table is None:
-        return (torch.arange(B, device=pos.device)[:, None] * rows_per_block + pos).flatten()
-    block = block_table.long().gather(1, pos // rows_per_block)  # [B, T]
-    return (block * rows_per_block + pos % rows_per_block).flatten()
-
-
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM whose ``forward`` runs on a KV cache through ``tree_attention``.
+    """A Llama-family causal LM whose ``forward`` runs on a KV cache through ``spec_kernels.decoder_layers``.
 
     The KV cache of one model is a single tensor ``[layers, 2, B, S, Hkv, D]`` (see ``spec_engine.kv_cache``).
     """
@@ -194,13 +156,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.rope_table: torch.Tensor | None = None  # [2, max_positions, D] cos and sin, once fused
+        self.layer_weights: list[torch.Tensor | None] | None = None  # decoder_layers' flat list, once fused
 
     def fuse(self, max_positions: int | None = None) -> LlamaForCausalLM:
         """Prepare the engine's lean path (inference only): fused q/k/v and gate/up matrices, and with
         ``max_positions`` a RoPE cos/sin table for positions below it. Returns self."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+        if self.layer_weights is None:
+            for layer in self.model.layers:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+            self.layer_weights = [w for layer in self.model.layers for w in _layer_fields(layer)]
         if max_positions is not None:
             positions = torch.arange(max_positions, device=self.inv_freq.device)
             cos, sin = self._rope_from_freqs(positions, self.lm_head.weight.dtype)
@@ -212,14 +177,12 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [..., D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, 1, D] for positions [B, T]: read from the table when there is one (positions past it are
-        the caller's error: the engine sizes the table to max_model_len plus a tree)."""
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """cos and sin [2, B, T, D] for positions [B, T]: read from the table when there is one (positions past it
+        are the caller's error: the engine sizes the table to max_model_len plus a tree)."""
         if self.rope_table is not None and self.rope_table.dtype == dtype:
-            cos, sin = self.rope_table[:, positions].unsqueeze(3)  # 2 x [B, T, 1, D]
-            return cos, sin
-        cos, sin = self._rope_from_freqs(positions, dtype)
-        return cos[:, :, None], sin[:, :, None]
+            return self.rope_table[:, positions]
+        return torch.stack(self._rope_from_freqs(positions, dtype))
 
     def forward(
         self,
@@ -239,18 +202,14 @@ class LlamaForCausalLM(nn.Module):
             tree_mask: [B, T, T] bool
             returns: [B, T, hidden]; apply ``logits`` to the rows whose logits are needed.
         """
+        if self.layer_weights is None:
+            self.fuse()
         h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
-        cos, sin = self._rope(positions, h.dtype)
-        flat_slots = cache_rows(cache_seqlens, input_ids.shape[1], kv_cache.shape[3], block_table)  # [B * T]
-        # key rows and masks, shared by every layer (None on paths that need none)
-        heads = self.config.num_attention_heads
-        plan = plan_tree_attention(kv_cache[0, 0], cache_seqlens, tree_mask, num_q_heads=heads, block_table=block_table)
-        for i, layer in enumerate(self.model.layers):
-            h = h + layer.self_attn(
-                layer.input_layernorm(h), cos, sin, kv_cache[i], cache_seqlens, flat_slots, tree_mask, block_table, plan
-            )
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+        cfg = self.config
+        return decoder_layers(
+            h, self.layer_weights, self.model.norm.weight, kv_cache, cache_seqlens, self._rope(positions, h.dtype),
+            tree_mask, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=block_table,
+        )  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V] in float32."""
@@ -261,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         B, T = input_ids.shape
         h = self.model.embed_tokens(input_ids)
         positions = torch.arange(T, device=h.device).expand(B, T)
-        cos, sin = self._rope(positions, h.dtype)
+        cos, sin = self._rope(positions, h.dtype).unsqueeze(3)  # 2 x [B, T, 1, D]
         for layer in self.model.layers:
             h = h + layer.self_attn.forward_train(layer.input_layernorm(h), cos, sin)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -269,3 +228,41 @@ class LlamaForCausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+    def forward_features(self, input_ids, positions, kv_cache, cache_seqlens, tree_mask, block_table=None, *, layers):
+        """``forward`` in torch ops, also returning the residual streams entering ``layers`` (EAGLE-3's features):
+        (final normed hidden states [B, T, hidden], those streams concatenated in ``layers``' order
+        [B, T, len(layers) * hidden]). Same cache effects as ``forward``."""
+        h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
+        cos, sin = (x[:, :, None] for x in self._rope_from_freqs(positions, h.dtype))  # [B, T, 1, D]
+        streams = {}
+        for i, layer in enumerate(self.model.layers):
+            streams[i] = h
+            attn_in = layer.input_layernorm(h)
+            h = h + cached_attention(layer.self_attn, attn_in, cos, sin, kv_cache[i], cache_seqlens, tree_mask,
+                                     block_table)  # fmt: skip
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h), torch.cat([streams[i] for i in layers], dim=-1)
+
+
+def cache_slots(positions: torch.Tensor, block_size: int, block_table: torch.Tensor | None):
+    """(blocks, offsets) [B, T] of logical ``positions`` [B, T] in a cache ``[blocks, block_size, ...]`` (paged with
+    ``block_table``; contiguous ``[B, S, ...]`` without: block b is sequence b)."""
+    if block_table is None:
+        return torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions), positions
+    return block_table.long().gather(1, positions // block_size), positions % block_size
+
+
+def cached_attention(attn: Attention, x, cos, sin, layer_cache, cache_seqlens, tree_mask, block_table=None):
+    """One attention block in torch ops around ``tree_attention`` (inference): writes the K/V of x's T tokens at
+    positions L_b .. L_b+T-1 of ``layer_cache`` [2, blocks, block_size, Hkv, D]; returns [B, T, hidden]."""
+    from spec_kernels import tree_attention
+
+    B, T, _ = x.shape
+    q, k, v = attn._qkv(x, cos, sin)  # [B, T, Hq | Hkv, D]
+    positions = cache_seqlens.long()[:, None] + torch.arange(T, device=x.device)  # [B, T]
+    blocks, offsets = cache_slots(positions, layer_cache.shape[2], block_table)
+    layer_cache[0, blocks, offsets] = k
+    layer_cache[1, blocks, offsets] = v
+    out = tree_attention(q, layer_cache[0], layer_cache[1], cache_seqlens, tree_mask, block_table=block_table)
+    return linear(out.reshape(B, T, -1), attn.o_proj.weight, attn.o_proj.bias)

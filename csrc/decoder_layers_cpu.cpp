@@ -1,0 +1,439 @@
+// A stack of Llama-family decoder layers on a KV cache, in one op call: the engine's whole forward on CPU (float32).
+//
+// Glossary: B sequences, T new tokens each (a tree, a chain, one decode token or a prefill chunk), M = B * T rows,
+// H the hidden size, Hq / Hkv query / key-value heads of D elements, G = Hq / Hkv query heads per KV head, I the MLP
+// width, L_b the committed length of sequence b (its tree's K/V go to positions L_b .. L_b + T - 1).
+//
+// Why one op: the default target's forward is ~250 small torch ops at T = 1, each 5-20 us of dispatch and allocation,
+// against ~0.7 ms for all its matmuls; llama.cpp's whole forward on the same weights is 0.8 ms. Here a layer is 4
+// calls of the small-M linear kernel (csrc/linear_cpu.cpp) plus loops over the rows for everything else, in buffers
+// allocated once per call.
+//
+// Per layer, for every row:   x = rms_norm(h) * w_in
+//                             q, k, v = x @ Wqkv^T (+ b), [q_norm, k_norm], RoPE(q, k) from the given cos / sin
+//                             K/V -> cache at L_b + t;  a = tree attention (prefix + the nodes the mask allows)
+//                             h += a @ Wo^T;  x = rms_norm(h) * w_post;  h += (silu(x Wg^T) * (x Wu^T)) @ Wd^T
+// and at the end h = rms_norm(h) * w_final.
+//
+// Batch invariance (greedy speculation relies on it): every value of row (b, t) is computed by the same sequence of
+// float operations whatever B and T are and whatever the other rows hold. Matmuls: the linear kernel's fixed order.
+// Norms, RoPE, SiLU: per row. Attention: one query row's scores run over its keys in position order (the prefix, then
+// the tree nodes in node order, which is position order along a path) and are summed in that order; a key the mask
+// hides contributes nothing. So a tree node's hidden state equals plain decoding's of the same tokens bit for bit.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <vector>
+
+#include "linear_cpu.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SPECDEC_DECODER_X86 1
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#define SPECDEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#else
+#define SPECDEC_DECODER_X86 0
+#endif
+
+namespace specdec {
+
+namespace {
+
+// The weights of one layer as the Python side passes them (spec_kernels/decoder_layers.py: LAYER_FIELDS), in order.
+enum LayerField : int {
+  kInputNorm = 0,  // [H]
+  kQkv,            // [(Hq + 2 Hkv) D, H]
+  kQkvBias,        // [(Hq + 2 Hkv) D] or undefined
+  kO,              // [H, Hq D]
+  kPostNorm,       // [H]
+  kGateUp,         // [2 I, H]: gate rows, then up rows
+  kDown,           // [H, I]
+  kQNorm,          // [D] or undefined (Qwen3)
+  kKNorm,          // [D] or undefined
+  kNumFields,
+};
+const char* const kFieldNames[kNumFields] = {"input_norm", "qkv",      "qkv_bias", "o",     "post_norm",
+                                             "gate_up",    "down",     "q_norm",   "k_norm"};
+
+bool cpu_has_avx512() {
+#if SPECDEC_DECODER_X86
+  static const bool ok = std::getenv("SPECDEC_LINEAR_SCALAR") == nullptr && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Vector primitives: an AVX-512 body and a scalar one, chosen once per process (the order of a dot product's sum
+// differs between them, so one process never mixes the two).
+// ---------------------------------------------------------------------------------------------------------------
+
+float dot_scalar(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy_scalar(float alpha, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+#if SPECDEC_DECODER_X86
+// Lane l sums a[i] * b[i] for i = l, l + 16, ...; then one fixed reduction of the 16 lanes.
+SPECDEC_AVX512 float dot_avx512(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+SPECDEC_AVX512 void axpy_avx512(float alpha, const float* x, float* y, int64_t n) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+#endif
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return dot_avx512(a, b, n);
+#endif
+  return dot_scalar(a, b, n);
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return axpy_avx512(alpha, x, y, n);
+#endif
+  axpy_scalar(alpha, x, y, n);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row-wise pieces.
+// ---------------------------------------------------------------------------------------------------------------
+
+// out = x / sqrt(mean(x^2) + eps) * w, for `rows` rows of n (x row stride ldx, out contiguous).
+void rms_norm(const float* x, int64_t ldx, const float* w, float eps, float* out, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    const float inv = 1.f / std::sqrt(dot(xr, xr, n) / static_cast<float>(n) + eps);
+    float* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * inv * w[i];
+  }
+}
+
+// Rotate-half RoPE of one head in place: x[i] = x[i] cos[i] - x[i + D/2] sin[i], x[i + D/2] = x[i + D/2] cos[i + D/2]
+// + x[i] sin[i + D/2]; the same two products and one sum per element as the torch path's x * cos + rotated * sin.
+void rope_head(float* x, const float* cos, const float* sin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] + (-b) * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// What one call works on, as raw pointers and sizes.
+struct Problem {
+  int64_t B, T, H, Hq, Hkv, D, I, num_layers;
+  float eps, scale;
+  const int64_t* seqlens;      // [B] (converted to int64)
+  const bool* tree_mask;       // [B, T, T]
+  const int32_t* block_table;  // [B, max_blocks] or nullptr (contiguous: block b, block_size = S)
+  int64_t max_blocks, block_size, num_blocks;
+  const float* cos;  // [B, T, D]
+  const float* sin;  // [B, T, D]
+  float* kv;         // [layers, 2, num_blocks, block_size, Hkv, D]
+
+  // Offset of logical position p of sequence b in one cache plane, in elements, at KV head 0.
+  int64_t row_offset(int64_t b, int64_t p) const {
+    const int64_t block = block_table != nullptr ? block_table[b * max_blocks + p / block_size] : b;
+    return (block * block_size + p % block_size) * Hkv * D;
+  }
+  float* plane(int64_t layer, int64_t which) const { return kv + (layer * 2 + which) * num_blocks * block_size * Hkv * D; }
+};
+
+// Attention of the G query heads of KV head `kvh`, for token t of sequence b. q [G, D] (row stride D), out [G, D].
+// Scores go to `scores` [G, L + T]: the prefix, then the T tree slots (hidden ones skipped, never summed).
+void attend(const Problem& p, const float* k_plane, const float* v_plane, int64_t b, int64_t t, int64_t kvh,
+            const float* q, float* out, std::vector<float>& scores) {
+  const int64_t G = p.Hq / p.Hkv, D = p.D, L = p.seqlens[b], T = p.T;
+  const int64_t n = L + T;
+  scores.resize(G * n);
+  const bool* mask = p.tree_mask + (b * T + t) * T;  // [T]
+  const int64_t head = kvh * D;
+  for (int64_t j = 0; j < n; ++j) {
+    if (j >= L && !mask[j - L]) continue;
+    const float* k = k_plane + p.row_offset(b, j) + head;
+    for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(q + g * D, k, D) * p.scale;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+      if (j >= L && !mask[j - L]) continue;
+      mx = std::max(mx, s[j]);
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      if (j >= L && !mask[j - L]) continue;
+      s[j] = std::exp(s[j] - mx);
+      sum += s[j];
+    }
+    float* o = out + g * D;
+    std::fill(o, o + D, 0.f);
+    if (sum == 0.f) continue;  // a row that sees nothing (L_b = 0, all-False mask row): zeros, as tree_attention
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < n; ++j) {
+      if (j >= L && !mask[j - L]) continue;
+      axpy(s[j] * inv, v_plane + p.row_offset(b, j) + head, o, D);
+    }
+  }
+}
+
+void run_layers(const Problem& p, const std::vector<at::Tensor>& weights, float* h) {
+  const int64_t M = p.B * p.T, H = p.H, D = p.D, Hq = p.Hq, Hkv = p.Hkv, I = p.I, G = Hq / Hkv;
+  const int64_t qkv_width = (Hq + 2 * Hkv) * D;
+  std::vector<float> x(M * H), qkv(M * qkv_width), attn(M * Hq * D), gate_up(M * 2 * I), act(M * I), delta(M * H);
+  // Work of one attention unit (b, t, kvh), for the threading grain: ~L * G * D * 4 flops at ~20 GFLOP/s a core.
+  double mean_keys = 0.0;
+  for (int64_t b = 0; b < p.B; ++b) mean_keys += static_cast<double>(p.seqlens[b] + p.T) / static_cast<double>(p.B);
+  const double unit_us = mean_keys * static_cast<double>(G * D) * 4.0 / 20e3;
+  const int64_t attn_grain = static_cast<int64_t>(5.0 / std::max(unit_us, 1e-3)) + 1;
+  const int64_t num_units = p.B * p.T * Hkv;
+
+  for (int64_t l = 0; l < p.num_layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kNumFields;
+    float* k_plane = p.plane(l, 0);
+    float* v_plane = p.plane(l, 1);
+
+    rms_norm(h, H, w[kInputNorm].data_ptr<float>(), p.eps, x.data(), M, H);
+    const float* qkv_bias = w[kQkvBias].defined() ? w[kQkvBias].data_ptr<float>() : nullptr;
+    linear_f32(x.data(), w[kQkv].data_ptr<float>(), qkv_bias, qkv.data(), M, qkv_width, H, H);
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = qkv.data() + m * qkv_width;  // [Hq D | Hkv D | Hkv D]
+      if (w[kQNorm].defined()) {
+        rms_norm(row, D, w[kQNorm].data_ptr<float>(), p.eps, row, Hq, D);
+        rms_norm(row + Hq * D, D, w[kKNorm].data_ptr<float>(), p.eps, row + Hq * D, Hkv, D);
+      }
+      const float* cos = p.cos + m * D;
+      const float* sin = p.sin + m * D;
+      for (int64_t hd = 0; hd < Hq + Hkv; ++hd) rope_head(row + hd * D, cos, sin, D);
+      const int64_t b = m / p.T, t = m % p.T;
+      const int64_t dst = p.row_offset(b, p.seqlens[b] + t);
+      std::copy(row + Hq * D, row + (Hq + Hkv) * D, k_plane + dst);
+      std::copy(row + (Hq + Hkv) * D, row + qkv_width, v_plane + dst);
+    }
+    at::parallel_for(0, num_units, attn_grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t m = u / Hkv, kvh = u % Hkv;
+        attend(p, k_plane, v_plane, m / p.T, m % p.T, kvh, qkv.data() + m * qkv_width + kvh * G * D,
+               attn.data() + m * Hq * D + kvh * G * D, scores);
+      }
+    });
+    linear_f32(attn.data(), w[kO].data_ptr<float>(), nullptr, delta.data(), M, H, Hq * D, Hq * D);
+    for (int64_t i = 0; i < M * H; ++i) h[i] += delta[i];
+
+    rms_norm(h, H, w[kPostNorm].data_ptr<float>(), p.eps, x.data(), M, H);
+    linear_f32(x.data(), w[kGateUp].data_ptr<float>(), nullptr, gate_up.data(), M, 2 * I, H, H);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* g = gate_up.data() + m * 2 * I;
+      float* a = act.data() + m * I;
+      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+    }
+    linear_f32(act.data(), w[kDown].data_ptr<float>(), nullptr, delta.data(), M, H, I, I);
+    for (int64_t i = 0; i < M * H; ++i) h[i] += delta[i];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Checks (no values: shared with the Meta kernel) and the entry points.
+// ---------------------------------------------------------------------------------------------------------------
+
+void check_vector(const at::Tensor& t, int64_t n, const char* name, int64_t layer) {
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n, "decoder_layers: layer ", layer, " ", name, " must be [", n,
+                    "], got ", t.sizes());
+}
+
+void check_matrix(const at::Tensor& t, int64_t rows, int64_t cols, const char* name, int64_t layer) {
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, "decoder_layers: layer ", layer, " ",
+                    name, " must be [", rows, ", ", cols, "], got ", t.sizes());
+}
+
+struct Dims {
+  int64_t B, T, H, Hq, Hkv, D, I, num_layers;
+};
+
+Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weights, const at::Tensor& final_norm,
+                  const at::Tensor& kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                  const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table, int64_t num_heads) {
+  TORCH_CHECK_VALUE(hidden.dim() == 3, "decoder_layers: hidden must be [B, T, H], got ", hidden.sizes());
+  TORCH_CHECK_TYPE(hidden.scalar_type() == at::kFloat, "decoder_layers: the native path takes float32, got ",
+                   hidden.scalar_type());
+  TORCH_CHECK_VALUE(kv_cache.dim() == 6, "decoder_layers: kv_cache must be [layers, 2, blocks, block_size, Hkv, D], ",
+                    "got ", kv_cache.sizes());
+  TORCH_CHECK_VALUE(kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+                    "decoder_layers: kv_cache must be contiguous [layers, 2, ...], got shape ", kv_cache.sizes());
+  TORCH_CHECK_TYPE(kv_cache.scalar_type() == at::kFloat, "decoder_layers: kv_cache must be float32, got ",
+                   kv_cache.scalar_type());
+  TORCH_CHECK_VALUE(weights.size() % kNumFields == 0, "decoder_layers: weights must hold ", int(kNumFields),
+                    " tensors per layer, got ", weights.size());
+  Dims d{hidden.size(0), hidden.size(1), hidden.size(2), num_heads, kv_cache.size(4), kv_cache.size(5), 0,
+         static_cast<int64_t>(weights.size()) / kNumFields};
+  TORCH_CHECK_VALUE(d.num_layers <= kv_cache.size(0), "decoder_layers: ", d.num_layers, " layers but the cache has ",
+                    kv_cache.size(0));
+  TORCH_CHECK_VALUE(d.Hkv > 0 && d.Hq > 0 && d.Hq % d.Hkv == 0, "decoder_layers: num_heads ", d.Hq,
+                    " must be a positive multiple of the cache's KV heads ", d.Hkv);
+  TORCH_CHECK_VALUE(d.D % 2 == 0, "decoder_layers: head_dim must be even (rotate-half RoPE), got ", d.D);
+  for (int64_t l = 0; l < d.num_layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kNumFields;
+    for (int f = 0; f < kNumFields; ++f) {
+      if (!w[f].defined()) {
+        TORCH_CHECK_VALUE(f == kQkvBias || f == kQNorm || f == kKNorm, "decoder_layers: layer ", l, " ",
+                          kFieldNames[f], " is missing");
+        continue;
+      }
+      TORCH_CHECK_TYPE(w[f].scalar_type() == at::kFloat, "decoder_layers: layer ", l, " ", kFieldNames[f],
+                       " must be float32, got ", w[f].scalar_type());
+      TORCH_CHECK_VALUE(w[f].device() == hidden.device() && w[f].is_contiguous(), "decoder_layers: layer ", l, " ",
+                        kFieldNames[f], " must be contiguous and on ", hidden.device());
+    }
+    TORCH_CHECK_VALUE(w[kQNorm].defined() == w[kKNorm].defined(), "decoder_layers: q_norm and k_norm go together");
+    if (l == 0) d.I = w[kGateUp].dim() == 2 ? w[kGateUp].size(0) / 2 : 0;
+    const int64_t qkv_width = (d.Hq + 2 * d.Hkv) * d.D;
+    check_vector(w[kInputNorm], d.H, "input norm", l);
+    check_matrix(w[kQkv], qkv_width, d.H, "qkv", l);
+    if (w[kQkvBias].defined()) check_vector(w[kQkvBias], qkv_width, "qkv bias", l);
+    check_matrix(w[kO], d.H, d.Hq * d.D, "o", l);
+    check_vector(w[kPostNorm], d.H, "post-attention norm", l);
+    check_matrix(w[kGateUp], 2 * d.I, d.H, "gate_up", l);
+    check_matrix(w[kDown], d.H, d.I, "down", l);
+    if (w[kQNorm].defined()) {
+      check_vector(w[kQNorm], d.D, "q_norm", l);
+      check_vector(w[kKNorm], d.D, "k_norm", l);
+    }
+  }
+  TORCH_CHECK_VALUE(final_norm.dim() == 1 && final_norm.size(0) == d.H && final_norm.scalar_type() == at::kFloat,
+                    "decoder_layers: final_norm must be float32 [", d.H, "], got ", final_norm.sizes());
+  TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == d.B, "decoder_layers: cache_seqlens must be [",
+                    d.B, "], got ", cache_seqlens.sizes());
+  TORCH_CHECK_TYPE(cache_seqlens.scalar_type() == at::kInt || cache_seqlens.scalar_type() == at::kLong,
+                   "decoder_layers: cache_seqlens must be int32 or int64, got ", cache_seqlens.scalar_type());
+  TORCH_CHECK_VALUE(rope.dim() == 4 && rope.size(0) == 2 && rope.size(1) == d.B && rope.size(2) == d.T &&
+                        rope.size(3) == d.D && rope.scalar_type() == at::kFloat,
+                    "decoder_layers: rope must be float32 [2, B, T, D] = [2, ", d.B, ", ", d.T, ", ", d.D, "], got ",
+                    rope.sizes(), " ", rope.scalar_type());
+  TORCH_CHECK_VALUE(tree_mask.dim() == 3 && tree_mask.size(0) == d.B && tree_mask.size(1) == d.T &&
+                        tree_mask.size(2) == d.T && tree_mask.scalar_type() == at::kBool,
+                    "decoder_layers: tree_mask must be bool [B, T, T] = [", d.B, ", ", d.T, ", ", d.T, "], got ",
+                    tree_mask.sizes(), " ", tree_mask.scalar_type());
+  if (block_table.has_value()) {
+    TORCH_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == d.B, "decoder_layers: block_table must be [",
+                      d.B, ", max_blocks], got ", block_table->sizes());
+    TORCH_CHECK_TYPE(block_table->scalar_type() == at::kInt || block_table->scalar_type() == at::kLong,
+                     "decoder_layers: block_table must be int32 or int64, got ", block_table->scalar_type());
+  } else {
+    TORCH_CHECK_VALUE(kv_cache.size(2) == d.B, "decoder_layers: a contiguous kv_cache [layers, 2, B, S, Hkv, D] has B = ",
+                      kv_cache.size(2), " but hidden has ", d.B, " (pass block_table for a paged cache)");
+  }
+  for (const at::Tensor* t : {&cache_seqlens, &rope, &tree_mask, &kv_cache, &final_norm}) {
+    TORCH_CHECK_VALUE(t->device() == hidden.device(), "decoder_layers: all tensors must be on ", hidden.device(),
+                      ", got one on ", t->device());
+  }
+  return d;
+}
+
+// The weights with the optional ones the caller left out (passed as empty tensors: the schema's list has no holes)
+// made undefined.
+std::vector<at::Tensor> present(at::TensorList list) {
+  std::vector<at::Tensor> weights;
+  weights.reserve(list.size());
+  for (const at::Tensor& t : list) weights.push_back(t.numel() > 0 ? t : at::Tensor());
+  return weights;
+}
+
+}  // namespace
+
+at::Tensor decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights_list, const at::Tensor& final_norm,
+                              at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                              const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
+                              int64_t num_heads, double eps) {
+  const std::vector<at::Tensor> weights = present(weights_list);
+  const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
+                              num_heads);
+  TORCH_CHECK_VALUE(hidden.device().is_cpu(), "decoder_layers: the native kernel runs on CPU, got ", hidden.device());
+  const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]
+  const at::Tensor mask = tree_mask.contiguous();                        // [B, T, T]
+  const at::Tensor cos_sin = rope.contiguous();                          // [2, B, T, D]
+  at::Tensor table;                                                      // [B, max_blocks]
+  if (block_table.has_value()) table = block_table->to(at::kInt).contiguous();
+
+  Problem p{};
+  p.B = d.B, p.T = d.T, p.H = d.H, p.Hq = d.Hq, p.Hkv = d.Hkv, p.D = d.D, p.I = d.I, p.num_layers = d.num_layers;
+  p.eps = static_cast<float>(eps);
+  p.scale = 1.f / std::sqrt(static_cast<float>(d.D));
+  p.seqlens = seqlens.data_ptr<int64_t>();
+  p.tree_mask = mask.data_ptr<bool>();
+  p.num_blocks = kv_cache.size(2);
+  p.block_size = kv_cache.size(3);
+  p.block_table = table.defined() ? table.data_ptr<int32_t>() : nullptr;
+  p.max_blocks = table.defined() ? table.size(1) : 1;
+  p.cos = cos_sin.data_ptr<float>();
+  p.sin = p.cos + d.B * d.T * d.D;
+  p.kv = kv_cache.data_ptr<float>();
+
+  // Values, read on the host (free on CPU): every position written or read must lie in the sequence's blocks.
+  const int64_t capacity = table.defined() ? p.max_blocks * p.block_size : p.block_size;
+  for (int64_t b = 0; b < d.B; ++b) {
+    TORCH_CHECK_VALUE(p.seqlens[b] >= 0 && p.seqlens[b] + d.T <= capacity, "decoder_layers: sequence ", b,
+                      " has L_b = ", p.seqlens[b], " and T = ", d.T, " but its cache holds ", capacity, " positions");
+    if (table.defined()) {
+      const int64_t used = (p.seqlens[b] + d.T + p.block_size - 1) / p.block_size;
+      for (int64_t i = 0; i < used; ++i) {
+        const int32_t block = p.block_table[b * p.max_blocks + i];
+        TORCH_CHECK_VALUE(block >= 0 && block < p.num_blocks, "decoder_layers: block_table[", b, ", ", i, "] = ",
+                          block, " is not a block of the cache (", p.num_blocks, " blocks)");
+      }
+    }
+  }
+
+  at::Tensor out = hidden.contiguous().clone();  // [B, T, H]: the residual stream, updated in place
+  if (out.numel() == 0) return out;
+  float* h = out.data_ptr<float>();
+  run_layers(p, weights, h);
+  rms_norm(h, d.H, final_norm.contiguous().data_ptr<float>(), p.eps, h, d.B * d.T, d.H);
+  return out;
+}
+
+at::Tensor decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights_list, const at::Tensor& final_norm,
+                               at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                               const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
+                               int64_t num_heads, double eps) {
+  const std::vector<at::Tensor> weights = present(weights_list);
+  check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads);
+  return at::empty(hidden.sizes(), hidden.options());
+}
+
+}  // namespace specdec

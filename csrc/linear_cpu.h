@@ -1,0 +1,13 @@
+// The small-M linear kernel of csrc/linear_cpu.cpp on raw pointers, for other C++ ops that run matmuls in their own
+// loops (csrc/decoder_layers_cpu.cpp): same tiles, same batch-invariant reduction order, same threading rule.
+#pragma once
+
+#include <cstdint>
+
+namespace specdec {
+
+// out [M, N] = x [M, K] (row stride ldx, unit inner stride) @ weight [N, K]^T + bias [N] (or nullptr); float32.
+void linear_f32(const float* x, const float* weight, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                int64_t ldx);
+
+}  // namespace specdec

@@ -1,0 +1,195 @@
+"""decoder_layers: the native C++ stack against the float64 reference, batch invariance, the KV it writes, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spec_kernels.decoder_layers import decoder_layers
+from spec_kernels.reference import LAYER_FIELDS, decoder_layers_ref
+
+# (Hq, Hkv, D, bias, qk_norm): Llama GQA, Qwen2 (bias), Qwen3 (q/k norm), D = 80 (a masked tail in every dot), MHA
+CONFIGS = {
+    "llama_gqa": (4, 2, 16, False, False),
+    "qwen2_bias": (4, 2, 16, True, False),
+    "qwen3_qk_norm": (4, 2, 16, False, True),
+    "d80_group5": (5, 1, 80, False, False),
+    "mha": (2, 2, 32, False, False),
+}
+H, INTER, LAYERS, EPS = 48, 72, 2, 1e-5
+
+
+def make_weights(Hq, Hkv, D, bias, qk_norm, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    weights = []
+    for _ in range(LAYERS):
+        layer = {
+            "input_norm": 1 + rnd(H),
+            "qkv": rnd((Hq + 2 * Hkv) * D, H),
+            "qkv_bias": rnd((Hq + 2 * Hkv) * D) if bias else None,
+            "o": rnd(H, Hq * D),
+            "post_norm": 1 + rnd(H),
+            "gate_up": rnd(2 * INTER, H),
+            "down": rnd(H, INTER),
+            "q_norm": 1 + rnd(D) if qk_norm else None,
+            "k_norm": 1 + rnd(D) if qk_norm else None,
+        }
+        weights += [layer[f] for f in LAYER_FIELDS]
+    return weights, 1 + rnd(H)
+
+
+def rope_rows(positions, D):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    freqs = positions.float()[..., None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return torch.stack((emb.cos(), emb.sin()))  # [2, B, T, D]
+
+
+def make_problem(Hq, Hkv, D, seqlens, T, *, paged, mask="tree", seed=1):
+    """Inputs for B = len(seqlens) sequences with a random prefix already in the cache."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(seqlens)
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32)
+    capacity = max(seqlens) + T
+    if paged:
+        block_size = 8
+        per_seq = -(-capacity // block_size)
+        perm = torch.randperm(B * per_seq + 3, generator=g)  # scattered blocks, a few unused
+        block_table = perm[: B * per_seq].view(B, per_seq).to(torch.int32)
+        kv = torch.randn(LAYERS, 2, B * per_seq + 3, block_size, Hkv, D, generator=g)
+    else:
+        block_table = None
+        kv = torch.randn(LAYERS, 2, B, capacity + 2, Hkv, D, generator=g)
+    if mask == "causal":
+        tree_mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T).clone()
+    else:  # a tree: node i's parent is a random earlier node
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
+        m = torch.zeros(T, T, dtype=torch.bool)
+        for i in range(T):
+            j = i
+            while j >= 0:
+                m[i, j] = True
+                j = parents[j]
+        tree_mask = m.expand(B, T, T).clone()
+    depth = tree_mask.sum(-1) - 1  # [B, T]
+    positions = cache_seqlens.long()[:, None] + depth
+    hidden = torch.randn(B, T, H, generator=g)
+    return hidden, kv, cache_seqlens, rope_rows(positions, D), tree_mask, block_table
+
+
+def run(backend, weights, final_norm, hidden, kv, seqlens, rope, mask, table, Hq, dtype=torch.float32):
+    cast = [None if w is None else w.to(dtype) for w in weights]
+    kv = kv.to(dtype).clone()
+    out = (decoder_layers_ref if backend == "ref" else decoder_layers)(
+        hidden.to(dtype), cast, final_norm.to(dtype), kv, seqlens, rope.to(dtype), mask,
+        num_heads=Hq, eps=EPS, block_table=table, **({} if backend == "ref" else {"backend": backend}),
+    )  # fmt: skip
+    return out, kv
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize(
+    "seqlens, T, mask", [([5], 1, "tree"), ([0, 9, 3], 5, "tree"), ([2], 26, "causal"), ([0], 4, "causal")]
+)
+def test_native_matches_float64_reference(name, paged, seqlens, T, mask):
+    Hq, Hkv, D, bias, qk_norm = CONFIGS[name]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    problem = make_problem(Hq, Hkv, D, seqlens, T, paged=paged, mask=mask)
+    exact, exact_kv = run("ref", weights, final_norm, *problem, Hq, dtype=torch.float64)
+    ref32, ref32_kv = run("ref", weights, final_norm, *problem, Hq)
+    native, native_kv = run("native", weights, final_norm, *problem, Hq)
+    assert native.dtype == torch.float32 and native.shape == (len(seqlens), T, H)
+    # measured tolerance: the native error within 2x the same-dtype torch error, plus a small floor
+    err_torch = (ref32.double() - exact).abs().max().item()
+    err_native = (native.double() - exact).abs().max().item()
+    assert err_native <= 2 * err_torch + 1e-5, (err_native, err_torch)
+    # the K/V it wrote (positions L_b .. L_b+T-1) and everything it left alone
+    kv_err_torch = (ref32_kv.double() - exact_kv).abs().max().item()
+    kv_err_native = (native_kv.double() - exact_kv).abs().max().item()
+    assert kv_err_native <= 2 * kv_err_torch + 1e-5
+
+
+def test_planted_bug_is_caught():
+    """The tolerance above is tight enough to see a real mistake: a RoPE at the wrong position moves the output."""
+    Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    hidden, kv, seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [0, 9, 3], 5, paged=True)
+    exact, _ = run("ref", weights, final_norm, hidden, kv, seqlens, rope, mask, table, Hq, dtype=torch.float64)
+    ref32, _ = run("ref", weights, final_norm, hidden, kv, seqlens, rope, mask, table, Hq)
+    wrong_rope = rope_rows(seqlens.long()[:, None] + torch.arange(5) + 1, D)
+    buggy, _ = run("native", weights, final_norm, hidden, kv, seqlens, wrong_rope, mask, table, Hq)
+    err_torch = (ref32.double() - exact).abs().max().item()
+    assert (buggy.double() - exact).abs().max().item() > 2 * err_torch + 1e-5
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_tree_nodes_equal_plain_decoding_bitwise(paged):
+    """A chain verified in one pass gives each node the hidden state plain decoding gives it, bit for bit, and
+    a sequence's rows do not depend on the other sequences of the batch (what greedy speculation relies on)."""
+    Hq, Hkv, D, bias, qk_norm = CONFIGS["d80_group5"]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    T = 4
+    hidden, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [7, 2, 11], T, paged=paged, mask="causal")
+    chain = torch.ones(T, T, dtype=torch.bool).tril().expand(3, T, T).clone()
+    positions = seqlens.long()[:, None] + torch.arange(T)
+    together, _ = run("native", weights, final_norm, hidden, kv, seqlens, rope_rows(positions, D), chain, table, Hq)
+
+    one_by_one = kv.clone()
+    for t in range(T):  # plain decoding: one token per step, the cache growing by one
+        step_lens = seqlens + t
+        rope = rope_rows(positions[:, t : t + 1], D)
+        one_mask = torch.ones(3, 1, 1, dtype=torch.bool)
+        out = decoder_layers(hidden[:, t : t + 1], weights, final_norm, one_by_one, step_lens, rope, one_mask,
+                             num_heads=Hq, eps=EPS, block_table=table)  # fmt: skip
+        assert torch.equal(out[:, 0], together[:, t]), t
+
+    b = 1  # alone instead of in the batch
+    alone, _ = run(
+        "native", weights, final_norm, hidden[b : b + 1], kv if paged else kv[:, :, b : b + 1], seqlens[b : b + 1],
+        rope_rows(positions[b : b + 1], D), chain[b : b + 1], None if table is None else table[b : b + 1], Hq,
+    )  # fmt: skip
+    assert torch.equal(alone[0], together[b])
+
+
+def test_errors_are_clear():
+    Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    hidden, kv, seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [3, 4], 2, paged=True)
+    kwargs = dict(num_heads=Hq, eps=EPS, block_table=table)
+    with pytest.raises(ValueError, match="positions"):
+        decoder_layers(hidden, weights, final_norm, kv, seqlens + 100, rope, mask, **kwargs)
+    bad_table = table.clone()
+    bad_table[0, 0] = 10**6
+    with pytest.raises(ValueError, match="not a block"):
+        decoder_layers(hidden, weights, final_norm, kv, seqlens, rope, mask, **{**kwargs, "block_table": bad_table})
+    with pytest.raises(ValueError, match="tensors per layer"):
+        decoder_layers(hidden, weights[:-1], final_norm, kv, seqlens, rope, mask, **kwargs)
+    with pytest.raises(ValueError, match="qkv"):
+        transposed = [w.t().contiguous() if w is weights[1] else w for w in weights]
+        decoder_layers(hidden, transposed, final_norm, kv, seqlens, rope, mask, **kwargs)
+    with pytest.raises(ValueError, match="rope"):
+        decoder_layers(hidden, weights, final_norm, kv, seqlens, rope[:, :, :1], mask, **kwargs)
+    with pytest.raises(ValueError, match="num_heads"):
+        decoder_layers(hidden, weights, final_norm, kv, seqlens, rope, mask, **{**kwargs, "num_heads": 3})
+    with pytest.raises(ValueError, match="no Triton backend"):
+        decoder_layers(hidden, weights, final_norm, kv, seqlens, rope, mask, **kwargs, backend="triton")
+    with pytest.raises(TypeError, match="float32"):
+        decoder_layers(hidden.double(), weights, final_norm, kv, seqlens, rope, mask, **kwargs, backend="native")
+
+
+def test_meta_takes_the_device_path_and_native_refuses_it():
+    Hq, Hkv, D, bias, qk_norm = CONFIGS["qwen2_bias"]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    problem = make_problem(Hq, Hkv, D, [3, 4], 2, paged=True)
+    meta = lambda t: None if t is None else t.to("meta")  # noqa: E731
+    hidden, kv, seqlens, rope, mask, table = map(meta, problem)
+    args = (hidden, [meta(w) for w in weights], meta(final_norm), kv, seqlens, rope, mask)
+    out = decoder_layers(*args, num_heads=Hq, eps=EPS, block_table=table)
+    assert out.device.type == "meta" and out.shape == hidden.shape
+    with pytest.raises(RuntimeError, match="CPU path"):
+        decoder_layers(*args, num_heads=Hq, eps=EPS, block_table=table, backend="native")
