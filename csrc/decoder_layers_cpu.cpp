@@ -1,4 +1,5 @@
-// A stack of Llama-family decoder layers on a KV cache, in one op call: the engine's whole forward on CPU (float32).
+// A stack of Llama-family decoder layers on a KV cache, in one op call: the engine's whole forward on CPU (float32
+// or bfloat16 weights, activations and cache; the residual stream, norms, RoPE and softmax in float32).
 //
 // Glossary: B sequences, T new tokens each (a tree, a chain, one decode token or a prefill chunk), M = B * T rows,
 // H the hidden size, Hq / Hkv query / key-value heads of D elements, G = Hq / Hkv query heads per KV head, I the MLP
@@ -23,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
@@ -31,6 +33,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "linear_cpu.h"
@@ -77,52 +80,66 @@ bool cpu_has_avx512() {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Vector primitives: an AVX-512 body and a scalar one, chosen once per process (the order of a dot product's sum
-// differs between them, so one process never mixes the two).
+// Vector primitives over float32 queries / accumulators and float32 or bfloat16 keys / values: an AVX-512 body and a
+// scalar one, chosen once per process (their dot products sum in different orders, so one process never mixes them).
 // ---------------------------------------------------------------------------------------------------------------
 
-float dot_scalar(const float* a, const float* b, int64_t n) {
+inline float to_f(float v) { return v; }
+inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+float dot_scalar(const float* a, const T* b, int64_t n) {
   float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) s += a[i] * to_f(b[i]);
   return s;
 }
 
-void axpy_scalar(float alpha, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+template <typename T>
+void axpy_scalar(float alpha, const T* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * to_f(x[i]);
 }
 
 #if SPECDEC_DECODER_X86
-// Lane l sums a[i] * b[i] for i = l, l + 16, ...; then one fixed reduction of the 16 lanes.
-SPECDEC_AVX512 float dot_avx512(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+// 16 elements (the first `count` of them; the rest zero) as float32 lanes.
+template <typename T>
+SPECDEC_AVX512 inline __m512 load16(const T* p, int64_t count) {
+  const __mmask16 m = count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else {
+    const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
+}
+
+// Lane l sums a[i] * b[i] for i = l, l + 16, ...; then one fixed reduction of the 16 lanes.
+template <typename T>
+SPECDEC_AVX512 float dot_avx512(const float* a, const T* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(load16(a + i, n - i), load16(b + i, n - i), acc);
   return _mm512_reduce_add_ps(acc);
 }
 
-SPECDEC_AVX512 void axpy_avx512(float alpha, const float* x, float* y, int64_t n) {
+template <typename T>
+SPECDEC_AVX512 void axpy_avx512(float alpha, const T* x, float* y, int64_t n) {
   const __m512 a = _mm512_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(a, load16(x + i, n - i), _mm512_maskz_loadu_ps(m, y + i)));
   }
 }
 #endif
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
 #if SPECDEC_DECODER_X86
   if (cpu_has_avx512()) return dot_avx512(a, b, n);
 #endif
   return dot_scalar(a, b, n);
 }
 
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+template <typename T>
+inline void axpy(float alpha, const T* x, float* y, int64_t n) {
 #if SPECDEC_DECODER_X86
   if (cpu_has_avx512()) return axpy_avx512(alpha, x, y, n);
 #endif
@@ -133,59 +150,74 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 // Row-wise pieces.
 // ---------------------------------------------------------------------------------------------------------------
 
-// out = x / sqrt(mean(x^2) + eps) * w, for `rows` rows of n (x row stride ldx, out contiguous).
-void rms_norm(const float* x, int64_t ldx, const float* w, float eps, float* out, int64_t rows, int64_t n) {
+// out = x / sqrt(mean(x^2) + eps) * w for `rows` rows of n: float32 statistics (x row stride ldx), the result in
+// out's type (contiguous rows). In place when out == x.
+template <typename W, typename O>
+void rms_norm(const float* x, int64_t ldx, const W* w, float eps, O* out, int64_t rows, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * ldx;
     const float inv = 1.f / std::sqrt(dot(xr, xr, n) / static_cast<float>(n) + eps);
-    float* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * inv * w[i];
+    O* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<O>(xr[i] * inv * to_f(w[i]));
   }
 }
 
 // Rotate-half RoPE of one head in place: x[i] = x[i] cos[i] - x[i + D/2] sin[i], x[i + D/2] = x[i + D/2] cos[i + D/2]
 // + x[i] sin[i + D/2]; the same two products and one sum per element as the torch path's x * cos + rotated * sin.
-void rope_head(float* x, const float* cos, const float* sin, int64_t D) {
+template <typename T>
+void rope_head(float* x, const T* cos, const T* sin, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; ++i) {
     const float a = x[i], b = x[i + half];
-    x[i] = a * cos[i] + (-b) * sin[i];
-    x[i + half] = b * cos[i + half] + a * sin[i + half];
+    x[i] = a * to_f(cos[i]) + (-b) * to_f(sin[i]);
+    x[i + half] = b * to_f(cos[i + half]) + a * to_f(sin[i + half]);
   }
 }
 
-// What one call works on, as raw pointers and sizes.
+// Matmuls in the model's dtype: the small-M kernel of csrc/linear_cpu.cpp.
+void linear(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
+  linear_f32(x, w, bias, out, M, N, K, K);
+}
+void linear(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out, int64_t M,
+            int64_t N, int64_t K) {
+  linear_bf16(x, w, bias, out, M, N, K, K);
+}
+
+// What one call works on, as raw pointers and sizes; T is the model's dtype (weights, activations, cache, RoPE).
+template <typename T>
 struct Problem {
-  int64_t B, T, H, Hq, Hkv, D, I, num_layers;
+  int64_t B, T_, H, Hq, Hkv, D, I, num_layers;
   float eps, scale;
   const int64_t* seqlens;      // [B] (converted to int64)
   const bool* tree_mask;       // [B, T, T]
   const int32_t* block_table;  // [B, max_blocks] or nullptr (contiguous: block b, block_size = S)
   int64_t max_blocks, block_size, num_blocks;
-  const float* cos;  // [B, T, D]
-  const float* sin;  // [B, T, D]
-  float* kv;         // [layers, 2, num_blocks, block_size, Hkv, D]
+  const T* cos;  // [B, T, D]
+  const T* sin;  // [B, T, D]
+  T* kv;         // [layers, 2, num_blocks, block_size, Hkv, D]
 
   // Offset of logical position p of sequence b in one cache plane, in elements, at KV head 0.
   int64_t row_offset(int64_t b, int64_t p) const {
     const int64_t block = block_table != nullptr ? block_table[b * max_blocks + p / block_size] : b;
     return (block * block_size + p % block_size) * Hkv * D;
   }
-  float* plane(int64_t layer, int64_t which) const { return kv + (layer * 2 + which) * num_blocks * block_size * Hkv * D; }
+  T* plane(int64_t layer, int64_t which) const { return kv + (layer * 2 + which) * num_blocks * block_size * Hkv * D; }
 };
 
-// Attention of the G query heads of KV head `kvh`, for token t of sequence b. q [G, D] (row stride D), out [G, D].
-// Scores go to `scores` [G, L + T]: the prefix, then the T tree slots (hidden ones skipped, never summed).
-void attend(const Problem& p, const float* k_plane, const float* v_plane, int64_t b, int64_t t, int64_t kvh,
-            const float* q, float* out, std::vector<float>& scores) {
-  const int64_t G = p.Hq / p.Hkv, D = p.D, L = p.seqlens[b], T = p.T;
-  const int64_t n = L + T;
+// Attention of the G query heads of KV head `kvh`, for token t of sequence b. q [G, D] float32 (row stride D), out
+// [G, D] float32. Scores go to `scores` [G, L + T]: the prefix, then the T tree slots (hidden ones skipped, never
+// summed).
+template <typename T>
+void attend(const Problem<T>& p, const T* k_plane, const T* v_plane, int64_t b, int64_t t, int64_t kvh, const float* q,
+            float* out, std::vector<float>& scores) {
+  const int64_t G = p.Hq / p.Hkv, D = p.D, L = p.seqlens[b], num_nodes = p.T_;
+  const int64_t n = L + num_nodes;
   scores.resize(G * n);
-  const bool* mask = p.tree_mask + (b * T + t) * T;  // [T]
+  const bool* mask = p.tree_mask + (b * num_nodes + t) * num_nodes;  // [T]
   const int64_t head = kvh * D;
   for (int64_t j = 0; j < n; ++j) {
     if (j >= L && !mask[j - L]) continue;
-    const float* k = k_plane + p.row_offset(b, j) + head;
+    const T* k = k_plane + p.row_offset(b, j) + head;
     for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(q + g * D, k, D) * p.scale;
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -212,59 +244,70 @@ void attend(const Problem& p, const float* k_plane, const float* v_plane, int64_
   }
 }
 
-void run_layers(const Problem& p, const std::vector<at::Tensor>& weights, float* h) {
-  const int64_t M = p.B * p.T, H = p.H, D = p.D, Hq = p.Hq, Hkv = p.Hkv, I = p.I, G = Hq / Hkv;
+template <typename T>
+const T* ptr(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
+// h [M, H] float32: the residual stream, updated in place through every layer.
+template <typename T>
+void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, float* h) {
+  const int64_t M = p.B * p.T_, H = p.H, D = p.D, Hq = p.Hq, Hkv = p.Hkv, I = p.I, G = Hq / Hkv;
   const int64_t qkv_width = (Hq + 2 * Hkv) * D;
-  std::vector<float> x(M * H), qkv(M * qkv_width), attn(M * Hq * D), gate_up(M * 2 * I), act(M * I), delta(M * H);
+  std::vector<T> x(M * std::max(H, I)), qkv(M * qkv_width), attn(M * Hq * D), gate_up(M * 2 * I), delta(M * H);
+  std::vector<float> qk(M * (Hq + Hkv) * D), attn_f(M * Hq * D);  // float32 q/k after norms and RoPE; attention
   // Work of one attention unit (b, t, kvh), for the threading grain: ~L * G * D * 4 flops at ~20 GFLOP/s a core.
   double mean_keys = 0.0;
-  for (int64_t b = 0; b < p.B; ++b) mean_keys += static_cast<double>(p.seqlens[b] + p.T) / static_cast<double>(p.B);
+  for (int64_t b = 0; b < p.B; ++b) mean_keys += static_cast<double>(p.seqlens[b] + p.T_) / static_cast<double>(p.B);
   const double unit_us = mean_keys * static_cast<double>(G * D) * 4.0 / 20e3;
   const int64_t attn_grain = static_cast<int64_t>(5.0 / std::max(unit_us, 1e-3)) + 1;
-  const int64_t num_units = p.B * p.T * Hkv;
+  const int64_t num_units = M * Hkv;
 
   for (int64_t l = 0; l < p.num_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kNumFields;
-    float* k_plane = p.plane(l, 0);
-    float* v_plane = p.plane(l, 1);
+    T* k_plane = p.plane(l, 0);
+    T* v_plane = p.plane(l, 1);
 
-    rms_norm(h, H, w[kInputNorm].data_ptr<float>(), p.eps, x.data(), M, H);
-    const float* qkv_bias = w[kQkvBias].defined() ? w[kQkvBias].data_ptr<float>() : nullptr;
-    linear_f32(x.data(), w[kQkv].data_ptr<float>(), qkv_bias, qkv.data(), M, qkv_width, H, H);
+    rms_norm(h, H, ptr<T>(w[kInputNorm]), p.eps, x.data(), M, H);
+    linear(x.data(), ptr<T>(w[kQkv]), ptr<T>(w[kQkvBias]), qkv.data(), M, qkv_width, H);
     for (int64_t m = 0; m < M; ++m) {
-      float* row = qkv.data() + m * qkv_width;  // [Hq D | Hkv D | Hkv D]
+      const T* row = qkv.data() + m * qkv_width;  // [Hq D | Hkv D | Hkv D]
+      float* qk_row = qk.data() + m * (Hq + Hkv) * D;
+      for (int64_t i = 0; i < (Hq + Hkv) * D; ++i) qk_row[i] = to_f(row[i]);
       if (w[kQNorm].defined()) {
-        rms_norm(row, D, w[kQNorm].data_ptr<float>(), p.eps, row, Hq, D);
-        rms_norm(row + Hq * D, D, w[kKNorm].data_ptr<float>(), p.eps, row + Hq * D, Hkv, D);
+        rms_norm(qk_row, D, ptr<T>(w[kQNorm]), p.eps, qk_row, Hq, D);
+        rms_norm(qk_row + Hq * D, D, ptr<T>(w[kKNorm]), p.eps, qk_row + Hq * D, Hkv, D);
       }
-      const float* cos = p.cos + m * D;
-      const float* sin = p.sin + m * D;
-      for (int64_t hd = 0; hd < Hq + Hkv; ++hd) rope_head(row + hd * D, cos, sin, D);
-      const int64_t b = m / p.T, t = m % p.T;
+      for (int64_t hd = 0; hd < Hq + Hkv; ++hd) rope_head(qk_row + hd * D, p.cos + m * D, p.sin + m * D, D);
+      const int64_t b = m / p.T_, t = m % p.T_;
       const int64_t dst = p.row_offset(b, p.seqlens[b] + t);
-      std::copy(row + Hq * D, row + (Hq + Hkv) * D, k_plane + dst);
+      for (int64_t i = 0; i < Hkv * D; ++i) k_plane[dst + i] = static_cast<T>(qk_row[Hq * D + i]);
       std::copy(row + (Hq + Hkv) * D, row + qkv_width, v_plane + dst);
     }
     at::parallel_for(0, num_units, attn_grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t u = begin; u < end; ++u) {
         const int64_t m = u / Hkv, kvh = u % Hkv;
-        attend(p, k_plane, v_plane, m / p.T, m % p.T, kvh, qkv.data() + m * qkv_width + kvh * G * D,
-               attn.data() + m * Hq * D + kvh * G * D, scores);
+        attend(p, k_plane, v_plane, m / p.T_, m % p.T_, kvh, qk.data() + m * (Hq + Hkv) * D + kvh * G * D,
+               attn_f.data() + m * Hq * D + kvh * G * D, scores);
       }
     });
-    linear_f32(attn.data(), w[kO].data_ptr<float>(), nullptr, delta.data(), M, H, Hq * D, Hq * D);
-    for (int64_t i = 0; i < M * H; ++i) h[i] += delta[i];
+    for (int64_t i = 0; i < M * Hq * D; ++i) attn[i] = static_cast<T>(attn_f[i]);
+    linear(attn.data(), ptr<T>(w[kO]), nullptr, delta.data(), M, H, Hq * D);
+    for (int64_t i = 0; i < M * H; ++i) h[i] += to_f(delta[i]);
 
-    rms_norm(h, H, w[kPostNorm].data_ptr<float>(), p.eps, x.data(), M, H);
-    linear_f32(x.data(), w[kGateUp].data_ptr<float>(), nullptr, gate_up.data(), M, 2 * I, H, H);
+    rms_norm(h, H, ptr<T>(w[kPostNorm]), p.eps, x.data(), M, H);
+    linear(x.data(), ptr<T>(w[kGateUp]), nullptr, gate_up.data(), M, 2 * I, H);
     for (int64_t m = 0; m < M; ++m) {
-      const float* g = gate_up.data() + m * 2 * I;
-      float* a = act.data() + m * I;
-      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+      const T* g = gate_up.data() + m * 2 * I;
+      T* a = x.data() + m * I;  // the activation reuses x's rows: x is dead once gate_up is computed
+      for (int64_t i = 0; i < I; ++i) {
+        const float gate = to_f(g[i]);
+        a[i] = static_cast<T>(gate / (1.f + std::exp(-gate)) * to_f(g[I + i]));
+      }
     }
-    linear_f32(act.data(), w[kDown].data_ptr<float>(), nullptr, delta.data(), M, H, I, I);
-    for (int64_t i = 0; i < M * H; ++i) h[i] += delta[i];
+    linear(x.data(), ptr<T>(w[kDown]), nullptr, delta.data(), M, H, I);
+    for (int64_t i = 0; i < M * H; ++i) h[i] += to_f(delta[i]);
   }
 }
 
@@ -290,13 +333,14 @@ Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weigh
                   const at::Tensor& kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
                   const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table, int64_t num_heads) {
   TORCH_CHECK_VALUE(hidden.dim() == 3, "decoder_layers: hidden must be [B, T, H], got ", hidden.sizes());
-  TORCH_CHECK_TYPE(hidden.scalar_type() == at::kFloat, "decoder_layers: the native path takes float32, got ",
-                   hidden.scalar_type());
+  const at::ScalarType dtype = hidden.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16,
+                   "decoder_layers: the native path takes float32 or bfloat16, got ", dtype);
   TORCH_CHECK_VALUE(kv_cache.dim() == 6, "decoder_layers: kv_cache must be [layers, 2, blocks, block_size, Hkv, D], ",
                     "got ", kv_cache.sizes());
   TORCH_CHECK_VALUE(kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
                     "decoder_layers: kv_cache must be contiguous [layers, 2, ...], got shape ", kv_cache.sizes());
-  TORCH_CHECK_TYPE(kv_cache.scalar_type() == at::kFloat, "decoder_layers: kv_cache must be float32, got ",
+  TORCH_CHECK_TYPE(kv_cache.scalar_type() == dtype, "decoder_layers: kv_cache must be ", dtype, " like hidden, got ",
                    kv_cache.scalar_type());
   TORCH_CHECK_VALUE(weights.size() % kNumFields == 0, "decoder_layers: weights must hold ", int(kNumFields),
                     " tensors per layer, got ", weights.size());
@@ -315,8 +359,8 @@ Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weigh
                           kFieldNames[f], " is missing");
         continue;
       }
-      TORCH_CHECK_TYPE(w[f].scalar_type() == at::kFloat, "decoder_layers: layer ", l, " ", kFieldNames[f],
-                       " must be float32, got ", w[f].scalar_type());
+      TORCH_CHECK_TYPE(w[f].scalar_type() == dtype, "decoder_layers: layer ", l, " ", kFieldNames[f], " must be ",
+                       dtype, " like hidden, got ", w[f].scalar_type());
       TORCH_CHECK_VALUE(w[f].device() == hidden.device() && w[f].is_contiguous(), "decoder_layers: layer ", l, " ",
                         kFieldNames[f], " must be contiguous and on ", hidden.device());
     }
@@ -335,15 +379,15 @@ Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weigh
       check_vector(w[kKNorm], d.D, "k_norm", l);
     }
   }
-  TORCH_CHECK_VALUE(final_norm.dim() == 1 && final_norm.size(0) == d.H && final_norm.scalar_type() == at::kFloat,
-                    "decoder_layers: final_norm must be float32 [", d.H, "], got ", final_norm.sizes());
+  TORCH_CHECK_VALUE(final_norm.dim() == 1 && final_norm.size(0) == d.H && final_norm.scalar_type() == dtype,
+                    "decoder_layers: final_norm must be ", dtype, " [", d.H, "], got ", final_norm.sizes());
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == d.B, "decoder_layers: cache_seqlens must be [",
                     d.B, "], got ", cache_seqlens.sizes());
   TORCH_CHECK_TYPE(cache_seqlens.scalar_type() == at::kInt || cache_seqlens.scalar_type() == at::kLong,
                    "decoder_layers: cache_seqlens must be int32 or int64, got ", cache_seqlens.scalar_type());
   TORCH_CHECK_VALUE(rope.dim() == 4 && rope.size(0) == 2 && rope.size(1) == d.B && rope.size(2) == d.T &&
-                        rope.size(3) == d.D && rope.scalar_type() == at::kFloat,
-                    "decoder_layers: rope must be float32 [2, B, T, D] = [2, ", d.B, ", ", d.T, ", ", d.D, "], got ",
+                        rope.size(3) == d.D && rope.scalar_type() == dtype,
+                    "decoder_layers: rope must be ", dtype, " [2, B, T, D] = [2, ", d.B, ", ", d.T, ", ", d.D, "], got ",
                     rope.sizes(), " ", rope.scalar_type());
   TORCH_CHECK_VALUE(tree_mask.dim() == 3 && tree_mask.size(0) == d.B && tree_mask.size(1) == d.T &&
                         tree_mask.size(2) == d.T && tree_mask.scalar_type() == at::kBool,
@@ -374,24 +418,13 @@ std::vector<at::Tensor> present(at::TensorList list) {
   return weights;
 }
 
-}  // namespace
-
-at::Tensor decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights_list, const at::Tensor& final_norm,
-                              at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
-                              const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
-                              int64_t num_heads, double eps) {
-  const std::vector<at::Tensor> weights = present(weights_list);
-  const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
-                              num_heads);
-  TORCH_CHECK_VALUE(hidden.device().is_cpu(), "decoder_layers: the native kernel runs on CPU, got ", hidden.device());
-  const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]
-  const at::Tensor mask = tree_mask.contiguous();                        // [B, T, T]
-  const at::Tensor cos_sin = rope.contiguous();                          // [2, B, T, D]
-  at::Tensor table;                                                      // [B, max_blocks]
-  if (block_table.has_value()) table = block_table->to(at::kInt).contiguous();
-
-  Problem p{};
-  p.B = d.B, p.T = d.T, p.H = d.H, p.Hq = d.Hq, p.Hkv = d.Hkv, p.D = d.D, p.I = d.I, p.num_layers = d.num_layers;
+// Checks the values (positions and block ids; free on CPU), runs the layers and the final norm into out [B, T, H].
+template <typename T>
+void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tensor>& weights,
+             const at::Tensor& final_norm, at::Tensor& kv_cache, const at::Tensor& seqlens, const at::Tensor& mask,
+             const at::Tensor& cos_sin, const at::Tensor& table, double eps, at::Tensor& out) {
+  Problem<T> p{};
+  p.B = d.B, p.T_ = d.T, p.H = d.H, p.Hq = d.Hq, p.Hkv = d.Hkv, p.D = d.D, p.I = d.I, p.num_layers = d.num_layers;
   p.eps = static_cast<float>(eps);
   p.scale = 1.f / std::sqrt(static_cast<float>(d.D));
   p.seqlens = seqlens.data_ptr<int64_t>();
@@ -400,11 +433,11 @@ at::Tensor decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights_l
   p.block_size = kv_cache.size(3);
   p.block_table = table.defined() ? table.data_ptr<int32_t>() : nullptr;
   p.max_blocks = table.defined() ? table.size(1) : 1;
-  p.cos = cos_sin.data_ptr<float>();
+  p.cos = cos_sin.data_ptr<T>();
   p.sin = p.cos + d.B * d.T * d.D;
-  p.kv = kv_cache.data_ptr<float>();
+  p.kv = kv_cache.data_ptr<T>();
 
-  // Values, read on the host (free on CPU): every position written or read must lie in the sequence's blocks.
+  // Every position written or read must lie in the sequence's blocks.
   const int64_t capacity = table.defined() ? p.max_blocks * p.block_size : p.block_size;
   for (int64_t b = 0; b < d.B; ++b) {
     TORCH_CHECK_VALUE(p.seqlens[b] >= 0 && p.seqlens[b] + d.T <= capacity, "decoder_layers: sequence ", b,
@@ -419,11 +452,37 @@ at::Tensor decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights_l
     }
   }
 
-  at::Tensor out = hidden.contiguous().clone();  // [B, T, H]: the residual stream, updated in place
+  std::vector<float> h(d.B * d.T * d.H);  // the residual stream in float32
+  const T* in = hidden.data_ptr<T>();
+  for (size_t i = 0; i < h.size(); ++i) h[i] = to_f(in[i]);
+  run_layers(p, weights, h.data());
+  rms_norm(h.data(), d.H, final_norm.data_ptr<T>(), p.eps, out.data_ptr<T>(), d.B * d.T, d.H);
+}
+
+}  // namespace
+
+at::Tensor decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights_list, const at::Tensor& final_norm,
+                              at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                              const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
+                              int64_t num_heads, double eps) {
+  const std::vector<at::Tensor> weights = present(weights_list);
+  const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
+                              num_heads);
+  TORCH_CHECK_VALUE(hidden.device().is_cpu(), "decoder_layers: the native kernel runs on CPU, got ", hidden.device());
+  const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]
+  const at::Tensor mask = tree_mask.contiguous();                        // [B, T, T]
+  const at::Tensor cos_sin = rope.contiguous();                          // [2, B, T, D]
+  const at::Tensor input = hidden.contiguous();                          // [B, T, H]
+  at::Tensor table;                                                      // [B, max_blocks]
+  if (block_table.has_value()) table = block_table->to(at::kInt).contiguous();
+
+  at::Tensor out = at::empty(hidden.sizes(), hidden.options());  // [B, T, H]
   if (out.numel() == 0) return out;
-  float* h = out.data_ptr<float>();
-  run_layers(p, weights, h);
-  rms_norm(h, d.H, final_norm.contiguous().data_ptr<float>(), p.eps, h, d.B * d.T, d.H);
+  if (hidden.scalar_type() == at::kFloat) {
+    forward<float>(d, input, weights, final_norm.contiguous(), kv_cache, seqlens, mask, cos_sin, table, eps, out);
+  } else {
+    forward<c10::BFloat16>(d, input, weights, final_norm.contiguous(), kv_cache, seqlens, mask, cos_sin, table, eps, out);
+  }
   return out;
 }
 

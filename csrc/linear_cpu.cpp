@@ -389,6 +389,11 @@ void linear_f32(const float* x, const float* weight, const float* bias, float* o
   if (M > 0 && N > 0) run<float>({x, weight, bias, out, M, N, K, ldx});
 }
 
+void linear_bf16(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias, c10::BFloat16* out,
+                 int64_t M, int64_t N, int64_t K, int64_t ldx) {
+  if (M > 0 && N > 0) run<c10::BFloat16>({x, weight, bias, out, M, N, K, ldx});
+}
+
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   check_inputs(x, weight, bias);
   TORCH_CHECK_VALUE(x.device().is_cpu(), "linear: the native CPU kernel got tensors on ", x.device());

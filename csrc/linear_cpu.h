@@ -2,6 +2,8 @@
 // loops (csrc/decoder_layers_cpu.cpp): same tiles, same batch-invariant reduction order, same threading rule.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 
 namespace specdec {
@@ -9,5 +11,9 @@ namespace specdec {
 // out [M, N] = x [M, K] (row stride ldx, unit inner stride) @ weight [N, K]^T + bias [N] (or nullptr); float32.
 void linear_f32(const float* x, const float* weight, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
                 int64_t ldx);
+
+// The same in bfloat16 (AVX512-BF16 dot products, float32 sums, one rounding per output).
+void linear_bf16(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias, c10::BFloat16* out,
+                 int64_t M, int64_t N, int64_t K, int64_t ldx);
 
 }  // namespace specdec

@@ -27,13 +27,17 @@ from spec_kernels.tree_attention import plan_tree_attention, tree_attention
 _EMPTY = torch.empty(0)  # stands for a missing optional weight in the C++ op's list (its schema has no holes)
 
 
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _native_fits(hidden: torch.Tensor, weights: Sequence[torch.Tensor | None], kv_cache: torch.Tensor) -> bool:
-    """Whether backend=None takes the C++ op: CPU float32 activations, weights and cache."""
+    """Whether backend=None takes the C++ op: CPU float32 or bfloat16 activations, weights and cache of one dtype."""
+    dtype = hidden.dtype
     return (
         hidden.is_cpu
-        and hidden.dtype == torch.float32
-        and kv_cache.dtype == torch.float32
-        and all(w is None or w.dtype == torch.float32 for w in weights)
+        and dtype in NATIVE_DTYPES
+        and kv_cache.dtype == dtype
+        and all(w is None or w.dtype == dtype for w in weights)
     )
 
 
@@ -60,7 +64,8 @@ def decoder_layers(
 
     Parameters
     ----------
-    hidden : the token embeddings, float32 for the native backend.
+    hidden : the token embeddings, float32 or bfloat16 for the native backend (the residual stream, norms, RoPE and
+        softmax run in float32 inside it; matmuls and the cache in the model's dtype).
     weights : ``len(LAYER_FIELDS)`` tensors per layer in the order of ``spec_kernels.reference.LAYER_FIELDS``:
         input norm ``[H]``, qkv ``[(Hq + 2 Hkv) D, H]``, qkv bias ``[(Hq + 2 Hkv) D]`` or None, o ``[H, Hq D]``,
         post-attention norm ``[H]``, gate_up ``[2 I, H]`` (gate rows first), down ``[H, I]``, q_norm and k_norm
@@ -73,8 +78,8 @@ def decoder_layers(
     tree_mask : bool, ``tree_mask[b, i, j]``: node i sees node j (causal for prefill).
     num_heads : Hq; eps : the RMSNorm epsilon.
     block_table : int32 ``[B, max_blocks]`` for a paged cache.
-    backend : None (native on CPU float32, torch ops around the device kernels elsewhere), "native", "torch" (the
-        reference). "triton" raises: this op composes the Triton kernels rather than being one.
+    backend : None (native on CPU float32 / bfloat16, torch ops around the device kernels elsewhere), "native",
+        "torch" (the reference). "triton" raises: this op composes the Triton kernels rather than being one.
 
     Returns
     -------

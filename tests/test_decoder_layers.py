@@ -114,6 +114,26 @@ def test_native_matches_float64_reference(name, paged, seqlens, T, mask):
     assert kv_err_native <= 2 * kv_err_torch + 1e-5
 
 
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "qwen3_qk_norm", "d80_group5"])
+@pytest.mark.parametrize("seqlens, T, mask", [([0, 9, 3], 5, "tree"), ([2], 26, "causal")])
+def test_native_bfloat16_matches_float64_reference(name, seqlens, T, mask):
+    """bfloat16 weights, activations and cache; the native op keeps its residual stream in float32, so it is at
+    least as close to the exact result as torch's bfloat16 loop."""
+    Hq, Hkv, D, bias, qk_norm = CONFIGS[name]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    problem = make_problem(Hq, Hkv, D, seqlens, T, paged=True, mask=mask)
+    rounded = [None if w is None else w.bfloat16().double() for w in weights]  # the exact result of bf16 weights
+    hidden, kv, *rest = problem
+    exact, _ = run("ref", rounded, final_norm.bfloat16(), hidden.bfloat16(), kv.bfloat16(), *rest, Hq,
+                   dtype=torch.float64)  # fmt: skip
+    ref16, _ = run("ref", weights, final_norm, *problem, Hq, dtype=torch.bfloat16)
+    native, native_kv = run("native", weights, final_norm, *problem, Hq, dtype=torch.bfloat16)
+    assert native.dtype == torch.bfloat16 and native_kv.dtype == torch.bfloat16
+    err_torch = (ref16.double() - exact).abs().max().item()
+    err_native = (native.double() - exact).abs().max().item()
+    assert err_native <= 2 * err_torch + 1e-3, (err_native, err_torch)
+
+
 def test_planted_bug_is_caught():
     """The tolerance above is tight enough to see a real mistake: a RoPE at the wrong position moves the output."""
     Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
@@ -127,8 +147,9 @@ def test_planted_bug_is_caught():
     assert (buggy.double() - exact).abs().max().item() > 2 * err_torch + 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_tree_nodes_equal_plain_decoding_bitwise(paged):
+def test_tree_nodes_equal_plain_decoding_bitwise(paged, dtype):
     """A chain verified in one pass gives each node the hidden state plain decoding gives it, bit for bit, and
     a sequence's rows do not depend on the other sequences of the batch (what greedy speculation relies on)."""
     Hq, Hkv, D, bias, qk_norm = CONFIGS["d80_group5"]
@@ -137,12 +158,15 @@ def test_tree_nodes_equal_plain_decoding_bitwise(paged):
     hidden, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [7, 2, 11], T, paged=paged, mask="causal")
     chain = torch.ones(T, T, dtype=torch.bool).tril().expand(3, T, T).clone()
     positions = seqlens.long()[:, None] + torch.arange(T)
-    together, _ = run("native", weights, final_norm, hidden, kv, seqlens, rope_rows(positions, D), chain, table, Hq)
+    weights = [None if w is None else w.to(dtype) for w in weights]
+    final_norm, hidden, kv = final_norm.to(dtype), hidden.to(dtype), kv.to(dtype)
+    together, _ = run("native", weights, final_norm, hidden, kv, seqlens, rope_rows(positions, D), chain, table, Hq,
+                      dtype=dtype)  # fmt: skip
 
     one_by_one = kv.clone()
     for t in range(T):  # plain decoding: one token per step, the cache growing by one
         step_lens = seqlens + t
-        rope = rope_rows(positions[:, t : t + 1], D)
+        rope = rope_rows(positions[:, t : t + 1], D).to(dtype)
         one_mask = torch.ones(3, 1, 1, dtype=torch.bool)
         out = decoder_layers(hidden[:, t : t + 1], weights, final_norm, one_by_one, step_lens, rope, one_mask,
                              num_heads=Hq, eps=EPS, block_table=table)  # fmt: skip
@@ -151,7 +175,7 @@ def test_tree_nodes_equal_plain_decoding_bitwise(paged):
     b = 1  # alone instead of in the batch
     alone, _ = run(
         "native", weights, final_norm, hidden[b : b + 1], kv if paged else kv[:, :, b : b + 1], seqlens[b : b + 1],
-        rope_rows(positions[b : b + 1], D), chain[b : b + 1], None if table is None else table[b : b + 1], Hq,
+        rope_rows(positions[b : b + 1], D), chain[b : b + 1], None if table is None else table[b : b + 1], Hq, dtype,
     )  # fmt: skip
     assert torch.equal(alone[0], together[b])
 
