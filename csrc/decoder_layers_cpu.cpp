@@ -38,15 +38,9 @@
 
 #include "linear_cpu.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define SPECDEC_DECODER_X86 1
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#define SPECDEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-#else
-#define SPECDEC_DECODER_X86 0
-#endif
+#include "cpu_simd.h"
+
+#define SPECDEC_DECODER_X86 SPECDEC_CPU_X86
 
 namespace specdec {
 
@@ -204,44 +198,141 @@ struct Problem {
   T* plane(int64_t layer, int64_t which) const { return kv + (layer * 2 + which) * num_blocks * block_size * Hkv * D; }
 };
 
-// Attention of the G query heads of KV head `kvh`, for token t of sequence b. q [G, D] float32 (row stride D), out
-// [G, D] float32. Scores go to `scores` [G, L + T]: the prefix, then the T tree slots (hidden ones skipped, never
-// summed).
+// The keys a query row sees, in attention order, as cache row offsets (KV head 0): the prefix 0 .. L_b - 1, then the
+// tree slots its mask allows. Plain decoding of the same token sees the same list (its ancestors are then committed
+// positions, in the same order), so every sum below runs over the same index sequence in both: the attention of a
+// tree node equals plain decoding's bit for bit. Slots the mask hides are not in the list.
 template <typename T>
-void attend(const Problem<T>& p, const T* k_plane, const T* v_plane, int64_t b, int64_t t, int64_t kvh, const float* q,
-            float* out, std::vector<float>& scores) {
-  const int64_t G = p.Hq / p.Hkv, D = p.D, L = p.seqlens[b], num_nodes = p.T_;
-  const int64_t n = L + num_nodes;
-  scores.resize(G * n);
-  const bool* mask = p.tree_mask + (b * num_nodes + t) * num_nodes;  // [T]
-  const int64_t head = kvh * D;
-  for (int64_t j = 0; j < n; ++j) {
-    if (j >= L && !mask[j - L]) continue;
-    const T* k = k_plane + p.row_offset(b, j) + head;
-    for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(q + g * D, k, D) * p.scale;
+void key_rows(const Problem<T>& p, int64_t b, int64_t t, std::vector<int64_t>& rows) {
+  const int64_t L = p.seqlens[b];
+  const bool* mask = p.tree_mask + (b * p.T_ + t) * p.T_;  // [T]
+  rows.clear();
+  for (int64_t j = 0; j < L; ++j) rows.push_back(p.row_offset(b, j));
+  for (int64_t j = 0; j < p.T_; ++j) {
+    if (mask[j]) rows.push_back(p.row_offset(b, L + j));
   }
+}
+
+// Attention of G query heads q [G, D] (float32) over the keys at `rows` (n of them) of one KV head of k / v planes
+// (pointers already offset to the head), into out [G, D]. p [G, n] is scratch for the scores and probabilities.
+// Scalar version: sequential sums in key order.
+template <typename T>
+void attend_scalar(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G, int64_t D,
+                   float scale, float* p, float* out) {
   for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * n;
+    float* s = p + g * n;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) {
-      if (j >= L && !mask[j - L]) continue;
+      s[j] = dot_scalar(q + g * D, k + rows[j], D) * scale;
       mx = std::max(mx, s[j]);
     }
     float sum = 0.f;
     for (int64_t j = 0; j < n; ++j) {
-      if (j >= L && !mask[j - L]) continue;
       s[j] = std::exp(s[j] - mx);
       sum += s[j];
     }
     float* o = out + g * D;
     std::fill(o, o + D, 0.f);
-    if (sum == 0.f) continue;  // a row that sees nothing (L_b = 0, all-False mask row): zeros, as tree_attention
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < n; ++j) {
-      if (j >= L && !mask[j - L]) continue;
-      axpy(s[j] * inv, v_plane + p.row_offset(b, j) + head, o, D);
+    for (int64_t j = 0; j < n; ++j) axpy_scalar(s[j], v + rows[j], o, D);
+    const float inv = n > 0 ? 1.f / sum : 0.f;  // a row that sees nothing (L_b = 0, all-False mask row): zeros
+    for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+  }
+}
+
+#if SPECDEC_DECODER_X86
+// The same with AVX-512: scores 16 keys at a time (each key's dot summed lane-wise over D, then by reduce16's fixed
+// tree: a key's score does not depend on which keys share its block), the max and the exponentials by vectors, the
+// softmax sum in lanes by list index (index j in lane j % 16, one fixed reduction at the end), and the weighted sum
+// of V rows in list order. Default target, one thread: L = 200, T = 16 6.2 -> 3.7 ms per forward; L = 500, T = 16
+// 11.9 -> 5.3 ms (before: a scalar exp and one _mm512_reduce_add_ps per score).
+template <typename T>
+SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G,
+                                  int64_t D, float scale, float* p, float* out) {
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - j0);
+    const __mmask16 live = count == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qv = load16(q + g * D + d, D - d);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+          if (j < count) {
+            const int slot = 4 * (j % 4) + j / 4;  // reduce16 leaves acc[slot] in lane j
+            acc[slot] = _mm512_fmadd_ps(qv, load16(k + rows[j0 + j] + d, D - d), acc[slot]);
+          }
+        }
+      }
+      _mm512_mask_storeu_ps(p + g * n + j0, live, _mm512_mul_ps(simd::reduce16(acc), scale_v));
     }
   }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = p + g * n;
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 live = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      mx = _mm512_mask_max_ps(mx, live, mx, _mm512_maskz_loadu_ps(live, s + j));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 live = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(live, simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), m)));
+      _mm512_mask_storeu_ps(s + j, live, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const float total = _mm512_reduce_add_ps(sum);
+    float* o = out + g * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t j = 0; j < n; ++j) axpy_avx512(s[j], v + rows[j], o, D);
+    const float inv = n > 0 ? 1.f / total : 0.f;  // a row that sees nothing (L_b = 0, all-False mask row): zeros
+    for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+  }
+}
+#endif
+
+template <typename T>
+void attend(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G, int64_t D, float scale,
+            float* p, float* out) {
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return attend_avx512(k, v, rows, n, q, G, D, scale, p, out);
+#endif
+  attend_scalar(k, v, rows, n, q, G, D, scale, p, out);
+}
+
+// out[i] = silu(gate[i]) * up[i] = gate / (1 + e^-gate) * up, for n elements.
+template <typename T>
+void silu_mul_scalar(const T* gate, const T* up, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = to_f(gate[i]);
+    out[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_f(up[i]));
+  }
+}
+
+#if SPECDEC_DECODER_X86
+template <typename T>
+SPECDEC_AVX512 void silu_mul_avx512(const T* gate, const T* up, T* out, int64_t n) {
+  alignas(64) float buf[16];
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t count = std::min<int64_t>(16, n - i);
+    const __m512 g = load16(gate + i, count);
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 e = simd::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_store_ps(buf, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), load16(up + i, count)));
+    for (int64_t j = 0; j < count; ++j) out[i + j] = static_cast<T>(buf[j]);
+  }
+}
+#endif
+
+template <typename T>
+void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return silu_mul_avx512(gate, up, out, n);
+#endif
+  silu_mul_scalar(gate, up, out, n);
 }
 
 template <typename T>
@@ -285,11 +376,15 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, flo
       std::copy(row + (Hq + Hkv) * D, row + qkv_width, v_plane + dst);
     }
     at::parallel_for(0, num_units, attn_grain, [&](int64_t begin, int64_t end) {
+      std::vector<int64_t> rows;
       std::vector<float> scores;
       for (int64_t u = begin; u < end; ++u) {
         const int64_t m = u / Hkv, kvh = u % Hkv;
-        attend(p, k_plane, v_plane, m / p.T_, m % p.T_, kvh, qk.data() + m * (Hq + Hkv) * D + kvh * G * D,
-               attn_f.data() + m * Hq * D + kvh * G * D, scores);
+        key_rows(p, m / p.T_, m % p.T_, rows);
+        scores.resize(G * rows.size());
+        attend(k_plane + kvh * D, v_plane + kvh * D, rows.data(), static_cast<int64_t>(rows.size()),
+               qk.data() + m * (Hq + Hkv) * D + kvh * G * D, G, D, p.scale, scores.data(),
+               attn_f.data() + m * Hq * D + kvh * G * D);
       }
     });
     for (int64_t i = 0; i < M * Hq * D; ++i) attn[i] = static_cast<T>(attn_f[i]);
@@ -298,13 +393,8 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, flo
 
     rms_norm(h, H, ptr<T>(w[kPostNorm]), p.eps, x.data(), M, H);
     linear(x.data(), ptr<T>(w[kGateUp]), nullptr, gate_up.data(), M, 2 * I, H);
-    for (int64_t m = 0; m < M; ++m) {
-      const T* g = gate_up.data() + m * 2 * I;
-      T* a = x.data() + m * I;  // the activation reuses x's rows: x is dead once gate_up is computed
-      for (int64_t i = 0; i < I; ++i) {
-        const float gate = to_f(g[i]);
-        a[i] = static_cast<T>(gate / (1.f + std::exp(-gate)) * to_f(g[I + i]));
-      }
+    for (int64_t m = 0; m < M; ++m) {  // the activation reuses x's rows: x is dead once gate_up is computed
+      silu_mul(gate_up.data() + m * 2 * I, gate_up.data() + m * 2 * I + I, x.data() + m * I, I);
     }
     linear(x.data(), ptr<T>(w[kDown]), nullptr, delta.data(), M, H, I);
     for (int64_t i = 0; i < M * H; ++i) h[i] += to_f(delta[i]);

@@ -31,17 +31,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define SPECDEC_LINEAR_X86 1
-// GCC 12 under -Wall flags the deliberately undefined registers of its own AVX-512 intrinsics (_mm512_undefined_ps)
-// once they are inlined into target("avx512...") functions: a false positive, silenced for this file only.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#define SPECDEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
-#else
-#define SPECDEC_LINEAR_X86 0
-#endif
+#include "cpu_simd.h"
+
+#define SPECDEC_LINEAR_X86 SPECDEC_CPU_X86
 
 namespace specdec {
 
@@ -95,35 +87,6 @@ void rows_scalar(const LinearArgs<T>& a, int64_t n_begin, int64_t n_end) {
 // AVX-512 path.
 // ---------------------------------------------------------------------------------------------------------------
 
-// Sums the lanes of 16 accumulators at once: lane 4q + r of the result is the sum of acc[4r + q]. Every accumulator
-// goes through the same tree, ((v0+v8)+(v4+v12)) + ((v1+v9)+(v5+v13)) + ... (lane pairs i, i+8, then i, i+4, then
-// adjacent), whatever the others hold; unused accumulators are zero and never mix into used ones. One transposing
-// tree costs 15 adds + 30 shuffles per 16 outputs, against ~8 instructions per output for _mm512_reduce_add_ps.
-SPECDEC_AVX512 inline __m512 reduce16(const __m512* acc) {
-  __m512 b[8], c[4], d[2];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {  // halves: b[i] = [acc[2i] (8 lanes), acc[2i+1] (8 lanes)]
-    const __m512 lo = _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44);
-    const __m512 hi = _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE);
-    b[i] = _mm512_add_ps(lo, hi);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {  // quarters: c[i] = [acc[4i], acc[4i+1], acc[4i+2], acc[4i+3]] (4 lanes each)
-    const __m512 lo = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88);
-    const __m512 hi = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD);
-    c[i] = _mm512_add_ps(lo, hi);
-  }
-#pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i) {  // pairs of lanes within each quarter
-    const __m512 lo = _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512 hi = _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1));
-    d[i] = _mm512_add_ps(lo, hi);
-  }
-  const __m512 lo = _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0));
-  const __m512 hi = _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1));
-  return _mm512_add_ps(lo, hi);
-}
-
 // Where a tile keeps accumulator (nb, mb) so that reduce16 leaves x row mb's NB sums in lanes mb * NB .. + NB - 1,
 // in n order: lane 4q + r of reduce16 is accumulator 4r + q, so output lane L needs accumulator 4 (L % 4) + L / 4.
 template <int NB>
@@ -145,7 +108,7 @@ SPECDEC_AVX512 inline __m256i to_bf16_bits(__m512 v) {
 template <typename T, int NB, int MB>
 SPECDEC_AVX512 inline void finish_tile(const LinearArgs<T>& a, const __m512* acc, int64_t n0, int64_t m0) {
   static_assert((NB & (NB - 1)) == 0 && NB * MB <= 16, "NB is a power of two; a tile holds <= 16 accumulators");
-  __m512 sums = reduce16(acc);
+  __m512 sums = simd::reduce16(acc);
   if (a.bias != nullptr) {
     const __mmask16 row_mask = static_cast<__mmask16>((1u << NB) - 1);
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
