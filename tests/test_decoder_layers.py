@@ -217,3 +217,29 @@ def test_meta_takes_the_device_path_and_native_refuses_it():
     assert out.device.type == "meta" and out.shape == hidden.shape
     with pytest.raises(RuntimeError, match="CPU path"):
         decoder_layers(*args, num_heads=Hq, eps=EPS, block_table=table, backend="native")
+
+
+def test_tree_path_equals_plain_decoding_bitwise():
+    """A path through a tree whose nodes sit at scattered slots (0, 2, 4) gets plain decoding's hidden states, bit
+    for bit: each row attends over the prefix and its ancestors in order, wherever the ancestors were written."""
+    Hq, Hkv, D, bias, qk_norm = CONFIGS["d80_group5"]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    T, parents = 5, [-1, 0, 0, 1, 2]
+    hidden, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [6], T, paged=True, mask="causal")
+    mask = torch.zeros(1, T, T, dtype=torch.bool)
+    depth = [0] * T
+    for i in range(T):
+        j = i
+        while j >= 0:
+            mask[0, i, j] = True
+            j = parents[j]
+        depth[i] = 0 if parents[i] < 0 else depth[parents[i]] + 1
+    positions = seqlens.long()[:, None] + torch.tensor(depth)
+    tree, _ = run("native", weights, final_norm, hidden, kv, seqlens, rope_rows(positions, D), mask, table, Hq)
+    plain = kv.clone()
+    for step, node in enumerate([0, 2, 4]):
+        rope = rope_rows(seqlens.long()[:, None] + step, D)
+        alone = torch.ones(1, 1, 1, dtype=torch.bool)
+        out = decoder_layers(hidden[:, node : node + 1], weights, final_norm, plain, seqlens + step, rope, alone,
+                             num_heads=Hq, eps=EPS, block_table=table)  # fmt: skip
+        assert torch.equal(out[0, 0], tree[0, node]), node
