@@ -1,4 +1,5 @@
-"""spec_kernels: the three ops of a speculative decoding step.
+"""spec_kernels: the three ops of a speculative decoding step, and the model-side ops they run in (``linear``,
+``decoder_layers``).
 
 Glossary: a *tree* is one step's proposal for one sequence, T nodes in topological order with node 0
 the root (the last emitted token). See ../shared/DESIGN.md for the contracts.
@@ -7,8 +8,15 @@ Importing this package never compiles anything; the C++ extension is built on fi
 """
 
 from spec_kernels.compact_kv import compact_kv_
+from spec_kernels.decoder_layers import decoder_layers
 from spec_kernels.linear import linear
-from spec_kernels.reference import compact_kv_ref, linear_ref, tree_attention_ref, verify_tree_ref
+from spec_kernels.reference import (
+    compact_kv_ref,
+    decoder_layers_ref,
+    linear_ref,
+    tree_attention_ref,
+    verify_tree_ref,
+)
 from spec_kernels.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
 from spec_kernels.verify_tree import PAD_NODE, VerifyResult, verify_tree
 
@@ -18,6 +26,8 @@ __all__ = [
     "VerifyResult",
     "compact_kv_",
     "compact_kv_ref",
+    "decoder_layers",
+    "decoder_layers_ref",
     "linear",
     "linear_ref",
     "plan_tree_attention",
