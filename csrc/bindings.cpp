@@ -1,6 +1,6 @@
 // The only file that registers ops: spec_kernels::compact_kv_ with CPU, CUDA and Meta kernels, and
 // spec_kernels::linear (csrc/linear_cpu.cpp) and spec_kernels::decoder_layers (csrc/decoder_layers_cpu.cpp) with CPU
-// and Meta kernels.
+// and Meta kernels, and spec_kernels::verify_greedy (csrc/verify_tree_cpu.cpp: verify_tree's all-greedy CPU walk).
 //
 // Also the torch-facing half of the CUDA path (shape checks, device guard, current stream): nvcc 13 cannot compile
 // torch's CUDA headers, so csrc/compact_kv.cu stays torch-free and this host-compiled file calls its raw launcher.
@@ -10,6 +10,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
+
+#include <tuple>
 
 #include <Python.h>
 #include <torch/csrc/Exceptions.h>
@@ -32,6 +34,8 @@ at::Tensor decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights, 
                               at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
                               const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
                               int64_t num_heads, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
+                                                                 const at::Tensor& parents);
 at::Tensor decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights, const at::Tensor& final_norm,
                                at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
                                const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
@@ -153,12 +157,14 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def(
       "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!) kv_cache, Tensor cache_seqlens, "
       "Tensor rope, Tensor tree_mask, Tensor? block_table, int num_heads, float eps) -> Tensor");
+  m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("compact_kv_", &specdec::compact_kv_cpu_entry);
   m.impl("linear", &specdec::linear_cpu);
   m.impl("decoder_layers", &specdec::decoder_layers_cpu);
+  m.impl("verify_greedy", &specdec::verify_greedy_cpu);
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {
