@@ -16,9 +16,9 @@ Exits non-zero when a configuration fails to compile, or spills (stack > 0 or sp
 configuration here is one the launchers pick by default.
 
 Configurations (the full set; ``--quick`` keeps fp32 and bf16, D = 128, paged, T 4 and 16, no combine kernel, and
-two verify variants with a draft and filters at V = 32000). The full set still has one 8-byte call-site spill
-(fp32, head dim 64, paged, split, sm_90a; bench/RESULTS.md), so it exits 1; the quick set guards the launchers'
-tile choices in CI:
+three verify variants with a draft and filters at V = 32000, one of them coupled). The full set still has one 8-byte
+call-site spill (fp32, head dim 64, paged, split, sm_90a) and 8-76 bytes in five coupled verify variants that also
+carry a draft and filters (bench/RESULTS.md), so it exits 1; the quick set guards the launchers' tile choices in CI:
 - ``_tree_attention_kernel``: dtype (fp32/fp16/bf16) x head dim (64, 80, 128, 256: BLOCK_D 64/128/256) x
   paged/contiguous x the row blocks the launcher picks from T * group (T 4, 8, 16 at group 4: BLOCK_M 16/32/64,
   fp32 16/32/32); BLOCK_N and num_warps follow. At BLOCK_M 16 also the flash-decoding epilogue (IS_SPLIT, paged and
@@ -26,7 +26,7 @@ tile choices in CI:
   a runtime argument, both divisible by 16): duplicates are compiled once.
 - ``_combine_splits_kernel``: output dtype x BLOCK_D x BLOCK_S 2 and 64 (the fewest and the most splits).
 - ``_verify_tree_kernel``: logits dtype x draft (none / iid / without replacement) x HAS_FILTERS x BLOCK_V 128 and
-  1024 (V = 111 and 32000: the smallest common tile and the cap).
+  1024 (V = 111 and 32000: the smallest common tile and the cap) x HAS_COUPLING (the in-kernel Gumbel noise).
 
 Tested with Triton 3.9 (it uses the JIT's binder, ``create_function_from_signature`` and ``JITFunction._pack_args``).
 """
@@ -132,18 +132,19 @@ def _combine_launches(dtype_name: str, D: int, num_splits: int):
     return [c for c in calls if c[0] == "_combine_splits_kernel"]
 
 
-def _verify_launches(dtype_name: str, draft: str, filters: bool, V: int):
+def _verify_launches(dtype_name: str, draft: str, filters: bool, V: int, coupled: bool):
     B, T = 4, 8
     logits = torch.empty(B, T, V, dtype=DTYPES[dtype_name])
     probs = None if draft == "none" else torch.empty(B, T, V, dtype=torch.float32)
     ints = torch.zeros(B, T, dtype=torch.int64)
     row = torch.ones(B)
+    coupling = (torch.zeros(B, dtype=torch.int64), ints, torch.ones(B, dtype=torch.bool)) if coupled else (None,) * 3
     return _capture(
         VT,
         ("_verify_tree_kernel",),
         lambda: VT._verify_tree_triton(
             logits, ints, ints, probs, draft == "without_replacement", row, torch.zeros(B, dtype=torch.int64), row,
-            torch.zeros(B), torch.zeros(B, dtype=torch.int64), filters,
+            torch.zeros(B), torch.zeros(B, dtype=torch.int64), filters, *coupling,
         ),
     )  # fmt: skip
 
@@ -170,12 +171,14 @@ def configurations(quick: bool) -> list[tuple[str, str, tuple]]:
     for dt, D, splits in itertools.product(DTYPES, () if quick else HEAD_DIMS, (2, 64)):
         for call in _combine_launches(dt, D, splits):
             out.append((call[0], f"{dt} D={D} splits={splits}", call))
-    verify = itertools.product(DTYPES, ("none", "iid", "without_replacement"), (False, True), VOCABS)
-    if quick:  # the heaviest variants: a draft and every filter, the widest tile
-        verify = [("fp32", "without_replacement", True, VOCABS[-1]), ("bf16", "iid", True, VOCABS[-1])]
-    for dt, draft, filters, V in verify:
-        for call in _verify_launches(dt, draft, filters, V):
-            out.append((call[0], f"{dt} draft={draft} filters={int(filters)} V={V}", call))
+    verify = itertools.product(DTYPES, ("none", "iid", "without_replacement"), (False, True), VOCABS, (False, True))
+    if quick:  # the heaviest variants: a draft and every filter, the widest tile; with the coupling's noise
+        verify = [("fp32", "without_replacement", True, VOCABS[-1], False), ("bf16", "iid", True, VOCABS[-1], False),
+                  ("fp32", "iid", True, VOCABS[-1], True)]  # fmt: skip
+    for dt, draft, filters, V, coupled in verify:
+        for call in _verify_launches(dt, draft, filters, V, coupled):
+            cfg = f"{dt} draft={draft} filters={int(filters)} V={V}{' coupled' if coupled else ''}"
+            out.append((call[0], cfg, call))
     return out
 
 

@@ -5,7 +5,7 @@ Glossary:
     p~_t        the transformed target distribution at absolute position t (temperature, top-k, top-p, min-p in
                 HF's order; zero outside its support): the distribution of the token at t + 1.
     g_t(x)      Gumbel noise for vocabulary entry x at position t of a request with seed s: -log(-log U(s, t, x)),
-                U a counter-based uniform (``spec_engine.rng``), a pure function of (s, t, x).
+                U a counter-based uniform (``spec_kernels.rng``), a pure function of (s, t, x).
     coupled     a row sampled as x_{t+1} = argmax_x (log p~_t(x) + g_t(x)): an exact sample from p~_t (the Gumbel-max
                 trick), and a deterministic function of (seed, prefix).
 
@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from spec_engine import rng
+from spec_kernels import rng
 
 
 def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

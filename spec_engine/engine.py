@@ -26,11 +26,11 @@ from spec_engine.coupling import perturbed_logits
 from spec_engine.drafters.base import Draft, Drafter, RowView, StepBatch
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
 from spec_engine.models import LlamaForCausalLM
-from spec_engine.rng import mix_key
 from spec_engine.sampling import SEED_MASK, SamplingParams
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, verify_tree
+from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed

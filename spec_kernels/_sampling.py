@@ -280,17 +280,38 @@ def check_seed(seed, B: int):
     raise ValueError(f"seed must be None, an int or a [B] int tensor, got {type(seed).__name__}")
 
 
-def row_uniforms(seeds: torch.Tensor, n: int) -> torch.Tensor:
-    """[B] int seeds -> [B, n] float32 uniforms in [0, 1), counter-based (splitmix64 of (seed, index)).
+class Coupling(NamedTuple):
+    """The position-keyed Gumbel coupling's per-row inputs (spec_kernels/rng.py, spec_engine/coupling.py)."""
 
-    Element (b, i) depends on seeds[b] and i only: not on B, n or the row's place in the batch.
-    """
-    import numpy as np
+    noise_seeds: torch.Tensor  # [B] int64: request seeds s
+    positions: torch.Tensor  # [B, T] int64: absolute position t of each node
+    coupled: torch.Tensor  # [B] bool: rows verified greedily on filtered logits + g_t (sampled rows only)
 
-    with np.errstate(over="ignore"):
-        x = seeds.detach().cpu().numpy().astype(np.uint64)[:, None] * np.uint64(0x9E3779B97F4A7C15)
-        x = x + (np.arange(n, dtype=np.uint64)[None, :] + np.uint64(1)) * np.uint64(0xD1B54A32D192ED03)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-    return torch.from_numpy((x >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24))
+
+def check_coupling_args(
+    target_logits: torch.Tensor, noise_seeds, positions, coupled, temperature: torch.Tensor
+) -> Coupling | None:
+    """Validate verify_tree's coupling arguments (shapes, dtypes, devices: no data read). None when there is no
+    coupling. ``coupled`` None means every row; a greedy row (temperature 0) is never perturbed."""
+    if noise_seeds is None and positions is None and coupled is None:
+        return None
+    if noise_seeds is None or positions is None:
+        raise ValueError("verify_tree: noise_seeds and positions go together (the coupling needs both)")
+    B, T, _ = target_logits.shape
+    dev = target_logits.device
+    if noise_seeds.shape != (B,) or noise_seeds.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"verify_tree: noise_seeds must be int [B]=[{B}], got {noise_seeds.dtype} "
+                         f"{tuple(noise_seeds.shape)}")  # fmt: skip
+    if positions.shape != (B, T) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"verify_tree: positions must be int [B, T]=[{B}, {T}], got {positions.dtype} "
+                         f"{tuple(positions.shape)}")  # fmt: skip
+    if coupled is not None and (coupled.shape != (B,) or coupled.dtype != torch.bool):
+        raise ValueError(f"verify_tree: coupled must be bool [B]=[{B}], got {coupled.dtype} {tuple(coupled.shape)}")
+    for name, t in (("noise_seeds", noise_seeds), ("positions", positions), ("coupled", coupled)):
+        if t is not None and t.device != dev:
+            raise ValueError(
+                f"verify_tree: {name} is on {t.device} but target_logits is on {dev}; put all inputs on one device"
+            )
+    sampled = temperature > 0
+    coupled = sampled if coupled is None else coupled & sampled
+    return Coupling(noise_seeds.to(torch.int64), positions.to(torch.int64), coupled)

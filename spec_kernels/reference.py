@@ -113,14 +113,22 @@ def verify_tree_ref(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
     seed: int | torch.Tensor | None = None,
+    noise_seeds: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    coupled: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> VerifyResult:
-    """Reference verify_tree: python loops over rows, nodes and siblings, float64. See spec_kernels.verify_tree."""
-    from spec_kernels._sampling import RESIDUAL_EPS, check_seed, check_verify_tree_args
+    """Reference verify_tree: python loops over rows, nodes and siblings, float64. See spec_kernels.verify_tree.
+
+    A coupled row's token at each node is the Gumbel-max sample argmax_x (log p~(x) + g(x)) with the noise of
+    ``spec_kernels.rng.position_gumbel`` at the node's position; the row then walks greedily on those tokens."""
+    from spec_kernels._sampling import RESIDUAL_EPS, check_coupling_args, check_seed, check_verify_tree_args
+    from spec_kernels.rng import position_gumbel
 
     parents, params = check_verify_tree_args(
         target_logits, draft_tokens, parents, draft_probs, draft_sampling, temperature, top_k, top_p, min_p
     )
+    coupling = check_coupling_args(target_logits, noise_seeds, positions, coupled, params.temperature)
     B, T, V = target_logits.shape
     seed = check_seed(seed, target_logits.shape[0])
     gen = torch.Generator()
@@ -129,6 +137,8 @@ def verify_tree_ref(
     output_tokens = torch.full((B, T), PAD_NODE, dtype=torch.int64)
     num_accepted = torch.zeros(B, dtype=torch.int64)
     logits, tokens, par = target_logits.cpu(), draft_tokens.cpu().tolist(), parents.cpu().tolist()
+    if coupling is not None:
+        coupling = type(coupling)(*(x.cpu() for x in coupling))
     probs = draft_probs.cpu().double() if draft_probs is not None else None
     for b in range(B):
         if isinstance(seed, torch.Tensor):  # per-row seeds: row b's stream depends on seed[b] alone
@@ -139,12 +149,23 @@ def verify_tree_ref(
             float(params.top_p[b]),
             float(params.min_p[b]),
         )
+        is_coupled = coupling is not None and bool(coupling.coupled[b])
         path, node = [0], 0
         while True:
             p_node = _transform_row_ref(logits[b, node], t, k, tp, mp)
+            children = [i for i in range(node + 1, T) if par[b][i] == node]
+            if is_coupled:
+                # the Gumbel-max sample at this node, with the noise of its position; the walk is then greedy
+                g = position_gumbel(coupling.noise_seeds[b, None], coupling.positions[b, None, node, None], V)
+                final = int((torch.log(p_node) + g[0, 0].double()).argmax())
+                accepted = next((i for i in children if tokens[b][i] == final), None)
+                if accepted is None:
+                    break
+                path.append(accepted)
+                node = accepted
+                continue
             q_node = probs[b, node] if probs is not None else None
             p, q = p_node, q_node
-            children = [i for i in range(node + 1, T) if par[b][i] == node]
             accepted = None
             for child in children:
                 x = tokens[b][child]

@@ -21,6 +21,12 @@ Backends (dispatch in :func:`verify_tree` only):
     "triton"  one program per sequence walks its whole tree inside the kernel, tiled over V (BLOCK_V), with
               the top-k/top-p thresholds found by bisection over the float bit patterns (no sort), and Philox
               streams keyed by a per-row seed drawn from ``seed``.
+
+Coupled rows (``noise_seeds``/``positions``/``coupled``; spec_engine/coupling.py): at each visited node the row's
+token is argmax_x (z(x) + g_t(x)), z the filtered scaled logits (-inf outside the support) and g_t the Gumbel noise
+of the node's position t (spec_kernels/rng.py), and the walk is greedy on those tokens. Every backend regenerates
+g_t from (seed, t, x) where it reads the logits (native: per visited node; Triton: per tile, in registers), so no
+[B, T, V] noise tensor exists.
 """
 
 from __future__ import annotations
@@ -30,16 +36,19 @@ import torch
 from spec_kernels._backend import resolve_backend, triton_available
 from spec_kernels._sampling import (
     RESIDUAL_EPS,
+    Coupling,
     RowParams,
+    check_coupling_args,
     check_seed,
     check_verify_tree_args,
     filters_given,
-    row_uniforms,
+    keep_threshold,
     sample_from_weights,
     scaled_logits,
     transform_probs,
 )
 from spec_kernels.reference import PAD_NODE, VerifyResult, verify_tree_ref
+from spec_kernels.rng import GOLDEN, gumbel, noise_keys, row_uniforms
 
 __all__ = ["PAD_NODE", "VerifyResult", "verify_tree", "verify_tree_ref"]
 
@@ -56,6 +65,9 @@ def verify_tree(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
     seed: int | torch.Tensor | None = None,
+    noise_seeds: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    coupled: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> VerifyResult:
     """Verify one step's token trees against the target: accept a path from each root, then add one token.
@@ -76,6 +88,12 @@ def verify_tree(
     seed : rows draw independent streams from it; the same seed on the same backend gives bitwise the same
         result. None draws a fresh seed. A [B] integer tensor gives each row its own seed (an extension of the
         contract): row b's randomness then depends on seed[b] alone, not on the batch it sits in.
+    noise_seeds, positions, coupled : the position-keyed Gumbel coupling (an extension of the contract; all None:
+        off). On the ``coupled`` rows (None: every row; greedy rows never are), the token at a node of absolute
+        position t is argmax_x (z(x) + g_t(x)): z the transformed target's filtered scaled logits (-inf outside its
+        support), g_t(x) = ``spec_kernels.rng.position_gumbel(noise_seeds, t, V)``, generated in the kernel. The
+        row then walks greedily on those tokens (``seed`` plays no part in it): its output is a function of
+        (noise seed, positions, logits) only, whatever was drafted.
     backend : None (Triton on CUDA and meta tensors, native on CPU), "torch", "native" or "triton".
 
     On CUDA the Triton path never syncs with the host: shapes, dtypes and devices are checked for free, value checks
@@ -88,7 +106,8 @@ def verify_tree(
 
     Shapes
     ------
-    target_logits [B, T, V], draft_tokens [B, T], parents [B, T], draft_probs [B, T, V] ->
+    target_logits [B, T, V], draft_tokens [B, T], parents [B, T], draft_probs [B, T, V], noise_seeds [B] int,
+    positions [B, T] int, coupled [B] bool ->
     accepted_nodes [B, T] (path from the root, padded with PAD_NODE), output_tokens [B, T] (accepted drafts, then
     the recovered/bonus token, padded with -1), num_accepted [B] (path length incl. the root = tokens emitted).
     """
@@ -107,12 +126,16 @@ def verify_tree(
         top_p=top_p,
         min_p=min_p,
         seed=seed,
+        noise_seeds=noise_seeds,
+        positions=positions,
+        coupled=coupled,
     )
     if kind == "torch":
         return verify_tree_ref(*args, **kwargs)
     parents64, params = check_verify_tree_args(
         target_logits, draft_tokens, parents, draft_probs, draft_sampling, temperature, top_k, top_p, min_p
     )
+    coupling = check_coupling_args(target_logits, noise_seeds, positions, coupled, params.temperature)
     seed = check_seed(seed, target_logits.shape[0])
     if seed is None:
         seed = int(torch.randint(2**62, ()))
@@ -120,7 +143,8 @@ def verify_tree(
     if kind == "native":
         if target_logits.shape[1] == 1 and bool(params.greedy.all()):
             return _verify_root_greedy(target_logits)
-        return _verify_tree_native(target_logits, tokens, parents64, draft_probs, draft_sampling, params, seed)
+        args = (target_logits, tokens, parents64, draft_probs, draft_sampling, params, seed, coupling)
+        return _verify_tree_native(*args)
     out = torch.ops.spec_kernels.verify_tree_triton(
         target_logits,
         tokens,
@@ -133,6 +157,7 @@ def verify_tree(
         params.min_p,
         _philox_keys(seed, target_logits.shape[0], target_logits.device),
         filters_given(top_k, top_p, min_p),
+        *(coupling or (None, None, None)),
     )
     return VerifyResult(*out)
 
@@ -173,6 +198,22 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch
     return p.scatter_(1, x, 0.0) if q is None else (p - q).clamp_(min=0.0)
 
 
+def _perturbed(z: torch.Tensor, rows: torch.Tensor, cur: torch.Tensor, params: RowParams, coupling: Coupling):
+    """The visited nodes' logits z [N, V] with the coupled rows' replaced by filtered z / temperature + g_t [N, V]
+    (float32), the noise regenerated for just these N nodes. ``rows``, ``cur`` [N]: their rows and nodes."""
+    idx = coupling.coupled[rows].nonzero().squeeze(1)  # [n]
+    if idx.numel() == 0:
+        return z
+    r, prm = rows[idx], params.rows(rows[idx])
+    zc = scaled_logits(z[idx], prm.temperature)  # [n, V]
+    if prm.has_filters():
+        zc = torch.where(zc >= keep_threshold(zc, prm)[:, None], zc, -torch.inf)
+    keys = noise_keys(coupling.noise_seeds[r], coupling.positions[r, cur[idx]][:, None])  # [n, 1]
+    z = z.float()  # z is a gathered copy: the caller's logits stay untouched
+    z[idx] = zc + gumbel(keys[:, 0], (z.shape[1],))
+    return z
+
+
 def _verify_root_greedy(logits: torch.Tensor) -> VerifyResult:
     """Plain greedy decoding (every tree a lone root): the argmax, with no walk (a call at B=1: 195 -> 84 us)."""
     B = logits.shape[0]
@@ -190,6 +231,7 @@ def _verify_tree_native(
     draft_sampling: str,
     params: RowParams,
     seed: int | torch.Tensor,
+    coupling: Coupling | None,
 ) -> VerifyResult:
     B, T, V = logits.shape
     dev = logits.device
@@ -208,15 +250,21 @@ def _verify_tree_native(
     node_ids = torch.arange(T, device=dev)
     without_replacement = draft_probs is not None and draft_sampling == "without_replacement"
 
+    walk = params  # coupled rows walk greedily on their perturbed logits
+    if coupling is not None:
+        walk = params._replace(temperature=params.temperature.masked_fill(coupling.coupled, 0.0))
+
     rows = torch.arange(B, device=dev)  # rows still walking
     cur = torch.zeros(B, dtype=torch.int64, device=dev)  # their current node
     depth = 0
     while rows.numel() > 0:
-        prm = params.rows(rows)
+        prm = walk.rows(rows)
         row_tokens = tokens[rows]  # [N, T]
         is_child = parents[rows] == cur[:, None]  # [N, T]
         children = torch.where(is_child, node_ids, T).sort(-1).values  # [N, T]: children in index order, then T
         z = logits[rows, cur]  # [N, V]: one read of each visited node's logits
+        if coupling is not None:
+            z = _perturbed(z, rows, cur, params, coupling)
         nxt = torch.full_like(cur, -1)
         if bool(prm.greedy.all()):
             # greedy needs only the argmax: the first child matching it is the next node
@@ -278,6 +326,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    GOLDEN_U64: tl.constexpr = tl.constexpr(GOLDEN % 2**64)  # rng.GOLDEN as the uint64 0x9E3779B97F4A7C15
+
     @triton.jit
     def _load_z(row_ptr, offs, V, inv_temp, all_neginf):
         """Sanitised scaled logits of one tile: -inf beyond V, NaN -> -inf, +inf -> float32 max."""
@@ -297,6 +347,27 @@ if triton_available():
         return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
     @triton.jit
+    def _mix64(x):
+        """spec_kernels.rng.mix64 on uint64 (wrapping multiplies, logical shifts): bit-identical to the torch one."""
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+        return x ^ (x >> 31)
+
+    @triton.jit
+    def _node_key(noise_seed, position):
+        """uint64 key of one node's noise, from int64 (s, t): mix64(rng.noise_keys(s, t) + GOLDEN), as rng.uniform
+        derives it from the key."""
+        key = _mix64(_mix64(noise_seed.to(tl.uint64, bitcast=True)) + position.to(tl.uint64, bitcast=True) * GOLDEN_U64)
+        return _mix64(key + GOLDEN_U64)
+
+    @triton.jit
+    def _position_uniform(node_key, offs):
+        """U(s, t, x) for the tile's ids ``offs``: bit for bit rng.position_uniform. One hash per logit, in
+        registers: the noise never touches memory."""
+        h = _mix64(node_key + offs.to(tl.uint64) * GOLDEN_U64)
+        return ((h >> 40).to(tl.uint32).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # top 24 bits: (k + 0.5) / 2^24
+
+    @triton.jit
     def _verify_tree_kernel(
         logits_ptr,  # [B, T, V]
         tokens_ptr,  # [B, T] int64
@@ -307,6 +378,9 @@ if triton_available():
         top_p_ptr,  # [B] fp32
         min_p_ptr,  # [B] fp32
         seeds_ptr,  # [B] int64
+        noise_seeds_ptr,  # [B] int64 (HAS_COUPLING)
+        positions_ptr,  # [B, T] int64 (HAS_COUPLING)
+        coupled_ptr,  # [B] bool (HAS_COUPLING)
         work_p_ptr,  # [B, V] fp32 scratch: the materialised residual p (HAS_DRAFT)
         work_q_ptr,  # [B, V] fp32 scratch: the draft without earlier siblings (WITHOUT_REPLACEMENT)
         accepted_nodes_ptr,  # [B, T] int64, pre-filled with -1
@@ -322,6 +396,7 @@ if triton_available():
         HAS_DRAFT: tl.constexpr,
         WITHOUT_REPLACEMENT: tl.constexpr,
         HAS_FILTERS: tl.constexpr,
+        HAS_COUPLING: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
@@ -333,6 +408,10 @@ if triton_available():
         top_p = tl.load(top_p_ptr + b)
         min_p = tl.load(min_p_ptr + b)
         seed = tl.load(seeds_ptr + b)
+        coupled = False
+        if HAS_COUPLING:
+            coupled = (tl.load(coupled_ptr + b) != 0) & sampled
+        walk_greedy = greedy | coupled  # coupled rows walk greedily on their perturbed argmax
         arange = tl.arange(0, BLOCK_V)
         KEY_NEG_INF = tl.full((), -2139095041, tl.int32)  # _key(-inf)
         tok_row = tokens_ptr + b * T
@@ -415,11 +494,28 @@ if triton_available():
                         thr = tl.maximum(thr, hi.to(tl.int32))
                     if min_p > 0.0:
                         thr = tl.maximum(thr, _key(z_max + tl.log(min_p)))
-                mass = 0.0
-                for v0 in range(0, V, BLOCK_V):
-                    z, mask = _load_z(row, v0 + arange, V, inv_temp, all_neginf)
-                    mass += tl.sum(tl.where((_key(z) >= thr) & mask, tl.exp(z - z_max), 0.0), 0)
-                lse = z_max + tl.log(mass)
+                if HAS_COUPLING:
+                    if coupled:
+                        # the Gumbel-max sample at this node: argmax over the support of z + g_t
+                        node_key = _node_key(tl.load(noise_seeds_ptr + b), tl.load(positions_ptr + b * T + cur))
+                        best = float("-inf")
+                        for v0 in range(0, V, BLOCK_V):
+                            offs = v0 + arange
+                            z, mask = _load_z(row, offs, V, inv_temp, all_neginf)
+                            g = -tl.log(-tl.log(_position_uniform(node_key, offs)))  # rng.position_gumbel
+                            score = tl.where((_key(z) >= thr) & mask, z + g, float("-inf"))
+                            tile_best = tl.max(score, 0)
+                            tile_arg = tl.argmax(score, 0)
+                            better = tile_best > best
+                            amax = tl.where(better, v0 + tile_arg, amax)
+                            best = tl.where(better, tile_best, best)
+                lse = 0.0
+                if not walk_greedy:  # a greedy walk needs only the argmax
+                    mass = 0.0
+                    for v0 in range(0, V, BLOCK_V):
+                        z, mask = _load_z(row, v0 + arange, V, inv_temp, all_neginf)
+                        mass += tl.sum(tl.where((_key(z) >= thr) & mask, tl.exp(z - z_max), 0.0), 0)
+                    lse = z_max + tl.log(mass)
 
                 # try the children in index order
                 nxt = -1
@@ -433,7 +529,7 @@ if triton_available():
                     par = tl.load(par_row + i)
                     if (nxt < 0) & (par == cur):
                         x = tl.load(tok_row + i)
-                        if greedy:
+                        if walk_greedy:
                             if x == amax:
                                 nxt = i
                         else:
@@ -501,7 +597,7 @@ if triton_available():
                 else:
                     # recovered/bonus token: exponential race argmax(w / Exp(1)) over the residual weights w
                     final = amax
-                    if not greedy:
+                    if not walk_greedy:
                         best = float("-inf")
                         for v0 in range(0, V, BLOCK_V):
                             offs = v0 + arange
@@ -541,8 +637,12 @@ if triton_available():
         min_p: torch.Tensor,
         seeds: torch.Tensor,
         has_filters: bool,
+        noise_seeds: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        coupled: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Launcher: inputs already checked by verify_tree. One program per sequence; seeds [B] int64 Philox keys.
+        """Launcher: inputs already checked by verify_tree. One program per sequence; seeds [B] int64 Philox keys;
+        the coupling's noise_seeds [B] int64, positions [B, T] int64 and coupled [B] bool, or all None.
 
         ``has_filters`` compiles the top-k/top-p/min-p code; decided from the arguments' presence, never their
         values (that would be a host sync). Inside, each row branches at run time on its own top_k/top_p/min_p.
@@ -551,6 +651,7 @@ if triton_available():
         dev = target_logits.device
         logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
         has_draft = draft_probs is not None
+        has_coupling = noise_seeds is not None
         probs = draft_probs
         if has_draft and probs.stride(-1) != 1:
             probs = probs.contiguous()
@@ -570,6 +671,9 @@ if triton_available():
             top_p.contiguous(),
             min_p.contiguous(),
             seeds,
+            noise_seeds.contiguous() if has_coupling else seeds,
+            positions.contiguous() if has_coupling else seeds,
+            coupled.contiguous() if has_coupling else seeds,
             work_p,
             work_q,
             accepted_nodes,
@@ -585,6 +689,7 @@ if triton_available():
             HAS_DRAFT=has_draft,
             WITHOUT_REPLACEMENT=has_draft and without_replacement,
             HAS_FILTERS=has_filters,
+            HAS_COUPLING=has_coupling,
             # Wider tiles spilled (ptxas: 4096 wide, 16-40 bytes of stack on sm_80 and sm_90a; 2048 wide, 96-208
             # bytes on sm_90a with a draft). One warp per 128 logits: with 4 warps for any width, 128 and 1024 wide
             # tiles saved 16-36 bytes around ptxas's outlined warp-shuffle calls; 1 and 8 warps saved none.
@@ -607,6 +712,9 @@ if triton_available():
         min_p,
         seeds,
         has_filters,
+        noise_seeds,
+        positions,
+        coupled,
     ):
         B, T, _ = target_logits.shape
         new = target_logits.new_empty

@@ -93,6 +93,19 @@ SAMPLED = {
         "seed": torch.zeros(B, dtype=torch.int64, device=META),
     },
     "filtered_scalars": lambda: {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.05},
+    "coupled_rows": lambda: {
+        "temperature": torch.ones(B, device=META),
+        "top_k": torch.zeros(B, dtype=torch.int64, device=META),
+        "seed": torch.zeros(B, dtype=torch.int64, device=META),
+        "noise_seeds": torch.zeros(B, dtype=torch.int64, device=META),
+        "positions": torch.zeros(B, T, dtype=torch.int64, device=META),
+        "coupled": torch.ones(B, dtype=torch.bool, device=META),
+    },
+    "coupled_every_row": lambda: {
+        "temperature": 0.8,
+        "noise_seeds": torch.zeros(B, dtype=torch.int64, device=META),
+        "positions": torch.zeros(B, T, dtype=torch.int64, device=META),
+    },
     "defaults_no_seed": lambda: {},
 }
 
@@ -159,6 +172,9 @@ def test_two_devices_raise():
         verify_tree(logits, tokens, parents, temperature=torch.ones(B))
     with pytest.raises(ValueError, match="seed is on cpu"):
         verify_tree(logits, tokens, parents, temperature=1.0, seed=torch.zeros(B, dtype=torch.int64))
+    seeds = torch.zeros(B, dtype=torch.int64, device=META)
+    with pytest.raises(ValueError, match="positions is on cpu"):
+        verify_tree(logits, tokens, parents, noise_seeds=seeds, positions=torch.zeros(B, T, dtype=torch.int64))
 
     (cache, seqlens, accepted, num), _ = _compact_inputs(False)
     with pytest.raises(ValueError, match="one device"):

@@ -235,6 +235,131 @@ def test_nan_inf_logits_give_valid_ids(backend):
             assert res.output_tokens[2, 0] == 0  # nothing finite: greedy id 0
 
 
+# --- the position-keyed coupling (noise_seeds / positions / coupled) ------------------------------------------
+
+COUPLING_FILTERS = {
+    "none": {},
+    "top_k": {"top_k": torch.tensor([5, 0, 40, 3])},
+    "top_p": {"top_p": torch.tensor([0.8, 0.95, 1.0, 0.5])},
+    "min_p": {"min_p": torch.tensor([0.1, 0.0, 0.3, 0.02])},
+    "all": {"top_k": torch.tensor([30, 0, 8, 50]), "top_p": torch.tensor([0.9, 0.6, 1.0, 0.7]), "min_p": 0.01},
+}
+
+
+def _coupled_step(B: int, T: int, V: int, filters: dict, gen: torch.Generator):
+    """A mixed batch: rows 0, 1, 3 (mod 4) coupled, row 2 (mod 4) plain sampled, row 1 greedy (a coupled flag on a
+    greedy row must change nothing). The drafts follow the perturbed argmax at their parent most of the time, so
+    coupled paths run deep. Returns the logits, tokens, parents and the verify kwargs."""
+    from spec_kernels.rng import position_gumbel
+
+    logits = torch.randn(B, T, V, generator=gen) * 2
+    parents, tokens = _random_tree(B, T, V, gen)
+    depth = torch.zeros(B, T, dtype=torch.int64)
+    for i in range(1, T):
+        depth[:, i] = torch.where(parents[:, i] >= 0, depth.gather(1, parents[:, i : i + 1].clamp(min=0))[:, 0] + 1, 0)
+    positions = torch.randint(0, 4096, (B, 1), generator=gen) + depth  # [B, T]: L_b + depth
+    noise_seeds = torch.randint(0, 2**62, (B,), generator=gen)
+    temperature = torch.rand(B, generator=gen) + 0.5
+    temperature[1] = 0.0
+    filters = {
+        k: v.repeat(B // 4) if isinstance(v, torch.Tensor) else torch.tensor([v] * B) for k, v in filters.items()
+    }
+    prm = RowParams(temperature, filters.get("top_k", torch.zeros(B, dtype=torch.int64)),
+                    filters.get("top_p", torch.ones(B)), filters.get("min_p", torch.zeros(B)))  # fmt: skip
+    log_p = transform_probs(logits.view(B * T, V), RowParams(*(x.repeat_interleave(T) for x in prm))).log()
+    best = (log_p.view(B, T, V) + position_gumbel(noise_seeds, positions, V)).argmax(-1)  # [B, T]
+    follow = (parents >= 0) & (torch.rand(B, T, generator=gen) < 0.8)
+    tokens = torch.where(follow, best.gather(1, parents.clamp(min=0)), tokens)
+    coupled = torch.arange(B) % 4 != 2
+    kwargs = dict(temperature=temperature, seed=torch.arange(B) + 100, noise_seeds=noise_seeds, positions=positions,
+                  coupled=coupled, **filters)  # fmt: skip
+    return logits, tokens, parents, kwargs
+
+
+@pytest.mark.parametrize("backend", ["native", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("filt", list(COUPLING_FILTERS))
+@pytest.mark.parametrize("B,T,V", [(8, 26, 111), (4, 1, 32000), (4, 5, 32000)])
+def test_coupled_rows_match_reference(backend, filt, B, T, V):
+    """Coupled and greedy rows: token for token the reference's Gumbel-max walk, with every filter, in a batch
+    mixed with plain sampled rows (which keep their own streams: the coupling leaves them as they were)."""
+    interpreted = backend == "triton" and not torch.cuda.is_available()
+    if interpreted and V > 1000 and (T > 1 or filt not in ("none", "all")):
+        pytest.skip("interpreter: V=32000 for T=1 without and with every filter only")
+    gen = torch.Generator().manual_seed(B * T + V)
+    logits, tokens, parents, kwargs = _coupled_step(B, T, V, COUPLING_FILTERS[filt], gen)
+    ref = verify_tree(logits, tokens, parents, **kwargs, backend="torch")
+    res = verify_tree(logits, tokens, parents, **kwargs, backend=backend)
+    _check_invariants(res, tokens, parents, V)
+    exact = kwargs["coupled"] | (kwargs["temperature"] == 0)
+    for a, b in zip(ref, res):
+        assert torch.equal(a[exact], b[exact])
+    if T > 1:
+        assert int(ref.num_accepted[exact].max()) >= 3, "the coupled paths must run deep for this test to bite"
+    plain = {k: v for k, v in kwargs.items() if k not in ("noise_seeds", "positions", "coupled")}
+    alone = verify_tree(logits, tokens, parents, **plain, backend=backend)
+    for a, b in zip(alone, res):
+        assert torch.equal(a[~kwargs["coupled"]], b[~kwargs["coupled"]])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_coupled_sample_is_the_position_gumbel_argmax(backend):
+    """Flat logits (the uniform target): a coupled row's token is argmax_x g_t(x), the noise of
+    ``rng.position_gumbel`` at (seed, t), which the draft model proposes with; and it moves with the position."""
+    from spec_kernels.rng import position_gumbel
+
+    B, V = 32, 111
+    gen = torch.Generator().manual_seed(5)
+    noise_seeds = torch.randint(0, 2**62, (B,), generator=gen)
+    positions = torch.randint(0, 10**6, (B, 1), generator=gen)
+    logits, tokens, parents = torch.zeros(B, 1, V), torch.zeros(B, 1, dtype=torch.int64), torch.full((B, 1), -1)
+    res = verify_tree(logits, tokens, parents, noise_seeds=noise_seeds, positions=positions, backend=backend)
+    assert torch.equal(res.output_tokens[:, 0], position_gumbel(noise_seeds, positions, V)[:, 0].argmax(-1))
+    moved = verify_tree(logits, tokens, parents, noise_seeds=noise_seeds, positions=positions + 1, backend=backend)
+    assert (moved.output_tokens[:, 0] != res.output_tokens[:, 0]).any()
+
+
+@TRITON
+def test_in_kernel_uniform_is_bitwise_rng():
+    """The Triton hash (uint64 arithmetic) gives rng.position_uniform's float32 uniforms bit for bit."""
+    import triton
+    import triton.language as tl
+
+    from spec_kernels.rng import position_uniform
+
+    @triton.jit
+    def _uniforms_kernel(seeds_ptr, positions_ptr, out_ptr, V, BLOCK_V: tl.constexpr):
+        b = tl.program_id(0)
+        key = vt._node_key(tl.load(seeds_ptr + b), tl.load(positions_ptr + b))
+        offs = tl.arange(0, BLOCK_V)
+        tl.store(out_ptr + b * V + offs, vt._position_uniform(key, offs), mask=offs < V)
+
+    seeds = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789, 2**62 + 5], dtype=torch.int64)
+    positions = torch.tensor([0, 7, 2**40, 1, 999, -3, 31], dtype=torch.int64)
+    V = 1000
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.empty(len(seeds), V, device=dev)
+    _uniforms_kernel[(len(seeds),)](seeds.to(dev), positions.to(dev), out, V, BLOCK_V=1024)
+    assert torch.equal(out.cpu(), position_uniform(seeds, positions[:, None], V)[:, 0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "native", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda a: {**a, "positions": None}, "go together"),
+        (lambda a: {**a, "noise_seeds": None}, "go together"),
+        (lambda a: {**a, "noise_seeds": torch.zeros(3, dtype=torch.int64)}, "noise_seeds"),
+        (lambda a: {**a, "positions": torch.zeros(2, 3)}, "positions"),
+        (lambda a: {**a, "coupled": torch.ones(2)}, "coupled"),
+    ],
+)
+def test_bad_coupling_args_raise(backend, change, match):
+    logits, tokens, parents = _ok_args()
+    ok = dict(noise_seeds=torch.zeros(2, dtype=torch.int64), positions=torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=match):
+        verify_tree(logits, tokens, parents, **change(ok), backend=backend)
+
+
 # --- the transform ---------------------------------------------------------------------------------------------
 
 

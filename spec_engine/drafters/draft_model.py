@@ -21,14 +21,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from spec_engine import rng
 from spec_engine.coupling import position_gumbel
 from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.models import LlamaForCausalLM
 from spec_engine.transfer import to_device
 from spec_engine.tree import StaticTree, causal_mask, tree_mask_and_depths
-from spec_kernels import PAD_NODE, VerifyResult, compact_kv_
+from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, rng
 
 DRAFT_SAMPLING = ("without_replacement", "iid", "deterministic")
 CATCH_UP_CHUNK = 128  # tokens per catch-up forward of a long-lagging row (see _catch_up)
@@ -159,7 +158,7 @@ class DraftModelDrafter(Drafter):
         """[B, n, V] -> [B, n, b]: b children per node, in the order they were drawn, for every row at once.
 
         ``greedy`` [B] bool marks the greedy rows, None when every row is greedy. Random rows draw from
-        counter-based streams (``spec_engine.rng``) keyed per row and level: no generator objects, no per-row loop,
+        counter-based streams (``spec_kernels.rng``) keyed per row and level: no generator objects, no per-row loop,
         and the same draws alone or in any batch. On the ``coupled`` [B] rows (None: no row is) the children are the
         top-b of log q + ``noise`` [B, 1, V], the coupling's Gumbel noise at the parents' position: the target's own
         perturbed choice whenever the two models agree."""
