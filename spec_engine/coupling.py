@@ -17,74 +17,14 @@ model proposes with the same noise (children = top-b of log q_t + g_t), so it ag
 two distributions put the perturbed maximum on the same token: P(accept) >= (1 - TV) / (1 + TV), against 1 - TV for
 rejection sampling, so coupling accepts somewhat less.
 
-argmax(log p~ + g) = argmax(z + g) for the filtered scaled logits z (log p~ = z - logsumexp(z)), so nothing here
-normalises. Everything is element-wise or a sort per row: no host reads, any device.
+argmax(log p~ + g) = argmax(z + g) for the filtered scaled logits z (log p~ = z - logsumexp(z)), so nothing
+normalises. The target's side runs inside verify_tree (``noise_seeds``, ``positions``, ``coupled``): its kernels
+regenerate g_t from (s, t, x) where they read the logits, so no [B, T, V] noise tensor is ever built. The draft's side
+is :func:`position_gumbel` (spec_kernels/rng.py), the same noise in torch.
 """
 
 from __future__ import annotations
 
-import math
+from spec_kernels.rng import position_gumbel
 
-import torch
-
-from spec_kernels import rng
-
-
-def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[B, T] int64 keys of the noise at ``positions`` [B, T] for rows with request ``seeds`` [B] int64."""
-    return rng.mix64(rng.mix64(seeds)[:, None] + positions * rng.GOLDEN)
-
-
-def position_gumbel(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
-    """[B, T, V] Gumbel noise g_t(x) for every row and position in ``positions`` [B, T]."""
-    B, T = positions.shape
-    return rng.gumbel(noise_keys(seeds, positions).reshape(-1), (V,)).view(B, T, V)
-
-
-def filtered_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
-    """[B, T, V] logits / temperature with -inf outside the support of the transformed distribution.
-
-    HF's order: top-k (ties at the k-th value kept), then top-p (the smallest set, by descending probability, whose
-    mass reaches top_p; ties at its last value kept), then min-p (p >= min_p * max p), renormalising in between.
-    Rows: temperature [B] > 0, top_k [B] (0 = off), top_p [B] (1 = off), min_p [B] (0 = off)."""
-    B, T, V = logits.shape
-    z = logits.float() / temperature[:, None, None]  # [B, T, V]
-    neg_inf = torch.tensor(-math.inf, device=z.device)
-    sorted_z = z.sort(dim=-1, descending=True).values  # [B, T, V]
-    k = torch.where(top_k > 0, top_k.clamp(max=V), V)[:, None, None].expand(B, T, 1)  # [B, T, 1]
-    kth = sorted_z.gather(-1, k - 1)  # [B, T, 1]: the k-th largest
-    sorted_z = torch.where(sorted_z >= kth, sorted_z, neg_inf)
-    probs = torch.softmax(sorted_z, dim=-1)  # [B, T, V] descending, renormalised after top-k
-    before = probs.cumsum(-1) - probs  # mass of the strictly more probable entries
-    num_kept = (before < top_p[:, None, None]).sum(-1, keepdim=True).clamp(min=1)  # [B, T, 1]
-    num_kept = torch.where(top_p[:, None, None] >= 1, V, num_kept)  # off: float32 sums may reach 1 before the tail
-    threshold = torch.maximum(kth, sorted_z.gather(-1, num_kept - 1))  # [B, T, 1]
-    z = torch.where(z >= threshold, z, neg_inf)
-    # min-p on the renormalised top-p set: p >= min_p * max p  <=>  z >= max z + log(min_p)
-    floor = z.amax(-1, keepdim=True) + torch.log(min_p)[:, None, None]  # -inf when min_p = 0
-    return torch.where(z >= floor, z, neg_inf)
-
-
-def perturbed_logits(
-    logits: torch.Tensor,
-    positions: torch.Tensor,
-    seeds: torch.Tensor,
-    coupled: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    has_filters: bool = True,
-) -> torch.Tensor:
-    """[B, T, V] logits whose argmax at each node is the coupled sample there, on the ``coupled`` [B] rows; the
-    other rows' logits are returned unchanged. ``positions`` [B, T] are the nodes' absolute positions.
-    ``has_filters=False`` (the caller knows no coupled row uses top-k, top-p or min-p) skips the per-node sort."""
-    safe_t = torch.where(coupled, temperature, 1.0)  # uncoupled rows may be greedy (temperature 0)
-    if has_filters:
-        z = filtered_logits(logits, safe_t, top_k, top_p, min_p)
-    else:
-        z = logits.float() / safe_t[:, None, None]
-    z = z + position_gumbel(seeds, positions, logits.shape[-1])
-    return torch.where(coupled[:, None, None], z, logits.float())
+__all__ = ["position_gumbel"]

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from spec_engine.adaptive import AdaptiveController, RowState
-from spec_engine.coupling import perturbed_logits
 from spec_engine.drafters.base import Draft, Drafter, RowView, StepBatch
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
 from spec_engine.models import LlamaForCausalLM
@@ -100,9 +99,7 @@ class Request:
     def view(self) -> RowView:
         tokens = self.history[: self.num_tokens]
         tokens.flags.writeable = False  # a view: the drafter reads, the engine writes
-        p = self.params
-        filters = p.coupled and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)
-        return RowView(tokens, self.num_computed, self.draft_len, p.greedy, filters)
+        return RowView(tokens, self.num_computed, self.draft_len, self.params.greedy)
 
     @property
     def prefilling(self) -> bool:
@@ -418,11 +415,8 @@ class Engine:
         positions = batch.seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
         hidden = self.target(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask, batch.block_table)
         logits = self.target.logits(hidden)  # [B, T, V]
-        if batch.coupled is not None:  # coupled rows: the perturbed argmax is their sample, verified greedily
-            filters = any(r.coupled_filters for r in batch.rows)
-            logits = perturbed_logits(logits, positions, batch.noise_seeds, batch.coupled, sampling["temperature"],
-                                      sampling["top_k"], sampling["top_p"], sampling["min_p"], filters)  # fmt: skip
-            sampling = {**sampling, "temperature": torch.where(batch.coupled, 0.0, sampling["temperature"])}
+        if batch.coupled is not None:  # coupled rows: verify_tree samples argmax(z + g_t) in-kernel, walks greedily
+            sampling = {**sampling, "noise_seeds": batch.noise_seeds, "positions": positions, "coupled": batch.coupled}
         result = verify_tree(
             logits,
             draft.tokens,

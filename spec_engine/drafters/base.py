@@ -30,7 +30,6 @@ class RowView:
     num_computed: int
     draft_len: int
     greedy: bool
-    coupled_filters: bool = False  # sampled through the coupling with top-k, top-p or min-p on
 
 
 @dataclass
