@@ -573,3 +573,56 @@ def test_per_row_seeds_ignore_batch_composition(backend):
         assert torch.equal(a[perm], b)
     with pytest.raises(ValueError, match="seed"):
         verify_tree(logits, tokens, parents, temperature=temp, seed=torch.tensor([1, 2]), backend=backend)
+
+
+# --- the all-greedy CPU walk (spec_kernels::verify_greedy) ------------------------------------------------------
+
+
+def _random_greedy_case(gen, B, T, V, match=0.6):
+    logits = torch.randn(B, T, V, generator=gen)
+    parents = torch.full((B, T), -1, dtype=torch.int64)
+    for b in range(B):
+        for i in range(1, T):
+            parents[b, i] = int(torch.randint(0, i, (1,), generator=gen))
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    best = logits.argmax(-1)
+    hit = torch.rand(B, T, generator=gen) < match
+    tokens = torch.where(hit & (parents >= 0), best.gather(1, parents.clamp(min=0)), tokens)
+    return logits, tokens, parents
+
+
+@pytest.mark.parametrize("B, T, V", [(1, 1, 4096), (3, 6, 50), (2, 26, 111), (4, 16, 32000)])
+def test_greedy_walk_equals_reference(B, T, V):
+    """The one-call C++ walk that verify_tree takes for all-greedy CPU batches equals the reference, on random trees
+    where most children carry their parent's argmax (so paths run deep)."""
+    gen = torch.Generator().manual_seed(B * 1000 + T)
+    for _ in range(20 if V < 10_000 else 3):
+        logits, tokens, parents = _random_greedy_case(gen, B, T, V)
+        temperature = torch.zeros(B)
+        got = verify_tree(logits, tokens, parents, temperature=temperature)
+        direct = torch.ops.spec_kernels.verify_greedy(logits, tokens, parents)
+        ref = vt.verify_tree_ref(logits, tokens, parents, temperature=temperature)
+        for a, b, c in zip(got, direct, ref):
+            assert torch.equal(a, c) and torch.equal(b, c)
+
+
+def test_greedy_walk_defers_to_the_general_path():
+    """Rows the C++ walk cannot settle go to the general path: a NaN in a visited row is sanitised there, and a
+    malformed tree raises its error there."""
+    vt.load_ext()
+    gen = torch.Generator().manual_seed(5)
+    logits, tokens, parents = _random_greedy_case(gen, 2, 5, 40)
+    logits[1, 0, 3] = float("nan")
+    temperature = torch.zeros(2)
+    assert int(torch.ops.spec_kernels.verify_greedy(logits, tokens, parents)[2][1]) == 0
+    got = verify_tree(logits, tokens, parents, temperature=temperature)
+    ref = vt.verify_tree_ref(logits, tokens, parents, temperature=temperature)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    bad = parents.clone()
+    bad[0, 2] = 3  # not topological
+    with pytest.raises(ValueError, match="topological"):
+        verify_tree(logits, tokens, bad, temperature=temperature)
+    out_of_vocab = tokens.clone()
+    out_of_vocab[0, 1] = 40
+    with pytest.raises(ValueError, match="draft_tokens"):
+        verify_tree(logits, out_of_vocab, parents, temperature=temperature)
