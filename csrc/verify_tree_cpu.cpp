@@ -9,7 +9,8 @@
 // Semantics (DESIGN.md, "Greedy"): from the root, move to the first child (in node order) whose token is the target
 // argmax (the first maximum); where none matches, or at a leaf, emit the argmax. A visited row whose maximum is not
 // finite (a NaN anywhere, or an infinite maximum) is reported with num_accepted = 0 and left to the Python path,
-// which sanitises it; every valid result has num_accepted >= 1.
+// which sanitises it; a row whose tree is malformed (a parent not -1 or below its node, a drafted token outside
+// [0, V)) gets num_accepted = -1, for the Python path to raise its error. Every valid result has num_accepted >= 1.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -81,8 +82,8 @@ int64_t argmax(const float* z, int64_t V) {
 
 }  // namespace
 
-// logits [B, T, V] float32, tokens [B, T] int64, parents [B, T] int64 (already checked by the caller: shapes, node
-// order, token range) -> (accepted_nodes [B, T], output_tokens [B, T], num_accepted [B]), int64.
+// logits [B, T, V] float32, tokens [B, T] int64, parents [B, T] int64 -> (accepted_nodes [B, T], output_tokens
+// [B, T], num_accepted [B]), int64.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents) {
   TORCH_CHECK_VALUE(logits.dim() == 3 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
@@ -117,6 +118,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tenso
       std::fill(acc, acc + T, kPadNode);
       std::fill(out, out + T, kPadNode);
       acc[0] = 0;
+      cp[b] = -1;
+      bool valid = true;
+      for (int64_t i = 0; i < T && valid; ++i) {
+        const int64_t parent = pp[b * T + i], token = tp[b * T + i];
+        valid = parent >= -1 && parent < i && (parent < 0 || (token >= 0 && token < V));
+      }
+      if (!valid) continue;
       int64_t cur = 0, depth = 0;
       cp[b] = 0;
       while (true) {
