@@ -146,7 +146,11 @@ def verify_tree(
         seed = int(torch.randint(2**62, ()))
     tokens = draft_tokens.to(torch.int64)
     if kind == "native":
-        if target_logits.shape[1] == 1 and bool(params.greedy.all()):
+        walks_greedy = params.greedy if coupling is None else params.greedy | coupling.coupled
+        if target_logits.shape[1] == 1 and bool(walks_greedy.all()):
+            if coupling is not None:  # plain coupled decoding: the perturbed argmax is the token
+                rows = torch.arange(target_logits.shape[0])
+                target_logits = _perturbed(target_logits[:, 0], rows, torch.zeros_like(rows), params, coupling)[:, None]
             return _verify_root_greedy(target_logits)
         args = (target_logits, tokens, parents64, draft_probs, draft_sampling, params, seed, coupling)
         return _verify_tree_native(*args)
@@ -214,9 +218,7 @@ def _perturbed(z: torch.Tensor, rows: torch.Tensor, cur: torch.Tensor, params: R
     if prm.has_filters():
         zc = torch.where(zc >= keep_threshold(zc, prm)[:, None], zc, -torch.inf)
     keys = noise_keys(coupling.noise_seeds[r], coupling.positions[r, cur[idx]][:, None])  # [n, 1]
-    z = z.float()  # z is a gathered copy: the caller's logits stay untouched
-    z[idx] = zc + gumbel(keys[:, 0], (z.shape[1],))
-    return z
+    return z.float().index_put((idx,), zc + gumbel(keys[:, 0], (z.shape[1],)))  # out of place: z may be a view
 
 
 def _all_greedy_plain(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, kwargs: dict) -> bool:
