@@ -127,11 +127,14 @@ class DraftModelDrafter(Drafter):
         tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)  # [B, T]
         tokens[:, 0] = batch.roots
         logits = self._catch_up(batch)[:, None]  # [B, 1, V]: q logits of level 0
-        q = torch.zeros(B, T, logits.shape[-1], device=dev)  # [B, T, V]
+        # [B, T, V] draft distributions; an all-greedy batch needs none: its children are the top-b of the logits
+        # (softmax keeps their order) and verify_tree ignores q on greedy rows (it then takes its one-call walk)
+        q = None if all_greedy else torch.zeros(B, T, logits.shape[-1], device=dev)
         for d in range(1, depth + 1):
             parent_level, level, b = levels[d - 1], levels[d], self.tree.branching[d - 1]
-            q_parent = torch.softmax(logits / temp, dim=-1)  # [B, n_parent, V]
-            q[:, parent_level] = q_parent
+            q_parent = logits if q is None else torch.softmax(logits / temp, dim=-1)  # [B, n_parent, V]
+            if q is not None:
+                q[:, parent_level] = q_parent
             noise = None
             if batch.coupled is not None:  # the target's noise at the parents' position: L_b + d - 1
                 noise = position_gumbel(batch.noise_seeds, L.long()[:, None] + (d - 1), q_parent.shape[-1])  # [B, 1, V]
@@ -147,7 +150,7 @@ class DraftModelDrafter(Drafter):
             positions = L.long()[:, None] + sub_depths  # [B, n]
             hidden = self.model(tokens[:, sub], positions, self.kv.data, L + sub.start, mask, batch.block_table)
             logits = self.model.logits(hidden[:, level.start - sub.start :])  # [B, n_level, V]: where it samples
-        if self.draft_sampling == "deterministic":
+        if self.draft_sampling == "deterministic" or q is None:
             return Draft(tokens, parents, tree_mask, depths, None, "iid")
         return Draft(tokens, parents, tree_mask, depths, q, self.draft_sampling)
 
