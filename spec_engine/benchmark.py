@@ -276,6 +276,20 @@ def forward_step(model, kv, batch: int, ctx: int, T: int):
     return once
 
 
+def time_interleaved(fns: dict, reps: int) -> dict:
+    """{name: median ms} of each callable over ``reps`` rounds; a round calls every one once, back to back, so load
+    drift hits all alike. One warm-up call each first."""
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(1e3 * (time.perf_counter() - t0))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def measure_costs(llm, batches: list[int], ctx: int, sizes: list[int], reps: int) -> dict:
     """{batch: {"target_ms": {T: ms}, "draft_ms": ms, "c": ratio}} for every verified tree size T in ``sizes``.
 
@@ -286,15 +300,7 @@ def measure_costs(llm, batches: list[int], ctx: int, sizes: list[int], reps: int
     for B in batches:
         fns = {T: forward_step(eng.target, eng.kv, B, ctx, T) for T in sorted({1, *sizes})}
         fns["draft"] = forward_step(eng.drafter.model, eng.drafter.kv, B, ctx, 1)
-        times = {k: [] for k in fns}
-        for fn in fns.values():
-            fn()
-        for _ in range(reps):
-            for k, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                times[k].append(1e3 * (time.perf_counter() - t0))
-        ms = {k: statistics.median(v) for k, v in times.items()}
+        ms = time_interleaved(fns, reps)
         draft = ms.pop("draft")
         out[B] = {"target_ms": ms, "draft_ms": draft, "c": draft / ms[1]}
     return out

@@ -338,12 +338,14 @@ class Engine:
         )
         positions = seqlens.long()[:, None] + torch.arange(T, device=self.device)  # [B, T]
         mask = causal_mask(len(reqs), T, self.device)
-        self.target(tokens, positions, self.kv.data, seqlens, mask, table)
+        _, features = self._target_pass(tokens, positions, self.kv.data, seqlens, mask, table)
         # With a fixed depth every request is drafted: the drafter sees the prompt now. The adaptive controller may
-        # never draft a request (batch 16 on CPU), so there the draft cache is filled by catch-up when it first does.
-        eager = self.drafter is not None and self.drafter.keeps_cache and self.controller is None
+        # never draft a request (batch 16 on CPU), so there the draft cache is filled by catch-up when it first does;
+        # a drafter that reads the target's features sees every chunk (they exist only in this pass).
+        fixed = self.drafter is not None and self.drafter.keeps_cache and self.controller is None
+        eager = fixed or features is not None
         if eager:
-            self.drafter.prefill(tokens, positions, seqlens, mask, table)
+            self.drafter.prefill(tokens, positions, seqlens, mask, table, features)
         for r, n in zip(reqs, counts):
             r.num_computed += n
             if eager:
@@ -413,7 +415,8 @@ class Engine:
         draft = self._propose(batch, rows, index)  # tokens/parents [B, T], draft_probs [B, T, V] | None
         drafted = time.perf_counter()
         positions = batch.seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
-        hidden = self.target(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask, batch.block_table)
+        hidden, features = self._target_pass(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask,
+                                             batch.block_table)  # fmt: skip
         logits = self.target.logits(hidden)  # [B, T, V]
         if batch.coupled is not None:  # coupled rows: verify_tree samples argmax(z + g_t) in-kernel, walks greedily
             sampling = {**sampling, "noise_seeds": batch.noise_seeds, "positions": positions, "coupled": batch.coupled}
@@ -430,7 +433,9 @@ class Engine:
                         block_table=batch.block_table)  # fmt: skip
         out_tokens, num_accepted = self._read_step(result)  # the step's one host sync
         draft_lens = [r.draft_len for r in batch.rows]
-        if rows:
+        if features is not None:  # a drafter that reads the target's features keeps every row's, drafted or not
+            draft_lens = self.drafter.commit(batch, result, num_accepted, features)
+        elif rows:
             sub = batch.select(rows, index) if partial else batch
             sub_result = VerifyResult(*(x[index] for x in result)) if partial else result
             new_lens = self.drafter.commit(sub, sub_result, [num_accepted[b] for b in rows])
@@ -440,6 +445,17 @@ class Engine:
             draft_lens = [r.num_computed + n for r, n in zip(batch.rows, num_accepted)]
         self.step_times = (drafted - start, time.perf_counter() - start)
         return out_tokens, num_accepted, draft_lens
+
+    def _target_pass(self, *args) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's forward (``LlamaForCausalLM.forward``'s arguments): its final hidden states [B, T, H] and,
+        for a drafter that reads the target's features, those [B, T, F] from the same pass (else None)."""
+        drafter = self.drafter
+        if drafter is None or not drafter.needs_hidden:
+            return self.target(*args), None
+        if drafter.target_layers is None:
+            hidden = self.target(*args)
+            return hidden, hidden
+        return self.target.forward_features(*args, layers=drafter.target_layers)
 
     @staticmethod
     def _read_step(result: VerifyResult) -> tuple[list[list[int]], list[int]]:

@@ -95,17 +95,24 @@ class Drafter(ABC):
     max_nodes: int  # T for a row drafted at max_depth
     keeps_cache: bool = False  # True: commit returns the new lengths of the drafter's own cache
     tree = None  # the StaticTree a tree drafter proposes (None: chains); the adaptive controller plans by depth
+    # Drafters that read the target's features (EAGLE heads): ``prefill`` sees every prompt chunk (adaptive or not)
+    # and ``commit`` every row of every step (drafted or not), both with the target's hidden states [B, T, F] of that
+    # pass: its final ones (``target_layers`` None) or the residual streams entering ``target_layers``, concatenated.
+    needs_hidden: bool = False
+    target_layers: tuple[int, ...] | None = None
 
-    def prefill(self, input_ids, positions, seqlens, mask, block_table) -> None:  # noqa: B027
-        """See the same prompt chunk the target prefilled. Shapes as ``LlamaForCausalLM.forward``."""
+    def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:  # noqa: B027
+        """See the same prompt chunk the target prefilled. Shapes as ``LlamaForCausalLM.forward``; ``hidden``
+        [B, T, F] for drafters that need the target's features, else None."""
 
     @abstractmethod
     def propose(self, batch: StepBatch) -> Draft: ...
 
-    def commit(self, batch: StepBatch, result: VerifyResult, num_accepted: list[int]) -> list[int] | None:
+    def commit(self, batch: StepBatch, result: VerifyResult, num_accepted: list[int], hidden=None) -> list[int] | None:
         """Learn which path the target accepted: compact own caches; return each row's new cache length.
 
-        ``num_accepted`` is ``result.num_accepted`` already read on the host (the step's one sync)."""
+        ``num_accepted`` is ``result.num_accepted`` already read on the host (the step's one sync); ``hidden``
+        [B, T, F] the target's features at every node, for drafters that need them."""
         return None
 
     def nodes_for_depth(self, depth: int) -> int:

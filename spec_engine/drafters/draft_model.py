@@ -60,8 +60,17 @@ class DraftModelDrafter(Drafter):
     def nodes_for_depth(self, depth: int) -> int:
         return sum(self.tree.level_sizes[: depth + 1])
 
-    def prefill(self, input_ids, positions, seqlens, mask, block_table) -> None:
-        self.model(input_ids, positions, self.kv.data, seqlens, mask, block_table)
+    def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:
+        self._forward_prefix(input_ids, positions, seqlens, mask, block_table)
+
+    def _forward_prefix(self, tokens, positions, seqlens, mask, block_table) -> torch.Tensor:
+        """Tokens [B, T] of the sequences themselves (prompt, catch-up) at ``positions``: their hidden states."""
+        return self.model(tokens, positions, self.kv.data, seqlens, mask, block_table)
+
+    def _forward_nodes(self, tokens, nodes, sub, positions, seqlens, mask, block_table) -> torch.Tensor:
+        """Tree nodes ``tokens[:, sub]``: their hidden states [B, n, H]. ``nodes`` [B, T, H] holds every node's
+        hidden state computed so far (an EAGLE head reads its parents'; a draft model needs none)."""
+        return self.model(tokens[:, sub], positions, self.kv.data, seqlens, mask, block_table)
 
     def _tree_shape(self, gammas: list[int]) -> list[torch.Tensor]:
         """(parents [B, T], tree_mask [B, T, T], depths [B, T]) on the device for rows drafted at ``gammas``: the
@@ -79,7 +88,7 @@ class DraftModelDrafter(Drafter):
         return self._shapes[key]
 
     def _catch_up(self, batch: StepBatch) -> torch.Tensor:
-        """Feed each row's tokens the draft cache lacks, then its root; return q logits at the root [B, V].
+        """Feed each row's tokens the draft cache lacks, then its root; return the root's hidden state [B, H].
 
         A row that lags by more than ``CATCH_UP_SLACK`` tokens (its prompt, under the adaptive controller, or the
         tokens of a stretch it was left undrafted) is fed first, ``CATCH_UP_CHUNK`` at a time and only on the rows
@@ -101,7 +110,7 @@ class DraftModelDrafter(Drafter):
                                              torch.tensor([cached[b] for b in long], dtype=torch.int32),
                                              torch.tensor(long, dtype=torch.int64))  # fmt: skip
             positions = start.long()[:, None] + torch.arange(n, device=dev)  # [n_long, n]
-            self.model(tokens, positions, self.kv.data, start, causal_mask(len(long), n, dev), batch.block_table[index])
+            self._forward_prefix(tokens, positions, start, causal_mask(len(long), n, dev), batch.block_table[index])
             for b, count in zip(long, counts):
                 cached[b] += count
         lags = [r.num_computed - c for r, c in zip(rows, cached)]
@@ -112,8 +121,8 @@ class DraftModelDrafter(Drafter):
         tokens, start, lag_t = to_device(dev, torch.from_numpy(tokens), torch.tensor(cached, dtype=torch.int32),
                                          torch.tensor(lags, dtype=torch.int64))  # fmt: skip
         positions = start.long()[:, None] + torch.arange(T, device=dev)  # [B, T]
-        hidden = self.model(tokens, positions, self.kv.data, start, causal_mask(batch.size, T, dev), batch.block_table)
-        return self.model.logits(hidden[torch.arange(batch.size, device=dev), lag_t])  # [B, V]: the roots' only
+        hidden = self._forward_prefix(tokens, positions, start, causal_mask(batch.size, T, dev), batch.block_table)
+        return hidden[torch.arange(batch.size, device=dev), lag_t]  # [B, H]: the roots' only
 
     def propose(self, batch: StepBatch) -> Draft:
         depth = max(batch.gammas)
@@ -126,7 +135,10 @@ class DraftModelDrafter(Drafter):
         temp = 1.0 if all_greedy else torch.where(greedy, 1.0, batch.temperature)[:, None, None]  # [B, 1, 1]
         tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)  # [B, T]
         tokens[:, 0] = batch.roots
-        logits = self._catch_up(batch)[:, None]  # [B, 1, V]: q logits of level 0
+        root = self._catch_up(batch)  # [B, H]
+        logits = self.model.logits(root)[:, None]  # [B, 1, V]: q logits of level 0
+        nodes = root.new_empty(B, T, root.shape[-1])  # [B, T, H]: each node's hidden state
+        nodes[:, 0] = root
         # [B, T, V] draft distributions; an all-greedy batch needs none: its children are the top-b of the logits
         # (softmax keeps their order) and verify_tree ignores q on greedy rows (it then takes its one-call walk)
         q = None if all_greedy else torch.zeros(B, T, logits.shape[-1], device=dev)
@@ -148,7 +160,8 @@ class DraftModelDrafter(Drafter):
                 sub, (mask, sub_depths) = slice(1, level.stop), self._levels[d - 1]
                 mask = mask.expand(B, -1, -1)
             positions = L.long()[:, None] + sub_depths  # [B, n]
-            hidden = self.model(tokens[:, sub], positions, self.kv.data, L + sub.start, mask, batch.block_table)
+            hidden = self._forward_nodes(tokens, nodes, sub, positions, L + sub.start, mask, batch.block_table)
+            nodes[:, sub] = hidden
             logits = self.model.logits(hidden[:, level.start - sub.start :])  # [B, n_level, V]: where it samples
         if self.draft_sampling == "deterministic" or q is None:
             return Draft(tokens, parents, tree_mask, depths, None, "iid")
@@ -180,7 +193,7 @@ class DraftModelDrafter(Drafter):
             draws = torch.where(coupled[:, None, None], (log_q + noise).topk(b, dim=-1).indices, draws)
         return torch.where(greedy[:, None, None], children, draws)
 
-    def commit(self, batch: StepBatch, result: VerifyResult, num_accepted: list[int]) -> list[int]:
+    def commit(self, batch: StepBatch, result: VerifyResult, num_accepted: list[int], hidden=None) -> list[int]:
         compact_kv_(self.kv.planes, batch.seqlens, result.accepted_nodes, result.num_accepted,
                     block_table=batch.block_table)  # fmt: skip
         # The deepest level drawn (max of the gammas) never ran through the draft model: a path that ends there

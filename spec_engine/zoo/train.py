@@ -104,6 +104,17 @@ def encode_files(tok, files: list[Path]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32)
 
 
+def encode_splits(tok, splits: dict[str, list[Path]], work: Path) -> dict[str, torch.Tensor]:
+    """Each split's token stream (``encode_files``), cached as ``work/<split>.pt``."""
+    streams = {}
+    for split, files in splits.items():
+        path = work / f"{split}.pt"
+        if not path.is_file():
+            torch.save(encode_files(tok, files), path)
+        streams[split] = torch.load(path, weights_only=True)
+    return streams
+
+
 def hf_config(arch: dict, vocab_size: int, eos_id: int, max_len: int) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -222,12 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         print(f"tokenizer: BPE {recipe.vocab_size} on {len(train_files)} files")
         tok = train_tokenizer(train_files, recipe.vocab_size, tok_path)
-    streams = {}
-    for split, files in (("train", train_files), ("held", held_files)):
-        path = work / f"{split}.pt"
-        if not path.is_file():
-            torch.save(encode_files(tok, files), path)
-        streams[split] = torch.load(path, weights_only=True)
+    streams = encode_splits(tok, {"train": train_files, "held": held_files}, work)
     n_bytes = sum(p.stat().st_size for p in train_files)
     n_train, n_held = len(streams["train"]), len(streams["held"])
     print(f"corpus: {len(train_files)} train files, {n_train} tokens ({n_bytes / n_train:.2f} B/tok); "

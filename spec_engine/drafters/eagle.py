@@ -1,0 +1,356 @@
+"""EAGLE draft heads: one decoder layer that drafts from the target's own features (EAGLE-1/2 and EAGLE-3 layouts).
+
+Glossary:
+    feature f_p   what the target hands the head for position p: its final hidden state (RMS-normed, the input of
+                  lm_head) for EAGLE-1/2; for EAGLE-3 ``fc`` of the residual streams entering three of its layers,
+                  concatenated (the head's ``target_layers``).
+    entry p       one head token: the token x_p with the feature of the position before it, f_{p-1} (zeros for
+                  p = 0), at RoPE position p. Its output h_p stands in for f_p: the head reads it back as the feature
+                  of its own next entry while drafting, and ``logits(h_p)`` predicts x_{p+1}. (The published heads
+                  pair f_p with x_{p+1} at position p: RoPE is relative, so the shift by one changes nothing.)
+    feature cache the target's features of every committed position, paged like the KV caches and compacted with
+                  the accepted path: the head's entries for the tokens of the last step are computed from it, with
+                  the target's true features, as EAGLE does (the drafted entries, built on the head's own guesses,
+                  are dropped).
+
+Layouts, as vLLM and SGLang load them (``load_eagle_head``):
+- "eagle" (EAGLE-1/2): ``fc`` [H, 2H] over cat(embedding, feature), ``layers.0.*`` a decoder layer without input
+  norm, no final norm; the target's ``embed_tokens`` and ``lm_head`` unless the head has its own. The variant our
+  recipe trains ("normed": ``layers.0.input_layernorm`` and a final ``norm`` present) is a plain decoder layer whose
+  output is RMS-normed like the target's features: it runs as one ``decoder_layers`` call once fused.
+- "eagle3" (EAGLE-3): ``fc`` [H, 3 H_target] over the three target layers' features, ``midlayer.*`` a decoder layer
+  whose attention reads cat(input_layernorm(embedding), hidden_norm(feature)) [2H], a final ``norm``, its own
+  ``lm_head`` over a draft vocabulary whose token i is target token ``i + d2t[i]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from spec_engine.drafters.base import Draft, StepBatch
+from spec_engine.drafters.draft_model import DraftModelDrafter
+from spec_engine.kv_cache import PagedKVCache
+from spec_engine.models import LlamaForCausalLM, ModelConfig
+from spec_engine.models.config import rope_inv_freq
+from spec_engine.models.llama import Attention, DecoderLayer, RMSNorm, _layer_fields, cache_slots, cached_attention
+from spec_engine.transfer import to_device
+from spec_engine.tree import StaticTree
+from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, linear
+from spec_kernels.decoder_layers import decoder_layers
+
+LAYOUTS = ("eagle", "eagle3")
+
+
+def eagle3_target_layers(num_layers: int) -> tuple[int, int, int]:
+    """The target layers whose inputs EAGLE-3 reads by default (vLLM's choice: low, middle and high), kept inside
+    targets of fewer than 5 layers."""
+    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
+
+
+class EagleHead(nn.Module):
+    """One EAGLE head. Parameter names are the published checkpoints' (``fc``, ``layers.0.*`` or ``midlayer.*``,
+    ``norm``, ``lm_head``, ``d2t``); the target's embedding and lm_head are shared, never copied or saved.
+
+    Shapes: token ids [B, T]; features [B, T, H] (``features`` maps the target's [B, T, F] to them); outputs
+    [B, T, H], the stand-ins for the next features; ``logits`` [B, T, V_target] float32.
+    """
+
+    def __init__(self, cfg: ModelConfig, layout: str, target: LlamaForCausalLM, *, fc_bias: bool = False,
+                 draft_vocab_size: int | None = None, target_layers: tuple[int, ...] | None = None,
+                 own_embedding: bool = False, own_lm_head: bool = False, norm_before_residual: bool = False,
+                 normed: bool = False):  # fmt: skip
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"EAGLE layout must be one of {LAYOUTS}, got {layout!r}")
+        self.config, self.layout = cfg, layout
+        H, Ht = cfg.hidden_size, target.config.hidden_size
+        self.norm_before_residual = norm_before_residual
+        layer = DecoderLayer(cfg)
+        self.normed = normed and layout == "eagle"  # the normed variant: a plain decoder layer and a final norm
+        self.layer_weights: list[torch.Tensor | None] | None = None  # decoder_layers' list, once fused (normed)
+        if layout == "eagle":
+            self.target_layers = None  # the final hidden state
+            self.fc = nn.Linear(2 * H, H, bias=fc_bias)
+            if not self.normed:
+                layer.input_layernorm = nn.Identity()  # EAGLE-1 feeds fc's output to attention as it is
+            self.layers = nn.ModuleList([layer])
+        else:
+            self.target_layers = tuple(target_layers or eagle3_target_layers(target.config.num_hidden_layers))
+            self.fc = nn.Linear(len(self.target_layers) * Ht, H, bias=False)
+            layer.self_attn = Attention(dataclasses.replace(cfg, hidden_size=2 * H))
+            layer.self_attn.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, H, bias=False)
+            layer.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+            self.midlayer = layer
+        if layout == "eagle3" or self.normed:
+            self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        if own_embedding:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.draft_vocab_size = draft_vocab_size or cfg.vocab_size
+        if own_lm_head or layout == "eagle3":
+            self.lm_head = nn.Linear(H, self.draft_vocab_size, bias=False)
+        if layout == "eagle3":
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.rope_table: torch.Tensor | None = None  # [2, max_positions, D] cos and sin, once fused
+        self.__dict__["target"] = target  # shared, not a submodule: its weights are neither trained nor saved
+        self.vocab_size = target.config.vocab_size
+
+    @property
+    def layer(self) -> DecoderLayer:
+        return self.layers[0] if self.layout == "eagle" else self.midlayer
+
+    def fuse(self, max_positions: int | None = None) -> EagleHead:
+        """The engine's lean path (as ``LlamaForCausalLM.fuse``): fused q/k/v and gate/up matrices, a RoPE table
+        for positions below ``max_positions``; the normed variant's layer then runs as one ``decoder_layers`` call."""
+        if max_positions is not None:
+            self.rope_table = torch.stack(self._rope(torch.arange(max_positions, device=self.inv_freq.device)[None],
+                                                     self.fc.weight.dtype))[:, 0]  # fmt: skip
+        self.layer.self_attn.fuse()
+        self.layer.mlp.fuse()
+        if self.normed:
+            self.layer_weights = _layer_fields(self.layer)
+        return self
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if "embed_tokens" in self._modules:
+            return self.embed_tokens(input_ids)
+        return self.target.model.embed_tokens(input_ids)
+
+    def features(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, F] target hidden states (final, or the target layers' concatenated) -> [B, T, H] features."""
+        return target_hidden if self.layout == "eagle" else _linear(target_hidden, self.fc)
+
+    def inputs(self, input_ids: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, attention input) of each entry: token ids [B, T], features [B, T, H]. The attention
+        input is None where ``decoder_layers`` normalises it itself (the fused normed variant)."""
+        e = self.embed(input_ids)
+        if self.layout == "eagle":
+            x = _linear(torch.cat((e, features), dim=-1), self.fc)
+            return x, None if self.layer_weights is not None else self.layer.input_layernorm(x)  # fused: in the op
+        layer = self.layer
+        normed = layer.hidden_norm(features)
+        residual = normed if self.norm_before_residual else features
+        return residual, torch.cat((layer.input_layernorm(e), normed), dim=-1)
+
+    def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer after attention: [B, T, H] outputs (final-normed in the normed variant)."""
+        x = x + attn_out
+        x = x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+        return self.norm(x) if self.normed else x
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """cos and sin [2, B, T, D] for positions [B, T]: read from the table when there is one."""
+        if self.rope_table is not None and self.rope_table.dtype == dtype:
+            return self.rope_table[:, positions]
+        return torch.stack(self._rope(positions, dtype))
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids, features, positions, kv_cache, cache_seqlens, tree_mask, block_table=None):
+        """Run T entries per row on the head's paged KV cache, ``LlamaForCausalLM.forward``'s conventions for one
+        layer: positions [B, T] (L_b + depth), kv_cache [1, 2, num_blocks, block_size, Hkv, D], the entries' K/V
+        written at slots L_b .. L_b+T-1. Returns the outputs [B, T, H]."""
+        x, attn_in = self.inputs(input_ids, features)
+        rope = self.rope(positions, x.dtype)  # [2, B, T, D]
+        if self.layer_weights is not None:  # the normed variant: the whole layer in one op (C++ on CPU)
+            cfg = self.config
+            return decoder_layers(x, self.layer_weights, self.norm.weight, kv_cache, cache_seqlens, rope, tree_mask,
+                                  num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps,
+                                  block_table=block_table)  # fmt: skip
+        attn = cached_attention(self.layer.self_attn, attn_in, *rope.unsqueeze(3), kv_cache[0], cache_seqlens,
+                                tree_mask, block_table)  # fmt: skip
+        return self.finish(x, attn)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] outputs -> [..., V_target] float32 logits; tokens outside an EAGLE-3 draft vocabulary get -inf."""
+        lm_head = self.lm_head if "lm_head" in self._modules else self.target.lm_head
+        if self.layout == "eagle":
+            return _linear(h, lm_head).float()
+        z = _linear(self.norm(h), lm_head).float()  # [..., V_draft]
+        out = z.new_full((*z.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.d2t + torch.arange(self.draft_vocab_size, device=z.device)] = z
+        return out
+
+
+def _linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
+    """The native small-M kernel at inference; the module itself (autograd) while training."""
+    return m(x) if torch.is_grad_enabled() else linear(x, m.weight, m.bias)
+
+
+def _strip(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+def load_eagle_head(head_dir: str | Path, target: LlamaForCausalLM, *, dtype: torch.dtype = torch.float32,
+                    device: str = "cpu") -> EagleHead:  # fmt: skip
+    """Load a head directory (config.json + *.safetensors) in either published layout, checked against ``target``.
+
+    Raises ValueError when the head does not fit the target: another hidden size, vocabulary, or missing weights."""
+    head_dir = Path(head_dir)
+    if not (head_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {head_dir}: not an EAGLE head directory")
+    raw = json.loads((head_dir / "config.json").read_text())
+    files = sorted(head_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {head_dir}")
+    state = {}
+    for f in files:
+        state.update({_strip(k): v for k, v in load_file(str(f)).items()})
+    layout = "eagle3" if any(k.startswith("midlayer.") for k in state) else "eagle"
+    if layout == "eagle" and not any(k.startswith("layers.0.") for k in state):
+        raise ValueError(f"{head_dir} is no EAGLE head: it has neither 'layers.0.*' (EAGLE) nor 'midlayer.*' (EAGLE-3)")
+    raw.setdefault("model_type", "llama")
+    cfg = ModelConfig.from_dict(raw)
+    tcfg = target.config
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"EAGLE head vocab ({cfg.vocab_size}) != target vocab ({tcfg.vocab_size}): the head was "
+                         "trained for another target")  # fmt: skip
+    eagle_cfg = raw.get("eagle_config") or {}
+    target_layers = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or raw.get("target_layers")
+    target_hidden = raw.get("target_hidden_size") or cfg.hidden_size
+    if target_hidden != tcfg.hidden_size or (layout == "eagle" and cfg.hidden_size != tcfg.hidden_size):
+        raise ValueError(f"EAGLE head expects target hidden size {target_hidden}, the target has {tcfg.hidden_size}")
+    if target_layers is not None and not all(0 <= i < tcfg.num_hidden_layers for i in target_layers):
+        raise ValueError(f"EAGLE-3 target layers {target_layers} outside the target's {tcfg.num_hidden_layers}")
+    with torch.device("meta"):
+        head = EagleHead(cfg, layout, target, fc_bias="fc.bias" in state, draft_vocab_size=raw.get("draft_vocab_size"),
+                         target_layers=target_layers, own_lm_head="lm_head.weight" in state,
+                         own_embedding=layout == "eagle3" and "embed_tokens.weight" in state,
+                         norm_before_residual=bool(raw.get("norm_before_residual")),
+                         normed=layout == "eagle" and "layers.0.input_layernorm.weight" in state)  # fmt: skip
+    expected = dict(head.state_dict())
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"EAGLE head {head_dir} ({layout} layout) lacks {len(missing)} weights, e.g. {missing[:3]}")
+    for name, t in expected.items():
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise ValueError(f"EAGLE head weight {name}: shape {tuple(state[name].shape)} != expected {tuple(t.shape)}")
+    cast = {k: state[k] if k == "d2t" else state[k].to(dtype) for k in expected}
+    head.load_state_dict(cast, strict=False, assign=True)
+    head.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+    if layout == "eagle3":
+        mapped = head.d2t + torch.arange(head.draft_vocab_size)
+        if int(mapped.min()) < 0 or int(mapped.max()) >= tcfg.vocab_size:
+            raise ValueError(f"EAGLE-3 d2t maps draft tokens outside the target vocabulary [0, {tcfg.vocab_size})")
+    return head.to(device).eval().requires_grad_(False)
+
+
+def save_eagle_head(head: EagleHead, config: dict, out_dir: str | Path, *, dtype: torch.dtype = torch.float16) -> None:
+    """Write a head directory in its published layout: config.json and model.safetensors (``dtype``, d2t int64)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() if k == "d2t" else v.detach().to(dtype).contiguous()
+             for k, v in head.state_dict().items()}  # fmt: skip
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(dict(config, torch_dtype=str(dtype).removeprefix("torch.")), indent=2)
+                                     + "\n")  # fmt: skip
+
+
+class EagleDrafter(DraftModelDrafter):
+    """Chains and static trees from an EAGLE head, level by level as the draft model (``DraftModelDrafter``: the
+    same tree shapes, children draws and verification modes), with the head's features in place of a model's own
+    state: an entry reads the target's feature of the position before it (the feature cache) when it is a token of
+    the sequence, and its parent node's output when it is a drafted node.
+
+    Caches: the head's KV ``kv`` [1, 2, num_blocks, block_size, Hkv, D] and the feature cache ``features``
+    [1, num_blocks, block_size, H], both on the target's block table. ``commit`` writes every node's feature and
+    compacts the feature cache with the accepted path; the head's KV keeps only the root's entry (built on true
+    features), and the next step's catch-up recomputes the accepted tokens' entries from their true features.
+    """
+
+    needs_hidden = True
+
+    def __init__(self, head: EagleHead, kv: PagedKVCache, features: torch.Tensor, tree: StaticTree,
+                 draft_sampling: str = "without_replacement", dynamic: bool = False):  # fmt: skip
+        super().__init__(head, kv, tree, draft_sampling)
+        # EAGLE-2's dynamic tree has the shape of the static tree (k, 1, 1, ...): k nodes per level below the root
+        self.dynamic_topk = tree.branching[0] if dynamic else None
+        self.features = features
+        self.target_layers = head.target_layers
+        self._node_parents = to_device(self.device, self._parents.clamp(min=0))[0]  # [T_max]: node -> parent node
+
+    def _store(self, hidden: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> None:
+        """The target's hidden states [B, T, F] at ``positions`` [B, T] into the feature cache."""
+        blocks, offsets = cache_slots(positions, self.features.shape[2], block_table)
+        self.features[0, blocks, offsets] = self.model.features(hidden)
+
+    def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:
+        self._store(hidden, positions, block_table)
+        self._forward_prefix(input_ids, positions, seqlens, mask, block_table)
+
+    def _forward_prefix(self, tokens, positions, seqlens, mask, block_table) -> torch.Tensor:
+        before = positions - 1  # [B, T]: entry p reads the feature of p - 1 (zeros before the first token)
+        blocks, offsets = cache_slots(before.clamp(min=0), self.features.shape[2], block_table)
+        feats = self.features[0, blocks, offsets] * (before >= 0)[..., None]  # [B, T, H]
+        return self.model(tokens, feats, positions, self.kv.data, seqlens, mask, block_table)
+
+    def _forward_nodes(self, tokens, nodes, sub, positions, seqlens, mask, block_table) -> torch.Tensor:
+        feats = nodes[:, self._node_parents[sub]]  # [B, n, H]: the parents' outputs stand in for their features
+        return self.model(tokens[:, sub], feats, positions, self.kv.data, seqlens, mask, block_table)
+
+    def propose(self, batch: StepBatch) -> Draft:
+        return super().propose(batch) if self.dynamic_topk is None else self._propose_dynamic(batch)
+
+    def _propose_dynamic(self, batch: StepBatch) -> Draft:
+        """EAGLE-2's dynamic tree under a fixed node budget: level d keeps the k nodes of highest cumulative log q
+        among the k best children of each of level d - 1's k nodes (level 1: the root's k best). The shape (k nodes
+        per level, their depths, each row's padding) is fixed and host-known; which parent each node hangs from is
+        chosen on the device, and the mask follows from it there. The children are the head's most likely tokens,
+        not draws, so every row verifies them as point-mass proposals: lossless whatever tree was chosen."""
+        depth, k = max(batch.gammas), self.dynamic_topk
+        T = self.nodes_for_depth(depth)
+        B, L, dev = batch.size, batch.seqlens, self.device
+        static_parents, _, depths = self._tree_shape(batch.gammas)  # [B, T]: padding and depths per row
+        eye = torch.eye(T, dtype=torch.bool, device=dev)  # [T, T]
+        tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)  # [B, T]
+        tokens[:, 0] = batch.roots
+        parents = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)  # [B, T]
+        mask = eye.repeat(B, 1, 1)  # [B, T, T]
+        scores = torch.zeros(B, T, device=dev)  # [B, T]: cumulative log q of each node's path
+        rows = torch.arange(B, device=dev)[:, None]  # [B, 1]
+        root = self._catch_up(batch)  # [B, H]
+        nodes = root.new_empty(B, T, root.shape[-1])  # [B, T, H]: each node's output
+        nodes[:, 0] = root
+        logits = self.model.logits(root)[:, None]  # [B, 1, V]
+        levels = self.tree.level_slices
+        for d in range(1, depth + 1):
+            parent_level, level = levels[d - 1], levels[d]
+            log_q = torch.log_softmax(logits, dim=-1) + scores[:, parent_level, None]  # [B, n_parent, V]
+            top = log_q.topk(k, dim=-1)  # each parent's k best children: [B, n_parent, k]
+            best = top.values.flatten(1).topk(k, dim=-1)  # the level's k best: [B, k]
+            tokens[:, level] = top.indices.flatten(1).gather(1, best.indices)
+            parents[:, level] = parent_level.start + best.indices // k
+            scores[:, level] = best.values
+            mask[:, level] = mask[rows, parents[:, level]] | eye[level]  # the parent's ancestors and itself
+            if d == depth:
+                break
+            sub = slice(1, level.stop)  # levels 1..d, re-rooted at node 1 (the root's entry is cached at L)
+            feats = nodes[rows, parents[:, sub]]  # [B, n, H]: the parents' outputs
+            hidden = self.model(tokens[:, sub], feats, L.long()[:, None] + depths[:, sub], self.kv.data, L + 1,
+                                mask[:, sub, sub], batch.block_table)  # fmt: skip
+            nodes[:, sub] = hidden
+            logits = self.model.logits(hidden[:, level.start - 1 :])  # [B, k, V]
+        pad = static_parents == PAD_NODE  # rows drafted shallower than the deepest: their extra nodes are padding
+        pad[:, 0] = False
+        parents = parents.masked_fill(pad, PAD_NODE)
+        mask = torch.where(pad[..., None], eye, mask)
+        return Draft(tokens, parents, mask, depths, None, "iid")
+
+    def commit(self, batch: StepBatch, result: VerifyResult, num_accepted: list[int], hidden=None) -> list[int]:
+        """Every row (drafted or not): the nodes' features in, the accepted path's kept. A drafted row's head cache
+        ends after its root's entry; an undrafted row's is unchanged (the catch-up feeds it later)."""
+        T = hidden.shape[1]
+        self._store(hidden, batch.seqlens.long()[:, None] + torch.arange(T, device=self.device), batch.block_table)
+        if T > 1:
+            compact_kv_(self.features, batch.seqlens, result.accepted_nodes, result.num_accepted,
+                        block_table=batch.block_table)  # fmt: skip
+        return [r.num_computed + 1 if g else r.draft_len for r, g in zip(batch.rows, batch.gammas)]
