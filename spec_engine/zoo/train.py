@@ -94,23 +94,24 @@ def train_tokenizer(files: list[Path], vocab_size: int, out: Path):
     return tok
 
 
-def encode_files(tok, files: list[Path]) -> torch.Tensor:
-    """One flat int32 stream: file, EOS, file, EOS, ..."""
-    eos = tok.token_to_id(EOS)
+def encode_files(tok, files: list[Path], eos: int | None = None) -> torch.Tensor:
+    """One flat int32 stream: file, EOS, file, EOS, ... (``eos`` default: the tokenizer's ``<|endoftext|>``; files
+    run together when there is neither)."""
+    eos = tok.token_to_id(EOS) if eos is None else eos
     ids: list[int] = []
     for enc in tok.encode_batch([_read(p) for p in files]):
         ids.extend(enc.ids)
-        ids.append(eos)
+        ids.extend([] if eos is None else [eos])
     return torch.tensor(ids, dtype=torch.int32)
 
 
-def encode_splits(tok, splits: dict[str, list[Path]], work: Path) -> dict[str, torch.Tensor]:
+def encode_splits(tok, splits: dict[str, list[Path]], work: Path, eos: int | None = None) -> dict[str, torch.Tensor]:
     """Each split's token stream (``encode_files``), cached as ``work/<split>.pt``."""
     streams = {}
     for split, files in splits.items():
         path = work / f"{split}.pt"
         if not path.is_file():
-            torch.save(encode_files(tok, files), path)
+            torch.save(encode_files(tok, files, eos), path)
         streams[split] = torch.load(path, weights_only=True)
     return streams
 

@@ -157,10 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
     train_files, held_files = corpus_files()
     if args.max_files:
         train_files, held_files = train_files[: args.max_files], held_files[: max(1, args.max_files // 4)]
-    streams = encode_splits(tok, {"train": train_files, "held": held_files}, work)
+    eos = tcfg.eos_token_id[0] if tcfg.eos_token_id else None  # the target's own separator between files
+    streams = encode_splits(tok, {"train": train_files, "held": held_files}, work, eos)
     print(f"corpus: {len(streams['train'])} train tokens, {len(streams['held'])} held-out tokens")
 
-    cfg = head_config(tcfg, tcfg.max_position_embeddings, tcfg.eos_token_id[0] if tcfg.eos_token_id else None)
+    cfg = head_config(tcfg, tcfg.max_position_embeddings, eos)
     head = EagleHead(ModelConfig.from_dict(cfg), "eagle", target, normed=True)
     init_head(head, args.seed)
     print(f"head: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters, {args.ttt} TTT steps")
