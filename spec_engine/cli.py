@@ -18,7 +18,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="gamma: tree depth (default 4)")
     g.add_argument("--tree", type=str, default=None, help="static tree, children per depth, e.g. 3,2,1")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="precision (default auto: bfloat16 on CPUs with AVX512-BF16, else float32)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices for the target (only 1 so far)")

@@ -18,6 +18,7 @@ from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_toke
 from spec_engine.models import load_model
 from spec_engine.sampling import SamplingParams
 from spec_engine.tree import StaticTree, chain
+from spec_kernels._backend import cpu_supports_native_bf16
 from spec_kernels._ext import load_ext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,6 +89,20 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
     return {**spec, "method": method, "num_speculative_tokens": gamma, "adaptive": adaptive}
 
 
+def auto_dtype(device: str) -> str:
+    """The fastest precision of the weights and KV caches on ``device`` (``dtype="auto"``, the default).
+
+    CPU: bfloat16 where the native kernels have AVX512-BF16 (the default pair, 2 threads: ~1.4-1.7x float32's
+    tokens/s, plain and speculative, because bf16 halves the bytes every step streams and target + draft then fit in
+    the L3 cache), float32 elsewhere. CUDA: bfloat16 where the GPU has it, float16 otherwise. Other devices (meta):
+    float32. Greedy tokens are those of the chosen dtype; pass ``dtype="float32"`` for float32's."""
+    if device == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if device == "cpu" and cpu_supports_native_bf16():
+        return "bfloat16"
+    return "float32"
+
+
 class LLM:
     """Generate with a target model, optionally speculating.
 
@@ -99,7 +114,8 @@ class LLM:
         ``num_speculative_tokens`` left out or ``"auto"`` is adaptive speculation: each step the engine picks the
         depth per request, 0 (no drafting) to 8 for chains or to the tree's depth, to maximise the tokens per
         second it expects from measured acceptance and measured step costs. An int fixes the depth.
-    device, dtype : where and in what precision the weights and KV caches live.
+    device, dtype : where and in what precision the weights and KV caches live; ``dtype="auto"`` (the default) is
+        the fastest for the device (``auto_dtype``: bfloat16 on CPUs with AVX512-BF16 and on GPUs, else float32).
     max_model_len : context length (prompt + output); defaults to the model's, capped at 4096.
     max_num_seqs : requests decoded together.
     kv_cache_memory : bytes for the KV caches of both models (requests that do not fit wait).
@@ -111,7 +127,7 @@ class LLM:
         model: str | Path,
         speculative_config: dict | None = None,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = "auto",
         *,
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
@@ -125,8 +141,11 @@ class LLM:
                 f"tensor_parallel_size={tensor_parallel_size!r}: only 1 is supported so far (one device); sharding the "
                 "target across devices is not implemented yet"
             )
+        if dtype == "auto":
+            dtype = auto_dtype(device)
         if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {dtype!r}")
+        self.dtype = dtype
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
         torch_dtype = DTYPES[dtype]

@@ -12,7 +12,9 @@ Glossary:
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 
 import torch
 
@@ -47,6 +49,17 @@ def host_value_checks(device: torch.device) -> bool:
     """Whether value checks that read data on the host run: always on CPU tensors (no sync to pay), on the device
     path only with ``SPECDEC_DEBUG_CHECKS=1``."""
     return device.type == "cpu" or debug_checks()
+
+
+@functools.cache
+def cpu_supports_native_bf16() -> bool:
+    """Whether this CPU runs the native bfloat16 kernels' vector path (AVX-512 F/BW/VL and AVX512-BF16), from the
+    kernel's CPU flags (Linux); False where they cannot be read."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags.split(":", 1)[1].split())
 
 
 def resolve_backend(op: str, backend: str | None, device: torch.device, *, has_triton: bool = True) -> str:

@@ -26,10 +26,12 @@ from spec_kernels._backend import resolve_backend
 from spec_kernels.reference import linear_ref
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-# backend=None takes the native kernel up to this M. float32: at every M (one layer's four matmuls of the default
-# target, 2 threads: M=65 513 vs 872 us for F.linear, M=128 999 vs 1495, M=512 3709 vs 5772), which also makes every
-# float32 forward batch-invariant, prefill included. bfloat16: torch's GEMMs win past ~64 rows (M=512 2036 vs 1341 us).
-MAX_NATIVE_ROWS = {torch.float32: 1 << 62, torch.bfloat16: 64}
+# backend=None takes the native kernel up to this M: every M in both dtypes, which makes every forward and every
+# logits call batch-invariant (a row's result never depends on how many rows share the call), prefill included; the
+# engine's seeded and greedy requests rely on it in any batch. float32 is also faster at every M (one layer's four
+# matmuls of the default target, 2 threads: M=65 513 vs 872 us for F.linear, M=128 999 vs 1495, M=512 3709 vs 5772);
+# bfloat16 costs more than torch's GEMM past ~64 rows (M=512 2036 vs 1341 us), which only prefill chunks reach.
+MAX_NATIVE_ROWS = {torch.float32: 1 << 62, torch.bfloat16: 1 << 62}
 
 _op = None  # the extension's direct entry of spec_kernels::linear, once loaded (1.2 us faster a call than torch.ops)
 
@@ -95,8 +97,8 @@ def linear(
     bias : Tensor, optional
         ``[N]``, same dtype as x.
     backend : {None, "native", "torch"}
-        None: the native kernel on CPU float32 inputs (any M) or bfloat16 ones (M <= 64) with a contiguous weight,
-        ``F.linear`` otherwise (CUDA, meta, bfloat16 prefill-sized M, other dtypes). "native": the C++ kernel, or a
+        None: the native kernel on CPU float32 and bfloat16 inputs (any M) with a contiguous weight, ``F.linear``
+        otherwise (CUDA, meta, other dtypes). "native": the C++ kernel, or a
         clear error where it cannot run. "torch": :func:`linear_ref`. "triton" raises: there is no Triton path.
 
     Returns

@@ -19,6 +19,19 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _float32_unless_asked():
+    """LLM's dtype="auto" picks bfloat16 on CPUs with AVX512-BF16; the tests compare against float32 references (HF,
+    exact distributions), so here it resolves to float32 (session-wide: module fixtures build LLMs too). Tests of
+    other dtypes name them (tests/test_engine_api.py tests "auto" itself). SPECDEC_TEST_DTYPE overrides it."""
+    import spec_engine.llm
+
+    dtype = os.environ.get("SPECDEC_TEST_DTYPE", "float32")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(spec_engine.llm, "auto_dtype", lambda device: dtype)
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

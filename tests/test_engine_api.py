@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from tiny_models import make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
+from spec_engine.llm import auto_dtype as REAL_AUTO_DTYPE  # before conftest patches it for the other tests
 
 PROMPT = {"prompt_token_ids": [3, 1, 4, 1, 5, 9, 2, 6]}
 
@@ -152,3 +154,23 @@ def test_default_kv_budget_fits_max_num_seqs_full_requests(dirs, spec, max_num_s
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_model_len - 4, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [max_model_len - 4] * max_num_seqs
     assert engine.allocator.num_used == 0
+
+
+def test_auto_dtype_is_the_fastest_for_the_device(dirs):
+    """dtype="auto" (the default) is bfloat16 on CPUs whose flags give the native bf16 kernels their vector path,
+    float32 elsewhere (and on meta); the LLM reports what it chose, and greedy speculation stays exact in it."""
+    from spec_kernels._backend import cpu_supports_native_bf16
+
+    assert REAL_AUTO_DTYPE("cpu") == ("bfloat16" if cpu_supports_native_bf16() else "float32")
+    assert REAL_AUTO_DTYPE("meta") == "float32"
+    target, draft, _ = map(str, dirs)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    plain, fast = LLM(target, dtype="bfloat16"), LLM(target, spec, dtype="bfloat16")
+    assert plain.dtype == "bfloat16" and plain.target.lm_head.weight.dtype == torch.bfloat16
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [5, 9, 4, 4, 7]}]
+    assert [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)
+    ]
+    with pytest.raises(ValueError, match="'auto' or one of"):
+        LLM(target, dtype="float64")
