@@ -30,16 +30,20 @@ void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, co
                     const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table);
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-at::Tensor decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights, const at::Tensor& final_norm,
-                              at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
-                              const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
-                              int64_t num_heads, double eps);
+std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights,
+                                                      const at::Tensor& final_norm, at::Tensor kv_cache,
+                                                      const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                                                      const at::Tensor& tree_mask,
+                                                      const c10::optional<at::Tensor>& block_table, int64_t num_heads,
+                                                      double eps, at::IntArrayRef capture);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents);
-at::Tensor decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights, const at::Tensor& final_norm,
-                               at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
-                               const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
-                               int64_t num_heads, double eps);
+std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
+                                                       const at::Tensor& final_norm, at::Tensor kv_cache,
+                                                       const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                                                       const at::Tensor& tree_mask,
+                                                       const c10::optional<at::Tensor>& block_table,
+                                                       int64_t num_heads, double eps, at::IntArrayRef capture);
 
 namespace {
 
@@ -156,7 +160,8 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def(
       "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!) kv_cache, Tensor cache_seqlens, "
-      "Tensor rope, Tensor tree_mask, Tensor? block_table, int num_heads, float eps) -> Tensor");
+      "Tensor rope, Tensor tree_mask, Tensor? block_table, int num_heads, float eps, int[] capture=[]) -> (Tensor, "
+      "Tensor)");
   m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor, Tensor, Tensor)");
 }
 

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -189,6 +190,9 @@ struct Problem {
   const T* cos;  // [B, T, D]
   const T* sin;  // [B, T, D]
   T* kv;         // [layers, 2, num_blocks, block_size, Hkv, D]
+  const int64_t* capture;  // layers whose input residual stream is copied out (EAGLE-3's features), in order
+  int64_t num_capture;
+  T* features;             // [B, T, num_capture * H]
 
   // Offset of logical position p of sequence b in one cache plane, in elements, at KV head 0.
   int64_t row_offset(int64_t b, int64_t p) const {
@@ -358,6 +362,13 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, flo
     const at::Tensor* w = weights.data() + l * kNumFields;
     T* k_plane = p.plane(l, 0);
     T* v_plane = p.plane(l, 1);
+    for (int64_t c = 0; c < p.num_capture; ++c) {
+      if (p.capture[c] != l) continue;
+      for (int64_t m = 0; m < M; ++m) {
+        T* dst = p.features + (m * p.num_capture + c) * H;
+        for (int64_t i = 0; i < H; ++i) dst[i] = static_cast<T>(h[m * H + i]);
+      }
+    }
 
     rms_norm(h, H, ptr<T>(w[kInputNorm]), p.eps, x.data(), M, H);
     linear(x.data(), ptr<T>(w[kQkv]), ptr<T>(w[kQkvBias]), qkv.data(), M, qkv_width, H);
@@ -421,7 +432,8 @@ struct Dims {
 
 Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weights, const at::Tensor& final_norm,
                   const at::Tensor& kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
-                  const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table, int64_t num_heads) {
+                  const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table, int64_t num_heads,
+                  at::IntArrayRef capture) {
   TORCH_CHECK_VALUE(hidden.dim() == 3, "decoder_layers: hidden must be [B, T, H], got ", hidden.sizes());
   const at::ScalarType dtype = hidden.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16,
@@ -492,6 +504,10 @@ Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weigh
     TORCH_CHECK_VALUE(kv_cache.size(2) == d.B, "decoder_layers: a contiguous kv_cache [layers, 2, B, S, Hkv, D] has B = ",
                       kv_cache.size(2), " but hidden has ", d.B, " (pass block_table for a paged cache)");
   }
+  for (const int64_t layer : capture) {
+    TORCH_CHECK_VALUE(layer >= 0 && layer < d.num_layers, "decoder_layers: capture layer ", layer, " is not one of the ",
+                      d.num_layers, " layers");
+  }
   for (const at::Tensor* t : {&cache_seqlens, &rope, &tree_mask, &kv_cache, &final_norm}) {
     TORCH_CHECK_VALUE(t->device() == hidden.device(), "decoder_layers: all tensors must be on ", hidden.device(),
                       ", got one on ", t->device());
@@ -512,7 +528,8 @@ std::vector<at::Tensor> present(at::TensorList list) {
 template <typename T>
 void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tensor>& weights,
              const at::Tensor& final_norm, at::Tensor& kv_cache, const at::Tensor& seqlens, const at::Tensor& mask,
-             const at::Tensor& cos_sin, const at::Tensor& table, double eps, at::Tensor& out) {
+             const at::Tensor& cos_sin, const at::Tensor& table, double eps, const std::vector<int64_t>& capture,
+             at::Tensor& out, at::Tensor& features) {
   Problem<T> p{};
   p.B = d.B, p.T_ = d.T, p.H = d.H, p.Hq = d.Hq, p.Hkv = d.Hkv, p.D = d.D, p.I = d.I, p.num_layers = d.num_layers;
   p.eps = static_cast<float>(eps);
@@ -526,6 +543,9 @@ void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tens
   p.cos = cos_sin.data_ptr<T>();
   p.sin = p.cos + d.B * d.T * d.D;
   p.kv = kv_cache.data_ptr<T>();
+  p.capture = capture.data();
+  p.num_capture = static_cast<int64_t>(capture.size());
+  p.features = features.data_ptr<T>();
 
   // Every position written or read must lie in the sequence's blocks.
   const int64_t capacity = table.defined() ? p.max_blocks * p.block_size : p.block_size;
@@ -551,13 +571,17 @@ void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tens
 
 }  // namespace
 
-at::Tensor decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights_list, const at::Tensor& final_norm,
-                              at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
-                              const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
-                              int64_t num_heads, double eps) {
+// Returns (out [B, T, H], features [B, T, len(capture) * H]): the final-normed hidden states, and the residual
+// streams entering the layers in `capture` (in its order; empty when it is).
+std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights_list,
+                                                      const at::Tensor& final_norm, at::Tensor kv_cache,
+                                                      const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                                                      const at::Tensor& tree_mask,
+                                                      const c10::optional<at::Tensor>& block_table, int64_t num_heads,
+                                                      double eps, at::IntArrayRef capture) {
   const std::vector<at::Tensor> weights = present(weights_list);
   const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
-                              num_heads);
+                              num_heads, capture);
   TORCH_CHECK_VALUE(hidden.device().is_cpu(), "decoder_layers: the native kernel runs on CPU, got ", hidden.device());
   const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]
   const at::Tensor mask = tree_mask.contiguous();                        // [B, T, T]
@@ -567,22 +591,30 @@ at::Tensor decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights_l
   if (block_table.has_value()) table = block_table->to(at::kInt).contiguous();
 
   at::Tensor out = at::empty(hidden.sizes(), hidden.options());  // [B, T, H]
-  if (out.numel() == 0) return out;
+  at::Tensor features = at::empty({d.B, d.T, static_cast<int64_t>(capture.size()) * d.H}, hidden.options());
+  if (out.numel() == 0) return {out, features};
+  const std::vector<int64_t> layers(capture.begin(), capture.end());
   if (hidden.scalar_type() == at::kFloat) {
-    forward<float>(d, input, weights, final_norm.contiguous(), kv_cache, seqlens, mask, cos_sin, table, eps, out);
+    forward<float>(d, input, weights, final_norm.contiguous(), kv_cache, seqlens, mask, cos_sin, table, eps, layers,
+                   out, features);
   } else {
-    forward<c10::BFloat16>(d, input, weights, final_norm.contiguous(), kv_cache, seqlens, mask, cos_sin, table, eps, out);
+    forward<c10::BFloat16>(d, input, weights, final_norm.contiguous(), kv_cache, seqlens, mask, cos_sin, table, eps,
+                           layers, out, features);
   }
-  return out;
+  return {out, features};
 }
 
-at::Tensor decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights_list, const at::Tensor& final_norm,
-                               at::Tensor kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
-                               const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table,
-                               int64_t num_heads, double eps) {
+std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights_list,
+                                                       const at::Tensor& final_norm, at::Tensor kv_cache,
+                                                       const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                                                       const at::Tensor& tree_mask,
+                                                       const c10::optional<at::Tensor>& block_table,
+                                                       int64_t num_heads, double eps, at::IntArrayRef capture) {
   const std::vector<at::Tensor> weights = present(weights_list);
-  check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads);
-  return at::empty(hidden.sizes(), hidden.options());
+  const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
+                              num_heads, capture);
+  return {at::empty(hidden.sizes(), hidden.options()),
+          at::empty({d.B, d.T, static_cast<int64_t>(capture.size()) * d.H}, hidden.options())};
 }
 
 }  // namespace specdec

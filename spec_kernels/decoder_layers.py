@@ -53,8 +53,9 @@ def decoder_layers(
     num_heads: int,
     eps: float,
     block_table: torch.Tensor | None = None,
+    capture: Sequence[int] | None = None,
     backend: str | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run T new tokens per sequence through every decoder layer and return the final-normed hidden states.
 
     Per layer: ``x = rms_norm(h)``; q/k/v from one fused matrix (plus bias), optional per-head q/k RMSNorm (Qwen3),
@@ -78,12 +79,15 @@ def decoder_layers(
     tree_mask : bool, ``tree_mask[b, i, j]``: node i sees node j (causal for prefill).
     num_heads : Hq; eps : the RMSNorm epsilon.
     block_table : int32 ``[B, max_blocks]`` for a paged cache.
+    capture : layer indices whose input residual stream to return too (EAGLE-3's low/mid/high features), in the
+        order given; None returns the hidden states alone.
     backend : None (native on CPU float32 / bfloat16, torch ops around the device kernels elsewhere), "native",
         "torch" (the reference). "triton" raises: this op composes the Triton kernels rather than being one.
 
     Returns
     -------
-    Tensor ``[B, T, H]`` in hidden's dtype.
+    Tensor ``[B, T, H]`` in hidden's dtype; with ``capture``, (that, the captured streams ``[B, T, len(capture) * H]``
+    concatenated in ``capture``'s order).
 
     Raises
     ------
@@ -93,14 +97,17 @@ def decoder_layers(
     weights = list(weights)
     if len(weights) % len(LAYER_FIELDS) != 0:
         raise ValueError(f"decoder_layers: weights must hold {len(LAYER_FIELDS)} tensors per layer ({LAYER_FIELDS})")
+    layers = None if capture is None else [int(i) for i in capture]
+    if layers is not None and not all(0 <= i < len(weights) // len(LAYER_FIELDS) for i in layers):
+        raise ValueError(f"decoder_layers: capture {layers} names a layer the model does not have")
     if backend is None and not _native_fits(hidden, weights, kv_cache):
         return _device_layers(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
-                              num_heads, eps)  # fmt: skip
+                              num_heads, eps, layers)  # fmt: skip
     backend = resolve_backend("decoder_layers", backend, hidden.device, has_triton=False)
     if backend == "torch":
         return decoder_layers_ref(
             hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask,
-            num_heads=num_heads, eps=eps, block_table=block_table,
+            num_heads=num_heads, eps=eps, block_table=block_table, capture=layers,
         )  # fmt: skip
     if not hidden.is_cpu:
         raise RuntimeError(f"decoder_layers: backend='native' is the CPU path; got {hidden.device.type} tensors")
@@ -108,12 +115,15 @@ def decoder_layers(
 
     load_ext()
     flat = [_EMPTY if w is None else w for w in weights]
-    return torch.ops.spec_kernels.decoder_layers(
-        hidden, flat, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps
+    out, features = torch.ops.spec_kernels.decoder_layers(
+        hidden, flat, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps, layers or []
     )
+    return out if layers is None else (out, features)
 
 
-def _device_layers(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps):
+def _device_layers(
+    hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps, capture=None
+):
     """The loop of torch ops with the fast kernels: CUDA, meta, and dtypes the C++ op does not take."""
     plan = plan_tree_attention(kv_cache[0, 0], cache_seqlens, tree_mask, num_q_heads=num_heads, block_table=block_table)
 
@@ -122,5 +132,5 @@ def _device_layers(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, t
 
     return decoder_layer_loop(
         hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps,
-        linear, attend,
+        linear, attend, capture,
     )  # fmt: skip

@@ -267,8 +267,9 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 def decoder_layer_loop(
-    hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps, linear, attend
-) -> torch.Tensor:
+    hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps, linear, attend,
+    capture=None,
+):  # fmt: skip
     """The body of ``decoder_layers`` in torch ops, with the matmul (``linear(x, w, b)``) and the attention
     (``attend(q, k_cache, v_cache)``) given: the reference passes its references, the device path its kernels."""
     B, T, _ = hidden.shape
@@ -283,7 +284,10 @@ def decoder_layer_loop(
         blocks = block_table.long().gather(1, pos // block_size)  # [B, T]
     offsets = pos % block_size  # [B, T]
     h = hidden
+    streams = {}  # the residual stream entering each captured layer
     for i in range(len(weights) // len(LAYER_FIELDS)):
+        if capture is not None and i in capture:
+            streams[i] = h
         w = dict(zip(LAYER_FIELDS, weights[i * len(LAYER_FIELDS) : (i + 1) * len(LAYER_FIELDS)]))
         q, k, v = linear(rms_norm_ref(h, w["input_norm"], eps), w["qkv"], w["qkv_bias"]).split(sizes, dim=-1)
         q, k, v = q.reshape(B, T, num_heads, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
@@ -296,7 +300,10 @@ def decoder_layer_loop(
         h = h + linear(out.reshape(B, T, -1), w["o"], None)
         gate, up = linear(rms_norm_ref(h, w["post_norm"], eps), w["gate_up"], None).chunk(2, dim=-1)
         h = h + linear(torch.nn.functional.silu(gate) * up, w["down"], None)
-    return rms_norm_ref(h, final_norm, eps)
+    out = rms_norm_ref(h, final_norm, eps)
+    if capture is None:
+        return out
+    return out, torch.cat([streams[i] for i in capture], dim=-1) if capture else h.new_empty(B, T, 0)
 
 
 def decoder_layers_ref(
@@ -311,8 +318,9 @@ def decoder_layers_ref(
     num_heads: int,
     eps: float,
     block_table: torch.Tensor | None = None,
+    capture: list[int] | None = None,
     backend: str | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A stack of Llama-family decoder layers over T new tokens per sequence, writing their K/V into ``kv_cache``
     and attending with ``tree_attention_ref``. ``backend`` is ignored. See ``spec_kernels.decoder_layers``."""
 
@@ -321,5 +329,5 @@ def decoder_layers_ref(
 
     return decoder_layer_loop(
         hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps,
-        linear_ref, attend,
+        linear_ref, attend, capture,
     )  # fmt: skip

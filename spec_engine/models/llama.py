@@ -202,14 +202,7 @@ class LlamaForCausalLM(nn.Module):
             tree_mask: [B, T, T] bool
             returns: [B, T, hidden]; apply ``logits`` to the rows whose logits are needed.
         """
-        if self.layer_weights is None:
-            self.fuse()
-        h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
-        cfg = self.config
-        return decoder_layers(
-            h, self.layer_weights, self.model.norm.weight, kv_cache, cache_seqlens, self._rope(positions, h.dtype),
-            tree_mask, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=block_table,
-        )  # fmt: skip
+        return self._decoder(input_ids, positions, kv_cache, cache_seqlens, tree_mask, block_table)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V] in float32."""
@@ -230,19 +223,22 @@ class LlamaForCausalLM(nn.Module):
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
     def forward_features(self, input_ids, positions, kv_cache, cache_seqlens, tree_mask, block_table=None, *, layers):
-        """``forward`` in torch ops, also returning the residual streams entering ``layers`` (EAGLE-3's features):
-        (final normed hidden states [B, T, hidden], those streams concatenated in ``layers``' order
-        [B, T, len(layers) * hidden]). Same cache effects as ``forward``."""
+        """``forward``, also returning the residual streams entering ``layers`` (EAGLE-3's features): (final normed
+        hidden states [B, T, hidden], those streams concatenated in ``layers``' order [B, T, len(layers) * hidden]).
+        The same computation as ``forward`` (one ``decoder_layers`` call), so the target's tokens do not depend on
+        whether a drafter reads its features."""
+        return self._decoder(input_ids, positions, kv_cache, cache_seqlens, tree_mask, block_table, list(layers))
+
+    def _decoder(self, input_ids, positions, kv_cache, cache_seqlens, tree_mask, block_table, capture=None):
+        if self.layer_weights is None:
+            self.fuse()
         h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
-        cos, sin = (x[:, :, None] for x in self._rope_from_freqs(positions, h.dtype))  # [B, T, 1, D]
-        streams = {}
-        for i, layer in enumerate(self.model.layers):
-            streams[i] = h
-            attn_in = layer.input_layernorm(h)
-            h = h + cached_attention(layer.self_attn, attn_in, cos, sin, kv_cache[i], cache_seqlens, tree_mask,
-                                     block_table)  # fmt: skip
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h), torch.cat([streams[i] for i in layers], dim=-1)
+        cfg = self.config
+        return decoder_layers(
+            h, self.layer_weights, self.model.norm.weight, kv_cache, cache_seqlens, self._rope(positions, h.dtype),
+            tree_mask, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=block_table,
+            capture=capture,
+        )  # fmt: skip
 
 
 def cache_slots(positions: torch.Tensor, block_size: int, block_table: torch.Tensor | None):
