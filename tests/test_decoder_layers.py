@@ -243,3 +243,21 @@ def test_tree_path_equals_plain_decoding_bitwise():
         out = decoder_layers(hidden[:, node : node + 1], weights, final_norm, plain, seqlens + step, rope, alone,
                              num_heads=Hq, eps=EPS, block_table=table)  # fmt: skip
         assert torch.equal(out[0, 0], tree[0, node]), node
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_capture_returns_the_streams_entering_layers(backend):
+    """capture=[...] returns the residual streams entering those layers (EAGLE-3's features) from the same call:
+    layer 0's is the input itself; the final hidden states are those of a call without capture, bit for bit."""
+    Hq, Hkv, D, bias, qk_norm = CONFIGS["qwen2_bias"]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    hidden, kv, seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [3, 0], 4, paged=True)
+    kw = dict(num_heads=Hq, eps=EPS, block_table=table, backend=backend)
+    plain = decoder_layers(hidden, weights, final_norm, kv.clone(), seqlens, rope, mask, **kw)
+    out, feats = decoder_layers(hidden, weights, final_norm, kv.clone(), seqlens, rope, mask, capture=[1, 0], **kw)
+    assert torch.equal(out, plain) and feats.shape == (2, 4, 2 * H)
+    assert torch.equal(feats[..., H:], hidden)  # layer 0's input
+    _, after_first = decoder_layers(hidden, weights, final_norm, kv.clone(), seqlens, rope, mask, capture=[1], **kw)
+    assert torch.equal(after_first, feats[..., :H]) and not torch.equal(after_first, hidden)
+    with pytest.raises(ValueError, match="capture"):
+        decoder_layers(hidden, weights, final_norm, kv.clone(), seqlens, rope, mask, capture=[LAYERS], **kw)
