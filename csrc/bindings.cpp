@@ -36,6 +36,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
                                                       const at::Tensor& tree_mask,
                                                       const c10::optional<at::Tensor>& block_table, int64_t num_heads,
                                                       double eps, at::IntArrayRef capture);
+at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embed, at::TensorList weights,
+                           const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
+                           const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
+                           const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
+                           int64_t gamma);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
@@ -163,6 +168,10 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor rope, Tensor tree_mask, Tensor? block_table, int num_heads, float eps, int[] capture=[]) -> (Tensor, "
       "Tensor)");
   m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "draft_chain(Tensor root_logits, Tensor embed, Tensor[] weights, Tensor final_norm, Tensor lm_head, "
+      "Tensor(a!) kv_cache, Tensor cache_seqlens, Tensor rope_table, Tensor? block_table, int num_heads, float eps, "
+      "int gamma) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
@@ -170,6 +179,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("linear", &specdec::linear_cpu);
   m.impl("decoder_layers", &specdec::decoder_layers_cpu);
   m.impl("verify_greedy", &specdec::verify_greedy_cpu);
+  m.impl("draft_chain", &specdec::draft_chain_cpu);
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
@@ -615,6 +616,78 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden,
                               num_heads, capture);
   return {at::empty(hidden.sizes(), hidden.options()),
           at::empty({d.B, d.T, static_cast<int64_t>(capture.size()) * d.H}, hidden.options())};
+}
+
+namespace {
+
+// The first index of the maximum of z [V] (NaNs skipped; a row of NaNs gives 0): a greedy draft's choice. A bad
+// proposal costs acceptance only, never correctness (verify_tree decides).
+template <typename T>
+int64_t first_argmax(const T* z, int64_t V) {
+  int64_t best = 0;
+  float best_v = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i) {
+    const float v = to_f(z[i]);
+    if (v > best_v) best_v = v, best = i;
+  }
+  return best;
+}
+
+}  // namespace
+
+// A greedy draft chain in one call: from the roots' draft logits [B, V], gamma tokens per row, each the argmax of
+// the previous one's logits; the first gamma - 1 run through the model at positions L_b + d (their K/V written
+// there, as the drafter's per-level forwards would). Returns tokens [B, gamma] int64. Why: a drafted level costs
+// its weights (~40 us for the default draft) plus ~100 us of Python and op dispatch when driven level by level from
+// Python; here one call pays the dispatch once.
+at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embed, at::TensorList weights,
+                           const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
+                           const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
+                           const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
+                           int64_t gamma) {
+  TORCH_CHECK_VALUE(root_logits.dim() == 2 && root_logits.device().is_cpu(),
+                    "draft_chain: root_logits must be [B, V] on CPU, got ", root_logits.sizes());
+  const int64_t B = root_logits.size(0), V = root_logits.size(1);
+  TORCH_CHECK_VALUE(gamma >= 1, "draft_chain: gamma must be >= 1, got ", gamma);
+  TORCH_CHECK_VALUE(embed.dim() == 2 && embed.size(0) >= V && lm_head.dim() == 2 && lm_head.size(0) == V &&
+                        lm_head.size(1) == embed.size(1) && lm_head.is_contiguous(),
+                    "draft_chain: embed [V, H] and a contiguous lm_head [V, H] must match the logits' V = ", V,
+                    ", got ", embed.sizes(), " and ", lm_head.sizes());
+  TORCH_CHECK_VALUE(rope_table.dim() == 3 && rope_table.size(0) == 2, "draft_chain: rope_table must be [2, P, D]");
+  TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
+                    "draft_chain: cache_seqlens must be [B] = [", B, "]");
+  const at::Tensor seqlens = cache_seqlens.to(at::kLong);  // [B]: the roots' positions L_b
+  const int64_t max_pos = B > 0 ? seqlens.max().item<int64_t>() + gamma : 0;
+  TORCH_CHECK_VALUE(max_pos <= rope_table.size(1), "draft_chain: positions up to ", max_pos,
+                    " need a longer RoPE table than ", rope_table.size(1));
+  at::Tensor tokens = at::empty({B, gamma}, seqlens.options());  // [B, gamma]
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  at::Tensor logits = root_logits.contiguous();  // [B, V]
+  const at::Tensor mask = at::ones({B, 1, 1}, seqlens.options().dtype(at::kBool));
+  for (int64_t d = 1; d <= gamma; ++d) {
+    for (int64_t b = 0; b < B; ++b) {
+      tok[b * gamma + d - 1] = logits.scalar_type() == at::kFloat
+                                   ? first_argmax(logits.data_ptr<float>() + b * V, V)
+                                   : first_argmax(logits.data_ptr<c10::BFloat16>() + b * V, V);
+    }
+    if (d == gamma) break;
+    const at::Tensor ids = tokens.select(1, d - 1).contiguous();                // [B]
+    const at::Tensor hidden = embed.index_select(0, ids).unsqueeze(1);           // [B, 1, H]
+    const at::Tensor rope = rope_table.index_select(1, seqlens.add(d)).unsqueeze(2);  // [2, B, 1, D]
+    const at::Tensor lengths = seqlens.add(d).to(at::kInt);  // [B]: the node's slot L_b + d
+    const at::Tensor out = std::get<0>(decoder_layers_cpu(hidden, weights, final_norm, kv_cache, lengths, rope, mask,
+                                                          block_table, num_heads, eps, {}));  // [B, 1, H]
+    at::Tensor next = at::empty({B, V}, out.options());  // [B, V]
+    if (out.scalar_type() == at::kFloat) {
+      linear_f32(out.data_ptr<float>(), lm_head.data_ptr<float>(), nullptr, next.data_ptr<float>(), B, V, out.size(2),
+                 out.size(2));
+    } else {
+      linear_bf16(out.data_ptr<c10::BFloat16>(), lm_head.data_ptr<c10::BFloat16>(), nullptr,
+                  next.data_ptr<c10::BFloat16>(), B, V, out.size(2), out.size(2));
+    }
+    logits = next;
+  }
+  return tokens;
 }
 
 }  // namespace specdec

@@ -134,3 +134,38 @@ def _device_layers(
         hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps,
         linear, attend, capture,
     )  # fmt: skip
+
+
+def greedy_chain(
+    root_logits: torch.Tensor,
+    embed: torch.Tensor,
+    weights: Sequence[torch.Tensor | None],
+    final_norm: torch.Tensor,
+    lm_head: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    rope_table: torch.Tensor,
+    *,
+    gamma: int,
+    num_heads: int,
+    eps: float,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """A greedy draft chain in one native call: ``gamma`` tokens per row, token d the argmax of token d-1's logits
+    (the first of them of ``root_logits``), tokens 1 .. gamma-1 run through the layers at positions ``L_b + d``
+    (their K/V written there). None where the native path cannot run (the caller then drafts level by level).
+
+    Shapes: root_logits ``[B, V]``; embed, lm_head ``[V, H]``; rope_table ``[2, P, D]`` (cos, sin by position);
+    cache_seqlens ``[B]`` the roots' positions L_b; returns ``[B, gamma]`` int64.
+    """
+    weights = list(weights)
+    if not (_native_fits(embed[:1], weights, kv_cache) and lm_head.dtype == embed.dtype and rope_table.is_cpu):
+        return None
+    from spec_kernels._ext import load_ext
+
+    load_ext()
+    flat = [_EMPTY if w is None else w for w in weights]
+    return torch.ops.spec_kernels.draft_chain(
+        root_logits, embed, flat, final_norm, lm_head, kv_cache, cache_seqlens, rope_table, block_table, num_heads,
+        eps, gamma,
+    )  # fmt: skip

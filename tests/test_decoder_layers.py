@@ -261,3 +261,39 @@ def test_capture_returns_the_streams_entering_layers(backend):
     assert torch.equal(after_first, feats[..., :H]) and not torch.equal(after_first, hidden)
     with pytest.raises(ValueError, match="capture"):
         decoder_layers(hidden, weights, final_norm, kv.clone(), seqlens, rope, mask, capture=[LAYERS], **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_chain_equals_level_by_level(dtype):
+    """The one-call greedy chain proposes what the drafter's level-by-level loop proposes (token d = argmax of
+    token d-1's logits, tokens 1 .. gamma-1 run at positions L_b + d) and leaves the same K/V in the cache."""
+    from spec_kernels import linear
+    from spec_kernels.decoder_layers import greedy_chain
+
+    Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    weights = [None if w is None else w.to(dtype) for w in weights]
+    g = torch.Generator().manual_seed(3)
+    V, gamma = 97, 5
+    embed, lm_head = (torch.randn(V, H, generator=g) * 0.5).to(dtype), (torch.randn(V, H, generator=g)).to(dtype)
+    _, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [4, 0, 9], gamma, paged=True)
+    kv = kv.to(dtype)
+    table_len = int(seqlens.max()) + gamma + 1
+    rope_table = rope_rows(torch.arange(table_len)[None], D)[:, 0].to(dtype)  # [2, P, D]
+    root_logits = torch.randn(3, V, generator=g)
+    kw = dict(num_heads=Hq, eps=EPS, block_table=table)
+    native_kv = kv.clone()
+    chain = greedy_chain(root_logits, embed, weights, final_norm.to(dtype), lm_head, native_kv, seqlens, rope_table,
+                         gamma=gamma, **kw)  # fmt: skip
+    loop_kv, logits, expected = kv.clone(), root_logits, []
+    for d in range(1, gamma + 1):
+        tok = logits.float().argmax(-1)  # [B]
+        expected.append(tok)
+        if d == gamma:
+            break
+        rope, alone = rope_table[:, seqlens.long() + d][:, :, None], torch.ones(3, 1, 1, dtype=torch.bool)
+        hidden = decoder_layers(embed[tok][:, None], weights, final_norm.to(dtype), loop_kv, seqlens + d, rope, alone,
+                                **kw)  # fmt: skip
+        logits = linear(hidden[:, 0], lm_head)
+    assert torch.equal(chain, torch.stack(expected, dim=1))
+    assert torch.equal(native_kv, loop_kv)

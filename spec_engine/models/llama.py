@@ -22,7 +22,7 @@ from torch import nn
 
 from spec_engine.models.config import ModelConfig, rope_inv_freq
 from spec_kernels import linear
-from spec_kernels.decoder_layers import decoder_layers
+from spec_kernels.decoder_layers import decoder_layers, greedy_chain
 from spec_kernels.reference import rms_norm_ref
 from spec_kernels.reference import rope_ref as apply_rope
 
@@ -203,6 +203,19 @@ class LlamaForCausalLM(nn.Module):
             returns: [B, T, hidden]; apply ``logits`` to the rows whose logits are needed.
         """
         return self._decoder(input_ids, positions, kv_cache, cache_seqlens, tree_mask, block_table)
+
+    def greedy_chain(self, root_logits, kv_cache, cache_seqlens, gamma: int, block_table=None) -> torch.Tensor | None:
+        """``gamma`` greedy draft tokens per row from the roots' logits [B, V] in one native call (see
+        ``spec_kernels.decoder_layers.greedy_chain``): [B, gamma], or None where it cannot run (no RoPE table, a
+        device or dtype without the native path)."""
+        if self.layer_weights is None or self.rope_table is None:
+            return None
+        cfg = self.config
+        return greedy_chain(
+            root_logits, self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight,
+            self.lm_head.weight, kv_cache, cache_seqlens, self.rope_table, gamma=gamma,
+            num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=block_table,
+        )  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V] in float32."""
