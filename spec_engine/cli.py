@@ -12,8 +12,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """Model and speculation options shared by ``generate``, ``serve`` and ``bench``."""
     g = p.add_argument_group("model")
     g.add_argument("--model", help="target HF directory (default: the embedded default target)")
-    g.add_argument("--draft", help="draft HF directory (default: the embedded default draft, with --model unset)")
-    g.add_argument("--method", choices=["draft_model", "ngram", "none"], default=None,
+    g.add_argument("--draft", help="draft HF directory, or the EAGLE head's with --method eagle (default: the embedded "
+                   "draft or head, with --model unset)")  # fmt: skip
+    g.add_argument("--method", choices=["draft_model", "eagle", "ngram", "none"], default=None,
                    help="speculation method (default: draft_model when a draft is available, else none)")  # fmt: skip
     g.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="gamma: tree depth (default 4)")
     g.add_argument("--tree", type=str, default=None, help="static tree, children per depth, e.g. 3,2,1")
@@ -27,18 +28,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_llm(args: argparse.Namespace, *, speculate: bool = True):
     from spec_engine import LLM, default_model_paths
+    from spec_engine.zoo import MODELS_DIR
 
     model, draft = args.model, args.draft
     if model is None:
         model, default_draft = default_model_paths()
-        draft = draft or default_draft
+        draft = draft or (str(MODELS_DIR / "eagle") if args.method == "eagle" else default_draft)
     method = args.method or ("draft_model" if draft else "none")
     spec = None
     if speculate and method != "none":
         spec = {"method": method}
-        if method == "draft_model":
+        if method in ("draft_model", "eagle"):
             if not draft:
-                raise SystemExit("error: --method draft_model needs --draft DIR")
+                raise SystemExit(f"error: --method {method} needs --draft DIR")
             spec["model"] = draft
         if args.num_speculative_tokens is not None:
             spec["num_speculative_tokens"] = args.num_speculative_tokens

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from spec_engine.drafters.base import Drafter
 from spec_engine.drafters.draft_model import DraftModelDrafter
+from spec_engine.drafters.eagle import EagleDrafter, load_eagle_head
 from spec_engine.drafters.ngram import NgramDrafter
 from spec_engine.engine import Engine, Request
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
@@ -22,9 +23,12 @@ from spec_kernels._backend import cpu_supports_native_bf16
 from spec_kernels._ext import load_ext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": "auto", "ngram": "auto"}  # "auto": adaptive (spec_engine/adaptive.py)
+# "auto": adaptive (spec_engine/adaptive.py)
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": "auto", "eagle": "auto", "ngram": "auto"}
 ADAPTIVE_MAX_DEPTH = 8  # the deepest chain "auto" may draft; a static tree caps it at its own depth
 SPECULATIVE_METHODS = tuple(DEFAULT_NUM_SPECULATIVE_TOKENS)
+MODEL_METHODS = ("draft_model", "eagle")  # drafters with weights, proposing chains or static trees
+DEFAULT_EAGLE_TOPK = 4  # nodes per level of EAGLE-2's dynamic tree (tree="dynamic")
 
 
 @dataclass
@@ -65,7 +69,8 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
     method = spec.get("method", "draft_model" if "model" in spec else None)
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {method!r}")
-    unknown = set(spec) - {"method", "model", "num_speculative_tokens", "tree", "draft_sampling", "max_n", "min_n"}
+    known = {"method", "model", "num_speculative_tokens", "tree", "draft_sampling", "max_n", "min_n", "eagle_topk"}
+    unknown = set(spec) - known
     if unknown:
         raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
     gamma = spec.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[method])
@@ -75,17 +80,24 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
         gamma = len(tree) if isinstance(tree, (list, tuple)) and tree else ADAPTIVE_MAX_DEPTH
     if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= 16:
         raise ValueError(f"num_speculative_tokens must be 'auto' or an int in [1, 16], got {gamma!r}")
-    if tree is not None:
-        if method != "draft_model":
-            raise ValueError("a static 'tree' needs method='draft_model'")
+    if tree == "dynamic":
+        if method != "eagle":
+            raise ValueError("tree='dynamic' (EAGLE-2's dynamic tree) needs method='eagle'")
+        topk = spec.get("eagle_topk", DEFAULT_EAGLE_TOPK)
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= 16:
+            raise ValueError(f"eagle_topk must be an int in [1, 16], got {topk!r}")
+    elif tree is not None:
+        if method not in MODEL_METHODS:
+            raise ValueError("a static 'tree' needs method='draft_model' or 'eagle'")
         if not isinstance(tree, (list, tuple)) or not all(isinstance(b, int) and b >= 1 for b in tree):
             raise ValueError(f"speculative_config.tree must be a list of positive ints, got {tree!r}")
         if len(tree) > gamma:
             raise ValueError(f"tree depth {len(tree)} exceeds num_speculative_tokens {gamma}")
         if math.prod(tree) > 64:
             raise ValueError(f"tree {list(tree)} has {math.prod(tree)} leaves; at most 64 are supported")
-    if method == "draft_model" and not spec.get("model"):
-        raise ValueError("speculative_config with method='draft_model' needs 'model': a draft model directory")
+    if method in MODEL_METHODS and not spec.get("model"):
+        what = "a draft model directory" if method == "draft_model" else "an EAGLE head directory"
+        raise ValueError(f"speculative_config with method={method!r} needs 'model': {what}")
     return {**spec, "method": method, "num_speculative_tokens": gamma, "adaptive": adaptive}
 
 
@@ -157,7 +169,9 @@ class LLM:
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, 4096)
         self.speculative_config = spec
 
-        draft_model = None
+        draft_model = head = None
+        if spec and spec["method"] == "eagle":
+            head = load_eagle_head(spec["model"], self.target, dtype=torch_dtype, device=device)
         if spec and spec["method"] == "draft_model":
             draft_model = load_model(spec["model"], dtype=torch_dtype, device=device)
             if draft_model.config.vocab_size != cfg.vocab_size:
@@ -168,17 +182,21 @@ class LLM:
             self._check_same_tokenizer(spec["model"])
         gamma = spec["num_speculative_tokens"] if spec else 0
         tree = None
-        if spec and spec["method"] == "draft_model":
-            branching = tuple(spec.get("tree") or ())
+        dynamic = bool(spec) and spec.get("tree") == "dynamic"
+        if spec and spec["method"] in MODEL_METHODS:
+            # EAGLE-2's dynamic tree has a fixed shape, k nodes per level, whose parents the drafter picks each step
+            branching = (spec.get("eagle_topk", DEFAULT_EAGLE_TOPK),) if dynamic else tuple(spec.get("tree") or ())
             tree = StaticTree(branching + (1,) * (gamma - len(branching))) if branching else chain(gamma)
         max_tree_nodes = tree.num_nodes if tree else gamma + 1
         # the lean inference path: fused matrices and a RoPE table for every position a request can reach
         for m in (self.target, draft_model):
             if m is not None:
                 m.fuse(max_positions=self.max_model_len + max_tree_nodes + 1)
+        if head is not None:
+            head.fuse(max_positions=self.max_model_len + max_tree_nodes + 1)
         # one full-length request plus the tree of its last step must always fit
         max_request_tokens = self.max_model_len + max_tree_nodes
-        cfgs = [cfg] + ([draft_model.config] if draft_model else [])
+        cfgs = [cfg] + [m.config for m in (draft_model, head) if m is not None]
         if kv_cache_memory is None:  # room for max_num_seqs full-length requests and the scratch block, up to 2 GiB
             per_block = block_size * sum(kv_bytes_per_token(c, torch_dtype) for c in cfgs)
             blocks_per_seq = math.ceil(max_request_tokens / block_size)
@@ -188,9 +206,14 @@ class LLM:
         kv = PagedKVCache(cfg, num_blocks, block_size, torch_dtype, device)
 
         drafter: Drafter | None = None
-        if tree is not None:
+        sampling = spec.get("draft_sampling", "without_replacement") if spec else None
+        if head is not None:  # its KV cache and the target's features, on the target's block table
+            head_kv = PagedKVCache(head.config, num_blocks, block_size, torch_dtype, device)
+            features = torch.zeros(1, num_blocks, block_size, head.config.hidden_size, dtype=torch_dtype, device=device)
+            drafter = EagleDrafter(head, head_kv, features, tree, sampling, dynamic)
+        elif tree is not None:
             draft_kv = PagedKVCache(draft_model.config, num_blocks, block_size, torch_dtype, device)
-            drafter = DraftModelDrafter(draft_model, draft_kv, tree, spec.get("draft_sampling", "without_replacement"))
+            drafter = DraftModelDrafter(draft_model, draft_kv, tree, sampling)
         elif spec:
             drafter = NgramDrafter(gamma, spec.get("max_n", 4), spec.get("min_n", 1), device=device)
         load_ext()  # compact_kv_'s extension: compiled (once per machine) here, not inside the first timed step
