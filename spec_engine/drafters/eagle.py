@@ -170,6 +170,11 @@ class EagleHead(nn.Module):
                                 tree_mask, block_table)  # fmt: skip
         return self.finish(x, attn)
 
+    def greedy_chain(self, *args) -> None:
+        """None: a head's next level reads its own outputs as features, which ``LlamaForCausalLM.greedy_chain``'s
+        one-call chain does not do, so the draft model's level loop drafts its chains."""
+        return None
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[..., H] outputs -> [..., V_target] float32 logits; tokens outside an EAGLE-3 draft vocabulary get -inf."""
         lm_head = self.lm_head if "lm_head" in self._modules else self.target.lm_head
