@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -291,23 +292,26 @@ def test_429_beyond_max_pending_then_disconnects_free_the_kv_blocks(plain):
     body = {"prompt": "hold the line", "max_tokens": LONG, "temperature": 0, "stream": True}
     http = httpx.Client(base_url=plain[0], timeout=60)
     streams = []
-    try:
-        for _ in range(16):
-            cm = http.stream("POST", "/v1/completions", json=body)
-            resp = cm.__enter__()
-            assert resp.status_code == 200
-            lines = resp.iter_lines()  # kept alive: dropping it would close the response
-            assert next(lines).startswith("data: ")  # the request is running: its first delta arrived
-            streams.append((cm, lines))
-        h = health(plain)
-        assert h["num_requests_in_flight"] == 16 and h["kv_blocks_used"] > 0
-        r = httpx.post(plain[0] + "/v1/completions", json={"prompt": "one more", "max_tokens": 2})
-        assert r.status_code == 429 and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["type"] == "rate_limit_error"
-    finally:
-        for cm, _ in streams:
-            cm.__exit__(None, None, None)  # closes the connection mid-stream: a client disconnect
-        http.close()
+    with gated_steps(plain) as gate:  # the engine steps only while a stream waits for its first delta
+        try:
+            for _ in range(16):
+                cm = http.stream("POST", "/v1/completions", json=body)
+                gate.set()
+                resp = cm.__enter__()
+                assert resp.status_code == 200
+                lines = resp.iter_lines()  # kept alive: dropping it would close the response
+                assert next(lines).startswith("data: ")  # the request is running: its first delta arrived
+                gate.clear()
+                streams.append((cm, lines))
+            h = health(plain)
+            assert h["num_requests_in_flight"] == 16 and h["kv_blocks_used"] > 0
+            r = httpx.post(plain[0] + "/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        finally:
+            for cm, _ in streams:
+                cm.__exit__(None, None, None)  # closes the connection mid-stream: a client disconnect
+            http.close()
     h = wait_idle(plain)
     assert h["kv_blocks_used"] == 0 and h["num_requests_in_flight"] == 0
     assert h["num_requests_finished"]["abort"] - base["num_requests_finished"]["abort"] == 16
@@ -315,9 +319,24 @@ def test_429_beyond_max_pending_then_disconnects_free_the_kv_blocks(plain):
     assert complete(plain, "after the storm", 3)
 
 
+@contextlib.contextmanager
+def gated_steps(server):
+    """The server's engine steps only while the yielded Event is set (it starts cleared; set on exit): a test holds
+    requests running for as long as it needs, however fast the engine is, instead of racing the wall clock."""
+    engine = server[1].state.engine.engine  # the Engine the server's loop thread steps
+    gate, real_step = threading.Event(), engine.step
+    engine.step = lambda: gate.wait(30) and real_step()
+    try:
+        yield gate
+    finally:
+        gate.set()
+        del engine.step
+
+
 def test_non_streaming_disconnect_aborts(plain):
+    """A client that gives up on a non-streaming request aborts it (the engine is held until the client has gone)."""
     base = health(plain)["num_requests_finished"]["abort"]
-    with pytest.raises(httpx.ReadTimeout):
+    with gated_steps(plain), pytest.raises(httpx.ReadTimeout):
         httpx.post(plain[0] + "/v1/completions", json={"prompt": "slow", "max_tokens": LONG, "temperature": 0},
                    timeout=httpx.Timeout(5, read=0.3))  # fmt: skip
     h = wait_idle(plain)
