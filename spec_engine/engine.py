@@ -12,6 +12,7 @@ then produces the first output tokens, so prefill needs no logits and no samplin
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import time
@@ -26,6 +27,7 @@ from spec_engine.drafters.base import Draft, Drafter, RowView, StepBatch
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
 from spec_engine.models import LlamaForCausalLM
 from spec_engine.sampling import SEED_MASK, SamplingParams
+from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, verify_tree
@@ -192,6 +194,7 @@ class Engine:
         self.gamma_history: deque[int] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode step: the deepest row's depth
         self.gamma_hist = [0] * (self.gamma + 1)  # [g] = rows drafted at depth g, over all steps
         self.step_times = (0.0, 0.0)  # the last speculative step's (draft, whole step) seconds
+        self.threads = ThreadTuner() if self.device.type == "cpu" else None  # CPU threads per decode step
         self.controller = None
         if adaptive and drafter is not None:
             tree = drafter.tree
@@ -291,9 +294,30 @@ class Engine:
         is found by re-running the rows one at a time and finished with reason "error"; the others go on."""
         self._admit()
         outputs = self._isolated(self._prefill, [r for r in self.running if r.prefilling])
-        outputs += self._isolated(self._decode, [r for r in self.running if not r.prefilling])
+        decoding = [r for r in self.running if not r.prefilling]
+        with self._decode_threads(bool(decoding)):
+            outputs += self._isolated(self._decode, decoding)
         self.running = [r for r in self.running if not r.finished]
         return outputs
+
+    @contextlib.contextmanager
+    def _decode_threads(self, active: bool):
+        """The decode part of a step on the CPU threads ``self.threads`` chooses (all, or one when other work keeps
+        the cores busy; spec_engine/threads.py), timed for it; the caller's thread count is restored after."""
+        many = torch.get_num_threads()
+        if self.threads is None or not active or many == 1:
+            yield
+            return
+        single = self.threads.single_for_step()
+        if single:
+            torch.set_num_threads(1)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.threads.after_step(time.perf_counter() - start)
+            if single:
+                torch.set_num_threads(many)
 
     def _isolated(self, run, reqs: list[Request]) -> list[StepOutput]:
         """``run(reqs)``; if it raises, each request alone, failing only those that still raise. A failed run has

@@ -1,0 +1,84 @@
+"""ThreadTuner: the choice of CPU threads per decode step, fed injected step costs (no wall clock)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_model
+
+from spec_engine import LLM, SamplingParams
+from spec_engine.threads import FIRST_INTERVAL, MAX_INTERVAL, PROBE_STEPS, ThreadTuner
+
+
+def run(tuner: ThreadTuner, steps: int, cost_many: float, cost_one: float) -> list[bool]:
+    """Feed ``steps`` decode steps costing ``cost_many`` / ``cost_one`` seconds; return the choices made."""
+    chosen = []
+    for _ in range(steps):
+        single = tuner.single_for_step()
+        chosen.append(single)
+        tuner.after_step(cost_one if single else cost_many)
+    return chosen
+
+
+def test_a_quiet_machine_keeps_all_threads_and_probes_ever_less():
+    tuner = ThreadTuner()
+    chosen = run(tuner, 5000, cost_many=1.0, cost_one=1.4)
+    assert not tuner.single
+    probes = sum(chosen)
+    doublings = (MAX_INTERVAL // FIRST_INTERVAL).bit_length()  # probes FIRST_INTERVAL, 2x, 4x, ... MAX_INTERVAL apart
+    assert probes % PROBE_STEPS == 0 and 0 < probes <= (doublings + 1) * PROBE_STEPS  # ~1% of steps
+    assert tuner.interval == MAX_INTERVAL
+
+
+def test_busy_cores_switch_to_one_thread_within_one_probe_and_back_when_they_free_up():
+    tuner = ThreadTuner()
+    run(tuner, 100, cost_many=1.0, cost_one=1.4)  # quiet: stays
+    assert not tuner.single
+    chosen = run(tuner, 2 * FIRST_INTERVAL + PROBE_STEPS, cost_many=50.0, cost_one=1.5)  # preempted threads
+    assert tuner.single and chosen.index(True) <= 2 * FIRST_INTERVAL  # at the next probe (interval doubled once)
+    chosen = run(tuner, 2 * MAX_INTERVAL, cost_many=1.0, cost_one=1.4)  # the load is gone
+    assert not tuner.single and not chosen[-1]
+
+
+def test_noise_within_the_margin_never_switches():
+    tuner = ThreadTuner()
+    chosen = run(tuner, 3000, cost_many=1.0, cost_one=0.95)  # one thread 5% faster: inside MIN_GAIN
+    doublings = (MAX_INTERVAL // FIRST_INTERVAL).bit_length()
+    assert not tuner.single and sum(chosen) <= (doublings + 1) * PROBE_STEPS  # probes only, never kept
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("threads") / "t", "llama_gqa", logit_scale=4.0)
+
+
+def test_engine_decodes_on_the_chosen_threads_and_restores_the_callers(target, monkeypatch):
+    torch.set_num_threads(2)
+    llm = LLM(str(target))
+    seen = []
+    forward = llm.engine.target.forward
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.target, "forward", spy)
+    monkeypatch.setattr(llm.engine.threads, "single_for_step", lambda: True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    single = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert seen[0] == 2 and set(seen[1:]) == {1}  # the prefill on the caller's threads, decode steps on one
+    assert torch.get_num_threads() == 2  # restored
+    monkeypatch.setattr(llm.engine.threads, "single_for_step", lambda: False)
+    seen.clear()
+    many = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert set(seen) == {2} and many == single  # results never depend on the thread count
+
+
+def test_a_hopeless_probe_ends_after_one_step():
+    """On busy cores a probe of many threads costs ~100x a step: one such step ends it, as lost."""
+    tuner = ThreadTuner()
+    run(tuner, FIRST_INTERVAL + PROBE_STEPS, cost_many=50.0, cost_one=1.5)
+    assert tuner.single  # switched at the first probe
+    chosen = run(tuner, 4 * MAX_INTERVAL, cost_many=50.0, cost_one=1.5)
+    probes = [i for i in range(1, len(chosen)) if not chosen[i] and chosen[i - 1]]
+    assert probes and all(chosen[i + 1] for i in probes if i + 1 < len(chosen))  # every probe lasted one step
