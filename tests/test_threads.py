@@ -82,3 +82,17 @@ def test_a_hopeless_probe_ends_after_one_step():
     chosen = run(tuner, 4 * MAX_INTERVAL, cost_many=50.0, cost_one=1.5)
     probes = [i for i in range(1, len(chosen)) if not chosen[i] and chosen[i - 1]]
     assert probes and all(chosen[i + 1] for i in probes if i + 1 < len(chosen))  # every probe lasted one step
+
+
+def test_a_probe_slower_in_its_first_two_steps_ends_there():
+    """One thread on a quiet machine (1.4x a step) loses its probes after two steps, not eight."""
+    tuner = ThreadTuner()
+    chosen = run(tuner, 1000, cost_many=1.0, cost_one=1.4)
+    runs, length = [], 0
+    for single in chosen + [False]:
+        if single:
+            length += 1
+        elif length:
+            runs.append(length)
+            length = 0
+    assert runs and set(runs) == {2} and not tuner.single
