@@ -6,18 +6,20 @@ for it: the default target's forward went from ~0.6 ms to ~125 ms with 2 threads
 other busy processes (``specdec generate`` at 14 tok/s), while 1 thread kept ~1 ms. On a quiet machine 2 threads
 are faster (plain decoding 1.4x in float32). Which is better depends on a load we cannot see, so we measure it.
 
-How: decode steps run with the current choice ("many": the caller's ``torch.get_num_threads()``, or "one"); every
-``interval`` steps the next ``PROBE_STEPS`` run with the other, and the tuner keeps whichever had the lower median
-step time over its last ``PROBE_STEPS`` steps (adjacent windows, so the batch is about the same). A probe that is
-plainly losing (one step 3x the current choice's median, or its first two steps both slower) ends early. A probe
-that loses doubles the interval (up to ``MAX_INTERVAL``): on a steady machine probing costs ~1% of steps; a switch
-resets it.
+How: decode steps run with the current choice ("many": the caller's ``torch.get_num_threads()``, or "one"). A probe
+runs the next ``PROBE_STEPS`` steps with the other choice, and the tuner keeps whichever had the lower median step
+time over its last ``PROBE_STEPS`` steps (adjacent windows, so the batch is about the same). Probes come at step
+``FIRST_INTERVAL`` (a run that starts on busy cores learns it at once), then every ``INTERVAL`` steps, doubling with
+every lost probe up to ``MAX_INTERVAL``, and at once when most of the last few steps on many threads took ``SPIKE``
+times their median (the cores just turned busy). A probe that is plainly losing (one step 3x the current choice's
+median, or its first two steps both slower) ends early: on a quiet machine probing costs a few steps in a thousand.
 The engine applies the choice around the decode part of a step only and restores the caller's count after it, so
 nothing outside the step (the caller's own torch code, another engine) sees a changed setting.
 
 Measured (``specdec generate --prompt "import os" --max-tokens 250 --method none``, 2-core machine, bfloat16): with
-two other busy processes 13.7 tok/s before, 64-386 tok/s with the tuner (the busy processes' scheduling varies); on
-the quiet machine 1060-1807 tok/s with it (its probes lose after two steps and back off).
+two other busy processes 13.7 tok/s before, 181-753 tok/s with the tuner (the busy processes' scheduling varies).
+Quiet machine, 8 alternating rounds of 200 tokens: 1690 tok/s with it, 1644 without (noise: probes lose after two
+steps and back off, ~0.5 us of bookkeeping a step).
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from __future__ import annotations
 import statistics
 
 PROBE_STEPS = 8  # steps per measurement window
-FIRST_INTERVAL = 16  # steps before the first probe, and between probes after a switch
-MAX_INTERVAL = 2048
+FIRST_INTERVAL = 16  # steps before the first probe: a run that starts on busy cores learns it at once
+INTERVAL = 256  # steps between probes after the first, and after a switch; doubled by every lost probe
+MAX_INTERVAL = 4096
+SPIKE = 3.0  # steps on many threads this many times their median start a probe at once (the cores turned busy)...
+SPIKE_STEPS = 3  # ... when most of the last this-many steps are such
 MIN_GAIN = 1.1  # the probed choice must be this much faster to take over: noise must not flip it back and forth
 EARLY_LOSS = 3.0  # a probe step this many times the current choice's median ends the probe at once, as lost: a
 # probe of many threads on busy cores costs ~100x a step, and 8 of them would cost more than the switch saves. Two
@@ -59,17 +64,34 @@ class ThreadTuner:
             ours = statistics.median(self.times[self.single])
             self.probe_slow = self.probe_slow and seconds > MIN_GAIN * ours
             if seconds > EARLY_LOSS * ours or (done >= 2 and self.probe_slow):
-                self.probing, self.interval = 0, min(self.interval * 2, MAX_INTERVAL)  # lost, before its end
+                self.probing, self.interval = 0, self._longer()  # lost, before its end
             elif self.probing == 0:
                 self._decide()
             return
         self.steps_since_probe += 1
-        if self.steps_since_probe >= self.interval and len(self.times[self.single]) >= PROBE_STEPS:
+        ours = self.times[self.single]
+        if len(ours) < PROBE_STEPS:
+            return
+        if not self.single and seconds > SPIKE * min(ours) and self._spiking(ours):  # min: a cheap pre-check
+            # the cores turned busy: judge many threads by their last steps, not by the quiet ones before
+            self.times[False] = ours[-SPIKE_STEPS:]
+            self.steps_since_probe = self.interval
+        if self.steps_since_probe >= self.interval:
             self.probing, self.steps_since_probe, self.probe_slow = PROBE_STEPS, 0, True
+
+    @staticmethod
+    def _spiking(window: list[float]) -> bool:
+        """Whether most of the last SPIKE_STEPS steps took SPIKE times the window's median: a lasting change, not one
+        slow step (a page fault, a collection) that a probe would misread."""
+        typical = statistics.median(window)
+        return sum(t > SPIKE * typical for t in window[-SPIKE_STEPS:]) * 2 > SPIKE_STEPS
+
+    def _longer(self) -> int:
+        return min(max(self.interval * 2, INTERVAL), MAX_INTERVAL)
 
     def _decide(self) -> None:
         ours, theirs = (statistics.median(self.times[choice]) for choice in (self.single, not self.single))
         if theirs * MIN_GAIN < ours:
-            self.single, self.interval = not self.single, FIRST_INTERVAL
+            self.single, self.interval = not self.single, INTERVAL
         else:
-            self.interval = min(self.interval * 2, MAX_INTERVAL)
+            self.interval = self._longer()
