@@ -38,6 +38,12 @@ Estimates, all online and free:
   at random. On CUDA the draft's kernels may finish after ``propose`` returns; their time then lands in the target
   part, which still rises with G, so the sum the controller compares stays right.
 
+- plain rate: the rate drafting must beat is priced from measured plain steps (their median ratio to the target
+  model, against today's fit), not from the line alone: a drafted step carries fixed costs a plain one does not
+  (two compactions, the drafter's commit, its catch-up), so a line fit mostly through drafted steps over-prices
+  plain decoding (default pair, bf16: 0.585 ms predicted, 0.465 measured) and drafts that lose looked as if they
+  paid. While drafting, one step in ``PLAIN_PROBE_INTERVAL`` runs plain to keep measuring (~1-3% of the gain).
+
 Margin: a step drafts only if it promises ``MIN_GAIN + TAIL_MARGIN * (1 - 1/B)`` times plain decoding's rate
 (1.05 at batch 1, 1.19 at 16). The model prices one step; it does not see what speculation costs around it: the
 draft model's catch-up on a prompt (the engine fills the draft cache lazily, on a row's first drafted step, so an
@@ -78,6 +84,9 @@ OUTLIER = 3.0  # a step timed above this multiple of its prediction (preemption,
 PROBE_ALPHA = 0.8  # a due row is probed if a draft this good would be drafted now (see the probes above)
 MIN_GAIN = 1.05  # drafting must promise this multiple of plain decoding's tokens/s at batch 1 (see "margin")
 TAIL_MARGIN = 0.15  # added to it as the batch grows: MIN_GAIN + TAIL_MARGIN * (1 - 1/B)
+PLAIN_PROBE_INTERVAL = 32  # while drafting, one step in this many runs plain, to measure the rate to beat
+PLAIN_PROBE_PHASE = 8  # ... at num_steps % PLAIN_PROBE_INTERVAL == this (apart from the undrafted rows' probes)
+PLAIN_SAMPLES = 5  # plain steps whose measured / modelled cost ratio sets the plain rate (their median)
 
 
 def geometric_tokens(alpha: float, max_depth: int, cap: float) -> list[float]:
@@ -213,6 +222,7 @@ class AdaptiveController:
         self.probe_interval = PROBE_INTERVAL  # the last drafted row's: where a new request's interval starts
         self._catch_up_tokens = 0  # tokens the draft cache catches up on this step, drafted rows
         self._cold = True  # the engine's first step pays one-time costs (extension loads, allocations): not timed
+        self._plain_steps: list[tuple[int, float]] = []  # (batch, seconds) of the last PLAIN_SAMPLES plain steps
 
     def state(self, req) -> RowState:
         if req.spec_state is None:
@@ -231,13 +241,30 @@ class AdaptiveController:
              for s, r in zip(states, reqs)]  # [B][D+1]  # fmt: skip
         # the rate to beat: plain decoding's, raised by the margin
         margin = MIN_GAIN + TAIL_MARGIN * (1.0 - 1.0 / B)
-        plain_rate = margin * B / max(self.target_cost.predict(1.0, B / TOKENS_REF), 1e-9)
+        plain_rate = margin * B / max(self.plain_cost(B), 1e-9)
         best_G, best_k = self._scan(E, plain_rate)
+        if best_G and self.num_steps % PLAIN_PROBE_INTERVAL == PLAIN_PROBE_PHASE:
+            return self._commit_choice(reqs, states, [0] * B)  # a plain step, measured (see plain_cost)
         gammas = [0] * B
         for b in sorted(range(B), key=lambda b: -E[b][best_G])[:best_k]:
             gammas[b] = best_G
         self._probe(reqs, states, E, gammas, best_G, plain_rate)
         return self._commit_choice(reqs, states, gammas)
+
+    def plain_cost(self, B: int) -> float:
+        """Seconds of a plain (undrafted) step at batch B: the cost model's, scaled by what plain steps measured.
+
+        The model ``a + b * tokens`` is fit on every step, and a drafted step carries fixed costs a plain one does not
+        (compacting two caches, the drafter's commit, its catch-up): a line through mostly drafted steps over-prices
+        plain decoding (default pair, bf16: 0.585 ms predicted, 0.465 measured), which made drafts that do not pay
+        look as if they did. So the rate to beat comes from measured plain steps (one in PLAIN_PROBE_INTERVAL while
+        drafting)."""
+        modelled = self.target_cost.predict(1.0, B / TOKENS_REF)
+        if not self._plain_steps:
+            return modelled
+        # each measurement against today's model (an early one against an early fit would stay wrong for good)
+        ratios = sorted(t / max(self.target_cost.predict(1.0, b / TOKENS_REF), 1e-9) for b, t in self._plain_steps)
+        return modelled * min(max(ratios[len(ratios) // 2], 0.2), 5.0)
 
     def _scan(self, E: list[list[float]], plain_rate: float) -> tuple[int, int]:
         """The (G, k) with the best predicted tokens/s, (0, 0) if none beats ``plain_rate``. E ``[B][D+1]``."""
@@ -304,6 +331,8 @@ class AdaptiveController:
             return
         B, G = len(reqs), max(gammas)
         num_drafted = sum(g > 0 for g in gammas)
+        if G == 0 and self.target_cost.num_observed >= PLAIN_PROBE_PHASE:  # a settled model to compare against
+            self._plain_steps = [*self._plain_steps, (B, step_seconds)][-PLAIN_SAMPLES:]
         self.target_cost.observe(1.0, B * self.nodes[G] / TOKENS_REF, step_seconds - draft_seconds)
         if G:
             tokens = num_drafted * self.draft_tokens[G] + self._catch_up_tokens

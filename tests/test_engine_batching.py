@@ -363,3 +363,29 @@ def test_adaptive_fills_the_draft_cache_lazily(models):
     assert requests["2"].draft_len == 0 and outs[2].metrics["num_drafted"] == 0
     for o in outs[:2]:
         assert o.metrics["num_drafted"] > 0 and o.metrics["num_accepted"] == o.metrics["num_drafted"], o.metrics
+
+
+def test_the_rate_to_beat_is_measured_plain_steps():
+    """A drafted step carries fixed costs a plain step does not (compactions, the drafter's commit): a line fit
+    through drafted steps over-prices plain decoding. The controller prices it from measured plain steps instead,
+    and runs one plain step in PLAIN_PROBE_INTERVAL while drafting to keep measuring."""
+    from types import SimpleNamespace
+
+    from spec_engine.adaptive import PLAIN_PROBE_INTERVAL, PLAIN_PROBE_PHASE
+
+    ctl = AdaptiveController(8, lambda g: g + 1)
+    req = SimpleNamespace(spec_state=None, params=SamplingParams(max_tokens=10**6), output_token_ids=[],
+                          num_computed=0, draft_len=0, metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
+    plain, fixed = 4e-3, 3e-3  # a plain step; what any drafted step adds besides its tokens
+    gammas = []
+    for _ in range(3 * PLAIN_PROBE_INTERVAL):
+        G = ctl.choose([req])[0]
+        gammas.append(G)
+        T = G + 1
+        t_draft = 1e-4 * G
+        t_target = plain + 0.2e-3 * (T - 1) + (fixed if G else 0.0)
+        ctl.observe([req], [G], [G + 1], t_draft, t_draft + t_target)  # a perfect draft: every token accepted
+    assert gammas[PLAIN_PROBE_INTERVAL + PLAIN_PROBE_PHASE] == 0  # the plain probe, while drafting
+    assert sum(g > 0 for g in gammas) > 2 * PLAIN_PROBE_INTERVAL
+    modelled = ctl.target_cost.predict(1.0, 1 / 16)
+    assert abs(ctl.plain_cost(1) - plain) < 0.05 * plain < abs(modelled - plain)
