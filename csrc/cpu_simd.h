@@ -15,6 +15,37 @@
 #define SPECDEC_CPU_X86 0
 #endif
 
+#include <cstdlib>
+
+namespace specdec {
+namespace simd {
+
+// Whether this CPU runs the AVX-512 (F, BW, VL + FMA) code paths; decided once per process, so a kernel never mixes
+// its vector and scalar paths (their sums run in different orders). SPECDEC_LINEAR_SCALAR=1 forces the scalar paths.
+inline bool cpu_has_avx512() {
+#if SPECDEC_CPU_X86
+  static const bool ok = std::getenv("SPECDEC_LINEAR_SCALAR") == nullptr && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// The same plus AVX512-BF16 dot products (the bfloat16 linear kernel).
+inline bool cpu_has_avx512_bf16() {
+#if SPECDEC_CPU_X86
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+}  // namespace simd
+}  // namespace specdec
+
 #if SPECDEC_CPU_X86
 namespace specdec {
 namespace simd {

@@ -64,16 +64,7 @@ enum LayerField : int {
 const char* const kFieldNames[kNumFields] = {"input_norm", "qkv",      "qkv_bias", "o",     "post_norm",
                                              "gate_up",    "down",     "q_norm",   "k_norm"};
 
-bool cpu_has_avx512() {
-#if SPECDEC_DECODER_X86
-  static const bool ok = std::getenv("SPECDEC_LINEAR_SCALAR") == nullptr && __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("fma");
-  return ok;
-#else
-  return false;
-#endif
-}
+using simd::cpu_has_avx512;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Vector primitives over float32 queries / accumulators and float32 or bfloat16 keys / values: an AVX-512 body and a

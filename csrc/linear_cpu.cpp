@@ -269,22 +269,7 @@ SPECDEC_AVX512 void rows_avx512(const LinearArgs<T>& a, int64_t n_begin, int64_t
   for (; n < n_end; ++n) rows_all_m<T, 1>(a, n, false);
 }
 
-bool cpu_has_avx512() {
-  static const bool ok = std::getenv("SPECDEC_LINEAR_SCALAR") == nullptr && __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("fma");
-  return ok;
-}
-
-bool cpu_has_avx512_bf16() {
-  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return ok;
-}
-
 #else
-
-bool cpu_has_avx512() { return false; }
-bool cpu_has_avx512_bf16() { return false; }
 
 template <typename T>
 void rows_avx512(const LinearArgs<T>&, int64_t, int64_t) {}
@@ -293,7 +278,7 @@ void rows_avx512(const LinearArgs<T>&, int64_t, int64_t) {}
 
 template <typename T>
 void run(const LinearArgs<T>& a) {
-  const bool vector = std::is_same_v<T, float> ? cpu_has_avx512() : cpu_has_avx512_bf16();
+  const bool vector = std::is_same_v<T, float> ? simd::cpu_has_avx512() : simd::cpu_has_avx512_bf16();
   const int64_t num_blocks = (a.N + kRowBlock - 1) / kRowBlock;
   // Threads only for calls with >= ~5 us of one-thread work: waking the second thread costs ~2 us here (the v
   // projection [64, 320] fp32 at M=1: 1.9 us on one thread, 3.6 us on two). One block's work is the larger of its

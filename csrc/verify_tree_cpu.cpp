@@ -30,15 +30,7 @@ namespace {
 
 constexpr int64_t kPadNode = -1;
 
-bool cpu_has_avx512() {
-#if SPECDEC_CPU_X86
-  static const bool ok = std::getenv("SPECDEC_LINEAR_SCALAR") == nullptr && __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  return ok;
-#else
-  return false;
-#endif
-}
+using simd::cpu_has_avx512;
 
 // The first index of the maximum of z [V], or -1 when the row holds a NaN or its maximum is infinite.
 int64_t argmax_scalar(const float* z, int64_t V) {
