@@ -211,7 +211,10 @@ async def run_soak(url: str, num_requests: int, duration_s: float, max_tokens: i
         deadline = time.perf_counter() + 60
         while True:
             after = (await client.get("/health")).json()
-            if after["num_requests_in_flight"] == 0 or time.perf_counter() > deadline:
+            # idle as the tests define it: a client that left is out of flight at once, but its request runs (and
+            # holds KV blocks) until the engine's next step applies the abort
+            idle = after["num_requests_in_flight"] == 0 and after["num_requests_running"] == 0
+            if idle or time.perf_counter() > deadline:
                 break
             await asyncio.sleep(0.05)
         errors_after = scrape((await client.get("/metrics")).text)
