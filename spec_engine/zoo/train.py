@@ -1,6 +1,6 @@
 """Train the embedded default pair: a byte-level BPE, a Llama target, and a draft distilled from the target.
 
-    python -m spec_engine.zoo.train                 # full recipe (about 90 minutes on 2 cores), resumable
+    python -m spec_engine.zoo.train                 # full recipe (about 75 minutes on 2 cores), resumable
     python -m spec_engine.zoo.train --smoke         # a few steps on tiny configs, for tests
 
 Stages, each checkpointed under ``--work-dir`` so a killed run resumes where it stopped:
@@ -8,8 +8,12 @@ Stages, each checkpointed under ``--work-dir`` so a killed run resumes where it 
 1. corpus: the running interpreter's standard-library ``*.py`` files, sorted; files whose path hash falls in
    bucket 0 of 20 are held out (about 5%).
 2. tokenizer: byte-level BPE (HF ``tokenizers``), ``<|endoftext|>`` separates files.
-3. target: next-token cross-entropy on the training split.
-4. draft: distilled from the target with KL(target || draft) on the same stream, plus a little cross-entropy.
+3. target: next-token cross-entropy on the training split, with a length curriculum (``Recipe.curriculum``: most
+   steps on 256-token windows, the last ones on 1024 and 2048, at the same tokens per step), so the pair keeps its
+   quality over a 2048-token context. The loss is ``torch.compile``d (one graph per window length) under bf16
+   autocast: 1.34x the eager step on this CPU (5.1k -> 6.8k tok/s at 256 tokens).
+4. draft: distilled from the target with KL(target || draft) on the same stream and curriculum, plus a little
+   cross-entropy.
 5. export: HF directories (fp16 safetensors, config, tokenizer) into ``--out-dir``.
 """
 
@@ -47,10 +51,10 @@ SMOKE_DRAFT = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, nu
 @dataclass
 class Recipe:
     vocab_size: int = 4096
-    seq_len: int = 256
-    batch_size: int = 12
-    target_steps: int = 1300
-    draft_steps: int = 600
+    seq_len: int = 2048  # the longest window, and the exported context length
+    batch_size: int = 2  # windows per step at seq_len; shorter windows keep the tokens per step
+    target_steps: int = 3400
+    draft_steps: int = 2000
     target_lr: float = 1.5e-3
     draft_lr: float = 3e-3
     kl_weight: float = 0.9  # draft loss = kl_weight * KL(target || draft) + (1 - kl_weight) * CE
@@ -58,6 +62,20 @@ class Recipe:
     max_files: int | None = None
     target_arch: dict | None = None
     draft_arch: dict | None = None
+    # (fraction of steps, window length): the steps run through the phases in order
+    curriculum: tuple[tuple[float, int], ...] = ((0.7, 256), (0.15, 1024), (0.15, 2048))
+    compile: bool = True
+
+    def window(self, step: int, steps: int) -> tuple[int, int]:
+        """(window length, windows) of ``step`` of ``steps``: the curriculum's phase, at seq_len * batch_size
+        tokens per step."""
+        done = 0.0
+        for frac, length in self.curriculum:
+            done += frac
+            if step < done * steps:
+                break
+        length = min(length, self.seq_len)
+        return length, max(1, self.seq_len * self.batch_size // length)
 
 
 def corpus_files(root: Path | None = None) -> tuple[list[Path], list[Path]]:
@@ -169,21 +187,24 @@ def _run_stage(name, model, loss_fn, stream, recipe: Recipe, steps: int, peak_lr
         opt.load_state_dict(state["opt"])
         start = state["step"]
     model.train()
+    # one graph per window length (dynamic=False): a dynamic-shape graph is slower on every step
+    step_loss = torch.compile(loss_fn, dynamic=False) if recipe.compile else loss_fn
     bar = tqdm(range(start, steps), desc=f"train {name}", initial=start, total=steps, dynamic_ncols=True)
     t0, tokens = time.perf_counter(), 0
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, peak_lr)
-        x, y = batches(stream, recipe.seq_len, recipe.batch_size, recipe.seed + (name == "draft"), step)
+        length, windows = recipe.window(step, steps)
+        x, y = batches(stream, length, windows, recipe.seed + (name == "draft"), step)
         # bf16 autocast: 2.2x the fp32 step on this AVX-512-BF16 CPU (1.2k -> 2.7k tok/s at 16M params).
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = loss_fn(x, y)
+            loss = step_loss(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tokens += x.numel()
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}", len=length, tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         if (step + 1) % 100 == 0 or step + 1 == steps:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
@@ -215,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     recipe = Recipe()
     if args.smoke:
         recipe = Recipe(vocab_size=300, seq_len=32, batch_size=4, target_steps=3, draft_steps=3, max_files=12,
-                        target_arch=SMOKE_TARGET, draft_arch=SMOKE_DRAFT)  # fmt: skip
+                        target_arch=SMOKE_TARGET, draft_arch=SMOKE_DRAFT, compile=False)  # fmt: skip
     recipe.target_steps = args.target_steps or recipe.target_steps
     recipe.draft_steps = args.draft_steps or recipe.draft_steps
     if args.threads:
@@ -242,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     eos_id = tok.token_to_id(EOS)
     vocab = tok.get_vocab_size()
-    max_len = recipe.seq_len  # the models never saw longer contexts: acceptance collapses past it (measured)
+    max_len = recipe.seq_len  # the curriculum's longest window: past it acceptance collapses (measured on v1 at 256)
     t_cfg = hf_config(recipe.target_arch or TARGET_CONFIG, vocab, eos_id, max_len)
     d_cfg = hf_config(recipe.draft_arch or DRAFT_CONFIG, vocab, eos_id, max_len)
     target = LlamaForCausalLM(ModelConfig.from_dict(t_cfg))
@@ -276,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
         "held_out_ppl_draft": perplexity(draft, streams["held"], recipe.seq_len),
         "vocab_size": vocab,
         "train_tokens": len(streams["train"]),
+        "max_len": max_len,
     }
     print(json.dumps(report, indent=2))
     for name, model, cfg in (("target", target, t_cfg), ("draft", draft, d_cfg)):

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     head = EagleHead(ModelConfig.from_dict(cfg), "eagle", target, normed=True)
     init_head(head, args.seed)
     print(f"head: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters, {args.ttt} TTT steps")
-    recipe = Recipe(seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
+    recipe = Recipe(seq_len=seq_len, batch_size=args.batch_size, seed=args.seed, compile=False)
 
     def loss_fn(x, y):
         return ttt_loss(head, target, x, args.ttt, args.reg)
