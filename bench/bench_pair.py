@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = held_out_texts()
     report: dict = {"target": target_dir, "draft": draft_dir, "context": ctx, "perplexity": {}, "speculation": {}}
 
-    models = {"target": load_model(target_dir, dtype=torch.float32), "draft": load_model(draft_dir, dtype=torch.float32)}
+    models = {name: load_model(d, dtype=torch.float32) for name, d in (("target", target_dir), ("draft", draft_dir))}
     for split, files in texts.items():
         stream = stream_of(llm, files)
         for name, model in models.items():

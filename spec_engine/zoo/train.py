@@ -69,12 +69,9 @@ class Recipe:
     def window(self, step: int, steps: int) -> tuple[int, int]:
         """(window length, windows) of ``step`` of ``steps``: the curriculum's phase, at seq_len * batch_size
         tokens per step."""
-        done = 0.0
-        for frac, length in self.curriculum:
-            done += frac
-            if step < done * steps:
-                break
-        length = min(length, self.seq_len)
+        ends = [sum(frac for frac, _ in self.curriculum[: i + 1]) * steps for i in range(len(self.curriculum))]
+        phase = next((i for i, end in enumerate(ends) if step < end), len(ends) - 1)
+        length = min(self.curriculum[phase][1], self.seq_len)
         return length, max(1, self.seq_len * self.batch_size // length)
 
 
