@@ -40,7 +40,7 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
                            const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
                            const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
                            const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
-                           int64_t gamma);
+                           int64_t gamma, bool strict);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
@@ -171,7 +171,7 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def(
       "draft_chain(Tensor root_logits, Tensor embed, Tensor[] weights, Tensor final_norm, Tensor lm_head, "
       "Tensor(a!) kv_cache, Tensor cache_seqlens, Tensor rope_table, Tensor? block_table, int num_heads, float eps, "
-      "int gamma) -> Tensor");
+      "int gamma, bool strict=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {

@@ -612,16 +612,19 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden,
 namespace {
 
 // The first index of the maximum of z [V] (NaNs skipped; a row of NaNs gives 0): a greedy draft's choice. A bad
-// proposal costs acceptance only, never correctness (verify_tree decides).
+// proposal costs acceptance only, never correctness (verify_tree decides). ``strict``: -1 where the row holds a NaN
+// or its maximum is not finite, the rows verify_greedy leaves to the Python path (which sanitises them or raises).
 template <typename T>
-int64_t first_argmax(const T* z, int64_t V) {
+int64_t first_argmax(const T* z, int64_t V, bool strict) {
   int64_t best = 0;
   float best_v = -std::numeric_limits<float>::infinity();
+  bool nan = false;
   for (int64_t i = 0; i < V; ++i) {
     const float v = to_f(z[i]);
+    nan |= v != v;
     if (v > best_v) best_v = v, best = i;
   }
-  return best;
+  return strict && (nan || !std::isfinite(best_v)) ? -1 : best;
 }
 
 }  // namespace
@@ -630,12 +633,13 @@ int64_t first_argmax(const T* z, int64_t V) {
 // the previous one's logits; the first gamma - 1 run through the model at positions L_b + d (their K/V written
 // there, as the drafter's per-level forwards would). Returns tokens [B, gamma] int64. Why: a drafted level costs
 // its weights (~40 us for the default draft) plus ~100 us of Python and op dispatch when driven level by level from
-// Python; here one call pays the dispatch once.
+// Python; here one call pays the dispatch once. The target's plain greedy decoding runs the same chain (``strict``:
+// from a row's first non-finite logits on, its tokens are -1, and the engine decodes that step the regular way).
 at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embed, at::TensorList weights,
                            const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
                            const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
                            const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
-                           int64_t gamma) {
+                           int64_t gamma, bool strict) {
   TORCH_CHECK_VALUE(root_logits.dim() == 2 && root_logits.device().is_cpu(),
                     "draft_chain: root_logits must be [B, V] on CPU, got ", root_logits.sizes());
   const int64_t B = root_logits.size(0), V = root_logits.size(1);
@@ -657,12 +661,13 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
   const at::Tensor mask = at::ones({B, 1, 1}, seqlens.options().dtype(at::kBool));
   for (int64_t d = 1; d <= gamma; ++d) {
     for (int64_t b = 0; b < B; ++b) {
-      tok[b * gamma + d - 1] = logits.scalar_type() == at::kFloat
-                                   ? first_argmax(logits.data_ptr<float>() + b * V, V)
-                                   : first_argmax(logits.data_ptr<c10::BFloat16>() + b * V, V);
+      int64_t& t = tok[b * gamma + d - 1];
+      t = d > 1 && tok[b * gamma + d - 2] < 0 ? -1  // a strict row stays -1 after its first bad logits
+          : logits.scalar_type() == at::kFloat ? first_argmax(logits.data_ptr<float>() + b * V, V, strict)
+                                               : first_argmax(logits.data_ptr<c10::BFloat16>() + b * V, V, strict);
     }
     if (d == gamma) break;
-    const at::Tensor ids = tokens.select(1, d - 1).contiguous();                // [B]
+    const at::Tensor ids = tokens.select(1, d - 1).clamp_min(0).contiguous();  // [B]: a -1 row runs token 0
     const at::Tensor hidden = embed.index_select(0, ids).unsqueeze(1);           // [B, 1, H]
     const at::Tensor rope = rope_table.index_select(1, seqlens.add(d)).unsqueeze(2);  // [2, B, 1, D]
     const at::Tensor lengths = seqlens.add(d).to(at::kInt);  // [B]: the node's slot L_b + d

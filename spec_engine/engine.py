@@ -34,6 +34,7 @@ from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, verify_tree
 from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
+PLAIN_CHAIN = 8  # plain greedy steps per native chain (Engine._plain_chain_len); 1 turns chains off
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
 
 
@@ -195,6 +196,7 @@ class Engine:
         self.gamma_hist = [0] * (self.gamma + 1)  # [g] = rows drafted at depth g, over all steps
         self.step_times = (0.0, 0.0)  # the last speculative step's (draft, whole step) seconds
         self.threads = ThreadTuner() if self.device.type == "cpu" else None  # CPU threads per decode step
+        self._step_tokens = 1  # forwards per row in the current decode step (a plain chain runs several)
         self.controller = None
         if adaptive and drafter is not None:
             tree = drafter.tree
@@ -311,11 +313,12 @@ class Engine:
         single = self.threads.single_for_step()
         if single:
             torch.set_num_threads(1)
+        self._step_tokens = 1  # a plain chain sets its length: the tuner compares costs per forward
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.threads.after_step(time.perf_counter() - start)
+            self.threads.after_step((time.perf_counter() - start) / self._step_tokens)
             if single:
                 torch.set_num_threads(many)
 
@@ -378,6 +381,11 @@ class Engine:
 
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
+        chain = self._plain_chain_len(reqs)
+        if chain > 1:
+            outputs = self._plain_chain(reqs, chain)
+            if outputs is not None:
+                return outputs
         gammas = self.choose_gammas(reqs)
         batch, sampling = self._step_inputs(reqs, gammas)
         out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling)
@@ -387,6 +395,41 @@ class Engine:
         for req, n in zip(reqs, draft_lens):
             req.draft_len = n
         return self._emit(reqs, gammas, out_tokens, num_accepted)
+
+    def _plain_chain_len(self, reqs: list[Request]) -> int:
+        """Tokens per row the coming plain greedy step decodes in one native chain (1: the regular one-token step).
+
+        Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter, all rows greedy and nothing waiting
+        for a slot, the target runs up to PLAIN_CHAIN forwards in one C++ call (``greedy_chain``), so the step's
+        Python and dispatch (~0.2 ms, a fifth of a 1 ms forward here) is paid once per chain. Same forwards, same
+        kernels, same tokens (tests/test_plain_chain.py); output arrives PLAIN_CHAIN tokens at a time, and a new
+        request waits at most one chain before it is admitted."""
+        if self.drafter is not None or self.waiting or self.device.type != "cpu" or PLAIN_CHAIN < 2:
+            return 1
+        if not all(r.params.greedy for r in reqs):
+            return 1
+        return min(PLAIN_CHAIN, min(r.params.max_tokens - len(r.output_token_ids) for r in reqs))
+
+    def _plain_chain(self, reqs: list[Request], K: int) -> list[StepOutput] | None:
+        """``K`` plain greedy steps for every row in two native calls: the roots' forward, then ``greedy_chain``
+        from their logits (tokens 1 .. K-1 run through the target at L_b + 1 .. L_b + K - 1, their K/V written
+        there, as K one-token steps would). None, with nothing committed, where the native chain cannot run or some
+        row's logits are not finite (the regular step then decodes it and sanitises or raises)."""
+        lengths = [r.num_computed for r in reqs]
+        seqlens = torch.tensor(lengths, dtype=torch.int32)  # [B]: the roots' positions L_b
+        roots = torch.tensor([[r.last_token] for r in reqs], dtype=torch.int64)  # [B, 1]
+        table = self._block_table(reqs, max(lengths) + K)  # [B, W]: up to position L_b + K - 1
+        mask = causal_mask(len(reqs), 1, self.device)  # [B, 1, 1]
+        hidden = self.target(roots, seqlens.long()[:, None], self.kv.data, seqlens, mask, table)  # [B, 1, H]
+        logits = self.target.logits(hidden[:, 0])  # [B, V]
+        tokens = self.target.greedy_chain(logits, self.kv.data, seqlens, K, table, strict=True)  # [B, K]
+        if tokens is None or bool((tokens < 0).any()):
+            return None
+        self._step_tokens = K
+        self.gamma_history.append(0)
+        for req in reqs:
+            req.draft_len = req.num_computed + K
+        return self._emit(reqs, [0] * len(reqs), tokens.tolist(), [K] * len(reqs), steps=K)
 
     def choose_gammas(self, reqs: list[Request]) -> list[int]:
         """Tree depth per row this step: fixed, or the adaptive controller's choice (0 = not drafted)."""
@@ -515,28 +558,31 @@ class Engine:
             probs[index] = sub.draft_probs
         return Draft(tokens, parents, mask, depths, probs, sub.draft_sampling)
 
-    def _emit(self, reqs, gammas, out_tokens, num_accepted) -> list[StepOutput]:
+    def _emit(self, reqs, gammas, out_tokens, num_accepted, steps: int = 1) -> list[StepOutput]:
+        """Commit each row's ``num_accepted`` tokens. ``steps`` > 1: a plain chain, ``steps`` one-token steps per
+        row (counted as such in the metrics)."""
         outputs, now = [], time.perf_counter()
         for req, gamma, toks, n in zip(reqs, gammas, out_tokens, num_accepted):
             new = self._truncate(req, toks[:n])
             req.append(new)
             req.num_computed += n
+            per_step = n // steps  # tokens each step emitted
             m = req.metrics
-            m.num_steps += 1
-            m.num_drafted += gamma
-            m.num_accepted += n - 1
-            m.accepted_hist.extend([0] * (n - len(m.accepted_hist)))
-            m.accepted_hist[n - 1] += 1
+            m.num_steps += steps
+            m.num_drafted += gamma * steps
+            m.num_accepted += (per_step - 1) * steps
+            m.accepted_hist.extend([0] * (per_step - len(m.accepted_hist)))
+            m.accepted_hist[per_step - 1] += steps
             m.gamma_hist.extend([0] * (gamma + 1 - len(m.gamma_hist)))
-            m.gamma_hist[gamma] += 1
-            self.gamma_hist[gamma] += 1
+            m.gamma_hist[gamma] += steps
+            self.gamma_hist[gamma] += steps
             if m.first_token_time is None:
                 m.first_token_time = now
-            self.stats["num_steps"] += 1
-            self.stats["num_drafted"] += gamma
-            self.stats["num_accepted"] += n - 1
+            self.stats["num_steps"] += steps
+            self.stats["num_drafted"] += gamma * steps
+            self.stats["num_accepted"] += (per_step - 1) * steps
             self.stats["num_generated"] += len(new)
-            self.accepted_hist[n - 1] += 1
+            self.accepted_hist[per_step - 1] += steps
             if req.finish_reason is None and len(req.output_token_ids) >= req.params.max_tokens:
                 self._finish(req, "length")
             outputs.append(StepOutput(req, new, req.finished))

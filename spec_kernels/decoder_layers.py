@@ -150,13 +150,16 @@ def greedy_chain(
     num_heads: int,
     eps: float,
     block_table: torch.Tensor | None = None,
+    strict: bool = False,
 ) -> torch.Tensor | None:
     """A greedy draft chain in one native call: ``gamma`` tokens per row, token d the argmax of token d-1's logits
     (the first of them of ``root_logits``), tokens 1 .. gamma-1 run through the layers at positions ``L_b + d``
     (their K/V written there). None where the native path cannot run (the caller then drafts level by level).
 
     Shapes: root_logits ``[B, V]``; embed, lm_head ``[V, H]``; rope_table ``[2, P, D]`` (cos, sin by position);
-    cache_seqlens ``[B]`` the roots' positions L_b; returns ``[B, gamma]`` int64.
+    cache_seqlens ``[B]`` the roots' positions L_b; returns ``[B, gamma]`` int64. ``strict`` (the target's plain
+    greedy chain): from a row's first logits with a NaN or a non-finite maximum on, its tokens are -1 (a draft skips
+    NaNs instead: a bad guess costs acceptance only).
     """
     weights = list(weights)
     if not (_native_fits(embed[:1], weights, kv_cache) and lm_head.dtype == embed.dtype and rope_table.is_cpu):
@@ -167,5 +170,5 @@ def greedy_chain(
     flat = [_EMPTY if w is None else w for w in weights]
     return torch.ops.spec_kernels.draft_chain(
         root_logits, embed, flat, final_norm, lm_head, kv_cache, cache_seqlens, rope_table, block_table, num_heads,
-        eps, gamma,
+        eps, gamma, strict,
     )  # fmt: skip

@@ -204,8 +204,10 @@ class LlamaForCausalLM(nn.Module):
         """
         return self._decoder(input_ids, positions, kv_cache, cache_seqlens, tree_mask, block_table)
 
-    def greedy_chain(self, root_logits, kv_cache, cache_seqlens, gamma: int, block_table=None) -> torch.Tensor | None:
-        """``gamma`` greedy draft tokens per row from the roots' logits [B, V] in one native call (see
+    def greedy_chain(
+        self, root_logits, kv_cache, cache_seqlens, gamma: int, block_table=None, strict: bool = False
+    ) -> torch.Tensor | None:
+        """``gamma`` greedy tokens per row from the roots' logits [B, V] in one native call (see
         ``spec_kernels.decoder_layers.greedy_chain``): [B, gamma], or None where it cannot run (no RoPE table, a
         device or dtype without the native path)."""
         if self.layer_weights is None or self.rope_table is None:
@@ -214,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         return greedy_chain(
             root_logits, self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight,
             self.lm_head.weight, kv_cache, cache_seqlens, self.rope_table, gamma=gamma,
-            num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=block_table,
+            num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=block_table, strict=strict,
         )  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
