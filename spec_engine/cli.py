@@ -23,7 +23,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="precision (default auto: bfloat16 on CPUs with AVX512-BF16, else float32)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=16)
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices for the target (only 1 so far)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the target is sharded over (CPU: gloo, CUDA: NCCL, one GPU each)")  # fmt: skip
 
 
 def build_llm(args: argparse.Namespace, *, speculate: bool = True):

@@ -30,7 +30,7 @@ from spec_engine.sampling import SEED_MASK, SamplingParams
 from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
-from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, verify_tree
+from spec_kernels import PAD_NODE, VerifyResult, verify_tree
 from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
@@ -496,8 +496,7 @@ class Engine:
             **sampling,
         )
         if draft.tokens.shape[1] > 1:  # a lone root's path is itself: nothing to move
-            compact_kv_(self.kv.planes, batch.seqlens, result.accepted_nodes, result.num_accepted,
-                        block_table=batch.block_table)  # fmt: skip
+            self.kv.compact_(batch.seqlens, result.accepted_nodes, result.num_accepted, block_table=batch.block_table)
         out_tokens, num_accepted = self._read_step(result)  # the step's one host sync
         draft_lens = [r.draft_len for r in batch.rows]
         if features is not None:  # a drafter that reads the target's features keeps every row's, drafted or not

@@ -12,6 +12,7 @@ import math
 import torch
 
 from spec_engine.models.config import ModelConfig
+from spec_kernels import compact_kv_
 
 SCRATCH_BLOCK = 0
 
@@ -31,6 +32,11 @@ class PagedKVCache:
     def planes(self) -> torch.Tensor:
         """[2 * layers, num_blocks, block_size, Hkv, D]: every plane ``compact_kv_`` must move."""
         return self.data.flatten(0, 1)
+
+    def compact_(self, cache_seqlens, accepted_nodes, num_accepted, *, block_table=None) -> None:
+        """Move each row's accepted path to slots ``L_b ..`` in every plane (``compact_kv_``). A tensor-parallel
+        shard (``spec_engine.distributed.ShardedKVCache``) also passes the path on to the other ranks."""
+        compact_kv_(self.planes, cache_seqlens, accepted_nodes, num_accepted, block_table=block_table)
 
 
 class BlockAllocator:

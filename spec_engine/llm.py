@@ -131,7 +131,9 @@ class LLM:
     max_model_len : context length (prompt + output); defaults to the model's, capped at 4096.
     max_num_seqs : requests decoded together.
     kv_cache_memory : bytes for the KV caches of both models (requests that do not fit wait).
-    tensor_parallel_size : devices the target is sharded over; only 1 so far (anything else raises ValueError).
+    tensor_parallel_size : ranks the target is sharded over (Megatron-style, ``spec_engine.distributed``): N - 1
+        worker processes are spawned (one per CUDA device, or CPU ranks over gloo); the drafter and verification run
+        here, on rank 0. ``close()`` stops the workers. ValueError when the heads or MLP width do not divide.
     """
 
     def __init__(
@@ -148,11 +150,10 @@ class LLM:
         prefill_chunk: int = 512,
         tensor_parallel_size: int = 1,
     ):
-        if isinstance(tensor_parallel_size, bool) or tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size!r}: only 1 is supported so far (one device); sharding the "
-                "target across devices is not implemented yet"
-            )
+        tp = tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+        self.tensor_parallel_size = tensor_parallel_size
         if dtype == "auto":
             dtype = auto_dtype(device)
         if dtype not in DTYPES:
@@ -163,7 +164,14 @@ class LLM:
         torch_dtype = DTYPES[dtype]
         spec = _parse_speculative_config(speculative_config)
         self.model_dir = Path(model)
-        self.target = load_model(model, dtype=torch_dtype, device=device)
+        if tensor_parallel_size > 1:  # rank 0's shard plus N - 1 worker processes (spec_engine/distributed.py)
+            if spec and spec["method"] == "eagle":
+                raise ValueError("EAGLE heads read the target's features: not supported with tensor_parallel_size > 1")
+            from spec_engine.distributed import launch
+
+            self.target = launch(model, tensor_parallel_size, dtype=torch_dtype, device=device)
+        else:
+            self.target = load_model(model, dtype=torch_dtype, device=device)
         self.tokenizer = load_tokenizer(model)
         cfg = self.target.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, 4096)
@@ -203,7 +211,10 @@ class LLM:
             kv_cache_memory = min(2 << 30, (max_num_seqs * blocks_per_seq + 1) * per_block)
         num_blocks = plan_num_blocks(cfgs, torch_dtype, block_size, kv_cache_memory, max_request_tokens)
         self.allocator = BlockAllocator(num_blocks, block_size)
-        kv = PagedKVCache(cfg, num_blocks, block_size, torch_dtype, device)
+        if tensor_parallel_size > 1:  # every rank's shard of the cache (its KV heads); rank 0's is the engine's
+            kv = self.target.kv_cache(num_blocks, block_size)
+        else:
+            kv = PagedKVCache(cfg, num_blocks, block_size, torch_dtype, device)
 
         drafter: Drafter | None = None
         sampling = spec.get("draft_sampling", "without_replacement") if spec else None
@@ -222,6 +233,16 @@ class LLM:
             num_speculative_tokens=gamma, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             prefill_chunk=prefill_chunk, eos_token_ids=cfg.eos_token_id, adaptive=bool(spec and spec["adaptive"]),
         )  # fmt: skip
+
+    @property
+    def healthy(self) -> bool:
+        """False once a tensor-parallel worker died or the group failed (every later step raises)."""
+        return self.tensor_parallel_size == 1 or self.target.healthy
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done at garbage collection and at exit); a no-op with one device."""
+        if self.tensor_parallel_size > 1:
+            self.target.close()
 
     def _check_same_tokenizer(self, draft_dir) -> None:
         t, d = self.model_dir / "tokenizer.json", Path(draft_dir) / "tokenizer.json"

@@ -249,7 +249,8 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """The loop thread runs and the LLM can still step (False once a tensor-parallel worker died)."""
+        return self._thread.is_alive() and self.llm.healthy
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop the loop thread; in-flight requests end with ``EngineDeadError``."""
