@@ -257,10 +257,12 @@ class _Comm:
     built, closed and built again, or two run side by side). Every op waits; a failure raises ``TensorParallelError``.
     """
 
-    def __init__(self, store, rank: int, world: int, device: torch.device, timeout_s: float):
+    def __init__(self, store, rank: int, world: int, device: torch.device, timeout_s: float, pg=None):
         self.rank, self.world, self.device = rank, world, device
         timeout = datetime.timedelta(seconds=timeout_s)
-        if device.type == "cuda":
+        if pg is not None:  # torchrun's default group
+            self.pg = pg
+        elif device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self.pg = dist.ProcessGroupNCCL(store, rank, world, opts)
@@ -456,6 +458,11 @@ class TPTarget:
             return None
         return torch.stack(tokens, dim=1)  # [B, gamma]
 
+    def chain_parts(self) -> None:
+        """None: the one-call native speculative chain needs the whole model in this process (the engine then runs
+        its regular step)."""
+        return None
+
     def forward_features(self, *args, layers, **kwargs):
         raise NotImplementedError("EAGLE heads (the target's features) do not run with tensor_parallel_size > 1 yet")
 
@@ -524,7 +531,7 @@ class TPTarget:
 
 
 def _shutdown(comm: _Comm, processes: list) -> None:
-    if processes and all(p.is_alive() for p in processes):
+    if all(p.is_alive() for p in processes):  # none: torchrun's ranks, told to stop all the same
         try:
             _send_command(comm, _pack(SHUTDOWN, {}, [], comm.device))
         except Exception:
@@ -540,16 +547,26 @@ def _timeout_s() -> float:
     return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
 
 
-def launch(model_dir: str | Path, world: int, *, dtype: torch.dtype, device: str = "cpu") -> TPTarget:
-    """Start ``world - 1`` worker processes on this host and return rank 0's ``TPTarget``.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
-    On CUDA rank r uses device r (NCCL); on CPU every rank uses the CPU (gloo) with one thread per rank.
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in TORCHRUN_ENV)
+
+
+def launch(model_dir: str | Path, world: int, *, dtype: torch.dtype, device: str = "cpu") -> TPTarget:
+    """Rank 0's ``TPTarget``: ``world - 1`` worker processes are started on this host, or, under ``torchrun``
+    (its RANK / WORLD_SIZE / MASTER_ADDR environment), this process joins as its rank (``join_torchrun``).
+
+    On CUDA rank r uses device r (NCCL); on CPU every rank uses the CPU (gloo), workers with one thread each.
     Raises ValueError for sizes that do not shard, ``TensorParallelError`` when a worker fails to start."""
     import torch.multiprocessing as mp
 
     cfg = ModelConfig.from_dir(model_dir)
     for rank in range(world):
         shard_plan(cfg, world, rank)  # every rank's split is valid before any process starts
+    if launched_by_torchrun():
+        return join_torchrun(model_dir, world, dtype=dtype, device=device)
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
     if dev.type == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"tensor_parallel_size={world} needs {world} CUDA devices, {torch.cuda.device_count()} seen")
@@ -576,6 +593,30 @@ def launch(model_dir: str | Path, world: int, *, dtype: torch.dtype, device: str
             p.join(timeout=5)
         raise
     target._store = store  # the TCP store lives as long as the group
+    return target
+
+
+def join_torchrun(model_dir: str | Path, world: int, *, dtype: torch.dtype, device: str = "cpu") -> TPTarget:
+    """Multi-process / multi-node launch: ``torchrun --nnodes .. --nproc-per-node .. script.py`` runs the same script
+    on every rank, and each builds ``LLM(..., tensor_parallel_size=WORLD_SIZE)``. Rank 0 gets its target and goes on
+    as the engine; on every other rank this call serves commands until rank 0 closes, then exits the process
+    (``SystemExit(0)``): the script's code after ``LLM(...)`` runs on rank 0 only."""
+    if int(os.environ["WORLD_SIZE"]) != world:
+        raise ValueError(f"tensor_parallel_size={world} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']}")
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    dev = torch.device("cuda", local) if device == "cuda" else torch.device(device)
+    timeout = _timeout_s()
+    if not dist.is_initialized():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    comm = _Comm(None, rank, world, dev, timeout, pg=dist.distributed_c10d._get_default_group())
+    if rank != 0:
+        serve_rank(model_dir, comm, dtype)
+        dist.destroy_process_group()
+        raise SystemExit(0)
+    target = TPTarget(model_dir, ModelConfig.from_dir(model_dir), comm, [], dtype, dev)
+    _handshake(comm, ok=True)
     return target
 
 
@@ -624,7 +665,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _worker_main(model_dir, rank, world, host, port, dtype_name, device_type, timeout, parent_pid) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the host's cores
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device(device_type)
     if device.type == "cuda":

@@ -211,6 +211,35 @@ def test_no_orphans_when_the_parent_is_killed(models, tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
+def test_torchrun_launch_equals_tp1(models, tmp_path):
+    """``torchrun --nproc-per-node 2 script.py``: both ranks build the same LLM; rank 1 serves inside ``LLM(...)``
+    and exits with it, rank 0 generates."""
+    import socket
+
+    target, _ = models["llama_gqa"]
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        from spec_engine import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM({str(target)!r}, dtype="float32", tensor_parallel_size=2, max_model_len=128)
+            out = llm.generate({PROMPTS!r}, SamplingParams(max_tokens={MAX_TOKENS}), use_tqdm=False)
+            print("TOKENS", [o.outputs[0].token_ids for o in out], flush=True)
+            llm.close()
+    """)
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(port), str(script)], capture_output=True, text=True,
+                         env=env, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    (line,) = [x for x in run.stdout.splitlines() if x.startswith("TOKENS")]  # rank 0 only
+    assert line == f"TOKENS {_generate(target, None, 1, SamplingParams(max_tokens=MAX_TOKENS))}"
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
