@@ -23,13 +23,19 @@
 // hides contributes nothing. So a tree node's hidden state equals plain decoding's of the same tokens bit for bit.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -684,6 +690,185 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
     logits = next;
   }
   return tokens;
+}
+
+}  // namespace specdec
+
+namespace specdec {
+
+namespace {
+
+// One model's tensors for spec_chain: token embedding [V, H], the layers' weights, final norm [H], lm_head [V, H],
+// its paged KV cache, its RoPE table [2, P, D].
+struct ChainModel {
+  const at::Tensor& embed;
+  at::TensorList weights;
+  const at::Tensor& norm;
+  const at::Tensor& lm_head;
+  at::Tensor kv;
+  const at::Tensor& rope;
+  int64_t heads;
+  double eps;
+
+  // Tokens [B, T] at positions seqlens[b] + t (a causal chunk over the cache): the final-normed hidden states
+  // [B, T, H], their K/V written.
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& seqlens,
+                     const c10::optional<at::Tensor>& block_table) const {
+    const int64_t B = tokens.size(0), T = tokens.size(1);
+    const at::Tensor hidden = embed.index_select(0, tokens.reshape(-1)).view({B, T, embed.size(1)});   // [B, T, H]
+    const at::Tensor positions = seqlens.unsqueeze(1).add(at::arange(T, seqlens.options()));          // [B, T]
+    const at::Tensor cos_sin = rope.index_select(1, positions.reshape(-1)).view({2, B, T, rope.size(2)});
+    const at::Tensor mask = at::ones({T, T}, tokens.options().dtype(at::kBool)).tril().expand({B, T, T});
+    return std::get<0>(decoder_layers_cpu(hidden, weights, norm, kv, seqlens.to(at::kInt), cos_sin, mask,
+                                          block_table, heads, eps, {}));
+  }
+
+  // Logits [rows, V] in the model's dtype of hidden states [rows, H] (the same kernel as the engine's logits).
+  at::Tensor logits(const at::Tensor& hidden) const {
+    const int64_t rows = hidden.size(0), V = lm_head.size(0), H = hidden.size(1);
+    at::Tensor out = at::empty({rows, V}, hidden.options());
+    if (hidden.scalar_type() == at::kFloat) {
+      linear_f32(hidden.data_ptr<float>(), lm_head.data_ptr<float>(), nullptr, out.data_ptr<float>(), rows, V, H, H);
+    } else {
+      linear_bf16(hidden.data_ptr<c10::BFloat16>(), lm_head.data_ptr<c10::BFloat16>(), nullptr,
+                  out.data_ptr<c10::BFloat16>(), rows, V, H, H);
+    }
+    return out;
+  }
+};
+
+int64_t strict_argmax(const at::Tensor& logits, int64_t row) {
+  const int64_t V = logits.size(1);
+  return logits.scalar_type() == at::kFloat ? first_argmax(logits.data_ptr<float>() + row * V, V, true)
+                                            : first_argmax(logits.data_ptr<c10::BFloat16>() + row * V, V, true);
+}
+
+}  // namespace
+
+// Up to max_steps greedy speculative steps of a draft model's chain in one call: per step, the draft catches up
+// on the tokens its cache lacks (then the root), drafts gamma tokens (draft_chain), the target runs the root and
+// the chain at L_b .. L_b + gamma, and the longest prefix of drafts equal to the target's argmax is accepted, plus
+// the target's own next token. A chain's accepted nodes are a prefix: both caches stay in place (no compaction).
+// The engine's step does the same work in ~10 Python-driven op calls; here it costs its kernels.
+//
+// pending [B, P] int64: per row the tokens at positions D_b .. L_b (the draft cache's gap, then the root), padded
+// at the end; pending_lens [B]: their counts (>= 1); seqlens [B]: L_b; budget [B]: tokens the row may still emit
+// (a step starts only if every row has gamma + 1 of them left); stop_ids [S]: a step that emits one of them for any
+// row is the last, and so is one where some row accepted no draft when ``stop_on_reject`` (an adaptive controller
+// re-decides the depth after it). A step whose visited target logits are not finite (a NaN, or a non-finite maximum) is dropped
+// and ends the call: the engine's regular step decodes it (and sanitises or raises).
+//
+// Returns (steps [B, max_steps, gamma + 2] int64: per step the count n of emitted tokens then the tokens, -1
+// padded, n = 0 for steps not run; pending_out [B, 2] and pending_lens_out [B]: the rows' new gaps; times
+// [max_steps, 2] float64: per step the draft's and the whole step's seconds).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
+    const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens, const at::Tensor& t_embed,
+    at::TensorList t_weights, const at::Tensor& t_norm, const at::Tensor& t_lm_head, at::Tensor t_kv,
+    const at::Tensor& t_rope, int64_t t_heads, double t_eps, const at::Tensor& d_embed, at::TensorList d_weights,
+    const at::Tensor& d_norm, const at::Tensor& d_lm_head, at::Tensor d_kv, const at::Tensor& d_rope,
+    int64_t d_heads, double d_eps, const c10::optional<at::Tensor>& block_table, const at::Tensor& budget,
+    const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject) {
+  TORCH_CHECK_VALUE(pending.dim() == 2 && pending.size(1) >= 1, "spec_chain: pending must be [B, P], got ",
+                    pending.sizes());
+  const int64_t B = pending.size(0), P = pending.size(1);
+  TORCH_CHECK_VALUE(gamma >= 1 && max_steps >= 1, "spec_chain: gamma and max_steps must be >= 1");
+  for (const at::Tensor* t : {&pending_lens, &seqlens, &budget}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == B, "spec_chain: per-row inputs must be [B] = [", B, "]");
+  }
+  TORCH_CHECK_VALUE(t_lm_head.is_contiguous() && d_lm_head.is_contiguous(), "spec_chain: lm_heads must be contiguous");
+  const ChainModel target{t_embed, t_weights, t_norm, t_lm_head, t_kv, t_rope, t_heads, t_eps};
+  const ChainModel draft{d_embed, d_weights, d_norm, d_lm_head, d_kv, d_rope, d_heads, d_eps};
+  const at::TensorOptions longs = pending.options().dtype(at::kLong);
+
+  at::Tensor gap = pending.to(at::kLong).contiguous().clone();  // [B, P]
+  std::vector<int64_t> gap_len(B), L(B), room(B);
+  for (int64_t b = 0; b < B; ++b) {
+    gap_len[b] = pending_lens[b].item<int64_t>();
+    L[b] = seqlens[b].item<int64_t>();
+    room[b] = budget[b].item<int64_t>();
+    TORCH_CHECK_VALUE(gap_len[b] >= 1 && gap_len[b] <= P && L[b] >= gap_len[b] - 1,
+                      "spec_chain: row ", b, " has pending_lens ", gap_len[b], " and L_b ", L[b]);
+  }
+  const at::Tensor stops = stop_ids.to(at::kLong).contiguous();
+  const int64_t* stop = stops.data_ptr<int64_t>();
+  const auto is_stop = [&](int64_t t) { return std::find(stop, stop + stops.numel(), t) != stop + stops.numel(); };
+
+  at::Tensor steps = at::full({B, max_steps, gamma + 2}, -1, longs);  // [B, S, gamma + 2]
+  steps.select(2, 0).zero_();
+  at::Tensor times = at::zeros({max_steps, 2}, longs.dtype(at::kDouble));  // [S, 2]
+  int64_t* out = steps.data_ptr<int64_t>();
+  double* secs = times.data_ptr<double>();
+  const int64_t T = gamma + 1;
+  at::Tensor next_gap = at::zeros({B, 2}, longs);  // [B, 2]: at most the last draft and the bonus
+
+  for (int64_t s = 0; s < max_steps; ++s) {
+    bool fits = true;
+    for (int64_t b = 0; b < B; ++b) fits = fits && room[b] >= T;
+    if (!fits) break;
+    const auto start = std::chrono::steady_clock::now();
+    // 1. the draft catches up: its gap then the root, at positions D_b ..; the root's logits seed the chain
+    const int64_t width = *std::max_element(gap_len.begin(), gap_len.end());
+    std::vector<int64_t> d_start(B), root(B);
+    for (int64_t b = 0; b < B; ++b) {
+      d_start[b] = L[b] - gap_len[b] + 1;
+      root[b] = gap[b][gap_len[b] - 1].item<int64_t>();
+    }
+    const at::Tensor d_seqlens = at::tensor(d_start, longs);  // [B]
+    const at::Tensor d_hidden = draft.forward(gap.narrow(1, 0, width).contiguous(), d_seqlens, block_table);
+    const at::Tensor last = at::tensor(gap_len, longs).sub(1);                                       // [B]
+    const at::Tensor d_root = d_hidden.gather(1, last.view({B, 1, 1}).expand({B, 1, d_hidden.size(2)}))
+                                  .view({B, d_hidden.size(2)});                                     // [B, H_d]
+    const at::Tensor L_t = at::tensor(L, longs);                                                      // [B]
+    const at::Tensor drafts = draft_chain_cpu(draft.logits(d_root.contiguous()), d_embed, d_weights, d_norm,
+                                              d_lm_head, d_kv, L_t, d_rope, block_table, d_heads, d_eps, gamma,
+                                              false);  // [B, gamma]
+    const auto drafted = std::chrono::steady_clock::now();
+    // 2. the target runs the root and the chain
+    const at::Tensor tokens = at::cat({at::tensor(root, longs).unsqueeze(1), drafts}, 1);  // [B, T]
+    const at::Tensor hidden = target.forward(tokens, L_t, block_table);                 // [B, T, H]
+    const at::Tensor logits = target.logits(hidden.view({B * T, hidden.size(2)}));        // [B * T, V]
+    // 3. greedy acceptance: the longest prefix of drafts equal to the target's argmax, then its own next token
+    const int64_t* dr = drafts.data_ptr<int64_t>();
+    std::vector<std::vector<int64_t>> emitted(B);
+    bool finite = true;
+    for (int64_t b = 0; b < B && finite; ++b) {
+      for (int64_t j = 0; j < T; ++j) {
+        const int64_t best = strict_argmax(logits, b * T + j);
+        if (best < 0) {
+          finite = false;
+          break;
+        }
+        emitted[b].push_back(best);
+        if (j == gamma || dr[b * gamma + j] != best) break;
+      }
+    }
+    if (!finite) break;  // nothing of this step is committed
+    bool stopped = false;
+    int64_t* g = next_gap.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = static_cast<int64_t>(emitted[b].size());
+      int64_t* row = out + (b * max_steps + s) * (gamma + 2);
+      row[0] = n;
+      for (int64_t i = 0; i < n; ++i) {
+        row[1 + i] = emitted[b][i];
+        stopped = stopped || is_stop(emitted[b][i]);
+      }
+      // the draft cache holds the root and drafts 1 .. gamma - 1: all accepted -> draft gamma is its gap
+      const bool all = n == T;
+      g[b * 2] = all ? dr[b * gamma + gamma - 1] : emitted[b][n - 1];
+      g[b * 2 + 1] = emitted[b][n - 1];
+      gap_len[b] = all ? 2 : 1;
+      L[b] += n;
+      room[b] -= n;
+      stopped = stopped || (stop_on_reject && n == 1);
+    }
+    gap = next_gap.clone();
+    const auto end = std::chrono::steady_clock::now();
+    secs[2 * s] = std::chrono::duration<double>(drafted - start).count();
+    secs[2 * s + 1] = std::chrono::duration<double>(end - start).count();
+    if (stopped) break;
+  }
+  return {steps, gap, at::tensor(gap_len, longs), times};
 }
 
 }  // namespace specdec

@@ -31,10 +31,12 @@ from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
 from spec_kernels import PAD_NODE, VerifyResult, verify_tree
+from spec_kernels.decoder_layers import spec_chain
 from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
 PLAIN_CHAIN = 8  # plain greedy steps per native chain (Engine._plain_chain_len); 1 turns chains off
+SPEC_CHAIN_STEPS = 4  # greedy speculative steps per native call (Engine._spec_chain_steps); 0 turns it off
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
 
 
@@ -381,12 +383,19 @@ class Engine:
 
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
-        chain = self._plain_chain_len(reqs)
+        gammas = self.choose_gammas(reqs)
+        # the controller's lone plain probe between drafted steps stays one step (a chain would run 8 plain ones)
+        settled = self.controller is None or (self.gamma_history and self.gamma_history[-1] == 0)
+        chain = self._plain_chain_len(reqs) if max(gammas) == 0 and settled else 0
+        steps = self._spec_chain_steps(reqs, gammas)
         if chain > 1:
             outputs = self._plain_chain(reqs, chain)
             if outputs is not None:
                 return outputs
-        gammas = self.choose_gammas(reqs)
+        elif steps:
+            outputs = self._spec_chain(reqs, gammas[0], steps)
+            if outputs is not None:
+                return outputs
         batch, sampling = self._step_inputs(reqs, gammas)
         out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling)
         if self.controller is not None:
@@ -399,12 +408,14 @@ class Engine:
     def _plain_chain_len(self, reqs: list[Request]) -> int:
         """Tokens per row the coming plain greedy step decodes in one native chain (1: the regular one-token step).
 
-        Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter, all rows greedy and nothing waiting
-        for a slot, the target runs up to PLAIN_CHAIN forwards in one C++ call (``greedy_chain``), so the step's
+        Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter or none this step (the adaptive
+        controller drafts no row; a drafter that reads the target's features must see every step, so never with
+        one of those), all rows greedy and nothing waiting for a slot, the target runs up to PLAIN_CHAIN forwards in
+        one C++ call (``greedy_chain``), so the step's
         Python and dispatch (~0.2 ms, a fifth of a 1 ms forward here) is paid once per chain. Same forwards, same
-        kernels, same tokens (tests/test_plain_chain.py); output arrives PLAIN_CHAIN tokens at a time, and a new
+        kernels, same tokens (tests/test_native_steps.py); output arrives PLAIN_CHAIN tokens at a time, and a new
         request waits at most one chain before it is admitted."""
-        if self.drafter is not None or self.waiting or self.device.type != "cpu" or PLAIN_CHAIN < 2:
+        if (self.drafter is not None and self.drafter.needs_hidden) or self.waiting or self.device.type != "cpu":
             return 1
         if not all(r.params.greedy for r in reqs):
             return 1
@@ -415,6 +426,7 @@ class Engine:
         from their logits (tokens 1 .. K-1 run through the target at L_b + 1 .. L_b + K - 1, their K/V written
         there, as K one-token steps would). None, with nothing committed, where the native chain cannot run or some
         row's logits are not finite (the regular step then decodes it and sanitises or raises)."""
+        start = time.perf_counter()
         lengths = [r.num_computed for r in reqs]
         seqlens = torch.tensor(lengths, dtype=torch.int32)  # [B]: the roots' positions L_b
         roots = torch.tensor([[r.last_token] for r in reqs], dtype=torch.int64)  # [B, 1]
@@ -426,10 +438,82 @@ class Engine:
         if tokens is None or bool((tokens < 0).any()):
             return None
         self._step_tokens = K
-        self.gamma_history.append(0)
-        for req in reqs:
-            req.draft_len = req.num_computed + K
-        return self._emit(reqs, [0] * len(reqs), tokens.tolist(), [K] * len(reqs), steps=K)
+        self.gamma_history.extend([0] * K)
+        if self.drafter is None or not self.drafter.keeps_cache:
+            for req in reqs:
+                req.draft_len = req.num_computed + K
+        outputs = self._emit(reqs, [0] * len(reqs), tokens.tolist(), [K] * len(reqs), steps=K)
+        if self.controller is not None:  # K plain steps, each a K-th of the chain's time
+            per_step = (time.perf_counter() - start) / K
+            for _ in range(K):
+                self.controller.observe(reqs, [0] * len(reqs), [1] * len(reqs), 0.0, per_step)
+        return outputs
+
+    def _spec_chain_steps(self, reqs: list[Request], gammas: list[int]) -> int:
+        """Greedy speculative steps the coming step runs in one native call (0: the regular step).
+
+        Where a draft model proposes chains for greedy rows, all at one depth g, with nothing waiting and every
+        draft cache at most one token behind, the whole step (catch-up, chain, target pass, acceptance) is C++
+        (``spec_chain``), and up to SPEC_CHAIN_STEPS of them run per call while every row has g + 1 tokens of its
+        max_tokens left. The step's Python (~0.5 ms of op calls and bookkeeping against a ~1 ms target pass here)
+        is paid once per call; the adaptive controller chooses g for the call and learns from each step."""
+        g = gammas[0] if gammas else 0
+        if g == 0 or SPEC_CHAIN_STEPS < 1 or self.waiting or self.device.type != "cpu" or self.drafter is None:
+            return 0
+        if any(x != g for x in gammas) or not all(r.params.greedy for r in reqs):
+            return 0
+        if any(r.num_computed - r.draft_len > 1 for r in reqs):
+            return 0
+        if self.drafter.chain_parts() is None or self.target.chain_parts() is None:
+            return 0
+        return min(SPEC_CHAIN_STEPS, min(r.params.max_tokens - len(r.output_token_ids) for r in reqs) // (g + 1))
+
+    def _spec_chain(self, reqs: list[Request], g: int, max_steps: int) -> list[StepOutput] | None:
+        """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, committed step by
+        step as the regular step would (``_emit``, the controller's ``observe``). None, with nothing committed,
+        where the native path cannot run."""
+        B = len(reqs)
+        lags = [r.num_computed - r.draft_len for r in reqs]
+        pending = np.zeros((B, 2), dtype=np.int64)  # [B, 2]: the draft cache's gap (at most one token), the root
+        for b, (r, lag) in enumerate(zip(reqs, lags)):
+            pending[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
+        stops = set()
+        for r in reqs:
+            stops |= set(r.params.stop_token_ids or []) | (set() if r.params.ignore_eos else self.eos_token_ids)
+        lengths = [r.num_computed for r in reqs]
+        table = self._block_table(reqs, max(lengths) + max_steps * (g + 1) + 2)  # [B, W]
+        result = spec_chain(
+            self.target.chain_parts(), self.drafter.chain_parts(), torch.from_numpy(pending),
+            torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
+            torch.tensor([r.params.max_tokens - len(r.output_token_ids) for r in reqs]),
+            torch.tensor(sorted(stops), dtype=torch.int64), gamma=g, max_steps=max_steps,
+            stop_on_reject=self.controller is not None,
+        )  # fmt: skip
+        if result is None:
+            return None
+        steps, _, gap_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
+        steps, gap_lens, times = steps.tolist(), gap_lens.tolist(), times.tolist()
+        new: dict[int, list[int]] = {b: [] for b in range(B)}
+        ran = 0
+        for s in range(max_steps):
+            if steps[0][s][0] == 0:
+                break  # every row runs every step the call ran
+            ran += 1
+            live = [b for b in range(B) if not reqs[b].finished]
+            rows = [reqs[b] for b in live]
+            counts = [steps[b][s][0] for b in live]
+            outs = self._emit(rows, [g] * len(live), [steps[b][s][1:] for b in live], counts)
+            for b, out in zip(live, outs):
+                new[b] += out.new_token_ids
+            if self.controller is not None:
+                self.controller.observe(rows, [g] * len(live), counts, *times[s])
+            self.gamma_history.append(g)
+        if ran == 0:
+            return None  # the first step's target logits were not finite: the regular step decodes it
+        self._step_tokens = ran
+        for r, n in zip(reqs, gap_lens):
+            r.draft_len = r.num_computed - (n - 1)
+        return [StepOutput(reqs[b], new[b], reqs[b].finished) for b in range(B)]
 
     def choose_gammas(self, reqs: list[Request]) -> list[int]:
         """Tree depth per row this step: fixed, or the adaptive controller's choice (0 = not drafted)."""

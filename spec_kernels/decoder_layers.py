@@ -172,3 +172,29 @@ def greedy_chain(
         root_logits, embed, flat, final_norm, lm_head, kv_cache, cache_seqlens, rope_table, block_table, num_heads,
         eps, gamma, strict,
     )  # fmt: skip
+
+
+def spec_chain(target, draft, pending, pending_lens, seqlens, target_kv, draft_kv, block_table, budget, stop_ids, *,
+               gamma: int, max_steps: int, stop_on_reject: bool = False):  # fmt: skip
+    """Up to ``max_steps`` greedy speculative steps of a draft model's chain in one native call (see
+    ``spec_chain_cpu`` in csrc/decoder_layers_cpu.cpp), or None where the native path cannot run.
+
+    ``target`` / ``draft``: (embed [V, H], layer weights, final norm [H], lm_head [V, H], rope_table [2, P, D],
+    num_heads, eps) of each model. pending ``[B, P]`` the tokens each row's draft cache lacks then its root,
+    pending_lens / seqlens (L_b) / budget ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``:
+    per step the count n of emitted tokens then the tokens; the rows' new pending ``[B, 2]`` and pending_lens
+    ``[B]``; times ``[max_steps, 2]``: per step the draft's and the whole step's seconds). ``stop_on_reject``: a
+    step where some row accepted no draft is the call's last (an adaptive controller then re-decides the depth).
+    """
+    if not all(_native_fits(m[0][:1], list(m[1]), kv) for m, kv in ((target, target_kv), (draft, draft_kv))):
+        return None
+    from spec_kernels._ext import load_ext
+
+    load_ext()
+    args = []
+    for (embed, weights, norm, lm_head, rope, heads, eps), kv in ((target, target_kv), (draft, draft_kv)):
+        if lm_head.dtype != embed.dtype or rope.dtype != embed.dtype or not rope.is_cpu:
+            return None
+        args += [embed, [_EMPTY if w is None else w for w in weights], norm, lm_head, kv, rope, heads, eps]
+    return torch.ops.spec_kernels.spec_chain(pending, pending_lens, seqlens, *args, block_table, budget, stop_ids,
+                                             gamma, max_steps, stop_on_reject)  # fmt: skip

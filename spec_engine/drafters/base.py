@@ -118,3 +118,8 @@ class Drafter(ABC):
     def nodes_for_depth(self, depth: int) -> int:
         """T of a tree of the given depth (for KV reservations and cost models)."""
         return depth + 1
+
+    def chain_parts(self) -> tuple | None:
+        """The draft model's tensors for the engine's native greedy chain steps (``Engine._spec_chain``), when this
+        drafter is a draft model proposing chains on its own cache; else None."""
+        return None

@@ -57,6 +57,9 @@ class DraftModelDrafter(Drafter):
             self._levels.append(to_device(self.device, mask, node_depth[1 : level.stop]))
         self._shapes: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
+    def chain_parts(self) -> tuple | None:
+        return self.model.chain_parts() if self.tree.is_chain and type(self) is DraftModelDrafter else None
+
     def nodes_for_depth(self, depth: int) -> int:
         return sum(self.tree.level_sizes[: depth + 1])
 

@@ -219,6 +219,15 @@ class LlamaForCausalLM(nn.Module):
             num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=block_table, strict=strict,
         )  # fmt: skip
 
+    def chain_parts(self) -> tuple | None:
+        """(embed [V, H], layer weights, final norm [H], lm_head [V, H], RoPE table [2, P, D], num_heads, eps): what
+        ``spec_kernels.decoder_layers.spec_chain`` runs this model with; None before ``fuse`` or without a table."""
+        if self.layer_weights is None or self.rope_table is None:
+            return None
+        cfg = self.config
+        return (self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight, self.lm_head.weight,
+                self.rope_table, cfg.num_attention_heads, cfg.rms_norm_eps)  # fmt: skip
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V] in float32."""
         return linear(hidden, self.lm_head.weight).float()

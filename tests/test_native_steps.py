@@ -1,0 +1,212 @@
+"""Steps in one native call.
+
+Plain chains: with no drafter (or none this step) and every row greedy, the engine runs up to PLAIN_CHAIN target
+forwards in one ``greedy_chain`` call. Speculative chains: a draft model's greedy chain steps, up to SPEC_CHAIN_STEPS
+per ``spec_chain`` call. Both must emit exactly the tokens of the regular steps, stop where they stop, count their
+steps as such (the speculative ones: the same drafts and acceptances), and hand non-finite logits to the regular
+step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_model, make_noisy_copy
+
+import spec_engine.engine as engine_mod
+from spec_engine import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77], list(range(10, 40))]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("chain") / "target", "llama_gqa", logit_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def draft(target, tmp_path_factory):
+    return make_noisy_copy(target, tmp_path_factory.mktemp("chain") / "draft", noise=0.05)
+
+
+def run(llm: LLM, params: SamplingParams, chain: int, monkeypatch) -> list:
+    monkeypatch.setattr(engine_mod, "PLAIN_CHAIN", chain)
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+
+
+def spy_chains(llm: LLM, monkeypatch) -> list[int]:
+    """The length of every native chain the target runs."""
+    calls, real = [], llm.target.greedy_chain
+
+    def spy(*args, **kw):
+        calls.append(args[3])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(llm.target, "greedy_chain", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chain_emits_the_tokens_of_one_token_steps(target, dtype, monkeypatch):
+    llm = LLM(str(target), dtype=dtype)
+    params = SamplingParams(max_tokens=37, ignore_eos=True)  # not a multiple of the chain: the last one is shorter
+    ref = run(llm, params, 1, monkeypatch)
+    chains = spy_chains(llm, monkeypatch)
+    got = run(llm, params, 8, monkeypatch)
+    assert chains and max(chains) == 8 and min(chains) < 8  # the chains ran, the last one cut to max_tokens
+    for a, b in zip(got, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.outputs[0].token_ids) == 37
+        assert a.metrics["num_steps"] == b.metrics["num_steps"] == 37  # one step per forward, as plain decoding
+        assert a.metrics["acceptance_rate"] == 0 and a.metrics["mean_accepted_length"] == 1
+
+
+def test_chain_stops_where_one_token_steps_stop(target, monkeypatch):
+    llm = LLM(str(target))
+    free = run(llm, SamplingParams(max_tokens=30, ignore_eos=True), 1, monkeypatch)[0].outputs[0].token_ids
+    stop = free[13]  # a token the first prompt emits mid-chain
+    params = SamplingParams(max_tokens=30, stop_token_ids=[stop])
+    ref = run(llm, params, 1, monkeypatch)
+    got = run(llm, params, 8, monkeypatch)
+    for a, b in zip(got, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    assert got[0].outputs[0].finish_reason == "stop" and got[0].outputs[0].token_ids[-1] == stop
+    assert len(got[0].outputs[0].token_ids) <= 14
+
+
+def test_waiting_requests_take_one_token_steps(target, monkeypatch):
+    """A queue (max_num_seqs below the load) keeps steps short so a freed slot is refilled at once; the tokens are
+    those of one-token steps either way."""
+    llm = LLM(str(target), max_num_seqs=2)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = run(llm, params, 1, monkeypatch)
+    chains = spy_chains(llm, monkeypatch)
+    got = run(llm, params, 8, monkeypatch)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert chains  # once the queue is empty, the last rows chain
+
+
+def test_sampled_rows_take_one_token_steps(target, monkeypatch):
+    llm = LLM(str(target))
+    chains = spy_chains(llm, monkeypatch)
+    run(llm, SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True), 8, monkeypatch)
+    assert chains == []
+
+
+def test_planted_bug_chain_at_the_wrong_positions_is_caught(target, monkeypatch):
+    """The parity check can fail: a chain that writes its K/V one position late changes the tokens."""
+    llm = LLM(str(target))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = run(llm, params, 1, monkeypatch)
+    real = llm.target.greedy_chain
+
+    def shifted(root_logits, kv, seqlens, gamma, table, strict=False):
+        return real(root_logits, kv, seqlens + 1, gamma, table, strict=strict)
+
+    monkeypatch.setattr(llm.target, "greedy_chain", shifted)
+    got = run(llm, params, 8, monkeypatch)
+    assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in ref]
+
+
+def test_non_finite_logits_take_the_regular_step(target, monkeypatch):
+    """A NaN in the logits: the chain commits nothing and the regular step handles the row exactly as without
+    chains (here: the verify path sanitises or fails the request, the same way both times)."""
+    llm = LLM(str(target))
+    with torch.no_grad():
+        llm.target.lm_head.weight[7].fill_(float("nan"))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = run(llm, params, 1, monkeypatch)
+    chains = spy_chains(llm, monkeypatch)
+    got = run(llm, params, 8, monkeypatch)
+    assert chains  # the chain ran, found the NaN and stepped aside
+    for a, b in zip(got, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+
+
+# --- speculative chains -------------------------------------------------------------------------------------------
+
+STEP_METRICS = ("num_steps", "num_drafted", "num_accepted", "accepted_length_hist", "gamma_hist")
+
+
+def run_spec(llm: LLM, params: SamplingParams, steps: int, monkeypatch) -> list:
+    monkeypatch.setattr(engine_mod, "SPEC_CHAIN_STEPS", steps)
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+
+
+def spy_spec_chains(monkeypatch) -> list[int]:
+    """The steps every native speculative call ran."""
+    calls, real = [], engine_mod.spec_chain
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        calls.append(int((out[0][0, :, 0] > 0).sum()) if out is not None else 0)
+        return out
+
+    monkeypatch.setattr(engine_mod, "spec_chain", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_spec_chain_runs_the_regular_steps(target, draft, dtype, monkeypatch):
+    """Fixed depth: the same tokens, and the same steps (drafts, acceptances) as one regular step at a time."""
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(str(target), speculative_config=spec, dtype=dtype)
+    params = SamplingParams(max_tokens=41, ignore_eos=True)
+    ref = run_spec(llm, params, 0, monkeypatch)
+    calls = spy_spec_chains(monkeypatch)
+    got = run_spec(llm, params, 4, monkeypatch)
+    assert calls and max(calls) == 4  # the native calls ran, several steps each
+    for a, b in zip(got, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert {k: a.metrics[k] for k in STEP_METRICS} == {k: b.metrics[k] for k in STEP_METRICS}
+    assert all(0 < o.metrics["acceptance_rate"] < 1 for o in got)  # partly right: both branches of acceptance
+    assert llm.allocator.num_used == 0
+
+
+def test_spec_chain_adaptive_and_stops(target, draft, monkeypatch):
+    """The adaptive default: the tokens of plain decoding, and a stop token ends the row where it appears."""
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft)})
+    plain = LLM(str(target))
+    free = run(plain, SamplingParams(max_tokens=30, ignore_eos=True), 1, monkeypatch)
+    stop = free[1].outputs[0].token_ids[17]
+    params = SamplingParams(max_tokens=30, stop_token_ids=[stop])
+    ref = run(plain, params, 1, monkeypatch)
+    calls = spy_spec_chains(monkeypatch)
+    got = run_spec(llm, params, 4, monkeypatch)
+    assert calls
+    for a, b in zip(got, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    assert got[1].outputs[0].finish_reason == "stop"
+
+
+def test_spec_chain_planted_bug_is_caught(target, draft, monkeypatch):
+    """The comparison can fail: a native call whose target pass sits one position late changes the tokens."""
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(str(target), speculative_config=spec)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = run_spec(llm, params, 0, monkeypatch)
+    real = engine_mod.spec_chain
+
+    def shifted(t, d, pending, pending_lens, seqlens, *args, **kw):
+        return real(t, d, pending, pending_lens, seqlens + 1, *args, **kw)
+
+    monkeypatch.setattr(engine_mod, "spec_chain", shifted)
+    got = run_spec(llm, params, 4, monkeypatch)
+    assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in ref]
+
+
+def test_spec_chain_non_finite_logits_take_the_regular_step(target, draft, monkeypatch):
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(str(target), speculative_config=spec)
+    with torch.no_grad():
+        llm.target.lm_head.weight[7].fill_(float("nan"))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = run_spec(llm, params, 0, monkeypatch)
+    calls = spy_spec_chains(monkeypatch)
+    got = run_spec(llm, params, 4, monkeypatch)
+    assert calls and max(calls) == 0  # every call found the NaN and committed nothing
+    for a, b in zip(got, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
