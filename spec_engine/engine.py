@@ -36,6 +36,7 @@ from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
 PLAIN_CHAIN = 8  # plain greedy steps per native chain (Engine._plain_chain_len); 1 turns chains off
+PLAIN_PROBE_CHAIN = 4  # ... for the adaptive controller's plain probe while it drafts
 SPEC_CHAIN_STEPS = 4  # greedy speculative steps per native call (Engine._spec_chain_steps); 0 turns it off
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
 
@@ -384,9 +385,11 @@ class Engine:
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         gammas = self.choose_gammas(reqs)
-        # the controller's lone plain probe between drafted steps stays one step (a chain would run 8 plain ones)
-        settled = self.controller is None or (self.gamma_history and self.gamma_history[-1] == 0)
-        chain = self._plain_chain_len(reqs) if max(gammas) == 0 and settled else 0
+        chain = self._plain_chain_len(reqs) if max(gammas) == 0 else 0
+        if self.controller is not None and self.gamma_history and self.gamma_history[-1]:
+            # the controller's plain probe between drafted steps: a short chain, so it measures chained plain
+            # decoding (the rate to beat) without running PLAIN_CHAIN plain steps where drafting wins
+            chain = min(chain, PLAIN_PROBE_CHAIN)
         steps = self._spec_chain_steps(reqs, gammas)
         if chain > 1:
             outputs = self._plain_chain(reqs, chain)
