@@ -468,9 +468,14 @@ class TPTarget:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] float32, gathered on rank 0 from every rank's vocabulary slice. The hidden states
-        the last forward returned are on every rank already; any other ``hidden`` is broadcast first."""
+        the last forward returned (or a view of all of them) are on every rank already; any other ``hidden`` is
+        broadcast first."""
         lead = hidden.shape[:-1]
-        same = hidden is self._last_hidden
+        last = self._last_hidden
+        same = hidden is last or (  # or the same rows viewed another way, e.g. hidden[:, 0] of a one-token pass
+            last is not None and hidden.data_ptr() == last.data_ptr() and hidden.numel() == last.numel()
+            and hidden.is_contiguous()
+        )  # fmt: skip
 
         def run():
             if same:

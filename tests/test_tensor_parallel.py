@@ -173,6 +173,8 @@ def test_workers_exit_on_close_and_on_garbage_collection(models):
     target, _ = models["llama_gqa"]
     llm = LLM(str(target), dtype="float32", tensor_parallel_size=2, max_model_len=128)
     (worker,) = _workers(llm)
+    hidden = torch.randn(3, llm.target.config.hidden_size)  # not from a forward: broadcast, then gathered
+    torch.testing.assert_close(llm.target.logits(hidden), load_model(target).logits(hidden))
     llm.close()
     assert not worker.is_alive() and worker.exitcode == 0  # a clean SHUTDOWN, not a kill
     llm = LLM(str(target), dtype="float32", tensor_parallel_size=2, max_model_len=128)
