@@ -31,7 +31,7 @@ from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
 from spec_kernels import PAD_NODE, VerifyResult, verify_tree
-from spec_kernels.decoder_layers import spec_chain
+from spec_kernels.decoder_layers import NATIVE_DTYPES, spec_chain
 from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
@@ -420,7 +420,9 @@ class Engine:
         request waits at most one chain before it is admitted."""
         if (self.drafter is not None and self.drafter.needs_hidden) or self.waiting or self.device.type != "cpu":
             return 1
-        if not all(r.params.greedy for r in reqs):
+        if not all(r.params.greedy for r in reqs) or self.target.chain_parts() is None:
+            return 1  # (no chain_parts: no native path, which _plain_chain would find only after the roots' forward)
+        if self.kv.data.dtype not in NATIVE_DTYPES:
             return 1
         return min(PLAIN_CHAIN, min(r.params.max_tokens - len(r.output_token_ids) for r in reqs))
 
@@ -441,14 +443,15 @@ class Engine:
         if tokens is None or bool((tokens < 0).any()):
             return None
         self._step_tokens = K
-        self.gamma_history.extend([0] * K)
         if self.drafter is None or not self.drafter.keeps_cache:
             for req in reqs:
                 req.draft_len = req.num_computed + K
         outputs = self._emit(reqs, [0] * len(reqs), tokens.tolist(), [K] * len(reqs), steps=K)
-        if self.controller is not None:  # K plain steps, each a K-th of the chain's time
+        kept = max(len(out.new_token_ids) for out in outputs)  # the steps one-token steps would have run
+        self.gamma_history.extend([0] * kept)
+        if self.controller is not None:  # plain steps, each a K-th of the chain's time
             per_step = (time.perf_counter() - start) / K
-            for _ in range(K):
+            for _ in range(kept):
                 self.controller.observe(reqs, [0] * len(reqs), [1] * len(reqs), 0.0, per_step)
         return outputs
 
@@ -475,6 +478,7 @@ class Engine:
         """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, committed step by
         step as the regular step would (``_emit``, the controller's ``observe``). None, with nothing committed,
         where the native path cannot run."""
+        start = time.perf_counter()
         B = len(reqs)
         lags = [r.num_computed - r.draft_len for r in reqs]
         pending = np.zeros((B, 2), dtype=np.int64)  # [B, 2]: the draft cache's gap (at most one token), the root
@@ -483,6 +487,7 @@ class Engine:
         stops = set()
         for r in reqs:
             stops |= set(r.params.stop_token_ids or []) | (set() if r.params.ignore_eos else self.eos_token_ids)
+        stops = {t for t in stops if 0 <= t < self.vocab_size}  # no other id is ever emitted (nor fits int64)
         lengths = [r.num_computed for r in reqs]
         table = self._block_table(reqs, max(lengths) + max_steps * (g + 1) + 2)  # [B, W]
         result = spec_chain(
@@ -496,6 +501,10 @@ class Engine:
             return None
         steps, _, gap_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
         steps, gap_lens, times = steps.tolist(), gap_lens.tolist(), times.tolist()
+        # the controller compares these with plain steps timed with their Python: each step's share of the call's
+        # wall time (the native times leave out building inputs and committing)
+        native = sum(t[1] for t in times)
+        scale = (time.perf_counter() - start) / native if native > 0 else 1.0
         new: dict[int, list[int]] = {b: [] for b in range(B)}
         ran = 0
         for s in range(max_steps):
@@ -509,7 +518,7 @@ class Engine:
             for b, out in zip(live, outs):
                 new[b] += out.new_token_ids
             if self.controller is not None:
-                self.controller.observe(rows, [g] * len(live), counts, *times[s])
+                self.controller.observe(rows, [g] * len(live), counts, times[s][0] * scale, times[s][1] * scale)
             self.gamma_history.append(g)
         if ran == 0:
             return None  # the first step's target logits were not finite: the regular step decodes it
@@ -645,30 +654,31 @@ class Engine:
         return Draft(tokens, parents, mask, depths, probs, sub.draft_sampling)
 
     def _emit(self, reqs, gammas, out_tokens, num_accepted, steps: int = 1) -> list[StepOutput]:
-        """Commit each row's ``num_accepted`` tokens. ``steps`` > 1: a plain chain, ``steps`` one-token steps per
-        row (counted as such in the metrics)."""
+        """Commit each row's ``num_accepted`` tokens. ``steps`` > 1: a plain chain of ``steps`` one-token steps,
+        counted in the metrics as the one-token steps up to the row's stop token."""
         outputs, now = [], time.perf_counter()
         for req, gamma, toks, n in zip(reqs, gammas, out_tokens, num_accepted):
             new = self._truncate(req, toks[:n])
             req.append(new)
             req.num_computed += n
             per_step = n // steps  # tokens each step emitted
+            steps_row = 1 if steps == 1 else len(new)
             m = req.metrics
-            m.num_steps += steps
-            m.num_drafted += gamma * steps
-            m.num_accepted += (per_step - 1) * steps
+            m.num_steps += steps_row
+            m.num_drafted += gamma * steps_row
+            m.num_accepted += (per_step - 1) * steps_row
             m.accepted_hist.extend([0] * (per_step - len(m.accepted_hist)))
-            m.accepted_hist[per_step - 1] += steps
+            m.accepted_hist[per_step - 1] += steps_row
             m.gamma_hist.extend([0] * (gamma + 1 - len(m.gamma_hist)))
-            m.gamma_hist[gamma] += steps
-            self.gamma_hist[gamma] += steps
+            m.gamma_hist[gamma] += steps_row
+            self.gamma_hist[gamma] += steps_row
             if m.first_token_time is None:
                 m.first_token_time = now
-            self.stats["num_steps"] += steps
-            self.stats["num_drafted"] += gamma * steps
-            self.stats["num_accepted"] += (per_step - 1) * steps
+            self.stats["num_steps"] += steps_row
+            self.stats["num_drafted"] += gamma * steps_row
+            self.stats["num_accepted"] += (per_step - 1) * steps_row
             self.stats["num_generated"] += len(new)
-            self.accepted_hist[per_step - 1] += steps
+            self.accepted_hist[per_step - 1] += steps_row
             if req.finish_reason is None and len(req.output_token_ids) >= req.params.max_tokens:
                 self._finish(req, "length")
             outputs.append(StepOutput(req, new, req.finished))

@@ -70,6 +70,8 @@ def test_chain_stops_where_one_token_steps_stop(target, monkeypatch):
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+        assert a.metrics["num_steps"] == b.metrics["num_steps"]  # a chain cut by its stop counts the steps kept
+        assert a.metrics["accepted_length_hist"] == b.metrics["accepted_length_hist"]
     assert got[0].outputs[0].finish_reason == "stop" and got[0].outputs[0].token_ids[-1] == stop
     assert len(got[0].outputs[0].token_ids) <= 14
 
@@ -170,7 +172,7 @@ def test_spec_chain_adaptive_and_stops(target, draft, monkeypatch):
     plain = LLM(str(target))
     free = run(plain, SamplingParams(max_tokens=30, ignore_eos=True), 1, monkeypatch)
     stop = free[1].outputs[0].token_ids[17]
-    params = SamplingParams(max_tokens=30, stop_token_ids=[stop])
+    params = SamplingParams(max_tokens=30, stop_token_ids=[stop, 2**63 - 1])  # an id no model emits is ignored
     ref = run(plain, params, 1, monkeypatch)
     calls = spy_spec_chains(monkeypatch)
     got = run_spec(llm, params, 4, monkeypatch)
