@@ -53,6 +53,7 @@ from spec_kernels.reference import decoder_layer_loop
 TIMEOUT_ENV = "SPECDEC_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 120.0
 IDLE_TIMEOUT = datetime.timedelta(days=30)  # a worker waits this long for the next command (an idle server)
+LOAD_TIMEOUT = datetime.timedelta(hours=1)  # for every rank to read its shard (a 70B checkpoint from a slow disk)
 HEADER_LEN = 16  # int64 fields opening every command
 COMMAND_CAPACITY = 4096  # int64 elements every command broadcast carries; a longer one sends the rest in a second one
 NO_TABLE = -1  # header value of W when the cache is contiguous (no block table)
@@ -275,9 +276,14 @@ class _Comm:
         except RuntimeError as e:
             raise TensorParallelError(f"tensor-parallel collective failed on rank {self.rank}: {e}") from e
 
-    def all_reduce(self, t: torch.Tensor) -> None:
+    def all_reduce(self, t: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:
         if self.world > 1:
-            self._wait(self.pg.allreduce([t]))
+            if timeout is None:
+                self._wait(self.pg.allreduce([t]))
+                return
+            opts = dist.AllreduceOptions()
+            opts.timeout = timeout
+            self._wait(self.pg.allreduce([t], opts))
 
     def broadcast(self, t: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:
         opts = dist.BroadcastOptions()
@@ -518,11 +524,13 @@ class TPTarget:
             self._check_workers()
             return run()
         except BaseException as e:
-            if not isinstance(e, TensorParallelError):  # a worker may have died mid-step: name it
-                try:
-                    self._check_workers()
-                except TensorParallelError as dead:
-                    e = dead
+            for p in self.processes:  # a worker that died mid-collective may not be reaped yet: name it if it did
+                p.join(timeout=0.5)
+            try:
+                self._check_workers()
+            except TensorParallelError as dead:
+                if str(dead) not in str(e):
+                    e = TensorParallelError(f"{dead}; {e}") if isinstance(e, TensorParallelError) else dead
             self.error = str(e)
             self._finalizer()  # stop the workers: a broken group cannot resynchronise
             if isinstance(e, TensorParallelError):
@@ -567,9 +575,12 @@ def launch(model_dir: str | Path, world: int, *, dtype: torch.dtype, device: str
     Raises ValueError for sizes that do not shard, ``TensorParallelError`` when a worker fails to start."""
     import torch.multiprocessing as mp
 
+    from spec_kernels._ext import load_ext
+
     cfg = ModelConfig.from_dir(model_dir)
     for rank in range(world):
         shard_plan(cfg, world, rank)  # every rank's split is valid before any process starts
+    load_ext()  # built (once per machine) here, before any worker needs it, not inside a collective's timeout
     if launched_by_torchrun():
         return join_torchrun(model_dir, world, dtype=dtype, device=device)
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
@@ -651,7 +662,7 @@ def _wait_for_workers(store, processes: list, timeout: float) -> None:
 def _handshake(comm: _Comm, ok: bool) -> None:
     """Every rank says whether its shard loaded; raise on rank 0 if one did not."""
     flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=comm.device)
-    comm.all_reduce(flag)
+    comm.all_reduce(flag, timeout=LOAD_TIMEOUT)
     if comm.rank == 0 and int(flag) != comm.world:
         raise TensorParallelError(f"{comm.world - int(flag)} tensor-parallel worker(s) failed to load their shard")
 
@@ -687,6 +698,9 @@ def serve_rank(model_dir, comm: _Comm, dtype: torch.dtype) -> None:
     cfg = ModelConfig.from_dir(model_dir)
     plan = shard_plan(cfg, comm.world, comm.rank)
     try:
+        from spec_kernels._ext import load_ext
+
+        load_ext()  # rank 0 built it before starting the workers; loading it here keeps it out of the first step
         shard = ShardedLlama(model_dir, cfg, plan, comm, dtype, comm.device)
     except Exception:
         traceback.print_exc()
