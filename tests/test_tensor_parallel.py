@@ -322,9 +322,20 @@ def test_tree_mask_bits_round_trip(shape):
     assert torch.equal(_unpack_bits(_pack_bits(mask), shape), mask)
 
 
-def test_cli_generate_tensor_parallel(models, capsys):
+def test_cli_generate_tensor_parallel(models, tmp_path, capsys):
+    """``--tensor-parallel-size 2 --compare``: two groups side by side (speculative and plain), the same tokens."""
+    from tiny_models import make_tokenizer
+
     from spec_engine.cli import main
 
     target, draft = models["llama_gqa"]
     assert main(["generate", "--prompt", "x", "--model", str(target), "--tensor-parallel-size", "3"]) == 2
     assert "does not divide" in capsys.readouterr().err
+    tok = make_tokenizer(tmp_path / "m")
+    make_model(tmp_path / "m", "llama_gqa", vocab_size=tok.get_vocab_size(), logit_scale=4.0)
+    argv = ["generate", "--prompt", "def fib(n):", "--model", str(tmp_path / "m"), "--method", "ngram", "-k", "3",
+            "--max-tokens", "16", "--dtype", "float32", "--tensor-parallel-size", "2", "--compare",
+            "--compare-repeats", "1"]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("x | same tokens")
+    gc.collect()  # the two LLMs' workers stop with them
