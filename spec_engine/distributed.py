@@ -445,28 +445,9 @@ class TPTarget:
         self._last_hidden = self._guarded(run)
         return self._last_hidden
 
-    def greedy_chain(self, root_logits, kv_cache, cache_seqlens, gamma: int, block_table=None, strict: bool = False):
-        """``gamma`` greedy tokens per row from the roots' logits [B, V], as ``LlamaForCausalLM.greedy_chain``:
-        token d is the argmax of token d-1's logits, tokens 1 .. gamma-1 run through the target at ``L_b + d``.
-        Here a loop of one-token forwards (each one command); None if some logits are not finite (the engine's
-        regular step then decodes the row)."""
-        B = root_logits.shape[0]
-        mask = torch.ones(B, 1, 1, dtype=torch.bool, device=root_logits.device)  # [B, 1, 1]
-        tokens = [root_logits.argmax(-1)]  # gamma x [B]
-        finite = [root_logits.isfinite().all()]
-        for d in range(1, gamma):
-            seqlens = cache_seqlens + d  # [B]: token d - 1 goes at L_b + d
-            hidden = self.forward(tokens[-1][:, None], seqlens.long()[:, None], kv_cache, seqlens, mask, block_table)
-            logits = self.logits(hidden[:, 0])  # [B, V]
-            tokens.append(logits.argmax(-1))
-            finite.append(logits.isfinite().all())
-        if strict and not bool(torch.stack(finite).all()):
-            return None
-        return torch.stack(tokens, dim=1)  # [B, gamma]
-
     def chain_parts(self) -> None:
-        """None: the one-call native speculative chain needs the whole model in this process (the engine then runs
-        its regular step)."""
+        """None: the engine's native chains (several plain or speculative steps in one C++ call) need the whole
+        model in this process; under tensor parallelism every step is a regular one."""
         return None
 
     def forward_features(self, *args, layers, **kwargs):
