@@ -488,7 +488,8 @@ class TPTarget:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and not self._closed
+        """No failure so far and every worker alive (a worker that dies while the engine idles shows at once)."""
+        return self.error is None and not self._closed and all(p.is_alive() for p in self.processes)
 
     def _check_workers(self) -> None:
         for rank, p in enumerate(self.processes, start=1):

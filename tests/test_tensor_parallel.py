@@ -164,6 +164,7 @@ def test_health_turns_503_when_a_worker_dies(models):
             (worker,) = _workers(llm)
             os.kill(worker.pid, signal.SIGKILL)
             worker.join(DEAD_WORKER_BOUND_S)
+            assert client.get("/health").status_code == 503  # at once, with no step in between
             r = client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4})
             assert r.status_code >= 500
             assert client.get("/health").status_code == 503
