@@ -343,6 +343,10 @@ def test_a_faulty_request_fails_alone(server, monkeypatch):
     errors_before = metric(server, "specdec_requests_total", reason="error")
     http500_before = metric(server, "specdec_http_requests_total", endpoint="completions", status="500")
     monkeypatch.setattr(spec_engine.engine, "verify_tree", faulty)
+    # the fault sits in the regular step's verify: steps in one native call (no verify_tree) are turned off; they
+    # fail under the same per-request isolation (Engine._isolated wraps the whole decode)
+    monkeypatch.setattr(spec_engine.engine, "PLAIN_CHAIN", 1)
+    monkeypatch.setattr(spec_engine.engine, "SPEC_CHAIN_STEPS", 0)
 
     def post(ids, stream=False):
         body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "stream": stream}
