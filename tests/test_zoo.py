@@ -62,6 +62,19 @@ def test_speculative_greedy_equals_plain_greedy(paths):
     assert a.metrics["mean_accepted_length"] > 1.5  # the distilled draft is really accepted
 
 
+def test_default_pair_takes_a_long_context(paths):
+    """v2 of the pair trained to 2048 tokens: a 1500-token prompt and new tokens run, speculated, with the tokens of
+    plain decoding."""
+    target, draft = paths
+    spec = LLM(target, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    assert spec.max_model_len >= 2048
+    ids = (spec.encode(open(train.__file__).read()) * 4)[:1500]  # [1500] tokens of the recipe's own source
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    a = spec.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    b = LLM(target).generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 16
+
+
 def test_cli_generate_prints_text_and_stats():
     out = subprocess.run(
         [sys.executable, "-m", "spec_engine.cli", "generate", "--prompt", PROMPT, "--max-tokens", "16"],
