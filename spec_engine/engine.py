@@ -385,20 +385,19 @@ class Engine:
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         gammas = self.choose_gammas(reqs)
-        chain = self._plain_chain_len(reqs) if max(gammas) == 0 else 0
-        if self.controller is not None and self.gamma_history and self.gamma_history[-1]:
-            # the controller's plain probe between drafted steps: a short chain, so it measures chained plain
-            # decoding (the rate to beat) without running PLAIN_CHAIN plain steps where drafting wins
-            chain = min(chain, PLAIN_PROBE_CHAIN)
-        steps = self._spec_chain_steps(reqs, gammas)
-        if chain > 1:
-            outputs = self._plain_chain(reqs, chain)
-            if outputs is not None:
-                return outputs
-        elif steps:
-            outputs = self._spec_chain(reqs, gammas[0], steps)
-            if outputs is not None:
-                return outputs
+        # several steps in one native call where possible (None: the regular step below)
+        if max(gammas) == 0:
+            chain = self._plain_chain_len(reqs)
+            if self.controller is not None and self.gamma_history and self.gamma_history[-1]:
+                # the controller's plain probe between drafted steps: a short chain, so it measures chained plain
+                # decoding (the rate to beat) without running PLAIN_CHAIN plain steps where drafting wins
+                chain = min(chain, PLAIN_PROBE_CHAIN)
+            outputs = self._plain_chain(reqs, chain) if chain > 1 else None
+        else:
+            steps = self._spec_chain_steps(reqs, gammas)
+            outputs = self._spec_chain(reqs, gammas[0], steps) if steps else None
+        if outputs is not None:
+            return outputs
         batch, sampling = self._step_inputs(reqs, gammas)
         out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling)
         if self.controller is not None:
@@ -414,10 +413,9 @@ class Engine:
         Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter or none this step (the adaptive
         controller drafts no row; a drafter that reads the target's features must see every step, so never with
         one of those), all rows greedy and nothing waiting for a slot, the target runs up to PLAIN_CHAIN forwards in
-        one C++ call (``greedy_chain``), so the step's
-        Python and dispatch (~0.2 ms, a fifth of a 1 ms forward here) is paid once per chain. Same forwards, same
-        kernels, same tokens (tests/test_native_steps.py); output arrives PLAIN_CHAIN tokens at a time, and a new
-        request waits at most one chain before it is admitted."""
+        one C++ call (``greedy_chain``), so the step's Python and dispatch (~0.2 ms, a fifth of a 1 ms forward here)
+        is paid once per chain. Same forwards, same kernels, same tokens (tests/test_native_steps.py); output arrives
+        PLAIN_CHAIN tokens at a time, and a new request waits at most one chain before it is admitted."""
         if (self.drafter is not None and self.drafter.needs_hidden) or self.waiting or self.device.type != "cpu":
             return 1
         if not all(r.params.greedy for r in reqs) or self.target.chain_parts() is None:
