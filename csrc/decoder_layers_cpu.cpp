@@ -809,9 +809,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     // 1. the draft catches up: its gap then the root, at positions D_b ..; the root's logits seed the chain
     const int64_t width = *std::max_element(gap_len.begin(), gap_len.end());
     std::vector<int64_t> d_start(B), root(B);
+    const int64_t* gp = gap.data_ptr<int64_t>();  // [B, gap.size(1)], contiguous
     for (int64_t b = 0; b < B; ++b) {
       d_start[b] = L[b] - gap_len[b] + 1;
-      root[b] = gap[b][gap_len[b] - 1].item<int64_t>();
+      root[b] = gp[b * gap.size(1) + gap_len[b] - 1];
     }
     const at::Tensor d_seqlens = at::tensor(d_start, longs);  // [B]
     const at::Tensor d_hidden = draft.forward(gap.narrow(1, 0, width).contiguous(), d_seqlens, block_table);

@@ -99,6 +99,11 @@ class Request:
         self.num_tokens += len(tokens)
 
     @property
+    def tokens_left(self) -> int:
+        """Output tokens this request may still emit (max_tokens minus those emitted)."""
+        return self.params.max_tokens - len(self.output_token_ids)
+
+    @property
     def last_token(self) -> int:
         return int(self.history[self.num_tokens - 1])
 
@@ -422,7 +427,7 @@ class Engine:
             return 1  # (no chain_parts: no native path, which _plain_chain would find only after the roots' forward)
         if self.kv.data.dtype not in NATIVE_DTYPES:
             return 1
-        return min(PLAIN_CHAIN, min(r.params.max_tokens - len(r.output_token_ids) for r in reqs))
+        return min(PLAIN_CHAIN, min(r.tokens_left for r in reqs))
 
     def _plain_chain(self, reqs: list[Request], K: int) -> list[StepOutput] | None:
         """``K`` plain greedy steps for every row in two native calls: the roots' forward, then ``greedy_chain``
@@ -466,11 +471,11 @@ class Engine:
             return 0
         if any(x != g for x in gammas) or not all(r.params.greedy for r in reqs):
             return 0
-        if any(r.num_computed - r.draft_len > 1 for r in reqs):
+        if any(self._cache_lag(r) > 1 for r in reqs):
             return 0
         if self.drafter.chain_parts() is None or self.target.chain_parts() is None:
             return 0
-        return min(SPEC_CHAIN_STEPS, min(r.params.max_tokens - len(r.output_token_ids) for r in reqs) // (g + 1))
+        return min(SPEC_CHAIN_STEPS, min(r.tokens_left for r in reqs) // (g + 1))
 
     def _spec_chain(self, reqs: list[Request], g: int, max_steps: int) -> list[StepOutput] | None:
         """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, committed step by
@@ -478,20 +483,17 @@ class Engine:
         where the native path cannot run."""
         start = time.perf_counter()
         B = len(reqs)
-        lags = [r.num_computed - r.draft_len for r in reqs]
+        lags = [self._cache_lag(r) for r in reqs]
         pending = np.zeros((B, 2), dtype=np.int64)  # [B, 2]: the draft cache's gap (at most one token), the root
         for b, (r, lag) in enumerate(zip(reqs, lags)):
             pending[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
-        stops = set()
-        for r in reqs:
-            stops |= set(r.params.stop_token_ids or []) | (set() if r.params.ignore_eos else self.eos_token_ids)
-        stops = {t for t in stops if 0 <= t < self.vocab_size}  # no other id is ever emitted (nor fits int64)
+        stops = {t for r in reqs for t in self._stop_ids(r) if 0 <= t < self.vocab_size}  # no other id is emitted
         lengths = [r.num_computed for r in reqs]
         table = self._block_table(reqs, max(lengths) + max_steps * (g + 1) + 2)  # [B, W]
         result = spec_chain(
             self.target.chain_parts(), self.drafter.chain_parts(), torch.from_numpy(pending),
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
-            torch.tensor([r.params.max_tokens - len(r.output_token_ids) for r in reqs]),
+            torch.tensor([r.tokens_left for r in reqs]),
             torch.tensor(sorted(stops), dtype=torch.int64), gamma=g, max_steps=max_steps,
             stop_on_reject=self.controller is not None,
         )  # fmt: skip
@@ -682,12 +684,15 @@ class Engine:
             outputs.append(StepOutput(req, new, req.finished))
         return outputs
 
+    def _stop_ids(self, req: Request) -> set[int]:
+        """The tokens that end ``req``: its stop_token_ids, and the EOS ids unless it ignores EOS."""
+        stops = set(req.params.stop_token_ids or [])
+        return stops if req.params.ignore_eos else stops | self.eos_token_ids
+
     def _truncate(self, req: Request, toks: list[int]) -> list[int]:
         """Cut the emitted tokens at a stop token (kept, as vLLM does for EOS) or at max_tokens."""
-        stops = set(req.params.stop_token_ids or [])
-        if not req.params.ignore_eos:
-            stops |= self.eos_token_ids
-        room = req.params.max_tokens - len(req.output_token_ids)
+        stops = self._stop_ids(req)
+        room = req.tokens_left
         for i, t in enumerate(toks[:room]):
             if t in stops:
                 self._finish(req, "stop")
