@@ -26,9 +26,11 @@ Glossary:
              copy bandwidth (``stream``, a large ``copy_``) is the memory roofline
     control  the plain mode timed again under another name; |control / plain - 1| is the noise of the run
 
-Decode tok/s of our engine is max_tokens / the wall time of one ``generate`` (prefill of the ~96-token prompt
-included); llama.cpp's speculative figure is its own "decoded" rate (prompt excluded) and llama-bench's is a
-64-token generation at depth 96 (KV f16: llama-bench accepts no f32 KV). Both favour llama.cpp slightly.
+Decode tok/s is generation alone, the prompt's processing left out, on every row: ours is the request's
+``decode_tokens_per_s`` (max_tokens / the time from its prefill's end to its last token), HF's its ``generate``
+less one forward of the prompt, llama.cpp's speculative figure its own "decoded" rate and llama-bench's a 64-token
+generation at depth 96 (KV f16: llama-bench accepts no f32 KV). Until 2026-11-23 our rows and HF's included the
+prompt's prefill (~11 ms of a ~70 ms float32 request), which llama.cpp's never did.
 JSON goes to bench/out/bench_step.json with the machine's name and load average.
 """
 
@@ -299,15 +301,15 @@ def held_out_prompts(llm: LLM, num: int, length: int = PROMPT_LEN) -> list[tuple
 
 
 def ours_sampler(llm: LLM, prompts: list[tuple[str, list[int]]], max_tokens: int, record: dict):
-    """A sampler: one ``generate`` per prompt, tok/s each; the first pass's tokens and metrics go to ``record``."""
+    """A sampler: one ``generate`` per prompt, its generation tok/s each (``decode_tokens_per_s``: the prompt's
+    processing left out, as llama.cpp reports); the first pass's tokens and metrics go to ``record``."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     def sample() -> list[float]:
         out = []
         for name, ids in prompts:
-            t0 = time.perf_counter()
             (o,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-            out.append(len(o.outputs[0].token_ids) / (time.perf_counter() - t0))
+            out.append(o.metrics["decode_tokens_per_s"])
             if name not in record:
                 m = o.metrics
                 record[name] = {"tokens": o.outputs[0].token_ids, "acceptance_rate": m["acceptance_rate"],
@@ -331,10 +333,13 @@ def hf_sampler(model_dir: str, dtype: torch.dtype, prompts: list[tuple[str, list
         for name, ids in prompts:
             x = torch.tensor([ids])
             t0 = time.perf_counter()
+            model(x)  # the prompt's forward alone, subtracted below: generation tok/s like the other rows
+            prompt_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
             y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
                                min_new_tokens=max_tokens, do_sample=False)  # fmt: skip
             toks = y[0, len(ids) :].tolist()
-            out.append(len(toks) / (time.perf_counter() - t0))
+            out.append(len(toks) / max(time.perf_counter() - t0 - prompt_s, 1e-9))
             record.setdefault(name, {"tokens": toks})
         return out
 

@@ -38,7 +38,7 @@ Estimates, all online and free:
   at random. On CUDA the draft's kernels may finish after ``propose`` returns; their time then lands in the target
   part, which still rises with G, so the sum the controller compares stays right.
 
-- plain rate: the rate drafting must beat is priced from measured plain steps (their median ratio to the target
+- plain rate: the rate drafting must beat is priced from measured plain steps (their lowest ratio to the target
   model, against today's fit), not from the line alone: a drafted step carries fixed costs a plain one does not
   (two compactions, the drafter's commit, its catch-up), so a line fit mostly through drafted steps over-prices
   plain decoding (default pair, bf16: 0.585 ms predicted, 0.465 measured) and drafts that lose looked as if they
@@ -86,7 +86,8 @@ MIN_GAIN = 1.05  # drafting must promise this multiple of plain decoding's token
 TAIL_MARGIN = 0.15  # added to it as the batch grows: MIN_GAIN + TAIL_MARGIN * (1 - 1/B)
 PLAIN_PROBE_INTERVAL = 32  # while drafting, one step in this many runs plain, to measure the rate to beat
 PLAIN_PROBE_PHASE = 8  # ... at num_steps % PLAIN_PROBE_INTERVAL == this (apart from the undrafted rows' probes)
-PLAIN_SAMPLES = 5  # plain steps whose measured / modelled cost ratio sets the plain rate (their median)
+PLAIN_SAMPLES = 16  # plain steps whose measured / modelled cost ratio sets the plain rate (their lowest)
+SURE_TRIALS = 8  # drafted tokens of a request after which a native call keeps its depth through rejections
 
 
 def geometric_tokens(alpha: float, max_depth: int, cap: float) -> list[float]:
@@ -251,6 +252,14 @@ class AdaptiveController:
         self._probe(reqs, states, E, gammas, best_G, plain_rate)
         return self._commit_choice(reqs, states, gammas)
 
+    def unsure(self, reqs: Sequence) -> bool:
+        """Whether some row has judged fewer than ``SURE_TRIALS`` drafted tokens: a native call of several steps
+        (``Engine._spec_chain``) then ends at the first step where a row accepted nothing, so a new request's guess
+        (the recent requests' rate) costs one step when its draft turns out useless. Past that the call keeps its
+        depth through rejections: ending it there cost ~0.4 ms of per-call work per step at alpha ~0.4 (default
+        pair, float32), more than the steps a stale depth wastes."""
+        return any(self.state(r).acceptance.num_trials < SURE_TRIALS for r in reqs)
+
     def plain_cost(self, B: int) -> float:
         """Seconds of a plain (undrafted) step at batch B: the cost model's, scaled by what plain steps measured.
 
@@ -258,13 +267,16 @@ class AdaptiveController:
         (compacting two caches, the drafter's commit, its catch-up): a line through mostly drafted steps over-prices
         plain decoding (default pair, bf16: 0.585 ms predicted, 0.465 measured), which made drafts that do not pay
         look as if they did. So the rate to beat comes from measured plain steps (one in PLAIN_PROBE_INTERVAL while
-        drafting)."""
+        drafting), the cheapest of the last PLAIN_SAMPLES: noise only slows a step, and the engine's probe chains
+        (4 steps in a call, right after drafted steps) cost ~10-20% more per step than the 8-step chains that run
+        when nothing drafts (default pair, float32: 0.83-0.96 against 0.74 ms), which is the rate drafting must
+        beat. Priced from the probes alone, a draft at alpha 0.25 looked worth drafting and lost 10%."""
         modelled = self.target_cost.predict(1.0, B / TOKENS_REF)
         if not self._plain_steps:
             return modelled
         # each measurement against today's model (an early one against an early fit would stay wrong for good)
         ratios = sorted(t / max(self.target_cost.predict(1.0, b / TOKENS_REF), 1e-9) for b, t in self._plain_steps)
-        return modelled * min(max(ratios[len(ratios) // 2], 0.2), 5.0)
+        return modelled * min(max(ratios[0], 0.2), 5.0)
 
     def _scan(self, E: list[list[float]], plain_rate: float) -> tuple[int, int]:
         """The (G, k) with the best predicted tokens/s, (0, 0) if none beats ``plain_rate``. E ``[B][D+1]``."""
@@ -337,3 +349,4 @@ class AdaptiveController:
         if G:
             tokens = num_drafted * self.draft_tokens[G] + self._catch_up_tokens
             self.draft_cost.observe(G, tokens / TOKENS_REF, draft_seconds)
+            self._catch_up_tokens = 0  # the choice's first step caught up (a native call observes several)

@@ -24,6 +24,7 @@ import torch
 
 from spec_engine.adaptive import AdaptiveController, RowState
 from spec_engine.drafters.base import Draft, Drafter, RowView, StepBatch
+from spec_engine.drafters.draft_model import CATCH_UP_CHUNK
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
 from spec_engine.models import LlamaForCausalLM
 from spec_engine.sampling import SEED_MASK, SamplingParams
@@ -51,10 +52,13 @@ class RequestMetrics:
     alpha_estimate: float | None = None  # the adaptive controller's smoothed acceptance rate (None when fixed)
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    decode_start: float | None = None  # when the prompt's last prefill chunk was done
     finish_time: float | None = None
 
     def as_dict(self, num_output_tokens: int) -> dict:
-        elapsed = (self.finish_time or time.perf_counter()) - self.arrival_time
+        end = self.finish_time or time.perf_counter()
+        elapsed = end - self.arrival_time
+        decoding = end - (self.arrival_time if self.decode_start is None else self.decode_start)  # (no prefill)
         return {
             "num_steps": self.num_steps,
             "num_drafted": self.num_drafted,
@@ -67,6 +71,9 @@ class RequestMetrics:
             "time_to_first_token": (self.first_token_time or 0.0) - self.arrival_time,
             "elapsed": elapsed,
             "tokens_per_s": num_output_tokens / elapsed if elapsed > 0 else 0.0,
+            # generation alone (prompt processing and queueing left out): what llama.cpp's "decoded N tokens in S
+            # seconds" and llama-bench -n report
+            "decode_tokens_per_s": num_output_tokens / decoding if decoding > 0 else 0.0,
         }
 
 
@@ -204,7 +211,8 @@ class Engine:
         self.gamma_hist = [0] * (self.gamma + 1)  # [g] = rows drafted at depth g, over all steps
         self.step_times = (0.0, 0.0)  # the last speculative step's (draft, whole step) seconds
         self.threads = ThreadTuner() if self.device.type == "cpu" else None  # CPU threads per decode step
-        self._step_tokens = 1  # forwards per row in the current decode step (a plain chain runs several)
+        self._step_count = 1  # steps the current decode call ran (a native chain runs several)
+        self._step_kind: tuple[int, bool] = (0, False)  # its depth, and whether a draft caught up: the tuner's kind
         self.controller = None
         if adaptive and drafter is not None:
             tree = drafter.tree
@@ -321,12 +329,12 @@ class Engine:
         single = self.threads.single_for_step()
         if single:
             torch.set_num_threads(1)
-        self._step_tokens = 1  # a plain chain sets its length: the tuner compares costs per forward
+        self._step_count = 1  # the decode path that runs sets it and the kind
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.threads.after_step((time.perf_counter() - start) / self._step_tokens)
+            self.threads.after_step((time.perf_counter() - start) / self._step_count, self._step_kind)
             if single:
                 torch.set_num_threads(many)
 
@@ -381,15 +389,20 @@ class Engine:
         eager = fixed or features is not None
         if eager:
             self.drafter.prefill(tokens, positions, seqlens, mask, table, features)
+        now = time.perf_counter()
         for r, n in zip(reqs, counts):
             r.num_computed += n
             if eager:
                 r.draft_len = r.num_computed
+            if not r.prefilling:
+                r.metrics.decode_start = now
         return []
 
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         gammas = self.choose_gammas(reqs)
+        # the step's shape for the thread tuner: costs compare within a depth, a prompt's catch-up apart
+        self._step_kind = (max(gammas), any(g and self._cache_lag(r) > 1 for r, g in zip(reqs, gammas)))
         # several steps in one native call where possible (None: the regular step below)
         if max(gammas) == 0:
             chain = self._plain_chain_len(reqs)
@@ -445,7 +458,7 @@ class Engine:
         tokens = self.target.greedy_chain(logits, self.kv.data, seqlens, K, table, strict=True)  # [B, K]
         if tokens is None or bool((tokens < 0).any()):
             return None
-        self._step_tokens = K
+        self._step_count = K
         if self.drafter is None or not self.drafter.keeps_cache:
             for req in reqs:
                 req.draft_len = req.num_computed + K
@@ -461,8 +474,9 @@ class Engine:
     def _spec_chain_steps(self, reqs: list[Request], gammas: list[int]) -> int:
         """Greedy speculative steps the coming step runs in one native call (0: the regular step).
 
-        Where a draft model proposes chains for greedy rows, all at one depth g, with nothing waiting and every
-        draft cache at most one token behind, the whole step (catch-up, chain, target pass, acceptance) is C++
+        Where a draft model proposes chains for greedy rows, all at one depth g, with nothing waiting and the draft
+        caches' gaps (their catch-up: a prompt, under the adaptive controller) at most CATCH_UP_CHUNK tokens and
+        within g of each other, the whole step (catch-up, chain, target pass, acceptance) is C++
         (``spec_chain``), and up to SPEC_CHAIN_STEPS of them run per call while every row has g + 1 tokens of its
         max_tokens left. The step's Python (~0.5 ms of op calls and bookkeeping against a ~1 ms target pass here)
         is paid once per call; the adaptive controller chooses g for the call and learns from each step."""
@@ -471,8 +485,9 @@ class Engine:
             return 0
         if any(x != g for x in gammas) or not all(r.params.greedy for r in reqs):
             return 0
-        if any(self._cache_lag(r) > 1 for r in reqs):
-            return 0
+        lags = [self._cache_lag(r) for r in reqs]
+        if max(lags) > CATCH_UP_CHUNK or max(lags) - min(lags) > g:
+            return 0  # (a ragged catch-up pads rows past their roots: at most g positions, those the chain writes)
         if self.drafter.chain_parts() is None or self.target.chain_parts() is None:
             return 0
         return min(SPEC_CHAIN_STEPS, min(r.tokens_left for r in reqs) // (g + 1))
@@ -484,7 +499,7 @@ class Engine:
         start = time.perf_counter()
         B = len(reqs)
         lags = [self._cache_lag(r) for r in reqs]
-        pending = np.zeros((B, 2), dtype=np.int64)  # [B, 2]: the draft cache's gap (at most one token), the root
+        pending = np.zeros((B, max(lags) + 1), dtype=np.int64)  # [B, P]: each draft cache's gap, then the root
         for b, (r, lag) in enumerate(zip(reqs, lags)):
             pending[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
         stops = {t for r in reqs for t in self._stop_ids(r) if 0 <= t < self.vocab_size}  # no other id is emitted
@@ -495,7 +510,7 @@ class Engine:
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
             torch.tensor([r.tokens_left for r in reqs]),
             torch.tensor(sorted(stops), dtype=torch.int64), gamma=g, max_steps=max_steps,
-            stop_on_reject=self.controller is not None,
+            stop_on_reject=self.controller is not None and self.controller.unsure(reqs),
         )  # fmt: skip
         if result is None:
             return None
@@ -522,7 +537,7 @@ class Engine:
             self.gamma_history.append(g)
         if ran == 0:
             return None  # the first step's target logits were not finite: the regular step decodes it
-        self._step_tokens = ran
+        self._step_count = ran
         for r, n in zip(reqs, gap_lens):
             r.draft_len = r.num_computed - (n - 1)
         return [StepOutput(reqs[b], new[b], reqs[b].finished) for b in range(B)]

@@ -40,7 +40,13 @@ EARLY_LOSS = 3.0  # a probe step this many times the current choice's median end
 
 class ThreadTuner:
     """Chooses "many" or "one" CPU threads for decode steps by paired probes (see the module doc). It reads no
-    clock: the engine times each decode step and feeds ``after_step(seconds)``; tests feed costs."""
+    clock: the engine times each decode step and feeds ``after_step(seconds, kind)``; tests feed costs.
+
+    ``kind`` names the step's shape (the engine's: its depth, and whether a draft caught up on a prompt). Costs are
+    compared within a kind only: under the adaptive controller a depth-7 step costs ~2.5x a depth-1 step, and
+    windows mixing them read a run of deep steps as cores turning busy and a probe's shallow steps as one thread
+    winning (2 runs in 6 then decoded on one thread at 0.66-0.77x). A probe whose steps share no kind with the
+    current choice's recent steps decides nothing (it counts as lost: the interval doubles)."""
 
     def __init__(self) -> None:
         self.single = False  # the current choice
@@ -48,36 +54,40 @@ class ThreadTuner:
         self.steps_since_probe = 0
         self.probing = 0  # steps left in the running probe
         self.probe_slow = True  # every step of the running probe so far was slower than MIN_GAIN x the current choice
-        self.times: dict[bool, list[float]] = {False: [], True: []}  # the last PROBE_STEPS costs of each choice
+        # per choice and kind, the last PROBE_STEPS costs; the probed choice's windows hold the running probe only
+        self.times: dict[bool, dict[object, list[float]]] = {False: {}, True: {}}
 
     def single_for_step(self) -> bool:
         """Whether the coming decode step runs on one thread."""
         return self.single != bool(self.probing)
 
-    def after_step(self, seconds: float) -> None:
-        window = self.times[self.single_for_step()]
+    def after_step(self, seconds: float, kind: object = None) -> None:
+        window = self.times[self.single_for_step()].setdefault(kind, [])
         window.append(seconds)
         del window[:-PROBE_STEPS]
+        ours = self.times[self.single].get(kind, [])
         if self.probing:
             self.probing -= 1
             done = PROBE_STEPS - self.probing  # probe steps so far
-            ours = statistics.median(self.times[self.single])
-            self.probe_slow = self.probe_slow and seconds > MIN_GAIN * ours
-            if seconds > EARLY_LOSS * ours or (done >= 2 and self.probe_slow):
-                self.probing, self.interval = 0, self._longer()  # lost, before its end
-            elif self.probing == 0:
+            if ours:
+                typical = statistics.median(ours)
+                self.probe_slow = self.probe_slow and seconds > MIN_GAIN * typical
+                if seconds > EARLY_LOSS * typical or (done >= 2 and self.probe_slow):
+                    self.probing, self.interval = 0, self._longer()  # lost, before its end
+                    return
+            if self.probing == 0:
                 self._decide()
             return
         self.steps_since_probe += 1
-        ours = self.times[self.single]
         if len(ours) < PROBE_STEPS:
             return
         if not self.single and seconds > SPIKE * min(ours) and self._spiking(ours):  # min: a cheap pre-check
             # the cores turned busy: judge many threads by their last steps, not by the quiet ones before
-            self.times[False] = ours[-SPIKE_STEPS:]
+            self.times[False] = {kind: ours[-SPIKE_STEPS:]}
             self.steps_since_probe = self.interval
         if self.steps_since_probe >= self.interval:
             self.probing, self.steps_since_probe, self.probe_slow = PROBE_STEPS, 0, True
+            self.times[not self.single] = {}
 
     @staticmethod
     def _spiking(window: list[float]) -> bool:
@@ -90,8 +100,11 @@ class ThreadTuner:
         return min(max(self.interval * 2, INTERVAL), MAX_INTERVAL)
 
     def _decide(self) -> None:
-        ours, theirs = (statistics.median(self.times[choice]) for choice in (self.single, not self.single))
-        if theirs * MIN_GAIN < ours:
+        """Switch if the probed choice was MIN_GAIN faster: the median over shared kinds of its median cost
+        relative to the current choice's."""
+        ours, theirs = self.times[self.single], self.times[not self.single]
+        ratios = [statistics.median(theirs[k]) / statistics.median(ours[k]) for k in theirs if ours.get(k)]
+        if ratios and statistics.median(ratios) * MIN_GAIN < 1.0:
             self.single, self.interval = not self.single, INTERVAL
         else:
             self.interval = self._longer()

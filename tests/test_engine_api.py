@@ -138,6 +138,8 @@ def test_metrics(llm):
     assert m["num_accepted"] == sum(k * c for k, c in enumerate(m["accepted_length_hist"]))
     assert 0 <= m["acceptance_rate"] <= 1 and m["mean_accepted_length"] >= 1
     assert m["tokens_per_s"] > 0
+    # generation alone excludes the prompt's processing: a higher rate, over less than the whole request's time
+    assert m["decode_tokens_per_s"] > m["tokens_per_s"] and 16 / m["decode_tokens_per_s"] < m["elapsed"]
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])

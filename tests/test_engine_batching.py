@@ -389,3 +389,36 @@ def test_the_rate_to_beat_is_measured_plain_steps():
     assert sum(g > 0 for g in gammas) > 2 * PLAIN_PROBE_INTERVAL
     modelled = ctl.target_cost.predict(1.0, 1 / 16)
     assert abs(ctl.plain_cost(1) - plain) < 0.05 * plain < abs(modelled - plain)
+
+
+def _row(max_tokens=10**6):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(spec_state=None, params=SamplingParams(max_tokens=max_tokens), output_token_ids=[],
+                           num_computed=0, draft_len=0, metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
+
+
+def test_a_native_call_stops_at_a_reject_only_while_the_request_is_new():
+    """Engine._spec_chain ends a call at the first rejection while a row has judged fewer than SURE_TRIALS drafted
+    tokens (a new request's guessed rate costs one step if its draft is useless); after that it keeps its depth."""
+    from spec_engine.adaptive import SURE_TRIALS
+
+    ctl = AdaptiveController(8, lambda g: g + 1)
+    new, old = _row(), _row()
+    while ctl.state(old).acceptance.num_trials < SURE_TRIALS:
+        ctl.state(old).acceptance.update(3, 1)
+    assert ctl.unsure([new]) and ctl.unsure([old, new]) and not ctl.unsure([old])
+
+
+def test_the_rate_to_beat_is_the_cheapest_measured_plain_step():
+    """Plain steps measured in short probe chains right after drafted steps cost more per step than the long chains
+    that run when nothing drafts; the rate to beat is the latter (noise only slows a step)."""
+    from spec_engine.adaptive import PLAIN_PROBE_PHASE
+
+    ctl = AdaptiveController(8, lambda g: g + 1)
+    req = _row()
+    for _ in range(PLAIN_PROBE_PHASE):  # a settled target fit
+        ctl.observe([req], [0], [1], 0.0, 1e-3)
+    for t in [1.2e-3] * 4 + [1.0e-3] * 8 + [1.2e-3] * 4:  # a probe chain, a long chain, a probe chain
+        ctl.observe([req], [0], [1], 0.0, t)
+    assert abs(ctl.plain_cost(1) - 1.0e-3) < 0.03e-3

@@ -212,3 +212,31 @@ def test_spec_chain_non_finite_logits_take_the_regular_step(target, draft, monke
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+
+
+def test_spec_chain_catches_up_a_prompt_natively(target, draft, monkeypatch):
+    """Under the adaptive controller the draft cache is filled lazily: a request's first drafted step feeds the draft
+    its whole prompt. That step runs natively too (the call's pending holds the prompt), ragged rows within the
+    depth of each other in one call, with the tokens of plain decoding; a new request's calls end at a rejection,
+    a request with evidence keeps its depth through them."""
+    spec = {"method": "draft_model", "model": str(draft)}
+    plain = LLM(str(target))
+    prompts = [list(range(10, 40)), list(range(50, 79)), [1, 2, 3, 4, 1, 2]]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]  # fmt: skip
+    seen, real = [], engine_mod.spec_chain
+
+    def spy(t, d, pending, pending_lens, *args, **kw):
+        seen.append((pending_lens.tolist(), kw["stop_on_reject"]))
+        return real(t, d, pending, pending_lens, *args, **kw)
+
+    monkeypatch.setattr(engine_mod, "spec_chain", spy)
+    for batch in (prompts[2:], prompts[:2]):  # a short prompt, then the long ones together (lags 29 and 28)
+        llm = LLM(str(target), speculative_config=spec)  # a new engine: its first drafted step is the catch-up
+        seen.clear()
+        got = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [ref[prompts.index(p)] for p in batch]
+        assert seen[0][0] == [len(p) for p in batch]  # the prompts' catch-up, then the root
+        assert seen[0][1]  # a new request: the call ends at a rejection
+    assert not seen[-1][1]  # (the long pair) with evidence it keeps its depth

@@ -106,3 +106,39 @@ def test_a_probe_slower_in_its_first_two_steps_ends_there():
             runs.append(length)
             length = 0
     assert runs and set(runs) == {2} and not tuner.single
+
+
+def run_kinds(tuner: ThreadTuner, schedule: list[str], costs: dict[str, float], slow_one: float, kinds: bool):
+    """Feed steps of the kinds in ``schedule``: ``costs[kind]`` on many threads, ``slow_one`` x that on one."""
+    for kind in schedule:
+        single = tuner.single_for_step()
+        tuner.after_step(costs[kind] * (slow_one if single else 1.0), kind if kinds else None)
+
+
+# The adaptive controller's steps: depth-1 steps cost 1, depth-7 steps 2.5, in stretches; the first probe lands on
+# depth-1 steps right after depth-7 ones, and one thread is 1.4x slower at each depth: it must not look faster.
+MIXED = ["shallow"] * 8 + ["deep"] * 8 + ["shallow"] * 100
+STEP_COSTS = {"deep": 2.5, "shallow": 1.0}
+
+
+def test_steps_of_different_depths_compare_within_their_kind():
+    tuner = ThreadTuner()
+    run_kinds(tuner, MIXED, STEP_COSTS, slow_one=1.4, kinds=True)
+    assert not tuner.single and tuner.interval > FIRST_INTERVAL  # the probe ran and lost
+
+
+def test_planted_bug_kinds_ignored_one_thread_looks_faster():
+    """The comparison can fail: the same steps without their kinds (costs across depths compared) switch to one
+    thread, as the engine did before it passed kinds (0.66-0.77x plain decoding for the rest of a run)."""
+    tuner = ThreadTuner()
+    run_kinds(tuner, MIXED, STEP_COSTS, slow_one=1.4, kinds=False)
+    assert tuner.single
+
+
+def test_busy_cores_still_switch_with_kinds():
+    tuner = ThreadTuner()
+    run_kinds(tuner, MIXED[:64], STEP_COSTS, slow_one=1.4, kinds=True)
+    assert not tuner.single
+    busy = ["shallow", "deep"] * 2 * PROBE_STEPS  # preempted threads: every step ~50x, one thread ~1.5x
+    run_kinds(tuner, busy, {"deep": 125.0, "shallow": 50.0}, slow_one=0.03, kinds=True)
+    assert tuner.single
