@@ -40,14 +40,15 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
                            const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
                            const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
                            const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
-                           int64_t gamma, bool strict);
+                           int64_t gamma, bool strict, const c10::optional<at::Tensor>& vocab_map);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens, const at::Tensor& t_embed,
     at::TensorList t_weights, const at::Tensor& t_norm, const at::Tensor& t_lm_head, at::Tensor t_kv,
     const at::Tensor& t_rope, int64_t t_heads, double t_eps, const at::Tensor& d_embed, at::TensorList d_weights,
     const at::Tensor& d_norm, const at::Tensor& d_lm_head, at::Tensor d_kv, const at::Tensor& d_rope,
     int64_t d_heads, double d_eps, const c10::optional<at::Tensor>& block_table, const at::Tensor& budget,
-    const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject);
+    const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
+    const c10::optional<at::Tensor>& d_vocab_map);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
@@ -178,14 +179,13 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def(
       "draft_chain(Tensor root_logits, Tensor embed, Tensor[] weights, Tensor final_norm, Tensor lm_head, "
       "Tensor(a!) kv_cache, Tensor cache_seqlens, Tensor rope_table, Tensor? block_table, int num_heads, float eps, "
-      "int gamma, bool strict=False) -> Tensor");
+      "int gamma, bool strict=False, Tensor? vocab_map=None) -> Tensor");
   m.def(
       "spec_chain(Tensor pending, Tensor pending_lens, Tensor seqlens, Tensor t_embed, Tensor[] t_weights, "
       "Tensor t_norm, Tensor t_lm_head, Tensor(a!) t_kv, Tensor t_rope, int t_heads, float t_eps, Tensor d_embed, "
       "Tensor[] d_weights, Tensor d_norm, Tensor d_lm_head, Tensor(b!) d_kv, Tensor d_rope, int d_heads, "
       "float d_eps, Tensor? block_table, Tensor budget, Tensor stop_ids, int gamma, int max_steps, "
-      "bool stop_on_reject=False) -> (Tensor, "
-      "Tensor, Tensor, Tensor)");
+      "bool stop_on_reject=False, Tensor? d_vocab_map=None) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {

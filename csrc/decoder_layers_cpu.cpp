@@ -645,7 +645,7 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
                            const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
                            const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
                            const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
-                           int64_t gamma, bool strict) {
+                           int64_t gamma, bool strict, const c10::optional<at::Tensor>& vocab_map) {
   TORCH_CHECK_VALUE(root_logits.dim() == 2 && root_logits.device().is_cpu(),
                     "draft_chain: root_logits must be [B, V] on CPU, got ", root_logits.sizes());
   const int64_t B = root_logits.size(0), V = root_logits.size(1);
@@ -654,6 +654,17 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
                         lm_head.size(1) == embed.size(1) && lm_head.is_contiguous(),
                     "draft_chain: embed [V, H] and a contiguous lm_head [V, H] must match the logits' V = ", V,
                     ", got ", embed.sizes(), " and ", lm_head.sizes());
+  // a restricted draft vocabulary: logits and lm_head rows are over vocab_map [V] (token ids), not over all ids
+  at::Tensor ids;
+  if (vocab_map.has_value()) {
+    ids = vocab_map->to(at::kLong).contiguous();
+    TORCH_CHECK_VALUE(ids.dim() == 1 && ids.size(0) == V, "draft_chain: vocab_map must be [V] = [", V, "], got ",
+                      ids.sizes());
+    TORCH_CHECK_VALUE(!strict, "draft_chain: a strict (target) chain has no vocab_map");
+    TORCH_CHECK_VALUE(V == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < embed.size(0)),
+                      "draft_chain: vocab_map ids must lie in [0, ", embed.size(0), ")");
+  }
+  const int64_t* id_of = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
   TORCH_CHECK_VALUE(rope_table.dim() == 3 && rope_table.size(0) == 2, "draft_chain: rope_table must be [2, P, D]");
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
                     "draft_chain: cache_seqlens must be [B] = [", B, "]");
@@ -671,6 +682,7 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
       t = d > 1 && tok[b * gamma + d - 2] < 0 ? -1  // a strict row stays -1 after its first bad logits
           : logits.scalar_type() == at::kFloat ? first_argmax(logits.data_ptr<float>() + b * V, V, strict)
                                                : first_argmax(logits.data_ptr<c10::BFloat16>() + b * V, V, strict);
+      if (id_of != nullptr) t = id_of[t];  // never strict: t >= 0
     }
     if (d == gamma) break;
     const at::Tensor ids = tokens.select(1, d - 1).clamp_min(0).contiguous();  // [B]: a -1 row runs token 0
@@ -767,7 +779,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const at::Tensor& t_rope, int64_t t_heads, double t_eps, const at::Tensor& d_embed, at::TensorList d_weights,
     const at::Tensor& d_norm, const at::Tensor& d_lm_head, at::Tensor d_kv, const at::Tensor& d_rope,
     int64_t d_heads, double d_eps, const c10::optional<at::Tensor>& block_table, const at::Tensor& budget,
-    const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject) {
+    const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
+    const c10::optional<at::Tensor>& d_vocab_map) {
   TORCH_CHECK_VALUE(pending.dim() == 2 && pending.size(1) >= 1, "spec_chain: pending must be [B, P], got ",
                     pending.sizes());
   const int64_t B = pending.size(0), P = pending.size(1);
@@ -822,7 +835,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const at::Tensor L_t = at::tensor(L, longs);                                                      // [B]
     const at::Tensor drafts = draft_chain_cpu(draft.logits(d_root.contiguous()), d_embed, d_weights, d_norm,
                                               d_lm_head, d_kv, L_t, d_rope, block_table, d_heads, d_eps, gamma,
-                                              false);  // [B, gamma]
+                                              false, d_vocab_map);  // [B, gamma]
     const auto drafted = std::chrono::steady_clock::now();
     // 2. the target runs the root and the chain
     const at::Tensor tokens = at::cat({at::tensor(root, longs).unsqueeze(1), drafts}, 1);  // [B, T]

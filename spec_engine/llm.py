@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from spec_engine.drafters.base import Drafter
-from spec_engine.drafters.draft_model import DraftModelDrafter
+from spec_engine.drafters.draft_model import DraftModelDrafter, read_draft_vocab
 from spec_engine.drafters.eagle import EagleDrafter, load_eagle_head
 from spec_engine.drafters.ngram import NgramDrafter
 from spec_engine.engine import Engine, Request
@@ -69,7 +69,8 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
     method = spec.get("method", "draft_model" if "model" in spec else None)
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {method!r}")
-    known = {"method", "model", "num_speculative_tokens", "tree", "draft_sampling", "max_n", "min_n", "eagle_topk"}
+    known = {"method", "model", "num_speculative_tokens", "tree", "draft_sampling", "max_n", "min_n", "eagle_topk",
+             "draft_vocab_size"}  # fmt: skip
     unknown = set(spec) - known
     if unknown:
         raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
@@ -95,6 +96,12 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
             raise ValueError(f"tree depth {len(tree)} exceeds num_speculative_tokens {gamma}")
         if math.prod(tree) > 64:
             raise ValueError(f"tree {list(tree)} has {math.prod(tree)} leaves; at most 64 are supported")
+    vocab = spec.get("draft_vocab_size")
+    if vocab is not None:
+        if method != "draft_model":
+            raise ValueError("draft_vocab_size (a reduced draft vocabulary) needs method='draft_model'")
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise ValueError(f"draft_vocab_size must be a positive int, got {vocab!r}")
     if method in MODEL_METHODS and not spec.get("model"):
         what = "a draft model directory" if method == "draft_model" else "an EAGLE head directory"
         raise ValueError(f"speculative_config with method={method!r} needs 'model': {what}")
@@ -126,6 +133,9 @@ class LLM:
         ``num_speculative_tokens`` left out or ``"auto"`` is adaptive speculation: each step the engine picks the
         depth per request, 0 (no drafting) to 8 for chains or to the tree's depth, to maximise the tokens per
         second it expects from measured acceptance and measured step costs. An int fixes the depth.
+        ``draft_vocab_size``: K, the draft's logits over the K most frequent token ids of its directory's
+        ``draft_vocab.json`` only (FR-Spec; lossless: the target decides); left out, the file's own K, or the full
+        vocabulary without the file; the vocabulary size turns it off.
     device, dtype : where and in what precision the weights and KV caches live; ``dtype="auto"`` (the default) is
         the fastest for the device (``auto_dtype``: bfloat16 on CPUs with AVX512-BF16 and on GPUs, else float32).
     max_model_len : context length (prompt + output); defaults to the model's, capped at 4096.
@@ -188,6 +198,9 @@ class LLM:
                     "the draft model must share the target's tokenizer"
                 )
             self._check_same_tokenizer(spec["model"])
+            ids = read_draft_vocab(spec["model"], cfg.vocab_size, spec.get("draft_vocab_size"))
+            if ids is not None:
+                draft_model.restrict_vocab(ids.to(device))
         gamma = spec["num_speculative_tokens"] if spec else 0
         tree = None
         dynamic = bool(spec) and spec.get("tree") == "dynamic"

@@ -151,6 +151,7 @@ def greedy_chain(
     eps: float,
     block_table: torch.Tensor | None = None,
     strict: bool = False,
+    vocab_map: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """A greedy draft chain in one native call: ``gamma`` tokens per row, token d the argmax of token d-1's logits
     (the first of them of ``root_logits``), tokens 1 .. gamma-1 run through the layers at positions ``L_b + d``
@@ -159,7 +160,8 @@ def greedy_chain(
     Shapes: root_logits ``[B, V]``; embed, lm_head ``[V, H]``; rope_table ``[2, P, D]`` (cos, sin by position);
     cache_seqlens ``[B]`` the roots' positions L_b; returns ``[B, gamma]`` int64. ``strict`` (the target's plain
     greedy chain): from a row's first logits with a NaN or a non-finite maximum on, its tokens are -1 (a draft skips
-    NaNs instead: a bad guess costs acceptance only).
+    NaNs instead: a bad guess costs acceptance only). ``vocab_map`` ``[K]`` int64 (a draft's restricted vocabulary,
+    ``LlamaForCausalLM.restrict_vocab``): root_logits ``[B, K]`` and lm_head ``[K, H]`` are over those token ids.
     """
     weights = list(weights)
     if not (_native_fits(embed[:1], weights, kv_cache) and lm_head.dtype == embed.dtype and rope_table.is_cpu):
@@ -170,7 +172,7 @@ def greedy_chain(
     flat = [_EMPTY if w is None else w for w in weights]
     return torch.ops.spec_kernels.draft_chain(
         root_logits, embed, flat, final_norm, lm_head, kv_cache, cache_seqlens, rope_table, block_table, num_heads,
-        eps, gamma, strict,
+        eps, gamma, strict, vocab_map,
     )  # fmt: skip
 
 
@@ -180,21 +182,25 @@ def spec_chain(target, draft, pending, pending_lens, seqlens, target_kv, draft_k
     ``spec_chain_cpu`` in csrc/decoder_layers_cpu.cpp), or None where the native path cannot run.
 
     ``target`` / ``draft``: (embed [V, H], layer weights, final norm [H], lm_head [V, H], rope_table [2, P, D],
-    num_heads, eps) of each model. pending ``[B, P]`` the tokens each row's draft cache lacks then its root,
-    pending_lens / seqlens (L_b) / budget ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``:
-    per step the count n of emitted tokens then the tokens; the rows' new pending ``[B, 2]`` and pending_lens
-    ``[B]``; times ``[max_steps, 2]``: per step the draft's and the whole step's seconds). ``stop_on_reject``: a
-    step where some row accepted no draft is the call's last (an adaptive controller then re-decides the depth).
+    num_heads, eps, vocab_map) of each model (``LlamaForCausalLM.chain_parts``; vocab_map [K] with lm_head [K, H]
+    for a draft's restricted vocabulary, else None; the target's is None). pending ``[B, P]`` the tokens each row's
+    draft cache lacks then its root, pending_lens / seqlens (L_b) / budget ``[B]``, stop_ids ``[S]``. Returns
+    (steps ``[B, max_steps, gamma + 2]``: per step the count n of emitted tokens then the tokens; the rows' new
+    pending ``[B, 2]`` and pending_lens ``[B]``; times ``[max_steps, 2]``: per step the draft's and the whole step's
+    seconds). ``stop_on_reject``: a step where some row accepted no draft is the call's last (an adaptive
+    controller then re-decides the depth).
     """
     if not all(_native_fits(m[0][:1], list(m[1]), kv) for m, kv in ((target, target_kv), (draft, draft_kv))):
         return None
     from spec_kernels._ext import load_ext
 
     load_ext()
+    if target[7] is not None:
+        raise ValueError("spec_chain: the target's vocabulary cannot be restricted (its logits decide the output)")
     args = []
-    for (embed, weights, norm, lm_head, rope, heads, eps), kv in ((target, target_kv), (draft, draft_kv)):
+    for (embed, weights, norm, lm_head, rope, heads, eps, _), kv in ((target, target_kv), (draft, draft_kv)):
         if lm_head.dtype != embed.dtype or rope.dtype != embed.dtype or not rope.is_cpu:
             return None
         args += [embed, [_EMPTY if w is None else w for w in weights], norm, lm_head, kv, rope, heads, eps]
     return torch.ops.spec_kernels.spec_chain(pending, pending_lens, seqlens, *args, block_table, budget, stop_ids,
-                                             gamma, max_steps, stop_on_reject)  # fmt: skip
+                                             gamma, max_steps, stop_on_reject, draft[7])  # fmt: skip

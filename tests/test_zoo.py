@@ -32,6 +32,8 @@ def test_default_pair_is_small_and_complete(paths):
     assert total <= 40 * 2**20
     t, d = (json.loads((Path(p) / "config.json").read_text()) for p in paths)
     assert t["vocab_size"] == d["vocab_size"]
+    ranked = json.loads((Path(paths[1]) / "draft_vocab.json").read_text())  # the draft's reduced vocabulary
+    assert sorted(ranked["token_ids"]) == list(range(d["vocab_size"])) and 1 <= ranked["size"] <= d["vocab_size"]
 
 
 def test_default_pair_loads_in_hf_and_agrees_with_our_model(paths):
@@ -100,6 +102,7 @@ def test_training_recipe_smoke(tmp_path):
     llm = LLM(str(tmp_path / "out" / "target"),
               speculative_config={"method": "draft_model", "model": str(tmp_path / "out" / "draft")})  # fmt: skip
     assert len(llm.generate("x = ", SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+    assert llm.engine.drafter.model.vocab_map is None  # the smoke vocabulary (300) is within draft_vocab_size
     # resumable: a second run finds the checkpoints and does not retrain
     again = train.main(["--smoke", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")])
     assert again["held_out_ppl_target"] == pytest.approx(report["held_out_ppl_target"])

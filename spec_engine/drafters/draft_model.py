@@ -18,6 +18,9 @@ target's own perturbed choice wherever the two models agree. Random draws come f
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -33,6 +36,44 @@ DRAFT_SAMPLING = ("without_replacement", "iid", "deterministic")
 CATCH_UP_CHUNK = 128  # tokens per catch-up forward of a long-lagging row (see _catch_up)
 CATCH_UP_SLACK = 8  # a row lagging more than this is caught up on its own, not padded into every row
 MAX_SHAPES = 256  # tree shapes (one per pattern of row depths) kept on the device
+# A draft directory's reduced vocabulary (FR-Spec): {"size": K, "token_ids": [...]}, ids most frequent first.
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def write_draft_vocab(tokens: torch.Tensor, vocab_size: int, out_dir: str | Path, size: int) -> Path:
+    """Rank every token id by its count in ``tokens`` (a token stream of the draft's training text) and write
+    ``out_dir/draft_vocab.json`` with ``size`` (K) as the default cut. Returns the file's path."""
+    counts = torch.bincount(tokens.flatten().long(), minlength=vocab_size)[:vocab_size]  # [V]
+    ranked = counts.argsort(descending=True, stable=True).tolist()  # ties: the lower id first
+    path = Path(out_dir) / DRAFT_VOCAB_FILE
+    path.write_text(json.dumps({"size": int(size), "token_ids": ranked}) + "\n")
+    return path
+
+
+def read_draft_vocab(draft_dir: str | Path, vocab_size: int, size: int | None) -> torch.Tensor | None:
+    """The token ids [K] a draft restricts its logits to: the ``size`` most frequent of ``draft_vocab.json``
+    (``size`` None: the file's own default; no file: the full vocabulary). None for the full vocabulary."""
+    path = Path(draft_dir) / DRAFT_VOCAB_FILE
+    if size == vocab_size or (size is None and not path.is_file()):
+        return None
+    if not path.is_file():
+        raise ValueError(f"draft_vocab_size={size} needs {path}: the draft's token ids, most frequent first "
+                         "(spec_engine.drafters.draft_model.write_draft_vocab writes one)")  # fmt: skip
+    try:
+        spec = json.loads(path.read_text())
+        ranked = [int(i) for i in spec["token_ids"]]
+        size = int(spec["size"]) if size is None else size
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a draft vocabulary file ({e})") from None
+    if not 1 <= size <= vocab_size or len(ranked) < min(size, vocab_size):
+        raise ValueError(f"draft vocabulary size {size} must lie in [1, {vocab_size}] and {path} must rank at least "
+                         f"that many ids (it ranks {len(ranked)})")  # fmt: skip
+    if size == vocab_size:
+        return None
+    ids = torch.tensor(ranked[:size], dtype=torch.int64)
+    if ids.unique().numel() != size or ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"{path}: token_ids must be distinct ids in [0, {vocab_size})")
+    return ids
 
 
 class DraftModelDrafter(Drafter):

@@ -157,6 +157,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.rope_table: torch.Tensor | None = None  # [2, max_positions, D] cos and sin, once fused
         self.layer_weights: list[torch.Tensor | None] | None = None  # decoder_layers' flat list, once fused
+        # a draft's restricted vocabulary (restrict_vocab): token ids [K], ascending, and their lm_head rows [K, H]
+        self.vocab_map: torch.Tensor | None = None
+        self.head_weight: torch.Tensor | None = None
 
     def fuse(self, max_positions: int | None = None) -> LlamaForCausalLM:
         """Prepare the engine's lean path (inference only): fused q/k/v and gate/up matrices, and with
@@ -170,6 +173,24 @@ class LlamaForCausalLM(nn.Module):
             positions = torch.arange(max_positions, device=self.inv_freq.device)
             cos, sin = self._rope_from_freqs(positions, self.lm_head.weight.dtype)
             self.rope_table = torch.stack((cos, sin))  # [2, max_positions, D]
+        return self
+
+    def restrict_vocab(self, token_ids: torch.Tensor | None) -> LlamaForCausalLM:
+        """A draft's logits over ``token_ids`` only (FR-Spec's frequency-ranked draft vocabulary; EAGLE-3 ships its
+        heads so): its lm_head costs K rows instead of V. ``logits`` stays [..., V], -inf outside the ids, so every
+        drafting path works unchanged: a greedy draft proposes the most likely of the ids, a sampled one draws from
+        q renormalised over them, and verification stays lossless for any q (a proposal outside the ids is never
+        made; the target's residual keeps its mass). Acceptance falls only where the target's token lies outside.
+        Not for a target: its logits are the output. None restores the full vocabulary. Returns self."""
+        if token_ids is None:
+            self.vocab_map = self.head_weight = None
+            return self
+        V = self.config.vocab_size
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten().unique()  # [K], ascending
+        if ids.numel() == 0 or ids.min() < 0 or ids.max() >= V:
+            raise ValueError(f"restrict_vocab: token ids must be a non-empty set of ids in [0, {V})")
+        self.vocab_map = ids.to(self.lm_head.weight.device)  # [K]
+        self.head_weight = self.lm_head.weight.detach()[self.vocab_map].contiguous()  # [K, H]
         return self
 
     def _rope_from_freqs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,24 +234,33 @@ class LlamaForCausalLM(nn.Module):
         if self.layer_weights is None or self.rope_table is None:
             return None
         cfg = self.config
+        head = self.lm_head.weight
+        if self.vocab_map is not None:  # the chain runs over the restricted ids; -inf elsewhere never wins
+            root_logits, head = root_logits[:, self.vocab_map], self.head_weight  # [B, K], [K, H]
         return greedy_chain(
-            root_logits, self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight,
-            self.lm_head.weight, kv_cache, cache_seqlens, self.rope_table, gamma=gamma,
-            num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=block_table, strict=strict,
+            root_logits, self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight, head, kv_cache,
+            cache_seqlens, self.rope_table, gamma=gamma, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps,
+            block_table=block_table, strict=strict, vocab_map=self.vocab_map,
         )  # fmt: skip
 
     def chain_parts(self) -> tuple | None:
-        """(embed [V, H], layer weights, final norm [H], lm_head [V, H], RoPE table [2, P, D], num_heads, eps): what
-        ``spec_kernels.decoder_layers.spec_chain`` runs this model with; None before ``fuse`` or without a table."""
+        """(embed [V, H], layer weights, final norm [H], lm_head [V, H], RoPE table [2, P, D], num_heads, eps,
+        vocab_map): what ``spec_kernels.decoder_layers.spec_chain`` runs this model with (a restricted vocabulary:
+        lm_head [K, H] and vocab_map [K], else None); None before ``fuse`` or without a table."""
         if self.layer_weights is None or self.rope_table is None:
             return None
         cfg = self.config
-        return (self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight, self.lm_head.weight,
-                self.rope_table, cfg.num_attention_heads, cfg.rms_norm_eps)  # fmt: skip
+        head = self.lm_head.weight if self.vocab_map is None else self.head_weight
+        return (self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight, head, self.rope_table,
+                cfg.num_attention_heads, cfg.rms_norm_eps, self.vocab_map)  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> [..., V] in float32."""
-        return linear(hidden, self.lm_head.weight).float()
+        """[..., hidden] -> [..., V] in float32 (-inf outside a restricted vocabulary)."""
+        if self.vocab_map is None:
+            return linear(hidden, self.lm_head.weight).float()
+        sub = linear(hidden, self.head_weight).float()  # [..., K]
+        out = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))  # [..., V]
+        return out.index_copy_(-1, self.vocab_map, sub)
 
     def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Causal LM logits [B, T, V] for a batch of full sequences (no cache)."""

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from spec_engine.drafters.draft_model import write_draft_vocab
 from spec_engine.models import LlamaForCausalLM, ModelConfig, save_model
 
 EOS = "<|endoftext|>"
@@ -60,6 +61,7 @@ class Recipe:
     target_lr: float = 1.5e-3
     draft_lr: float = 3e-3
     kl_weight: float = 0.9  # draft loss = kl_weight * KL(target || draft) + (1 - kl_weight) * CE
+    draft_vocab_size: int = 1024  # the draft's default reduced vocabulary (draft_vocab.json; see LLM)
     seed: int = 0
     max_files: int | None = None
     target_arch: dict | None = None
@@ -306,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
         tok_cfg = {"bos_token": EOS, "eos_token": EOS, "model_max_length": max_len,
                    "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}  # fmt: skip
         (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    # the draft's reduced vocabulary: its logits over the ids most frequent in the training text (FR-Spec)
+    write_draft_vocab(streams["train"], vocab, args.out_dir / "draft", min(recipe.draft_vocab_size, vocab))
     (work / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
