@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 from spec_engine.benchmark import forward_step  # noqa: E402
+from spec_engine.drafters.draft_model import read_draft_vocab  # noqa: E402
 
 CTX = 64  # committed tokens in the cache under every timed forward
 SIZES = (1, 2, 4, 8, 16)
@@ -108,12 +109,12 @@ def _fmt(s: dict, spec: str = ".3f") -> str:
 
 def matrices(model: torch.nn.Module) -> list[torch.Tensor]:
     """Every weight matrix one forward multiplies by: the 2-D parameters except the embedding table (a gather).
-    A tied lm_head counts: it is multiplied, under its own name."""
+    A tied lm_head counts: it is multiplied, under its own name; a reduced draft vocabulary's K rows stand for it."""
     seen, out = set(), []
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.dim() == 2 and not name.endswith("embed_tokens.weight") and name not in seen:
             seen.add(name)
-            out.append(p)
+            out.append(model.head_weight if name == "lm_head.weight" and model.vocab_map is not None else p)
     return out
 
 
@@ -165,6 +166,9 @@ def step_cost_modes(target_dir: str, draft_dir: str, dtypes: list[str], sizes: l
         for role, path in (("target", target_dir), ("draft", draft_dir)):
             llm = LLM(path, None, dtype=dtype, max_num_seqs=1)
             eng = llm.engine
+            if role == "draft":  # as the engine drafts with it: its default reduced vocabulary, if it ships one
+                ids = read_draft_vocab(path, eng.target.config.vocab_size, None)
+                eng.target.restrict_vocab(None if ids is None else ids.to(eng.kv.data.device))
             weight_bytes = sum(w.numel() * w.element_size() for w in matrices(eng.target))
             info = {"dtype": dtype, "model": role, "weight_bytes": weight_bytes,
                     "num_matrices": len(matrices(eng.target))}  # fmt: skip

@@ -27,13 +27,17 @@ Estimates, all online and free:
   tokens so far (not forgotten). Two unlucky first steps would otherwise put a good draft at alpha ~0.25 and off
   until its next probe; with the bonus it keeps drafting shallowly until the evidence is real. The bonus shrinks as
   the request goes on: after ~10 always-rejected tokens a useless draft is off (measured in bench_adaptive). A new
-  request starts from the recent requests' rate, itself well measured, so n_0 = ``OPTIMISM_PSEUDO_TRIALS`` = 8
-  keeps its first bonus moderate (+0.17 at alpha 0.66; n_0 = 2 gave +0.33 and sent every new request's first step
-  to depth 8, which a 16-row batch paid with T = 9).
+  request starts from the recent requests' rate, itself well measured, so n_0 = ``OPTIMISM_PSEUDO_TRIALS`` = 16
+  and OPTIMISM = 0.5 keep its first bonus small (+0.06 at alpha 0.66; n_0 = 2 and OPTIMISM = 1 gave +0.33 and sent
+  every new request's first step to depth 8, which a 16-row batch paid with T = 9). Chosen by replaying recorded
+  drafts of 24 held-out prompts and the 5 demo prompts through this controller with a cost model fit to the
+  engine's measured steps (noise-free): OPTIMISM 1, n_0 8 drafted held-out prompts at 0.89x plain where a draft
+  was useless; 0.5 and 16 keep them at 0.945x (at the price of 1.10 -> 1.06 geomean over the 24).
 - cost: least squares with forgetting, t_target = a + b * (B*T) and t_draft = c * G + d * (B_d * draft tokens, the
   catch-up of a lagging draft cache included), the draft part timed around ``Drafter.propose`` and the target part
-  the rest of the step. A weak prior on b / a and d / c splits the first observations, so the first step can run at
-  max depth (optimistic) and the measurements correct it. The engine's first step is not timed (one-time costs),
+  the rest of the step, both fit on drafted steps only (plain ones set the plain rate, below). A weak prior on
+  b / a and d / c splits the first observations, so the first step can run at max depth (optimistic) and the
+  measurements correct it. The engine's first step is not timed (one-time costs),
   and a step slower than ``OUTLIER`` times its prediction is clipped, since other jobs on the machine preempt steps
   at random. On CUDA the draft's kernels may finish after ``propose`` returns; their time then lands in the target
   part, which still rises with G, so the sum the controller compares stays right.
@@ -57,7 +61,10 @@ Rows dropped to depth 0 receive no acceptance evidence, so every ``PROBE_INTERVA
 drafted for their probe interval are drafted once (at G if others draft, else at depth 1). A probe that accepts
 nothing doubles the row's interval, up to ``MAX_PROBE_INTERVAL``: a useless draft then costs one depth-1 step in 64,
 about 0.5% of the time on this CPU, and a draft that turns useful is back within 64 steps. A new request starts with
-the interval of the last drafted row, so a stream of short requests does not probe a useless draft at every start.
+the interval of the last drafted row, so a stream of short requests does not probe a useless draft at every start,
+but at most half its max_tokens: otherwise, after a few hard requests had doubled the interval to 64, no later
+64-token request was ever probed and speculation stayed off for good. Steps count as the engine runs them (a native
+call runs several per choice).
 A probe runs only if the scan would draft with the due rows' drafts as good as ``PROBE_ALPHA``: rows that are off
 because drafting costs too much at this batch size (not because their drafts fail) learn nothing from a probe.
 Their draft cache then lags; the first drafted step feeds the lag (catch-up), computing logits at the root only.
@@ -74,8 +81,8 @@ PRIOR_STRENGTH = 2.0  # pseudo-trials of the prior: a row that rejects everythin
 DEPTH_PRIOR = 2.0  # pseudo-trials pulling a tree depth's alpha toward the row's pooled alpha
 PROBE_INTERVAL = 16  # steps between probes of undrafted rows
 MAX_PROBE_INTERVAL = 64
-OPTIMISM = 1.0  # standard errors added to alpha when planning (see "optimism" above)
-OPTIMISM_PSEUDO_TRIALS = 8.0  # the evidence a new request's prior is worth to the optimism bonus
+OPTIMISM = 0.5  # standard errors added to alpha when planning (see "optimism" above)
+OPTIMISM_PSEUDO_TRIALS = 16.0  # the evidence a new request's prior is worth to the optimism bonus
 COST_FORGET = 0.97  # per observed step: the cost fits remember ~30 steps (batch size and context drift)
 TARGET_PER_TOKEN_PRIOR = 0.1  # b / a: on this CPU, HF eager verifies 6 tokens for ~1.7x the cost of one
 DRAFT_PER_TOKEN_PRIOR = 0.1  # d / c
@@ -85,7 +92,7 @@ PROBE_ALPHA = 0.8  # a due row is probed if a draft this good would be drafted n
 MIN_GAIN = 1.05  # drafting must promise this multiple of plain decoding's tokens/s at batch 1 (see "margin")
 TAIL_MARGIN = 0.15  # added to it as the batch grows: MIN_GAIN + TAIL_MARGIN * (1 - 1/B)
 PLAIN_PROBE_INTERVAL = 32  # while drafting, one step in this many runs plain, to measure the rate to beat
-PLAIN_PROBE_PHASE = 8  # ... at num_steps % PLAIN_PROBE_INTERVAL == this (apart from the undrafted rows' probes)
+PLAIN_PROBE_PHASE = 8  # ... the first of them at this step (apart from the undrafted rows' probes)
 PLAIN_SAMPLES = 16  # plain steps whose measured / modelled cost ratio sets the plain rate (their lowest)
 SURE_TRIALS = 8  # drafted tokens of a request after which a native call keeps its depth through rejections
 
@@ -219,7 +226,9 @@ class AdaptiveController:
         self.target_cost = LinearCost(TARGET_PER_TOKEN_PRIOR * TOKENS_REF)
         self.draft_cost = LinearCost(DRAFT_PER_TOKEN_PRIOR * TOKENS_REF)
         self.population = AcceptanceEstimate(max_depth, per_depth=False, decay=POPULATION_DECAY)
-        self.num_steps = 0
+        self.num_steps = 0  # steps observed
+        self._next_probe = 0  # the step at or after which undrafted rows' probes are next considered
+        self._next_plain_probe = PLAIN_PROBE_PHASE  # ... and a plain step is next run while drafting
         self.probe_interval = PROBE_INTERVAL  # the last drafted row's: where a new request's interval starts
         self._catch_up_tokens = 0  # tokens the draft cache catches up on this step, drafted rows
         self._cold = True  # the engine's first step pays one-time costs (extension loads, allocations): not timed
@@ -228,7 +237,10 @@ class AdaptiveController:
     def state(self, req) -> RowState:
         if req.spec_state is None:
             acceptance = AcceptanceEstimate(self.max_depth, self.tree, prior=self.population.alpha)
-            req.spec_state = RowState(acceptance, probe_interval=self.probe_interval)
+            # the last drafted row's interval, but due within the request's first half: short requests that inherit
+            # a long interval were never probed, and after a few hard ones speculation stayed off for good
+            interval = min(self.probe_interval, max(PROBE_INTERVAL, req.params.max_tokens // 2))
+            req.spec_state = RowState(acceptance, probe_interval=interval)
         return req.spec_state
 
     def choose(self, reqs: Sequence) -> list[int]:
@@ -244,7 +256,8 @@ class AdaptiveController:
         margin = MIN_GAIN + TAIL_MARGIN * (1.0 - 1.0 / B)
         plain_rate = margin * B / max(self.plain_cost(B), 1e-9)
         best_G, best_k = self._scan(E, plain_rate)
-        if best_G and self.num_steps % PLAIN_PROBE_INTERVAL == PLAIN_PROBE_PHASE:
+        if best_G and self.num_steps >= self._next_plain_probe:
+            self._next_plain_probe = self.num_steps + PLAIN_PROBE_INTERVAL
             return self._commit_choice(reqs, states, [0] * B)  # a plain step, measured (see plain_cost)
         gammas = [0] * B
         for b in sorted(range(B), key=lambda b: -E[b][best_G])[:best_k]:
@@ -303,8 +316,9 @@ class AdaptiveController:
         Only where that could matter: if the scan would not draft even with the due rows' drafts as good as
         ``PROBE_ALPHA``, the rows are off for the cost, not for their drafts, and new evidence changes nothing.
         (At batch 16 on this CPU, probes of good rows were 2.5% of row-steps, each with a draft catch-up.)"""
-        if self.num_steps % PROBE_INTERVAL:
+        if self.num_steps < self._next_probe:
             return
+        self._next_probe = self.num_steps + PROBE_INTERVAL
         due = [b for b, s in enumerate(states) if gammas[b] == 0 and s.steps_undrafted >= s.probe_interval]
         if not due:
             return
@@ -318,21 +332,24 @@ class AdaptiveController:
             gammas[b] = max(G, 1)
 
     def _commit_choice(self, reqs: Sequence, states: list[RowState], gammas: list[int]) -> list[int]:
-        self.num_steps += 1
         # a draft model first feeds each drafted row the tokens its cache lacks (1 after a full chain; the prompt
         # and the undrafted steps' tokens when a row is drafted for the first time or after a stretch without)
         self._catch_up_tokens = sum(self.cache_lag(r) for r, g in zip(reqs, gammas) if g)
-        for s, g in zip(states, gammas):
-            s.steps_undrafted = s.steps_undrafted + 1 if g == 0 else 0
         return gammas
 
     def observe(self, reqs: Sequence, gammas: Sequence[int], num_accepted: Sequence[int], draft_seconds: float,
                 step_seconds: float) -> None:  # fmt: skip
-        """Learn from one step: ``num_accepted`` as verify_tree's (the root included), the step's wall times."""
+        """Learn from one step: ``num_accepted`` as verify_tree's (the root included), the step's wall times.
+
+        Steps are counted here, not per ``choose``: a native call runs several steps on one choice (8 plain steps
+        per chain), and a count of choices made undrafted requests of 64 tokens wait longer than their life for a
+        probe (after a few hard requests, speculation stayed off for every later short one)."""
+        self.num_steps += 1
         for req, g, n in zip(reqs, gammas, num_accepted):
+            s = self.state(req)
+            s.steps_undrafted = s.steps_undrafted + 1 if g == 0 else 0
             if g == 0:
                 continue
-            s = self.state(req)
             s.acceptance.update(g, n - 1)
             self.population.update(g, n - 1)
             s.probe_interval = PROBE_INTERVAL if n > 1 else min(2 * s.probe_interval, MAX_PROBE_INTERVAL)
@@ -345,8 +362,10 @@ class AdaptiveController:
         num_drafted = sum(g > 0 for g in gammas)
         if G == 0 and self.target_cost.num_observed >= PLAIN_PROBE_PHASE:  # a settled model to compare against
             self._plain_steps = [*self._plain_steps, (B, step_seconds)][-PLAIN_SAMPLES:]
-        self.target_cost.observe(1.0, B * self.nodes[G] / TOKENS_REF, step_seconds - draft_seconds)
-        if G:
+        if G:  # the target's line from drafted steps alone (plain ones are priced by plain_cost): a plain stretch
+            # (8 steps per chain) would push a forgetful fit's drafted-step level down to plain decoding's, and a
+            # useless draft looked worth another try after every few chains
+            self.target_cost.observe(1.0, B * self.nodes[G] / TOKENS_REF, step_seconds - draft_seconds)
             tokens = num_drafted * self.draft_tokens[G] + self._catch_up_tokens
             self.draft_cost.observe(G, tokens / TOKENS_REF, draft_seconds)
             self._catch_up_tokens = 0  # the choice's first step caught up (a native call observes several)

@@ -251,12 +251,14 @@ def round_robin(contenders: list[Contender], groups: list[tuple[list[int], list[
 
 
 def forward_step(model, kv, batch: int, ctx: int, T: int):
-    """A callable running ``model`` + its logits on T new tokens per row over a ``ctx``-token cached prefix.
+    """A callable running ``model`` + its logits on T new tokens per row over a ``ctx``-token cached prefix (a draft
+    with a reduced vocabulary: its K rows).
 
     The engine's own forward on its own paged cache (contents are irrelevant to the time), distinct blocks per row
     where the cache has them.
     """
     from spec_engine.tree import causal_mask
+    from spec_kernels import linear
 
     block_size, num_blocks, dev = kv.data.shape[3], kv.data.shape[2], kv.data.device
     per_row = -(-(ctx + T) // block_size)
@@ -269,7 +271,11 @@ def forward_step(model, kv, batch: int, ctx: int, T: int):
 
     @torch.inference_mode()
     def once():
-        model.logits(model(tokens, positions, kv.data, seqlens, mask, table))
+        hidden = model(tokens, positions, kv.data, seqlens, mask, table)  # [B, T, H]
+        if model.vocab_map is None:
+            model.logits(hidden)
+        else:  # a draft's reduced vocabulary: its K rows, as a drafted level computes them (no scatter to V)
+            linear(hidden, model.head_weight)
         if dev.type == "cuda":
             torch.cuda.synchronize()  # time the work, not its launch
 

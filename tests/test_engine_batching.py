@@ -318,7 +318,7 @@ def test_probes_only_where_a_good_draft_could_pay():
 
     ctl.num_steps = PROBE_INTERVAL  # a probe step
     assert ctl.choose(due_rows(16, 0.7)) == [0] * 16
-    ctl.num_steps = PROBE_INTERVAL
+    ctl.num_steps += PROBE_INTERVAL  # the next one
     assert ctl.choose(due_rows(1, 0.02)) == [1]
 
 
@@ -417,8 +417,51 @@ def test_the_rate_to_beat_is_the_cheapest_measured_plain_step():
 
     ctl = AdaptiveController(8, lambda g: g + 1)
     req = _row()
-    for _ in range(PLAIN_PROBE_PHASE):  # a settled target fit
-        ctl.observe([req], [0], [1], 0.0, 1e-3)
+    for _ in range(PLAIN_PROBE_PHASE + 1):  # a settled target fit (drafted steps: the first is not timed)
+        ctl.observe([req], [1], [2], 0.1e-3, 1.1e-3)
     for t in [1.2e-3] * 4 + [1.0e-3] * 8 + [1.2e-3] * 4:  # a probe chain, a long chain, a probe chain
         ctl.observe([req], [0], [1], 0.0, t)
     assert abs(ctl.plain_cost(1) - 1.0e-3) < 0.03e-3
+
+
+def drive(ctl, req, accepts, max_tokens: int = 64) -> list[int]:
+    """Run one request through ``ctl`` as the engine does, with injected costs shaped like the default pair's in
+    float32: a plain choice runs a chain of 8 steps of 0.72 ms; a drafted one a step of 0.09 ms per depth in the
+    draft and 0.83 + 0.055 ms per depth in the target. ``accepts(G, i)``: drafts accepted at the i-th drafted step.
+    Returns the depths chosen."""
+    chosen, emitted, drafted = [], 0, 0
+    while emitted < max_tokens:
+        G = ctl.choose([req])[0]
+        chosen.append(G)
+        if G == 0:
+            for _ in range(8):
+                ctl.observe([req], [0], [1], 0.0, 0.72e-3)
+            emitted += 8
+        else:
+            n = 1 + accepts(G, drafted)
+            ctl.observe([req], [G], [n], 0.09e-3 * G, (0.83 + 0.145 * G) * 1e-3)
+            emitted, drafted = emitted + n, drafted + 1
+        req.output_token_ids.extend([0] * (emitted - len(req.output_token_ids)))
+    return chosen
+
+
+def test_short_requests_are_still_probed_after_hard_ones():
+    """Hard requests push the probe interval to its maximum (64 steps), which a new 64-token request inherits: were
+    steps counted per choice (8 per plain chain) or the interval not capped at half the request, no later request
+    would ever be drafted again. A good draft on a later request must be found within its life."""
+    ctl = AdaptiveController(8, lambda g: g + 1)
+    for _ in range(6):  # a useless draft
+        drive(ctl, _row(64), lambda G, i: 0)
+    assert ctl.probe_interval == MAX_PROBE_INTERVAL
+    later = [drive(ctl, _row(64), lambda G, i: G) for _ in range(3)]  # a perfect one
+    assert any(g > 0 for depths in later for g in depths)
+
+
+def test_a_plain_stretch_does_not_make_a_weak_draft_look_cheap():
+    """The target's cost line is fit on drafted steps only. Fit on plain chains too (8 steps each), a forgetful line
+    sank to plain decoding's level during every plain stretch, and a draft that loses (1 token in 4 accepted) was
+    tried again in bursts every few chains (~60 drafted steps in 600 tokens); now only its probes remain."""
+    ctl = AdaptiveController(8, lambda g: g + 1)
+    depths = drive(ctl, _row(10**6), lambda G, i: int(i % 4 == 0), max_tokens=600)
+    off = "".join(str(min(g, 1)) for g in depths).index("0000")  # off: four plain chains in a row
+    assert sum(g > 0 for g in depths[off:]) <= 20
