@@ -657,6 +657,7 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
   // a restricted draft vocabulary: logits and lm_head rows are over vocab_map [V] (token ids), not over all ids
   at::Tensor ids;
   if (vocab_map.has_value()) {
+    TORCH_CHECK_VALUE(vocab_map->device().is_cpu(), "draft_chain: vocab_map must be on the CPU");
     ids = vocab_map->to(at::kLong).contiguous();
     TORCH_CHECK_VALUE(ids.dim() == 1 && ids.size(0) == V, "draft_chain: vocab_map must be [V] = [", V, "], got ",
                       ids.sizes());

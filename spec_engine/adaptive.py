@@ -357,6 +357,7 @@ class AdaptiveController:
             req.metrics.alpha_estimate = s.acceptance.alpha
         if self._cold:
             self._cold = False
+            self._catch_up_tokens = 0  # (a native call's later steps did not catch up)
             return
         B, G = len(reqs), max(gammas)
         num_drafted = sum(g > 0 for g in gammas)

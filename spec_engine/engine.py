@@ -58,7 +58,7 @@ class RequestMetrics:
     def as_dict(self, num_output_tokens: int) -> dict:
         end = self.finish_time or time.perf_counter()
         elapsed = end - self.arrival_time
-        decoding = end - (self.arrival_time if self.decode_start is None else self.decode_start)  # (no prefill)
+        decoding = end - self.decode_start if self.decode_start is not None else 0.0
         return {
             "num_steps": self.num_steps,
             "num_drafted": self.num_drafted,
@@ -193,6 +193,9 @@ class Engine:
         eos_token_ids: list[int] | None = None,
         adaptive: bool = False,
     ):
+        if getattr(target, "vocab_map", None) is not None:
+            raise ValueError("the target's vocabulary cannot be restricted (restrict_vocab is for drafts): its logits "
+                             "are the output")  # fmt: skip
         self.target, self.kv, self.allocator, self.drafter = target, kv, allocator, drafter
         self.device = kv.data.device
         self.gamma = num_speculative_tokens if drafter is not None else 0
@@ -400,6 +403,9 @@ class Engine:
 
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
+        for r in reqs:  # a one-token prompt has no prefill: its generation starts with its first decode step
+            if r.metrics.decode_start is None:
+                r.metrics.decode_start = time.perf_counter()
         gammas = self.choose_gammas(reqs)
         # the step's shape for the thread tuner: costs compare within a depth, a prompt's catch-up apart
         self._step_kind = (max(gammas), any(g and self._cache_lag(r) > 1 for r, g in zip(reqs, gammas)))
@@ -487,7 +493,7 @@ class Engine:
             return 0
         lags = [self._cache_lag(r) for r in reqs]
         if max(lags) > CATCH_UP_CHUNK or max(lags) - min(lags) > g:
-            return 0  # (a ragged catch-up pads rows past their roots: at most g positions, those the chain writes)
+            return 0  # (a ragged catch-up pads rows past their roots: at most g slots, which the step overwrites)
         if self.drafter.chain_parts() is None or self.target.chain_parts() is None:
             return 0
         return min(SPEC_CHAIN_STEPS, min(r.tokens_left for r in reqs) // (g + 1))

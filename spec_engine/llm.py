@@ -199,8 +199,14 @@ class LLM:
                 )
             self._check_same_tokenizer(spec["model"])
             ids = read_draft_vocab(spec["model"], cfg.vocab_size, spec.get("draft_vocab_size"))
+            widest = max(spec.get("tree") or [1]) if isinstance(spec.get("tree"), (list, tuple)) else 1
+            if ids is not None and len(ids) < widest:  # b children drawn without replacement need b ids with q > 0
+                raise ValueError(
+                    f"draft vocabulary of {len(ids)} ids is narrower than the tree's widest level ({widest} "
+                    "children): drafts outside it would be verified as if q proposed them"
+                )
             if ids is not None:
-                draft_model.restrict_vocab(ids.to(device))
+                draft_model.restrict_vocab(ids)
         gamma = spec["num_speculative_tokens"] if spec else 0
         tree = None
         dynamic = bool(spec) and spec.get("tree") == "dynamic"

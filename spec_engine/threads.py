@@ -46,7 +46,7 @@ class ThreadTuner:
     compared within a kind only: under the adaptive controller a depth-7 step costs ~2.5x a depth-1 step, and
     windows mixing them read a run of deep steps as cores turning busy and a probe's shallow steps as one thread
     winning (2 runs in 6 then decoded on one thread at 0.66-0.77x). A probe whose steps share no kind with the
-    current choice's recent steps decides nothing (it counts as lost: the interval doubles)."""
+    current choice's recent steps decides nothing and is retried soon (``_decide``)."""
 
     def __init__(self) -> None:
         self.single = False  # the current choice
@@ -100,11 +100,16 @@ class ThreadTuner:
         return min(max(self.interval * 2, INTERVAL), MAX_INTERVAL)
 
     def _decide(self) -> None:
-        """Switch if the probed choice was MIN_GAIN faster: the median over shared kinds of its median cost
-        relative to the current choice's."""
+        """Switch if the probed choice was MIN_GAIN faster: the median, over the probe's steps, of each step's cost
+        relative to the current choice's median for its kind (kinds with fewer than 2 such samples left out, so a
+        kind seen once does not weigh as much as one seen 8 times). A probe that shares no kind decides nothing:
+        another comes after 2 * PROBE_STEPS steps, the interval unchanged (were it lost and the interval doubled, a
+        depth change at the moment the cores turned busy kept all threads on for ~1000 steps)."""
         ours, theirs = self.times[self.single], self.times[not self.single]
-        ratios = [statistics.median(theirs[k]) / statistics.median(ours[k]) for k in theirs if ours.get(k)]
-        if ratios and statistics.median(ratios) * MIN_GAIN < 1.0:
+        ratios = [t / statistics.median(ours[k]) for k, ts in theirs.items() if len(ours.get(k, ())) >= 2 for t in ts]
+        if not ratios:
+            self.steps_since_probe = max(self.interval - 2 * PROBE_STEPS, 0)
+        elif statistics.median(ratios) * MIN_GAIN < 1.0:
             self.single, self.interval = not self.single, INTERVAL
         else:
             self.interval = self._longer()

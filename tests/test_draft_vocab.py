@@ -133,14 +133,18 @@ def test_bad_configs_and_files_raise(pair, tmp_path):
             LLM(str(target), speculative_config={"model": str(draft), "draft_vocab_size": bad})
     with pytest.raises(ValueError, match="needs method='draft_model'"):
         LLM(str(target), speculative_config={"method": "ngram", "draft_vocab_size": 8})
+    with pytest.raises(ValueError, match="narrower than the tree's widest level"):  # sampled without replacement,
+        # b children need b ids with q > 0 (3 children from 2 ids: chi2 p = 3e-302, the review's reproduction)
+        LLM(str(target), speculative_config={"model": str(draft), "draft_vocab_size": 2, "tree": [3, 2]})
     with pytest.raises(ValueError, match="must lie in"):
         LLM(str(target), speculative_config={"model": str(draft), "draft_vocab_size": 97})
     bare = shutil.copytree(draft, tmp_path / "bare")
     (bare / DRAFT_VOCAB_FILE).unlink()
     with pytest.raises(ValueError, match="needs .*draft_vocab.json"):
         LLM(str(target), speculative_config={"model": str(bare), "draft_vocab_size": 8})
-    for text in ("not json", json.dumps({"size": 4}), json.dumps({"size": 4, "token_ids": [1, 1, 2, 3]}),
-                 json.dumps({"size": 2, "token_ids": [0, 96]})):  # fmt: skip
+    bad_files = [{"size": 4}, {"size": 4, "token_ids": [1, 1, 2, 3]}, {"size": 2, "token_ids": [0, 96]},
+                 {"size": 4.5, "token_ids": list(range(96))}]  # fmt: skip
+    for text in ["not json"] + [json.dumps(f) for f in bad_files]:
         (bare / DRAFT_VOCAB_FILE).write_text(text)
         with pytest.raises(ValueError, match="draft_vocab.json"):
             LLM(str(target), speculative_config={"model": str(bare)})

@@ -140,6 +140,8 @@ def test_metrics(llm):
     assert m["tokens_per_s"] > 0
     # generation alone excludes the prompt's processing: a higher rate, over less than the whole request's time
     assert m["decode_tokens_per_s"] > m["tokens_per_s"] and 16 / m["decode_tokens_per_s"] < m["elapsed"]
+    one = llm.generate([{"prompt_token_ids": [3]}], SamplingParams(max_tokens=4), use_tqdm=False)[0].metrics
+    assert one["decode_tokens_per_s"] > 0  # a one-token prompt has no prefill: its generation starts decoding
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])

@@ -241,3 +241,33 @@ def test_spec_chain_catches_up_a_prompt_natively(target, draft, monkeypatch):
         assert [o.outputs[0].token_ids for o in got] == [ref[prompts.index(p)] for p in batch]
         assert seen[0][0] == [len(p) for p in batch]  # the prompts' catch-up, then the root
         assert seen[0][1] and not seen[-1][1]  # new requests: a call ends at a rejection; with evidence it goes on
+
+
+def test_native_catch_up_drafts_what_the_regular_catch_up_drafts(target, draft, monkeypatch):
+    """Greedy tokens cannot see a wrong draft cache (verification fixes every bad draft), acceptance can: with the
+    depth fixed, the native catch-up of two prompts (lags 29 and 28, padded within the depth) accepts exactly what
+    the regular step's catch-up accepts, step for step; a planted bug (the catch-up fed one token late) does not."""
+    spec = {"method": "draft_model", "model": str(draft)}
+    prompts = [list(range(10, 40)), list(range(50, 79))]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+
+    def accepted(steps: int) -> list:
+        llm = LLM(str(target), speculative_config=spec)
+        monkeypatch.setattr(llm.engine.controller, "choose", lambda reqs: [2] * len(reqs))
+        outs = run_spec_prompts(llm, prompts, params, steps, monkeypatch)
+        return [(o.metrics["num_accepted"], o.metrics["accepted_length_hist"]) for o in outs]
+
+    regular = accepted(0)
+    assert accepted(4) == regular and sum(n for n, _ in regular) > 0
+    real = engine_mod.spec_chain
+
+    def late(t, d, pending, pending_lens, *args, **kw):
+        return real(t, d, pending.roll(1, dims=1), pending_lens, *args, **kw)
+
+    monkeypatch.setattr(engine_mod, "spec_chain", late)
+    assert accepted(4) != regular
+
+
+def run_spec_prompts(llm: LLM, prompts: list, params: SamplingParams, steps: int, monkeypatch) -> list:
+    monkeypatch.setattr(engine_mod, "SPEC_CHAIN_STEPS", steps)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -142,3 +142,28 @@ def test_busy_cores_still_switch_with_kinds():
     busy = ["shallow", "deep"] * 2 * PROBE_STEPS  # preempted threads: every step ~50x, one thread ~1.5x
     run_kinds(tuner, busy, {"deep": 125.0, "shallow": 50.0}, slow_one=0.03, kinds=True)
     assert tuner.single
+
+
+def test_cores_turning_busy_as_the_depth_changes_still_switch():
+    """The spike keeps only its own kind's steps; a probe that then sees other kinds decides nothing and is
+    retried soon, instead of counting as lost (which kept all threads on for ~1000 busy steps)."""
+    tuner = ThreadTuner()
+    run_kinds(tuner, ["depth 3"] * 300, {"depth 3": 1.0}, slow_one=1.4, kinds=True)
+    assert not tuner.single
+    busy = ["depth 3"] * 2 + ["plain"] * 200  # the cores turn busy, and the controller moves to plain chains
+    run_kinds(tuner, busy, {"depth 3": 50.0, "plain": 40.0}, slow_one=0.03, kinds=True)
+    assert tuner.single
+
+
+def test_a_kind_seen_once_does_not_outvote_one_seen_often():
+    """Each probe step votes; a kind with a single sample on the current choice (a long prompt's catch-up, say)
+    is left out: its one cheap probe step must not switch to one thread that is 1.4x slower everywhere else."""
+    tuner = ThreadTuner()
+    run_kinds(tuner, ["depth 1"] * 8, {"depth 1": 1.0}, slow_one=1.4, kinds=True)
+    tuner.after_step(10.0, "catch-up")  # many threads, a 10x longer prompt than the probe's
+    while not tuner.probing:
+        tuner.after_step(1.0, "depth 1")
+    tuner.after_step(2.0, "catch-up")  # the probe's first step: one thread, a short catch-up
+    while tuner.probing:
+        tuner.after_step(1.4 if tuner.single_for_step() else 1.0, "depth 1")
+    assert not tuner.single

@@ -41,8 +41,8 @@ DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 def write_draft_vocab(tokens: torch.Tensor, vocab_size: int, out_dir: str | Path, size: int) -> Path:
-    """Rank every token id by its count in ``tokens`` (a token stream of the draft's training text) and write
-    ``out_dir/draft_vocab.json`` with ``size`` (K) as the default cut. Returns the file's path."""
+    """Rank every token id by its count in ``tokens`` (a token stream of the draft's training text, any shape) and
+    write ``out_dir/draft_vocab.json`` with ``size`` (K) as the default cut. Returns the file's path."""
     counts = torch.bincount(tokens.flatten().long(), minlength=vocab_size)[:vocab_size]  # [V]
     ranked = counts.argsort(descending=True, stable=True).tolist()  # ties: the lower id first
     path = Path(out_dir) / DRAFT_VOCAB_FILE
@@ -51,8 +51,9 @@ def write_draft_vocab(tokens: torch.Tensor, vocab_size: int, out_dir: str | Path
 
 
 def read_draft_vocab(draft_dir: str | Path, vocab_size: int, size: int | None) -> torch.Tensor | None:
-    """The token ids [K] a draft restricts its logits to: the ``size`` most frequent of ``draft_vocab.json``
-    (``size`` None: the file's own default; no file: the full vocabulary). None for the full vocabulary."""
+    """The token ids ``[K]`` int64 (most frequent first) a draft restricts its logits to: the ``size`` most
+    frequent of ``draft_vocab.json`` (``size`` None: the file's own default; no file: the full vocabulary). None
+    for the full vocabulary. ValueError for a bad file or size."""
     path = Path(draft_dir) / DRAFT_VOCAB_FILE
     if size == vocab_size or (size is None and not path.is_file()):
         return None
@@ -62,7 +63,9 @@ def read_draft_vocab(draft_dir: str | Path, vocab_size: int, size: int | None) -
     try:
         spec = json.loads(path.read_text())
         ranked = [int(i) for i in spec["token_ids"]]
-        size = int(spec["size"]) if size is None else size
+        size = spec["size"] if size is None else size
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"size must be an int, got {size!r}")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a draft vocabulary file ({e})") from None
     if not 1 <= size <= vocab_size or len(ranked) < min(size, vocab_size):

@@ -157,9 +157,10 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.rope_table: torch.Tensor | None = None  # [2, max_positions, D] cos and sin, once fused
         self.layer_weights: list[torch.Tensor | None] | None = None  # decoder_layers' flat list, once fused
-        # a draft's restricted vocabulary (restrict_vocab): token ids [K], ascending, and their lm_head rows [K, H]
-        self.vocab_map: torch.Tensor | None = None
-        self.head_weight: torch.Tensor | None = None
+        # a draft's restricted vocabulary (restrict_vocab): token ids [K], ascending, and their lm_head rows [K, H];
+        # buffers, so .to() moves them with the weights (not saved: the draft directory's draft_vocab.json is)
+        self.register_buffer("vocab_map", None, persistent=False)
+        self.register_buffer("head_weight", None, persistent=False)
 
     def fuse(self, max_positions: int | None = None) -> LlamaForCausalLM:
         """Prepare the engine's lean path (inference only): fused q/k/v and gate/up matrices, and with
@@ -186,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
             self.vocab_map = self.head_weight = None
             return self
         V = self.config.vocab_size
-        ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten().unique()  # [K], ascending
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu().flatten().unique()  # [K], ascending, checked here
         if ids.numel() == 0 or ids.min() < 0 or ids.max() >= V:
             raise ValueError(f"restrict_vocab: token ids must be a non-empty set of ids in [0, {V})")
         self.vocab_map = ids.to(self.lm_head.weight.device)  # [K]
