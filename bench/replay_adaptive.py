@@ -13,7 +13,7 @@ On a shared 2-core machine two runs of the same interleaved A/B differ by +-5% p
    ``COSTS``): a plain chain call, a drafted step by depth, the draft's catch-up per token, per-call overhead.
 
 The replay drives ``AdaptiveController`` the way ``Engine._decode`` does (a plain choice runs a chain of 8 steps, or
-4 right after a drafted step; a drafted choice runs up to 4 native steps, ending at a rejection while the request is
+4 for the plain probe while drafting; a drafted choice runs up to 4 native steps, ending at a rejection while the request is
 ``unsure``; the draft cache is filled lazily, so a request's first drafted step catches up its prompt), over
 held-out prompts sharing one controller (as a server's requests do) and over the five demo prompts each with a fresh
 one (as ``specdec generate --compare`` runs them). It prints each prompt's ratio to plain decoding for the
@@ -95,18 +95,18 @@ def replay(ctl, rec: dict, max_tokens: int, fixed: int = 0) -> float:
     req = SimpleNamespace(spec_state=None, params=SimpleNamespace(max_tokens=max_tokens), output_token_ids=[],
                           num_computed=rec["prompt_len"] - 1, draft_len=0,
                           metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
-    total, pos, after_draft = 0.0, 0, False
+    total, pos = 0.0, 0
     if fixed:  # a fixed depth prefills the draft with the prompt
         total += c["catch_up_call"] + c["catch_up_token"] * req.num_computed
         req.draft_len = req.num_computed
     while pos < max_tokens:
         G = fixed or ctl.choose([req])[0]
         if G == 0:
-            K = min(4 if after_draft else 8, max_tokens - pos)
+            K = min(4 if ctl.plain_probe else 8, max_tokens - pos)  # the engine's short chain: the plain probe
             t = c["plain_call"] + K * c["plain_forward"]
             for _ in range(K):
                 ctl.observe([req], [0], [1], 0.0, t / K / 1e3)
-            pos, req.num_computed, total, after_draft = pos + K, req.num_computed + K, total + t, False
+            pos, req.num_computed, total = pos + K, req.num_computed + K, total + t
             req.output_token_ids.extend([0] * K)
             continue
         unsure = not fixed and ctl.unsure([req])
@@ -123,7 +123,6 @@ def replay(ctl, rec: dict, max_tokens: int, fixed: int = 0) -> float:
             req.draft_len = req.num_computed - (n == G + 1)  # a full chain leaves its last draft to catch up
             if pos >= max_tokens or (unsure and n == 1):
                 break
-        after_draft = True
     return total
 
 

@@ -226,6 +226,7 @@ class AdaptiveController:
         self.target_cost = LinearCost(TARGET_PER_TOKEN_PRIOR * TOKENS_REF)
         self.draft_cost = LinearCost(DRAFT_PER_TOKEN_PRIOR * TOKENS_REF)
         self.population = AcceptanceEstimate(max_depth, per_depth=False, decay=POPULATION_DECAY)
+        self.plain_probe = False  # the last choice was the plain probe (see choose)
         self.num_steps = 0  # steps observed
         self._next_probe = 0  # the step at or after which undrafted rows' probes are next considered
         self._next_plain_probe = PLAIN_PROBE_PHASE  # ... and a plain step is next run while drafting
@@ -244,7 +245,9 @@ class AdaptiveController:
         return req.spec_state
 
     def choose(self, reqs: Sequence) -> list[int]:
-        """Depth per row for this step (0 = not drafted)."""
+        """Depth per row for this step (0 = not drafted). ``plain_probe`` then says whether an all-zero choice is
+        the plain step measured while drafting wins (the engine keeps it short) rather than a choice not to draft."""
+        self.plain_probe = False
         B, D = len(reqs), self.max_depth
         states = [self.state(r) for r in reqs]
         if not (self.target_cost.num_observed and self.draft_cost.num_observed):
@@ -258,6 +261,7 @@ class AdaptiveController:
         best_G, best_k = self._scan(E, plain_rate)
         if best_G and self.num_steps >= self._next_plain_probe:
             self._next_plain_probe = self.num_steps + PLAIN_PROBE_INTERVAL
+            self.plain_probe = True
             return self._commit_choice(reqs, states, [0] * B)  # a plain step, measured (see plain_cost)
         gammas = [0] * B
         for b in sorted(range(B), key=lambda b: -E[b][best_G])[:best_k]:

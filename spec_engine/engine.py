@@ -412,9 +412,11 @@ class Engine:
         # several steps in one native call where possible (None: the regular step below)
         if max(gammas) == 0:
             chain = self._plain_chain_len(reqs)
-            if self.controller is not None and self.gamma_history and self.gamma_history[-1]:
+            if self.controller is not None and self.controller.plain_probe:
                 # the controller's plain probe between drafted steps: a short chain, so it measures chained plain
-                # decoding (the rate to beat) without running PLAIN_CHAIN plain steps where drafting wins
+                # decoding (the rate to beat) without running PLAIN_CHAIN plain steps where drafting wins. After a
+                # drafted step that chose to stop drafting (a failed probe) the chain is full: a short one there
+                # cost ~0.6 ms per request
                 chain = min(chain, PLAIN_PROBE_CHAIN)
             outputs = self._plain_chain(reqs, chain) if chain > 1 else None
         else:

@@ -271,3 +271,24 @@ def test_native_catch_up_drafts_what_the_regular_catch_up_drafts(target, draft, 
 def run_spec_prompts(llm: LLM, prompts: list, params: SamplingParams, steps: int, monkeypatch) -> list:
     monkeypatch.setattr(engine_mod, "SPEC_CHAIN_STEPS", steps)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def test_the_plain_chain_is_short_only_for_the_controllers_plain_probe(target, draft, monkeypatch):
+    """While drafting wins, the controller's plain probe runs a short chain (PLAIN_PROBE_CHAIN); a plain choice after
+    a drafted step that stopped drafting (a failed probe) runs a full one."""
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft)})
+    ctl = llm.engine.controller
+    chains = spy_chains(llm, monkeypatch)
+    for probe in (False, True):
+        choices = iter([[1], [0], [0]])
+
+        def choose(reqs, probe=probe):
+            gammas = next(choices, [0])
+            ctl.plain_probe = probe and gammas == [0]
+            return gammas
+
+        monkeypatch.setattr(ctl, "choose", choose)
+        chains.clear()
+        llm.generate([{"prompt_token_ids": list(range(10, 40))}], SamplingParams(max_tokens=30, ignore_eos=True),
+                     use_tqdm=False)  # fmt: skip
+        assert chains[0] == (engine_mod.PLAIN_PROBE_CHAIN if probe else engine_mod.PLAIN_CHAIN), chains
