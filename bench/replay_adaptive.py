@@ -13,8 +13,8 @@ On a shared 2-core machine two runs of the same interleaved A/B differ by +-5% p
    ``COSTS``): a plain chain call, a drafted step by depth, the draft's catch-up per token, per-call overhead.
 
 The replay drives ``AdaptiveController`` the way ``Engine._decode`` does (a plain choice runs a chain of 8 steps, or
-4 for the plain probe while drafting; a drafted choice runs up to 4 native steps, ending at a rejection while the request is
-``unsure``; the draft cache is filled lazily, so a request's first drafted step catches up its prompt), over
+4 for the plain probe while drafting; a drafted choice runs up to 4 native steps, ending at a rejection while the
+request is ``unsure``; the draft cache is filled lazily, so a request's first drafted step catches up its prompt), over
 held-out prompts sharing one controller (as a server's requests do) and over the five demo prompts each with a fresh
 one (as ``specdec generate --compare`` runs them). It prints each prompt's ratio to plain decoding for the
 controller's knobs as set (``--set OPTIMISM=1.0`` etc.) and for fixed depths 1-3. The ratios are the model's:

@@ -282,7 +282,7 @@ def test_the_plain_chain_is_short_only_for_the_controllers_plain_probe(target, d
     for probe in (False, True):
         choices = iter([[1], [0], [0]])
 
-        def choose(reqs, probe=probe):
+        def choose(reqs, probe=probe, choices=choices):
             gammas = next(choices, [0])
             ctl.plain_probe = probe and gammas == [0]
             return gammas
