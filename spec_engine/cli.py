@@ -18,6 +18,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="speculation method (default: draft_model when a draft is available, else none)")  # fmt: skip
     g.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="gamma: tree depth (default 4)")
     g.add_argument("--tree", type=str, default=None, help="static tree, children per depth, e.g. 3,2,1")
+    g.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="the draft's logits over its K most frequent ids (its draft_vocab.json; default: the "
+                   "file's K, the full vocabulary without one; the vocabulary size turns it off)")  # fmt: skip
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="precision (default auto: bfloat16 on CPUs with AVX512-BF16, else float32)")  # fmt: skip
@@ -45,6 +48,8 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True):
             spec["model"] = draft
         if args.num_speculative_tokens is not None:
             spec["num_speculative_tokens"] = args.num_speculative_tokens
+        if args.draft_vocab_size is not None:
+            spec["draft_vocab_size"] = args.draft_vocab_size
         if args.tree:
             try:
                 spec["tree"] = [int(x) for x in args.tree.split(",")]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tiny_models import make_model, make_tokenizer
 
@@ -59,3 +61,14 @@ def test_tensor_parallel_size_is_checked(pair, capsys):
             LLM(str(target), tensor_parallel_size=bad)
     assert main(["generate", "--prompt", "x", "--model", str(target), "--tensor-parallel-size", "0"]) == 2
     assert "positive int" in capsys.readouterr().err  # TP > 1 itself: tests/test_tensor_parallel.py
+
+
+def test_draft_vocab_size_is_passed_and_checked(pair, capsys):
+    """--draft-vocab-size reaches speculative_config: the vocabulary size is the full one; a smaller K
+    needs the draft's draft_vocab.json (this one has none) and a K below 1 is refused, both cleanly (exit 2)."""
+    target, draft = pair
+    argv = ["generate", "--prompt", "def fib(n):", "--model", str(target), "--draft", str(draft), "--max-tokens", "4"]
+    vocab = str(json.loads((target / "config.json").read_text())["vocab_size"])
+    assert main(argv + ["--draft-vocab-size", vocab]) == 0
+    assert main(argv + ["--draft-vocab-size", "8"]) == 2 and "draft_vocab.json" in capsys.readouterr().err
+    assert main(argv + ["--draft-vocab-size", "0"]) == 2
