@@ -180,8 +180,10 @@ class LlamaForCausalLM(nn.Module):
         """A draft's logits over ``token_ids`` only (FR-Spec's frequency-ranked draft vocabulary; EAGLE-3 ships its
         heads so): its lm_head costs K rows instead of V. ``logits`` stays [..., V], -inf outside the ids, so every
         drafting path works unchanged: a greedy draft proposes the most likely of the ids, a sampled one draws from
-        q renormalised over them, and verification stays lossless for any q (a proposal outside the ids is never
-        made; the target's residual keeps its mass). Acceptance falls only where the target's token lies outside.
+        q renormalised over them, and verification stays lossless (a proposal outside the ids is never made; the
+        target's residual keeps its mass) as long as K is at least a tree level's branching: b children drawn
+        without replacement need b ids with q > 0 (``LLM`` refuses a narrower K). Acceptance falls only where the
+        target's token lies outside.
         Not for a target: its logits are the output. None restores the full vocabulary. Returns self."""
         if token_ids is None:
             self.vocab_map = self.head_weight = None
