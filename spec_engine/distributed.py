@@ -60,6 +60,7 @@ NO_TABLE = -1  # header value of W when the cache is contiguous (no block table)
 
 # commands
 FORWARD, LOGITS, LOGITS_OF, ALLOC_KV, SHUTDOWN = 1, 2, 3, 4, 5
+SHUTDOWN_TIMEOUT_S = 10  # the last all-reduce of a shutdown (a rank that died meanwhile must not hold it up long)
 
 
 class TensorParallelError(RuntimeError):
@@ -529,6 +530,7 @@ def _shutdown(comm: _Comm, processes: list) -> None:
     if all(p.is_alive() for p in processes):  # none: torchrun's ranks, told to stop all the same
         try:
             _send_command(comm, _pack(SHUTDOWN, {}, [], comm.device))
+            _close_group(comm)
         except Exception:
             pass
     for p in processes:
@@ -536,6 +538,18 @@ def _shutdown(comm: _Comm, processes: list) -> None:
         if p.is_alive():
             p.terminate()
             p.join(timeout=5)
+
+
+def _close_group(comm: _Comm) -> None:
+    """Every rank, after SHUTDOWN: one last all-reduce (no rank still has a collective in flight), then this rank's
+    group is destroyed now. Left to the interpreter's exit, torchrun's default gloo group sometimes lost its peers
+    first, and a gloo worker thread aborted the process after all output was written (exit code -6, 3 to 5 runs in
+    24 of the torchrun test)."""
+    comm.all_reduce(torch.ones(1, device=comm.device), timeout=datetime.timedelta(seconds=SHUTDOWN_TIMEOUT_S))
+    pg, comm.pg = comm.pg, None
+    if dist.is_initialized() and pg is dist.distributed_c10d._get_default_group():
+        dist.destroy_process_group()
+    del pg
 
 
 def _timeout_s() -> float:
@@ -611,7 +625,8 @@ def join_torchrun(model_dir: str | Path, world: int, *, dtype: torch.dtype, devi
     comm = _Comm(None, rank, world, dev, timeout, pg=dist.distributed_c10d._get_default_group())
     if rank != 0:
         serve_rank(model_dir, comm, dtype)
-        dist.destroy_process_group()
+        if dist.is_initialized():  # (serve_rank closed it at SHUTDOWN; not after a failure)
+            dist.destroy_process_group()
         raise SystemExit(0)
     target = TPTarget(model_dir, ModelConfig.from_dir(model_dir), comm, [], dtype, dev)
     _handshake(comm, ok=True)
@@ -694,6 +709,7 @@ def serve_rank(model_dir, comm: _Comm, dtype: torch.dtype) -> None:
         header, r = _receive_command(comm)
         cmd = header[0]
         if cmd == SHUTDOWN:
+            _close_group(comm)
             return
         if cmd == ALLOC_KV:
             kv = PagedKVCache(shard_config(cfg, plan), header[8], header[9], dtype, comm.device)
