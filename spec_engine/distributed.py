@@ -549,7 +549,6 @@ def _close_group(comm: _Comm) -> None:
     pg, comm.pg = comm.pg, None
     if dist.is_initialized() and pg is dist.distributed_c10d._get_default_group():
         dist.destroy_process_group()
-    del pg
 
 
 def _timeout_s() -> float:

@@ -30,17 +30,6 @@ _EMPTY = torch.empty(0)  # stands for a missing optional weight in the C++ op's 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _native_fits(hidden: torch.Tensor, weights: Sequence[torch.Tensor | None], kv_cache: torch.Tensor) -> bool:
-    """Whether backend=None takes the C++ op: CPU float32 or bfloat16 activations, weights and cache of one dtype."""
-    dtype = hidden.dtype
-    return (
-        hidden.is_cpu
-        and dtype in NATIVE_DTYPES
-        and kv_cache.dtype == dtype
-        and all(w is None or w.dtype == dtype for w in weights)
-    )
-
-
 _FLAT: dict[int, tuple[list, list, torch.dtype | None]] = {}  # id(weights) -> (weights, flat, their one dtype)
 
 
@@ -58,11 +47,12 @@ def _flat_weights(weights: list) -> tuple[list[torch.Tensor], torch.dtype | None
     return hit[1], hit[2]
 
 
-def _chain_fits(embed: torch.Tensor, weights: Sequence, kv_cache: torch.Tensor) -> list[torch.Tensor] | None:
-    """The flat weights where a chain op's native path takes this model (CPU, one float32 or bfloat16 dtype for
-    embedding, layers and cache), else None. A list is kept (``_flat_weights``); another sequence is flattened."""
+def _native_weights(x: torch.Tensor, weights: Sequence, kv_cache: torch.Tensor) -> list[torch.Tensor] | None:
+    """The flat weights where backend=None takes the C++ ops (CPU, one float32 or bfloat16 dtype for the activations
+    or embedding ``x``, the layers and the cache), else None. A list is kept (``_flat_weights``); another sequence
+    is flattened."""
     flat, dtype = _flat_weights(weights if isinstance(weights, list) else list(weights))
-    fits = embed.is_cpu and embed.dtype in NATIVE_DTYPES and dtype == embed.dtype == kv_cache.dtype
+    fits = x.is_cpu and x.dtype in NATIVE_DTYPES and dtype == x.dtype == kv_cache.dtype
     return flat if fits else None
 
 
@@ -119,13 +109,14 @@ def decoder_layers(
     ValueError, TypeError
         Bad shapes or dtypes, a position past a sequence's cache, a block id outside the cache (native backend).
     """
+    flat = _native_weights(hidden, weights, kv_cache)  # None: the native path does not take these tensors
     weights = list(weights)
     if len(weights) % len(LAYER_FIELDS) != 0:
         raise ValueError(f"decoder_layers: weights must hold {len(LAYER_FIELDS)} tensors per layer ({LAYER_FIELDS})")
     layers = None if capture is None else [int(i) for i in capture]
     if layers is not None and not all(0 <= i < len(weights) // len(LAYER_FIELDS) for i in layers):
         raise ValueError(f"decoder_layers: capture {layers} names a layer the model does not have")
-    if backend is None and not _native_fits(hidden, weights, kv_cache):
+    if backend is None and flat is None:
         return _device_layers(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
                               num_heads, eps, layers)  # fmt: skip
     backend = resolve_backend("decoder_layers", backend, hidden.device, has_triton=False)
@@ -139,7 +130,8 @@ def decoder_layers(
     from spec_kernels._ext import load_ext
 
     load_ext()
-    flat = [_EMPTY if w is None else w for w in weights]
+    if flat is None:  # backend="native" asked for tensors it does not take: the C++ op says which
+        flat = [_EMPTY if w is None else w for w in weights]
     out, features = torch.ops.spec_kernels.decoder_layers(
         hidden, flat, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps, layers or []
     )
@@ -188,7 +180,7 @@ def greedy_chain(
     NaNs instead: a bad guess costs acceptance only). ``vocab_map`` ``[K]`` int64 (a draft's restricted vocabulary,
     ``LlamaForCausalLM.restrict_vocab``): root_logits ``[B, K]`` and lm_head ``[K, H]`` are over those token ids.
     """
-    flat = _chain_fits(embed, weights, kv_cache)
+    flat = _native_weights(embed, weights, kv_cache)
     if flat is None or lm_head.dtype != embed.dtype or not rope_table.is_cpu:
         return None
     from spec_kernels._ext import load_ext
@@ -218,7 +210,7 @@ def spec_chain(target, draft, pending, pending_lens, seqlens, target_kv, draft_k
         raise ValueError("spec_chain: the target's vocabulary cannot be restricted (its logits decide the output)")
     args = []
     for (embed, weights, norm, lm_head, rope, heads, eps, _), kv in ((target, target_kv), (draft, draft_kv)):
-        flat = _chain_fits(embed, weights, kv)
+        flat = _native_weights(embed, weights, kv)
         if flat is None or lm_head.dtype != embed.dtype or rope.dtype != embed.dtype or not rope.is_cpu:
             return None
         args += [embed, flat, norm, lm_head, kv, rope, heads, eps]
