@@ -23,11 +23,8 @@
 // hides contributes nothing. So a tree node's hidden state equals plain decoding's of the same tokens bit for bit.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/arange.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
-#include <ATen/ops/ones.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
@@ -40,6 +37,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -428,12 +426,10 @@ struct Dims {
   int64_t B, T, H, Hq, Hkv, D, I, num_layers;
 };
 
-Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weights, const at::Tensor& final_norm,
-                  const at::Tensor& kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
-                  const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table, int64_t num_heads,
-                  at::IntArrayRef capture) {
-  TORCH_CHECK_VALUE(hidden.dim() == 3, "decoder_layers: hidden must be [B, T, H], got ", hidden.sizes());
-  const at::ScalarType dtype = hidden.scalar_type();
+// The model's tensors: its layer weights, final norm and cache, in `dtype` on `device`, hidden size H. Dims with B
+// and T zero. Checked once per call of every op (a chain op runs many forwards on them).
+Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, const std::vector<at::Tensor>& weights,
+                 const at::Tensor& final_norm, const at::Tensor& kv_cache, int64_t num_heads) {
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16,
                    "decoder_layers: the native path takes float32 or bfloat16, got ", dtype);
   TORCH_CHECK_VALUE(kv_cache.dim() == 6, "decoder_layers: kv_cache must be [layers, 2, blocks, block_size, Hkv, D], ",
@@ -444,8 +440,7 @@ Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weigh
                    kv_cache.scalar_type());
   TORCH_CHECK_VALUE(weights.size() % kNumFields == 0, "decoder_layers: weights must hold ", int(kNumFields),
                     " tensors per layer, got ", weights.size());
-  Dims d{hidden.size(0), hidden.size(1), hidden.size(2), num_heads, kv_cache.size(4), kv_cache.size(5), 0,
-         static_cast<int64_t>(weights.size()) / kNumFields};
+  Dims d{0, 0, H, num_heads, kv_cache.size(4), kv_cache.size(5), 0, static_cast<int64_t>(weights.size()) / kNumFields};
   TORCH_CHECK_VALUE(d.num_layers <= kv_cache.size(0), "decoder_layers: ", d.num_layers, " layers but the cache has ",
                     kv_cache.size(0));
   TORCH_CHECK_VALUE(d.Hkv > 0 && d.Hq > 0 && d.Hq % d.Hkv == 0, "decoder_layers: num_heads ", d.Hq,
@@ -461,8 +456,8 @@ Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weigh
       }
       TORCH_CHECK_TYPE(w[f].scalar_type() == dtype, "decoder_layers: layer ", l, " ", kFieldNames[f], " must be ",
                        dtype, " like hidden, got ", w[f].scalar_type());
-      TORCH_CHECK_VALUE(w[f].device() == hidden.device() && w[f].is_contiguous(), "decoder_layers: layer ", l, " ",
-                        kFieldNames[f], " must be contiguous and on ", hidden.device());
+      TORCH_CHECK_VALUE(w[f].device() == device && w[f].is_contiguous(), "decoder_layers: layer ", l, " ",
+                        kFieldNames[f], " must be contiguous and on ", device);
     }
     TORCH_CHECK_VALUE(w[kQNorm].defined() == w[kKNorm].defined(), "decoder_layers: q_norm and k_norm go together");
     if (l == 0) d.I = w[kGateUp].dim() == 2 ? w[kGateUp].size(0) / 2 : 0;
@@ -481,6 +476,19 @@ Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weigh
   }
   TORCH_CHECK_VALUE(final_norm.dim() == 1 && final_norm.size(0) == d.H && final_norm.scalar_type() == dtype,
                     "decoder_layers: final_norm must be ", dtype, " [", d.H, "], got ", final_norm.sizes());
+  TORCH_CHECK_VALUE(final_norm.device() == device && kv_cache.device() == device,
+                    "decoder_layers: all tensors must be on ", device);
+  return d;
+}
+
+Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weights, const at::Tensor& final_norm,
+                  const at::Tensor& kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                  const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table, int64_t num_heads,
+                  at::IntArrayRef capture) {
+  TORCH_CHECK_VALUE(hidden.dim() == 3, "decoder_layers: hidden must be [B, T, H], got ", hidden.sizes());
+  const at::ScalarType dtype = hidden.scalar_type();
+  Dims d = check_model(dtype, hidden.device(), hidden.size(2), weights, final_norm, kv_cache, num_heads);
+  d.B = hidden.size(0), d.T = hidden.size(1);
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == d.B, "decoder_layers: cache_seqlens must be [",
                     d.B, "], got ", cache_seqlens.sizes());
   TORCH_CHECK_TYPE(cache_seqlens.scalar_type() == at::kInt || cache_seqlens.scalar_type() == at::kLong,
@@ -522,6 +530,25 @@ std::vector<at::Tensor> present(at::TensorList list) {
   return weights;
 }
 
+// Every position written or read must lie in the sequence's blocks: L_b + T within the table's capacity, and the
+// blocks those positions use real blocks of the cache.
+template <typename T>
+void check_positions(const Problem<T>& p, int64_t B, int64_t T_) {
+  const int64_t capacity = p.block_table != nullptr ? p.max_blocks * p.block_size : p.block_size;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(p.seqlens[b] >= 0 && p.seqlens[b] + T_ <= capacity, "decoder_layers: sequence ", b,
+                      " has L_b = ", p.seqlens[b], " and T = ", T_, " but its cache holds ", capacity, " positions");
+    if (p.block_table != nullptr) {
+      const int64_t used = (p.seqlens[b] + T_ + p.block_size - 1) / p.block_size;
+      for (int64_t i = 0; i < used; ++i) {
+        const int32_t block = p.block_table[b * p.max_blocks + i];
+        TORCH_CHECK_VALUE(block >= 0 && block < p.num_blocks, "decoder_layers: block_table[", b, ", ", i, "] = ",
+                          block, " is not a block of the cache (", p.num_blocks, " blocks)");
+      }
+    }
+  }
+}
+
 // Checks the values (positions and block ids; free on CPU), runs the layers and the final norm into out [B, T, H].
 template <typename T>
 void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tensor>& weights,
@@ -545,20 +572,7 @@ void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tens
   p.num_capture = static_cast<int64_t>(capture.size());
   p.features = features.data_ptr<T>();
 
-  // Every position written or read must lie in the sequence's blocks.
-  const int64_t capacity = table.defined() ? p.max_blocks * p.block_size : p.block_size;
-  for (int64_t b = 0; b < d.B; ++b) {
-    TORCH_CHECK_VALUE(p.seqlens[b] >= 0 && p.seqlens[b] + d.T <= capacity, "decoder_layers: sequence ", b,
-                      " has L_b = ", p.seqlens[b], " and T = ", d.T, " but its cache holds ", capacity, " positions");
-    if (table.defined()) {
-      const int64_t used = (p.seqlens[b] + d.T + p.block_size - 1) / p.block_size;
-      for (int64_t i = 0; i < used; ++i) {
-        const int32_t block = p.block_table[b * p.max_blocks + i];
-        TORCH_CHECK_VALUE(block >= 0 && block < p.num_blocks, "decoder_layers: block_table[", b, ", ", i, "] = ",
-                          block, " is not a block of the cache (", p.num_blocks, " blocks)");
-      }
-    }
-  }
+  check_positions(p, d.B, d.T);
 
   std::vector<float> h(d.B * d.T * d.H);  // the residual stream in float32
   const T* in = hidden.data_ptr<T>();
@@ -633,6 +647,158 @@ int64_t first_argmax(const T* z, int64_t V, bool strict) {
   return strict && (nan || !std::isfinite(best_v)) ? -1 : best;
 }
 
+// One model's forwards within one chain op call (draft_chain, spec_chain): its tensors checked and its cache's
+// geometry read once, then every forward runs from raw buffers kept across forwards. Driven through ATen ops (the
+// embedding, RoPE rows and mask as tensors, then decoder_layers_cpu), a forward cost ~25 op calls of 1-3 us: ~60 per
+// speculative step. The values are the op path's: the same embedding and RoPE rows, the causal mask, run_layers,
+// the final norm, and the logits kernel.
+template <typename T>
+class ChainRunner {
+ public:
+  // embed [V, H], lm_head [V', H] (V' = V, or a restricted vocabulary's K), rope [2, P, D] by position; table
+  // int32 [B, W] contiguous, or undefined for a contiguous cache of B rows.
+  ChainRunner(const char* op, const at::Tensor& embed, at::TensorList weights, const at::Tensor& norm,
+              const at::Tensor& lm_head, const at::Tensor& kv, const at::Tensor& rope, int64_t heads, double eps,
+              const at::Tensor& table, int64_t B)
+      : op_(op),
+        weights_(present(weights)),
+        embed_(embed.contiguous()),
+        norm_(norm.contiguous()),
+        head_(lm_head.contiguous()),
+        rope_(rope.contiguous()),
+        table_(table) {
+    TORCH_CHECK_VALUE(embed.dim() == 2 && lm_head.dim() == 2 && lm_head.size(1) == embed.size(1), op,
+                      ": embed [V, H] and lm_head [V, H] must share H, got ", embed.sizes(), " and ", lm_head.sizes());
+    d_ = check_model(embed.scalar_type(), embed.device(), embed.size(1), weights_, norm, kv, heads);
+    TORCH_CHECK_TYPE(lm_head.scalar_type() == embed.scalar_type() && rope.scalar_type() == embed.scalar_type(), op,
+                     ": lm_head and the RoPE table must be ", embed.scalar_type(), " like the embedding");
+    TORCH_CHECK_VALUE(rope.dim() == 3 && rope.size(0) == 2 && rope.size(2) == d_.D, op,
+                      ": the RoPE table must be [2, P, D] with D = ", d_.D, ", got ", rope.sizes());
+    if (table.defined()) {
+      TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == B, op, ": block_table must be [B, max_blocks] with B = ",
+                        B, ", got ", table.sizes());
+    } else {
+      TORCH_CHECK_VALUE(kv.size(2) == B, op, ": a contiguous cache has ", kv.size(2), " rows for B = ", B);
+    }
+    p_.H = d_.H, p_.Hq = d_.Hq, p_.Hkv = d_.Hkv, p_.D = d_.D, p_.I = d_.I, p_.num_layers = d_.num_layers;
+    p_.eps = static_cast<float>(eps);
+    p_.scale = 1.f / std::sqrt(static_cast<float>(d_.D));
+    p_.num_blocks = kv.size(2);
+    p_.block_size = kv.size(3);
+    p_.block_table = table.defined() ? table.data_ptr<int32_t>() : nullptr;
+    p_.max_blocks = table.defined() ? table.size(1) : 1;
+    p_.kv = kv.data_ptr<T>();
+  }
+
+  int64_t vocab() const { return head_.size(0); }
+  int64_t hidden_size() const { return d_.H; }
+
+  // Tokens [B, T] (row stride ld) at positions start[b] + t, a causal chunk over the cache: the final-normed hidden
+  // states [B * T, H], their K/V written. Valid until the next forward.
+  const T* forward(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start) {
+    const int64_t H = d_.H, D = d_.D, M = B * T_, V = embed_.size(0), P = rope_.size(1);
+    h_.resize(M * H);
+    cos_sin_.resize(2 * M * D);
+    out_.resize(M * H);
+    seqlens_.assign(start, start + B);
+    if (mask_size_ < M * T_) mask_.reset(new bool[M * T_]), mask_size_ = M * T_;
+    const T* emb = embed_.data_ptr<T>();
+    const T* cos = rope_.data_ptr<T>();
+    const T* sin = cos + P * D;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T_; ++t) {
+        const int64_t m = b * T_ + t, tok = tokens[b * ld + t], pos = start[b] + t;
+        TORCH_CHECK_VALUE(tok >= 0 && tok < V, op_, ": token ", tok, " is not an id of the ", V, "-token embedding");
+        TORCH_CHECK_VALUE(pos >= 0 && pos < P, op_, ": position ", pos, " needs a longer RoPE table than ", P);
+        for (int64_t i = 0; i < H; ++i) h_[m * H + i] = to_f(emb[tok * H + i]);
+        std::copy(cos + pos * D, cos + (pos + 1) * D, cos_sin_.data() + m * D);
+        std::copy(sin + pos * D, sin + (pos + 1) * D, cos_sin_.data() + (M + m) * D);
+        for (int64_t j = 0; j < T_; ++j) mask_[m * T_ + j] = j <= t;
+      }
+    }
+    Problem<T> p = p_;
+    p.B = B, p.T_ = T_;
+    p.seqlens = seqlens_.data();
+    p.tree_mask = mask_.get();
+    p.cos = cos_sin_.data();
+    p.sin = p.cos + M * D;
+    check_positions(p, B, T_);
+    if (M == 0) return out_.data();
+    run_layers(p, weights_, h_.data());
+    rms_norm(h_.data(), H, norm_.data_ptr<T>(), p.eps, out_.data(), M, H);
+    return out_.data();
+  }
+
+  // Logits [rows, V'] of hidden states [rows, H]. Valid until the next call.
+  const T* logits(const T* hidden, int64_t rows) {
+    logits_.resize(rows * vocab());
+    if (rows > 0) linear(hidden, head_.data_ptr<T>(), nullptr, logits_.data(), rows, vocab(), d_.H);
+    return logits_.data();
+  }
+
+ private:
+  const char* op_;
+  std::vector<at::Tensor> weights_;
+  at::Tensor embed_, norm_, head_, rope_, table_;
+  Dims d_{};
+  Problem<T> p_{};
+  std::vector<float> h_;  // the residual stream in float32
+  std::vector<T> cos_sin_, out_, logits_;
+  std::vector<int64_t> seqlens_;
+  std::unique_ptr<bool[]> mask_;
+  int64_t mask_size_ = 0;
+};
+
+// A greedy chain: tokens tok [B, gamma] (row stride gamma), token d the argmax of token d - 1's logits (the first of
+// the roots' logits [B, V]), tokens 1 .. gamma - 1 run through `model` at positions L_b + d. ``strict``: a row's
+// tokens are -1 from its first non-finite logits on. ``id_of`` [V] (or null): a restricted vocabulary's token ids.
+template <typename T, typename R>
+void run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t* L, int64_t B, int64_t gamma,
+               bool strict, const int64_t* id_of, int64_t* tok) {
+  std::vector<int64_t> ids(B), pos(B);
+  const T* logits = nullptr;  // [B, V]
+  for (int64_t d = 1; d <= gamma; ++d) {
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t& t = tok[b * gamma + d - 1];
+      t = d > 1 && tok[b * gamma + d - 2] < 0 ? -1  // a strict row stays -1 after its first bad logits
+          : d == 1                            ? first_argmax(root + b * V, V, strict)
+                                              : first_argmax(logits + b * V, V, strict);
+      if (id_of != nullptr) t = id_of[t];  // never strict: t >= 0
+      ids[b] = std::max<int64_t>(t, 0);    // a -1 row runs token 0
+      pos[b] = L[b] + d;                   // the node's slot
+    }
+    if (d == gamma) break;
+    logits = model.logits(model.forward(ids.data(), 1, B, 1, pos.data()), B);
+  }
+}
+
+// The block table as the runners read it: int32, contiguous (undefined when absent).
+at::Tensor table_of(const c10::optional<at::Tensor>& block_table) {
+  return block_table.has_value() ? block_table->to(at::kInt).contiguous() : at::Tensor();
+}
+
+// A restricted vocabulary's ids [V] as int64, each an id of the embedding's `rows` (undefined when absent).
+at::Tensor vocab_ids(const char* op, const c10::optional<at::Tensor>& vocab_map, int64_t V, int64_t rows) {
+  if (!vocab_map.has_value()) return at::Tensor();
+  TORCH_CHECK_VALUE(vocab_map->device().is_cpu(), op, ": vocab_map must be on the CPU");
+  at::Tensor ids = vocab_map->to(at::kLong).contiguous();
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.size(0) == V, op, ": vocab_map must be [V] = [", V, "], got ", ids.sizes());
+  TORCH_CHECK_VALUE(V == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < rows), op,
+                    ": vocab_map ids must lie in [0, ", rows, ")");
+  return ids;
+}
+
+template <typename T>
+void draft_chain_impl(const at::Tensor& logits, ChainRunner<T>& model, const int64_t* L, int64_t B, int64_t gamma,
+                      bool strict, const int64_t* id_of, int64_t* tok) {
+  const int64_t V = logits.size(1);
+  if (logits.scalar_type() == at::kFloat) {
+    run_chain(model, logits.data_ptr<float>(), V, L, B, gamma, strict, id_of, tok);
+  } else {
+    run_chain(model, logits.data_ptr<c10::BFloat16>(), V, L, B, gamma, strict, id_of, tok);
+  }
+}
+
 }  // namespace
 
 // A greedy draft chain in one call: from the roots' draft logits [B, V], gamma tokens per row, each the argmax of
@@ -648,6 +814,8 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
                            int64_t gamma, bool strict, const c10::optional<at::Tensor>& vocab_map) {
   TORCH_CHECK_VALUE(root_logits.dim() == 2 && root_logits.device().is_cpu(),
                     "draft_chain: root_logits must be [B, V] on CPU, got ", root_logits.sizes());
+  TORCH_CHECK_TYPE(root_logits.scalar_type() == at::kFloat || root_logits.scalar_type() == at::kBFloat16,
+                   "draft_chain: root_logits must be float32 or bfloat16, got ", root_logits.scalar_type());
   const int64_t B = root_logits.size(0), V = root_logits.size(1);
   TORCH_CHECK_VALUE(gamma >= 1, "draft_chain: gamma must be >= 1, got ", gamma);
   TORCH_CHECK_VALUE(embed.dim() == 2 && embed.size(0) >= V && lm_head.dim() == 2 && lm_head.size(0) == V &&
@@ -655,105 +823,120 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
                     "draft_chain: embed [V, H] and a contiguous lm_head [V, H] must match the logits' V = ", V,
                     ", got ", embed.sizes(), " and ", lm_head.sizes());
   // a restricted draft vocabulary: logits and lm_head rows are over vocab_map [V] (token ids), not over all ids
-  at::Tensor ids;
-  if (vocab_map.has_value()) {
-    TORCH_CHECK_VALUE(vocab_map->device().is_cpu(), "draft_chain: vocab_map must be on the CPU");
-    ids = vocab_map->to(at::kLong).contiguous();
-    TORCH_CHECK_VALUE(ids.dim() == 1 && ids.size(0) == V, "draft_chain: vocab_map must be [V] = [", V, "], got ",
-                      ids.sizes());
-    TORCH_CHECK_VALUE(!strict, "draft_chain: a strict (target) chain has no vocab_map");
-    TORCH_CHECK_VALUE(V == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < embed.size(0)),
-                      "draft_chain: vocab_map ids must lie in [0, ", embed.size(0), ")");
-  }
-  const int64_t* id_of = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
+  TORCH_CHECK_VALUE(!vocab_map.has_value() || !strict, "draft_chain: a strict (target) chain has no vocab_map");
+  const at::Tensor ids = vocab_ids("draft_chain", vocab_map, V, embed.size(0));
   TORCH_CHECK_VALUE(rope_table.dim() == 3 && rope_table.size(0) == 2, "draft_chain: rope_table must be [2, P, D]");
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
                     "draft_chain: cache_seqlens must be [B] = [", B, "]");
-  const at::Tensor seqlens = cache_seqlens.to(at::kLong);  // [B]: the roots' positions L_b
+  const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
   const int64_t max_pos = B > 0 ? seqlens.max().item<int64_t>() + gamma : 0;
   TORCH_CHECK_VALUE(max_pos <= rope_table.size(1), "draft_chain: positions up to ", max_pos,
                     " need a longer RoPE table than ", rope_table.size(1));
   at::Tensor tokens = at::empty({B, gamma}, seqlens.options());  // [B, gamma]
-  int64_t* tok = tokens.data_ptr<int64_t>();
-  at::Tensor logits = root_logits.contiguous();  // [B, V]
-  const at::Tensor mask = at::ones({B, 1, 1}, seqlens.options().dtype(at::kBool));
-  for (int64_t d = 1; d <= gamma; ++d) {
-    for (int64_t b = 0; b < B; ++b) {
-      int64_t& t = tok[b * gamma + d - 1];
-      t = d > 1 && tok[b * gamma + d - 2] < 0 ? -1  // a strict row stays -1 after its first bad logits
-          : logits.scalar_type() == at::kFloat ? first_argmax(logits.data_ptr<float>() + b * V, V, strict)
-                                               : first_argmax(logits.data_ptr<c10::BFloat16>() + b * V, V, strict);
-      if (id_of != nullptr) t = id_of[t];  // never strict: t >= 0
-    }
-    if (d == gamma) break;
-    const at::Tensor ids = tokens.select(1, d - 1).clamp_min(0).contiguous();  // [B]: a -1 row runs token 0
-    const at::Tensor hidden = embed.index_select(0, ids).unsqueeze(1);           // [B, 1, H]
-    const at::Tensor rope = rope_table.index_select(1, seqlens.add(d)).unsqueeze(2);  // [2, B, 1, D]
-    const at::Tensor lengths = seqlens.add(d).to(at::kInt);  // [B]: the node's slot L_b + d
-    const at::Tensor out = std::get<0>(decoder_layers_cpu(hidden, weights, final_norm, kv_cache, lengths, rope, mask,
-                                                          block_table, num_heads, eps, {}));  // [B, 1, H]
-    at::Tensor next = at::empty({B, V}, out.options());  // [B, V]
-    if (out.scalar_type() == at::kFloat) {
-      linear_f32(out.data_ptr<float>(), lm_head.data_ptr<float>(), nullptr, next.data_ptr<float>(), B, V, out.size(2),
-                 out.size(2));
-    } else {
-      linear_bf16(out.data_ptr<c10::BFloat16>(), lm_head.data_ptr<c10::BFloat16>(), nullptr,
-                  next.data_ptr<c10::BFloat16>(), B, V, out.size(2), out.size(2));
-    }
-    logits = next;
+  const int64_t* L = seqlens.data_ptr<int64_t>();
+  const int64_t* id_of = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
+  const at::Tensor table = table_of(block_table);
+  if (embed.scalar_type() == at::kFloat) {
+    ChainRunner<float> model("draft_chain", embed, weights, final_norm, lm_head, kv_cache, rope_table, num_heads, eps,
+                             table, B);
+    draft_chain_impl(root_logits, model, L, B, gamma, strict, id_of, tokens.data_ptr<int64_t>());
+  } else {
+    ChainRunner<c10::BFloat16> model("draft_chain", embed, weights, final_norm, lm_head, kv_cache, rope_table,
+                                     num_heads, eps, table, B);
+    draft_chain_impl(root_logits, model, L, B, gamma, strict, id_of, tokens.data_ptr<int64_t>());
   }
   return tokens;
 }
 
-}  // namespace specdec
-
-namespace specdec {
-
 namespace {
 
-// One model's tensors for spec_chain: token embedding [V, H], the layers' weights, final norm [H], lm_head [V, H],
-// its paged KV cache, its RoPE table [2, P, D].
-struct ChainModel {
-  const at::Tensor& embed;
-  at::TensorList weights;
-  const at::Tensor& norm;
-  const at::Tensor& lm_head;
-  at::Tensor kv;
-  const at::Tensor& rope;
-  int64_t heads;
-  double eps;
-
-  // Tokens [B, T] at positions seqlens[b] + t (a causal chunk over the cache): the final-normed hidden states
-  // [B, T, H], their K/V written.
-  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& seqlens,
-                     const c10::optional<at::Tensor>& block_table) const {
-    const int64_t B = tokens.size(0), T = tokens.size(1);
-    const at::Tensor hidden = embed.index_select(0, tokens.reshape(-1)).view({B, T, embed.size(1)});   // [B, T, H]
-    const at::Tensor positions = seqlens.unsqueeze(1).add(at::arange(T, seqlens.options()));          // [B, T]
-    const at::Tensor cos_sin = rope.index_select(1, positions.reshape(-1)).view({2, B, T, rope.size(2)});
-    const at::Tensor mask = at::ones({T, T}, tokens.options().dtype(at::kBool)).tril().expand({B, T, T});
-    return std::get<0>(decoder_layers_cpu(hidden, weights, norm, kv, seqlens.to(at::kInt), cos_sin, mask,
-                                          block_table, heads, eps, {}));
-  }
-
-  // Logits [rows, V] in the model's dtype of hidden states [rows, H] (the same kernel as the engine's logits).
-  at::Tensor logits(const at::Tensor& hidden) const {
-    const int64_t rows = hidden.size(0), V = lm_head.size(0), H = hidden.size(1);
-    at::Tensor out = at::empty({rows, V}, hidden.options());
-    if (hidden.scalar_type() == at::kFloat) {
-      linear_f32(hidden.data_ptr<float>(), lm_head.data_ptr<float>(), nullptr, out.data_ptr<float>(), rows, V, H, H);
-    } else {
-      linear_bf16(hidden.data_ptr<c10::BFloat16>(), lm_head.data_ptr<c10::BFloat16>(), nullptr,
-                  out.data_ptr<c10::BFloat16>(), rows, V, H, H);
-    }
-    return out;
-  }
+// The rows of a speculative call (spec_chain_cpu): per row the draft cache's gap then the root (row stride `ld`),
+// its length, L_b, and the tokens it may still emit.
+struct ChainRows {
+  int64_t B, gamma, max_steps;
+  bool stop_on_reject;
+  std::vector<int64_t> gap, gap_len, L, room, stops;
+  int64_t ld;
+  const int64_t* id_of;  // the draft's restricted vocabulary's ids, or null
 };
 
-int64_t strict_argmax(const at::Tensor& logits, int64_t row) {
-  const int64_t V = logits.size(1);
-  return logits.scalar_type() == at::kFloat ? first_argmax(logits.data_ptr<float>() + row * V, V, true)
-                                            : first_argmax(logits.data_ptr<c10::BFloat16>() + row * V, V, true);
+// The steps of spec_chain_cpu into steps [B, S, gamma + 2] and times [S, 2]; leaves the rows' gaps in `r`.
+template <typename TT, typename TD>
+void run_spec_chain(ChainRunner<TT>& target, ChainRunner<TD>& draft, ChainRows& r, int64_t* out, double* secs) {
+  const int64_t B = r.B, gamma = r.gamma, T = gamma + 1, max_steps = r.max_steps;
+  if (B == 0) return;
+  const auto is_stop = [&](int64_t t) { return std::find(r.stops.begin(), r.stops.end(), t) != r.stops.end(); };
+  std::vector<int64_t> d_start(B), roots(B), drafts(B * gamma), tokens(B * T), next_gap(B * 2);
+  std::vector<TD> d_root;  // [B, H_d]
+  std::vector<std::vector<int64_t>> emitted(B);
+  for (int64_t s = 0; s < max_steps; ++s) {
+    bool fits = true;
+    for (int64_t b = 0; b < B; ++b) fits = fits && r.room[b] >= T;
+    if (!fits) break;
+    const auto start = std::chrono::steady_clock::now();
+    // 1. the draft catches up: its gap then the root, at positions D_b ..; the root's logits seed the chain
+    const int64_t width = *std::max_element(r.gap_len.begin(), r.gap_len.end());
+    for (int64_t b = 0; b < B; ++b) {
+      d_start[b] = r.L[b] - r.gap_len[b] + 1;
+      roots[b] = r.gap[b * r.ld + r.gap_len[b] - 1];
+    }
+    const TD* d_hidden = draft.forward(r.gap.data(), r.ld, B, width, d_start.data());  // [B * width, H_d]
+    const int64_t H_d = draft.hidden_size();
+    d_root.clear();
+    for (int64_t b = 0; b < B; ++b) {  // [B, H_d]: each row's root
+      const TD* row = d_hidden + (b * width + r.gap_len[b] - 1) * H_d;
+      d_root.insert(d_root.end(), row, row + H_d);
+    }
+    const TD* d_logits = draft.logits(d_root.data(), B);  // [B, V_d]
+    run_chain(draft, d_logits, draft.vocab(), r.L.data(), B, gamma, false, r.id_of, drafts.data());
+    const auto drafted = std::chrono::steady_clock::now();
+    // 2. the target runs the root and the chain
+    for (int64_t b = 0; b < B; ++b) {
+      tokens[b * T] = roots[b];
+      std::copy(drafts.begin() + b * gamma, drafts.begin() + (b + 1) * gamma, tokens.begin() + b * T + 1);
+    }
+    const TT* logits = target.logits(target.forward(tokens.data(), T, B, T, r.L.data()), B * T);  // [B * T, V]
+    // 3. greedy acceptance: the longest prefix of drafts equal to the target's argmax, then its own next token
+    const int64_t V = target.vocab();
+    bool finite = true;
+    for (int64_t b = 0; b < B && finite; ++b) {
+      emitted[b].clear();
+      for (int64_t j = 0; j < T; ++j) {
+        const int64_t best = first_argmax(logits + (b * T + j) * V, V, true);
+        if (best < 0) {
+          finite = false;
+          break;
+        }
+        emitted[b].push_back(best);
+        if (j == gamma || drafts[b * gamma + j] != best) break;
+      }
+    }
+    if (!finite) break;  // nothing of this step is committed
+    bool stopped = false;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = static_cast<int64_t>(emitted[b].size());
+      int64_t* row = out + (b * max_steps + s) * (gamma + 2);
+      row[0] = n;
+      for (int64_t i = 0; i < n; ++i) {
+        row[1 + i] = emitted[b][i];
+        stopped = stopped || is_stop(emitted[b][i]);
+      }
+      // the draft cache holds the root and drafts 1 .. gamma - 1: all accepted -> draft gamma is its gap
+      const bool all = n == T;
+      next_gap[b * 2] = all ? drafts[b * gamma + gamma - 1] : emitted[b][n - 1];
+      next_gap[b * 2 + 1] = emitted[b][n - 1];
+      r.gap_len[b] = all ? 2 : 1;
+      r.L[b] += n;
+      r.room[b] -= n;
+      stopped = stopped || (r.stop_on_reject && n == 1);
+    }
+    r.gap = next_gap;
+    r.ld = 2;
+    const auto end = std::chrono::steady_clock::now();
+    secs[2 * s] = std::chrono::duration<double>(drafted - start).count();
+    secs[2 * s + 1] = std::chrono::duration<double>(end - start).count();
+    if (stopped) break;
+  }
 }
 
 }  // namespace
@@ -762,14 +945,15 @@ int64_t strict_argmax(const at::Tensor& logits, int64_t row) {
 // on the tokens its cache lacks (then the root), drafts gamma tokens (draft_chain), the target runs the root and
 // the chain at L_b .. L_b + gamma, and the longest prefix of drafts equal to the target's argmax is accepted, plus
 // the target's own next token. A chain's accepted nodes are a prefix: both caches stay in place (no compaction).
-// The engine's step does the same work in ~10 Python-driven op calls; here it costs its kernels.
+// The engine's step does the same work in ~10 Python-driven op calls; here it costs its kernels (ChainRunner: no
+// ATen op inside the steps).
 //
 // pending [B, P] int64: per row the tokens at positions D_b .. L_b (the draft cache's gap, then the root), padded
 // at the end; pending_lens [B]: their counts (>= 1); seqlens [B]: L_b; budget [B]: tokens the row may still emit
 // (a step starts only if every row has gamma + 1 of them left); stop_ids [S]: a step that emits one of them for any
 // row is the last, and so is one where some row accepted no draft when ``stop_on_reject`` (an adaptive controller
-// re-decides the depth after it). A step whose visited target logits are not finite (a NaN, or a non-finite maximum) is dropped
-// and ends the call: the engine's regular step decodes it (and sanitises or raises).
+// re-decides the depth after it). A step whose visited target logits are not finite (a NaN, or a non-finite
+// maximum) is dropped and ends the call: the engine's regular step decodes it (and sanitises or raises).
 //
 // Returns (steps [B, max_steps, gamma + 2] int64: per step the count n of emitted tokens then the tokens, -1
 // padded, n = 0 for steps not run; pending_out [B, 2] and pending_lens_out [B]: the rows' new gaps; times
@@ -790,100 +974,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == B, "spec_chain: per-row inputs must be [B] = [", B, "]");
   }
   TORCH_CHECK_VALUE(t_lm_head.is_contiguous() && d_lm_head.is_contiguous(), "spec_chain: lm_heads must be contiguous");
-  const ChainModel target{t_embed, t_weights, t_norm, t_lm_head, t_kv, t_rope, t_heads, t_eps};
-  const ChainModel draft{d_embed, d_weights, d_norm, d_lm_head, d_kv, d_rope, d_heads, d_eps};
   const at::TensorOptions longs = pending.options().dtype(at::kLong);
+  const at::Tensor ids = vocab_ids("spec_chain", d_vocab_map, d_lm_head.size(0), d_embed.size(0));
 
-  at::Tensor gap = pending.to(at::kLong).contiguous().clone();  // [B, P]
-  std::vector<int64_t> gap_len(B), L(B), room(B);
+  ChainRows rows{B, gamma, max_steps, stop_on_reject, {}, std::vector<int64_t>(B), std::vector<int64_t>(B),
+                 std::vector<int64_t>(B), {}, P, ids.defined() ? ids.data_ptr<int64_t>() : nullptr};
+  const at::Tensor gap = pending.to(at::kLong).contiguous();  // [B, P]
+  rows.gap.assign(gap.data_ptr<int64_t>(), gap.data_ptr<int64_t>() + B * P);
+  const at::Tensor lens = pending_lens.to(at::kLong).contiguous(), L = seqlens.to(at::kLong).contiguous(),
+                   room = budget.to(at::kLong).contiguous(), stops = stop_ids.to(at::kLong).contiguous();
   for (int64_t b = 0; b < B; ++b) {
-    gap_len[b] = pending_lens[b].item<int64_t>();
-    L[b] = seqlens[b].item<int64_t>();
-    room[b] = budget[b].item<int64_t>();
-    TORCH_CHECK_VALUE(gap_len[b] >= 1 && gap_len[b] <= P && L[b] >= gap_len[b] - 1,
-                      "spec_chain: row ", b, " has pending_lens ", gap_len[b], " and L_b ", L[b]);
+    rows.gap_len[b] = lens.data_ptr<int64_t>()[b];
+    rows.L[b] = L.data_ptr<int64_t>()[b];
+    rows.room[b] = room.data_ptr<int64_t>()[b];
+    TORCH_CHECK_VALUE(rows.gap_len[b] >= 1 && rows.gap_len[b] <= P && rows.L[b] >= rows.gap_len[b] - 1,
+                      "spec_chain: row ", b, " has pending_lens ", rows.gap_len[b], " and L_b ", rows.L[b]);
   }
-  const at::Tensor stops = stop_ids.to(at::kLong).contiguous();
-  const int64_t* stop = stops.data_ptr<int64_t>();
-  const auto is_stop = [&](int64_t t) { return std::find(stop, stop + stops.numel(), t) != stop + stops.numel(); };
+  rows.stops.assign(stops.data_ptr<int64_t>(), stops.data_ptr<int64_t>() + stops.numel());
 
   at::Tensor steps = at::full({B, max_steps, gamma + 2}, -1, longs);  // [B, S, gamma + 2]
   steps.select(2, 0).zero_();
   at::Tensor times = at::zeros({max_steps, 2}, longs.dtype(at::kDouble));  // [S, 2]
   int64_t* out = steps.data_ptr<int64_t>();
   double* secs = times.data_ptr<double>();
-  const int64_t T = gamma + 1;
-  at::Tensor next_gap = at::zeros({B, 2}, longs);  // [B, 2]: at most the last draft and the bonus
-
-  for (int64_t s = 0; s < max_steps; ++s) {
-    bool fits = true;
-    for (int64_t b = 0; b < B; ++b) fits = fits && room[b] >= T;
-    if (!fits) break;
-    const auto start = std::chrono::steady_clock::now();
-    // 1. the draft catches up: its gap then the root, at positions D_b ..; the root's logits seed the chain
-    const int64_t width = *std::max_element(gap_len.begin(), gap_len.end());
-    std::vector<int64_t> d_start(B), root(B);
-    const int64_t* gp = gap.data_ptr<int64_t>();  // [B, gap.size(1)], contiguous
-    for (int64_t b = 0; b < B; ++b) {
-      d_start[b] = L[b] - gap_len[b] + 1;
-      root[b] = gp[b * gap.size(1) + gap_len[b] - 1];
-    }
-    const at::Tensor d_seqlens = at::tensor(d_start, longs);  // [B]
-    const at::Tensor d_hidden = draft.forward(gap.narrow(1, 0, width).contiguous(), d_seqlens, block_table);
-    const at::Tensor last = at::tensor(gap_len, longs).sub(1);                                       // [B]
-    const at::Tensor d_root = d_hidden.gather(1, last.view({B, 1, 1}).expand({B, 1, d_hidden.size(2)}))
-                                  .view({B, d_hidden.size(2)});                                     // [B, H_d]
-    const at::Tensor L_t = at::tensor(L, longs);                                                      // [B]
-    const at::Tensor drafts = draft_chain_cpu(draft.logits(d_root.contiguous()), d_embed, d_weights, d_norm,
-                                              d_lm_head, d_kv, L_t, d_rope, block_table, d_heads, d_eps, gamma,
-                                              false, d_vocab_map);  // [B, gamma]
-    const auto drafted = std::chrono::steady_clock::now();
-    // 2. the target runs the root and the chain
-    const at::Tensor tokens = at::cat({at::tensor(root, longs).unsqueeze(1), drafts}, 1);  // [B, T]
-    const at::Tensor hidden = target.forward(tokens, L_t, block_table);                 // [B, T, H]
-    const at::Tensor logits = target.logits(hidden.view({B * T, hidden.size(2)}));        // [B * T, V]
-    // 3. greedy acceptance: the longest prefix of drafts equal to the target's argmax, then its own next token
-    const int64_t* dr = drafts.data_ptr<int64_t>();
-    std::vector<std::vector<int64_t>> emitted(B);
-    bool finite = true;
-    for (int64_t b = 0; b < B && finite; ++b) {
-      for (int64_t j = 0; j < T; ++j) {
-        const int64_t best = strict_argmax(logits, b * T + j);
-        if (best < 0) {
-          finite = false;
-          break;
-        }
-        emitted[b].push_back(best);
-        if (j == gamma || dr[b * gamma + j] != best) break;
-      }
-    }
-    if (!finite) break;  // nothing of this step is committed
-    bool stopped = false;
-    int64_t* g = next_gap.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t n = static_cast<int64_t>(emitted[b].size());
-      int64_t* row = out + (b * max_steps + s) * (gamma + 2);
-      row[0] = n;
-      for (int64_t i = 0; i < n; ++i) {
-        row[1 + i] = emitted[b][i];
-        stopped = stopped || is_stop(emitted[b][i]);
-      }
-      // the draft cache holds the root and drafts 1 .. gamma - 1: all accepted -> draft gamma is its gap
-      const bool all = n == T;
-      g[b * 2] = all ? dr[b * gamma + gamma - 1] : emitted[b][n - 1];
-      g[b * 2 + 1] = emitted[b][n - 1];
-      gap_len[b] = all ? 2 : 1;
-      L[b] += n;
-      room[b] -= n;
-      stopped = stopped || (stop_on_reject && n == 1);
-    }
-    gap = next_gap.clone();
-    const auto end = std::chrono::steady_clock::now();
-    secs[2 * s] = std::chrono::duration<double>(drafted - start).count();
-    secs[2 * s + 1] = std::chrono::duration<double>(end - start).count();
-    if (stopped) break;
+  const at::Tensor table = table_of(block_table);
+  const auto run = [&](auto target_type, auto draft_type) {
+    using TT = decltype(target_type);
+    using TD = decltype(draft_type);
+    ChainRunner<TT> target("spec_chain", t_embed, t_weights, t_norm, t_lm_head, t_kv, t_rope, t_heads, t_eps, table,
+                           B);
+    ChainRunner<TD> draft("spec_chain", d_embed, d_weights, d_norm, d_lm_head, d_kv, d_rope, d_heads, d_eps, table,
+                          B);
+    run_spec_chain(target, draft, rows, out, secs);
+  };
+  const bool t_f32 = t_embed.scalar_type() == at::kFloat, d_f32 = d_embed.scalar_type() == at::kFloat;
+  if (t_f32 && d_f32) {
+    run(float{}, float{});
+  } else if (t_f32) {
+    run(float{}, c10::BFloat16{});
+  } else if (d_f32) {
+    run(c10::BFloat16{}, float{});
+  } else {
+    run(c10::BFloat16{}, c10::BFloat16{});
   }
-  return {steps, gap, at::tensor(gap_len, longs), times};
+  // [B, 2]: at most the last draft and the bonus (pending itself when no step ran)
+  at::Tensor next_gap = rows.ld == 2 ? at::empty({B, 2}, longs) : gap.clone();
+  if (rows.ld == 2) std::copy(rows.gap.begin(), rows.gap.end(), next_gap.data_ptr<int64_t>());
+  return {steps, next_gap, at::tensor(rows.gap_len, longs), times};
 }
 
 }  // namespace specdec

@@ -280,14 +280,18 @@ template <typename T>
 void run(const LinearArgs<T>& a) {
   const bool vector = std::is_same_v<T, float> ? simd::cpu_has_avx512() : simd::cpu_has_avx512_bf16();
   const int64_t num_blocks = (a.N + kRowBlock - 1) / kRowBlock;
-  // Threads only for calls with >= ~5 us of one-thread work: waking the second thread costs ~2 us here (the v
-  // projection [64, 320] fp32 at M=1: 1.9 us on one thread, 3.6 us on two). One block's work is the larger of its
-  // streaming time (~130 KB/us from L2) and its FMA time (one core: ~200 GFLOP/s fp32, ~350 bf16), measured on
-  // the default target's matrices; at::parallel_for splits only ranges longer than `grain` blocks.
+  // Threads for calls with >= ~1 us of one-thread work. Between the forwards of a decode loop the second thread
+  // spins (OpenMP's active wait), so handing it half of a call costs well under a microsecond; a 5 us threshold
+  // (tuned with the thread asleep: the v projection [64, 320] fp32 at M=1 took 1.9 us on one thread, 3.6 us on
+  // two) left the default target's qkv, o and bfloat16 down projections, half its weights, on one thread. Forward
+  // at T=1, interleaved in one process: bfloat16 0.414 -> 0.325 ms, float32 0.814 -> 0.734 ms. One block's work
+  // is the larger of its streaming time (~130 KB/us from L2) and its FMA time (one core: ~200 GFLOP/s fp32, ~350
+  // bf16), measured on the default target's matrices; at::parallel_for splits only ranges longer than `grain`
+  // blocks. The split is by whole blocks: a tile's sums never depend on the thread count.
   const double block_bytes = static_cast<double>(kRowBlock * a.K * static_cast<int64_t>(sizeof(T)));
   const double block_flops = 2.0 * static_cast<double>(a.M * kRowBlock * a.K);
   const double block_us = std::max(block_bytes / 130e3, block_flops / (std::is_same_v<T, float> ? 200e3 : 350e3));
-  const int64_t grain = static_cast<int64_t>(5.0 / std::max(block_us, 1e-3)) + 1;
+  const int64_t grain = static_cast<int64_t>(1.0 / std::max(block_us, 1e-3)) + 1;
   at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
     const int64_t n_begin = begin * kRowBlock;
     const int64_t n_end = std::min(end * kRowBlock, a.N);
