@@ -347,12 +347,20 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, flo
   const int64_t qkv_width = (Hq + 2 * Hkv) * D;
   std::vector<T> x(M * std::max(H, I)), qkv(M * qkv_width), attn(M * Hq * D), gate_up(M * 2 * I), delta(M * H);
   std::vector<float> qk(M * (Hq + Hkv) * D), attn_f(M * Hq * D);  // float32 q/k after norms and RoPE; attention
-  // Work of one attention unit (b, t, kvh), for the threading grain: ~L * G * D * 4 flops at ~20 GFLOP/s a core.
+  // Attention units: (b, t, KV head, a group of its G query heads). A group shares each key's loads across its
+  // heads, so a unit is all G heads, except where the units would not spread evenly over the threads: then the G
+  // heads split into `groups` parts. With one KV head (the default target) a decode token was a single unit, its
+  // attention on one thread. Interleaved, L = 1024: bfloat16 T = 1 0.649 -> 0.505 ms, T = 3 0.955 -> 0.846 ms.
+  // Each head's sums are its own, so the split changes no value. Grain: ~L * D * 4 flops per head at ~20 GFLOP/s.
+  const int64_t threads = at::get_num_threads();
+  const int64_t rows_units = M * Hkv;
+  const int64_t groups = rows_units % threads == 0 || rows_units >= 4 * threads ? 1 : std::min(G, threads);
+  const int64_t per_group = (G + groups - 1) / groups;
   double mean_keys = 0.0;
   for (int64_t b = 0; b < p.B; ++b) mean_keys += static_cast<double>(p.seqlens[b] + p.T_) / static_cast<double>(p.B);
-  const double unit_us = mean_keys * static_cast<double>(G * D) * 4.0 / 20e3;
+  const double unit_us = mean_keys * static_cast<double>(per_group * D) * 4.0 / 20e3;
   const int64_t attn_grain = static_cast<int64_t>(5.0 / std::max(unit_us, 1e-3)) + 1;
-  const int64_t num_units = M * Hkv;
+  const int64_t num_units = rows_units * groups;
 
   for (int64_t l = 0; l < p.num_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kNumFields;
@@ -385,13 +393,16 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, flo
     at::parallel_for(0, num_units, attn_grain, [&](int64_t begin, int64_t end) {
       std::vector<int64_t> rows;
       std::vector<float> scores;
+      int64_t rows_of = -1;  // the query row whose keys `rows` holds
       for (int64_t u = begin; u < end; ++u) {
-        const int64_t m = u / Hkv, kvh = u % Hkv;
-        key_rows(p, m / p.T_, m % p.T_, rows);
-        scores.resize(G * rows.size());
+        const int64_t m = u / (Hkv * groups), kvh = u / groups % Hkv;
+        const int64_t h0 = kvh * G + u % groups * per_group, heads = std::min(per_group, (kvh + 1) * G - h0);
+        if (heads <= 0) continue;
+        if (m != rows_of) key_rows(p, m / p.T_, m % p.T_, rows), rows_of = m;
+        scores.resize(heads * rows.size());
         attend(k_plane + kvh * D, v_plane + kvh * D, rows.data(), static_cast<int64_t>(rows.size()),
-               qk.data() + m * (Hq + Hkv) * D + kvh * G * D, G, D, p.scale, scores.data(),
-               attn_f.data() + m * Hq * D + kvh * G * D);
+               qk.data() + m * (Hq + Hkv) * D + h0 * D, heads, D, p.scale, scores.data(),
+               attn_f.data() + (m * Hq + h0) * D);
       }
     });
     for (int64_t i = 0; i < M * Hq * D; ++i) attn[i] = static_cast<T>(attn_f[i]);

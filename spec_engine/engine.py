@@ -24,7 +24,6 @@ import torch
 
 from spec_engine.adaptive import AdaptiveController, RowState
 from spec_engine.drafters.base import Draft, Drafter, RowView, StepBatch
-from spec_engine.drafters.draft_model import CATCH_UP_CHUNK
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
 from spec_engine.models import LlamaForCausalLM
 from spec_engine.sampling import SEED_MASK, SamplingParams
@@ -38,7 +37,7 @@ from spec_kernels.rng import mix_key
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
 PLAIN_CHAIN = 8  # plain greedy steps per native chain (Engine._plain_chain_len); 1 turns chains off
 PLAIN_PROBE_CHAIN = 4  # ... for the adaptive controller's plain probe while it drafts
-SPEC_CHAIN_STEPS = 4  # greedy speculative steps per native call (Engine._spec_chain_steps); 0 turns it off
+SPEC_CHAIN_STEPS = 16  # greedy speculative steps per native call (Engine._spec_chain_steps); 0 turns it off
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
 
 
@@ -483,18 +482,19 @@ class Engine:
         """Greedy speculative steps the coming step runs in one native call (0: the regular step).
 
         Where a draft model proposes chains for greedy rows, all at one depth g, with nothing waiting and the draft
-        caches' gaps (their catch-up: a prompt, under the adaptive controller) at most CATCH_UP_CHUNK tokens and
-        within g of each other, the whole step (catch-up, chain, target pass, acceptance) is C++
-        (``spec_chain``), and up to SPEC_CHAIN_STEPS of them run per call while every row has g + 1 tokens of its
-        max_tokens left. The step's Python (~0.5 ms of op calls and bookkeeping against a ~1 ms target pass here)
-        is paid once per call; the adaptive controller chooses g for the call and learns from each step."""
+        caches' gaps (their catch-up: a prompt and the tokens decoded before a row's first drafted step, under the
+        adaptive controller) at most a prefill chunk and within g of each other, the whole step (catch-up, chain,
+        target pass, acceptance) is C++ (``spec_chain``), and up to SPEC_CHAIN_STEPS of them run per call while
+        every row has g + 1 tokens of its max_tokens left. The call's Python (~0.25 ms of inputs and committing,
+        against a ~0.36 ms bfloat16 step here) is paid once per call; the adaptive controller chooses g for the
+        call and learns from each step."""
         g = gammas[0] if gammas else 0
         if g == 0 or SPEC_CHAIN_STEPS < 1 or self.waiting or self.device.type != "cpu" or self.drafter is None:
             return 0
         if any(x != g for x in gammas) or not all(r.params.greedy for r in reqs):
             return 0
         lags = [self._cache_lag(r) for r in reqs]
-        if max(lags) > CATCH_UP_CHUNK or max(lags) - min(lags) > g:
+        if max(lags) > self.prefill_chunk or max(lags) - min(lags) > g:
             return 0  # (a ragged catch-up pads rows past their roots: at most g slots, which the step overwrites)
         if self.drafter.chain_parts() is None or self.target.chain_parts() is None:
             return 0
@@ -524,25 +524,31 @@ class Engine:
             return None
         steps, _, gap_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
         steps, gap_lens, times = steps.tolist(), gap_lens.tolist(), times.tolist()
-        # the controller compares these with plain steps timed with their Python: each step's share of the call's
-        # wall time (the native times leave out building inputs and committing)
-        native = sum(t[1] for t in times)
-        scale = (time.perf_counter() - start) / native if native > 0 else 1.0
         new: dict[int, list[int]] = {b: [] for b in range(B)}
-        ran = 0
+        judged = []  # (rows, counts) per step run, for the controller
         for s in range(max_steps):
             if steps[0][s][0] == 0:
                 break  # every row runs every step the call ran
-            ran += 1
             live = [b for b in range(B) if not reqs[b].finished]
             rows = [reqs[b] for b in live]
             counts = [steps[b][s][0] for b in live]
             outs = self._emit(rows, [g] * len(live), [steps[b][s][1:] for b in live], counts)
             for b, out in zip(live, outs):
                 new[b] += out.new_token_ids
-            if self.controller is not None:
-                self.controller.observe(rows, [g] * len(live), counts, times[s][0] * scale, times[s][1] * scale)
+            judged.append((rows, counts))
             self.gamma_history.append(g)
+        ran = len(judged)
+        if self.controller is not None and ran:
+            # The controller compares these with plain steps timed with their Python: each step costs its native
+            # time plus a share of the call's own work (inputs, dispatch, committing), spread over the steps the
+            # call was allowed. A call that ended early at a rejection (an unsure controller) or a stop token paid
+            # its whole overhead for fewer steps, but that is the price of exploring, not of drafting: priced per
+            # step run, a one-step probe call (~0.25 ms of Python against a ~0.36 ms step, bf16) made drafting look
+            # 1.6x a plain token where 16-step calls cost ~1.2x, and no held-out prompt was ever drafted.
+            native = sum(t[1] for t in times[:ran])
+            share = max(time.perf_counter() - start - native, 0.0) / max_steps
+            for s, (rows, counts) in enumerate(judged):
+                self.controller.observe(rows, [g] * len(rows), counts, times[s][0], times[s][1] + share)
         if ran == 0:
             return None  # the first step's target logits were not finite: the regular step decodes it
         self._step_count = ran
