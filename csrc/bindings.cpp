@@ -41,6 +41,11 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
                            const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
                            const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
                            int64_t gamma, bool strict, const c10::optional<at::Tensor>& vocab_map);
+at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at::TensorList weights,
+                            const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
+                            const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
+                            const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
+                            int64_t steps);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens, const at::Tensor& t_embed,
     at::TensorList t_weights, const at::Tensor& t_norm, const at::Tensor& t_lm_head, at::Tensor t_kv,
@@ -181,6 +186,10 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor(a!) kv_cache, Tensor cache_seqlens, Tensor rope_table, Tensor? block_table, int num_heads, float eps, "
       "int gamma, bool strict=False, Tensor? vocab_map=None) -> Tensor");
   m.def(
+      "greedy_steps(Tensor roots, Tensor embed, Tensor[] weights, Tensor final_norm, Tensor lm_head, "
+      "Tensor(a!) kv_cache, Tensor cache_seqlens, Tensor rope_table, Tensor? block_table, int num_heads, float eps, "
+      "int steps) -> Tensor");
+  m.def(
       "spec_chain(Tensor pending, Tensor pending_lens, Tensor seqlens, Tensor t_embed, Tensor[] t_weights, "
       "Tensor t_norm, Tensor t_lm_head, Tensor(a!) t_kv, Tensor t_rope, int t_heads, float t_eps, Tensor d_embed, "
       "Tensor[] d_weights, Tensor d_norm, Tensor d_lm_head, Tensor(b!) d_kv, Tensor d_rope, int d_heads, "
@@ -194,6 +203,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("decoder_layers", &specdec::decoder_layers_cpu);
   m.impl("verify_greedy", &specdec::verify_greedy_cpu);
   m.impl("draft_chain", &specdec::draft_chain_cpu);
+  m.impl("greedy_steps", &specdec::greedy_steps_cpu);
   m.impl("spec_chain", &specdec::spec_chain_cpu);
 }
 

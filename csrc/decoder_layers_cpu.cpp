@@ -859,6 +859,45 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
   return tokens;
 }
 
+// K plain greedy steps in one call (the target's plain decoding, batched): the roots [B] run at positions L_b, then
+// token d = 1 .. K is the argmax of the previous forward's logits, tokens 1 .. K - 1 run at L_b + d (their K/V
+// written there, as K one-token steps would). Returns tokens [B, K] int64; from a row's first non-finite logits on
+// its tokens are -1 (the engine then decodes that step the regular way, which sanitises or raises). The roots'
+// forward ran from Python before (embedding, RoPE rows, decoder_layers, logits: ~0.5 ms where the native forward
+// costs ~0.27, bfloat16 default target): a chain of 8 paid it once, the adaptive controller's plain probe of 4 and
+// a request's last token paid it for 4 and 1.
+at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at::TensorList weights,
+                            const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
+                            const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
+                            const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
+                            int64_t steps) {
+  TORCH_CHECK_VALUE(roots.dim() == 1 && roots.device().is_cpu(), "greedy_steps: roots must be [B] on CPU, got ",
+                    roots.sizes());
+  const int64_t B = roots.size(0);
+  TORCH_CHECK_VALUE(steps >= 1, "greedy_steps: steps must be >= 1, got ", steps);
+  TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
+                    "greedy_steps: cache_seqlens must be [B] = [", B, "]");
+  TORCH_CHECK_VALUE(rope_table.dim() == 3 && rope_table.size(0) == 2, "greedy_steps: rope_table must be [2, P, D]");
+  const at::Tensor ids = roots.to(at::kLong).contiguous();              // [B]
+  const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
+  at::Tensor tokens = at::empty({B, steps}, seqlens.options());        // [B, K]
+  const at::Tensor table = table_of(block_table);
+  const auto run = [&](auto type) {
+    using T = decltype(type);
+    ChainRunner<T> model("greedy_steps", embed, weights, final_norm, lm_head, kv_cache, rope_table, num_heads, eps,
+                         table, B);
+    const int64_t* L = seqlens.data_ptr<int64_t>();
+    const T* logits = model.logits(model.forward(ids.data_ptr<int64_t>(), 1, B, 1, L), B);  // [B, V]
+    run_chain(model, logits, model.vocab(), L, B, steps, true, nullptr, tokens.data_ptr<int64_t>());
+  };
+  if (embed.scalar_type() == at::kFloat) {
+    run(float{});
+  } else {
+    run(c10::BFloat16{});
+  }
+  return tokens;
+}
+
 namespace {
 
 // The rows of a speculative call (spec_chain_cpu): per row the draft cache's gap then the root (row stride `ld`),

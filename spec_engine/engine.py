@@ -41,6 +41,21 @@ SPEC_CHAIN_STEPS = 16  # greedy speculative steps per native call (Engine._spec_
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
 
 
+def chain_step_costs(times: list[list[float]], wall: float, steps: int) -> list[tuple[float, float]]:
+    """(draft, whole step) seconds of each step a native call ran, as the adaptive controller prices them: ``times``
+    the call's native [draft, step] seconds per step run, ``wall`` the call's wall time, ``steps`` the steps of a
+    full call (SPEC_CHAIN_STEPS; PLAIN_CHAIN for plain chains).
+
+    Each step carries a share of the call's own work (inputs, dispatch, committing) as a full call would spread it:
+    the controller compares drafting and plain decoding as they run when it commits to one (16-step speculative
+    calls, 8-step plain chains). Charged to the steps run instead, the short calls of exploring priced both wrong:
+    a one-step probe call (~0.25 ms of Python against a ~0.36 ms step, bfloat16) made drafting look 1.6x a plain
+    token where full calls cost ~1.2x, and the 4-step plain probe chains between drafted steps (0.44 ms per token
+    against 0.25 in full chains) made drafts at alpha 0.45 look 1.5x faster than plain decoding at depth 2."""
+    share = max(wall - sum(t[1] for t in times), 0.0) / max(steps, 1)
+    return [(t[0], t[1] + share) for t in times]
+
+
 @dataclass
 class RequestMetrics:
     num_steps: int = 0  # target passes while decoding
@@ -417,7 +432,7 @@ class Engine:
                 # drafted step that chose to stop drafting (a failed probe) the chain is full: a short one there
                 # cost ~0.6 ms per request
                 chain = min(chain, PLAIN_PROBE_CHAIN)
-            outputs = self._plain_chain(reqs, chain) if chain > 1 else None
+            outputs = self._plain_chain(reqs, chain) if chain else None
         else:
             steps = self._spec_chain_steps(reqs, gammas)
             outputs = self._spec_chain(reqs, gammas[0], steps) if steps else None
@@ -433,36 +448,36 @@ class Engine:
         return self._emit(reqs, gammas, out_tokens, num_accepted)
 
     def _plain_chain_len(self, reqs: list[Request]) -> int:
-        """Tokens per row the coming plain greedy step decodes in one native chain (1: the regular one-token step).
+        """Tokens per row the coming plain greedy step decodes in one native chain (0: the regular one-token step).
 
         Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter or none this step (the adaptive
         controller drafts no row; a drafter that reads the target's features must see every step, so never with
         one of those), all rows greedy and nothing waiting for a slot, the target runs up to PLAIN_CHAIN forwards in
-        one C++ call (``greedy_chain``), so the step's Python and dispatch (~0.2 ms, a fifth of a 1 ms forward here)
+        one C++ call (``greedy_steps``), so the step's Python and dispatch (~0.2 ms, a fifth of a 1 ms forward here)
         is paid once per chain. Same forwards, same kernels, same tokens (tests/test_native_steps.py); output arrives
-        PLAIN_CHAIN tokens at a time, and a new request waits at most one chain before it is admitted."""
-        if (self.drafter is not None and self.drafter.needs_hidden) or self.waiting or self.device.type != "cpu":
-            return 1
-        if not all(r.params.greedy for r in reqs) or self.target.chain_parts() is None:
-            return 1  # (no chain_parts: no native path, which _plain_chain would find only after the roots' forward)
+        PLAIN_CHAIN tokens at a time, and a new request waits at most one chain before it is admitted. A chain of
+        one (a row's last token) still saves the regular step's Python."""
+        if PLAIN_CHAIN < 2 or (self.drafter is not None and self.drafter.needs_hidden) or self.waiting:
+            return 0
+        if self.device.type != "cpu" or not all(r.params.greedy for r in reqs) or self.target.chain_parts() is None:
+            return 0  # (no chain_parts: no native path, which _plain_chain would find only after the roots' forward)
         if self.kv.data.dtype not in NATIVE_DTYPES:
-            return 1
+            return 0
         return min(PLAIN_CHAIN, min(r.tokens_left for r in reqs))
 
     def _plain_chain(self, reqs: list[Request], K: int) -> list[StepOutput] | None:
-        """``K`` plain greedy steps for every row in two native calls: the roots' forward, then ``greedy_chain``
-        from their logits (tokens 1 .. K-1 run through the target at L_b + 1 .. L_b + K - 1, their K/V written
-        there, as K one-token steps would). None, with nothing committed, where the native chain cannot run or some
-        row's logits are not finite (the regular step then decodes it and sanitises or raises)."""
+        """``K`` plain greedy steps for every row in one native call (``greedy_steps``: the roots at L_b, then
+        tokens 1 .. K-1 at L_b + 1 .. L_b + K - 1, their K/V written there, as K one-token steps would). None, with
+        nothing committed, where the native chain cannot run or some row's logits are not finite (the regular step
+        then decodes it and sanitises or raises)."""
         start = time.perf_counter()
         lengths = [r.num_computed for r in reqs]
         seqlens = torch.tensor(lengths, dtype=torch.int32)  # [B]: the roots' positions L_b
-        roots = torch.tensor([[r.last_token] for r in reqs], dtype=torch.int64)  # [B, 1]
+        roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64)  # [B]
         table = self._block_table(reqs, max(lengths) + K)  # [B, W]: up to position L_b + K - 1
-        mask = causal_mask(len(reqs), 1, self.device)  # [B, 1, 1]
-        hidden = self.target(roots, seqlens.long()[:, None], self.kv.data, seqlens, mask, table)  # [B, 1, H]
-        logits = self.target.logits(hidden[:, 0])  # [B, V]
-        tokens = self.target.greedy_chain(logits, self.kv.data, seqlens, K, table, strict=True)  # [B, K]
+        forwards = time.perf_counter()
+        tokens = self.target.greedy_steps(roots, self.kv.data, seqlens, K, table)  # [B, K]
+        forwards = time.perf_counter() - forwards
         if tokens is None or bool((tokens < 0).any()):
             return None
         self._step_count = K
@@ -472,8 +487,8 @@ class Engine:
         outputs = self._emit(reqs, [0] * len(reqs), tokens.tolist(), [K] * len(reqs), steps=K)
         kept = max(len(out.new_token_ids) for out in outputs)  # the steps one-token steps would have run
         self.gamma_history.extend([0] * kept)
-        if self.controller is not None:  # plain steps, each a K-th of the chain's time
-            per_step = (time.perf_counter() - start) / K
+        if self.controller is not None:  # plain steps, priced as drafted ones are (chain_step_costs)
+            (_, per_step), *_ = chain_step_costs([[0.0, forwards / K]] * K, time.perf_counter() - start, PLAIN_CHAIN)
             for _ in range(kept):
                 self.controller.observe(reqs, [0] * len(reqs), [1] * len(reqs), 0.0, per_step)
         return outputs
@@ -485,9 +500,9 @@ class Engine:
         caches' gaps (their catch-up: a prompt and the tokens decoded before a row's first drafted step, under the
         adaptive controller) at most a prefill chunk and within g of each other, the whole step (catch-up, chain,
         target pass, acceptance) is C++ (``spec_chain``), and up to SPEC_CHAIN_STEPS of them run per call while
-        every row has g + 1 tokens of its max_tokens left. The call's Python (~0.25 ms of inputs and committing,
-        against a ~0.36 ms bfloat16 step here) is paid once per call; the adaptive controller chooses g for the
-        call and learns from each step."""
+        every row has g + 1 tokens of its max_tokens left (the C++ checks before each step). The call's Python
+        (~0.25 ms of inputs and committing, against a ~0.36 ms bfloat16 step here) is paid once per call; the
+        adaptive controller chooses g for the call and learns from each step."""
         g = gammas[0] if gammas else 0
         if g == 0 or SPEC_CHAIN_STEPS < 1 or self.waiting or self.device.type != "cpu" or self.drafter is None:
             return 0
@@ -498,7 +513,10 @@ class Engine:
             return 0  # (a ragged catch-up pads rows past their roots: at most g slots, which the step overwrites)
         if self.drafter.chain_parts() is None or self.target.chain_parts() is None:
             return 0
-        return min(SPEC_CHAIN_STEPS, min(r.tokens_left for r in reqs) // (g + 1))
+        # steps run while every row has g + 1 tokens of budget left (spec_chain checks before each): a call near the
+        # end of a request is not cut to the steps that fit at full acceptance, which split a 64-token request's
+        # last ~15 tokens over 3-4 calls of ~0.25 ms of Python each
+        return SPEC_CHAIN_STEPS if min(r.tokens_left for r in reqs) >= g + 1 else 0
 
     def _spec_chain(self, reqs: list[Request], g: int, max_steps: int) -> list[StepOutput] | None:
         """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, committed step by
@@ -512,7 +530,8 @@ class Engine:
             pending[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
         stops = {t for r in reqs for t in self._stop_ids(r) if 0 <= t < self.vocab_size}  # no other id is emitted
         lengths = [r.num_computed for r in reqs]
-        table = self._block_table(reqs, max(lengths) + max_steps * (g + 1) + 2)  # [B, W]
+        reach = min(max_steps * (g + 1), max(r.tokens_left for r in reqs))  # positions a row may write past L_b
+        table = self._block_table(reqs, max(lengths) + reach + 2)  # [B, W]
         result = spec_chain(
             self.target.chain_parts(), self.drafter.chain_parts(), torch.from_numpy(pending),
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
@@ -539,16 +558,9 @@ class Engine:
             self.gamma_history.append(g)
         ran = len(judged)
         if self.controller is not None and ran:
-            # The controller compares these with plain steps timed with their Python: each step costs its native
-            # time plus a share of the call's own work (inputs, dispatch, committing), spread over the steps the
-            # call was allowed. A call that ended early at a rejection (an unsure controller) or a stop token paid
-            # its whole overhead for fewer steps, but that is the price of exploring, not of drafting: priced per
-            # step run, a one-step probe call (~0.25 ms of Python against a ~0.36 ms step, bf16) made drafting look
-            # 1.6x a plain token where 16-step calls cost ~1.2x, and no held-out prompt was ever drafted.
-            native = sum(t[1] for t in times[:ran])
-            share = max(time.perf_counter() - start - native, 0.0) / max_steps
-            for s, (rows, counts) in enumerate(judged):
-                self.controller.observe(rows, [g] * len(rows), counts, times[s][0], times[s][1] + share)
+            costs = chain_step_costs(times[:ran], time.perf_counter() - start, SPEC_CHAIN_STEPS)
+            for (rows, counts), (draft_s, step_s) in zip(judged, costs):
+                self.controller.observe(rows, [g] * len(rows), counts, draft_s, step_s)
         if ran == 0:
             return None  # the first step's target logits were not finite: the regular step decodes it
         self._step_count = ran
@@ -560,7 +572,9 @@ class Engine:
         """Tree depth per row this step: fixed, or the adaptive controller's choice (0 = not drafted)."""
         if self.controller is not None:
             return self.controller.choose(reqs)
-        return [self.gamma] * len(reqs)
+        # a row's last tokens: drafts past max_tokens would be thrown away, and a step that no longer fits a full
+        # chain took the regular (Python) step, ~1 ms of a 64-token request's ~20 here; undrafted, it is a plain one
+        return [min(self.gamma, r.tokens_left - 1) for r in reqs]
 
     def _step_inputs(self, reqs: list[Request], gammas: list[int]) -> tuple[StepBatch, dict]:
         """The step's inputs, gathered from the host rows and sent to the device together."""

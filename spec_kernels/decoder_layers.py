@@ -192,6 +192,37 @@ def greedy_chain(
     )  # fmt: skip
 
 
+def greedy_steps(
+    roots: torch.Tensor,
+    embed: torch.Tensor,
+    weights: Sequence[torch.Tensor | None],
+    final_norm: torch.Tensor,
+    lm_head: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    rope_table: torch.Tensor,
+    *,
+    steps: int,
+    num_heads: int,
+    eps: float,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """``steps`` plain greedy steps per row in one native call (see ``greedy_steps_cpu``): the roots ``[B]`` run at
+    positions ``cache_seqlens`` (L_b), then each token is the argmax of the previous forward's logits and runs at
+    L_b + d, its K/V written there. Returns ``[B, steps]`` int64, -1 from a row's first non-finite logits on; None
+    where the native path cannot run."""
+    flat = _native_weights(embed, weights, kv_cache)
+    if flat is None or lm_head.dtype != embed.dtype or rope_table.dtype != embed.dtype or not rope_table.is_cpu:
+        return None
+    from spec_kernels._ext import load_ext
+
+    load_ext()
+    return torch.ops.spec_kernels.greedy_steps(
+        roots, embed, flat, final_norm, lm_head, kv_cache, cache_seqlens, rope_table, block_table, num_heads, eps,
+        steps,
+    )  # fmt: skip
+
+
 def spec_chain(target, draft, pending, pending_lens, seqlens, target_kv, draft_kv, block_table, budget, stop_ids, *,
                gamma: int, max_steps: int, stop_on_reject: bool = False):  # fmt: skip
     """Up to ``max_steps`` greedy speculative steps of a draft model's chain in one native call (see

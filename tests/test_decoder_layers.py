@@ -297,3 +297,42 @@ def test_greedy_chain_equals_level_by_level(dtype):
         logits = linear(hidden[:, 0], lm_head)
     assert torch.equal(chain, torch.stack(expected, dim=1))
     assert torch.equal(native_kv, loop_kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_steps_equal_one_token_steps(dtype):
+    """greedy_steps (the target's plain chain in one call) emits what one-token steps emit: the roots run at L_b,
+    token d = argmax of the previous forward's logits runs at L_b + d; the cache ends the same. A row whose logits
+    turn non-finite gets -1 from there on (strict, for the engine's regular step)."""
+    from spec_kernels import linear
+    from spec_kernels.decoder_layers import greedy_steps
+
+    Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    weights, final_norm = [None if w is None else w.to(dtype) for w in weights], final_norm.to(dtype)
+    g = torch.Generator().manual_seed(4)
+    V, steps = 97, 4
+    embed, lm_head = (torch.randn(V, H, generator=g) * 0.5).to(dtype), torch.randn(V, H, generator=g).to(dtype)
+    _, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [4, 0, 9], steps, paged=True)
+    kv = kv.to(dtype)
+    rope_table = rope_rows(torch.arange(int(seqlens.max()) + steps + 1)[None], D)[:, 0].to(dtype)  # [2, P, D]
+    roots = torch.tensor([5, 60, 2])
+    kw = dict(num_heads=Hq, eps=EPS, block_table=table)
+    native_kv = kv.clone()
+    got = greedy_steps(roots, embed, weights, final_norm, lm_head, native_kv, seqlens, rope_table, steps=steps, **kw)
+    loop_kv, tok, expected = kv.clone(), roots, []
+    for d in range(steps):
+        rope, alone = rope_table[:, seqlens.long() + d][:, :, None], torch.ones(3, 1, 1, dtype=torch.bool)
+        hidden = decoder_layers(embed[tok][:, None], weights, final_norm, loop_kv, seqlens + d, rope, alone, **kw)
+        tok = linear(hidden[:, 0], lm_head).float().argmax(-1)  # [B]
+        expected.append(tok)
+    assert torch.equal(got, torch.stack(expected, dim=1))
+    assert torch.equal(native_kv, loop_kv)
+
+    broken = lm_head.clone()
+    broken[7] = float("nan")  # every row's logits hold a NaN: each is -1 from its first token
+    bad = greedy_steps(roots, embed, weights, final_norm, broken, kv.clone(), seqlens, rope_table, steps=steps, **kw)
+    assert (bad == -1).all()
+    with pytest.raises(ValueError, match="token 97 is not an id"):
+        greedy_steps(torch.tensor([97, 0, 0]), embed, weights, final_norm, lm_head, kv.clone(), seqlens, rope_table,
+                     steps=steps, **kw)  # fmt: skip

@@ -1,7 +1,7 @@
 """Steps in one native call.
 
 Plain chains: with no drafter (or none this step) and every row greedy, the engine runs up to PLAIN_CHAIN target
-forwards in one ``greedy_chain`` call. Speculative chains: a draft model's greedy chain steps, up to SPEC_CHAIN_STEPS
+forwards in one ``greedy_steps`` call. Speculative chains: a draft model's greedy chain steps, up to SPEC_CHAIN_STEPS
 per ``spec_chain`` call. Both must emit exactly the tokens of the regular steps, stop where they stop, count their
 steps as such (the speculative ones: the same drafts and acceptances), and hand non-finite logits to the regular
 step."""
@@ -35,13 +35,13 @@ def run(llm: LLM, params: SamplingParams, chain: int, monkeypatch) -> list:
 
 def spy_chains(llm: LLM, monkeypatch) -> list[int]:
     """The length of every native chain the target runs."""
-    calls, real = [], llm.target.greedy_chain
+    calls, real = [], llm.target.greedy_steps
 
     def spy(*args, **kw):
         calls.append(args[3])
         return real(*args, **kw)
 
-    monkeypatch.setattr(llm.target, "greedy_chain", spy)
+    monkeypatch.setattr(llm.target, "greedy_steps", spy)
     return calls
 
 
@@ -100,12 +100,12 @@ def test_planted_bug_chain_at_the_wrong_positions_is_caught(target, monkeypatch)
     llm = LLM(str(target))
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = run(llm, params, 1, monkeypatch)
-    real = llm.target.greedy_chain
+    real = llm.target.greedy_steps
 
-    def shifted(root_logits, kv, seqlens, gamma, table, strict=False):
-        return real(root_logits, kv, seqlens + 1, gamma, table, strict=strict)
+    def shifted(roots, kv, seqlens, steps, table):
+        return real(roots, kv, seqlens + 1, steps, table)
 
-    monkeypatch.setattr(llm.target, "greedy_chain", shifted)
+    monkeypatch.setattr(llm.target, "greedy_steps", shifted)
     got = run(llm, params, 8, monkeypatch)
     assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in ref]
 
@@ -181,6 +181,26 @@ def test_spec_chain_adaptive_and_stops(target, draft, monkeypatch):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
     assert got[1].outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_tokens", [9, 10, 11, 12])
+def test_a_fixed_depths_last_tokens_take_no_regular_step(target, draft, max_tokens, monkeypatch):
+    """Fixed depth 3, one row: where fewer than 4 tokens are left, the step drafts what still fits (depth
+    tokens_left - 1; none for the last token, a plain native step) instead of a full chain through the regular
+    (Python) step: every step is native, and the tokens are plain decoding's."""
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(str(target), speculative_config=spec)
+    plain = LLM(str(target))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    prompt = [{"prompt_token_ids": PROMPTS[3]}]
+    ref = plain.generate(prompt, params, use_tqdm=False)
+    regular, real = [], llm.engine._spec_step
+    monkeypatch.setattr(llm.engine, "_spec_step", lambda *a: regular.append(1) or real(*a))
+    monkeypatch.setattr(engine_mod, "SPEC_CHAIN_STEPS", 4)
+    (got,) = llm.generate(prompt, params, use_tqdm=False)
+    assert got.outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert regular == [] and got.metrics["num_drafted"] > 0
+    assert max(llm.engine.gamma_history) == 3 and min(llm.engine.gamma_history) < 3  # the tail drafted less
 
 
 def test_spec_chain_planted_bug_is_caught(target, draft, monkeypatch):
@@ -292,3 +312,15 @@ def test_the_plain_chain_is_short_only_for_the_controllers_plain_probe(target, d
         llm.generate([{"prompt_token_ids": list(range(10, 40))}], SamplingParams(max_tokens=30, ignore_eos=True),
                      use_tqdm=False)  # fmt: skip
         assert chains[0] == (engine_mod.PLAIN_PROBE_CHAIN if probe else engine_mod.PLAIN_CHAIN), chains
+
+
+def test_a_short_calls_overhead_is_spread_as_a_full_calls():
+    """The controller prices a step at its native time plus the call's overhead over a full call's steps: a probe
+    call cut after one step by a rejection does not charge all of its Python to that step (which made drafting look
+    1.6x a plain token where full calls cost 1.2x)."""
+    native = [[0.0001, 0.0004]]  # one step run: 0.1 ms drafting, 0.4 ms in all
+    (cost,) = engine_mod.chain_step_costs(native, wall=0.0004 + 0.0016, steps=16)
+    assert cost == pytest.approx((0.0001, 0.0004 + 0.0001))
+    full = engine_mod.chain_step_costs(native * 16, wall=16 * 0.0004 + 0.0016, steps=16)
+    assert full == [pytest.approx(cost)] * 16  # a step costs the same whether the call ran on or stopped
+    assert engine_mod.chain_step_costs(native, wall=0.0003, steps=4) == [pytest.approx((0.0001, 0.0004))]

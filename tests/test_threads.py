@@ -66,13 +66,16 @@ def test_engine_decodes_on_the_chosen_threads_and_restores_the_callers(target, m
     torch.set_num_threads(2)
     llm = LLM(str(target))
     seen = []
-    forward = llm.engine.target.forward
 
-    def spy(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return forward(*args, **kwargs)
+    def spy(real):
+        def run(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(llm.engine.target, "forward", spy)
+        return run
+
+    for name in ("forward", "greedy_steps"):  # the prefill's forward, the decode steps' native chains
+        monkeypatch.setattr(llm.engine.target, name, spy(getattr(llm.engine.target, name)))
     monkeypatch.setattr(llm.engine.threads, "single_for_step", lambda: True)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     single = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)[0].outputs[0].token_ids

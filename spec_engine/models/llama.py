@@ -22,7 +22,7 @@ from torch import nn
 
 from spec_engine.models.config import ModelConfig, rope_inv_freq
 from spec_kernels import linear
-from spec_kernels.decoder_layers import decoder_layers, greedy_chain
+from spec_kernels.decoder_layers import decoder_layers, greedy_chain, greedy_steps
 from spec_kernels.reference import rms_norm_ref
 from spec_kernels.reference import rope_ref as apply_rope
 
@@ -244,6 +244,20 @@ class LlamaForCausalLM(nn.Module):
             root_logits, self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight, head, kv_cache,
             cache_seqlens, self.rope_table, gamma=gamma, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps,
             block_table=block_table, strict=strict, vocab_map=self.vocab_map,
+        )  # fmt: skip
+
+    def greedy_steps(self, roots, kv_cache, cache_seqlens, steps: int, block_table=None) -> torch.Tensor | None:
+        """``steps`` plain greedy tokens per row from the roots [B] at positions ``cache_seqlens``, in one native
+        call (``spec_kernels.decoder_layers.greedy_steps``): [B, steps], -1 from a row's first non-finite logits on;
+        None where it cannot run (no RoPE table, a restricted vocabulary, a device or dtype without the native
+        path)."""
+        if self.layer_weights is None or self.rope_table is None or self.vocab_map is not None:
+            return None
+        cfg = self.config
+        return greedy_steps(
+            roots, self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight, self.lm_head.weight,
+            kv_cache, cache_seqlens, self.rope_table, steps=steps, num_heads=cfg.num_attention_heads,
+            eps=cfg.rms_norm_eps, block_table=block_table,
         )  # fmt: skip
 
     def chain_parts(self) -> tuple | None:
