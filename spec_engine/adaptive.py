@@ -369,12 +369,8 @@ class AdaptiveController:
             self._plain_steps = [*self._plain_steps, (B, step_seconds)][-PLAIN_SAMPLES:]
         if G:  # the target's line from drafted steps alone (plain ones are priced by plain_cost): a plain stretch
             # (8 steps per chain) would push a forgetful fit's drafted-step level down to plain decoding's, and a
-            # useless draft looked worth another try after every few chains. Nor from a catch-up's step: its target
-            # pass runs on caches the catch-up just churned (default pair, bf16: 0.34-0.42 ms against 0.27-0.30 in a
-            # run of drafted steps), and where the controller drafts a step or two per probe those were most of
-            # the line, which then priced drafting 20% above what it costs once it goes on
-            if not self._catch_up_tokens:
-                self.target_cost.observe(1.0, B * self.nodes[G] / TOKENS_REF, step_seconds - draft_seconds)
+            # useless draft looked worth another try after every few chains
+            self.target_cost.observe(1.0, B * self.nodes[G] / TOKENS_REF, step_seconds - draft_seconds)
             tokens = num_drafted * self.draft_tokens[G] + self._catch_up_tokens
             self.draft_cost.observe(G, tokens / TOKENS_REF, draft_seconds)
             self._catch_up_tokens = 0  # the choice's first step caught up (a native call observes several)
