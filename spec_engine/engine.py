@@ -38,6 +38,7 @@ GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
 PLAIN_CHAIN = 8  # plain greedy steps per native chain (Engine._plain_chain_len); 1 turns chains off
 PLAIN_PROBE_CHAIN = 4  # ... for the adaptive controller's plain probe while it drafts
 SPEC_CHAIN_STEPS = 16  # greedy speculative steps per native call (Engine._spec_chain_steps); 0 turns it off
+UNSURE_CHAIN_STEPS = 4  # ... while the adaptive controller is unsure of a row (AdaptiveController.unsure)
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
 
 
@@ -516,7 +517,11 @@ class Engine:
         # steps run while every row has g + 1 tokens of budget left (spec_chain checks before each): a call near the
         # end of a request is not cut to the steps that fit at full acceptance, which split a 64-token request's
         # last ~15 tokens over 3-4 calls of ~0.25 ms of Python each
-        return SPEC_CHAIN_STEPS if min(r.tokens_left for r in reqs) >= g + 1 else 0
+        if min(r.tokens_left for r in reqs) < g + 1:
+            return 0
+        # an unsure controller (a new request's first drafts) re-decides every few steps: at one 16-step call per
+        # choice, a perfect draft's first choice (depth 1, on the recent requests' rate) ran 16 steps at depth 1
+        return UNSURE_CHAIN_STEPS if self.controller is not None and self.controller.unsure(reqs) else SPEC_CHAIN_STEPS
 
     def _spec_chain(self, reqs: list[Request], g: int, max_steps: int) -> list[StepOutput] | None:
         """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, committed step by
