@@ -324,3 +324,24 @@ def test_a_short_calls_overhead_is_spread_as_a_full_calls():
     full = engine_mod.chain_step_costs(native * 16, wall=16 * 0.0004 + 0.0016, steps=16)
     assert full == [pytest.approx(cost)] * 16  # a step costs the same whether the call ran on or stopped
     assert engine_mod.chain_step_costs(native, wall=0.0003, steps=4) == [pytest.approx((0.0001, 0.0004))]
+
+
+def test_an_unsure_controller_re_decides_every_few_steps(target, monkeypatch):
+    """A request's first drafted calls (fewer than SURE_TRIALS judged drafts) run at most UNSURE_CHAIN_STEPS steps,
+    later ones up to SPEC_CHAIN_STEPS: at one 16-step call per choice, a perfect draft's first choice (depth 1, from
+    the recent requests' rate) ran 16 steps at depth 1 before the controller could go deeper."""
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(target)})  # a perfect draft
+    calls, real = [], engine_mod.spec_chain
+    ctl = llm.engine.controller
+
+    def spy(*args, **kw):
+        calls.append((kw["max_steps"], kw["stop_on_reject"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "spec_chain", spy)
+    monkeypatch.setattr(ctl, "plain_cost", lambda B: 1.0)  # plain decoding priced high: every step drafts
+    llm.generate([{"prompt_token_ids": PROMPTS[3]}], SamplingParams(max_tokens=120, ignore_eos=True), use_tqdm=False)
+    unsure = [steps for steps, stop in calls if stop]
+    sure = [steps for steps, stop in calls if not stop]
+    assert unsure and max(unsure) == engine_mod.UNSURE_CHAIN_STEPS
+    assert sure and max(sure) == engine_mod.SPEC_CHAIN_STEPS
