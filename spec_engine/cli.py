@@ -21,6 +21,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-vocab-size", type=int, default=None,
                    help="the draft's logits over its K most frequent ids (its draft_vocab.json; default: the "
                    "file's K, the full vocabulary without one; the vocabulary size turns it off)")  # fmt: skip
+    g.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the draft model's precision (default: the device's fastest where narrower than the "
+                   "target's, e.g. bfloat16 under a float32 target on AVX512-BF16 CPUs; output is unchanged)")  # fmt: skip
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="precision (default auto: bfloat16 on CPUs with AVX512-BF16, else float32)")  # fmt: skip
@@ -50,6 +53,8 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True):
             spec["num_speculative_tokens"] = args.num_speculative_tokens
         if args.draft_vocab_size is not None:
             spec["draft_vocab_size"] = args.draft_vocab_size
+        if args.draft_dtype is not None:
+            spec["draft_dtype"] = args.draft_dtype
         if args.tree:
             try:
                 spec["tree"] = [int(x) for x in args.tree.split(",")]

@@ -74,11 +74,12 @@ class BlockAllocator:
 
 
 def plan_num_blocks(
-    cfgs: list[ModelConfig], dtype: torch.dtype, block_size: int, memory_budget_bytes: int, max_request_tokens: int
+    caches: list[tuple[ModelConfig, torch.dtype]], block_size: int, memory_budget_bytes: int, max_request_tokens: int
 ) -> int:
-    """How many blocks fit the budget, counting every model's bytes per token; at least one largest request
-    (``max_request_tokens``: a full context plus the tree of its last step) and the scratch block."""
-    per_token = sum(kv_bytes_per_token(c, dtype) for c in cfgs)
+    """How many blocks fit the budget, counting every model's bytes per token (each cache in its model's dtype); at
+    least one largest request (``max_request_tokens``: a full context plus the tree of its last step) and the
+    scratch block."""
+    per_token = sum(kv_bytes_per_token(c, dtype) for c, dtype in caches)
     num_blocks = memory_budget_bytes // (per_token * block_size)
     min_blocks = 1 + math.ceil(max_request_tokens / block_size)
     if num_blocks < min_blocks:

@@ -70,7 +70,7 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {method!r}")
     known = {"method", "model", "num_speculative_tokens", "tree", "draft_sampling", "max_n", "min_n", "eagle_topk",
-             "draft_vocab_size"}  # fmt: skip
+             "draft_vocab_size", "draft_dtype"}  # fmt: skip
     unknown = set(spec) - known
     if unknown:
         raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
@@ -102,10 +102,23 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
             raise ValueError("draft_vocab_size (a reduced draft vocabulary) needs method='draft_model'")
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
             raise ValueError(f"draft_vocab_size must be a positive int, got {vocab!r}")
+    draft_dtype = spec.get("draft_dtype")
+    if draft_dtype is not None:
+        if method != "draft_model":
+            raise ValueError("draft_dtype (the draft model's precision) needs method='draft_model'")
+        if draft_dtype not in DTYPES:
+            raise ValueError(f"draft_dtype must be one of {list(DTYPES)}, got {draft_dtype!r}")
     if method in MODEL_METHODS and not spec.get("model"):
         what = "a draft model directory" if method == "draft_model" else "an EAGLE head directory"
         raise ValueError(f"speculative_config with method={method!r} needs 'model': {what}")
     return {**spec, "method": method, "num_speculative_tokens": gamma, "adaptive": adaptive}
+
+
+def _draft_dtype(dtype: str, device: str) -> str:
+    """A draft model's default precision: the device's fastest (``auto_dtype``) where it is narrower than the
+    target's, else the target's. The draft's precision changes which tokens it proposes, never which are emitted."""
+    fast = auto_dtype(device)
+    return fast if DTYPES[fast].itemsize < DTYPES[dtype].itemsize else dtype
 
 
 def auto_dtype(device: str) -> str:
@@ -191,7 +204,8 @@ class LLM:
         if spec and spec["method"] == "eagle":
             head = load_eagle_head(spec["model"], self.target, dtype=torch_dtype, device=device)
         if spec and spec["method"] == "draft_model":
-            draft_model = load_model(spec["model"], dtype=torch_dtype, device=device)
+            draft_dtype = DTYPES[spec.get("draft_dtype") or _draft_dtype(dtype, device)]
+            draft_model = load_model(spec["model"], dtype=draft_dtype, device=device)
             if draft_model.config.vocab_size != cfg.vocab_size:
                 raise ValueError(
                     f"draft vocab ({draft_model.config.vocab_size}) != target vocab ({cfg.vocab_size}): "
@@ -223,12 +237,13 @@ class LLM:
             head.fuse(max_positions=self.max_model_len + max_tree_nodes + 1)
         # one full-length request plus the tree of its last step must always fit
         max_request_tokens = self.max_model_len + max_tree_nodes
-        cfgs = [cfg] + [m.config for m in (draft_model, head) if m is not None]
+        caches = [(cfg, torch_dtype)] + [(m.config, m.model.embed_tokens.weight.dtype) for m in (draft_model,) if m]
+        caches += [(head.config, torch_dtype)] if head is not None else []
         if kv_cache_memory is None:  # room for max_num_seqs full-length requests and the scratch block, up to 2 GiB
-            per_block = block_size * sum(kv_bytes_per_token(c, torch_dtype) for c in cfgs)
+            per_block = block_size * sum(kv_bytes_per_token(c, dt) for c, dt in caches)
             blocks_per_seq = math.ceil(max_request_tokens / block_size)
             kv_cache_memory = min(2 << 30, (max_num_seqs * blocks_per_seq + 1) * per_block)
-        num_blocks = plan_num_blocks(cfgs, torch_dtype, block_size, kv_cache_memory, max_request_tokens)
+        num_blocks = plan_num_blocks(caches, block_size, kv_cache_memory, max_request_tokens)
         self.allocator = BlockAllocator(num_blocks, block_size)
         if tensor_parallel_size > 1:  # every rank's shard of the cache (its KV heads); rank 0's is the engine's
             kv = self.target.kv_cache(num_blocks, block_size)
@@ -242,7 +257,8 @@ class LLM:
             features = torch.zeros(1, num_blocks, block_size, head.config.hidden_size, dtype=torch_dtype, device=device)
             drafter = EagleDrafter(head, head_kv, features, tree, sampling, dynamic)
         elif tree is not None:
-            draft_kv = PagedKVCache(draft_model.config, num_blocks, block_size, torch_dtype, device)
+            draft_dtype = draft_model.model.embed_tokens.weight.dtype
+            draft_kv = PagedKVCache(draft_model.config, num_blocks, block_size, draft_dtype, device)
             drafter = DraftModelDrafter(draft_model, draft_kv, tree, sampling)
         elif spec:
             drafter = NgramDrafter(gamma, spec.get("max_n", 4), spec.get("min_n", 1), device=device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from tiny_models import make_model, make_tokenizer
 
 from spec_engine import SamplingParams
@@ -72,3 +73,20 @@ def test_draft_vocab_size_is_passed_and_checked(pair, capsys):
     assert main(argv + ["--draft-vocab-size", vocab]) == 0
     assert main(argv + ["--draft-vocab-size", "8"]) == 2 and "draft_vocab.json" in capsys.readouterr().err
     assert main(argv + ["--draft-vocab-size", "0"]) == 2
+
+
+def test_draft_dtype_is_passed_and_checked(pair, monkeypatch, capsys):
+    """--draft-dtype reaches speculative_config (the draft's weights and cache in that precision); a method without
+    a draft model refuses it cleanly (exit 2)."""
+    import spec_engine.cli as cli
+
+    target, draft = pair
+    argv = ["generate", "--prompt", "def fib(n):", "--model", str(target), "--draft", str(draft), "--max-tokens", "4",
+            "--dtype", "float32"]  # fmt: skip
+    built, real = [], cli.build_llm
+    monkeypatch.setattr(cli, "build_llm", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+    assert main(argv + ["--draft-dtype", "bfloat16"]) == 0
+    assert built[-1].engine.drafter.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert built[-1].engine.drafter.kv.data.dtype == torch.bfloat16 and built[-1].engine.kv.data.dtype == torch.float32
+    assert main(argv + ["--draft-dtype", "float32", "--method", "ngram"]) == 2
+    assert "draft_dtype" in capsys.readouterr().err

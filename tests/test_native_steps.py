@@ -345,3 +345,30 @@ def test_an_unsure_controller_re_decides_every_few_steps(target, monkeypatch):
     sure = [steps for steps, stop in calls if not stop]
     assert unsure and max(unsure) == engine_mod.UNSURE_CHAIN_STEPS
     assert sure and max(sure) == engine_mod.SPEC_CHAIN_STEPS
+
+
+def test_a_bfloat16_draft_under_a_float32_target(target, draft, monkeypatch):
+    """The draft's precision is its own (``draft_dtype``; by default the device's fastest where narrower than the
+    target's): a bfloat16 draft under a float32 target emits plain float32 decoding's tokens, on the native chain
+    (mixed dtypes in one ``spec_chain`` call) and on the regular step alike, with the same drafts and acceptances."""
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "draft_dtype": "bfloat16"}
+    llm = LLM(str(target), speculative_config=spec, dtype="float32")
+    assert llm.engine.drafter.kv.data.dtype == torch.bfloat16 and llm.engine.kv.data.dtype == torch.float32
+    params = SamplingParams(max_tokens=41, ignore_eos=True)
+    plain = LLM(str(target), dtype="float32").generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                       use_tqdm=False)  # fmt: skip
+    ref = run_spec(llm, params, 0, monkeypatch)
+    calls = spy_spec_chains(monkeypatch)
+    got = run_spec(llm, params, 4, monkeypatch)
+    assert calls and max(calls) == 4  # native calls ran with a float32 target and a bfloat16 draft
+    for a, b, c in zip(got, ref, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        assert {k: a.metrics[k] for k in STEP_METRICS} == {k: b.metrics[k] for k in STEP_METRICS}
+    import spec_engine.llm as llm_mod
+
+    for fastest, expected in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):  # (tests pin "auto")
+        monkeypatch.setattr(llm_mod, "auto_dtype", lambda device, fastest=fastest: fastest)
+        default = LLM(str(target), speculative_config={**spec, "draft_dtype": None}, dtype="float32")
+        assert default.engine.drafter.kv.data.dtype == expected and default.engine.kv.data.dtype == torch.float32
+    with pytest.raises(ValueError, match="draft_dtype must be one of"):
+        LLM(str(target), speculative_config={**spec, "draft_dtype": "int8"})
