@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 from spec_engine.benchmark import forward_step  # noqa: E402
 from spec_engine.drafters.draft_model import read_draft_vocab  # noqa: E402
+from spec_engine.llm import _draft_dtype  # noqa: E402
 
 CTX = 64  # committed tokens in the cache under every timed forward
 SIZES = (1, 2, 4, 8, 16)
@@ -203,13 +204,20 @@ def derive_step_cost(summary: dict, dtypes: list[str], sizes: list[int]) -> list
                     "weight_gbps_best": f["weight_bytes"] / f["min"] / 1e6 if T == 1 else None,
                     "roofline_ms": f["weight_bytes"] / (stream * 1e6) if T == 1 and stream else None,
                 })  # fmt: skip
-        t1, d1 = summary[f"target {dtype} fwd T=1"], summary[f"draft {dtype} fwd T=1"]
-        rows.append({"model": "c", "dtype": dtype, "T": 1, "c": d1["median"] / t1["median"],
-                     "c_best": d1["min"] / t1["min"],
-                     "c_mm_best": summary[f"draft {dtype} mm T=1"]["min"] / summary[f"target {dtype} mm T=1"]["min"],
-                     "control_over_fwd": summary[f"target {dtype} fwd T=1 (control)"]["median"] / t1["median"],
-                     "control_over_fwd_best": summary[f"target {dtype} fwd T=1 (control)"]["min"] / t1["min"],
-                     })  # fmt: skip
+        # c with the draft in the target's dtype, and in the engine's default draft dtype where that differs (a
+        # float32 target drafts in bfloat16 on CPUs with AVX512-BF16: speculative_config's "draft_dtype")
+        for draft_dtype in dict.fromkeys([dtype, _draft_dtype(dtype, "cpu")]):
+            if f"draft {draft_dtype} fwd T=1" not in summary:
+                continue
+            t1, d1 = summary[f"target {dtype} fwd T=1"], summary[f"draft {draft_dtype} fwd T=1"]
+            label = dtype if draft_dtype == dtype else f"{dtype} target, {draft_dtype} draft (the default)"
+            rows.append({"model": "c", "dtype": label, "T": 1, "c": d1["median"] / t1["median"],
+                         "c_best": d1["min"] / t1["min"],
+                         "c_mm_best": summary[f"draft {draft_dtype} mm T=1"]["min"]
+                         / summary[f"target {dtype} mm T=1"]["min"],
+                         "control_over_fwd": summary[f"target {dtype} fwd T=1 (control)"]["median"] / t1["median"],
+                         "control_over_fwd_best": summary[f"target {dtype} fwd T=1 (control)"]["min"] / t1["min"],
+                         })  # fmt: skip
     return rows
 
 
