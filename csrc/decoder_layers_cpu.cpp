@@ -799,14 +799,13 @@ at::Tensor vocab_ids(const char* op, const c10::optional<at::Tensor>& vocab_map,
   return ids;
 }
 
-template <typename T>
-void draft_chain_impl(const at::Tensor& logits, ChainRunner<T>& model, const int64_t* L, int64_t B, int64_t gamma,
-                      bool strict, const int64_t* id_of, int64_t* tok) {
-  const int64_t V = logits.size(1);
-  if (logits.scalar_type() == at::kFloat) {
-    run_chain(model, logits.data_ptr<float>(), V, L, B, gamma, strict, id_of, tok);
+// f(float{}) for float32, f(c10::BFloat16{}) otherwise: the chain ops' dtype dispatch (their checks allow these two).
+template <typename F>
+void with_dtype(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kFloat) {
+    f(float{});
   } else {
-    run_chain(model, logits.data_ptr<c10::BFloat16>(), V, L, B, gamma, strict, id_of, tok);
+    f(c10::BFloat16{});
   }
 }
 
@@ -847,15 +846,14 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
   const int64_t* L = seqlens.data_ptr<int64_t>();
   const int64_t* id_of = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
   const at::Tensor table = table_of(block_table);
-  if (embed.scalar_type() == at::kFloat) {
-    ChainRunner<float> model("draft_chain", embed, weights, final_norm, lm_head, kv_cache, rope_table, num_heads, eps,
-                             table, B);
-    draft_chain_impl(root_logits, model, L, B, gamma, strict, id_of, tokens.data_ptr<int64_t>());
-  } else {
-    ChainRunner<c10::BFloat16> model("draft_chain", embed, weights, final_norm, lm_head, kv_cache, rope_table,
-                                     num_heads, eps, table, B);
-    draft_chain_impl(root_logits, model, L, B, gamma, strict, id_of, tokens.data_ptr<int64_t>());
-  }
+  with_dtype(embed.scalar_type(), [&](auto type) {
+    ChainRunner<decltype(type)> model("draft_chain", embed, weights, final_norm, lm_head, kv_cache, rope_table,
+                                      num_heads, eps, table, B);
+    with_dtype(root_logits.scalar_type(), [&](auto root_type) {  // the target's roots: float32 logits
+      run_chain(model, root_logits.data_ptr<decltype(root_type)>(), V, L, B, gamma, strict, id_of,
+                tokens.data_ptr<int64_t>());
+    });
+  });
   return tokens;
 }
 
@@ -882,19 +880,13 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at
   const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
   at::Tensor tokens = at::empty({B, steps}, seqlens.options());        // [B, K]
   const at::Tensor table = table_of(block_table);
-  const auto run = [&](auto type) {
-    using T = decltype(type);
-    ChainRunner<T> model("greedy_steps", embed, weights, final_norm, lm_head, kv_cache, rope_table, num_heads, eps,
-                         table, B);
+  with_dtype(embed.scalar_type(), [&](auto type) {
+    ChainRunner<decltype(type)> model("greedy_steps", embed, weights, final_norm, lm_head, kv_cache, rope_table,
+                                      num_heads, eps, table, B);
     const int64_t* L = seqlens.data_ptr<int64_t>();
-    const T* logits = model.logits(model.forward(ids.data_ptr<int64_t>(), 1, B, 1, L), B);  // [B, V]
+    const auto* logits = model.logits(model.forward(ids.data_ptr<int64_t>(), 1, B, 1, L), B);  // [B, V]
     run_chain(model, logits, model.vocab(), L, B, steps, true, nullptr, tokens.data_ptr<int64_t>());
-  };
-  if (embed.scalar_type() == at::kFloat) {
-    run(float{});
-  } else {
-    run(c10::BFloat16{});
-  }
+  });
   return tokens;
 }
 
@@ -1048,25 +1040,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   int64_t* out = steps.data_ptr<int64_t>();
   double* secs = times.data_ptr<double>();
   const at::Tensor table = table_of(block_table);
-  const auto run = [&](auto target_type, auto draft_type) {
-    using TT = decltype(target_type);
-    using TD = decltype(draft_type);
-    ChainRunner<TT> target("spec_chain", t_embed, t_weights, t_norm, t_lm_head, t_kv, t_rope, t_heads, t_eps, table,
-                           B);
-    ChainRunner<TD> draft("spec_chain", d_embed, d_weights, d_norm, d_lm_head, d_kv, d_rope, d_heads, d_eps, table,
-                          B);
-    run_spec_chain(target, draft, rows, out, secs);
-  };
-  const bool t_f32 = t_embed.scalar_type() == at::kFloat, d_f32 = d_embed.scalar_type() == at::kFloat;
-  if (t_f32 && d_f32) {
-    run(float{}, float{});
-  } else if (t_f32) {
-    run(float{}, c10::BFloat16{});
-  } else if (d_f32) {
-    run(c10::BFloat16{}, float{});
-  } else {
-    run(c10::BFloat16{}, c10::BFloat16{});
-  }
+  with_dtype(t_embed.scalar_type(), [&](auto target_type) {
+    with_dtype(d_embed.scalar_type(), [&](auto draft_type) {  // a draft may be narrower than its target
+      ChainRunner<decltype(target_type)> target("spec_chain", t_embed, t_weights, t_norm, t_lm_head, t_kv, t_rope,
+                                                t_heads, t_eps, table, B);
+      ChainRunner<decltype(draft_type)> draft("spec_chain", d_embed, d_weights, d_norm, d_lm_head, d_kv, d_rope,
+                                              d_heads, d_eps, table, B);
+      run_spec_chain(target, draft, rows, out, secs);
+    });
+  });
   // [B, 2]: at most the last draft and the bonus (pending itself when no step ran)
   at::Tensor next_gap = rows.ld == 2 ? at::empty({B, 2}, longs) : gap.clone();
   if (rows.ld == 2) std::copy(rows.gap.begin(), rows.gap.end(), next_gap.data_ptr<int64_t>());

@@ -200,7 +200,7 @@ class LLM:
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, 4096)
         self.speculative_config = spec
 
-        draft_model = head = None
+        draft_model = head = draft_dtype = None
         if spec and spec["method"] == "eagle":
             head = load_eagle_head(spec["model"], self.target, dtype=torch_dtype, device=device)
         if spec and spec["method"] == "draft_model":
@@ -237,8 +237,8 @@ class LLM:
             head.fuse(max_positions=self.max_model_len + max_tree_nodes + 1)
         # one full-length request plus the tree of its last step must always fit
         max_request_tokens = self.max_model_len + max_tree_nodes
-        caches = [(cfg, torch_dtype)] + [(m.config, m.model.embed_tokens.weight.dtype) for m in (draft_model,) if m]
-        caches += [(head.config, torch_dtype)] if head is not None else []
+        models = ((self.target, torch_dtype), (draft_model, draft_dtype), (head, torch_dtype))
+        caches = [(m.config, dt) for m, dt in models if m is not None]  # each KV cache in its model's dtype
         if kv_cache_memory is None:  # room for max_num_seqs full-length requests and the scratch block, up to 2 GiB
             per_block = block_size * sum(kv_bytes_per_token(c, dt) for c, dt in caches)
             blocks_per_seq = math.ceil(max_request_tokens / block_size)
@@ -257,7 +257,6 @@ class LLM:
             features = torch.zeros(1, num_blocks, block_size, head.config.hidden_size, dtype=torch_dtype, device=device)
             drafter = EagleDrafter(head, head_kv, features, tree, sampling, dynamic)
         elif tree is not None:
-            draft_dtype = draft_model.model.embed_tokens.weight.dtype
             draft_kv = PagedKVCache(draft_model.config, num_blocks, block_size, draft_dtype, device)
             drafter = DraftModelDrafter(draft_model, draft_kv, tree, sampling)
         elif spec:

@@ -56,6 +56,15 @@ def _native_weights(x: torch.Tensor, weights: Sequence, kv_cache: torch.Tensor) 
     return flat if fits else None
 
 
+def _chain_weights(embed, weights, kv_cache, lm_head, rope_table) -> list[torch.Tensor] | None:
+    """A model's flat weights where the native chain ops take it (``_native_weights``, with its lm_head and RoPE
+    table in the embedding's dtype and the table on the CPU), else None."""
+    flat = _native_weights(embed, weights, kv_cache)
+    if flat is None or lm_head.dtype != embed.dtype or rope_table.dtype != embed.dtype or not rope_table.is_cpu:
+        return None
+    return flat
+
+
 def decoder_layers(
     hidden: torch.Tensor,
     weights: Sequence[torch.Tensor | None],
@@ -211,8 +220,8 @@ def greedy_steps(
     positions ``cache_seqlens`` (L_b), then each token is the argmax of the previous forward's logits and runs at
     L_b + d, its K/V written there. Returns ``[B, steps]`` int64, -1 from a row's first non-finite logits on; None
     where the native path cannot run."""
-    flat = _native_weights(embed, weights, kv_cache)
-    if flat is None or lm_head.dtype != embed.dtype or rope_table.dtype != embed.dtype or not rope_table.is_cpu:
+    flat = _chain_weights(embed, weights, kv_cache, lm_head, rope_table)
+    if flat is None:
         return None
     from spec_kernels._ext import load_ext
 
@@ -241,8 +250,8 @@ def spec_chain(target, draft, pending, pending_lens, seqlens, target_kv, draft_k
         raise ValueError("spec_chain: the target's vocabulary cannot be restricted (its logits decide the output)")
     args = []
     for (embed, weights, norm, lm_head, rope, heads, eps, _), kv in ((target, target_kv), (draft, draft_kv)):
-        flat = _native_weights(embed, weights, kv)
-        if flat is None or lm_head.dtype != embed.dtype or rope.dtype != embed.dtype or not rope.is_cpu:
+        flat = _chain_weights(embed, weights, kv, lm_head, rope)
+        if flat is None:
             return None
         args += [embed, flat, norm, lm_head, kv, rope, heads, eps]
     from spec_kernels._ext import load_ext
