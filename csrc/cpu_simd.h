@@ -1,6 +1,7 @@
-// AVX-512 pieces shared by the CPU kernels (csrc/linear_cpu.cpp, csrc/decoder_layers_cpu.cpp): the target attribute
-// that compiles a function for AVX-512 without global -mavx512 flags, a transposing 16-way lane sum and a vector exp.
-// Callers choose the AVX-512 code at run time (__builtin_cpu_supports) and keep a scalar path for other CPUs.
+// SIMD pieces shared by the CPU kernels (csrc/linear_cpu.cpp, csrc/decoder_layers_cpu.cpp, csrc/verify_tree_cpu.cpp):
+// the target attributes that compile a function for AVX-512 or AVX2 + FMA without global -m flags, transposing lane
+// sums (16-way, 8-way) and vector exps. Callers choose a path once per process (cpu_isa) and keep a scalar one for
+// other CPUs.
 #pragma once
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -11,29 +12,56 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #define SPECDEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+#define SPECDEC_AVX2 __attribute__((target("avx2,fma")))
 #else
 #define SPECDEC_CPU_X86 0
 #endif
 
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 namespace specdec {
 namespace simd {
 
-// Whether this CPU runs the AVX-512 (F, BW, VL + FMA) code paths; decided once per process, so a kernel never mixes
-// its vector and scalar paths (their sums run in different orders). SPECDEC_LINEAR_SCALAR=1 forces the scalar paths.
-inline bool cpu_has_avx512() {
+// The vector paths a kernel may take, widest last. Each kernel's paths sum in different orders, so the choice is made
+// once per process (cpu_isa) and a kernel never mixes them.
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// The widest path this CPU runs: AVX-512 (F, BW, VL + FMA), AVX2 + FMA (AMD Zen 1-3, Intel before Skylake-SP and
+// its client parts), else scalar. SPECDEC_CPU_ISA=avx2 or =scalar caps it (tests run every path on one machine);
+// SPECDEC_LINEAR_SCALAR=1, the older switch, means scalar.
+inline Isa detect_isa() {
 #if SPECDEC_CPU_X86
-  static const bool ok = std::getenv("SPECDEC_LINEAR_SCALAR") == nullptr && __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("fma");
-  return ok;
-#else
-  return false;
+  Isa cap = Isa::kAvx512;
+  if (const char* v = std::getenv("SPECDEC_CPU_ISA")) {
+    if (std::strcmp(v, "scalar") == 0) cap = Isa::kScalar;
+    if (std::strcmp(v, "avx2") == 0) cap = Isa::kAvx2;
+  }
+  if (std::getenv("SPECDEC_LINEAR_SCALAR") != nullptr) cap = Isa::kScalar;
+  const bool fma = __builtin_cpu_supports("fma");
+  if (cap >= Isa::kAvx512 && fma && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
+    return Isa::kAvx512;
+  }
+  if (cap >= Isa::kAvx2 && fma && __builtin_cpu_supports("avx2")) return Isa::kAvx2;
 #endif
+  return Isa::kScalar;
 }
 
-// The same plus AVX512-BF16 dot products (the bfloat16 linear kernel).
+inline Isa cpu_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+// Whether this CPU runs the AVX-512 (F, BW, VL + FMA) code paths.
+inline bool cpu_has_avx512() { return cpu_isa() == Isa::kAvx512; }
+
+// Whether it runs the AVX2 + FMA ones (and not the AVX-512 ones, which are then taken instead).
+inline bool cpu_has_avx2() { return cpu_isa() == Isa::kAvx2; }
+
+// AVX-512 plus AVX512-BF16 dot products (the bfloat16 linear kernel's AVX-512 path; an AVX-512 CPU without them
+// takes its AVX2 path, which widens bfloat16 to float32).
 inline bool cpu_has_avx512_bf16() {
 #if SPECDEC_CPU_X86
   static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
@@ -97,6 +125,81 @@ SPECDEC_AVX512 inline __m512 exp16(__m512 x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), y, n);
+}
+
+// Sums the lanes of 8 accumulators at once: lane i of the result is the sum of acc[i], always by the same tree
+// ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)) whatever the other accumulators hold (unused ones are zero and never mix into
+// used ones). 7 horizontal adds, 2 lane permutes and 1 add per 8 outputs.
+SPECDEC_AVX2 inline __m256 reduce8(const __m256* acc) {
+  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]);  // [0:01 0:23 1:01 1:23 | 0:45 0:67 1:45 1:67]
+  const __m256 s23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]);
+  const __m256 s67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 q0 = _mm256_hadd_ps(s01, s23);  // [0:0123 1:0123 2:0123 3:0123 | 0:4567 1:4567 2:4567 3:4567]
+  const __m256 q1 = _mm256_hadd_ps(s45, s67);  // the same for accumulators 4..7
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+// The sum of one vector's 8 lanes by the same tree as reduce8's.
+SPECDEC_AVX2 inline float reduce_add8(__m256 v) {
+  const __m256 s = _mm256_hadd_ps(v, v);  // [01 23 01 23 | 45 67 45 67]
+  const __m256 q = _mm256_hadd_ps(s, s);  // [0123 ... | 4567 ...]
+  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+}
+
+SPECDEC_AVX2 inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// exp16's algorithm on 8 lanes (the same polynomial, so the same values lane by lane); 2^n as two exact power-of-two
+// factors built in the exponent field, since AVX2 has no vscalefps and n reaches 128.
+SPECDEC_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365447504f), _CMP_LT_OQ);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // n in [-126, 128]: 2^n = 2^h * 2^(n-h) with h = n >> 1, both exponents in [-63, 64]
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i h = _mm256_srai_epi32(ni, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, bias), 23));
+  const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), bias), 23));
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(_mm256_mul_ps(y, p1), p2));
+}
+
+// 8 bfloat16 values widened to float32 lanes (exact: bfloat16 is float32's top half).
+SPECDEC_AVX2 inline __m256 widen_bf16(__m128i raw) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// 8 elements of float32 or bfloat16 (any 2-byte T is read as bfloat16 bits) at p, the first `count` of them and the
+// rest zero, as float32 lanes.
+template <typename T>
+SPECDEC_AVX2 inline __m256 load8(const T* p, int64_t count) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 2, "float32 or bfloat16");
+  if constexpr (sizeof(T) == 4) {
+    if (count >= 8) return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+    alignas(32) float buf[8] = {};
+    std::memcpy(buf, p, static_cast<size_t>(count) * 4);
+    return _mm256_load_ps(buf);
+  } else {
+    if (count >= 8) return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    alignas(16) uint16_t buf[8] = {};
+    std::memcpy(buf, p, static_cast<size_t>(count) * 2);
+    return widen_bf16(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+  }
 }
 
 }  // namespace simd

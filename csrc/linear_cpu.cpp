@@ -1,4 +1,4 @@
-// Small-M linear (out = x @ weight^T + bias) on CPU: AVX-512 fp32 FMA and AVX512-BF16 dot products.
+// Small-M linear (out = x @ weight^T + bias) on CPU: AVX-512 fp32 FMA and AVX512-BF16 dot products, or AVX2 FMA.
 //
 // Glossary: M rows of x (decode: 1, verify: T), N output features (rows of weight [N, K]), K the reduction length.
 // A *tile* is NB weight rows x MB x rows computed together: each weight vector loaded feeds MB FMAs, each x vector
@@ -14,9 +14,10 @@
 // and the bias is added last. Tile shapes only choose which accumulators share registers, never the order of one
 // accumulator's additions, so linear(x)[i] is bitwise linear(x[i:i+1])[0].
 //
-// The AVX-512 code is compiled for its ISA with target attributes (no global -mavx512 flags), and chosen at run time
-// with __builtin_cpu_supports: a CPU without AVX-512 (or without AVX512-BF16, for bf16) takes a scalar path that is
-// correct and batch-invariant in its own, different, order.
+// The AVX-512 and AVX2 code is compiled for its ISA with target attributes (no global -m flags), and chosen once per
+// process (simd::cpu_isa): a CPU with AVX2 + FMA but no AVX-512 (or no AVX512-BF16, for bf16) takes the AVX2 path
+// (8 lanes: lane l sums k = l, l + 8, ... in increasing k, bf16 widened to fp32 first, then reduce8's fixed tree), one
+// without either a scalar path; each is correct and batch-invariant in its own order.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -65,19 +66,30 @@ inline void store(const LinearArgs<T>& a, int64_t m, int64_t n, float sum) {
 constexpr int64_t kRowBlock = 16;
 
 // ---------------------------------------------------------------------------------------------------------------
-// Scalar path: CPUs without AVX-512. One sequential fp32 sum per output.
+// Scalar path: CPUs without AVX2 (and other architectures). The AVX2 path's order written as plain C++: 8 partial
+// sums, sum l over k = l, l + 8, ..., then the tree ((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7)). The lanes are
+// independent, so the compiler vectorizes them for whatever the target has (SSE2, NEON) without reassociating a sum.
 // ---------------------------------------------------------------------------------------------------------------
 
 template <typename T>
+float dot8(const float* x, const T* w, int64_t K) {
+  float s[8] = {};
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    for (int l = 0; l < 8; ++l) s[l] += x[k + l] * to_float(w[k + l]);
+  }
+  for (int l = 0; k + l < K; ++l) s[l] += x[k + l] * to_float(w[k + l]);
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+template <typename T>
 void rows_scalar(const LinearArgs<T>& a, int64_t n_begin, int64_t n_end) {
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const T* w = a.w + n * a.K;
-    for (int64_t m = 0; m < a.M; ++m) {
-      const T* x = a.x + m * a.ldx;
-      float sum = 0.f;
-      for (int64_t k = 0; k < a.K; ++k) sum += to_float(x[k]) * to_float(w[k]);
-      store(a, m, n, sum);
-    }
+  std::vector<float> x(static_cast<size_t>(a.M * a.K));  // [M, K]: x in fp32
+  for (int64_t m = 0; m < a.M; ++m) {
+    for (int64_t k = 0; k < a.K; ++k) x[m * a.K + k] = to_float(a.x[m * a.ldx + k]);
+  }
+  for (int64_t n = n_begin; n < n_end; ++n) {  // each weight row streamed once, then read from L1 by every x row
+    for (int64_t m = 0; m < a.M; ++m) store(a, m, n, dot8(x.data() + m * a.K, a.w + n * a.K, a.K));
   }
 }
 
@@ -269,16 +281,132 @@ SPECDEC_AVX512 void rows_avx512(const LinearArgs<T>& a, int64_t n_begin, int64_t
   for (; n < n_end; ++n) rows_all_m<T, 1>(a, n, false);
 }
 
-#else
 
+// ---------------------------------------------------------------------------------------------------------------
+// AVX2 + FMA path (CPUs without AVX-512: AMD Zen 1-3, older and client Intel parts).
+// ---------------------------------------------------------------------------------------------------------------
+
+// The k loop runs 16 elements per step as two 8-lane halves, lo and hi, each multiplied by its own x half:
+// - fp32: lo = w[k .. k+7], hi = w[k+8 .. k+15], x read in place, so lane l sums k = l, l + 8, l + 16, ... in order;
+// - bf16: one 32-byte load of 16 weights, lo = the even ones (k + 2l: shifted into an fp32's top half), hi = the odd
+//   ones (k + 2l + 1: masked in place), 3 instructions per 16 weights where widening 8 at a time took 4 per 8; x is
+//   widened to fp32 once per call into that even/odd order (Avx2Args), so lane l sums k = 2l, 2l + 1, 2l + 16, ...
 template <typename T>
-void rows_avx512(const LinearArgs<T>&, int64_t, int64_t) {}
+struct Avx2Args {
+  const LinearArgs<T>& a;
+  const float* x;  // fp32: a.x in place, row stride a.ldx; bf16: [M, Kp] widened, per 16 elements the even then odd
+  int64_t ldx;
+};
+
+// 16 weights of row w from k as the (lo, hi) halves above.
+template <typename T>
+SPECDEC_AVX2 inline void load_w16(const T* w, __m256& lo, __m256& hi) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo = _mm256_loadu_ps(w);
+    hi = _mm256_loadu_ps(w + 8);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    hi = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+// One k step of 16 for the tile's NB weight rows (row stride K) and MB x rows (row stride ldx).
+template <typename T, int NB, int MB>
+SPECDEC_AVX2 inline void step16(const T* w, int64_t K, const float* x, int64_t ldx, __m256* acc) {
+  __m256 x_lo[MB], x_hi[MB];
+#pragma GCC unroll 8
+  for (int mb = 0; mb < MB; ++mb) {
+    x_lo[mb] = _mm256_loadu_ps(x + mb * ldx);
+    x_hi[mb] = _mm256_loadu_ps(x + mb * ldx + 8);
+  }
+#pragma GCC unroll 8
+  for (int nb = 0; nb < NB; ++nb) {
+    __m256 w_lo, w_hi;
+    load_w16(w + nb * K, w_lo, w_hi);
+#pragma GCC unroll 8
+    for (int mb = 0; mb < MB; ++mb) {
+      acc[mb * NB + nb] = _mm256_fmadd_ps(w_lo, x_lo[mb], acc[mb * NB + nb]);
+      acc[mb * NB + nb] = _mm256_fmadd_ps(w_hi, x_hi[mb], acc[mb * NB + nb]);
+    }
+  }
+}
+
+// NB weight rows x MB x rows: accumulator mb * NB + nb; then reduce8 (lane i = accumulator i), the bias (fp32, last)
+// and one rounding per output.
+template <typename T, int NB, int MB>
+SPECDEC_AVX2 void tile_avx2(const Avx2Args<T>& p, int64_t n0, int64_t m0, const char* prefetch) {
+  static_assert(NB * MB <= 8, "a tile holds at most 8 accumulators");
+  const LinearArgs<T>& a = p.a;
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  const T* w = a.w + n0 * a.K;
+  const float* x = p.x + m0 * p.ldx;
+  const int64_t K = a.K;
+  // the next tile's rows (contiguous after these), streamed into L2 at this tile's pace: NB * 16 elements per k step
+  constexpr int64_t kStepBytes = NB * 16 * static_cast<int64_t>(sizeof(T));
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    if (prefetch != nullptr) {
+      if constexpr (kStepBytes >= 64) {
+#pragma GCC unroll 8
+        for (int64_t i = 0; i < kStepBytes; i += 64) _mm_prefetch(prefetch + i, _MM_HINT_T1);
+      } else {
+        if ((k / 16) % (64 / kStepBytes) == 0) _mm_prefetch(prefetch, _MM_HINT_T1);
+      }
+      prefetch += kStepBytes;
+    }
+    step16<T, NB, MB>(w + k, K, x + k, p.ldx, acc);
+  }
+  if (k < K) {  // the last K % 16 elements, through zero-padded copies (the same lanes as a full step)
+    alignas(32) T wt[NB * 16] = {};
+    alignas(32) float xt[MB * 16] = {};
+    for (int nb = 0; nb < NB; ++nb) std::memcpy(wt + nb * 16, w + nb * K + k, (K - k) * sizeof(T));
+    for (int mb = 0; mb < MB; ++mb) {  // bf16's widened x is padded already: its whole last step is copied
+      std::memcpy(xt + mb * 16, x + mb * p.ldx + k, (std::is_same_v<T, float> ? K - k : 16) * sizeof(float));
+    }
+    step16<T, NB, MB>(wt, 16, xt, 16, acc);
+  }
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, simd::reduce8(acc));
+  for (int mb = 0; mb < MB; ++mb) {
+    for (int nb = 0; nb < NB; ++nb) store(a, m0 + mb, n0 + nb, sums[mb * NB + nb]);
+  }
+}
+
+template <typename T, int NB, int MB>
+SPECDEC_AVX2 inline void tile8(const Avx2Args<T>& p, int64_t n0, int64_t m0, bool prefetch) {
+  tile_avx2<T, NB, MB>(p, n0, m0, prefetch ? reinterpret_cast<const char*>(p.a.w + (n0 + NB) * p.a.K) : nullptr);
+}
+
+// Weight rows [n_begin, n_end): 8 rows at a time at M = 1, else 4 rows against x in chunks of 2 rows (the 4 weight
+// rows read from memory once, from L1 by the later chunks); single rows for what does not fill a tile.
+template <typename T>
+SPECDEC_AVX2 void rows_avx2(const Avx2Args<T>& p, int64_t n_begin, int64_t n_end) {
+  const int64_t M = p.a.M;
+  int64_t n = n_begin;
+  if (M == 1) {
+    for (; n + 8 <= n_end; n += 8) tile8<T, 8, 1>(p, n, 0, true);
+  } else {
+    for (; n + 4 <= n_end; n += 4) {
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) tile8<T, 4, 2>(p, n, m, true);
+      if (m < M) tile8<T, 4, 1>(p, n, m, true);
+    }
+  }
+  for (; n < n_end; ++n) {
+    for (int64_t m = 0; m < M; ++m) tile8<T, 1, 1>(p, n, m, false);
+  }
+}
 
 #endif  // SPECDEC_LINEAR_X86
 
 template <typename T>
 void run(const LinearArgs<T>& a) {
-  const bool vector = std::is_same_v<T, float> ? simd::cpu_has_avx512() : simd::cpu_has_avx512_bf16();
+  enum class Path { kScalar, kAvx2, kAvx512 };
+  const bool avx512 = std::is_same_v<T, float> ? simd::cpu_has_avx512() : simd::cpu_has_avx512_bf16();
+  const Path path = avx512 ? Path::kAvx512 : simd::cpu_isa() >= simd::Isa::kAvx2 ? Path::kAvx2 : Path::kScalar;
   const int64_t num_blocks = (a.N + kRowBlock - 1) / kRowBlock;
   // Threads for calls with >= ~1 us of one-thread work. Between the forwards of a decode loop the second thread
   // spins (OpenMP's active wait), so handing it half of a call costs well under a microsecond; a 5 us threshold
@@ -292,14 +420,34 @@ void run(const LinearArgs<T>& a) {
   const double block_flops = 2.0 * static_cast<double>(a.M * kRowBlock * a.K);
   const double block_us = std::max(block_bytes / 130e3, block_flops / (std::is_same_v<T, float> ? 200e3 : 350e3));
   const int64_t grain = static_cast<int64_t>(1.0 / std::max(block_us, 1e-3)) + 1;
+#if SPECDEC_LINEAR_X86
+  std::vector<float> widened;  // [M, Kp]: the bf16 AVX2 path's x in fp32, even / odd order (Avx2Args)
+  const float* xf = nullptr;
+  int64_t ldxf = 0;
+  if (path == Path::kAvx2) {
+    if constexpr (std::is_same_v<T, float>) {
+      xf = a.x, ldxf = a.ldx;
+    } else {
+      ldxf = (a.K + 15) / 16 * 16;
+      widened.assign(static_cast<size_t>(a.M * ldxf), 0.f);
+      for (int64_t m = 0; m < a.M; ++m) {
+        for (int64_t k = 0; k < a.K; ++k) {
+          widened[m * ldxf + k / 16 * 16 + (k % 2) * 8 + (k % 16) / 2] = static_cast<float>(a.x[m * a.ldx + k]);
+        }
+      }
+      xf = widened.data();
+    }
+  }
+  const Avx2Args<T> p{a, xf, ldxf};
+#endif
   at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
     const int64_t n_begin = begin * kRowBlock;
     const int64_t n_end = std::min(end * kRowBlock, a.N);
-    if (vector) {
-      rows_avx512<T>(a, n_begin, n_end);
-    } else {
-      rows_scalar<T>(a, n_begin, n_end);
-    }
+#if SPECDEC_LINEAR_X86
+    if (path == Path::kAvx512) return rows_avx512<T>(a, n_begin, n_end);
+    if (path == Path::kAvx2) return rows_avx2<T>(p, n_begin, n_end);
+#endif
+    rows_scalar<T>(a, n_begin, n_end);
   });
 }
 

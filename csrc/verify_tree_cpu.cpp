@@ -30,6 +30,7 @@ namespace {
 
 constexpr int64_t kPadNode = -1;
 
+using simd::cpu_has_avx2;
 using simd::cpu_has_avx512;
 
 // The first index of the maximum of z [V], or -1 when the row holds a NaN or its maximum is infinite.
@@ -63,11 +64,36 @@ SPECDEC_AVX512 int64_t argmax_avx512(const float* z, int64_t V) {
   }
   return -1;  // unreachable: the maximum is in the row
 }
+
+SPECDEC_AVX2 int64_t argmax_avx2(const float* z, int64_t V) {
+  __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256 v = _mm256_loadu_ps(z + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, v);
+  }
+  float best = simd::reduce_max8(mx);
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t j = i; j < V; ++j) has_nan |= std::isnan(z[j]), best = std::max(best, z[j]);
+  if (has_nan || !std::isfinite(best)) return -1;
+  const __m256 target = _mm256_set1_ps(best);
+  for (i = 0; i + 8 <= V; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(z + i), target, _CMP_EQ_OQ));
+    if (hit != 0) return i + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+  for (; i < V; ++i) {
+    if (z[i] == best) return i;
+  }
+  return -1;  // unreachable: the maximum is in the row
+}
 #endif
 
 int64_t argmax(const float* z, int64_t V) {
 #if SPECDEC_CPU_X86
   if (cpu_has_avx512()) return argmax_avx512(z, V);
+  if (cpu_has_avx2()) return argmax_avx2(z, V);
 #endif
   return argmax_scalar(z, V);
 }

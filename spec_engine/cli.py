@@ -23,10 +23,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "file's K, the full vocabulary without one; the vocabulary size turns it off)")  # fmt: skip
     g.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="the draft model's precision (default: the device's fastest where narrower than the "
-                   "target's, e.g. bfloat16 under a float32 target on AVX512-BF16 CPUs; output unchanged)")  # fmt: skip
+                   "target's, e.g. bfloat16 under a float32 target on AVX512-BF16 or AVX2 CPUs; output "
+                   "unchanged)")  # fmt: skip
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="precision (default auto: bfloat16 on CPUs with AVX512-BF16, else float32)")  # fmt: skip
+                   help="precision (default auto: bfloat16 on CPUs with AVX512-BF16 or AVX2, else "
+                   "float32)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--tensor-parallel-size", type=int, default=1,

@@ -124,10 +124,11 @@ def _draft_dtype(dtype: str, device: str) -> str:
 def auto_dtype(device: str) -> str:
     """The fastest precision of the weights and KV caches on ``device`` (``dtype="auto"``, the default).
 
-    CPU: bfloat16 where the native kernels have AVX512-BF16 (the default pair, 2 threads: ~1.4-1.7x float32's
-    tokens/s, plain and speculative, because bf16 halves the bytes every step streams and target + draft then fit in
-    the L3 cache), float32 elsewhere. CUDA: bfloat16 where the GPU has it, float16 otherwise. Other devices (meta):
-    float32. Greedy tokens are those of the chosen dtype; pass ``dtype="float32"`` for float32's."""
+    CPU: bfloat16 where the native kernels have a vector bfloat16 path, AVX512-BF16 or AVX2 + FMA (the default
+    pair, 2 threads: ~1.4-1.7x float32's tokens/s, plain and speculative, because bf16 halves the bytes every step
+    streams and target + draft then fit in the L3 cache), float32 elsewhere. CUDA: bfloat16 where the GPU has it,
+    float16 otherwise. Other devices (meta): float32. Greedy tokens are those of the chosen dtype; pass
+    ``dtype="float32"`` for float32's."""
     if device == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     if device == "cpu" and cpu_supports_native_bf16():
@@ -150,7 +151,8 @@ class LLM:
         ``draft_vocab.json`` only (FR-Spec; lossless: the target decides); left out, the file's own K, or the full
         vocabulary without the file; the vocabulary size turns it off.
     device, dtype : where and in what precision the weights and KV caches live; ``dtype="auto"`` (the default) is
-        the fastest for the device (``auto_dtype``: bfloat16 on CPUs with AVX512-BF16 and on GPUs, else float32).
+        the fastest for the device (``auto_dtype``: bfloat16 on CPUs with AVX512-BF16 or AVX2 and on GPUs, else
+        float32).
     max_model_len : context length (prompt + output); defaults to the model's, capped at 4096.
     max_num_seqs : requests decoded together.
     kv_cache_memory : bytes for the KV caches of both models (requests that do not fit wait).

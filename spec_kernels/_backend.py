@@ -53,13 +53,18 @@ def host_value_checks(device: torch.device) -> bool:
 
 @functools.cache
 def cpu_supports_native_bf16() -> bool:
-    """Whether this CPU runs the native bfloat16 kernels' vector path (AVX-512 F/BW/VL and AVX512-BF16), from the
-    kernel's CPU flags (Linux); False where they cannot be read."""
+    """Whether this CPU runs the native bfloat16 kernels on a vector path: AVX-512 F/BW/VL with AVX512-BF16 dot
+    products, or AVX2 + FMA (bfloat16 widened to float32 in registers; the default pair on a 2-core AMD EPYC without
+    AVX-512 decoded ~1.7x float32's tokens/s, the weights' bytes halved), from the kernel's CPU flags (Linux); False
+    where they cannot be read or ``SPECDEC_CPU_ISA=scalar`` forces the scalar kernels (csrc/cpu_simd.h)."""
+    if os.environ.get("SPECDEC_CPU_ISA") == "scalar" or os.environ.get("SPECDEC_LINEAR_SCALAR"):
+        return False
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return False
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags.split(":", 1)[1].split())
+    have = set(flags.split(":", 1)[1].split())
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= have or {"avx2", "fma"} <= have
 
 
 def resolve_backend(op: str, backend: str | None, device: torch.device, *, has_triton: bool = True) -> str:
