@@ -68,6 +68,14 @@ call runs several per choice).
 A probe runs only if the scan would draft with the due rows' drafts as good as ``PROBE_ALPHA``: rows that are off
 because drafting costs too much at this batch size (not because their drafts fail) learn nothing from a probe.
 Their draft cache then lags; the first drafted step feeds the lag (catch-up), computing logits at the root only.
+
+Priced probes: a probe's catch-up is most of its price (the prompt and every undrafted token: ~130 draft tokens, ~3
+ms, for a 64-token request of the default pair in bfloat16 on a 2-core AVX2 CPU, where a step at depth 1 already
+costs ~1.45 plain tokens), so a due row is probed only where its expected gain exceeds that price
+(``AdaptiveController.probe_pays``): the time a draft as good as ``PROBE_ALPHA`` would save over the row's remaining
+tokens, times the recent probes' success rate. Unpriced, every held-out request paid a probe that never paid back
+(0.85-0.96x plain decoding per prompt there); a long request, a cheap catch-up or a run of successful probes still
+buys one.
 """
 
 from __future__ import annotations
@@ -84,11 +92,15 @@ MAX_PROBE_INTERVAL = 64
 OPTIMISM = 0.5  # standard errors added to alpha when planning (see "optimism" above)
 OPTIMISM_PSEUDO_TRIALS = 16.0  # the evidence a new request's prior is worth to the optimism bonus
 COST_FORGET = 0.97  # per observed step: the cost fits remember ~30 steps (batch size and context drift)
+TABLE_PRIOR = 1.0  # observations the target line's prediction is worth against a verify width's own measurements
 TARGET_PER_TOKEN_PRIOR = 0.1  # b / a: on this CPU, HF eager verifies 6 tokens for ~1.7x the cost of one
 DRAFT_PER_TOKEN_PRIOR = 0.1  # d / c
 TOKENS_REF = 16.0  # token counts are divided by this so both coefficients of a fit have comparable scales
 OUTLIER = 3.0  # a step timed above this multiple of its prediction (preemption, a one-time load) is clipped to it
 PROBE_ALPHA = 0.8  # a due row is probed if a draft this good would be drafted now (see the probes above)
+PROBE_PRIOR = 0.5  # the chance that a probe accepts its draft before any probe was seen (see "priced probes")
+PROBE_PRIOR_STRENGTH = 2.0  # ... worth this many probes
+PROBE_DECAY = 0.9  # per probe: the probes' success rate remembers ~10 of them
 MIN_GAIN = 1.05  # drafting must promise this multiple of plain decoding's tokens/s at batch 1 (see "margin")
 TAIL_MARGIN = 0.15  # added to it as the batch grows: MIN_GAIN + TAIL_MARGIN * (1 - 1/B)
 PLAIN_PROBE_INTERVAL = 32  # while drafting, one step in this many runs plain, to measure the rate to beat
@@ -192,6 +204,42 @@ class LinearCost:
         return self.theta[0] * x0 + self.theta[1] * x1
 
 
+class WidthTable:
+    """Measured target-pass seconds per verify width (B * T tokens): the line's convexity correction.
+
+    On a CPU whose small-M matmuls turn compute-bound past a few rows (AVX2, bfloat16 widened in registers) a pass
+    costs ~1.0 ms at 2-3 tokens, 1.1 at 4 and 2.4 at 9 (default target; plain 0.6-0.9): a line fit through the
+    depths a request used over-prices the middle ones by ~30%, and a draft at alpha 0.8 that pays at depth 2-3 looked
+    not to. Each width keeps a forgetful mean of its own steps (clipped like the line's), blended with the line's
+    prediction worth ``TABLE_PRIOR`` steps; a width not measured is priced by the line, but never above the
+    straight interpolation between its measured neighbours (a convex cost lies below its chords)."""
+
+    def __init__(self, forget: float = COST_FORGET):
+        self.forget = forget
+        self.mean: dict[int, float] = {}  # width -> forgetful mean seconds
+        self.weight: dict[int, float] = {}  # width -> forgetful count of its steps
+
+    def observe(self, width: int, t: float, predicted: float) -> None:
+        if width in self.mean:
+            t = min(t, OUTLIER * self.mean[width])
+        elif predicted > 0:
+            t = min(t, OUTLIER * predicted)
+        w = self.forget * self.weight.get(width, 0.0)
+        self.mean[width] = (w * self.mean.get(width, 0.0) + t) / (w + 1.0)
+        self.weight[width] = w + 1.0
+
+    def predict(self, width: int, line: float) -> float:
+        if width in self.mean:
+            w = self.weight[width]
+            return (w * self.mean[width] + TABLE_PRIOR * line) / (w + TABLE_PRIOR)
+        below = max((x for x in self.mean if x < width), default=None)
+        above = min((x for x in self.mean if x > width), default=None)
+        if below is None or above is None:
+            return line
+        f = (width - below) / (above - below)
+        return min(line, (1.0 - f) * self.mean[below] + f * self.mean[above])
+
+
 @dataclass
 class RowState:
     """What the controller keeps per request (``Request.spec_state``)."""
@@ -199,6 +247,7 @@ class RowState:
     acceptance: AcceptanceEstimate
     steps_undrafted: int = 0
     probe_interval: int = PROBE_INTERVAL
+    probing: bool = False  # the row's next drafted step is a probe (its outcome feeds the probes' success rate)
 
 
 class AdaptiveController:
@@ -224,6 +273,7 @@ class AdaptiveController:
         for g in range(max_depth):
             self.draft_tokens.append(self.draft_tokens[-1] + (max(self.nodes[g] - 1, 1) if tree else 1))
         self.target_cost = LinearCost(TARGET_PER_TOKEN_PRIOR * TOKENS_REF)
+        self.target_widths = WidthTable()  # measured passes per verify width, on top of the line (target_time)
         self.draft_cost = LinearCost(DRAFT_PER_TOKEN_PRIOR * TOKENS_REF)
         self.population = AcceptanceEstimate(max_depth, per_depth=False, decay=POPULATION_DECAY)
         self.plain_probe = False  # the last choice was the plain probe (see choose)
@@ -234,6 +284,7 @@ class AdaptiveController:
         self._catch_up_tokens = 0  # tokens the draft cache catches up on this step, drafted rows
         self._cold = True  # the engine's first step pays one-time costs (extension loads, allocations): not timed
         self._plain_steps: list[tuple[int, float]] = []  # (batch, seconds) of the last PLAIN_SAMPLES plain steps
+        self._probe_hits = self._probe_misses = 0.0  # probes that accepted their draft / did not, forgotten slowly
 
     def state(self, req) -> RowState:
         if req.spec_state is None:
@@ -258,7 +309,7 @@ class AdaptiveController:
         # the rate to beat: plain decoding's, raised by the margin
         margin = MIN_GAIN + TAIL_MARGIN * (1.0 - 1.0 / B)
         plain_rate = margin * B / max(self.plain_cost(B), 1e-9)
-        best_G, best_k = self._scan(E, plain_rate)
+        best_G, best_k, _ = self._scan(E, plain_rate)
         if best_G and self.num_steps >= self._next_plain_probe:
             self._next_plain_probe = self.num_steps + PLAIN_PROBE_INTERVAL
             self.plain_probe = True
@@ -276,6 +327,11 @@ class AdaptiveController:
         depth through rejections: ending it there cost ~0.4 ms of per-call work per step at alpha ~0.4 (default
         pair, float32), more than the steps a stale depth wastes."""
         return any(self.state(r).acceptance.num_trials < SURE_TRIALS for r in reqs)
+
+    def target_time(self, width: int) -> float:
+        """Seconds of a drafted step's target pass over ``width`` = B * T tokens: the line, corrected by the widths
+        measured (WidthTable)."""
+        return self.target_widths.predict(width, self.target_cost.predict(1.0, width / TOKENS_REF))
 
     def plain_cost(self, B: int) -> float:
         """Seconds of a plain (undrafted) step at batch B: the cost model's, scaled by what plain steps measured.
@@ -295,15 +351,16 @@ class AdaptiveController:
         ratios = sorted(t / max(self.target_cost.predict(1.0, b / TOKENS_REF), 1e-9) for b, t in self._plain_steps)
         return modelled * min(max(ratios[0], 0.2), 5.0)
 
-    def _scan(self, E: list[list[float]], plain_rate: float) -> tuple[int, int]:
-        """The (G, k) with the best predicted tokens/s, (0, 0) if none beats ``plain_rate``. E ``[B][D+1]``."""
+    def _scan(self, E: list[list[float]], plain_rate: float) -> tuple[int, int, float]:
+        """The (G, k) with the best predicted tokens/s and that rate; (0, 0, plain_rate) if none beats
+        ``plain_rate``. E ``[B][D+1]``."""
         B, D = len(E), self.max_depth
         best_rate, best_G, best_k = plain_rate, 0, 0
-        cheapest = self.target_cost.predict(1.0, B * self.nodes[1] / TOKENS_REF) + self.draft_cost.predict(1.0, 0.0)
+        cheapest = self.target_time(B * self.nodes[1]) + self.draft_cost.predict(1.0, 0.0)
         if (B + sum(row[D] - 1.0 for row in E)) / max(cheapest, 1e-9) <= best_rate:
-            return 0, 0  # not even every row at full depth for the cost of depth 1 beats plain decoding
+            return 0, 0, plain_rate  # not even every row at full depth for the cost of depth 1 beats plain decoding
         for G in range(1, D + 1):
-            t_fixed = self.target_cost.predict(1.0, B * self.nodes[G] / TOKENS_REF) + self.draft_cost.predict(G, 0.0)
+            t_fixed = self.target_time(B * self.nodes[G]) + self.draft_cost.predict(G, 0.0)
             t_per_row = self.draft_cost.predict(0.0, self.draft_tokens[G] / TOKENS_REF)
             gain = float(B)
             for k, e in enumerate(sorted((row[G] - 1.0 for row in E), reverse=True), start=1):  # best rows first
@@ -311,7 +368,7 @@ class AdaptiveController:
                 rate = gain / max(t_fixed + k * t_per_row, 1e-9)
                 if rate > best_rate:
                     best_rate, best_G, best_k = rate, G, k
-        return best_G, best_k
+        return best_G, best_k, best_rate
 
     def _probe(self, reqs, states: list[RowState], E: list[list[float]], gammas: list[int], G: int,
                plain_rate: float) -> None:  # fmt: skip
@@ -319,7 +376,8 @@ class AdaptiveController:
 
         Only where that could matter: if the scan would not draft even with the due rows' drafts as good as
         ``PROBE_ALPHA``, the rows are off for the cost, not for their drafts, and new evidence changes nothing.
-        (At batch 16 on this CPU, probes of good rows were 2.5% of row-steps, each with a draft catch-up.)"""
+        (At batch 16 on this CPU, probes of good rows were 2.5% of row-steps, each with a draft catch-up.)
+        And only where it pays in expectation (``probe_pays``)."""
         if self.num_steps < self._next_probe:
             return
         self._next_probe = self.num_steps + PROBE_INTERVAL
@@ -330,10 +388,34 @@ class AdaptiveController:
         for b in due:
             cap = max(reqs[b].params.max_tokens - len(reqs[b].output_token_ids), 1)
             what_if[b] = [max(e, g) for e, g in zip(E[b], geometric_tokens(PROBE_ALPHA, self.max_depth, cap))]
-        if self._scan(what_if, plain_rate) == (0, 0):
+        found_G, _, good_rate = self._scan(what_if, plain_rate)
+        if found_G == 0:
             return
         for b in due:
-            gammas[b] = max(G, 1)
+            if self.probe_pays(reqs[b], len(reqs), good_rate):
+                gammas[b] = max(G, 1)
+                states[b].probing = True
+
+    @property
+    def probe_success(self) -> float:
+        """The chance that a probe accepts its draft: the recent probes' rate, ``PROBE_PRIOR`` before any."""
+        hits = self._probe_hits + PROBE_PRIOR_STRENGTH * PROBE_PRIOR
+        return hits / (self._probe_hits + self._probe_misses + PROBE_PRIOR_STRENGTH)
+
+    def probe_pays(self, req, B: int, good_rate: float) -> bool:
+        """Whether probing ``req`` is worth its price: the time drafting would save over the row's remaining tokens
+        were its draft as good as ``PROBE_ALPHA`` (the batch's tokens/s from plain decoding's to ``good_rate``),
+        weighed by the chance of a probe finding a draft that good (``probe_success``), against what the probe
+        costs: the draft's catch-up on every token its cache lacks (the prompt and the undrafted steps: ~130 draft
+        tokens, ~3 ms, on the default pair in bfloat16 on a 2-core AVX2 CPU, a tenth of a 64-token request's
+        time, where its drafts could save ~2.6 ms if all went well) plus one drafted step's excess over a plain
+        one. Unpriced, that probe cost every held-out request 5-15% (0.85-0.96x plain decoding)."""
+        plain_step = self.plain_cost(B)
+        left = max(req.params.max_tokens - len(req.output_token_ids), 0)
+        saving = left * B * max(plain_step / B - 1.0 / max(good_rate, 1e-9), 0.0)  # seconds over the row's life
+        catch_up = self.draft_cost.predict(0.0, self.cache_lag(req) / TOKENS_REF)
+        step = self.target_time(B * self.nodes[1]) + self.draft_cost.predict(1.0, 0.0)
+        return self.probe_success * saving > catch_up + max(step - plain_step, 0.0)
 
     def _commit_choice(self, reqs: Sequence, states: list[RowState], gammas: list[int]) -> list[int]:
         # a draft model first feeds each drafted row the tokens its cache lacks (1 after a full chain; the prompt
@@ -356,6 +438,11 @@ class AdaptiveController:
                 continue
             s.acceptance.update(g, n - 1)
             self.population.update(g, n - 1)
+            if s.probing:  # the probe's outcome: did the draft's first token survive?
+                s.probing = False
+                hit = float(n > 1)
+                self._probe_hits = PROBE_DECAY * self._probe_hits + hit
+                self._probe_misses = PROBE_DECAY * self._probe_misses + 1.0 - hit
             s.probe_interval = PROBE_INTERVAL if n > 1 else min(2 * s.probe_interval, MAX_PROBE_INTERVAL)
             self.probe_interval = s.probe_interval
             req.metrics.alpha_estimate = s.acceptance.alpha
@@ -370,7 +457,9 @@ class AdaptiveController:
         if G:  # the target's line from drafted steps alone (plain ones are priced by plain_cost): a plain stretch
             # (8 steps per chain) would push a forgetful fit's drafted-step level down to plain decoding's, and a
             # useless draft looked worth another try after every few chains
-            self.target_cost.observe(1.0, B * self.nodes[G] / TOKENS_REF, step_seconds - draft_seconds)
+            width = B * self.nodes[G]
+            self.target_widths.observe(width, step_seconds - draft_seconds, self.target_time(width))
+            self.target_cost.observe(1.0, width / TOKENS_REF, step_seconds - draft_seconds)
             tokens = num_drafted * self.draft_tokens[G] + self._catch_up_tokens
             self.draft_cost.observe(G, tokens / TOKENS_REF, draft_seconds)
             self._catch_up_tokens = 0  # the choice's first step caught up (a native call observes several)

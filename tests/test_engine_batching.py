@@ -465,3 +465,72 @@ def test_a_plain_stretch_does_not_make_a_weak_draft_look_cheap():
     depths = drive(ctl, _row(10**6), lambda G, i: int(i % 4 == 0), max_tokens=600)
     off = "".join(str(min(g, 1)) for g in depths).index("0000")  # off: four plain chains in a row
     assert sum(g > 0 for g in depths[off:]) <= 20
+
+
+def test_a_probe_runs_only_where_it_pays_for_its_catch_up():
+    """A due row's probe costs its draft cache's catch-up (the prompt and every undrafted token: the default pair in
+    bfloat16 on a 2-core AVX2 CPU, ~130 draft tokens, ~3 ms, a tenth of a 64-token request) and is worth the time a
+    good draft would save over the row's remaining tokens, times the chance that a probe finds one. Injected costs:
+    plain 0.8 ms per token, a depth-g step 0.8 + 0.1 g ms in the target and ~0.13 g ms in the draft, 0.5 ms per 16
+    catch-up tokens: were the draft as good as PROBE_ALPHA, depth 3 would save ~0.29 ms per token, at half the
+    chance ~0.15, against ~4.3 ms to probe after a 130-token prompt."""
+    ctl = AdaptiveController(8, lambda g: g + 1, cache_lag=lambda req: req.lag)
+    ctl.population.prior = 0.02  # a useless draft so far: the row is off
+
+    def due(tokens_left, lag):
+        req = _row(tokens_left)
+        req.lag = lag
+        state = ctl.state(req)
+        state.acceptance.num_trials = 10**6
+        state.steps_undrafted = state.probe_interval = PROBE_INTERVAL
+        return req
+
+    def probed(req) -> bool:
+        ctl.target_cost.theta, ctl.target_cost.num_observed = (0.7e-3, 1.6e-3), 1  # plain (B * T = 1): 0.8 ms
+        ctl.draft_cost.theta, ctl.draft_cost.num_observed = (0.1e-3, 0.5e-3), 1
+        ctl._plain_steps = [(1, 0.8e-3)]  # (measured against this same line: ratio 1)
+        ctl.num_steps = ctl._next_probe  # a probe step, not the plain probe
+        ctl._next_plain_probe = 10**9
+        return ctl.choose([req]) == [1]
+
+    assert probed(due(1000, 130))  # a long life left pays for a prompt's catch-up
+    assert not probed(due(20, 130))  # a short one does not
+    assert probed(due(20, 2))  # ... unless the draft cache is nearly current
+    # failed probes lower the chance a probe succeeds, so fewer pay; successful ones raise it again
+    before = ctl.probe_success
+    req = due(1000, 130)
+    assert probed(req)
+    ctl.observe([req], [1], [1], 0.2e-3, 1.2e-3)  # the probe's draft was rejected
+    assert ctl.probe_success < before and not ctl.state(req).probing
+    for _ in range(20):
+        req = due(1000, 130)
+        if probed(req):
+            ctl.observe([req], [1], [1], 0.2e-3, 1.2e-3)
+    assert not probed(due(100, 130)) and ctl.probe_success < 0.15
+
+
+def test_measured_verify_widths_correct_a_convex_cost_line():
+    """On a CPU whose matmuls turn compute-bound past a few rows, a target pass costs ~1.0 ms at 2 tokens, 1.1 at 4
+    and 2.4 at 9: the line through a request's depths 1 and 8 prices depth 3 at ~1.5 ms, and an alpha-0.8 draft
+    that pays there looked not to. Measured widths price themselves; an unmeasured one is priced by the line but
+    never above the chord between its measured neighbours."""
+    from spec_engine.adaptive import WidthTable
+
+    ctl = AdaptiveController(8, lambda g: g + 1)
+    req = _row()
+    ctl.observe([req], [1], [2], 0.1e-3, 1.1e-3)  # the first step is not timed
+    for _ in range(10):
+        ctl.observe([req], [1], [2], 0.1e-3, 1.1e-3)  # T = 2: 1.0 ms in the target
+        ctl.observe([req], [8], [9], 0.5e-3, 2.9e-3)  # T = 9: 2.4 ms
+    line = ctl.target_cost.predict(1.0, 4 / 16)
+    assert line > 1.35e-3  # the line over-prices T = 4
+    chord = 1.0e-3 + (4 - 2) / (9 - 2) * 1.4e-3
+    assert ctl.target_time(4) == pytest.approx(min(line, chord), rel=1e-6)
+    for _ in range(10):
+        ctl.observe([req], [3], [4], 0.25e-3, 1.35e-3)  # T = 4 measured: 1.1 ms
+    assert ctl.target_time(4) == pytest.approx(1.1e-3, rel=0.1)
+    assert ctl.target_time(2) == pytest.approx(1.0e-3, rel=0.1) and ctl.target_time(9) == pytest.approx(2.4e-3, rel=0.1)
+    table = WidthTable()
+    table.observe(5, 1.0, predicted=0.1)  # a first step 10x its prediction is clipped to OUTLIER times it
+    assert table.mean[5] == pytest.approx(0.3)
+    assert table.predict(3, line=0.7) == 0.7  # no measured neighbour on both sides: the line
