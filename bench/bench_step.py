@@ -163,6 +163,30 @@ def stream_gbps(num_bytes: int = 256 << 20):
     return sample
 
 
+NATIVE_STEPS = 16  # forwards per greedy_steps call in native_step
+
+
+def native_step(eng):
+    """A callable running NATIVE_STEPS native one-token forwards in one call, as the engine's chains run them
+    (``greedy_steps``: no Python per forward; a draft's lm_head over its restricted vocabulary if it has one): the
+    per-forward cost c compares in the engine's own steps (``spec_chain``)."""
+    from spec_kernels.decoder_layers import greedy_steps
+
+    m = eng.target
+    head = m.lm_head.weight if m.vocab_map is None else m.head_weight  # [V or K, H]
+    block_size = eng.kv.data.shape[3]
+    table = torch.arange(1, 2 + (CTX + NATIVE_STEPS) // block_size, dtype=torch.int32)[None]  # [1, W]
+    cfg = m.config
+
+    def once():
+        greedy_steps(torch.tensor([5]), m.model.embed_tokens.weight, m.layer_weights, m.model.norm.weight, head,
+                     eng.kv.data, torch.tensor([CTX], dtype=torch.int32), m.rope_table, steps=NATIVE_STEPS,
+                     num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=table)  # fmt: skip
+
+    once()  # (builds the extension)
+    return once
+
+
 def step_cost_modes(target_dir: str, draft_dir: str, dtypes: list[str], sizes: list[int], reps: int) -> list[Mode]:
     modes = [Mode("stream copy", stream_gbps(), "GB/s")]
     for dtype in dtypes:
@@ -175,6 +199,9 @@ def step_cost_modes(target_dir: str, draft_dir: str, dtypes: list[str], sizes: l
             weight_bytes = sum(w.numel() * w.element_size() for w in matrices(eng.target))
             info = {"dtype": dtype, "model": role, "weight_bytes": weight_bytes,
                     "num_matrices": len(matrices(eng.target))}  # fmt: skip
+            native = timed_ms(native_step(eng), reps)  # ms per call of NATIVE_STEPS forwards
+            modes.append(Mode(f"{role} {dtype} native fwd T=1", lambda f=native: [t / NATIVE_STEPS for t in f()],
+                              "ms", extra={**info, "T": 1}))  # fmt: skip
             for T in sizes:
                 fwd = forward_step(eng.target, eng.kv, 1, CTX, T)
                 mm = matmul_step(eng.target, T)
@@ -217,6 +244,12 @@ def derive_step_cost(summary: dict, dtypes: list[str], sizes: list[int]) -> list
                          / summary[f"target {dtype} mm T=1"]["min"],
                          "control_over_fwd": summary[f"target {dtype} fwd T=1 (control)"]["median"] / t1["median"],
                          "control_over_fwd_best": summary[f"target {dtype} fwd T=1 (control)"]["min"] / t1["min"],
+                         "c_native": summary[f"draft {draft_dtype} native fwd T=1"]["median"]
+                         / summary[f"target {dtype} native fwd T=1"]["median"],
+                         "c_native_best": summary[f"draft {draft_dtype} native fwd T=1"]["min"]
+                         / summary[f"target {dtype} native fwd T=1"]["min"],
+                         "target_native_ms": summary[f"target {dtype} native fwd T=1"]["median"],
+                         "draft_native_ms": summary[f"draft {draft_dtype} native fwd T=1"]["median"],
                          })  # fmt: skip
     return rows
 
@@ -378,6 +411,32 @@ def per_prompt_ratio(a: Mode, b: Mode, num_prompts: int) -> list[float]:
     return out
 
 
+def held_out_phase(llms: dict[str, LLM], prompts: list[tuple[str, list[int]]], max_tokens: int,
+                   rounds: int) -> dict:  # fmt: skip
+    """Part 4: our modes alone, prompt by prompt, ``rounds`` times, the order of the modes reversed every other run
+    (a mode right after another pays for the weights the other evicted from the cache): per prompt, each mode's
+    decode tok/s over plain's, as the median over rounds and as the best run's over plain's best (the machine's other
+    jobs only slow a run, so under load the best is the closer estimate of what the code costs). The control is
+    plain decoding under another name: its ratios are the noise floor."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    names = list(llms)
+    tps = {n: [[] for _ in prompts] for n in names}  # [mode][prompt][round]
+    for r in range(rounds):
+        for i, (_, ids) in enumerate(prompts):
+            for n in names if (r + i) % 2 == 0 else names[::-1]:
+                (o,) = llms[n].generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+                tps[n][i].append(o.metrics["decode_tokens_per_s"])
+        print(f"  [held-out] round {r + 1}/{rounds} done, load {os.getloadavg()[0]:.1f}", flush=True)
+    base = tps[names[0]]
+    out = {"rounds": rounds, "modes": names[1:]}
+    for n in names[1:]:
+        out[n] = {
+            "median": [statistics.median(a / b for a, b in zip(x, y)) for x, y in zip(tps[n], base)],
+            "best": [max(x) / max(y) for x, y in zip(tps[n], base)],
+        }
+    return out
+
+
 # --- main --------------------------------------------------------------------------------------------------------
 
 
@@ -394,6 +453,8 @@ def parse_args(argv):
     ap.add_argument("--step-rounds", type=int, default=None, help="rounds of part 1 (default 7, quick 3)")
     ap.add_argument("--decode-rounds", type=int, default=None, help="rounds of parts 2-3 (default 3, quick 1)")
     ap.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default 6, quick 2)")
+    ap.add_argument("--held-out-rounds", type=int, default=None,
+                    help="rounds of part 4, our modes alone per prompt (default 9, quick 2; 0 skips it)")  # fmt: skip
     ap.add_argument("--skip-step", action="store_true", help="skip part 1")
     ap.add_argument("--skip-decode", action="store_true", help="skip parts 2 and 3")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "bench_step.json"))
@@ -532,6 +593,11 @@ def main(argv: list[str] | None = None) -> int:
             },  # fmt: skip
             "same_tokens_as_plain": {n: f"{k}/{len(ref)}" for n, k in same.items()},
         }
+        held_rounds = args.held_out_rounds if args.held_out_rounds is not None else (2 if quick else 9)
+        if held_rounds:
+            print(f"[bench_step] part 4: held-out, our modes alone, {len(prompts)} prompts x {held_rounds} rounds")
+            llms = {"specdec plain": plain, "specdec default spec": spec, "specdec plain (control)": control}
+            result["decode"]["held_out"] = held_out_phase(llms, prompts, args.max_tokens, held_rounds)
         print_decode(result)
 
     save(result, Path(args.out))
@@ -566,6 +632,9 @@ def print_step_cost(result: dict) -> None:
         if row["model"] == "c":
             print(f"  c = draft/target fwd(1), {row['dtype']}: {row['c']:.3f} (best {row['c_best']:.3f}; bare matmuls "
                   f"{row['c_mm_best']:.3f}); control/fwd {row['control_over_fwd']:.3f}")  # fmt: skip
+            print(f"  c native (one-token forwards in one greedy_steps call, as the engine's chains run them), "
+                  f"{row['dtype']}: {row['c_native']:.3f} (best {row['c_native_best']:.3f}): draft "
+                  f"{row['draft_native_ms']:.3f} ms, target {row['target_native_ms']:.3f} ms")  # fmt: skip
             continue
         f = s[f"{row['model']} {row['dtype']} fwd T={row['T']}"]
         gbps = f"{row['weight_gbps_best']:.1f}" if row["weight_gbps_best"] else ""
@@ -590,6 +659,12 @@ def print_decode(result: dict) -> None:
         print(f"  {name:<34}{_fmt(s, '.1f'):<28}tok/s{rel}{extra}")
     print(f"  default spec per prompt vs plain: {', '.join(f'{x:.2f}' for x in d['spec_per_prompt_vs_plain'])}")
     print(f"  same tokens as plain: {d['same_tokens_as_plain']}")
+    h = d.get("held_out")
+    if h:
+        print(f"held-out, our modes alone, {h['rounds']} rounds per prompt, vs plain (median over rounds | best runs):")
+        for n in h["modes"]:
+            med, best = (", ".join(f"{x:.2f}" for x in h[n][k]) for k in ("median", "best"))
+            print(f"  {n:<26} {med} | {best}")
 
 
 def _row(*cells) -> str:
@@ -616,7 +691,10 @@ def markdown(result: dict) -> str:
             if row["model"] == "c":
                 lines.append(f"- c ({row['dtype']}): {row['c']:.3f} from medians, {row['c_best']:.3f} from bests (bare "
                              f"matmuls {row['c_mm_best']:.3f}); control / fwd(1): {row['control_over_fwd']:.2f} "
-                             f"(bests {row['control_over_fwd_best']:.2f})")  # fmt: skip
+                             f"(bests {row['control_over_fwd_best']:.2f}); native forwards (greedy_steps, as the "
+                             f"engine's chains): {row['c_native']:.3f} from medians, {row['c_native_best']:.3f} from "
+                             f"bests (draft {row['draft_native_ms']:.3f} ms, target "
+                             f"{row['target_native_ms']:.3f} ms)")  # fmt: skip
         if result.get("llama_fwd_derived"):
             lines += ["", "| llama.cpp | GGUF | T | fwd ms, median [p20, p80] | fwd best | r(T) | r(T) best |",
                       "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -642,6 +720,17 @@ def markdown(result: dict) -> str:
                          f"{same} |")  # fmt: skip
         per_prompt = ", ".join(f"{x:.2f}" for x in d["spec_per_prompt_vs_plain"])
         lines += ["", f"Default speculative config / plain, per prompt (median over rounds): {per_prompt}."]
+        h = d.get("held_out")
+        if h:
+            lines += [
+                "",
+                f"Held-out, our modes alone ({h['rounds']} rounds per prompt), per prompt vs plain:",
+                "",
+                _row("mode", "median over rounds", "best run / plain's best"),
+                _row("---", "---", "---"),
+            ]
+            for n in h["modes"]:
+                lines.append(_row(n, *(", ".join(f"{x:.2f}" for x in h[n][k]) for k in ("median", "best"))))
     return "\n".join(lines) + "\n"
 
 
