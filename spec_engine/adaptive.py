@@ -92,7 +92,7 @@ MAX_PROBE_INTERVAL = 64
 OPTIMISM = 0.5  # standard errors added to alpha when planning (see "optimism" above)
 OPTIMISM_PSEUDO_TRIALS = 16.0  # the evidence a new request's prior is worth to the optimism bonus
 COST_FORGET = 0.97  # per observed step: the cost fits remember ~30 steps (batch size and context drift)
-TABLE_PRIOR = 1.0  # observations the target line's prediction is worth against a verify width's own measurements
+TABLE_SAMPLES = 8  # target passes per verify width whose cheapest prices that width (WidthTable)
 TARGET_PER_TOKEN_PRIOR = 0.1  # b / a: on this CPU, HF eager verifies 6 tokens for ~1.7x the cost of one
 DRAFT_PER_TOKEN_PRIOR = 0.1  # d / c
 TOKENS_REF = 16.0  # token counts are divided by this so both coefficients of a fit have comparable scales
@@ -105,7 +105,9 @@ MIN_GAIN = 1.05  # drafting must promise this multiple of plain decoding's token
 TAIL_MARGIN = 0.15  # added to it as the batch grows: MIN_GAIN + TAIL_MARGIN * (1 - 1/B)
 PLAIN_PROBE_INTERVAL = 32  # while drafting, one step in this many runs plain, to measure the rate to beat
 PLAIN_PROBE_PHASE = 8  # ... the first of them at this step (apart from the undrafted rows' probes)
-PLAIN_SAMPLES = 16  # plain steps whose measured / modelled cost ratio sets the plain rate (their lowest)
+PLAIN_SAMPLES = 64  # plain steps whose measured / modelled cost ratio sets the plain rate (their lowest): the
+# steady chains of a plain stretch, not only the last two probe chains (which run right after drafted steps and
+# cost ~1.5x a steady chain's steps on a 2-core AVX2 CPU in bfloat16: 1.0 against 0.68 ms)
 SURE_TRIALS = 8  # drafted tokens of a request after which a native call keeps its depth through rejections
 
 
@@ -208,36 +210,37 @@ class WidthTable:
     """Measured target-pass seconds per verify width (B * T tokens): the line's convexity correction.
 
     On a CPU whose small-M matmuls turn compute-bound past a few rows (AVX2, bfloat16 widened in registers) a pass
-    costs ~1.0 ms at 2-3 tokens, 1.1 at 4 and 2.4 at 9 (default target; plain 0.6-0.9): a line fit through the
-    depths a request used over-prices the middle ones by ~30%, and a draft at alpha 0.8 that pays at depth 2-3 looked
-    not to. Each width keeps a forgetful mean of its own steps (clipped like the line's), blended with the line's
-    prediction worth ``TABLE_PRIOR`` steps; a width not measured is priced by the line, but never above the
-    straight interpolation between its measured neighbours (a convex cost lies below its chords)."""
+    costs ~0.9 ms at 2 tokens, 1.2 at 3, 1.4 at 4 and ~2.3 at 9 (default target; plain 0.6-0.7): a line fit through
+    the depths a request used over-prices the middle ones by ~30%, and a draft at alpha 0.8 that pays at depth 2-3
+    looked not to. Each width keeps its last ``TABLE_SAMPLES`` steps and is priced by the cheapest (as plain steps
+    are, ``plain_cost``: other jobs on the machine and cold caches only slow a step, and a few slow first steps of a
+    request, right after another engine ran, had priced depth 1 at 1.85 ms for good, so that a draft at alpha 0.98
+    went undrafted for a whole request); a width not measured is priced by the line, but never above the straight
+    interpolation between its measured neighbours (a convex cost lies below its chords)."""
 
-    def __init__(self, forget: float = COST_FORGET):
-        self.forget = forget
-        self.mean: dict[int, float] = {}  # width -> forgetful mean seconds
-        self.weight: dict[int, float] = {}  # width -> forgetful count of its steps
+    def __init__(self):
+        self.samples: dict[int, list[float]] = {}  # width -> its last TABLE_SAMPLES target-pass seconds
 
-    def observe(self, width: int, t: float, predicted: float) -> None:
-        if width in self.mean:
-            t = min(t, OUTLIER * self.mean[width])
-        elif predicted > 0:
-            t = min(t, OUTLIER * predicted)
-        w = self.forget * self.weight.get(width, 0.0)
-        self.mean[width] = (w * self.mean.get(width, 0.0) + t) / (w + 1.0)
-        self.weight[width] = w + 1.0
+    @property
+    def mean(self) -> dict[int, float]:
+        """width -> the price of a pass that wide (the cheapest recent one)."""
+        return {w: min(ts) for w, ts in self.samples.items()}
 
-    def predict(self, width: int, line: float) -> float:
-        if width in self.mean:
-            w = self.weight[width]
-            return (w * self.mean[width] + TABLE_PRIOR * line) / (w + TABLE_PRIOR)
-        below = max((x for x in self.mean if x < width), default=None)
-        above = min((x for x in self.mean if x > width), default=None)
+    def observe(self, width: int, t: float) -> None:
+        self.samples[width] = [*self.samples.get(width, []), t][-TABLE_SAMPLES:]
+
+    def predict(self, width: int, line: float, anchors: dict[int, float] | None = None) -> float:
+        """``anchors``: other measured passes (plain steps: width B) that bound the chords where no drafted width
+        was measured."""
+        if width in self.samples:
+            return min(self.samples[width])
+        known = {**(anchors or {}), **self.mean}
+        below = max((x for x in known if x < width), default=None)
+        above = min((x for x in known if x > width), default=None)
         if below is None or above is None:
             return line
         f = (width - below) / (above - below)
-        return min(line, (1.0 - f) * self.mean[below] + f * self.mean[above])
+        return min(line, (1.0 - f) * known[below] + f * known[above])
 
 
 @dataclass
@@ -330,8 +333,17 @@ class AdaptiveController:
 
     def target_time(self, width: int) -> float:
         """Seconds of a drafted step's target pass over ``width`` = B * T tokens: the line, corrected by the widths
-        measured (WidthTable)."""
-        return self.target_widths.predict(width, self.target_cost.predict(1.0, width / TOKENS_REF))
+        measured (WidthTable; plain steps are measured passes over B tokens too, so the chord from them bounds the
+        widths between them and a drafted one: a fresh engine's line through its first, deep steps priced depth 1 at
+        1.7 ms where plain steps took 0.55 and depth 8 2.6, and a draft at alpha 0.98 went undrafted for a whole
+        request), and never below a measured plain step of at most that many rows (verifying more tokens never
+        costs less: a line through one deep step priced depth 1 at 0.68x a measured plain step)."""
+        plain: dict[int, float] = {}  # batch -> its cheapest measured plain step: a pass over B tokens
+        for b, t in self._plain_steps:
+            plain[b] = min(t, plain.get(b, t))
+        floor = min((t for b, t in plain.items() if b <= width), default=0.0)
+        line = self.target_cost.predict(1.0, width / TOKENS_REF)
+        return max(self.target_widths.predict(width, line, anchors=plain), floor)
 
     def plain_cost(self, B: int) -> float:
         """Seconds of a plain (undrafted) step at batch B: the cost model's, scaled by what plain steps measured.
@@ -340,16 +352,21 @@ class AdaptiveController:
         (compacting two caches, the drafter's commit, its catch-up): a line through mostly drafted steps over-prices
         plain decoding (default pair, bf16: 0.585 ms predicted, 0.465 measured), which made drafts that do not pay
         look as if they did. So the rate to beat comes from measured plain steps (one in PLAIN_PROBE_INTERVAL while
-        drafting), the cheapest of the last PLAIN_SAMPLES: noise only slows a step, and the engine's probe chains
-        (4 steps in a call, right after drafted steps) cost ~10-20% more per step than the 8-step chains that run
-        when nothing drafts (default pair, float32: 0.83-0.96 against 0.74 ms), which is the rate drafting must
+        drafting, a full chain of PLAIN_CHAIN steps), the cheapest of the last PLAIN_SAMPLES: noise only slows a step,
+        and a chain right after drafted steps costs more per step than the chains that run when nothing drafts
+        (default pair, float32: 0.83-0.96 against 0.74 ms for 4-step probe chains), which is the rate drafting must
         beat. Priced from the probes alone, a draft at alpha 0.25 looked worth drafting and lost 10%."""
         modelled = self.target_cost.predict(1.0, B / TOKENS_REF)
+        # never above a measured target pass over as many tokens or more (a plain step verifies the fewest): before
+        # plain steps are measured the line's intercept alone priced them, and on a 2-core AVX2 CPU a fresh engine's
+        # line (through its first, deep steps) put plain decoding at 1.8 ms a token where depth-1 passes measured
+        # 0.9: a draft at alpha 0.45 then looked worth drafting and ran at ~0.6x plain decoding's speed
+        wider = min((t for w, t in self.target_widths.mean.items() if w >= B), default=float("inf"))
         if not self._plain_steps:
-            return modelled
+            return min(modelled, wider)
         # each measurement against today's model (an early one against an early fit would stay wrong for good)
         ratios = sorted(t / max(self.target_cost.predict(1.0, b / TOKENS_REF), 1e-9) for b, t in self._plain_steps)
-        return modelled * min(max(ratios[0], 0.2), 5.0)
+        return min(modelled * min(max(ratios[0], 0.2), 5.0), wider)
 
     def _scan(self, E: list[list[float]], plain_rate: float) -> tuple[int, int, float]:
         """The (G, k) with the best predicted tokens/s and that rate; (0, 0, plain_rate) if none beats
@@ -452,13 +469,13 @@ class AdaptiveController:
             return
         B, G = len(reqs), max(gammas)
         num_drafted = sum(g > 0 for g in gammas)
-        if G == 0 and self.target_cost.num_observed >= PLAIN_PROBE_PHASE:  # a settled model to compare against
+        if G == 0:  # (compared with the line only when priced: plain_cost)
             self._plain_steps = [*self._plain_steps, (B, step_seconds)][-PLAIN_SAMPLES:]
         if G:  # the target's line from drafted steps alone (plain ones are priced by plain_cost): a plain stretch
             # (8 steps per chain) would push a forgetful fit's drafted-step level down to plain decoding's, and a
             # useless draft looked worth another try after every few chains
             width = B * self.nodes[G]
-            self.target_widths.observe(width, step_seconds - draft_seconds, self.target_time(width))
+            self.target_widths.observe(width, step_seconds - draft_seconds)
             self.target_cost.observe(1.0, width / TOKENS_REF, step_seconds - draft_seconds)
             tokens = num_drafted * self.draft_tokens[G] + self._catch_up_tokens
             self.draft_cost.observe(G, tokens / TOKENS_REF, draft_seconds)

@@ -36,7 +36,6 @@ from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
 PLAIN_CHAIN = 8  # plain greedy steps per native chain (Engine._plain_chain_len); 1 turns chains off
-PLAIN_PROBE_CHAIN = 4  # ... for the adaptive controller's plain probe while it drafts
 SPEC_CHAIN_STEPS = 16  # greedy speculative steps per native call (Engine._spec_chain_steps); 0 turns it off
 UNSURE_CHAIN_STEPS = 4  # ... while the adaptive controller is unsure of a row (AdaptiveController.unsure)
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
@@ -426,13 +425,11 @@ class Engine:
         self._step_kind = (max(gammas), any(g and self._cache_lag(r) > 1 for r, g in zip(reqs, gammas)))
         # several steps in one native call where possible (None: the regular step below)
         if max(gammas) == 0:
+            # (the controller's plain probe between drafted steps too runs a full chain: the rate it measures is the
+            # one drafting must beat, and 4-step probe chains right after drafted steps cost ~1.35x a full chain's
+            # steps, 0.99 against 0.73 ms per token in bfloat16 on a 2-core AVX2 CPU, which kept drafts at alpha
+            # ~0.45 drafted at ~0.85x plain decoding's speed)
             chain = self._plain_chain_len(reqs)
-            if self.controller is not None and self.controller.plain_probe:
-                # the controller's plain probe between drafted steps: a short chain, so it measures chained plain
-                # decoding (the rate to beat) without running PLAIN_CHAIN plain steps where drafting wins. After a
-                # drafted step that chose to stop drafting (a failed probe) the chain is full: a short one there
-                # cost ~0.6 ms per request
-                chain = min(chain, PLAIN_PROBE_CHAIN)
             outputs = self._plain_chain(reqs, chain) if chain else None
         else:
             steps = self._spec_chain_steps(reqs, gammas)

@@ -293,9 +293,10 @@ def run_spec_prompts(llm: LLM, prompts: list, params: SamplingParams, steps: int
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def test_the_plain_chain_is_short_only_for_the_controllers_plain_probe(target, draft, monkeypatch):
-    """While drafting wins, the controller's plain probe runs a short chain (PLAIN_PROBE_CHAIN); a plain choice after
-    a drafted step that stopped drafting (a failed probe) runs a full one."""
+def test_the_controllers_plain_probe_runs_a_full_chain(target, draft, monkeypatch):
+    """The controller's plain probe between drafted steps measures the rate drafting must beat: a full chain, like a
+    plain choice after a drafted step that stopped drafting (4-step probe chains cost ~1.35x a full chain's steps
+    and made weak drafts look worth drafting)."""
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft)})
     ctl = llm.engine.controller
     chains = spy_chains(llm, monkeypatch)
@@ -311,7 +312,7 @@ def test_the_plain_chain_is_short_only_for_the_controllers_plain_probe(target, d
         chains.clear()
         llm.generate([{"prompt_token_ids": list(range(10, 40))}], SamplingParams(max_tokens=30, ignore_eos=True),
                      use_tqdm=False)  # fmt: skip
-        assert chains[0] == (engine_mod.PLAIN_PROBE_CHAIN if probe else engine_mod.PLAIN_CHAIN), chains
+        assert chains[0] == engine_mod.PLAIN_CHAIN, chains
 
 
 def test_a_short_calls_overhead_is_spread_as_a_full_calls():
