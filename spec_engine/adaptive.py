@@ -72,10 +72,12 @@ Their draft cache then lags; the first drafted step feeds the lag (catch-up), co
 Priced probes: a probe's catch-up is most of its price (the prompt and every undrafted token: ~130 draft tokens, ~3
 ms, for a 64-token request of the default pair in bfloat16 on a 2-core AVX2 CPU, where a step at depth 1 already
 costs ~1.45 plain tokens), so a due row is probed only where its expected gain exceeds that price
-(``AdaptiveController.probe_pays``): the time a draft as good as ``PROBE_ALPHA`` would save over the row's remaining
+(``AdaptiveController.gain_pays``): the time a draft as good as ``PROBE_ALPHA`` would save over the row's remaining
 tokens, times the recent probes' success rate. Unpriced, every held-out request paid a probe that never paid back
 (0.85-0.96x plain decoding per prompt there); a long request, a cheap catch-up or a run of successful probes still
-buys one.
+buys one. A request's first drafted step (its whole prompt to catch up) is priced the same way, at the rate its
+evidence promises without the optimism bonus: the bonus buys evidence where the cache is current, not a ~3 ms
+catch-up at alpha ~0.45, where depth 1 breaks even on that CPU.
 """
 
 from __future__ import annotations
@@ -288,6 +290,8 @@ class AdaptiveController:
         self._cold = True  # the engine's first step pays one-time costs (extension loads, allocations): not timed
         self._plain_steps: list[tuple[int, float]] = []  # (batch, seconds) of the last PLAIN_SAMPLES plain steps
         self._probe_hits = self._probe_misses = 0.0  # probes that accepted their draft / did not, forgotten slowly
+        self._memo: dict = {}  # prices computed within one choice (target_time, plain_cost): a choice asks for the
+        # same ones ~10 times, and recomputing them from 64 plain samples cost ~7% of plain decoding's time
 
     def state(self, req) -> RowState:
         if req.spec_state is None:
@@ -302,6 +306,7 @@ class AdaptiveController:
         """Depth per row for this step (0 = not drafted). ``plain_probe`` then says whether an all-zero choice is
         the plain step measured while drafting wins (the engine keeps it short) rather than a choice not to draft."""
         self.plain_probe = False
+        self._memo.clear()  # (prices hold within one choice: the fits may have been set since)
         B, D = len(reqs), self.max_depth
         states = [self.state(r) for r in reqs]
         if not (self.target_cost.num_observed and self.draft_cost.num_observed):
@@ -312,14 +317,16 @@ class AdaptiveController:
         # the rate to beat: plain decoding's, raised by the margin
         margin = MIN_GAIN + TAIL_MARGIN * (1.0 - 1.0 / B)
         plain_rate = margin * B / max(self.plain_cost(B), 1e-9)
-        best_G, best_k, _ = self._scan(E, plain_rate)
+        best_G, best_k, best_rate = self._scan(E, plain_rate)
         if best_G and self.num_steps >= self._next_plain_probe:
             self._next_plain_probe = self.num_steps + PLAIN_PROBE_INTERVAL
             self.plain_probe = True
             return self._commit_choice(reqs, states, [0] * B)  # a plain step, measured (see plain_cost)
         gammas = [0] * B
         for b in sorted(range(B), key=lambda b: -E[b][best_G])[:best_k]:
-            gammas[b] = best_G
+            # a lagging draft cache's catch-up is paid up front: priced on the evidence, without the optimism
+            if self.gain_pays(reqs[b], B, self._row_rate(states[b], reqs[b], B, best_G), 1.0):
+                gammas[b] = best_G
         self._probe(reqs, states, E, gammas, best_G, plain_rate)
         return self._commit_choice(reqs, states, gammas)
 
@@ -338,12 +345,24 @@ class AdaptiveController:
         1.7 ms where plain steps took 0.55 and depth 8 2.6, and a draft at alpha 0.98 went undrafted for a whole
         request), and never below a measured plain step of at most that many rows (verifying more tokens never
         costs less: a line through one deep step priced depth 1 at 0.68x a measured plain step)."""
-        plain: dict[int, float] = {}  # batch -> its cheapest measured plain step: a pass over B tokens
-        for b, t in self._plain_steps:
-            plain[b] = min(t, plain.get(b, t))
+        memo = self._memo.get(("target", width))
+        if memo is not None:
+            return memo
+        plain = self._plain_min()
         floor = min((t for b, t in plain.items() if b <= width), default=0.0)
         line = self.target_cost.predict(1.0, width / TOKENS_REF)
-        return max(self.target_widths.predict(width, line, anchors=plain), floor)
+        self._memo["target", width] = out = max(self.target_widths.predict(width, line, anchors=plain), floor)
+        return out
+
+    def _plain_min(self) -> dict[int, float]:
+        """batch -> its cheapest recent plain step: a measured pass over B tokens."""
+        memo = self._memo.get("plain_min")
+        if memo is None:
+            memo = {}
+            for b, t in self._plain_steps:
+                memo[b] = min(t, memo.get(b, t))
+            self._memo["plain_min"] = memo
+        return memo
 
     def plain_cost(self, B: int) -> float:
         """Seconds of a plain (undrafted) step at batch B: the cost model's, scaled by what plain steps measured.
@@ -356,6 +375,12 @@ class AdaptiveController:
         and a chain right after drafted steps costs more per step than the chains that run when nothing drafts
         (default pair, float32: 0.83-0.96 against 0.74 ms for 4-step probe chains), which is the rate drafting must
         beat. Priced from the probes alone, a draft at alpha 0.25 looked worth drafting and lost 10%."""
+        memo = self._memo.get(("plain", B))
+        if memo is None:
+            self._memo["plain", B] = memo = self._plain_cost(B)
+        return memo
+
+    def _plain_cost(self, B: int) -> float:
         modelled = self.target_cost.predict(1.0, B / TOKENS_REF)
         # never above a measured target pass over as many tokens or more (a plain step verifies the fewest): before
         # plain steps are measured the line's intercept alone priced them, and on a 2-core AVX2 CPU a fresh engine's
@@ -365,8 +390,8 @@ class AdaptiveController:
         if not self._plain_steps:
             return min(modelled, wider)
         # each measurement against today's model (an early one against an early fit would stay wrong for good)
-        ratios = sorted(t / max(self.target_cost.predict(1.0, b / TOKENS_REF), 1e-9) for b, t in self._plain_steps)
-        return min(modelled * min(max(ratios[0], 0.2), 5.0), wider)
+        lowest = min(t / max(self.target_cost.predict(1.0, b / TOKENS_REF), 1e-9) for b, t in self._plain_steps)
+        return min(modelled * min(max(lowest, 0.2), 5.0), wider)
 
     def _scan(self, E: list[list[float]], plain_rate: float) -> tuple[int, int, float]:
         """The (G, k) with the best predicted tokens/s and that rate; (0, 0, plain_rate) if none beats
@@ -394,7 +419,7 @@ class AdaptiveController:
         Only where that could matter: if the scan would not draft even with the due rows' drafts as good as
         ``PROBE_ALPHA``, the rows are off for the cost, not for their drafts, and new evidence changes nothing.
         (At batch 16 on this CPU, probes of good rows were 2.5% of row-steps, each with a draft catch-up.)
-        And only where it pays in expectation (``probe_pays``)."""
+        And only where it pays in expectation (``gain_pays``)."""
         if self.num_steps < self._next_probe:
             return
         self._next_probe = self.num_steps + PROBE_INTERVAL
@@ -409,7 +434,7 @@ class AdaptiveController:
         if found_G == 0:
             return
         for b in due:
-            if self.probe_pays(reqs[b], len(reqs), good_rate):
+            if self.gain_pays(reqs[b], len(reqs), good_rate, self.probe_success):
                 gammas[b] = max(G, 1)
                 states[b].probing = True
 
@@ -419,20 +444,35 @@ class AdaptiveController:
         hits = self._probe_hits + PROBE_PRIOR_STRENGTH * PROBE_PRIOR
         return hits / (self._probe_hits + self._probe_misses + PROBE_PRIOR_STRENGTH)
 
-    def probe_pays(self, req, B: int, good_rate: float) -> bool:
-        """Whether probing ``req`` is worth its price: the time drafting would save over the row's remaining tokens
-        were its draft as good as ``PROBE_ALPHA`` (the batch's tokens/s from plain decoding's to ``good_rate``),
-        weighed by the chance of a probe finding a draft that good (``probe_success``), against what the probe
-        costs: the draft's catch-up on every token its cache lacks (the prompt and the undrafted steps: ~130 draft
-        tokens, ~3 ms, on the default pair in bfloat16 on a 2-core AVX2 CPU, a tenth of a 64-token request's
-        time, where its drafts could save ~2.6 ms if all went well) plus one drafted step's excess over a plain
-        one. Unpriced, that probe cost every held-out request 5-15% (0.85-0.96x plain decoding)."""
+    def _row_rate(self, state: RowState, req, B: int, G: int) -> float:
+        """The batch's tokens/s with this row drafted at depth G and the others plain, at the row's acceptance
+        without the optimism bonus."""
+        cap = max(req.params.max_tokens - len(req.output_token_ids), 1)
+        e = state.acceptance.expected_tokens(cap)[G]
+        t = self.target_time(B * self.nodes[G]) + self.draft_cost.predict(G, self.draft_tokens[G] / TOKENS_REF)
+        return (B - 1 + e) / max(t, 1e-9)
+
+    def gain_pays(self, req, B: int, rate: float, chance: float) -> bool:
+        """Whether drafting ``req`` is worth its price: the time drafting at ``rate`` (the batch's tokens/s) saves
+        against plain decoding over the row's remaining tokens, times the ``chance`` that its draft is that good,
+        against what drafting it costs up front: the draft's catch-up on every token its cache lacks (a new
+        request's whole prompt; for a probe, the undrafted steps too: ~130 draft tokens, ~3 ms, on the default pair
+        in bfloat16 on a 2-core AVX2 CPU, a tenth of a 64-token request's time) plus one drafted step's excess over a
+        plain one. A row whose cache is current (a lag of a token or two, the steps' own) pays nothing up front.
+        For a probe ``rate`` is a draft as good as ``PROBE_ALPHA``'s and ``chance`` the probes' success rate
+        (``probe_success``); for a choice, the rate at the row's acceptance without the optimism bonus (the bonus
+        buys evidence on a current cache; ~3 ms of catch-up on it drafted held-out requests at alpha ~0.45 where
+        depth 1 breaks even) and 1. Unpriced, every held-out request paid a
+        probe, and most a first drafted step, that never paid back (0.85-0.96x plain decoding per prompt there)."""
+        lag = self.cache_lag(req)
+        if lag <= 2:
+            return True
         plain_step = self.plain_cost(B)
         left = max(req.params.max_tokens - len(req.output_token_ids), 0)
-        saving = left * B * max(plain_step / B - 1.0 / max(good_rate, 1e-9), 0.0)  # seconds over the row's life
-        catch_up = self.draft_cost.predict(0.0, self.cache_lag(req) / TOKENS_REF)
+        saving = left * B * max(plain_step / B - 1.0 / max(rate, 1e-9), 0.0)  # seconds over the row's life
+        catch_up = self.draft_cost.predict(0.0, lag / TOKENS_REF)
         step = self.target_time(B * self.nodes[1]) + self.draft_cost.predict(1.0, 0.0)
-        return self.probe_success * saving > catch_up + max(step - plain_step, 0.0)
+        return chance * saving > catch_up + max(step - plain_step, 0.0)
 
     def _commit_choice(self, reqs: Sequence, states: list[RowState], gammas: list[int]) -> list[int]:
         # a draft model first feeds each drafted row the tokens its cache lacks (1 after a full chain; the prompt
@@ -448,6 +488,7 @@ class AdaptiveController:
         per chain), and a count of choices made undrafted requests of 64 tokens wait longer than their life for a
         probe (after a few hard requests, speculation stayed off for every later short one)."""
         self.num_steps += 1
+        self._memo.clear()
         for req, g, n in zip(reqs, gammas, num_accepted):
             s = self.state(req)
             s.steps_undrafted = s.steps_undrafted + 1 if g == 0 else 0

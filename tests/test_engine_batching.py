@@ -546,3 +546,32 @@ def test_measured_verify_widths_correct_a_convex_cost_line():
         table.observe(5, t)
     assert table.predict(5, line=0.1) == 0.9
     assert table.predict(3, line=0.7) == 0.7  # no measured neighbour on both sides: the line
+
+
+def test_a_lagging_draft_cache_is_caught_up_only_where_the_evidence_pays_for_it():
+    """A new request's first drafted step feeds its draft the whole prompt (~3 ms here for ~100 tokens). A draft
+    whose optimistic rate beats plain decoding by the margin is drafted on a current cache (the optimism buys evidence
+    cheaply there), but the catch-up is paid only where the evidence alone saves more over the request's remaining
+    tokens. Injected costs: plain 0.8 ms, depth 1 1.0 ms, 0.5 ms per 16 catch-up tokens."""
+    ctl = AdaptiveController(8, lambda g: g + 1, cache_lag=lambda req: req.lag)
+
+    def row(alpha, lag, tokens_left=60):
+        req = _row(tokens_left)
+        req.lag = lag
+        ctl.population.prior = alpha
+        ctl.state(req).acceptance.num_trials = 4  # some evidence: the optimism bonus is ~+0.05
+        return req
+
+    def chosen(req) -> int:
+        ctl.target_cost.theta, ctl.target_cost.num_observed = (0.7e-3, 1.6e-3), 1  # width 1: 0.8 ms, 2: 0.9 ms
+        ctl.draft_cost.theta, ctl.draft_cost.num_observed = (0.1e-3, 0.5e-3), 1
+        ctl._plain_steps = [(1, 0.8e-3)]
+        ctl.num_steps, ctl._next_plain_probe, ctl._next_probe = 1, 10**9, 10**9  # no probes
+        return ctl.choose([req])[0]
+
+    # alpha 0.4: depth 1 (1.03 ms with its draft tokens) promises 1.4 tokens, 1.45 with the optimism: 1.09-1.13x
+    assert chosen(row(0.4, lag=1, tokens_left=40)) == 1  # drafted: its cache is current
+    # ~3.3 ms of catch-up and excess step for ~2.6 ms saved over 40 tokens at the evidence's rate: not drafted
+    assert chosen(row(0.4, lag=100, tokens_left=40)) == 0
+    assert chosen(row(0.4, lag=100, tokens_left=400)) == 1  # ... over 400 it pays
+    assert chosen(row(0.9, lag=100, tokens_left=40)) > 0  # a good draft pays for its prompt
