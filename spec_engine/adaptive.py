@@ -335,8 +335,10 @@ class AdaptiveController:
         (``Engine._spec_chain``) then ends at the first step where a row accepted nothing, so a new request's guess
         (the recent requests' rate) costs one step when its draft turns out useless. Past that the call keeps its
         depth through rejections: ending it there cost ~0.4 ms of per-call work per step at alpha ~0.4 (default
-        pair, float32), more than the steps a stale depth wastes."""
-        return any(self.state(r).acceptance.num_trials < SURE_TRIALS for r in reqs)
+        pair, float32), more than the steps a stale depth wastes. A probe is unsure too: it is one trial of a row
+        that was off, and a 16-step call at depth 1 on a draft at alpha ~0.2 ('def fibonacci(n):') cost a fresh
+        engine ~15% of a 128-token request, twice."""
+        return any(self.state(r).acceptance.num_trials < SURE_TRIALS or self.state(r).probing for r in reqs)
 
     def target_time(self, width: int) -> float:
         """Seconds of a drafted step's target pass over ``width`` = B * T tokens: the line, corrected by the widths

@@ -400,7 +400,8 @@ def _row(max_tokens=10**6):
 
 def test_a_native_call_stops_at_a_reject_only_while_the_request_is_new():
     """Engine._spec_chain ends a call at the first rejection while a row has judged fewer than SURE_TRIALS drafted
-    tokens (a new request's guessed rate costs one step if its draft is useless); after that it keeps its depth."""
+    tokens (a new request's guessed rate costs one step if its draft is useless), or is being probed; after that
+    it keeps its depth."""
     from spec_engine.adaptive import SURE_TRIALS
 
     ctl = AdaptiveController(8, lambda g: g + 1)
@@ -408,6 +409,10 @@ def test_a_native_call_stops_at_a_reject_only_while_the_request_is_new():
     while ctl.state(old).acceptance.num_trials < SURE_TRIALS:
         ctl.state(old).acceptance.update(3, 1)
     assert ctl.unsure([new]) and ctl.unsure([old, new]) and not ctl.unsure([old])
+    ctl.state(old).probing = True  # a probe of a row that was off is one trial: its call stops at a reject too
+    assert ctl.unsure([old])
+    ctl.observe([old], [1], [1], 0.1e-3, 1e-3)
+    assert not ctl.unsure([old])
 
 
 def test_the_rate_to_beat_is_the_cheapest_measured_plain_step():
