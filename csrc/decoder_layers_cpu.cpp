@@ -81,7 +81,7 @@ inline float to_f(float v) { return v; }
 inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
 
 // 8 partial sums (sum l over i = l, l + 8, ...) and a fixed tree: independent lanes the compiler vectorizes, and
-// ~3x less rounding error than one running sum.
+// less rounding error than one running sum.
 template <typename T>
 float dot_scalar(const float* a, const T* b, int64_t n) {
   float s[8] = {};

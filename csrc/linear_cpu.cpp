@@ -16,8 +16,9 @@
 //
 // The AVX-512 and AVX2 code is compiled for its ISA with target attributes (no global -m flags), and chosen once per
 // process (simd::cpu_isa): a CPU with AVX2 + FMA but no AVX-512 (or no AVX512-BF16, for bf16) takes the AVX2 path
-// (8 lanes: lane l sums k = l, l + 8, ... in increasing k, bf16 widened to fp32 first, then reduce8's fixed tree), one
-// without either a scalar path; each is correct and batch-invariant in its own order.
+// (8 lanes, each summing a fixed sequence of k in increasing order, bf16 widened to fp32 in registers, then
+// reduce8's fixed tree: see its section), one without either a scalar path; each is correct and batch-invariant in
+// its own order.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -406,7 +407,9 @@ template <typename T>
 void run(const LinearArgs<T>& a) {
   enum class Path { kScalar, kAvx2, kAvx512 };
   const bool avx512 = std::is_same_v<T, float> ? simd::cpu_has_avx512() : simd::cpu_has_avx512_bf16();
-  const Path path = avx512 ? Path::kAvx512 : simd::cpu_isa() >= simd::Isa::kAvx2 ? Path::kAvx2 : Path::kScalar;
+  [[maybe_unused]] const Path path = avx512                                  ? Path::kAvx512
+                                    : simd::cpu_isa() >= simd::Isa::kAvx2 ? Path::kAvx2
+                                                                          : Path::kScalar;
   const int64_t num_blocks = (a.N + kRowBlock - 1) / kRowBlock;
   // Threads for calls with >= ~1 us of one-thread work. Between the forwards of a decode loop the second thread
   // spins (OpenMP's active wait), so handing it half of a call costs well under a microsecond; a 5 us threshold

@@ -224,7 +224,7 @@ class WidthTable:
         self.samples: dict[int, list[float]] = {}  # width -> its last TABLE_SAMPLES target-pass seconds
 
     @property
-    def mean(self) -> dict[int, float]:
+    def prices(self) -> dict[int, float]:
         """width -> the price of a pass that wide (the cheapest recent one)."""
         return {w: min(ts) for w, ts in self.samples.items()}
 
@@ -236,7 +236,7 @@ class WidthTable:
         was measured."""
         if width in self.samples:
             return min(self.samples[width])
-        known = {**(anchors or {}), **self.mean}
+        known = {**(anchors or {}), **self.prices}
         below = max((x for x in known if x < width), default=None)
         above = min((x for x in known if x > width), default=None)
         if below is None or above is None:
@@ -304,7 +304,7 @@ class AdaptiveController:
 
     def choose(self, reqs: Sequence) -> list[int]:
         """Depth per row for this step (0 = not drafted). ``plain_probe`` then says whether an all-zero choice is
-        the plain step measured while drafting wins (the engine keeps it short) rather than a choice not to draft."""
+        the plain step measured while drafting wins rather than a choice not to draft."""
         self.plain_probe = False
         self._memo.clear()  # (prices hold within one choice: the fits may have been set since)
         B, D = len(reqs), self.max_depth
@@ -388,7 +388,7 @@ class AdaptiveController:
         # plain steps are measured the line's intercept alone priced them, and on a 2-core AVX2 CPU a fresh engine's
         # line (through its first, deep steps) put plain decoding at 1.8 ms a token where depth-1 passes measured
         # 0.9: a draft at alpha 0.45 then looked worth drafting and ran at ~0.6x plain decoding's speed
-        wider = min((t for w, t in self.target_widths.mean.items() if w >= B), default=float("inf"))
+        wider = min((t for w, t in self.target_widths.prices.items() if w >= B), default=float("inf"))
         if not self._plain_steps:
             return min(modelled, wider)
         # each measurement against today's model (an early one against an early fit would stay wrong for good)
