@@ -71,6 +71,21 @@ inline bool cpu_has_avx512_bf16() {
 #endif
 }
 
+// The scalar paths' dot product: the AVX2 path's order written as plain C++, 8 partial sums (sum l over
+// i = l, l + 8, ...) then the tree ((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7)). The lanes are independent, so the compiler
+// vectorizes them for whatever the target has (SSE2, NEON) without reassociating a sum, and there is less rounding
+// error than in one running sum. b is float32 or anything that converts to it (c10::BFloat16).
+template <typename T>
+inline float dot8(const float* a, const T* b, int64_t n) {
+  float s[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int l = 0; l < 8; ++l) s[l] += a[i + l] * static_cast<float>(b[i + l]);
+  }
+  for (int l = 0; i + l < n; ++l) s[l] += a[i + l] * static_cast<float>(b[i + l]);
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
 }  // namespace simd
 }  // namespace specdec
 

@@ -80,19 +80,6 @@ using simd::cpu_has_avx512;
 inline float to_f(float v) { return v; }
 inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
 
-// 8 partial sums (sum l over i = l, l + 8, ...) and a fixed tree: independent lanes the compiler vectorizes, and
-// less rounding error than one running sum.
-template <typename T>
-float dot_scalar(const float* a, const T* b, int64_t n) {
-  float s[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int l = 0; l < 8; ++l) s[l] += a[i + l] * to_f(b[i + l]);
-  }
-  for (int l = 0; i + l < n; ++l) s[l] += a[i + l] * to_f(b[i + l]);
-  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-}
-
 template <typename T>
 void axpy_scalar(float alpha, const T* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * to_f(x[i]);
@@ -151,7 +138,7 @@ inline float dot(const float* a, const T* b, int64_t n) {
   if (cpu_has_avx512()) return dot_avx512(a, b, n);
   if (cpu_has_avx2()) return dot_avx2(a, b, n);
 #endif
-  return dot_scalar(a, b, n);
+  return simd::dot8(a, b, n);
 }
 
 template <typename T>
@@ -249,7 +236,7 @@ void attend_scalar(const T* k, const T* v, const int64_t* rows, int64_t n, const
     float* s = p + g * n;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) {
-      s[j] = dot_scalar(q + g * D, k + rows[j], D) * scale;
+      s[j] = simd::dot8(q + g * D, k + rows[j], D) * scale;
       mx = std::max(mx, s[j]);
     }
     float sum = 0.f;

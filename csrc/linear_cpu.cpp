@@ -67,21 +67,8 @@ inline void store(const LinearArgs<T>& a, int64_t m, int64_t n, float sum) {
 constexpr int64_t kRowBlock = 16;
 
 // ---------------------------------------------------------------------------------------------------------------
-// Scalar path: CPUs without AVX2 (and other architectures). The AVX2 path's order written as plain C++: 8 partial
-// sums, sum l over k = l, l + 8, ..., then the tree ((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7)). The lanes are
-// independent, so the compiler vectorizes them for whatever the target has (SSE2, NEON) without reassociating a sum.
+// Scalar path: CPUs without AVX2 (and other architectures): simd::dot8, the AVX2 path's order in plain C++.
 // ---------------------------------------------------------------------------------------------------------------
-
-template <typename T>
-float dot8(const float* x, const T* w, int64_t K) {
-  float s[8] = {};
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    for (int l = 0; l < 8; ++l) s[l] += x[k + l] * to_float(w[k + l]);
-  }
-  for (int l = 0; k + l < K; ++l) s[l] += x[k + l] * to_float(w[k + l]);
-  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-}
 
 template <typename T>
 void rows_scalar(const LinearArgs<T>& a, int64_t n_begin, int64_t n_end) {
@@ -90,7 +77,7 @@ void rows_scalar(const LinearArgs<T>& a, int64_t n_begin, int64_t n_end) {
     for (int64_t k = 0; k < a.K; ++k) x[m * a.K + k] = to_float(a.x[m * a.ldx + k]);
   }
   for (int64_t n = n_begin; n < n_end; ++n) {  // each weight row streamed once, then read from L1 by every x row
-    for (int64_t m = 0; m < a.M; ++m) store(a, m, n, dot8(x.data() + m * a.K, a.w + n * a.K, a.K));
+    for (int64_t m = 0; m < a.M; ++m) store(a, m, n, simd::dot8(x.data() + m * a.K, a.w + n * a.K, a.K));
   }
 }
 
