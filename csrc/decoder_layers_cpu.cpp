@@ -42,6 +42,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_team.h"
 #include "linear_cpu.h"
 
 #include "cpu_simd.h"
@@ -186,6 +187,15 @@ void linear(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16*
             int64_t N, int64_t K) {
   linear_bf16(x, w, bias, out, M, N, K, K);
 }
+// One worker's share of the same (its weight-row blocks): the team's workers together write all of out.
+void linear(const Worker& wk, const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N,
+            int64_t K) {
+  linear_f32_part(x, w, bias, out, M, N, K, K, wk.id(), wk.size());
+}
+void linear(const Worker& wk, const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
+            c10::BFloat16* out, int64_t M, int64_t N, int64_t K) {
+  linear_bf16_part(x, w, bias, out, M, N, K, K, wk.id(), wk.size());
+}
 
 // What one call works on, as raw pointers and sizes; T is the model's dtype (weights, activations, cache, RoPE).
 template <typename T>
@@ -211,18 +221,35 @@ struct Problem {
   T* plane(int64_t layer, int64_t which) const { return kv + (layer * 2 + which) * num_blocks * block_size * Hkv * D; }
 };
 
-// The keys a query row sees, in attention order, as cache row offsets (KV head 0): the prefix 0 .. L_b - 1, then the
-// tree slots its mask allows. Plain decoding of the same token sees the same list (its ancestors are then committed
+// Cache row offsets (KV head 0) of every position 0 .. L_b + T - 1 of every sequence, concatenated (sequence b from
+// cu[b]): what key_rows reads, computed once per forward and shared by every layer and query row. Rebuilt per layer
+// and unit, with a division per key, it was ~2 us of a 60 us draft forward at L = 64.
+template <typename T>
+void position_rows(const Problem<T>& p, std::vector<int64_t>& rows, std::vector<int64_t>& cu) {
+  cu.assign(p.B + 1, 0);
+  for (int64_t b = 0; b < p.B; ++b) cu[b + 1] = cu[b] + p.seqlens[b] + p.T_;
+  rows.resize(cu[p.B]);
+  for (int64_t b = 0; b < p.B; ++b) {
+    int64_t* out = rows.data() + cu[b];
+    const int64_t n = cu[b + 1] - cu[b];
+    for (int64_t pos = 0; pos < n; pos += p.block_size - pos % p.block_size) {  // one block per step
+      const int64_t first = p.row_offset(b, pos), count = std::min(n - pos, p.block_size - pos % p.block_size);
+      for (int64_t i = 0; i < count; ++i) out[pos + i] = first + i * p.Hkv * p.D;
+    }
+  }
+}
+
+// The keys a query row sees, in attention order, as cache row offsets (KV head 0; `positions`: sequence b's part of
+// position_rows' table): the prefix 0 .. L_b - 1, then the tree slots its mask allows. Plain decoding of the same token sees the same list (its ancestors are then committed
 // positions, in the same order), so every sum below runs over the same index sequence in both: the attention of a
 // tree node equals plain decoding's bit for bit. Slots the mask hides are not in the list.
 template <typename T>
-void key_rows(const Problem<T>& p, int64_t b, int64_t t, std::vector<int64_t>& rows) {
+void key_rows(const Problem<T>& p, const int64_t* positions, int64_t b, int64_t t, std::vector<int64_t>& rows) {
   const int64_t L = p.seqlens[b];
   const bool* mask = p.tree_mask + (b * p.T_ + t) * p.T_;  // [T]
-  rows.clear();
-  for (int64_t j = 0; j < L; ++j) rows.push_back(p.row_offset(b, j));
+  rows.assign(positions, positions + L);
   for (int64_t j = 0; j < p.T_; ++j) {
-    if (mask[j]) rows.push_back(p.row_offset(b, L + j));
+    if (mask[j]) rows.push_back(positions[L + j]);
   }
 }
 
@@ -306,6 +333,47 @@ SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, i
   }
 }
 
+// acc[c] += s[j] * v[rows[j] + 8c .. 8c + 7] for c < C over keys j in order: C * 8 elements' sums in registers (C
+// a constant, so no lane checks or spills in the key loop).
+template <int C, typename T>
+SPECDEC_AVX2 inline void accumulate_values(const float* s, const T* v, const int64_t* rows, int64_t n, __m256* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 a = _mm256_set1_ps(s[j]);
+    const T* row = v + rows[j];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(a, simd::load8(row + 8 * c, 8), acc[c]);
+  }
+}
+
+// o [D] = sum over keys j, in order, of s[j] * v[rows[j]]: one fused multiply-add per key and element from zero, as
+// axpy_avx2 key by key does, with up to 64 elements' sums held in registers across the keys. Through memory, each
+// key's adds waited on the previous key's stores (~10 cycles a key). D not a multiple of 8 takes axpy_avx2.
+template <typename T>
+SPECDEC_AVX2 void weighted_sum_avx2(const float* s, const T* v, const int64_t* rows, int64_t n, int64_t D, float* o) {
+  if (D % 8 != 0) {
+    std::fill(o, o + D, 0.f);
+    for (int64_t j = 0; j < n; ++j) axpy_avx2(s[j], v + rows[j], o, D);
+    return;
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+    const int64_t chunks = std::min<int64_t>(8, (D - d0) / 8);
+    switch (chunks) {
+      case 8: accumulate_values<8>(s, v + d0, rows, n, acc); break;
+      case 7: accumulate_values<7>(s, v + d0, rows, n, acc); break;
+      case 6: accumulate_values<6>(s, v + d0, rows, n, acc); break;
+      case 5: accumulate_values<5>(s, v + d0, rows, n, acc); break;
+      case 4: accumulate_values<4>(s, v + d0, rows, n, acc); break;
+      case 3: accumulate_values<3>(s, v + d0, rows, n, acc); break;
+      case 2: accumulate_values<2>(s, v + d0, rows, n, acc); break;
+      default: accumulate_values<1>(s, v + d0, rows, n, acc); break;
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(o + d0 + 8 * c, acc[c]);
+  }
+}
+
 // The same with AVX2: 8 keys at a time (reduce8 leaves key j0 + j's score in lane j), the softmax sum in lanes by list
 // index (index j in lane j % 8).
 template <typename T>
@@ -319,11 +387,19 @@ SPECDEC_AVX2 void attend_avx2(const T* k, const T* v, const int64_t* rows, int64
       __m256 acc[8];
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = simd::load8(q + g * D + d, D - d);
+      if (count == 8 && D % 8 == 0) {  // whole vectors of 8 keys: no lane checks (the same sums)
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + g * D + d);
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          if (j < count) acc[j] = _mm256_fmadd_ps(qv, simd::load8(k + rows[j0 + j] + d, D - d), acc[j]);
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, simd::load8(k + rows[j0 + j] + d, 8), acc[j]);
+        }
+      } else {
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = simd::load8(q + g * D + d, D - d);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) {
+            if (j < count) acc[j] = _mm256_fmadd_ps(qv, simd::load8(k + rows[j0 + j] + d, D - d), acc[j]);
+          }
         }
       }
       _mm256_store_ps(block, _mm256_mul_ps(simd::reduce8(acc), scale_v));
@@ -345,8 +421,7 @@ SPECDEC_AVX2 void attend_avx2(const T* k, const T* v, const int64_t* rows, int64
     }
     const float total = simd::reduce_add8(sum);
     float* o = out + g * D;
-    std::fill(o, o + D, 0.f);
-    for (int64_t j = 0; j < n; ++j) axpy_avx2(s[j], v + rows[j], o, D);
+    weighted_sum_avx2(s, v, rows, n, D, o);
     const float inv = n > 0 ? 1.f / total : 0.f;  // a row that sees nothing (L_b = 0, all-False mask row): zeros
     for (int64_t i = 0; i < D; ++i) o[i] *= inv;
   }
@@ -414,83 +489,105 @@ const T* ptr(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
 }
 
-// h [M, H] float32: the residual stream, updated in place through every layer.
+// h [M, H] float32: the residual stream, updated in place through every layer; out [M, H]: the final-normed h.
+// One team (csrc/cpu_team.h) runs the whole stack: each stage is split across its workers (matmuls by weight-row
+// blocks, attention by units, the row-wise pieces by rows of h) with a sync between stages. As ~5 at::parallel_for
+// regions per layer, the fork / join cost ~1 us each and left the second thread idle through every row-wise piece.
 template <typename T>
-void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, float* h) {
+void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, const T* final_norm, float* h, T* out) {
   const int64_t M = p.B * p.T_, H = p.H, D = p.D, Hq = p.Hq, Hkv = p.Hkv, I = p.I, G = Hq / Hkv;
   const int64_t qkv_width = (Hq + 2 * Hkv) * D;
   std::vector<T> x(M * std::max(H, I)), qkv(M * qkv_width), attn(M * Hq * D), gate_up(M * 2 * I), delta(M * H);
   std::vector<float> qk(M * (Hq + Hkv) * D), attn_f(M * Hq * D);  // float32 q/k after norms and RoPE; attention
-  // Attention units: (b, t, KV head, a group of its G query heads). A group shares each key's loads across its
-  // heads, so a unit is all G heads, except where the units would not spread evenly over the threads: then the G
-  // heads split into `groups` parts. With one KV head (the default target) a decode token was a single unit, its
-  // attention on one thread. Interleaved, L = 1024: bfloat16 T = 1 0.649 -> 0.505 ms, T = 3 0.955 -> 0.846 ms.
-  // Each head's sums are its own, so the split changes no value. Grain: ~L * D * 4 flops per head at ~20 GFLOP/s.
-  const int64_t threads = at::get_num_threads();
-  const int64_t rows_units = M * Hkv;
-  const int64_t groups = rows_units % threads == 0 || rows_units >= 4 * threads ? 1 : std::min(G, threads);
-  const int64_t per_group = (G + groups - 1) / groups;
-  double mean_keys = 0.0;
-  for (int64_t b = 0; b < p.B; ++b) mean_keys += static_cast<double>(p.seqlens[b] + p.T_) / static_cast<double>(p.B);
-  const double unit_us = mean_keys * static_cast<double>(per_group * D) * 4.0 / 20e3;
-  const int64_t attn_grain = static_cast<int64_t>(5.0 / std::max(unit_us, 1e-3)) + 1;
-  const int64_t num_units = rows_units * groups;
+  // Each worker's key list and scores, sized here: nothing inside the team may allocate (an exception cannot leave
+  // it).
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < p.B; ++b) max_keys = std::max(max_keys, p.seqlens[b] + p.T_);
+  std::vector<int64_t> positions, cu_positions;  // [sum_b (L_b + T)], [B + 1]
+  position_rows(p, positions, cu_positions);
+  const int64_t max_workers = team_size();
+  std::vector<std::vector<int64_t>> key_lists(max_workers);
+  std::vector<std::vector<float>> score_bufs(max_workers);
+  for (int64_t i = 0; i < max_workers; ++i) key_lists[i].reserve(max_keys), score_bufs[i].reserve(G * max_keys);
 
-  for (int64_t l = 0; l < p.num_layers; ++l) {
-    const at::Tensor* w = weights.data() + l * kNumFields;
-    T* k_plane = p.plane(l, 0);
-    T* v_plane = p.plane(l, 1);
-    for (int64_t c = 0; c < p.num_capture; ++c) {
-      if (p.capture[c] != l) continue;
-      for (int64_t m = 0; m < M; ++m) {
-        T* dst = p.features + (m * p.num_capture + c) * H;
-        for (int64_t i = 0; i < H; ++i) dst[i] = static_cast<T>(h[m * H + i]);
-      }
-    }
+  run_team([&](const Worker& w) {
+    std::vector<int64_t>& keys = key_lists[w.id()];
+    std::vector<float>& scores = score_bufs[w.id()];
+    const auto [m_begin, m_end] = w.share(M);  // this worker's rows of h in the row-wise stages
+    const int64_t my_rows = m_end - m_begin;
+    // Attention units: (b, t, KV head, a group of its G query heads). A group shares each key's loads across its
+    // heads, so a unit is all G heads, except where the units would not spread evenly over the workers: then the G
+    // heads split into `groups` parts. With one KV head (the default target) a decode token was a single unit, its
+    // attention on one thread. Interleaved, L = 1024: bfloat16 T = 1 0.649 -> 0.505 ms, T = 3 0.955 -> 0.846 ms.
+    // Each head's sums are its own, so the split changes no value. Workers take every size()-th unit: a causal
+    // chunk's later rows have more keys.
+    const int64_t rows_units = M * Hkv;
+    const int64_t groups = rows_units % w.size() == 0 || rows_units >= 4 * w.size() ? 1 : std::min(G, w.size());
+    const int64_t per_group = (G + groups - 1) / groups;
+    const int64_t num_units = rows_units * groups;
 
-    rms_norm(h, H, ptr<T>(w[kInputNorm]), p.eps, x.data(), M, H);
-    linear(x.data(), ptr<T>(w[kQkv]), ptr<T>(w[kQkvBias]), qkv.data(), M, qkv_width, H);
-    for (int64_t m = 0; m < M; ++m) {
-      const T* row = qkv.data() + m * qkv_width;  // [Hq D | Hkv D | Hkv D]
-      float* qk_row = qk.data() + m * (Hq + Hkv) * D;
-      for (int64_t i = 0; i < (Hq + Hkv) * D; ++i) qk_row[i] = to_f(row[i]);
-      if (w[kQNorm].defined()) {
-        rms_norm(qk_row, D, ptr<T>(w[kQNorm]), p.eps, qk_row, Hq, D);
-        rms_norm(qk_row + Hq * D, D, ptr<T>(w[kKNorm]), p.eps, qk_row + Hq * D, Hkv, D);
+    for (int64_t l = 0; l < p.num_layers; ++l) {
+      const at::Tensor* wl = weights.data() + l * kNumFields;
+      T* k_plane = p.plane(l, 0);
+      T* v_plane = p.plane(l, 1);
+      for (int64_t c = 0; c < p.num_capture; ++c) {
+        if (p.capture[c] != l) continue;
+        for (int64_t m = m_begin; m < m_end; ++m) {
+          T* dst = p.features + (m * p.num_capture + c) * H;
+          for (int64_t i = 0; i < H; ++i) dst[i] = static_cast<T>(h[m * H + i]);
+        }
       }
-      for (int64_t hd = 0; hd < Hq + Hkv; ++hd) rope_head(qk_row + hd * D, p.cos + m * D, p.sin + m * D, D);
-      const int64_t b = m / p.T_, t = m % p.T_;
-      const int64_t dst = p.row_offset(b, p.seqlens[b] + t);
-      for (int64_t i = 0; i < Hkv * D; ++i) k_plane[dst + i] = static_cast<T>(qk_row[Hq * D + i]);
-      std::copy(row + (Hq + Hkv) * D, row + qkv_width, v_plane + dst);
-    }
-    at::parallel_for(0, num_units, attn_grain, [&](int64_t begin, int64_t end) {
-      std::vector<int64_t> rows;
-      std::vector<float> scores;
-      int64_t rows_of = -1;  // the query row whose keys `rows` holds
-      for (int64_t u = begin; u < end; ++u) {
+      rms_norm(h + m_begin * H, H, ptr<T>(wl[kInputNorm]), p.eps, x.data() + m_begin * H, my_rows, H);
+      w.sync();
+      linear(w, x.data(), ptr<T>(wl[kQkv]), ptr<T>(wl[kQkvBias]), qkv.data(), M, qkv_width, H);
+      w.sync();
+      for (int64_t m = m_begin; m < m_end; ++m) {
+        const T* row = qkv.data() + m * qkv_width;  // [Hq D | Hkv D | Hkv D]
+        float* qk_row = qk.data() + m * (Hq + Hkv) * D;
+        for (int64_t i = 0; i < (Hq + Hkv) * D; ++i) qk_row[i] = to_f(row[i]);
+        if (wl[kQNorm].defined()) {
+          rms_norm(qk_row, D, ptr<T>(wl[kQNorm]), p.eps, qk_row, Hq, D);
+          rms_norm(qk_row + Hq * D, D, ptr<T>(wl[kKNorm]), p.eps, qk_row + Hq * D, Hkv, D);
+        }
+        for (int64_t hd = 0; hd < Hq + Hkv; ++hd) rope_head(qk_row + hd * D, p.cos + m * D, p.sin + m * D, D);
+        const int64_t b = m / p.T_, t = m % p.T_;
+        const int64_t dst = p.row_offset(b, p.seqlens[b] + t);
+        for (int64_t i = 0; i < Hkv * D; ++i) k_plane[dst + i] = static_cast<T>(qk_row[Hq * D + i]);
+        std::copy(row + (Hq + Hkv) * D, row + qkv_width, v_plane + dst);
+      }
+      w.sync();
+      int64_t keys_of = -1;  // the query row whose keys `keys` holds
+      for (int64_t u = w.id(); u < num_units; u += w.size()) {
         const int64_t m = u / (Hkv * groups), kvh = u / groups % Hkv;
         const int64_t h0 = kvh * G + u % groups * per_group, heads = std::min(per_group, (kvh + 1) * G - h0);
         if (heads <= 0) continue;
-        if (m != rows_of) key_rows(p, m / p.T_, m % p.T_, rows), rows_of = m;
-        scores.resize(heads * rows.size());
-        attend(k_plane + kvh * D, v_plane + kvh * D, rows.data(), static_cast<int64_t>(rows.size()),
-               qk.data() + m * (Hq + Hkv) * D + h0 * D, heads, D, p.scale, scores.data(),
-               attn_f.data() + (m * Hq + h0) * D);
+        const int64_t b = m / p.T_;
+        if (m != keys_of) key_rows(p, positions.data() + cu_positions[b], b, m % p.T_, keys), keys_of = m;
+        scores.resize(heads * keys.size());
+        float* a = attn_f.data() + (m * Hq + h0) * D;  // [heads, D]
+        attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), static_cast<int64_t>(keys.size()),
+               qk.data() + m * (Hq + Hkv) * D + h0 * D, heads, D, p.scale, scores.data(), a);
+        std::transform(a, a + heads * D, attn.data() + (m * Hq + h0) * D, [](float v) { return static_cast<T>(v); });
       }
-    });
-    for (int64_t i = 0; i < M * Hq * D; ++i) attn[i] = static_cast<T>(attn_f[i]);
-    linear(attn.data(), ptr<T>(w[kO]), nullptr, delta.data(), M, H, Hq * D);
-    for (int64_t i = 0; i < M * H; ++i) h[i] += to_f(delta[i]);
-
-    rms_norm(h, H, ptr<T>(w[kPostNorm]), p.eps, x.data(), M, H);
-    linear(x.data(), ptr<T>(w[kGateUp]), nullptr, gate_up.data(), M, 2 * I, H);
-    for (int64_t m = 0; m < M; ++m) {  // the activation reuses x's rows: x is dead once gate_up is computed
-      silu_mul(gate_up.data() + m * 2 * I, gate_up.data() + m * 2 * I + I, x.data() + m * I, I);
+      w.sync();
+      linear(w, attn.data(), ptr<T>(wl[kO]), nullptr, delta.data(), M, H, Hq * D);
+      w.sync();
+      for (int64_t i = m_begin * H; i < m_end * H; ++i) h[i] += to_f(delta[i]);
+      rms_norm(h + m_begin * H, H, ptr<T>(wl[kPostNorm]), p.eps, x.data() + m_begin * H, my_rows, H);
+      w.sync();
+      linear(w, x.data(), ptr<T>(wl[kGateUp]), nullptr, gate_up.data(), M, 2 * I, H);
+      w.sync();
+      for (int64_t m = m_begin; m < m_end; ++m) {  // the activation reuses x's rows: x is dead once gate_up is done
+        silu_mul(gate_up.data() + m * 2 * I, gate_up.data() + m * 2 * I + I, x.data() + m * I, I);
+      }
+      w.sync();
+      linear(w, x.data(), ptr<T>(wl[kDown]), nullptr, delta.data(), M, H, I);
+      w.sync();
+      // the residual add, then (next layer or the end) the norm of the same rows: no sync between
+      for (int64_t i = m_begin * H; i < m_end * H; ++i) h[i] += to_f(delta[i]);
     }
-    linear(x.data(), ptr<T>(w[kDown]), nullptr, delta.data(), M, H, I);
-    for (int64_t i = 0; i < M * H; ++i) h[i] += to_f(delta[i]);
-  }
+    rms_norm(h + m_begin * H, H, final_norm, p.eps, out + m_begin * H, my_rows, H);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -662,8 +759,7 @@ void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tens
   std::vector<float> h(d.B * d.T * d.H);  // the residual stream in float32
   const T* in = hidden.data_ptr<T>();
   for (size_t i = 0; i < h.size(); ++i) h[i] = to_f(in[i]);
-  run_layers(p, weights, h.data());
-  rms_norm(h.data(), d.H, final_norm.data_ptr<T>(), p.eps, out.data_ptr<T>(), d.B * d.T, d.H);
+  run_layers(p, weights, final_norm.data_ptr<T>(), h.data(), out.data_ptr<T>());
 }
 
 }  // namespace
@@ -809,8 +905,7 @@ class ChainRunner {
     p.sin = p.cos + M * D;
     check_positions(p, B, T_);
     if (M == 0) return out_.data();
-    run_layers(p, weights_, h_.data());
-    rms_norm(h_.data(), H, norm_.data_ptr<T>(), p.eps, out_.data(), M, H);
+    run_layers(p, weights_, norm_.data_ptr<T>(), h_.data(), out_.data());
     return out_.data();
   }
 

@@ -278,7 +278,8 @@ SPECDEC_AVX512 void rows_avx512(const LinearArgs<T>& a, int64_t n_begin, int64_t
 // - fp32: lo = w[k .. k+7], hi = w[k+8 .. k+15], x read in place, so lane l sums k = l, l + 8, l + 16, ... in order;
 // - bf16: one 32-byte load of 16 weights, lo = the even ones (k + 2l: shifted into an fp32's top half), hi = the odd
 //   ones (k + 2l + 1: masked in place), 3 instructions per 16 weights where widening 8 at a time took 4 per 8; x is
-//   widened to fp32 once per call into that even/odd order (Avx2Args), so lane l sums k = 2l, 2l + 1, 2l + 16, ...
+//   widened to fp32 once per call and thread into that even/odd order (Avx2Args), so lane l sums k = 2l, 2l + 1,
+//   2l + 16, ...
 template <typename T>
 struct Avx2Args {
   const LinearArgs<T>& a;
@@ -296,6 +297,25 @@ SPECDEC_AVX2 inline void load_w16(const T* w, __m256& lo, __m256& hi) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
     hi = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+// x [M, K] bf16 -> out [M, ldxf] fp32 in Avx2Args' even / odd order, the last step zero-padded: the weights' own
+// split (load_w16) applied to x. An index-computing scalar loop took ~0.7 us per call at K = 512, ~10% of a draft
+// forward of the default pair.
+SPECDEC_AVX2 inline void widen_even_odd(const LinearArgs<c10::BFloat16>& a, float* out, int64_t ldxf) {
+  for (int64_t m = 0; m < a.M; ++m) {
+    const c10::BFloat16* x = a.x + m * a.ldx;
+    float* o = out + m * ldxf;
+    for (int64_t k = 0; k < a.K; k += 16) {
+      alignas(32) c10::BFloat16 tail[16] = {};
+      const bool full = k + 16 <= a.K;
+      if (!full) std::memcpy(tail, x + k, static_cast<size_t>(a.K - k) * sizeof(c10::BFloat16));
+      __m256 lo, hi;
+      load_w16(full ? x + k : tail, lo, hi);
+      _mm256_storeu_ps(o + k, lo);
+      _mm256_storeu_ps(o + k + 8, hi);
+    }
   }
 }
 
@@ -390,13 +410,39 @@ SPECDEC_AVX2 void rows_avx2(const Avx2Args<T>& p, int64_t n_begin, int64_t n_end
 
 #endif  // SPECDEC_LINEAR_X86
 
+enum class Path { kScalar, kAvx2, kAvx512 };
+
+// This CPU's path for T (chosen once per process: the paths sum in different orders).
+template <typename T>
+Path path_for() {
+  const bool avx512 = std::is_same_v<T, float> ? simd::cpu_has_avx512() : simd::cpu_has_avx512_bf16();
+  return avx512 ? Path::kAvx512 : simd::cpu_isa() >= simd::Isa::kAvx2 ? Path::kAvx2 : Path::kScalar;
+}
+
+// Weight rows [n_begin, n_end) on `path`. Each thread of a split call widens a bf16 x for the AVX2 path itself, into
+// its own buffer (reused across calls: a forward makes ~40 of them per thread).
+template <typename T>
+void rows(const LinearArgs<T>& a, [[maybe_unused]] Path path, int64_t n_begin, int64_t n_end) {
+#if SPECDEC_LINEAR_X86
+  if (path == Path::kAvx512) return rows_avx512<T>(a, n_begin, n_end);
+  if (path == Path::kAvx2) {
+    if constexpr (std::is_same_v<T, float>) {
+      return rows_avx2<T>({a, a.x, a.ldx}, n_begin, n_end);
+    } else {
+      thread_local std::vector<float> widened;  // [M, ldxf]
+      const int64_t ldxf = (a.K + 15) / 16 * 16;
+      widened.resize(static_cast<size_t>(a.M * ldxf));
+      widen_even_odd(a, widened.data(), ldxf);
+      return rows_avx2<T>({a, widened.data(), ldxf}, n_begin, n_end);
+    }
+  }
+#endif
+  rows_scalar<T>(a, n_begin, n_end);
+}
+
 template <typename T>
 void run(const LinearArgs<T>& a) {
-  enum class Path { kScalar, kAvx2, kAvx512 };
-  const bool avx512 = std::is_same_v<T, float> ? simd::cpu_has_avx512() : simd::cpu_has_avx512_bf16();
-  [[maybe_unused]] const Path path = avx512                                  ? Path::kAvx512
-                                    : simd::cpu_isa() >= simd::Isa::kAvx2 ? Path::kAvx2
-                                                                          : Path::kScalar;
+  const Path path = path_for<T>();
   const int64_t num_blocks = (a.N + kRowBlock - 1) / kRowBlock;
   // Threads for calls with >= ~1 us of one-thread work. Between the forwards of a decode loop the second thread
   // spins (OpenMP's active wait), so handing it half of a call costs well under a microsecond; a 5 us threshold
@@ -410,35 +456,18 @@ void run(const LinearArgs<T>& a) {
   const double block_flops = 2.0 * static_cast<double>(a.M * kRowBlock * a.K);
   const double block_us = std::max(block_bytes / 130e3, block_flops / (std::is_same_v<T, float> ? 200e3 : 350e3));
   const int64_t grain = static_cast<int64_t>(1.0 / std::max(block_us, 1e-3)) + 1;
-#if SPECDEC_LINEAR_X86
-  std::vector<float> widened;  // [M, Kp]: the bf16 AVX2 path's x in fp32, even / odd order (Avx2Args)
-  const float* xf = nullptr;
-  int64_t ldxf = 0;
-  if (path == Path::kAvx2) {
-    if constexpr (std::is_same_v<T, float>) {
-      xf = a.x, ldxf = a.ldx;
-    } else {
-      ldxf = (a.K + 15) / 16 * 16;
-      widened.assign(static_cast<size_t>(a.M * ldxf), 0.f);
-      for (int64_t m = 0; m < a.M; ++m) {
-        for (int64_t k = 0; k < a.K; ++k) {
-          widened[m * ldxf + k / 16 * 16 + (k % 2) * 8 + (k % 16) / 2] = static_cast<float>(a.x[m * a.ldx + k]);
-        }
-      }
-      xf = widened.data();
-    }
-  }
-  const Avx2Args<T> p{a, xf, ldxf};
-#endif
   at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
-    const int64_t n_begin = begin * kRowBlock;
-    const int64_t n_end = std::min(end * kRowBlock, a.N);
-#if SPECDEC_LINEAR_X86
-    if (path == Path::kAvx512) return rows_avx512<T>(a, n_begin, n_end);
-    if (path == Path::kAvx2) return rows_avx2<T>(p, n_begin, n_end);
-#endif
-    rows_scalar<T>(a, n_begin, n_end);
+    rows<T>(a, path, begin * kRowBlock, std::min(end * kRowBlock, a.N));
   });
+}
+
+// Share `part` of `parts` of the weight rows, as whole blocks: parts are equal to within one block.
+template <typename T>
+void run_part(const LinearArgs<T>& a, int64_t part, int64_t parts) {
+  const int64_t num_blocks = (a.N + kRowBlock - 1) / kRowBlock;
+  const int64_t per = num_blocks / parts, extra = num_blocks % parts;
+  const int64_t begin = part * per + std::min(part, extra), end = begin + per + (part < extra ? 1 : 0);
+  if (begin < end) rows<T>(a, path_for<T>(), begin * kRowBlock, std::min(end * kRowBlock, a.N));
 }
 
 // Checks that need no values: shared by the CPU and Meta kernels, so fake-tensor tracing raises the same errors.
@@ -482,6 +511,16 @@ void linear_f32(const float* x, const float* weight, const float* bias, float* o
 void linear_bf16(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias, c10::BFloat16* out,
                  int64_t M, int64_t N, int64_t K, int64_t ldx) {
   if (M > 0 && N > 0) run<c10::BFloat16>({x, weight, bias, out, M, N, K, ldx});
+}
+
+void linear_f32_part(const float* x, const float* weight, const float* bias, float* out, int64_t M, int64_t N,
+                     int64_t K, int64_t ldx, int64_t part, int64_t parts) {
+  if (M > 0 && N > 0) run_part<float>({x, weight, bias, out, M, N, K, ldx}, part, parts);
+}
+
+void linear_bf16_part(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias,
+                      c10::BFloat16* out, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t part, int64_t parts) {
+  if (M > 0 && N > 0) run_part<c10::BFloat16>({x, weight, bias, out, M, N, K, ldx}, part, parts);
 }
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {

@@ -8,13 +8,15 @@ import torch
 from spec_kernels.decoder_layers import decoder_layers
 from spec_kernels.reference import LAYER_FIELDS, decoder_layers_ref
 
-# (Hq, Hkv, D, bias, qk_norm): Llama GQA, Qwen2 (bias), Qwen3 (q/k norm), D = 80 (a masked tail in every dot), MHA
+# (Hq, Hkv, D, bias, qk_norm): Llama GQA, Qwen2 (bias), Qwen3 (q/k norm), D = 80 (a masked tail in every dot), MHA,
+# D = 12 (not a whole number of 8-lane vectors: the attention's tail paths)
 CONFIGS = {
     "llama_gqa": (4, 2, 16, False, False),
     "qwen2_bias": (4, 2, 16, True, False),
     "qwen3_qk_norm": (4, 2, 16, False, True),
     "d80_group5": (5, 1, 80, False, False),
     "mha": (2, 2, 32, False, False),
+    "d12_tail": (3, 1, 12, False, False),
 }
 H, INTER, LAYERS, EPS = 48, 72, 2, 1e-5
 
@@ -145,6 +147,27 @@ def test_planted_bug_is_caught():
     buggy, _ = run("native", weights, final_norm, hidden, kv, seqlens, wrong_rope, mask, table, Hq)
     err_torch = (ref32.double() - exact).abs().max().item()
     assert (buggy.double() - exact).abs().max().item() > 2 * err_torch + 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name, seqlens, T", [("d80_group5", [7, 2, 11], 4), ("llama_gqa", [20], 1), ("mha", [3], 26)])
+def test_any_thread_count_gives_the_same_bits(name, seqlens, T, dtype):
+    """The stack splits each stage across its threads (matmul rows, attention heads, rows of h): 1, 2 or 3 threads
+    (more than this CPU's cores: uneven shares, a descheduled worker) write the same outputs and cache, bit for bit."""
+    Hq, Hkv, D, bias, qk_norm = CONFIGS[name]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    problem = make_problem(Hq, Hkv, D, seqlens, T, paged=True, mask="tree")
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(run("native", weights, final_norm, *problem, Hq, dtype=dtype))
+    finally:
+        torch.set_num_threads(threads)
+    (out1, kv1), *others = results
+    for out, kv in others:
+        assert torch.equal(out, out1) and torch.equal(kv, kv1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
