@@ -541,19 +541,21 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       w.sync();
       linear(w, x.data(), ptr<T>(wl[kQkv]), ptr<T>(wl[kQkvBias]), qkv.data(), M, qkv_width, H);
       w.sync();
-      for (int64_t m = m_begin; m < m_end; ++m) {
+      // q / k heads one by one (a decode token's 4-6 heads then spread over the workers): float32, norms, RoPE;
+      // a KV head's K and V then go to the cache
+      const auto [hd_begin, hd_end] = w.share(M * (Hq + Hkv));
+      for (int64_t u = hd_begin; u < hd_end; ++u) {
+        const int64_t m = u / (Hq + Hkv), hd = u % (Hq + Hkv);
         const T* row = qkv.data() + m * qkv_width;  // [Hq D | Hkv D | Hkv D]
-        float* qk_row = qk.data() + m * (Hq + Hkv) * D;
-        for (int64_t i = 0; i < (Hq + Hkv) * D; ++i) qk_row[i] = to_f(row[i]);
-        if (wl[kQNorm].defined()) {
-          rms_norm(qk_row, D, ptr<T>(wl[kQNorm]), p.eps, qk_row, Hq, D);
-          rms_norm(qk_row + Hq * D, D, ptr<T>(wl[kKNorm]), p.eps, qk_row + Hq * D, Hkv, D);
-        }
-        for (int64_t hd = 0; hd < Hq + Hkv; ++hd) rope_head(qk_row + hd * D, p.cos + m * D, p.sin + m * D, D);
+        float* head = qk.data() + u * D;            // [D] of qk's row m: [Hq D | Hkv D]
+        for (int64_t i = 0; i < D; ++i) head[i] = to_f(row[hd * D + i]);
+        if (wl[kQNorm].defined()) rms_norm(head, D, ptr<T>(wl[hd < Hq ? kQNorm : kKNorm]), p.eps, head, 1, D);
+        rope_head(head, p.cos + m * D, p.sin + m * D, D);
+        if (hd < Hq) continue;
         const int64_t b = m / p.T_, t = m % p.T_;
-        const int64_t dst = p.row_offset(b, p.seqlens[b] + t);
-        for (int64_t i = 0; i < Hkv * D; ++i) k_plane[dst + i] = static_cast<T>(qk_row[Hq * D + i]);
-        std::copy(row + (Hq + Hkv) * D, row + qkv_width, v_plane + dst);
+        const int64_t dst = p.row_offset(b, p.seqlens[b] + t) + (hd - Hq) * D;
+        for (int64_t i = 0; i < D; ++i) k_plane[dst + i] = static_cast<T>(head[i]);
+        std::copy(row + (Hkv + hd) * D, row + (Hkv + hd + 1) * D, v_plane + dst);  // V head hd - Hq
       }
       w.sync();
       int64_t keys_of = -1;  // the query row whose keys `keys` holds
@@ -577,8 +579,13 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       w.sync();
       linear(w, x.data(), ptr<T>(wl[kGateUp]), nullptr, gate_up.data(), M, 2 * I, H);
       w.sync();
-      for (int64_t m = m_begin; m < m_end; ++m) {  // the activation reuses x's rows: x is dead once gate_up is done
-        silu_mul(gate_up.data() + m * 2 * I, gate_up.data() + m * 2 * I + I, x.data() + m * I, I);
+      // the activation, elementwise (any split gives the same values): this worker's share of all M * I, into x's
+      // rows (x is dead once gate_up is done)
+      const auto [a_begin, a_end] = w.share(M * I);
+      for (int64_t i = a_begin; i < a_end;) {
+        const int64_t m = i / I, c = i % I, n = std::min(a_end - i, I - c);
+        silu_mul(gate_up.data() + m * 2 * I + c, gate_up.data() + m * 2 * I + I + c, x.data() + i, n);
+        i += n;
       }
       w.sync();
       linear(w, x.data(), ptr<T>(wl[kDown]), nullptr, delta.data(), M, H, I);
