@@ -222,20 +222,17 @@ class WidthTable:
 
     def __init__(self):
         self.samples: dict[int, list[float]] = {}  # width -> its last TABLE_SAMPLES target-pass seconds
-
-    @property
-    def prices(self) -> dict[int, float]:
-        """width -> the price of a pass that wide (the cheapest recent one)."""
-        return {w: min(ts) for w, ts in self.samples.items()}
+        self.prices: dict[int, float] = {}  # width -> the price of a pass that wide (the cheapest recent one)
 
     def observe(self, width: int, t: float) -> None:
-        self.samples[width] = [*self.samples.get(width, []), t][-TABLE_SAMPLES:]
+        self.samples[width] = kept = [*self.samples.get(width, []), t][-TABLE_SAMPLES:]
+        self.prices[width] = min(kept)
 
     def predict(self, width: int, line: float, anchors: dict[int, float] | None = None) -> float:
         """``anchors``: other measured passes (plain steps: width B) that bound the chords where no drafted width
         was measured."""
-        if width in self.samples:
-            return min(self.samples[width])
+        if width in self.prices:
+            return self.prices[width]
         known = {**(anchors or {}), **self.prices}
         below = max((x for x in known if x < width), default=None)
         above = min((x for x in known if x > width), default=None)
@@ -289,6 +286,7 @@ class AdaptiveController:
         self._catch_up_tokens = 0  # tokens the draft cache catches up on this step, drafted rows
         self._cold = True  # the engine's first step pays one-time costs (extension loads, allocations): not timed
         self._plain_steps: list[tuple[int, float]] = []  # (batch, seconds) of the last PLAIN_SAMPLES plain steps
+        self._plain_mins: tuple[list, dict[int, float]] = ([], {})  # (the samples it was computed from, _plain_min)
         self._probe_hits = self._probe_misses = 0.0  # probes that accepted their draft / did not, forgotten slowly
         self._memo: dict = {}  # prices computed within one choice (target_time, plain_cost): a choice asks for the
         # same ones ~10 times, and recomputing them from 64 plain samples cost ~7% of plain decoding's time
@@ -358,13 +356,13 @@ class AdaptiveController:
 
     def _plain_min(self) -> dict[int, float]:
         """batch -> its cheapest recent plain step: a measured pass over B tokens."""
-        memo = self._memo.get("plain_min")
-        if memo is None:
-            memo = {}
+        samples, mins = self._plain_mins
+        if samples is not self._plain_steps:  # (observe replaces the list): ~30% of a choice, recomputed at each
+            mins = {}
             for b, t in self._plain_steps:
-                memo[b] = min(t, memo.get(b, t))
-            self._memo["plain_min"] = memo
-        return memo
+                mins[b] = min(t, mins.get(b, t))
+            self._plain_mins = (self._plain_steps, mins)
+        return mins
 
     def plain_cost(self, B: int) -> float:
         """Seconds of a plain (undrafted) step at batch B: the cost model's, scaled by what plain steps measured.
@@ -392,7 +390,7 @@ class AdaptiveController:
         if not self._plain_steps:
             return min(modelled, wider)
         # each measurement against today's model (an early one against an early fit would stay wrong for good)
-        lowest = min(t / max(self.target_cost.predict(1.0, b / TOKENS_REF), 1e-9) for b, t in self._plain_steps)
+        lowest = min(t / max(self.target_cost.predict(1.0, b / TOKENS_REF), 1e-9) for b, t in self._plain_min().items())
         return min(modelled * min(max(lowest, 0.2), 5.0), wider)
 
     def _scan(self, E: list[list[float]], plain_rate: float) -> tuple[int, int, float]:
