@@ -45,7 +45,7 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at
                             const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
                             const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
                             const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
-                            int64_t steps);
+                            int64_t steps, const c10::optional<at::Tensor>& stop_ids);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens, const at::Tensor& t_embed,
     at::TensorList t_weights, const at::Tensor& t_norm, const at::Tensor& t_lm_head, at::Tensor t_kv,
@@ -188,7 +188,7 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def(
       "greedy_steps(Tensor roots, Tensor embed, Tensor[] weights, Tensor final_norm, Tensor lm_head, "
       "Tensor(a!) kv_cache, Tensor cache_seqlens, Tensor rope_table, Tensor? block_table, int num_heads, float eps, "
-      "int steps) -> Tensor");
+      "int steps, Tensor? stop_ids=None) -> Tensor");
   m.def(
       "spec_chain(Tensor pending, Tensor pending_lens, Tensor seqlens, Tensor t_embed, Tensor[] t_weights, "
       "Tensor t_norm, Tensor t_lm_head, Tensor(a!) t_kv, Tensor t_rope, int t_heads, float t_eps, Tensor d_embed, "

@@ -939,12 +939,15 @@ class ChainRunner {
 // A greedy chain: tokens tok [B, gamma] (row stride gamma), token d the argmax of token d - 1's logits (the first of
 // the roots' logits [B, V]), tokens 1 .. gamma - 1 run through `model` at positions L_b + d. ``strict``: a row's
 // tokens are -1 from its first non-finite logits on. ``id_of`` [V] (or null): a restricted vocabulary's token ids.
+// ``stops`` [S]: the chain ends after the first token d at which any row emits one of them (no forward past it; the
+// rows' tokens after d are left unwritten). Returns the tokens per row it emitted: gamma, or that d.
 template <typename T, typename R>
-void run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t* L, int64_t B, int64_t gamma,
-               bool strict, const int64_t* id_of, int64_t* tok) {
+int64_t run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t* L, int64_t B, int64_t gamma,
+                  bool strict, const int64_t* id_of, int64_t* tok, const std::vector<int64_t>& stops = {}) {
   std::vector<int64_t> ids(B), pos(B);
   const T* logits = nullptr;  // [B, V]
   for (int64_t d = 1; d <= gamma; ++d) {
+    bool stopped = false;
     for (int64_t b = 0; b < B; ++b) {
       int64_t& t = tok[b * gamma + d - 1];
       t = d > 1 && tok[b * gamma + d - 2] < 0 ? -1  // a strict row stays -1 after its first bad logits
@@ -953,10 +956,12 @@ void run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t* L
       if (id_of != nullptr) t = id_of[t];  // never strict: t >= 0
       ids[b] = std::max<int64_t>(t, 0);    // a -1 row runs token 0
       pos[b] = L[b] + d;                   // the node's slot
+      stopped = stopped || std::find(stops.begin(), stops.end(), t) != stops.end();
     }
-    if (d == gamma) break;
+    if (d == gamma || stopped) return d;
     logits = model.logits(model.forward(ids.data(), 1, B, 1, pos.data()), B);
   }
+  return gamma;
 }
 
 // The block table as the runners read it: int32, contiguous (undefined when absent).
@@ -1035,18 +1040,20 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
 
 // K plain greedy steps in one call (the target's plain decoding, batched): the roots [B] run at positions L_b, then
 // token d = 1 .. K is the argmax of the previous forward's logits, tokens 1 .. K - 1 run at L_b + d (their K/V
-// written there, as K one-token steps would). Returns tokens [B, K] int64; from a row's first non-finite logits on
-// its tokens are -1 (the engine then decodes that step the regular way, which sanitises or raises). The roots'
-// forward ran from Python before (embedding, RoPE rows, decoder_layers, logits: ~0.5 ms where the native forward
-// costs ~0.27, bfloat16 default target): a chain of 8 paid it once, the adaptive controller's plain probe of 4 and
-// a request's last token paid it for 4 and 1.
+// written there, as K one-token steps would). Returns tokens [B, K'] int64, K' <= K: the call ends after the first
+// token at which any row emits one of stop_ids [S] (a row's end of text: no forward is spent past it, so a long
+// chain costs nothing at a request's end; the engine cuts each row at its own stop tokens and runs the rows that
+// go on in its next call). From a row's first non-finite logits on its tokens are -1 (the engine then decodes that
+// step the regular way, which sanitises or raises).
 at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at::TensorList weights,
                             const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
                             const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
                             const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
-                            int64_t steps) {
+                            int64_t steps, const c10::optional<at::Tensor>& stop_ids) {
   TORCH_CHECK_VALUE(roots.dim() == 1 && roots.device().is_cpu(), "greedy_steps: roots must be [B] on CPU, got ",
                     roots.sizes());
+  TORCH_CHECK_VALUE(!stop_ids.has_value() || (stop_ids->dim() == 1 && stop_ids->device().is_cpu()),
+                    "greedy_steps: stop_ids must be [S] on CPU");
   const int64_t B = roots.size(0);
   TORCH_CHECK_VALUE(steps >= 1, "greedy_steps: steps must be >= 1, got ", steps);
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
@@ -1056,14 +1063,20 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at
   const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
   at::Tensor tokens = at::empty({B, steps}, seqlens.options());        // [B, K]
   const at::Tensor table = table_of(block_table);
+  std::vector<int64_t> stops;  // [S]
+  if (stop_ids.has_value()) {
+    const at::Tensor s = stop_ids->to(at::kLong).contiguous();
+    stops.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
+  }
+  int64_t ran = steps;
   with_dtype(embed.scalar_type(), [&](auto type) {
     ChainRunner<decltype(type)> model("greedy_steps", embed, weights, final_norm, lm_head, kv_cache, rope_table,
                                       num_heads, eps, table, B);
     const int64_t* L = seqlens.data_ptr<int64_t>();
     const auto* logits = model.logits(model.forward(ids.data_ptr<int64_t>(), 1, B, 1, L), B);  // [B, V]
-    run_chain(model, logits, model.vocab(), L, B, steps, true, nullptr, tokens.data_ptr<int64_t>());
+    ran = run_chain(model, logits, model.vocab(), L, B, steps, true, nullptr, tokens.data_ptr<int64_t>(), stops);
   });
-  return tokens;
+  return ran == steps ? tokens : tokens.narrow(1, 0, ran).contiguous();  // [B, K']
 }
 
 namespace {

@@ -46,7 +46,7 @@ Estimates, all online and free:
   model, against today's fit), not from the line alone: a drafted step carries fixed costs a plain one does not
   (two compactions, the drafter's commit, its catch-up), so a line fit mostly through drafted steps over-prices
   plain decoding (default pair, bf16: 0.585 ms predicted, 0.465 measured) and drafts that lose looked as if they
-  paid. While drafting, one step in ``PLAIN_PROBE_INTERVAL`` runs plain to keep measuring (~1-3% of the gain).
+  paid. While drafting, a plain chain runs every ``PLAIN_PROBE_INTERVAL`` steps to keep measuring (~1-3% of the gain).
 
 Margin: a step drafts only if it promises ``MIN_GAIN + TAIL_MARGIN * (1 - 1/B)`` times plain decoding's rate
 (1.05 at batch 1, 1.19 at 16). The model prices one step; it does not see what speculation costs around it: the
@@ -105,7 +105,7 @@ PROBE_PRIOR_STRENGTH = 2.0  # ... worth this many probes
 PROBE_DECAY = 0.9  # per probe: the probes' success rate remembers ~10 of them
 MIN_GAIN = 1.05  # drafting must promise this multiple of plain decoding's tokens/s at batch 1 (see "margin")
 TAIL_MARGIN = 0.15  # added to it as the batch grows: MIN_GAIN + TAIL_MARGIN * (1 - 1/B)
-PLAIN_PROBE_INTERVAL = 32  # while drafting, one step in this many runs plain, to measure the rate to beat
+PLAIN_PROBE_INTERVAL = 64  # while drafting, a plain chain (16 steps) starts every this many steps: the rate to beat
 PLAIN_PROBE_PHASE = 8  # ... the first of them at this step (apart from the undrafted rows' probes)
 PLAIN_SAMPLES = 64  # plain steps whose measured / modelled cost ratio sets the plain rate (their lowest): the
 # steady chains of a plain stretch, not only the last two probe chains (which run right after drafted steps and
@@ -370,8 +370,8 @@ class AdaptiveController:
         The model ``a + b * tokens`` is fit on every step, and a drafted step carries fixed costs a plain one does not
         (compacting two caches, the drafter's commit, its catch-up): a line through mostly drafted steps over-prices
         plain decoding (default pair, bf16: 0.585 ms predicted, 0.465 measured), which made drafts that do not pay
-        look as if they did. So the rate to beat comes from measured plain steps (one in PLAIN_PROBE_INTERVAL while
-        drafting, a full chain of PLAIN_CHAIN steps), the cheapest of the last PLAIN_SAMPLES: noise only slows a step,
+        look as if they did. So the rate to beat comes from measured plain steps (a full chain of PLAIN_CHAIN steps per
+        PLAIN_PROBE_INTERVAL while drafting), the cheapest of the last PLAIN_SAMPLES: noise only slows a step,
         and a chain right after drafted steps costs more per step than the chains that run when nothing drafts
         (default pair, float32: 0.83-0.96 against 0.74 ms for 4-step probe chains), which is the rate drafting must
         beat. Priced from the probes alone, a draft at alpha 0.25 looked worth drafting and lost 10%."""
@@ -481,17 +481,20 @@ class AdaptiveController:
         return gammas
 
     def observe(self, reqs: Sequence, gammas: Sequence[int], num_accepted: Sequence[int], draft_seconds: float,
-                step_seconds: float) -> None:  # fmt: skip
+                step_seconds: float, steps: int = 1) -> None:  # fmt: skip
         """Learn from one step: ``num_accepted`` as verify_tree's (the root included), the step's wall times.
+        ``steps`` > 1: that many plain steps of ``step_seconds`` each (a native chain's), observed in one call (one
+        call per step cost ~7 us each in the engine, ~1.5% of a bfloat16 token here).
 
-        Steps are counted here, not per ``choose``: a native call runs several steps on one choice (8 plain steps
-        per chain), and a count of choices made undrafted requests of 64 tokens wait longer than their life for a
+        Steps are counted here, not per ``choose``: a native call runs several steps on one choice (up to 16 plain
+        steps per chain), and a count of choices made undrafted requests of 64 tokens wait longer than their life for a
         probe (after a few hard requests, speculation stayed off for every later short one)."""
-        self.num_steps += 1
+        assert steps == 1 or not any(gammas), "several steps in one call are plain ones"
+        self.num_steps += steps
         self._memo.clear()
         for req, g, n in zip(reqs, gammas, num_accepted):
             s = self.state(req)
-            s.steps_undrafted = s.steps_undrafted + 1 if g == 0 else 0
+            s.steps_undrafted = s.steps_undrafted + steps if g == 0 else 0
             if g == 0:
                 continue
             s.acceptance.update(g, n - 1)
@@ -504,14 +507,16 @@ class AdaptiveController:
             s.probe_interval = PROBE_INTERVAL if n > 1 else min(2 * s.probe_interval, MAX_PROBE_INTERVAL)
             self.probe_interval = s.probe_interval
             req.metrics.alpha_estimate = s.acceptance.alpha
-        if self._cold:
+        if self._cold:  # (the first step alone: a plain chain's later steps are timed)
             self._cold = False
             self._catch_up_tokens = 0  # (a native call's later steps did not catch up)
-            return
+            steps -= 1
+            if steps == 0:
+                return
         B, G = len(reqs), max(gammas)
         num_drafted = sum(g > 0 for g in gammas)
         if G == 0:  # (compared with the line only when priced: plain_cost)
-            self._plain_steps = [*self._plain_steps, (B, step_seconds)][-PLAIN_SAMPLES:]
+            self._plain_steps = [*self._plain_steps, *[(B, step_seconds)] * steps][-PLAIN_SAMPLES:]
         if G:  # the target's line from drafted steps alone (plain ones are priced by plain_cost): a plain stretch
             # (8 steps per chain) would push a forgetful fit's drafted-step level down to plain decoding's, and a
             # useless draft looked worth another try after every few chains

@@ -35,7 +35,7 @@ from spec_kernels.decoder_layers import NATIVE_DTYPES, spec_chain
 from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
-PLAIN_CHAIN = 8  # plain greedy steps per native chain (Engine._plain_chain_len); 1 turns chains off
+PLAIN_CHAIN = 16  # plain greedy steps per native chain (Engine._plain_chain_len); 1 turns chains off
 SPEC_CHAIN_STEPS = 16  # greedy speculative steps per native call (Engine._spec_chain_steps); 0 turns it off
 UNSURE_CHAIN_STEPS = 4  # ... while the adaptive controller is unsure of a row (AdaptiveController.unsure)
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
@@ -48,8 +48,8 @@ def chain_step_costs(times: list[list[float]], wall: float, steps: int) -> list[
 
     Each step carries a share of the call's own work (inputs, dispatch, committing) as a full call would spread it:
     the controller compares drafting and plain decoding as they run when it commits to one (16-step speculative
-    calls, 8-step plain chains). Charged to the steps run instead, the short calls of exploring priced both wrong:
-    a one-step probe call (~0.25 ms of Python against a ~0.36 ms step, bfloat16) made drafting look 1.6x a plain
+    calls, 16-step plain chains). Charged to the steps run instead, the short calls of exploring priced both wrong: a
+    one-step probe call (~0.25 ms of Python against a ~0.36 ms step, bfloat16) made drafting look 1.6x a plain
     token where full calls cost ~1.2x, and the 4-step plain probe chains between drafted steps (0.44 ms per token
     against 0.25 in full chains) made drafts at alpha 0.45 look 1.5x faster than plain decoding at depth 2."""
     share = max(wall - sum(t[1] for t in times), 0.0) / max(steps, 1)
@@ -451,9 +451,11 @@ class Engine:
         Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter or none this step (the adaptive
         controller drafts no row; a drafter that reads the target's features must see every step, so never with
         one of those), all rows greedy and nothing waiting for a slot, the target runs up to PLAIN_CHAIN forwards in
-        one C++ call (``greedy_steps``), so the step's Python and dispatch (~0.2 ms, a fifth of a 1 ms forward here)
-        is paid once per chain. Same forwards, same kernels, same tokens (tests/test_native_steps.py); output arrives
-        PLAIN_CHAIN tokens at a time, and a new request waits at most one chain before it is admitted. A chain of
+        one C++ call (``greedy_steps``), so the step's Python and dispatch (~0.3 ms on a 2-core AVX2 CPU, where a
+        bfloat16 forward costs ~0.42) is paid once per chain: 16 tokens a call decode ~6% faster than 8 there, 32
+        ~9%. Same forwards, same kernels, same tokens (tests/test_native_steps.py); the call ends at a row's stop
+        token, so a long chain wastes no forward at a request's end; output arrives up to PLAIN_CHAIN tokens at a
+        time, and a new request waits at most one chain (~7 ms at batch 1 there) before it is admitted. A chain of
         one (a row's last token) still saves the regular step's Python."""
         if PLAIN_CHAIN < 2 or (self.drafter is not None and self.drafter.needs_hidden) or self.waiting:
             return 0
@@ -465,19 +467,22 @@ class Engine:
 
     def _plain_chain(self, reqs: list[Request], K: int) -> list[StepOutput] | None:
         """``K`` plain greedy steps for every row in one native call (``greedy_steps``: the roots at L_b, then
-        tokens 1 .. K-1 at L_b + 1 .. L_b + K - 1, their K/V written there, as K one-token steps would). None, with
-        nothing committed, where the native chain cannot run or some row's logits are not finite (the regular step
-        then decodes it and sanitises or raises)."""
+        tokens 1 .. K-1 at L_b + 1 .. L_b + K - 1, their K/V written there, as K one-token steps would), or fewer:
+        the call ends at the first token that is a stop token of some row, so a chain spends no forward past a
+        request's end. None, with nothing committed, where the native chain cannot run or some row's logits are not
+        finite (the regular step then decodes it and sanitises or raises)."""
         start = time.perf_counter()
         lengths = [r.num_computed for r in reqs]
         seqlens = torch.tensor(lengths, dtype=torch.int32)  # [B]: the roots' positions L_b
         roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64)  # [B]
         table = self._block_table(reqs, max(lengths) + K)  # [B, W]: up to position L_b + K - 1
+        stops = torch.tensor(sorted({t for r in reqs for t in self._stop_ids(r)}), dtype=torch.int64)  # [S]
         forwards = time.perf_counter()
-        tokens = self.target.greedy_steps(roots, self.kv.data, seqlens, K, table)  # [B, K]
+        tokens = self.target.greedy_steps(roots, self.kv.data, seqlens, K, table, stop_ids=stops)  # [B, K' <= K]
         forwards = time.perf_counter() - forwards
         if tokens is None or bool((tokens < 0).any()):
             return None
+        K = tokens.shape[1]  # (the call ended at a row's stop token: the rows that go on continue next step)
         self._step_count = K
         if self.drafter is None or not self.drafter.keeps_cache:
             for req in reqs:
@@ -487,8 +492,7 @@ class Engine:
         self.gamma_history.extend([0] * kept)
         if self.controller is not None:  # plain steps, priced as drafted ones are (chain_step_costs)
             (_, per_step), *_ = chain_step_costs([[0.0, forwards / K]] * K, time.perf_counter() - start, PLAIN_CHAIN)
-            for _ in range(kept):
-                self.controller.observe(reqs, [0] * len(reqs), [1] * len(reqs), 0.0, per_step)
+            self.controller.observe(reqs, [0] * len(reqs), [1] * len(reqs), 0.0, per_step, steps=kept)
         return outputs
 
     def _spec_chain_steps(self, reqs: list[Request], gammas: list[int]) -> int:

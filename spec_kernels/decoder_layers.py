@@ -215,11 +215,13 @@ def greedy_steps(
     num_heads: int,
     eps: float,
     block_table: torch.Tensor | None = None,
+    stop_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``steps`` plain greedy steps per row in one native call (see ``greedy_steps_cpu``): the roots ``[B]`` run at
     positions ``cache_seqlens`` (L_b), then each token is the argmax of the previous forward's logits and runs at
-    L_b + d, its K/V written there. Returns ``[B, steps]`` int64, -1 from a row's first non-finite logits on; None
-    where the native path cannot run."""
+    L_b + d, its K/V written there. Returns ``[B, K]`` int64, K = ``steps``, or fewer where some row emitted one of
+    ``stop_ids`` ``[S]`` (the call ends after that token); -1 from a row's first non-finite logits on; None where
+    the native path cannot run."""
     flat = _chain_weights(embed, weights, kv_cache, lm_head, rope_table)
     if flat is None:
         return None
@@ -228,7 +230,7 @@ def greedy_steps(
     load_ext()
     return torch.ops.spec_kernels.greedy_steps(
         roots, embed, flat, final_norm, lm_head, kv_cache, cache_seqlens, rope_table, block_table, num_heads, eps,
-        steps,
+        steps, stop_ids,
     )  # fmt: skip
 
 

@@ -352,6 +352,17 @@ def test_greedy_steps_equal_one_token_steps(dtype):
     assert torch.equal(got, torch.stack(expected, dim=1))
     assert torch.equal(native_kv, loop_kv)
 
+    # stop ids: the call ends after the first token at which any row emits one (the prefix of the full run)
+    full = got.tolist()
+    stop = full[2][1]  # row 2's second token
+    first = min(row.index(stop) for row in full if stop in row)
+    cut = greedy_steps(roots, embed, weights, final_norm, lm_head, kv.clone(), seqlens, rope_table, steps=steps,
+                       stop_ids=torch.tensor([V + 5, stop]), **kw)  # fmt: skip
+    assert first <= 1 and torch.equal(cut, got[:, : first + 1])
+    never = greedy_steps(roots, embed, weights, final_norm, lm_head, kv.clone(), seqlens, rope_table, steps=steps,
+                         stop_ids=torch.tensor([V + 5]), **kw)  # fmt: skip
+    assert torch.equal(never, got)
+
     broken = lm_head.clone()
     broken[7] = float("nan")  # every row's logits hold a NaN: each is -1 from its first token
     bad = greedy_steps(roots, embed, weights, final_norm, broken, kv.clone(), seqlens, rope_table, steps=steps, **kw)

@@ -163,11 +163,11 @@ def _adaptive(models, draft):
     assert ctl is not None and engine.gamma == ADAPTIVE_MAX_DEPTH
     observe = ctl.observe
 
-    def observe_modelled_costs(reqs, gammas, num_accepted, draft_seconds, step_seconds):
+    def observe_modelled_costs(reqs, gammas, num_accepted, draft_seconds, step_seconds, steps=1):
         G = max(gammas)
         t_draft = 2e-3 * G
         t_target = 10e-3 + 0.1e-3 * len(reqs) * engine.drafter.nodes_for_depth(G)
-        observe(reqs, gammas, num_accepted, t_draft, t_draft + t_target)
+        observe(reqs, gammas, num_accepted, t_draft, t_draft + t_target, steps)
 
     ctl.observe = observe_modelled_costs
     return llm
@@ -460,6 +460,26 @@ def test_short_requests_are_still_probed_after_hard_ones():
     assert ctl.probe_interval == MAX_PROBE_INTERVAL
     later = [drive(ctl, _row(64), lambda G, i: G) for _ in range(3)]  # a perfect one
     assert any(g > 0 for depths in later for g in depths)
+
+
+def test_a_plain_chain_observed_in_one_call_is_its_steps_one_by_one():
+    """The engine observes a native chain's plain steps in one call (``steps``): the same state as one call per step,
+    the controller's first (untimed) step included."""
+    ctls = [AdaptiveController(8, lambda g: g + 1) for _ in range(2)]
+    reqs = [[_row(), _row()] for _ in ctls]
+    for chain in ([8, 5], [1, 8]):  # the first chain holds the engine's first, untimed step
+        for K in chain:
+            ctls[0].observe(reqs[0], [0, 0], [1, 1], 0.0, 0.4e-3 * K, steps=K)
+            for _ in range(K):
+                ctls[1].observe(reqs[1], [0, 0], [1, 1], 0.0, 0.4e-3 * K)
+        ctls[0].observe(reqs[0], [2, 0], [3, 1], 0.1e-3, 1e-3)
+        ctls[1].observe(reqs[1], [2, 0], [3, 1], 0.1e-3, 1e-3)
+    a, b = ctls
+    assert (a.num_steps, a._plain_steps, a._cold) == (b.num_steps, b._plain_steps, b._cold)
+    assert [a.state(r).steps_undrafted for r in reqs[0]] == [b.state(r).steps_undrafted for r in reqs[1]] == [0, 24]
+    assert a.plain_cost(2) == b.plain_cost(2)
+    with pytest.raises(AssertionError, match="plain"):
+        a.observe(reqs[0], [1, 0], [2, 1], 0.1e-3, 1e-3, steps=2)
 
 
 def test_a_plain_stretch_does_not_make_a_weak_draft_look_cheap():

@@ -76,6 +76,32 @@ def test_chain_stops_where_one_token_steps_stop(target, monkeypatch):
     assert len(got[0].outputs[0].token_ids) <= 14
 
 
+def test_a_chain_spends_no_forward_past_a_stop_token(target, monkeypatch):
+    """greedy_steps ends its call at the first token that is some row's stop token: a long chain costs nothing at a
+    request's end. A row that emits another row's stop token (a plain token for it) goes on in the next call."""
+    llm = LLM(str(target))
+    free = run(llm, SamplingParams(max_tokens=30, ignore_eos=True), 1, monkeypatch)
+    a, b = (o.outputs[0].token_ids for o in free[:2])
+    # a token the first prompt emits first at some step >= 3, after the second prompt's first use of it if any
+    stop = next(t for i, t in enumerate(a) if i >= 3 and a.index(t) == i)
+    first = min(a.index(stop), b.index(stop) if stop in b else 30)  # where the first call must end
+    params = [SamplingParams(max_tokens=30, stop_token_ids=[stop])] + [SamplingParams(max_tokens=30, ignore_eos=True)]
+    real, runs = llm.target.greedy_steps, []
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        runs.append((args[3], out.shape[1]))  # (steps asked, steps run)
+        return out
+
+    monkeypatch.setattr(llm.target, "greedy_steps", spy)
+    monkeypatch.setattr(engine_mod, "PLAIN_CHAIN", 16)
+    got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == a[: a.index(stop) + 1] and got[0].outputs[0].finish_reason == "stop"
+    assert got[1].outputs[0].token_ids == b  # the other row, all 30 of its tokens
+    assert first < 15 and runs[0] == (16, first + 1)  # the call ended at the stop, not 16 forwards in
+    assert sum(ran for _, ran in runs) == 30
+
+
 def test_waiting_requests_take_one_token_steps(target, monkeypatch):
     """A queue (max_num_seqs below the load) keeps steps short so a freed slot is refilled at once; the tokens are
     those of one-token steps either way."""
@@ -102,8 +128,8 @@ def test_planted_bug_chain_at_the_wrong_positions_is_caught(target, monkeypatch)
     ref = run(llm, params, 1, monkeypatch)
     real = llm.target.greedy_steps
 
-    def shifted(roots, kv, seqlens, steps, table):
-        return real(roots, kv, seqlens + 1, steps, table)
+    def shifted(roots, kv, seqlens, steps, table, **kw):
+        return real(roots, kv, seqlens + 1, steps, table, **kw)
 
     monkeypatch.setattr(llm.target, "greedy_steps", shifted)
     got = run(llm, params, 8, monkeypatch)

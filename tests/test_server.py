@@ -321,11 +321,20 @@ def test_429_beyond_max_pending_then_disconnects_free_the_kv_blocks(plain):
 
 @contextlib.contextmanager
 def gated_steps(server):
-    """The server's engine steps only while the yielded Event is set (it starts cleared; set on exit): a test holds
-    requests running for as long as it needs, however fast the engine is, instead of racing the wall clock."""
+    """The server's engine steps only while the yielded Event is set (it starts cleared; set on exit), and then only
+    to admit a waiting request: one step per new request, however fast the engine is or how long a request takes to
+    arrive, so a test holds requests running for as long as it needs instead of racing the wall clock (a 16-token
+    plain chain per step ran a stream to its max_tokens when a slow window let ~60 steps through)."""
     engine = server[1].state.engine.engine  # the Engine the server's loop thread steps
     gate, real_step = threading.Event(), engine.step
-    engine.step = lambda: gate.wait(30) and real_step()
+
+    def step():
+        if gate.wait(30) and engine.waiting:
+            return real_step()
+        time.sleep(1e-3)  # (nothing to admit: the loop thread polls its commands, an add among them, and comes back)
+        return []
+
+    engine.step = step
     try:
         yield gate
     finally:

@@ -246,18 +246,19 @@ class LlamaForCausalLM(nn.Module):
             block_table=block_table, strict=strict, vocab_map=self.vocab_map,
         )  # fmt: skip
 
-    def greedy_steps(self, roots, kv_cache, cache_seqlens, steps: int, block_table=None) -> torch.Tensor | None:
+    def greedy_steps(self, roots, kv_cache, cache_seqlens, steps: int, block_table=None,
+                     stop_ids=None) -> torch.Tensor | None:  # fmt: skip
         """``steps`` plain greedy tokens per row from the roots [B] at positions ``cache_seqlens``, in one native
-        call (``spec_kernels.decoder_layers.greedy_steps``): [B, steps], -1 from a row's first non-finite logits on;
-        None where it cannot run (no RoPE table, a restricted vocabulary, a device or dtype without the native
-        path)."""
+        call (``spec_kernels.decoder_layers.greedy_steps``): [B, K], K = ``steps`` or fewer where a row emitted one
+        of ``stop_ids`` [S]; -1 from a row's first non-finite logits on; None where it cannot run (no RoPE table, a
+        restricted vocabulary, a device or dtype without the native path)."""
         if self.layer_weights is None or self.rope_table is None or self.vocab_map is not None:
             return None
         cfg = self.config
         return greedy_steps(
             roots, self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight, self.lm_head.weight,
             kv_cache, cache_seqlens, self.rope_table, steps=steps, num_heads=cfg.num_attention_heads,
-            eps=cfg.rms_norm_eps, block_table=block_table,
+            eps=cfg.rms_norm_eps, block_table=block_table, stop_ids=stop_ids,
         )  # fmt: skip
 
     def chain_parts(self) -> tuple | None:
