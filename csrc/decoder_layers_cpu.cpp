@@ -240,9 +240,10 @@ void position_rows(const Problem<T>& p, std::vector<int64_t>& rows, std::vector<
 }
 
 // The keys a query row sees, in attention order, as cache row offsets (KV head 0; `positions`: sequence b's part of
-// position_rows' table): the prefix 0 .. L_b - 1, then the tree slots its mask allows. Plain decoding of the same token sees the same list (its ancestors are then committed
-// positions, in the same order), so every sum below runs over the same index sequence in both: the attention of a
-// tree node equals plain decoding's bit for bit. Slots the mask hides are not in the list.
+// position_rows' table): the prefix 0 .. L_b - 1, then the tree slots its mask allows. Plain decoding of the same
+// token sees the same list (its ancestors are then committed positions, in the same order), so every sum below runs
+// over the same index sequence in both: the attention of a tree node equals plain decoding's bit for bit. Slots the
+// mask hides are not in the list.
 template <typename T>
 void key_rows(const Problem<T>& p, const int64_t* positions, int64_t b, int64_t t, std::vector<int64_t>& rows) {
   const int64_t L = p.seqlens[b];
@@ -489,12 +490,15 @@ const T* ptr(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
 }
 
-// h [M, H] float32: the residual stream, updated in place through every layer; out [M, H]: the final-normed h.
-// One team (csrc/cpu_team.h) runs the whole stack: each stage is split across its workers (matmuls by weight-row
-// blocks, attention by units, the row-wise pieces by rows of h) with a sync between stages. As ~5 at::parallel_for
-// regions per layer, the fork / join cost ~1 us each and left the second thread idle through every row-wise piece.
+// h [M, H] float32: the residual stream, updated in place through every layer; out [M, H]: the final-normed h;
+// with `head` [V, H] also logits [M, V] = out head^T. One team (csrc/cpu_team.h) runs the whole stack, the logits
+// included: each stage is split across its workers (matmuls by weight-row blocks, attention by units, the row-wise
+// pieces by rows of h) with a sync between stages. As ~5 at::parallel_for regions per layer, the fork / join cost
+// ~1 us each and left the second thread idle through every row-wise piece; the logits as a region of their own, ~1
+// us of a ~30 us draft forward.
 template <typename T>
-void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, const T* final_norm, float* h, T* out) {
+void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, const T* final_norm, float* h, T* out,
+                const T* head = nullptr, int64_t V = 0, T* logits = nullptr) {
   const int64_t M = p.B * p.T_, H = p.H, D = p.D, Hq = p.Hq, Hkv = p.Hkv, I = p.I, G = Hq / Hkv;
   const int64_t qkv_width = (Hq + 2 * Hkv) * D;
   std::vector<T> x(M * std::max(H, I)), qkv(M * qkv_width), attn(M * Hq * D), gate_up(M * 2 * I), delta(M * H);
@@ -594,6 +598,9 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       for (int64_t i = m_begin * H; i < m_end * H; ++i) h[i] += to_f(delta[i]);
     }
     rms_norm(h + m_begin * H, H, final_norm, p.eps, out + m_begin * H, my_rows, H);
+    if (head == nullptr) return;
+    w.sync();
+    linear(w, out, head, nullptr, logits, M, V, H);  // the same row blocks as the logits kernel's own split
   });
 }
 
@@ -884,10 +891,31 @@ class ChainRunner {
   // Tokens [B, T] (row stride ld) at positions start[b] + t, a causal chunk over the cache: the final-normed hidden
   // states [B * T, H], their K/V written. Valid until the next forward.
   const T* forward(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start) {
+    run(tokens, ld, B, T_, start, false);
+    return out_.data();
+  }
+
+  // The same forward and the logits [B * T, V'] of every row (logits(forward(...), B * T), in one team). Valid until
+  // the next forward.
+  const T* forward_logits(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start) {
+    run(tokens, ld, B, T_, start, true);
+    return logits_.data();
+  }
+
+  // Logits [rows, V'] of hidden states [rows, H]. Valid until the next call.
+  const T* logits(const T* hidden, int64_t rows) {
+    logits_.resize(rows * vocab());
+    if (rows > 0) linear(hidden, head_.data_ptr<T>(), nullptr, logits_.data(), rows, vocab(), d_.H);
+    return logits_.data();
+  }
+
+ private:
+  void run(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start, bool with_logits) {
     const int64_t H = d_.H, D = d_.D, M = B * T_, V = embed_.size(0), P = rope_.size(1);
     h_.resize(M * H);
     cos_sin_.resize(2 * M * D);
     out_.resize(M * H);
+    if (with_logits) logits_.resize(M * vocab());
     seqlens_.assign(start, start + B);
     if (mask_size_ < M * T_) mask_.reset(new bool[M * T_]), mask_size_ = M * T_;
     const T* emb = embed_.data_ptr<T>();
@@ -911,19 +939,11 @@ class ChainRunner {
     p.cos = cos_sin_.data();
     p.sin = p.cos + M * D;
     check_positions(p, B, T_);
-    if (M == 0) return out_.data();
-    run_layers(p, weights_, norm_.data_ptr<T>(), h_.data(), out_.data());
-    return out_.data();
+    if (M == 0) return;
+    run_layers(p, weights_, norm_.data_ptr<T>(), h_.data(), out_.data(), with_logits ? head_.data_ptr<T>() : nullptr,
+               vocab(), logits_.data());
   }
 
-  // Logits [rows, V'] of hidden states [rows, H]. Valid until the next call.
-  const T* logits(const T* hidden, int64_t rows) {
-    logits_.resize(rows * vocab());
-    if (rows > 0) linear(hidden, head_.data_ptr<T>(), nullptr, logits_.data(), rows, vocab(), d_.H);
-    return logits_.data();
-  }
-
- private:
   const char* op_;
   std::vector<at::Tensor> weights_;
   at::Tensor embed_, norm_, head_, rope_, table_;
@@ -959,7 +979,7 @@ int64_t run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t
       stopped = stopped || std::find(stops.begin(), stops.end(), t) != stops.end();
     }
     if (d == gamma || stopped) return d;
-    logits = model.logits(model.forward(ids.data(), 1, B, 1, pos.data()), B);
+    logits = model.forward_logits(ids.data(), 1, B, 1, pos.data());  // [B, V]
   }
   return gamma;
 }
@@ -1073,7 +1093,7 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at
     ChainRunner<decltype(type)> model("greedy_steps", embed, weights, final_norm, lm_head, kv_cache, rope_table,
                                       num_heads, eps, table, B);
     const int64_t* L = seqlens.data_ptr<int64_t>();
-    const auto* logits = model.logits(model.forward(ids.data_ptr<int64_t>(), 1, B, 1, L), B);  // [B, V]
+    const auto* logits = model.forward_logits(ids.data_ptr<int64_t>(), 1, B, 1, L);  // [B, V]
     ran = run_chain(model, logits, model.vocab(), L, B, steps, true, nullptr, tokens.data_ptr<int64_t>(), stops);
   });
   return ran == steps ? tokens : tokens.narrow(1, 0, ran).contiguous();  // [B, K']
@@ -1126,7 +1146,7 @@ void run_spec_chain(ChainRunner<TT>& target, ChainRunner<TD>& draft, ChainRows& 
       tokens[b * T] = roots[b];
       std::copy(drafts.begin() + b * gamma, drafts.begin() + (b + 1) * gamma, tokens.begin() + b * T + 1);
     }
-    const TT* logits = target.logits(target.forward(tokens.data(), T, B, T, r.L.data()), B * T);  // [B * T, V]
+    const TT* logits = target.forward_logits(tokens.data(), T, B, T, r.L.data());  // [B * T, V]
     // 3. greedy acceptance: the longest prefix of drafts equal to the target's argmax, then its own next token
     const int64_t V = target.vocab();
     bool finite = true;
