@@ -116,6 +116,49 @@ SPECDEC_AVX512 void axpy_avx512(float alpha, const T* x, float* y, int64_t n) {
   }
 }
 
+// acc[c] += s[j] * v[rows[j] + 16c .. 16c + 15] for c < C over keys j in order (C a constant: no lane checks or
+// spills in the key loop).
+template <int C, typename T>
+SPECDEC_AVX512 inline void accumulate_values16(const float* s, const T* v, const int64_t* rows, int64_t n,
+                                               __m512* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 a = _mm512_set1_ps(s[j]);
+    const T* row = v + rows[j];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(a, load16(row + 16 * c, 16), acc[c]);
+  }
+}
+
+// o [D] = sum over keys j, in order, of s[j] * v[rows[j]]: one fused multiply-add per key and element from zero, as
+// axpy_avx512 key by key does (the same values), with up to 128 elements' sums in registers across the keys. Through
+// memory each key's adds waited on the previous key's stores. D not a multiple of 16 takes axpy_avx512.
+template <typename T>
+SPECDEC_AVX512 void weighted_sum_avx512(const float* s, const T* v, const int64_t* rows, int64_t n, int64_t D,
+                                        float* o) {
+  if (D % 16 != 0) {
+    std::fill(o, o + D, 0.f);
+    for (int64_t j = 0; j < n; ++j) axpy_avx512(s[j], v + rows[j], o, D);
+    return;
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 128) {
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
+    const int64_t chunks = std::min<int64_t>(8, (D - d0) / 16);
+    switch (chunks) {
+      case 8: accumulate_values16<8>(s, v + d0, rows, n, acc); break;
+      case 7: accumulate_values16<7>(s, v + d0, rows, n, acc); break;
+      case 6: accumulate_values16<6>(s, v + d0, rows, n, acc); break;
+      case 5: accumulate_values16<5>(s, v + d0, rows, n, acc); break;
+      case 4: accumulate_values16<4>(s, v + d0, rows, n, acc); break;
+      case 3: accumulate_values16<3>(s, v + d0, rows, n, acc); break;
+      case 2: accumulate_values16<2>(s, v + d0, rows, n, acc); break;
+      default: accumulate_values16<1>(s, v + d0, rows, n, acc); break;
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + d0 + 16 * c, acc[c]);
+  }
+}
+
 // AVX2: lane l sums a[i] * b[i] for i = l, l + 8, ...; then reduce_add8's fixed tree.
 template <typename T>
 SPECDEC_AVX2 float dot_avx2(const float* a, const T* b, int64_t n) {
@@ -327,8 +370,7 @@ SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, i
     }
     const float total = _mm512_reduce_add_ps(sum);
     float* o = out + g * D;
-    std::fill(o, o + D, 0.f);
-    for (int64_t j = 0; j < n; ++j) axpy_avx512(s[j], v + rows[j], o, D);
+    weighted_sum_avx512(s, v, rows, n, D, o);
     const float inv = n > 0 ? 1.f / total : 0.f;  // a row that sees nothing (L_b = 0, all-False mask row): zeros
     for (int64_t i = 0; i < D; ++i) o[i] *= inv;
   }
