@@ -12,13 +12,13 @@ On a shared 2-core machine two runs of the same interleaved A/B differ by +-5% p
 2. **What a step costs** comes from a model fit to the engine's measured steps on this CPU (float32, default pair;
    ``COSTS``): a plain chain call, a drafted step by depth, the draft's catch-up per token, per-call overhead.
 
-The replay drives ``AdaptiveController`` the way ``Engine._decode`` does (a plain choice runs a chain of 8 steps, or
-4 for the plain probe while drafting; a drafted choice runs up to 4 native steps, ending at a rejection while the
-request is ``unsure``; the draft cache is filled lazily, so a request's first drafted step catches up its prompt), over
-held-out prompts sharing one controller (as a server's requests do) and over the five demo prompts each with a fresh
-one (as ``specdec generate --compare`` runs them). It prints each prompt's ratio to plain decoding for the
-controller's knobs as set (``--set OPTIMISM=1.0`` etc.) and for fixed depths 1-3. The ratios are the model's:
-confirm a choice with an interleaved run of the engine itself.
+The replay drives ``AdaptiveController`` the way ``Engine._decode`` does (a plain choice, the plain probe included,
+runs a chain of ``spec_engine.engine.PLAIN_CHAIN`` steps, observed in one call; a drafted choice runs up to 4 native
+steps, ending at a rejection while the request is ``unsure``; the draft cache is filled lazily, so a request's first
+drafted step catches up its prompt), over held-out prompts sharing one controller (as a server's requests do) and
+over the five demo prompts each with a fresh one (as ``specdec generate --compare`` runs them). It prints each
+prompt's ratio to plain decoding for the controller's knobs as set (``--set OPTIMISM=1.0`` etc.) and for fixed
+depths 1-3. The ratios are the model's: confirm a choice with an interleaved run of the engine itself.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import spec_engine.adaptive as adaptive  # noqa: E402
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 from spec_engine.drafters.draft_model import read_draft_vocab  # noqa: E402
+from spec_engine.engine import PLAIN_CHAIN  # noqa: E402
 
 CHAIN = 8  # draft tokens recorded per position (the adaptive maximum depth)
 DEMO = ["def fibonacci(n):", "import os", "class Stack:", "def read_csv(path):", "for i in range(10):"]
@@ -42,7 +43,7 @@ DEMO = ["def fibonacci(n):", "import os", "class Stack:", "def read_csv(path):",
 # own steps timed around Engine.step (a depth-1 native call of one step: 1.26 ms, of which C++ 0.95)
 COSTS = {
     "plain_forward": 0.70,  # one token of a plain chain
-    "plain_call": 0.30,  # per plain chain call (8 tokens: ~5.9 ms)
+    "plain_call": 0.30,  # per plain chain call (measured with 8-token chains: ~5.9 ms)
     "target_per_token": 0.055,  # target pass: plain_forward + this per verified token past the root
     "draft_level": 0.09,  # one drafted level (the draft's forward + its reduced lm_head)
     "spec_step": 0.17,  # per drafted step: the draft's root forward and logits, acceptance, ATen calls in C++
@@ -85,7 +86,7 @@ def accepted(rec: dict, pos: int, G: int, max_tokens: int) -> int:
 
 
 def plain_ms(max_tokens: int) -> float:
-    calls = -(-max_tokens // 8)
+    calls = -(-max_tokens // PLAIN_CHAIN)
     return calls * COSTS["plain_call"] + max_tokens * COSTS["plain_forward"]
 
 
@@ -102,10 +103,9 @@ def replay(ctl, rec: dict, max_tokens: int, fixed: int = 0) -> float:
     while pos < max_tokens:
         G = fixed or ctl.choose([req])[0]
         if G == 0:
-            K = min(4 if ctl.plain_probe else 8, max_tokens - pos)  # the engine's short chain: the plain probe
+            K = min(PLAIN_CHAIN, max_tokens - pos)
             t = c["plain_call"] + K * c["plain_forward"]
-            for _ in range(K):
-                ctl.observe([req], [0], [1], 0.0, t / K / 1e3)
+            ctl.observe([req], [0], [1], 0.0, t / K / 1e3, steps=K)
             pos, req.num_computed, total = pos + K, req.num_computed + K, total + t
             req.output_token_ids.extend([0] * K)
             continue
