@@ -90,3 +90,32 @@ def test_draft_dtype_is_passed_and_checked(pair, monkeypatch, capsys):
     assert built[-1].engine.drafter.kv.data.dtype == torch.bfloat16 and built[-1].engine.kv.data.dtype == torch.float32
     assert main(argv + ["--draft-dtype", "float32", "--method", "ngram"]) == 2
     assert "draft_dtype" in capsys.readouterr().err
+
+
+def test_compare_speedup_is_the_median_of_each_rounds_ratio(monkeypatch):
+    """--compare's speedup is the median over rounds of each round's spec / plain ratio (a round's two runs back to
+    back, which goes first alternating), not the ratio of the two medians. Injected clock: each run advances it by
+    its engine's cost (spec 0.5 s, plain 1 s) times that run's load."""
+    from types import SimpleNamespace
+
+    import spec_engine.cli as cli
+
+    clock = [0.0]
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock[0])
+    # loads in run order; per round, spec's: 1 2 2 3 1, plain's: 2 1 3 1 2
+    loads = iter([1.0, 2.0, 1.0, 2.0, 2.0, 3.0, 1.0, 3.0, 1.0, 2.0])
+    order = []
+
+    class Engine:
+        def __init__(self, name, seconds):
+            self.name, self.seconds = name, seconds
+
+        def generate(self, prompts, params, use_tqdm):
+            order.append(self.name)
+            clock[0] += self.seconds * next(loads)
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * 10)])]
+
+    spec_tps, base_tps, speedup = cli._alternating_tps(Engine("spec", 0.5), Engine("plain", 1.0), "p", None, 5)
+    assert order == ["spec", "plain", "plain", "spec", "spec", "plain", "plain", "spec", "spec", "plain"]
+    assert (spec_tps, base_tps) == (pytest.approx(10.0), pytest.approx(5.0))  # tok/s medians: 20 10 10 6.7 20, ...
+    assert speedup == pytest.approx(3.0)  # round ratios 4 1 3 0.67 4; the ratio of the medians would be 2
