@@ -476,7 +476,7 @@ class Engine:
         seqlens = torch.tensor(lengths, dtype=torch.int32)  # [B]: the roots' positions L_b
         roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64)  # [B]
         table = self._block_table(reqs, max(lengths) + K)  # [B, W]: up to position L_b + K - 1
-        stops = torch.tensor(sorted({t for r in reqs for t in self._stop_ids(r)}), dtype=torch.int64)  # [S]
+        stops = self._stop_tensor(reqs)  # [S]
         forwards = time.perf_counter()
         tokens = self.target.greedy_steps(roots, self.kv.data, seqlens, K, table, stop_ids=stops)  # [B, K' <= K]
         forwards = time.perf_counter() - forwards
@@ -534,7 +534,6 @@ class Engine:
         pending = np.zeros((B, max(lags) + 1), dtype=np.int64)  # [B, P]: each draft cache's gap, then the root
         for b, (r, lag) in enumerate(zip(reqs, lags)):
             pending[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
-        stops = {t for r in reqs for t in self._stop_ids(r) if 0 <= t < self.vocab_size}  # no other id is emitted
         lengths = [r.num_computed for r in reqs]
         reach = min(max_steps * (g + 1), max(r.tokens_left for r in reqs))  # positions a row may write past L_b
         table = self._block_table(reqs, max(lengths) + reach + 2)  # [B, W]
@@ -542,7 +541,7 @@ class Engine:
             self.target.chain_parts(), self.drafter.chain_parts(), torch.from_numpy(pending),
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
             torch.tensor([r.tokens_left for r in reqs]),
-            torch.tensor(sorted(stops), dtype=torch.int64), gamma=g, max_steps=max_steps,
+            self._stop_tensor(reqs), gamma=g, max_steps=max_steps,
             stop_on_reject=self.controller is not None and self.controller.unsure(reqs),
         )  # fmt: skip
         if result is None:
@@ -737,6 +736,11 @@ class Engine:
         """The tokens that end ``req``: its stop_token_ids, and the EOS ids unless it ignores EOS."""
         stops = set(req.params.stop_token_ids or [])
         return stops if req.params.ignore_eos else stops | self.eos_token_ids
+
+    def _stop_tensor(self, reqs: list[Request]) -> torch.Tensor:
+        """int64 [S]: every stop id of the rows that the model can emit (a native chain ends at any of them)."""
+        stops = {t for r in reqs for t in self._stop_ids(r) if 0 <= t < self.vocab_size}
+        return torch.tensor(sorted(stops), dtype=torch.int64)
 
     def _truncate(self, req: Request, toks: list[int]) -> list[int]:
         """Cut the emitted tokens at a stop token (kept, as vLLM does for EOS) or at max_tokens."""
