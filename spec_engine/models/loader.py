@@ -1,4 +1,5 @@
-"""Loading and saving HF-format model directories: config.json + *.safetensors (sharded or not)."""
+"""Loading models from HF-format directories (config.json + *.safetensors, sharded or not) or GGUF files, and
+saving HF-format directories."""
 
 from __future__ import annotations
 
@@ -27,14 +28,19 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaForCausalLM:
-    """Build the model from ``config.json`` and load its safetensors weights, checking every name and shape."""
-    model_dir = Path(model_dir)
+def load_model(model: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaForCausalLM:
+    """Build the model from an HF directory (``config.json`` + safetensors) or a GGUF file (``*.gguf``, weights
+    dequantized to ``dtype``), checking every name and shape."""
+    from spec_engine.models.gguf import gguf_path_or_none, read_gguf
+
+    gguf_file = gguf_path_or_none(model)
+    if gguf_file is not None:
+        cfg, state = read_gguf(gguf_file, dtype)
+        return build_model(cfg, state, dtype=dtype, device=device, source=gguf_file)
+    model_dir = Path(model)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
     cfg = ModelConfig.from_dir(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(model_dir):
         if not path.is_file():
@@ -43,6 +49,16 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, dev
             state.update(load_file(str(path)))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"corrupt weight file {path}: {e}") from e
+    return build_model(cfg, state, dtype=dtype, device=device, source=model_dir)
+
+
+def build_model(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], *, dtype: torch.dtype, device: str, source: str | Path
+) -> LlamaForCausalLM:
+    """The model of ``cfg`` holding the HF-named weights of ``state`` (in ``dtype``), checking every name and shape;
+    ``source`` names the checkpoint in errors."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = dict(model.state_dict())
@@ -50,7 +66,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, dev
         expected.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights, e.g. {missing[:3]}")
+        raise ValueError(f"checkpoint {source} lacks {len(missing)} weights, e.g. {missing[:3]}")
     for name, tensor in expected.items():
         if tuple(state[name].shape) != tuple(tensor.shape):
             raise ValueError(
