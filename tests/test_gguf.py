@@ -223,11 +223,11 @@ def test_smollm2_greedy_matches_transformers(smollm2):
 
     llm = LLM(model=str(smollm2), dtype="float32", max_model_len=256)
     prompts = [{"prompt_token_ids": llm.render_chat([{"role": "user", "content": c}])[1]} for c in CHATS]
-    ours = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    ours = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32,
                                               quantization_config=GgufConfig(dequantize=True)).eval()  # fmt: skip
     for p, out in zip(prompts, ours):
         ids = torch.tensor([p["prompt_token_ids"]])
         with torch.no_grad():
-            ref = hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=2)
+            ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=2, pad_token_id=2)
         assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
