@@ -117,3 +117,21 @@ def tokenizer_metadata(tok, specials: list[str], pre: str = "default") -> dict:
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     types = [3 if t in specials else 1 for t in tokens]
     return {"tokens": tokens, "types": types, "merges": merges, "pre": pre}
+
+
+def chatml_tokenizer(specials: list[str], digits_apart: bool = True, vocab_size: int = 400):
+    """A byte-level BPE trained here with ``specials`` as its first ids, pre-tokenized as SmolLM2's (each digit
+    apart, then GPT-2's regex: llama.cpp's "smollm") or as GPT-2's."""
+    from tiny_models import CORPUS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    digits_first = pre_tokenizers.Sequence([pre_tokenizers.Digits(True), byte_level])
+    tok.pre_tokenizer = digits_first if digits_apart else byte_level
+    tok.decoder = decoders.ByteLevel()
+    corpus = CORPUS + ["numbers 12345 and 2024, x = 3.14; ½ ② Ⅷ", "   indented\n\t\ttabs  \n\n"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(corpus * 4, trainer)
+    return tok

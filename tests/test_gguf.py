@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_files import dequantized, tokenizer_metadata, write_gguf
+from gguf_files import chatml_tokenizer, dequantized, tokenizer_metadata, write_gguf
 from safetensors.numpy import load_file
 from tiny_models import make_model
 
@@ -145,20 +145,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def _bpe(pre: str):
-    """A byte-level BPE trained here, with SmolLM2's pre-tokenizer ("smollm": each digit apart) or GPT-2's."""
-    from tiny_models import CORPUS
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    digits_first = pre_tokenizers.Sequence([pre_tokenizers.Digits(True), byte_level])
-    tok.pre_tokenizer = digits_first if pre == "smollm" else byte_level
-    tok.decoder = decoders.ByteLevel()
-    corpus = CORPUS + ["numbers 12345 and 2024, x = 3.14; ½ ② Ⅷ", "   indented\n\t\ttabs  \n\n"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator(corpus * 4, trainer)
-    return tok
+    return chatml_tokenizer(SPECIALS, digits_apart=pre == "smollm")
 
 
 @pytest.mark.parametrize("pre", ["smollm", "default"])
