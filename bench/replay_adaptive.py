@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import spec_engine.adaptive as adaptive  # noqa: E402
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
@@ -166,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if held_path.is_file():
         held = json.loads(held_path.read_text())
     else:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from bench_step import held_out_prompts
+        from bench.bench_step import held_out_prompts
 
         print(f"[replay] recording {args.prompts} held-out prompts (once, into {held_path})")
         held = record(held_out_prompts(LLM(default_model_paths()[0], None), args.prompts), args.max_tokens, held_path)

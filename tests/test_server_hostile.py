@@ -17,22 +17,18 @@ import contextlib
 import json
 import select
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 from tiny_models import make_model, make_tokenizer, serve_in_thread
 
 import spec_engine.engine
+from bench.load_server import run_soak
 from spec_engine import LLM, SamplingParams
 from spec_engine.server.app import MAX_JSON_DEPTH, create_app
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from load_server import run_soak  # noqa: E402
 
 CONTEXT = 512
 REQUEST_TIMEOUT = 1.0  # seconds; small so that the stall tests end fast
