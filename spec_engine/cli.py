@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from spec_engine.llm import build_llm
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Model and speculation options shared by ``generate``, ``serve`` and ``bench``."""
@@ -34,38 +36,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks the target is sharded over (CPU: gloo, CUDA: NCCL, one GPU each)")  # fmt: skip
-
-
-def build_llm(args: argparse.Namespace, *, speculate: bool = True):
-    from spec_engine import LLM, default_model_paths
-    from spec_engine.zoo import MODELS_DIR
-
-    model, draft = args.model, args.draft
-    if model is None:
-        model, default_draft = default_model_paths()
-        draft = draft or (str(MODELS_DIR / "eagle") if args.method == "eagle" else default_draft)
-    method = args.method or ("draft_model" if draft else "none")
-    spec = None
-    if speculate and method != "none":
-        spec = {"method": method}
-        if method in ("draft_model", "eagle"):
-            if not draft:
-                raise SystemExit(f"error: --method {method} needs --draft DIR")
-            spec["model"] = draft
-        if args.num_speculative_tokens is not None:
-            spec["num_speculative_tokens"] = args.num_speculative_tokens
-        if args.draft_vocab_size is not None:
-            spec["draft_vocab_size"] = args.draft_vocab_size
-        if args.draft_dtype is not None:
-            spec["draft_dtype"] = args.draft_dtype
-        if args.tree:
-            try:
-                spec["tree"] = [int(x) for x in args.tree.split(",")]
-            except ValueError:
-                raise SystemExit(f"error: --tree must be comma-separated ints, got {args.tree!r}") from None
-    return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
-               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
 
 
 def stats_line(out, elapsed: float) -> str:

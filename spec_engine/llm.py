@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass, field
@@ -356,3 +357,36 @@ class LLM:
             finished=req.finished,
             metrics=req.metrics.as_dict(len(ids)),
         )
+
+
+def build_llm(args: argparse.Namespace, *, speculate: bool = True) -> LLM:
+    """The ``LLM`` that the model options of ``specdec generate`` and ``specdec serve`` ask for
+    (``spec_engine.cli.add_model_args``); ``speculate=False`` drops the speculation (``--compare``'s baseline)."""
+    from spec_engine.zoo import MODELS_DIR, default_model_paths
+
+    model, draft = args.model, args.draft
+    if model is None:
+        model, default_draft = default_model_paths()
+        draft = draft or (str(MODELS_DIR / "eagle") if args.method == "eagle" else default_draft)
+    method = args.method or ("draft_model" if draft else "none")
+    spec = None
+    if speculate and method != "none":
+        spec = {"method": method}
+        if method in ("draft_model", "eagle"):
+            if not draft:
+                raise SystemExit(f"error: --method {method} needs --draft DIR")
+            spec["model"] = draft
+        if args.num_speculative_tokens is not None:
+            spec["num_speculative_tokens"] = args.num_speculative_tokens
+        if args.draft_vocab_size is not None:
+            spec["draft_vocab_size"] = args.draft_vocab_size
+        if args.draft_dtype is not None:
+            spec["draft_dtype"] = args.draft_dtype
+        if args.tree:
+            try:
+                spec["tree"] = [int(x) for x in args.tree.split(",")]
+            except ValueError:
+                raise SystemExit(f"error: --tree must be comma-separated ints, got {args.tree!r}") from None
+    return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
