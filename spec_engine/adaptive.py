@@ -369,12 +369,11 @@ class AdaptiveController:
 
         The model ``a + b * tokens`` is fit on every step, and a drafted step carries fixed costs a plain one does not
         (compacting two caches, the drafter's commit, its catch-up): a line through mostly drafted steps over-prices
-        plain decoding (default pair, bf16: 0.585 ms predicted, 0.465 measured), which made drafts that do not pay
-        look as if they did. So the rate to beat comes from measured plain steps (a full chain of PLAIN_CHAIN steps per
-        PLAIN_PROBE_INTERVAL while drafting), the cheapest of the last PLAIN_SAMPLES: noise only slows a step,
-        and a chain right after drafted steps costs more per step than the chains that run when nothing drafts
-        (default pair, float32: 0.83-0.96 against 0.74 ms for 4-step probe chains), which is the rate drafting must
-        beat. Priced from the probes alone, a draft at alpha 0.25 looked worth drafting and lost 10%."""
+        plain decoding, which made drafts that do not pay look as if they did. So the rate to beat comes from
+        measured plain steps (a full chain of ``EngineConfig.plain_chain`` steps per PLAIN_PROBE_INTERVAL while
+        drafting), the cheapest of the last PLAIN_SAMPLES: noise only slows a step, and a chain right after drafted
+        steps costs more per step than the chains that run when nothing drafts, which is the rate drafting must
+        beat. Priced from short probe chains alone, weak drafts looked worth drafting and lost (bench/RESULTS.md)."""
         memo = self._memo.get(("plain", B))
         if memo is None:
             self._memo["plain", B] = memo = self._plain_cost(B)

@@ -35,16 +35,28 @@ from spec_kernels.decoder_layers import NATIVE_DTYPES, spec_chain
 from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
-PLAIN_CHAIN = 16  # plain greedy steps per native chain (Engine._plain_chain_len); 1 turns chains off
-SPEC_CHAIN_STEPS = 16  # greedy speculative steps per native call (Engine._spec_chain_steps); 0 turns it off
-UNSURE_CHAIN_STEPS = 4  # ... while the adaptive controller is unsure of a row (AdaptiveController.unsure)
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's knobs. The defaults are the engine's own choice; tests and benchmarks pass others
+    (``LLM(..., engine_config=EngineConfig(plain_chain=1))``) instead of patching module globals.
+
+    plain_chain : plain greedy steps per native chain (``Engine._plain_chain_len``); 1 turns chains off.
+    spec_chain_steps : greedy speculative steps per native call (``Engine._spec_chain_steps``); 0 turns it off.
+    unsure_chain_steps : the same while the adaptive controller is unsure of a row (``AdaptiveController.unsure``).
+    """
+
+    plain_chain: int = 16
+    spec_chain_steps: int = 16
+    unsure_chain_steps: int = 4
 
 
 def chain_step_costs(times: list[list[float]], wall: float, steps: int) -> list[tuple[float, float]]:
     """(draft, whole step) seconds of each step a native call ran, as the adaptive controller prices them: ``times``
     the call's native [draft, step] seconds per step run, ``wall`` the call's wall time, ``steps`` the steps of a
-    full call (SPEC_CHAIN_STEPS; PLAIN_CHAIN for plain chains).
+    full call (``EngineConfig.spec_chain_steps``; ``plain_chain`` for plain chains).
 
     Each step carries a share of the call's own work (inputs, dispatch, committing) as a full call would spread it:
     the controller compares drafting and plain decoding as they run when it commits to one (16-step speculative
@@ -206,11 +218,13 @@ class Engine:
         prefill_chunk: int = 512,
         eos_token_ids: list[int] | None = None,
         adaptive: bool = False,
+        config: EngineConfig | None = None,
     ):
         if getattr(target, "vocab_map", None) is not None:
             raise ValueError("the target's vocabulary cannot be restricted (restrict_vocab is for drafts): its logits "
                              "are the output")  # fmt: skip
         self.target, self.kv, self.allocator, self.drafter = target, kv, allocator, drafter
+        self.config = config or EngineConfig()  # replaceable between generate calls: a step reads it as it starts
         self.device = kv.data.device
         self.gamma = num_speculative_tokens if drafter is not None else 0
         self.max_model_len = max_model_len
@@ -450,20 +464,20 @@ class Engine:
 
         Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter or none this step (the adaptive
         controller drafts no row; a drafter that reads the target's features must see every step, so never with
-        one of those), all rows greedy and nothing waiting for a slot, the target runs up to PLAIN_CHAIN forwards in
-        one C++ call (``greedy_steps``), so the step's Python and dispatch (~0.3 ms on a 2-core AVX2 CPU, where a
-        bfloat16 forward costs ~0.42) is paid once per chain: 16 tokens a call decode ~6% faster than 8 there, 32
-        ~9%. Same forwards, same kernels, same tokens (tests/test_native_steps.py); the call ends at a row's stop
-        token, so a long chain wastes no forward at a request's end; output arrives up to PLAIN_CHAIN tokens at a
-        time, and a new request waits at most one chain (~7 ms at batch 1 there) before it is admitted. A chain of
-        one (a row's last token) still saves the regular step's Python."""
-        if PLAIN_CHAIN < 2 or (self.drafter is not None and self.drafter.needs_hidden) or self.waiting:
+        one of those), all rows greedy and nothing waiting for a slot, the target runs up to ``config.plain_chain``
+        forwards in one C++ call (``greedy_steps``), so the step's Python and dispatch, comparable to a small
+        model's whole forward, is paid once per chain (longer chains decode faster, with diminishing returns:
+        bench/RESULTS.md). Same forwards, same kernels, same tokens (tests/test_native_steps.py); the call ends at a
+        row's stop token, so a long chain wastes no forward at a request's end; output arrives up to
+        ``plain_chain`` tokens at a time, and a new request waits at most one chain before it is admitted. A chain
+        of one (a row's last token) still saves the regular step's Python."""
+        if self.config.plain_chain < 2 or (self.drafter is not None and self.drafter.needs_hidden) or self.waiting:
             return 0
         if self.device.type != "cpu" or not all(r.params.greedy for r in reqs) or self.target.chain_parts() is None:
             return 0  # (no chain_parts: no native path, which _plain_chain would find only after the roots' forward)
         if self.kv.data.dtype not in NATIVE_DTYPES:
             return 0
-        return min(PLAIN_CHAIN, min(r.tokens_left for r in reqs))
+        return min(self.config.plain_chain, min(r.tokens_left for r in reqs))
 
     def _plain_chain(self, reqs: list[Request], K: int) -> list[StepOutput] | None:
         """``K`` plain greedy steps for every row in one native call (``greedy_steps``: the roots at L_b, then
@@ -491,7 +505,9 @@ class Engine:
         kept = max(len(out.new_token_ids) for out in outputs)  # the steps one-token steps would have run
         self.gamma_history.extend([0] * kept)
         if self.controller is not None:  # plain steps, priced as drafted ones are (chain_step_costs)
-            (_, per_step), *_ = chain_step_costs([[0.0, forwards / K]] * K, time.perf_counter() - start, PLAIN_CHAIN)
+            (_, per_step), *_ = chain_step_costs(
+                [[0.0, forwards / K]] * K, time.perf_counter() - start, self.config.plain_chain
+            )
             self.controller.observe(reqs, [0] * len(reqs), [1] * len(reqs), 0.0, per_step, steps=kept)
         return outputs
 
@@ -499,14 +515,16 @@ class Engine:
         """Greedy speculative steps the coming step runs in one native call (0: the regular step).
 
         Where a draft model proposes chains for greedy rows, all at one depth g, with nothing waiting and the draft
-        caches' gaps (their catch-up: a prompt and the tokens decoded before a row's first drafted step, under the
+        caches' lags (their catch-up: a prompt and the tokens decoded before a row's first drafted step, under the
         adaptive controller) at most a prefill chunk and within g of each other, the whole step (catch-up, chain,
-        target pass, acceptance) is C++ (``spec_chain``), and up to SPEC_CHAIN_STEPS of them run per call while
-        every row has g + 1 tokens of its max_tokens left (the C++ checks before each step). The call's Python
-        (~0.25 ms of inputs and committing, against a ~0.36 ms bfloat16 step here) is paid once per call; the
+        target pass, acceptance) is C++ (``spec_chain``), and up to ``config.spec_chain_steps`` of them run per
+        call while every row has g + 1 tokens of its max_tokens left (the C++ checks before each step). The call's
+        Python (inputs and committing, comparable to a whole step of the default pair) is paid once per call; the
         adaptive controller chooses g for the call and learns from each step."""
         g = gammas[0] if gammas else 0
-        if g == 0 or SPEC_CHAIN_STEPS < 1 or self.waiting or self.device.type != "cpu" or self.drafter is None:
+        if g == 0 or self.config.spec_chain_steps < 1 or self.waiting or self.device.type != "cpu":
+            return 0
+        if self.drafter is None:
             return 0
         if any(x != g for x in gammas) or not all(r.params.greedy for r in reqs):
             return 0
@@ -522,7 +540,8 @@ class Engine:
             return 0
         # an unsure controller (a new request's first drafts) re-decides every few steps: at one 16-step call per
         # choice, a perfect draft's first choice (depth 1, on the recent requests' rate) ran 16 steps at depth 1
-        return UNSURE_CHAIN_STEPS if self.controller is not None and self.controller.unsure(reqs) else SPEC_CHAIN_STEPS
+        unsure = self.controller is not None and self.controller.unsure(reqs)
+        return self.config.unsure_chain_steps if unsure else self.config.spec_chain_steps
 
     def _spec_chain(self, reqs: list[Request], g: int, max_steps: int) -> list[StepOutput] | None:
         """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, committed step by
@@ -563,7 +582,7 @@ class Engine:
             self.gamma_history.append(g)
         ran = len(judged)
         if self.controller is not None and ran:
-            costs = chain_step_costs(times[:ran], time.perf_counter() - start, SPEC_CHAIN_STEPS)
+            costs = chain_step_costs(times[:ran], time.perf_counter() - start, self.config.spec_chain_steps)
             for (rows, counts), (draft_s, step_s) in zip(judged, costs):
                 self.controller.observe(rows, [g] * len(rows), counts, draft_s, step_s)
         if ran == 0:

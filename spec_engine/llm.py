@@ -15,7 +15,7 @@ from spec_engine.drafters.base import Drafter
 from spec_engine.drafters.draft_model import DraftModelDrafter, read_draft_vocab
 from spec_engine.drafters.eagle import EagleDrafter, load_eagle_head
 from spec_engine.drafters.ngram import NgramDrafter
-from spec_engine.engine import Engine, Request
+from spec_engine.engine import Engine, EngineConfig, Request
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
 from spec_engine.sampling import SamplingParams
@@ -160,6 +160,7 @@ class LLM:
     tensor_parallel_size : ranks the target is sharded over (Megatron-style, ``spec_engine.distributed``): N - 1
         worker processes are spawned (one per CUDA device, or CPU ranks over gloo); the drafter and verification run
         here, on rank 0. ``close()`` stops the workers. ValueError when the heads or MLP width do not divide.
+    engine_config : the engine's knobs (``spec_engine.engine.EngineConfig``; native chain lengths); None: defaults.
     """
 
     def __init__(
@@ -175,6 +176,7 @@ class LLM:
         block_size: int = 32,
         prefill_chunk: int = 512,
         tensor_parallel_size: int = 1,
+        engine_config: EngineConfig | None = None,
     ):
         tp = tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -269,6 +271,7 @@ class LLM:
             self.target, kv, self.allocator, drafter,
             num_speculative_tokens=gamma, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             prefill_chunk=prefill_chunk, eos_token_ids=cfg.eos_token_id, adaptive=bool(spec and spec["adaptive"]),
+            config=engine_config,
         )  # fmt: skip
 
     @property
