@@ -26,7 +26,8 @@ tree_attention = ta.tree_attention
 ATOL = {torch.float32: 1e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# a CUDA parametrisation: `pytest -m cuda` (bench/gpu.sh) selects it; skipped where there is no GPU
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _interpreted() -> bool:
