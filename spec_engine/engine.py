@@ -236,7 +236,9 @@ class Engine:
         self.running: list[Request] = []
         self.rows = RequestRows(max_num_seqs, allocator.blocks_for(max_model_len + self.max_tree_nodes()))
         self._ids = itertools.count()
-        self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0}
+        # num_regular_steps: decode steps taken by the regular (Python) step, not a native call
+        self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0,
+                      "num_regular_steps": 0}  # fmt: skip
         self.accepted_hist = [0] * (self.gamma + 1)
         self.gamma_history: deque[int] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode step: the deepest row's depth
         self.gamma_hist = [0] * (self.gamma + 1)  # [g] = rows drafted at depth g, over all steps
@@ -450,6 +452,7 @@ class Engine:
             outputs = self._spec_chain(reqs, gammas[0], steps) if steps else None
         if outputs is not None:
             return outputs
+        self.stats["num_regular_steps"] += 1
         batch, sampling = self._step_inputs(reqs, gammas)
         out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling)
         if self.controller is not None:
