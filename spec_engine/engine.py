@@ -1,4 +1,4 @@
-"""The engine: a scheduler around one speculative step (``Engine._spec_step``, the loop of ../shared/DESIGN.md).
+"""The engine: a scheduler around one speculative step (``Engine._spec_step``, the loop of docs/ARCHITECTURE.md).
 
 Each ``Engine.step()``:
 1. admits waiting requests while batch slots and KV blocks allow (a request reserves every block it can need);
@@ -61,9 +61,9 @@ def chain_step_costs(times: list[list[float]], wall: float, steps: int) -> list[
     Each step carries a share of the call's own work (inputs, dispatch, committing) as a full call would spread it:
     the controller compares drafting and plain decoding as they run when it commits to one (16-step speculative
     calls, 16-step plain chains). Charged to the steps run instead, the short calls of exploring priced both wrong: a
-    one-step probe call (~0.25 ms of Python against a ~0.36 ms step, bfloat16) made drafting look 1.6x a plain
-    token where full calls cost ~1.2x, and the 4-step plain probe chains between drafted steps (0.44 ms per token
-    against 0.25 in full chains) made drafts at alpha 0.45 look 1.5x faster than plain decoding at depth 2."""
+    one-step probe call (its Python comparable to the step itself) made drafting look 1.6x a plain token where full
+    calls cost ~1.2x, and the 4-step plain probe chains between drafted steps (~1.8x a full chain's cost per token)
+    made drafts at alpha 0.45 look 1.5x faster than plain decoding at depth 2."""
     share = max(wall - sum(t[1] for t in times), 0.0) / max(steps, 1)
     return [(t[0], t[1] + share) for t in times]
 
@@ -443,8 +443,8 @@ class Engine:
         if max(gammas) == 0:
             # (the controller's plain probe between drafted steps too runs a full chain: the rate it measures is the
             # one drafting must beat, and 4-step probe chains right after drafted steps cost ~1.35x a full chain's
-            # steps, 0.99 against 0.73 ms per token in bfloat16 on a 2-core AVX2 CPU, which kept drafts at alpha
-            # ~0.45 drafted at ~0.85x plain decoding's speed)
+            # steps in bfloat16 on a 2-core AVX2 CPU, which kept drafts at alpha ~0.45 drafted at ~0.85x plain
+            # decoding's speed)
             chain = self._plain_chain_len(reqs)
             outputs = self._plain_chain(reqs, chain) if chain else None
         else:
@@ -538,7 +538,7 @@ class Engine:
             return 0
         # steps run while every row has g + 1 tokens of budget left (spec_chain checks before each): a call near the
         # end of a request is not cut to the steps that fit at full acceptance, which split a 64-token request's
-        # last ~15 tokens over 3-4 calls of ~0.25 ms of Python each
+        # last ~15 tokens over 3-4 calls, each paying the call's Python
         if min(r.tokens_left for r in reqs) < g + 1:
             return 0
         # an unsure controller (a new request's first drafts) re-decides every few steps: at one 16-step call per
@@ -600,7 +600,7 @@ class Engine:
         if self.controller is not None:
             return self.controller.choose(reqs)
         # a row's last tokens: drafts past max_tokens would be thrown away, and a step that no longer fits a full
-        # chain took the regular (Python) step, ~1 ms of a 64-token request's ~20 here; undrafted, it is a plain one
+        # chain took the regular (Python) step, ~5% of a 64-token request; undrafted, it is a plain one
         return [min(self.gamma, r.tokens_left - 1) for r in reqs]
 
     def _step_inputs(self, reqs: list[Request], gammas: list[int]) -> tuple[StepBatch, dict]:

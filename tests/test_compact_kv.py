@@ -88,7 +88,7 @@ def _check_against_ref(cache, cache_seqlens, accepted, num_accepted, block_table
 
 
 def _naive(cache, cache_seqlens, accepted, num_accepted, block_table=None) -> torch.Tensor:
-    """The DESIGN.md definition, one row at a time."""
+    """The contract's definition (docs/ARCHITECTURE.md), one row at a time."""
     old, out = cache.clone(), cache.clone()
 
     def slot(b: int, pos: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""tree_attention: every backend against a float64 reference, with tolerances measured per STYLE.md.
+"""tree_attention: every backend against a float64 reference, with tolerances measured as docs/ARCHITECTURE.md says.
 
 A backend passes when ``err(backend) <= 2 * err(tree_attention_ref in the same dtype) + ATOL[dtype]``, both errors
 measured against ``tree_attention_ref`` run in float64.
@@ -107,7 +107,8 @@ def make_inputs(
 
 
 def check_against_fp64(out: torch.Tensor, q, k, v, cache_seqlens, mask, block_table, scale=None) -> None:
-    """STYLE.md rule 7: ``err(out) <= 2 * err(same-dtype torch) + ATOL``, errors vs a float64 reference."""
+    """Measured tolerances (docs/ARCHITECTURE.md): ``err(out) <= 2 * err(same-dtype torch) + ATOL``, errors vs a
+    float64 reference."""
     exact = tree_attention_ref(
         q.double(), k.double(), v.double(), cache_seqlens, mask, block_table=block_table, softmax_scale=scale
     )
