@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 

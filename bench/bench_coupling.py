@@ -16,13 +16,17 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
+if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spec_engine import LLM, SamplingParams, default_model_paths
-from spec_engine.benchmark import build_prompts
+import torch  # noqa: E402
+
+from bench.harness import build_prompts  # noqa: E402
+from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 
 
 def run(llm: LLM, prompts, params: list[SamplingParams]) -> dict:

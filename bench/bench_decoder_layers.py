@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spec_engine import default_model_paths  # noqa: E402
 from spec_engine.models.loader import load_model  # noqa: E402

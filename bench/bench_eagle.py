@@ -2,11 +2,11 @@
 
     python bench/bench_eagle.py [--quick] [--head DIR] [--draft DIR] [--max-tokens N] [--threads N] [--out DIR]
 
-Held-out code prompts (spec_engine/benchmark.py's: stdlib files the zoo never trained on, and numpy's sources),
+Held-out code prompts (bench/harness.py's: stdlib files the zoo never trained on, and numpy's sources),
 batch 1, greedy and temperature 0.8 (unseeded: rejection sampling). Every configuration is timed on each prompt back
 to back with plain decoding (``round_robin``: the machine's load drift hits all alike); speedups are paired medians.
 
-Columns (spec_engine/benchmark.py's glossary): alpha accepted / drafted; tau tokens per target pass; c one drafter
+Columns (bench/harness.py's glossary): alpha accepted / drafted; tau tokens per target pass; c one drafter
 step / one target step (1 token, same context: the draft model's forward, or the head's forward + its logits);
 E (1 - alpha_hat^(G+1)) / (1 - alpha_hat) and bound E / (1 + G c), for chains. Greedy runs are checked token for
 token against plain decoding (the canary column). Writes ``--out``/eagle.json with the machine's name.
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
-from spec_engine.benchmark import (  # noqa: E402
+from bench.harness import (  # noqa: E402
     PROMPT_LEN,
     Contender,
     Run,
@@ -37,6 +37,7 @@ from spec_engine.benchmark import (  # noqa: E402
     round_robin,
     time_interleaved,
 )
+from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 from spec_engine.tree import causal_mask  # noqa: E402
 from spec_engine.zoo import MODELS_DIR  # noqa: E402
 

@@ -17,7 +17,7 @@ drift on a shared machine hits every mode alike), reported as median [p20, p80] 
 
 Glossary:
     T        tokens per row in one forward: the verify width (root + drafted nodes of a chain)
-    fwd(T)   ``LlamaForCausalLM.forward`` + ``logits`` as the engine calls them (spec_engine.benchmark.forward_step)
+    fwd(T)   ``LlamaForCausalLM.forward`` + ``logits`` as the engine calls them (bench.harness.forward_step)
     mm(T)    ``torch.mm`` of a [T, in] activation by every weight matrix that forward multiplies (each 2-D weight but
              the embedding, lm_head included), same dtype: the floor torch's small-M GEMMs set
     r(T)     fwd(T) / fwd(1): what a T-token verify costs in single-token forwards
@@ -54,10 +54,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import forward_step  # noqa: E402
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
-from spec_engine.benchmark import forward_step  # noqa: E402
 from spec_engine.drafters.draft_model import read_draft_vocab  # noqa: E402
 from spec_engine.llm import _draft_dtype  # noqa: E402
 

@@ -14,7 +14,7 @@ Modes, every one timed once per round in rotated order (load drift hits all alik
                 peers), 1 thread: what one rank's path costs before any communication
     tpN         the padded target over N ranks (gloo), 1 thread per rank (the host's 2 cores split between them)
 
-Per forward: ``forward + logits`` of T tokens over a 64-token prefix (spec_engine.benchmark.forward_step), with rank
+Per forward: ``forward + logits`` of T tokens over a 64-token prefix (bench.harness.forward_step), with rank
 0's time inside collectives (command broadcast, all-reduces, logits gather) measured by timers around them.
 End to end: greedy ``generate`` of ``--max-tokens`` per held-out prompt, plain and with the default draft (adaptive
 depth), tok/s and tau. JSON to bench/out/bench_tp.json.
@@ -35,10 +35,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import build_prompts, forward_step  # noqa: E402
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
-from spec_engine.benchmark import build_prompts, forward_step  # noqa: E402
 
 CTX = 64
 

@@ -13,7 +13,7 @@ On a shared 2-core machine two runs of the same interleaved A/B differ by +-5% p
    ``COSTS``): a plain chain call, a drafted step by depth, the draft's catch-up per token, per-call overhead.
 
 The replay drives ``AdaptiveController`` the way ``Engine._decode`` does (a plain choice, the plain probe included,
-runs a chain of ``spec_engine.engine.PLAIN_CHAIN`` steps, observed in one call; a drafted choice runs up to 4 native
+runs a chain of ``EngineConfig.plain_chain`` steps, observed in one call; a drafted choice runs up to 4 native
 steps, ending at a rejection while the request is ``unsure``; the draft cache is filled lazily, so a request's first
 drafted step catches up its prompt), over held-out prompts sharing one controller (as a server's requests do) and
 over the five demo prompts each with a fresh one (as ``specdec generate --compare`` runs them). It prints each
@@ -30,14 +30,16 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import spec_engine.adaptive as adaptive  # noqa: E402
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 from spec_engine.drafters.draft_model import read_draft_vocab  # noqa: E402
-from spec_engine.engine import PLAIN_CHAIN  # noqa: E402
+from spec_engine.engine import EngineConfig  # noqa: E402
 
 CHAIN = 8  # draft tokens recorded per position (the adaptive maximum depth)
+PLAIN_CHAIN = EngineConfig().plain_chain  # plain steps per native call, as the engine runs them
 DEMO = ["def fibonacci(n):", "import os", "class Stack:", "def read_csv(path):", "for i in range(10):"]
 # ms, float32, default pair v2, 2 threads, quiet machine (2026-11-23): bench_step.py's forwards, and the engine's
 # own steps timed around Engine.step (a depth-1 native call of one step: 1.26 ms, of which C++ 0.95)
@@ -55,12 +57,10 @@ COSTS = {
 
 def record(prompts: list[tuple[str, list[int]]], max_tokens: int, path: Path) -> list[dict]:
     """The target's greedy tokens y and, for each position i, the draft's greedy chain after prompt + y[:i]."""
-    import spec_engine.engine as engine_mod
-
-    engine_mod.PLAIN_CHAIN = 1  # a draft model loaded as a "target": its reduced vocabulary needs the regular step
     target, draft = default_model_paths()
     plain = LLM(target, None, dtype="float32")
-    drafter = LLM(draft, None, dtype="float32", max_num_seqs=64)
+    # a draft model loaded as a "target": its reduced vocabulary needs the regular step, not plain native chains
+    drafter = LLM(draft, None, dtype="float32", max_num_seqs=64, engine_config=EngineConfig(plain_chain=1))
     drafter.engine.target.restrict_vocab(read_draft_vocab(draft, drafter.engine.target.config.vocab_size, None))
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     chain = SamplingParams(max_tokens=CHAIN, temperature=0.0, ignore_eos=True)
@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if held_path.is_file():
         held = json.loads(held_path.read_text())
     else:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from bench_step import held_out_prompts
+        from bench.bench_step import held_out_prompts
 
         print(f"[replay] recording {args.prompts} held-out prompts (once, into {held_path})")
         held = record(held_out_prompts(LLM(default_model_paths()[0], None), args.prompts), args.max_tokens, held_path)

@@ -2,9 +2,9 @@
 // threads, the *workers*, each run their static share of every stage and meet at a spin barrier between stages.
 //
 // Why: a forward of the default models is ~5 stages per layer (4 matmuls, attention), each of which was its own
-// at::parallel_for: ~1 us per region to hand the second thread its half (measured: 1.04 us for an empty 2-thread
-// at::parallel_for, 0.37 us for an OpenMP barrier, 0.05 us for this barrier, 2 threads, AMD EPYC Zen 3), times 11
-// regions per draft forward and 41 per target forward, plus the waits of each region's master on a slower worker.
+// at::parallel_for: handing the second thread its half costs a region about 3x an OpenMP barrier and 20x this
+// spinning barrier (2 threads, AMD EPYC Zen 3; bench/RESULTS-log.md), times 11 regions per draft forward and 41 per
+// target forward, plus the waits of each region's master on a slower worker.
 //
 // Shares are static and depend only on the item count and the number of workers, never on timing: which thread
 // computes an item changes no value (every caller splits work whose result does not depend on the split).

@@ -5,10 +5,10 @@
 // H the hidden size, Hq / Hkv query / key-value heads of D elements, G = Hq / Hkv query heads per KV head, I the MLP
 // width, L_b the committed length of sequence b (its tree's K/V go to positions L_b .. L_b + T - 1).
 //
-// Why one op: the default target's forward is ~250 small torch ops at T = 1, each 5-20 us of dispatch and allocation,
-// against ~0.7 ms for all its matmuls; llama.cpp's whole forward on the same weights is 0.8 ms. Here a layer is 4
-// calls of the small-M linear kernel (csrc/linear_cpu.cpp) plus loops over the rows for everything else, in buffers
-// allocated once per call.
+// Why one op: the default target's forward is ~250 small torch ops at T = 1, whose dispatch and allocation cost several
+// times all its matmuls; llama.cpp's whole forward on the same weights costs about the matmuls. Here a layer is 4 calls
+// of the small-M linear kernel (csrc/linear_cpu.cpp) plus loops over the rows for everything else, in buffers allocated
+// once per call.
 //
 // Per layer, for every row:   x = rms_norm(h) * w_in
 //                             q, k, v = x @ Wqkv^T (+ b), [q_norm, k_norm], RoPE(q, k) from the given cos / sin
@@ -266,7 +266,7 @@ struct Problem {
 
 // Cache row offsets (KV head 0) of every position 0 .. L_b + T - 1 of every sequence, concatenated (sequence b from
 // cu[b]): what key_rows reads, computed once per forward and shared by every layer and query row. Rebuilt per layer
-// and unit, with a division per key, it was ~2 us of a 60 us draft forward at L = 64.
+// and unit, with a division per key, it was ~3% of a draft forward at L = 64.
 template <typename T>
 void position_rows(const Problem<T>& p, std::vector<int64_t>& rows, std::vector<int64_t>& cu) {
   cu.assign(p.B + 1, 0);
@@ -327,8 +327,8 @@ void attend_scalar(const T* k, const T* v, const int64_t* rows, int64_t n, const
 // The same with AVX-512: scores 16 keys at a time (each key's dot summed lane-wise over D, then by reduce16's fixed
 // tree: a key's score does not depend on which keys share its block), the max and the exponentials by vectors, the
 // softmax sum in lanes by list index (index j in lane j % 16, one fixed reduction at the end), and the weighted sum
-// of V rows in list order. Default target, one thread: L = 200, T = 16 6.2 -> 3.7 ms per forward; L = 500, T = 16
-// 11.9 -> 5.3 ms (before: a scalar exp and one _mm512_reduce_add_ps per score).
+// of V rows in list order. Default target, one thread, T = 16: a forward 1.7x faster at L = 200, 2.2x at L = 500
+// (before: a scalar exp and one _mm512_reduce_add_ps per score).
 template <typename T>
 SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G,
                                   int64_t D, float scale, float* p, float* out) {
@@ -536,8 +536,8 @@ const T* ptr(const at::Tensor& t) {
 // with `head` [V, H] also logits [M, V] = out head^T. One team (csrc/cpu_team.h) runs the whole stack, the logits
 // included: each stage is split across its workers (matmuls by weight-row blocks, attention by units, the row-wise
 // pieces by rows of h) with a sync between stages. As ~5 at::parallel_for regions per layer, the fork / join cost
-// ~1 us each and left the second thread idle through every row-wise piece; the logits as a region of their own, ~1
-// us of a ~30 us draft forward.
+// dominated the small stages and left the second thread idle through every row-wise piece; the logits as a region of
+// their own cost ~3% of a draft forward.
 template <typename T>
 void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, const T* final_norm, float* h, T* out,
                 const T* head = nullptr, int64_t V = 0, T* logits = nullptr) {
@@ -564,7 +564,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
     // Attention units: (b, t, KV head, a group of its G query heads). A group shares each key's loads across its
     // heads, so a unit is all G heads, except where the units would not spread evenly over the workers: then the G
     // heads split into `groups` parts. With one KV head (the default target) a decode token was a single unit, its
-    // attention on one thread. Interleaved, L = 1024: bfloat16 T = 1 0.649 -> 0.505 ms, T = 3 0.955 -> 0.846 ms.
+    // attention on one thread. Interleaved, L = 1024, bfloat16: a forward takes 22% less time at T = 1, 11% at T = 3.
     // Each head's sums are its own, so the split changes no value. Workers take every size()-th unit: a causal
     // chunk's later rows have more keys.
     const int64_t rows_units = M * Hkv;
@@ -884,10 +884,10 @@ int64_t first_argmax(const T* z, int64_t V, bool strict) {
   return strict && (nan || !std::isfinite(best_v)) ? -1 : best;
 }
 
-// One model's forwards within one chain op call (draft_chain, spec_chain): its tensors checked and its cache's
-// geometry read once, then every forward runs from raw buffers kept across forwards. Driven through ATen ops (the
-// embedding, RoPE rows and mask as tensors, then decoder_layers_cpu), a forward cost ~25 op calls of 1-3 us: ~60 per
-// speculative step. The values are the op path's: the same embedding and RoPE rows, the causal mask, run_layers,
+// One model's forwards within one chain op call (draft_chain, spec_chain): its tensors checked and its cache's geometry
+// read once, then every forward runs from raw buffers kept across forwards. Driven through ATen ops (the embedding,
+// RoPE rows and mask as tensors, then decoder_layers_cpu), a forward cost ~25 op calls: ~60 per speculative step, each
+// paying ATen's dispatch. The values are the op path's: the same embedding and RoPE rows, the causal mask, run_layers,
 // the final norm, and the logits kernel.
 template <typename T>
 class ChainRunner {
@@ -1055,11 +1055,11 @@ void with_dtype(at::ScalarType dtype, F&& f) {
 }  // namespace
 
 // A greedy draft chain in one call: from the roots' draft logits [B, V], gamma tokens per row, each the argmax of
-// the previous one's logits; the first gamma - 1 run through the model at positions L_b + d (their K/V written
-// there, as the drafter's per-level forwards would). Returns tokens [B, gamma] int64. Why: a drafted level costs
-// its weights (~40 us for the default draft) plus ~100 us of Python and op dispatch when driven level by level from
-// Python; here one call pays the dispatch once. The target's plain greedy decoding runs the same chain (``strict``:
-// from a row's first non-finite logits on, its tokens are -1, and the engine decodes that step the regular way).
+// the previous one's logits; the first gamma - 1 run through the model at positions L_b + d (their K/V written there,
+// as the drafter's per-level forwards would). Returns tokens [B, gamma] int64. Why: a drafted level costs its weights
+// plus more than twice that in Python and op dispatch when driven level by level from Python (the default draft); here
+// one call pays the dispatch once. The target's plain greedy decoding runs the same chain (``strict``: from a row's
+// first non-finite logits on, its tokens are -1, and the engine decodes that step the regular way).
 at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embed, at::TensorList weights,
                            const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
                            const at::Tensor& cache_seqlens, const at::Tensor& rope_table,

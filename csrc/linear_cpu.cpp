@@ -4,8 +4,8 @@
 // A *tile* is NB weight rows x MB x rows computed together: each weight vector loaded feeds MB FMAs, each x vector
 // NB, and the NB * MB <= 16 accumulators stay in registers.
 //
-// Why not torch.mm: at M <= 16 its GEMMs cost 3-5x the weight bytes' streaming time on this 2-core AVX-512 CPU (the
-// default target's 57 matmuls: 2.91 ms at M=1 against 0.66 ms for a plain OpenMP dot-product loop). This kernel
+// Why not torch.mm: at M <= 16 its GEMMs cost 3-5x the weight bytes' streaming time on a 2-core AVX-512 CPU (the
+// default target's 57 matmuls at M=1: 4.4x a plain OpenMP dot-product loop). This kernel
 // streams each weight row once per call and reuses it from L1 across the rows of x.
 //
 // Batch invariance (the contract greedy speculation relies on): every output element is reduced in one fixed order
@@ -234,7 +234,7 @@ SPECDEC_AVX512 inline void tile(const LinearArgs<T>& a, int64_t n0, int64_t m0, 
 // All M rows of x against weight rows [n0, n0 + NB): x in chunks of 4 rows plus one chunk of the rest, so the NB
 // weight rows (NB * K elements, <= 14 KB here) are read from memory once and from L1 by the later chunks. Every chunk
 // prefetches the next NB rows, not only the first: a cold forward of the default target (fp32, one thread, weights
-// streamed from L3/DRAM) took 3.6 ms at M=16 with first-chunk prefetches, 2.7-2.9 ms with these, 4.7 ms with none.
+// streamed from L3/DRAM) at M=16 is ~25% faster with these than with first-chunk prefetches, ~40% than with none.
 template <typename T, int NB>
 SPECDEC_AVX512 void rows_all_m(const LinearArgs<T>& a, int64_t n0, bool prefetch) {
   int64_t m = 0;
@@ -301,8 +301,8 @@ SPECDEC_AVX2 inline void load_w16(const T* w, __m256& lo, __m256& hi) {
 }
 
 // x [M, K] bf16 -> out [M, ldxf] fp32 in Avx2Args' even / odd order, the last step zero-padded: the weights' own
-// split (load_w16) applied to x. An index-computing scalar loop took ~0.7 us per call at K = 512, ~10% of a draft
-// forward of the default pair.
+// split (load_w16) applied to x. An index-computing scalar loop took ~10% of a draft forward of the default pair
+// (K = 512).
 SPECDEC_AVX2 inline void widen_even_odd(const LinearArgs<c10::BFloat16>& a, float* out, int64_t ldxf) {
   for (int64_t m = 0; m < a.M; ++m) {
     const c10::BFloat16* x = a.x + m * a.ldx;
@@ -445,10 +445,10 @@ void run(const LinearArgs<T>& a) {
   const Path path = path_for<T>();
   const int64_t num_blocks = (a.N + kRowBlock - 1) / kRowBlock;
   // Threads for calls with >= ~1 us of one-thread work. Between the forwards of a decode loop the second thread
-  // spins (OpenMP's active wait), so handing it half of a call costs well under a microsecond; a 5 us threshold
-  // (tuned with the thread asleep: the v projection [64, 320] fp32 at M=1 took 1.9 us on one thread, 3.6 us on
-  // two) left the default target's qkv, o and bfloat16 down projections, half its weights, on one thread. Forward
-  // at T=1, interleaved in one process: bfloat16 0.414 -> 0.325 ms, float32 0.814 -> 0.734 ms. One block's work
+  // spins (OpenMP's active wait), so handing it half of a call costs well under a microsecond; a higher threshold
+  // (tuned with the thread asleep, when the v projection [64, 320] fp32 at M=1 ran slower on two threads than one)
+  // left the default target's qkv, o and bfloat16 down projections, half its weights, on one thread. Forward at
+  // T=1, interleaved in one process: bfloat16 21% less time, float32 10%. One block's work
   // is the larger of its streaming time (~130 KB/us from L2) and its FMA time (one core: ~200 GFLOP/s fp32, ~350
   // bf16), measured on the default target's matrices; at::parallel_for splits only ranges longer than `grain`
   // blocks. The split is by whole blocks: a tile's sums never depend on the thread count.

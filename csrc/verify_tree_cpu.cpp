@@ -2,11 +2,11 @@
 // and whose children are deterministic (no draft_probs), float32 logits.
 //
 // Why: plain decoding and greedy speculation verify every step, and the general native path (spec_kernels/
-// verify_tree.py) is ~30 torch ops of checks, argmax and walking: 0.1-0.7 ms a step at batch 1 on this CPU, against a
-// ~1 ms target forward. Here the walk reads one logits row per visited node (an AVX-512 argmax over V) and nothing
+// verify_tree.py) is ~30 torch ops of checks, argmax and walking: 10-70% of a default-target forward a step at batch 1
+// on a CPU. Here the walk reads one logits row per visited node (an AVX-512 argmax over V) and nothing
 // else.
 //
-// Semantics (DESIGN.md, "Greedy"): from the root, move to the first child (in node order) whose token is the target
+// Semantics (docs/ARCHITECTURE.md, verify_tree, "Greedy"): from the root, move to the first child (in node order) whose token is the target
 // argmax (the first maximum); where none matches, or at a leaf, emit the argmax. A visited row whose maximum is not
 // finite (a NaN anywhere, or an infinite maximum) is reported with num_accepted = 0 and left to the Python path,
 // which sanitises it; a row whose tree is malformed (a parent not -1 or below its node, a drafted token outside
@@ -127,8 +127,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tenso
   int64_t* ap = accepted.data_ptr<int64_t>();
   int64_t* op = output.data_ptr<int64_t>();
   int64_t* cp = counts.data_ptr<int64_t>();
-  // One row per task: a row walks at most T nodes, each one argmax over V (~1 us at V = 4096); threads only for
-  // batches worth waking a second thread for.
+  // One row per task: a row walks at most T nodes, each one argmax over V (one pass over the row); threads only
+  // for batches worth waking a second thread for.
   at::parallel_for(0, B, std::max<int64_t>(1, 8192 / std::max<int64_t>(V, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       int64_t* acc = ap + b * T;

@@ -2,7 +2,7 @@
 
 Glossary:
     alpha_b,j   probability that row b's drafted path survives depth j, given it survived depth j-1 (a chain has
-                one alpha per row: the geometric model of ../shared/DESIGN.md)
+                one alpha per row: the geometric model of docs/ARCHITECTURE.md)
     E_b(g)      expected tokens row b emits from one step drafted at depth g: 1 + sum_{d<=g} prod_{j<=d} alpha_b,j,
                 which for a chain is (1 - alpha^(g+1)) / (1 - alpha)
     G           the step's depth: the deepest row. Every row then pays for T = nodes_for_depth(G) target tokens,
@@ -13,7 +13,7 @@ Each step the controller scans G in 0..max_depth and, for each G, the number k o
 gain most), and keeps the pair maximising
     (sum of E over the k drafted rows + the B - k undrafted rows) / (t_draft(G, k) + t_target(B * T(G))).
 G = 0 turns the drafter off for the step: plain decoding. The scan is (max_depth + 1) * (B + 1) numbers: ~1e3 at
-max_depth 16 and B 64, ~100 us of Python at that size (~10 us at B = 1), and no forward pass.
+max_depth 16 and B 64, a small fraction of a step in Python, and no forward pass.
 
 Estimates, all online and free:
 - acceptance: per request and depth, exponentially forgotten counts (``DECAY`` per drafted step of the row) of the
@@ -45,7 +45,7 @@ Estimates, all online and free:
 - plain rate: the rate drafting must beat is priced from measured plain steps (their lowest ratio to the target
   model, against today's fit), not from the line alone: a drafted step carries fixed costs a plain one does not
   (two compactions, the drafter's commit, its catch-up), so a line fit mostly through drafted steps over-prices
-  plain decoding (default pair, bf16: 0.585 ms predicted, 0.465 measured) and drafts that lose looked as if they
+  plain decoding (by about a quarter on the default pair in bf16) and drafts that lose looked as if they
   paid. While drafting, a plain chain runs every ``PLAIN_PROBE_INTERVAL`` steps to keep measuring (~1-3% of the gain).
 
 Margin: a step drafts only if it promises ``MIN_GAIN + TAIL_MARGIN * (1 - 1/B)`` times plain decoding's rate
@@ -76,8 +76,8 @@ costs ~1.45 plain tokens), so a due row is probed only where its expected gain e
 tokens, times the recent probes' success rate. Unpriced, every held-out request paid a probe that never paid back
 (0.85-0.96x plain decoding per prompt there); a long request, a cheap catch-up or a run of successful probes still
 buys one. A request's first drafted step (its whole prompt to catch up) is priced the same way, at the rate its
-evidence promises without the optimism bonus: the bonus buys evidence where the cache is current, not a ~3 ms
-catch-up at alpha ~0.45, where depth 1 breaks even on that CPU.
+evidence promises without the optimism bonus: the bonus buys evidence where the cache is current, not a whole
+prompt's catch-up at alpha ~0.45, where depth 1 only breaks even on a CPU.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ PLAIN_PROBE_INTERVAL = 64  # while drafting, a plain chain (16 steps) starts eve
 PLAIN_PROBE_PHASE = 8  # ... the first of them at this step (apart from the undrafted rows' probes)
 PLAIN_SAMPLES = 64  # plain steps whose measured / modelled cost ratio sets the plain rate (their lowest): the
 # steady chains of a plain stretch, not only the last two probe chains (which run right after drafted steps and
-# cost ~1.5x a steady chain's steps on a 2-core AVX2 CPU in bfloat16: 1.0 against 0.68 ms)
+# cost ~1.5x a steady chain's steps on a 2-core AVX2 CPU in bfloat16)
 SURE_TRIALS = 8  # drafted tokens of a request after which a native call keeps its depth through rejections
 
 
@@ -212,13 +212,13 @@ class WidthTable:
     """Measured target-pass seconds per verify width (B * T tokens): the line's convexity correction.
 
     On a CPU whose small-M matmuls turn compute-bound past a few rows (AVX2, bfloat16 widened in registers) a pass
-    costs ~0.9 ms at 2 tokens, 1.2 at 3, 1.4 at 4 and ~2.3 at 9 (default target; plain 0.6-0.7): a line fit through
+    costs ~1.4x a plain step at 2 tokens, ~2x at 4 and ~3.5x at 9 (default target, bench/RESULTS.md): a line fit through
     the depths a request used over-prices the middle ones by ~30%, and a draft at alpha 0.8 that pays at depth 2-3
     looked not to. Each width keeps its last ``TABLE_SAMPLES`` steps and is priced by the cheapest (as plain steps
     are, ``plain_cost``: other jobs on the machine and cold caches only slow a step, and a few slow first steps of a
-    request, right after another engine ran, had priced depth 1 at 1.85 ms for good, so that a draft at alpha 0.98
-    went undrafted for a whole request); a width not measured is priced by the line, but never above the straight
-    interpolation between its measured neighbours (a convex cost lies below its chords)."""
+    request, right after another engine ran, had priced depth 1 at ~3x a plain step for good, so that a draft at
+    alpha 0.98 went undrafted for a whole request); a width not measured is priced by the line, but never above the
+    straight interpolation between its measured neighbours (a convex cost lies below its chords)."""
 
     def __init__(self):
         self.samples: dict[int, list[float]] = {}  # width -> its last TABLE_SAMPLES target-pass seconds
@@ -332,8 +332,8 @@ class AdaptiveController:
         """Whether some row has judged fewer than ``SURE_TRIALS`` drafted tokens: a native call of several steps
         (``Engine._spec_chain``) then ends at the first step where a row accepted nothing, so a new request's guess
         (the recent requests' rate) costs one step when its draft turns out useless. Past that the call keeps its
-        depth through rejections: ending it there cost ~0.4 ms of per-call work per step at alpha ~0.4 (default
-        pair, float32), more than the steps a stale depth wastes. A probe is unsure too: it is one trial of a row
+        depth through rejections: ending it there paid the per-call work at almost every step at alpha ~0.4, more
+        than the steps a stale depth wastes. A probe is unsure too: it is one trial of a row
         that was off, and a 16-step call at depth 1 on a draft at alpha ~0.2 ('def fibonacci(n):') cost a fresh
         engine ~15% of a 128-token request, twice."""
         return any(self.state(r).acceptance.num_trials < SURE_TRIALS or self.state(r).probing for r in reqs)
@@ -342,9 +342,9 @@ class AdaptiveController:
         """Seconds of a drafted step's target pass over ``width`` = B * T tokens: the line, corrected by the widths
         measured (WidthTable; plain steps are measured passes over B tokens too, so the chord from them bounds the
         widths between them and a drafted one: a fresh engine's line through its first, deep steps priced depth 1 at
-        1.7 ms where plain steps took 0.55 and depth 8 2.6, and a draft at alpha 0.98 went undrafted for a whole
-        request), and never below a measured plain step of at most that many rows (verifying more tokens never
-        costs less: a line through one deep step priced depth 1 at 0.68x a measured plain step)."""
+        ~3x a plain step, two thirds of depth 8, and a draft at alpha 0.98 went undrafted for a whole request),
+        and never below a measured plain step of at most that many rows (verifying more tokens never costs less: a
+        line through one deep step priced depth 1 at 0.68x a measured plain step)."""
         memo = self._memo.get(("target", width))
         if memo is not None:
             return memo
@@ -369,12 +369,11 @@ class AdaptiveController:
 
         The model ``a + b * tokens`` is fit on every step, and a drafted step carries fixed costs a plain one does not
         (compacting two caches, the drafter's commit, its catch-up): a line through mostly drafted steps over-prices
-        plain decoding (default pair, bf16: 0.585 ms predicted, 0.465 measured), which made drafts that do not pay
-        look as if they did. So the rate to beat comes from measured plain steps (a full chain of PLAIN_CHAIN steps per
-        PLAIN_PROBE_INTERVAL while drafting), the cheapest of the last PLAIN_SAMPLES: noise only slows a step,
-        and a chain right after drafted steps costs more per step than the chains that run when nothing drafts
-        (default pair, float32: 0.83-0.96 against 0.74 ms for 4-step probe chains), which is the rate drafting must
-        beat. Priced from the probes alone, a draft at alpha 0.25 looked worth drafting and lost 10%."""
+        plain decoding, which made drafts that do not pay look as if they did. So the rate to beat comes from
+        measured plain steps (a full chain of ``EngineConfig.plain_chain`` steps per PLAIN_PROBE_INTERVAL while
+        drafting), the cheapest of the last PLAIN_SAMPLES: noise only slows a step, and a chain right after drafted
+        steps costs more per step than the chains that run when nothing drafts, which is the rate drafting must
+        beat. Priced from short probe chains alone, weak drafts looked worth drafting and lost (bench/RESULTS.md)."""
         memo = self._memo.get(("plain", B))
         if memo is None:
             self._memo["plain", B] = memo = self._plain_cost(B)
@@ -384,8 +383,8 @@ class AdaptiveController:
         modelled = self.target_cost.predict(1.0, B / TOKENS_REF)
         # never above a measured target pass over as many tokens or more (a plain step verifies the fewest): before
         # plain steps are measured the line's intercept alone priced them, and on a 2-core AVX2 CPU a fresh engine's
-        # line (through its first, deep steps) put plain decoding at 1.8 ms a token where depth-1 passes measured
-        # 0.9: a draft at alpha 0.45 then looked worth drafting and ran at ~0.6x plain decoding's speed
+        # line (through its first, deep steps) put plain decoding at twice a measured depth-1 pass: a draft at alpha
+        # 0.45 then looked worth drafting and ran at ~0.6x plain decoding's speed
         wider = min((t for w, t in self.target_widths.prices.items() if w >= B), default=float("inf"))
         if not self._plain_steps:
             return min(modelled, wider)
@@ -456,12 +455,12 @@ class AdaptiveController:
         """Whether drafting ``req`` is worth its price: the time drafting at ``rate`` (the batch's tokens/s) saves
         against plain decoding over the row's remaining tokens, times the ``chance`` that its draft is that good,
         against what drafting it costs up front: the draft's catch-up on every token its cache lacks (a new
-        request's whole prompt; for a probe, the undrafted steps too: ~130 draft tokens, ~3 ms, on the default pair
-        in bfloat16 on a 2-core AVX2 CPU, a tenth of a 64-token request's time) plus one drafted step's excess over a
+        request's whole prompt; for a probe, the undrafted steps too: on the default pair in bfloat16 on a 2-core
+        AVX2 CPU about a tenth of a 64-token request's time) plus one drafted step's excess over a
         plain one. A row whose cache is current (a lag of a token or two, the steps' own) pays nothing up front.
         For a probe ``rate`` is a draft as good as ``PROBE_ALPHA``'s and ``chance`` the probes' success rate
         (``probe_success``); for a choice, the rate at the row's acceptance without the optimism bonus (the bonus
-        buys evidence on a current cache; ~3 ms of catch-up on it drafted held-out requests at alpha ~0.45 where
+        buys evidence on a current cache; a prompt's catch-up on it drafted held-out requests at alpha ~0.45 where
         depth 1 breaks even) and 1. Unpriced, every held-out request paid a
         probe, and most a first drafted step, that never paid back (0.85-0.96x plain decoding per prompt there)."""
         lag = self.cache_lag(req)
@@ -484,7 +483,7 @@ class AdaptiveController:
                 step_seconds: float, steps: int = 1) -> None:  # fmt: skip
         """Learn from one step: ``num_accepted`` as verify_tree's (the root included), the step's wall times.
         ``steps`` > 1: that many plain steps of ``step_seconds`` each (a native chain's), observed in one call (one
-        call per step cost ~7 us each in the engine, ~1.5% of a bfloat16 token here).
+        call per step cost ~1.5% of a bfloat16 token of the default pair).
 
         Steps are counted here, not per ``choose``: a native call runs several steps on one choice (up to 16 plain
         steps per chain), and a count of choices made undrafted requests of 64 tokens wait longer than their life for a

@@ -6,6 +6,9 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
+
+from spec_engine.llm import build_llm
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -34,38 +37,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks the target is sharded over (CPU: gloo, CUDA: NCCL, one GPU each)")  # fmt: skip
-
-
-def build_llm(args: argparse.Namespace, *, speculate: bool = True):
-    from spec_engine import LLM, default_model_paths
-    from spec_engine.zoo import MODELS_DIR
-
-    model, draft = args.model, args.draft
-    if model is None:
-        model, default_draft = default_model_paths()
-        draft = draft or (str(MODELS_DIR / "eagle") if args.method == "eagle" else default_draft)
-    method = args.method or ("draft_model" if draft else "none")
-    spec = None
-    if speculate and method != "none":
-        spec = {"method": method}
-        if method in ("draft_model", "eagle"):
-            if not draft:
-                raise SystemExit(f"error: --method {method} needs --draft DIR")
-            spec["model"] = draft
-        if args.num_speculative_tokens is not None:
-            spec["num_speculative_tokens"] = args.num_speculative_tokens
-        if args.draft_vocab_size is not None:
-            spec["draft_vocab_size"] = args.draft_vocab_size
-        if args.draft_dtype is not None:
-            spec["draft_dtype"] = args.draft_dtype
-        if args.tree:
-            try:
-                spec["tree"] = [int(x) for x in args.tree.split(",")]
-            except ValueError:
-                raise SystemExit(f"error: --tree must be comma-separated ints, got {args.tree!r}") from None
-    return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
-               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
 
 
 def stats_line(out, elapsed: float) -> str:
@@ -170,8 +141,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from spec_engine.benchmark import main as bench_main
-
+    # The harness lives in the repository's bench/ package, beside spec_engine/ in a source checkout; a wheel
+    # ships neither it nor its dependencies (HF transformers, matplotlib).
+    root = str(Path(__file__).resolve().parents[1])
+    if (Path(root) / "bench" / "bench_e2e.py").is_file() and root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        from bench.bench_e2e import main as bench_main
+    except ImportError as e:
+        print(f"error: specdec bench needs a source checkout of specdec (its bench/ package): {e}", file=sys.stderr)
+        return 2
     return bench_main(args.bench_args)
 
 

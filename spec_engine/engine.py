@@ -1,4 +1,4 @@
-"""The engine: a scheduler around one speculative step (``Engine._spec_step``, the loop of ../shared/DESIGN.md).
+"""The engine: a scheduler around one speculative step (``Engine._spec_step``, the loop of docs/ARCHITECTURE.md).
 
 Each ``Engine.step()``:
 1. admits waiting requests while batch slots and KV blocks allow (a request reserves every block it can need);
@@ -35,23 +35,35 @@ from spec_kernels.decoder_layers import NATIVE_DTYPES, spec_chain
 from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
-PLAIN_CHAIN = 16  # plain greedy steps per native chain (Engine._plain_chain_len); 1 turns chains off
-SPEC_CHAIN_STEPS = 16  # greedy speculative steps per native call (Engine._spec_chain_steps); 0 turns it off
-UNSURE_CHAIN_STEPS = 4  # ... while the adaptive controller is unsure of a row (AdaptiveController.unsure)
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's knobs. The defaults are the engine's own choice; tests and benchmarks pass others
+    (``LLM(..., engine_config=EngineConfig(plain_chain=1))``) instead of patching module globals.
+
+    plain_chain : plain greedy steps per native chain (``Engine._plain_chain_len``); 1 turns chains off.
+    spec_chain_steps : greedy speculative steps per native call (``Engine._spec_chain_steps``); 0 turns it off.
+    unsure_chain_steps : the same while the adaptive controller is unsure of a row (``AdaptiveController.unsure``).
+    """
+
+    plain_chain: int = 16
+    spec_chain_steps: int = 16
+    unsure_chain_steps: int = 4
 
 
 def chain_step_costs(times: list[list[float]], wall: float, steps: int) -> list[tuple[float, float]]:
     """(draft, whole step) seconds of each step a native call ran, as the adaptive controller prices them: ``times``
     the call's native [draft, step] seconds per step run, ``wall`` the call's wall time, ``steps`` the steps of a
-    full call (SPEC_CHAIN_STEPS; PLAIN_CHAIN for plain chains).
+    full call (``EngineConfig.spec_chain_steps``; ``plain_chain`` for plain chains).
 
     Each step carries a share of the call's own work (inputs, dispatch, committing) as a full call would spread it:
     the controller compares drafting and plain decoding as they run when it commits to one (16-step speculative
     calls, 16-step plain chains). Charged to the steps run instead, the short calls of exploring priced both wrong: a
-    one-step probe call (~0.25 ms of Python against a ~0.36 ms step, bfloat16) made drafting look 1.6x a plain
-    token where full calls cost ~1.2x, and the 4-step plain probe chains between drafted steps (0.44 ms per token
-    against 0.25 in full chains) made drafts at alpha 0.45 look 1.5x faster than plain decoding at depth 2."""
+    one-step probe call (its Python comparable to the step itself) made drafting look 1.6x a plain token where full
+    calls cost ~1.2x, and the 4-step plain probe chains between drafted steps (~1.8x a full chain's cost per token)
+    made drafts at alpha 0.45 look 1.5x faster than plain decoding at depth 2."""
     share = max(wall - sum(t[1] for t in times), 0.0) / max(steps, 1)
     return [(t[0], t[1] + share) for t in times]
 
@@ -206,11 +218,13 @@ class Engine:
         prefill_chunk: int = 512,
         eos_token_ids: list[int] | None = None,
         adaptive: bool = False,
+        config: EngineConfig | None = None,
     ):
         if getattr(target, "vocab_map", None) is not None:
             raise ValueError("the target's vocabulary cannot be restricted (restrict_vocab is for drafts): its logits "
                              "are the output")  # fmt: skip
         self.target, self.kv, self.allocator, self.drafter = target, kv, allocator, drafter
+        self.config = config or EngineConfig()  # replaceable between generate calls: a step reads it as it starts
         self.device = kv.data.device
         self.gamma = num_speculative_tokens if drafter is not None else 0
         self.max_model_len = max_model_len
@@ -222,7 +236,9 @@ class Engine:
         self.running: list[Request] = []
         self.rows = RequestRows(max_num_seqs, allocator.blocks_for(max_model_len + self.max_tree_nodes()))
         self._ids = itertools.count()
-        self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0}
+        # num_regular_steps: decode steps taken by the regular (Python) step, not a native call
+        self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0,
+                      "num_regular_steps": 0}  # fmt: skip
         self.accepted_hist = [0] * (self.gamma + 1)
         self.gamma_history: deque[int] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode step: the deepest row's depth
         self.gamma_hist = [0] * (self.gamma + 1)  # [g] = rows drafted at depth g, over all steps
@@ -427,8 +443,8 @@ class Engine:
         if max(gammas) == 0:
             # (the controller's plain probe between drafted steps too runs a full chain: the rate it measures is the
             # one drafting must beat, and 4-step probe chains right after drafted steps cost ~1.35x a full chain's
-            # steps, 0.99 against 0.73 ms per token in bfloat16 on a 2-core AVX2 CPU, which kept drafts at alpha
-            # ~0.45 drafted at ~0.85x plain decoding's speed)
+            # steps in bfloat16 on a 2-core AVX2 CPU, which kept drafts at alpha ~0.45 drafted at ~0.85x plain
+            # decoding's speed)
             chain = self._plain_chain_len(reqs)
             outputs = self._plain_chain(reqs, chain) if chain else None
         else:
@@ -436,6 +452,7 @@ class Engine:
             outputs = self._spec_chain(reqs, gammas[0], steps) if steps else None
         if outputs is not None:
             return outputs
+        self.stats["num_regular_steps"] += 1
         batch, sampling = self._step_inputs(reqs, gammas)
         out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling)
         if self.controller is not None:
@@ -450,20 +467,20 @@ class Engine:
 
         Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter or none this step (the adaptive
         controller drafts no row; a drafter that reads the target's features must see every step, so never with
-        one of those), all rows greedy and nothing waiting for a slot, the target runs up to PLAIN_CHAIN forwards in
-        one C++ call (``greedy_steps``), so the step's Python and dispatch (~0.3 ms on a 2-core AVX2 CPU, where a
-        bfloat16 forward costs ~0.42) is paid once per chain: 16 tokens a call decode ~6% faster than 8 there, 32
-        ~9%. Same forwards, same kernels, same tokens (tests/test_native_steps.py); the call ends at a row's stop
-        token, so a long chain wastes no forward at a request's end; output arrives up to PLAIN_CHAIN tokens at a
-        time, and a new request waits at most one chain (~7 ms at batch 1 there) before it is admitted. A chain of
-        one (a row's last token) still saves the regular step's Python."""
-        if PLAIN_CHAIN < 2 or (self.drafter is not None and self.drafter.needs_hidden) or self.waiting:
+        one of those), all rows greedy and nothing waiting for a slot, the target runs up to ``config.plain_chain``
+        forwards in one C++ call (``greedy_steps``), so the step's Python and dispatch, comparable to a small
+        model's whole forward, is paid once per chain (longer chains decode faster, with diminishing returns:
+        bench/RESULTS.md). Same forwards, same kernels, same tokens (tests/test_native_steps.py); the call ends at a
+        row's stop token, so a long chain wastes no forward at a request's end; output arrives up to
+        ``plain_chain`` tokens at a time, and a new request waits at most one chain before it is admitted. A chain
+        of one (a row's last token) still saves the regular step's Python."""
+        if self.config.plain_chain < 2 or (self.drafter is not None and self.drafter.needs_hidden) or self.waiting:
             return 0
         if self.device.type != "cpu" or not all(r.params.greedy for r in reqs) or self.target.chain_parts() is None:
             return 0  # (no chain_parts: no native path, which _plain_chain would find only after the roots' forward)
         if self.kv.data.dtype not in NATIVE_DTYPES:
             return 0
-        return min(PLAIN_CHAIN, min(r.tokens_left for r in reqs))
+        return min(self.config.plain_chain, min(r.tokens_left for r in reqs))
 
     def _plain_chain(self, reqs: list[Request], K: int) -> list[StepOutput] | None:
         """``K`` plain greedy steps for every row in one native call (``greedy_steps``: the roots at L_b, then
@@ -491,7 +508,9 @@ class Engine:
         kept = max(len(out.new_token_ids) for out in outputs)  # the steps one-token steps would have run
         self.gamma_history.extend([0] * kept)
         if self.controller is not None:  # plain steps, priced as drafted ones are (chain_step_costs)
-            (_, per_step), *_ = chain_step_costs([[0.0, forwards / K]] * K, time.perf_counter() - start, PLAIN_CHAIN)
+            (_, per_step), *_ = chain_step_costs(
+                [[0.0, forwards / K]] * K, time.perf_counter() - start, self.config.plain_chain
+            )
             self.controller.observe(reqs, [0] * len(reqs), [1] * len(reqs), 0.0, per_step, steps=kept)
         return outputs
 
@@ -499,14 +518,16 @@ class Engine:
         """Greedy speculative steps the coming step runs in one native call (0: the regular step).
 
         Where a draft model proposes chains for greedy rows, all at one depth g, with nothing waiting and the draft
-        caches' gaps (their catch-up: a prompt and the tokens decoded before a row's first drafted step, under the
+        caches' lags (their catch-up: a prompt and the tokens decoded before a row's first drafted step, under the
         adaptive controller) at most a prefill chunk and within g of each other, the whole step (catch-up, chain,
-        target pass, acceptance) is C++ (``spec_chain``), and up to SPEC_CHAIN_STEPS of them run per call while
-        every row has g + 1 tokens of its max_tokens left (the C++ checks before each step). The call's Python
-        (~0.25 ms of inputs and committing, against a ~0.36 ms bfloat16 step here) is paid once per call; the
+        target pass, acceptance) is C++ (``spec_chain``), and up to ``config.spec_chain_steps`` of them run per
+        call while every row has g + 1 tokens of its max_tokens left (the C++ checks before each step). The call's
+        Python (inputs and committing, comparable to a whole step of the default pair) is paid once per call; the
         adaptive controller chooses g for the call and learns from each step."""
         g = gammas[0] if gammas else 0
-        if g == 0 or SPEC_CHAIN_STEPS < 1 or self.waiting or self.device.type != "cpu" or self.drafter is None:
+        if g == 0 or self.config.spec_chain_steps < 1 or self.waiting or self.device.type != "cpu":
+            return 0
+        if self.drafter is None:
             return 0
         if any(x != g for x in gammas) or not all(r.params.greedy for r in reqs):
             return 0
@@ -517,12 +538,13 @@ class Engine:
             return 0
         # steps run while every row has g + 1 tokens of budget left (spec_chain checks before each): a call near the
         # end of a request is not cut to the steps that fit at full acceptance, which split a 64-token request's
-        # last ~15 tokens over 3-4 calls of ~0.25 ms of Python each
+        # last ~15 tokens over 3-4 calls, each paying the call's Python
         if min(r.tokens_left for r in reqs) < g + 1:
             return 0
         # an unsure controller (a new request's first drafts) re-decides every few steps: at one 16-step call per
         # choice, a perfect draft's first choice (depth 1, on the recent requests' rate) ran 16 steps at depth 1
-        return UNSURE_CHAIN_STEPS if self.controller is not None and self.controller.unsure(reqs) else SPEC_CHAIN_STEPS
+        unsure = self.controller is not None and self.controller.unsure(reqs)
+        return self.config.unsure_chain_steps if unsure else self.config.spec_chain_steps
 
     def _spec_chain(self, reqs: list[Request], g: int, max_steps: int) -> list[StepOutput] | None:
         """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, committed step by
@@ -563,7 +585,7 @@ class Engine:
             self.gamma_history.append(g)
         ran = len(judged)
         if self.controller is not None and ran:
-            costs = chain_step_costs(times[:ran], time.perf_counter() - start, SPEC_CHAIN_STEPS)
+            costs = chain_step_costs(times[:ran], time.perf_counter() - start, self.config.spec_chain_steps)
             for (rows, counts), (draft_s, step_s) in zip(judged, costs):
                 self.controller.observe(rows, [g] * len(rows), counts, draft_s, step_s)
         if ran == 0:
@@ -578,7 +600,7 @@ class Engine:
         if self.controller is not None:
             return self.controller.choose(reqs)
         # a row's last tokens: drafts past max_tokens would be thrown away, and a step that no longer fits a full
-        # chain took the regular (Python) step, ~1 ms of a 64-token request's ~20 here; undrafted, it is a plain one
+        # chain took the regular (Python) step, ~5% of a 64-token request; undrafted, it is a plain one
         return [min(self.gamma, r.tokens_left - 1) for r in reqs]
 
     def _step_inputs(self, reqs: list[Request], gammas: list[int]) -> tuple[StepBatch, dict]:

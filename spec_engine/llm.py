@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from spec_engine.drafters.base import Drafter
 from spec_engine.drafters.draft_model import DraftModelDrafter, read_draft_vocab
 from spec_engine.drafters.eagle import EagleDrafter, load_eagle_head
 from spec_engine.drafters.ngram import NgramDrafter
-from spec_engine.engine import Engine, Request
+from spec_engine.engine import Engine, EngineConfig, Request
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
@@ -170,6 +171,7 @@ class LLM:
     tensor_parallel_size : ranks the target is sharded over (Megatron-style, ``spec_engine.distributed``): N - 1
         worker processes are spawned (one per CUDA device, or CPU ranks over gloo); the drafter and verification run
         here, on rank 0. ``close()`` stops the workers. ValueError when the heads or MLP width do not divide.
+    engine_config : the engine's knobs (``spec_engine.engine.EngineConfig``; native chain lengths); None: defaults.
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class LLM:
         block_size: int = 32,
         prefill_chunk: int = 512,
         tensor_parallel_size: int = 1,
+        engine_config: EngineConfig | None = None,
     ):
         tp = tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -283,6 +286,7 @@ class LLM:
             self.target, kv, self.allocator, drafter,
             num_speculative_tokens=gamma, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             prefill_chunk=prefill_chunk, eos_token_ids=cfg.eos_token_id, adaptive=bool(spec and spec["adaptive"]),
+            config=engine_config,
         )  # fmt: skip
 
     @property
@@ -424,3 +428,36 @@ class LLM:
             finished=req.finished,
             metrics=req.metrics.as_dict(len(ids)),
         )
+
+
+def build_llm(args: argparse.Namespace, *, speculate: bool = True) -> LLM:
+    """The ``LLM`` that the model options of ``specdec generate`` and ``specdec serve`` ask for
+    (``spec_engine.cli.add_model_args``); ``speculate=False`` drops the speculation (``--compare``'s baseline)."""
+    from spec_engine.zoo import MODELS_DIR, default_model_paths
+
+    model, draft = args.model, args.draft
+    if model is None:
+        model, default_draft = default_model_paths()
+        draft = draft or (str(MODELS_DIR / "eagle") if args.method == "eagle" else default_draft)
+    method = args.method or ("draft_model" if draft else "none")
+    spec = None
+    if speculate and method != "none":
+        spec = {"method": method}
+        if method in ("draft_model", "eagle"):
+            if not draft:
+                raise SystemExit(f"error: --method {method} needs --draft DIR")
+            spec["model"] = draft
+        if args.num_speculative_tokens is not None:
+            spec["num_speculative_tokens"] = args.num_speculative_tokens
+        if args.draft_vocab_size is not None:
+            spec["draft_vocab_size"] = args.draft_vocab_size
+        if args.draft_dtype is not None:
+            spec["draft_dtype"] = args.draft_dtype
+        if args.tree:
+            try:
+                spec["tree"] = [int(x) for x in args.tree.split(",")]
+            except ValueError:
+                raise SystemExit(f"error: --tree must be comma-separated ints, got {args.tree!r}") from None
+    return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip

@@ -2,9 +2,9 @@
 
 Why: every matmul of a forward is an OpenMP region, and a region ends only when all its threads have finished. When
 other processes keep the cores busy, one of our threads is often preempted and the region waits a scheduler slice
-for it: the default target's forward went from ~0.6 ms to ~125 ms with 2 threads on a 2-core machine running two
-other busy processes (``specdec generate`` at 14 tok/s), while 1 thread kept ~1 ms. On a quiet machine 2 threads
-are faster (plain decoding 1.4x in float32). Which is better depends on a load we cannot see, so we measure it.
+for it: on a 2-core machine running two other busy processes the default target's forward became two orders of
+magnitude slower with 2 threads, while 1 thread stayed near its quiet-machine time. On a quiet machine 2 threads
+are faster. Which is better depends on a load we cannot see, so we measure it.
 
 How: decode steps run with the current choice ("many": the caller's ``torch.get_num_threads()``, or "one"). A probe
 runs the next ``PROBE_STEPS`` steps with the other choice, and the tuner keeps whichever had the lower median step
@@ -16,10 +16,10 @@ median, or its first two steps both slower) ends early: on a quiet machine probi
 The engine applies the choice around the decode part of a step only and restores the caller's count after it, so
 nothing outside the step (the caller's own torch code, another engine) sees a changed setting.
 
-Measured (``specdec generate --prompt "import os" --max-tokens 250 --method none``, 2-core machine, bfloat16): with
-two other busy processes 13.7 tok/s before, 181-753 tok/s with the tuner (the busy processes' scheduling varies).
-Quiet machine, 8 alternating rounds of 200 tokens: 1690 tok/s with it, 1644 without (noise: probes lose after two
-steps and back off, ~0.5 us of bookkeeping a step).
+Measured with ``specdec generate --prompt "import os" --max-tokens 250 --method none`` (figures: bench/RESULTS-log.md,
+2026-11-23 "decode threads by measurement"): on busy cores the tuner recovers one to two orders of magnitude; on
+a quiet machine it costs nothing measurable (probes lose after two steps and back off, and its bookkeeping is a few
+comparisons a step).
 """
 
 from __future__ import annotations

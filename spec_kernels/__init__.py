@@ -2,7 +2,7 @@
 ``decoder_layers``).
 
 Glossary: a *tree* is one step's proposal for one sequence, T nodes in topological order with node 0
-the root (the last emitted token). See ../shared/DESIGN.md for the contracts.
+the root (the last emitted token). See docs/ARCHITECTURE.md for the contracts.
 
 Importing this package never compiles anything; the C++ extension is built on first use.
 """

@@ -81,7 +81,7 @@ def resolve_backend(op: str, backend: str | None, device: torch.device, *, has_t
     if backend == "triton":
         if not has_triton:
             raise ValueError(
-                f"{op}: there is no Triton backend (the op is C++/CUDA, see DESIGN.md); use backend=None, "
+                f"{op}: there is no Triton backend (the op is C++/CUDA, see docs/ARCHITECTURE.md); use backend=None, "
                 "'native' or 'torch'"
             )
         if not triton_available():

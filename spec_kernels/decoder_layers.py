@@ -4,7 +4,7 @@ Glossary: B sequences, T new tokens each (tree nodes, a chain, one decode token 
 size, Hq / Hkv query / KV heads of D elements, L_b the committed length of sequence b.
 
 Why one op: at the sizes where a CPU serves (the default target: 8 layers, H = 320) a forward is ~250 small torch
-ops, and their dispatch, not the arithmetic, is the cost: 3.5-4 ms per decode step against ~0.7 ms for the matmuls.
+ops, and their dispatch, not the arithmetic, is the cost: about 5x what the matmuls take per decode step.
 The native backend (``csrc/decoder_layers_cpu.cpp``) runs every layer in one C++ call: the small-M linear kernel for
 the four matmuls of a layer, and plain loops over rows for RMSNorm, RoPE, the KV write, tree attention and SiLU.
 It is batch-invariant like ``linear``: a tree node's hidden state is bitwise plain decoding's of the same tokens.
@@ -36,7 +36,7 @@ _FLAT: dict[int, tuple[list, list, torch.dtype | None]] = {}  # id(weights) -> (
 def _flat_weights(weights: list) -> tuple[list[torch.Tensor], torch.dtype | None]:
     """The C++ op's list for a model's layer weights (a missing optional one as an empty tensor) and their one
     dtype (None if they mix), kept per list: a model's ``layer_weights`` list is built once at ``fuse``, and
-    rebuilding and checking its ~90 entries on every native call cost ~0.1 ms of a ~1 ms speculative step."""
+    rebuilding and checking its ~90 entries on every native call cost ~10% of a speculative step."""
     hit = _FLAT.get(id(weights))
     if hit is None or hit[0] is not weights or (hit[2] is not None and hit[1][0].dtype != hit[2]):
         dtypes = {w.dtype for w in weights if w is not None}

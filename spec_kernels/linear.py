@@ -6,15 +6,15 @@ K the reduction length.
 The native backend is a C++ kernel (``csrc/linear_cpu.cpp``, ``torch.ops.spec_kernels.linear``; AVX-512 fp32 and
 AVX512-BF16) built on first use by :mod:`spec_kernels._ext`. On this 2-core CPU, per matrix of the default pair, it
 is 1.9-5.7x faster than ``F.linear`` in bf16 and 1.8-4.5x in fp32 at M = 4-16; fp32 at M = 1 ranges from 0.7x (the
-[64, 192] v projection: ~1 us more fixed cost than MKL's gemv) to 1.9x (lm_head) (bench/bench_linear.py). It is
+[64, 192] v projection: more fixed cost than MKL's gemv) to 1.9x (lm_head) (bench/bench_linear.py). It is
 batch-invariant: each output element is reduced in one fixed order whatever M is, so ``linear(x)[i]`` is bitwise
 ``linear(x[i:i+1])[0]``, and a tree node's logits in a T-token verify pass equal plain decoding's bit for bit.
 
-Threads: the kernel uses ``torch.get_num_threads()`` OpenMP threads (a second one only for calls with >= ~5 us of
-work). On a machine with more runnable threads than cores, any two-thread OpenMP region (this kernel's, torch's own
-ops') can wait a scheduler slice for its second thread: the default target's 33 fp32 matmuls at M=1 ran ~1.3 ms
-per forward on a quiet stretch and ~270 ms during busy ones, against 1.5-6 ms with one thread throughout. Results
-never depend on the thread count.
+Threads: the kernel uses ``torch.get_num_threads()`` OpenMP threads (a second one only for calls with enough work
+to repay the hand-off). On a machine with more runnable threads than cores, any two-thread OpenMP region (this
+kernel's, torch's own ops') can wait a scheduler slice for its second thread: the default target's fp32 matmuls at
+M=1 ran two orders of magnitude slower during busy stretches, where one thread throughout stayed within a few times
+its quiet speed (spec_engine/threads.py chooses). Results never depend on the thread count.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from spec_kernels.reference import linear_ref
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 # backend=None takes the native kernel up to this M: every M in both dtypes, which makes every forward and every
 # logits call batch-invariant (a row's result never depends on how many rows share the call), prefill included; the
-# engine's seeded and greedy requests rely on it in any batch. float32 is also faster at every M (one layer's four
-# matmuls of the default target, 2 threads: M=65 513 vs 872 us for F.linear, M=128 999 vs 1495, M=512 3709 vs 5772);
-# bfloat16 costs more than torch's GEMM past ~64 rows (M=512 2036 vs 1341 us), which only prefill chunks reach.
+# engine's seeded and greedy requests rely on it in any batch. float32 is also faster than F.linear at every M (one
+# layer's four matmuls of the default target, 2 threads: 1.5-1.7x at M = 65..512); bfloat16 costs more than torch's
+# GEMM past ~64 rows (~1.5x at M = 512), which only prefill chunks reach.
 MAX_NATIVE_ROWS = {torch.float32: 1 << 62, torch.bfloat16: 1 << 62}
 
-_op = None  # the extension's direct entry of spec_kernels::linear, once loaded (1.2 us faster a call than torch.ops)
+_op = None  # the extension's direct entry of spec_kernels::linear, once loaded (skips torch.ops' boxed dispatch)
 
 
 def _native_op():
@@ -49,7 +49,7 @@ def _native_op():
 
 
 def _native_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether backend=None takes the native kernel: metadata only, ~0.5 us (a forward makes 57 calls).
+    """Whether backend=None takes the native kernel: metadata only, no tensor op (a forward makes 57 calls).
 
     A K mismatch or a 0-d x passes, and the kernel raises on it as F.linear would.
     """

@@ -241,8 +241,8 @@ def _all_greedy_plain(logits: torch.Tensor, tokens: torch.Tensor, parents: torch
 
 
 def _verify_greedy_native(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> VerifyResult | None:
-    """verify_tree of an all-greedy batch in one C++ call: 4 us at B=1, T=1, V=4096 against ~120 us through the
-    torch-op path (checks, argmax, walk). None when a row needs the general path: a non-finite maximum (which it
+    """verify_tree of an all-greedy batch in one C++ call, about 30x faster at B=1, T=1, V=4096 than the torch-op
+    path (checks, argmax, walk: ~30 ops). None when a row needs the general path: a non-finite maximum (which it
     sanitises) or a malformed tree or mismatched shapes (for which it raises the error)."""
     B, T, _ = logits.shape
     if tokens.shape != (B, T) or parents.shape != (B, T) or not (tokens.is_cpu and parents.is_cpu) or B * T == 0:
@@ -255,7 +255,7 @@ def _verify_greedy_native(logits: torch.Tensor, tokens: torch.Tensor, parents: t
 
 
 def _verify_root_greedy(logits: torch.Tensor) -> VerifyResult:
-    """Plain greedy decoding (every tree a lone root): the argmax, with no walk (a call at B=1: 195 -> 84 us)."""
+    """Plain greedy decoding (every tree a lone root): the argmax, with no walk (under half a call's cost at B=1)."""
     B = logits.shape[0]
     zeros = torch.zeros(B, 1, dtype=torch.int64, device=logits.device)  # [B, 1]
     return VerifyResult(

@@ -19,7 +19,8 @@ import torch
 from spec_kernels.compact_kv import compact_kv_
 from spec_kernels.reference import PAD_NODE, compact_kv_ref
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# a CUDA parametrisation: `pytest -m cuda` (bench/gpu.sh) selects it; skipped where there is no GPU
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32]
 ROW_SHAPES = [(2, 8), (80,), (3, 5)]  # [Hkv, D], [D]; 3*5*2 B = 30 B rows force the CUDA kernel's narrow loads
@@ -87,7 +88,7 @@ def _check_against_ref(cache, cache_seqlens, accepted, num_accepted, block_table
 
 
 def _naive(cache, cache_seqlens, accepted, num_accepted, block_table=None) -> torch.Tensor:
-    """The DESIGN.md definition, one row at a time."""
+    """The contract's definition (docs/ARCHITECTURE.md), one row at a time."""
     old, out = cache.clone(), cache.clone()
 
     def slot(b: int, pos: int) -> tuple[int, int]:

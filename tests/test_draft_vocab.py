@@ -19,6 +19,7 @@ from tiny_models import make_model, make_noisy_copy
 import spec_engine.engine as engine_mod
 from spec_engine import LLM, SamplingParams
 from spec_engine.drafters.draft_model import DRAFT_VOCAB_FILE, DraftModelDrafter, read_draft_vocab, write_draft_vocab
+from spec_engine.engine import EngineConfig
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], list(range(10, 40))]
 STEP_METRICS = ("num_steps", "num_drafted", "num_accepted", "accepted_length_hist")
@@ -39,8 +40,8 @@ def pair(tmp_path_factory):
     return target, draft, read_draft_vocab(draft, 96, None)
 
 
-def generate(llm: LLM, params: SamplingParams, steps: int, monkeypatch) -> list:
-    monkeypatch.setattr(engine_mod, "SPEC_CHAIN_STEPS", steps)
+def generate(llm: LLM, params: SamplingParams, steps: int) -> list:
+    llm.engine.config = EngineConfig(spec_chain_steps=steps)
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 
 
@@ -71,11 +72,11 @@ def test_greedy_tokens_and_drafts(pair, dtype, monkeypatch):
         return draft_
 
     monkeypatch.setattr(DraftModelDrafter, "propose", spy)
-    ref = generate(full, params, 0, monkeypatch)
+    ref = generate(full, params, 0)
     proposed.clear()
-    regular = generate(llm, params, 0, monkeypatch)
+    regular = generate(llm, params, 0)
     assert proposed and set(proposed) <= set(ids.tolist())  # every draft inside the reduced vocabulary
-    native = generate(llm, params, 4, monkeypatch)
+    native = generate(llm, params, 4)
     for a, b, c in zip(ref, regular, native):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
         assert {k: b.metrics[k] for k in STEP_METRICS} == {k: c.metrics[k] for k in STEP_METRICS}
@@ -89,14 +90,14 @@ def test_planted_bug_native_chain_without_the_id_map(pair, monkeypatch):
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
                                                "num_speculative_tokens": 3})  # fmt: skip
     params = SamplingParams(max_tokens=33, ignore_eos=True)
-    regular = generate(llm, params, 0, monkeypatch)
+    regular = generate(llm, params, 0)
     real = engine_mod.spec_chain
 
     def unmapped(t, d, *args, **kw):
         return real(t, (*d[:7], None), *args, **kw)
 
     monkeypatch.setattr(engine_mod, "spec_chain", unmapped)
-    native = generate(llm, params, 4, monkeypatch)
+    native = generate(llm, params, 4)
     assert [o.metrics["num_accepted"] for o in native] != [o.metrics["num_accepted"] for o in regular]
 
 

@@ -1,6 +1,7 @@
 """Tests of spec_kernels.linear: the native small-M CPU kernel against F.linear and a float64 reference.
 
-Tolerances are measured (STYLE.md 7): err(kernel) <= 2 * err(torch, same dtype) + ATOL[dtype], both against float64.
+Tolerances are measured (docs/ARCHITECTURE.md, conventions): err(kernel) <= 2 * err(torch, same dtype) + ATOL[dtype],
+both against float64.
 Batch invariance is exact: a row's output must not depend on M or on the other rows. The first native call JIT-builds
 the extension (~15-60 s once, then cached under ~/.cache/specdec).
 """

@@ -1,7 +1,7 @@
 """Steps in one native call.
 
-Plain chains: with no drafter (or none this step) and every row greedy, the engine runs up to PLAIN_CHAIN target
-forwards in one ``greedy_steps`` call. Speculative chains: a draft model's greedy chain steps, up to SPEC_CHAIN_STEPS
+Plain chains: with no drafter (or none this step) and every row greedy, the engine runs up to plain_chain target
+forwards in one ``greedy_steps`` call. Speculative chains: a draft model's greedy chain steps, up to spec_chain_steps
 per ``spec_chain`` call. Both must emit exactly the tokens of the regular steps, stop where they stop, count their
 steps as such (the speculative ones: the same drafts and acceptances), and hand non-finite logits to the regular
 step."""
@@ -14,6 +14,7 @@ from tiny_models import make_model, make_noisy_copy
 
 import spec_engine.engine as engine_mod
 from spec_engine import LLM, SamplingParams
+from spec_engine.engine import EngineConfig
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77], list(range(10, 40))]
 
@@ -28,8 +29,8 @@ def draft(target, tmp_path_factory):
     return make_noisy_copy(target, tmp_path_factory.mktemp("chain") / "draft", noise=0.05)
 
 
-def run(llm: LLM, params: SamplingParams, chain: int, monkeypatch) -> list:
-    monkeypatch.setattr(engine_mod, "PLAIN_CHAIN", chain)
+def run(llm: LLM, params: SamplingParams, chain: int) -> list:
+    llm.engine.config = EngineConfig(plain_chain=chain)
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 
 
@@ -49,9 +50,9 @@ def spy_chains(llm: LLM, monkeypatch) -> list[int]:
 def test_chain_emits_the_tokens_of_one_token_steps(target, dtype, monkeypatch):
     llm = LLM(str(target), dtype=dtype)
     params = SamplingParams(max_tokens=37, ignore_eos=True)  # not a multiple of the chain: the last one is shorter
-    ref = run(llm, params, 1, monkeypatch)
+    ref = run(llm, params, 1)
     chains = spy_chains(llm, monkeypatch)
-    got = run(llm, params, 8, monkeypatch)
+    got = run(llm, params, 8)
     assert chains and max(chains) == 8 and min(chains) < 8  # the chains ran, the last one cut to max_tokens
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -62,11 +63,11 @@ def test_chain_emits_the_tokens_of_one_token_steps(target, dtype, monkeypatch):
 
 def test_chain_stops_where_one_token_steps_stop(target, monkeypatch):
     llm = LLM(str(target))
-    free = run(llm, SamplingParams(max_tokens=30, ignore_eos=True), 1, monkeypatch)[0].outputs[0].token_ids
+    free = run(llm, SamplingParams(max_tokens=30, ignore_eos=True), 1)[0].outputs[0].token_ids
     stop = free[13]  # a token the first prompt emits mid-chain
     params = SamplingParams(max_tokens=30, stop_token_ids=[stop])
-    ref = run(llm, params, 1, monkeypatch)
-    got = run(llm, params, 8, monkeypatch)
+    ref = run(llm, params, 1)
+    got = run(llm, params, 8)
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
@@ -80,7 +81,7 @@ def test_a_chain_spends_no_forward_past_a_stop_token(target, monkeypatch):
     """greedy_steps ends its call at the first token that is some row's stop token: a long chain costs nothing at a
     request's end. A row that emits another row's stop token (a plain token for it) goes on in the next call."""
     llm = LLM(str(target))
-    free = run(llm, SamplingParams(max_tokens=30, ignore_eos=True), 1, monkeypatch)
+    free = run(llm, SamplingParams(max_tokens=30, ignore_eos=True), 1)
     a, b = (o.outputs[0].token_ids for o in free[:2])
     # a token the first prompt emits first at some step >= 3, after the second prompt's first use of it if any
     stop = next(t for i, t in enumerate(a) if i >= 3 and a.index(t) == i)
@@ -94,7 +95,7 @@ def test_a_chain_spends_no_forward_past_a_stop_token(target, monkeypatch):
         return out
 
     monkeypatch.setattr(llm.target, "greedy_steps", spy)
-    monkeypatch.setattr(engine_mod, "PLAIN_CHAIN", 16)
+    llm.engine.config = EngineConfig(plain_chain=16)
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == a[: a.index(stop) + 1] and got[0].outputs[0].finish_reason == "stop"
     assert got[1].outputs[0].token_ids == b  # the other row, all 30 of its tokens
@@ -107,9 +108,9 @@ def test_waiting_requests_take_one_token_steps(target, monkeypatch):
     those of one-token steps either way."""
     llm = LLM(str(target), max_num_seqs=2)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    ref = run(llm, params, 1, monkeypatch)
+    ref = run(llm, params, 1)
     chains = spy_chains(llm, monkeypatch)
-    got = run(llm, params, 8, monkeypatch)
+    got = run(llm, params, 8)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert chains  # once the queue is empty, the last rows chain
 
@@ -117,7 +118,7 @@ def test_waiting_requests_take_one_token_steps(target, monkeypatch):
 def test_sampled_rows_take_one_token_steps(target, monkeypatch):
     llm = LLM(str(target))
     chains = spy_chains(llm, monkeypatch)
-    run(llm, SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True), 8, monkeypatch)
+    run(llm, SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True), 8)
     assert chains == []
 
 
@@ -125,14 +126,14 @@ def test_planted_bug_chain_at_the_wrong_positions_is_caught(target, monkeypatch)
     """The parity check can fail: a chain that writes its K/V one position late changes the tokens."""
     llm = LLM(str(target))
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    ref = run(llm, params, 1, monkeypatch)
+    ref = run(llm, params, 1)
     real = llm.target.greedy_steps
 
     def shifted(roots, kv, seqlens, steps, table, **kw):
         return real(roots, kv, seqlens + 1, steps, table, **kw)
 
     monkeypatch.setattr(llm.target, "greedy_steps", shifted)
-    got = run(llm, params, 8, monkeypatch)
+    got = run(llm, params, 8)
     assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in ref]
 
 
@@ -143,9 +144,9 @@ def test_non_finite_logits_take_the_regular_step(target, monkeypatch):
     with torch.no_grad():
         llm.target.lm_head.weight[7].fill_(float("nan"))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    ref = run(llm, params, 1, monkeypatch)
+    ref = run(llm, params, 1)
     chains = spy_chains(llm, monkeypatch)
-    got = run(llm, params, 8, monkeypatch)
+    got = run(llm, params, 8)
     assert chains  # the chain ran, found the NaN and stepped aside
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -157,8 +158,8 @@ def test_non_finite_logits_take_the_regular_step(target, monkeypatch):
 STEP_METRICS = ("num_steps", "num_drafted", "num_accepted", "accepted_length_hist", "gamma_hist")
 
 
-def run_spec(llm: LLM, params: SamplingParams, steps: int, monkeypatch) -> list:
-    monkeypatch.setattr(engine_mod, "SPEC_CHAIN_STEPS", steps)
+def run_spec(llm: LLM, params: SamplingParams, steps: int) -> list:
+    llm.engine.config = EngineConfig(spec_chain_steps=steps)
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 
 
@@ -181,9 +182,9 @@ def test_spec_chain_runs_the_regular_steps(target, draft, dtype, monkeypatch):
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     llm = LLM(str(target), speculative_config=spec, dtype=dtype)
     params = SamplingParams(max_tokens=41, ignore_eos=True)
-    ref = run_spec(llm, params, 0, monkeypatch)
+    ref = run_spec(llm, params, 0)
     calls = spy_spec_chains(monkeypatch)
-    got = run_spec(llm, params, 4, monkeypatch)
+    got = run_spec(llm, params, 4)
     assert calls and max(calls) == 4  # the native calls ran, several steps each
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -196,12 +197,12 @@ def test_spec_chain_adaptive_and_stops(target, draft, monkeypatch):
     """The adaptive default: the tokens of plain decoding, and a stop token ends the row where it appears."""
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft)})
     plain = LLM(str(target))
-    free = run(plain, SamplingParams(max_tokens=30, ignore_eos=True), 1, monkeypatch)
+    free = run(plain, SamplingParams(max_tokens=30, ignore_eos=True), 1)
     stop = free[1].outputs[0].token_ids[17]
     params = SamplingParams(max_tokens=30, stop_token_ids=[stop, 2**63 - 1])  # an id no model emits is ignored
-    ref = run(plain, params, 1, monkeypatch)
+    ref = run(plain, params, 1)
     calls = spy_spec_chains(monkeypatch)
-    got = run_spec(llm, params, 4, monkeypatch)
+    got = run_spec(llm, params, 4)
     assert calls
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -215,18 +216,18 @@ def test_a_fixed_depths_last_tokens_take_no_regular_step(target, draft, max_toke
     tokens_left - 1; none for the last token, a plain native step) instead of a full chain through the regular
     (Python) step: every step is native, and the tokens are plain decoding's."""
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
-    llm = LLM(str(target), speculative_config=spec)
+    llm = LLM(str(target), speculative_config=spec, engine_config=EngineConfig(spec_chain_steps=4))
     plain = LLM(str(target))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     prompt = [{"prompt_token_ids": PROMPTS[3]}]
     ref = plain.generate(prompt, params, use_tqdm=False)
-    regular, real = [], llm.engine._spec_step
-    monkeypatch.setattr(llm.engine, "_spec_step", lambda *a: regular.append(1) or real(*a))
-    monkeypatch.setattr(engine_mod, "SPEC_CHAIN_STEPS", 4)
     (got,) = llm.generate(prompt, params, use_tqdm=False)
     assert got.outputs[0].token_ids == ref[0].outputs[0].token_ids
-    assert regular == [] and got.metrics["num_drafted"] > 0
+    assert llm.engine.stats["num_regular_steps"] == 0 and got.metrics["num_drafted"] > 0
     assert max(llm.engine.gamma_history) == 3 and min(llm.engine.gamma_history) < 3  # the tail drafted less
+    llm.engine.config = EngineConfig(spec_chain_steps=0)  # the counter counts: without native calls, every step
+    llm.generate(prompt, params, use_tqdm=False)
+    assert llm.engine.stats["num_regular_steps"] >= max_tokens // 4
 
 
 def test_spec_chain_planted_bug_is_caught(target, draft, monkeypatch):
@@ -234,14 +235,14 @@ def test_spec_chain_planted_bug_is_caught(target, draft, monkeypatch):
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     llm = LLM(str(target), speculative_config=spec)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    ref = run_spec(llm, params, 0, monkeypatch)
+    ref = run_spec(llm, params, 0)
     real = engine_mod.spec_chain
 
     def shifted(t, d, pending, pending_lens, seqlens, *args, **kw):
         return real(t, d, pending, pending_lens, seqlens + 1, *args, **kw)
 
     monkeypatch.setattr(engine_mod, "spec_chain", shifted)
-    got = run_spec(llm, params, 4, monkeypatch)
+    got = run_spec(llm, params, 4)
     assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in ref]
 
 
@@ -251,9 +252,9 @@ def test_spec_chain_non_finite_logits_take_the_regular_step(target, draft, monke
     with torch.no_grad():
         llm.target.lm_head.weight[7].fill_(float("nan"))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    ref = run_spec(llm, params, 0, monkeypatch)
+    ref = run_spec(llm, params, 0)
     calls = spy_spec_chains(monkeypatch)
-    got = run_spec(llm, params, 4, monkeypatch)
+    got = run_spec(llm, params, 4)
     assert calls and max(calls) == 0  # every call found the NaN and committed nothing
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -300,7 +301,7 @@ def test_native_catch_up_drafts_what_the_regular_catch_up_drafts(target, draft, 
     def accepted(steps: int) -> list:
         llm = LLM(str(target), speculative_config=spec)
         monkeypatch.setattr(llm.engine.controller, "choose", lambda reqs: [2] * len(reqs))
-        outs = run_spec_prompts(llm, prompts, params, steps, monkeypatch)
+        outs = run_spec_prompts(llm, prompts, params, steps)
         return [(o.metrics["num_accepted"], o.metrics["accepted_length_hist"]) for o in outs]
 
     regular = accepted(0)
@@ -314,8 +315,8 @@ def test_native_catch_up_drafts_what_the_regular_catch_up_drafts(target, draft, 
     assert accepted(4) != regular
 
 
-def run_spec_prompts(llm: LLM, prompts: list, params: SamplingParams, steps: int, monkeypatch) -> list:
-    monkeypatch.setattr(engine_mod, "SPEC_CHAIN_STEPS", steps)
+def run_spec_prompts(llm: LLM, prompts: list, params: SamplingParams, steps: int) -> list:
+    llm.engine.config = EngineConfig(spec_chain_steps=steps)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
@@ -338,7 +339,7 @@ def test_the_controllers_plain_probe_runs_a_full_chain(target, draft, monkeypatc
         chains.clear()
         llm.generate([{"prompt_token_ids": list(range(10, 40))}], SamplingParams(max_tokens=30, ignore_eos=True),
                      use_tqdm=False)  # fmt: skip
-        assert chains[0] == engine_mod.PLAIN_CHAIN, chains
+        assert chains[0] == llm.engine.config.plain_chain, chains
 
 
 def test_a_short_calls_overhead_is_spread_as_a_full_calls():
@@ -354,8 +355,8 @@ def test_a_short_calls_overhead_is_spread_as_a_full_calls():
 
 
 def test_an_unsure_controller_re_decides_every_few_steps(target, monkeypatch):
-    """A request's first drafted calls (fewer than SURE_TRIALS judged drafts) run at most UNSURE_CHAIN_STEPS steps,
-    later ones up to SPEC_CHAIN_STEPS: at one 16-step call per choice, a perfect draft's first choice (depth 1, from
+    """A request's first drafted calls (fewer than SURE_TRIALS judged drafts) run at most unsure_chain_steps steps,
+    later ones up to spec_chain_steps: at one 16-step call per choice, a perfect draft's first choice (depth 1, from
     the recent requests' rate) ran 16 steps at depth 1 before the controller could go deeper."""
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(target)})  # a perfect draft
     calls, real = [], engine_mod.spec_chain
@@ -370,8 +371,8 @@ def test_an_unsure_controller_re_decides_every_few_steps(target, monkeypatch):
     llm.generate([{"prompt_token_ids": PROMPTS[3]}], SamplingParams(max_tokens=120, ignore_eos=True), use_tqdm=False)
     unsure = [steps for steps, stop in calls if stop]
     sure = [steps for steps, stop in calls if not stop]
-    assert unsure and max(unsure) == engine_mod.UNSURE_CHAIN_STEPS
-    assert sure and max(sure) == engine_mod.SPEC_CHAIN_STEPS
+    assert unsure and max(unsure) == llm.engine.config.unsure_chain_steps
+    assert sure and max(sure) == llm.engine.config.spec_chain_steps
 
 
 def test_a_bfloat16_draft_under_a_float32_target(target, draft, monkeypatch):
@@ -384,9 +385,9 @@ def test_a_bfloat16_draft_under_a_float32_target(target, draft, monkeypatch):
     params = SamplingParams(max_tokens=41, ignore_eos=True)
     plain = LLM(str(target), dtype="float32").generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                                                        use_tqdm=False)  # fmt: skip
-    ref = run_spec(llm, params, 0, monkeypatch)
+    ref = run_spec(llm, params, 0)
     calls = spy_spec_chains(monkeypatch)
-    got = run_spec(llm, params, 4, monkeypatch)
+    got = run_spec(llm, params, 4)
     assert calls and max(calls) == 4  # native calls ran with a float32 target and a bfloat16 draft
     for a, b, c in zip(got, ref, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids

@@ -17,22 +17,19 @@ import contextlib
 import json
 import select
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 from tiny_models import make_model, make_tokenizer, serve_in_thread
 
 import spec_engine.engine
+from bench.load_server import run_soak
 from spec_engine import LLM, SamplingParams
+from spec_engine.engine import EngineConfig
 from spec_engine.server.app import MAX_JSON_DEPTH, create_app
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from load_server import run_soak  # noqa: E402
 
 CONTEXT = 512
 REQUEST_TIMEOUT = 1.0  # seconds; small so that the stall tests end fast
@@ -345,8 +342,7 @@ def test_a_faulty_request_fails_alone(server, monkeypatch):
     monkeypatch.setattr(spec_engine.engine, "verify_tree", faulty)
     # the fault sits in the regular step's verify: steps in one native call (no verify_tree) are turned off; they
     # fail under the same per-request isolation (Engine._isolated wraps the whole decode)
-    monkeypatch.setattr(spec_engine.engine, "PLAIN_CHAIN", 1)
-    monkeypatch.setattr(spec_engine.engine, "SPEC_CHAIN_STEPS", 0)
+    monkeypatch.setattr(engine.engine, "config", EngineConfig(plain_chain=1, spec_chain_steps=0))
 
     def post(ids, stream=False):
         body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "stream": stream}

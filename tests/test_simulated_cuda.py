@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_model
+from tiny_models import make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
 from spec_engine.engine import Engine
@@ -118,3 +118,20 @@ def test_a_device_read_in_a_meta_step_is_caught(models):
     llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
     outs = llm.engine.step()
     assert outs[0].request.finish_reason == "error" and "meta" in outs[0].request.error
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_real_gpu_speculates_losslessly(tmp_path):
+    """On a real GPU (bench/gpu.sh runs `pytest -m cuda`): greedy speculation, by a draft model and by n-grams, emits
+    plain decoding's tokens on the same device."""
+    target = make_model(tmp_path / "target", "llama_gqa", logit_scale=4.0)
+    draft = make_noisy_copy(target, tmp_path / "draft", noise=0.05)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77])]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = LLM(str(target), device="cuda", dtype="float32").generate(prompts, params, use_tqdm=False)
+    for spec in ({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}, {"method": "ngram"}):
+        llm = LLM(str(target), speculative_config=spec, device="cuda", dtype="float32")
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+        assert llm.engine.kv.data.device.type == "cuda"

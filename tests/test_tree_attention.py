@@ -1,4 +1,4 @@
-"""tree_attention: every backend against a float64 reference, with tolerances measured per STYLE.md.
+"""tree_attention: every backend against a float64 reference, with tolerances measured as docs/ARCHITECTURE.md says.
 
 A backend passes when ``err(backend) <= 2 * err(tree_attention_ref in the same dtype) + ATOL[dtype]``, both errors
 measured against ``tree_attention_ref`` run in float64.
@@ -26,7 +26,8 @@ tree_attention = ta.tree_attention
 ATOL = {torch.float32: 1e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# a CUDA parametrisation: `pytest -m cuda` (bench/gpu.sh) selects it; skipped where there is no GPU
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _interpreted() -> bool:
@@ -106,7 +107,8 @@ def make_inputs(
 
 
 def check_against_fp64(out: torch.Tensor, q, k, v, cache_seqlens, mask, block_table, scale=None) -> None:
-    """STYLE.md rule 7: ``err(out) <= 2 * err(same-dtype torch) + ATOL``, errors vs a float64 reference."""
+    """Measured tolerances (docs/ARCHITECTURE.md): ``err(out) <= 2 * err(same-dtype torch) + ATOL``, errors vs a
+    float64 reference."""
     exact = tree_attention_ref(
         q.double(), k.double(), v.double(), cache_seqlens, mask, block_table=block_table, softmax_scale=scale
     )

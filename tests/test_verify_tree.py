@@ -41,6 +41,8 @@ TRITON = pytest.mark.skipif(
     reason="spec_kernels was imported before TRITON_INTERPRET=1 was set (set it in conftest.py)",
 )
 BACKENDS = ["torch", "native", pytest.param("triton", marks=TRITON)]
+# a CUDA parametrisation: `pytest -m cuda` (bench/gpu.sh) selects it; skipped where there is no GPU
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 P_MIN = 1e-4  # chi2 acceptance: a correct sampler fails one test in 10^4
 P_BUG = 1e-8  # the planted bug must be rejected far beyond that
 
@@ -274,6 +276,23 @@ def _coupled_step(B: int, T: int, V: int, filters: dict, gen: torch.Generator):
     kwargs = dict(temperature=temperature, seed=torch.arange(B) + 100, noise_seeds=noise_seeds, positions=positions,
                   coupled=coupled, **filters)  # fmt: skip
     return logits, tokens, parents, kwargs
+
+
+@pytest.mark.parametrize("filt", [pytest.param(f, marks=CUDA) for f in ("none", "all")])
+@pytest.mark.parametrize("B,T,V", [(8, 26, 111), (4, 5, 32000), (1, 64, 151936)])
+def test_cuda_rows_match_the_cpu_reference(filt, B, T, V):
+    """On CUDA tensors the default backend (Triton) walks the reference's path token for token for greedy and
+    coupled rows, every per-row tensor on the device."""
+    gen = torch.Generator().manual_seed(B * T + V)
+    logits, tokens, parents, kwargs = _coupled_step(max(B, 4), T, V, COUPLING_FILTERS[filt], gen)
+    logits, tokens, parents = logits[:B], tokens[:B], parents[:B]
+    kwargs = {k: v[:B] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    ref = verify_tree(logits, tokens, parents, **kwargs, backend="torch")
+    on_gpu = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    res = verify_tree(logits.cuda(), tokens.cuda(), parents.cuda(), **on_gpu)
+    exact = kwargs["coupled"] | (kwargs["temperature"] == 0)
+    for a, b in zip(ref, res):
+        assert b.device.type == "cuda" and torch.equal(a[exact], b.cpu()[exact])
 
 
 @pytest.mark.parametrize("backend", ["native", pytest.param("triton", marks=TRITON)])

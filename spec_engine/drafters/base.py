@@ -1,6 +1,6 @@
 """The drafter interface: anything that proposes a token tree per sequence each step.
 
-Data flows one way (../shared/STYLE.md 14): the engine hands a drafter a ``StepBatch`` (device tensors plus a
+Data flows one way (docs/ARCHITECTURE.md): the engine hands a drafter a ``StepBatch`` (device tensors plus a
 read-only ``RowView`` per row), the drafter returns a ``Draft``; after verification the engine calls ``commit``, and
 the drafter returns the new lengths of its own cache, which the engine stores. A drafter keeps no per-request state
 and nothing between ``propose`` and ``commit``.

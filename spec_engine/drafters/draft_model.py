@@ -185,7 +185,7 @@ class DraftModelDrafter(Drafter):
         root = self._catch_up(batch)  # [B, H]
         logits = self.model.logits(root)[:, None]  # [B, 1, V]: q logits of level 0
         if all_greedy and self.tree.is_chain and batch.coupled is None:
-            # the whole chain in one native call: a level costs its weights, not ~100 us of per-level dispatch
+            # the whole chain in one native call: a level costs its weights, not a Python round of op dispatch
             chain = self.model.greedy_chain(logits[:, 0], self.kv.data, L, depth, batch.block_table)  # [B, depth]
             if chain is not None:
                 tokens[:, 1:] = chain

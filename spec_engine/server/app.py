@@ -486,7 +486,7 @@ def serve(args) -> int:
     """``specdec serve``: build the LLM from the model arguments and run uvicorn until interrupted."""
     import uvicorn
 
-    from spec_engine.cli import build_llm
+    from spec_engine.llm import build_llm
 
     llm = build_llm(args)
     name = args.served_model_name or (Path(args.model).name if args.model else "specdec-default")

@@ -32,7 +32,7 @@ log = logging.getLogger("spec_engine.server")
 
 REPLACEMENT_CHAR = "\ufffd"  # what a byte-level decoder shows for a cut multi-byte character
 # Texts at least this long are tokenised in a worker thread with ``encode_batch``, which releases the GIL (``encode``
-# holds it: a 1,000,000-character prompt froze the event loop for ~1 s; off the loop, its longest pause was 6 ms).
+# holds it: a megabyte prompt froze the event loop for as long as it took to encode; off the loop, it does not).
 LONG_TEXT = 8192
 
 
