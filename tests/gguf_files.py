@@ -25,6 +25,8 @@ LAYER_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -79,6 +81,9 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
     w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    if arch == "qwen3":  # its heads are not hidden / heads wide
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer is not None:
         w.add_tokenizer_model("gpt2")

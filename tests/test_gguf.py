@@ -82,10 +82,12 @@ def test_config_from_metadata(hf_dir, tmp_path):
     assert got == want
 
 
-def test_qwen2_tied_with_biases(tmp_path):
-    hf = make_model(tmp_path / "qwen", "qwen2_tied", vocab_size=96, hidden=64, layers=2)
-    model = load_model(write_gguf(tmp_path / "m.gguf", hf, "Q8_0", arch="qwen2"))
-    assert model.config.tie_word_embeddings and model.config.attention_bias
+@pytest.mark.parametrize("arch,hf_arch", [("qwen2", "qwen2_tied"), ("qwen3", "qwen3")])
+def test_qwen_architectures(tmp_path, arch, hf_arch):
+    """Qwen2 (q/k/v biases, tied embeddings) and Qwen3 (q/k norms, wider heads): no Q/K permutation in their files."""
+    hf = make_model(tmp_path / "qwen", hf_arch, vocab_size=96, hidden=64, layers=2)
+    model = load_model(write_gguf(tmp_path / "m.gguf", hf, "Q8_0", arch=arch))
+    assert asdict(model.config) == {**asdict(ModelConfig.from_dir(hf)), "rms_norm_eps": model.config.rms_norm_eps}
     ids = torch.randint(0, 96, (1, 9))
     assert torch.equal(model.forward_train(ids), _reference(hf, "Q8_0").forward_train(ids))
 
