@@ -13,11 +13,9 @@ import torch
 from scipy.stats import chisquare
 from tiny_models import make_model
 
-import spec_engine.drafters.suffix as suffix_module
 from spec_engine import LLM, SamplingParams, default_model_paths
-from spec_engine.drafters.suffix import NativeSuffixTree
+from spec_engine.drafters.suffix import NativeSuffixTree, SuffixDrafter
 from spec_engine.drafters.suffix_ref import SuffixCache, SuffixTreeRef
-from spec_engine.tree import tree_mask_and_depths
 
 TREES = {"reference": SuffixTreeRef, "native": NativeSuffixTree}
 
@@ -223,16 +221,20 @@ def exact_joint(target, prompt: list[int]) -> np.ndarray:
     return np.concatenate([p1[a] * dist(prompt + [a]) for a in range(V)])
 
 
-def sample_joint(llm: LLM, prompts: list[list[int]], count: list[int]) -> np.ndarray:
-    """Counts [V * V] of the first two tokens of the requests for ``prompts`` whose index is in ``count``, all
-    served in one batch (seeded; rejection sampling, not the coupling). Three tokens each: depth 2 drafts."""
+def sample(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """The output tokens of seeded requests for ``prompts``, all served in one batch (rejection sampling, not the
+    coupling). Three tokens each: the first step may draft two deep."""
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=1000 + i, invariant=False)
               for i in range(len(prompts))]  # fmt: skip
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def joint_counts(outputs: list[list[int]]) -> np.ndarray:
+    """Counts [V * V] of the outputs' first two tokens."""
     counts = np.zeros(V * V)
-    for i in count:
-        a, b = outs[i].outputs[0].token_ids[:2]
-        counts[a * V + b] += 1
+    for tokens in outputs:
+        counts[tokens[0] * V + tokens[1]] += 1
     return counts
 
 
@@ -254,21 +256,23 @@ SUFFIX_SAMPLING = {"method": "suffix", "num_speculative_tokens": 4, "suffix_deco
 def test_first_two_tokens_follow_the_target(tiny_target, use_tree):
     spec = {**SUFFIX_SAMPLING, "suffix_decoding_use_tree_spec": use_tree}
     llm = LLM(str(tiny_target), speculative_config=spec, max_model_len=32, max_num_seqs=512)
-    counts = sample_joint(llm, [PROMPT] * N, list(range(N)))
+    counts = joint_counts(sample(llm, [PROMPT] * N))
     assert llm.engine.stats["num_accepted"] > N // 4, "the drafts must be accepted often for this test to bite"
     assert chi2_pvalue(counts, exact_joint(tiny_target, PROMPT)) > P_MIN
 
 
 def test_planted_bug_is_rejected(tiny_target, monkeypatch):
-    """Trees whose masks hide each node's ancestors (the parents say one thing, the attention another): the target
-    then scores a drafted token's children without the token itself, and chi2 must see it."""
+    """Deterministic speculations reported as drawn from a uniform q: verification then accepts a drafted token
+    with probability min(1, p / q) instead of p, and chi2 must see it."""
+    propose = SuffixDrafter.propose
 
-    def blind(parents):
-        mask, depths = tree_mask_and_depths(parents)
-        T = parents.shape[1]
-        return mask & torch.eye(T, dtype=torch.bool), depths
+    def as_if_sampled(self, batch):
+        draft = propose(self, batch)
+        B, T = draft.tokens.shape
+        draft.draft_probs, draft.draft_sampling = torch.full((B, T, V), 1.0 / V), "iid"
+        return draft
 
-    monkeypatch.setattr(suffix_module, "tree_mask_and_depths", blind)
+    monkeypatch.setattr(SuffixDrafter, "propose", as_if_sampled)
     llm = LLM(str(tiny_target), speculative_config=SUFFIX_SAMPLING, max_model_len=32, max_num_seqs=512)
-    counts = sample_joint(llm, [PROMPT] * N, list(range(N)))
+    counts = joint_counts(sample(llm, [PROMPT] * N))
     assert chi2_pvalue(counts, exact_joint(tiny_target, PROMPT)) < P_BUG
