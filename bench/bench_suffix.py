@@ -221,7 +221,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--timed-requests", type=int, default=5)
+    ap.add_argument("--timed-requests", type=int, default=5, help="requests timed end to end (0: acceptance only)")
     ap.add_argument("--arctic-python", default="/tmp/arctic-venv/bin/python")
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--peer", nargs=2, metavar=("TRACES", "OUT"), help=argparse.SUPPRESS)
@@ -261,7 +261,7 @@ def main(argv=None) -> None:
         configs["hybrid"] = {"method": "hybrid", "model": draft}
         configs["draft_model"] = {"method": "draft_model", "model": draft}
     timed = prompts[: args.timed_requests]
-    e2e = end_to_end(model, configs, timed, args.max_tokens, args.rounds)
+    e2e = end_to_end(model, configs, timed, args.max_tokens, args.rounds) if timed else {}
     print(f"end to end, batch 1, greedy, {len(timed)} requests x {args.rounds} rounds, {args.max_tokens} tokens:")
     for name, r in e2e.items():
         print(

@@ -231,6 +231,17 @@ class LLM:
         ``draft_vocab_size``: K, the draft's logits over the K most frequent token ids of its directory's
         ``draft_vocab.json`` only (FR-Spec; lossless: the target decides); left out, the file's own K, or the full
         vocabulary without the file; the vocabulary size turns it off.
+        ``{"method": "suffix", ...}``: suffix decoding (``spec_engine.drafters.suffix``), model-free speculation trees
+        from the request's own prompt and output and from earlier requests' outputs; ``num_speculative_tokens`` caps
+        a row's tree nodes ("auto": up to 16, the adaptive controller choosing each row's cap); vLLM's knobs
+        ``suffix_decoding_max_tree_depth`` (24), ``suffix_decoding_max_spec_factor`` (1.0),
+        ``suffix_decoding_min_token_prob`` (0.1), ``suffix_decoding_max_cached_requests`` (1000 here; -1
+        unbounded), and ours: ``suffix_decoding_use_tree_spec`` (True: trees; False: chains),
+        ``suffix_decoding_min_score`` (1.0: the least expected accepted tokens worth drafting).
+        ``{"method": "hybrid", "model": DIR, ...}``: per row and step, the suffix speculation where its score beats
+        the model drafter's expected accepted tokens (a draft model, or an EAGLE head: told apart by its weights),
+        the model drafter elsewhere; the model drafter's keys apply to it, the suffix keys to the suffix side, and
+        ``suffix_decoding_max_spec_tokens`` (16) caps a suffix row's nodes.
     device, dtype : where and in what precision the weights and KV caches live; ``dtype="auto"`` (the default) is
         the fastest for the device (``auto_dtype``: bfloat16 on CPUs with AVX512-BF16 or AVX2 and on GPUs, else
         float32).

@@ -33,7 +33,7 @@ def test_plan_compares_expected_accepted_tokens():
             return SuffixDraft(score=next(self.scores))
 
     class FakeModel:
-        max_depth, max_nodes, tree, keeps_cache, needs_hidden, target_layers = 4, 5, None, True, False, None
+        max_depth, max_nodes, tree, kv, keeps_cache, needs_hidden, target_layers = 4, 5, None, None, True, False, None
 
     hybrid = HybridDrafter(FakeModel(), FakeSuffix([3.0, 0.5, 2.0, 0.9]))
     plan = hybrid.plan([None] * 4, [4, 0, 2, 0], gains=[2.5, 0.0, 2.5, 0.0])

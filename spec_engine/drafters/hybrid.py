@@ -45,6 +45,7 @@ class HybridDrafter(Drafter):
         self.max_depth = max(model.max_depth, suffix.max_depth)
         self.max_nodes = max(model.max_nodes, suffix.max_nodes)
         self.tree = model.tree
+        self.kv = model.kv  # the model drafter's cache: native chains write it on steps without suffix rows
         self.keeps_cache = model.keeps_cache
         self.needs_hidden = model.needs_hidden
         self.target_layers = model.target_layers
