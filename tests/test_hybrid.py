@@ -5,6 +5,7 @@ with suffix rows and model rows in the same steps, with a planted bug."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_suffix import REPETITIVE, V, chi2_pvalue, exact_joint, joint_counts, sample
@@ -36,7 +37,8 @@ def test_plan_compares_expected_accepted_tokens():
         max_depth, max_nodes, tree, kv, keeps_cache, needs_hidden, target_layers = 4, 5, None, None, True, False, None
 
     hybrid = HybridDrafter(FakeModel(), FakeSuffix([3.0, 0.5, 2.0, 0.9]))
-    plan = hybrid.plan([None] * 4, [4, 0, 2, 0], gains=[2.5, 0.0, 2.5, 0.0])
+    rows = [SimpleNamespace(greedy=True)] * 4
+    plan = hybrid.plan(rows, [4, 0, 2, 0], gains=[2.5, 0.0, 2.5, 0.0])
     assert plan.suffix_rows == [True, False, False, False]  # 0.5 and 0.9 are below min_score
     assert plan.gammas == [12, 0, 2, 0]
 
