@@ -1,6 +1,7 @@
 // The only file that registers ops: spec_kernels::compact_kv_ with CPU, CUDA and Meta kernels, and
 // spec_kernels::linear (csrc/linear_cpu.cpp) and spec_kernels::decoder_layers (csrc/decoder_layers_cpu.cpp) with CPU
-// and Meta kernels, and spec_kernels::verify_greedy (csrc/verify_tree_cpu.cpp: verify_tree's all-greedy CPU walk).
+// and Meta kernels, spec_kernels::verify_greedy (csrc/verify_tree_cpu.cpp: verify_tree's all-greedy CPU walk), and the
+// class spec_kernels.SuffixTree (csrc/suffix_tree_cpu.cpp: suffix decoding's tree).
 //
 // Also the torch-facing half of the CUDA path (shape checks, device guard, current stream): nvcc 13 cannot compile
 // torch's CUDA headers, so csrc/compact_kv.cu stays torch-free and this host-compiled file calls its raw launcher.
@@ -10,6 +11,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
+
+#include "suffix_tree_cpu.h"
 
 #include <tuple>
 
@@ -195,6 +198,16 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor[] d_weights, Tensor d_norm, Tensor d_lm_head, Tensor(b!) d_kv, Tensor d_rope, int d_heads, "
       "float d_eps, Tensor? block_table, Tensor budget, Tensor stop_ids, int gamma, int max_steps, "
       "bool stop_on_reject=False, Tensor? d_vocab_map=None) -> (Tensor, Tensor, Tensor, Tensor)");
+  // suffix decoding's tree (csrc/suffix_tree_cpu.cpp): torch.classes.spec_kernels.SuffixTree(max_depth)
+  m.class_<specdec::SuffixTree>("SuffixTree")
+      .def(torch::init<int64_t>())
+      .def("extend", &specdec::SuffixTree::extend)
+      .def("remove", &specdec::SuffixTree::remove)
+      .def("frequency", &specdec::SuffixTree::frequency)
+      .def("num_nodes", &specdec::SuffixTree::num_nodes)
+      .def("num_seqs", &specdec::SuffixTree::num_seqs)
+      .def("max_depth", &specdec::SuffixTree::max_depth)
+      .def("speculate", &specdec::SuffixTree::speculate);
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {

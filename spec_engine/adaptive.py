@@ -479,11 +479,18 @@ class AdaptiveController:
         self._catch_up_tokens = sum(self.cache_lag(r) for r, g in zip(reqs, gammas) if g)
         return gammas
 
+    def expected_accepted(self, req, gamma: int) -> float:
+        """The drafted tokens ``req`` is expected to keep from a step drafted at depth ``gamma``: sum over d <= gamma
+        of prod_{j<=d} alpha_j (no optimism bonus), what a hybrid drafter's suffix speculation must beat."""
+        cap = max(req.params.max_tokens - len(req.output_token_ids), 1)
+        return self.state(req).acceptance.expected_tokens(cap)[min(gamma, self.max_depth)] - 1.0
+
     def observe(self, reqs: Sequence, gammas: Sequence[int], num_accepted: Sequence[int], draft_seconds: float,
-                step_seconds: float, steps: int = 1) -> None:  # fmt: skip
+                step_seconds: float, steps: int = 1, timed: bool = True) -> None:  # fmt: skip
         """Learn from one step: ``num_accepted`` as verify_tree's (the root included), the step's wall times.
         ``steps`` > 1: that many plain steps of ``step_seconds`` each (a native chain's), observed in one call (one
-        call per step cost ~1.5% of a bfloat16 token of the default pair).
+        call per step cost ~1.5% of a bfloat16 token of the default pair). ``timed=False``: the step's
+        acceptance only (a hybrid's step with suffix rows: its shape is none the cost model prices).
 
         Steps are counted here, not per ``choose``: a native call runs several steps on one choice (up to 16 plain
         steps per chain), and a count of choices made undrafted requests of 64 tokens wait longer than their life for a
@@ -506,6 +513,8 @@ class AdaptiveController:
             s.probe_interval = PROBE_INTERVAL if n > 1 else min(2 * s.probe_interval, MAX_PROBE_INTERVAL)
             self.probe_interval = s.probe_interval
             req.metrics.alpha_estimate = s.acceptance.alpha
+        if not timed:
+            return
         if self._cold:  # (the first step alone: a plain chain's later steps are timed)
             self._cold = False
             self._catch_up_tokens = 0  # (a native call's later steps did not catch up)

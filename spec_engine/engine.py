@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from spec_engine.adaptive import AdaptiveController, RowState
-from spec_engine.drafters.base import Draft, Drafter, RowView, StepBatch
+from spec_engine.drafters.base import Draft, Drafter, DraftPlan, RowView, StepBatch
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
 from spec_engine.models import LlamaForCausalLM
 from spec_engine.sampling import SEED_MASK, SamplingParams
@@ -118,6 +118,7 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     spec_state: RowState | None = None  # the adaptive controller's estimates for this request
     slot: int = -1  # this request's row in the engine's RequestRows while it runs
+    key: int = 0  # the engine's own name for it, never reused (request ids are the caller's): RowView.key
     history: np.ndarray = field(init=False, repr=False)  # [capacity] int64: prompt then output tokens
     num_tokens: int = field(init=False)  # filled length of history
 
@@ -143,7 +144,9 @@ class Request:
     def view(self) -> RowView:
         tokens = self.history[: self.num_tokens]
         tokens.flags.writeable = False  # a view: the drafter reads, the engine writes
-        return RowView(tokens, self.num_computed, self.draft_len, self.params.greedy)
+        return RowView(
+            tokens, self.num_computed, self.draft_len, self.params.greedy, self.key, len(self.prompt_token_ids)
+        )
 
     @property
     def prefilling(self) -> bool:
@@ -237,11 +240,13 @@ class Engine:
         self.rows = RequestRows(max_num_seqs, allocator.blocks_for(max_model_len + self.max_tree_nodes()))
         self._ids = itertools.count()
         # num_regular_steps: decode steps taken by the regular (Python) step, not a native call
+        self._keys = itertools.count()
         self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0,
                       "num_regular_steps": 0}  # fmt: skip
-        self.accepted_hist = [0] * (self.gamma + 1)
+        deepest = max(self.gamma, drafter.max_depth if drafter is not None else 0)  # (a hybrid's suffix rows)
+        self.accepted_hist = [0] * (deepest + 1)
         self.gamma_history: deque[int] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode step: the deepest row's depth
-        self.gamma_hist = [0] * (self.gamma + 1)  # [g] = rows drafted at depth g, over all steps
+        self.gamma_hist = [0] * (deepest + 1)  # [g] = rows drafted at depth g, over all steps
         self.step_times = (0.0, 0.0)  # the last speculative step's (draft, whole step) seconds
         self.threads = ThreadTuner() if self.device.type == "cpu" else None  # CPU threads per decode step
         self._step_count = 1  # steps the current decode call ran (a native chain runs several)
@@ -269,7 +274,9 @@ class Engine:
     # --- requests --------------------------------------------------------------------------------------------
 
     def max_tree_nodes(self) -> int:
-        return self.drafter.nodes_for_depth(self.gamma) if self.drafter else 1
+        if self.drafter is None:
+            return 1
+        return max(self.drafter.nodes_for_depth(self.gamma), self.drafter.max_nodes)
 
     def tokens_to_reserve(self, req: Request) -> int:
         # the tree of the last step can run past max_tokens; its K/V still need rows
@@ -302,7 +309,7 @@ class Engine:
         ids = list(prompt_token_ids)
         self.check_request(ids, params)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        req = Request(request_id or str(next(self._ids)), ids, params, seed)
+        req = Request(request_id or str(next(self._ids)), ids, params, seed, key=next(self._keys))
         req.metrics.arrival_time = time.perf_counter()
         self.waiting.append(req)
         return req
@@ -337,6 +344,8 @@ class Engine:
         if req.slot >= 0:
             self.rows.release(req.slot)
             req.slot = -1
+        if self.drafter is not None:
+            self.drafter.finish_request(req.key)
 
     # --- one engine iteration --------------------------------------------------------------------------------
 
@@ -437,6 +446,8 @@ class Engine:
             if r.metrics.decode_start is None:
                 r.metrics.decode_start = time.perf_counter()
         gammas = self.choose_gammas(reqs)
+        plan = self._plan(reqs, gammas)
+        gammas, suffix_rows = plan.gammas, plan.suffix_rows
         # the step's shape for the thread tuner: costs compare within a depth, a prompt's catch-up apart
         self._step_kind = (max(gammas), any(g and self._cache_lag(r) > 1 for r, g in zip(reqs, gammas)))
         # several steps in one native call where possible (None: the regular step below)
@@ -448,19 +459,31 @@ class Engine:
             chain = self._plain_chain_len(reqs)
             outputs = self._plain_chain(reqs, chain) if chain else None
         else:
-            steps = self._spec_chain_steps(reqs, gammas)
+            steps = self._spec_chain_steps(reqs, gammas) if not any(suffix_rows or ()) else 0
             outputs = self._spec_chain(reqs, gammas[0], steps) if steps else None
         if outputs is not None:
             return outputs
         self.stats["num_regular_steps"] += 1
-        batch, sampling = self._step_inputs(reqs, gammas)
+        batch, sampling = self._step_inputs(reqs, gammas, suffix_rows)
         out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling)
-        if self.controller is not None:
-            self.controller.observe(reqs, gammas, num_accepted, *self.step_times)
+        if self.controller is not None:  # a hybrid's suffix rows teach it nothing of the model drafter it prices
+            learned = gammas if suffix_rows is None else [0 if s else g for g, s in zip(gammas, suffix_rows)]
+            self.controller.observe(reqs, learned, num_accepted, *self.step_times, timed=not any(suffix_rows or ()))
         self.gamma_history.append(max(gammas))
         for req, n in zip(reqs, draft_lens):
             req.draft_len = n
         return self._emit(reqs, gammas, out_tokens, num_accepted)
+
+    def _plan(self, reqs: list[Request], gammas: list[int]) -> DraftPlan:
+        """The drafter's revision of the step's depths (``Drafter.plan``: a suffix drafter drops the rows nothing
+        matches, a hybrid picks suffix or model per row), given the controller's expected accepted drafted tokens
+        of the model drafter at each row's depth."""
+        if self.drafter is None or not self.drafter.plans:
+            return DraftPlan(gammas)
+        gains = None
+        if self.controller is not None:
+            gains = [self.controller.expected_accepted(r, g) for r, g in zip(reqs, gammas)]
+        return self.drafter.plan([r.view() for r in reqs], gammas, gains)
 
     def _plain_chain_len(self, reqs: list[Request]) -> int:
         """Tokens per row the coming plain greedy step decodes in one native chain (0: the regular one-token step).
@@ -480,7 +503,8 @@ class Engine:
             return 0  # (no chain_parts: no native path, which _plain_chain would find only after the roots' forward)
         if self.kv.data.dtype not in NATIVE_DTYPES:
             return 0
-        return min(self.config.plain_chain, min(r.tokens_left for r in reqs))
+        cap = self.drafter.plain_chain_cap if self.drafter is not None else None
+        return min(self.config.plain_chain, cap or self.config.plain_chain, min(r.tokens_left for r in reqs))
 
     def _plain_chain(self, reqs: list[Request], K: int) -> list[StepOutput] | None:
         """``K`` plain greedy steps for every row in one native call (``greedy_steps``: the roots at L_b, then
@@ -603,7 +627,8 @@ class Engine:
         # chain took the regular (Python) step, ~5% of a 64-token request; undrafted, it is a plain one
         return [min(self.gamma, r.tokens_left - 1) for r in reqs]
 
-    def _step_inputs(self, reqs: list[Request], gammas: list[int]) -> tuple[StepBatch, dict]:
+    def _step_inputs(self, reqs: list[Request], gammas: list[int],
+                     suffix_rows: list[bool] | None = None) -> tuple[StepBatch, dict]:  # fmt: skip
         """The step's inputs, gathered from the host rows and sent to the device together."""
         # the drafter runs on the drafted rows only; an undrafted row's lag (its whole prompt, under the adaptive
         # controller) must not widen every plain step's block table
@@ -634,7 +659,7 @@ class Engine:
         dev = dict(zip(host, to_device(self.device, *host.values())))
         batch = StepBatch([r.view() for r in reqs], dev.pop("seqlens"), dev.pop("roots"), dev.pop("block_table"),
                           dev["temperature"], dev.pop("keys"), gammas, dev.pop("coupled", None),
-                          dev.pop("noise_seeds", None))  # fmt: skip
+                          dev.pop("noise_seeds", None), suffix_rows)  # fmt: skip
         return batch, dev
 
     def _spec_step(self, batch: StepBatch, sampling: dict) -> tuple[list[list[int]], list[int], list[int]]:

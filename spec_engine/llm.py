@@ -12,10 +12,13 @@ import torch
 from tqdm import tqdm
 
 from spec_engine.chat_template import ChatTemplate
+from spec_engine.drafters import suffix as suffix_defaults
 from spec_engine.drafters.base import Drafter
 from spec_engine.drafters.draft_model import DraftModelDrafter, read_draft_vocab
 from spec_engine.drafters.eagle import EagleDrafter, load_eagle_head
+from spec_engine.drafters.hybrid import HybridDrafter
 from spec_engine.drafters.ngram import NgramDrafter
+from spec_engine.drafters.suffix import SuffixDrafter
 from spec_engine.engine import Engine, EngineConfig, Request
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
@@ -28,10 +31,25 @@ from spec_kernels._ext import load_ext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": adaptive (spec_engine/adaptive.py)
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": "auto", "eagle": "auto", "ngram": "auto"}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": "auto", "eagle": "auto", "ngram": "auto", "suffix": "auto",
+                                  "hybrid": "auto"}  # fmt: skip
 ADAPTIVE_MAX_DEPTH = 8  # the deepest chain "auto" may draft; a static tree caps it at its own depth
+# suffix speculations under "auto": the most nodes a row's tree may have (a repeated passage is accepted whole, so
+# deeper than a model's chains; the adaptive controller still picks each row's cap from what the rows accepted)
+SUFFIX_ADAPTIVE_MAX_TOKENS = 16
+MAX_SUFFIX_TOKENS = 32  # the largest num_speculative_tokens (tree nodes) of method="suffix"
 SPECULATIVE_METHODS = tuple(DEFAULT_NUM_SPECULATIVE_TOKENS)
 MODEL_METHODS = ("draft_model", "eagle")  # drafters with weights, proposing chains or static trees
+# suffix decoding's keys: vLLM's where vLLM has the knob (SpeculativeConfig.suffix_decoding_*), ours otherwise
+SUFFIX_KEYS = {
+    "suffix_decoding_max_tree_depth": suffix_defaults.MAX_TREE_DEPTH,
+    "suffix_decoding_max_spec_factor": suffix_defaults.MAX_SPEC_FACTOR,
+    "suffix_decoding_min_token_prob": suffix_defaults.MIN_TOKEN_PROB,
+    "suffix_decoding_max_cached_requests": suffix_defaults.MAX_CACHED_REQUESTS,
+    "suffix_decoding_use_tree_spec": True,  # ArcticInference's use_tree_spec: trees (True) or chains
+    "suffix_decoding_min_score": suffix_defaults.MIN_SCORE,  # the least expected accepted tokens worth a draft
+    "suffix_decoding_max_spec_tokens": SUFFIX_ADAPTIVE_MAX_TOKENS,  # hybrid: a suffix row's most nodes
+}
 DEFAULT_EAGLE_TOPK = 4  # nodes per level of EAGLE-2's dynamic tree (tree="dynamic")
 
 
@@ -80,26 +98,29 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {method!r}")
     known = {"method", "model", "num_speculative_tokens", "tree", "draft_sampling", "max_n", "min_n", "eagle_topk",
-             "draft_vocab_size", "draft_dtype"}  # fmt: skip
+             "draft_vocab_size", "draft_dtype", *SUFFIX_KEYS}  # fmt: skip
     unknown = set(spec) - known
     if unknown:
         raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
+    suffix = _parse_suffix_keys(spec, method)
     gamma = spec.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[method])
     adaptive = gamma == "auto"
     tree = spec.get("tree")
     if adaptive:
-        gamma = len(tree) if isinstance(tree, (list, tuple)) and tree else ADAPTIVE_MAX_DEPTH
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= 16:
-        raise ValueError(f"num_speculative_tokens must be 'auto' or an int in [1, 16], got {gamma!r}")
+        default = SUFFIX_ADAPTIVE_MAX_TOKENS if method == "suffix" else ADAPTIVE_MAX_DEPTH
+        gamma = len(tree) if isinstance(tree, (list, tuple)) and tree else default
+    most = MAX_SUFFIX_TOKENS if method == "suffix" else 16
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= most:
+        raise ValueError(f"num_speculative_tokens must be 'auto' or an int in [1, {most}], got {gamma!r}")
     if tree == "dynamic":
-        if method != "eagle":
+        if method not in ("eagle", "hybrid"):
             raise ValueError("tree='dynamic' (EAGLE-2's dynamic tree) needs method='eagle'")
         topk = spec.get("eagle_topk", DEFAULT_EAGLE_TOPK)
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= 16:
             raise ValueError(f"eagle_topk must be an int in [1, 16], got {topk!r}")
     elif tree is not None:
-        if method not in MODEL_METHODS:
-            raise ValueError("a static 'tree' needs method='draft_model' or 'eagle'")
+        if method not in (*MODEL_METHODS, "hybrid"):
+            raise ValueError("a static 'tree' needs method='draft_model', 'eagle' or 'hybrid'")
         if not isinstance(tree, (list, tuple)) or not all(isinstance(b, int) and b >= 1 for b in tree):
             raise ValueError(f"speculative_config.tree must be a list of positive ints, got {tree!r}")
         if len(tree) > gamma:
@@ -108,20 +129,80 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
             raise ValueError(f"tree {list(tree)} has {math.prod(tree)} leaves; at most 64 are supported")
     vocab = spec.get("draft_vocab_size")
     if vocab is not None:
-        if method != "draft_model":
+        if method not in ("draft_model", "hybrid"):
             raise ValueError("draft_vocab_size (a reduced draft vocabulary) needs method='draft_model'")
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
             raise ValueError(f"draft_vocab_size must be a positive int, got {vocab!r}")
     draft_dtype = spec.get("draft_dtype")
     if draft_dtype is not None:
-        if method != "draft_model":
+        if method not in ("draft_model", "hybrid"):
             raise ValueError("draft_dtype (the draft model's precision) needs method='draft_model'")
         if draft_dtype not in DTYPES:
             raise ValueError(f"draft_dtype must be one of {list(DTYPES)}, got {draft_dtype!r}")
-    if method in MODEL_METHODS and not spec.get("model"):
-        what = "a draft model directory" if method == "draft_model" else "an EAGLE head directory"
+    if method in (*MODEL_METHODS, "hybrid") and not spec.get("model"):
+        what = {"draft_model": "a draft model directory", "eagle": "an EAGLE head directory"}.get(
+            method, "a draft model or EAGLE head directory"
+        )
         raise ValueError(f"speculative_config with method={method!r} needs 'model': {what}")
-    return {**spec, "method": method, "num_speculative_tokens": gamma, "adaptive": adaptive}
+    model_method = method
+    if method == "hybrid":
+        model_method = "eagle" if is_eagle_head(spec["model"]) else "draft_model"
+        if tree == "dynamic" and model_method != "eagle":
+            raise ValueError("tree='dynamic' (EAGLE-2's dynamic tree) needs an EAGLE head")
+        if (vocab is not None or draft_dtype is not None) and model_method != "draft_model":
+            raise ValueError("draft_vocab_size and draft_dtype need a draft model, not an EAGLE head")
+    return {**spec, "method": method, "model_method": model_method, "num_speculative_tokens": gamma,
+            "adaptive": adaptive, "suffix": suffix}  # fmt: skip
+
+
+def _parse_suffix_keys(spec: dict, method: str) -> dict | None:
+    """The suffix drafter's settings (``SUFFIX_KEYS``, defaults filled in) for methods "suffix" and "hybrid"; None
+    for the others, which take no suffix key."""
+    given = {k for k in spec if k in SUFFIX_KEYS}
+    if method not in ("suffix", "hybrid"):
+        if given:
+            raise ValueError(f"{sorted(given)} need method='suffix' or 'hybrid'")
+        return None
+    if method == "suffix" and "suffix_decoding_max_spec_tokens" in given:
+        raise ValueError("suffix_decoding_max_spec_tokens is for method='hybrid' (suffix: num_speculative_tokens)")
+    out = {k: spec.get(k, default) for k, default in SUFFIX_KEYS.items()}
+    for k in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_tokens"):
+        v = out[k]
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= (256 if "depth" in k else MAX_SUFFIX_TOKENS):
+            raise ValueError(f"{k} must be an int in [1, {256 if 'depth' in k else MAX_SUFFIX_TOKENS}], got {v!r}")
+    v = out["suffix_decoding_max_cached_requests"]
+    if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+        raise ValueError(f"suffix_decoding_max_cached_requests must be an int >= -1 (-1: unbounded), got {v!r}")
+    for k in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "suffix_decoding_min_score"):
+        v = out[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{k} must be a non-negative number, got {v!r}")
+    if out["suffix_decoding_min_token_prob"] > 1:
+        raise ValueError("suffix_decoding_min_token_prob must lie in [0, 1]")
+    if not isinstance(out["suffix_decoding_use_tree_spec"], bool):
+        raise ValueError("suffix_decoding_use_tree_spec must be a bool")
+    return out
+
+
+def is_eagle_head(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds an EAGLE head (an ``fc`` over the target's features) rather than a draft model."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as weights:
+            if any(k.split(".")[-2] == "fc" or k.startswith("midlayer.") for k in weights.keys() if "." in k):
+                return True
+    return False
+
+
+def _suffix_drafter(spec: dict, max_tokens: int, device: str) -> SuffixDrafter:
+    s = spec["suffix"]
+    return SuffixDrafter(max_tokens, max_tree_depth=s["suffix_decoding_max_tree_depth"],
+                         max_spec_factor=float(s["suffix_decoding_max_spec_factor"]),
+                         min_token_prob=float(s["suffix_decoding_min_token_prob"]),
+                         max_cached_requests=s["suffix_decoding_max_cached_requests"],
+                         tree=s["suffix_decoding_use_tree_spec"], min_score=float(s["suffix_decoding_min_score"]),
+                         device=device)  # fmt: skip
 
 
 def _draft_dtype(dtype: str, device: str) -> str:
@@ -162,6 +243,17 @@ class LLM:
         ``draft_vocab_size``: K, the draft's logits over the K most frequent token ids of its directory's
         ``draft_vocab.json`` only (FR-Spec; lossless: the target decides); left out, the file's own K, or the full
         vocabulary without the file; the vocabulary size turns it off.
+        ``{"method": "suffix", ...}``: suffix decoding (``spec_engine.drafters.suffix``), model-free speculation trees
+        from the request's own prompt and output and from earlier requests' outputs; ``num_speculative_tokens`` caps
+        a row's tree nodes ("auto": up to 16, the adaptive controller choosing each row's cap); vLLM's knobs
+        ``suffix_decoding_max_tree_depth`` (24), ``suffix_decoding_max_spec_factor`` (1.0),
+        ``suffix_decoding_min_token_prob`` (0.1), ``suffix_decoding_max_cached_requests`` (1000 here; -1
+        unbounded), and ours: ``suffix_decoding_use_tree_spec`` (True: trees; False: chains),
+        ``suffix_decoding_min_score`` (1.0: the least expected accepted tokens worth drafting).
+        ``{"method": "hybrid", "model": DIR, ...}``: per row and step, the suffix speculation where its score beats
+        the model drafter's expected accepted tokens (a draft model, or an EAGLE head: told apart by its weights),
+        the model drafter elsewhere; the model drafter's keys apply to it, the suffix keys to the suffix side, and
+        ``suffix_decoding_max_spec_tokens`` (16) caps a suffix row's nodes.
     device, dtype : where and in what precision the weights and KV caches live; ``dtype="auto"`` (the default) is
         the fastest for the device (``auto_dtype``: bfloat16 on CPUs with AVX512-BF16 or AVX2 and on GPUs, else
         float32).
@@ -206,8 +298,9 @@ class LLM:
         self.model_dir = Path(model)
         if tensor_parallel_size > 1 and gguf_path_or_none(model) is not None:
             raise ValueError("tensor_parallel_size > 1 reads HF safetensors shards; a GGUF file loads on one device")
+        model_method = spec["model_method"] if spec else None
         if tensor_parallel_size > 1:  # rank 0's shard plus N - 1 worker processes (spec_engine/distributed.py)
-            if spec and spec["method"] == "eagle":
+            if model_method == "eagle":
                 raise ValueError("EAGLE heads read the target's features: not supported with tensor_parallel_size > 1")
             from spec_engine.distributed import launch
 
@@ -221,9 +314,9 @@ class LLM:
         self.speculative_config = spec
 
         draft_model = head = draft_dtype = None
-        if spec and spec["method"] == "eagle":
+        if model_method == "eagle":
             head = load_eagle_head(spec["model"], self.target, dtype=torch_dtype, device=device)
-        if spec and spec["method"] == "draft_model":
+        if model_method == "draft_model":
             draft_dtype = DTYPES[spec.get("draft_dtype") or _draft_dtype(dtype, device)]
             draft_model = load_model(resolve_model(spec["model"]), dtype=draft_dtype, device=device)
             if draft_model.config.vocab_size != cfg.vocab_size:
@@ -244,11 +337,13 @@ class LLM:
         gamma = spec["num_speculative_tokens"] if spec else 0
         tree = None
         dynamic = bool(spec) and spec.get("tree") == "dynamic"
-        if spec and spec["method"] in MODEL_METHODS:
+        if model_method in MODEL_METHODS:
             # EAGLE-2's dynamic tree has a fixed shape, k nodes per level, whose parents the drafter picks each step
             branching = (spec.get("eagle_topk", DEFAULT_EAGLE_TOPK),) if dynamic else tuple(spec.get("tree") or ())
             tree = StaticTree(branching + (1,) * (gamma - len(branching))) if branching else chain(gamma)
         max_tree_nodes = tree.num_nodes if tree else gamma + 1
+        if spec and spec["method"] == "hybrid":  # a suffix row's tree may be wider than the model's
+            max_tree_nodes = max(max_tree_nodes, spec["suffix"]["suffix_decoding_max_spec_tokens"] + 1)
         # the lean inference path: fused matrices and a RoPE table for every position a request can reach
         for m in (self.target, draft_model):
             if m is not None:
@@ -279,8 +374,13 @@ class LLM:
         elif tree is not None:
             draft_kv = PagedKVCache(draft_model.config, num_blocks, block_size, draft_dtype, device)
             drafter = DraftModelDrafter(draft_model, draft_kv, tree, sampling)
+        elif spec and spec["method"] == "suffix":
+            drafter = _suffix_drafter(spec, gamma, device)
         elif spec:
             drafter = NgramDrafter(gamma, spec.get("max_n", 4), spec.get("min_n", 1), device=device)
+        if spec and spec["method"] == "hybrid":
+            drafter = HybridDrafter(drafter, _suffix_drafter(spec, spec["suffix"]["suffix_decoding_max_spec_tokens"],
+                                                             device))  # fmt: skip
         load_ext()  # compact_kv_'s extension: compiled (once per machine) here, not inside the first timed step
         self.engine = Engine(
             self.target, kv, self.allocator, drafter,

@@ -3,7 +3,8 @@
 Data flows one way (docs/ARCHITECTURE.md): the engine hands a drafter a ``StepBatch`` (device tensors plus a
 read-only ``RowView`` per row), the drafter returns a ``Draft``; after verification the engine calls ``commit``, and
 the drafter returns the new lengths of its own cache, which the engine stores. A drafter keeps no per-request state
-and nothing between ``propose`` and ``commit``.
+and nothing between ``propose`` and ``commit``, beyond its own caches: a draft model's KV cache, a suffix drafter's
+trees (indexed from the rows' token views, forgotten at ``finish_request``).
 """
 
 from __future__ import annotations
@@ -22,14 +23,18 @@ class RowView:
     """What a drafter may read of one request (host values; never written).
 
     ``token_ids`` is a read-only view of the request's tokens, prompt then output, ending with the root:
-    ``len(token_ids) == num_computed + 1`` in a decode step. ``draft_len`` is the length of the drafter's own cache
-    for this request, as its last ``commit`` (or prefill) left it.
+    ``len(token_ids) == num_computed + 1`` in a decode step; its first ``num_prompt_tokens`` are the prompt.
+    ``draft_len`` is the length of the drafter's own cache for this request, as its last ``commit`` (or prefill) left
+    it. ``key`` names the request for as long as the engine lives (never reused): a drafter's per-request cache
+    entries are keyed by it.
     """
 
     token_ids: np.ndarray
     num_computed: int
     draft_len: int
     greedy: bool
+    key: int = 0
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -44,7 +49,8 @@ class StepBatch:
         keys: [B] int64, the row's random stream for this step, a function of (request seed, L_b) only
         coupled: [B] bool, rows sampled through the position-keyed coupling (``spec_engine.coupling``), or None
             when no row is; noise_seeds: [B] int64, their noise seeds (None likewise)
-    ``rows`` are the requests' read-only views; ``gammas`` the tree depth each row asks for (0 = no drafting).
+    ``rows`` are the requests' read-only views; ``gammas`` the tree depth each row asks for (0 = no drafting);
+    ``suffix_rows`` the rows a hybrid drafter serves with its suffix speculation this step (None: no such rows).
     """
 
     rows: list[RowView]
@@ -56,6 +62,7 @@ class StepBatch:
     gammas: list[int]
     coupled: torch.Tensor | None = None
     noise_seeds: torch.Tensor | None = None
+    suffix_rows: list[bool] | None = None
 
     @property
     def size(self) -> int:
@@ -65,9 +72,20 @@ class StepBatch:
         """The sub-batch of ``rows``; ``index`` is the same list as a tensor on the batch's device."""
         coupled = None if self.coupled is None else self.coupled[index]
         noise_seeds = None if self.noise_seeds is None else self.noise_seeds[index]
+        suffix_rows = None if self.suffix_rows is None else [self.suffix_rows[b] for b in rows]
         return StepBatch([self.rows[b] for b in rows], self.seqlens[index], self.roots[index],
                          self.block_table[index], self.temperature[index], self.keys[index],
-                         [self.gammas[b] for b in rows], coupled, noise_seeds)  # fmt: skip
+                         [self.gammas[b] for b in rows], coupled, noise_seeds, suffix_rows)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """What a drafter that ``plans`` will draft this step: ``gammas`` the depth per row (0: not drafted), and
+    ``suffix_rows`` the rows a hybrid serves with its suffix speculation (None: none), whose acceptance says nothing
+    about the model drafter the adaptive controller prices."""
+
+    gammas: list[int]
+    suffix_rows: list[bool] | None = None
 
 
 @dataclass
@@ -100,6 +118,17 @@ class Drafter(ABC):
     # pass: its final ones (``target_layers`` None) or the residual streams entering ``target_layers``, concatenated.
     needs_hidden: bool = False
     target_layers: tuple[int, ...] | None = None
+    plans: bool = False  # True: ``plan`` revises each step's depths (suffix drafters: no draft where nothing matches)
+    plain_chain_cap: int | None = None  # the longest plain native chain the engine may run between two plans
+
+    def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None) -> DraftPlan:
+        """Revise the step's depths per row (``gammas``: the engine's or the adaptive controller's choice), before
+        the step is shaped. ``gains`` [B]: the adaptive controller's expected accepted drafted tokens of the model
+        drafter at each row's depth (None without the controller)."""
+        return DraftPlan(gammas)
+
+    def finish_request(self, key: int) -> None:  # noqa: B027
+        """Request ``key`` (``RowView.key``) is retired: drop what this drafter keeps for it alone."""
 
     def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:  # noqa: B027
         """See the same prompt chunk the target prefilled. Shapes as ``LlamaForCausalLM.forward``; ``hidden``

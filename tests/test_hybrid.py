@@ -1,0 +1,103 @@
+"""The hybrid drafter (suffix speculation or the model drafter, per row and step): greedy parity with plain decoding
+on the default pair, with a draft model and with an EAGLE head, and the chi-square losslessness test at temperature 1
+with suffix rows and model rows in the same steps, with a planted bug."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from test_suffix import REPETITIVE, V, chi2_pvalue, exact_joint, joint_counts, sample
+from tiny_models import make_model, make_noisy_copy
+
+import spec_engine.drafters.hybrid as hybrid_module
+from spec_engine import LLM, SamplingParams, default_model_paths
+from spec_engine.drafters.hybrid import HybridDrafter
+from spec_engine.drafters.suffix_ref import SuffixDraft
+
+EAGLE_DIR = Path(default_model_paths()[0]).parent / "eagle"
+PROMPTS = [*REPETITIVE, "The quick brown fox jumps over"]  # the last one is not repetitive: the model drafts it
+
+
+def test_plan_compares_expected_accepted_tokens():
+    """A row goes to the suffix speculation exactly where its score beats the model's expected accepted tokens (and
+    reaches min_score); the others keep the controller's depth."""
+
+    class FakeSuffix:
+        max_depth, max_nodes, min_score, plain_chain_cap = 12, 13, 1.0, 8
+
+        def __init__(self, scores):
+            self.scores = iter(scores)
+
+        def speculate(self, row, budget, tree=None):
+            return SuffixDraft(score=next(self.scores))
+
+    class FakeModel:
+        max_depth, max_nodes, tree, kv, keeps_cache, needs_hidden, target_layers = 4, 5, None, None, True, False, None
+
+    hybrid = HybridDrafter(FakeModel(), FakeSuffix([3.0, 0.5, 2.0, 0.9]))
+    rows = [SimpleNamespace(greedy=True)] * 4
+    plan = hybrid.plan(rows, [4, 0, 2, 0], gains=[2.5, 0.0, 2.5, 0.0])
+    assert plan.suffix_rows == [True, False, False, False]  # 0.5 and 0.9 are below min_score
+    assert plan.gammas == [12, 0, 2, 0]
+
+
+@pytest.mark.parametrize("model", ["draft", "eagle"])
+@pytest.mark.parametrize("gamma", ["auto", 3])
+def test_greedy_parity_on_the_default_pair(model, gamma):
+    target, draft = default_model_paths()
+    spec = {"method": "hybrid", "model": draft if model == "draft" else str(EAGLE_DIR), "num_speculative_tokens": gamma}
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    plain = LLM(target, max_model_len=256).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(target, speculative_config=spec, max_model_len=256)
+    assert isinstance(llm.engine.drafter, HybridDrafter)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(plain, outs):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert llm.engine.stats["num_accepted"] > 0
+
+
+# --- losslessness at temperature 1 --------------------------------------------------------------------------------
+
+REPEATS = [1, 2, 3, 1, 2, 3, 1, 2]  # the suffix speculation beats the model here (score > 0.96)...
+NOVEL = [4, 0, 5, 2]  # ... and has nothing to say here: the model drafts these rows
+N = 3000
+P_MIN = 1e-4
+P_BUG = 1e-8
+SPEC = {"method": "hybrid", "num_speculative_tokens": 2, "suffix_decoding_min_score": 0.0,
+        "suffix_decoding_min_token_prob": 0.0}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_sampling")
+    target = make_model(root / "target", "llama_gqa", vocab_size=V, hidden=32, logit_scale=2.0)
+    return target, make_noisy_copy(target, root / "draft", noise=0.5)
+
+
+def test_first_two_tokens_follow_the_target(pair):
+    """Both prompts in one batch: every step mixes suffix rows (chains with one-hot proposals) and model rows
+    (sampled from the draft's q); each prompt's first two tokens follow the target's exact joint."""
+    target, draft = pair
+    llm = LLM(str(target), speculative_config={**SPEC, "model": str(draft)}, max_model_len=32, max_num_seqs=512)
+    outputs = sample(llm, [REPEATS, NOVEL] * N)
+    assert llm.engine.stats["num_accepted"] > N // 2, "the drafts must be accepted often for this test to bite"
+    assert chi2_pvalue(joint_counts(outputs[0::2]), exact_joint(target, REPEATS)) > P_MIN
+    assert chi2_pvalue(joint_counts(outputs[1::2]), exact_joint(target, NOVEL)) > P_MIN
+
+
+def test_planted_bug_is_rejected(pair, monkeypatch):
+    """A suffix node's one-hot proposal written at its own column, not its parent's: the verifier then sees q = 0 for
+    the drafted token, accepts it always, and chi2 must see it."""
+
+    def misplaced(probs, drafts):
+        for b, d in enumerate(drafts):
+            for i, t in enumerate(d.tokens):
+                probs[b, i + 1, t] = 1.0
+
+    monkeypatch.setattr(hybrid_module, "one_hot_proposals", misplaced)
+    target, draft = pair
+    llm = LLM(str(target), speculative_config={**SPEC, "model": str(draft)}, max_model_len=32, max_num_seqs=512)
+    outputs = sample(llm, [REPEATS, NOVEL] * N)
+    assert chi2_pvalue(joint_counts(outputs[0::2]), exact_joint(target, REPEATS)) < P_BUG
