@@ -39,11 +39,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="ranks the target is sharded over (CPU: gloo, CUDA: NCCL, one GPU each)")  # fmt: skip
 
 
-def stats_line(out, elapsed: float) -> str:
+def stats_line(out, tokens_per_s: float, median_of: int | None = None) -> str:
     m = out.metrics
     n = len(out.outputs[0].token_ids)
+    rate = f"{tokens_per_s:.1f} tok/s" + (f" (median of {median_of} runs)" if median_of else "")
     return (
-        f"[specdec] {n} tokens in {elapsed:.2f}s: {n / elapsed:.1f} tok/s | acceptance alpha={m['acceptance_rate']:.3f}"
+        f"[specdec] {n} tokens: {rate} | acceptance alpha={m['acceptance_rate']:.3f}"
         f" | mean accepted length tau={m['mean_accepted_length']:.2f} | steps={m['num_steps']}"
     )
 
@@ -81,20 +82,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     elapsed = time.perf_counter() - t0
+    stream = sys.stderr if args.json else sys.stdout
     print(out.outputs[0].text if args.chat is not None else args.prompt + out.outputs[0].text)
-    print(stats_line(out, elapsed), file=sys.stderr if args.json else sys.stdout)
     report = {"tokens_per_s": len(out.outputs[0].token_ids) / elapsed, **out.metrics}
-    if args.compare:
+    if not args.compare:
+        print(stats_line(out, report["tokens_per_s"]), file=stream)
+    else:
         base = build_llm(args, speculate=False)
         ref = base.generate([prompt], params, use_tqdm=False)[0]  # also its warm-up
-        # A 128-token run takes ~0.05-0.1 s here: one timing of each is mostly noise (cold caches, the scheduler,
-        # other jobs). The speedup is the median over rounds of each round's ratio, a round one warm run of each
-        # engine back to back (which goes first alternates), so a burst of load hits both sides of a ratio.
-        spec_tps, base_tps, speedup = _alternating_tps(llm, base, prompt, params, args.compare_repeats)
+        # One timing of a short request is mostly noise (cold caches, the scheduler, other jobs): each engine runs
+        # the request over alternating rounds (which goes first alternates, so a burst of load hits both), and the
+        # two lines print the medians whose ratio is the speedup.
+        spec_tps, base_tps = _alternating_tps(llm, base, prompt, params, args.compare_repeats)
         report["tokens_per_s"], report["baseline_tokens_per_s"] = spec_tps, base_tps
-        report["speedup"] = speedup
+        report["speedup"] = spec_tps / base_tps
         same = ref.outputs[0].token_ids == out.outputs[0].token_ids
-        stream = sys.stderr if args.json else sys.stdout
+        print(stats_line(out, spec_tps, median_of=args.compare_repeats), file=stream)
         why = explain(out.metrics, report["speedup"], same, params)
         if why:
             print(f"[specdec] {why}", file=stream)
@@ -106,9 +109,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _alternating_tps(llm, base, prompt: str | dict, params, repeats: int) -> tuple[float, float, float]:
-    """Median tok/s of ``llm`` and of ``base`` over ``repeats`` rounds of the same request, and the median over the
-    rounds of llm's tok/s over base's in the same round (the first engine of a round alternates)."""
+def _alternating_tps(llm, base, prompt: str | dict, params, repeats: int) -> tuple[float, float]:
+    """Median tok/s of ``llm`` and of ``base`` over ``repeats`` rounds of the same request (the first engine of a
+    round alternates)."""
     import statistics
 
     rates: tuple[list[float], list[float]] = ([], [])
@@ -118,8 +121,7 @@ def _alternating_tps(llm, base, prompt: str | dict, params, repeats: int) -> tup
             t0 = time.perf_counter()
             done = engine.generate([prompt], params, use_tqdm=False)[0]
             out.append(len(done.outputs[0].token_ids) / (time.perf_counter() - t0))
-    ratio = statistics.median(a / b for a, b in zip(*rates))
-    return statistics.median(rates[0]), statistics.median(rates[1]), ratio
+    return statistics.median(rates[0]), statistics.median(rates[1])
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

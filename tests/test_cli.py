@@ -92,10 +92,10 @@ def test_draft_dtype_is_passed_and_checked(pair, monkeypatch, capsys):
     assert "draft_dtype" in capsys.readouterr().err
 
 
-def test_compare_speedup_is_the_median_of_each_rounds_ratio(monkeypatch):
-    """--compare's speedup is the median over rounds of each round's spec / plain ratio (a round's two runs back to
-    back, which goes first alternating), not the ratio of the two medians. Injected clock: each run advances it by
-    its engine's cost (spec 0.5 s, plain 1 s) times that run's load."""
+def test_compare_prints_the_medians_whose_ratio_is_the_speedup(monkeypatch):
+    """--compare runs the two engines in alternating rounds (which goes first alternates) and reports each engine's
+    median tok/s; the speedup is their ratio, so the printed figures and the speedup agree. Injected clock: each run
+    advances it by its engine's cost (spec 0.5 s, plain 1 s) times that run's load."""
     from types import SimpleNamespace
 
     import spec_engine.cli as cli
@@ -115,7 +115,20 @@ def test_compare_speedup_is_the_median_of_each_rounds_ratio(monkeypatch):
             clock[0] += self.seconds * next(loads)
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * 10)])]
 
-    spec_tps, base_tps, speedup = cli._alternating_tps(Engine("spec", 0.5), Engine("plain", 1.0), "p", None, 5)
+    spec_tps, base_tps = cli._alternating_tps(Engine("spec", 0.5), Engine("plain", 1.0), "p", None, 5)
     assert order == ["spec", "plain", "plain", "spec", "spec", "plain", "plain", "spec", "spec", "plain"]
     assert (spec_tps, base_tps) == (pytest.approx(10.0), pytest.approx(5.0))  # tok/s medians: 20 10 10 6.7 20, ...
-    assert speedup == pytest.approx(3.0)  # round ratios 4 1 3 0.67 4; the ratio of the medians would be 2
+
+
+def test_compare_lines_agree(pair, capsys):
+    """The speculative line's tok/s over the no-speculation line's tok/s is the printed speedup (to rounding)."""
+    import re
+
+    target, draft = pair
+    argv = ["generate", "--prompt", "def fib(n):", "--model", str(target), "--draft", str(draft), "--max-tokens", "16"]
+    assert main(argv + ["--compare", "--compare-repeats", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    (spec_line,) = [line for line in lines if "(median of 3 runs)" in line]
+    spec = float(re.search(r"tokens: ([\d.]+) tok/s", spec_line)[1])
+    base, speedup = re.search(r"no speculation: ([\d.]+) tok/s \| speedup ([\d.]+)x", lines[-1]).groups()
+    assert float(speedup) == pytest.approx(spec / float(base), abs=0.011)
