@@ -159,6 +159,10 @@ class LLM:
     tensor_parallel_size : ranks the target is sharded over (Megatron-style, ``spec_engine.distributed``): N - 1
         worker processes are spawned (one per CUDA device, or CPU ranks over gloo); the drafter and verification run
         here, on rank 0. ``close()`` stops the workers. ValueError when the heads or MLP width do not divide.
+    quantization : None, or ``"gguf"`` (vLLM's name): keep a GGUF file's quantized matrices (Q8_0, Q4_0, Q4_1) as
+        stored and multiply them with the native CPU kernels (``spec_kernels.quant_linear``); norms and activations
+        in ``dtype``. Greedy output in float32 is that of the same file dequantized at load. ValueError for a model
+        that is not a GGUF file; on a non-CPU device the weights are dequantized at load, with a warning.
     """
 
     def __init__(
@@ -174,6 +178,7 @@ class LLM:
         block_size: int = 32,
         prefill_chunk: int = 512,
         tensor_parallel_size: int = 1,
+        quantization: str | None = None,
     ):
         tp = tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -190,13 +195,15 @@ class LLM:
         spec = _parse_speculative_config(speculative_config)
         self.model_dir = Path(model)
         if tensor_parallel_size > 1:  # rank 0's shard plus N - 1 worker processes (spec_engine/distributed.py)
+            if quantization is not None:
+                raise ValueError("quantization='gguf' runs on one process: not supported with tensor_parallel_size > 1")
             if spec and spec["method"] == "eagle":
                 raise ValueError("EAGLE heads read the target's features: not supported with tensor_parallel_size > 1")
             from spec_engine.distributed import launch
 
             self.target = launch(model, tensor_parallel_size, dtype=torch_dtype, device=device)
         else:
-            self.target = load_model(model, dtype=torch_dtype, device=device)
+            self.target = load_model(model, dtype=torch_dtype, device=device, quantization=quantization)
         self.tokenizer = load_tokenizer(model)
         cfg = self.target.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, 4096)
