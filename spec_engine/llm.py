@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from spec_engine.chat_template import ChatTemplate
 from spec_engine.drafters.base import Drafter
 from spec_engine.drafters.draft_model import DraftModelDrafter, read_draft_vocab
 from spec_engine.drafters.eagle import EagleDrafter, load_eagle_head
@@ -19,6 +20,7 @@ from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_toke
 from spec_engine.models import load_model
 from spec_engine.sampling import SamplingParams
 from spec_engine.tree import StaticTree, chain
+from spec_engine.zoo.pull import resolve_model
 from spec_kernels._backend import cpu_supports_native_bf16
 from spec_kernels._ext import load_ext
 
@@ -49,10 +51,16 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
 
-def load_tokenizer(model_dir: str | Path):
+def load_tokenizer(model: str | Path):
+    """The ``tokenizers.Tokenizer`` of an HF directory (its ``tokenizer.json``) or a GGUF file (built from its
+    metadata); None when the model has none."""
     from tokenizers import Tokenizer
 
-    path = Path(model_dir) / "tokenizer.json"
+    from spec_engine.models.gguf import gguf_path_or_none, gguf_tokenizer
+
+    if gguf_path_or_none(model) is not None:
+        return gguf_tokenizer(model)
+    path = Path(model) / "tokenizer.json"
     if not path.is_file():
         return None
     try:
@@ -141,7 +149,9 @@ class LLM:
 
     Parameters
     ----------
-    model : HF directory with config.json, *.safetensors and tokenizer.json.
+    model : HF directory with config.json, *.safetensors and tokenizer.json; a GGUF file (``*.gguf``: config,
+        tokenizer and chat template from its metadata, weights dequantized to ``dtype``); or a registry name
+        (``"smollm2"``, ``spec_engine.zoo.pull``), pulled into the model cache on first use.
     speculative_config : None, ``{"method": "draft_model", "model": DIR, "num_speculative_tokens": g,
         "tree": [b1, b2, ...]}`` (children per depth, padded with 1 up to g) or ``{"method": "ngram", ...}``.
         ``num_speculative_tokens`` left out or ``"auto"`` is adaptive speculation: each step the engine picks the
@@ -193,6 +203,7 @@ class LLM:
             raise ValueError("device='cuda' but no CUDA device is available")
         torch_dtype = DTYPES[dtype]
         spec = _parse_speculative_config(speculative_config)
+        model = resolve_model(model)
         self.model_dir = Path(model)
         if tensor_parallel_size > 1:  # rank 0's shard plus N - 1 worker processes (spec_engine/distributed.py)
             if quantization is not None:
@@ -205,6 +216,7 @@ class LLM:
         else:
             self.target = load_model(model, dtype=torch_dtype, device=device, quantization=quantization)
         self.tokenizer = load_tokenizer(model)
+        self._chat_template: ChatTemplate | None = None
         cfg = self.target.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, 4096)
         self.speculative_config = spec
@@ -296,13 +308,66 @@ class LLM:
         ):
             raise ValueError(f"the draft tokenizer ({d}) differs from the target's ({t})")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(f"{self.model_dir} has no tokenizer.json: pass {{'prompt_token_ids': [...]}} instead")
-        return self.tokenizer.encode(text).ids
+            raise ValueError(f"{self.model_dir} has no tokenizer: pass {{'prompt_token_ids': [...]}} instead")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def get_chat_template(self, chat_template: str | None = None) -> ChatTemplate:
+        """The model's chat template (HF directory or GGUF metadata), or ``chat_template`` (a Jinja source)."""
+        if chat_template is not None:
+            return ChatTemplate(self.model_dir, source=chat_template)
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate(self.model_dir)
+        return self._chat_template
+
+    def render_chat(
+        self, messages: list[dict], *, chat_template: str | None = None, add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> tuple[str, list[int]]:  # fmt: skip
+        """One conversation rendered by the chat template: (text, token ids). A model's own template writes its
+        special tokens (BOS...) itself, so encoding does not add them again."""
+        template = self.get_chat_template(chat_template)
+        text = template.render(messages, add_generation_prompt, **(chat_template_kwargs or {}))
+        return text, self.encode(text, add_special_tokens=not template.from_model)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, as vLLM's ``LLM.chat``.
+
+        Parameters
+        ----------
+        messages : one conversation (``[{"role": "user", "content": "..."}, ...]``) or a list of them.
+        sampling_params : one for all conversations, or one per conversation.
+        chat_template : a Jinja source used instead of the model's template (HF directory or GGUF metadata;
+            models without one get ``DEFAULT_CHAT_TEMPLATE``).
+        add_generation_prompt : end the prompt with the assistant's header, for the model to continue from.
+        chat_template_kwargs : more variables for the template.
+
+        Returns one ``RequestOutput`` per conversation, in order; ``prompt`` holds the rendered text.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        for conv in conversations:
+            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
+                raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of them")
+        kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                      chat_template_kwargs=chat_template_kwargs)  # fmt: skip
+        rendered = [self.render_chat(conv, **kwargs) for conv in conversations]
+        outs = self.generate([{"prompt_token_ids": ids} for _, ids in rendered], sampling_params, use_tqdm=use_tqdm)
+        for out, (text, _) in zip(outs, rendered):
+            out.prompt = text
+        return outs
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -288,6 +288,138 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
     return cfg, {name: r.dequantize(dtype) for name, r in raw.items()}
 
 
+# --- the tokenizer ------------------------------------------------------------------------------------------------
+
+# tokenizer.ggml.pre -> the pre-tokenizer llama.cpp runs before byte-level BPE (llama-vocab.cpp's regex lists)
+_GPT2_REGEX_PRES = ("default", "gpt2", "gpt-2")
+_DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")  # "\p{N}" first
+_SPLIT_REGEXES = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+",
+}
+SUPPORTED_PRE_TOKENIZERS = _GPT2_REGEX_PRES + _DIGIT_SPLIT_PRES + tuple(_SPLIT_REGEXES)
+TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4  # llama.cpp's token types of added (pre-matched) tokens
+
+
+def _pre_tokenizer(pre: str) -> dict:
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    if pre in _GPT2_REGEX_PRES:
+        return byte_level
+    if pre in _DIGIT_SPLIT_PRES:
+        return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
+    split = {"type": "Split", "pattern": {"Regex": _SPLIT_REGEXES[pre]}, "behavior": "Isolated", "invert": False}
+    return {"type": "Sequence", "pretokenizers": [split, {**byte_level, "use_regex": False}]}
+
+
+def gguf_tokenizer(path: str | Path):
+    """A ``tokenizers.Tokenizer`` from the file's ``tokenizer.ggml.*`` metadata, or None when it has none.
+
+    Byte-level BPE (``tokenizer.ggml.model == "gpt2"``): the tokens and merges, the pre-tokenizer that
+    ``tokenizer.ggml.pre`` names (SmolLM2's ``smollm``: each digit apart, then GPT-2's regex), control tokens (type 3)
+    as special added tokens and user-defined ones (type 4) as plain added tokens, and BOS / EOS added to every
+    encoding where ``add_bos_token`` / ``add_eos_token`` say so. ValueError for any other tokenizer model or
+    pre-tokenizer: a guessed tokenizer would encode prompts the model never saw.
+    """
+    import json
+
+    from tokenizers import Tokenizer
+
+    f = open_gguf(path)
+    kind = f.get("tokenizer.ggml.model")
+    if kind is None:
+        return None
+    if kind != "gpt2":
+        raise ValueError(f"{f.path}: tokenizer model {kind!r} is not supported; specdec builds 'gpt2' (byte-level BPE)")
+    pre = f.get("tokenizer.ggml.pre", "default")
+    if pre not in SUPPORTED_PRE_TOKENIZERS:
+        raise ValueError(
+            f"{f.path}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
+        )
+    tokens = list(f.get("tokenizer.ggml.tokens"))
+    types = list(f.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [m.split(" ", 1) for m in f.get("tokenizer.ggml.merges", [])]
+    added = [
+        {
+            "id": i,
+            "content": tok,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": ty == TOKEN_TYPE_CONTROL,
+        }  # fmt: skip
+        for i, (tok, ty) in enumerate(zip(tokens, types))
+        if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
+    ]
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "NFC"} if pre == "qwen2" else None,
+        "pre_tokenizer": _pre_tokenizer(pre),
+        "post_processor": _post_processor(f, tokens),
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {tok: i for i, tok in enumerate(tokens)},
+            "merges": merges,
+        },  # fmt: skip
+    }
+    try:
+        return Tokenizer.from_str(json.dumps(spec))
+    except Exception as e:  # tokenizers raises its own Exception subclass
+        raise ValueError(f"{f.path}: cannot build the tokenizer from its metadata: {e}") from e
+
+
+def _post_processor(f: GGUFFile, tokens: list[str]) -> dict | None:
+    """BOS before and EOS after every encoding, as far as ``add_bos_token`` / ``add_eos_token`` ask for them."""
+
+    def added(end: str) -> list[tuple[str, int]]:
+        token_id = f.get(f"tokenizer.ggml.{end}_token_id")
+        if token_id is None or not f.get(f"tokenizer.ggml.add_{end}_token", False):
+            return []
+        return [(tokens[token_id], int(token_id))]
+
+    bos, eos = added("bos"), added("eos")
+    if not bos and not eos:
+        return None
+
+    def specials(ends):
+        return [{"SpecialToken": {"id": t, "type_id": 0}} for t, _ in ends]
+
+    single = specials(bos) + [{"Sequence": {"id": "A", "type_id": 0}}] + specials(eos)
+    pair = single + [{"Sequence": {"id": "B", "type_id": 1}}] + specials(eos)
+    special = {t: {"id": t, "ids": [i], "tokens": [t]} for t, i in bos + eos}
+    return {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special}
+
+
+def gguf_special_tokens(path: str | Path) -> dict[str, str]:
+    """``bos_token``, ``eos_token``, ``unk_token``, ``pad_token`` -> their text ("" when the file names none): the
+    variables a chat template sees."""
+    f = open_gguf(path)
+    tokens = f.get("tokenizer.ggml.tokens") or []
+    out = {}
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        token_id = f.get(f"tokenizer.ggml.{key}_token_id")
+        out[f"{name}_token"] = tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else ""
+    return out
+
+
+def gguf_chat_template(path: str | Path) -> str | None:
+    """The file's ``tokenizer.chat_template`` (a Jinja source), or None."""
+    return open_gguf(path).get("tokenizer.chat_template")
+
+
 def gguf_path_or_none(model: str | Path) -> Path | None:
     """``model`` as a GGUF file path, or None when it is something else (an HF directory)."""
     p = Path(model)
@@ -302,8 +434,11 @@ __all__ = [
     "GGUFFile",
     "RawTensor",
     "dequantize_blocks",
+    "gguf_chat_template",
     "gguf_config",
     "gguf_path_or_none",
+    "gguf_special_tokens",
+    "gguf_tokenizer",
     "open_gguf",
     "permute_qk_rows",
     "read_gguf",

@@ -39,7 +39,7 @@ from starlette.requests import ClientDisconnect
 from spec_engine.sampling import SamplingParams
 from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
 from spec_engine.server.http_guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_REQUEST_TIMEOUT, guarded_protocol
-from spec_engine.server.protocol import ChatCompletionRequest, ChatTemplate, CompletionRequest, error_param
+from spec_engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_param
 
 log = logging.getLogger("spec_engine.server")
 
@@ -76,7 +76,7 @@ def create_app(
     with ``uvicorn_config`` (the guarded HTTP layer), e.g. ``uvicorn.Server(uvicorn_config(app, port=0)).run()``.
     """
     engine = AsyncEngine(llm)
-    chat_template = ChatTemplate(llm.model_dir)
+    chat_template = llm.get_chat_template()
     registry = CollectorRegistry()
     registry.register(_EngineCollector(engine, max_pending))
     http_requests = Counter("specdec_http_requests", "API requests by endpoint and HTTP status", ["endpoint", "status"],

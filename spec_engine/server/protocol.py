@@ -1,5 +1,5 @@
 """The OpenAI request bodies the server accepts, validated field by field with pydantic (strict: no "0.5" strings
-for numbers, no booleans for ints), and the chat template that turns messages into a prompt.
+for numbers, no booleans for ints). The chat template lives in ``spec_engine.chat_template``.
 
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
 ``ignore_eos``. OpenAI fields that would change the output but are not implemented (``stop`` strings, ``logprobs``,
@@ -8,18 +8,11 @@ penalties, ...) are rejected with 400 when set, never silently ignored; unknown 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# The default chat format, for models whose tokenizer_config.json has no chat_template: one "<|role|>\n" header per
-# message, the content, a newline, then the assistant header the model continues from.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+from spec_engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (the server's names)
 
 _UNSUPPORTED = {  # field -> the value that means "not used"
     "stop": None,
@@ -112,65 +105,3 @@ def error_param(loc: tuple) -> str | None:
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or None
-
-
-# --- chat templates ----------------------------------------------------------------------------------------------
-
-
-class ChatTemplate:
-    """The model's chat template (``tokenizer_config.json``'s ``chat_template``, or a ``chat_template.jinja``
-    file) rendered as transformers does, or ``DEFAULT_CHAT_TEMPLATE`` when the model has none.
-
-    ``from_model`` says whether the rendered text already carries the special tokens (BOS...), in which case it
-    must be encoded without adding them again.
-    """
-
-    def __init__(self, model_dir: str | Path):
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        model_dir = Path(model_dir)
-        cfg: dict = {}
-        cfg_path = model_dir / "tokenizer_config.json"
-        if cfg_path.is_file():
-            try:
-                cfg = json.loads(cfg_path.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"corrupt {cfg_path}: {e}") from e
-        source = cfg.get("chat_template")
-        if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default") or next(iter(named.values()), None)
-        jinja_file = model_dir / "chat_template.jinja"
-        if source is None and jinja_file.is_file():
-            source = jinja_file.read_text()
-        self.from_model = isinstance(source, str)
-        self.source = source if self.from_model else DEFAULT_CHAT_TEMPLATE
-        self.special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-
-        def raise_exception(message):
-            raise jinja2.exceptions.TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = raise_exception
-        self._template = env.from_string(self.source)
-
-    def render(self, messages: list[ChatMessage]) -> str:
-        """The prompt text; a template error (e.g. roles that must alternate) raises ``ValueError``."""
-        import jinja2
-
-        try:
-            return self._template.render(
-                messages=[m.model_dump() for m in messages], add_generation_prompt=True, **self.special
-            )
-        except jinja2.exceptions.TemplateError as e:
-            raise ValueError(f"chat template: {e}") from e
-
-
-def _token_text(tok) -> str:
-    if isinstance(tok, dict):  # AddedToken serialised as {"content": "<s>", ...}
-        return tok.get("content", "")
-    return tok or ""

@@ -1,0 +1,91 @@
+"""A model's chat template: the Jinja source that turns a conversation (``[{"role": ..., "content": ...}]``) into
+the prompt text, rendered as transformers renders it. One renderer serves ``LLM.chat``, ``specdec generate --chat``
+and the server's ``/v1/chat/completions``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The default chat format, for models whose tokenizer_config.json has no chat_template: one "<|role|>\n" header per
+# message, the content, a newline, then the assistant header the model continues from.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class ChatTemplate:
+    """The model's chat template rendered as transformers does, or ``DEFAULT_CHAT_TEMPLATE`` when the model has none.
+
+    The template comes from an HF directory (``tokenizer_config.json``'s ``chat_template``, or a
+    ``chat_template.jinja`` file) or a GGUF file (``tokenizer.chat_template``); ``source`` overrides it.
+    ``from_model`` says whether the rendered text already carries the special tokens (BOS...), in which case it
+    must be encoded without adding them again.
+    """
+
+    def __init__(self, model: str | Path | None, source: str | None = None):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        found, self.special = _model_template(Path(model)) if model is not None else (None, {})
+        source = source if source is not None else found
+        self.from_model = isinstance(source, str)
+        self.source = source if self.from_model else DEFAULT_CHAT_TEMPLATE
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            self._template = env.from_string(self.source)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat template: {e}") from e
+
+    def render(self, messages: list, add_generation_prompt: bool = True, **kwargs) -> str:
+        """The prompt text for ``messages`` (dicts with "role" and "content", or pydantic models of them);
+        ``kwargs`` reach the template as variables. A template error (e.g. roles that must alternate) raises
+        ``ValueError``."""
+        import jinja2
+
+        messages = [m.model_dump() if hasattr(m, "model_dump") else dict(m) for m in messages]
+        try:
+            return self._template.render(
+                **{**self.special, **kwargs}, messages=messages, add_generation_prompt=add_generation_prompt
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat template: {e}") from e
+
+
+def _model_template(model: Path) -> tuple[str | None, dict[str, str]]:
+    """(template source or None, special token texts) of an HF directory or a GGUF file."""
+    from spec_engine.models.gguf import gguf_chat_template, gguf_path_or_none, gguf_special_tokens
+
+    if gguf_path_or_none(model) is not None:
+        return gguf_chat_template(model), gguf_special_tokens(model)
+    cfg: dict = {}
+    cfg_path = model / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"corrupt {cfg_path}: {e}") from e
+    source = cfg.get("chat_template")
+    if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default") or next(iter(named.values()), None)
+    jinja_file = model / "chat_template.jinja"
+    if source is None and jinja_file.is_file():
+        source = jinja_file.read_text()
+    special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return source, special
+
+
+def _token_text(tok) -> str:
+    if isinstance(tok, dict):  # AddedToken serialised as {"content": "<s>", ...}
+        return tok.get("content", "")
+    return tok or ""

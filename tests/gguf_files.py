@@ -1,0 +1,119 @@
+"""Tiny GGUF files written in the test session with ``gguf.GGUFWriter``, the way llama.cpp's ``convert_hf_to_gguf``
+writes them: llama.cpp tensor names, Q/K rows permuted (llama), norms and biases in F32, every other weight in the
+chosen type. No downloads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in GGUF_NAMES:
+        return GGUF_NAMES[hf]
+    _, _, i, rest = hf.split(".", 3)
+    return f"blk.{i}.{LAYER_NAMES[rest]}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's ``LlamaModel.permute``, written out here independently of the loader's inverse."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def stored(w: np.ndarray, qtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """``w`` (float32) as the writer takes it in ggml type ``qtype``."""
+    t = gguf.GGMLQuantizationType[qtype]
+    if qtype == "F32":
+        return w.astype(np.float32), t
+    if qtype == "F16":
+        return w.astype(np.float16), t
+    return gguf.quants.quantize(w.astype(np.float32), t), t
+
+
+def dequantized(w: np.ndarray, qtype: str) -> np.ndarray:
+    """What a reader gets back from ``stored(w, qtype)``, by gguf's own dequantization (float32)."""
+    data, t = stored(w, qtype)
+    return gguf.quants.dequantize(data, t).reshape(w.shape).astype(np.float32)
+
+
+def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "llama", tokenizer: dict | None = None,
+               chat_template: str | None = None, type_of: dict | None = None) -> Path:  # fmt: skip
+    """The HF checkpoint in ``hf_dir`` as a GGUF file; 2-D weights in ``qtype`` (``type_of``: per HF name overrides).
+
+    ``tokenizer``: ``{"tokens", "types", "merges", "pre", "bos", "eos", "add_bos"}`` metadata (see ``gguf_tokenizer``).
+    """
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    w.add_vocab_size(cfg["vocab_size"])
+    if tokenizer is not None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(tokenizer.get("pre", "default"))
+        w.add_token_list(tokenizer["tokens"])
+        w.add_token_types(tokenizer["types"])
+        w.add_token_merges(tokenizer["merges"])
+        for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id)):
+            if tokenizer.get(key) is not None:
+                add(tokenizer[key])
+        w.add_add_bos_token(tokenizer.get("add_bos", False))
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    for name, t in state.items():
+        t = t.astype(np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = llama_cpp_permute(t, heads if "q_proj" in name else kv_heads)
+        kind = (type_of or {}).get(name, qtype) if t.ndim == 2 else "F32"
+        data, raw = stored(t, kind)
+        w.add_tensor(gguf_name(name), data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def tokenizer_metadata(tok, specials: list[str], pre: str = "default") -> dict:
+    """The ``tokenizer.ggml.*`` metadata of a byte-level BPE ``tokenizers.Tokenizer`` (as convert_hf_to_gguf
+    writes it): every token by id, the added specials as control tokens (type 3), the merges as "a b" strings."""
+    spec = json.loads(tok.to_str())
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    types = [3 if t in specials else 1 for t in tokens]
+    return {"tokens": tokens, "types": types, "merges": merges, "pre": pre}

