@@ -34,6 +34,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks the target is sharded over (CPU: gloo, CUDA: NCCL, one GPU each)")  # fmt: skip
+    g.add_argument("--quantization", default=None, choices=["gguf"],
+                   help="gguf: keep a .gguf model's quantized weights as stored (native CPU kernels) instead of "
+                   "dequantizing them to --dtype")  # fmt: skip
 
 
 def build_llm(args: argparse.Namespace, *, speculate: bool = True):
@@ -65,7 +68,7 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True):
                 raise SystemExit(f"error: --tree must be comma-separated ints, got {args.tree!r}") from None
     return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
+               tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)  # fmt: skip
 
 
 def stats_line(out, elapsed: float) -> str:

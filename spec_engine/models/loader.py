@@ -86,7 +86,7 @@ def load_gguf_quantized(path: Path, *, dtype: torch.dtype, device: str) -> Llama
         )
         return build_model(cfg, {n: r.dequantize(dtype) for n, r in raw.items()}, dtype=dtype, device=device,
                            source=path)  # fmt: skip
-    blocks = {n: QuantizedWeight(r.data, r.type_name, r.shape) for n, r in raw.items() if r.quantized and r.data.dim() == 2}
+    blocks = {n: QuantizedWeight(r.data, r.type_name, r.shape) for n, r in raw.items() if r.quantized}
     nan = torch.full((), float("nan"), dtype=dtype)
     state = {n: nan.expand(r.shape) if n in blocks and n != "model.embed_tokens.weight" else r.dequantize(dtype)
              for n, r in raw.items()}  # fmt: skip
