@@ -352,7 +352,7 @@ _TYPE_NAMES = {v: k for k, v in QUANT_TYPES.items()}
 
 def dequantize_ref(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     """GGUF blocks ``uint8 [N, K / 32 * block_bytes]`` -> float32 ``[N, K]``, gguf.quants.dequantize's values:
-    Q8_0 ``q * d``; Q4_0 ``d * (q - 8)``; Q4_1 ``d * q + m`` (two roundings). Byte j of a block's nibbles holds
+    Q8_0 ``q * d``; Q4_0 ``d * (q - 8)``; Q4_1 ``d * q + m`` (the products are exact). Byte j of a block's nibbles holds
     element j (low nibble) and element j + 16 (high nibble)."""
     num_rows = weight.shape[0]
     blocks = weight.reshape(num_rows, -1, QUANT_BLOCK_BYTES[qtype])  # [N, K / 32, block_bytes]
