@@ -8,7 +8,8 @@ forward's matmuls back to back, 30 layers' own weights plus the lm_head (96 MB o
 stream from DRAM, as decoding does); the roofline column is GB/s of weight bytes read. Contenders are interleaved rep
 by rep so a noisy shared machine hits them alike.
 
-Usage: python bench/bench_quant_linear.py [--quick] [--threads N]. Results go to bench/out/bench_quant_linear.json.
+Usage: python -m bench.bench_quant_linear [--quick] [--threads N] [--cpu-time]. Results go to
+bench/out/bench_quant_linear.json.
 """
 
 from __future__ import annotations
@@ -43,15 +44,18 @@ def _blocks(n: int, k: int, qtype: str, rng: np.random.Generator) -> torch.Tenso
     return torch.from_numpy(raw.reshape(n, -1))
 
 
+CLOCK = time.perf_counter  # --cpu-time: time.thread_time
+
+
 def _time(fns: dict, reps: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()
     for _ in range(reps):
         for k, fn in fns.items():
-            start = time.perf_counter()
+            start = CLOCK()
             fn()
-            times[k].append(time.perf_counter() - start)
+            times[k].append(CLOCK() - start)
     return times
 
 
@@ -122,9 +126,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute)")
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: torch's)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time calls by this thread's CPU time (one thread): on a loaded machine wall-clock counts "
+                        "other processes' time slices")  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        if torch.get_num_threads() != 1:
+            parser.error("--cpu-time measures one thread: pass --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
     rng = np.random.default_rng(0)
     rows = [1, 2, 4, 8, 16]
     load_before = os.getloadavg()
@@ -137,6 +149,7 @@ def main() -> None:
         "processor": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "clock": "thread CPU time" if args.cpu_time else "wall",
         "loadavg_before_after": [load_before, os.getloadavg()],
         "note": "wall-clock on a shared machine: other processes add noise; compare the interleaved pairs",
     }
