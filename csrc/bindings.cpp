@@ -1,7 +1,8 @@
 // The only file that registers ops: spec_kernels::compact_kv_ with CPU, CUDA and Meta kernels, and
-// spec_kernels::linear (csrc/linear_cpu.cpp) and spec_kernels::decoder_layers (csrc/decoder_layers_cpu.cpp) with CPU
-// and Meta kernels, spec_kernels::verify_greedy (csrc/verify_tree_cpu.cpp: verify_tree's all-greedy CPU walk), and the
-// class spec_kernels.SuffixTree (csrc/suffix_tree_cpu.cpp: suffix decoding's tree).
+// spec_kernels::linear (csrc/linear_cpu.cpp), spec_kernels::quant_linear (csrc/quant_linear_cpu.cpp) and
+// spec_kernels::decoder_layers (csrc/decoder_layers_cpu.cpp) with CPU and Meta kernels,
+// spec_kernels::verify_greedy (csrc/verify_tree_cpu.cpp: verify_tree's all-greedy CPU walk), and the class
+// spec_kernels.SuffixTree (csrc/suffix_tree_cpu.cpp: suffix decoding's tree).
 //
 // Also the torch-facing half of the CUDA path (shape checks, device guard, current stream): nvcc 13 cannot compile
 // torch's CUDA headers, so csrc/compact_kv.cu stays torch-free and this host-compiled file calls its raw launcher.
@@ -33,6 +34,10 @@ void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, co
                     const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table);
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
+                            const c10::optional<at::Tensor>& bias);
+at::Tensor quant_linear_meta(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
+                             const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights,
                                                       const at::Tensor& final_norm, at::Tensor kv_cache,
                                                       const at::Tensor& cache_seqlens, const at::Tensor& rope,
@@ -179,6 +184,7 @@ TORCH_LIBRARY(spec_kernels, m) {
       "compact_kv_(Tensor(a!) cache, Tensor cache_seqlens, Tensor accepted_nodes, Tensor num_accepted, "
       "Tensor? block_table=None) -> ()");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor weight, int qtype, Tensor? bias=None) -> Tensor");
   m.def(
       "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!) kv_cache, Tensor cache_seqlens, "
       "Tensor rope, Tensor tree_mask, Tensor? block_table, int num_heads, float eps, int[] capture=[]) -> (Tensor, "
@@ -213,6 +219,7 @@ TORCH_LIBRARY(spec_kernels, m) {
 TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("compact_kv_", &specdec::compact_kv_cpu_entry);
   m.impl("linear", &specdec::linear_cpu);
+  m.impl("quant_linear", &specdec::quant_linear_cpu);
   m.impl("decoder_layers", &specdec::decoder_layers_cpu);
   m.impl("verify_greedy", &specdec::verify_greedy_cpu);
   m.impl("draft_chain", &specdec::draft_chain_cpu);
@@ -223,6 +230,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
 TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {
   m.impl("compact_kv_", &specdec::compact_kv_meta);
   m.impl("linear", &specdec::linear_meta);
+  m.impl("quant_linear", &specdec::quant_linear_meta);
   m.impl("decoder_layers", &specdec::decoder_layers_meta);
 }
 

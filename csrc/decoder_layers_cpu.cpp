@@ -44,6 +44,7 @@
 
 #include "cpu_team.h"
 #include "linear_cpu.h"
+#include "quant_linear_cpu.h"
 
 #include "cpu_simd.h"
 
@@ -222,22 +223,53 @@ void rope_head(float* x, const T* cos, const T* sin, int64_t D) {
   }
 }
 
-// Matmuls in the model's dtype: the small-M kernel of csrc/linear_cpu.cpp.
-void linear(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
-  linear_f32(x, w, bias, out, M, N, K, K);
+// A matrix of the model [N, K]: dense in the model's dtype (qtype 0), or GGUF blocks as the file stores them (uint8
+// [N, K / 32 * block bytes], csrc/quant_linear_cpu.h; qtype its ggml type id, told by the block size).
+struct Weight {
+  const void* data = nullptr;
+  int64_t qtype = 0;
+};
+
+// The GGUF type of a uint8 matrix of K inputs by its width (Q4_0 18, Q4_1 20, Q8_0 34 bytes per 32 inputs); 0 for a
+// dense matrix; -1 for a width no type has.
+int64_t qtype_of(const at::Tensor& w, int64_t K) {
+  if (w.scalar_type() != at::kByte) return 0;
+  if (w.dim() != 2 || K <= 0 || K % kQuantBlock != 0) return -1;
+  for (const QuantType q : {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ8_0}) {
+    if (w.size(1) == K / kQuantBlock * quant_block_bytes(static_cast<int64_t>(q))) return static_cast<int64_t>(q);
+  }
+  return -1;
 }
-void linear(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out, int64_t M,
+
+Weight weight_of(const at::Tensor& w, int64_t K) { return {w.data_ptr(), qtype_of(w, K)}; }
+
+// Matmuls in the model's dtype: the small-M kernel of csrc/linear_cpu.cpp, or on GGUF blocks the quantized kernel of
+// csrc/quant_linear_cpu.cpp (the same float32 sums as linear on the dequantized matrix).
+void linear(const float* x, const Weight& w, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
+  if (w.qtype != 0) return quant_linear_f32(x, static_cast<const uint8_t*>(w.data), w.qtype, bias, out, M, N, K, K);
+  linear_f32(x, static_cast<const float*>(w.data), bias, out, M, N, K, K);
+}
+void linear(const c10::BFloat16* x, const Weight& w, const c10::BFloat16* bias, c10::BFloat16* out, int64_t M,
             int64_t N, int64_t K) {
-  linear_bf16(x, w, bias, out, M, N, K, K);
+  if (w.qtype != 0) return quant_linear_bf16(x, static_cast<const uint8_t*>(w.data), w.qtype, bias, out, M, N, K, K);
+  linear_bf16(x, static_cast<const c10::BFloat16*>(w.data), bias, out, M, N, K, K);
 }
 // One worker's share of the same (its weight-row blocks): the team's workers together write all of out.
-void linear(const Worker& wk, const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N,
+void linear(const Worker& wk, const float* x, const Weight& w, const float* bias, float* out, int64_t M, int64_t N,
             int64_t K) {
-  linear_f32_part(x, w, bias, out, M, N, K, K, wk.id(), wk.size());
+  if (w.qtype != 0) {
+    return quant_linear_f32_part(x, static_cast<const uint8_t*>(w.data), w.qtype, bias, out, M, N, K, K, wk.id(),
+                                 wk.size());
+  }
+  linear_f32_part(x, static_cast<const float*>(w.data), bias, out, M, N, K, K, wk.id(), wk.size());
 }
-void linear(const Worker& wk, const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
-            c10::BFloat16* out, int64_t M, int64_t N, int64_t K) {
-  linear_bf16_part(x, w, bias, out, M, N, K, K, wk.id(), wk.size());
+void linear(const Worker& wk, const c10::BFloat16* x, const Weight& w, const c10::BFloat16* bias, c10::BFloat16* out,
+            int64_t M, int64_t N, int64_t K) {
+  if (w.qtype != 0) {
+    return quant_linear_bf16_part(x, static_cast<const uint8_t*>(w.data), w.qtype, bias, out, M, N, K, K, wk.id(),
+                                  wk.size());
+  }
+  linear_bf16_part(x, static_cast<const c10::BFloat16*>(w.data), bias, out, M, N, K, K, wk.id(), wk.size());
 }
 
 // What one call works on, as raw pointers and sizes; T is the model's dtype (weights, activations, cache, RoPE).
@@ -533,14 +565,14 @@ const T* ptr(const at::Tensor& t) {
 }
 
 // h [M, H] float32: the residual stream, updated in place through every layer; out [M, H]: the final-normed h;
-// with `head` [V, H] also logits [M, V] = out head^T. One team (csrc/cpu_team.h) runs the whole stack, the logits
-// included: each stage is split across its workers (matmuls by weight-row blocks, attention by units, the row-wise
-// pieces by rows of h) with a sync between stages. As ~5 at::parallel_for regions per layer, the fork / join cost
-// dominated the small stages and left the second thread idle through every row-wise piece; the logits as a region of
-// their own cost ~3% of a draft forward.
+// with `head` [V, H] (dense or GGUF blocks) also logits [M, V] = out head^T. One team (csrc/cpu_team.h) runs the
+// whole stack, the logits included: each stage is split across its workers (matmuls by weight-row blocks, attention
+// by units, the row-wise pieces by rows of h) with a sync between stages. As ~5 at::parallel_for regions per layer,
+// the fork / join cost dominated the small stages and left the second thread idle through every row-wise piece; the
+// logits as a region of their own cost a few percent of a draft forward.
 template <typename T>
 void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, const T* final_norm, float* h, T* out,
-                const T* head = nullptr, int64_t V = 0, T* logits = nullptr) {
+                const Weight& head = {}, int64_t V = 0, T* logits = nullptr) {
   const int64_t M = p.B * p.T_, H = p.H, D = p.D, Hq = p.Hq, Hkv = p.Hkv, I = p.I, G = Hq / Hkv;
   const int64_t qkv_width = (Hq + 2 * Hkv) * D;
   std::vector<T> x(M * std::max(H, I)), qkv(M * qkv_width), attn(M * Hq * D), gate_up(M * 2 * I), delta(M * H);
@@ -585,7 +617,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       }
       rms_norm(h + m_begin * H, H, ptr<T>(wl[kInputNorm]), p.eps, x.data() + m_begin * H, my_rows, H);
       w.sync();
-      linear(w, x.data(), ptr<T>(wl[kQkv]), ptr<T>(wl[kQkvBias]), qkv.data(), M, qkv_width, H);
+      linear(w, x.data(), weight_of(wl[kQkv], H), ptr<T>(wl[kQkvBias]), qkv.data(), M, qkv_width, H);
       w.sync();
       // q / k heads one by one (a decode token's 4-6 heads then spread over the workers): float32, norms, RoPE;
       // a KV head's K and V then go to the cache
@@ -618,12 +650,12 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         std::transform(a, a + heads * D, attn.data() + (m * Hq + h0) * D, [](float v) { return static_cast<T>(v); });
       }
       w.sync();
-      linear(w, attn.data(), ptr<T>(wl[kO]), nullptr, delta.data(), M, H, Hq * D);
+      linear(w, attn.data(), weight_of(wl[kO], Hq * D), nullptr, delta.data(), M, H, Hq * D);
       w.sync();
       for (int64_t i = m_begin * H; i < m_end * H; ++i) h[i] += to_f(delta[i]);
       rms_norm(h + m_begin * H, H, ptr<T>(wl[kPostNorm]), p.eps, x.data() + m_begin * H, my_rows, H);
       w.sync();
-      linear(w, x.data(), ptr<T>(wl[kGateUp]), nullptr, gate_up.data(), M, 2 * I, H);
+      linear(w, x.data(), weight_of(wl[kGateUp], H), nullptr, gate_up.data(), M, 2 * I, H);
       w.sync();
       // the activation, elementwise (any split gives the same values): this worker's share of all M * I, into x's
       // rows (x is dead once gate_up is done)
@@ -634,13 +666,13 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         i += n;
       }
       w.sync();
-      linear(w, x.data(), ptr<T>(wl[kDown]), nullptr, delta.data(), M, H, I);
+      linear(w, x.data(), weight_of(wl[kDown], I), nullptr, delta.data(), M, H, I);
       w.sync();
       // the residual add, then (next layer or the end) the norm of the same rows: no sync between
       for (int64_t i = m_begin * H; i < m_end * H; ++i) h[i] += to_f(delta[i]);
     }
     rms_norm(h + m_begin * H, H, final_norm, p.eps, out + m_begin * H, my_rows, H);
-    if (head == nullptr) return;
+    if (head.data == nullptr) return;
     w.sync();
     linear(w, out, head, nullptr, logits, M, V, H);  // the same row blocks as the logits kernel's own split
   });
@@ -656,8 +688,10 @@ void check_vector(const at::Tensor& t, int64_t n, const char* name, int64_t laye
 }
 
 void check_matrix(const at::Tensor& t, int64_t rows, int64_t cols, const char* name, int64_t layer) {
-  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, "decoder_layers: layer ", layer, " ",
-                    name, " must be [", rows, ", ", cols, "], got ", t.sizes());
+  const bool blocks = t.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && (blocks ? qtype_of(t, cols) > 0 : t.size(1) == cols),
+                    "decoder_layers: layer ", layer, " ", name, " must be [", rows, ", ", cols, "]",
+                    blocks ? " as GGUF blocks (uint8 [N, K / 32 * 18, 20 or 34 bytes])" : "", ", got ", t.sizes());
 }
 
 struct Dims {
@@ -692,8 +726,10 @@ Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, con
                           kFieldNames[f], " is missing");
         continue;
       }
-      TORCH_CHECK_TYPE(w[f].scalar_type() == dtype, "decoder_layers: layer ", l, " ", kFieldNames[f], " must be ",
-                       dtype, " like hidden, got ", w[f].scalar_type());
+      const bool matrix = f == kQkv || f == kO || f == kGateUp || f == kDown;  // these may be GGUF blocks (uint8)
+      TORCH_CHECK_TYPE(w[f].scalar_type() == dtype || (matrix && w[f].scalar_type() == at::kByte),
+                       "decoder_layers: layer ", l, " ", kFieldNames[f], " must be ", dtype, " like hidden",
+                       matrix ? " (or uint8 GGUF blocks)" : "", ", got ", w[f].scalar_type());
       TORCH_CHECK_VALUE(w[f].device() == device && w[f].is_contiguous(), "decoder_layers: layer ", l, " ",
                         kFieldNames[f], " must be contiguous and on ", device);
     }
@@ -893,7 +929,9 @@ template <typename T>
 class ChainRunner {
  public:
   // embed [V, H], lm_head [V', H] (V' = V, or a restricted vocabulary's K), rope [2, P, D] by position; table
-  // int32 [B, W] contiguous, or undefined for a contiguous cache of B rows.
+  // int32 [B, W] contiguous, or undefined for a contiguous cache of B rows. The model's dtype is the RoPE table's;
+  // embed and lm_head are in it or GGUF blocks (uint8 [V, H / 32 * block bytes]: an embedding row is dequantized
+  // to float32 and rounded to the dtype, as the op path's lookup does).
   ChainRunner(const char* op, const at::Tensor& embed, at::TensorList weights, const at::Tensor& norm,
               const at::Tensor& lm_head, const at::Tensor& kv, const at::Tensor& rope, int64_t heads, double eps,
               const at::Tensor& table, int64_t B)
@@ -904,11 +942,19 @@ class ChainRunner {
         head_(lm_head.contiguous()),
         rope_(rope.contiguous()),
         table_(table) {
-    TORCH_CHECK_VALUE(embed.dim() == 2 && lm_head.dim() == 2 && lm_head.size(1) == embed.size(1), op,
-                      ": embed [V, H] and lm_head [V, H] must share H, got ", embed.sizes(), " and ", lm_head.sizes());
-    d_ = check_model(embed.scalar_type(), embed.device(), embed.size(1), weights_, norm, kv, heads);
-    TORCH_CHECK_TYPE(lm_head.scalar_type() == embed.scalar_type() && rope.scalar_type() == embed.scalar_type(), op,
-                     ": lm_head and the RoPE table must be ", embed.scalar_type(), " like the embedding");
+    TORCH_CHECK_VALUE(norm.dim() == 1, op, ": the final norm must be [H], got ", norm.sizes());
+    const int64_t H = norm.size(0);
+    embed_qtype_ = qtype_of(embed, H), head_qtype_ = qtype_of(lm_head, H);
+    TORCH_CHECK_VALUE(embed.dim() == 2 && lm_head.dim() == 2 && embed_qtype_ >= 0 && head_qtype_ >= 0 &&
+                          (embed_qtype_ > 0 || embed.size(1) == H) && (head_qtype_ > 0 || lm_head.size(1) == H),
+                      op, ": embed [V, H] and lm_head [V, H] must have the final norm's H = ", H,
+                      " (dense, or as GGUF blocks), got ", embed.sizes(), " and ", lm_head.sizes());
+    const at::ScalarType dtype = rope.scalar_type();
+    d_ = check_model(dtype, embed.device(), H, weights_, norm, kv, heads);
+    TORCH_CHECK_TYPE((embed_qtype_ > 0 || embed.scalar_type() == dtype) &&
+                         (head_qtype_ > 0 || lm_head.scalar_type() == dtype),
+                     op, ": the embedding and lm_head must be ", dtype, " like the RoPE table (or GGUF blocks), got ",
+                     embed.scalar_type(), " and ", lm_head.scalar_type());
     TORCH_CHECK_VALUE(rope.dim() == 3 && rope.size(0) == 2 && rope.size(2) == d_.D, op,
                       ": the RoPE table must be [2, P, D] with D = ", d_.D, ", got ", rope.sizes());
     if (table.defined()) {
@@ -947,7 +993,7 @@ class ChainRunner {
   // Logits [rows, V'] of hidden states [rows, H]. Valid until the next call.
   const T* logits(const T* hidden, int64_t rows) {
     logits_.resize(rows * vocab());
-    if (rows > 0) linear(hidden, head_.data_ptr<T>(), nullptr, logits_.data(), rows, vocab(), d_.H);
+    if (rows > 0) linear(hidden, head(), nullptr, logits_.data(), rows, vocab(), d_.H);
     return logits_.data();
   }
 
@@ -960,7 +1006,9 @@ class ChainRunner {
     if (with_logits) logits_.resize(M * vocab());
     seqlens_.assign(start, start + B);
     if (mask_size_ < M * T_) mask_.reset(new bool[M * T_]), mask_size_ = M * T_;
-    const T* emb = embed_.data_ptr<T>();
+    const T* emb = embed_qtype_ == 0 ? embed_.data_ptr<T>() : nullptr;
+    const uint8_t* emb_blocks = embed_qtype_ != 0 ? embed_.data_ptr<uint8_t>() : nullptr;
+    row_.resize(H);
     const T* cos = rope_.data_ptr<T>();
     const T* sin = cos + P * D;
     for (int64_t b = 0; b < B; ++b) {
@@ -968,7 +1016,12 @@ class ChainRunner {
         const int64_t m = b * T_ + t, tok = tokens[b * ld + t], pos = start[b] + t;
         TORCH_CHECK_VALUE(tok >= 0 && tok < V, op_, ": token ", tok, " is not an id of the ", V, "-token embedding");
         TORCH_CHECK_VALUE(pos >= 0 && pos < P, op_, ": position ", pos, " needs a longer RoPE table than ", P);
-        for (int64_t i = 0; i < H; ++i) h_[m * H + i] = to_f(emb[tok * H + i]);
+        if (emb != nullptr) {
+          for (int64_t i = 0; i < H; ++i) h_[m * H + i] = to_f(emb[tok * H + i]);
+        } else {
+          dequant_row(emb_blocks, embed_qtype_, H / kQuantBlock, tok, row_.data());
+          for (int64_t i = 0; i < H; ++i) h_[m * H + i] = to_f(row_[i]);
+        }
         std::copy(cos + pos * D, cos + (pos + 1) * D, cos_sin_.data() + m * D);
         std::copy(sin + pos * D, sin + (pos + 1) * D, cos_sin_.data() + (M + m) * D);
         for (int64_t j = 0; j < T_; ++j) mask_[m * T_ + j] = j <= t;
@@ -982,13 +1035,23 @@ class ChainRunner {
     p.sin = p.cos + M * D;
     check_positions(p, B, T_);
     if (M == 0) return;
-    run_layers(p, weights_, norm_.data_ptr<T>(), h_.data(), out_.data(), with_logits ? head_.data_ptr<T>() : nullptr,
+    run_layers(p, weights_, norm_.data_ptr<T>(), h_.data(), out_.data(), with_logits ? head() : Weight{},
                vocab(), logits_.data());
   }
 
   const char* op_;
   std::vector<at::Tensor> weights_;
+  Weight head() const { return {head_.data_ptr(), head_qtype_}; }
+  static void dequant_row(const uint8_t* w, int64_t qtype, int64_t blocks, int64_t row, float* out) {
+    quant_dequant_row_f32(w, qtype, blocks, row, out);
+  }
+  static void dequant_row(const uint8_t* w, int64_t qtype, int64_t blocks, int64_t row, c10::BFloat16* out) {
+    quant_dequant_row_bf16(w, qtype, blocks, row, out);
+  }
+
   at::Tensor embed_, norm_, head_, rope_, table_;
+  int64_t embed_qtype_ = 0, head_qtype_ = 0;  // GGUF type ids, 0 for dense
+  std::vector<T> row_;                         // [H]: a quantized embedding row in the model's dtype
   Dims d_{};
   Problem<T> p_{};
   std::vector<float> h_;  // the residual stream in float32
@@ -1072,7 +1135,7 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
   const int64_t B = root_logits.size(0), V = root_logits.size(1);
   TORCH_CHECK_VALUE(gamma >= 1, "draft_chain: gamma must be >= 1, got ", gamma);
   TORCH_CHECK_VALUE(embed.dim() == 2 && embed.size(0) >= V && lm_head.dim() == 2 && lm_head.size(0) == V &&
-                        lm_head.size(1) == embed.size(1) && lm_head.is_contiguous(),
+                        lm_head.is_contiguous(),
                     "draft_chain: embed [V, H] and a contiguous lm_head [V, H] must match the logits' V = ", V,
                     ", got ", embed.sizes(), " and ", lm_head.sizes());
   // a restricted draft vocabulary: logits and lm_head rows are over vocab_map [V] (token ids), not over all ids
@@ -1089,7 +1152,7 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
   const int64_t* L = seqlens.data_ptr<int64_t>();
   const int64_t* id_of = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
   const at::Tensor table = table_of(block_table);
-  with_dtype(embed.scalar_type(), [&](auto type) {
+  with_dtype(rope_table.scalar_type(), [&](auto type) {
     ChainRunner<decltype(type)> model("draft_chain", embed, weights, final_norm, lm_head, kv_cache, rope_table,
                                       num_heads, eps, table, B);
     with_dtype(root_logits.scalar_type(), [&](auto root_type) {  // the target's roots: float32 logits
@@ -1131,7 +1194,7 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at
     stops.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
   }
   int64_t ran = steps;
-  with_dtype(embed.scalar_type(), [&](auto type) {
+  with_dtype(rope_table.scalar_type(), [&](auto type) {
     ChainRunner<decltype(type)> model("greedy_steps", embed, weights, final_norm, lm_head, kv_cache, rope_table,
                                       num_heads, eps, table, B);
     const int64_t* L = seqlens.data_ptr<int64_t>();
@@ -1291,8 +1354,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   int64_t* out = steps.data_ptr<int64_t>();
   double* secs = times.data_ptr<double>();
   const at::Tensor table = table_of(block_table);
-  with_dtype(t_embed.scalar_type(), [&](auto target_type) {
-    with_dtype(d_embed.scalar_type(), [&](auto draft_type) {  // a draft may be narrower than its target
+  with_dtype(t_rope.scalar_type(), [&](auto target_type) {
+    with_dtype(d_rope.scalar_type(), [&](auto draft_type) {  // a draft may be narrower than its target
       ChainRunner<decltype(target_type)> target("spec_chain", t_embed, t_weights, t_norm, t_lm_head, t_kv, t_rope,
                                                 t_heads, t_eps, table, B);
       ChainRunner<decltype(draft_type)> draft("spec_chain", d_embed, d_weights, d_norm, d_lm_head, d_kv, d_rope,

@@ -37,6 +37,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks the target is sharded over (CPU: gloo, CUDA: NCCL, one GPU each)")  # fmt: skip
+    g.add_argument("--quantization", default=None, choices=["gguf"],
+                   help="gguf: keep a .gguf model's quantized weights as stored (native CPU kernels) instead of "
+                   "dequantizing them to --dtype")  # fmt: skip
 
 
 def stats_line(out, tokens_per_s: float, median_of: int | None = None) -> str:

@@ -264,6 +264,10 @@ class LLM:
         worker processes are spawned (one per CUDA device, or CPU ranks over gloo); the drafter and verification run
         here, on rank 0. ``close()`` stops the workers. ValueError when the heads or MLP width do not divide.
     engine_config : the engine's knobs (``spec_engine.engine.EngineConfig``; native chain lengths); None: defaults.
+    quantization : None, or ``"gguf"`` (vLLM's name): keep a GGUF file's quantized matrices (Q8_0, Q4_0, Q4_1) as
+        stored and multiply them with the native CPU kernels (``spec_kernels.quant_linear``); norms and activations
+        in ``dtype``. Greedy output in float32 is that of the same file dequantized at load. ValueError for a model
+        that is not a GGUF file; on a non-CPU device the weights are dequantized at load, with a warning.
     """
 
     def __init__(
@@ -280,6 +284,7 @@ class LLM:
         prefill_chunk: int = 512,
         tensor_parallel_size: int = 1,
         engine_config: EngineConfig | None = None,
+        quantization: str | None = None,
     ):
         tp = tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -300,13 +305,15 @@ class LLM:
             raise ValueError("tensor_parallel_size > 1 reads HF safetensors shards; a GGUF file loads on one device")
         model_method = spec["model_method"] if spec else None
         if tensor_parallel_size > 1:  # rank 0's shard plus N - 1 worker processes (spec_engine/distributed.py)
+            if quantization is not None:
+                raise ValueError("quantization='gguf' runs on one process: not supported with tensor_parallel_size > 1")
             if model_method == "eagle":
                 raise ValueError("EAGLE heads read the target's features: not supported with tensor_parallel_size > 1")
             from spec_engine.distributed import launch
 
             self.target = launch(model, tensor_parallel_size, dtype=torch_dtype, device=device)
         else:
-            self.target = load_model(model, dtype=torch_dtype, device=device)
+            self.target = load_model(model, dtype=torch_dtype, device=device, quantization=quantization)
         self.tokenizer = load_tokenizer(model)
         self._chat_template: ChatTemplate | None = None
         cfg = self.target.config
@@ -560,4 +567,4 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True) -> LLM:
                 raise SystemExit(f"error: --tree must be comma-separated ints, got {args.tree!r}") from None
     return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
+               tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)  # fmt: skip

@@ -21,7 +21,7 @@ import torch
 
 from spec_kernels._backend import resolve_backend
 from spec_kernels.linear import linear
-from spec_kernels.reference import LAYER_FIELDS, decoder_layer_loop, decoder_layers_ref
+from spec_kernels.reference import LAYER_FIELDS, QuantizedWeight, decoder_layer_loop, decoder_layers_ref
 from spec_kernels.tree_attention import plan_tree_attention, tree_attention
 
 _EMPTY = torch.empty(0)  # stands for a missing optional weight in the C++ op's list (its schema has no holes)
@@ -33,14 +33,24 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 _FLAT: dict[int, tuple[list, list, torch.dtype | None]] = {}  # id(weights) -> (weights, flat, their one dtype)
 
 
+def _op_tensor(w: torch.Tensor | QuantizedWeight | None) -> torch.Tensor:
+    """What the C++ ops take for a weight: the tensor, a quantized matrix's uint8 blocks (the op tells the format by
+    the block size), an empty tensor for a missing optional one."""
+    if w is None:
+        return _EMPTY
+    return w.data if isinstance(w, QuantizedWeight) else w
+
+
 def _flat_weights(weights: list) -> tuple[list[torch.Tensor], torch.dtype | None]:
-    """The C++ op's list for a model's layer weights (a missing optional one as an empty tensor) and their one
-    dtype (None if they mix), kept per list: a model's ``layer_weights`` list is built once at ``fuse``, and
-    rebuilding and checking its ~90 entries on every native call cost ~10% of a speculative step."""
+    """The C++ op's list for a model's layer weights (``_op_tensor`` of each) and the one dtype of its float tensors
+    (None if they mix), kept per list: a model's ``layer_weights`` list is built once at ``fuse``, and rebuilding and
+    checking its ~90 entries on every native call cost ~10% of a speculative step."""
     hit = _FLAT.get(id(weights))
     if hit is None or hit[0] is not weights or (hit[2] is not None and hit[1][0].dtype != hit[2]):
-        dtypes = {w.dtype for w in weights if w is not None}
-        hit = (weights, [_EMPTY if w is None else w for w in weights], dtypes.pop() if len(dtypes) == 1 else None)
+        dtypes = {w.dtype for w in weights if isinstance(w, torch.Tensor)}
+        quant_cpu = all(w.device.type == "cpu" for w in weights if isinstance(w, QuantizedWeight))
+        one = dtypes.pop() if len(dtypes) == 1 and quant_cpu else None
+        hit = (weights, [_op_tensor(w) for w in weights], one)
         if len(_FLAT) >= 64:  # models come and go (tests build hundreds): keep the live few
             _FLAT.clear()
         _FLAT[id(weights)] = hit  # the entry holds the list, so its id cannot be reused while cached
@@ -57,12 +67,11 @@ def _native_weights(x: torch.Tensor, weights: Sequence, kv_cache: torch.Tensor) 
 
 
 def _chain_weights(embed, weights, kv_cache, lm_head, rope_table) -> list[torch.Tensor] | None:
-    """A model's flat weights where the native chain ops take it (``_native_weights``, with its lm_head and RoPE
-    table in the embedding's dtype and the table on the CPU), else None."""
-    flat = _native_weights(embed, weights, kv_cache)
-    if flat is None or lm_head.dtype != embed.dtype or rope_table.dtype != embed.dtype or not rope_table.is_cpu:
-        return None
-    return flat
+    """A model's flat weights where the native chain ops take it (``_native_weights`` in the RoPE table's dtype, the
+    table on the CPU, embed and lm_head in that dtype or quantized), else None."""
+    flat = _native_weights(rope_table, weights, kv_cache)
+    fits = all(isinstance(t, QuantizedWeight) or t.dtype == rope_table.dtype for t in (embed, lm_head))
+    return flat if fits and embed.device.type == "cpu" and lm_head.device.type == "cpu" else None
 
 
 def decoder_layers(
@@ -94,7 +103,8 @@ def decoder_layers(
     weights : ``len(LAYER_FIELDS)`` tensors per layer in the order of ``spec_kernels.reference.LAYER_FIELDS``:
         input norm ``[H]``, qkv ``[(Hq + 2 Hkv) D, H]``, qkv bias ``[(Hq + 2 Hkv) D]`` or None, o ``[H, Hq D]``,
         post-attention norm ``[H]``, gate_up ``[2 I, H]`` (gate rows first), down ``[H, I]``, q_norm and k_norm
-        ``[D]`` or None.
+        ``[D]`` or None. The four matrices may be ``QuantizedWeight`` (GGUF blocks, ``spec_kernels.quant_linear``):
+        the native path multiplies them as stored, the torch paths through ``linear``.
     final_norm : ``[H]``.
     kv_cache : ``[layers, 2, B, S, Hkv, D]``, or paged ``[layers, 2, num_blocks, block_size, Hkv, D]`` with
         ``block_table``; written in place.
@@ -140,7 +150,7 @@ def decoder_layers(
 
     load_ext()
     if flat is None:  # backend="native" asked for tensors it does not take: the C++ op says which
-        flat = [_EMPTY if w is None else w for w in weights]
+        flat = [_op_tensor(w) for w in weights]
     out, features = torch.ops.spec_kernels.decoder_layers(
         hidden, flat, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps, layers or []
     )
@@ -189,15 +199,15 @@ def greedy_chain(
     NaNs instead: a bad guess costs acceptance only). ``vocab_map`` ``[K]`` int64 (a draft's restricted vocabulary,
     ``LlamaForCausalLM.restrict_vocab``): root_logits ``[B, K]`` and lm_head ``[K, H]`` are over those token ids.
     """
-    flat = _native_weights(embed, weights, kv_cache)
-    if flat is None or lm_head.dtype != embed.dtype or not rope_table.is_cpu:
+    flat = _chain_weights(embed, weights, kv_cache, lm_head, rope_table)
+    if flat is None:
         return None
     from spec_kernels._ext import load_ext
 
     load_ext()
     return torch.ops.spec_kernels.draft_chain(
-        root_logits, embed, flat, final_norm, lm_head, kv_cache, cache_seqlens, rope_table, block_table, num_heads,
-        eps, gamma, strict, vocab_map,
+        root_logits, _op_tensor(embed), flat, final_norm, _op_tensor(lm_head), kv_cache, cache_seqlens, rope_table,
+        block_table, num_heads, eps, gamma, strict, vocab_map,
     )  # fmt: skip
 
 
@@ -229,8 +239,8 @@ def greedy_steps(
 
     load_ext()
     return torch.ops.spec_kernels.greedy_steps(
-        roots, embed, flat, final_norm, lm_head, kv_cache, cache_seqlens, rope_table, block_table, num_heads, eps,
-        steps, stop_ids,
+        roots, _op_tensor(embed), flat, final_norm, _op_tensor(lm_head), kv_cache, cache_seqlens, rope_table,
+        block_table, num_heads, eps, steps, stop_ids,
     )  # fmt: skip
 
 
@@ -255,7 +265,7 @@ def spec_chain(target, draft, pending, pending_lens, seqlens, target_kv, draft_k
         flat = _chain_weights(embed, weights, kv, lm_head, rope)
         if flat is None:
             return None
-        args += [embed, flat, norm, lm_head, kv, rope, heads, eps]
+        args += [_op_tensor(embed), flat, norm, _op_tensor(lm_head), kv, rope, heads, eps]
     from spec_kernels._ext import load_ext
 
     load_ext()

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from spec_kernels._backend import resolve_backend
+from spec_kernels.quant_linear import QuantizedWeight, quant_linear
 from spec_kernels.reference import linear_ref
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -82,7 +83,11 @@ def _check_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias``, with the semantics of ``F.linear``.
 
@@ -91,9 +96,10 @@ def linear(
     x : Tensor
         ``[..., K]``, float32 or bfloat16 for the native kernel; any strides (rows with unit inner stride are read
         in place, anything else is copied once).
-    weight : Tensor
+    weight : Tensor or QuantizedWeight
         ``[N, K]``, same dtype as x, contiguous (row-major: the kernel streams each row once). Pass the model's
-        ``nn.Linear.weight`` as it is; fused projections are one concatenated ``[N1 + N2, K]`` weight.
+        ``nn.Linear.weight`` as it is; fused projections are one concatenated ``[N1 + N2, K]`` weight. A
+        :class:`~spec_kernels.quant_linear.QuantizedWeight` (GGUF blocks) runs :func:`quant_linear` instead.
     bias : Tensor, optional
         ``[N]``, same dtype as x.
     backend : {None, "native", "torch"}
@@ -120,6 +126,8 @@ def linear(
     - bias: ``[N]``
     - out: ``[..., N]``
     """
+    if isinstance(weight, QuantizedWeight):
+        return quant_linear(x, weight.data, weight.qtype, bias=bias, backend=backend)
     if backend is None:
         if _native_fits(x, weight, bias):
             return _native_op()(x, weight, bias)

@@ -7,6 +7,7 @@ CPU fallback of last resort (``backend="torch"``). Clarity beats speed here.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -241,9 +242,16 @@ def compact_kv_ref(
 
 
 def linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias``: ``F.linear`` itself, ``[..., K] x [N, K] -> [..., N]``. ``backend`` is ignored."""
+    """``x @ weight.T + bias``: ``F.linear`` itself, ``[..., K] x [N, K] -> [..., N]`` (a ``QuantizedWeight``:
+    ``quant_linear_ref``). ``backend`` is ignored."""
+    if isinstance(weight, QuantizedWeight):
+        return quant_linear_ref(x, weight.data, weight.qtype, bias=bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -331,3 +339,106 @@ def decoder_layers_ref(
         hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps,
         linear_ref, attend, capture,
     )  # fmt: skip
+
+
+# --- quant_linear -----------------------------------------------------------------------------------------------
+
+# GGUF block formats the quantized kernels read: ggml's type id and the bytes of one block of QUANT_BLOCK weights.
+QUANT_BLOCK = 32
+QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+QUANT_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_TYPE_NAMES = {v: k for k, v in QUANT_TYPES.items()}
+
+
+def dequantize_ref(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """GGUF blocks ``uint8 [N, K / 32 * block_bytes]`` -> float32 ``[N, K]``, gguf.quants.dequantize's values:
+    Q8_0 ``q * d``; Q4_0 ``d * (q - 8)``; Q4_1 ``d * q + m`` (the products are exact). Byte j of a block's nibbles holds
+    element j (low nibble) and element j + 16 (high nibble)."""
+    num_rows = weight.shape[0]
+    blocks = weight.reshape(num_rows, -1, QUANT_BLOCK_BYTES[qtype])  # [N, K / 32, block_bytes]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, K / 32, 1]
+    if qtype == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()  # [N, K / 32, 32]
+        return (q * d).reshape(num_rows, -1)
+    nibbles = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]  # [N, K / 32, 16]
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # [N, K / 32, 32]
+    if qtype == "Q4_0":
+        return (d * (q - 8)).reshape(num_rows, -1)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    return (d * q + m).reshape(num_rows, -1)
+
+
+def quant_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    qtype: str,
+    *,
+    bias: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``x @ dequantize_ref(weight, qtype).T + bias`` in float32, cast to x's dtype. ``backend`` is ignored."""
+    w = dequantize_ref(weight, qtype)  # [N, K]
+    out = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def quant_type_name(qtype: str | int) -> str:
+    """The format's name ("Q4_1") from a name, ggml's type id or a ``gguf.GGMLQuantizationType``; ValueError for a
+    format the kernels do not read."""
+    if isinstance(qtype, str):
+        name = qtype.upper()
+        if name in QUANT_TYPES:
+            return name
+    elif isinstance(qtype, int) and int(qtype) in _TYPE_NAMES:
+        return _TYPE_NAMES[int(qtype)]
+    supported = ", ".join(QUANT_TYPES)
+    shown = getattr(qtype, "name", qtype)
+    raise ValueError(f"unsupported quantization type {shown!r}; the kernels read {supported}")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight matrix ``[N, K]`` kept as GGUF blocks: ``data`` uint8 ``[N, K / 32 * block_bytes]``.
+
+    Rows are independent, so fused projections (q/k/v, gate/up) are the row concatenation of their blocks
+    (:meth:`cat`). ``linear(x, qw)`` dispatches here."""
+
+    data: torch.Tensor
+    qtype: str
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        qtype = quant_type_name(self.qtype)
+        object.__setattr__(self, "qtype", qtype)
+        num_rows, k = self.shape
+        if k % QUANT_BLOCK or self.data.dtype != torch.uint8:
+            raise ValueError(f"QuantizedWeight: K = {k} must be a multiple of 32 and data uint8, got {self.data.dtype}")
+        expected = (num_rows, k // QUANT_BLOCK * QUANT_BLOCK_BYTES[qtype])
+        if tuple(self.data.shape) != expected:
+            raise ValueError(f"QuantizedWeight: {qtype} [{num_rows}, {k}] needs data {expected}, got {self.data.shape}")
+
+    @property
+    def qtype_id(self) -> int:
+        return QUANT_TYPES[self.qtype]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[N, K]`` in ``dtype``: gguf's float32 values, then one rounding."""
+        return dequantize_ref(self.data, self.qtype).to(dtype)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Dequantized float32 rows ``[..., K]`` of ``index`` (an embedding lookup that reads only those rows)."""
+        picked = self.data[index.reshape(-1)]  # [R, row_bytes]
+        return dequantize_ref(picked, self.qtype).reshape(*index.shape, self.shape[1])
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Row concatenation of matrices of one format and K."""
+        qtype, k = parts[0].qtype, parts[0].shape[1]
+        if any(p.qtype != qtype or p.shape[1] != k for p in parts):
+            raise ValueError("QuantizedWeight.cat: the parts must share qtype and K")
+        data = torch.cat([p.data for p in parts]).contiguous()
+        return QuantizedWeight(data, qtype, (sum(p.shape[0] for p in parts), k))

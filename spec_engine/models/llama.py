@@ -12,6 +12,11 @@ Two forward paths share every weight:
 The engine's path is lean (``LlamaForCausalLM.fuse``, done at load): q/k/v and gate/up are one matrix each, so a
 layer runs 4 matmuls, not 7; RoPE reads a cos/sin table by position. The HF names stay: the separate projections are
 views of the fused rows.
+
+A model loaded with ``quantization="gguf"`` keeps its GGUF-quantized matrices as stored (``quantized``: HF name ->
+``QuantizedWeight``): the engine's path multiplies the blocks (fused by concatenating block rows), and the modules'
+own parameters for those names are NaN placeholders (no memory) that only ``forward_train`` would read, and it
+refuses. The embedding also keeps a dense copy in the run dtype: drafters (EAGLE heads) and lookups read it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from torch import nn
 from spec_engine.models.config import ModelConfig, rope_inv_freq
 from spec_kernels import linear
 from spec_kernels.decoder_layers import decoder_layers, greedy_chain, greedy_steps
-from spec_kernels.reference import rms_norm_ref
+from spec_kernels.reference import QuantizedWeight, rms_norm_ref
 from spec_kernels.reference import rope_ref as apply_rope
 
 
@@ -161,10 +166,14 @@ class LlamaForCausalLM(nn.Module):
         # buffers, so .to() moves them with the weights (not saved: the draft directory's draft_vocab.json is)
         self.register_buffer("vocab_map", None, persistent=False)
         self.register_buffer("head_weight", None, persistent=False)
+        self.quantized: dict[str, QuantizedWeight] = {}  # quantization="gguf": HF name -> the file's blocks
+        self.head_blocks: QuantizedWeight | None = None  # a quantized head's restricted rows (restrict_vocab)
 
     def fuse(self, max_positions: int | None = None) -> LlamaForCausalLM:
         """Prepare the engine's lean path (inference only): fused q/k/v and gate/up matrices, and with
         ``max_positions`` a RoPE cos/sin table for positions below it. Returns self."""
+        if self.layer_weights is None and self.quantized:
+            self.layer_weights = [w for i in range(len(self.model.layers)) for w in self._quantized_fields(i)]
         if self.layer_weights is None:
             for layer in self.model.layers:
                 layer.self_attn.fuse()
@@ -176,6 +185,42 @@ class LlamaForCausalLM(nn.Module):
             self.rope_table = torch.stack((cos, sin))  # [2, max_positions, D]
         return self
 
+    def _matrix(self, names: list[str]) -> torch.Tensor | QuantizedWeight:
+        """The row concatenation of the named matrices: their blocks where all are quantized in one format (rows
+        are independent), else dense in the run dtype (a format the others do not share is dequantized)."""
+        blocks = [self.quantized.get(n) for n in names]
+        if all(b is not None for b in blocks) and len({b.qtype for b in blocks}) == 1:
+            return blocks[0] if len(blocks) == 1 else QuantizedWeight.cat(blocks)
+        dtype = self.model.norm.weight.dtype
+        parts = [self.get_parameter(n).detach() if b is None else b.dequantize(dtype) for b, n in zip(blocks, names)]
+        return torch.cat(parts)
+
+    def _quantized_fields(self, i: int) -> list[torch.Tensor | QuantizedWeight | None]:
+        """Layer i's tensors in the order of ``LAYER_FIELDS``, its matrices from ``_matrix`` (a quantized model's
+        ``fuse``: the modules' placeholders are never concatenated)."""
+        layer, p = self.model.layers[i], f"model.layers.{i}."
+        attn = layer.self_attn
+        q, k, v = (f"{p}self_attn.{n}_proj.weight" for n in "qkv")
+        bias = None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+        return [
+            layer.input_layernorm.weight, self._matrix([q, k, v]), bias, self._matrix([f"{p}self_attn.o_proj.weight"]),
+            layer.post_attention_layernorm.weight,
+            self._matrix([f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
+            self._matrix([f"{p}mlp.down_proj.weight"]), *norms,
+        ]  # fmt: skip
+
+    def _embed_weight(self) -> torch.Tensor | QuantizedWeight:
+        """The embedding the native chains look tokens up in: the file's blocks when quantized (each row dequantized
+        on lookup, the dense copy's values), else the table."""
+        return self.quantized.get("model.embed_tokens.weight", self.model.embed_tokens.weight)
+
+    def _head(self) -> torch.Tensor | QuantizedWeight:
+        """The lm_head the logits use: a restricted vocabulary's rows, the file's blocks, or the dense matrix."""
+        if self.vocab_map is not None:
+            return self.head_weight if self.head_blocks is None else self.head_blocks
+        return self.quantized.get("lm_head.weight", self.lm_head.weight)
+
     def restrict_vocab(self, token_ids: torch.Tensor | None) -> LlamaForCausalLM:
         """A draft's logits over ``token_ids`` only (FR-Spec's frequency-ranked draft vocabulary; EAGLE-3 ships its
         heads so): its lm_head costs K rows instead of V. ``logits`` stays [..., V], -inf outside the ids, so every
@@ -186,14 +231,20 @@ class LlamaForCausalLM(nn.Module):
         target's token lies outside.
         Not for a target: its logits are the output. None restores the full vocabulary. Returns self."""
         if token_ids is None:
-            self.vocab_map = self.head_weight = None
+            self.vocab_map = self.head_weight = self.head_blocks = None
             return self
         V = self.config.vocab_size
         ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu().flatten().unique()  # [K], ascending, checked here
         if ids.numel() == 0 or ids.min() < 0 or ids.max() >= V:
             raise ValueError(f"restrict_vocab: token ids must be a non-empty set of ids in [0, {V})")
         self.vocab_map = ids.to(self.lm_head.weight.device)  # [K]
-        self.head_weight = self.lm_head.weight.detach()[self.vocab_map].contiguous()  # [K, H]
+        blocks = self.quantized.get("lm_head.weight")
+        if blocks is not None:
+            picked = blocks.data[self.vocab_map].contiguous()  # [K, row_bytes]
+            self.head_blocks = QuantizedWeight(picked, blocks.qtype, (ids.numel(), blocks.shape[1]))
+            self.head_weight = self.head_blocks.dequantize(self.lm_head.weight.dtype)  # [K, H]
+        else:
+            self.head_weight = self.lm_head.weight.detach()[self.vocab_map].contiguous()  # [K, H]
         return self
 
     def _rope_from_freqs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,11 +288,10 @@ class LlamaForCausalLM(nn.Module):
         if self.layer_weights is None or self.rope_table is None:
             return None
         cfg = self.config
-        head = self.lm_head.weight
         if self.vocab_map is not None:  # the chain runs over the restricted ids; -inf elsewhere never wins
-            root_logits, head = root_logits[:, self.vocab_map], self.head_weight  # [B, K], [K, H]
+            root_logits = root_logits[:, self.vocab_map]  # [B, K]
         return greedy_chain(
-            root_logits, self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight, head, kv_cache,
+            root_logits, self._embed_weight(), self.layer_weights, self.model.norm.weight, self._head(), kv_cache,
             cache_seqlens, self.rope_table, gamma=gamma, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps,
             block_table=block_table, strict=strict, vocab_map=self.vocab_map,
         )  # fmt: skip
@@ -256,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         cfg = self.config
         return greedy_steps(
-            roots, self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight, self.lm_head.weight,
+            roots, self._embed_weight(), self.layer_weights, self.model.norm.weight, self._head(),
             kv_cache, cache_seqlens, self.rope_table, steps=steps, num_heads=cfg.num_attention_heads,
             eps=cfg.rms_norm_eps, block_table=block_table, stop_ids=stop_ids,
         )  # fmt: skip
@@ -268,20 +318,21 @@ class LlamaForCausalLM(nn.Module):
         if self.layer_weights is None or self.rope_table is None:
             return None
         cfg = self.config
-        head = self.lm_head.weight if self.vocab_map is None else self.head_weight
-        return (self.model.embed_tokens.weight, self.layer_weights, self.model.norm.weight, head, self.rope_table,
+        return (self._embed_weight(), self.layer_weights, self.model.norm.weight, self._head(), self.rope_table,
                 cfg.num_attention_heads, cfg.rms_norm_eps, self.vocab_map)  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V] in float32 (-inf outside a restricted vocabulary)."""
         if self.vocab_map is None:
-            return linear(hidden, self.lm_head.weight).float()
-        sub = linear(hidden, self.head_weight).float()  # [..., K]
+            return linear(hidden, self._head()).float()
+        sub = linear(hidden, self._head()).float()  # [..., K]
         out = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))  # [..., V]
         return out.index_copy_(-1, self.vocab_map, sub)
 
     def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Causal LM logits [B, T, V] for a batch of full sequences (no cache)."""
+        if self.quantized:
+            raise NotImplementedError("forward_train runs the modules' float weights; load without quantization='gguf'")
         B, T = input_ids.shape
         h = self.model.embed_tokens(input_ids)
         positions = torch.arange(T, device=h.device).expand(B, T)

@@ -4,6 +4,7 @@ saving HF-format directories."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -28,12 +29,27 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaForCausalLM:
+QUANTIZATIONS = ("gguf",)  # LLM(quantization=...): vLLM's name for a GGUF file's weights kept as stored
+
+
+def load_model(
+    model: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", quantization: str | None = None
+) -> LlamaForCausalLM:
     """Build the model from an HF directory (``config.json`` + safetensors) or a GGUF file (``*.gguf``, weights
-    dequantized to ``dtype``), checking every name and shape."""
+    dequantized to ``dtype``), checking every name and shape. ``quantization="gguf"`` keeps a GGUF file's quantized
+    matrices as stored (``load_gguf_quantized``)."""
     from spec_engine.models.gguf import gguf_path_or_none, read_gguf
 
     gguf_file = gguf_path_or_none(model)
+    if quantization is not None:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+        if gguf_file is None:
+            raise ValueError(
+                f"quantization='gguf' keeps a GGUF file's quantized weights, but {model} is not a GGUF file; "
+                "leave quantization unset for HF checkpoints"
+            )
+        return load_gguf_quantized(gguf_file, dtype=dtype, device=device)
     if gguf_file is not None:
         cfg, state = read_gguf(gguf_file, dtype)
         return build_model(cfg, state, dtype=dtype, device=device, source=gguf_file)
@@ -50,6 +66,35 @@ def load_model(model: str | Path, *, dtype: torch.dtype = torch.float32, device:
         except (SafetensorError, OSError) as e:
             raise ValueError(f"corrupt weight file {path}: {e}") from e
     return build_model(cfg, state, dtype=dtype, device=device, source=model_dir)
+
+
+def load_gguf_quantized(path: Path, *, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    """A GGUF checkpoint with its quantized matrices kept as the file stores them (``LlamaForCausalLM.quantized``),
+    run by the native quantized kernels; norms and float tensors in ``dtype``. The modules' parameters of quantized
+    names are NaN placeholders (a stride-0 view, no memory), except the embedding, kept dense in ``dtype`` too
+    (drafters and lookups read it). The kernels are CPU ones: on another device the weights are dequantized to
+    ``dtype`` at load, and a warning says so."""
+    from spec_engine.models.gguf import read_gguf_raw
+    from spec_kernels.reference import QuantizedWeight
+
+    cfg, raw = read_gguf_raw(path)
+    if torch.device(device).type != "cpu":
+        warnings.warn(
+            f"quantization='gguf' runs the quantized kernels on CPU only: {path.name}'s weights are dequantized to "
+            f"{str(dtype).removeprefix('torch.')} for {device}",
+            stacklevel=3,
+        )
+        return build_model(cfg, {n: r.dequantize(dtype) for n, r in raw.items()}, dtype=dtype, device=device,
+                           source=path)  # fmt: skip
+    blocks = {n: QuantizedWeight(r.data, r.type_name, r.shape) for n, r in raw.items() if r.quantized}
+    nan = torch.full((), float("nan"), dtype=dtype)
+    state = {n: nan.expand(r.shape) if n in blocks and n != "model.embed_tokens.weight" else r.dequantize(dtype)
+             for n, r in raw.items()}  # fmt: skip
+    model = build_model(cfg, state, dtype=dtype, device=device, source=path)
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in blocks:
+        blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
+    model.quantized = blocks
+    return model
 
 
 def build_model(

@@ -1,0 +1,136 @@
+"""``quantization="gguf"``: a GGUF file's quantized matrices multiplied as stored (spec_kernels.quant_linear).
+
+Exact checks on tiny files written here with gguf's writer: in float32 the quantized model's greedy tokens (and
+logits) are those of the same file dequantized at load, since the kernel is ``linear`` on the dequantized weights bit
+for bit; speculation on the quantized weights emits plain decoding's tokens. On SmolLM2-135M-Instruct (pulled from
+the registry; skipped with one line when it is not available) the perplexity of a held-out text stays within 1% of
+the dequantized model's in bfloat16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf_files import write_gguf  # noqa: E402
+from tiny_models import make_model, make_noisy_copy  # noqa: E402
+
+from spec_engine import LLM, SamplingParams  # noqa: E402
+from spec_engine.models import load_model  # noqa: E402
+from spec_kernels.decoder_layers import _chain_weights  # noqa: E402
+from spec_kernels.reference import QuantizedWeight  # noqa: E402
+
+# (layer matrices' type, per-name overrides): SmolLM2's layout (Q4_1 layers, Q8_0 embedding, tied), each block
+# type alone, and a q/k/v group of mixed types (fused dense: the kernel takes one format per matrix).
+FILES = {
+    "Q4_1": ("Q4_1", {"model.embed_tokens.weight": "Q8_0"}),
+    "Q8_0": ("Q8_0", {}),
+    "Q4_0": ("Q4_0", {}),
+    "mixed": ("Q4_1", {"model.layers.0.self_attn.q_proj.weight": "Q8_0"}),
+}
+PROMPTS = [{"prompt_token_ids": [5, 9, 13, 5, 9, 13, 5, 9]}, {"prompt_token_ids": [40, 41, 42, 43, 7, 7, 7, 7, 7]}]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama_gqa", vocab_size=96, hidden=64, layers=2,
+                      logit_scale=4.0, tie_word_embeddings=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gguf_files(hf_dir, tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("gguf")
+    return {name: write_gguf(d / f"{name}.gguf", hf_dir, qtype, type_of=over) for name, (qtype, over) in FILES.items()}
+
+
+def _tokens(llm: LLM, max_tokens: int = 24) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_float32_is_the_dequantized_model(gguf_files, name):
+    """Same greedy tokens as the file dequantized at load, and the same logits bit for bit (float32)."""
+    quant = LLM(str(gguf_files[name]), dtype="float32", quantization="gguf")
+    dense = LLM(str(gguf_files[name]), dtype="float32")
+    model = quant.target
+    fields = model.layer_weights
+    assert isinstance(fields[5], QuantizedWeight) and isinstance(fields[6], QuantizedWeight)  # gate_up, down
+    assert isinstance(fields[1], torch.Tensor if name == "mixed" else QuantizedWeight)  # qkv
+    parts = model.chain_parts()
+    assert _chain_weights(parts[0], parts[1], model_cache(model), parts[3], parts[4]) is not None  # native chains
+    assert _tokens(quant) == _tokens(dense)
+    ids = torch.tensor([[5, 9, 13, 5, 9, 13, 70, 2]])
+    assert torch.equal(_logits(model, ids), _logits(dense.target, ids))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculation_is_plain_decoding(gguf_files, hf_dir, tmp_path, dtype):
+    """Lossless on the quantized weights: n-gram and draft-model speculation emit plain decoding's tokens."""
+    path = str(gguf_files["Q4_1"])
+    plain = _tokens(LLM(path, dtype=dtype, quantization="gguf"), 40)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    assert _tokens(LLM(path, dtype=dtype, quantization="gguf", speculative_config=ngram), 40) == plain
+    draft = make_noisy_copy(hf_dir, tmp_path / "draft", noise=0.3)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    assert _tokens(LLM(path, dtype=dtype, quantization="gguf", speculative_config=spec), 40) == plain
+
+
+def test_errors(hf_dir, gguf_files):
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        LLM(str(hf_dir), quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be"):
+        load_model(gguf_files["Q8_0"], quantization="awq")
+    model = load_model(gguf_files["Q8_0"], quantization="gguf")
+    with pytest.raises(NotImplementedError, match="quantization"):
+        model.forward_train(torch.tensor([[1, 2, 3]]))
+
+
+def model_cache(model, length: int = 64) -> torch.Tensor:
+    """A contiguous KV cache [layers, 2, 1, length, Hkv, D] in the model's dtype."""
+    cfg = model.config
+    shape = (cfg.num_hidden_layers, 2, 1, length, cfg.num_key_value_heads, cfg.head_dim)
+    return torch.zeros(shape, dtype=model.model.norm.weight.dtype)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [T, V] of one causal prefill of ids [1, T] on an empty cache."""
+    T = ids.shape[1]
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None]  # [1, T, T]
+    hidden = model(ids, torch.arange(T)[None], model_cache(model, T + 8), torch.zeros(1, dtype=torch.int32), mask)
+    return model.logits(hidden)[0]
+
+
+# --- SmolLM2-135M-Instruct ----------------------------------------------------------------------------------------
+
+HELD_OUT = (
+    "The lighthouse keeper climbed the spiral stairs every evening, counting the steps as his father had taught him. "
+    "At the top he trimmed the wick, polished the great lens and watched the fishing boats come home through the "
+    "fog. Most nights were quiet, but in winter the storms rolled in from the west, and then he stayed awake until "
+    "dawn, listening to the wind and the waves breaking on the rocks below."
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    from spec_engine.zoo.pull import pull
+
+    try:
+        return pull("smollm2", quiet=True)
+    except (RuntimeError, ValueError, OSError) as e:
+        pytest.skip(f"SmolLM2 not available (pull('smollm2') failed: {str(e).splitlines()[0]})")
+
+
+def test_smollm2_perplexity_within_one_percent(smollm2):
+    from spec_engine.llm import load_tokenizer
+
+    ids = torch.tensor([load_tokenizer(smollm2).encode(HELD_OUT).ids])  # [1, T]
+    ppl = {}
+    for quantization in ("gguf", None):
+        model = load_model(smollm2, dtype=torch.bfloat16, quantization=quantization).fuse()
+        logits = _logits(model, ids)  # [T, V]
+        ppl[quantization] = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:]).exp().item()
+    assert abs(ppl["gguf"] / ppl[None] - 1) < 0.01, ppl

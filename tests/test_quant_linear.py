@@ -1,0 +1,174 @@
+"""Tests of spec_kernels.quant_linear: GGUF blocks (made by gguf's own quantizer) multiplied as stored.
+
+The kernel's contract is exact: in float32 it is ``linear`` on the dequantized weights bit for bit (so batch-invariant
+like it), and its dequantization is gguf.quants.dequantize's. Against the float64 reference the tolerance is measured
+(STYLE.md 7): err(kernel) <= 2 * err(torch, same dtype) + ATOL[dtype].
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+from spec_kernels.linear import linear  # noqa: E402
+from spec_kernels.quant_linear import QuantizedWeight, quant_linear, quant_type_name  # noqa: E402
+from spec_kernels.reference import dequantize_ref, quant_linear_ref  # noqa: E402
+
+QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
+DTYPES = [torch.float32, torch.bfloat16]
+# Slack on top of 2x torch's own error, as in tests/test_linear.py (float32: ~1e-7 on outputs ~3; bfloat16: the
+# output's rounding dominates both).
+ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
+# [K, N]: odd N, SmolLM2's K (576 and 1536), one block, tails of rows past every tile width.
+SHAPES = [(96, 111), (576, 192), (1536, 57), (32, 5), (64, 17)]
+ROWS = [1, 2, 5, 8, 9, 16, 64]
+
+
+def _quantized(n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """gguf's blocks of a random [N, K] matrix (outputs ~ N(0, 1) for unit x), and the matrix."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) / k**0.5).astype(np.float32)
+    if qtype == "Q4_1":
+        w += 0.02  # a nonzero block minimum
+    return torch.from_numpy(quantize(w, gguf.GGMLQuantizationType[qtype])), w
+
+
+def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_matches_gguf(qtype):
+    blocks, _ = _quantized(37, 160, qtype, 0)
+    ref = dequantize(blocks.numpy(), gguf.GGMLQuantizationType[qtype])  # [N, K] float32
+    assert np.array_equal(dequantize_ref(blocks, qtype).numpy(), ref)
+    qw = QuantizedWeight(blocks, qtype, (37, 160))
+    assert torch.equal(qw.dequantize(), torch.from_numpy(ref))
+    idx = torch.tensor([[3, 0], [36, 3]])
+    assert torch.equal(qw.rows(idx), torch.from_numpy(ref)[idx])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", ROWS)
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_is_linear_on_dequantized_weights(qtype, dtype, num_rows, k, n):
+    """Bitwise ``linear`` (float32) on gguf's dequantized weights, bias last, one rounding; close to float64."""
+    blocks, _ = _quantized(n, k, qtype, k + n)
+    x = _x(num_rows, k, dtype, num_rows)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype) if num_rows % 2 else None
+    out = quant_linear(x, blocks, qtype, bias=bias, backend="native")  # [M, N]
+    assert out.shape == (num_rows, n) and out.dtype == dtype
+    w = dequantize_ref(blocks, qtype)  # [N, K] float32
+    exact = linear(x.float(), w, None if bias is None else bias.float(), backend="native").to(dtype)
+    assert torch.equal(out, exact)
+    ref64 = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    err_kernel = (out.double() - ref64).abs().max().item()
+    err_torch = (quant_linear_ref(x, blocks, qtype, bias=bias).double() - ref64).abs().max().item()
+    assert err_kernel <= 2 * err_torch + ATOL[dtype], f"kernel {err_kernel:.3g} vs torch {err_torch:.3g}"
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariant(qtype, dtype):
+    """Row i alone, in any prefix batch, beside other rows, on one thread or several: the same bits."""
+    k, n = 192, 200
+    blocks, _ = _quantized(n, k, qtype, 1)
+    x = _x(64, k, dtype, 2)
+    full = quant_linear(x[:16], blocks, qtype, backend="native")  # [16, N]
+    for i in range(16):
+        assert torch.equal(quant_linear(x[i : i + 1], blocks, qtype, backend="native")[0], full[i]), f"row {i}"
+    for num_rows in range(1, 16):
+        assert torch.equal(quant_linear(x[:num_rows], blocks, qtype, backend="native"), full[:num_rows])
+    assert torch.equal(quant_linear(x, blocks, qtype, backend="native")[:16], full), "M = 64"
+    others = torch.cat([x[:3], _x(5, k, dtype, 3)])
+    assert torch.equal(quant_linear(others, blocks, qtype, backend="native")[:3], full[:3])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(quant_linear(x[:16], blocks, qtype, backend="native"), full), "one thread"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_dispatch_and_quantized_weight():
+    blocks, _ = _quantized(40, 64, "Q4_1", 4)
+    x = _x(3, 64, torch.float32, 5)
+    native = quant_linear(x, blocks, "Q4_1", backend="native")
+    assert torch.equal(quant_linear(x, blocks, "q4_1"), native)  # None on CPU: native; names any case
+    assert torch.equal(quant_linear(x, blocks, gguf.GGMLQuantizationType.Q4_1), native)  # ggml's ids
+    assert torch.equal(quant_linear(x, blocks, "Q4_1", backend="torch"), quant_linear_ref(x, blocks, "Q4_1"))
+    qw = QuantizedWeight(blocks, "Q4_1", (40, 64))
+    assert torch.equal(linear(x, qw), native)  # linear dispatches on the weight's format
+    x64 = x.double()  # no native float64: the reference
+    assert torch.equal(quant_linear(x64, blocks, "Q4_1"), quant_linear_ref(x64, blocks, "Q4_1"))
+    batched = x.reshape(1, 3, 64)  # [B, T, K]
+    assert torch.equal(quant_linear(batched, blocks, "Q4_1").reshape(3, 40), native)
+    top, bottom = QuantizedWeight(blocks[:10], "Q4_1", (10, 64)), QuantizedWeight(blocks[10:], "Q4_1", (30, 64))
+    assert torch.equal(QuantizedWeight.cat([top, bottom]).data, blocks)
+    meta = torch.ops.spec_kernels.quant_linear(x.to("meta"), blocks.to("meta"), 3, None)
+    assert meta.shape == (3, 40)
+
+
+@pytest.mark.parametrize(
+    "case,error,match",
+    [
+        ("qtype", ValueError, "unsupported quantization type"),
+        ("k_not_blocks", ValueError, "multiple of the 32"),
+        ("width", ValueError, r"must be \[N, 40\]"),
+        ("weight_dtype", TypeError, "uint8"),
+        ("bias_shape", ValueError, "bias must be"),
+        ("x_dtype", TypeError, "float32 or bfloat16"),
+        ("meta", ValueError, "CPU kernel"),
+    ],
+)
+def test_errors(case, error, match):
+    x, w, qtype, bias = torch.randn(2, 64), torch.zeros(5, 40, dtype=torch.uint8), "Q4_1", None
+    if case == "qtype":
+        qtype = "Q5_K"
+    elif case == "k_not_blocks":
+        x = torch.randn(2, 48)
+    elif case == "width":
+        w = torch.zeros(5, 41, dtype=torch.uint8)
+    elif case == "weight_dtype":
+        w = torch.zeros(5, 40, dtype=torch.int8)
+    elif case == "bias_shape":
+        bias = torch.randn(4)
+    elif case == "x_dtype":
+        x = x.double()
+    elif case == "meta":
+        x, w = x.to("meta"), w.to("meta")
+    with pytest.raises(error, match=match):
+        quant_linear(x, w, qtype, bias=bias, backend="native")
+    with pytest.raises(ValueError, match="unsupported"):
+        quant_type_name(14)  # Q6_K: read by the loader only, dequantized
+
+
+def test_fake_tensor():
+    blocks, _ = _quantized(24, 64, "Q8_0", 6)
+    x = torch.randn(3, 64)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.spec_kernels.quant_linear.default, (x, blocks, 8, None), test_utils=checks)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_narrower_cpu_paths(isa):
+    """SPECDEC_CPU_ISA caps the vector paths (chosen once per process): this file must pass on each, in a process of
+    its own. On a CPU without AVX-512 the avx2 run repeats the suite's own path."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "SPECDEC_CPU_ISA": isa}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_quant_linear.py",
+           "-k", "not narrower_cpu_paths"]  # fmt: skip
+    result = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout.splitlines()[-1], result.stdout[-500:]
