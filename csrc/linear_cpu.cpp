@@ -490,8 +490,8 @@ SPECDEC_AVX2 void tile_chunk(const Avx2Args<T>& p, int64_t n0, int64_t m0, int64
 // every chunks-th line of the next block, starting at line c: together one pass over it, spread over the block.
 // One thread, [256, 576] and [256, 1536] bf16 weights (SmolLM2's K) in L2/L3, min of 25 samples of CPU time,
 // interleaved with the 4 x 2 tiles this replaced (AMD EPYC Zen 3, loaded machine): 69-72 -> 75-80 GFLOP/s at M = 16,
-// of a measured 92 GFLOP/s register-only FMA peak per core. With the weights from DRAM the two are within noise (~52-57 GFLOP/s at
-// M = 16): there the DRAM stream and the FMAs barely overlap.
+// of a measured 92 GFLOP/s register-only FMA peak per core. With the weights from DRAM the two are within noise
+// (~52-57 GFLOP/s at M = 16): there the DRAM stream and the FMAs barely overlap.
 template <typename T>
 SPECDEC_AVX2 void rows_avx2_many(const Avx2Args<T>& p, int64_t n_begin, int64_t n_end) {
   const int64_t M = p.a.M;
