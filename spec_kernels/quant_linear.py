@@ -29,6 +29,8 @@ from spec_kernels.reference import (
 __all__ = ["QuantizedWeight", "quant_linear", "quant_linear_ref", "quant_type_name"]
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, qtype: str, bias: torch.Tensor | None) -> None:
     """Shape and dtype errors in Python terms (the C++ op checks the same, for fake tensors too)."""
     if x.dim() < 1:
