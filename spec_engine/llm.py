@@ -18,6 +18,7 @@ from spec_engine.drafters.ngram import NgramDrafter
 from spec_engine.engine import Engine, Request
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
+from spec_engine.models.gguf import gguf_path_or_none
 from spec_engine.sampling import SamplingParams
 from spec_engine.tree import StaticTree, chain
 from spec_engine.zoo.pull import resolve_model
@@ -56,7 +57,7 @@ def load_tokenizer(model: str | Path):
     metadata); None when the model has none."""
     from tokenizers import Tokenizer
 
-    from spec_engine.models.gguf import gguf_path_or_none, gguf_tokenizer
+    from spec_engine.models.gguf import gguf_tokenizer
 
     if gguf_path_or_none(model) is not None:
         return gguf_tokenizer(model)
@@ -205,6 +206,8 @@ class LLM:
         spec = _parse_speculative_config(speculative_config)
         model = resolve_model(model)
         self.model_dir = Path(model)
+        if tensor_parallel_size > 1 and gguf_path_or_none(model) is not None:
+            raise ValueError("tensor_parallel_size > 1 reads HF safetensors shards; a GGUF file loads on one device")
         if tensor_parallel_size > 1:  # rank 0's shard plus N - 1 worker processes (spec_engine/distributed.py)
             if quantization is not None:
                 raise ValueError("quantization='gguf' runs on one process: not supported with tensor_parallel_size > 1")
@@ -226,7 +229,7 @@ class LLM:
             head = load_eagle_head(spec["model"], self.target, dtype=torch_dtype, device=device)
         if spec and spec["method"] == "draft_model":
             draft_dtype = DTYPES[spec.get("draft_dtype") or _draft_dtype(dtype, device)]
-            draft_model = load_model(spec["model"], dtype=draft_dtype, device=device)
+            draft_model = load_model(resolve_model(spec["model"]), dtype=draft_dtype, device=device)
             if draft_model.config.vocab_size != cfg.vocab_size:
                 raise ValueError(
                     f"draft vocab ({draft_model.config.vocab_size}) != target vocab ({cfg.vocab_size}): "

@@ -25,6 +25,8 @@ LAYER_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -79,6 +81,9 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
     w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    if arch == "qwen3":  # its heads are not hidden / heads wide
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer is not None:
         w.add_tokenizer_model("gpt2")
@@ -117,3 +122,21 @@ def tokenizer_metadata(tok, specials: list[str], pre: str = "default") -> dict:
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     types = [3 if t in specials else 1 for t in tokens]
     return {"tokens": tokens, "types": types, "merges": merges, "pre": pre}
+
+
+def chatml_tokenizer(specials: list[str], digits_apart: bool = True, vocab_size: int = 400):
+    """A byte-level BPE trained here with ``specials`` as its first ids, pre-tokenized as SmolLM2's (each digit
+    apart, then GPT-2's regex: llama.cpp's "smollm") or as GPT-2's."""
+    from tiny_models import CORPUS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    digits_first = pre_tokenizers.Sequence([pre_tokenizers.Digits(True), byte_level])
+    tok.pre_tokenizer = digits_first if digits_apart else byte_level
+    tok.decoder = decoders.ByteLevel()
+    corpus = CORPUS + ["numbers 12345 and 2024, x = 3.14; ½ ② Ⅷ", "   indented\n\t\ttabs  \n\n"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(corpus * 4, trainer)
+    return tok

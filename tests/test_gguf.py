@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_files import dequantized, tokenizer_metadata, write_gguf
+from gguf_files import chatml_tokenizer, dequantized, tokenizer_metadata, write_gguf
 from safetensors.numpy import load_file
 from tiny_models import make_model
 
@@ -82,10 +82,12 @@ def test_config_from_metadata(hf_dir, tmp_path):
     assert got == want
 
 
-def test_qwen2_tied_with_biases(tmp_path):
-    hf = make_model(tmp_path / "qwen", "qwen2_tied", vocab_size=96, hidden=64, layers=2)
-    model = load_model(write_gguf(tmp_path / "m.gguf", hf, "Q8_0", arch="qwen2"))
-    assert model.config.tie_word_embeddings and model.config.attention_bias
+@pytest.mark.parametrize("arch,hf_arch", [("qwen2", "qwen2_tied"), ("qwen3", "qwen3")])
+def test_qwen_architectures(tmp_path, arch, hf_arch):
+    """Qwen2 (q/k/v biases, tied embeddings) and Qwen3 (q/k norms, wider heads): no Q/K permutation in their files."""
+    hf = make_model(tmp_path / "qwen", hf_arch, vocab_size=96, hidden=64, layers=2)
+    model = load_model(write_gguf(tmp_path / "m.gguf", hf, "Q8_0", arch=arch))
+    assert asdict(model.config) == {**asdict(ModelConfig.from_dir(hf)), "rms_norm_eps": model.config.rms_norm_eps}
     ids = torch.randint(0, 96, (1, 9))
     assert torch.equal(model.forward_train(ids), _reference(hf, "Q8_0").forward_train(ids))
 
@@ -145,20 +147,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def _bpe(pre: str):
-    """A byte-level BPE trained here, with SmolLM2's pre-tokenizer ("smollm": each digit apart) or GPT-2's."""
-    from tiny_models import CORPUS
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    digits_first = pre_tokenizers.Sequence([pre_tokenizers.Digits(True), byte_level])
-    tok.pre_tokenizer = digits_first if pre == "smollm" else byte_level
-    tok.decoder = decoders.ByteLevel()
-    corpus = CORPUS + ["numbers 12345 and 2024, x = 3.14; ½ ② Ⅷ", "   indented\n\t\ttabs  \n\n"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator(corpus * 4, trainer)
-    return tok
+    return chatml_tokenizer(SPECIALS, digits_apart=pre == "smollm")
 
 
 @pytest.mark.parametrize("pre", ["smollm", "default"])
@@ -216,18 +205,24 @@ CHATS = [
 
 
 def test_smollm2_greedy_matches_transformers(smollm2):
-    """Greedy tokens, float32, from the GGUF loaded directly: ours vs transformers' GGUF loader (dequantized)."""
+    """Greedy tokens, float32, from the GGUF loaded directly: ours vs transformers' GGUF loader (dequantized).
+
+    transformers checks our tokens teacher-forced, one forward per prompt: its argmax after every prefix of ours is
+    our next token, so its own greedy decoding (stopping at EOS as we do) emits exactly our tokens."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
     from spec_engine import LLM, SamplingParams
 
     llm = LLM(model=str(smollm2), dtype="float32", max_model_len=256)
-    prompts = [{"prompt_token_ids": llm.render_chat([{"role": "user", "content": c}])[1]} for c in CHATS]
-    ours = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    prompts = [llm.render_chat([{"role": "user", "content": c}])[1] for c in CHATS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0.0),
+                        use_tqdm=False)  # fmt: skip
     hf = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32,
                                               quantization_config=GgufConfig(dequantize=True)).eval()  # fmt: skip
-    for p, out in zip(prompts, ours):
-        ids = torch.tensor([p["prompt_token_ids"]])
+    same = 0
+    for prompt, out in zip(prompts, outs):
+        ours = out.outputs[0].token_ids
         with torch.no_grad():
-            ref = hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=2)
-        assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
+            logits = hf(torch.tensor([prompt + ours])).logits[0]  # [T, V]
+        same += logits[len(prompt) - 1 : -1].argmax(-1).tolist() == ours
+    assert same == len(CHATS)

@@ -94,15 +94,17 @@ def dequantize_blocks(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, QUANT_BLOCK_BYTES[type_name])  # [N, num_blocks, bytes_per_block]
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, num_blocks, 1]
+    out = torch.empty(n, b.shape[1], QUANT_BLOCK, dtype=torch.float32)  # [N, num_blocks, 32]
     if type_name == "Q8_0":
-        q = b[..., 2:].contiguous().view(torch.int8).float()  # [N, num_blocks, 32]
-        return (d * q).reshape(n, -1)
+        out.copy_(b[..., 2:].view(torch.int8))
+        return out.mul_(d).reshape(n, -1)
     nibbles = b[..., -16:]
-    q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).float()  # [N, num_blocks, 32]: low nibbles first
+    out[..., :16].copy_(nibbles & 0x0F)  # weight j < 16: low nibble of byte j; weight j + 16: its high nibble
+    out[..., 16:].copy_(nibbles >> 4)
     if type_name == "Q4_0":
-        return (d * (q - 8)).reshape(n, -1)
+        return out.sub_(8).mul_(d).reshape(n, -1)
     m = b[..., 2:4].contiguous().view(torch.float16).float()
-    return (d * q + m).reshape(n, -1)
+    return out.mul_(d).add_(m).reshape(n, -1)
 
 
 def unpermute_qk_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:

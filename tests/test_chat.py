@@ -1,0 +1,91 @@
+"""Chat: ``LLM.chat`` (vLLM's signature), ``specdec generate --chat`` and the server's chat endpoint render the
+model's own template (HF directory or GGUF metadata) and encode it without adding special tokens twice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jinja2
+import pytest
+from gguf_files import chatml_tokenizer, tokenizer_metadata, write_gguf
+from tiny_models import make_model, serve_in_thread
+
+from spec_engine import LLM, SamplingParams
+from spec_engine.cli import main
+from spec_engine.server.app import create_app
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BOS, EOS = 1, 2
+CHATML = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello 2024, café?"}]
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """The same tiny checkpoint as an HF directory (tokenizer.json, tokenizer_config.json's template) and as a GGUF
+    file (tokenizer and template in its metadata, BOS added by the tokenizer)."""
+    root = tmp_path_factory.mktemp("chat")
+    tok = chatml_tokenizer(SPECIALS)
+    hf = make_model(root / "hf", "llama_gqa", vocab_size=tok.get_vocab_size(), logit_scale=4.0,
+                    tokenizer_config={"chat_template": CHATML, "bos_token": "<|im_start|>"})  # fmt: skip
+    tok.save(str(hf / "tokenizer.json"))
+    meta = {**tokenizer_metadata(tok, SPECIALS, pre="smollm"), "bos": BOS, "eos": EOS, "add_bos": True}
+    return {"hf": hf, "gguf": write_gguf(root / "m.gguf", hf, "F32", tokenizer=meta, chat_template=CHATML), "tok": tok}
+
+
+@pytest.fixture(scope="module", params=["hf", "gguf"])
+def llm(request, models) -> LLM:
+    return LLM(model=str(models[request.param]), dtype="float32", max_model_len=128)
+
+
+def _expected(models, messages, add_generation_prompt=True, template=CHATML) -> tuple[str, list[int]]:
+    text = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, bos_token="<|im_start|>")  # fmt: skip
+    return text, models["tok"].encode(text).ids  # the HF tokenizer adds no specials of its own
+
+
+def test_chat_renders_the_model_template(llm, models):
+    text, ids = _expected(models, MESSAGES)
+    out = llm.chat(MESSAGES, GREEDY, use_tqdm=False)
+    assert len(out) == 1 and out[0].prompt == text and out[0].prompt_token_ids == ids
+    assert ids[:2] == [BOS, BOS] and ids[2] != BOS  # the template's BOS and <|im_start|>; add_bos adds no other
+    plain = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)[0]
+    assert out[0].outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_chat_batch_override_and_no_generation_prompt(llm, models):
+    other = [{"role": "user", "content": "naïve 日本語 🙂"}]
+    outs = llm.chat([MESSAGES, other], [GREEDY, SamplingParams(max_tokens=3, temperature=0.0)], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [_expected(models, MESSAGES)[1], _expected(models, other)[1]]
+    assert len(outs[1].outputs[0].token_ids) <= 3
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    out = llm.chat(other, GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False)[0]
+    assert out.prompt == "[user] naïve 日本語 🙂\n"
+    assert out.prompt_token_ids == llm.encode(out.prompt, add_special_tokens=False)
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat(["not a message"], GREEDY)
+
+
+def test_cli_generate_chat(models, capsys):
+    args = ["generate", "--model", str(models["gguf"]), "--chat", "hello 2024, café?", "--max-tokens", "4",
+            "--method", "none", "--dtype", "float32"]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    llm = LLM(model=str(models["gguf"]), dtype="float32", max_model_len=128)
+    want = llm.chat([{"role": "user", "content": "hello 2024, café?"}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert printed.startswith(want[0].outputs[0].text + "\n[specdec] ")  # the reply alone, then the stats line
+
+
+def test_server_chat_uses_the_gguf_template(models):
+    llm = LLM(model=str(models["gguf"]), dtype="float32", max_model_len=128)
+    with serve_in_thread(create_app(llm, "tiny-gguf"), log_level="warning") as port:
+        body = {"model": "tiny-gguf", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert json.loads(r.text)["usage"]["prompt_tokens"] == len(_expected(models, MESSAGES)[1])
