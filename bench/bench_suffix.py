@@ -1,6 +1,6 @@
 """Suffix decoding: our suffix trees against arctic-inference's on the same traces, and end-to-end speedups.
 
-    python bench/bench_suffix.py [--quick] [--model DIR] [--chat] [--max-tokens N] [--out DIR]
+    python bench/bench_suffix.py [--quick] [--model DIR] [--chat] [--max-tokens N] [--out DIR] [--traces FILE]
                                  [--arctic-python /tmp/arctic-venv/bin/python]
 
 1. Traces: the target's greedy answers (plain decoding) to code-editing requests: a function from a held-out stdlib
@@ -17,9 +17,11 @@
 3. End to end, batch 1, greedy: plain decoding against ``{"method": "suffix"}`` (and the hybrid, with the model's
    draft) on the same requests, each configuration timed back to back with plain decoding per request (the load
    drift of a shared machine hits both sides of a ratio); speedup = median of the per-request ratios of decode
-   tok/s. Tokens are checked against plain decoding.
+   tok/s. Tokens are checked against plain decoding. A control row times held-out code continued (``--held-out``;
+   spec_engine/benchmark.py's prompts), where matching has little to find: the never-slower check.
 
-Writes ``--out``/suffix.json with the machine's name.
+Writes ``--out``/suffix.json with the machine's name, and the traces to ``--out``/traces.json (``--traces`` replays
+them).
 """
 
 from __future__ import annotations
@@ -224,12 +226,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timed-requests", type=int, default=5, help="requests timed end to end (0: acceptance only)")
+    ap.add_argument("--held-out", type=int, default=3, help="held-out code prompts timed as a control row")
     ap.add_argument("--arctic-python", default="/tmp/arctic-venv/bin/python")
     ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--traces", default=None, help="replay these traces (a traces.json this bench wrote)")
     ap.add_argument("--peer", nargs=2, metavar=("TRACES", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
-        args.requests, args.max_tokens, args.rounds, args.timed_requests = 6, 96, 1, 3
+        args.requests, args.max_tokens, args.rounds, args.timed_requests, args.held_out = 6, 96, 1, 3, 2
     return args
 
 
@@ -245,10 +249,17 @@ def main(argv=None) -> None:
 
     target, draft = default_model_paths()
     model, draft = args.model or target, args.draft or (draft if args.model is None else None)
-    llm = LLM(model, max_model_len=2048)
-    prompts = requests(llm, args.requests, args.chat)
-    traces = make_traces(llm, prompts, args.max_tokens)
-    del llm
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.traces and Path(args.traces).is_file():  # the same traces again (a new drafter, the same target)
+        traces = json.loads(Path(args.traces).read_text())
+        prompts = [t["prompt"] for t in traces]
+    else:
+        llm = LLM(model, max_model_len=2048)
+        prompts = requests(llm, args.requests, args.chat)
+        traces = make_traces(llm, prompts, args.max_tokens)
+        del llm
+        (out / "traces.json").write_text(json.dumps(traces))
     print(f"{len(traces)} traces, {sum(len(t['output']) for t in traces)} tokens ({model}); knobs {KNOBS}")
     ours = {mode: replay_ours(traces, mode == "tree") for mode in ("tree", "chain")}
     peer = run_peer(traces, args.arctic_python) if Path(args.arctic_python).is_file() else None
@@ -262,16 +273,22 @@ def main(argv=None) -> None:
     if draft:
         configs["hybrid"] = {"method": "hybrid", "model": draft}
         configs["draft_model"] = {"method": "draft_model", "model": draft}
-    timed = prompts[: args.timed_requests]
-    e2e = end_to_end(model, configs, timed, args.max_tokens, args.rounds) if timed else {}
-    print(f"end to end, batch 1, greedy, {len(timed)} requests x {args.rounds} rounds, {args.max_tokens} tokens:")
-    for name, r in e2e.items():
-        print(
-            f"  {name:<12} speedup {r['speedup']:.2f}x (plain {r['plain_tok_s']:.0f} tok/s, {name} "
-            f"{r['spec_tok_s']:.0f}) tau {r['tau']:.2f} | {'same' if r['same_tokens'] else 'DIFFERENT'} tokens"
-        )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    sets = {"code-editing": prompts[: args.timed_requests]}
+    if args.held_out:  # the control row: held-out code continued, where suffix matching has little to find
+        from spec_engine.benchmark import build_prompts
+
+        sets["held-out"] = [p.ids for p in build_prompts(LLM(model, max_model_len=2048), args.held_out, 0)[0]]
+    e2e = {}
+    for what, timed in sets.items():
+        if not timed:
+            continue
+        e2e[what] = end_to_end(model, configs, timed, args.max_tokens, args.rounds)
+        print(f"{what}, end to end, batch 1, greedy, {len(timed)} requests x {args.rounds} rounds, "
+              f"{args.max_tokens} tokens:")  # fmt: skip
+        for name, r in e2e[what].items():
+            same = "same" if r["same_tokens"] else "DIFFERENT"
+            print(f"  {name:<12} speedup {r['speedup']:.2f}x (plain {r['plain_tok_s']:.0f} tok/s, {name} "
+                  f"{r['spec_tok_s']:.0f}) tau {r['tau']:.2f} | {same} tokens")  # fmt: skip
     (out / "suffix.json").write_text(
         json.dumps(
             {

@@ -95,6 +95,7 @@ void SuffixTree::extend(int64_t seq_id, const at::Tensor& tokens) {
       int32_t c = child(parent, t);
       if (c == kNone) c = add_child(parent, t);
       nodes_[c].count += 1;
+      nodes_[c].stamp = ++clock_;
       next.push_back(c);
     }
     seq.active.swap(next);
@@ -142,7 +143,7 @@ void SuffixTree::ranked_children(int32_t node, std::vector<int32_t>& out) const 
   for (int32_t c = nodes_[node].first_child; c != kNone; c = nodes_[c].next_sibling) out.push_back(c);
   std::sort(out.begin(), out.end(), [this](int32_t a, int32_t b) {
     const Node &x = nodes_[a], &y = nodes_[b];
-    return x.count != y.count ? x.count > y.count : x.token < y.token;
+    return x.count != y.count ? x.count > y.count : x.stamp > y.stamp;
   });
 }
 

@@ -36,6 +36,7 @@ class SuffixTree : public torch::CustomClassHolder {
   struct Node {
     int32_t token = 0;
     int32_t count = 0;
+    int64_t stamp = 0;  // when its count last grew (clock_): ties between siblings go to the latest
     int32_t first_child = kNone;  // children form a doubly linked list, in no order (ranked when speculating)
     int32_t next_sibling = kNone;
     int32_t prev_sibling = kNone;
@@ -62,6 +63,7 @@ class SuffixTree : public torch::CustomClassHolder {
   Draft grow_chain(int32_t node, int64_t budget, double min_token_prob) const;
 
   int64_t max_depth_;
+  int64_t clock_ = 0;  // count increments so far
   std::vector<Node> nodes_;  // nodes_[0] is the root
   std::vector<int32_t> free_;
   std::unordered_map<uint64_t, int32_t> edges_;  // (parent, token) -> child

@@ -97,12 +97,12 @@ def test_native_matches_reference(seed):
 def test_speculation_by_hand():
     tree = SuffixTreeRef(8)
     tree.extend(0, [1, 2, 3, 4, 1, 2, 3, 5, 1, 2])
-    # "1 2" occurs 3 times, twice followed by 3; "2 3" then goes on with 4 or 5 (a tie: the smaller id first)
+    # "1 2" occurs 3 times, twice followed by 3; "2 3" then goes on with 4 or 5 (a tie: the latest seen, 5, first)
     draft = tree.speculate([7, 1, 2], max_tokens=3, max_spec_factor=2.0, min_token_prob=0.1)
-    assert draft.match_len == 2 and draft.tokens == [3, 4, 5] and draft.parents == [-1, 0, 0]
+    assert draft.match_len == 2 and draft.tokens == [3, 5, 4] and draft.parents == [-1, 0, 0]
     assert draft.probs == pytest.approx([2 / 3, 1 / 3, 1 / 3]) and draft.score == pytest.approx(4 / 3)
     chain = tree.speculate([7, 1, 2], max_tokens=3, max_spec_factor=2.0, min_token_prob=0.1, tree=False)
-    assert chain.tokens == [3, 4, 1] and chain.parents == [-1, 0, 1]
+    assert chain.tokens == [3, 5, 1] and chain.parents == [-1, 0, 1]
     assert tree.speculate([7, 1, 2], 3, 2.0, min_token_prob=0.5).tokens == [3]  # 1/3 < 0.5: pruned
     assert tree.speculate([9], 3, 2.0, 0.1).tokens == []  # nothing matches
 

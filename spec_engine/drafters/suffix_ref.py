@@ -20,7 +20,8 @@ Glossary:
                      wins (ties: the longer match).
 
 Ties are broken the same way everywhere, so the C++ tree and this one propose the same trees exactly: children by
-count (descending) then token id (ascending); equal probabilities in the order their nodes were queued.
+count (descending), then the one whose count last grew first (a continuation seen lately is the likelier one; the
+order ArcticInference keeps its siblings in); equal probabilities in the order their nodes were queued.
 Probabilities are float64, computed as ``parent_prob * count(child) / count(node)`` in that order.
 """
 
@@ -48,14 +49,15 @@ class SuffixDraft:
 
 
 class _Node:
-    __slots__ = ("count", "children")
+    __slots__ = ("count", "stamp", "children")
 
     def __init__(self):
         self.count = 0
+        self.stamp = 0  # when its count last grew (the tree's clock): ties between siblings go to the latest
         self.children: dict[int, _Node] = {}
 
     def ranked_children(self) -> list[tuple[int, _Node]]:
-        return sorted(self.children.items(), key=lambda kv: (-kv[1].count, kv[0]))
+        return sorted(self.children.items(), key=lambda kv: (-kv[1].count, -kv[1].stamp))
 
 
 class SuffixTreeRef:
@@ -68,6 +70,7 @@ class SuffixTreeRef:
         self.root = _Node()
         self._seqs: dict[int, list[int]] = {}
         self._active: dict[int, list[_Node]] = {}  # seq -> nodes of its suffixes of length 1, 2, ... (<= max_depth)
+        self._clock = 0  # count increments so far
 
     def extend(self, seq_id: int, tokens) -> None:
         seq = self._seqs.setdefault(seq_id, [])
@@ -80,6 +83,8 @@ class SuffixTreeRef:
                 if child is None:
                     child = node.children[t] = _Node()
                 child.count += 1
+                self._clock += 1
+                child.stamp = self._clock
                 new.append(child)
             active[:] = new
 
