@@ -19,6 +19,7 @@ from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_toke
 from spec_engine.models import load_model
 from spec_engine.sampling import SamplingParams
 from spec_engine.tree import StaticTree, chain
+from spec_engine.zoo import shipped_drafter
 from spec_kernels._backend import cpu_supports_native_bf16
 from spec_kernels._ext import load_ext
 
@@ -108,9 +109,6 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
             raise ValueError("draft_dtype (the draft model's precision) needs method='draft_model'")
         if draft_dtype not in DTYPES:
             raise ValueError(f"draft_dtype must be one of {list(DTYPES)}, got {draft_dtype!r}")
-    if method in MODEL_METHODS and not spec.get("model"):
-        what = "a draft model directory" if method == "draft_model" else "an EAGLE head directory"
-        raise ValueError(f"speculative_config with method={method!r} needs 'model': {what}")
     return {**spec, "method": method, "num_speculative_tokens": gamma, "adaptive": adaptive}
 
 
@@ -200,6 +198,8 @@ class LLM:
         self.tokenizer = load_tokenizer(model)
         cfg = self.target.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, 4096)
+        if spec and spec["method"] in MODEL_METHODS and not spec.get("model"):  # the drafter shipped for the target
+            spec = {**spec, "model": shipped_drafter(cfg, spec["method"])}
         self.speculative_config = spec
 
         draft_model = head = draft_dtype = None
