@@ -144,6 +144,7 @@ def agreement(head: EagleHead, target, stream: torch.Tensor, seq_len: int, steps
 # kept).
 
 HELD_OUT_EVERY = 33  # prompt ids divisible by this are the validation split (about 3%)
+PROMPTS = Path(__file__).parent / "data" / "eagle_prompts.jsonl"
 
 
 def eagle3_head_config(target_cfg: ModelConfig, eos_id, draft_vocab_size: int, target_layers) -> dict:
@@ -307,6 +308,33 @@ def stream_samples(target, stream: torch.Tensor, seq_len: int, layers, n: int, s
     return [(w, f.to(torch.bfloat16), 1) for w, f in zip(windows, feats)]
 
 
+def token_frequencies(data: ShardSet, target_dir: Path, vocab_size: int, smoke: bool = False) -> torch.Tensor:
+    """[V] float64: the ranking a draft vocabulary is cut from. The target's answers (their relative frequencies)
+    plus half the prompt set's and a sample of the standard library's (about 4M characters, seeded): the answers
+    generated so far are too few to rank the tail, and the prompts and the stdlib are the same domain."""
+    import random
+
+    from spec_engine.llm import load_tokenizer
+
+    def norm(c):
+        return c.double() / max(1, int(c.sum()))
+
+    tok = load_tokenizer(target_dir)
+    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
+    files, _ = corpus_files()
+    random.Random(0).shuffle(files)
+    budget = 4_000 if smoke else 4_000_000
+    for f in files:
+        texts.append(f.read_text(errors="replace"))
+        budget -= len(texts[-1])
+        if budget <= 0:
+            break
+    ref = torch.zeros(vocab_size, dtype=torch.int64)
+    for enc in tok.encode_batch(texts):
+        ref += torch.bincount(torch.tensor(enc.ids, dtype=torch.int64), minlength=vocab_size)[:vocab_size]
+    return norm(data.answer_counts(vocab_size)) + 0.5 * norm(ref)
+
+
 def main_eagle3(args, target, tcfg, eos) -> dict:
     """The EAGLE-3 recipe: a reduced vocabulary, frozen target lm_head rows, TTT over ``--ttt`` steps."""
     work = args.work_dir
@@ -332,7 +360,7 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
         vocab_ids = torch.load(vocab_path)
     else:
         k = min(args.draft_vocab or tcfg.vocab_size, tcfg.vocab_size)
-        vocab_ids = draft_vocab(data.answer_counts(tcfg.vocab_size), k)
+        vocab_ids = draft_vocab(token_frequencies(data, args.target, tcfg.vocab_size, args.smoke), k)
         torch.save(vocab_ids, vocab_path)
     K = len(vocab_ids)
     t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.int64)
