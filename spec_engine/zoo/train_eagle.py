@@ -335,6 +335,47 @@ def token_frequencies(data: ShardSet, target_dir: Path, vocab_size: int, smoke: 
     return norm(data.answer_counts(vocab_size)) + 0.5 * norm(ref)
 
 
+def build_eagle3(target, tcfg, eos, layers, vocab_ids: torch.Tensor, trained: dict | None, seed: int):
+    """(head, config, t2d [V]) over the draft vocabulary ``vocab_ids``: freshly initialised, then the trained
+    weights of a checkpoint's ``trained`` state (fc and the layer; lm_head and norm are the target's rows, so a head
+    trained over one vocabulary exports over any other)."""
+    K = len(vocab_ids)
+    cfg = eagle3_head_config(tcfg, eos, K, layers)
+    head = EagleHead(ModelConfig.from_dict(cfg), "eagle3", target, draft_vocab_size=K, target_layers=layers)
+    init_eagle3(head, target, vocab_ids, seed)
+    if trained is not None:
+        keep = {k: v for k, v in trained.items() if not k.startswith(("lm_head", "norm", "d2t"))}
+        head.load_state_dict(keep, strict=False)
+    t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.int64)
+    t2d[vocab_ids] = torch.arange(K)
+    return head, cfg, t2d
+
+
+def export_eagle3(args, target, tcfg, eos) -> dict:
+    """The checkpoint's head over draft vocabularies cut from every answer generated so far: held-out agreement for
+    each K of ``--eval-k``, and the head over ``--draft-vocab`` written to ``--out`` (bf16)."""
+    layers = eagle3_target_layers(tcfg.num_hidden_layers)
+    data = ShardSet(args.data)
+    data.reload()
+    state = torch.load(args.work_dir / "eagle3.ckpt", weights_only=True)
+    freqs = token_frequencies(data, args.target, tcfg.vocab_size)
+    by_k = {}
+    for k in sorted({int(x) for x in (args.eval_k or "").split(",") if x} | {args.draft_vocab}):
+        head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, draft_vocab(freqs, k), state["model"], args.seed)
+        coverage = float((t2d[torch.cat([s[0][s[2] :] for s in data.held])] >= 0).float().mean())
+        by_k[k] = {"held_out_top1_agreement_per_depth": eagle3_agreement(head, data.held, t2d, args.ttt),
+                   "held_out_coverage": round(coverage, 4)}  # fmt: skip
+        print(json.dumps({"K": k} | by_k[k]), flush=True)
+        if k == args.draft_vocab:
+            save_eagle_head(head, cfg, args.out, dtype=torch.bfloat16)
+    report = {"step": state["step"], "history": json.loads(state["history"]), "by_draft_vocab": by_k,
+              "train_samples": len(data.train), "train_answer_tokens": data.tokens("train"),
+              "held_samples": len(data.held), "held_answer_tokens": data.tokens("held"),
+              "exported_draft_vocab": args.draft_vocab}  # fmt: skip
+    (args.work_dir / "export.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def main_eagle3(args, target, tcfg, eos) -> dict:
     """The EAGLE-3 recipe: a reduced vocabulary, frozen target lm_head rows, TTT over ``--ttt`` steps."""
     work = args.work_dir
@@ -363,11 +404,7 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
         vocab_ids = draft_vocab(token_frequencies(data, args.target, tcfg.vocab_size, args.smoke), k)
         torch.save(vocab_ids, vocab_path)
     K = len(vocab_ids)
-    t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.int64)
-    t2d[vocab_ids] = torch.arange(K)
-    cfg = eagle3_head_config(tcfg, eos, K, layers)
-    head = EagleHead(ModelConfig.from_dict(cfg), "eagle3", target, draft_vocab_size=K, target_layers=layers)
-    init_eagle3(head, target, vocab_ids, args.seed)
+    head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, vocab_ids, None, args.seed)
     trainable = [p for p in head.parameters() if p.requires_grad]
     n_all, n_trained = sum(p.numel() for p in head.parameters()), sum(p.numel() for p in trainable)
     print(
@@ -439,6 +476,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: K, the draft vocabulary's size")
     ap.add_argument("--eval-every", type=int, default=200, help="eagle3: held-out agreement every N steps")
     ap.add_argument("--ckpt-every", type=int, default=50, help="eagle3: checkpoint (and new shards) every N steps")
+    ap.add_argument("--export", action="store_true", help="eagle3: export the checkpoint (no training)")
+    ap.add_argument("--eval-k", default=None, help="eagle3 --export: also held-out agreement at these K (comma list)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps, args.max_files, args.batch_size = min(args.steps, 3), args.max_files or 8, 2
@@ -452,6 +491,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.layout == "eagle3":
         tcfg = target.config
         eos = tcfg.eos_token_id[0] if tcfg.eos_token_id else None
+        if args.export:
+            return export_eagle3(args, target, tcfg, eos)
         report = main_eagle3(args, target, tcfg, eos)
         print(json.dumps(report["history"][-1]))
         return report
