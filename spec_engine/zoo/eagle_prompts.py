@@ -52,7 +52,8 @@ SNIPPETS = (
         "def read_lines(path):\n    with open(path) as f:\n        return [line.strip() for line in f.read()]",
     ),
     (
-        "def count_words(text):\n    counts = {}\n    for w in text.split():\n        counts[w] = counts.get(w, 0) + 1\n"
+        "def count_words(text):\n    counts = {}\n    for w in text.split():\n"
+        "        counts[w] = counts.get(w, 0) + 1\n"
         "    return counts",
         "def count_words(text):\n    counts = {}\n    for w in text.split():\n        counts[w] = counts[w] + 1\n"
         "    return counts",
