@@ -275,7 +275,7 @@ def main(argv=None) -> None:
         configs["draft_model"] = {"method": "draft_model", "model": draft}
     sets = {"code-editing": prompts[: args.timed_requests]}
     if args.held_out:  # the control row: held-out code continued, where suffix matching has little to find
-        from spec_engine.benchmark import build_prompts
+        from bench.harness import build_prompts
 
         sets["held-out"] = [p.ids for p in build_prompts(LLM(model, max_model_len=2048), args.held_out, 0)[0]]
     e2e = {}

@@ -99,7 +99,7 @@ def bench_matmuls(reps: int, clock) -> list[dict]:
 
 def bench_forward(model_dir: str, reps: int, clock) -> dict:
     """Median ms of the bf16 forward + logits at each T (rounds interleave the T values) and r(T)."""
-    from spec_engine.benchmark import forward_step
+    from bench.harness import forward_step
     from spec_engine.llm import LLM
 
     llm = LLM(model=model_dir, dtype="bfloat16", max_num_seqs=1)

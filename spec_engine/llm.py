@@ -25,6 +25,7 @@ from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
 from spec_engine.sampling import SamplingParams
 from spec_engine.tree import StaticTree, chain
+from spec_engine.zoo import shipped_drafter
 from spec_engine.zoo.pull import resolve_model
 from spec_kernels._backend import cpu_supports_native_bf16
 from spec_kernels._ext import load_ext
@@ -139,11 +140,9 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
             raise ValueError("draft_dtype (the draft model's precision) needs method='draft_model'")
         if draft_dtype not in DTYPES:
             raise ValueError(f"draft_dtype must be one of {list(DTYPES)}, got {draft_dtype!r}")
-    if method in (*MODEL_METHODS, "hybrid") and not spec.get("model"):
-        what = {"draft_model": "a draft model directory", "eagle": "an EAGLE head directory"}.get(
-            method, "a draft model or EAGLE head directory"
-        )
-        raise ValueError(f"speculative_config with method={method!r} needs 'model': {what}")
+    if method in (*MODEL_METHODS, "hybrid") and not spec.get("model"):  # LLM fills in the shipped drafter
+        return {**spec, "method": method, "model_method": None, "num_speculative_tokens": gamma,
+                "adaptive": adaptive, "suffix": suffix}  # fmt: skip
     model_method = method
     if method == "hybrid":
         model_method = "eagle" if is_eagle_head(spec["model"]) else "draft_model"
@@ -203,6 +202,17 @@ def _suffix_drafter(spec: dict, max_tokens: int, device: str) -> SuffixDrafter:
                          max_cached_requests=s["suffix_decoding_max_cached_requests"],
                          tree=s["suffix_decoding_use_tree_spec"], min_score=float(s["suffix_decoding_min_score"]),
                          device=device)  # fmt: skip
+
+
+def shipped_model(target_config, method: str) -> str:
+    """The drafter the project ships for a target (``spec_engine.zoo.shipped_drafter``) for ``method``; the hybrid
+    wraps a draft model where one is shipped, else an EAGLE head. ValueError, naming "model", where none is."""
+    if method != "hybrid":
+        return shipped_drafter(target_config, method)
+    try:
+        return shipped_drafter(target_config, "draft_model")
+    except ValueError:
+        return shipped_drafter(target_config, "eagle")
 
 
 def _draft_dtype(dtype: str, device: str) -> str:
@@ -318,6 +328,9 @@ class LLM:
         self._chat_template: ChatTemplate | None = None
         cfg = self.target.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, 4096)
+        if spec and spec["model_method"] is None:  # a model-drafter method given no "model": the one shipped
+            spec = _parse_speculative_config({**speculative_config, "model": shipped_model(cfg, spec["method"])})
+            model_method = spec["model_method"]
         self.speculative_config = spec
 
         draft_model = head = draft_dtype = None

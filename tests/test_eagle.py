@@ -266,3 +266,87 @@ def test_shipped_head_drafts_for_the_default_target():
     plain = LLM(target, dtype="float32", max_model_len=128).generate({"prompt_token_ids": ids}, params, use_tqdm=False)
     assert out.outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert out.metrics["acceptance_rate"] > 0.3
+
+
+def test_eagle3_recipe_end_to_end(tmp_path):
+    """``train_eagle --layout eagle3 --smoke`` on a tiny target: an EAGLE-3 head with a reduced draft vocabulary and
+    d2t that loads and drafts losslessly."""
+    from tiny_models import make_tokenizer
+
+    from spec_engine.zoo import train_eagle
+
+    target = make_model(tmp_path / "target", "llama_gqa", vocab_size=300, hidden=32)
+    make_tokenizer(target)
+    out, work = tmp_path / "head", tmp_path / "work"
+    argv = ["--target", str(target), "--out", str(out), "--work-dir", str(work), "--smoke", "--layout", "eagle3",
+            "--draft-vocab", "64"]  # fmt: skip
+    report = train_eagle.main(argv)
+    assert len(report["history"][-1]["held_out_top1_agreement_per_depth"]) == 3
+    assert (work / "eagle3.ckpt").is_file()
+    head = load_eagle_head(out, load_model(target))
+    assert head.layout == "eagle3" and head.draft_vocab_size == 64
+    assert len(set((head.d2t + torch.arange(64)).tolist())) == 64
+    ids = [5, 17, 3, 60, 42, 7]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    spec = {"method": "eagle", "model": str(out), "num_speculative_tokens": 3}
+    drafted = LLM(str(target), speculative_config=spec, dtype="float32").generate({"prompt_token_ids": ids}, params)
+    plain = LLM(str(target), dtype="float32").generate({"prompt_token_ids": ids}, params)
+    assert drafted[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
+def test_shipped_drafter_resolution(models):
+    """A model-drafter method given no "model" takes the drafter shipped for the target, recognised by its
+    architecture; a target nothing ships for gets a ValueError naming the missing key."""
+    from spec_engine.zoo import MODELS_DIR, SMOLLM2_135M, shipped_drafter, target_signature
+
+    embedded = ModelConfig.from_dir(MODELS_DIR / "target")
+    assert shipped_drafter(embedded, "eagle") == str(MODELS_DIR / "eagle")
+    assert shipped_drafter(embedded, "draft_model") == str(MODELS_DIR / "draft")
+    smol = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+                                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                                  "num_key_value_heads": 3, "rope_theta": 100000.0})  # fmt: skip
+    assert target_signature(smol) == SMOLLM2_135M
+    if (MODELS_DIR / "smollm2-eagle3" / "config.json").is_file():
+        assert shipped_drafter(smol, "eagle") == str(MODELS_DIR / "smollm2-eagle3")
+    with pytest.raises(ValueError, match="needs 'model'"):
+        shipped_drafter(smol, "draft_model")
+    with pytest.raises(ValueError, match="no 'eagle' drafter ships"):
+        LLM(str(models[0]), speculative_config={"method": "eagle"})
+
+
+SMOLLM2_CHAT = ["Write a Python function that reverses a string.", "What is the capital of France?",
+                "Explain what a hash table is."]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """An HF export of SmolLM2-135M-Instruct ($SPECDEC_SMOLLM2_DIR, else /tmp/smol/hf), or a skip."""
+    import os
+    from pathlib import Path
+
+    from spec_engine.zoo import MODELS_DIR
+
+    d = Path(os.environ.get("SPECDEC_SMOLLM2_DIR", "/tmp/smol/hf"))
+    if not (d / "config.json").is_file():
+        pytest.skip(f"SmolLM2-135M-Instruct is not exported at {d} (set SPECDEC_SMOLLM2_DIR)")
+    if not (MODELS_DIR / "smollm2-eagle3" / "config.json").is_file():
+        pytest.skip("no shipped SmolLM2 head (python -m spec_engine.zoo.train_eagle --layout eagle3)")
+    return str(d)
+
+
+def test_shipped_smollm2_head_is_lossless(smollm2):
+    """{"method": "eagle"} with no model takes the shipped EAGLE-3 head for SmolLM2; greedy chat answers are the
+    plain target's, token for token."""
+    from spec_engine.zoo.eagle_data import chatml
+
+    spec = {"method": "eagle", "num_speculative_tokens": 3}
+    llm = LLM(smollm2, speculative_config=spec, dtype="bfloat16", max_model_len=256)
+    assert llm.speculative_config["model"].endswith("smollm2-eagle3")
+    plain = LLM(smollm2, dtype="bfloat16", max_model_len=256)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [chatml(p) for p in SMOLLM2_CHAT]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    refs = plain.generate(prompts, params, use_tqdm=False)
+    for o, r in zip(outs, refs):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+    assert sum(o.metrics["num_accepted"] for o in outs) > 0

@@ -38,7 +38,16 @@ from spec_engine.drafters.draft_model import DraftModelDrafter
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.models import LlamaForCausalLM, ModelConfig
 from spec_engine.models.config import rope_inv_freq
-from spec_engine.models.llama import Attention, DecoderLayer, RMSNorm, _layer_fields, cache_slots, cached_attention
+from spec_engine.models.llama import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    RMSNorm,
+    _layer_fields,
+    apply_rope,
+    cache_slots,
+    cached_attention,
+)
 from spec_engine.transfer import to_device
 from spec_engine.tree import StaticTree
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, linear
@@ -72,18 +81,20 @@ class EagleHead(nn.Module):
         H, Ht = cfg.hidden_size, target.config.hidden_size
         self.norm_before_residual = norm_before_residual
         layer = DecoderLayer(cfg)
+        layer.mlp = _NativeMLP(cfg)
         self.normed = normed and layout == "eagle"  # the normed variant: a plain decoder layer and a final norm
         self.layer_weights: list[torch.Tensor | None] | None = None  # decoder_layers' list, once fused (normed)
         if layout == "eagle":
             self.target_layers = None  # the final hidden state
             self.fc = nn.Linear(2 * H, H, bias=fc_bias)
+            layer.self_attn = _NativeAttention(cfg)
             if not self.normed:
                 layer.input_layernorm = nn.Identity()  # EAGLE-1 feeds fc's output to attention as it is
             self.layers = nn.ModuleList([layer])
         else:
             self.target_layers = tuple(target_layers or eagle3_target_layers(target.config.num_hidden_layers))
             self.fc = nn.Linear(len(self.target_layers) * Ht, H, bias=False)
-            layer.self_attn = Attention(dataclasses.replace(cfg, hidden_size=2 * H))
+            layer.self_attn = _NativeAttention(dataclasses.replace(cfg, hidden_size=2 * H))
             layer.self_attn.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, H, bias=False)
             layer.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
             self.midlayer = layer
@@ -184,6 +195,32 @@ class EagleHead(nn.Module):
         out = z.new_full((*z.shape[:-1], self.vocab_size), float("-inf"))
         out[..., self.d2t + torch.arange(self.draft_vocab_size, device=z.device)] = z
         return out
+
+
+class _NativeAttention(Attention):
+    """``Attention`` whose q/k/v run as one native ``linear`` over the fused matrix at inference (torch's bf16
+    matmul has no fast path on AVX2 CPUs); autograd and unfused modules take ``Attention``'s own path."""
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if self.qkv_weight is None or torch.is_grad_enabled():
+            return super()._qkv(x, cos, sin)
+        B, T, _ = x.shape
+        D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.reshape(B, T, Hq, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class _NativeMLP(MLP):
+    """``MLP`` on native ``linear`` calls (the fused gate/up matrix, then down) at inference."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is None or torch.is_grad_enabled():
+            return super().forward(x)
+        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return linear(nn.functional.silu(gate) * up, self.down_proj.weight)
 
 
 def _linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:

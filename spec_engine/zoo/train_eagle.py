@@ -1,7 +1,14 @@
-"""Train an EAGLE head (EAGLE-1/2 layout: ``fc`` + one decoder layer) for any target we load.
+"""Train an EAGLE head (EAGLE-1/2 layout: ``fc`` + one decoder layer; or EAGLE-3) for any target we load.
 
     python -m spec_engine.zoo.train_eagle --target spec_engine/zoo/models/target --out spec_engine/zoo/models/eagle
     python -m spec_engine.zoo.train_eagle --target DIR --out DIR --smoke       # a few steps, for tests
+    python -m spec_engine.zoo.train_eagle --layout eagle3 --target /tmp/smol/hf --data runs/eagle3/data \
+        --work-dir runs/eagle3/train --out spec_engine/zoo/models/smollm2-eagle3   # the shipped SmolLM2 head
+    python -m spec_engine.zoo.train_eagle --layout eagle3 --target DIR --out DIR --smoke
+
+The EAGLE-3 recipe (``--layout eagle3``, see the section below ``agreement``) trains on the target's own greedy
+answers with their features dumped by ``spec_engine.zoo.eagle_data``; what follows describes the EAGLE-1/2 recipe,
+whose TTT the EAGLE-3 one shares.
 
 Features come from the target itself, computed on the fly (no feature dump): its final hidden states (RMS-normed, the
 input of its lm_head, the same tensor the engine hands the head) over the corpus of ``spec_engine.zoo.train`` (the
@@ -26,14 +33,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from spec_engine.drafters.eagle import EagleHead, save_eagle_head
+from spec_engine.drafters.eagle import EagleHead, eagle3_target_layers, save_eagle_head
 from spec_engine.models import ModelConfig, load_model
-from spec_engine.zoo.train import Recipe, _run_stage, corpus_files, encode_splits, hf_config
+from spec_engine.zoo.train import Recipe, _run_stage, corpus_files, encode_splits, hf_config, lr_at
 
 TTT_DECAY = 0.8  # weight of step k's loss: TTT_DECAY ** k
 
@@ -122,6 +132,330 @@ def agreement(head: EagleHead, target, stream: torch.Tensor, seq_len: int, steps
     return [round(t, 4) for t in totals]
 
 
+# --- EAGLE-3 ----------------------------------------------------------------------------------------------------
+#
+# The head reads fc(cat of the residual streams entering its target layers) and drafts over a reduced vocabulary of
+# the K tokens the target emits most (FR-Spec's ranking over its own answers; EAGLE-3's d2t). Data: the shards of
+# ``spec_engine.zoo.eagle_data`` (prompt + the target's greedy answer, the target layers' streams dumped at
+# generation), or, without ``--data`` (the smoke path), the corpus stream with the streams computed on the fly.
+# The loss is the cross-entropy of the head's draft-vocabulary logits against the target's greedy next token, on
+# the answer tokens whose target token is in the draft vocabulary; lm_head and the final norm start as the target's
+# own rows and stay frozen (the head learns to produce target-like final states, the target's map to tokens is
+# kept).
+
+HELD_OUT_EVERY = 33  # prompt ids divisible by this are the validation split (about 3%)
+PROMPTS = Path(__file__).parent / "data" / "eagle_prompts.jsonl"
+
+
+def eagle3_head_config(target_cfg: ModelConfig, eos_id, draft_vocab_size: int, target_layers) -> dict:
+    """The EAGLE-3 head's config: one decoder layer of the target's width, its draft vocabulary and target layers."""
+    cfg = head_config(target_cfg, target_cfg.max_position_embeddings, eos_id)
+    cfg["architectures"] = ["Eagle3LlamaForCausalLM"]
+    return cfg | {"draft_vocab_size": draft_vocab_size, "target_hidden_size": target_cfg.hidden_size,
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(target_layers)}}  # fmt: skip
+
+
+def draft_vocab(counts: torch.Tensor, k: int) -> torch.Tensor:
+    """The K most frequent token ids of ``counts`` [V] (ties: the lower id), sorted ascending: [K] int64."""
+    order = torch.argsort(-counts.double() + torch.arange(len(counts)) * 1e-9)
+    return order[:k].sort().values
+
+
+def init_eagle3(head: EagleHead, target, vocab_ids: torch.Tensor, seed: int) -> None:
+    """Small random weights for fc and the layer; lm_head = the target's rows of the draft vocabulary, the final norm
+    the target's, both frozen; d2t from ``vocab_ids`` [K]; ``fc`` starts as the identity on the highest layer's
+    stream (the one closest to the target's output)."""
+    torch.manual_seed(seed)
+    H = head.config.hidden_size
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.data /= math.sqrt(2)
+    with torch.no_grad():
+        n = len(head.target_layers)
+        head.fc.weight[:, (n - 1) * H :] += torch.eye(H)
+        head.lm_head.weight.copy_(target.lm_head.weight.float()[vocab_ids])
+        head.norm.weight.copy_(target.model.norm.weight.float())
+        head.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
+    head.lm_head.requires_grad_(False)
+    head.norm.requires_grad_(False)
+
+
+def eagle3_ttt_loss(head: EagleHead, tokens, streams, labels, mask, steps: int, stats: dict | None = None):
+    """The EAGLE-3 training loss over ``steps`` training-time-test steps.
+
+    Shapes: tokens [B, S] (x_p); streams [B, S, n H] (the target layers' streams at p); labels [B, S] the draft-vocab
+    index of the target's next token after p (-1 outside the draft vocabulary); mask [B, S] bool, the positions the
+    loss is on. ``stats[k]`` gets (hits, count) of step k's top-1 against the target's next token at mask positions
+    (a label outside the vocabulary is a miss)."""
+    B, S = tokens.shape
+    attn = head.layer.self_attn
+    cos, sin = head.rope(torch.arange(S, device=tokens.device).expand(B, S), torch.float32).unsqueeze(3)
+    feats = shift_right(head.features(streams.float()))  # [B, S, H]: entry p reads f_{p-1}
+    keys, values, loss = [], [], 0.0
+    in_vocab = labels >= 0
+    for k in range(steps):
+        x, attn_in = head.inputs(tokens, feats)
+        q, key, value = attn._qkv(attn_in, cos, sin)  # [B, S, H*, D]
+        keys.append(key)
+        values.append(value)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, 1).transpose(1, 2),
+                                             torch.cat(values, 1).transpose(1, 2), attn_mask=ttt_mask(S, k, q.device),
+                                             enable_gqa=True)  # fmt: skip
+        h = head.finish(x, attn.o_proj(out.transpose(1, 2).reshape(B, S, -1)))  # [B, S, H]
+        m = mask.clone()
+        m[:, :k] = False  # step k's entry at p needs the true entries up to p - k
+        train = m & in_vocab
+        logits = head.lm_head(head.norm(h[train]))  # [N, K]
+        if train.any():
+            loss = loss + TTT_DECAY**k * F.cross_entropy(logits.float(), labels[train])
+        if stats is not None:
+            hits = (logits.argmax(-1) == labels[train]).sum().item()
+            prev = stats.get(k, (0, 0))
+            stats[k] = (prev[0] + hits, prev[1] + int(m.sum()))
+        feats = shift_right(h)
+    return loss
+
+
+class ShardSet:
+    """The generator's shards in memory, split by prompt id: ``reload`` picks up shards written since the last call.
+
+    Each sample: tokens [T] int64, streams [T, n H] bf16, the prompt length."""
+
+    def __init__(self, data_dir: Path):
+        self.dir, self.seen = data_dir, set()
+        self.train: list[tuple] = []
+        self.held: list[tuple] = []
+
+    def reload(self) -> int:
+        new = 0
+        for shard in sorted(self.dir.glob("shard_*.pt")):
+            if shard.name in self.seen:
+                continue
+            self.seen.add(shard.name)
+            d = torch.load(shard)
+            off = d["offsets"].tolist()
+            for i, pid in enumerate(d["ids"].tolist()):
+                sample = (d["tokens"][off[i] : off[i + 1]].long(), d["features"][off[i] : off[i + 1]],
+                          int(d["prompt_lens"][i]))  # fmt: skip
+                (self.held if pid % HELD_OUT_EVERY == 0 else self.train).append(sample)
+                new += 1
+        return new
+
+    def answer_counts(self, vocab_size: int) -> torch.Tensor:
+        """[V] how often the target emitted each token in the training split's answers."""
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for tokens, _, plen in self.train:
+            counts += torch.bincount(tokens[plen:], minlength=vocab_size)
+        return counts
+
+    def tokens(self, split: str) -> int:
+        return sum(len(s[0]) - s[2] for s in getattr(self, split))
+
+
+def collate(samples: list[tuple], t2d: torch.Tensor):
+    """A padded batch: tokens [B, S], streams [B, S, F], labels [B, S] (draft-vocab index of token p + 1, -1
+    outside it or past the end), mask [B, S] (p + 1 is an answer token)."""
+    S = max(len(s[0]) for s in samples)
+    F_ = samples[0][1].shape[1]
+    B = len(samples)
+    tokens = torch.zeros(B, S, dtype=torch.int64)
+    streams = torch.zeros(B, S, F_, dtype=torch.bfloat16)
+    labels = torch.full((B, S), -1, dtype=torch.int64)
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    for b, (t, f, plen) in enumerate(samples):
+        T = len(t)
+        tokens[b, :T], streams[b, :T] = t, f
+        labels[b, : T - 1] = t2d[t[1:]]
+        mask[b, plen - 1 : T - 1] = True
+    return tokens, streams, labels, mask
+
+
+@torch.no_grad()
+def eagle3_agreement(head: EagleHead, samples: list[tuple], t2d: torch.Tensor, steps: int, batch: int = 8) -> list:
+    """Top-1 agreement with the target's greedy next token on answer positions, per TTT step (step k ~ depth k + 1)."""
+    head.eval()
+    stats: dict = {}
+    for i in range(0, len(samples), batch):
+        eagle3_ttt_loss(head, *collate(samples[i : i + batch], t2d), steps, stats)
+    head.train()
+    return [round(stats[k][0] / max(1, stats[k][1]), 4) for k in range(steps)]
+
+
+@torch.no_grad()
+def target_streams(target, tokens: torch.Tensor, layers) -> torch.Tensor:
+    """The residual streams entering ``layers``, concatenated: [B, S, n H] for token windows [B, S], in plain torch
+    ops (the smoke path's features, computed on the fly)."""
+    B, S = tokens.shape
+    h = target.model.embed_tokens(tokens)
+    cos, sin = target._rope(torch.arange(S).expand(B, S), h.dtype).unsqueeze(3)
+    streams = {}
+    for i, layer in enumerate(target.model.layers):
+        streams[i] = h
+        h = h + layer.self_attn.forward_train(layer.input_layernorm(h), cos, sin)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return torch.cat([streams[i] for i in layers], -1)
+
+
+def stream_samples(target, stream: torch.Tensor, seq_len: int, layers, n: int, seed: int) -> list[tuple]:
+    """``n`` corpus windows as samples (tokens, streams, prompt length 1): the smoke path's stand-in for the
+    generator's shards (its labels are the corpus's next tokens, not the target's)."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(stream) - seq_len - 1, (n,), generator=g)
+    windows = stream[starts[:, None] + torch.arange(seq_len)].long()  # [n, S]
+    feats = target_streams(target, windows, layers)
+    return [(w, f.to(torch.bfloat16), 1) for w, f in zip(windows, feats)]
+
+
+def token_frequencies(data: ShardSet, target_dir: Path, vocab_size: int, smoke: bool = False) -> torch.Tensor:
+    """[V] float64: the ranking a draft vocabulary is cut from. The target's answers (their relative frequencies)
+    plus half the prompt set's and a sample of the standard library's (about 4M characters, seeded): the answers
+    generated so far are too few to rank the tail, and the prompts and the stdlib are the same domain."""
+    import random
+
+    from spec_engine.llm import load_tokenizer
+
+    def norm(c):
+        return c.double() / max(1, int(c.sum()))
+
+    tok = load_tokenizer(target_dir)
+    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
+    files, _ = corpus_files()
+    random.Random(0).shuffle(files)
+    budget = 4_000 if smoke else 4_000_000
+    for f in files:
+        texts.append(f.read_text(errors="replace"))
+        budget -= len(texts[-1])
+        if budget <= 0:
+            break
+    ref = torch.zeros(vocab_size, dtype=torch.int64)
+    for enc in tok.encode_batch(texts):
+        ref += torch.bincount(torch.tensor(enc.ids, dtype=torch.int64), minlength=vocab_size)[:vocab_size]
+    return norm(data.answer_counts(vocab_size)) + 0.5 * norm(ref)
+
+
+def build_eagle3(target, tcfg, eos, layers, vocab_ids: torch.Tensor, trained: dict | None, seed: int):
+    """(head, config, t2d [V]) over the draft vocabulary ``vocab_ids``: freshly initialised, then the trained
+    weights of a checkpoint's ``trained`` state (fc and the layer; lm_head and norm are the target's rows, so a head
+    trained over one vocabulary exports over any other)."""
+    K = len(vocab_ids)
+    cfg = eagle3_head_config(tcfg, eos, K, layers)
+    head = EagleHead(ModelConfig.from_dict(cfg), "eagle3", target, draft_vocab_size=K, target_layers=layers)
+    init_eagle3(head, target, vocab_ids, seed)
+    if trained is not None:
+        keep = {k: v for k, v in trained.items() if not k.startswith(("lm_head", "norm", "d2t"))}
+        head.load_state_dict(keep, strict=False)
+    t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.int64)
+    t2d[vocab_ids] = torch.arange(K)
+    return head, cfg, t2d
+
+
+def export_eagle3(args, target, tcfg, eos) -> dict:
+    """The checkpoint's head over draft vocabularies cut from every answer generated so far: held-out agreement for
+    each K of ``--eval-k``, and the head over ``--draft-vocab`` written to ``--out`` (bf16)."""
+    layers = eagle3_target_layers(tcfg.num_hidden_layers)
+    data = ShardSet(args.data)
+    data.reload()
+    state = torch.load(args.work_dir / "eagle3.ckpt", weights_only=True)
+    freqs = token_frequencies(data, args.target, tcfg.vocab_size)
+    by_k = {}
+    for k in sorted({int(x) for x in (args.eval_k or "").split(",") if x} | {args.draft_vocab}):
+        head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, draft_vocab(freqs, k), state["model"], args.seed)
+        coverage = float((t2d[torch.cat([s[0][s[2] :] for s in data.held])] >= 0).float().mean())
+        by_k[k] = {"held_out_top1_agreement_per_depth": eagle3_agreement(head, data.held, t2d, args.ttt),
+                   "held_out_coverage": round(coverage, 4)}  # fmt: skip
+        print(json.dumps({"K": k} | by_k[k]), flush=True)
+        if k == args.draft_vocab:
+            save_eagle_head(head, cfg, args.out, dtype=torch.bfloat16)
+    report = {"step": state["step"], "history": json.loads(state["history"]), "by_draft_vocab": by_k,
+              "train_samples": len(data.train), "train_answer_tokens": data.tokens("train"),
+              "held_samples": len(data.held), "held_answer_tokens": data.tokens("held"),
+              "exported_draft_vocab": args.draft_vocab}  # fmt: skip
+    (args.work_dir / "export.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main_eagle3(args, target, tcfg, eos) -> dict:
+    """The EAGLE-3 recipe: a reduced vocabulary, frozen target lm_head rows, TTT over ``--ttt`` steps."""
+    work = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    layers = eagle3_target_layers(tcfg.num_hidden_layers)
+    data = ShardSet(args.data) if args.data else None
+    if data is not None:
+        data.reload()
+        print(f"data: {len(data.train)} train samples ({data.tokens('train')} answer tokens), {len(data.held)} held")
+    else:  # the smoke path: corpus windows, the target's streams on the fly
+        from spec_engine.llm import load_tokenizer
+
+        tok = load_tokenizer(args.target)
+        train_files, held_files = corpus_files()
+        train_files, held_files = train_files[: args.max_files or 8], held_files[:2]
+        streams = encode_splits(tok, {"train": train_files, "held": held_files}, work, eos)
+        seq = args.seq_len or 32
+        data = ShardSet(work / "none")
+        data.train = stream_samples(target, streams["train"], seq, layers, 4 * args.batch_size, args.seed)
+        data.held = stream_samples(target, streams["held"], seq, layers, 2, args.seed + 1)
+    vocab_path = work / "draft_vocab.pt"
+    if vocab_path.is_file():  # a resumed run keeps the vocabulary its head was built on
+        vocab_ids = torch.load(vocab_path)
+    else:
+        k = min(args.draft_vocab or tcfg.vocab_size, tcfg.vocab_size)
+        vocab_ids = draft_vocab(token_frequencies(data, args.target, tcfg.vocab_size, args.smoke), k)
+        torch.save(vocab_ids, vocab_path)
+    K = len(vocab_ids)
+    head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, vocab_ids, None, args.seed)
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    n_all, n_trained = sum(p.numel() for p in head.parameters()), sum(p.numel() for p in trainable)
+    print(
+        f"head: {n_all / 1e6:.2f}M parameters ({n_trained / 1e6:.2f}M trained), K={K}, layers {layers}, "
+        f"{args.ttt} TTT steps"
+    )
+    opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    ckpt, step, history = work / "eagle3.ckpt", 0, []
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=True)
+        head.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, history = state["step"], json.loads(state["history"])
+    head.train()
+    bar = tqdm(range(step, args.steps), desc="train eagle3", initial=step, total=args.steps, dynamic_ncols=True)
+    t0, seen = time.perf_counter(), 0
+    trained_tokens = history[-1]["trained_tokens"] if history else 0
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr)
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        idx = torch.randint(0, len(data.train), (args.batch_size,), generator=g).tolist()
+        tokens, streams, labels, mask = collate([data.train[i] for i in idx], t2d)
+        loss = eagle3_ttt_loss(head, tokens, streams, labels, mask, args.ttt)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        seen += int(mask.sum())
+        trained_tokens += int(mask.sum())
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{seen / (time.perf_counter() - t0):.0f}", n=len(data.train))
+        last = step + 1 == args.steps
+        if (step + 1) % args.eval_every == 0 or last:
+            agree = eagle3_agreement(head, data.held, t2d, args.ttt)
+            history.append({"step": step + 1, "trained_tokens": trained_tokens, "train_samples": len(data.train),
+                            "held_out_top1_agreement_per_depth": agree})  # fmt: skip
+            bar.write(json.dumps(history[-1]))
+        if (step + 1) % args.ckpt_every == 0 or last:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"model": head.state_dict(), "opt": opt.state_dict(), "step": step + 1,
+                        "history": json.dumps(history)}, tmp)  # fmt: skip
+            os.replace(tmp, ckpt)
+            if args.data and data.reload():
+                bar.write(f"data: {len(data.train)} train samples ({data.tokens('train')} answer tokens)")
+    report = {"params": sum(p.numel() for p in head.parameters()), "draft_vocab_size": K, "target_layers": layers,
+              "steps": args.steps, "ttt": args.ttt, "history": history}  # fmt: skip
+    save_eagle_head(head, cfg, args.out, dtype=torch.bfloat16)
+    (work / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", type=Path, required=True, help="the target's HF directory")
@@ -137,14 +471,31 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: shared machines)")
     ap.add_argument("--max-files", type=int, default=None, help="use only the first N corpus files")
     ap.add_argument("--smoke", action="store_true", help="a few steps on a few files: checks the recipe end to end")
+    ap.add_argument("--layout", choices=("eagle", "eagle3"), default="eagle")
+    ap.add_argument("--data", type=Path, default=None, help="eagle3: the shards of spec_engine.zoo.eagle_data")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: K, the draft vocabulary's size")
+    ap.add_argument("--eval-every", type=int, default=200, help="eagle3: held-out agreement every N steps")
+    ap.add_argument("--ckpt-every", type=int, default=50, help="eagle3: checkpoint (and new shards) every N steps")
+    ap.add_argument("--export", action="store_true", help="eagle3: export the checkpoint (no training)")
+    ap.add_argument("--eval-k", default=None, help="eagle3 --export: also held-out agreement at these K (comma list)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps, args.max_files, args.batch_size = min(args.steps, 3), args.max_files or 8, 2
+        args.eval_every = args.ckpt_every = args.steps
+        args.data = None
     torch.set_num_threads(args.threads)
     from spec_engine.llm import load_tokenizer
 
     target = load_model(args.target)
     target.requires_grad_(False)
+    if args.layout == "eagle3":
+        tcfg = target.config
+        eos = tcfg.eos_token_id[0] if tcfg.eos_token_id else None
+        if args.export:
+            return export_eagle3(args, target, tcfg, eos)
+        report = main_eagle3(args, target, tcfg, eos)
+        print(json.dumps(report["history"][-1]))
+        return report
     tok = load_tokenizer(args.target)
     if tok is None:
         raise ValueError(f"{args.target} has no tokenizer.json: the corpus cannot be encoded")
