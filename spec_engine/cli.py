@@ -18,8 +18,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "specdec pull) (default: the embedded default target)")  # fmt: skip
     g.add_argument("--draft", help="draft HF directory, or the EAGLE head's with --method eagle (default: the embedded "
                    "draft or head, with --model unset)")  # fmt: skip
-    g.add_argument("--method", choices=["draft_model", "eagle", "ngram", "none"], default=None,
-                   help="speculation method (default: draft_model when a draft is available, else none)")  # fmt: skip
+    g.add_argument("--method", choices=["hybrid", "suffix", "draft_model", "eagle", "ngram", "none"], default=None,
+                   help="speculation method (default: hybrid where a model drafter exists, given by --draft or "
+                   "shipped for the model; suffix elsewhere)")  # fmt: skip
     g.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="gamma: tree depth (default 4)")
     g.add_argument("--tree", type=str, default=None, help="static tree, children per depth, e.g. 3,2,1")
     g.add_argument("--draft-vocab-size", type=int, default=None,
@@ -78,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed)  # fmt: skip
-    llm = build_llm(args)
+    llm = build_llm(args, fallback=True)
     prompt = args.prompt
     if args.chat is not None:  # the model's chat template around one user turn; its ids are the prompt
         prompt = {"prompt_token_ids": llm.render_chat([{"role": "user", "content": args.chat}])[1]}
@@ -91,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.compare:
         print(stats_line(out, report["tokens_per_s"]), file=stream)
     else:
-        base = build_llm(args, speculate=False)
+        base = build_llm(argparse.Namespace(**{**vars(args), "model": str(llm.model_dir)}), speculate=False)
         ref = base.generate([prompt], params, use_tqdm=False)[0]  # also its warm-up
         # One timing of a short request is mostly noise (cold caches, the scheduler, other jobs): each engine runs
         # the request over alternating rounds (which goes first alternates, so a burst of load hits both), and the

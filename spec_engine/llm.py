@@ -550,23 +550,60 @@ class LLM:
         )
 
 
-def build_llm(args: argparse.Namespace, *, speculate: bool = True) -> LLM:
+def model_config(model: str | Path):
+    """The ``ModelConfig`` of an HF directory or a GGUF file (its metadata only: no weights are read)."""
+    from spec_engine.models import ModelConfig
+    from spec_engine.models.gguf import gguf_config, open_gguf
+
+    path = gguf_path_or_none(model)
+    return gguf_config(open_gguf(path)) if path is not None else ModelConfig.from_dir(model)
+
+
+def default_method(model: str | Path, draft: str | None) -> str:
+    """The CLI's speculation method when none is asked for: the hybrid wherever a model drafter exists (``draft``,
+    or one the project ships for this target), suffix decoding elsewhere (it needs no weights)."""
+    if draft:
+        return "hybrid"
+    try:
+        shipped_model(model_config(model), "hybrid")
+    except ValueError:
+        return "suffix"
+    return "hybrid"
+
+
+def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: bool = False) -> LLM:
     """The ``LLM`` that the model options of ``specdec generate`` and ``specdec serve`` ask for
-    (``spec_engine.cli.add_model_args``); ``speculate=False`` drops the speculation (``--compare``'s baseline)."""
+    (``spec_engine.cli.add_model_args``); ``speculate=False`` drops the speculation (``--compare``'s baseline).
+    ``fallback``: a registry name that cannot be pulled (no network) runs the embedded default pair instead, with one
+    line on stderr saying why (the main job must run offline too)."""
+    import sys
+
     from spec_engine.zoo import MODELS_DIR, default_model_paths
+    from spec_engine.zoo.pull import REGISTRY
 
     model, draft = args.model, args.draft
+    if fallback and model in REGISTRY:
+        try:
+            model = str(resolve_model(model))
+        except RuntimeError as e:
+            reason = str(e).splitlines()[0]
+            print(f"[specdec] could not pull {model} ({reason}); running the embedded default pair instead",
+                  file=sys.stderr)  # fmt: skip
+            model = None
     if model is None:
         model, default_draft = default_model_paths()
         draft = draft or (str(MODELS_DIR / "eagle") if args.method == "eagle" else default_draft)
-    method = args.method or ("draft_model" if draft else "none")
+    model = str(resolve_model(model))
+    method = args.method or default_method(model, draft)
     spec = None
     if speculate and method != "none":
         spec = {"method": method}
-        if method in ("draft_model", "eagle"):
-            if not draft:
-                raise SystemExit(f"error: --method {method} needs --draft DIR")
+        if method in (*MODEL_METHODS, "hybrid") and draft:  # none given: LLM takes the drafter shipped for the model
             spec["model"] = draft
+        if method in ("suffix", "hybrid") and getattr(args, "compare", False):
+            # --compare times the same request over and over: a global tree of earlier outputs would hand each
+            # round the answer it saw before, a speedup no first request gets
+            spec["suffix_decoding_max_cached_requests"] = 0
         if args.num_speculative_tokens is not None:
             spec["num_speculative_tokens"] = args.num_speculative_tokens
         if args.draft_vocab_size is not None:
