@@ -351,21 +351,24 @@ _TYPE_NAMES = {v: k for k, v in QUANT_TYPES.items()}
 
 
 def dequantize_ref(weight: torch.Tensor, qtype: str) -> torch.Tensor:
-    """GGUF blocks ``uint8 [N, K / 32 * block_bytes]`` -> float32 ``[N, K]``, gguf.quants.dequantize's values:
-    Q8_0 ``q * d``; Q4_0 ``d * (q - 8)``; Q4_1 ``d * q + m`` (the products are exact). Byte j of a block's nibbles holds
-    element j (low nibble) and element j + 16 (high nibble)."""
+    """GGUF blocks ``uint8 [N, K / 32 * block_bytes]`` -> float32 ``[N, K]``, bit for bit gguf.quants.dequantize's
+    values: Q8_0 ``q * d``; Q4_0 ``d * (q - 8)``; Q4_1 ``d * q + m`` (each product and sum rounded once). Byte j of a
+    block's nibbles holds element j (low nibble) and element j + 16 (high nibble). Written into one float32 tensor in
+    place: a model's whole embedding dequantizes without temporaries of its size."""
     num_rows = weight.shape[0]
     blocks = weight.reshape(num_rows, -1, QUANT_BLOCK_BYTES[qtype])  # [N, K / 32, block_bytes]
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, K / 32, 1]
+    out = torch.empty(num_rows, blocks.shape[1], QUANT_BLOCK, dtype=torch.float32)  # [N, K / 32, 32]
     if qtype == "Q8_0":
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()  # [N, K / 32, 32]
-        return (q * d).reshape(num_rows, -1)
-    nibbles = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]  # [N, K / 32, 16]
-    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # [N, K / 32, 32]
+        out.copy_(blocks[..., 2:].view(torch.int8))
+        return out.mul_(d).reshape(num_rows, -1)
+    nibbles = blocks[..., -16:]  # [N, K / 32, 16]
+    out[..., :16].copy_(nibbles & 0x0F)
+    out[..., 16:].copy_(nibbles >> 4)
     if qtype == "Q4_0":
-        return (d * (q - 8)).reshape(num_rows, -1)
+        return out.sub_(8).mul_(d).reshape(num_rows, -1)
     m = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    return (d * q + m).reshape(num_rows, -1)
+    return out.mul_(d).add_(m).reshape(num_rows, -1)
 
 
 def quant_linear_ref(

@@ -19,13 +19,13 @@ from spec_engine.models import ModelConfig, load_model
 from spec_engine.models.gguf import (
     GGUF_ARCHITECTURES,
     SUPPORTED_TYPES,
-    dequantize_blocks,
     gguf_config,
     gguf_tokenizer,
     open_gguf,
     read_gguf_raw,
 )
 from spec_engine.models.loader import build_model
+from spec_kernels.reference import dequantize_ref
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 # max |logit - the float32 checkpoint's| on the tiny model below (logits up to ~2.5; 4-bit blocks of N(0, 0.08)
@@ -109,11 +109,11 @@ def test_raw_blocks(hf_dir, tmp_path, qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
-def test_dequantize_blocks_is_gguf_bit_for_bit(qtype):
+def test_dequantize_ref_is_gguf_bit_for_bit(qtype):
     w = (torch.randn(7, 96) * torch.logspace(-3, 1, 7)[:, None]).numpy()  # rows of very different scales
     t = gguf.GGMLQuantizationType[qtype]
     blocks = gguf.quants.quantize(w, t)
-    assert np.array_equal(dequantize_blocks(torch.from_numpy(blocks), qtype).numpy(), gguf.quants.dequantize(blocks, t))
+    assert np.array_equal(dequantize_ref(torch.from_numpy(blocks), qtype).numpy(), gguf.quants.dequantize(blocks, t))
 
 
 def test_unsupported_architecture(tmp_path):

@@ -28,12 +28,11 @@ import numpy as np
 import torch
 
 from spec_engine.models.config import ModelConfig
+from spec_kernels.reference import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref
 
 # GGUF general.architecture -> (our model_type, whether llama.cpp permuted the Q/K rows when converting)
 GGUF_ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 FLOAT_TYPES = ("F32", "F16", "BF16")
-QUANT_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of QUANT_BLOCK weights
-QUANT_BLOCK = 32
 SUPPORTED_TYPES = FLOAT_TYPES + tuple(QUANT_BLOCK_BYTES)
 
 # llama.cpp's per-layer tensor names -> HF's (prefix "model.layers.N.")
@@ -83,28 +82,7 @@ class RawTensor:
         """The weights in ``dtype``, computed in float32 exactly as ``gguf.quants.dequantize``. Shape: ``shape``."""
         if not self.quantized:
             return self.data.to(dtype)
-        return dequantize_blocks(self.data, self.type_name).reshape(self.shape).to(dtype)
-
-
-def dequantize_blocks(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
-    """Block-quantized rows to float32, bit-for-bit ``gguf.quants.dequantize`` (each product and sum rounded once).
-
-    Shapes: ``blocks [N, num_blocks * bytes_per_block]`` uint8 -> ``[N, num_blocks * 32]`` float32.
-    """
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, QUANT_BLOCK_BYTES[type_name])  # [N, num_blocks, bytes_per_block]
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, num_blocks, 1]
-    out = torch.empty(n, b.shape[1], QUANT_BLOCK, dtype=torch.float32)  # [N, num_blocks, 32]
-    if type_name == "Q8_0":
-        out.copy_(b[..., 2:].view(torch.int8))
-        return out.mul_(d).reshape(n, -1)
-    nibbles = b[..., -16:]
-    out[..., :16].copy_(nibbles & 0x0F)  # weight j < 16: low nibble of byte j; weight j + 16: its high nibble
-    out[..., 16:].copy_(nibbles >> 4)
-    if type_name == "Q4_0":
-        return out.sub_(8).mul_(d).reshape(n, -1)
-    m = b[..., 2:4].contiguous().view(torch.float16).float()
-    return out.mul_(d).add_(m).reshape(n, -1)
+        return dequantize_ref(self.data, self.type_name).reshape(self.shape).to(dtype)
 
 
 def unpermute_qk_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -435,7 +413,6 @@ __all__ = [
     "SUPPORTED_TYPES",
     "GGUFFile",
     "RawTensor",
-    "dequantize_blocks",
     "gguf_chat_template",
     "gguf_config",
     "gguf_path_or_none",
