@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a file: the repository root, not bench/,
 
 from bench.bench_bandwidth import probe  # noqa: E402
 from bench.bench_step import Mode, hf_sampler, ours_sampler, run_rounds, timed_ms  # noqa: E402
-from bench.harness import forward_step  # noqa: E402
+from bench.harness import cpu_name, forward_step  # noqa: E402
 from spec_engine import LLM  # noqa: E402
 
 CTX = 96  # committed tokens under every timed forward, as issue 34 measured
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
     gguf = resolve_gguf(args.model)
     notes: list[str] = []
-    result: dict = {"machine": platform.node(), "cpu": _cpu_name(), "threads": args.threads, "model": str(gguf)}
+    result: dict = {"machine": platform.node(), "cpu": cpu_name(), "threads": args.threads, "model": str(gguf)}
 
     result["bandwidth"] = probe(args.threads)
     read = result["bandwidth"]["read_gbps"]
@@ -268,16 +268,6 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(result))
     print(f"JSON: {out}")
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def markdown(result: dict) -> str:

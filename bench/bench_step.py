@@ -57,7 +57,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import forward_step  # noqa: E402
+from bench.harness import cpu_name, forward_step  # noqa: E402
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 from spec_engine.drafters.draft_model import read_draft_vocab  # noqa: E402
 from spec_engine.llm import _draft_dtype  # noqa: E402
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join(sys.argv),
         "machine": platform.node(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "threads": args.threads,
         "torch": torch.__version__,
@@ -621,16 +621,6 @@ def save(result: dict, out: Path) -> None:
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
     print(f"[bench_step] wrote {out} and {out.with_suffix('.md')}")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def print_step_cost(result: dict) -> None:

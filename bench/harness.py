@@ -12,6 +12,7 @@ from __future__ import annotations
 import cProfile
 import io
 import json
+import platform
 import pstats
 import shutil
 import statistics
@@ -422,3 +423,14 @@ def make_useless_draft(draft_dir: str, out_dir: Path) -> str:
         if (Path(draft_dir) / name).is_file():
             shutil.copy(Path(draft_dir) / name, out_dir / name)
     return str(out_dir)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), the label every saved result carries."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
