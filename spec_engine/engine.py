@@ -239,8 +239,8 @@ class Engine:
         self.running: list[Request] = []
         self.rows = RequestRows(max_num_seqs, allocator.blocks_for(max_model_len + self.max_tree_nodes()))
         self._ids = itertools.count()
-        # num_regular_steps: decode steps taken by the regular (Python) step, not a native call
         self._keys = itertools.count()
+        # num_regular_steps: decode steps taken by the regular (Python) step, not a native call
         self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0,
                       "num_regular_steps": 0}  # fmt: skip
         deepest = max(self.gamma, drafter.max_depth if drafter is not None else 0)  # (a hybrid's suffix rows)
