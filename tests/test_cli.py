@@ -85,7 +85,7 @@ def test_draft_dtype_is_passed_and_checked(pair, monkeypatch, capsys):
             "--dtype", "float32"]  # fmt: skip
     built, real = [], cli.build_llm
     monkeypatch.setattr(cli, "build_llm", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
-    assert main(argv + ["--draft-dtype", "bfloat16"]) == 0
+    assert main(argv + ["--draft-dtype", "bfloat16", "--method", "draft_model"]) == 0
     assert built[-1].engine.drafter.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert built[-1].engine.drafter.kv.data.dtype == torch.bfloat16 and built[-1].engine.kv.data.dtype == torch.float32
     assert main(argv + ["--draft-dtype", "float32", "--method", "ngram"]) == 2
