@@ -101,8 +101,8 @@ def test_a_cpu_tensor_in_a_meta_step_is_caught(models, monkeypatch):
     monkeypatch.setattr(Engine, "_read_step", staticmethod(PlantedReads()))
     real = llm.engine._step_inputs
 
-    def roots_on_host(reqs, gammas):
-        batch, sampling = real(reqs, gammas)
+    def roots_on_host(reqs, gammas, *rest):
+        batch, sampling = real(reqs, gammas, *rest)
         batch.roots = torch.tensor([r.last_token for r in reqs])
         return batch, sampling
 
