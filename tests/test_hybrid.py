@@ -101,3 +101,26 @@ def test_planted_bug_is_rejected(pair, monkeypatch):
     llm = LLM(str(target), speculative_config={**SPEC, "model": str(draft)}, max_model_len=32, max_num_seqs=512)
     outputs = sample(llm, [REPEATS, NOVEL] * N)
     assert chi2_pvalue(joint_counts(outputs[0::2]), exact_joint(target, REPEATS)) < P_BUG
+
+
+def test_a_hybrid_without_model_takes_the_shipped_drafter():
+    """{"method": "hybrid"} with no "model" wraps the drafter shipped for the target (the embedded target's draft
+    model); the CLI picks the hybrid where a model drafter exists and suffix decoding where none does."""
+    from spec_engine.drafters.draft_model import DraftModelDrafter
+    from spec_engine.llm import default_method
+
+    target, draft = default_model_paths()
+    llm = LLM(target, {"method": "hybrid"}, max_num_seqs=1)
+    assert isinstance(llm.engine.drafter, HybridDrafter) and isinstance(llm.engine.drafter.model, DraftModelDrafter)
+    assert llm.speculative_config["model"] == draft
+    assert default_method(target, None) == "hybrid"
+    assert default_method(target, draft) == "hybrid"
+
+
+def test_the_cli_default_is_suffix_where_no_drafter_is_shipped(tmp_path):
+    from spec_engine.llm import default_method
+
+    make_model(tmp_path / "tiny", "llama_gqa", vocab_size=V, seed=0)
+    assert default_method(tmp_path / "tiny", None) == "suffix"
+    with pytest.raises(ValueError, match="model"):
+        LLM(str(tmp_path / "tiny"), {"method": "hybrid"})
