@@ -184,7 +184,8 @@ def fmt(x, spec=".2f") -> str:
 
 def print_rows(title: str, rows: list[dict]) -> None:
     print(f"\n## {title}")
-    print(f"{'row':<14} {'speedup':>7} {'tok/s':>7} {'plain':>7} {'alpha':>5} {'a_hat':>5} {'tau':>5} {'bound':>5}  tokens")
+    head = ("row", "speedup", "tok/s", "plain", "alpha", "a_hat", "tau", "bound")
+    print(f"{head[0]:<14} {head[1]:>7} {head[2]:>7} {head[3]:>7} " + " ".join(f"{h:>5}" for h in head[4:]) + "  tokens")
     for r in rows:
         print(f"{r['name']:<14} {fmt(r['speedup']):>7} {fmt(r['tokens_per_s'], '.1f'):>7} "
               f"{fmt(r['plain_tokens_per_s'], '.1f'):>7} {fmt(r['alpha']):>5} {fmt(r['alpha_hat']):>5} "
@@ -230,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     ms = time_interleaved({"target": forward_step(plain.engine.target, plain.engine.kv, 1, ctx, 1),
                            "head": head_step(llms["eagle-g1"].engine.drafter, ctx)}, args.reps)  # fmt: skip
     c = ms["head"] / ms["target"]
-    print(f"context {ctx}: c = {c:.3f} (head {ms['head']:.2f} ms / target {ms['target']:.2f} ms); r(T) "
-          + " ".join(f"{T}:{v:.2f}" for T, v in r.items()))
+    print(
+        f"context {ctx}: c = {c:.3f} (head {ms['head']:.2f} ms / target {ms['target']:.2f} ms); r(T) "
+        + " ".join(f"{T}:{v:.2f}" for T, v in r.items())
+    )
     result = {"machine": machine, "head": head_dir, "c": c, "r": r, "sets": {}}
     every = ["eagle-auto", *gammas, "suffix", "hybrid"]
 
@@ -245,13 +248,19 @@ def main(argv: list[str] | None = None) -> int:
         he = humaneval_prompts(plain, args.prompts)
     if "humaneval" in sets:
         groups = [([i], [p]) for i, p in enumerate(he)]
-        report("humaneval", timed_set("humaneval", contenders(every), groups, args.max_tokens),
-               f"HumanEval, {len(he)} chat requests, <= {args.max_tokens} tokens")
+        report(
+            "humaneval",
+            timed_set("humaneval", contenders(every), groups, args.max_tokens),
+            f"HumanEval, {len(he)} chat requests, <= {args.max_tokens} tokens",
+        )
     if "chat" in sets:
         chat = [Prompt(f"chat{i}", chat_ids(plain, q)) for i, q in enumerate(CHAT[: args.prompts])]
         groups = [([i], [p]) for i, p in enumerate(chat)]
-        report("chat", timed_set("chat", contenders(every), groups, args.max_tokens),
-               f"general chat, {len(chat)} requests, <= {args.max_tokens} tokens")
+        report(
+            "chat",
+            timed_set("chat", contenders(every), groups, args.max_tokens),
+            f"general chat, {len(chat)} requests, <= {args.max_tokens} tokens",
+        )
     if "edit" in sets or "second" in sets:
         edits = edit_prompts(plain, args.prompts)
         groups = [([i], [p]) for i, p in enumerate(edits)]
