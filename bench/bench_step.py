@@ -169,20 +169,16 @@ NATIVE_STEPS = 16  # forwards per greedy_steps call in native_step
 
 def native_step(eng):
     """A callable running NATIVE_STEPS native one-token forwards in one call, as the engine's chains run them
-    (``greedy_steps``: no Python per forward; a draft's lm_head over its restricted vocabulary if it has one): the
-    per-forward cost c compares in the engine's own steps (``spec_chain``)."""
+    (``greedy_steps``: no Python per forward): the per-forward cost c compares in the engine's own steps
+    (``spec_chain``)."""
     from spec_kernels.decoder_layers import greedy_steps
 
-    m = eng.target
-    head = m.lm_head.weight if m.vocab_map is None else m.head_weight  # [V or K, H]
     block_size = eng.kv.data.shape[3]
     table = torch.arange(1, 2 + (CTX + NATIVE_STEPS) // block_size, dtype=torch.int32)[None]  # [1, W]
-    cfg = m.config
 
     def once():
-        greedy_steps(torch.tensor([5]), m.model.embed_tokens.weight, m.layer_weights, m.model.norm.weight, head,
-                     eng.kv.data, torch.tensor([CTX], dtype=torch.int32), m.rope_table, steps=NATIVE_STEPS,
-                     num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=table)  # fmt: skip
+        greedy_steps(torch.tensor([5]), eng.native_target, eng.kv.data, torch.tensor([CTX], dtype=torch.int32),
+                     steps=NATIVE_STEPS, block_table=table)  # fmt: skip
 
     once()  # (builds the extension)
     return once

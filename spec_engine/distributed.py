@@ -422,6 +422,10 @@ class TPTarget:
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, comm, processes)
 
+    # None: the engine's native chains (several plain or speculative steps in one C++ call) need the whole model in
+    # this process; under tensor parallelism every step is a regular one
+    native = None
+
     # the engine's model interface -----------------------------------------------------------------------------
 
     def fuse(self, max_positions: int | None = None) -> TPTarget:
@@ -445,11 +449,6 @@ class TPTarget:
 
         self._last_hidden = self._guarded(run)
         return self._last_hidden
-
-    def chain_parts(self) -> None:
-        """None: the engine's native chains (several plain or speculative steps in one C++ call) need the whole
-        model in this process; under tensor parallelism every step is a regular one."""
-        return None
 
     def forward_features(self, *args, layers, **kwargs):
         raise NotImplementedError("EAGLE heads (the target's features) do not run with tensor_parallel_size > 1 yet")

@@ -31,7 +31,7 @@ from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
 from spec_kernels import PAD_NODE, VerifyResult, verify_tree
-from spec_kernels.decoder_layers import NATIVE_DTYPES, spec_chain
+from spec_kernels.decoder_layers import NativeModel, greedy_steps, spec_chain
 from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
@@ -197,6 +197,12 @@ class RequestRows:
         self._free.append(slot)
 
 
+def _native(model, cache: PagedKVCache | None) -> NativeModel | None:
+    """``model``'s native handle where its cache is in the handle's dtype, else None."""
+    native = getattr(model, "native", None)
+    return native if native is not None and cache is not None and cache.data.dtype == native.dtype else None
+
+
 class Engine:
     """Runs requests to completion on a target model, optionally speculating with ``drafter``.
 
@@ -251,6 +257,10 @@ class Engine:
         self.threads = ThreadTuner() if self.device.type == "cpu" else None  # CPU threads per decode step
         self._step_count = 1  # steps the current decode call ran (a native chain runs several)
         self._step_kind: tuple[int, bool] = (0, False)  # its depth, and whether a draft caught up: the tuner's kind
+        # the native step ops (several greedy steps in one C++ call), decided once: the models' handles where their
+        # caches are in their dtype (a CPU model in float32 or bfloat16: spec_kernels.decoder_layers.native_model)
+        self.native_target = _native(target, kv)
+        self.native_draft = _native(drafter, drafter.kv) if drafter is not None else None
         self.controller = None
         if adaptive and drafter is not None:
             tree = drafter.tree
@@ -499,9 +509,7 @@ class Engine:
         of one (a row's last token) still saves the regular step's Python."""
         if self.config.plain_chain < 2 or (self.drafter is not None and self.drafter.needs_hidden) or self.waiting:
             return 0
-        if self.device.type != "cpu" or not all(r.params.greedy for r in reqs) or self.target.chain_parts() is None:
-            return 0  # (no chain_parts: no native path, which _plain_chain would find only after the roots' forward)
-        if self.kv.data.dtype not in NATIVE_DTYPES:
+        if self.native_target is None or not all(r.params.greedy for r in reqs):
             return 0
         cap = self.drafter.plain_chain_cap if self.drafter is not None else None
         return min(self.config.plain_chain, cap or self.config.plain_chain, min(r.tokens_left for r in reqs))
@@ -510,8 +518,8 @@ class Engine:
         """``K`` plain greedy steps for every row in one native call (``greedy_steps``: the roots at L_b, then
         tokens 1 .. K-1 at L_b + 1 .. L_b + K - 1, their K/V written there, as K one-token steps would), or fewer:
         the call ends at the first token that is a stop token of some row, so a chain spends no forward past a
-        request's end. None, with nothing committed, where the native chain cannot run or some row's logits are not
-        finite (the regular step then decodes it and sanitises or raises)."""
+        request's end. None, with nothing committed, where some row's logits are not finite (the regular step then
+        decodes it and sanitises or raises)."""
         start = time.perf_counter()
         lengths = [r.num_computed for r in reqs]
         seqlens = torch.tensor(lengths, dtype=torch.int32)  # [B]: the roots' positions L_b
@@ -519,9 +527,11 @@ class Engine:
         table = self._block_table(reqs, max(lengths) + K)  # [B, W]: up to position L_b + K - 1
         stops = self._stop_tensor(reqs)  # [S]
         forwards = time.perf_counter()
-        tokens = self.target.greedy_steps(roots, self.kv.data, seqlens, K, table, stop_ids=stops)  # [B, K' <= K]
+        tokens = greedy_steps(
+            roots, self.native_target, self.kv.data, seqlens, steps=K, block_table=table, stop_ids=stops
+        )  # [B, K' <= K]
         forwards = time.perf_counter() - forwards
-        if tokens is None or bool((tokens < 0).any()):
+        if bool((tokens < 0).any()):
             return None
         K = tokens.shape[1]  # (the call ended at a row's stop token: the rows that go on continue next step)
         self._step_count = K
@@ -549,17 +559,15 @@ class Engine:
         Python (inputs and committing, comparable to a whole step of the default pair) is paid once per call; the
         adaptive controller chooses g for the call and learns from each step."""
         g = gammas[0] if gammas else 0
-        if g == 0 or self.config.spec_chain_steps < 1 or self.waiting or self.device.type != "cpu":
+        if g == 0 or self.config.spec_chain_steps < 1 or self.waiting:
             return 0
-        if self.drafter is None:
+        if self.native_target is None or self.native_draft is None:
             return 0
         if any(x != g for x in gammas) or not all(r.params.greedy for r in reqs):
             return 0
         lags = [self._cache_lag(r) for r in reqs]
         if max(lags) > self.prefill_chunk or max(lags) - min(lags) > g:
             return 0  # (a ragged catch-up pads rows past their roots: at most g slots, which the step overwrites)
-        if self.drafter.chain_parts() is None or self.target.chain_parts() is None:
-            return 0
         # steps run while every row has g + 1 tokens of budget left (spec_chain checks before each): a call near the
         # end of a request is not cut to the steps that fit at full acceptance, which split a 64-token request's
         # last ~15 tokens over 3-4 calls, each paying the call's Python
@@ -573,7 +581,7 @@ class Engine:
     def _spec_chain(self, reqs: list[Request], g: int, max_steps: int) -> list[StepOutput] | None:
         """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, committed step by
         step as the regular step would (``_emit``, the controller's ``observe``). None, with nothing committed,
-        where the native path cannot run."""
+        where the first step's target logits were not finite."""
         start = time.perf_counter()
         B = len(reqs)
         lags = [self._cache_lag(r) for r in reqs]
@@ -584,14 +592,12 @@ class Engine:
         reach = min(max_steps * (g + 1), max(r.tokens_left for r in reqs))  # positions a row may write past L_b
         table = self._block_table(reqs, max(lengths) + reach + 2)  # [B, W]
         result = spec_chain(
-            self.target.chain_parts(), self.drafter.chain_parts(), torch.from_numpy(pending),
+            self.native_target, self.native_draft, torch.from_numpy(pending),
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
             torch.tensor([r.tokens_left for r in reqs]),
             self._stop_tensor(reqs), gamma=g, max_steps=max_steps,
             stop_on_reject=self.controller is not None and self.controller.unsure(reqs),
         )  # fmt: skip
-        if result is None:
-            return None
         steps, _, gap_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
         steps, gap_lens, times = steps.tolist(), gap_lens.tolist(), times.tolist()
         new: dict[int, list[int]] = {b: [] for b in range(B)}

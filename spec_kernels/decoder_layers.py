@@ -16,6 +16,7 @@ On CUDA and meta tensors the same computation runs as torch ops around the fast 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +31,30 @@ _EMPTY = torch.empty(0)  # stands for a missing optional weight in the C++ op's 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-_FLAT: dict[int, tuple[list, list, torch.dtype | None]] = {}  # id(weights) -> (weights, flat, their one dtype)
+class LayerWeights(list):
+    """A model's layer tensors in ``decoder_layers``' order (``LAYER_FIELDS`` per layer, None for an absent one),
+    with the C++ op's list of them built once: a model builds this at ``fuse``, and flattening and checking ~90
+    entries on every native call would be a measurable part of a speculative step.
+
+    ``flat``: ``_op_tensor`` of each entry; ``dtype``: the one dtype of its float tensors where every quantized one
+    is on the CPU (what the native op takes), else None. A plain list passed to ``decoder_layers`` is flattened on
+    each call."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        self.flat = [_op_tensor(w) for w in self]
+        self._dtype = self._one_dtype()
+
+    def _one_dtype(self) -> torch.dtype | None:
+        dtypes = {w.dtype for w in self if isinstance(w, torch.Tensor)}
+        quant_cpu = all(w.device.type == "cpu" for w in self if isinstance(w, QuantizedWeight))
+        return dtypes.pop() if len(dtypes) == 1 and quant_cpu else None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        if self._dtype is not None and self.flat[0].dtype != self._dtype:  # Module.to() converts parameters in place
+            self._dtype = self._one_dtype()
+        return self._dtype
 
 
 def _op_tensor(w: torch.Tensor | QuantizedWeight | None) -> torch.Tensor:
@@ -41,37 +65,60 @@ def _op_tensor(w: torch.Tensor | QuantizedWeight | None) -> torch.Tensor:
     return w.data if isinstance(w, QuantizedWeight) else w
 
 
-def _flat_weights(weights: list) -> tuple[list[torch.Tensor], torch.dtype | None]:
-    """The C++ op's list for a model's layer weights (``_op_tensor`` of each) and the one dtype of its float tensors
-    (None if they mix), kept per list: a model's ``layer_weights`` list is built once at ``fuse``, and rebuilding and
-    checking its ~90 entries on every native call cost ~10% of a speculative step."""
-    hit = _FLAT.get(id(weights))
-    if hit is None or hit[0] is not weights or (hit[2] is not None and hit[1][0].dtype != hit[2]):
-        dtypes = {w.dtype for w in weights if isinstance(w, torch.Tensor)}
-        quant_cpu = all(w.device.type == "cpu" for w in weights if isinstance(w, QuantizedWeight))
-        one = dtypes.pop() if len(dtypes) == 1 and quant_cpu else None
-        hit = (weights, [_op_tensor(w) for w in weights], one)
-        if len(_FLAT) >= 64:  # models come and go (tests build hundreds): keep the live few
-            _FLAT.clear()
-        _FLAT[id(weights)] = hit  # the entry holds the list, so its id cannot be reused while cached
-    return hit[1], hit[2]
-
-
 def _native_weights(x: torch.Tensor, weights: Sequence, kv_cache: torch.Tensor) -> list[torch.Tensor] | None:
-    """The flat weights where backend=None takes the C++ ops (CPU, one float32 or bfloat16 dtype for the activations
-    or embedding ``x``, the layers and the cache), else None. A list is kept (``_flat_weights``); another sequence
-    is flattened."""
-    flat, dtype = _flat_weights(weights if isinstance(weights, list) else list(weights))
-    fits = x.is_cpu and x.dtype in NATIVE_DTYPES and dtype == x.dtype == kv_cache.dtype
-    return flat if fits else None
+    """The flat weights where backend=None takes the C++ op (CPU, one float32 or bfloat16 dtype for the activations
+    ``x``, the layers and the cache), else None."""
+    layers = weights if isinstance(weights, LayerWeights) else LayerWeights(weights)
+    fits = x.is_cpu and x.dtype in NATIVE_DTYPES and layers.dtype == x.dtype == kv_cache.dtype
+    return layers.flat if fits else None
 
 
-def _chain_weights(embed, weights, kv_cache, lm_head, rope_table) -> list[torch.Tensor] | None:
-    """A model's flat weights where the native chain ops take it (``_native_weights`` in the RoPE table's dtype, the
-    table on the CPU, embed and lm_head in that dtype or quantized), else None."""
-    flat = _native_weights(rope_table, weights, kv_cache)
-    fits = all(isinstance(t, QuantizedWeight) or t.dtype == rope_table.dtype for t in (embed, lm_head))
-    return flat if fits and embed.device.type == "cpu" and lm_head.device.type == "cpu" else None
+@dataclass(frozen=True, eq=False)
+class NativeModel:
+    """A whole model as the native step ops take it (``greedy_chain``, ``greedy_steps``, ``spec_chain``), built
+    once by the model's ``fuse`` (``native_model``): CPU tensors in one float32 or bfloat16 dtype, or GGUF blocks.
+
+    Shapes: embed ``[V, H]``; lm_head ``[V, H]``, or ``[K, H]`` over ``vocab_map`` ``[K]`` int64 (a draft's
+    restricted vocabulary, ``LlamaForCausalLM.restrict_vocab``; None: the whole vocabulary); final_norm ``[H]``;
+    rope_table ``[2, P, D]`` (cos, sin by position P)."""
+
+    embed: torch.Tensor | QuantizedWeight
+    layers: LayerWeights
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor | QuantizedWeight
+    rope_table: torch.Tensor
+    num_heads: int
+    eps: float
+    vocab_map: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rope_table.dtype
+
+    def op_args(self, kv_cache: torch.Tensor) -> list:
+        """The op's arguments for this model with ``kv_cache``: (embed, layers, final norm, lm_head, cache, RoPE
+        table, num_heads, eps). ValueError for a cache of another dtype (the model's decides its cache's)."""
+        if kv_cache.dtype != self.dtype:
+            raise ValueError(f"native chain: a {self.dtype} model takes a {self.dtype} cache, got {kv_cache.dtype}")
+        return [_op_tensor(self.embed), self.layers.flat, self.final_norm, _op_tensor(self.lm_head), kv_cache,
+                self.rope_table, self.num_heads, self.eps]  # fmt: skip
+
+
+def native_model(embed, layers: LayerWeights, final_norm, lm_head, rope_table, *, num_heads: int, eps: float,
+                 vocab_map: torch.Tensor | None = None) -> NativeModel | None:  # fmt: skip
+    """The model as the native step ops take it, or None where they cannot run it (a device other than the CPU, a
+    dtype other than float32 / bfloat16, tensors of mixed dtypes): decided once, when the model is built."""
+    dtype = rope_table.dtype
+    fits = (
+        rope_table.is_cpu
+        and dtype in NATIVE_DTYPES
+        and layers.dtype == dtype
+        and final_norm.dtype == dtype
+        and all(isinstance(t, QuantizedWeight) or t.dtype == dtype for t in (embed, lm_head))
+        and embed.device.type == "cpu"
+        and lm_head.device.type == "cpu"
+    )
+    return NativeModel(embed, layers, final_norm, lm_head, rope_table, num_heads, eps, vocab_map) if fits else None
 
 
 def decoder_layers(
@@ -174,100 +221,72 @@ def _device_layers(
 
 def greedy_chain(
     root_logits: torch.Tensor,
-    embed: torch.Tensor,
-    weights: Sequence[torch.Tensor | None],
-    final_norm: torch.Tensor,
-    lm_head: torch.Tensor,
+    model: NativeModel,
     kv_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    rope_table: torch.Tensor,
     *,
     gamma: int,
-    num_heads: int,
-    eps: float,
     block_table: torch.Tensor | None = None,
     strict: bool = False,
-    vocab_map: torch.Tensor | None = None,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """A greedy draft chain in one native call: ``gamma`` tokens per row, token d the argmax of token d-1's logits
     (the first of them of ``root_logits``), tokens 1 .. gamma-1 run through the layers at positions ``L_b + d``
-    (their K/V written there). None where the native path cannot run (the caller then drafts level by level).
+    (their K/V written there).
 
-    Shapes: root_logits ``[B, V]``; embed, lm_head ``[V, H]``; rope_table ``[2, P, D]`` (cos, sin by position);
-    cache_seqlens ``[B]`` the roots' positions L_b; returns ``[B, gamma]`` int64. ``strict`` (the target's plain
-    greedy chain): from a row's first logits with a NaN or a non-finite maximum on, its tokens are -1 (a draft skips
-    NaNs instead: a bad guess costs acceptance only). ``vocab_map`` ``[K]`` int64 (a draft's restricted vocabulary,
-    ``LlamaForCausalLM.restrict_vocab``): root_logits ``[B, K]`` and lm_head ``[K, H]`` are over those token ids.
+    Shapes: root_logits ``[B, V]`` (``[B, K]`` over ``model.vocab_map`` for a restricted vocabulary); cache_seqlens
+    ``[B]`` the roots' positions L_b; returns ``[B, gamma]`` int64. ``strict`` (the target's plain greedy chain):
+    from a row's first logits with a NaN or a non-finite maximum on, its tokens are -1 (a draft skips NaNs instead:
+    a bad guess costs acceptance only).
     """
-    flat = _chain_weights(embed, weights, kv_cache, lm_head, rope_table)
-    if flat is None:
-        return None
     from spec_kernels._ext import load_ext
 
     load_ext()
-    return torch.ops.spec_kernels.draft_chain(
-        root_logits, _op_tensor(embed), flat, final_norm, _op_tensor(lm_head), kv_cache, cache_seqlens, rope_table,
-        block_table, num_heads, eps, gamma, strict, vocab_map,
-    )  # fmt: skip
+    embed, flat, norm, lm_head, kv, rope, heads, eps = model.op_args(kv_cache)
+    return torch.ops.spec_kernels.draft_chain(root_logits, embed, flat, norm, lm_head, kv, cache_seqlens, rope,
+                                              block_table, heads, eps, gamma, strict, model.vocab_map)  # fmt: skip
 
 
 def greedy_steps(
     roots: torch.Tensor,
-    embed: torch.Tensor,
-    weights: Sequence[torch.Tensor | None],
-    final_norm: torch.Tensor,
-    lm_head: torch.Tensor,
+    model: NativeModel,
     kv_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    rope_table: torch.Tensor,
     *,
     steps: int,
-    num_heads: int,
-    eps: float,
     block_table: torch.Tensor | None = None,
     stop_ids: torch.Tensor | None = None,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """``steps`` plain greedy steps per row in one native call (see ``greedy_steps_cpu``): the roots ``[B]`` run at
     positions ``cache_seqlens`` (L_b), then each token is the argmax of the previous forward's logits and runs at
     L_b + d, its K/V written there. Returns ``[B, K]`` int64, K = ``steps``, or fewer where some row emitted one of
-    ``stop_ids`` ``[S]`` (the call ends after that token); -1 from a row's first non-finite logits on; None where
-    the native path cannot run."""
-    flat = _chain_weights(embed, weights, kv_cache, lm_head, rope_table)
-    if flat is None:
-        return None
+    ``stop_ids`` ``[S]`` (the call ends after that token); -1 from a row's first non-finite logits on. The model's
+    vocabulary cannot be restricted (its logits decide the output)."""
+    if model.vocab_map is not None:
+        raise ValueError("greedy_steps: the model's vocabulary cannot be restricted (its logits decide the output)")
     from spec_kernels._ext import load_ext
 
     load_ext()
-    return torch.ops.spec_kernels.greedy_steps(
-        roots, _op_tensor(embed), flat, final_norm, _op_tensor(lm_head), kv_cache, cache_seqlens, rope_table,
-        block_table, num_heads, eps, steps, stop_ids,
-    )  # fmt: skip
+    embed, flat, norm, lm_head, kv, rope, heads, eps = model.op_args(kv_cache)
+    return torch.ops.spec_kernels.greedy_steps(roots, embed, flat, norm, lm_head, kv, cache_seqlens, rope,
+                                               block_table, heads, eps, steps, stop_ids)  # fmt: skip
 
 
-def spec_chain(target, draft, pending, pending_lens, seqlens, target_kv, draft_kv, block_table, budget, stop_ids, *,
-               gamma: int, max_steps: int, stop_on_reject: bool = False):  # fmt: skip
+def spec_chain(target: NativeModel, draft: NativeModel, pending, pending_lens, seqlens, target_kv, draft_kv,
+               block_table, budget, stop_ids, *, gamma: int, max_steps: int, stop_on_reject: bool = False):  # fmt: skip
     """Up to ``max_steps`` greedy speculative steps of a draft model's chain in one native call (see
-    ``spec_chain_cpu`` in csrc/decoder_layers_cpu.cpp), or None where the native path cannot run.
+    ``spec_chain_cpu`` in csrc/decoder_layers_cpu.cpp).
 
-    ``target`` / ``draft``: (embed [V, H], layer weights, final norm [H], lm_head [V, H], rope_table [2, P, D],
-    num_heads, eps, vocab_map) of each model (``LlamaForCausalLM.chain_parts``; vocab_map [K] with lm_head [K, H]
-    for a draft's restricted vocabulary, else None; the target's is None). pending ``[B, P]`` the tokens each row's
-    draft cache lacks then its root, pending_lens / seqlens (L_b) / budget ``[B]``, stop_ids ``[S]``. Returns
-    (steps ``[B, max_steps, gamma + 2]``: per step the count n of emitted tokens then the tokens; the rows' new
-    pending ``[B, 2]`` and pending_lens ``[B]``; times ``[max_steps, 2]``: per step the draft's and the whole step's
-    seconds). ``stop_on_reject``: a step where some row accepted no draft is the call's last (an adaptive
-    controller then re-decides the depth).
+    pending ``[B, P]`` the tokens each row's draft cache lacks then its root, pending_lens / seqlens (L_b) / budget
+    ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``: per step the count n of emitted tokens
+    then the tokens; the rows' new pending ``[B, 2]`` and pending_lens ``[B]``; times ``[max_steps, 2]``: per step
+    the draft's and the whole step's seconds). ``stop_on_reject``: a step where some row accepted no draft is the
+    call's last (an adaptive controller then re-decides the depth).
     """
-    if target[7] is not None:
+    if target.vocab_map is not None:
         raise ValueError("spec_chain: the target's vocabulary cannot be restricted (its logits decide the output)")
-    args = []
-    for (embed, weights, norm, lm_head, rope, heads, eps, _), kv in ((target, target_kv), (draft, draft_kv)):
-        flat = _chain_weights(embed, weights, kv, lm_head, rope)
-        if flat is None:
-            return None
-        args += [_op_tensor(embed), flat, norm, _op_tensor(lm_head), kv, rope, heads, eps]
     from spec_kernels._ext import load_ext
 
     load_ext()
+    args = target.op_args(target_kv) + draft.op_args(draft_kv)
     return torch.ops.spec_kernels.spec_chain(pending, pending_lens, seqlens, *args, block_table, budget, stop_ids,
-                                             gamma, max_steps, stop_on_reject, draft[7])  # fmt: skip
+                                             gamma, max_steps, stop_on_reject, draft.vocab_map)  # fmt: skip

@@ -291,7 +291,7 @@ def test_greedy_chain_equals_level_by_level(dtype):
     """The one-call greedy chain proposes what the drafter's level-by-level loop proposes (token d = argmax of
     token d-1's logits, tokens 1 .. gamma-1 run at positions L_b + d) and leaves the same K/V in the cache."""
     from spec_kernels import linear
-    from spec_kernels.decoder_layers import greedy_chain
+    from spec_kernels.decoder_layers import LayerWeights, NativeModel, greedy_chain
 
     Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
@@ -306,8 +306,8 @@ def test_greedy_chain_equals_level_by_level(dtype):
     root_logits = torch.randn(3, V, generator=g)
     kw = dict(num_heads=Hq, eps=EPS, block_table=table)
     native_kv = kv.clone()
-    chain = greedy_chain(root_logits, embed, weights, final_norm.to(dtype), lm_head, native_kv, seqlens, rope_table,
-                         gamma=gamma, **kw)  # fmt: skip
+    model = NativeModel(embed, LayerWeights(weights), final_norm.to(dtype), lm_head, rope_table, Hq, EPS)
+    chain = greedy_chain(root_logits, model, native_kv, seqlens, gamma=gamma, block_table=table)
     loop_kv, logits, expected = kv.clone(), root_logits, []
     for d in range(1, gamma + 1):
         tok = logits.float().argmax(-1)  # [B]
@@ -328,7 +328,7 @@ def test_greedy_steps_equal_one_token_steps(dtype):
     token d = argmax of the previous forward's logits runs at L_b + d; the cache ends the same. A row whose logits
     turn non-finite gets -1 from there on (strict, for the engine's regular step)."""
     from spec_kernels import linear
-    from spec_kernels.decoder_layers import greedy_steps
+    from spec_kernels.decoder_layers import LayerWeights, NativeModel, greedy_steps
 
     Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
@@ -342,7 +342,9 @@ def test_greedy_steps_equal_one_token_steps(dtype):
     roots = torch.tensor([5, 60, 2])
     kw = dict(num_heads=Hq, eps=EPS, block_table=table)
     native_kv = kv.clone()
-    got = greedy_steps(roots, embed, weights, final_norm, lm_head, native_kv, seqlens, rope_table, steps=steps, **kw)
+    model = NativeModel(embed, LayerWeights(weights), final_norm, lm_head, rope_table, Hq, EPS)
+    run = dict(steps=steps, block_table=table)
+    got = greedy_steps(roots, model, native_kv, seqlens, **run)
     loop_kv, tok, expected = kv.clone(), roots, []
     for d in range(steps):
         rope, alone = rope_table[:, seqlens.long() + d][:, :, None], torch.ones(3, 1, 1, dtype=torch.bool)
@@ -356,17 +358,15 @@ def test_greedy_steps_equal_one_token_steps(dtype):
     full = got.tolist()
     stop = full[2][1]  # row 2's second token
     first = min(row.index(stop) for row in full if stop in row)
-    cut = greedy_steps(roots, embed, weights, final_norm, lm_head, kv.clone(), seqlens, rope_table, steps=steps,
-                       stop_ids=torch.tensor([V + 5, stop]), **kw)  # fmt: skip
+    cut = greedy_steps(roots, model, kv.clone(), seqlens, stop_ids=torch.tensor([V + 5, stop]), **run)
     assert first <= 1 and torch.equal(cut, got[:, : first + 1])
-    never = greedy_steps(roots, embed, weights, final_norm, lm_head, kv.clone(), seqlens, rope_table, steps=steps,
-                         stop_ids=torch.tensor([V + 5]), **kw)  # fmt: skip
+    never = greedy_steps(roots, model, kv.clone(), seqlens, stop_ids=torch.tensor([V + 5]), **run)
     assert torch.equal(never, got)
 
     broken = lm_head.clone()
     broken[7] = float("nan")  # every row's logits hold a NaN: each is -1 from its first token
-    bad = greedy_steps(roots, embed, weights, final_norm, broken, kv.clone(), seqlens, rope_table, steps=steps, **kw)
+    broken_model = NativeModel(embed, model.layers, final_norm, broken, rope_table, Hq, EPS)
+    bad = greedy_steps(roots, broken_model, kv.clone(), seqlens, **run)
     assert (bad == -1).all()
     with pytest.raises(ValueError, match="token 97 is not an id"):
-        greedy_steps(torch.tensor([97, 0, 0]), embed, weights, final_norm, lm_head, kv.clone(), seqlens, rope_table,
-                     steps=steps, **kw)  # fmt: skip
+        greedy_steps(torch.tensor([97, 0, 0]), model, kv.clone(), seqlens, **run)

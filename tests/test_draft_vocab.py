@@ -7,6 +7,7 @@ against the target's exact distribution, with a planted bug rejected. Bad files 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -94,7 +95,7 @@ def test_planted_bug_native_chain_without_the_id_map(pair, monkeypatch):
     real = engine_mod.spec_chain
 
     def unmapped(t, d, *args, **kw):
-        return real(t, (*d[:7], None), *args, **kw)
+        return real(t, dataclasses.replace(d, vocab_map=None), *args, **kw)
 
     monkeypatch.setattr(engine_mod, "spec_chain", unmapped)
     native = generate(llm, params, 4)

@@ -36,13 +36,13 @@ def run(llm: LLM, params: SamplingParams, chain: int) -> list:
 
 def spy_chains(llm: LLM, monkeypatch) -> list[int]:
     """The length of every native chain the target runs."""
-    calls, real = [], llm.target.greedy_steps
+    calls, real = [], engine_mod.greedy_steps
 
     def spy(*args, **kw):
-        calls.append(args[3])
+        calls.append(kw["steps"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(llm.target, "greedy_steps", spy)
+    monkeypatch.setattr(engine_mod, "greedy_steps", spy)
     return calls
 
 
@@ -87,14 +87,14 @@ def test_a_chain_spends_no_forward_past_a_stop_token(target, monkeypatch):
     stop = next(t for i, t in enumerate(a) if i >= 3 and a.index(t) == i)
     first = min(a.index(stop), b.index(stop) if stop in b else 30)  # where the first call must end
     params = [SamplingParams(max_tokens=30, stop_token_ids=[stop])] + [SamplingParams(max_tokens=30, ignore_eos=True)]
-    real, runs = llm.target.greedy_steps, []
+    real, runs = engine_mod.greedy_steps, []
 
     def spy(*args, **kw):
         out = real(*args, **kw)
-        runs.append((args[3], out.shape[1]))  # (steps asked, steps run)
+        runs.append((kw["steps"], out.shape[1]))  # (steps asked, steps run)
         return out
 
-    monkeypatch.setattr(llm.target, "greedy_steps", spy)
+    monkeypatch.setattr(engine_mod, "greedy_steps", spy)
     llm.engine.config = EngineConfig(plain_chain=16)
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == a[: a.index(stop) + 1] and got[0].outputs[0].finish_reason == "stop"
@@ -127,12 +127,12 @@ def test_planted_bug_chain_at_the_wrong_positions_is_caught(target, monkeypatch)
     llm = LLM(str(target))
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = run(llm, params, 1)
-    real = llm.target.greedy_steps
+    real = engine_mod.greedy_steps
 
-    def shifted(roots, kv, seqlens, steps, table, **kw):
-        return real(roots, kv, seqlens + 1, steps, table, **kw)
+    def shifted(roots, model, kv, seqlens, **kw):
+        return real(roots, model, kv, seqlens + 1, **kw)
 
-    monkeypatch.setattr(llm.target, "greedy_steps", shifted)
+    monkeypatch.setattr(engine_mod, "greedy_steps", shifted)
     got = run(llm, params, 8)
     assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in ref]
 

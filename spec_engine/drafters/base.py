@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from spec_engine.kv_cache import PagedKVCache
 from spec_kernels import VerifyResult
+from spec_kernels.decoder_layers import NativeModel
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class Drafter(ABC):
     target_layers: tuple[int, ...] | None = None
     plans: bool = False  # True: ``plan`` revises each step's depths (suffix drafters: no draft where nothing matches)
     plain_chain_cap: int | None = None  # the longest plain native chain the engine may run between two plans
+    kv: PagedKVCache | None = None  # the drafter's own KV cache, where it keeps one (``keeps_cache``)
 
     def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None) -> DraftPlan:
         """Revise the step's depths per row (``gammas``: the engine's or the adaptive controller's choice), before
@@ -148,7 +151,8 @@ class Drafter(ABC):
         """T of a tree of the given depth (for KV reservations and cost models)."""
         return depth + 1
 
-    def chain_parts(self) -> tuple | None:
-        """The draft model's tensors for the engine's native greedy chain steps (``Engine._spec_chain``), when this
-        drafter is a draft model proposing chains on its own cache; else None."""
+    @property
+    def native(self) -> NativeModel | None:
+        """The draft model as the engine's native speculative chains take it (``Engine._spec_chain``), when this
+        drafter proposes greedy chains from a draft model on its own cache ``kv``; else None."""
         return None

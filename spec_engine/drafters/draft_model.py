@@ -31,6 +31,7 @@ from spec_engine.models import LlamaForCausalLM
 from spec_engine.transfer import to_device
 from spec_engine.tree import StaticTree, causal_mask, tree_mask_and_depths
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, rng
+from spec_kernels.decoder_layers import NativeModel
 
 DRAFT_SAMPLING = ("without_replacement", "iid", "deterministic")
 CATCH_UP_CHUNK = 128  # tokens per catch-up forward of a long-lagging row (see _catch_up)
@@ -101,8 +102,9 @@ class DraftModelDrafter(Drafter):
             self._levels.append(to_device(self.device, mask, node_depth[1 : level.stop]))
         self._shapes: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
-    def chain_parts(self) -> tuple | None:
-        return self.model.chain_parts() if self.tree.is_chain and type(self) is DraftModelDrafter else None
+    @property
+    def native(self) -> NativeModel | None:
+        return self.model.native if self.tree.is_chain else None
 
     def nodes_for_depth(self, depth: int) -> int:
         return sum(self.tree.level_sizes[: depth + 1])

@@ -51,7 +51,7 @@ from spec_engine.models.llama import (
 from spec_engine.transfer import to_device
 from spec_engine.tree import StaticTree
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, linear
-from spec_kernels.decoder_layers import decoder_layers
+from spec_kernels.decoder_layers import LayerWeights, decoder_layers
 
 LAYOUTS = ("eagle", "eagle3")
 
@@ -83,7 +83,7 @@ class EagleHead(nn.Module):
         layer = DecoderLayer(cfg)
         layer.mlp = _NativeMLP(cfg)
         self.normed = normed and layout == "eagle"  # the normed variant: a plain decoder layer and a final norm
-        self.layer_weights: list[torch.Tensor | None] | None = None  # decoder_layers' list, once fused (normed)
+        self.layer_weights: LayerWeights | None = None  # decoder_layers' list, once fused (normed)
         if layout == "eagle":
             self.target_layers = None  # the final hidden state
             self.fc = nn.Linear(2 * H, H, bias=fc_bias)
@@ -125,7 +125,7 @@ class EagleHead(nn.Module):
         self.layer.self_attn.fuse()
         self.layer.mlp.fuse()
         if self.normed:
-            self.layer_weights = _layer_fields(self.layer)
+            self.layer_weights = LayerWeights(_layer_fields(self.layer))
         return self
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -310,6 +310,7 @@ class EagleDrafter(DraftModelDrafter):
     """
 
     needs_hidden = True
+    native = None  # a head's chains read the target's features: no native speculative chain runs them
 
     def __init__(self, head: EagleHead, kv: PagedKVCache, features: torch.Tensor, tree: StaticTree,
                  draft_sampling: str = "without_replacement", dynamic: bool = False):  # fmt: skip

@@ -28,6 +28,7 @@ from spec_engine.drafters.base import Draft, Drafter, DraftPlan, RowView, StepBa
 from spec_engine.drafters.suffix import SuffixDrafter, draft_tensors
 from spec_engine.drafters.suffix_ref import SuffixDraft
 from spec_kernels import PAD_NODE, VerifyResult
+from spec_kernels.decoder_layers import NativeModel
 
 FIXED_ALPHA = 0.6  # the model drafter's acceptance per token assumed without the adaptive controller's estimate
 
@@ -54,8 +55,9 @@ class HybridDrafter(Drafter):
     def nodes_for_depth(self, depth: int) -> int:
         return self.model.nodes_for_depth(depth)  # (the adaptive controller prices the model drafter's trees)
 
-    def chain_parts(self) -> tuple | None:
-        return self.model.chain_parts()  # (the engine runs native chains only on steps without suffix rows)
+    @property
+    def native(self) -> NativeModel | None:
+        return self.model.native  # (the engine runs native chains only on steps without suffix rows)
 
     def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:
         self.model.prefill(input_ids, positions, seqlens, mask, block_table, hidden)

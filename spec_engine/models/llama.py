@@ -27,7 +27,14 @@ from torch import nn
 
 from spec_engine.models.config import ModelConfig, rope_inv_freq
 from spec_kernels import linear
-from spec_kernels.decoder_layers import decoder_layers, greedy_chain, greedy_steps
+from spec_kernels.decoder_layers import (
+    LayerWeights,
+    NativeModel,
+    decoder_layers,
+    greedy_chain,
+    greedy_steps,
+    native_model,
+)
 from spec_kernels.reference import QuantizedWeight, rms_norm_ref
 from spec_kernels.reference import rope_ref as apply_rope
 
@@ -161,7 +168,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.rope_table: torch.Tensor | None = None  # [2, max_positions, D] cos and sin, once fused
-        self.layer_weights: list[torch.Tensor | None] | None = None  # decoder_layers' flat list, once fused
+        self.layer_weights: LayerWeights | None = None  # decoder_layers' list, once fused
+        self.native: NativeModel | None = None  # the native step ops' handle, once fused with a RoPE table
         # a draft's restricted vocabulary (restrict_vocab): token ids [K], ascending, and their lm_head rows [K, H];
         # buffers, so .to() moves them with the weights (not saved: the draft directory's draft_vocab.json is)
         self.register_buffer("vocab_map", None, persistent=False)
@@ -173,17 +181,37 @@ class LlamaForCausalLM(nn.Module):
         """Prepare the engine's lean path (inference only): fused q/k/v and gate/up matrices, and with
         ``max_positions`` a RoPE cos/sin table for positions below it. Returns self."""
         if self.layer_weights is None and self.quantized:
-            self.layer_weights = [w for i in range(len(self.model.layers)) for w in self._quantized_fields(i)]
+            fields = (self._quantized_fields(i) for i in range(len(self.model.layers)))
+            self.layer_weights = LayerWeights(w for layer in fields for w in layer)
         if self.layer_weights is None:
             for layer in self.model.layers:
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
-            self.layer_weights = [w for layer in self.model.layers for w in _layer_fields(layer)]
+            self.layer_weights = LayerWeights(w for layer in self.model.layers for w in _layer_fields(layer))
         if max_positions is not None:
             positions = torch.arange(max_positions, device=self.inv_freq.device)
             cos, sin = self._rope_from_freqs(positions, self.lm_head.weight.dtype)
             self.rope_table = torch.stack((cos, sin))  # [2, max_positions, D]
+        self._build_native()
         return self
+
+    def _build_native(self) -> None:
+        """``native``: this model as the native step ops take it, once fused with a RoPE table (None otherwise, or
+        where those ops cannot run it: see ``spec_kernels.decoder_layers.native_model``)."""
+        self.native = None
+        if self.layer_weights is not None and self.rope_table is not None:
+            cfg = self.config
+            self.native = native_model(self._embed_weight(), self.layer_weights, self.model.norm.weight, self._head(),
+                                       self.rope_table, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps,
+                                       vocab_map=self.vocab_map)  # fmt: skip
+
+    def _apply(self, fn, recurse=True):
+        """``Module.to`` and friends: the native handle is rebuilt on the converted tensors (or dropped where the
+        RoPE table's dtype no longer matches them)."""
+        out = super()._apply(fn, recurse)
+        if getattr(self, "layer_weights", None) is not None:
+            self._build_native()
+        return out
 
     def _matrix(self, names: list[str]) -> torch.Tensor | QuantizedWeight:
         """The row concatenation of the named matrices: their blocks where all are quantized in one format (rows
@@ -232,6 +260,7 @@ class LlamaForCausalLM(nn.Module):
         Not for a target: its logits are the output. None restores the full vocabulary. Returns self."""
         if token_ids is None:
             self.vocab_map = self.head_weight = self.head_blocks = None
+            self._build_native()
             return self
         V = self.config.vocab_size
         ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu().flatten().unique()  # [K], ascending, checked here
@@ -245,6 +274,7 @@ class LlamaForCausalLM(nn.Module):
             self.head_weight = self.head_blocks.dequantize(self.lm_head.weight.dtype)  # [K, H]
         else:
             self.head_weight = self.lm_head.weight.detach()[self.vocab_map].contiguous()  # [K, H]
+        self._build_native()
         return self
 
     def _rope_from_freqs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,47 +309,27 @@ class LlamaForCausalLM(nn.Module):
         """
         return self._decoder(input_ids, positions, kv_cache, cache_seqlens, tree_mask, block_table)
 
-    def greedy_chain(
-        self, root_logits, kv_cache, cache_seqlens, gamma: int, block_table=None, strict: bool = False
-    ) -> torch.Tensor | None:
+    def greedy_chain(self, root_logits, kv_cache, cache_seqlens, gamma: int, block_table=None,
+                     strict: bool = False) -> torch.Tensor | None:  # fmt: skip
         """``gamma`` greedy tokens per row from the roots' logits [B, V] in one native call (see
-        ``spec_kernels.decoder_layers.greedy_chain``): [B, gamma], or None where it cannot run (no RoPE table, a
-        device or dtype without the native path)."""
-        if self.layer_weights is None or self.rope_table is None:
+        ``spec_kernels.decoder_layers.greedy_chain``): [B, gamma], or None without the native handle (``native``)."""
+        if self.native is None:
             return None
-        cfg = self.config
         if self.vocab_map is not None:  # the chain runs over the restricted ids; -inf elsewhere never wins
             root_logits = root_logits[:, self.vocab_map]  # [B, K]
-        return greedy_chain(
-            root_logits, self._embed_weight(), self.layer_weights, self.model.norm.weight, self._head(), kv_cache,
-            cache_seqlens, self.rope_table, gamma=gamma, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps,
-            block_table=block_table, strict=strict, vocab_map=self.vocab_map,
-        )  # fmt: skip
+        return greedy_chain(root_logits, self.native, kv_cache, cache_seqlens, gamma=gamma, block_table=block_table,
+                            strict=strict)  # fmt: skip
 
     def greedy_steps(self, roots, kv_cache, cache_seqlens, steps: int, block_table=None,
                      stop_ids=None) -> torch.Tensor | None:  # fmt: skip
         """``steps`` plain greedy tokens per row from the roots [B] at positions ``cache_seqlens``, in one native
         call (``spec_kernels.decoder_layers.greedy_steps``): [B, K], K = ``steps`` or fewer where a row emitted one
-        of ``stop_ids`` [S]; -1 from a row's first non-finite logits on; None where it cannot run (no RoPE table, a
-        restricted vocabulary, a device or dtype without the native path)."""
-        if self.layer_weights is None or self.rope_table is None or self.vocab_map is not None:
+        of ``stop_ids`` [S]; -1 from a row's first non-finite logits on; None without the native handle or with a
+        restricted vocabulary."""
+        if self.native is None or self.vocab_map is not None:
             return None
-        cfg = self.config
-        return greedy_steps(
-            roots, self._embed_weight(), self.layer_weights, self.model.norm.weight, self._head(),
-            kv_cache, cache_seqlens, self.rope_table, steps=steps, num_heads=cfg.num_attention_heads,
-            eps=cfg.rms_norm_eps, block_table=block_table, stop_ids=stop_ids,
-        )  # fmt: skip
-
-    def chain_parts(self) -> tuple | None:
-        """(embed [V, H], layer weights, final norm [H], lm_head [V, H], RoPE table [2, P, D], num_heads, eps,
-        vocab_map): what ``spec_kernels.decoder_layers.spec_chain`` runs this model with (a restricted vocabulary:
-        lm_head [K, H] and vocab_map [K], else None); None before ``fuse`` or without a table."""
-        if self.layer_weights is None or self.rope_table is None:
-            return None
-        cfg = self.config
-        return (self._embed_weight(), self.layer_weights, self.model.norm.weight, self._head(), self.rope_table,
-                cfg.num_attention_heads, cfg.rms_norm_eps, self.vocab_map)  # fmt: skip
+        return greedy_steps(roots, self.native, kv_cache, cache_seqlens, steps=steps, block_table=block_table,
+                            stop_ids=stop_ids)  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V] in float32 (-inf outside a restricted vocabulary)."""
