@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,18 +12,12 @@ from tqdm import tqdm
 
 from spec_engine.chat_template import ChatTemplate
 from spec_engine.drafters import suffix as suffix_defaults
-from spec_engine.drafters.base import Drafter
-from spec_engine.drafters.draft_model import DraftModelDrafter, read_draft_vocab
-from spec_engine.drafters.eagle import EagleDrafter, load_eagle_head
-from spec_engine.drafters.hybrid import HybridDrafter
-from spec_engine.drafters.ngram import NgramDrafter
-from spec_engine.drafters.suffix import SuffixDrafter
+from spec_engine.drafters.factory import DEFAULT_EAGLE_TOPK, DrafterFactory
 from spec_engine.engine import Engine, EngineConfig, Request
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
 from spec_engine.sampling import SamplingParams
-from spec_engine.tree import StaticTree, chain
 from spec_engine.zoo import shipped_drafter
 from spec_engine.zoo.pull import resolve_model
 from spec_kernels._backend import cpu_supports_native_bf16
@@ -51,7 +44,6 @@ SUFFIX_KEYS = {
     "suffix_decoding_min_score": suffix_defaults.MIN_SCORE,  # the least expected accepted tokens worth a draft
     "suffix_decoding_max_spec_tokens": SUFFIX_ADAPTIVE_MAX_TOKENS,  # hybrid: a suffix row's most nodes
 }
-DEFAULT_EAGLE_TOPK = 4  # nodes per level of EAGLE-2's dynamic tree (tree="dynamic")
 
 
 @dataclass
@@ -194,16 +186,6 @@ def is_eagle_head(model_dir: str | Path) -> bool:
     return False
 
 
-def _suffix_drafter(spec: dict, max_tokens: int, device: str) -> SuffixDrafter:
-    s = spec["suffix"]
-    return SuffixDrafter(max_tokens, max_tree_depth=s["suffix_decoding_max_tree_depth"],
-                         max_spec_factor=float(s["suffix_decoding_max_spec_factor"]),
-                         min_token_prob=float(s["suffix_decoding_min_token_prob"]),
-                         max_cached_requests=s["suffix_decoding_max_cached_requests"],
-                         tree=s["suffix_decoding_use_tree_spec"], min_score=float(s["suffix_decoding_min_score"]),
-                         device=device)  # fmt: skip
-
-
 def shipped_model(target_config, method: str) -> str:
     """The drafter the project ships for a target (``spec_engine.zoo.shipped_drafter``) for ``method``; the hybrid
     wraps a draft model where one is shipped, else an EAGLE head. ValueError, naming "model", where none is."""
@@ -333,47 +315,16 @@ class LLM:
             model_method = spec["model_method"]
         self.speculative_config = spec
 
-        draft_model = head = draft_dtype = None
-        if model_method == "eagle":
-            head = load_eagle_head(spec["model"], self.target, dtype=torch_dtype, device=device)
-        if model_method == "draft_model":
-            draft_dtype = DTYPES[spec.get("draft_dtype") or _draft_dtype(dtype, device)]
-            draft_model = load_model(resolve_model(spec["model"]), dtype=draft_dtype, device=device)
-            if draft_model.config.vocab_size != cfg.vocab_size:
-                raise ValueError(
-                    f"draft vocab ({draft_model.config.vocab_size}) != target vocab ({cfg.vocab_size}): "
-                    "the draft model must share the target's tokenizer"
-                )
-            self._check_same_tokenizer(spec["model"])
-            ids = read_draft_vocab(spec["model"], cfg.vocab_size, spec.get("draft_vocab_size"))
-            widest = max(spec.get("tree") or [1]) if isinstance(spec.get("tree"), (list, tuple)) else 1
-            if ids is not None and len(ids) < widest:  # b children drawn without replacement need b ids with q > 0
-                raise ValueError(
-                    f"draft vocabulary of {len(ids)} ids is narrower than the tree's widest level ({widest} "
-                    "children): drafts outside it would be verified as if q proposed them"
-                )
-            if ids is not None:
-                draft_model.restrict_vocab(ids)
-        gamma = spec["num_speculative_tokens"] if spec else 0
-        tree = None
-        dynamic = bool(spec) and spec.get("tree") == "dynamic"
-        if model_method in MODEL_METHODS:
-            # EAGLE-2's dynamic tree has a fixed shape, k nodes per level, whose parents the drafter picks each step
-            branching = (spec.get("eagle_topk", DEFAULT_EAGLE_TOPK),) if dynamic else tuple(spec.get("tree") or ())
-            tree = StaticTree(branching + (1,) * (gamma - len(branching))) if branching else chain(gamma)
-        max_tree_nodes = tree.num_nodes if tree else gamma + 1
-        if spec and spec["method"] == "hybrid":  # a suffix row's tree may be wider than the model's
-            max_tree_nodes = max(max_tree_nodes, spec["suffix"]["suffix_decoding_max_spec_tokens"] + 1)
+        draft_dtype = DTYPES[(spec or {}).get("draft_dtype") or _draft_dtype(dtype, device)]
+        drafts = DrafterFactory(spec, self.target, self.model_dir, dtype=torch_dtype, draft_dtype=draft_dtype,
+                                device=device)  # fmt: skip
+        gamma, max_tree_nodes = drafts.gamma, drafts.max_tree_nodes
         # the lean inference path: fused matrices and a RoPE table for every position a request can reach
-        for m in (self.target, draft_model):
-            if m is not None:
-                m.fuse(max_positions=self.max_model_len + max_tree_nodes + 1)
-        if head is not None:
-            head.fuse(max_positions=self.max_model_len + max_tree_nodes + 1)
+        self.target.fuse(max_positions=self.max_model_len + max_tree_nodes + 1)
+        drafts.fuse(max_positions=self.max_model_len + max_tree_nodes + 1)
         # one full-length request plus the tree of its last step must always fit
         max_request_tokens = self.max_model_len + max_tree_nodes
-        models = ((self.target, torch_dtype), (draft_model, draft_dtype), (head, torch_dtype))
-        caches = [(m.config, dt) for m, dt in models if m is not None]  # each KV cache in its model's dtype
+        caches = [(cfg, torch_dtype), *drafts.caches]  # each KV cache in its model's dtype
         if kv_cache_memory is None:  # room for max_num_seqs full-length requests and the scratch block, up to 2 GiB
             per_block = block_size * sum(kv_bytes_per_token(c, dt) for c, dt in caches)
             blocks_per_seq = math.ceil(max_request_tokens / block_size)
@@ -384,23 +335,7 @@ class LLM:
             kv = self.target.kv_cache(num_blocks, block_size)
         else:
             kv = PagedKVCache(cfg, num_blocks, block_size, torch_dtype, device)
-
-        drafter: Drafter | None = None
-        sampling = spec.get("draft_sampling", "without_replacement") if spec else None
-        if head is not None:  # its KV cache and the target's features, on the target's block table
-            head_kv = PagedKVCache(head.config, num_blocks, block_size, torch_dtype, device)
-            features = torch.zeros(1, num_blocks, block_size, head.config.hidden_size, dtype=torch_dtype, device=device)
-            drafter = EagleDrafter(head, head_kv, features, tree, sampling, dynamic)
-        elif tree is not None:
-            draft_kv = PagedKVCache(draft_model.config, num_blocks, block_size, draft_dtype, device)
-            drafter = DraftModelDrafter(draft_model, draft_kv, tree, sampling)
-        elif spec and spec["method"] == "suffix":
-            drafter = _suffix_drafter(spec, gamma, device)
-        elif spec:
-            drafter = NgramDrafter(gamma, spec.get("max_n", 4), spec.get("min_n", 1), device=device)
-        if spec and spec["method"] == "hybrid":
-            drafter = HybridDrafter(drafter, _suffix_drafter(spec, spec["suffix"]["suffix_decoding_max_spec_tokens"],
-                                                             device))  # fmt: skip
+        drafter = drafts.build(num_blocks, block_size)
         load_ext()  # compact_kv_'s extension: compiled (once per machine) here, not inside the first timed step
         self.engine = Engine(
             self.target, kv, self.allocator, drafter,
@@ -418,15 +353,6 @@ class LLM:
         """Stop the tensor-parallel workers (also done at garbage collection and at exit); a no-op with one device."""
         if self.tensor_parallel_size > 1:
             self.target.close()
-
-    def _check_same_tokenizer(self, draft_dir) -> None:
-        t, d = self.model_dir / "tokenizer.json", Path(draft_dir) / "tokenizer.json"
-        if (
-            t.is_file()
-            and d.is_file()
-            and json.loads(t.read_text()).get("model") != json.loads(d.read_text()).get("model")
-        ):
-            raise ValueError(f"the draft tokenizer ({d}) differs from the target's ({t})")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:

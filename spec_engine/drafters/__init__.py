@@ -1,4 +1,5 @@
-"""Drafters: anything that proposes token trees (a draft model, n-gram lookup; later EAGLE heads)."""
+"""Drafters: anything that proposes token trees (a draft model, an EAGLE head, suffix decoding, the hybrid, n-gram
+lookup). ``factory.DrafterFactory`` builds them from a speculative config."""
 
 from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.drafters.draft_model import DraftModelDrafter
