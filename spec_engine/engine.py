@@ -435,12 +435,14 @@ class Engine:
         mask = causal_mask(len(reqs), T, self.device)
         _, features = self._target_pass(tokens, positions, self.kv.data, seqlens, mask, table)
         # With a fixed depth every request is drafted: the drafter sees the prompt now. The adaptive controller may
-        # never draft a request (batch 16 on CPU), so there the draft cache is filled by catch-up when it first does;
-        # a drafter that reads the target's features sees every chunk (they exist only in this pass).
-        fixed = self.drafter is not None and self.drafter.keeps_cache and self.controller is None
-        eager = fixed or features is not None
+        # never draft a request (batch 16 on CPU, a useless draft), so there the draft cache is filled by catch-up
+        # when it first does, a cost the controller weighs against the evidence; a drafter that reads the target's
+        # features keeps them now (they exist only in this pass) and runs on them at that catch-up.
+        eager = self.drafter is not None and self.drafter.keeps_cache and self.controller is None
         if eager:
             self.drafter.prefill(tokens, positions, seqlens, mask, table, features)
+        elif features is not None:
+            self.drafter.store_features(positions, table, features)
         now = time.perf_counter()
         for r, n in zip(reqs, counts):
             r.num_computed += n

@@ -90,6 +90,35 @@ def test_greedy_matches_plain(models, plain_greedy, name):
     assert stats["num_accepted"] > 0 if not adaptive else stats["num_drafted"] > 0  # the head really drafted
 
 
+def test_adaptive_runs_the_head_over_a_prompt_only_at_its_first_drafted_step(models, monkeypatch):
+    """Under the adaptive controller the head does not run over a prompt at prefill (only the target's features
+    are kept): its first drafted step catches the head's cache up, in chunks, a cost the controller prices, so a row
+    it never drafts never pays it. The tokens stay plain decoding's on a prompt of several catch-up chunks."""
+    target, head = models
+    prompt = [(7 * i + 3) % 90 + 1 for i in range(300)]
+    params = SamplingParams(max_tokens=16)
+    plain = LLM(str(target), max_model_len=512).generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    llm = LLM(str(target), speculative_config={"method": "eagle", "model": str(head)}, max_model_len=512)
+    prefilled, fed = [], []
+    real_prefill, real_prefix = EagleDrafter.prefill, EagleDrafter._forward_prefix
+
+    def prefill(self, input_ids, *args, **kw):
+        prefilled.append(input_ids.shape[1])
+        return real_prefill(self, input_ids, *args, **kw)
+
+    def forward_prefix(self, tokens, *args, **kw):
+        fed.append(tokens.shape[1])
+        return real_prefix(self, tokens, *args, **kw)
+
+    monkeypatch.setattr(EagleDrafter, "prefill", prefill)
+    monkeypatch.setattr(EagleDrafter, "_forward_prefix", forward_prefix)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert prefilled == []  # the prompt's features only
+    assert llm.engine.stats["num_drafted"] > 0 and sum(fed) >= len(prompt) - 1  # fed at the first drafted step
+    assert max(fed) <= 128  # in catch-up chunks
+
+
 @pytest.mark.parametrize("tree", [[2, 1], "dynamic"], ids=["tree[2,1]", "dynamic"])
 def test_seeded_sampling_matches_plain(models, tree):
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)

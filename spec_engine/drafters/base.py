@@ -137,6 +137,11 @@ class Drafter(ABC):
         """See the same prompt chunk the target prefilled. Shapes as ``LlamaForCausalLM.forward``; ``hidden``
         [B, T, F] for drafters that need the target's features, else None."""
 
+    def store_features(self, positions, block_table, hidden) -> None:  # noqa: B027
+        """A drafter that reads the target's features (``needs_hidden``) keeps a prompt chunk's ``hidden``
+        [B, T, F] at ``positions`` [B, T] without running on it: under the adaptive controller its cache is fed by
+        the catch-up of the first drafted step, which the controller prices (a row that never drafts never pays)."""
+
     @abstractmethod
     def propose(self, batch: StepBatch) -> Draft: ...
 

@@ -330,6 +330,9 @@ class EagleDrafter(DraftModelDrafter):
         self._store(hidden, positions, block_table)
         self._forward_prefix(input_ids, positions, seqlens, mask, block_table)
 
+    def store_features(self, positions, block_table, hidden) -> None:
+        self._store(hidden, positions, block_table)
+
     def _forward_prefix(self, tokens, positions, seqlens, mask, block_table) -> torch.Tensor:
         before = positions - 1  # [B, T]: entry p reads the feature of p - 1 (zeros before the first token)
         blocks, offsets = cache_slots(before.clamp(min=0), self.features.shape[2], block_table)

@@ -62,6 +62,9 @@ class HybridDrafter(Drafter):
     def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:
         self.model.prefill(input_ids, positions, seqlens, mask, block_table, hidden)
 
+    def store_features(self, positions, block_table, hidden) -> None:
+        self.model.store_features(positions, block_table, hidden)
+
     def finish_request(self, key: int) -> None:
         self.model.finish_request(key)
         self.suffix.finish_request(key)
