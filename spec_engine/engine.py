@@ -164,6 +164,30 @@ class StepOutput:
     finished: bool
 
 
+@dataclass
+class StepResult:
+    """What one decode call did, for ``Engine._apply`` to commit once: the regular step (one step), a plain chain
+    (K one-token steps in one native call) or a spec chain (several drafted steps in one native call).
+
+    Per step s the call ran: ``gammas[s]`` [B] each row's depth (0: undrafted), ``tokens[s]`` [B][n] the tokens each
+    row emitted (its accepted path and the recovered or bonus token), ``times[s]`` (draft seconds, whole step
+    seconds) as measured. ``draft_lens`` [B]: the drafter caches' lengths after the call (what ``Drafter.commit``
+    returns; None: unchanged). A native call's own work (inputs, dispatch, committing) is spread over
+    ``full_steps`` steps from ``start`` (``chain_step_costs``; 0: the times are final). ``learned`` [S][B]: the depths
+    the controller learns acceptance from (None: ``gammas``; a hybrid's suffix rows say nothing of its model
+    drafter), ``timed``: whether the costs price step shapes the controller models.
+    """
+
+    gammas: list[list[int]]
+    tokens: list[list[list[int]]]
+    times: list[list[float]]
+    draft_lens: list[int] | None = None
+    start: float = 0.0
+    full_steps: int = 0
+    learned: list[list[int]] | None = None
+    timed: bool = True
+
+
 class RequestRows:
     """Per-request step inputs in persistent host rows ``[max_num_seqs, ...]`` (vLLM's input batch), filled once at
     admission; a step gathers its rows and sends them to the device in one copy per dtype (``to_device``).
@@ -469,22 +493,23 @@ class Engine:
             # steps in bfloat16 on a 2-core AVX2 CPU, which kept drafts at alpha ~0.45 drafted at ~0.85x plain
             # decoding's speed)
             chain = self._plain_chain_len(reqs)
-            outputs = self._plain_chain(reqs, chain) if chain else None
+            result = self._plain_chain(reqs, chain) if chain else None
         else:
             steps = self._spec_chain_steps(reqs, gammas) if not any(suffix_rows or ()) else 0
-            outputs = self._spec_chain(reqs, gammas[0], steps) if steps else None
-        if outputs is not None:
-            return outputs
-        self.stats["num_regular_steps"] += 1
+            result = self._spec_chain(reqs, gammas[0], steps) if steps else None
+        if result is None:
+            self.stats["num_regular_steps"] += 1
+            result = self._regular_step(reqs, gammas, suffix_rows)
+        return self._apply(reqs, result)
+
+    def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None) -> StepResult:
+        """One step in Python: ``_spec_step`` on the step's inputs."""
         batch, sampling = self._step_inputs(reqs, gammas, suffix_rows)
         out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling)
-        if self.controller is not None:  # a hybrid's suffix rows teach it nothing of the model drafter it prices
-            learned = gammas if suffix_rows is None else [0 if s else g for g, s in zip(gammas, suffix_rows)]
-            self.controller.observe(reqs, learned, num_accepted, *self.step_times, timed=not any(suffix_rows or ()))
-        self.gamma_history.append(max(gammas))
-        for req, n in zip(reqs, draft_lens):
-            req.draft_len = n
-        return self._emit(reqs, gammas, out_tokens, num_accepted)
+        # a hybrid's suffix rows teach the controller nothing of the model drafter it prices
+        learned = gammas if suffix_rows is None else [0 if s else g for g, s in zip(gammas, suffix_rows)]
+        return StepResult([gammas], [[t[:n] for t, n in zip(out_tokens, num_accepted)]], [list(self.step_times)],
+                          draft_lens, learned=[learned], timed=not any(suffix_rows or ()))  # fmt: skip
 
     def _plan(self, reqs: list[Request], gammas: list[int]) -> DraftPlan:
         """The drafter's revision of the step's depths (``Drafter.plan``: a suffix drafter drops the rows nothing
@@ -516,7 +541,7 @@ class Engine:
         cap = self.drafter.plain_chain_cap if self.drafter is not None else None
         return min(self.config.plain_chain, cap or self.config.plain_chain, min(r.tokens_left for r in reqs))
 
-    def _plain_chain(self, reqs: list[Request], K: int) -> list[StepOutput] | None:
+    def _plain_chain(self, reqs: list[Request], K: int) -> StepResult | None:
         """``K`` plain greedy steps for every row in one native call (``greedy_steps``: the roots at L_b, then
         tokens 1 .. K-1 at L_b + 1 .. L_b + K - 1, their K/V written there, as K one-token steps would), or fewer:
         the call ends at the first token that is a stop token of some row, so a chain spends no forward past a
@@ -536,19 +561,9 @@ class Engine:
         if bool((tokens < 0).any()):
             return None
         K = tokens.shape[1]  # (the call ended at a row's stop token: the rows that go on continue next step)
-        self._step_count = K
-        if self.drafter is None or not self.drafter.keeps_cache:
-            for req in reqs:
-                req.draft_len = req.num_computed + K
-        outputs = self._emit(reqs, [0] * len(reqs), tokens.tolist(), [K] * len(reqs), steps=K)
-        kept = max(len(out.new_token_ids) for out in outputs)  # the steps one-token steps would have run
-        self.gamma_history.extend([0] * kept)
-        if self.controller is not None:  # plain steps, priced as drafted ones are (chain_step_costs)
-            (_, per_step), *_ = chain_step_costs(
-                [[0.0, forwards / K]] * K, time.perf_counter() - start, self.config.plain_chain
-            )
-            self.controller.observe(reqs, [0] * len(reqs), [1] * len(reqs), 0.0, per_step, steps=kept)
-        return outputs
+        rows = tokens.T.tolist()  # [K][B]
+        return StepResult([[0] * len(reqs)] * K, [[[t] for t in row] for row in rows], [[0.0, forwards / K]] * K,
+                          start=start, full_steps=self.config.plain_chain)  # fmt: skip
 
     def _spec_chain_steps(self, reqs: list[Request], gammas: list[int]) -> int:
         """Greedy speculative steps the coming step runs in one native call (0: the regular step).
@@ -580,10 +595,10 @@ class Engine:
         unsure = self.controller is not None and self.controller.unsure(reqs)
         return self.config.unsure_chain_steps if unsure else self.config.spec_chain_steps
 
-    def _spec_chain(self, reqs: list[Request], g: int, max_steps: int) -> list[StepOutput] | None:
-        """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, committed step by
-        step as the regular step would (``_emit``, the controller's ``observe``). None, with nothing committed,
-        where the first step's target logits were not finite."""
+    def _spec_chain(self, reqs: list[Request], g: int, max_steps: int) -> StepResult | None:
+        """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, as a
+        ``StepResult`` (``_apply`` commits it as it commits the regular step's). None, with nothing committed, where
+        the first step's target logits were not finite."""
         start = time.perf_counter()
         B = len(reqs)
         lags = [self._cache_lag(r) for r in reqs]
@@ -602,30 +617,15 @@ class Engine:
         )  # fmt: skip
         steps, _, gap_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
         steps, gap_lens, times = steps.tolist(), gap_lens.tolist(), times.tolist()
-        new: dict[int, list[int]] = {b: [] for b in range(B)}
-        judged = []  # (rows, counts) per step run, for the controller
-        for s in range(max_steps):
-            if steps[0][s][0] == 0:
-                break  # every row runs every step the call ran
-            live = [b for b in range(B) if not reqs[b].finished]
-            rows = [reqs[b] for b in live]
-            counts = [steps[b][s][0] for b in live]
-            outs = self._emit(rows, [g] * len(live), [steps[b][s][1:] for b in live], counts)
-            for b, out in zip(live, outs):
-                new[b] += out.new_token_ids
-            judged.append((rows, counts))
-            self.gamma_history.append(g)
-        ran = len(judged)
-        if self.controller is not None and ran:
-            costs = chain_step_costs(times[:ran], time.perf_counter() - start, self.config.spec_chain_steps)
-            for (rows, counts), (draft_s, step_s) in zip(judged, costs):
-                self.controller.observe(rows, [g] * len(rows), counts, draft_s, step_s)
+        ran = next((s for s in range(max_steps) if steps[0][s][0] == 0), max_steps)  # every row runs every step
         if ran == 0:
             return None  # the first step's target logits were not finite: the regular step decodes it
-        self._step_count = ran
-        for r, n in zip(reqs, gap_lens):
-            r.draft_len = r.num_computed - (n - 1)
-        return [StepOutput(reqs[b], new[b], reqs[b].finished) for b in range(B)]
+        tokens = [[steps[b][s][1 : 1 + steps[b][s][0]] for b in range(B)] for s in range(ran)]  # [S][B][n]
+        # the draft cache lags by its gap (the pending tokens before the root) behind the rows' new L_b
+        draft_lens = [r.num_computed + sum(len(t[b]) for t in tokens) - (n - 1) for b, (r, n) in
+                      enumerate(zip(reqs, gap_lens))]  # fmt: skip
+        return StepResult([[g] * B] * ran, tokens, times[:ran], draft_lens, start=start,
+                          full_steps=self.config.spec_chain_steps)  # fmt: skip
 
     def choose_gammas(self, reqs: list[Request]) -> list[int]:
         """Tree depth per row this step: fixed, or the adaptive controller's choice (0 = not drafted)."""
@@ -673,7 +673,8 @@ class Engine:
     def _spec_step(self, batch: StepBatch, sampling: dict) -> tuple[list[list[int]], list[int], list[int]]:
         """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches.
 
-        Returns the host's (emitted tokens [B][T], num_accepted [B], the draft cache's new lengths [B])."""
+        Returns the host's (emitted tokens [B][T], num_accepted [B], the draft cache's new lengths [B] where the
+        drafter keeps a cache)."""
         start = time.perf_counter()
         rows = [b for b, g in enumerate(batch.gammas) if g > 0] if self.drafter is not None else []
         partial = 0 < len(rows) < batch.size  # some rows drafted, not all: the drafter runs on a sub-batch
@@ -706,8 +707,6 @@ class Engine:
             new_lens = self.drafter.commit(sub, sub_result, [num_accepted[b] for b in rows])
             for b, n in zip(rows, new_lens or []):
                 draft_lens[b] = n
-        if self.drafter is None or not self.drafter.keeps_cache:
-            draft_lens = [r.num_computed + n for r, n in zip(batch.rows, num_accepted)]
         self.step_times = (drafted - start, time.perf_counter() - start)
         return out_tokens, num_accepted, draft_lens
 
@@ -756,35 +755,65 @@ class Engine:
             probs[index] = sub.draft_probs
         return Draft(tokens, parents, mask, depths, probs, sub.draft_sampling)
 
-    def _emit(self, reqs, gammas, out_tokens, num_accepted, steps: int = 1) -> list[StepOutput]:
-        """Commit each row's ``num_accepted`` tokens. ``steps`` > 1: a plain chain of ``steps`` one-token steps,
-        counted in the metrics as the one-token steps up to the row's stop token."""
-        outputs, now = [], time.perf_counter()
-        for req, gamma, toks, n in zip(reqs, gammas, out_tokens, num_accepted):
-            new = self._truncate(req, toks[:n])
+    def _apply(self, reqs: list[Request], result: StepResult) -> list[StepOutput]:
+        """Commit a decode call (``StepResult``) once: each row's tokens, cut at its stop token or max_tokens (the
+        steps after that are not its own), its lengths, the metrics and the controller's evidence."""
+        now, S = time.perf_counter(), len(result.tokens)
+        live: list[list[int]] = [[] for _ in range(S)]  # per step: the rows still running at its start
+        follows = self.drafter is None or not self.drafter.keeps_cache  # no cache of its own: it follows L_b
+        outputs = []
+        for b, req in enumerate(reqs):
+            counts = [len(step[b]) for step in result.tokens]
+            new = self._truncate(req, [t for step in result.tokens for t in step[b]])
+            kept, emitted = 1, counts[0]  # the steps whose tokens the row keeps (its first, at least)
+            while kept < S and emitted < len(new):
+                emitted += counts[kept]
+                kept += 1
             req.append(new)
-            req.num_computed += n
-            per_step = n // steps  # tokens each step emitted
-            steps_row = 1 if steps == 1 else len(new)
+            req.num_computed += emitted
+            if follows:
+                req.draft_len = req.num_computed
+            elif result.draft_lens is not None:
+                req.draft_len = result.draft_lens[b]
             m = req.metrics
-            m.num_steps += steps_row
-            m.num_drafted += gamma * steps_row
-            m.num_accepted += (per_step - 1) * steps_row
-            m.accepted_hist.extend([0] * (per_step - len(m.accepted_hist)))
-            m.accepted_hist[per_step - 1] += steps_row
-            m.gamma_hist.extend([0] * (gamma + 1 - len(m.gamma_hist)))
-            m.gamma_hist[gamma] += steps_row
-            self.gamma_hist[gamma] += steps_row
+            for s in range(kept):
+                g, n = result.gammas[s][b], counts[s]
+                live[s].append(b)
+                m.num_steps += 1
+                m.num_drafted += g
+                m.num_accepted += n - 1
+                m.accepted_hist.extend([0] * (n - len(m.accepted_hist)))
+                m.accepted_hist[n - 1] += 1
+                m.gamma_hist.extend([0] * (g + 1 - len(m.gamma_hist)))
+                m.gamma_hist[g] += 1
+                self.gamma_hist[g] += 1
+                self.accepted_hist[n - 1] += 1
+                self.stats["num_drafted"] += g
+                self.stats["num_accepted"] += n - 1
+            self.stats["num_steps"] += kept
+            self.stats["num_generated"] += len(new)
             if m.first_token_time is None:
                 m.first_token_time = now
-            self.stats["num_steps"] += steps_row
-            self.stats["num_drafted"] += gamma * steps_row
-            self.stats["num_accepted"] += (per_step - 1) * steps_row
-            self.stats["num_generated"] += len(new)
-            self.accepted_hist[per_step - 1] += steps_row
             if req.finish_reason is None and len(req.output_token_ids) >= req.params.max_tokens:
                 self._finish(req, "length")
             outputs.append(StepOutput(req, new, req.finished))
+        ran = sum(1 for rows in live if rows)
+        self._step_count = ran
+        self.gamma_history.extend(max(result.gammas[s]) for s in range(ran))
+        if self.controller is not None:
+            costs = result.times[:ran]
+            if result.full_steps:  # a native call: its own work spread as a full call spreads it
+                costs = chain_step_costs(costs, time.perf_counter() - result.start, result.full_steps)
+            learned = result.learned or result.gammas
+            if not any(any(g) for g in result.gammas[:ran]):  # plain steps, priced alike: observed in one call
+                B = len(reqs)
+                self.controller.observe(reqs, [0] * B, [1] * B, *costs[0], steps=ran, timed=result.timed)
+            else:
+                for s in range(ran):
+                    rows = live[s]
+                    self.controller.observe([reqs[b] for b in rows], [learned[s][b] for b in rows],
+                                            [len(result.tokens[s][b]) for b in rows], *costs[s],
+                                            timed=result.timed)  # fmt: skip
         return outputs
 
     def _stop_ids(self, req: Request) -> set[int]:

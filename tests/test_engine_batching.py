@@ -163,11 +163,11 @@ def _adaptive(models, draft):
     assert ctl is not None and engine.gamma == ADAPTIVE_MAX_DEPTH
     observe = ctl.observe
 
-    def observe_modelled_costs(reqs, gammas, num_accepted, draft_seconds, step_seconds, steps=1):
+    def observe_modelled_costs(reqs, gammas, num_accepted, draft_seconds, step_seconds, steps=1, timed=True):
         G = max(gammas)
         t_draft = 2e-3 * G
         t_target = 10e-3 + 0.1e-3 * len(reqs) * engine.drafter.nodes_for_depth(G)
-        observe(reqs, gammas, num_accepted, t_draft, t_draft + t_target, steps)
+        observe(reqs, gammas, num_accepted, t_draft, t_draft + t_target, steps, timed)
 
     ctl.observe = observe_modelled_costs
     return llm
