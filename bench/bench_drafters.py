@@ -19,10 +19,10 @@ Sets (bf16, batch 1 unless said, greedy, requests stop at the end of the answer)
   HumanEval requests, against our best HumanEval row.
 
 Contenders: plain decoding (the control every ratio divides by), the shipped EAGLE-3 head adaptive (the default
-depth) and at fixed depths 1-4, suffix decoding and the hybrid (the CLI's default). Speedup = median over requests
-of (contender tok/s / plain tok/s), both timed within seconds of each other (``round_robin``). Each row reports
-alpha (accepted / drafted), alpha_hat (per position tried), tau (tokens per target pass) and, for the chains, the
-bound E / (r(gamma + 1) + gamma c) from the measured r(T) and c. Writes ``--out``/bench_drafters.json.
+depth), at fixed depths 1-4 and as two small static trees, suffix decoding and the hybrid (the CLI's default).
+Speedup = median over requests of (contender tok/s / plain tok/s), both timed within seconds of each other
+(``round_robin``). Each row reports alpha (accepted / drafted), alpha_hat (per position tried), tau (tokens per
+target pass) and, for the chains, the bound E / (r(gamma + 1) + gamma c) from the measured r(T) and c. Writes ``--out``/bench_drafters.json.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from spec_engine import LLM  # noqa: E402
 
 SETS = ("humaneval", "chat", "edit", "second", "long", "concurrent", "lookup")
 CHAINS = (1, 2, 3, 4)
+TREES = ((2, 1), (2, 1, 1))  # static trees (children per depth) for the head: 5 and 7 nodes, where r(T) is still low
 LONG_LENGTHS = (64, 256, 1000, 2000)
 CONCURRENT = 8
 
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     plain = LLM(args.model, **kw)
     eagle = {"method": "eagle"} | ({"model": args.head} if args.head else {})
     engines = {"eagle-auto": eagle, **{f"eagle-g{g}": eagle | {"num_speculative_tokens": g} for g in CHAINS},
+               **{"eagle-t" + "".join(map(str, t)): eagle | {"num_speculative_tokens": len(t), "tree": list(t)}
+                  for t in TREES},
                "suffix": {"method": "suffix"}, "hybrid": {"method": "hybrid"} | ({"model": args.head} if args.head
                                                                                   else {})}  # fmt: skip
     llms = {name: LLM(args.model, speculative_config=spec, **kw) for name, spec in tqdm(engines.items(), desc="load")}
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(f"{T}:{v:.2f}" for T, v in r.items())
     )
     result = {"machine": machine, "head": head_dir, "c": c, "r": r, "sets": {}}
-    every = ["eagle-auto", *gammas, "suffix", "hybrid"]
+    every = list(engines)
 
     def report(name: str, runs: list[Run], title: str) -> list[dict]:
         rows = [row(x, runs[0], r, c) for x in runs[1:]]
