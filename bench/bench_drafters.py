@@ -22,7 +22,8 @@ Contenders: plain decoding (the control every ratio divides by), the shipped EAG
 depth), at fixed depths 1-4 and as two small static trees, suffix decoding and the hybrid (the CLI's default).
 Speedup = median over requests of (contender tok/s / plain tok/s), both timed within seconds of each other
 (``round_robin``). Each row reports alpha (accepted / drafted), alpha_hat (per position tried), tau (tokens per
-target pass) and, for the chains, the bound E / (r(gamma + 1) + gamma c) from the measured r(T) and c. Writes ``--out``/bench_drafters.json.
+target pass) and, for the chains, the bound E / (r(gamma + 1) + gamma c) from the measured r(T) and c. Writes
+``--out``/bench_drafters.json.
 """
 
 from __future__ import annotations

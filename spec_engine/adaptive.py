@@ -328,6 +328,15 @@ class AdaptiveController:
         self._probe(reqs, states, E, gammas, best_G, plain_rate)
         return self._commit_choice(reqs, states, gammas)
 
+    def step_pays(self, width: int, tokens: float, B: int) -> bool:
+        """Whether a drafted step over ``width`` = B * T tokens that is expected to emit ``tokens`` beats plain
+        decoding's rate at batch B by the margin ``choose`` asks (a step whose trees the drafter sized itself:
+        suffix speculation). True until the costs are measured."""
+        if not (self.target_cost.num_observed and self.draft_cost.num_observed):
+            return True
+        margin = MIN_GAIN + TAIL_MARGIN * (1.0 - 1.0 / B)
+        return tokens / max(self.target_time(width), 1e-9) > margin * B / max(self.plain_cost(B), 1e-9)
+
     def unsure(self, reqs: Sequence) -> bool:
         """Whether some row has judged fewer than ``SURE_TRIALS`` drafted tokens: a native call of several steps
         (``Engine._spec_chain``) then ends at the first step where a row accepted nothing, so a new request's guess

@@ -17,6 +17,7 @@ import itertools
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +67,21 @@ def chain_step_costs(times: list[list[float]], wall: float, steps: int) -> list[
     made drafts at alpha 0.45 look 1.5x faster than plain decoding at depth 2."""
     share = max(wall - sum(t[1] for t in times), 0.0) / max(steps, 1)
     return [(t[0], t[1] + share) for t in times]
+
+
+def priced_plan(plan: DraftPlan, pays: Callable[[int, float], bool]) -> DraftPlan:
+    """A plan whose trees the drafter sized (``DraftPlan.nodes``), cut until its step pays: the step runs every row
+    padded to the widest tree (B * T tokens), so the widest rows go undrafted (the least promising first among
+    equals) until ``pays(B * T, tokens expected)`` holds or no row is drafted."""
+    B, dropped = len(plan.gammas), set()
+    drafted = {b for b, g in enumerate(plan.gammas) if g}
+    while drafted - dropped:
+        rows = drafted - dropped
+        T = max(plan.nodes[b] for b in rows)
+        if pays(B * T, B + sum(plan.expected[b] for b in rows)):
+            break
+        dropped.add(max(rows, key=lambda b: (plan.nodes[b], -plan.expected[b])))
+    return plan.without(dropped) if dropped else plan
 
 
 @dataclass
@@ -520,7 +536,10 @@ class Engine:
         gains = None
         if self.controller is not None:
             gains = [self.controller.expected_accepted(r, g) for r, g in zip(reqs, gammas)]
-        return self.drafter.plan([r.view() for r in reqs], gammas, gains)
+        plan = self.drafter.plan([r.view() for r in reqs], gammas, gains)
+        if self.controller is None or plan.nodes is None:
+            return plan
+        return priced_plan(plan, lambda width, tokens: self.controller.step_pays(width, tokens, len(reqs)))
 
     def _plain_chain_len(self, reqs: list[Request]) -> int:
         """Tokens per row the coming plain greedy step decodes in one native chain (0: the regular one-token step).

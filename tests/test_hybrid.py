@@ -36,11 +36,33 @@ def test_plan_compares_expected_accepted_tokens():
     class FakeModel:
         max_depth, max_nodes, tree, kv, keeps_cache, needs_hidden, target_layers = 4, 5, None, None, True, False, None
 
+        def nodes_for_depth(self, depth):
+            return depth + 1
+
     hybrid = HybridDrafter(FakeModel(), FakeSuffix([3.0, 0.5, 2.0, 0.9]))
     rows = [SimpleNamespace(greedy=True)] * 4
     plan = hybrid.plan(rows, [4, 0, 2, 0], gains=[2.5, 0.0, 2.5, 0.0])
     assert plan.suffix_rows == [True, False, False, False]  # 0.5 and 0.9 are below min_score
     assert plan.gammas == [12, 0, 2, 0]
+    assert plan.nodes == [1, 1, 3, 1] and plan.expected == [3.0, 0.0, 2.5, 0.0]  # (the fake speculations are empty)
+
+
+def test_a_step_of_padded_trees_is_cut_until_it_pays():
+    """Every row of a step is padded to its widest tree: with modelled costs (a pass of B * T tokens costs
+    1 + 0.1 * B * T, a plain step 1 + 0.1 * B) the widest rows go undrafted until the step's expected tokens per
+    second beat plain decoding's; a step that pays is left alone, and one that cannot pays nothing."""
+    from spec_engine.drafters.base import DraftPlan
+    from spec_engine.engine import priced_plan
+
+    def pays(width, tokens, B=4):
+        return tokens / (1 + 0.1 * width) > B / (1 + 0.1 * B)
+
+    wide = DraftPlan([16, 3, 3, 0], [True, False, False, False], nodes=[17, 4, 4, 1], expected=[1.5, 1.8, 1.8, 0.0])
+    cut = priced_plan(wide, pays)  # 68 tokens for 5.1 expected: no; without row 0, 16 tokens for 3.6: yes
+    assert cut.gammas == [0, 3, 3, 0] and cut.suffix_rows == [False] * 4 and cut.nodes == [1, 4, 4, 1]
+    assert priced_plan(cut, pays) == cut  # (16 tokens at 1 + 1.6 for 7.6 expected beats 4 at 1.4)
+    hopeless = DraftPlan([8, 8, 0, 0], nodes=[9, 9, 1, 1], expected=[0.1, 0.1, 0.0, 0.0])
+    assert priced_plan(hopeless, pays).gammas == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("model", ["draft", "eagle"])

@@ -84,10 +84,24 @@ class StepBatch:
 class DraftPlan:
     """What a drafter that ``plans`` will draft this step: ``gammas`` the depth per row (0: not drafted), and
     ``suffix_rows`` the rows a hybrid serves with its suffix speculation (None: none), whose acceptance says nothing
-    about the model drafter the adaptive controller prices."""
+    about the model drafter the adaptive controller prices. A drafter whose trees' sizes depend on what it finds
+    (suffix speculation) also says, per row, ``nodes`` (T of its tree, 1 undrafted) and ``expected`` (the drafted
+    tokens its tree is expected to keep), so the engine can price the step it shapes (every row padded to the
+    widest tree) before running it; None: the adaptive controller's depths priced it."""
 
     gammas: list[int]
     suffix_rows: list[bool] | None = None
+    nodes: list[int] | None = None
+    expected: list[float] | None = None
+
+    def without(self, rows: set[int]) -> DraftPlan:
+        """The plan with ``rows`` not drafted."""
+        keep = [b not in rows for b in range(len(self.gammas))]
+
+        def cut(values, off):
+            return None if values is None else [v if k else off for v, k in zip(values, keep)]
+
+        return DraftPlan(cut(self.gammas, 0), cut(self.suffix_rows, False), cut(self.nodes, 1), cut(self.expected, 0.0))
 
 
 @dataclass

@@ -76,10 +76,13 @@ class HybridDrafter(Drafter):
     def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None) -> DraftPlan:
         if gains is None:
             gains = [sum(FIXED_ALPHA**d for d in range(1, g + 1)) for g in gammas]
-        scores = [self._speculate(r).score for r in rows]
-        suffix_rows = [s >= self.suffix.min_score and s > gain for s, gain in zip(scores, gains)]
+        drafts = [self._speculate(r) for r in rows]
+        suffix_rows = [d.score >= self.suffix.min_score and d.score > gain for d, gain in zip(drafts, gains)]
         out = [self.suffix.max_depth if s else g for s, g in zip(suffix_rows, gammas)]
-        return DraftPlan(out, suffix_rows)
+        nodes = [len(d.tokens) + 1 if s else self.model.nodes_for_depth(g) if g else 1
+                 for d, s, g in zip(drafts, suffix_rows, gammas)]  # fmt: skip
+        expected = [d.score if s else gain if g else 0.0 for d, s, g, gain in zip(drafts, suffix_rows, gammas, gains)]
+        return DraftPlan(out, suffix_rows, nodes, expected)
 
     def propose(self, batch: StepBatch) -> Draft:
         flags = batch.suffix_rows or [False] * batch.size

@@ -109,8 +109,11 @@ class SuffixDrafter(Drafter):
     def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None) -> DraftPlan:
         """Each row keeps its depth where its speculation scores at least ``min_score``; the others are not drafted
         (every row indexed either way)."""
-        return DraftPlan([g if self.speculate(r, g).score >= max(self.min_score, 1e-9) else 0
-                          for r, g in zip(rows, gammas)])  # fmt: skip
+        drafts = [self.speculate(r, g) for r, g in zip(rows, gammas)]
+        kept = [d.score >= max(self.min_score, 1e-9) for d in drafts]
+        return DraftPlan([g if k else 0 for g, k in zip(gammas, kept)],
+                         nodes=[len(d.tokens) + 1 if k else 1 for d, k in zip(drafts, kept)],
+                         expected=[d.score if k else 0.0 for d, k in zip(drafts, kept)])  # fmt: skip
 
     def propose(self, batch: StepBatch) -> Draft:
         drafts = [self.speculate(r, g) for r, g in zip(batch.rows, batch.gammas)]
