@@ -26,7 +26,7 @@ import torch
 from spec_engine.adaptive import AdaptiveController, RowState
 from spec_engine.drafters.base import Draft, Drafter, DraftPlan, RowView, StepBatch
 from spec_engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
-from spec_engine.models import LlamaForCausalLM
+from spec_engine.models import Target
 from spec_engine.sampling import SEED_MASK, SamplingParams
 from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
@@ -256,7 +256,7 @@ class Engine:
 
     def __init__(
         self,
-        target: LlamaForCausalLM,
+        target: Target,
         kv: PagedKVCache,
         allocator: BlockAllocator,
         drafter: Drafter | None,

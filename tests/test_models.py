@@ -183,3 +183,19 @@ def test_fused_weights_are_views_of_one_matrix(model_type):
         assert attn.v_proj.bias.untyped_storage().data_ptr() == attn.qkv_bias.untyped_storage().data_ptr()
     assert model.rope_table.shape == (2, 32, 8)  # [cos/sin, positions, D]
     assert len(model.layer_weights) == 2 * 9  # LAYER_FIELDS per layer
+
+
+# --- the target interface -------------------------------------------------------------------------------------
+
+
+def test_both_targets_implement_the_target_interface():
+    """The engine reads a target through ``Target`` only: the one-process model and the tensor-parallel rank 0 both
+    provide it; the native handle exists once fused with a RoPE table (CPU, float32 here), never before."""
+    from spec_engine.distributed import TPTarget
+    from spec_engine.models import Target
+
+    model = random_model(hf_config())
+    assert isinstance(model, Target) and model.native is None
+    assert model.fuse(max_positions=32).native is not None
+    members = {"native", "fuse", "__call__", "forward_features", "logits"}  # (config is set per instance)
+    assert all(hasattr(TPTarget, m) for m in members) and TPTarget.native is None

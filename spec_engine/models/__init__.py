@@ -3,5 +3,6 @@
 from spec_engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from spec_engine.models.llama import LlamaForCausalLM
 from spec_engine.models.loader import load_model, save_model
+from spec_engine.models.target import Target
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaForCausalLM", "ModelConfig", "load_model", "save_model"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaForCausalLM", "ModelConfig", "Target", "load_model", "save_model"]
