@@ -60,9 +60,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-# The package attribute spec_kernels.tree_attention is the function; these are the modules.
-TA = importlib.import_module("spec_kernels.tree_attention")
-VT = importlib.import_module("spec_kernels.verify_tree")
+# The package attributes spec_kernels.tree_attention / .verify_tree are the functions; these are the Triton modules.
+TA = importlib.import_module("spec_kernels.tree_attention.triton")
+VT = importlib.import_module("spec_kernels.verify_tree.triton")
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}  # Triton targets sm_90a for capability 90 (wgmma needs the 'a' features)
 OUT = Path(__file__).resolve().parent / "out" / "aot_compile.json"

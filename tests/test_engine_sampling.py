@@ -165,7 +165,7 @@ def test_coupling_planted_bug_is_rejected(pair, monkeypatch):
 
     from spec_kernels import rng
 
-    vt = importlib.import_module("spec_kernels.verify_tree")  # the engine's CPU verify: native, noise from vt.gumbel
+    vt = importlib.import_module("spec_kernels.verify_tree.cpu")  # the engine's CPU verify: its noise from vt.gumbel
     target, draft = pair
     monkeypatch.setattr(vt, "gumbel", lambda keys, shape: -torch.log(rng.uniform(keys, shape)))
     llm = LLM(str(target), speculative_config={"model": str(draft), "num_speculative_tokens": 2}, max_model_len=32,

@@ -20,6 +20,8 @@ if not torch.cuda.is_available():
 from spec_kernels.reference import tree_attention_ref  # noqa: E402
 
 ta = importlib.import_module("spec_kernels.tree_attention")  # the module; the package re-exports the function
+ta_cpu = importlib.import_module("spec_kernels.tree_attention.cpu")
+ta_triton = importlib.import_module("spec_kernels.tree_attention.triton")
 tree_attention = ta.tree_attention
 
 # Floor for outputs that are already at the dtype's rounding limit (|out| <= ~3): a quarter ulp at 1.
@@ -32,11 +34,11 @@ CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reas
 
 def _interpreted() -> bool:
     """True when the Triton kernels were decorated under TRITON_INTERPRET=1 (CPU tensors can run them)."""
-    if not ta.triton_available():
+    if not ta_triton.triton_available():
         return False
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(ta._tree_attention_kernel, InterpretedFunction)
+    return isinstance(ta_triton._tree_attention_kernel, InterpretedFunction)
 
 
 INTERPRETER = pytest.mark.skipif(
@@ -214,7 +216,7 @@ def test_native_ragged_batched_and_looped_agree(dtype, paged):
 def test_native_ragged_auto_picks_by_padded_size(monkeypatch):
     q, k, v, seqlens, mask, _ = make_inputs([4, 20, 9], 2, 4, 2, 16, torch.float32, seed=12)
     assert [c.seqs for c in ta._native_plan(k, seqlens, mask, None, 2).calls] == [slice(0, 3)]  # one batched call
-    monkeypatch.setattr(ta, "BATCH_RAGGED_ELEMENTS", 3 * 22 * 2 * 16 - 1)  # the padded K no longer fits
+    monkeypatch.setattr(ta_cpu, "BATCH_RAGGED_ELEMENTS", 3 * 22 * 2 * 16 - 1)  # the padded K no longer fits
     assert [c.seqs for c in ta._native_plan(k, seqlens, mask, None, 2).calls] == [slice(b, b + 1) for b in range(3)]
 
 
@@ -278,7 +280,7 @@ def test_triton_gqa_8_and_multiword_mask():
 
 def test_pack_tree_mask_bits():
     mask = random_tree_mask(2, 70, torch.Generator().manual_seed(8))
-    words = ta._pack_tree_mask(mask)  # [2, 70, 2]
+    words = ta_triton._pack_tree_mask(mask)  # [2, 70, 2]
     j = torch.arange(70)
     unpacked = (words[:, :, j // 64] >> (j % 64)) & 1
     assert torch.equal(unpacked.bool(), mask)

@@ -21,19 +21,22 @@ from scipy.stats import chisquare
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from spec_kernels._ext import load_ext  # noqa: E402
 from spec_kernels._sampling import RowParams, transform_probs  # noqa: E402
 from spec_kernels.reference import _transform_row_ref  # noqa: E402
 
 vt = importlib.import_module("spec_kernels.verify_tree")
+vt_cpu = importlib.import_module("spec_kernels.verify_tree.cpu")
+vt_triton = importlib.import_module("spec_kernels.verify_tree.triton")
 verify_tree, PAD_NODE = vt.verify_tree, vt.PAD_NODE
 
 
 def _interpreted() -> bool:
-    if not vt.triton_available():
+    if not vt_triton.triton_available():
         return False
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(vt._verify_tree_kernel, InterpretedFunction)
+    return isinstance(vt_triton._verify_tree_kernel, InterpretedFunction)
 
 
 TRITON = pytest.mark.skipif(
@@ -348,9 +351,9 @@ def test_in_kernel_uniform_is_bitwise_rng():
     @triton.jit
     def _uniforms_kernel(seeds_ptr, positions_ptr, out_ptr, V, BLOCK_V: tl.constexpr):
         b = tl.program_id(0)
-        key = vt._node_key(tl.load(seeds_ptr + b), tl.load(positions_ptr + b))
+        key = vt_triton._node_key(tl.load(seeds_ptr + b), tl.load(positions_ptr + b))
         offs = tl.arange(0, BLOCK_V)
-        tl.store(out_ptr + b * V + offs, vt._position_uniform(key, offs), mask=offs < V)
+        tl.store(out_ptr + b * V + offs, vt_triton._position_uniform(key, offs), mask=offs < V)
 
     seeds = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789, 2**62 + 5], dtype=torch.int64)
     positions = torch.tensor([0, 7, 2**40, 1, 999, -3, 31], dtype=torch.int64)
@@ -505,7 +508,7 @@ def test_native_distribution_is_exact(mode, filt):
 @pytest.mark.parametrize("mode", MODES)
 def test_planted_bug_is_caught(mode, monkeypatch):
     # no residual update after a rejection: the next sibling and the recovered token see the unchanged p
-    monkeypatch.setattr(vt, "_residual", lambda p, q, x: p)
+    monkeypatch.setattr(vt_cpu, "_residual", lambda p, q, x: p)
     counts = _sample_joint("native", mode, FILTERS["none"], B=60_000, seed=11)
     assert _chi2_pvalue(counts, _exact_joint(FILTERS["none"])) < P_BUG
 
@@ -628,7 +631,7 @@ def test_greedy_walk_equals_reference(B, T, V):
 def test_greedy_walk_defers_to_the_general_path():
     """Rows the C++ walk cannot settle go to the general path: a NaN in a visited row is sanitised there, and a
     malformed tree raises its error there."""
-    vt.load_ext()
+    load_ext()
     gen = torch.Generator().manual_seed(5)
     logits, tokens, parents = _random_greedy_case(gen, 2, 5, 40)
     logits[1, 0, 3] = float("nan")
