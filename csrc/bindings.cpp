@@ -1,6 +1,7 @@
 // The only file that registers ops: spec_kernels::compact_kv_ with CPU, CUDA and Meta kernels, and
 // spec_kernels::linear (csrc/linear_cpu.cpp), spec_kernels::quant_linear (csrc/quant_linear_cpu.cpp) and
-// spec_kernels::decoder_layers (csrc/decoder_layers_cpu.cpp) with CPU and Meta kernels,
+// spec_kernels::decoder_layers (csrc/decoder_layers_cpu.cpp) with CPU and Meta kernels, the native step runners
+// spec_kernels::draft_chain, greedy_steps and spec_chain (csrc/runner_cpu.cpp),
 // spec_kernels::verify_greedy (csrc/verify_tree_cpu.cpp: verify_tree's all-greedy CPU walk), and the class
 // spec_kernels.SuffixTree (csrc/suffix_tree_cpu.cpp: suffix decoding's tree).
 //

@@ -1,4 +1,4 @@
-// SIMD pieces shared by the CPU kernels (csrc/linear_cpu.cpp, csrc/decoder_layers_cpu.cpp, csrc/verify_tree_cpu.cpp):
+// SIMD pieces shared by the CPU kernels (csrc/linear_cpu.cpp, csrc/layer_ops_cpu.h, csrc/verify_tree_cpu.cpp):
 // the target attributes that compile a function for AVX-512 or AVX2 + FMA without global -m flags, transposing lane
 // sums (16-way, 8-way) and vector exps. Callers choose a path once per process (cpu_isa) and keep a scalar one for
 // other CPUs.

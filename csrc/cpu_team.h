@@ -1,4 +1,4 @@
-// One parallel region for a whole multi-stage call (csrc/decoder_layers_cpu.cpp: every layer of a forward): its
+// One parallel region for a whole multi-stage call (csrc/layers_cpu.h: every layer of a forward): its
 // threads, the *workers*, each run their static share of every stage and meet at a spin barrier between stages.
 //
 // Why: a forward of the default models is ~5 stages per layer (4 matmuls, attention), each of which was its own

@@ -1,5 +1,5 @@
 // The small-M linear kernel of csrc/linear_cpu.cpp on raw pointers, for other C++ ops that run matmuls in their own
-// loops (csrc/decoder_layers_cpu.cpp): same tiles, same batch-invariant reduction order, same threading rule.
+// loops (csrc/layer_ops_cpu.h): same tiles, same batch-invariant reduction order, same threading rule.
 #pragma once
 
 #include <c10/util/BFloat16.h>

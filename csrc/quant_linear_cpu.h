@@ -1,5 +1,5 @@
 // The GGUF-quantized small-M linear kernel of csrc/quant_linear_cpu.cpp on raw pointers, for other C++ ops that run
-// matmuls in their own loops (csrc/decoder_layers_cpu.cpp).
+// matmuls in their own loops (csrc/layer_ops_cpu.h).
 //
 // Weights are GGUF blocks as stored: [N, K / 32 * block_bytes] bytes, each row K / 32 blocks of 32 weights.
 #pragma once

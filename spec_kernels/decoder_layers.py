@@ -274,7 +274,7 @@ def greedy_steps(
 def spec_chain(target: NativeModel, draft: NativeModel, pending, pending_lens, seqlens, target_kv, draft_kv,
                block_table, budget, stop_ids, *, gamma: int, max_steps: int, stop_on_reject: bool = False):  # fmt: skip
     """Up to ``max_steps`` greedy speculative steps of a draft model's chain in one native call (see
-    ``spec_chain_cpu`` in csrc/decoder_layers_cpu.cpp).
+    ``spec_chain_cpu`` in csrc/runner_cpu.cpp).
 
     pending ``[B, P]`` the tokens each row's draft cache lacks then its root, pending_lens / seqlens (L_b) / budget
     ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``: per step the count n of emitted tokens

@@ -1,0 +1,244 @@
+// Vector primitives (dot, axpy and weighted sums over float32 or bfloat16 rows: an AVX-512 body, an AVX2 one and a
+// scalar one, chosen once per process), row-wise pieces (RMSNorm, RoPE) and the linear kernels' entry points as the
+// decoder layers call them (csrc/layers_cpu.h). Internal to the CPU layer stack: each translation unit that includes
+// it gets its own copy (an unnamed namespace).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_team.h"
+#include "linear_cpu.h"
+#include "quant_linear_cpu.h"
+
+#include "cpu_simd.h"
+
+#define SPECDEC_DECODER_X86 SPECDEC_CPU_X86
+
+namespace specdec {
+namespace {
+
+using simd::cpu_has_avx2;
+using simd::cpu_has_avx512;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Vector primitives over float32 queries / accumulators and float32 or bfloat16 keys / values: an AVX-512 body, an
+// AVX2 one and a scalar one, chosen once per process (their dot products sum in different orders, so one process never
+// mixes them).
+// ---------------------------------------------------------------------------------------------------------------
+
+inline float to_f(float v) { return v; }
+inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+void axpy_scalar(float alpha, const T* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * to_f(x[i]);
+}
+
+#if SPECDEC_DECODER_X86
+// 16 elements (the first `count` of them; the rest zero) as float32 lanes.
+template <typename T>
+SPECDEC_AVX512 inline __m512 load16(const T* p, int64_t count) {
+  const __mmask16 m = count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else {
+    const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+}
+
+// Lane l sums a[i] * b[i] for i = l, l + 16, ...; then one fixed reduction of the 16 lanes.
+template <typename T>
+SPECDEC_AVX512 float dot_avx512(const float* a, const T* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(load16(a + i, n - i), load16(b + i, n - i), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <typename T>
+SPECDEC_AVX512 void axpy_avx512(float alpha, const T* x, float* y, int64_t n) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(a, load16(x + i, n - i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
+// acc[c] += s[j] * v[rows[j] + 16c .. 16c + 15] for c < C over keys j in order (C a constant: no lane checks or
+// spills in the key loop).
+template <int C, typename T>
+SPECDEC_AVX512 inline void accumulate_values16(const float* s, const T* v, const int64_t* rows, int64_t n,
+                                               __m512* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 a = _mm512_set1_ps(s[j]);
+    const T* row = v + rows[j];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(a, load16(row + 16 * c, 16), acc[c]);
+  }
+}
+
+// o [D] = sum over keys j, in order, of s[j] * v[rows[j]]: one fused multiply-add per key and element from zero, as
+// axpy_avx512 key by key does (the same values), with up to 128 elements' sums in registers across the keys. Through
+// memory each key's adds waited on the previous key's stores. D not a multiple of 16 takes axpy_avx512.
+template <typename T>
+SPECDEC_AVX512 void weighted_sum_avx512(const float* s, const T* v, const int64_t* rows, int64_t n, int64_t D,
+                                        float* o) {
+  if (D % 16 != 0) {
+    std::fill(o, o + D, 0.f);
+    for (int64_t j = 0; j < n; ++j) axpy_avx512(s[j], v + rows[j], o, D);
+    return;
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 128) {
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
+    const int64_t chunks = std::min<int64_t>(8, (D - d0) / 16);
+    switch (chunks) {
+      case 8: accumulate_values16<8>(s, v + d0, rows, n, acc); break;
+      case 7: accumulate_values16<7>(s, v + d0, rows, n, acc); break;
+      case 6: accumulate_values16<6>(s, v + d0, rows, n, acc); break;
+      case 5: accumulate_values16<5>(s, v + d0, rows, n, acc); break;
+      case 4: accumulate_values16<4>(s, v + d0, rows, n, acc); break;
+      case 3: accumulate_values16<3>(s, v + d0, rows, n, acc); break;
+      case 2: accumulate_values16<2>(s, v + d0, rows, n, acc); break;
+      default: accumulate_values16<1>(s, v + d0, rows, n, acc); break;
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + d0 + 16 * c, acc[c]);
+  }
+}
+
+// AVX2: lane l sums a[i] * b[i] for i = l, l + 8, ...; then reduce_add8's fixed tree.
+template <typename T>
+SPECDEC_AVX2 float dot_avx2(const float* a, const T* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(simd::load8(a + i, n - i), simd::load8(b + i, n - i), acc);
+  return simd::reduce_add8(acc);
+}
+
+template <typename T>
+SPECDEC_AVX2 void axpy_avx2(float alpha, const T* x, float* y, int64_t n) {
+  const __m256 a = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, simd::load8(x + i, 8), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] = std::fma(alpha, to_f(x[i]), y[i]);  // the vector lanes' fused rounding
+}
+#endif
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return dot_avx512(a, b, n);
+  if (cpu_has_avx2()) return dot_avx2(a, b, n);
+#endif
+  return simd::dot8(a, b, n);
+}
+
+template <typename T>
+inline void axpy(float alpha, const T* x, float* y, int64_t n) {
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return axpy_avx512(alpha, x, y, n);
+  if (cpu_has_avx2()) return axpy_avx2(alpha, x, y, n);
+#endif
+  axpy_scalar(alpha, x, y, n);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row-wise pieces.
+// ---------------------------------------------------------------------------------------------------------------
+
+// out = x / sqrt(mean(x^2) + eps) * w for `rows` rows of n: float32 statistics (x row stride ldx), the result in
+// out's type (contiguous rows). In place when out == x.
+template <typename W, typename O>
+void rms_norm(const float* x, int64_t ldx, const W* w, float eps, O* out, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    const float inv = 1.f / std::sqrt(dot(xr, xr, n) / static_cast<float>(n) + eps);
+    O* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<O>(xr[i] * inv * to_f(w[i]));
+  }
+}
+
+// Rotate-half RoPE of one head in place: x[i] = x[i] cos[i] - x[i + D/2] sin[i], x[i + D/2] = x[i + D/2] cos[i + D/2]
+// + x[i] sin[i + D/2]; the same two products and one sum per element as the torch path's x * cos + rotated * sin.
+template <typename T>
+void rope_head(float* x, const T* cos, const T* sin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * to_f(cos[i]) + (-b) * to_f(sin[i]);
+    x[i + half] = b * to_f(cos[i + half]) + a * to_f(sin[i + half]);
+  }
+}
+
+// A matrix of the model [N, K]: dense in the model's dtype (qtype 0), or GGUF blocks as the file stores them (uint8
+// [N, K / 32 * block bytes], csrc/quant_linear_cpu.h; qtype its ggml type id, told by the block size).
+struct Weight {
+  const void* data = nullptr;
+  int64_t qtype = 0;
+};
+
+// The GGUF type of a uint8 matrix of K inputs by its width (Q4_0 18, Q4_1 20, Q8_0 34 bytes per 32 inputs); 0 for a
+// dense matrix; -1 for a width no type has.
+int64_t qtype_of(const at::Tensor& w, int64_t K) {
+  if (w.scalar_type() != at::kByte) return 0;
+  if (w.dim() != 2 || K <= 0 || K % kQuantBlock != 0) return -1;
+  for (const QuantType q : {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ8_0}) {
+    if (w.size(1) == K / kQuantBlock * quant_block_bytes(static_cast<int64_t>(q))) return static_cast<int64_t>(q);
+  }
+  return -1;
+}
+
+Weight weight_of(const at::Tensor& w, int64_t K) { return {w.data_ptr(), qtype_of(w, K)}; }
+
+// Matmuls in the model's dtype: the small-M kernel of csrc/linear_cpu.cpp, or on GGUF blocks the quantized kernel of
+// csrc/quant_linear_cpu.cpp (the same float32 sums as linear on the dequantized matrix).
+void linear(const float* x, const Weight& w, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
+  if (w.qtype != 0) return quant_linear_f32(x, static_cast<const uint8_t*>(w.data), w.qtype, bias, out, M, N, K, K);
+  linear_f32(x, static_cast<const float*>(w.data), bias, out, M, N, K, K);
+}
+void linear(const c10::BFloat16* x, const Weight& w, const c10::BFloat16* bias, c10::BFloat16* out, int64_t M,
+            int64_t N, int64_t K) {
+  if (w.qtype != 0) return quant_linear_bf16(x, static_cast<const uint8_t*>(w.data), w.qtype, bias, out, M, N, K, K);
+  linear_bf16(x, static_cast<const c10::BFloat16*>(w.data), bias, out, M, N, K, K);
+}
+// One worker's share of the same (its weight-row blocks): the team's workers together write all of out.
+void linear(const Worker& wk, const float* x, const Weight& w, const float* bias, float* out, int64_t M, int64_t N,
+            int64_t K) {
+  if (w.qtype != 0) {
+    return quant_linear_f32_part(x, static_cast<const uint8_t*>(w.data), w.qtype, bias, out, M, N, K, K, wk.id(),
+                                 wk.size());
+  }
+  linear_f32_part(x, static_cast<const float*>(w.data), bias, out, M, N, K, K, wk.id(), wk.size());
+}
+void linear(const Worker& wk, const c10::BFloat16* x, const Weight& w, const c10::BFloat16* bias, c10::BFloat16* out,
+            int64_t M, int64_t N, int64_t K) {
+  if (w.qtype != 0) {
+    return quant_linear_bf16_part(x, static_cast<const uint8_t*>(w.data), w.qtype, bias, out, M, N, K, K, wk.id(),
+                                  wk.size());
+  }
+  linear_bf16_part(x, static_cast<const c10::BFloat16*>(w.data), bias, out, M, N, K, K, wk.id(), wk.size());
+}
+
+// What one call works on, as raw pointers and sizes; T is the model's dtype (weights, activations, cache, RoPE).
+
+}  // namespace
+}  // namespace specdec

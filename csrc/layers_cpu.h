@@ -1,0 +1,369 @@
+// The stack of Llama-family decoder layers on a KV cache (run_layers), the checks of a model's tensors and of one
+// call's inputs, and one forward (forward): shared by the decoder_layers op (csrc/decoder_layers_cpu.cpp) and the
+// native step runners (csrc/runner_cpu.cpp).
+#pragma once
+
+#include "attention_cpu.h"
+
+namespace specdec {
+namespace {
+
+// The weights of one layer as the Python side passes them (spec_kernels/decoder_layers.py: LAYER_FIELDS), in order.
+enum LayerField : int {
+  kInputNorm = 0,  // [H]
+  kQkv,            // [(Hq + 2 Hkv) D, H]
+  kQkvBias,        // [(Hq + 2 Hkv) D] or undefined
+  kO,              // [H, Hq D]
+  kPostNorm,       // [H]
+  kGateUp,         // [2 I, H]: gate rows, then up rows
+  kDown,           // [H, I]
+  kQNorm,          // [D] or undefined (Qwen3)
+  kKNorm,          // [D] or undefined
+  kNumFields,
+};
+const char* const kFieldNames[kNumFields] = {"input_norm", "qkv",      "qkv_bias", "o",     "post_norm",
+                                             "gate_up",    "down",     "q_norm",   "k_norm"};
+
+
+template <typename T>
+void silu_mul_scalar(const T* gate, const T* up, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = to_f(gate[i]);
+    out[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_f(up[i]));
+  }
+}
+
+#if SPECDEC_DECODER_X86
+template <typename T>
+SPECDEC_AVX512 void silu_mul_avx512(const T* gate, const T* up, T* out, int64_t n) {
+  alignas(64) float buf[16];
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t count = std::min<int64_t>(16, n - i);
+    const __m512 g = load16(gate + i, count);
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 e = simd::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_store_ps(buf, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), load16(up + i, count)));
+    for (int64_t j = 0; j < count; ++j) out[i + j] = static_cast<T>(buf[j]);
+  }
+}
+
+template <typename T>
+SPECDEC_AVX2 void silu_mul_avx2(const T* gate, const T* up, T* out, int64_t n) {
+  alignas(32) float buf[8];
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t count = std::min<int64_t>(8, n - i);
+    const __m256 g = simd::load8(gate + i, count);
+    const __m256 e = simd::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_store_ps(buf, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), simd::load8(up + i, count)));
+    for (int64_t j = 0; j < count; ++j) out[i + j] = static_cast<T>(buf[j]);
+  }
+}
+#endif
+
+template <typename T>
+void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return silu_mul_avx512(gate, up, out, n);
+  if (cpu_has_avx2()) return silu_mul_avx2(gate, up, out, n);
+#endif
+  silu_mul_scalar(gate, up, out, n);
+}
+
+template <typename T>
+const T* ptr(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
+// h [M, H] float32: the residual stream, updated in place through every layer; out [M, H]: the final-normed h;
+// with `head` [V, H] (dense or GGUF blocks) also logits [M, V] = out head^T. One team (csrc/cpu_team.h) runs the
+// whole stack, the logits included: each stage is split across its workers (matmuls by weight-row blocks, attention
+// by units, the row-wise pieces by rows of h) with a sync between stages. As ~5 at::parallel_for regions per layer,
+// the fork / join cost dominated the small stages and left the second thread idle through every row-wise piece; the
+// logits as a region of their own cost a few percent of a draft forward.
+template <typename T>
+void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, const T* final_norm, float* h, T* out,
+                const Weight& head = {}, int64_t V = 0, T* logits = nullptr) {
+  const int64_t M = p.B * p.T_, H = p.H, D = p.D, Hq = p.Hq, Hkv = p.Hkv, I = p.I, G = Hq / Hkv;
+  const int64_t qkv_width = (Hq + 2 * Hkv) * D;
+  std::vector<T> x(M * std::max(H, I)), qkv(M * qkv_width), attn(M * Hq * D), gate_up(M * 2 * I), delta(M * H);
+  std::vector<float> qk(M * (Hq + Hkv) * D), attn_f(M * Hq * D);  // float32 q/k after norms and RoPE; attention
+  // Each worker's key list and scores, sized here: nothing inside the team may allocate (an exception cannot leave
+  // it).
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < p.B; ++b) max_keys = std::max(max_keys, p.seqlens[b] + p.T_);
+  std::vector<int64_t> positions, cu_positions;  // [sum_b (L_b + T)], [B + 1]
+  position_rows(p, positions, cu_positions);
+  const int64_t max_workers = team_size();
+  std::vector<std::vector<int64_t>> key_lists(max_workers);
+  std::vector<std::vector<float>> score_bufs(max_workers);
+  for (int64_t i = 0; i < max_workers; ++i) key_lists[i].reserve(max_keys), score_bufs[i].reserve(G * max_keys);
+
+  run_team([&](const Worker& w) {
+    std::vector<int64_t>& keys = key_lists[w.id()];
+    std::vector<float>& scores = score_bufs[w.id()];
+    const auto [m_begin, m_end] = w.share(M);  // this worker's rows of h in the row-wise stages
+    const int64_t my_rows = m_end - m_begin;
+    // Attention units: (b, t, KV head, a group of its G query heads). A group shares each key's loads across its
+    // heads, so a unit is all G heads, except where the units would not spread evenly over the workers: then the G
+    // heads split into `groups` parts. With one KV head (the default target) a decode token was a single unit, its
+    // attention on one thread. Interleaved, L = 1024, bfloat16: a forward takes 22% less time at T = 1, 11% at T = 3.
+    // Each head's sums are its own, so the split changes no value. Workers take every size()-th unit: a causal
+    // chunk's later rows have more keys.
+    const int64_t rows_units = M * Hkv;
+    const int64_t groups = rows_units % w.size() == 0 || rows_units >= 4 * w.size() ? 1 : std::min(G, w.size());
+    const int64_t per_group = (G + groups - 1) / groups;
+    const int64_t num_units = rows_units * groups;
+
+    for (int64_t l = 0; l < p.num_layers; ++l) {
+      const at::Tensor* wl = weights.data() + l * kNumFields;
+      T* k_plane = p.plane(l, 0);
+      T* v_plane = p.plane(l, 1);
+      for (int64_t c = 0; c < p.num_capture; ++c) {
+        if (p.capture[c] != l) continue;
+        for (int64_t m = m_begin; m < m_end; ++m) {
+          T* dst = p.features + (m * p.num_capture + c) * H;
+          for (int64_t i = 0; i < H; ++i) dst[i] = static_cast<T>(h[m * H + i]);
+        }
+      }
+      rms_norm(h + m_begin * H, H, ptr<T>(wl[kInputNorm]), p.eps, x.data() + m_begin * H, my_rows, H);
+      w.sync();
+      linear(w, x.data(), weight_of(wl[kQkv], H), ptr<T>(wl[kQkvBias]), qkv.data(), M, qkv_width, H);
+      w.sync();
+      // q / k heads one by one (a decode token's 4-6 heads then spread over the workers): float32, norms, RoPE;
+      // a KV head's K and V then go to the cache
+      const auto [hd_begin, hd_end] = w.share(M * (Hq + Hkv));
+      for (int64_t u = hd_begin; u < hd_end; ++u) {
+        const int64_t m = u / (Hq + Hkv), hd = u % (Hq + Hkv);
+        const T* row = qkv.data() + m * qkv_width;  // [Hq D | Hkv D | Hkv D]
+        float* head = qk.data() + u * D;            // [D] of qk's row m: [Hq D | Hkv D]
+        for (int64_t i = 0; i < D; ++i) head[i] = to_f(row[hd * D + i]);
+        if (wl[kQNorm].defined()) rms_norm(head, D, ptr<T>(wl[hd < Hq ? kQNorm : kKNorm]), p.eps, head, 1, D);
+        rope_head(head, p.cos + m * D, p.sin + m * D, D);
+        if (hd < Hq) continue;
+        const int64_t b = m / p.T_, t = m % p.T_;
+        const int64_t dst = p.row_offset(b, p.seqlens[b] + t) + (hd - Hq) * D;
+        for (int64_t i = 0; i < D; ++i) k_plane[dst + i] = static_cast<T>(head[i]);
+        std::copy(row + (Hkv + hd) * D, row + (Hkv + hd + 1) * D, v_plane + dst);  // V head hd - Hq
+      }
+      w.sync();
+      int64_t keys_of = -1;  // the query row whose keys `keys` holds
+      for (int64_t u = w.id(); u < num_units; u += w.size()) {
+        const int64_t m = u / (Hkv * groups), kvh = u / groups % Hkv;
+        const int64_t h0 = kvh * G + u % groups * per_group, heads = std::min(per_group, (kvh + 1) * G - h0);
+        if (heads <= 0) continue;
+        const int64_t b = m / p.T_;
+        if (m != keys_of) key_rows(p, positions.data() + cu_positions[b], b, m % p.T_, keys), keys_of = m;
+        scores.resize(heads * keys.size());
+        float* a = attn_f.data() + (m * Hq + h0) * D;  // [heads, D]
+        attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), static_cast<int64_t>(keys.size()),
+               qk.data() + m * (Hq + Hkv) * D + h0 * D, heads, D, p.scale, scores.data(), a);
+        std::transform(a, a + heads * D, attn.data() + (m * Hq + h0) * D, [](float v) { return static_cast<T>(v); });
+      }
+      w.sync();
+      linear(w, attn.data(), weight_of(wl[kO], Hq * D), nullptr, delta.data(), M, H, Hq * D);
+      w.sync();
+      for (int64_t i = m_begin * H; i < m_end * H; ++i) h[i] += to_f(delta[i]);
+      rms_norm(h + m_begin * H, H, ptr<T>(wl[kPostNorm]), p.eps, x.data() + m_begin * H, my_rows, H);
+      w.sync();
+      linear(w, x.data(), weight_of(wl[kGateUp], H), nullptr, gate_up.data(), M, 2 * I, H);
+      w.sync();
+      // the activation, elementwise (any split gives the same values): this worker's share of all M * I, into x's
+      // rows (x is dead once gate_up is done)
+      const auto [a_begin, a_end] = w.share(M * I);
+      for (int64_t i = a_begin; i < a_end;) {
+        const int64_t m = i / I, c = i % I, n = std::min(a_end - i, I - c);
+        silu_mul(gate_up.data() + m * 2 * I + c, gate_up.data() + m * 2 * I + I + c, x.data() + i, n);
+        i += n;
+      }
+      w.sync();
+      linear(w, x.data(), weight_of(wl[kDown], I), nullptr, delta.data(), M, H, I);
+      w.sync();
+      // the residual add, then (next layer or the end) the norm of the same rows: no sync between
+      for (int64_t i = m_begin * H; i < m_end * H; ++i) h[i] += to_f(delta[i]);
+    }
+    rms_norm(h + m_begin * H, H, final_norm, p.eps, out + m_begin * H, my_rows, H);
+    if (head.data == nullptr) return;
+    w.sync();
+    linear(w, out, head, nullptr, logits, M, V, H);  // the same row blocks as the logits kernel's own split
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Checks (no values: shared with the Meta kernel) and the entry points.
+// ---------------------------------------------------------------------------------------------------------------
+
+void check_vector(const at::Tensor& t, int64_t n, const char* name, int64_t layer) {
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n, "decoder_layers: layer ", layer, " ", name, " must be [", n,
+                    "], got ", t.sizes());
+}
+
+void check_matrix(const at::Tensor& t, int64_t rows, int64_t cols, const char* name, int64_t layer) {
+  const bool blocks = t.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && (blocks ? qtype_of(t, cols) > 0 : t.size(1) == cols),
+                    "decoder_layers: layer ", layer, " ", name, " must be [", rows, ", ", cols, "]",
+                    blocks ? " as GGUF blocks (uint8 [N, K / 32 * 18, 20 or 34 bytes])" : "", ", got ", t.sizes());
+}
+
+struct Dims {
+  int64_t B, T, H, Hq, Hkv, D, I, num_layers;
+};
+
+// The model's tensors: its layer weights, final norm and cache, in `dtype` on `device`, hidden size H. Dims with B
+// and T zero. Checked once per call of every op (a chain op runs many forwards on them).
+Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, const std::vector<at::Tensor>& weights,
+                 const at::Tensor& final_norm, const at::Tensor& kv_cache, int64_t num_heads) {
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16,
+                   "decoder_layers: the native path takes float32 or bfloat16, got ", dtype);
+  TORCH_CHECK_VALUE(kv_cache.dim() == 6, "decoder_layers: kv_cache must be [layers, 2, blocks, block_size, Hkv, D], ",
+                    "got ", kv_cache.sizes());
+  TORCH_CHECK_VALUE(kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+                    "decoder_layers: kv_cache must be contiguous [layers, 2, ...], got shape ", kv_cache.sizes());
+  TORCH_CHECK_TYPE(kv_cache.scalar_type() == dtype, "decoder_layers: kv_cache must be ", dtype, " like hidden, got ",
+                   kv_cache.scalar_type());
+  TORCH_CHECK_VALUE(weights.size() % kNumFields == 0, "decoder_layers: weights must hold ", int(kNumFields),
+                    " tensors per layer, got ", weights.size());
+  Dims d{0, 0, H, num_heads, kv_cache.size(4), kv_cache.size(5), 0, static_cast<int64_t>(weights.size()) / kNumFields};
+  TORCH_CHECK_VALUE(d.num_layers <= kv_cache.size(0), "decoder_layers: ", d.num_layers, " layers but the cache has ",
+                    kv_cache.size(0));
+  TORCH_CHECK_VALUE(d.Hkv > 0 && d.Hq > 0 && d.Hq % d.Hkv == 0, "decoder_layers: num_heads ", d.Hq,
+                    " must be a positive multiple of the cache's KV heads ", d.Hkv);
+  TORCH_CHECK_VALUE(d.D % 2 == 0, "decoder_layers: head_dim must be even (rotate-half RoPE), got ", d.D);
+  for (int64_t l = 0; l < d.num_layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kNumFields;
+    for (int f = 0; f < kNumFields; ++f) {
+      if (!w[f].defined()) {
+        TORCH_CHECK_VALUE(f == kQkvBias || f == kQNorm || f == kKNorm, "decoder_layers: layer ", l, " ",
+                          kFieldNames[f], " is missing");
+        continue;
+      }
+      const bool matrix = f == kQkv || f == kO || f == kGateUp || f == kDown;  // these may be GGUF blocks (uint8)
+      TORCH_CHECK_TYPE(w[f].scalar_type() == dtype || (matrix && w[f].scalar_type() == at::kByte),
+                       "decoder_layers: layer ", l, " ", kFieldNames[f], " must be ", dtype, " like hidden",
+                       matrix ? " (or uint8 GGUF blocks)" : "", ", got ", w[f].scalar_type());
+      TORCH_CHECK_VALUE(w[f].device() == device && w[f].is_contiguous(), "decoder_layers: layer ", l, " ",
+                        kFieldNames[f], " must be contiguous and on ", device);
+    }
+    TORCH_CHECK_VALUE(w[kQNorm].defined() == w[kKNorm].defined(), "decoder_layers: q_norm and k_norm go together");
+    if (l == 0) d.I = w[kGateUp].dim() == 2 ? w[kGateUp].size(0) / 2 : 0;
+    const int64_t qkv_width = (d.Hq + 2 * d.Hkv) * d.D;
+    check_vector(w[kInputNorm], d.H, "input norm", l);
+    check_matrix(w[kQkv], qkv_width, d.H, "qkv", l);
+    if (w[kQkvBias].defined()) check_vector(w[kQkvBias], qkv_width, "qkv bias", l);
+    check_matrix(w[kO], d.H, d.Hq * d.D, "o", l);
+    check_vector(w[kPostNorm], d.H, "post-attention norm", l);
+    check_matrix(w[kGateUp], 2 * d.I, d.H, "gate_up", l);
+    check_matrix(w[kDown], d.H, d.I, "down", l);
+    if (w[kQNorm].defined()) {
+      check_vector(w[kQNorm], d.D, "q_norm", l);
+      check_vector(w[kKNorm], d.D, "k_norm", l);
+    }
+  }
+  TORCH_CHECK_VALUE(final_norm.dim() == 1 && final_norm.size(0) == d.H && final_norm.scalar_type() == dtype,
+                    "decoder_layers: final_norm must be ", dtype, " [", d.H, "], got ", final_norm.sizes());
+  TORCH_CHECK_VALUE(final_norm.device() == device && kv_cache.device() == device,
+                    "decoder_layers: all tensors must be on ", device);
+  return d;
+}
+
+Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weights, const at::Tensor& final_norm,
+                  const at::Tensor& kv_cache, const at::Tensor& cache_seqlens, const at::Tensor& rope,
+                  const at::Tensor& tree_mask, const c10::optional<at::Tensor>& block_table, int64_t num_heads,
+                  at::IntArrayRef capture) {
+  TORCH_CHECK_VALUE(hidden.dim() == 3, "decoder_layers: hidden must be [B, T, H], got ", hidden.sizes());
+  const at::ScalarType dtype = hidden.scalar_type();
+  Dims d = check_model(dtype, hidden.device(), hidden.size(2), weights, final_norm, kv_cache, num_heads);
+  d.B = hidden.size(0), d.T = hidden.size(1);
+  TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == d.B, "decoder_layers: cache_seqlens must be [",
+                    d.B, "], got ", cache_seqlens.sizes());
+  TORCH_CHECK_TYPE(cache_seqlens.scalar_type() == at::kInt || cache_seqlens.scalar_type() == at::kLong,
+                   "decoder_layers: cache_seqlens must be int32 or int64, got ", cache_seqlens.scalar_type());
+  TORCH_CHECK_VALUE(rope.dim() == 4 && rope.size(0) == 2 && rope.size(1) == d.B && rope.size(2) == d.T &&
+                        rope.size(3) == d.D && rope.scalar_type() == dtype,
+                    "decoder_layers: rope must be ", dtype, " [2, B, T, D] = [2, ", d.B, ", ", d.T, ", ", d.D, "], got ",
+                    rope.sizes(), " ", rope.scalar_type());
+  TORCH_CHECK_VALUE(tree_mask.dim() == 3 && tree_mask.size(0) == d.B && tree_mask.size(1) == d.T &&
+                        tree_mask.size(2) == d.T && tree_mask.scalar_type() == at::kBool,
+                    "decoder_layers: tree_mask must be bool [B, T, T] = [", d.B, ", ", d.T, ", ", d.T, "], got ",
+                    tree_mask.sizes(), " ", tree_mask.scalar_type());
+  if (block_table.has_value()) {
+    TORCH_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == d.B, "decoder_layers: block_table must be [",
+                      d.B, ", max_blocks], got ", block_table->sizes());
+    TORCH_CHECK_TYPE(block_table->scalar_type() == at::kInt || block_table->scalar_type() == at::kLong,
+                     "decoder_layers: block_table must be int32 or int64, got ", block_table->scalar_type());
+  } else {
+    TORCH_CHECK_VALUE(kv_cache.size(2) == d.B, "decoder_layers: a contiguous kv_cache [layers, 2, B, S, Hkv, D] has B = ",
+                      kv_cache.size(2), " but hidden has ", d.B, " (pass block_table for a paged cache)");
+  }
+  for (const int64_t layer : capture) {
+    TORCH_CHECK_VALUE(layer >= 0 && layer < d.num_layers, "decoder_layers: capture layer ", layer, " is not one of the ",
+                      d.num_layers, " layers");
+  }
+  for (const at::Tensor* t : {&cache_seqlens, &rope, &tree_mask, &kv_cache, &final_norm}) {
+    TORCH_CHECK_VALUE(t->device() == hidden.device(), "decoder_layers: all tensors must be on ", hidden.device(),
+                      ", got one on ", t->device());
+  }
+  return d;
+}
+
+// The weights with the optional ones the caller left out (passed as empty tensors: the schema's list has no holes)
+// made undefined.
+std::vector<at::Tensor> present(at::TensorList list) {
+  std::vector<at::Tensor> weights;
+  weights.reserve(list.size());
+  for (const at::Tensor& t : list) weights.push_back(t.numel() > 0 ? t : at::Tensor());
+  return weights;
+}
+
+// Every position written or read must lie in the sequence's blocks: L_b + T within the table's capacity, and the
+// blocks those positions use real blocks of the cache.
+template <typename T>
+void check_positions(const Problem<T>& p, int64_t B, int64_t T_) {
+  const int64_t capacity = p.block_table != nullptr ? p.max_blocks * p.block_size : p.block_size;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(p.seqlens[b] >= 0 && p.seqlens[b] + T_ <= capacity, "decoder_layers: sequence ", b,
+                      " has L_b = ", p.seqlens[b], " and T = ", T_, " but its cache holds ", capacity, " positions");
+    if (p.block_table != nullptr) {
+      const int64_t used = (p.seqlens[b] + T_ + p.block_size - 1) / p.block_size;
+      for (int64_t i = 0; i < used; ++i) {
+        const int32_t block = p.block_table[b * p.max_blocks + i];
+        TORCH_CHECK_VALUE(block >= 0 && block < p.num_blocks, "decoder_layers: block_table[", b, ", ", i, "] = ",
+                          block, " is not a block of the cache (", p.num_blocks, " blocks)");
+      }
+    }
+  }
+}
+
+// Checks the values (positions and block ids; free on CPU), runs the layers and the final norm into out [B, T, H].
+template <typename T>
+void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tensor>& weights,
+             const at::Tensor& final_norm, at::Tensor& kv_cache, const at::Tensor& seqlens, const at::Tensor& mask,
+             const at::Tensor& cos_sin, const at::Tensor& table, double eps, const std::vector<int64_t>& capture,
+             at::Tensor& out, at::Tensor& features) {
+  Problem<T> p{};
+  p.B = d.B, p.T_ = d.T, p.H = d.H, p.Hq = d.Hq, p.Hkv = d.Hkv, p.D = d.D, p.I = d.I, p.num_layers = d.num_layers;
+  p.eps = static_cast<float>(eps);
+  p.scale = 1.f / std::sqrt(static_cast<float>(d.D));
+  p.seqlens = seqlens.data_ptr<int64_t>();
+  p.tree_mask = mask.data_ptr<bool>();
+  p.num_blocks = kv_cache.size(2);
+  p.block_size = kv_cache.size(3);
+  p.block_table = table.defined() ? table.data_ptr<int32_t>() : nullptr;
+  p.max_blocks = table.defined() ? table.size(1) : 1;
+  p.cos = cos_sin.data_ptr<T>();
+  p.sin = p.cos + d.B * d.T * d.D;
+  p.kv = kv_cache.data_ptr<T>();
+  p.capture = capture.data();
+  p.num_capture = static_cast<int64_t>(capture.size());
+  p.features = features.data_ptr<T>();
+
+  check_positions(p, d.B, d.T);
+
+  std::vector<float> h(d.B * d.T * d.H);  // the residual stream in float32
+  const T* in = hidden.data_ptr<T>();
+  for (size_t i = 0; i < h.size(); ++i) h[i] = to_f(in[i]);
+  run_layers(p, weights, final_norm.data_ptr<T>(), h.data(), out.data_ptr<T>());
+}
+
+}  // namespace
+}  // namespace specdec
