@@ -3,27 +3,12 @@
 // speculative steps of a draft model's chains (spec_chain). Each forward is the layer stack's (csrc/layers_cpu.h),
 // so a runner emits exactly the tokens the op path's steps emit.
 
+#include "argmax_cpu.h"
 #include "layers_cpu.h"
 
 namespace specdec {
 
 namespace {
-
-// The first index of the maximum of z [V] (NaNs skipped; a row of NaNs gives 0): a greedy draft's choice. A bad
-// proposal costs acceptance only, never correctness (verify_tree decides). ``strict``: -1 where the row holds a NaN
-// or its maximum is not finite, the rows verify_greedy leaves to the Python path (which sanitises them or raises).
-template <typename T>
-int64_t first_argmax(const T* z, int64_t V, bool strict) {
-  int64_t best = 0;
-  float best_v = -std::numeric_limits<float>::infinity();
-  bool nan = false;
-  for (int64_t i = 0; i < V; ++i) {
-    const float v = to_f(z[i]);
-    nan |= v != v;
-    if (v > best_v) best_v = v, best = i;
-  }
-  return strict && (nan || !std::isfinite(best_v)) ? -1 : best;
-}
 
 // One model's forwards within one chain op call (draft_chain, spec_chain): its tensors checked and its cache's geometry
 // read once, then every forward runs from raw buffers kept across forwards. Driven through ATen ops (the embedding,
@@ -181,8 +166,8 @@ int64_t run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t
     for (int64_t b = 0; b < B; ++b) {
       int64_t& t = tok[b * gamma + d - 1];
       t = d > 1 && tok[b * gamma + d - 2] < 0 ? -1  // a strict row stays -1 after its first bad logits
-          : d == 1                            ? first_argmax(root + b * V, V, strict)
-                                              : first_argmax(logits + b * V, V, strict);
+          : d == 1                            ? greedy::argmax(root + b * V, V, strict)
+                                              : greedy::argmax(logits + b * V, V, strict);
       if (id_of != nullptr) t = id_of[t];  // never strict: t >= 0
       ids[b] = std::max<int64_t>(t, 0);    // a -1 row runs token 0
       pos[b] = L[b] + d;                   // the node's slot
@@ -363,7 +348,7 @@ void run_spec_chain(ChainRunner<TT>& target, ChainRunner<TD>& draft, ChainRows& 
     for (int64_t b = 0; b < B && finite; ++b) {
       emitted[b].clear();
       for (int64_t j = 0; j < T; ++j) {
-        const int64_t best = first_argmax(logits + (b * T + j) * V, V, true);
+        const int64_t best = greedy::argmax(logits + (b * T + j) * V, V, true);
         if (best < 0) {
           finite = false;
           break;

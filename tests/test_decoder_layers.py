@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -370,3 +372,46 @@ def test_greedy_steps_equal_one_token_steps(dtype):
     assert (bad == -1).all()
     with pytest.raises(ValueError, match="token 97 is not an id"):
         greedy_steps(torch.tensor([97, 0, 0]), model, kv.clone(), seqlens, **run)
+
+
+def _first_max(row: list[float], strict: bool) -> int:
+    """greedy::argmax's contract (csrc/argmax_cpu.h), written plainly."""
+    nan = any(math.isnan(v) for v in row)
+    best = max((v for v in row if not math.isnan(v)), default=-math.inf)
+    if strict and (nan or not math.isfinite(best)):
+        return -1
+    if best == -math.inf:
+        return 0
+    return next(i for i, v in enumerate(row) if v == best)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strict", [False, True])
+def test_greedy_argmax_on_hard_rows(dtype, strict):
+    """The one greedy choice every native path shares (verify_greedy, the runners): the first index of the maximum,
+    over rows of every length around the vector widths, with ties, NaNs, infinities and a maximum in the tail. A
+    chain of one runs no forward: its token is the argmax of the root logits, which this feeds directly."""
+    from spec_kernels.decoder_layers import LayerWeights, NativeModel, greedy_chain
+
+    Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    weights, final_norm = [None if w is None else w.to(dtype) for w in weights], final_norm.to(dtype)
+    gen = torch.Generator().manual_seed(9)
+    inf, nan = float("inf"), float("nan")
+    for V in (1, 7, 8, 9, 16, 17, 37, 100):
+        rows = [torch.randn(V, generator=gen).tolist() for _ in range(8)]
+        rows[1][V - 1] = 50.0  # the maximum in the tail
+        rows[2] = [3.0] * V  # ties: the first
+        rows[3][V // 2] = nan
+        rows[4] = [nan] * V
+        rows[5] = [-inf] * V
+        rows[6][V - 1] = inf
+        rows[7][0], rows[7][V - 1] = nan, 60.0
+        logits = torch.tensor(rows, dtype=torch.float32).to(dtype)  # [8, V]
+        embed = torch.randn(V, H, generator=gen).to(dtype)
+        _, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [3] * 8, 2, paged=True)
+        rope_table = rope_rows(torch.arange(8)[None], D)[:, 0].to(dtype)
+        model = NativeModel(embed, LayerWeights(weights), final_norm, embed, rope_table, Hq, EPS)
+        got = greedy_chain(logits, model, kv.to(dtype), seqlens, gamma=1, block_table=table, strict=strict)
+        want = [_first_max(r, strict) for r in logits.float().tolist()]
+        assert got[:, 0].tolist() == want, (V, got[:, 0].tolist(), want)
