@@ -13,10 +13,11 @@ from tqdm import tqdm
 from spec_engine.chat_template import ChatTemplate
 from spec_engine.drafters import suffix as suffix_defaults
 from spec_engine.drafters.factory import DEFAULT_EAGLE_TOPK, DrafterFactory
-from spec_engine.engine import Engine, EngineConfig, Request
+from spec_engine.engine import Engine, EngineConfig
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
+from spec_engine.request import Request
 from spec_engine.sampling import SamplingParams
 from spec_engine.zoo import shipped_drafter
 from spec_engine.zoo.pull import resolve_model

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from spec_engine.engine import Request, StepOutput
+from spec_engine.request import Request, StepOutput
 from spec_engine.sampling import SamplingParams
 
 log = logging.getLogger("spec_engine.server")

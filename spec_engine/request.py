@@ -1,0 +1,144 @@
+"""A request's life in the engine: its state (``Request``: tokens, lengths, blocks, parameters), its metrics, its rows
+in the engine's persistent per-slot buffers (``RequestRows``), and what a step returns for it (``StepOutput``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from spec_engine.adaptive import RowState
+from spec_engine.drafters.base import RowView
+from spec_engine.kv_cache import SCRATCH_BLOCK
+from spec_engine.sampling import SamplingParams
+
+
+@dataclass
+class RequestMetrics:
+    num_steps: int = 0  # target passes while decoding
+    num_drafted: int = 0  # tree depth asked per step, summed: the chances to accept
+    num_accepted: int = 0  # drafted tokens the target kept
+    accepted_hist: list[int] = field(default_factory=list)  # [k] = steps that accepted k drafts
+    gamma_hist: list[int] = field(default_factory=list)  # [g] = steps this request was drafted at depth g
+    alpha_estimate: float | None = None  # the adaptive controller's smoothed acceptance rate (None when fixed)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    decode_start: float | None = None  # when the prompt's last prefill chunk was done
+    finish_time: float | None = None
+
+    def as_dict(self, num_output_tokens: int) -> dict:
+        end = self.finish_time or time.perf_counter()
+        elapsed = end - self.arrival_time
+        decoding = end - self.decode_start if self.decode_start is not None else 0.0
+        return {
+            "num_steps": self.num_steps,
+            "num_drafted": self.num_drafted,
+            "num_accepted": self.num_accepted,
+            "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
+            "mean_accepted_length": num_output_tokens / self.num_steps if self.num_steps else 0.0,  # tau
+            "accepted_length_hist": list(self.accepted_hist),
+            "gamma_hist": list(self.gamma_hist),
+            "alpha_estimate": self.alpha_estimate,
+            "time_to_first_token": (self.first_token_time or 0.0) - self.arrival_time,
+            "elapsed": elapsed,
+            "tokens_per_s": num_output_tokens / elapsed if elapsed > 0 else 0.0,
+            # generation alone (prompt processing and queueing left out): what llama.cpp's "decoded N tokens in S
+            # seconds" and llama-bench -n report
+            "decode_tokens_per_s": num_output_tokens / decoding if decoding > 0 else 0.0,
+        }
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # L: positions whose K/V are committed in the target cache
+    draft_len: int = 0  # the same for the drafter's cache (what its last commit returned)
+    finish_reason: str | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    spec_state: RowState | None = None  # the adaptive controller's estimates for this request
+    slot: int = -1  # this request's row in the engine's RequestRows while it runs
+    key: int = 0  # the engine's own name for it, never reused (request ids are the caller's): RowView.key
+    history: np.ndarray = field(init=False, repr=False)  # [capacity] int64: prompt then output tokens
+    num_tokens: int = field(init=False)  # filled length of history
+
+    def __post_init__(self):
+        self.history = np.zeros(len(self.prompt_token_ids) + self.params.max_tokens, dtype=np.int64)
+        self.history[: len(self.prompt_token_ids)] = self.prompt_token_ids
+        self.num_tokens = len(self.prompt_token_ids)
+
+    def append(self, tokens: list[int]) -> None:
+        self.output_token_ids.extend(tokens)
+        self.history[self.num_tokens : self.num_tokens + len(tokens)] = tokens
+        self.num_tokens += len(tokens)
+
+    @property
+    def tokens_left(self) -> int:
+        """Output tokens this request may still emit (max_tokens minus those emitted)."""
+        return self.params.max_tokens - len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return int(self.history[self.num_tokens - 1])
+
+    def view(self) -> RowView:
+        tokens = self.history[: self.num_tokens]
+        tokens.flags.writeable = False  # a view: the drafter reads, the engine writes
+        return RowView(
+            tokens, self.num_computed, self.draft_len, self.params.greedy, self.key, len(self.prompt_token_ids)
+        )
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_token_ids) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepOutput:
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class RequestRows:
+    """Per-request step inputs in persistent host rows ``[max_num_seqs, ...]`` (vLLM's input batch), filled once at
+    admission; a step gathers its rows and sends them to the device in one copy per dtype (``to_device``).
+
+    Shapes: block_table [S, max_blocks] int32 (padded with the scratch block); temperature, top_p, min_p [S] float32;
+    top_k [S] int64.
+    """
+
+    def __init__(self, max_num_seqs: int, max_blocks: int):
+        self.block_table = torch.full((max_num_seqs, max_blocks), SCRATCH_BLOCK, dtype=torch.int32)
+        self.temperature = torch.zeros(max_num_seqs, dtype=torch.float32)
+        self.top_k = torch.zeros(max_num_seqs, dtype=torch.int64)
+        self.top_p = torch.ones(max_num_seqs, dtype=torch.float32)
+        self.min_p = torch.zeros(max_num_seqs, dtype=torch.float32)
+        self._free = list(range(max_num_seqs - 1, -1, -1))
+
+    def admit(self, req: Request) -> int:
+        slot = self._free.pop()
+        p = req.params
+        self.block_table[slot] = SCRATCH_BLOCK
+        self.block_table[slot, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            p.min_p,
+        )
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
