@@ -32,7 +32,6 @@ from spec_kernels.decoder_layers import (
     NativeModel,
     decoder_layers,
     greedy_chain,
-    greedy_steps,
     native_model,
 )
 from spec_kernels.reference import QuantizedWeight, rms_norm_ref
@@ -319,17 +318,6 @@ class LlamaForCausalLM(nn.Module):
             root_logits = root_logits[:, self.vocab_map]  # [B, K]
         return greedy_chain(root_logits, self.native, kv_cache, cache_seqlens, gamma=gamma, block_table=block_table,
                             strict=strict)  # fmt: skip
-
-    def greedy_steps(self, roots, kv_cache, cache_seqlens, steps: int, block_table=None,
-                     stop_ids=None) -> torch.Tensor | None:  # fmt: skip
-        """``steps`` plain greedy tokens per row from the roots [B] at positions ``cache_seqlens``, in one native
-        call (``spec_kernels.decoder_layers.greedy_steps``): [B, K], K = ``steps`` or fewer where a row emitted one
-        of ``stop_ids`` [S]; -1 from a row's first non-finite logits on; None without the native handle or with a
-        restricted vocabulary."""
-        if self.native is None or self.vocab_map is not None:
-            return None
-        return greedy_steps(roots, self.native, kv_cache, cache_seqlens, steps=steps, block_table=block_table,
-                            stop_ids=stop_ids)  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V] in float32 (-inf outside a restricted vocabulary)."""
