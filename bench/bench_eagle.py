@@ -40,6 +40,7 @@ from bench.harness import (  # noqa: E402
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 from spec_engine.tree import causal_mask  # noqa: E402
 from spec_engine.zoo import MODELS_DIR  # noqa: E402
+from spec_kernels.decoder_layers import eagle3_draft  # noqa: E402
 
 TEMPERATURES = (0.0, 0.8)
 
@@ -57,18 +58,24 @@ class SampledContender(Contender):
 
 
 def head_step(drafter, ctx: int):
-    """A callable running one head entry + its logits on a ``ctx``-token cached prefix (batch 1)."""
+    """A callable drafting one token as a depth-1 greedy step does on a ``ctx``-token cached prefix (batch 1): one
+    head entry and its draft token (the native ``eagle3_draft`` call where the head has one), else the entry and
+    its logits."""
     kv, dev = drafter.kv, drafter.device
     table = (torch.arange(-(-(ctx + 1) // kv.data.shape[3])) + 1).int()[None].to(dev)  # [1, W]
     tokens = torch.zeros(1, 1, dtype=torch.int64, device=dev)
-    feats = torch.zeros(1, 1, drafter.features.shape[-1], dtype=drafter.features.dtype, device=dev)
+    feats = torch.randn(1, 1, drafter.features.shape[-1], device=dev).to(drafter.features.dtype)
     seqlens = torch.full((1,), ctx, dtype=torch.int32, device=dev)
     positions = torch.full((1, 1), ctx, device=dev)
     mask = causal_mask(1, 1, dev)
+    native, root = drafter.model.native, torch.zeros(1, dtype=torch.int64, device=dev)
 
     @torch.inference_mode()
     def once():
-        drafter.model.logits(drafter.model(tokens, feats, positions, kv.data, seqlens, mask, table))
+        if native is not None:
+            eagle3_draft(native, tokens, seqlens, root, drafter.features, kv.data, gamma=1, block_table=table)
+        else:
+            drafter.model.logits(drafter.model(tokens, feats, positions, kv.data, seqlens, mask, table))
 
     return once
 

@@ -22,6 +22,10 @@ struct Problem {
   const int64_t* capture;  // layers whose input residual stream is copied out (EAGLE-3's features), in order
   int64_t num_capture;
   T* features;             // [B, T, num_capture * H]
+  // EAGLE-3's first (only) layer: its attention reads this [B * T, attn_width] instead of rms_norm(h) (the normed
+  // embedding beside the normed feature); nullptr for a model's layers.
+  const T* attn_in = nullptr;
+  int64_t attn_width = 0;
 
   // Offset of logical position p of sequence b in one cache plane, in elements, at KV head 0.
   int64_t row_offset(int64_t b, int64_t p) const {

@@ -63,6 +63,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     int64_t d_heads, double d_eps, const c10::optional<at::Tensor>& block_table, const at::Tensor& budget,
     const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
     const c10::optional<at::Tensor>& d_vocab_map);
+std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(
+    const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last, const at::Tensor& feature_cache,
+    const at::Tensor& embed, at::TensorList weights, const at::Tensor& hidden_norm, const at::Tensor& norm,
+    const at::Tensor& lm_head, at::Tensor kv_cache, const at::Tensor& rope_table,
+    const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps, bool norm_before_residual,
+    int64_t gamma, const c10::optional<at::Tensor>& vocab_map);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
@@ -205,6 +211,10 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor[] d_weights, Tensor d_norm, Tensor d_lm_head, Tensor(b!) d_kv, Tensor d_rope, int d_heads, "
       "float d_eps, Tensor? block_table, Tensor budget, Tensor stop_ids, int gamma, int max_steps, "
       "bool stop_on_reject=False, Tensor? d_vocab_map=None) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "eagle3_draft(Tensor tokens, Tensor start, Tensor last, Tensor feature_cache, Tensor embed, Tensor[] weights, "
+      "Tensor hidden_norm, Tensor norm, Tensor lm_head, Tensor(a!) kv_cache, Tensor rope_table, Tensor? block_table, "
+      "int num_heads, float eps, bool norm_before_residual, int gamma, Tensor? vocab_map=None) -> (Tensor, Tensor)");
   // suffix decoding's tree (csrc/suffix_tree_cpu.cpp): torch.classes.spec_kernels.SuffixTree(max_depth)
   m.class_<specdec::SuffixTree>("SuffixTree")
       .def(torch::init<int64_t>())
@@ -226,6 +236,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("draft_chain", &specdec::draft_chain_cpu);
   m.impl("greedy_steps", &specdec::greedy_steps_cpu);
   m.impl("spec_chain", &specdec::spec_chain_cpu);
+  m.impl("eagle3_draft", &specdec::eagle3_draft_cpu);
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {

@@ -126,9 +126,12 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
           for (int64_t i = 0; i < H; ++i) dst[i] = static_cast<T>(h[m * H + i]);
         }
       }
-      rms_norm(h + m_begin * H, H, ptr<T>(wl[kInputNorm]), p.eps, x.data() + m_begin * H, my_rows, H);
+      const bool given = l == 0 && p.attn_in != nullptr;  // EAGLE-3: the caller built the attention input
+      const T* qkv_in = given ? p.attn_in : x.data();
+      const int64_t qkv_k = given ? p.attn_width : H;
+      if (!given) rms_norm(h + m_begin * H, H, ptr<T>(wl[kInputNorm]), p.eps, x.data() + m_begin * H, my_rows, H);
       w.sync();
-      linear(w, x.data(), weight_of(wl[kQkv], H), ptr<T>(wl[kQkvBias]), qkv.data(), M, qkv_width, H);
+      linear(w, qkv_in, weight_of(wl[kQkv], qkv_k), ptr<T>(wl[kQkvBias]), qkv.data(), M, qkv_width, qkv_k);
       w.sync();
       // q / k heads one by one (a decode token's 4-6 heads then spread over the workers): float32, norms, RoPE;
       // a KV head's K and V then go to the cache
@@ -210,9 +213,10 @@ struct Dims {
 };
 
 // The model's tensors: its layer weights, final norm and cache, in `dtype` on `device`, hidden size H. Dims with B
-// and T zero. Checked once per call of every op (a chain op runs many forwards on them).
+// and T zero. Checked once per call of every op (a chain op runs many forwards on them). `qkv_in`: the width the
+// qkv matrix reads (0: H; EAGLE-3's head reads 2 H).
 Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, const std::vector<at::Tensor>& weights,
-                 const at::Tensor& final_norm, const at::Tensor& kv_cache, int64_t num_heads) {
+                 const at::Tensor& final_norm, const at::Tensor& kv_cache, int64_t num_heads, int64_t qkv_in = 0) {
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16,
                    "decoder_layers: the native path takes float32 or bfloat16, got ", dtype);
   TORCH_CHECK_VALUE(kv_cache.dim() == 6, "decoder_layers: kv_cache must be [layers, 2, blocks, block_size, Hkv, D], ",
@@ -248,7 +252,7 @@ Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, con
     if (l == 0) d.I = w[kGateUp].dim() == 2 ? w[kGateUp].size(0) / 2 : 0;
     const int64_t qkv_width = (d.Hq + 2 * d.Hkv) * d.D;
     check_vector(w[kInputNorm], d.H, "input norm", l);
-    check_matrix(w[kQkv], qkv_width, d.H, "qkv", l);
+    check_matrix(w[kQkv], qkv_width, qkv_in > 0 && l == 0 ? qkv_in : d.H, "qkv", l);
     if (w[kQkvBias].defined()) check_vector(w[kQkvBias], qkv_width, "qkv bias", l);
     check_matrix(w[kO], d.H, d.Hq * d.D, "o", l);
     check_vector(w[kPostNorm], d.H, "post-attention norm", l);

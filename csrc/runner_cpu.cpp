@@ -22,16 +22,23 @@ class ChainRunner {
   // int32 [B, W] contiguous, or undefined for a contiguous cache of B rows. The model's dtype is the RoPE table's;
   // embed and lm_head are in it or GGUF blocks (uint8 [V, H / 32 * block bytes]: an embedding row is dequantized
   // to float32 and rounded to the dtype, as the op path's lookup does).
+  //
+  // An EAGLE-3 head (`hidden_norm` [H] given): one layer whose attention reads cat(rms_norm(embedding) * input_norm,
+  // rms_norm(feature) * hidden_norm) [2 H] and whose residual stream starts at the feature (at its normed form with
+  // `norm_before_residual`); forward_head runs it, `norm` is its final norm (before lm_head).
   ChainRunner(const char* op, const at::Tensor& embed, at::TensorList weights, const at::Tensor& norm,
               const at::Tensor& lm_head, const at::Tensor& kv, const at::Tensor& rope, int64_t heads, double eps,
-              const at::Tensor& table, int64_t B)
+              const at::Tensor& table, int64_t B, const at::Tensor& hidden_norm = at::Tensor(),
+              bool norm_before_residual = false)
       : op_(op),
         weights_(present(weights)),
         embed_(embed.contiguous()),
         norm_(norm.contiguous()),
         head_(lm_head.contiguous()),
         rope_(rope.contiguous()),
-        table_(table) {
+        table_(table),
+        hidden_norm_(hidden_norm),
+        norm_before_residual_(norm_before_residual) {
     TORCH_CHECK_VALUE(norm.dim() == 1, op, ": the final norm must be [H], got ", norm.sizes());
     const int64_t H = norm.size(0);
     embed_qtype_ = qtype_of(embed, H), head_qtype_ = qtype_of(lm_head, H);
@@ -40,7 +47,11 @@ class ChainRunner {
                       op, ": embed [V, H] and lm_head [V, H] must have the final norm's H = ", H,
                       " (dense, or as GGUF blocks), got ", embed.sizes(), " and ", lm_head.sizes());
     const at::ScalarType dtype = rope.scalar_type();
-    d_ = check_model(dtype, embed.device(), H, weights_, norm, kv, heads);
+    d_ = check_model(dtype, embed.device(), H, weights_, norm, kv, heads, hidden_norm.defined() ? 2 * H : 0);
+    TORCH_CHECK_VALUE(!hidden_norm.defined() || (d_.num_layers == 1 && hidden_norm.dim() == 1 &&
+                                                 hidden_norm.size(0) == H && hidden_norm.scalar_type() == dtype &&
+                                                 hidden_norm.is_contiguous()),
+                      op, ": an EAGLE-3 head is one layer with a contiguous ", dtype, " hidden_norm [", H, "]");
     TORCH_CHECK_TYPE((embed_qtype_ > 0 || embed.scalar_type() == dtype) &&
                          (head_qtype_ > 0 || lm_head.scalar_type() == dtype),
                      op, ": the embedding and lm_head must be ", dtype, " like the RoPE table (or GGUF blocks), got ",
@@ -80,6 +91,19 @@ class ChainRunner {
     return logits_.data();
   }
 
+  // An EAGLE-3 head's forward (the runner built with a hidden norm): entry (b, t) is token tokens[b * ld + t] at
+  // position start[b] + t with the feature feats [B * T, H]. Returns its raw outputs [B * T, H] (the stand-ins for
+  // the next entries' features); normed() holds them final-normed, logits() of those the draft's. Valid until the
+  // next forward.
+  const T* forward_head(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start,
+                        const T* feats, bool with_logits) {
+    TORCH_CHECK(hidden_norm_.defined(), op_, ": forward_head needs a head's runner");
+    run(tokens, ld, B, T_, start, with_logits, feats);
+    return raw_.data();
+  }
+  const T* normed() const { return out_.data(); }
+  const T* forward_logits_out() const { return logits_.data(); }  // the last forward's logits, when it made them
+
   // Logits [rows, V'] of hidden states [rows, H]. Valid until the next call.
   const T* logits(const T* hidden, int64_t rows) {
     logits_.resize(rows * vocab());
@@ -88,7 +112,8 @@ class ChainRunner {
   }
 
  private:
-  void run(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start, bool with_logits) {
+  void run(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start, bool with_logits,
+           const T* feats = nullptr) {
     const int64_t H = d_.H, D = d_.D, M = B * T_, V = embed_.size(0), P = rope_.size(1);
     h_.resize(M * H);
     cos_sin_.resize(2 * M * D);
@@ -118,6 +143,7 @@ class ChainRunner {
       }
     }
     Problem<T> p = p_;
+    if (feats != nullptr) head_inputs(feats, M, p);
     p.B = B, p.T_ = T_;
     p.seqlens = seqlens_.data();
     p.tree_mask = mask_.get();
@@ -127,6 +153,23 @@ class ChainRunner {
     if (M == 0) return;
     run_layers(p, weights_, norm_.data_ptr<T>(), h_.data(), out_.data(), with_logits ? head() : Weight{},
                vocab(), logits_.data());
+    if (feats != nullptr) raw_.assign(h_.begin(), h_.end());
+  }
+
+  // A head's attention input and residual stream from the embeddings in h_ and the features feats [M, H].
+  void head_inputs(const T* feats, int64_t M, Problem<T>& p) {
+    const int64_t H = d_.H;
+    attn_in_.resize(M * 2 * H);
+    row_f_.resize(H);
+    for (int64_t m = 0; m < M; ++m) {
+      T* in = attn_in_.data() + m * 2 * H;  // [normed embedding | normed feature]
+      rms_norm(h_.data() + m * H, H, ptr<T>(weights_[kInputNorm]), p.eps, in, 1, H);
+      for (int64_t i = 0; i < H; ++i) row_f_[i] = to_f(feats[m * H + i]);
+      rms_norm(row_f_.data(), H, hidden_norm_.data_ptr<T>(), p.eps, in + H, 1, H);
+      for (int64_t i = 0; i < H; ++i) h_[m * H + i] = norm_before_residual_ ? to_f(in[H + i]) : row_f_[i];
+    }
+    p.attn_in = attn_in_.data();
+    p.attn_width = 2 * H;
   }
 
   const char* op_;
@@ -139,7 +182,10 @@ class ChainRunner {
     quant_dequant_row_bf16(w, qtype, blocks, row, out);
   }
 
-  at::Tensor embed_, norm_, head_, rope_, table_;
+  at::Tensor embed_, norm_, head_, rope_, table_, hidden_norm_;
+  bool norm_before_residual_ = false;
+  std::vector<T> attn_in_, raw_;  // a head's [M, 2 H] attention input and [M, H] raw outputs
+  std::vector<float> row_f_;      // [H]: one feature in float32
   int64_t embed_qtype_ = 0, head_qtype_ = 0;  // GGUF type ids, 0 for dense
   std::vector<T> row_;                         // [H]: a quantized embedding row in the model's dtype
   Dims d_{};
@@ -292,6 +338,103 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at
     ran = run_chain(model, logits, model.vocab(), L, B, steps, true, nullptr, tokens.data_ptr<int64_t>(), stops);
   });
   return ran == steps ? tokens : tokens.narrow(1, 0, ran).contiguous();  // [B, K']
+}
+
+// An EAGLE-3 head's draft in one call: entries (b, t) of tokens [B, T] at positions start[b] + t, each with the
+// target's feature of the position before it from the paged feature cache [1, num_blocks, block_size, H] (zeros at
+// position 0): a prefill chunk or a step's catch-up, their K/V written. Then, from each row's root (entry last[b],
+// at position R_b = start[b] + last[b]), a greedy chain of gamma tokens: token d the argmax of the head's logits at
+// node d - 1 (over vocab_map's ids when given), nodes 1 .. gamma - 1 run at R_b + d with their parent's output as
+// their feature (K/V written there), as the drafter's level-by-level chain does. Returns (the entries' raw outputs
+// [B, T, H], the chain [B, gamma] int64; [B, 0] for gamma = 0). Why: driven from Python, a head step is dozens of
+// small torch ops (two norms, a cat, the layer, a 49152-wide scatter of the draft logits) whose dispatch cost more
+// than the head's weights.
+std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(
+    const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last, const at::Tensor& feature_cache,
+    const at::Tensor& embed, at::TensorList weights, const at::Tensor& hidden_norm, const at::Tensor& norm,
+    const at::Tensor& lm_head, at::Tensor kv_cache, const at::Tensor& rope_table,
+    const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps, bool norm_before_residual,
+    int64_t gamma, const c10::optional<at::Tensor>& vocab_map) {
+  TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.device().is_cpu(), "eagle3_draft: tokens must be [B, T] on CPU, got ",
+                    tokens.sizes());
+  const int64_t B = tokens.size(0), T_ = tokens.size(1), H = norm.size(0);
+  TORCH_CHECK_VALUE(gamma >= 0, "eagle3_draft: gamma must be >= 0, got ", gamma);
+  TORCH_CHECK_VALUE(T_ >= 1 || B == 0, "eagle3_draft: tokens must hold at least one entry per row");
+  for (const at::Tensor* t : {&start, &last}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == B, "eagle3_draft: start and last must be [B] = [", B, "]");
+  }
+  TORCH_CHECK_VALUE(kv_cache.dim() == 6, "eagle3_draft: kv_cache must be [1, 2, blocks, block_size, Hkv, D]");
+  TORCH_CHECK_VALUE(feature_cache.dim() == 4 && feature_cache.size(1) == kv_cache.size(2) &&
+                        feature_cache.size(2) == kv_cache.size(3) && feature_cache.size(3) == H &&
+                        feature_cache.scalar_type() == rope_table.scalar_type() && feature_cache.is_contiguous() &&
+                        feature_cache.device().is_cpu(),
+                    "eagle3_draft: feature_cache must be a contiguous ", rope_table.scalar_type(),
+                    " [1, blocks, block_size, H] on the KV cache's blocks with H = ", H, ", got ",
+                    feature_cache.sizes(), " ", feature_cache.scalar_type());
+  const at::Tensor ids = tokens.to(at::kLong).contiguous();  // [B, T]
+  const at::Tensor first = start.to(at::kLong).contiguous(), root_t = last.to(at::kLong).contiguous();  // [B]
+  const at::Tensor table = table_of(block_table);
+  const at::Tensor id_map = vocab_ids("eagle3_draft", vocab_map, lm_head.size(0), embed.size(0));
+  const int64_t* S = first.data_ptr<int64_t>();
+  const int64_t* R = root_t.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(S[b] >= 0 && R[b] >= 0 && R[b] < T_, "eagle3_draft: row ", b, " has start ", S[b],
+                      " and last ", R[b], " (must lie in [0, ", T_, "))");
+  }
+  at::Tensor out = at::empty({B, T_, H}, feature_cache.options());  // [B, T, H]
+  at::Tensor chain = at::empty({B, gamma}, ids.options());          // [B, gamma]
+  if (B == 0) return {out, chain};
+  with_dtype(rope_table.scalar_type(), [&](auto type) {
+    using T = decltype(type);
+    ChainRunner<T> head("eagle3_draft", embed, weights, norm, lm_head, kv_cache, rope_table, num_heads, eps, table,
+                        B, hidden_norm, norm_before_residual);
+    // the entries' features: position p - 1 of the row's feature cache, zeros before the first token
+    const int64_t block_size = feature_cache.size(2), max_blocks = table.defined() ? table.size(1) : 1;
+    const int32_t* blocks = table.defined() ? table.data_ptr<int32_t>() : nullptr;
+    const T* cache = feature_cache.data_ptr<T>();
+    std::vector<T> feats(B * T_ * H, static_cast<T>(0.f));  // [B * T, H]
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t capacity = blocks != nullptr ? max_blocks * block_size : block_size;
+      TORCH_CHECK_VALUE(S[b] + T_ <= capacity, "eagle3_draft: row ", b, " needs positions up to ", S[b] + T_,
+                        " but its cache holds ", capacity);
+      for (int64_t t = 0; t < T_; ++t) {
+        const int64_t pos = S[b] + t - 1;
+        if (pos < 0) continue;
+        const int64_t block = blocks != nullptr ? blocks[b * max_blocks + pos / block_size] : b;
+        TORCH_CHECK_VALUE(block >= 0 && block < feature_cache.size(1), "eagle3_draft: block_table[", b, "] names ",
+                          "block ", block, " outside the cache");
+        const T* src = cache + (block * block_size + pos % block_size) * H;
+        std::copy(src, src + H, feats.begin() + (b * T_ + t) * H);
+      }
+    }
+    const T* raw = head.forward_head(ids.data_ptr<int64_t>(), T_, B, T_, S, feats.data(), false);  // [B * T, H]
+    std::copy(raw, raw + B * T_ * H, out.data_ptr<T>());
+    if (gamma == 0) return;
+    // the roots: their raw outputs feed node 1, their final-normed ones give the first logits
+    std::vector<T> prev(B * H), roots(B * H);  // [B, H]
+    std::vector<int64_t> pos(B), next(B);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t m = b * T_ + R[b];
+      std::copy(raw + m * H, raw + (m + 1) * H, prev.begin() + b * H);
+      std::copy(head.normed() + m * H, head.normed() + (m + 1) * H, roots.begin() + b * H);
+    }
+    const int64_t V = head.vocab();
+    const int64_t* id_of = id_map.defined() ? id_map.data_ptr<int64_t>() : nullptr;
+    const T* logits = head.logits(roots.data(), B);  // [B, V]
+    int64_t* tok = chain.data_ptr<int64_t>();
+    for (int64_t d = 1; d <= gamma; ++d) {
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t best = std::max<int64_t>(greedy::argmax(logits + b * V, V, false), 0);
+        next[b] = tok[b * gamma + d - 1] = id_of != nullptr ? id_of[best] : best;
+        pos[b] = S[b] + R[b] + d;
+      }
+      if (d == gamma) break;
+      const T* h = head.forward_head(next.data(), 1, B, 1, pos.data(), prev.data(), true);  // [B, H]
+      std::copy(h, h + B * H, prev.begin());
+      logits = head.forward_logits_out();  // [B, V]
+    }
+  });
+  return {out, chain};
 }
 
 namespace {

@@ -121,6 +121,18 @@ def native_model(embed, layers: LayerWeights, final_norm, lm_head, rope_table, *
     return NativeModel(embed, layers, final_norm, lm_head, rope_table, num_heads, eps, vocab_map) if fits else None
 
 
+@dataclass(frozen=True, eq=False)
+class NativeHead:
+    """An EAGLE-3 head as ``eagle3_draft`` takes it, built once by ``EagleHead.fuse``: ``model`` its one layer (the
+    qkv matrix reads the 2 H attention input), final norm, embedding (the target's, unless the head has its own) and
+    lm_head over ``model.vocab_map`` (the draft vocabulary's target ids, d2t applied); ``hidden_norm`` ``[H]`` the
+    feature's norm; ``norm_before_residual``: the residual stream starts at the normed feature."""
+
+    model: NativeModel
+    hidden_norm: torch.Tensor
+    norm_before_residual: bool
+
+
 def decoder_layers(
     hidden: torch.Tensor,
     weights: Sequence[torch.Tensor | None],
@@ -290,3 +302,35 @@ def spec_chain(target: NativeModel, draft: NativeModel, pending, pending_lens, s
     args = target.op_args(target_kv) + draft.op_args(draft_kv)
     return torch.ops.spec_kernels.spec_chain(pending, pending_lens, seqlens, *args, block_table, budget, stop_ids,
                                              gamma, max_steps, stop_on_reject, draft.vocab_map)  # fmt: skip
+
+
+def eagle3_draft(
+    head: NativeHead,
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    last: torch.Tensor,
+    feature_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    gamma: int,
+    block_table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 head's entries and greedy chain in one native call (see ``eagle3_draft_cpu``).
+
+    Entry (b, t) is ``tokens[b, t]`` at position ``start[b] + t`` (a causal chunk: a prefill chunk or a step's
+    catch-up) with the target's feature of the position before it from ``feature_cache``; its K/V are written.
+    From each row's root, entry ``last[b]`` at R_b = start_b + last_b, ``gamma`` greedy tokens follow: token d the
+    argmax of the head's logits at node d - 1 over its draft vocabulary, node d run at R_b + d with its parent's
+    output as its feature.
+
+    Shapes: tokens ``[B, T]``; start, last ``[B]``; feature_cache ``[1, num_blocks, block_size, H]`` and kv_cache
+    ``[1, 2, num_blocks, block_size, Hkv, D]`` on ``block_table`` ``[B, max_blocks]``. Returns (the entries' raw
+    outputs ``[B, T, H]``, the stand-ins for their features; the chain ``[B, gamma]`` int64).
+    """
+    from spec_kernels._ext import load_ext
+
+    load_ext()
+    embed, flat, norm, lm_head, kv, rope, heads, eps = head.model.op_args(kv_cache)
+    return torch.ops.spec_kernels.eagle3_draft(tokens, start, last, feature_cache, embed, flat, head.hidden_norm,
+                                               norm, lm_head, kv, rope, block_table, heads, eps,
+                                               head.norm_before_residual, gamma, head.model.vocab_map)  # fmt: skip

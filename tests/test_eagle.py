@@ -24,7 +24,10 @@ from tiny_models import make_model
 from spec_engine import LLM, SamplingParams
 from spec_engine.drafters.eagle import EagleDrafter, EagleHead, load_eagle_head, save_eagle_head
 from spec_engine.models import ModelConfig, load_model
+from spec_engine.models.llama import cache_slots
+from spec_engine.tree import causal_mask
 from spec_engine.zoo.train_eagle import head_config, init_head, ttt_loss
+from spec_kernels.decoder_layers import eagle3_draft
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77]]
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 128  # tiny_models' llama_gqa at hidden 64
@@ -238,6 +241,97 @@ def test_published_layouts_load_and_stay_lossless(models, plain_greedy, tmp_path
     llm = LLM(str(target), speculative_config={"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 3,
                                                "tree": [2, 1]}, max_model_len=128)  # fmt: skip
     assert _generate(llm, SamplingParams(max_tokens=24)) == plain_greedy
+
+
+def _head_op_by_op(head, tokens, start, last, fcache, kv, table, gamma):
+    """``eagle3_draft``'s result the torch way: the head's forward over the entries (features gathered from the
+    cache), then its chain level by level, each node's feature its parent's output."""
+    B, T = tokens.shape
+    positions = start.long()[:, None] + torch.arange(T)  # [B, T]
+    blocks, offsets = cache_slots((positions - 1).clamp(min=0), fcache.shape[2], table)
+    feats = fcache[0, blocks, offsets] * (positions >= 1)[..., None]  # [B, T, H]
+    out = head(tokens, feats, positions, kv, start, causal_mask(B, T, "cpu"), table)  # [B, T, H]
+    prev, root, chain = out[torch.arange(B), last], start.long() + last, []  # [B, H], [B]
+    for d in range(1, gamma + 1):
+        chain.append(head.logits(prev).argmax(-1))  # [B]
+        if d < gamma:
+            pos = (root + d)[:, None]  # [B, 1]
+            one = torch.ones(B, 1, 1, dtype=torch.bool)  # [B, 1, 1]: the node sees itself and the whole prefix
+            prev = head(chain[-1][:, None], prev[:, None], pos, kv, pos[:, 0].int(), one, table)[:, 0]
+    return out, torch.stack(chain, dim=1)
+
+
+@pytest.mark.parametrize(
+    "dtype, norm_before_residual",
+    [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)],
+    ids=["float32", "float32-norm_before_residual", "bfloat16"],
+)
+def test_native_eagle3_draft_matches_the_head_op_by_op(models, tmp_path, dtype, norm_before_residual):
+    """The EAGLE-3 head's native op (entries from a paged feature cache, then a greedy chain on the draft
+    vocabulary) against the head's torch ops: float32 to rounding, the same chain and cache; bfloat16 within twice
+    the torch path's own bfloat16 error (both against float32)."""
+    target_dir, _ = models
+    head_dir = write_published_head(tmp_path / "eagle3", "eagle3")
+    cfg = json.loads((head_dir / "config.json").read_text())
+    (head_dir / "config.json").write_text(json.dumps(cfg | {"norm_before_residual": norm_before_residual}))
+    g = torch.Generator().manual_seed(0)
+    B, T, block_size, num_blocks, gamma = 2, 5, 4, 16, 3
+    fcache32 = torch.randn(1, num_blocks, block_size, HIDDEN, generator=g)  # [1, blocks, block_size, H]
+    table = torch.randperm(num_blocks, generator=g)[: B * 8].reshape(B, 8).int()  # [B, 8]: scattered blocks
+    tokens = torch.randint(0, 96, (B, T), generator=g)
+    start, last = torch.tensor([3, 0], dtype=torch.int32), torch.tensor([4, 2])  # row 1 starts at position 0
+
+    def run(dtype, native):
+        head = load_eagle_head(head_dir, load_model(target_dir).to(dtype), dtype=dtype).fuse(max_positions=64)
+        assert head.native is not None
+        kv = torch.zeros(1, 2, num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=dtype)
+        fcache = fcache32.to(dtype)
+        with torch.inference_mode():
+            if native:
+                out, chain = eagle3_draft(head.native, tokens, start, last, fcache, kv, gamma=gamma, block_table=table)
+            else:
+                out, chain = _head_op_by_op(head, tokens, start, last, fcache, kv, table, gamma)
+        return out.float(), chain, kv.float()
+
+    ref_out, ref_chain, ref_kv = run(torch.float32, native=False)
+    out, chain, kv = run(dtype, native=True)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        assert chain.tolist() == ref_chain.tolist()
+        torch.testing.assert_close(kv, ref_kv, atol=1e-5, rtol=1e-5)
+    else:  # the chains may part at a near-tie: compare the entries, and the cache where the chains agree
+        torch_out, _, _ = run(dtype, native=False)
+        assert (out - ref_out).abs().max() <= 2 * (torch_out - ref_out).abs().max() + 1e-2
+    assert (chain % 2 == 0).all()  # the draft vocabulary's ids (target tokens 0, 2, 4, ...)
+
+
+def test_native_eagle3_draft_rejects_bad_inputs(models, tmp_path):
+    target_dir, _ = models
+    head = load_eagle_head(write_published_head(tmp_path / "eagle3", "eagle3"), load_model(target_dir)).fuse(64)
+    kv = torch.zeros(1, 2, 4, 8, KV_HEADS, HEAD_DIM)
+    tokens, start, table = torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="feature_cache must be"):
+        eagle3_draft(head.native, tokens, start, torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4, 8, HIDDEN + 1),
+                     kv, gamma=1, block_table=table.int())  # fmt: skip
+    with pytest.raises(ValueError, match="last 3"):
+        eagle3_draft(head.native, tokens, start, torch.full((1,), 3), torch.zeros(1, 4, 8, HIDDEN), kv, gamma=1,
+                     block_table=table.int())  # fmt: skip
+    with pytest.raises(ValueError, match="needs positions up to 33"):
+        eagle3_draft(head.native, tokens, start + 30, torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4, 8, HIDDEN),
+                     kv, gamma=1, block_table=table.int())  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", [{"num_speculative_tokens": 1}, {"num_speculative_tokens": 4}, {}],
+                         ids=["chain1", "chain4", "adaptive"])  # fmt: skip
+def test_native_eagle3_chains_match_plain(models, plain_greedy, tmp_path, spec):
+    """Greedy chains of an EAGLE-3 head drafted by the native op (prefill and catch-up chunks, then each step's
+    chain in one call) keep plain decoding's tokens."""
+    target, _ = models
+    spec = {"method": "eagle", "model": str(write_published_head(tmp_path / "eagle3", "eagle3")), **spec}
+    llm = LLM(str(target), speculative_config=spec, max_model_len=128)
+    assert llm.engine.drafter.model.native is not None
+    assert _generate(llm, SamplingParams(max_tokens=24)) == plain_greedy
+    assert llm.engine.stats["num_drafted"] > 0
 
 
 def test_mismatched_heads_raise_clear_errors(models, tmp_path):

@@ -113,7 +113,8 @@ class DraftModelDrafter(Drafter):
         self._forward_prefix(input_ids, positions, seqlens, mask, block_table)
 
     def _forward_prefix(self, tokens, positions, seqlens, mask, block_table) -> torch.Tensor:
-        """Tokens [B, T] of the sequences themselves (prompt, catch-up) at ``positions``: their hidden states."""
+        """Tokens [B, T] of the sequences themselves (prompt, catch-up), a causal chunk at ``positions`` = seqlens
+        + t: their hidden states."""
         return self.model(tokens, positions, self.kv.data, seqlens, mask, block_table)
 
     def _forward_nodes(self, tokens, nodes, sub, positions, seqlens, mask, block_table) -> torch.Tensor:
@@ -137,7 +138,17 @@ class DraftModelDrafter(Drafter):
         return self._shapes[key]
 
     def _catch_up(self, batch: StepBatch) -> torch.Tensor:
-        """Feed each row's tokens the draft cache lacks, then its root; return the root's hidden state [B, H].
+        """Feed each row's tokens the draft cache lacks, then its root; return the root's hidden state [B, H]."""
+        tokens, start, lags = self._catch_up_entries(batch)
+        T = tokens.shape[1]
+        positions = start.long()[:, None] + torch.arange(T, device=self.device)  # [B, T]
+        hidden = self._forward_prefix(tokens, positions, start, causal_mask(batch.size, T, self.device),
+                                      batch.block_table)  # fmt: skip
+        return hidden[torch.arange(batch.size, device=self.device), lags]  # [B, H]: the roots' only
+
+    def _catch_up_entries(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Feed each row's long lag; return the catch-up's last forward: tokens [B, T] (each row's few remaining
+        tokens then its root, padded at the end), their first positions [B] int32 and the roots' indices [B] int64.
 
         A row that lags by more than ``CATCH_UP_SLACK`` tokens (its prompt, under the adaptive controller, or the
         tokens of a stretch it was left undrafted) is fed first, ``CATCH_UP_CHUNK`` at a time and only on the rows
@@ -163,15 +174,11 @@ class DraftModelDrafter(Drafter):
             for b, count in zip(long, counts):
                 cached[b] += count
         lags = [r.num_computed - c for r, c in zip(rows, cached)]
-        T = max(lags) + 1
-        tokens = np.zeros((batch.size, T), dtype=np.int64)  # [B, T], padded at the end
+        tokens = np.zeros((batch.size, max(lags) + 1), dtype=np.int64)  # [B, T], padded at the end
         for b, (r, lag) in enumerate(zip(rows, lags)):
             tokens[b, : lag + 1] = r.token_ids[len(r.token_ids) - 1 - lag :]
-        tokens, start, lag_t = to_device(dev, torch.from_numpy(tokens), torch.tensor(cached, dtype=torch.int32),
-                                         torch.tensor(lags, dtype=torch.int64))  # fmt: skip
-        positions = start.long()[:, None] + torch.arange(T, device=dev)  # [B, T]
-        hidden = self._forward_prefix(tokens, positions, start, causal_mask(batch.size, T, dev), batch.block_table)
-        return hidden[torch.arange(batch.size, device=dev), lag_t]  # [B, H]: the roots' only
+        return to_device(dev, torch.from_numpy(tokens), torch.tensor(cached, dtype=torch.int32),
+                         torch.tensor(lags, dtype=torch.int64))  # fmt: skip
 
     def propose(self, batch: StepBatch) -> Draft:
         depth = max(batch.gammas)

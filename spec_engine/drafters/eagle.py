@@ -51,7 +51,7 @@ from spec_engine.models.llama import (
 from spec_engine.transfer import to_device
 from spec_engine.tree import StaticTree
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, linear
-from spec_kernels.decoder_layers import LayerWeights, decoder_layers
+from spec_kernels.decoder_layers import LayerWeights, NativeHead, decoder_layers, eagle3_draft, native_model
 
 LAYOUTS = ("eagle", "eagle3")
 
@@ -109,6 +109,7 @@ class EagleHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.rope_table: torch.Tensor | None = None  # [2, max_positions, D] cos and sin, once fused
+        self.native: NativeHead | None = None  # an EAGLE-3 head's native draft op, once fused where it can run
         self.__dict__["target"] = target  # shared, not a submodule: its weights are neither trained nor saved
         self.vocab_size = target.config.vocab_size
 
@@ -126,7 +127,23 @@ class EagleHead(nn.Module):
         self.layer.mlp.fuse()
         if self.normed:
             self.layer_weights = LayerWeights(_layer_fields(self.layer))
+        if self.layout == "eagle3" and self.rope_table is not None:
+            self.native = self._native_head()
         return self
+
+    def _native_head(self) -> NativeHead | None:
+        """The head as ``eagle3_draft`` takes it, or None where that op cannot run it (not on the CPU, mixed
+        dtypes): its lm_head over the draft vocabulary's target ids."""
+        cfg = self.config
+        embed = self.embed_tokens.weight if "embed_tokens" in self._modules else self.target._embed_weight()
+        ids = self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)  # [K]: draft token -> target id
+        model = native_model(embed, LayerWeights(_layer_fields(self.layer)), self.norm.weight, self.lm_head.weight,
+                             self.rope_table, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps,
+                             vocab_map=ids.cpu())  # fmt: skip
+        hidden_norm = self.layer.hidden_norm.weight
+        if model is None or hidden_norm.dtype != model.dtype or not hidden_norm.is_cpu:
+            return None
+        return NativeHead(model, hidden_norm, self.norm_before_residual)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if "embed_tokens" in self._modules:
@@ -183,7 +200,7 @@ class EagleHead(nn.Module):
 
     def greedy_chain(self, *args) -> None:
         """None: a head's next level reads its own outputs as features, which ``LlamaForCausalLM.greedy_chain``'s
-        one-call chain does not do, so the draft model's level loop drafts its chains."""
+        one-call chain does not do (``EagleDrafter.propose`` runs an EAGLE-3 head's chain as ``eagle3_draft``)."""
         return None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -301,7 +318,9 @@ class EagleDrafter(DraftModelDrafter):
     """Chains and static trees from an EAGLE head, level by level as the draft model (``DraftModelDrafter``: the
     same tree shapes, children draws and verification modes), with the head's features in place of a model's own
     state: an entry reads the target's feature of the position before it (the feature cache) when it is a token of
-    the sequence, and its parent node's output when it is a drafted node.
+    the sequence, and its parent node's output when it is a drafted node. An EAGLE-3 head on the CPU runs natively
+    (``EagleHead.native``): every causal chunk it is fed (prefill, catch-up) as one ``eagle3_draft`` call, and an
+    all-greedy chain step, its catch-up's last forward and the whole chain, as one more.
 
     Caches: the head's KV ``kv`` [1, 2, num_blocks, block_size, Hkv, D] and the feature cache ``features``
     [1, num_blocks, block_size, H], both on the target's block table. ``commit`` writes every node's feature and
@@ -310,7 +329,7 @@ class EagleDrafter(DraftModelDrafter):
     """
 
     needs_hidden = True
-    native = None  # a head's chains read the target's features: no native speculative chain runs them
+    native = None  # no spec_chain runs a head (its chains read the target's features): EagleHead.native drafts
 
     def __init__(self, head: EagleHead, kv: PagedKVCache, features: torch.Tensor, tree: StaticTree,
                  draft_sampling: str = "without_replacement", dynamic: bool = False):  # fmt: skip
@@ -334,6 +353,11 @@ class EagleDrafter(DraftModelDrafter):
         self._store(hidden, positions, block_table)
 
     def _forward_prefix(self, tokens, positions, seqlens, mask, block_table) -> torch.Tensor:
+        native = self.model.native
+        if native is not None:  # the head's layer in one call, each entry's feature read from the cache there
+            last = torch.zeros_like(seqlens, dtype=torch.int64)  # [B]: no chain follows
+            return eagle3_draft(native, tokens, seqlens, last, self.features, self.kv.data, gamma=0,
+                                block_table=block_table)[0]  # fmt: skip
         before = positions - 1  # [B, T]: entry p reads the feature of p - 1 (zeros before the first token)
         blocks, offsets = cache_slots(before.clamp(min=0), self.features.shape[2], block_table)
         feats = self.features[0, blocks, offsets] * (before >= 0)[..., None]  # [B, T, H]
@@ -344,7 +368,18 @@ class EagleDrafter(DraftModelDrafter):
         return self.model(tokens[:, sub], feats, positions, self.kv.data, seqlens, mask, block_table)
 
     def propose(self, batch: StepBatch) -> Draft:
-        return super().propose(batch) if self.dynamic_topk is None else self._propose_dynamic(batch)
+        if self.dynamic_topk is not None:
+            return self._propose_dynamic(batch)
+        native = self.model.native
+        greedy_chain = self.tree.is_chain and batch.coupled is None and all(r.greedy for r in batch.rows)
+        if native is None or not greedy_chain:
+            return super().propose(batch)
+        # a greedy chain: the catch-up's last forward and the whole chain in one native call
+        tokens, start, lags = self._catch_up_entries(batch)
+        chain = eagle3_draft(native, tokens, start, lags, self.features, self.kv.data, gamma=max(batch.gammas),
+                             block_table=batch.block_table)[1]  # [B, depth]  # fmt: skip
+        parents, tree_mask, depths = self._tree_shape(batch.gammas)
+        return Draft(torch.cat((batch.roots[:, None], chain), dim=1), parents, tree_mask, depths, None, "iid")
 
     def _propose_dynamic(self, batch: StepBatch) -> Draft:
         """EAGLE-2's dynamic tree under a fixed node budget: level d keeps the k nodes of highest cumulative log q
