@@ -62,7 +62,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const at::Tensor& d_norm, const at::Tensor& d_lm_head, at::Tensor d_kv, const at::Tensor& d_rope,
     int64_t d_heads, double d_eps, const c10::optional<at::Tensor>& block_table, const at::Tensor& budget,
     const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
-    const c10::optional<at::Tensor>& d_vocab_map);
+    const c10::optional<at::Tensor>& d_vocab_map, const c10::optional<at::Tensor>& d_hidden_norm,
+    const c10::optional<at::Tensor>& d_fc, const c10::optional<at::Tensor>& d_features, at::IntArrayRef capture,
+    bool d_norm_before_residual);
 std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(
     const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last, const at::Tensor& feature_cache,
     const at::Tensor& embed, at::TensorList weights, const at::Tensor& hidden_norm, const at::Tensor& norm,
@@ -210,7 +212,9 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor t_norm, Tensor t_lm_head, Tensor(a!) t_kv, Tensor t_rope, int t_heads, float t_eps, Tensor d_embed, "
       "Tensor[] d_weights, Tensor d_norm, Tensor d_lm_head, Tensor(b!) d_kv, Tensor d_rope, int d_heads, "
       "float d_eps, Tensor? block_table, Tensor budget, Tensor stop_ids, int gamma, int max_steps, "
-      "bool stop_on_reject=False, Tensor? d_vocab_map=None) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool stop_on_reject=False, Tensor? d_vocab_map=None, Tensor? d_hidden_norm=None, Tensor? d_fc=None, "
+      "Tensor(c!)? d_features=None, int[] capture=[], bool d_norm_before_residual=False) -> (Tensor, Tensor, Tensor, "
+      "Tensor)");
   m.def(
       "eagle3_draft(Tensor tokens, Tensor start, Tensor last, Tensor feature_cache, Tensor embed, Tensor[] weights, "
       "Tensor hidden_norm, Tensor norm, Tensor lm_head, Tensor(a!) kv_cache, Tensor rope_table, Tensor? block_table, "

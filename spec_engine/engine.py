@@ -37,7 +37,7 @@ from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
 from spec_kernels import PAD_NODE, VerifyResult, verify_tree
-from spec_kernels.decoder_layers import NativeModel, greedy_steps, spec_chain
+from spec_kernels.decoder_layers import NativeHead, NativeModel, greedy_steps, spec_chain
 from spec_kernels.rng import mix_key
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
@@ -113,7 +113,7 @@ class StepResult:
     timed: bool = True
 
 
-def _native(model, cache: PagedKVCache | None) -> NativeModel | None:
+def _native(model, cache: PagedKVCache | None) -> NativeModel | NativeHead | None:
     """``model``'s native handle where its cache is in the handle's dtype, else None."""
     native = getattr(model, "native", None)
     return native if native is not None and cache is not None and cache.data.dtype == native.dtype else None
@@ -509,6 +509,7 @@ class Engine:
             torch.tensor([r.tokens_left for r in reqs]),
             self._stop_tensor(reqs), gamma=g, max_steps=max_steps,
             stop_on_reject=self.controller is not None and self.controller.unsure(reqs),
+            draft_features=self.drafter.features,
         )  # fmt: skip
         steps, _, gap_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
         steps, gap_lens, times = steps.tolist(), gap_lens.tolist(), times.tolist()

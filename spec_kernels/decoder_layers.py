@@ -123,14 +123,22 @@ def native_model(embed, layers: LayerWeights, final_norm, lm_head, rope_table, *
 
 @dataclass(frozen=True, eq=False)
 class NativeHead:
-    """An EAGLE-3 head as ``eagle3_draft`` takes it, built once by ``EagleHead.fuse``: ``model`` its one layer (the
-    qkv matrix reads the 2 H attention input), final norm, embedding (the target's, unless the head has its own) and
-    lm_head over ``model.vocab_map`` (the draft vocabulary's target ids, d2t applied); ``hidden_norm`` ``[H]`` the
-    feature's norm; ``norm_before_residual``: the residual stream starts at the normed feature."""
+    """An EAGLE-3 head as ``eagle3_draft`` and ``spec_chain`` take it, built once by ``EagleHead.fuse``: ``model``
+    its one layer (the qkv matrix reads the 2 H attention input), final norm, embedding (the target's, unless the
+    head has its own) and lm_head over ``model.vocab_map`` (the draft vocabulary's target ids, d2t applied);
+    ``hidden_norm`` ``[H]`` the feature's norm; ``norm_before_residual``: the residual stream starts at the normed
+    feature; ``fc`` ``[H, C * H_target]`` maps the target's residual streams entering layers ``capture`` (C of them,
+    concatenated in that order) to the head's features."""
 
     model: NativeModel
     hidden_norm: torch.Tensor
     norm_before_residual: bool
+    fc: torch.Tensor
+    capture: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
 
 def decoder_layers(
@@ -283,10 +291,12 @@ def greedy_steps(
                                                block_table, heads, eps, steps, stop_ids)  # fmt: skip
 
 
-def spec_chain(target: NativeModel, draft: NativeModel, pending, pending_lens, seqlens, target_kv, draft_kv,
-               block_table, budget, stop_ids, *, gamma: int, max_steps: int, stop_on_reject: bool = False):  # fmt: skip
-    """Up to ``max_steps`` greedy speculative steps of a draft model's chain in one native call (see
-    ``spec_chain_cpu`` in csrc/runner_cpu.cpp).
+def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, pending, pending_lens, seqlens, target_kv,
+               draft_kv, block_table, budget, stop_ids, *, gamma: int, max_steps: int, stop_on_reject: bool = False,
+               draft_features: torch.Tensor | None = None):  # fmt: skip
+    """Up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chain in one native call
+    (see ``spec_chain_cpu`` in csrc/runner_cpu.cpp). A head reads its features from ``draft_features``
+    ``[1, num_blocks, block_size, H]`` (on the caches' blocks), and each step writes the accepted positions' there.
 
     pending ``[B, P]`` the tokens each row's draft cache lacks then its root, pending_lens / seqlens (L_b) / budget
     ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``: per step the count n of emitted tokens
@@ -296,12 +306,18 @@ def spec_chain(target: NativeModel, draft: NativeModel, pending, pending_lens, s
     """
     if target.vocab_map is not None:
         raise ValueError("spec_chain: the target's vocabulary cannot be restricted (its logits decide the output)")
+    head = isinstance(draft, NativeHead)
+    if head and draft_features is None:
+        raise ValueError("spec_chain: an EAGLE-3 head needs its feature cache (draft_features)")
+    model = draft.model if head else draft
+    head_args = (draft.hidden_norm, draft.fc, draft_features, list(draft.capture), draft.norm_before_residual) if head \
+        else (None, None, None, [], False)  # fmt: skip
     from spec_kernels._ext import load_ext
 
     load_ext()
-    args = target.op_args(target_kv) + draft.op_args(draft_kv)
+    args = target.op_args(target_kv) + model.op_args(draft_kv)
     return torch.ops.spec_kernels.spec_chain(pending, pending_lens, seqlens, *args, block_table, budget, stop_ids,
-                                             gamma, max_steps, stop_on_reject, draft.vocab_map)  # fmt: skip
+                                             gamma, max_steps, stop_on_reject, model.vocab_map, *head_args)  # fmt: skip
 
 
 def eagle3_draft(

@@ -331,7 +331,10 @@ def test_native_eagle3_chains_match_plain(models, plain_greedy, tmp_path, spec):
     llm = LLM(str(target), speculative_config=spec, max_model_len=128)
     assert llm.engine.drafter.model.native is not None
     assert _generate(llm, SamplingParams(max_tokens=24)) == plain_greedy
-    assert llm.engine.stats["num_drafted"] > 0
+    stats = llm.engine.stats
+    assert stats["num_drafted"] > 0
+    if spec.get("num_speculative_tokens"):  # fixed depths: the engine's native steps (spec_chain) ran the head
+        assert stats["num_regular_steps"] < stats["num_steps"] // 2
 
 
 def test_mismatched_heads_raise_clear_errors(models, tmp_path):
@@ -473,3 +476,26 @@ def test_shipped_smollm2_head_is_lossless(smollm2):
     for o, r in zip(outs, refs):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
     assert sum(o.metrics["num_accepted"] for o in outs) > 0
+
+
+def test_smollm2_head_native_steps_draft_as_the_regular_step(smollm2):
+    """The shipped EAGLE-3 head in the engine's native speculative steps (spec_chain: the head's catch-up and chain,
+    the target's pass capturing its streams, the accepted positions' features stored, all in C++) drafts what the
+    regular Python step drafts: float32, the same tokens and the same accepted drafts per request (a wrong feature
+    stored or read would change the head's guesses)."""
+    from spec_engine.engine import EngineConfig
+    from spec_engine.zoo.eagle_data import chatml
+
+    spec = {"method": "eagle", "num_speculative_tokens": 3}
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompts = [chatml(p) for p in SMOLLM2_CHAT[:3]]
+    runs = {}
+    for steps in (16, 0):
+        llm = LLM(smollm2, speculative_config=spec, dtype="float32", max_model_len=256,
+                  engine_config=EngineConfig(spec_chain_steps=steps))  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[steps] = [(o.outputs[0].token_ids, o.metrics["num_accepted"]) for o in outs], llm.engine.stats
+    (native, native_stats), (regular, regular_stats) = runs[16], runs[0]
+    assert native == regular
+    assert sum(n for _, n in native) > 0
+    assert native_stats["num_regular_steps"] < regular_stats["num_regular_steps"] // 2  # the native steps ran

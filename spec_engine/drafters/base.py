@@ -17,7 +17,7 @@ import torch
 
 from spec_engine.kv_cache import PagedKVCache
 from spec_kernels import VerifyResult
-from spec_kernels.decoder_layers import NativeModel
+from spec_kernels.decoder_layers import NativeHead, NativeModel
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,9 @@ class Drafter(ABC):
     plans: bool = False  # True: ``plan`` revises each step's depths (suffix drafters: no draft where nothing matches)
     plain_chain_cap: int | None = None  # the longest plain native chain the engine may run between two plans
     kv: PagedKVCache | None = None  # the drafter's own KV cache, where it keeps one (``keeps_cache``)
+    # the target's features by position [1, num_blocks, block_size, H] on the caches' blocks, where the drafter reads
+    # them (``needs_hidden``): the engine's native speculative steps write it
+    features: torch.Tensor | None = None
 
     def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None) -> DraftPlan:
         """Revise the step's depths per row (``gammas``: the engine's or the adaptive controller's choice), before
@@ -171,7 +174,7 @@ class Drafter(ABC):
         return depth + 1
 
     @property
-    def native(self) -> NativeModel | None:
-        """The draft model as the engine's native speculative chains take it (``Engine._spec_chain``), when this
-        drafter proposes greedy chains from a draft model on its own cache ``kv``; else None."""
+    def native(self) -> NativeModel | NativeHead | None:
+        """The draft model or EAGLE-3 head as the engine's native speculative chains take it (``Engine._spec_chain``),
+        when this drafter proposes greedy chains from it on its own cache ``kv``; else None."""
         return None

@@ -31,7 +31,7 @@ from spec_engine.models import LlamaForCausalLM
 from spec_engine.transfer import to_device
 from spec_engine.tree import StaticTree, causal_mask, tree_mask_and_depths
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, rng
-from spec_kernels.decoder_layers import NativeModel
+from spec_kernels.decoder_layers import NativeHead, NativeModel
 
 DRAFT_SAMPLING = ("without_replacement", "iid", "deterministic")
 CATCH_UP_CHUNK = 128  # tokens per catch-up forward of a long-lagging row (see _catch_up)
@@ -103,7 +103,7 @@ class DraftModelDrafter(Drafter):
         self._shapes: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     @property
-    def native(self) -> NativeModel | None:
+    def native(self) -> NativeModel | NativeHead | None:
         return self.model.native if self.tree.is_chain else None
 
     def nodes_for_depth(self, depth: int) -> int:

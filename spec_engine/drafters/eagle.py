@@ -141,9 +141,10 @@ class EagleHead(nn.Module):
                              self.rope_table, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps,
                              vocab_map=ids.cpu())  # fmt: skip
         hidden_norm = self.layer.hidden_norm.weight
-        if model is None or hidden_norm.dtype != model.dtype or not hidden_norm.is_cpu:
+        fc = self.fc.weight
+        if model is None or {hidden_norm.dtype, fc.dtype} != {model.dtype} or not (hidden_norm.is_cpu and fc.is_cpu):
             return None
-        return NativeHead(model, hidden_norm, self.norm_before_residual)
+        return NativeHead(model, hidden_norm, self.norm_before_residual, fc, self.target_layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if "embed_tokens" in self._modules:
@@ -320,7 +321,8 @@ class EagleDrafter(DraftModelDrafter):
     state: an entry reads the target's feature of the position before it (the feature cache) when it is a token of
     the sequence, and its parent node's output when it is a drafted node. An EAGLE-3 head on the CPU runs natively
     (``EagleHead.native``): every causal chunk it is fed (prefill, catch-up) as one ``eagle3_draft`` call, and an
-    all-greedy chain step, its catch-up's last forward and the whole chain, as one more.
+    all-greedy chain step, its catch-up's last forward and the whole chain, as one more; the engine's native
+    speculative steps (``spec_chain``) run its chains whole, the feature cache written there.
 
     Caches: the head's KV ``kv`` [1, 2, num_blocks, block_size, Hkv, D] and the feature cache ``features``
     [1, num_blocks, block_size, H], both on the target's block table. ``commit`` writes every node's feature and
@@ -329,7 +331,6 @@ class EagleDrafter(DraftModelDrafter):
     """
 
     needs_hidden = True
-    native = None  # no spec_chain runs a head (its chains read the target's features): EagleHead.native drafts
 
     def __init__(self, head: EagleHead, kv: PagedKVCache, features: torch.Tensor, tree: StaticTree,
                  draft_sampling: str = "without_replacement", dynamic: bool = False):  # fmt: skip

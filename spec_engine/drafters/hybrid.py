@@ -28,7 +28,7 @@ from spec_engine.drafters.base import Draft, Drafter, DraftPlan, RowView, StepBa
 from spec_engine.drafters.suffix import SuffixDrafter, draft_tensors
 from spec_engine.drafters.suffix_ref import SuffixDraft
 from spec_kernels import PAD_NODE, VerifyResult
-from spec_kernels.decoder_layers import NativeModel
+from spec_kernels.decoder_layers import NativeHead, NativeModel
 
 FIXED_ALPHA = 0.6  # the model drafter's acceptance per token assumed without the adaptive controller's estimate
 
@@ -47,6 +47,7 @@ class HybridDrafter(Drafter):
         self.max_nodes = max(model.max_nodes, suffix.max_nodes)
         self.tree = model.tree
         self.kv = model.kv  # the model drafter's cache: native chains write it on steps without suffix rows
+        self.features = model.features
         self.keeps_cache = model.keeps_cache
         self.needs_hidden = model.needs_hidden
         self.target_layers = model.target_layers
@@ -56,7 +57,7 @@ class HybridDrafter(Drafter):
         return self.model.nodes_for_depth(depth)  # (the adaptive controller prices the model drafter's trees)
 
     @property
-    def native(self) -> NativeModel | None:
+    def native(self) -> NativeModel | NativeHead | None:
         return self.model.native  # (the engine runs native chains only on steps without suffix rows)
 
     def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:

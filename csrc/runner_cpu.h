@@ -1,0 +1,499 @@
+// The native step runners' pieces: one model's forwards from raw buffers kept across forwards (ChainRunner), a
+// greedy chain (run_chain), the two kinds of draft of a speculative step (ModelDraft, an EAGLE-3 head's HeadDraft)
+// and the speculative steps themselves (run_spec_chain). The op entry points are csrc/runner_cpu.cpp.
+#pragma once
+
+#include "argmax_cpu.h"
+#include "layers_cpu.h"
+
+namespace specdec {
+namespace {
+
+// One model's forwards within one chain op call (draft_chain, spec_chain): its tensors checked and its cache's geometry
+// read once, then every forward runs from raw buffers kept across forwards. Driven through ATen ops (the embedding,
+// RoPE rows and mask as tensors, then decoder_layers_cpu), a forward cost ~25 op calls: ~60 per speculative step, each
+// paying ATen's dispatch. The values are the op path's: the same embedding and RoPE rows, the causal mask, run_layers,
+// the final norm, and the logits kernel.
+template <typename T>
+class ChainRunner {
+ public:
+  // embed [V, H], lm_head [V', H] (V' = V, or a restricted vocabulary's K), rope [2, P, D] by position; table
+  // int32 [B, W] contiguous, or undefined for a contiguous cache of B rows. The model's dtype is the RoPE table's;
+  // embed and lm_head are in it or GGUF blocks (uint8 [V, H / 32 * block bytes]: an embedding row is dequantized
+  // to float32 and rounded to the dtype, as the op path's lookup does).
+  //
+  // An EAGLE-3 head (`hidden_norm` [H] given): one layer whose attention reads cat(rms_norm(embedding) * input_norm,
+  // rms_norm(feature) * hidden_norm) [2 H] and whose residual stream starts at the feature (at its normed form with
+  // `norm_before_residual`); forward_head runs it, `norm` is its final norm (before lm_head).
+  ChainRunner(const char* op, const at::Tensor& embed, at::TensorList weights, const at::Tensor& norm,
+              const at::Tensor& lm_head, const at::Tensor& kv, const at::Tensor& rope, int64_t heads, double eps,
+              const at::Tensor& table, int64_t B, const at::Tensor& hidden_norm = at::Tensor(),
+              bool norm_before_residual = false)
+      : op_(op),
+        weights_(present(weights)),
+        embed_(embed.contiguous()),
+        norm_(norm.contiguous()),
+        head_(lm_head.contiguous()),
+        rope_(rope.contiguous()),
+        table_(table),
+        hidden_norm_(hidden_norm),
+        norm_before_residual_(norm_before_residual) {
+    TORCH_CHECK_VALUE(norm.dim() == 1, op, ": the final norm must be [H], got ", norm.sizes());
+    const int64_t H = norm.size(0);
+    embed_qtype_ = qtype_of(embed, H), head_qtype_ = qtype_of(lm_head, H);
+    TORCH_CHECK_VALUE(embed.dim() == 2 && lm_head.dim() == 2 && embed_qtype_ >= 0 && head_qtype_ >= 0 &&
+                          (embed_qtype_ > 0 || embed.size(1) == H) && (head_qtype_ > 0 || lm_head.size(1) == H),
+                      op, ": embed [V, H] and lm_head [V, H] must have the final norm's H = ", H,
+                      " (dense, or as GGUF blocks), got ", embed.sizes(), " and ", lm_head.sizes());
+    const at::ScalarType dtype = rope.scalar_type();
+    d_ = check_model(dtype, embed.device(), H, weights_, norm, kv, heads, hidden_norm.defined() ? 2 * H : 0);
+    TORCH_CHECK_VALUE(!hidden_norm.defined() || (d_.num_layers == 1 && hidden_norm.dim() == 1 &&
+                                                 hidden_norm.size(0) == H && hidden_norm.scalar_type() == dtype &&
+                                                 hidden_norm.is_contiguous()),
+                      op, ": an EAGLE-3 head is one layer with a contiguous ", dtype, " hidden_norm [", H, "]");
+    TORCH_CHECK_TYPE((embed_qtype_ > 0 || embed.scalar_type() == dtype) &&
+                         (head_qtype_ > 0 || lm_head.scalar_type() == dtype),
+                     op, ": the embedding and lm_head must be ", dtype, " like the RoPE table (or GGUF blocks), got ",
+                     embed.scalar_type(), " and ", lm_head.scalar_type());
+    TORCH_CHECK_VALUE(rope.dim() == 3 && rope.size(0) == 2 && rope.size(2) == d_.D, op,
+                      ": the RoPE table must be [2, P, D] with D = ", d_.D, ", got ", rope.sizes());
+    if (table.defined()) {
+      TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == B, op, ": block_table must be [B, max_blocks] with B = ",
+                        B, ", got ", table.sizes());
+    } else {
+      TORCH_CHECK_VALUE(kv.size(2) == B, op, ": a contiguous cache has ", kv.size(2), " rows for B = ", B);
+    }
+    p_.H = d_.H, p_.Hq = d_.Hq, p_.Hkv = d_.Hkv, p_.D = d_.D, p_.I = d_.I, p_.num_layers = d_.num_layers;
+    p_.eps = static_cast<float>(eps);
+    p_.scale = 1.f / std::sqrt(static_cast<float>(d_.D));
+    p_.num_blocks = kv.size(2);
+    p_.block_size = kv.size(3);
+    p_.block_table = table.defined() ? table.data_ptr<int32_t>() : nullptr;
+    p_.max_blocks = table.defined() ? table.size(1) : 1;
+    p_.kv = kv.data_ptr<T>();
+  }
+
+  int64_t vocab() const { return head_.size(0); }
+  int64_t hidden_size() const { return d_.H; }
+
+  // Tokens [B, T] (row stride ld) at positions start[b] + t, a causal chunk over the cache: the final-normed hidden
+  // states [B * T, H], their K/V written. Valid until the next forward.
+  const T* forward(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start) {
+    run(tokens, ld, B, T_, start, false);
+    return out_.data();
+  }
+
+  // The same forward and the logits [B * T, V'] of every row (logits(forward(...), B * T), in one team). Valid until
+  // the next forward.
+  const T* forward_logits(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start) {
+    run(tokens, ld, B, T_, start, true);
+    return logits_.data();
+  }
+
+  // An EAGLE-3 head's forward (the runner built with a hidden norm): entry (b, t) is token tokens[b * ld + t] at
+  // position start[b] + t with the feature feats [B * T, H]. Returns its raw outputs [B * T, H] (the stand-ins for
+  // the next entries' features); normed() holds them final-normed, logits() of those the draft's. Valid until the
+  // next forward.
+  const T* forward_head(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start,
+                        const T* feats, bool with_logits) {
+    TORCH_CHECK(hidden_norm_.defined(), op_, ": forward_head needs a head's runner");
+    run(tokens, ld, B, T_, start, with_logits, feats);
+    return raw_.data();
+  }
+  const T* normed() const { return out_.data(); }
+  const T* forward_logits_out() const { return logits_.data(); }  // the last forward's logits, when it made them
+
+  // The target of an EAGLE-3 head's steps: every forward copies the residual streams entering `layers` out
+  // (captured(): [B * T, layers * H], in that order; valid until the next forward).
+  void capture(at::IntArrayRef layers) {
+    for (const int64_t l : layers) {
+      TORCH_CHECK_VALUE(l >= 0 && l < d_.num_layers, op_, ": capture layer ", l, " is not one of the ",
+                        d_.num_layers, " layers");
+    }
+    capture_.assign(layers.begin(), layers.end());
+  }
+  const T* captured() const { return captured_.data(); }
+  int64_t num_capture() const { return static_cast<int64_t>(capture_.size()); }
+
+  // Logits [rows, V'] of hidden states [rows, H]. Valid until the next call.
+  const T* logits(const T* hidden, int64_t rows) {
+    logits_.resize(rows * vocab());
+    if (rows > 0) linear(hidden, head(), nullptr, logits_.data(), rows, vocab(), d_.H);
+    return logits_.data();
+  }
+
+ private:
+  void run(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start, bool with_logits,
+           const T* feats = nullptr) {
+    const int64_t H = d_.H, D = d_.D, M = B * T_, V = embed_.size(0), P = rope_.size(1);
+    h_.resize(M * H);
+    cos_sin_.resize(2 * M * D);
+    out_.resize(M * H);
+    if (with_logits) logits_.resize(M * vocab());
+    seqlens_.assign(start, start + B);
+    if (mask_size_ < M * T_) mask_.reset(new bool[M * T_]), mask_size_ = M * T_;
+    const T* emb = embed_qtype_ == 0 ? embed_.data_ptr<T>() : nullptr;
+    const uint8_t* emb_blocks = embed_qtype_ != 0 ? embed_.data_ptr<uint8_t>() : nullptr;
+    row_.resize(H);
+    const T* cos = rope_.data_ptr<T>();
+    const T* sin = cos + P * D;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T_; ++t) {
+        const int64_t m = b * T_ + t, tok = tokens[b * ld + t], pos = start[b] + t;
+        TORCH_CHECK_VALUE(tok >= 0 && tok < V, op_, ": token ", tok, " is not an id of the ", V, "-token embedding");
+        TORCH_CHECK_VALUE(pos >= 0 && pos < P, op_, ": position ", pos, " needs a longer RoPE table than ", P);
+        if (emb != nullptr) {
+          for (int64_t i = 0; i < H; ++i) h_[m * H + i] = to_f(emb[tok * H + i]);
+        } else {
+          dequant_row(emb_blocks, embed_qtype_, H / kQuantBlock, tok, row_.data());
+          for (int64_t i = 0; i < H; ++i) h_[m * H + i] = to_f(row_[i]);
+        }
+        std::copy(cos + pos * D, cos + (pos + 1) * D, cos_sin_.data() + m * D);
+        std::copy(sin + pos * D, sin + (pos + 1) * D, cos_sin_.data() + (M + m) * D);
+        for (int64_t j = 0; j < T_; ++j) mask_[m * T_ + j] = j <= t;
+      }
+    }
+    Problem<T> p = p_;
+    if (feats != nullptr) head_inputs(feats, M, p);
+    if (!capture_.empty()) {
+      captured_.resize(M * num_capture() * H);
+      p.capture = capture_.data(), p.num_capture = num_capture(), p.features = captured_.data();
+    }
+    p.B = B, p.T_ = T_;
+    p.seqlens = seqlens_.data();
+    p.tree_mask = mask_.get();
+    p.cos = cos_sin_.data();
+    p.sin = p.cos + M * D;
+    check_positions(p, B, T_);
+    if (M == 0) return;
+    run_layers(p, weights_, norm_.data_ptr<T>(), h_.data(), out_.data(), with_logits ? head() : Weight{},
+               vocab(), logits_.data());
+    if (feats != nullptr) raw_.assign(h_.begin(), h_.end());
+  }
+
+  // A head's attention input and residual stream from the embeddings in h_ and the features feats [M, H].
+  void head_inputs(const T* feats, int64_t M, Problem<T>& p) {
+    const int64_t H = d_.H;
+    attn_in_.resize(M * 2 * H);
+    row_f_.resize(H);
+    for (int64_t m = 0; m < M; ++m) {
+      T* in = attn_in_.data() + m * 2 * H;  // [normed embedding | normed feature]
+      rms_norm(h_.data() + m * H, H, ptr<T>(weights_[kInputNorm]), p.eps, in, 1, H);
+      for (int64_t i = 0; i < H; ++i) row_f_[i] = to_f(feats[m * H + i]);
+      rms_norm(row_f_.data(), H, hidden_norm_.data_ptr<T>(), p.eps, in + H, 1, H);
+      for (int64_t i = 0; i < H; ++i) h_[m * H + i] = norm_before_residual_ ? to_f(in[H + i]) : row_f_[i];
+    }
+    p.attn_in = attn_in_.data();
+    p.attn_width = 2 * H;
+  }
+
+  const char* op_;
+  std::vector<at::Tensor> weights_;
+  Weight head() const { return {head_.data_ptr(), head_qtype_}; }
+  static void dequant_row(const uint8_t* w, int64_t qtype, int64_t blocks, int64_t row, float* out) {
+    quant_dequant_row_f32(w, qtype, blocks, row, out);
+  }
+  static void dequant_row(const uint8_t* w, int64_t qtype, int64_t blocks, int64_t row, c10::BFloat16* out) {
+    quant_dequant_row_bf16(w, qtype, blocks, row, out);
+  }
+
+  at::Tensor embed_, norm_, head_, rope_, table_, hidden_norm_;
+  bool norm_before_residual_ = false;
+  std::vector<T> attn_in_, raw_;  // a head's [M, 2 H] attention input and [M, H] raw outputs
+  std::vector<int64_t> capture_;  // a head's target: the layers whose input streams go to captured_ [M, C * H]
+  std::vector<T> captured_;
+  std::vector<float> row_f_;      // [H]: one feature in float32
+  int64_t embed_qtype_ = 0, head_qtype_ = 0;  // GGUF type ids, 0 for dense
+  std::vector<T> row_;                         // [H]: a quantized embedding row in the model's dtype
+  Dims d_{};
+  Problem<T> p_{};
+  std::vector<float> h_;  // the residual stream in float32
+  std::vector<T> cos_sin_, out_, logits_;
+  std::vector<int64_t> seqlens_;
+  std::unique_ptr<bool[]> mask_;
+  int64_t mask_size_ = 0;
+};
+
+// A greedy chain: tokens tok [B, gamma] (row stride gamma), token d the argmax of token d - 1's logits (the first of
+// the roots' logits [B, V]), tokens 1 .. gamma - 1 run through `model` at positions L_b + d. ``strict``: a row's
+// tokens are -1 from its first non-finite logits on. ``id_of`` [V] (or null): a restricted vocabulary's token ids.
+// ``stops`` [S]: the chain ends after the first token d at which any row emits one of them (no forward past it; the
+// rows' tokens after d are left unwritten). Returns the tokens per row it emitted: gamma, or that d.
+template <typename T, typename R>
+int64_t run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t* L, int64_t B, int64_t gamma,
+                  bool strict, const int64_t* id_of, int64_t* tok, const std::vector<int64_t>& stops = {}) {
+  std::vector<int64_t> ids(B), pos(B);
+  const T* logits = nullptr;  // [B, V]
+  for (int64_t d = 1; d <= gamma; ++d) {
+    bool stopped = false;
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t& t = tok[b * gamma + d - 1];
+      t = d > 1 && tok[b * gamma + d - 2] < 0 ? -1  // a strict row stays -1 after its first bad logits
+          : d == 1                            ? greedy::argmax(root + b * V, V, strict)
+                                              : greedy::argmax(logits + b * V, V, strict);
+      if (id_of != nullptr) t = id_of[t];  // never strict: t >= 0
+      ids[b] = std::max<int64_t>(t, 0);    // a -1 row runs token 0
+      pos[b] = L[b] + d;                   // the node's slot
+      stopped = stopped || std::find(stops.begin(), stops.end(), t) != stops.end();
+    }
+    if (d == gamma || stopped) return d;
+    logits = model.forward_logits(ids.data(), 1, B, 1, pos.data());  // [B, V]
+  }
+  return gamma;
+}
+
+// The block table as the runners read it: int32, contiguous (undefined when absent).
+at::Tensor table_of(const c10::optional<at::Tensor>& block_table) {
+  return block_table.has_value() ? block_table->to(at::kInt).contiguous() : at::Tensor();
+}
+
+// A restricted vocabulary's ids [V] as int64, each an id of the embedding's `rows` (undefined when absent).
+at::Tensor vocab_ids(const char* op, const c10::optional<at::Tensor>& vocab_map, int64_t V, int64_t rows) {
+  if (!vocab_map.has_value()) return at::Tensor();
+  TORCH_CHECK_VALUE(vocab_map->device().is_cpu(), op, ": vocab_map must be on the CPU");
+  at::Tensor ids = vocab_map->to(at::kLong).contiguous();
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.size(0) == V, op, ": vocab_map must be [V] = [", V, "], got ", ids.sizes());
+  TORCH_CHECK_VALUE(V == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < rows), op,
+                    ": vocab_map ids must lie in [0, ", rows, ")");
+  return ids;
+}
+
+// f(float{}) for float32, f(c10::BFloat16{}) otherwise: the chain ops' dtype dispatch (their checks allow these two).
+template <typename F>
+void with_dtype(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kFloat) {
+    f(float{});
+  } else {
+    f(c10::BFloat16{});
+  }
+}
+
+
+// The rows of a speculative call (spec_chain_cpu): per row the draft cache's gap then the root (row stride `ld`),
+// its length, L_b (the root's position), and the tokens it may still emit.
+struct ChainRows {
+  int64_t B, gamma, max_steps;
+  bool stop_on_reject;
+  std::vector<int64_t> gap, gap_len, L, room, stops;
+  int64_t ld;
+};
+
+// A draft model's side of a speculative step: its catch-up (the gap, then the root, at L_b - gap_len + 1 ..), then
+// its greedy chain. Its cache holds the root and drafts 1 .. gamma - 1 afterwards.
+template <typename TD>
+class ModelDraft {
+ public:
+  ModelDraft(ChainRunner<TD>& model, const int64_t* id_of) : model_(model), id_of_(id_of) {}
+
+  void propose(const ChainRows& r, int64_t* drafts) {
+    const int64_t B = r.B, H = model_.hidden_size();
+    const int64_t width = *std::max_element(r.gap_len.begin(), r.gap_len.end());
+    start_.resize(B);
+    for (int64_t b = 0; b < B; ++b) start_[b] = r.L[b] - r.gap_len[b] + 1;
+    const TD* hidden = model_.forward(r.gap.data(), r.ld, B, width, start_.data());  // [B * width, H]
+    root_.clear();
+    for (int64_t b = 0; b < B; ++b) {  // [B, H]: each row's root
+      const TD* row = hidden + (b * width + r.gap_len[b] - 1) * H;
+      root_.insert(root_.end(), row, row + H);
+    }
+    const TD* logits = model_.logits(root_.data(), B);  // [B, V]
+    run_chain(model_, logits, model_.vocab(), r.L.data(), B, r.gamma, false, id_of_, drafts);
+  }
+
+  // The rows' next gaps once `emitted` [B][n] (accepted drafts, then the target's token) is known: the bonus, after
+  // the last draft where all were accepted (the chain never ran it). r.L is still the step's.
+  template <typename TT>
+  void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t* drafts,
+              const ChainRunner<TT>&) {
+    std::vector<int64_t> next(r.B * 2);
+    for (int64_t b = 0; b < r.B; ++b) {
+      const int64_t n = static_cast<int64_t>(emitted[b].size());
+      const bool all = n == r.gamma + 1;
+      next[b * 2] = all ? drafts[b * r.gamma + r.gamma - 1] : emitted[b][n - 1];
+      next[b * 2 + 1] = emitted[b][n - 1];
+      r.gap_len[b] = all ? 2 : 1;
+    }
+    r.gap = std::move(next);
+    r.ld = 2;
+  }
+
+ private:
+  ChainRunner<TD>& model_;
+  const int64_t* id_of_;
+  std::vector<int64_t> start_;
+  std::vector<TD> root_;
+};
+
+// An EAGLE-3 head's side of a step (and of the eagle3_draft op): its entries read the target's features from the
+// paged feature cache [1, num_blocks, block_size, H] (an entry at position p the feature of p - 1, zeros at 0); its
+// chain feeds each node its parent's raw output as its feature; with `fc` [H, F] (the head's map of the target's
+// captured streams to its features) commit stores the accepted positions' features. The head's cache keeps only the
+// root's entry of a step (built on a true feature): the next step's gap is every token the step emitted.
+template <typename T>
+class HeadDraft {
+ public:
+  HeadDraft(ChainRunner<T>& head, const at::Tensor& features, const at::Tensor& table, const int64_t* id_of,
+            const at::Tensor& fc = at::Tensor())
+      : head_(head),
+        cache_(features.data_ptr<T>()),
+        num_blocks_(features.size(1)),
+        block_size_(features.size(2)),
+        blocks_(table.defined() ? table.data_ptr<int32_t>() : nullptr),
+        max_blocks_(table.defined() ? table.size(1) : 1),
+        id_of_(id_of),
+        fc_(fc) {}
+
+  // Entries (b, t): tokens[b * ld + t] at positions start[b] + t, their K/V written. Their raw outputs [B * T, H],
+  // valid until the next forward.
+  const T* entries(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start) {
+    const int64_t H = head_.hidden_size();
+    feats_.assign(B * T_ * H, static_cast<T>(0.f));  // [B * T, H]
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T_; ++t) {
+        if (start[b] + t >= 1) {
+          const T* src = row(b, start[b] + t - 1);
+          std::copy(src, src + H, feats_.begin() + (b * T_ + t) * H);
+        }
+      }
+    }
+    return head_.forward_head(tokens, ld, B, T_, start, feats_.data(), false);
+  }
+
+  // From each row's root, entry last[b] of the entries just run (T per row, the first at start[b]), gamma greedy
+  // tokens into chain [B, gamma]: token d the argmax of node d - 1's draft logits, node d run at R_b + d.
+  void chain(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, int64_t gamma,
+             int64_t* out) {
+    const int64_t H = head_.hidden_size(), V = head_.vocab();
+    prev_.resize(B * H), normed_.resize(B * H), ids_.resize(B), pos_.resize(B);
+    for (int64_t b = 0; b < B; ++b) {  // the roots: raw outputs feed node 1, normed ones give the first logits
+      const int64_t m = b * T_ + last[b];
+      std::copy(raw + m * H, raw + (m + 1) * H, prev_.begin() + b * H);
+      std::copy(head_.normed() + m * H, head_.normed() + (m + 1) * H, normed_.begin() + b * H);
+    }
+    const T* logits = head_.logits(normed_.data(), B);  // [B, V]
+    for (int64_t d = 1; d <= gamma; ++d) {
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t best = std::max<int64_t>(greedy::argmax(logits + b * V, V, false), 0);
+        ids_[b] = out[b * gamma + d - 1] = id_of_ != nullptr ? id_of_[best] : best;
+        pos_[b] = start[b] + last[b] + d;
+      }
+      if (d == gamma) return;
+      const T* h = head_.forward_head(ids_.data(), 1, B, 1, pos_.data(), prev_.data(), true);  // [B, H]
+      std::copy(h, h + B * H, prev_.begin());
+      logits = head_.forward_logits_out();  // [B, V]
+    }
+  }
+
+  void propose(const ChainRows& r, int64_t* drafts) {
+    const int64_t B = r.B, width = *std::max_element(r.gap_len.begin(), r.gap_len.end());
+    start_.resize(B), last_.resize(B);
+    for (int64_t b = 0; b < B; ++b) start_[b] = r.L[b] - r.gap_len[b] + 1, last_[b] = r.gap_len[b] - 1;
+    const T* raw = entries(r.gap.data(), r.ld, B, width, start_.data());
+    chain(raw, B, width, start_.data(), last_.data(), r.gamma, drafts);
+  }
+
+  // The features of the step's accepted positions L_b .. L_b + n - 1 (fc of the target's captured streams), and
+  // the next gaps: every emitted token (positions L_b + 1 .. L_b + n, the head's entries of the drafted ones were
+  // built on its own guesses). r.L is still the step's.
+  void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t*,
+              const ChainRunner<T>& target) {
+    const int64_t B = r.B, T_ = r.gamma + 1, H = head_.hidden_size(), F = fc_.size(1);
+    feats_.resize(B * T_ * H);
+    linear(target.captured(), Weight{fc_.data_ptr(), 0}, nullptr, feats_.data(), B * T_, H, F);  // [B * T, H]
+    r.ld = T_;
+    r.gap.assign(B * T_, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = static_cast<int64_t>(emitted[b].size());
+      for (int64_t j = 0; j < n; ++j) {
+        const T* src = feats_.data() + (b * T_ + j) * H;
+        std::copy(src, src + H, row(b, r.L[b] + j));
+      }
+      std::copy(emitted[b].begin(), emitted[b].end(), r.gap.begin() + b * T_);
+      r.gap_len[b] = n;
+    }
+  }
+
+ private:
+  // Row b's feature cache entry at position pos (its block checked: the ops check positions against the table).
+  T* row(int64_t b, int64_t pos) const {
+    TORCH_CHECK_VALUE(pos >= 0 && pos / block_size_ < max_blocks_, "EAGLE-3 head: position ", pos, " of row ", b,
+                      " lies past its block table");
+    const int64_t block = blocks_ != nullptr ? blocks_[b * max_blocks_ + pos / block_size_] : b;
+    TORCH_CHECK_VALUE(block >= 0 && block < num_blocks_, "EAGLE-3 head: block ", block, " of row ", b,
+                      " is not a block of the feature cache (", num_blocks_, " blocks)");
+    return cache_ + (block * block_size_ + pos % block_size_) * head_.hidden_size();
+  }
+
+  ChainRunner<T>& head_;
+  T* cache_;
+  int64_t num_blocks_, block_size_;
+  const int32_t* blocks_;
+  int64_t max_blocks_;
+  const int64_t* id_of_;
+  at::Tensor fc_;
+  std::vector<T> feats_, prev_, normed_;
+  std::vector<int64_t> start_, last_, ids_, pos_;
+};
+
+// The steps of spec_chain_cpu into steps [B, S, gamma + 2] and times [S, 2]; leaves the rows' gaps in `r`. `draft`:
+// a ModelDraft or a HeadDraft (whose commit reads the target's captured streams).
+template <typename TT, typename Draft>
+void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, int64_t* out, double* secs) {
+  const int64_t B = r.B, gamma = r.gamma, T = gamma + 1, max_steps = r.max_steps;
+  if (B == 0) return;
+  const auto is_stop = [&](int64_t t) { return std::find(r.stops.begin(), r.stops.end(), t) != r.stops.end(); };
+  std::vector<int64_t> drafts(B * gamma), tokens(B * T);
+  std::vector<std::vector<int64_t>> emitted(B);
+  for (int64_t s = 0; s < max_steps; ++s) {
+    bool fits = true;
+    for (int64_t b = 0; b < B; ++b) fits = fits && r.room[b] >= T;
+    if (!fits) break;
+    const auto start = std::chrono::steady_clock::now();
+    // 1. the draft catches up on its gap, then the root (the gap's last token), and drafts its chain
+    for (int64_t b = 0; b < B; ++b) tokens[b * T] = r.gap[b * r.ld + r.gap_len[b] - 1];
+    draft.propose(r, drafts.data());
+    const auto drafted = std::chrono::steady_clock::now();
+    // 2. the target runs the root and the chain
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy(drafts.begin() + b * gamma, drafts.begin() + (b + 1) * gamma, tokens.begin() + b * T + 1);
+    }
+    const TT* logits = target.forward_logits(tokens.data(), T, B, T, r.L.data());  // [B * T, V]
+    // 3. greedy acceptance: the longest prefix of drafts equal to the target's argmax, then its own next token
+    const int64_t V = target.vocab();
+    bool finite = true;
+    for (int64_t b = 0; b < B && finite; ++b) {
+      emitted[b].clear();
+      for (int64_t j = 0; j < T; ++j) {
+        const int64_t best = greedy::argmax(logits + (b * T + j) * V, V, true);
+        if (best < 0) {
+          finite = false;
+          break;
+        }
+        emitted[b].push_back(best);
+        if (j == gamma || drafts[b * gamma + j] != best) break;
+      }
+    }
+    if (!finite) break;  // nothing of this step is committed
+    draft.commit(r, emitted, drafts.data(), target);
+    bool stopped = false;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = static_cast<int64_t>(emitted[b].size());
+      int64_t* row = out + (b * max_steps + s) * (gamma + 2);
+      row[0] = n;
+      for (int64_t i = 0; i < n; ++i) {
+        row[1 + i] = emitted[b][i];
+        stopped = stopped || is_stop(emitted[b][i]);
+      }
+      r.L[b] += n;
+      r.room[b] -= n;
+      stopped = stopped || (r.stop_on_reject && n == 1);
+    }
+    const auto end = std::chrono::steady_clock::now();
+    secs[2 * s] = std::chrono::duration<double>(drafted - start).count();
+    secs[2 * s + 1] = std::chrono::duration<double>(end - start).count();
+    if (stopped) break;
+  }
+}
+
+}  // namespace
+}  // namespace specdec
