@@ -35,6 +35,7 @@ def test_plan_compares_expected_accepted_tokens():
 
     class FakeModel:
         max_depth, max_nodes, tree, kv, keeps_cache, needs_hidden, target_layers = 4, 5, None, None, True, False, None
+        features = None
 
         def nodes_for_depth(self, depth):
             return depth + 1
