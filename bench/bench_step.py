@@ -177,7 +177,7 @@ def native_step(eng):
     table = torch.arange(1, 2 + (CTX + NATIVE_STEPS) // block_size, dtype=torch.int32)[None]  # [1, W]
 
     def once():
-        greedy_steps(torch.tensor([5]), eng.native_target, eng.kv.data, torch.tensor([CTX], dtype=torch.int32),
+        greedy_steps(torch.tensor([5]), eng.runner.native_target, eng.kv.data, torch.tensor([CTX], dtype=torch.int32),
                      steps=NATIVE_STEPS, block_table=table)  # fmt: skip
 
     once()  # (builds the extension)

@@ -316,9 +316,9 @@ def _patched(obj, name: str, wrapper):
 
 
 def profile_steps(llm, prompts: list[Prompt], max_tokens: int) -> dict:
-    """Wall time per step of each stage of ``Engine._spec_step`` (timers around the calls), plus torch.profiler's
+    """Wall time per step of each stage of ``StepRunner._spec_step`` (timers around the calls), plus torch.profiler's
     top aten ops and cProfile's top Python functions for the same generate, all at batch ``len(prompts)``."""
-    import spec_engine.engine as engine_mod
+    import spec_engine.runner as runner_mod
     from spec_engine.drafters import draft_model as draft_mod
     from spec_engine.drafters.draft_model import DraftModelDrafter
 
@@ -340,18 +340,18 @@ def profile_steps(llm, prompts: list[Prompt], max_tokens: int) -> dict:
 
         return wrap
 
+    run = eng.runner
     patches = [
         (eng, "_decode", "Engine._decode (whole step)"),
-        (eng, "_propose", "Engine._propose (drafting, whole)"),
-        (eng, "_block_table", "Engine._block_table"),
-        (eng, "_emit", "Engine._emit"),
+        (run, "_propose", "StepRunner._propose (drafting, whole)"),
+        (run, "block_table", "StepRunner.block_table"),
+        (eng, "_apply", "Engine._apply (commit)"),
         (eng, "_prefill", "Engine._prefill (prompt, amortised over the steps)"),
         (eng.target, "forward", "target forward (LlamaForCausalLM.forward)"),
         (eng.target, "logits", "target logits (lm_head)"),
-        (engine_mod, "verify_tree", "verify_tree"),
-        (engine_mod, "compact_kv_", "compact_kv_ (target)"),
-        (eng, "_step_inputs", "Engine._step_inputs (host rows -> device)"),
-        (eng, "_read_step", "Engine._read_step (the one host read)"),
+        (runner_mod, "verify_tree", "verify_tree"),
+        (run, "step_inputs", "StepRunner.step_inputs (host rows -> device)"),
+        (run, "_read_step", "StepRunner._read_step (the one host read)"),
     ]
     if eng.drafter is not None:
         patches.append((eng.drafter, "propose", "drafter.propose (whole)"))

@@ -11,8 +11,7 @@ namespace specdec {
 // the previous one's logits; the first gamma - 1 run through the model at positions L_b + d (their K/V written there,
 // as the drafter's per-level forwards would). Returns tokens [B, gamma] int64. Why: a drafted level costs its weights
 // plus more than twice that in Python and op dispatch when driven level by level from Python (the default draft); here
-// one call pays the dispatch once. The target's plain greedy decoding runs the same chain (``strict``: from a row's
-// first non-finite logits on, its tokens are -1, and the engine decodes that step the regular way).
+// one call pays the dispatch once. ``strict``: from a row's first non-finite logits on, its tokens are -1.
 at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embed, at::TensorList weights,
                            const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
                            const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
@@ -53,13 +52,14 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
   return tokens;
 }
 
-// K plain greedy steps in one call (the target's plain decoding, batched): the roots [B] run at positions L_b, then
-// token d = 1 .. K is the argmax of the previous forward's logits, tokens 1 .. K - 1 run at L_b + d (their K/V
-// written there, as K one-token steps would). Returns tokens [B, K'] int64, K' <= K: the call ends after the first
-// token at which any row emits one of stop_ids [S] (a row's end of text: no forward is spent past it, so a long
-// chain costs nothing at a request's end; the engine cuts each row at its own stop tokens and runs the rows that
-// go on in its next call). From a row's first non-finite logits on its tokens are -1 (the engine then decodes that
-// step the regular way, which sanitises or raises).
+// K plain greedy steps in one call (the target's plain decoding, batched): the speculative steps' loop
+// (run_spec_chain) with no draft. The roots [B] run at positions L_b, then token d = 1 .. K is the argmax of the
+// previous forward's logits, tokens 1 .. K - 1 run at L_b + d (their K/V written there, as K one-token steps
+// would). Returns tokens [B, K'] int64, K' <= K: the call ends after the first token at which any row emits one of
+// stop_ids [S] (a row's end of text: no forward is spent past it, so a long chain costs nothing at a request's end;
+// the engine cuts each row at its own stop tokens and runs the rows that go on in its next call), and before a step
+// where some row's logits are not finite (K' = 0 when the first is: the engine then decodes that step the regular
+// way, which sanitises or raises).
 at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at::TensorList weights,
                             const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
                             const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
@@ -76,22 +76,30 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at
   TORCH_CHECK_VALUE(rope_table.dim() == 3 && rope_table.size(0) == 2, "greedy_steps: rope_table must be [2, P, D]");
   const at::Tensor ids = roots.to(at::kLong).contiguous();              // [B]
   const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
-  at::Tensor tokens = at::empty({B, steps}, seqlens.options());        // [B, K]
-  const at::Tensor table = table_of(block_table);
-  std::vector<int64_t> stops;  // [S]
+  ChainRows rows{B, 0, steps, false, {}, std::vector<int64_t>(B, 1), {}, std::vector<int64_t>(B, steps), {}, 1};
+  rows.gap.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + B);
+  rows.L.assign(seqlens.data_ptr<int64_t>(), seqlens.data_ptr<int64_t>() + B);
   if (stop_ids.has_value()) {
     const at::Tensor s = stop_ids->to(at::kLong).contiguous();
-    stops.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
+    rows.stops.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
   }
-  int64_t ran = steps;
+  std::vector<int64_t> out(B * steps * 2, 0);  // [B, K, 2]: per step the count (1; 0 where not run), the token
+  std::vector<double> secs(steps * 2);
+  const at::Tensor table = table_of(block_table);
   with_dtype(rope_table.scalar_type(), [&](auto type) {
     ChainRunner<decltype(type)> model("greedy_steps", embed, weights, final_norm, lm_head, kv_cache, rope_table,
                                       num_heads, eps, table, B);
-    const int64_t* L = seqlens.data_ptr<int64_t>();
-    const auto* logits = model.forward_logits(ids.data_ptr<int64_t>(), 1, B, 1, L);  // [B, V]
-    ran = run_chain(model, logits, model.vocab(), L, B, steps, true, nullptr, tokens.data_ptr<int64_t>(), stops);
+    NoDraft none;
+    run_spec_chain(model, none, rows, out.data(), secs.data());
   });
-  return ran == steps ? tokens : tokens.narrow(1, 0, ran).contiguous();  // [B, K']
+  int64_t ran = 0;
+  while (ran < steps && B > 0 && out[ran * 2] > 0) ++ran;  // every row runs every step
+  at::Tensor tokens = at::empty({B, ran}, seqlens.options());  // [B, K']
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t s = 0; s < ran; ++s) tok[b * ran + s] = out[(b * steps + s) * 2 + 1];
+  }
+  return tokens;
 }
 
 // An EAGLE-3 head's draft in one call: entries (b, t) of tokens [B, T] at positions start[b] + t, each with the
@@ -117,14 +125,6 @@ std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(
   for (const at::Tensor* t : {&start, &last}) {
     TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == B, "eagle3_draft: start and last must be [B] = [", B, "]");
   }
-  TORCH_CHECK_VALUE(kv_cache.dim() == 6, "eagle3_draft: kv_cache must be [1, 2, blocks, block_size, Hkv, D]");
-  TORCH_CHECK_VALUE(feature_cache.dim() == 4 && feature_cache.size(1) == kv_cache.size(2) &&
-                        feature_cache.size(2) == kv_cache.size(3) && feature_cache.size(3) == H &&
-                        feature_cache.scalar_type() == rope_table.scalar_type() && feature_cache.is_contiguous() &&
-                        feature_cache.device().is_cpu(),
-                    "eagle3_draft: feature_cache must be a contiguous ", rope_table.scalar_type(),
-                    " [1, blocks, block_size, H] on the KV cache's blocks with H = ", H, ", got ",
-                    feature_cache.sizes(), " ", feature_cache.scalar_type());
   const at::Tensor ids = tokens.to(at::kLong).contiguous();  // [B, T]
   const at::Tensor first = start.to(at::kLong).contiguous(), root_t = last.to(at::kLong).contiguous();  // [B]
   const at::Tensor table = table_of(block_table);
@@ -135,18 +135,13 @@ std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(
     TORCH_CHECK_VALUE(S[b] >= 0 && R[b] >= 0 && R[b] < T_, "eagle3_draft: row ", b, " has start ", S[b],
                       " and last ", R[b], " (must lie in [0, ", T_, "))");
   }
-  at::Tensor out = at::empty({B, T_, H}, feature_cache.options());  // [B, T, H]
+  at::Tensor out = at::empty({B, T_, H}, rope_table.options());  // [B, T, H]
   at::Tensor chain = at::empty({B, gamma}, ids.options());          // [B, gamma]
   if (B == 0) return {out, chain};
   with_dtype(rope_table.scalar_type(), [&](auto type) {
     using T = decltype(type);
     ChainRunner<T> model("eagle3_draft", embed, weights, norm, lm_head, kv_cache, rope_table, num_heads, eps, table,
                          B, hidden_norm, norm_before_residual);
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t capacity = table.defined() ? table.size(1) * feature_cache.size(2) : feature_cache.size(2);
-      TORCH_CHECK_VALUE(S[b] + T_ <= capacity, "eagle3_draft: row ", b, " needs positions up to ", S[b] + T_,
-                        " but its cache holds ", capacity);
-    }
     HeadDraft<T> head(model, feature_cache, table, id_map.defined() ? id_map.data_ptr<int64_t>() : nullptr);
     const T* raw = head.entries(ids.data_ptr<int64_t>(), T_, B, T_, S);  // [B * T, H]
     std::copy(raw, raw + B * T_ * H, out.data_ptr<T>());
@@ -161,7 +156,8 @@ std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(
 // the chain at L_b .. L_b + gamma, and the longest prefix of drafts equal to the target's argmax is accepted, plus
 // the target's own next token. A chain's accepted nodes are a prefix: both caches stay in place (no compaction).
 // The engine's step does the same work in ~10 Python-driven op calls; here it costs its kernels (ChainRunner: no
-// ATen op inside the steps).
+// ATen op inside the steps). gamma 0: plain greedy steps, the draft idle (its gap grows by each emitted token), a
+// head's features still stored: the plain decoding of a head's target.
 //
 // pending [B, P] int64: per row the tokens at positions D_b .. L_b (the draft cache's gap, then the root), padded
 // at the end; pending_lens [B]: their counts (>= 1); seqlens [B]: L_b; budget [B]: tokens the row may still emit
@@ -190,7 +186,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   TORCH_CHECK_VALUE(pending.dim() == 2 && pending.size(1) >= 1, "spec_chain: pending must be [B, P], got ",
                     pending.sizes());
   const int64_t B = pending.size(0), P = pending.size(1);
-  TORCH_CHECK_VALUE(gamma >= 1 && max_steps >= 1, "spec_chain: gamma and max_steps must be >= 1");
+  TORCH_CHECK_VALUE(gamma >= 0 && max_steps >= 1, "spec_chain: gamma must be >= 0 and max_steps >= 1, got ", gamma,
+                    " and ", max_steps);
   for (const at::Tensor* t : {&pending_lens, &seqlens, &budget}) {
     TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == B, "spec_chain: per-row inputs must be [B] = [", B, "]");
   }
@@ -209,11 +206,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
                           d_fc->size(1) == static_cast<int64_t>(capture.size()) * t_norm.size(0) &&
                           d_fc->is_contiguous(),
                       "spec_chain: the head's fc must be contiguous [H, layers * H_target], got ", d_fc->sizes());
-    TORCH_CHECK_VALUE(d_features->dim() == 4 && d_features->size(1) == d_kv.size(2) &&
-                          d_features->size(2) == d_kv.size(3) && d_features->size(3) == d_norm.size(0) &&
-                          d_features->scalar_type() == t_rope.scalar_type() && d_features->is_contiguous(),
-                      "spec_chain: the head's feature cache must be contiguous [1, blocks, block_size, H] on its KV ",
-                      "cache's blocks, got ", d_features->sizes());
   }
   ChainRows rows{B, gamma, max_steps, stop_on_reject, {}, std::vector<int64_t>(B), std::vector<int64_t>(B),
                  std::vector<int64_t>(B), {}, P};

@@ -1,6 +1,7 @@
 // The native step runners' pieces: one model's forwards from raw buffers kept across forwards (ChainRunner), a
-// greedy chain (run_chain), the two kinds of draft of a speculative step (ModelDraft, an EAGLE-3 head's HeadDraft)
-// and the speculative steps themselves (run_spec_chain). The op entry points are csrc/runner_cpu.cpp.
+// draft's greedy chain (run_chain), the kinds of draft of a step (NoDraft for plain steps, ModelDraft, an EAGLE-3
+// head's HeadDraft) and the steps themselves (run_spec_chain: every native greedy step, plain or speculative). The op
+// entry points are csrc/runner_cpu.cpp.
 #pragma once
 
 #include "argmax_cpu.h"
@@ -75,6 +76,9 @@ class ChainRunner {
 
   int64_t vocab() const { return head_.size(0); }
   int64_t hidden_size() const { return d_.H; }
+  const char* op() const { return op_; }
+  int64_t num_blocks() const { return p_.num_blocks; }  // the KV cache's geometry: blocks of block_size positions
+  int64_t block_size() const { return p_.block_size; }
 
   // Tokens [B, T] (row stride ld) at positions start[b] + t, a causal chunk over the cache: the final-normed hidden
   // states [B * T, H], their K/V written. Valid until the next forward.
@@ -217,15 +221,12 @@ class ChainRunner {
 // A greedy chain: tokens tok [B, gamma] (row stride gamma), token d the argmax of token d - 1's logits (the first of
 // the roots' logits [B, V]), tokens 1 .. gamma - 1 run through `model` at positions L_b + d. ``strict``: a row's
 // tokens are -1 from its first non-finite logits on. ``id_of`` [V] (or null): a restricted vocabulary's token ids.
-// ``stops`` [S]: the chain ends after the first token d at which any row emits one of them (no forward past it; the
-// rows' tokens after d are left unwritten). Returns the tokens per row it emitted: gamma, or that d.
 template <typename T, typename R>
-int64_t run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t* L, int64_t B, int64_t gamma,
-                  bool strict, const int64_t* id_of, int64_t* tok, const std::vector<int64_t>& stops = {}) {
+void run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t* L, int64_t B, int64_t gamma,
+               bool strict, const int64_t* id_of, int64_t* tok) {
   std::vector<int64_t> ids(B), pos(B);
   const T* logits = nullptr;  // [B, V]
   for (int64_t d = 1; d <= gamma; ++d) {
-    bool stopped = false;
     for (int64_t b = 0; b < B; ++b) {
       int64_t& t = tok[b * gamma + d - 1];
       t = d > 1 && tok[b * gamma + d - 2] < 0 ? -1  // a strict row stays -1 after its first bad logits
@@ -234,12 +235,10 @@ int64_t run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t
       if (id_of != nullptr) t = id_of[t];  // never strict: t >= 0
       ids[b] = std::max<int64_t>(t, 0);    // a -1 row runs token 0
       pos[b] = L[b] + d;                   // the node's slot
-      stopped = stopped || std::find(stops.begin(), stops.end(), t) != stops.end();
     }
-    if (d == gamma || stopped) return d;
+    if (d == gamma) return;
     logits = model.forward_logits(ids.data(), 1, B, 1, pos.data());  // [B, V]
   }
-  return gamma;
 }
 
 // The block table as the runners read it: int32, contiguous (undefined when absent).
@@ -276,6 +275,30 @@ struct ChainRows {
   bool stop_on_reject;
   std::vector<int64_t> gap, gap_len, L, room, stops;
   int64_t ld;
+
+  // After a step that drafted nothing (gamma 0: a plain step), the draft's cache did not move: each row's gap grows
+  // by the tokens it emitted.
+  void extend(const std::vector<std::vector<int64_t>>& emitted) {
+    int64_t width = 0;
+    for (int64_t b = 0; b < B; ++b) width = std::max<int64_t>(width, gap_len[b] + emitted[b].size());
+    std::vector<int64_t> next(B * width, 0);  // [B, width]
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy(gap.begin() + b * ld, gap.begin() + b * ld + gap_len[b], next.begin() + b * width);
+      std::copy(emitted[b].begin(), emitted[b].end(), next.begin() + b * width + gap_len[b]);
+      gap_len[b] += static_cast<int64_t>(emitted[b].size());
+    }
+    gap = std::move(next);
+    ld = width;
+  }
+};
+
+// No draft: the target's plain greedy steps (gamma 0), the gap growing by each emitted token (its last the next root).
+struct NoDraft {
+  void propose(const ChainRows&, int64_t*) {}
+  template <typename TT>
+  void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t*, const ChainRunner<TT>&) {
+    r.extend(emitted);
+  }
 };
 
 // A draft model's side of a speculative step: its catch-up (the gap, then the root, at L_b - gap_len + 1 ..), then
@@ -305,6 +328,7 @@ class ModelDraft {
   template <typename TT>
   void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t* drafts,
               const ChainRunner<TT>&) {
+    if (r.gamma == 0) return r.extend(emitted);
     std::vector<int64_t> next(r.B * 2);
     for (int64_t b = 0; b < r.B; ++b) {
       const int64_t n = static_cast<int64_t>(emitted[b].size());
@@ -335,13 +359,21 @@ class HeadDraft {
   HeadDraft(ChainRunner<T>& head, const at::Tensor& features, const at::Tensor& table, const int64_t* id_of,
             const at::Tensor& fc = at::Tensor())
       : head_(head),
-        cache_(features.data_ptr<T>()),
-        num_blocks_(features.size(1)),
-        block_size_(features.size(2)),
+        num_blocks_(head.num_blocks()),
+        block_size_(head.block_size()),
         blocks_(table.defined() ? table.data_ptr<int32_t>() : nullptr),
         max_blocks_(table.defined() ? table.size(1) : 1),
         id_of_(id_of),
-        fc_(fc) {}
+        fc_(fc) {
+    const at::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
+    TORCH_CHECK_VALUE(features.dim() == 4 && features.size(0) == 1 && features.size(1) == num_blocks_ &&
+                          features.size(2) == block_size_ && features.size(3) == head.hidden_size() &&
+                          features.scalar_type() == dtype && features.is_contiguous() && features.device().is_cpu(),
+                      head.op(), ": the head's feature cache must be a contiguous ", dtype,
+                      " [1, blocks, block_size, H] on its KV cache's blocks (", num_blocks_, ", ", block_size_,
+                      ", H = ", head.hidden_size(), "), got ", features.sizes(), " ", features.scalar_type());
+    cache_ = features.data_ptr<T>();
+  }
 
   // Entries (b, t): tokens[b * ld + t] at positions start[b] + t, their K/V written. Their raw outputs [B * T, H],
   // valid until the next forward.
@@ -394,22 +426,25 @@ class HeadDraft {
 
   // The features of the step's accepted positions L_b .. L_b + n - 1 (fc of the target's captured streams), and
   // the next gaps: every emitted token (positions L_b + 1 .. L_b + n, the head's entries of the drafted ones were
-  // built on its own guesses). r.L is still the step's.
+  // built on its own guesses; after a plain step, gamma 0, the gap grows by the emitted token). r.L is still the
+  // step's.
   void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t*,
               const ChainRunner<T>& target) {
     const int64_t B = r.B, T_ = r.gamma + 1, H = head_.hidden_size(), F = fc_.size(1);
     feats_.resize(B * T_ * H);
     linear(target.captured(), Weight{fc_.data_ptr(), 0}, nullptr, feats_.data(), B * T_, H, F);  // [B * T, H]
-    r.ld = T_;
-    r.gap.assign(B * T_, 0);
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t n = static_cast<int64_t>(emitted[b].size());
-      for (int64_t j = 0; j < n; ++j) {
+      for (size_t j = 0; j < emitted[b].size(); ++j) {
         const T* src = feats_.data() + (b * T_ + j) * H;
         std::copy(src, src + H, row(b, r.L[b] + j));
       }
+    }
+    if (r.gamma == 0) return r.extend(emitted);
+    r.ld = T_;
+    r.gap.assign(B * T_, 0);
+    for (int64_t b = 0; b < B; ++b) {
       std::copy(emitted[b].begin(), emitted[b].end(), r.gap.begin() + b * T_);
-      r.gap_len[b] = n;
+      r.gap_len[b] = static_cast<int64_t>(emitted[b].size());
     }
   }
 
@@ -425,7 +460,7 @@ class HeadDraft {
   }
 
   ChainRunner<T>& head_;
-  T* cache_;
+  T* cache_ = nullptr;
   int64_t num_blocks_, block_size_;
   const int32_t* blocks_;
   int64_t max_blocks_;
@@ -449,9 +484,10 @@ void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, int64_t
     for (int64_t b = 0; b < B; ++b) fits = fits && r.room[b] >= T;
     if (!fits) break;
     const auto start = std::chrono::steady_clock::now();
-    // 1. the draft catches up on its gap, then the root (the gap's last token), and drafts its chain
+    // 1. the draft catches up on its gap, then the root (the gap's last token), and drafts its chain (gamma 0: a
+    // plain step, the draft idle)
     for (int64_t b = 0; b < B; ++b) tokens[b * T] = r.gap[b * r.ld + r.gap_len[b] - 1];
-    draft.propose(r, drafts.data());
+    if (gamma > 0) draft.propose(r, drafts.data());
     const auto drafted = std::chrono::steady_clock::now();
     // 2. the target runs the root and the chain
     for (int64_t b = 0; b < B; ++b) {

@@ -254,9 +254,9 @@ def greedy_chain(
     (their K/V written there).
 
     Shapes: root_logits ``[B, V]`` (``[B, K]`` over ``model.vocab_map`` for a restricted vocabulary); cache_seqlens
-    ``[B]`` the roots' positions L_b; returns ``[B, gamma]`` int64. ``strict`` (the target's plain greedy chain):
-    from a row's first logits with a NaN or a non-finite maximum on, its tokens are -1 (a draft skips NaNs instead:
-    a bad guess costs acceptance only).
+    ``[B]`` the roots' positions L_b; returns ``[B, gamma]`` int64. ``strict``: from a row's first logits with a NaN
+    or a non-finite maximum on, its tokens are -1 (a draft skips NaNs by default: a bad guess costs acceptance
+    only).
     """
     from spec_kernels._ext import load_ext
 
@@ -278,9 +278,10 @@ def greedy_steps(
 ) -> torch.Tensor:
     """``steps`` plain greedy steps per row in one native call (see ``greedy_steps_cpu``): the roots ``[B]`` run at
     positions ``cache_seqlens`` (L_b), then each token is the argmax of the previous forward's logits and runs at
-    L_b + d, its K/V written there. Returns ``[B, K]`` int64, K = ``steps``, or fewer where some row emitted one of
-    ``stop_ids`` ``[S]`` (the call ends after that token); -1 from a row's first non-finite logits on. The model's
-    vocabulary cannot be restricted (its logits decide the output)."""
+    L_b + d, its K/V written there: ``spec_chain``'s steps with no draft. Returns ``[B, K]`` int64, K = ``steps``,
+    or fewer where some row emitted one of ``stop_ids`` ``[S]`` (the call ends after that token) or where some row's
+    logits are not finite (the call ends before that step; K = 0 when the first is). The model's vocabulary cannot
+    be restricted (its logits decide the output)."""
     if model.vocab_map is not None:
         raise ValueError("greedy_steps: the model's vocabulary cannot be restricted (its logits decide the output)")
     from spec_kernels._ext import load_ext
@@ -297,10 +298,11 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, pending, pe
     """Up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chain in one native call
     (see ``spec_chain_cpu`` in csrc/runner_cpu.cpp). A head reads its features from ``draft_features``
     ``[1, num_blocks, block_size, H]`` (on the caches' blocks), and each step writes the accepted positions' there.
+    ``gamma`` 0: plain greedy steps, the draft idle (a head's features still written).
 
     pending ``[B, P]`` the tokens each row's draft cache lacks then its root, pending_lens / seqlens (L_b) / budget
     ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``: per step the count n of emitted tokens
-    then the tokens; the rows' new pending ``[B, 2]`` and pending_lens ``[B]``; times ``[max_steps, 2]``: per step
+    then the tokens; the rows' new pending ``[B, P']`` and pending_lens ``[B]``; times ``[max_steps, 2]``: per step
     the draft's and the whole step's seconds). ``stop_on_reject``: a step where some row accepted no draft is the
     call's last (an adaptive controller then re-decides the depth).
     """

@@ -17,7 +17,7 @@ import torch
 from test_engine_sampling import P_BUG, P_MIN, N, V, chi2_pvalue, exact_joint, sample_joint
 from tiny_models import make_model, make_noisy_copy
 
-import spec_engine.engine as engine_mod
+import spec_engine.runner as runner_mod
 from spec_engine import LLM, SamplingParams
 from spec_engine.drafters.draft_model import DRAFT_VOCAB_FILE, DraftModelDrafter, read_draft_vocab, write_draft_vocab
 from spec_engine.engine import EngineConfig
@@ -92,12 +92,12 @@ def test_planted_bug_native_chain_without_the_id_map(pair, monkeypatch):
                                                "num_speculative_tokens": 3})  # fmt: skip
     params = SamplingParams(max_tokens=33, ignore_eos=True)
     regular = generate(llm, params, 0)
-    real = engine_mod.spec_chain
+    real = runner_mod.spec_chain
 
     def unmapped(t, d, *args, **kw):
         return real(t, dataclasses.replace(d, vocab_map=None), *args, **kw)
 
-    monkeypatch.setattr(engine_mod, "spec_chain", unmapped)
+    monkeypatch.setattr(runner_mod, "spec_chain", unmapped)
     native = generate(llm, params, 4)
     assert [o.metrics["num_accepted"] for o in native] != [o.metrics["num_accepted"] for o in regular]
 

@@ -27,7 +27,7 @@ from spec_engine.models import ModelConfig, load_model
 from spec_engine.models.llama import cache_slots
 from spec_engine.tree import causal_mask
 from spec_engine.zoo.train_eagle import head_config, init_head, ttt_loss
-from spec_kernels.decoder_layers import eagle3_draft
+from spec_kernels.decoder_layers import NativeHead, eagle3_draft, greedy_steps, spec_chain
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77]]
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 128  # tiny_models' llama_gqa at hidden 64
@@ -310,13 +310,13 @@ def test_native_eagle3_draft_rejects_bad_inputs(models, tmp_path):
     head = load_eagle_head(write_published_head(tmp_path / "eagle3", "eagle3"), load_model(target_dir)).fuse(64)
     kv = torch.zeros(1, 2, 4, 8, KV_HEADS, HEAD_DIM)
     tokens, start, table = torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), torch.zeros(1, 4)
-    with pytest.raises(ValueError, match="feature_cache must be"):
+    with pytest.raises(ValueError, match="feature cache must be"):
         eagle3_draft(head.native, tokens, start, torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4, 8, HIDDEN + 1),
                      kv, gamma=1, block_table=table.int())  # fmt: skip
     with pytest.raises(ValueError, match="last 3"):
         eagle3_draft(head.native, tokens, start, torch.full((1,), 3), torch.zeros(1, 4, 8, HIDDEN), kv, gamma=1,
                      block_table=table.int())  # fmt: skip
-    with pytest.raises(ValueError, match="needs positions up to 33"):
+    with pytest.raises(ValueError, match="L_b = 30 and T = 3 but its cache holds 32"):
         eagle3_draft(head.native, tokens, start + 30, torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4, 8, HIDDEN),
                      kv, gamma=1, block_table=table.int())  # fmt: skip
 
@@ -335,6 +335,42 @@ def test_native_eagle3_chains_match_plain(models, plain_greedy, tmp_path, spec):
     assert stats["num_drafted"] > 0
     if spec.get("num_speculative_tokens"):  # fixed depths: the engine's native steps (spec_chain) ran the head
         assert stats["num_regular_steps"] < stats["num_steps"] // 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plain_native_steps_store_a_heads_features(models, tmp_path, dtype):
+    """A head's target decodes plainly in native chains (spec_chain at depth 0: the head idle, the target's captured
+    streams through fc into the feature cache at each emitted position), so an undrafted stretch costs no regular
+    Python step per token. Its tokens are greedy_steps', and the features it stores are those the regular step
+    stores (the target's forward_features through the head's fc) at positions 0 .. K - 1: one stored a position off,
+    or from another layer's stream, differs."""
+    target, _ = models
+    spec = {"method": "eagle", "model": str(write_published_head(tmp_path / "eagle3", "eagle3"))}
+    eng = LLM(str(target), speculative_config=spec, max_model_len=128, dtype=dtype).engine
+    head = eng.drafter
+    assert isinstance(eng.runner.native_draft, NativeHead)
+    B, K, P = 2, 6, 16
+
+    def cache(data):  # a contiguous cache of B rows of P positions
+        return data.new_zeros(data.shape[0], 2, B, P, *data.shape[4:])
+
+    roots, zero = torch.tensor([5, 60]), torch.zeros(B, dtype=torch.int64)
+    features = head.features.new_zeros(1, B, P, head.features.shape[-1])  # [1, B, P, H]
+    d_kv = cache(head.kv.data)
+    steps, gap, _, _ = spec_chain(eng.runner.native_target, eng.runner.native_draft, roots[:, None], zero + 1, zero,
+                                  cache(eng.kv.data), d_kv, None, zero + 100, zero[:0], gamma=0, max_steps=K,
+                                  draft_features=features)  # fmt: skip
+    tokens = steps[:, :, 1]  # [B, K]
+    assert torch.equal(tokens, greedy_steps(roots, eng.runner.native_target, cache(eng.kv.data), zero, steps=K))
+    assert not d_kv.any() and gap.shape == (B, K + 1)  # the head did not run: its gap holds every token
+    seq = torch.cat([roots[:, None], tokens[:, :-1]], dim=1)  # [B, K]: the tokens at positions 0 .. K - 1
+    positions = torch.arange(K).expand(B, K)
+    _, streams = eng.target.forward_features(seq, positions, cache(eng.kv.data), zero.int(), causal_mask(B, K, "cpu"),
+                                             layers=head.target_layers)  # fmt: skip
+    want = head.model.features(streams)  # [B, K, H]
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(features[0, :, :K], want, atol=tol, rtol=tol)
+    assert not features[0, :, K:].any()
 
 
 def test_mismatched_heads_raise_clear_errors(models, tmp_path):
@@ -445,30 +481,25 @@ SMOLLM2_CHAT = ["Write a Python function that reverses a string.", "What is the 
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    """An HF export of SmolLM2-135M-Instruct ($SPECDEC_SMOLLM2_DIR, else /tmp/smol/hf), or a skip."""
-    import os
-    from pathlib import Path
-
+def smollm2_head(smollm2):
+    """SmolLM2-135M-Instruct's GGUF (pulled from the registry: conftest's ``smollm2``) with its shipped head, or a
+    skip."""
     from spec_engine.zoo import MODELS_DIR
 
-    d = Path(os.environ.get("SPECDEC_SMOLLM2_DIR", "/tmp/smol/hf"))
-    if not (d / "config.json").is_file():
-        pytest.skip(f"SmolLM2-135M-Instruct is not exported at {d} (set SPECDEC_SMOLLM2_DIR)")
     if not (MODELS_DIR / "smollm2-eagle3" / "config.json").is_file():
         pytest.skip("no shipped SmolLM2 head (python -m spec_engine.zoo.train_eagle --layout eagle3)")
-    return str(d)
+    return str(smollm2)
 
 
-def test_shipped_smollm2_head_is_lossless(smollm2):
+def test_shipped_smollm2_head_is_lossless(smollm2_head):
     """{"method": "eagle"} with no model takes the shipped EAGLE-3 head for SmolLM2; greedy chat answers are the
     plain target's, token for token."""
     from spec_engine.zoo.eagle_data import chatml
 
     spec = {"method": "eagle", "num_speculative_tokens": 3}
-    llm = LLM(smollm2, speculative_config=spec, dtype="bfloat16", max_model_len=256)
+    llm = LLM(smollm2_head, speculative_config=spec, dtype="bfloat16", max_model_len=256)
     assert llm.speculative_config["model"].endswith("smollm2-eagle3")
-    plain = LLM(smollm2, dtype="bfloat16", max_model_len=256)
+    plain = LLM(smollm2_head, dtype="bfloat16", max_model_len=256)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = [chatml(p) for p in SMOLLM2_CHAT]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -478,7 +509,7 @@ def test_shipped_smollm2_head_is_lossless(smollm2):
     assert sum(o.metrics["num_accepted"] for o in outs) > 0
 
 
-def test_smollm2_head_native_steps_draft_as_the_regular_step(smollm2):
+def test_smollm2_head_native_steps_draft_as_the_regular_step(smollm2_head):
     """The shipped EAGLE-3 head in the engine's native speculative steps (spec_chain: the head's catch-up and chain,
     the target's pass capturing its streams, the accepted positions' features stored, all in C++) drafts what the
     regular Python step drafts: float32, the same tokens and the same accepted drafts per request (a wrong feature
@@ -491,7 +522,7 @@ def test_smollm2_head_native_steps_draft_as_the_regular_step(smollm2):
     prompts = [chatml(p) for p in SMOLLM2_CHAT[:3]]
     runs = {}
     for steps in (16, 0):
-        llm = LLM(smollm2, speculative_config=spec, dtype="float32", max_model_len=256,
+        llm = LLM(smollm2_head, speculative_config=spec, dtype="float32", max_model_len=256,
                   engine_config=EngineConfig(spec_chain_steps=steps))  # fmt: skip
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs[steps] = [(o.outputs[0].token_ids, o.metrics["num_accepted"]) for o in outs], llm.engine.stats

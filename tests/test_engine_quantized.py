@@ -59,7 +59,7 @@ def test_float32_is_the_dequantized_model(gguf_files, name):
     fields = model.layer_weights
     assert isinstance(fields[5], QuantizedWeight) and isinstance(fields[6], QuantizedWeight)  # gate_up, down
     assert isinstance(fields[1], torch.Tensor if name == "mixed" else QuantizedWeight)  # qkv
-    assert quant.engine.native_target is not None  # the native chains run the blocks as stored
+    assert quant.engine.runner.native_target is not None  # the native chains run the blocks as stored
     assert _tokens(quant) == _tokens(dense)
     ids = torch.tensor([[5, 9, 13, 5, 9, 13, 70, 2]])
     assert torch.equal(_logits(model, ids), _logits(dense.target, ids))

@@ -13,6 +13,7 @@ import torch
 from tiny_models import make_model, make_noisy_copy
 
 import spec_engine.engine as engine_mod
+import spec_engine.runner as runner_mod
 from spec_engine import LLM, SamplingParams
 from spec_engine.engine import EngineConfig
 
@@ -36,13 +37,13 @@ def run(llm: LLM, params: SamplingParams, chain: int) -> list:
 
 def spy_chains(llm: LLM, monkeypatch) -> list[int]:
     """The length of every native chain the target runs."""
-    calls, real = [], engine_mod.greedy_steps
+    calls, real = [], runner_mod.greedy_steps
 
     def spy(*args, **kw):
         calls.append(kw["steps"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine_mod, "greedy_steps", spy)
+    monkeypatch.setattr(runner_mod, "greedy_steps", spy)
     return calls
 
 
@@ -87,14 +88,14 @@ def test_a_chain_spends_no_forward_past_a_stop_token(target, monkeypatch):
     stop = next(t for i, t in enumerate(a) if i >= 3 and a.index(t) == i)
     first = min(a.index(stop), b.index(stop) if stop in b else 30)  # where the first call must end
     params = [SamplingParams(max_tokens=30, stop_token_ids=[stop])] + [SamplingParams(max_tokens=30, ignore_eos=True)]
-    real, runs = engine_mod.greedy_steps, []
+    real, runs = runner_mod.greedy_steps, []
 
     def spy(*args, **kw):
         out = real(*args, **kw)
         runs.append((kw["steps"], out.shape[1]))  # (steps asked, steps run)
         return out
 
-    monkeypatch.setattr(engine_mod, "greedy_steps", spy)
+    monkeypatch.setattr(runner_mod, "greedy_steps", spy)
     llm.engine.config = EngineConfig(plain_chain=16)
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == a[: a.index(stop) + 1] and got[0].outputs[0].finish_reason == "stop"
@@ -127,12 +128,12 @@ def test_planted_bug_chain_at_the_wrong_positions_is_caught(target, monkeypatch)
     llm = LLM(str(target))
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = run(llm, params, 1)
-    real = engine_mod.greedy_steps
+    real = runner_mod.greedy_steps
 
     def shifted(roots, model, kv, seqlens, **kw):
         return real(roots, model, kv, seqlens + 1, **kw)
 
-    monkeypatch.setattr(engine_mod, "greedy_steps", shifted)
+    monkeypatch.setattr(runner_mod, "greedy_steps", shifted)
     got = run(llm, params, 8)
     assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in ref]
 
@@ -165,14 +166,14 @@ def run_spec(llm: LLM, params: SamplingParams, steps: int) -> list:
 
 def spy_spec_chains(monkeypatch) -> list[int]:
     """The steps every native speculative call ran."""
-    calls, real = [], engine_mod.spec_chain
+    calls, real = [], runner_mod.spec_chain
 
     def spy(*args, **kw):
         out = real(*args, **kw)
         calls.append(int((out[0][0, :, 0] > 0).sum()) if out is not None else 0)
         return out
 
-    monkeypatch.setattr(engine_mod, "spec_chain", spy)
+    monkeypatch.setattr(runner_mod, "spec_chain", spy)
     return calls
 
 
@@ -236,12 +237,12 @@ def test_spec_chain_planted_bug_is_caught(target, draft, monkeypatch):
     llm = LLM(str(target), speculative_config=spec)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = run_spec(llm, params, 0)
-    real = engine_mod.spec_chain
+    real = runner_mod.spec_chain
 
     def shifted(t, d, pending, pending_lens, seqlens, *args, **kw):
         return real(t, d, pending, pending_lens, seqlens + 1, *args, **kw)
 
-    monkeypatch.setattr(engine_mod, "spec_chain", shifted)
+    monkeypatch.setattr(runner_mod, "spec_chain", shifted)
     got = run_spec(llm, params, 4)
     assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in ref]
 
@@ -261,6 +262,31 @@ def test_spec_chain_non_finite_logits_take_the_regular_step(target, draft, monke
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
 
 
+def test_spec_chain_at_depth_zero_is_plain_decoding(target, draft):
+    """spec_chain at depth 0 (the plain decoding of a head's target): greedy_steps' tokens and target cache, the
+    draft idle (its cache untouched), each row's gap grown by every token it emitted."""
+    from spec_kernels.decoder_layers import greedy_steps, spec_chain
+
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
+                                               "num_speculative_tokens": 2})  # fmt: skip
+    eng = llm.engine
+    B, K, P = 2, 6, 32
+
+    def cache(data):  # a contiguous cache of B rows of P positions
+        return data.new_zeros(data.shape[0], 2, B, P, *data.shape[4:])
+
+    roots, zero = torch.tensor([5, 60]), torch.zeros(B, dtype=torch.int64)
+    kv_plain, kv_spec, d_kv = cache(eng.kv.data), cache(eng.kv.data), cache(eng.drafter.kv.data)
+    target_model, draft_model = eng.runner.native_target, eng.runner.native_draft
+    want = greedy_steps(roots, target_model, kv_plain, zero, steps=K)  # [B, K]
+    steps, gap, gap_lens, _ = spec_chain(target_model, draft_model, roots[:, None], zero + 1, zero, kv_spec, d_kv,
+                                         None, zero + 100, zero[:0], gamma=0, max_steps=K)  # fmt: skip
+    assert steps.shape == (B, K, 2) and bool((steps[:, :, 0] == 1).all())
+    assert torch.equal(steps[:, :, 1], want)
+    assert torch.equal(kv_spec, kv_plain) and not d_kv.any()
+    assert gap_lens.tolist() == [K + 1] * B and torch.equal(gap, torch.cat([roots[:, None], want], dim=1))
+
+
 def test_spec_chain_catches_up_a_prompt_natively(target, draft, monkeypatch):
     """Under the adaptive controller the draft cache is filled lazily: a request's first drafted step feeds the draft
     its whole prompt. That step runs natively too (the call's pending holds the prompt), ragged rows within the
@@ -272,13 +298,13 @@ def test_spec_chain_catches_up_a_prompt_natively(target, draft, monkeypatch):
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                           use_tqdm=False)]  # fmt: skip
-    seen, real = [], engine_mod.spec_chain
+    seen, real = [], runner_mod.spec_chain
 
     def spy(t, d, pending, pending_lens, *args, **kw):
         seen.append((pending_lens.tolist(), kw["stop_on_reject"]))
         return real(t, d, pending, pending_lens, *args, **kw)
 
-    monkeypatch.setattr(engine_mod, "spec_chain", spy)
+    monkeypatch.setattr(runner_mod, "spec_chain", spy)
     for batch in (prompts[2:], prompts[:2]):  # a short prompt, then the long ones together (lags 29 and 28)
         llm = LLM(str(target), speculative_config=spec)  # a new engine: its first drafted step is the catch-up
         # depth 2 every step (the controller's choice depends on measured times; its evidence count does not)
@@ -306,12 +332,12 @@ def test_native_catch_up_drafts_what_the_regular_catch_up_drafts(target, draft, 
 
     regular = accepted(0)
     assert accepted(4) == regular and sum(n for n, _ in regular) > 0
-    real = engine_mod.spec_chain
+    real = runner_mod.spec_chain
 
     def late(t, d, pending, pending_lens, *args, **kw):
         return real(t, d, pending.roll(1, dims=1), pending_lens, *args, **kw)
 
-    monkeypatch.setattr(engine_mod, "spec_chain", late)
+    monkeypatch.setattr(runner_mod, "spec_chain", late)
     assert accepted(4) != regular
 
 
@@ -359,14 +385,14 @@ def test_an_unsure_controller_re_decides_every_few_steps(target, monkeypatch):
     later ones up to spec_chain_steps: at one 16-step call per choice, a perfect draft's first choice (depth 1, from
     the recent requests' rate) ran 16 steps at depth 1 before the controller could go deeper."""
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(target)})  # a perfect draft
-    calls, real = [], engine_mod.spec_chain
+    calls, real = [], runner_mod.spec_chain
     ctl = llm.engine.controller
 
     def spy(*args, **kw):
         calls.append((kw["max_steps"], kw["stop_on_reject"]))
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine_mod, "spec_chain", spy)
+    monkeypatch.setattr(runner_mod, "spec_chain", spy)
     monkeypatch.setattr(ctl, "plain_cost", lambda B: 1.0)  # plain decoding priced high: every step drafts
     llm.generate([{"prompt_token_ids": PROMPTS[3]}], SamplingParams(max_tokens=120, ignore_eos=True), use_tqdm=False)
     unsure = [steps for steps, stop in calls if stop]

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from tiny_models import make_model, make_tokenizer, serve_in_thread
 
-import spec_engine.engine
+import spec_engine.runner
 from bench.load_server import run_soak
 from spec_engine import LLM, SamplingParams
 from spec_engine.engine import EngineConfig
@@ -329,7 +329,7 @@ def test_a_faulty_request_fails_alone(server, monkeypatch):
     solo = [asyncio.run(alone(ids)) for ids in good]
     used = {t for ids, (out, _) in zip(good, solo) for t in ids + out}
     poison = next(t for t in range(1, 256) if t not in used)
-    real = spec_engine.engine.verify_tree
+    real = spec_engine.runner.verify_tree
 
     def faulty(target_logits, draft_tokens, parents, **kwargs):
         if bool((draft_tokens[:, 0] == poison).any()):
@@ -339,7 +339,7 @@ def test_a_faulty_request_fails_alone(server, monkeypatch):
     before = health(server)
     errors_before = metric(server, "specdec_requests_total", reason="error")
     http500_before = metric(server, "specdec_http_requests_total", endpoint="completions", status="500")
-    monkeypatch.setattr(spec_engine.engine, "verify_tree", faulty)
+    monkeypatch.setattr(spec_engine.runner, "verify_tree", faulty)
     # the fault sits in the regular step's verify: steps in one native call (no verify_tree) are turned off; they
     # fail under the same per-request isolation (Engine._isolated wraps the whole decode)
     monkeypatch.setattr(engine.engine, "config", EngineConfig(plain_chain=1, spec_chain_steps=0))

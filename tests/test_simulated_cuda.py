@@ -4,7 +4,7 @@ Meta tensors stand in for CUDA ones: every op and view works on them, a CPU/meta
 is not on the expected device meta"), and any read of their data raises ("Cannot copy out of meta tensor"). So an
 engine step whose weights and KV caches are on meta runs to its end exactly when it is device-true: every tensor it
 computes is on the model's device, and nothing reads device data, except the one read the design allows per step
-(``Engine._read_step``, the emitted tokens), which this test replaces by planted host values and counts.
+(``StepRunner._read_step``, the emitted tokens), which this test replaces by planted host values and counts.
 
 Before the device-true engine, the first prefill failed here on a device mix in ``LlamaForCausalLM._rope``
 (positions built on the CPU); with that fixed, each decode step read device data in the tree masks (one read per
@@ -19,6 +19,7 @@ from tiny_models import make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
 from spec_engine.engine import Engine
+from spec_engine.runner import StepRunner
 
 V = 96
 
@@ -68,7 +69,7 @@ def test_engine_steps_are_device_true(models, name, monkeypatch):
     engine = llm.engine
     assert all(p.device.type == "meta" for p in llm.target.parameters()) and engine.kv.data.device.type == "meta"
     reads = PlantedReads(engine.gamma + 1)
-    monkeypatch.setattr(Engine, "_read_step", staticmethod(reads))
+    monkeypatch.setattr(StepRunner, "_read_step", staticmethod(reads))
     monkeypatch.setattr(Engine, "_fail", lambda self, req, error: (_ for _ in ()).throw(error))  # no isolation
     # a ragged batch: a prompt longer than the prefill chunk, short ones, one token; greedy and sampled rows with
     # every filter
@@ -98,15 +99,15 @@ def test_engine_steps_are_device_true(models, name, monkeypatch):
 def test_a_cpu_tensor_in_a_meta_step_is_caught(models, monkeypatch):
     """The simulation has teeth: a step input left on the host fails the run (here, the roots)."""
     llm = LLM(str(models["target"]), device="meta", max_model_len=64)
-    monkeypatch.setattr(Engine, "_read_step", staticmethod(PlantedReads()))
-    real = llm.engine._step_inputs
+    monkeypatch.setattr(StepRunner, "_read_step", staticmethod(PlantedReads()))
+    real = llm.engine.runner.step_inputs
 
     def roots_on_host(reqs, gammas, *rest):
         batch, sampling = real(reqs, gammas, *rest)
         batch.roots = torch.tensor([r.last_token for r in reqs])
         return batch, sampling
 
-    monkeypatch.setattr(llm.engine, "_step_inputs", roots_on_host)
+    monkeypatch.setattr(llm.engine.runner, "step_inputs", roots_on_host)
     llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
     outs = llm.engine.step()  # prefill, then the decode step fails on the device mix and fails its request alone
     assert outs[0].request.finish_reason == "error" and "device" in outs[0].request.error

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import make_model
 
-import spec_engine.engine as engine_mod
+import spec_engine.runner as runner_mod
 from spec_engine import LLM, SamplingParams
 from spec_engine.threads import FIRST_INTERVAL, INTERVAL, MAX_INTERVAL, PROBE_STEPS, ThreadTuner
 
@@ -76,7 +76,7 @@ def test_engine_decodes_on_the_chosen_threads_and_restores_the_callers(target, m
         return run
 
     monkeypatch.setattr(llm.engine.target, "forward", spy(llm.engine.target.forward))  # the prefill's forward
-    monkeypatch.setattr(engine_mod, "greedy_steps", spy(engine_mod.greedy_steps))  # the decode steps' native chains
+    monkeypatch.setattr(runner_mod, "greedy_steps", spy(runner_mod.greedy_steps))  # the decode steps' native chains
     monkeypatch.setattr(llm.engine.threads, "single_for_step", lambda: True)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     single = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)[0].outputs[0].token_ids

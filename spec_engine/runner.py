@@ -1,0 +1,335 @@
+"""The step runner: how one decode call runs (``StepRunner.run``), the "run" of schedule -> run -> commit.
+
+The scheduler (``Engine``) chooses the rows, their depths and how many steps a call may run; the runner runs them,
+natively where it can (decided once, when it is built) and as the regular step otherwise, and returns what
+changed as one ``StepResult`` for ``Engine._apply`` to commit:
+
+- a plain chain: K plain greedy steps in one C++ call (``greedy_steps``; ``spec_chain`` at depth 0 where a head
+  reads the target's features);
+- a spec chain: up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chains in one
+  C++ call (``spec_chain``);
+- the regular step (``_spec_step``): draft, the target's pass over the tree, ``verify_tree``, compaction, in
+  Python-driven ops: any tree, sampled rows, a hybrid's suffix rows, any device.
+
+Glossary: L_b a row's root position (``num_computed``); lag its draft cache's catch-up (``cache_lag``: the tokens
+the draft has not seen, before the root).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spec_engine.drafters.base import Draft, Drafter, StepBatch
+from spec_engine.kv_cache import PagedKVCache
+from spec_engine.models import Target
+from spec_engine.request import Request, RequestRows
+from spec_engine.sampling import SEED_MASK
+from spec_engine.transfer import to_device
+from spec_kernels import PAD_NODE, VerifyResult, verify_tree
+from spec_kernels.decoder_layers import NativeHead, NativeModel, greedy_steps, spec_chain
+from spec_kernels.rng import mix_key
+
+INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
+
+
+@dataclass
+class StepResult:
+    """What one decode call did, for ``Engine._apply`` to commit once: the regular step (one step), a plain chain
+    (K one-token steps in one native call) or a spec chain (several drafted steps in one native call).
+
+    Per step s the call ran: ``gammas[s]`` [B] each row's depth (0: undrafted), ``tokens[s]`` [B][n] the tokens each
+    row emitted (its accepted path and the recovered or bonus token), ``times[s]`` (draft seconds, whole step
+    seconds) as measured. ``draft_lens`` [B]: the drafter caches' lengths after the call (what ``Drafter.commit``
+    returns; None: unchanged). A native call's own work (inputs, dispatch, committing) is spread over
+    ``full_steps`` steps from ``start`` (``chain_step_costs``; 0: the times are final). ``learned`` [S][B]: the depths
+    the controller learns acceptance from (None: ``gammas``; a hybrid's suffix rows say nothing of its model
+    drafter), ``timed``: whether the costs price step shapes the controller models.
+    """
+
+    gammas: list[list[int]]
+    tokens: list[list[list[int]]]
+    times: list[list[float]]
+    draft_lens: list[int] | None = None
+    start: float = 0.0
+    full_steps: int = 0
+    learned: list[list[int]] | None = None
+    timed: bool = True
+
+
+def _native(model, cache: PagedKVCache | None) -> NativeModel | NativeHead | None:
+    """``model``'s native handle where its cache is in the handle's dtype, else None."""
+    native = getattr(model, "native", None)
+    return native if native is not None and cache is not None and cache.data.dtype == native.dtype else None
+
+
+class StepRunner:
+    """Runs the decode calls of an engine's rows on its target and drafter (see the module docstring).
+
+    ``rows``: the scheduler's per-slot host buffers (block tables, sampling parameters); ``block_size`` the KV
+    cache's; ``max_tree_nodes`` the widest tree a step may verify; ``prefill_chunk`` the longest catch-up a native
+    call takes. The native handles are decided here, once.
+    """
+
+    def __init__(self, target: Target, kv: PagedKVCache, drafter: Drafter | None, rows: RequestRows, *,
+                 block_size: int, max_tree_nodes: int, prefill_chunk: int):  # fmt: skip
+        self.target, self.kv, self.drafter, self.rows = target, kv, drafter, rows
+        self.device = kv.data.device
+        self.block_size, self.max_tree_nodes, self.prefill_chunk = block_size, max_tree_nodes, prefill_chunk
+        self.step_times = (0.0, 0.0)  # the last regular step's (draft, whole step) seconds
+        # the native step ops (several greedy steps in one C++ call), decided once: the models' handles where their
+        # caches are in their dtype (a CPU model in float32 or bfloat16: spec_kernels.decoder_layers.native_model)
+        self.native_target = _native(target, kv)
+        self.native_draft = _native(drafter, drafter.kv) if drafter is not None else None
+
+    def cache_lag(self, req: Request) -> int:
+        """Tokens before ``req``'s root that its draft cache has not seen (0 for a drafter without a cache)."""
+        return req.num_computed - req.draft_len if self.drafter is not None and self.drafter.keeps_cache else 0
+
+    def run(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None, stops: torch.Tensor, *,
+            max_steps: int, full_steps: int, stop_on_reject: bool = False) -> StepResult:  # fmt: skip
+        """One decode call for ``reqs`` at depths ``gammas`` [B] (0: undrafted): up to ``max_steps`` steps in one
+        native call where it can run them (0: the regular step), else the regular step. ``stops`` [S] every stop id
+        of the rows (a native call ends at any of them); ``full_steps`` the steps of a full call, over which the
+        call's own work is priced (``StepResult.full_steps``); ``stop_on_reject``: a speculative call ends at a
+        step where some row accepted nothing (an unsure controller re-decides the depth)."""
+        result = None
+        if max_steps and max(gammas) == 0:
+            K = self._plain_chain_len(reqs, max_steps)
+            result = self._plain_chain(reqs, K, stops, full_steps) if K else None
+        elif max_steps and not any(suffix_rows or ()) and self._spec_chain_fits(reqs, gammas):
+            result = self._spec_chain(reqs, gammas[0], max_steps, stops, full_steps, stop_on_reject)
+        return result if result is not None else self._regular_step(reqs, gammas, suffix_rows)
+
+    def _plain_chain_len(self, reqs: list[Request], max_steps: int) -> int:
+        """Tokens per row a plain native chain decodes (0: the regular one-token step).
+
+        Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter or none this step (a drafter that reads
+        the target's features must see every step, so only a native head, whose features the call stores) and all
+        rows greedy, the target runs up to ``max_steps`` forwards in one C++ call, so the step's Python and dispatch,
+        comparable to a small model's whole forward, is paid once per chain. Same forwards, same kernels, same tokens
+        (tests/test_native_steps.py); the call ends at a row's stop token, so a long chain wastes no forward at a
+        request's end. A chain of one (a row's last token) still saves the regular step's Python."""
+        if self.native_target is None or not all(r.params.greedy for r in reqs):
+            return 0
+        if self.drafter is not None and self.drafter.needs_hidden and not isinstance(self.native_draft, NativeHead):
+            return 0
+        cap = self.drafter.plain_chain_cap if self.drafter is not None else None
+        return min(max_steps, cap or max_steps, min(r.tokens_left for r in reqs))
+
+    def _plain_chain(self, reqs: list[Request], K: int, stops: torch.Tensor, full_steps: int) -> StepResult | None:
+        """``K`` plain greedy steps for every row in one native call (``greedy_steps``: the roots at L_b, then
+        tokens 1 .. K-1 at L_b + 1 .. L_b + K - 1, their K/V written there, as K one-token steps would), or fewer:
+        the call ends at the first token that is a stop token of some row, so a chain spends no forward past a
+        request's end, and before a step where some row's logits are not finite. None, with nothing committed, where
+        the first step's are not (the regular step then decodes it and sanitises or raises)."""
+        start = time.perf_counter()
+        lengths = [r.num_computed for r in reqs]
+        seqlens = torch.tensor(lengths, dtype=torch.int32)  # [B]: the roots' positions L_b
+        roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64)  # [B]
+        table = self.block_table(reqs, max(lengths) + K)  # [B, W]: up to position L_b + K - 1
+        forwards = time.perf_counter()
+        if self.drafter is not None and self.drafter.needs_hidden:  # a head's target: the steps store its features
+            B = len(reqs)
+            steps, _, _, _ = spec_chain(
+                self.native_target, self.native_draft, roots[:, None], torch.ones(B, dtype=torch.int64), seqlens,
+                self.kv.data, self.drafter.kv.data, table, torch.tensor([r.tokens_left for r in reqs]), stops,
+                gamma=0, max_steps=K, draft_features=self.drafter.features,
+            )  # fmt: skip  # [B, K, 2]: per step 1 (0 where not run) then the token
+            tokens = steps[:, : int((steps[0, :, 0] > 0).sum()), 1]  # [B, K' <= K]
+        else:
+            tokens = greedy_steps(
+                roots, self.native_target, self.kv.data, seqlens, steps=K, block_table=table, stop_ids=stops
+            )  # [B, K' <= K]
+        forwards = time.perf_counter() - forwards
+        if tokens.shape[1] == 0:
+            return None
+        K = tokens.shape[1]  # (the call ended at a row's stop token: the rows that go on continue next step)
+        rows = tokens.T.tolist()  # [K][B]
+        return StepResult([[0] * len(reqs)] * K, [[[t] for t in row] for row in rows], [[0.0, forwards / K]] * K,
+                          start=start, full_steps=full_steps)  # fmt: skip
+
+    def _spec_chain_fits(self, reqs: list[Request], gammas: list[int]) -> bool:
+        """Whether a native call can run the rows' speculative steps: a draft model or a native head proposing
+        chains for greedy rows, all at one depth g, the draft caches' lags (their catch-up: a prompt and the tokens
+        decoded before a row's first drafted step, under the adaptive controller) at most a prefill chunk and within
+        g of each other, and every row with g + 1 tokens of its max_tokens left (the C++ checks before each step:
+        a call near the end of a request is not cut to the steps that fit at full acceptance)."""
+        g = gammas[0]
+        if self.native_target is None or self.native_draft is None:
+            return False
+        if any(x != g for x in gammas) or not all(r.params.greedy for r in reqs):
+            return False
+        lags = [self.cache_lag(r) for r in reqs]
+        # (a ragged catch-up pads rows past their roots: at most g slots, which the step overwrites)
+        return max(lags) <= self.prefill_chunk and max(lags) - min(lags) <= g and min(r.tokens_left for r in reqs) > g
+
+    def _spec_chain(self, reqs: list[Request], g: int, max_steps: int, stops: torch.Tensor, full_steps: int,
+                    stop_on_reject: bool) -> StepResult | None:  # fmt: skip
+        """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, as a
+        ``StepResult`` (``_apply`` commits it as it commits the regular step's). None, with nothing committed, where
+        the first step's target logits were not finite."""
+        start = time.perf_counter()
+        B = len(reqs)
+        lags = [self.cache_lag(r) for r in reqs]
+        pending = np.zeros((B, max(lags) + 1), dtype=np.int64)  # [B, P]: each draft cache's gap, then the root
+        for b, (r, lag) in enumerate(zip(reqs, lags)):
+            pending[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
+        lengths = [r.num_computed for r in reqs]
+        reach = min(max_steps * (g + 1), max(r.tokens_left for r in reqs))  # positions a row may write past L_b
+        table = self.block_table(reqs, max(lengths) + reach + 2)  # [B, W]
+        result = spec_chain(
+            self.native_target, self.native_draft, torch.from_numpy(pending),
+            torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
+            torch.tensor([r.tokens_left for r in reqs]),
+            stops, gamma=g, max_steps=max_steps, stop_on_reject=stop_on_reject,
+            draft_features=self.drafter.features,
+        )  # fmt: skip
+        steps, _, gap_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
+        steps, gap_lens, times = steps.tolist(), gap_lens.tolist(), times.tolist()
+        ran = next((s for s in range(max_steps) if steps[0][s][0] == 0), max_steps)  # every row runs every step
+        if ran == 0:
+            return None  # the first step's target logits were not finite: the regular step decodes it
+        tokens = [[steps[b][s][1 : 1 + steps[b][s][0]] for b in range(B)] for s in range(ran)]  # [S][B][n]
+        # the draft cache lags by its gap (the pending tokens before the root) behind the rows' new L_b
+        draft_lens = [r.num_computed + sum(len(t[b]) for t in tokens) - (n - 1) for b, (r, n) in
+                      enumerate(zip(reqs, gap_lens))]  # fmt: skip
+        return StepResult([[g] * B] * ran, tokens, times[:ran], draft_lens, start=start,
+                          full_steps=full_steps)  # fmt: skip
+
+    def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None) -> StepResult:
+        """One step in Python: ``_spec_step`` on the step's inputs."""
+        batch, sampling = self.step_inputs(reqs, gammas, suffix_rows)
+        out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling)
+        # a hybrid's suffix rows teach the controller nothing of the model drafter it prices
+        learned = gammas if suffix_rows is None else [0 if s else g for g, s in zip(gammas, suffix_rows)]
+        return StepResult([gammas], [[t[:n] for t, n in zip(out_tokens, num_accepted)]], [list(self.step_times)],
+                          draft_lens, learned=[learned], timed=not any(suffix_rows or ()))  # fmt: skip
+
+    def step_inputs(self, reqs: list[Request], gammas: list[int],
+                     suffix_rows: list[bool] | None = None) -> tuple[StepBatch, dict]:  # fmt: skip
+        """The step's inputs, gathered from the host rows and sent to the device together."""
+        # the drafter runs on the drafted rows only; an undrafted row's lag (its whole prompt, under the adaptive
+        # controller) must not widen every plain step's block table
+        lag = max((self.cache_lag(r) for r, g in zip(reqs, gammas) if g), default=0)
+        lengths = [r.num_computed for r in reqs]
+        slots = [r.slot for r in reqs]
+        # per-row seeds from (request seed, position): a request samples the same alone or in any batch
+        seeds = [(r.seed * 1_000_003 + L) & SEED_MASK for r, L in zip(reqs, lengths)]
+        host = {
+            "seqlens": torch.tensor(lengths, dtype=torch.int32),  # [B]
+            "roots": torch.tensor([r.last_token for r in reqs], dtype=torch.int64),  # [B]
+            "block_table": self.block_table(reqs, max(lengths) + self.max_tree_nodes + lag + 1),  # [B, W]
+            "temperature": self.rows.temperature[slots],  # [B]
+            "keys": torch.tensor([mix_key(s, 1) for s in seeds], dtype=torch.int64),  # [B]: the drafter's stream
+        }
+        if not all(r.params.greedy for r in reqs):
+            host |= {
+                "top_k": self.rows.top_k[slots],
+                "top_p": self.rows.top_p[slots],
+                "min_p": self.rows.min_p[slots],
+                "seed": torch.tensor(seeds, dtype=torch.int64),
+            }
+        if any(r.params.coupled for r in reqs):
+            host |= {
+                "coupled": torch.tensor([r.params.coupled for r in reqs]),
+                "noise_seeds": torch.tensor([r.seed & INT63_MASK for r in reqs], dtype=torch.int64),
+            }
+        dev = dict(zip(host, to_device(self.device, *host.values())))
+        batch = StepBatch([r.view() for r in reqs], dev.pop("seqlens"), dev.pop("roots"), dev.pop("block_table"),
+                          dev["temperature"], dev.pop("keys"), gammas, dev.pop("coupled", None),
+                          dev.pop("noise_seeds", None), suffix_rows)  # fmt: skip
+        return batch, dev
+
+    def _spec_step(self, batch: StepBatch, sampling: dict) -> tuple[list[list[int]], list[int], list[int]]:
+        """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches.
+
+        Returns the host's (emitted tokens [B][T], num_accepted [B], the draft cache's new lengths [B] where the
+        drafter keeps a cache)."""
+        start = time.perf_counter()
+        rows = [b for b, g in enumerate(batch.gammas) if g > 0] if self.drafter is not None else []
+        partial = 0 < len(rows) < batch.size  # some rows drafted, not all: the drafter runs on a sub-batch
+        index = to_device(self.device, torch.tensor(rows, dtype=torch.int64))[0] if partial else None  # [B_d]
+        draft = self._propose(batch, rows, index)  # tokens/parents [B, T], draft_probs [B, T, V] | None
+        drafted = time.perf_counter()
+        positions = batch.seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
+        hidden, features = self.target_pass(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask,
+                                             batch.block_table)  # fmt: skip
+        logits = self.target.logits(hidden)  # [B, T, V]
+        if batch.coupled is not None:  # coupled rows: verify_tree samples argmax(z + g_t) in-kernel, walks greedily
+            sampling = {**sampling, "noise_seeds": batch.noise_seeds, "positions": positions, "coupled": batch.coupled}
+        result = verify_tree(
+            logits,
+            draft.tokens,
+            draft.parents,
+            draft_probs=draft.draft_probs,
+            draft_sampling=draft.draft_sampling,
+            **sampling,
+        )
+        if draft.tokens.shape[1] > 1:  # a lone root's path is itself: nothing to move
+            self.kv.compact_(batch.seqlens, result.accepted_nodes, result.num_accepted, block_table=batch.block_table)
+        out_tokens, num_accepted = self._read_step(result)  # the step's one host sync
+        draft_lens = [r.draft_len for r in batch.rows]
+        if features is not None:  # a drafter that reads the target's features keeps every row's, drafted or not
+            draft_lens = self.drafter.commit(batch, result, num_accepted, features)
+        elif rows:
+            sub = batch.select(rows, index) if partial else batch
+            sub_result = VerifyResult(*(x[index] for x in result)) if partial else result
+            new_lens = self.drafter.commit(sub, sub_result, [num_accepted[b] for b in rows])
+            for b, n in zip(rows, new_lens or []):
+                draft_lens[b] = n
+        self.step_times = (drafted - start, time.perf_counter() - start)
+        return out_tokens, num_accepted, draft_lens
+
+    def target_pass(self, *args) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's forward (``LlamaForCausalLM.forward``'s arguments): its final hidden states [B, T, H] and,
+        for a drafter that reads the target's features, those [B, T, F] from the same pass (else None)."""
+        drafter = self.drafter
+        if drafter is None or not drafter.needs_hidden:
+            return self.target(*args), None
+        if drafter.target_layers is None:
+            hidden = self.target(*args)
+            return hidden, hidden
+        return self.target.forward_features(*args, layers=drafter.target_layers)
+
+    @staticmethod
+    def _read_step(result: VerifyResult) -> tuple[list[list[int]], list[int]]:
+        """The step's one device -> host read: emitted tokens [B][T] and their counts [B], in one copy."""
+        both = torch.cat([result.output_tokens, result.num_accepted[:, None]], dim=1).tolist()  # [B, T + 1]
+        return [row[:-1] for row in both], [row[-1] for row in both]
+
+    def _propose(self, batch: StepBatch, rows: list[int], index: torch.Tensor) -> Draft:
+        """The drafter's trees for ``rows`` (depth > 0), run on those rows only; every other row is its root alone.
+
+        ``index`` is ``rows`` on the device (None unless only some rows are drafted)."""
+        if rows and len(rows) == batch.size:
+            return self.drafter.propose(batch)
+        B, dev = batch.size, self.device
+        if not rows:
+            return Draft(batch.roots[:, None], torch.full((B, 1), PAD_NODE, dtype=torch.int64, device=dev),
+                         torch.ones(B, 1, 1, dtype=torch.bool, device=dev),
+                         torch.zeros(B, 1, dtype=torch.int64, device=dev))  # fmt: skip
+        sub = self.drafter.propose(batch.select(rows, index))  # [B_d, T]
+        T = sub.tokens.shape[1]
+        tokens = sub.tokens.new_zeros(B, T)  # [B, T]
+        tokens[:, 0] = batch.roots
+        tokens[index] = sub.tokens
+        parents = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)  # undrafted rows: all padding
+        parents[index] = sub.parents
+        mask = torch.eye(T, dtype=torch.bool, device=dev).expand(B, T, T).clone()  # [B, T, T]: padding sees itself
+        mask[index] = sub.tree_mask
+        depths = torch.zeros(B, T, dtype=torch.int64, device=dev)
+        depths[index] = sub.depths
+        probs = None
+        if sub.draft_probs is not None:
+            probs = sub.draft_probs.new_zeros(B, T, sub.draft_probs.shape[-1])  # [B, T, V]
+            probs[index] = sub.draft_probs
+        return Draft(tokens, parents, mask, depths, probs, sub.draft_sampling)
+
+    def block_table(self, reqs: list[Request], max_pos: int) -> torch.Tensor:
+        """[B, W] int32 host rows covering positions < max_pos (padding is the scratch block)."""
+        width = min(-(-max_pos // self.block_size), self.rows.block_table.shape[1])
+        return self.rows.block_table[[r.slot for r in reqs], :width]
