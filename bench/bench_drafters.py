@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=20, help="requests per set")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--edit-max-tokens", type=int, default=256, help="edits rewrite whole functions")
+    ap.add_argument("--long-prompts", type=int, default=6, help="prompts per length of the long set (one noisy "
+                    "request moves a median of two by 10-30%%)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30, help="interleaved rounds for r(T) and c")
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"))
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                           Path(tmp))}, **kw)  # fmt: skip
             prompts = []
             for n in LONG_LENGTHS:
-                found, _ = build_prompts(plain, 2, 0, length=n)
+                found, _ = build_prompts(plain, args.long_prompts, 0, length=n)
                 prompts += [Prompt(f"{p.name}@{n}", p.ids) for p in found]
             runs = [Run("plain", "ours", 1, "long"), Run("useless-head", "ours", 1, "long")]
             cs = [Contender(runs[0], plain), Contender(runs[1], useless)]

@@ -354,7 +354,19 @@ class Engine:
                                  full_steps=full_steps, stop_on_reject=unsure)  # fmt: skip
         if not result.full_steps:
             self.stats["num_regular_steps"] += 1
+        if plan.expected is not None:
+            self._observe_scores(reqs, plan, result)
         return self._apply(reqs, result)
+
+    @staticmethod
+    def _observe_scores(reqs: list[Request], plan: DraftPlan, result: StepResult) -> None:
+        """Each row drafted with a suffix speculation (a hybrid's suffix rows; every drafted row of a suffix
+        drafter) tells its request's score trust what the speculation kept: its raw score (the plan's expected
+        tokens, which the drafter scaled by the trust) against the drafts accepted (such steps are regular: one)."""
+        for b, req in enumerate(reqs):
+            suffix = plan.suffix_rows[b] if plan.suffix_rows is not None else plan.gammas[b] > 0
+            if suffix and plan.expected[b] > 0:
+                req.score_trust.observe(plan.expected[b] / req.score_trust.value, len(result.tokens[0][b]) - 1)
 
     def _plan(self, reqs: list[Request], gammas: list[int]) -> DraftPlan:
         """The drafter's revision of the step's depths (``Drafter.plan``: a suffix drafter drops the rows nothing

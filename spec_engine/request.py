@@ -50,6 +50,31 @@ class RequestMetrics:
         }
 
 
+TRUST_PRIOR = 2.0  # expected tokens at ratio 1 a request's score trust starts from: a few failed drafts undo it
+TRUST_DECAY = 0.8  # per suffix-drafted step: the trust follows the text (a code block after prose) within ~5 steps
+
+
+@dataclass
+class ScoreTrust:
+    """accepted / expected drafted tokens of a request's suffix speculations, forgetful, shrunk toward 1: a match
+    score (the speculation's estimated probabilities, summed) promises as much on chat prose, where a 1-2 token
+    suffix recurs with any continuation, as on a passage repeated verbatim; the scores' own scale cannot tell the
+    two apart, what the rows accepted can."""
+
+    accepted: float = 0.0
+    expected: float = 0.0
+
+    @property
+    def value(self) -> float:
+        return (self.accepted + TRUST_PRIOR) / (self.expected + TRUST_PRIOR)
+
+    def observe(self, expected: float, accepted: int) -> None:
+        """A suffix-drafted step whose speculation's raw score was ``expected`` kept ``accepted`` drafted
+        tokens."""
+        self.accepted = TRUST_DECAY * self.accepted + accepted
+        self.expected = TRUST_DECAY * self.expected + expected
+
+
 @dataclass
 class Request:
     request_id: str
@@ -65,6 +90,7 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     spec_state: RowState | None = None  # the adaptive controller's estimates for this request
     slot: int = -1  # this request's row in the engine's RequestRows while it runs
+    score_trust: ScoreTrust = field(default_factory=ScoreTrust)  # what its suffix speculations kept (RowView)
     key: int = 0  # the engine's own name for it, never reused (request ids are the caller's): RowView.key
     history: np.ndarray = field(init=False, repr=False)  # [capacity] int64: prompt then output tokens
     num_tokens: int = field(init=False)  # filled length of history
@@ -91,9 +117,8 @@ class Request:
     def view(self) -> RowView:
         tokens = self.history[: self.num_tokens]
         tokens.flags.writeable = False  # a view: the drafter reads, the engine writes
-        return RowView(
-            tokens, self.num_computed, self.draft_len, self.params.greedy, self.key, len(self.prompt_token_ids)
-        )
+        return RowView(tokens, self.num_computed, self.draft_len, self.params.greedy, self.key,
+                       len(self.prompt_token_ids), self.score_trust.value)  # fmt: skip
 
     @property
     def prefilling(self) -> bool:

@@ -20,32 +20,43 @@ EAGLE_DIR = Path(default_model_paths()[0]).parent / "eagle"
 PROMPTS = [*REPETITIVE, "The quick brown fox jumps over"]  # the last one is not repetitive: the model drafts it
 
 
+class FakeSuffix:
+    max_depth, max_nodes, min_score, plain_chain_cap = 12, 13, 1.0, 8
+
+    def __init__(self, scores):
+        self.scores = iter(scores)
+
+    def speculate(self, row, budget, tree=None):
+        return SuffixDraft(score=next(self.scores))
+
+
+class FakeModel:
+    max_depth, max_nodes, tree, kv, keeps_cache, needs_hidden, target_layers = 4, 5, None, None, True, False, None
+    features = None
+
+    def nodes_for_depth(self, depth):
+        return depth + 1
+
+
 def test_plan_compares_expected_accepted_tokens():
     """A row goes to the suffix speculation exactly where its score beats the model's expected accepted tokens (and
     reaches min_score); the others keep the controller's depth."""
-
-    class FakeSuffix:
-        max_depth, max_nodes, min_score, plain_chain_cap = 12, 13, 1.0, 8
-
-        def __init__(self, scores):
-            self.scores = iter(scores)
-
-        def speculate(self, row, budget, tree=None):
-            return SuffixDraft(score=next(self.scores))
-
-    class FakeModel:
-        max_depth, max_nodes, tree, kv, keeps_cache, needs_hidden, target_layers = 4, 5, None, None, True, False, None
-        features = None
-
-        def nodes_for_depth(self, depth):
-            return depth + 1
-
     hybrid = HybridDrafter(FakeModel(), FakeSuffix([3.0, 0.5, 2.0, 0.9]))
-    rows = [SimpleNamespace(greedy=True)] * 4
+    rows = [SimpleNamespace(greedy=True, score_trust=1.0)] * 4
     plan = hybrid.plan(rows, [4, 0, 2, 0], gains=[2.5, 0.0, 2.5, 0.0])
     assert plan.suffix_rows == [True, False, False, False]  # 0.5 and 0.9 are below min_score
     assert plan.gammas == [12, 0, 2, 0]
     assert plan.nodes == [1, 1, 3, 1] and plan.expected == [3.0, 0.0, 2.5, 0.0]  # (the fake speculations are empty)
+
+
+def test_a_request_whose_suffix_drafts_failed_goes_to_the_model():
+    """The suffix side's score is scaled by what such scores kept on the request (RowView.score_trust): the same
+    score of 3 wins against the model's 2.5 on a trusted request and loses on one whose speculations kept a third."""
+    hybrid = HybridDrafter(FakeModel(), FakeSuffix([3.0, 3.0, 3.0]))
+    rows = [SimpleNamespace(greedy=True, score_trust=t) for t in (1.0, 0.6, 0.3)]
+    plan = hybrid.plan(rows, [4, 4, 4], gains=[2.5, 0.5, 0.5])
+    assert plan.suffix_rows == [True, True, False]  # 3 * 0.6 = 1.8 beats 0.5; 3 * 0.3 = 0.9 is below min_score
+    assert plan.expected == [3.0, pytest.approx(1.8), 0.5]
 
 
 def test_a_step_of_padded_trees_is_cut_until_it_pays():

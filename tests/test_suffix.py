@@ -14,8 +14,10 @@ from scipy.stats import chisquare
 from tiny_models import make_model
 
 from spec_engine import LLM, SamplingParams, default_model_paths
+from spec_engine.drafters.base import RowView
 from spec_engine.drafters.suffix import NativeSuffixTree, SuffixDrafter
 from spec_engine.drafters.suffix_ref import SuffixCache, SuffixTreeRef
+from spec_engine.request import ScoreTrust
 
 TREES = {"reference": SuffixTreeRef, "native": NativeSuffixTree}
 
@@ -181,6 +183,52 @@ def test_greedy_parity_on_the_default_pair(spec):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
     assert again[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.engine.stats["num_accepted"] > 0, "the drafts must be accepted for parity to mean anything"
+
+
+def test_score_trust_follows_what_the_speculations_kept():
+    """A request's score trust starts at 1 (scores taken as promised), falls where its speculations keep less than
+    their scores promise and recovers where they keep it: chat prose, then a verbatim repeat."""
+    trust = ScoreTrust()
+    assert trust.value == 1.0
+    for _ in range(4):
+        trust.observe(3.0, 0)  # scores of 3 that kept nothing
+    low = trust.value
+    assert low < 0.25
+    for _ in range(8):
+        trust.observe(6.0, 6)  # a repeated passage: all kept
+    assert trust.value > 0.9 > low
+
+
+def test_the_suffix_plan_scales_scores_by_the_requests_trust():
+    """A speculation is drafted where its score times the request's trust reaches min_score, and the step is priced
+    with that (the plan's expected tokens)."""
+    target, _ = default_model_paths()
+    drafter = LLM(target, speculative_config={"method": "suffix"}, max_model_len=256).engine.drafter
+    ids = np.array([5, 6, 7, 8] * 6 + [5], dtype=np.int64)  # "6 7 8 5 ..." follows with certainty
+    trusted, doubted = (RowView(ids, len(ids) - 1, 0, True, key=k, score_trust=t) for k, t in ((1, 1.0), (2, 0.01)))
+    plan = drafter.plan([trusted, doubted], [8, 8])
+    assert plan.gammas == [8, 0] and plan.expected[0] >= 1.0 and plan.expected[1] == 0.0
+
+
+def test_suffix_rows_teach_their_requests_trust():
+    """In the engine, every suffix-drafted step tells the request's trust what its speculation kept (parity holds)."""
+    target, _ = default_model_paths()
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    plain = LLM(target, max_model_len=256).generate(REPETITIVE, params, use_tqdm=False)
+    llm = LLM(target, speculative_config={"method": "suffix"}, max_model_len=256)
+    seen = []
+    real = ScoreTrust.observe
+
+    def spy(self, expected, accepted):
+        seen.append((expected, accepted))
+        real(self, expected, accepted)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ScoreTrust, "observe", spy)
+        outs = llm.generate(REPETITIVE, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert len(seen) > 0 and sum(a for _, a in seen) == llm.engine.stats["num_accepted"]
+    assert all(e > 0 for e, _ in seen)
 
 
 def test_finished_requests_leave_the_drafter():

@@ -28,7 +28,9 @@ class RowView:
     ``len(token_ids) == num_computed + 1`` in a decode step; its first ``num_prompt_tokens`` are the prompt.
     ``draft_len`` is the length of the drafter's own cache for this request, as its last ``commit`` (or prefill) left
     it. ``key`` names the request for as long as the engine lives (never reused): a drafter's per-request cache
-    entries are keyed by it.
+    entries are keyed by it. ``score_trust``: how far this request's suffix speculations kept what their scores
+    promised (accepted / expected, ``spec_engine.request.ScoreTrust``): a drafter that plans by scores scales them by
+    it.
     """
 
     token_ids: np.ndarray
@@ -37,6 +39,7 @@ class RowView:
     greedy: bool
     key: int = 0
     num_prompt_tokens: int = 0
+    score_trust: float = 1.0
 
 
 @dataclass

@@ -2,7 +2,8 @@
 the model drafter (a draft model or an EAGLE head), the model drafter elsewhere.
 
 The comparison is in expected accepted drafted tokens. The suffix side's is its speculation's score (the sum of its
-nodes' estimated probabilities, ``spec_engine.drafters.suffix_ref``); the model side's is the adaptive controller's
+nodes' estimated probabilities, ``spec_engine.drafters.suffix_ref``) times what such scores kept on the request
+(``RowView.score_trust``); the model side's is the adaptive controller's
 estimate at the depth it chose for the row, sum_{d<=g} prod_{j<=d} alpha_j (``AdaptiveController.expected_accepted``,
 handed over as ``gains``: 0 where it chose not to draft), or, without the controller, sum_{d<=g} FIXED_ALPHA^d. The
 controller goes on pricing the model drafter from the rows the model drafts; the suffix rows teach it nothing.
@@ -78,11 +79,12 @@ class HybridDrafter(Drafter):
         if gains is None:
             gains = [sum(FIXED_ALPHA**d for d in range(1, g + 1)) for g in gammas]
         drafts = [self._speculate(r) for r in rows]
-        suffix_rows = [d.score >= self.suffix.min_score and d.score > gain for d, gain in zip(drafts, gains)]
+        scores = [d.score * r.score_trust for d, r in zip(drafts, rows)]  # (what such scores kept on this request)
+        suffix_rows = [s >= self.suffix.min_score and s > gain for s, gain in zip(scores, gains)]
         out = [self.suffix.max_depth if s else g for s, g in zip(suffix_rows, gammas)]
         nodes = [len(d.tokens) + 1 if s else self.model.nodes_for_depth(g) if g else 1
                  for d, s, g in zip(drafts, suffix_rows, gammas)]  # fmt: skip
-        expected = [d.score if s else gain if g else 0.0 for d, s, g, gain in zip(drafts, suffix_rows, gammas, gains)]
+        expected = [x if s else gain if g else 0.0 for x, s, g, gain in zip(scores, suffix_rows, gammas, gains)]
         return DraftPlan(out, suffix_rows, nodes, expected)
 
     def propose(self, batch: StepBatch) -> Draft:

@@ -107,13 +107,14 @@ class SuffixDrafter(Drafter):
         return self.cache.speculate(row.key, row.token_ids, budget, self.max_spec_factor, self.min_token_prob, tree)
 
     def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None) -> DraftPlan:
-        """Each row keeps its depth where its speculation scores at least ``min_score``; the others are not drafted
-        (every row indexed either way)."""
+        """Each row keeps its depth where its speculation scores at least ``min_score`` (its score scaled by the
+        row's ``score_trust``); the others are not drafted (every row indexed either way)."""
         drafts = [self.speculate(r, g) for r, g in zip(rows, gammas)]
-        kept = [d.score >= max(self.min_score, 1e-9) for d in drafts]
+        scores = [d.score * r.score_trust for d, r in zip(drafts, rows)]  # (what such scores kept on this request)
+        kept = [s >= max(self.min_score, 1e-9) for s in scores]
         return DraftPlan([g if k else 0 for g, k in zip(gammas, kept)],
                          nodes=[len(d.tokens) + 1 if k else 1 for d, k in zip(drafts, kept)],
-                         expected=[d.score if k else 0.0 for d, k in zip(drafts, kept)])  # fmt: skip
+                         expected=[s if k else 0.0 for s, k in zip(scores, kept)])  # fmt: skip
 
     def propose(self, batch: StepBatch) -> Draft:
         drafts = [self.speculate(r, g) for r, g in zip(batch.rows, batch.gammas)]
