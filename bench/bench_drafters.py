@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-prompts", type=int, default=6, help="prompts per length of the long set (one noisy "
                     "request moves a median of two by 10-30%%)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="", help="contenders to time, comma-separated (default: all; plain always)")
     ap.add_argument("--reps", type=int, default=30, help="interleaved rounds for r(T) and c")
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"))
     ap.add_argument("--out", default="bench/out")
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(f"{T}:{v:.2f}" for T, v in r.items())
     )
     result = {"machine": machine, "head": head_dir, "c": c, "r": r, "sets": {}}
-    every = list(engines)
+    every = [n for n in engines if not args.rows or n in args.rows.split(",")]
 
     def report(name: str, runs: list[Run], title: str) -> list[dict]:
         rows = [row(x, runs[0], r, c) for x in runs[1:]]
@@ -272,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         groups = [([i], [p]) for i, p in enumerate(edits)]
         for name in ("edit", "second"):
             if name in sets:
-                report(name, timed_set(name, contenders(["suffix", "hybrid"]), groups, args.edit_max_tokens),
+                report(name, timed_set(name, contenders([n for n in ("suffix", "hybrid") if n in every]), groups,
+                                       args.edit_max_tokens),
                        f"code edits ({'second pass, ' if name == 'second' else ''}{len(edits)} requests, "
                        f"<= {args.edit_max_tokens} tokens)")  # fmt: skip
     if "long" in sets:
