@@ -141,6 +141,11 @@ class Engine:
         self.threads = ThreadTuner() if self.device.type == "cpu" else None  # CPU threads per decode step
         self._step_count = 1  # steps the current decode call ran (a native chain runs several)
         self._step_kind: tuple[int, bool] = (0, False)  # its depth, and whether a draft caught up: the tuner's kind
+        # the current decode call runs on the thread count the tuner probes, not the one it chose: its costs price
+        # neither (a probe is one call, up to 16 native steps on one thread: on a 2-core Xeon its 8 steps at depth 3
+        # cost 2x a step on two threads, filled the controller's price table for that width and kept that depth
+        # priced at 2x for the rest of the run)
+        self._thread_probe = False
         self.runner = StepRunner(target, kv, drafter, self.rows, block_size=allocator.block_size,
                                  max_tree_nodes=self.max_tree_nodes(), prefill_chunk=prefill_chunk)  # fmt: skip
         self.controller = None
@@ -257,9 +262,11 @@ class Engine:
         """The decode part of a step on the CPU threads ``self.threads`` chooses (all, or one when other work keeps
         the cores busy; spec_engine/threads.py), timed for it; the caller's thread count is restored after."""
         many = torch.get_num_threads()
+        self._thread_probe = False
         if self.threads is None or not active or many == 1:
             yield
             return
+        self._thread_probe = bool(self.threads.probing)
         single = self.threads.single_for_step()
         if single:
             torch.set_num_threads(1)
@@ -436,19 +443,20 @@ class Engine:
         self._step_count = ran
         self.gamma_history.extend(max(result.gammas[s]) for s in range(ran))
         if self.controller is not None:
+            timed = result.timed and not self._thread_probe
             costs = result.times[:ran]
             if result.full_steps:  # a native call: its own work spread as a full call spreads it
                 costs = chain_step_costs(costs, time.perf_counter() - result.start, result.full_steps)
             learned = result.learned or result.gammas
             if not any(any(g) for g in result.gammas[:ran]):  # plain steps, priced alike: observed in one call
                 B = len(reqs)
-                self.controller.observe(reqs, [0] * B, [1] * B, *costs[0], steps=ran, timed=result.timed)
+                self.controller.observe(reqs, [0] * B, [1] * B, *costs[0], steps=ran, timed=timed)
             else:
                 for s in range(ran):
                     rows = live[s]
                     self.controller.observe([reqs[b] for b in rows], [learned[s][b] for b in rows],
                                             [len(result.tokens[s][b]) for b in rows], *costs[s],
-                                            timed=result.timed)  # fmt: skip
+                                            timed=timed)  # fmt: skip
         return outputs
 
     def _stop_ids(self, req: Request) -> set[int]:

@@ -88,6 +88,25 @@ def test_engine_decodes_on_the_chosen_threads_and_restores_the_callers(target, m
     assert set(seen) == {2} and many == single  # results never depend on the thread count
 
 
+def test_a_thread_probes_steps_price_nothing(target):
+    """Decode calls run while the tuner probes the other thread count teach the adaptive controller their
+    acceptance, not their costs (a probe's single-thread steps priced a depth at 2x for the rest of a run); the
+    same calls outside a probe do (the control)."""
+    torch.set_num_threads(2)
+    draft = {"method": "draft_model", "model": str(target)}  # (the target as its own draft: every draft accepted)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    counts = {}
+    for probing in (10**6, 0):
+        llm = LLM(str(target), speculative_config=draft)
+        llm.engine.threads.probing = probing  # every call of the run is a probe's (or none is)
+        llm.engine.threads.interval = 10**6
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+        controller = llm.engine.controller
+        counts[probing] = (controller.target_cost.num_observed, controller.population.num_trials)
+    assert counts[10**6][0] == 0 and counts[10**6][1] > 0  # acceptance learned, no cost
+    assert counts[0][0] > 0
+
+
 def test_a_hopeless_probe_ends_after_one_step():
     """On busy cores a probe of many threads costs ~100x a step: one such step ends it, as lost."""
     tuner = ThreadTuner()
