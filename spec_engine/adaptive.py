@@ -46,9 +46,9 @@ Estimates, all online and free:
   model, against today's fit), not from the line alone: a drafted step carries fixed costs a plain one does not
   (two compactions, the drafter's commit, its catch-up), so a line fit mostly through drafted steps over-prices
   plain decoding (by about a quarter on the default pair in bf16) and drafts that lose looked as if they
-  paid. While drafting, a plain chain runs every ``PLAIN_PROBE_INTERVAL`` steps to keep measuring. Every 64 steps
-  was a whole 16-step chain per 128-token request on SmolLM2 with its head, whose native steps are priced per step
-  (draft and target part apart): it cost ~3% against the best fixed depth there (bench/RESULTS.md, "adaptive knobs").
+  paid. While drafting, a plain chain runs every ``PLAIN_PROBE_INTERVAL`` steps to keep measuring: rarely, since a
+  probe is a whole chain of undrafted steps (at a shorter interval, one per short request), and native steps are
+  priced per step, their draft and target parts apart (bench/RESULTS.md, "what moved them").
 
 Margin: a step drafts only if it promises ``MIN_GAIN + TAIL_MARGIN * (1 - 1/B)`` times plain decoding's rate
 (1.02 at batch 1, 1.19 at 16). The model prices one step; it does not see what speculation costs around it: the
@@ -57,8 +57,8 @@ undrafted request never pays a draft prefill), and, when requests start together
 different steps, so the last steps run a few rows at nearly a full step's cost, where plain decoding finishes them
 all in the same step. The tail grows with the batch. At batch 16 on this CPU (fp32 verification is compute-bound:
 2 tokens per row cost ~1.6x one) steps promising +7-15% measured 0.84-1.16x end to end (median 0.96x, 6 rounds), so
-such steps stay plain. At batch 1, where native steps are priced as they run, a margin of 1.05 left chat requests
-whose drafts promised +2-5% undrafted (SmolLM2's head on chat: 0.91x the best fixed depth; 1.02: 0.99x, means of 20).
+such steps stay plain. At batch 1, where native steps are priced as they run, the margin is small: a larger one left
+undrafted the requests whose drafts promise a few percent, which a fixed depth collects (bench/RESULTS.md).
 
 Rows dropped to depth 0 receive no acceptance evidence, so every ``PROBE_INTERVAL`` steps the rows that have not been
 drafted for their probe interval are drafted once (at G if others draft, else at depth 1). A probe that accepts

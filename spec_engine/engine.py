@@ -142,9 +142,8 @@ class Engine:
         self._step_count = 1  # steps the current decode call ran (a native chain runs several)
         self._step_kind: tuple[int, bool] = (0, False)  # its depth, and whether a draft caught up: the tuner's kind
         # the current decode call runs on the thread count the tuner probes, not the one it chose: its costs price
-        # neither (a probe is one call, up to 16 native steps on one thread: on a 2-core Xeon its 8 steps at depth 3
-        # cost 2x a step on two threads, filled the controller's price table for that width and kept that depth
-        # priced at 2x for the rest of the run)
+        # neither (a probe is one call, up to 16 native steps on the other count: they filled the controller's price
+        # table for their width and kept that depth mispriced for the rest of a run; bench/RESULTS.md)
         self._thread_probe = False
         self.runner = StepRunner(target, kv, drafter, self.rows, block_size=allocator.block_size,
                                  max_tree_nodes=self.max_tree_nodes(), prefill_chunk=prefill_chunk)  # fmt: skip
