@@ -22,14 +22,10 @@ import torch
 from tiny_models import make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
-from spec_engine.distributed import (
-    ShardedLlama,
-    _pack_bits,
-    _unpack_bits,
-    shard_plan,
-)
+from spec_engine.distributed import _pack_bits, _unpack_bits
 from spec_engine.models import load_model
 from spec_engine.models.config import ModelConfig
+from spec_engine.models.sharded import ShardedLlama, shard_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
