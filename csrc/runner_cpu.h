@@ -277,7 +277,7 @@ struct ChainRows {
   int64_t ld;
 
   // After a step that drafted nothing (gamma 0: a plain step), the draft's cache did not move: each row's gap grows
-  // by the tokens it emitted.
+  // by the tokens it emitted (run_spec_chain applies it for every kind of draft).
   void extend(const std::vector<std::vector<int64_t>>& emitted) {
     int64_t width = 0;
     for (int64_t b = 0; b < B; ++b) width = std::max<int64_t>(width, gap_len[b] + emitted[b].size());
@@ -292,13 +292,17 @@ struct ChainRows {
   }
 };
 
-// No draft: the target's plain greedy steps (gamma 0), the gap growing by each emitted token (its last the next root).
+// A draft's side of a step, for run_spec_chain: propose(r, drafts) fills the chain [B, gamma] (gamma >= 1);
+// commit(r, emitted, drafts, target) sets the rows' next gaps after a drafted step; plain(r, emitted, target) is
+// what the draft keeps of a plain step (gamma 0), whose gaps the loop extends itself.
+
+// No draft: the target's plain greedy steps (gamma 0 only: propose and commit are never called).
 struct NoDraft {
   void propose(const ChainRows&, int64_t*) {}
   template <typename TT>
-  void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t*, const ChainRunner<TT>&) {
-    r.extend(emitted);
-  }
+  void commit(ChainRows&, const std::vector<std::vector<int64_t>>&, const int64_t*, const ChainRunner<TT>&) {}
+  template <typename TT>
+  void plain(const ChainRows&, const std::vector<std::vector<int64_t>>&, const ChainRunner<TT>&) {}
 };
 
 // A draft model's side of a speculative step: its catch-up (the gap, then the root, at L_b - gap_len + 1 ..), then
@@ -328,7 +332,6 @@ class ModelDraft {
   template <typename TT>
   void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t* drafts,
               const ChainRunner<TT>&) {
-    if (r.gamma == 0) return r.extend(emitted);
     std::vector<int64_t> next(r.B * 2);
     for (int64_t b = 0; b < r.B; ++b) {
       const int64_t n = static_cast<int64_t>(emitted[b].size());
@@ -340,6 +343,9 @@ class ModelDraft {
     r.gap = std::move(next);
     r.ld = 2;
   }
+
+  template <typename TT>
+  void plain(const ChainRows&, const std::vector<std::vector<int64_t>>&, const ChainRunner<TT>&) {}
 
  private:
   ChainRunner<TD>& model_;
@@ -426,10 +432,21 @@ class HeadDraft {
 
   // The features of the step's accepted positions L_b .. L_b + n - 1 (fc of the target's captured streams), and
   // the next gaps: every emitted token (positions L_b + 1 .. L_b + n, the head's entries of the drafted ones were
-  // built on its own guesses; after a plain step, gamma 0, the gap grows by the emitted token). r.L is still the
-  // step's.
+  // built on its own guesses). r.L is still the step's.
   void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t*,
               const ChainRunner<T>& target) {
+    plain(r, emitted, target);
+    const int64_t T_ = r.gamma + 1;
+    r.ld = T_;
+    r.gap.assign(r.B * T_, 0);
+    for (int64_t b = 0; b < r.B; ++b) {
+      std::copy(emitted[b].begin(), emitted[b].end(), r.gap.begin() + b * T_);
+      r.gap_len[b] = static_cast<int64_t>(emitted[b].size());
+    }
+  }
+
+  // A step's emitted positions' features (a plain step's too: the head's entries read them when it next drafts).
+  void plain(const ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const ChainRunner<T>& target) {
     const int64_t B = r.B, T_ = r.gamma + 1, H = head_.hidden_size(), F = fc_.size(1);
     feats_.resize(B * T_ * H);
     linear(target.captured(), Weight{fc_.data_ptr(), 0}, nullptr, feats_.data(), B * T_, H, F);  // [B * T, H]
@@ -438,13 +455,6 @@ class HeadDraft {
         const T* src = feats_.data() + (b * T_ + j) * H;
         std::copy(src, src + H, row(b, r.L[b] + j));
       }
-    }
-    if (r.gamma == 0) return r.extend(emitted);
-    r.ld = T_;
-    r.gap.assign(B * T_, 0);
-    for (int64_t b = 0; b < B; ++b) {
-      std::copy(emitted[b].begin(), emitted[b].end(), r.gap.begin() + b * T_);
-      r.gap_len[b] = static_cast<int64_t>(emitted[b].size());
     }
   }
 
@@ -510,7 +520,12 @@ void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, int64_t
       }
     }
     if (!finite) break;  // nothing of this step is committed
-    draft.commit(r, emitted, drafts.data(), target);
+    if (gamma > 0) {
+      draft.commit(r, emitted, drafts.data(), target);
+    } else {
+      draft.plain(r, emitted, target);
+      r.extend(emitted);
+    }
     bool stopped = false;
     for (int64_t b = 0; b < B; ++b) {
       const int64_t n = static_cast<int64_t>(emitted[b].size());
