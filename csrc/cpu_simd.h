@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #define SPECDEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 #define SPECDEC_AVX2 __attribute__((target("avx2,fma")))
+#define SPECDEC_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")))
 #else
 #define SPECDEC_CPU_X86 0
 #endif
@@ -20,6 +21,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace specdec {
 namespace simd {
@@ -29,7 +35,8 @@ namespace simd {
 enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // The widest path this CPU runs: AVX-512 (F, BW, VL + FMA), AVX2 + FMA (AMD Zen 1-3, Intel before Skylake-SP and
-// its client parts), else scalar. SPECDEC_CPU_ISA=avx2 or =scalar caps it (tests run every path on one machine);
+// its client parts), else scalar. SPECDEC_CPU_ISA=avx512, =avx2 or =scalar caps it (tests run every path on one
+// machine; avx512 only turns the bfloat16 linear's AMX tiles off, see cpu_has_amx_bf16);
 // SPECDEC_LINEAR_SCALAR=1, the older switch, means scalar.
 inline Isa detect_isa() {
 #if SPECDEC_CPU_X86
@@ -69,6 +76,30 @@ inline bool cpu_has_avx512_bf16() {
 #else
   return false;
 #endif
+}
+
+// AMX-BF16 tiles (Intel Sapphire Rapids and later) on top of AVX512-BF16: the bfloat16 linear kernel's widest path.
+// Linux hands a process the tile registers' 8 KB state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), made here
+// once; where the request fails, or SPECDEC_CPU_ISA caps the paths (=avx512 keeps AVX-512 without tiles), the
+// AVX-512 path runs instead.
+inline bool detect_amx_bf16() {
+#if SPECDEC_CPU_X86 && defined(__linux__)
+  if (!cpu_has_avx512_bf16()) return false;
+  if (const char* v = std::getenv("SPECDEC_CPU_ISA"); v != nullptr && std::strcmp(v, "avx512") == 0) return false;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+  const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
+  if (!tile || !bf16) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+inline bool cpu_has_amx_bf16() {
+  static const bool ok = detect_amx_bf16();
+  return ok;
 }
 
 // The scalar paths' dot product: the AVX2 path's order written as plain C++, 8 partial sums (sum l over
@@ -120,6 +151,37 @@ SPECDEC_AVX512 inline __m512 reduce16(const __m512* acc) {
   const __m512 lo = _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0));
   const __m512 hi = _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1));
   return _mm512_add_ps(lo, hi);
+}
+
+// Transposes a 16 x 16 matrix of 32-bit elements held as 16 rows: afterwards r[j] lane i is what r[i] lane j was.
+// Pure moves (unpacks and shuffles), so any 32-bit payload - fp32, or a pair of bfloat16 - passes bit for bit.
+SPECDEC_AVX512 inline void transpose16(__m512* r) {
+  __m512 t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of elements
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {  // 4 x 4 blocks within each 128-bit lane
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < 16; h += 8) {  // 128-bit lanes: the even and odd ones of rows i and i + 4
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // then the even and odd ones of rows i and i + 8
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
 }
 
 // e^x lane by lane (Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for e^r, then 2^n by

@@ -1,4 +1,5 @@
-// Small-M linear (out = x @ weight^T + bias) on CPU: AVX-512 fp32 FMA and AVX512-BF16 dot products, or AVX2 FMA.
+// Small-M linear (out = x @ weight^T + bias) on CPU: AMX-BF16 tiles, AVX-512 fp32 FMA and AVX512-BF16 dot products,
+// or AVX2 FMA.
 //
 // Glossary: M rows of x (decode: 1, verify: T), N output features (rows of weight [N, K]), K the reduction length.
 // A *tile* is NB weight rows x MB x rows computed together: each weight vector loaded feeds MB FMAs, each x vector
@@ -14,11 +15,12 @@
 // and the bias is added last. Tile shapes only choose which accumulators share registers, never the order of one
 // accumulator's additions, so linear(x)[i] is bitwise linear(x[i:i+1])[0].
 //
-// The AVX-512 and AVX2 code is compiled for its ISA with target attributes (no global -m flags), and chosen once per
-// process (simd::cpu_isa): a CPU with AVX2 + FMA but no AVX-512 (or no AVX512-BF16, for bf16) takes the AVX2 path
-// (8 lanes, each summing a fixed sequence of k in increasing order, bf16 widened to fp32 in registers, then
-// reduce8's fixed tree: see its section), one without either a scalar path; each is correct and batch-invariant in
-// its own order.
+// The AMX, AVX-512 and AVX2 code is compiled for its ISA with target attributes (no global -m flags), and chosen once
+// per process (simd::cpu_isa): a CPU with AMX-BF16 tiles runs bfloat16 weights whose K is a multiple of 32 on them
+// (see the AMX section: there each element is its own running sum over k blocks), a CPU with AVX2 + FMA but no
+// AVX-512 (or no AVX512-BF16, for bf16) takes the AVX2 path (8 lanes, each summing a fixed sequence of k in
+// increasing order, bf16 widened to fp32 in registers, then reduce8's fixed tree: see its section), one without
+// either a scalar path; each is correct and batch-invariant in its own order.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -269,6 +271,135 @@ SPECDEC_AVX512 void rows_avx512(const LinearArgs<T>& a, int64_t n_begin, int64_t
   for (; n < n_end; ++n) rows_all_m<T, 1>(a, n, false);
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// AMX path (bfloat16, K a multiple of 32, CPUs with AMX-BF16 tiles: simd::cpu_has_amx_bf16).
+// ---------------------------------------------------------------------------------------------------------------
+//
+// One tdpbf16ps multiplies a tile of 16 weight rows x 32 k (the weight's own row-major layout, loaded in place) by a
+// tile of 32 k x 16 x rows (x packed into pairs: row p of the tile holds, for each x row, the dword of k = 2p, 2p + 1)
+// into 16 x 16 fp32 sums: 512 multiply-adds per cycle, so a verify pass of 16 rows costs about what streaming the
+// weights costs, where the AVX-512 path pays 16x the dot products. Every output element is its own running sum over
+// k blocks in increasing order, whatever the other rows and columns of its tile hold: x rows past M are zeros that
+// change nothing, a tile of fewer weight rows computes the same sums for the rows it has, so linear(x)[i] is bitwise
+// linear(x[i:i+1])[0]. The AMX order differs from the AVX-512 path's; a process takes one of them for all M.
+//
+// Tiles: 0-3 sums (16 weight rows each), 4 the packed x block, 5-7 weight blocks (5 again for the fourth).
+
+struct TileConfig {  // the ldtilecfg layout (palette 1)
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 64 bytes wide; the sums and weight tiles `weight_rows` tall (16, or N's tail).
+SPECDEC_AMX inline void configure_tiles(int weight_rows) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = static_cast<uint8_t>(t == 4 ? 16 : weight_rows);
+  }
+  _tile_loadconfig(&c);
+}
+
+constexpr int64_t kXBlock = 16 * 16;  // dwords in one packed x block: 16 k pairs x 16 x rows
+
+// x [M, K] -> packed [ceil(M / 16)][K / 32] blocks, each 16 k-pair rows of 16 x rows (zeros past M).
+SPECDEC_AMX void pack_x_amx(const LinearArgs<c10::BFloat16>& a, uint32_t* packed) {
+  const int64_t kblocks = a.K / 32;
+  for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      __m512 r[16];
+#pragma GCC unroll 16
+      for (int c = 0; c < 16; ++c) {  // x row m0 + c's 32 elements as 16 dwords
+        r[c] = m0 + c < a.M ? _mm512_loadu_ps(reinterpret_cast<const float*>(a.x + (m0 + c) * a.ldx + kb * 32))
+                            : _mm512_setzero_ps();
+      }
+      simd::transpose16(r);
+      float* block = reinterpret_cast<float*>(packed + (m0 / 16 * kblocks + kb) * kXBlock);
+#pragma GCC unroll 16
+      for (int p = 0; p < 16; ++p) _mm512_storeu_ps(block + p * 16, r[p]);
+    }
+  }
+}
+
+// Stores sum tile `sums` [16 weight rows][16 x rows] (fp32, row-major) as out rows m0.. (bias last, then bf16).
+SPECDEC_AMX void finish_tile_amx(const LinearArgs<c10::BFloat16>& a, const float* sums, int64_t n0, int weight_rows,
+                                 int64_t m0) {
+  const __mmask16 rows_mask = static_cast<__mmask16>((1u << weight_rows) - 1);
+  __m512 r[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(sums + i * 16);
+  simd::transpose16(r);  // r[c]: x row m0 + c's sums for weight rows n0..
+  __m512 bias = _mm512_setzero_ps();
+  if (a.bias != nullptr) {
+    const __m256i raw = _mm256_maskz_loadu_epi16(rows_mask, a.bias + n0);
+    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  const int64_t count = std::min<int64_t>(16, a.M - m0);
+  for (int64_t c = 0; c < count; ++c) {
+    const __m512 v = a.bias != nullptr ? _mm512_add_ps(r[c], bias) : r[c];
+    _mm256_mask_storeu_epi16(a.out + (m0 + c) * a.N + n0, rows_mask, to_bf16_bits(v));
+  }
+}
+
+// Weight rows [n0, n0 + 16 * NT) (the last tile `weight_rows` tall) against every packed x block. No software
+// prefetch: the hardware's streams serve the tile loads' 16-64 rows better than one prefetch per weight row and k
+// block, of the next rows or of these rows ahead (bench/RESULTS.md, "AMX").
+template <int NT>
+SPECDEC_AMX void tiles_amx(const LinearArgs<c10::BFloat16>& a, const uint32_t* packed, int64_t n0, int weight_rows) {
+  const int64_t K = a.K, kblocks = K / 32, stride = K * 2;
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(a.w) + n0 * K;
+  alignas(64) float sums[NT][256];
+  for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
+    const uint32_t* x = packed + m0 / 16 * kblocks * kXBlock;
+    _tile_zero(0);
+    if constexpr (NT > 1) _tile_zero(1);
+    if constexpr (NT > 2) _tile_zero(2);
+    if constexpr (NT > 3) _tile_zero(3);
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      _tile_loadd(4, x + kb * kXBlock, 64);
+      _tile_loadd(5, w + kb * 32, stride);
+      _tile_dpbf16ps(0, 5, 4);
+      if constexpr (NT > 1) {
+        _tile_loadd(6, w + 16 * K + kb * 32, stride);
+        _tile_dpbf16ps(1, 6, 4);
+      }
+      if constexpr (NT > 2) {
+        _tile_loadd(7, w + 32 * K + kb * 32, stride);
+        _tile_dpbf16ps(2, 7, 4);
+      }
+      if constexpr (NT > 3) {
+        _tile_loadd(5, w + 48 * K + kb * 32, stride);
+        _tile_dpbf16ps(3, 5, 4);
+      }
+    }
+    _tile_stored(0, sums[0], 64);
+    if constexpr (NT > 1) _tile_stored(1, sums[1], 64);
+    if constexpr (NT > 2) _tile_stored(2, sums[2], 64);
+    if constexpr (NT > 3) _tile_stored(3, sums[3], 64);
+    for (int t = 0; t < NT; ++t) finish_tile_amx(a, sums[t], n0 + 16 * t, t == NT - 1 ? weight_rows : 16, m0);
+  }
+}
+
+// Weight rows [n_begin, n_end): 64 at a time, then 16, then N's tail (a shorter tile). x is packed by each thread of
+// a split call into its own buffer (reused across calls).
+SPECDEC_AMX void rows_amx(const LinearArgs<c10::BFloat16>& a, int64_t n_begin, int64_t n_end) {
+  thread_local std::vector<uint32_t> packed;
+  packed.resize(static_cast<size_t>((a.M + 15) / 16 * (a.K / 32) * kXBlock));
+  pack_x_amx(a, packed.data());
+  configure_tiles(16);
+  int64_t n = n_begin;
+  for (; n + 64 <= n_end; n += 64) tiles_amx<4>(a, packed.data(), n, 16);
+  for (; n + 16 <= n_end; n += 16) tiles_amx<1>(a, packed.data(), n, 16);
+  if (n < n_end) {
+    configure_tiles(static_cast<int>(n_end - n));
+    tiles_amx<1>(a, packed.data(), n, static_cast<int>(n_end - n));
+  }
+  _tile_release();
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // AVX2 + FMA path (CPUs without AVX-512: AMD Zen 1-3, older and client Intel parts).
@@ -530,11 +661,15 @@ SPECDEC_AVX2 void rows_avx2(const Avx2Args<T>& p, int64_t n_begin, int64_t n_end
 
 #endif  // SPECDEC_LINEAR_X86
 
-enum class Path { kScalar, kAvx2, kAvx512 };
+enum class Path { kScalar, kAvx2, kAvx512, kAmx };
 
-// This CPU's path for T (chosen once per process: the paths sum in different orders).
+// This CPU's path for T and a weight's K (chosen once per process for each: the paths sum in different orders, so a
+// weight's outputs never depend on M).
 template <typename T>
-Path path_for() {
+Path path_for([[maybe_unused]] int64_t K) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (simd::cpu_has_amx_bf16() && K % 32 == 0) return Path::kAmx;
+  }
   const bool avx512 = std::is_same_v<T, float> ? simd::cpu_has_avx512() : simd::cpu_has_avx512_bf16();
   return avx512 ? Path::kAvx512 : simd::cpu_isa() >= simd::Isa::kAvx2 ? Path::kAvx2 : Path::kScalar;
 }
@@ -544,6 +679,9 @@ Path path_for() {
 template <typename T>
 void rows(const LinearArgs<T>& a, [[maybe_unused]] Path path, int64_t n_begin, int64_t n_end) {
 #if SPECDEC_LINEAR_X86
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (path == Path::kAmx) return rows_amx(a, n_begin, n_end);
+  }
   if (path == Path::kAvx512) return rows_avx512<T>(a, n_begin, n_end);
   if (path == Path::kAvx2) {
     if constexpr (std::is_same_v<T, float>) {
@@ -562,7 +700,7 @@ void rows(const LinearArgs<T>& a, [[maybe_unused]] Path path, int64_t n_begin, i
 
 template <typename T>
 void run(const LinearArgs<T>& a) {
-  const Path path = path_for<T>();
+  const Path path = path_for<T>(a.K);
   const int64_t num_blocks = (a.N + kRowBlock - 1) / kRowBlock;
   // Threads for calls with >= ~1 us of one-thread work. Between the forwards of a decode loop the second thread
   // spins (OpenMP's active wait), so handing it half of a call costs well under a microsecond; a higher threshold
@@ -574,7 +712,8 @@ void run(const LinearArgs<T>& a) {
   // blocks. The split is by whole blocks: a tile's sums never depend on the thread count.
   const double block_bytes = static_cast<double>(kRowBlock * a.K * static_cast<int64_t>(sizeof(T)));
   const double block_flops = 2.0 * static_cast<double>(a.M * kRowBlock * a.K);
-  const double block_us = std::max(block_bytes / 130e3, block_flops / (std::is_same_v<T, float> ? 200e3 : 350e3));
+  const double flops_per_us = path == Path::kAmx ? 2000e3 : std::is_same_v<T, float> ? 200e3 : 350e3;
+  const double block_us = std::max(block_bytes / 130e3, block_flops / flops_per_us);
   const int64_t grain = static_cast<int64_t>(1.0 / std::max(block_us, 1e-3)) + 1;
   at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
     rows<T>(a, path, begin * kRowBlock, std::min(end * kRowBlock, a.N));
@@ -587,7 +726,7 @@ void run_part(const LinearArgs<T>& a, int64_t part, int64_t parts) {
   const int64_t num_blocks = (a.N + kRowBlock - 1) / kRowBlock;
   const int64_t per = num_blocks / parts, extra = num_blocks % parts;
   const int64_t begin = part * per + std::min(part, extra), end = begin + per + (part < extra ? 1 : 0);
-  if (begin < end) rows<T>(a, path_for<T>(), begin * kRowBlock, std::min(end * kRowBlock, a.N));
+  if (begin < end) rows<T>(a, path_for<T>(a.K), begin * kRowBlock, std::min(end * kRowBlock, a.N));
 }
 
 // Checks that need no values: shared by the CPU and Meta kernels, so fake-tensor tracing raises the same errors.

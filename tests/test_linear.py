@@ -178,12 +178,13 @@ def test_fake_tensor_and_compile():
     assert out.shape == (3, 24) and out.dtype == torch.float32
 
 
-@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
 def test_narrower_cpu_paths(isa):
-    """SPECDEC_CPU_ISA caps the kernels' vector paths at AVX2 (CPUs without AVX-512: AMD Zen 1-3, older Intel) or at
-    the scalar one (no AVX2, other architectures): the native kernels' tests (float64 references, batch invariance,
+    """SPECDEC_CPU_ISA caps the kernels' vector paths at AVX-512 without AMX tiles (Intel before Sapphire Rapids, AMD
+    Zen 4-5), at AVX2 (CPUs without AVX-512: AMD Zen 1-3, older Intel) or at the scalar one (no AVX2, other
+    architectures): the native kernels' tests (float64 references, batch invariance,
     tree nodes bitwise equal to plain decoding, greedy acceptance) must pass on each, in a process of its own (the
-    path is chosen once per process). On a CPU without AVX-512 the avx2 run repeats the suite's own path."""
+    path is chosen once per process). A run capped above this CPU's own path repeats the suite's."""
     root = Path(__file__).resolve().parent.parent
     files = ["tests/test_linear.py", "tests/test_decoder_layers.py", "tests/test_verify_tree.py"]
     env = {**os.environ, "SPECDEC_CPU_ISA": isa}
