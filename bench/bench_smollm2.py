@@ -113,9 +113,19 @@ def llama_bench(binary: Path, model: Path, threads: int, args: list[str]):
     """A sampler running ``llama-bench -o json`` once: its per-repetition ``samples_ns``."""
     cmd = [str(binary), "-m", str(model), "-t", str(threads), "-o", "json", *args]
 
+    failed = []
+
     def sample() -> list[float]:
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        return [float(x) for x in json.loads(out)[0]["samples_ns"]]
+        """No samples where the binary failed (said once, not run again): a peer's crash leaves the other rows."""
+        if failed:
+            return []
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            failed.append(proc.returncode)
+            print(f"  {binary.name} failed (exit {proc.returncode}): {' '.join(cmd[2:])}; its row stays empty",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return []
+        return [float(x) for x in json.loads(proc.stdout)[0]["samples_ns"]]
 
     return sample
 
