@@ -126,6 +126,49 @@ SPECDEC_AVX512 void weighted_sum_avx512(const float* s, const T* v, const int64_
   }
 }
 
+// weighted_sum_avx512 for NG heads at once over the same keys (s [NG, ld_s], o [NG, D] with D = 16 C): each key's V
+// row is widened once for all heads, and every head's sums run the same multiply-adds in the same key order as
+// weighted_sum_avx512's (the same values).
+template <int C, int NG, typename T>
+SPECDEC_AVX512 void weighted_sums_avx512(const float* s, int64_t ld_s, const T* v, const int64_t* rows, int64_t n,
+                                         float* o) {
+  __m512 acc[NG][C];
+#pragma GCC unroll 4
+  for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* row = v + rows[j];
+    __m512 vr[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) vr[c] = load16(row + 16 * c, 16);
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) {
+      const __m512 a = _mm512_set1_ps(s[g * ld_s + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(a, vr[c], acc[g][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + g * 16 * C + 16 * c, acc[g][c]);
+  }
+}
+
+// G heads' weighted sums (s [G, ld_s] -> o [G, D]): together where the shape has an instance above (SmolLM2's D = 64
+// with 2-3 heads of a KV group, D = 128 with 2-3), else head by head.
+template <typename T>
+SPECDEC_AVX512 void weighted_sums_heads_avx512(const float* s, int64_t ld_s, const T* v, const int64_t* rows,
+                                               int64_t n, int64_t D, int64_t G, float* o) {
+  if (D == 64 && G == 2) return weighted_sums_avx512<4, 2>(s, ld_s, v, rows, n, o);
+  if (D == 64 && G == 3) return weighted_sums_avx512<4, 3>(s, ld_s, v, rows, n, o);
+  if (D == 128 && G == 2) return weighted_sums_avx512<8, 2>(s, ld_s, v, rows, n, o);
+  if (D == 128 && G == 3) return weighted_sums_avx512<8, 3>(s, ld_s, v, rows, n, o);
+  for (int64_t g = 0; g < G; ++g) weighted_sum_avx512(s + g * ld_s, v, rows, n, D, o + g * D);
+}
+
 // AVX2: lane l sums a[i] * b[i] for i = l, l + 8, ...; then reduce_add8's fixed tree.
 template <typename T>
 SPECDEC_AVX2 float dot_avx2(const float* a, const T* b, int64_t n) {
