@@ -33,10 +33,8 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -47,8 +45,9 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import llama_cpp  # noqa: E402
 from bench.bench_eagle import head_step  # noqa: E402
-from bench.bench_smollm2 import f16_copy, llama_bin, resolve_gguf  # noqa: E402
+from bench.bench_smollm2 import resolve_gguf  # noqa: E402
 from bench.bench_suffix import functions  # noqa: E402
 from bench.eval_eagle import ChatContender, humaneval_path  # noqa: E402
 from bench.harness import (  # noqa: E402
@@ -162,23 +161,6 @@ def timed_set(name: str, contenders: list[Contender], groups, max_tokens: int, r
     round_robin(contenders, groups, max_tokens, bar, repeats=repeats)
     bar.close()
     return [c.run for c in contenders]
-
-
-def llama_lookup(binary: Path, model: Path, llm: LLM, prompts: list[Prompt], max_tokens: int, threads: int) -> dict:
-    """llama-lookup (n-gram drafts from the context) per request: median decode tok/s and its acceptance."""
-    tps, accept = [], []
-    for p in tqdm(prompts, desc="llama-lookup", dynamic_ncols=True):
-        text = llm.tokenizer.decode(p.ids, skip_special_tokens=False)
-        cmd = [str(binary), "-m", str(model), "-t", str(threads), "-c", "4096", "-n", str(max_tokens), "--temp", "0",
-               "-p", text]  # fmt: skip
-        log = subprocess.run(cmd, capture_output=True, text=True).stderr
-        m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
-        a = re.search(r"accept\s+=\s+([\d.]+)%", log)
-        if m:
-            tps.append(float(m.group(3)))
-            accept.append(float(a.group(1)) / 100 if a else float("nan"))
-    return {"tokens_per_s": statistics.median(tps) if tps else None, "samples": tps,
-            "acceptance": statistics.mean(accept) if accept else None}  # fmt: skip
 
 
 def fmt(x, spec=".2f") -> str:
@@ -307,13 +289,17 @@ def main(argv: list[str] | None = None) -> int:
                          [(list(range(CONCURRENT)), chat)], args.max_tokens, repeats=3)  # fmt: skip
         report("concurrent", runs, f"{CONCURRENT} chat requests in one generate call (summed tok/s, best of 3)")
     if "lookup" in sets:
-        binary = llama_bin(args.llama_cpp, "llama-lookup")
-        quantize = llama_bin(args.llama_cpp, "llama-quantize")
+        binary = llama_cpp.binary(args.llama_cpp, "llama-lookup")
+        quantize = llama_cpp.binary(args.llama_cpp, "llama-quantize")
         if binary is None or quantize is None:
             print("\nllama-lookup: skipped (no --llama-cpp / $LLAMA_CPP_DIR with llama-lookup and llama-quantize)")
         else:
-            f16 = f16_copy(quantize, resolve_gguf(args.model), Path(tempfile.gettempdir()) / "specdec-bench-smollm2")
-            look = llama_lookup(binary, f16, plain, he, args.max_tokens, args.threads)
+            f16 = llama_cpp.f16_copy(
+                quantize, resolve_gguf(args.model), Path(tempfile.gettempdir()) / "specdec-bench-smollm2"
+            )
+            texts = [plain.tokenizer.decode(p.ids, skip_special_tokens=False) for p in he]
+            with tqdm(total=len(texts), desc="llama-lookup", dynamic_ncols=True) as bar:
+                look = llama_cpp.lookup(binary, f16, texts, args.max_tokens, args.threads, bar)
             best = max(result["sets"].get("humaneval", []), key=lambda x: x["tokens_per_s"], default=None)
             look["ours_best"] = best and {"name": best["name"], "tokens_per_s": best["tokens_per_s"]}
             look["ratio"] = best and look["tokens_per_s"] and best["tokens_per_s"] / look["tokens_per_s"]

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import llama_cpp  # noqa: E402
 from bench.bench_bandwidth import probe  # noqa: E402
 from bench.bench_step import Mode, hf_sampler, ours_sampler, run_rounds, timed_ms  # noqa: E402
 from bench.harness import cpu_name, forward_step  # noqa: E402
@@ -89,70 +89,6 @@ def hf_export(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-# --- llama.cpp ---------------------------------------------------------------------------------------------------
-
-
-def llama_bin(root: Path | None, name: str) -> Path | None:
-    if root is None:
-        return None
-    return next((p for p in (root / "build" / "bin" / name, root / "bin" / name) if p.is_file()), None)
-
-
-def f16_copy(quantize: Path, src: Path, cache: Path) -> Path:
-    """An F16 GGUF of the same tensors (``llama-quantize --allow-requantize``), made once."""
-    out = cache / (src.stem + ".F16.gguf")
-    if not out.is_file():
-        tmp = out.with_suffix(".tmp")
-        subprocess.run([str(quantize), "--allow-requantize", str(src), str(tmp), "F16"], check=True,
-                       capture_output=True)  # fmt: skip
-        tmp.rename(out)
-    return out
-
-
-def llama_bench(binary: Path, model: Path, threads: int, args: list[str]):
-    """A sampler running ``llama-bench -o json`` once: its per-repetition ``samples_ns``."""
-    cmd = [str(binary), "-m", str(model), "-t", str(threads), "-o", "json", *args]
-
-    failed = []
-
-    def sample() -> list[float]:
-        """No samples where the binary failed (said once, not run again): a peer's crash leaves the other rows."""
-        if failed:
-            return []
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            failed.append(proc.returncode)
-            print(f"  {binary.name} failed (exit {proc.returncode}): {' '.join(cmd[2:])}; its row stays empty",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            return []
-        return [float(x) for x in json.loads(proc.stdout)[0]["samples_ns"]]
-
-    return sample
-
-
-def llama_decode_sampler(binary: Path, model: Path, threads: int, n: int, reps: int):
-    run = llama_bench(binary, model, threads, ["-p", "0", "-n", str(n), "-d", str(CTX), "-r", str(reps)])
-    return lambda: [n / (ns / 1e9) for ns in run()]
-
-
-def llama_fwd_sampler(binary: Path, model: Path, threads: int, T: int, reps: int):
-    run = llama_bench(binary, model, threads, ["-p", str(T), "-n", "0", "-d", str(CTX), "-r", str(reps)])
-    return lambda: [ns / 1e6 for ns in run()]
-
-
-def llama_batched(binary: Path, model: Path, threads: int, n: int) -> dict[int, float]:
-    """{B: summed generation tok/s} from ``llama-batched-bench`` (its S_TG column), B in BATCHES."""
-    cmd = [str(binary), "-m", str(model), "-t", str(threads), "-c", str(max(BATCHES) * (CTX + n) + 64),
-           "-npp", str(CTX), "-ntg", str(n), "-npl", ",".join(map(str, BATCHES))]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    rows = {}
-    for line in out.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 10 and cells[0].isdigit():  # PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | T | S
-            rows[int(cells[2])] = float(cells[7])
-    return rows
-
-
 # --- ours --------------------------------------------------------------------------------------------------------
 
 
@@ -196,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[1] read probe {read:.1f} GB/s (copy {result['bandwidth']['copy_gbps']:.1f})", flush=True)
 
     root = Path(args.llama_cpp) if args.llama_cpp else None
-    lbench, lbatched, lquant = (llama_bin(root, n) for n in ("llama-bench", "llama-batched-bench", "llama-quantize"))
+    lbench, lbatched, lquant = (
+        llama_cpp.binary(root, n) for n in ("llama-bench", "llama-batched-bench", "llama-quantize")
+    )
     if not (lbench and lquant):
         notes.append("llama.cpp skipped: no llama-bench/llama-quantize under --llama-cpp (see bench/llama_cpp.md)")
-    f16 = f16_copy(lquant, gguf, cache) if lquant else None
+    f16 = llama_cpp.f16_copy(lquant, gguf, cache) if lquant else None
 
     llms = {"ours bf16": LLM(str(gguf), None, dtype="bfloat16", max_num_seqs=max(BATCHES))}
     try:
@@ -221,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                                                             records.setdefault("hf", {})), "tok/s"))  # fmt: skip
     if lbench:
         for label, path in (("llama.cpp F16", f16), ("llama.cpp Q4_1", gguf)):
-            modes.append(Mode(label, llama_decode_sampler(lbench, path, args.threads, args.max_tokens, 2), "tok/s"))
+            modes.append(
+                Mode(label, llama_cpp.decode_sampler(lbench, path, args.threads, args.max_tokens, CTX, 2), "tok/s")
+            )
     run_rounds(modes, rounds, "decode")
     result["decode"] = summarize(modes)
     for name, s in result["decode"].items():
@@ -242,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         fn()
         fwd_modes.append(Mode(f"ours fwd T={T}", timed_ms(fn, 5), "ms"))
         if lbench:
-            fwd_modes.append(Mode(f"llama.cpp F16 fwd T={T}", llama_fwd_sampler(lbench, f16, args.threads, T, 5), "ms"))
+            fwd_modes.append(
+                Mode(f"llama.cpp F16 fwd T={T}", llama_cpp.forward_sampler(lbench, f16, args.threads, T, CTX, 5), "ms")
+            )
     run_rounds(fwd_modes, rounds, "r(T)")
     fwd = summarize(fwd_modes)
     for who in ("ours", "llama.cpp F16"):
@@ -263,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def llama_round(B: int):
             if B == BATCHES[0]:
-                runs.append(llama_batched(lbatched, f16, args.threads, args.max_tokens))
+                runs.append(llama_cpp.batched(lbatched, f16, args.threads, args.max_tokens, CTX, BATCHES))
             return runs[-1][B]
 
         for m in batch_modes[len(BATCHES) :]:

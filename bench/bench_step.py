@@ -42,10 +42,8 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +55,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import llama_cpp  # noqa: E402
 from bench.harness import cpu_name, forward_step  # noqa: E402
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 from spec_engine.drafters.draft_model import read_draft_vocab  # noqa: E402
@@ -256,11 +255,7 @@ def derive_step_cost(summary: dict, dtypes: list[str], sizes: list[int]) -> list
 
 def find_llama(args) -> tuple[Path | None, Path | None, str]:
     """(llama-bench, GGUF dir) or Nones with the reason."""
-    bench = args.llama_bench
-    if bench is None and os.environ.get("LLAMA_CPP_DIR"):
-        root = Path(os.environ["LLAMA_CPP_DIR"])
-        cands = [root / "build" / "bin" / "llama-bench", root / "bin" / "llama-bench", root / "llama-bench"]
-        bench = next((str(p) for p in cands if p.is_file()), None)
+    bench = args.llama_bench or llama_cpp.binary(os.environ.get("LLAMA_CPP_DIR"), "llama-bench")
     bench = bench or shutil.which("llama-bench")
     if bench is None or not Path(bench).is_file():
         return None, None, "llama.cpp skipped: no llama-bench (pass --llama-bench PATH or set $LLAMA_CPP_DIR)"
@@ -269,60 +264,6 @@ def find_llama(args) -> tuple[Path | None, Path | None, str]:
     if gguf is None or any(not (gguf / n).is_file() for n in need):
         return None, None, f"llama.cpp skipped: --gguf-dir must hold {', '.join(need)} (see bench/llama_cpp.md)"
     return Path(bench), gguf, ""
-
-
-def llama_bench_sampler(bench: Path, model: Path, threads: int, args: list[str], key: str):
-    """A sampler running ``llama-bench -o json`` once; returns its per-repetition samples of ``key``."""
-    cmd = [str(bench), "-m", str(model), "-t", str(threads), "-o", "json", *args]
-
-    def sample() -> list[float]:
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        return [float(x) for x in json.loads(out)[0][key]]
-
-    return sample
-
-
-def llama_fwd_sampler(bench: Path, model: Path, threads: int, T: int, reps: int):
-    """ms of one T-token forward at depth CTX: llama-bench's prompt processing of T tokens (one ubatch)."""
-    run = llama_bench_sampler(bench, model, threads, ["-p", str(T), "-n", "0", "-d", str(CTX), "-r", str(reps)],
-                              "samples_ns")  # fmt: skip
-    return lambda: [ns / 1e6 for ns in run()]
-
-
-# llama.cpp's logger is a leaked singleton drained by a thread: under load a run can exit (status 0) before its last
-# lines, the timing summary included, are written (llama.cpp issue 22142). Such a run is repeated.
-LOST_LOG_RETRIES = 5
-DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
-ACCEPT = re.compile(r"n_drafted\s*=\s*(\d+).*?n_accept\s*=\s*(\d+)", re.S)
-
-
-def llama_spec_sampler(spec_bin: Path, gguf: Path, gtype: str, draft_max: int, prompt_files: list[Path],
-                       threads: int, max_tokens: int, stats: dict):  # fmt: skip
-    """A sampler: llama.cpp's greedy speculative decoding on every prompt file; one tok/s sample per prompt."""
-    base = [str(spec_bin), "-m", str(gguf / f"target-{gtype}.gguf"), "-md", str(gguf / f"draft-{gtype}.gguf"),
-            "-n", str(max_tokens), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max),
-            "--temp", "0", "--top-k", "1", "-t", str(threads), "-td", str(threads), "-c", "256"]  # fmt: skip
-
-    def sample() -> list[float]:
-        out = []
-        for p in prompt_files:
-            for _ in range(LOST_LOG_RETRIES):
-                log = subprocess.run([*base, "-f", str(p)], capture_output=True, text=True, check=True)
-                text = log.stdout + log.stderr
-                m = DECODED.search(text)
-                if m is not None:
-                    break
-                stats["lost_logs"] = stats.get("lost_logs", 0) + 1
-            else:
-                raise RuntimeError(f"no 'decoded' line from {spec_bin.name} in {LOST_LOG_RETRIES} runs: {text[-500:]}")
-            out.append(int(m.group(1)) / float(m.group(2)))
-            a = ACCEPT.search(text)
-            if a:
-                stats["drafted"] = stats.get("drafted", 0) + int(a.group(1))
-                stats["accepted"] = stats.get("accepted", 0) + int(a.group(2))
-        return out
-
-    return sample
 
 
 # --- part 2: decode ----------------------------------------------------------------------------------------------
@@ -507,9 +448,9 @@ def main(argv: list[str] | None = None) -> int:
             for gtype in GGUF_TYPES:
                 for role in ("target", "draft"):
                     for T in SIZES:
-                        modes.append(Mode(f"llama.cpp {role} {gtype} fwd T={T}",
-                                          llama_fwd_sampler(bench, gguf / f"{role}-{gtype}.gguf", args.threads, T, 3),
-                                          "ms", extra={"model": role, "gguf": gtype, "T": T}))  # fmt: skip
+                        fwd = llama_cpp.forward_sampler(bench, gguf / f"{role}-{gtype}.gguf", args.threads, T, CTX, 3)
+                        modes.append(Mode(f"llama.cpp {role} {gtype} fwd T={T}", fwd, "ms",
+                                          extra={"model": role, "gguf": gtype, "T": T}))  # fmt: skip
         run_rounds(modes, step_rounds, "step cost")
         summary = {m.name: m.summary() for m in modes}
         result["step_cost"] = summary
@@ -559,14 +500,14 @@ def main(argv: list[str] | None = None) -> int:
             if bench is not None:
                 for gtype in GGUF_TYPES:
                     gen = ["-p", "0", "-n", str(args.max_tokens), "-d", str(PROMPT_LEN), "-r", str(num_prompts)]
-                    modes.append(Mode(f"llama.cpp plain {gtype}", llama_bench_sampler(
+                    modes.append(Mode(f"llama.cpp plain {gtype}", llama_cpp.bench_sampler(
                         bench, gguf / f"target-{gtype}.gguf", args.threads, gen, "samples_ts"), "tok/s"))  # fmt: skip
             if spec_bin is not None:
                 for gtype in GGUF_TYPES:
                     for d in draft_max:
                         name = f"llama.cpp spec {gtype} draft-max {d}"
                         llama_stats[name] = {}
-                        modes.append(Mode(name, llama_spec_sampler(spec_bin, gguf, gtype, d, prompt_files,
+                        modes.append(Mode(name, llama_cpp.spec_sampler(spec_bin, gguf, gtype, d, prompt_files,
                                                                    args.threads, args.max_tokens, llama_stats[name]),
                                           "tok/s"))  # fmt: skip
             run_rounds(modes, decode_rounds, "decode")
