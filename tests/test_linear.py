@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 # Slack on top of 2x torch's own error. Measured over test_matches_reference's cases: err(kernel) - 2 * err(torch) is
 # at most -2e-8 in fp32 (both ~1e-7 on outputs ~3) and -4e-3 in bf16 (both dominated by the output's rounding).
 ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
-# [K, N]: the default target's matrices (qkv, o, down, lm_head), odd sizes, K below one vector, an odd K.
-SHAPES = [(320, 448), (864, 320), (200, 111), (320, 4096), (33, 1728), (7, 17)]
+# [K, N]: the default target's matrices (qkv, o, down, lm_head), odd sizes, K below one vector, an odd K; K a multiple
+# of 32 with N = 64 + 2 x 16 + 4 and 2 x 16 + 8 (the AMX path's 64-row, 16-row and shorter tiles).
+SHAPES = [(320, 448), (864, 320), (200, 111), (320, 4096), (33, 1728), (7, 17), (96, 100), (64, 40)]
 ROWS = [1, 2, 5, 16, 17, 64]
 
 
@@ -57,7 +59,8 @@ def test_matches_reference(dtype, num_rows, k, n, bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 # SmolLM2-135M's qkv [960, 576] and down [576, 1536] too: every M from 1 to 16 cuts x into different chunks of rows
-@pytest.mark.parametrize("k,n", [(320, 448), (864, 1728), (200, 111), (320, 4096), (33, 17), (576, 960), (1536, 576)])
+@pytest.mark.parametrize("k,n", [(320, 448), (864, 1728), (200, 111), (320, 4096), (33, 17), (576, 960), (1536, 576),
+                                 (96, 100)])  # fmt: skip
 def test_batch_invariant(dtype, k, n):
     """Row i's output is bitwise the same alone, in any prefix batch, beside other rows (M <= 64), on any threads."""
     gen = torch.Generator().manual_seed(k + n)
@@ -193,3 +196,35 @@ def test_narrower_cpu_paths(isa):
     result = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout.splitlines()[-1], result.stdout[-500:]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+@pytest.mark.skipif(not {"amx_bf16", "amx_tile", "avx512_bf16"} <= _cpu_flags(), reason="no AMX-BF16 on this CPU")
+@pytest.mark.skipif("SPECDEC_CPU_ISA" in os.environ, reason="the vector paths are capped in this process")
+def test_amx_path_taken():
+    """On a CPU with AMX-BF16 the bfloat16 kernel runs on the tiles: its sums (each a running sum over k blocks) differ
+    in some bits from the AVX-512 path's (lanes, then a tree), run in a process capped at AVX-512. Were the tiles
+    refused (no OS permission, a wrong CPUID bit), the two would be bitwise equal."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = _inputs(16, 1536, 576, torch.bfloat16, True, gen)
+    ours = linear(x, w, b, backend="native")
+    code = (
+        "import sys, torch\nfrom spec_kernels.linear import linear\n"
+        "x, w, b = torch.load(sys.argv[1])\ntorch.save(linear(x, w, b, backend='native'), sys.argv[2])\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save((x, w, b), f"{tmp}/in.pt")
+        env = {**os.environ, "SPECDEC_CPU_ISA": "avx512"}
+        result = subprocess.run([sys.executable, "-c", code, f"{tmp}/in.pt", f"{tmp}/out.pt"], env=env,
+                                capture_output=True, text=True)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        avx512 = torch.load(f"{tmp}/out.pt")
+    _assert_close_to_ref(avx512, x, w, b)
+    assert not torch.equal(ours, avx512), "the default path summed exactly as AVX-512 does: AMX tiles not used"
