@@ -1,6 +1,6 @@
 // SIMD pieces shared by the CPU kernels (csrc/linear_cpu.cpp, csrc/layer_ops_cpu.h, csrc/verify_tree_cpu.cpp):
-// the target attributes that compile a function for AVX-512 or AVX2 + FMA without global -m flags, transposing lane
-// sums (16-way, 8-way) and vector exps. Callers choose a path once per process (cpu_isa) and keep a scalar one for
+// the target attributes that compile a function for AMX, AVX-512 or AVX2 + FMA without global -m flags, transposing
+// lane sums (16-way, 8-way) and 16 x 16 blocks, and vector exps. Callers choose a path once per process (cpu_isa) and keep a scalar one for
 // other CPUs.
 #pragma once
 
@@ -13,9 +13,16 @@
 #include <immintrin.h>
 #define SPECDEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 #define SPECDEC_AVX2 __attribute__((target("avx2,fma")))
+// AMX intrinsics need GCC 11 / clang 12; an older compiler builds everything else and leaves the tiles unused.
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define SPECDEC_CPU_AMX 1
 #define SPECDEC_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")))
 #else
+#define SPECDEC_CPU_AMX 0
+#endif
+#else
 #define SPECDEC_CPU_X86 0
+#define SPECDEC_CPU_AMX 0
 #endif
 
 #include <cstdint>
@@ -83,7 +90,7 @@ inline bool cpu_has_avx512_bf16() {
 // once; where the request fails, or SPECDEC_CPU_ISA caps the paths (=avx512 keeps AVX-512 without tiles), the
 // AVX-512 path runs instead.
 inline bool detect_amx_bf16() {
-#if SPECDEC_CPU_X86 && defined(__linux__)
+#if SPECDEC_CPU_AMX && defined(__linux__)
   if (!cpu_has_avx512_bf16()) return false;
   if (const char* v = std::getenv("SPECDEC_CPU_ISA"); v != nullptr && std::strcmp(v, "avx512") == 0) return false;
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;

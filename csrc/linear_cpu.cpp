@@ -272,6 +272,7 @@ SPECDEC_AVX512 void rows_avx512(const LinearArgs<T>& a, int64_t n_begin, int64_t
 }
 
 
+#if SPECDEC_CPU_AMX
 // ---------------------------------------------------------------------------------------------------------------
 // AMX path (bfloat16, K a multiple of 32, CPUs with AMX-BF16 tiles: simd::cpu_has_amx_bf16).
 // ---------------------------------------------------------------------------------------------------------------
@@ -400,6 +401,8 @@ SPECDEC_AMX void rows_amx(const LinearArgs<c10::BFloat16>& a, int64_t n_begin, i
   }
   _tile_release();
 }
+
+#endif  // SPECDEC_CPU_AMX
 
 // ---------------------------------------------------------------------------------------------------------------
 // AVX2 + FMA path (CPUs without AVX-512: AMD Zen 1-3, older and client Intel parts).
@@ -679,9 +682,11 @@ Path path_for([[maybe_unused]] int64_t K) {
 template <typename T>
 void rows(const LinearArgs<T>& a, [[maybe_unused]] Path path, int64_t n_begin, int64_t n_end) {
 #if SPECDEC_LINEAR_X86
+#if SPECDEC_CPU_AMX
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (path == Path::kAmx) return rows_amx(a, n_begin, n_end);
   }
+#endif
   if (path == Path::kAvx512) return rows_avx512<T>(a, n_begin, n_end);
   if (path == Path::kAvx2) {
     if constexpr (std::is_same_v<T, float>) {
