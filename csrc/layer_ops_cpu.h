@@ -83,16 +83,22 @@ SPECDEC_AVX512 void axpy_avx512(float alpha, const T* x, float* y, int64_t n) {
   }
 }
 
-// acc[c] += s[j] * v[rows[j] + 16c .. 16c + 15] for c < C over keys j in order (C a constant: no lane checks or
-// spills in the key loop).
-template <int C, typename T>
-SPECDEC_AVX512 inline void accumulate_values16(const float* s, const T* v, const int64_t* rows, int64_t n,
-                                               __m512* acc) {
+// acc[g C + c] += s[g ld_s + j] * v[rows[j] + 16c .. 16c + 15] for c < C and heads g < NG over keys j in order: each
+// key's V row is widened once for the NG heads (C and NG constants: no lane checks or spills in the key loop).
+template <int C, int NG, typename T>
+SPECDEC_AVX512 inline void accumulate_values16(const float* s, int64_t ld_s, const T* v, const int64_t* rows,
+                                               int64_t n, __m512* acc) {
   for (int64_t j = 0; j < n; ++j) {
-    const __m512 a = _mm512_set1_ps(s[j]);
     const T* row = v + rows[j];
+    __m512 vr[C];
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(a, load16(row + 16 * c, 16), acc[c]);
+    for (int c = 0; c < C; ++c) vr[c] = load16(row + 16 * c, 16);
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) {
+      const __m512 a = _mm512_set1_ps(s[g * ld_s + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_fmadd_ps(a, vr[c], acc[g * C + c]);
+    }
   }
 }
 
@@ -113,48 +119,30 @@ SPECDEC_AVX512 void weighted_sum_avx512(const float* s, const T* v, const int64_
     for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
     const int64_t chunks = std::min<int64_t>(8, (D - d0) / 16);
     switch (chunks) {
-      case 8: accumulate_values16<8>(s, v + d0, rows, n, acc); break;
-      case 7: accumulate_values16<7>(s, v + d0, rows, n, acc); break;
-      case 6: accumulate_values16<6>(s, v + d0, rows, n, acc); break;
-      case 5: accumulate_values16<5>(s, v + d0, rows, n, acc); break;
-      case 4: accumulate_values16<4>(s, v + d0, rows, n, acc); break;
-      case 3: accumulate_values16<3>(s, v + d0, rows, n, acc); break;
-      case 2: accumulate_values16<2>(s, v + d0, rows, n, acc); break;
-      default: accumulate_values16<1>(s, v + d0, rows, n, acc); break;
+      case 8: accumulate_values16<8, 1>(s, 0, v + d0, rows, n, acc); break;
+      case 7: accumulate_values16<7, 1>(s, 0, v + d0, rows, n, acc); break;
+      case 6: accumulate_values16<6, 1>(s, 0, v + d0, rows, n, acc); break;
+      case 5: accumulate_values16<5, 1>(s, 0, v + d0, rows, n, acc); break;
+      case 4: accumulate_values16<4, 1>(s, 0, v + d0, rows, n, acc); break;
+      case 3: accumulate_values16<3, 1>(s, 0, v + d0, rows, n, acc); break;
+      case 2: accumulate_values16<2, 1>(s, 0, v + d0, rows, n, acc); break;
+      default: accumulate_values16<1, 1>(s, 0, v + d0, rows, n, acc); break;
     }
     for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + d0 + 16 * c, acc[c]);
   }
 }
 
-// weighted_sum_avx512 for NG heads at once over the same keys (s [NG, ld_s], o [NG, D] with D = 16 C): each key's V
-// row is widened once for all heads, and every head's sums run the same multiply-adds in the same key order as
-// weighted_sum_avx512's (the same values).
+// weighted_sum_avx512 for NG heads at once over the same keys (s [NG, ld_s], o [NG, D] with D = 16 C): the same
+// multiply-adds in the same key order for every head (the same values), each V row widened once.
 template <int C, int NG, typename T>
 SPECDEC_AVX512 void weighted_sums_avx512(const float* s, int64_t ld_s, const T* v, const int64_t* rows, int64_t n,
                                          float* o) {
-  __m512 acc[NG][C];
-#pragma GCC unroll 4
-  for (int g = 0; g < NG; ++g) {
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const T* row = v + rows[j];
-    __m512 vr[C];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) vr[c] = load16(row + 16 * c, 16);
-#pragma GCC unroll 4
-    for (int g = 0; g < NG; ++g) {
-      const __m512 a = _mm512_set1_ps(s[g * ld_s + j]);
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(a, vr[c], acc[g][c]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < NG; ++g) {
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + g * 16 * C + 16 * c, acc[g][c]);
-  }
+  __m512 acc[NG * C];
+#pragma GCC unroll 32
+  for (int i = 0; i < NG * C; ++i) acc[i] = _mm512_setzero_ps();
+  accumulate_values16<C, NG>(s, ld_s, v, rows, n, acc);
+#pragma GCC unroll 32
+  for (int i = 0; i < NG * C; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);  // head g, chunk c at o + g D + 16 c
 }
 
 // G heads' weighted sums (s [G, ld_s] -> o [G, D]): together where the shape has an instance above (SmolLM2's D = 64
