@@ -34,8 +34,8 @@ if __package__ in (None, ""):  # run as a file: the repository root, not bench/,
 
 from bench import llama_cpp  # noqa: E402
 from bench.bench_bandwidth import probe  # noqa: E402
-from bench.bench_step import Mode, hf_sampler, ours_sampler, run_rounds, timed_ms  # noqa: E402
 from bench.harness import cpu_name, forward_step  # noqa: E402
+from bench.modes import Mode, hf_sampler, ours_sampler, run_rounds, timed_ms  # noqa: E402
 from spec_engine import LLM  # noqa: E402
 
 CTX = 96  # committed tokens under every timed forward, as issue 34 measured
