@@ -41,18 +41,21 @@ namespace simd {
 // once per process (cpu_isa) and a kernel never mixes them.
 enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
+// Whether SPECDEC_CPU_ISA caps the kernels' paths at `path` ("avx512", "avx2" or "scalar"): tests run every path on
+// one machine. avx512 only turns the bfloat16 linear's AMX tiles off (cpu_has_amx_bf16).
+inline bool capped_at(const char* path) {
+  const char* v = std::getenv("SPECDEC_CPU_ISA");
+  return v != nullptr && std::strcmp(v, path) == 0;
+}
+
 // The widest path this CPU runs: AVX-512 (F, BW, VL + FMA), AVX2 + FMA (AMD Zen 1-3, Intel before Skylake-SP and
-// its client parts), else scalar. SPECDEC_CPU_ISA=avx512, =avx2 or =scalar caps it (tests run every path on one
-// machine; avx512 only turns the bfloat16 linear's AMX tiles off, see cpu_has_amx_bf16);
-// SPECDEC_LINEAR_SCALAR=1, the older switch, means scalar.
+// its client parts), else scalar, under SPECDEC_CPU_ISA's cap; SPECDEC_LINEAR_SCALAR=1, the older switch, means
+// scalar.
 inline Isa detect_isa() {
 #if SPECDEC_CPU_X86
   Isa cap = Isa::kAvx512;
-  if (const char* v = std::getenv("SPECDEC_CPU_ISA")) {
-    if (std::strcmp(v, "scalar") == 0) cap = Isa::kScalar;
-    if (std::strcmp(v, "avx2") == 0) cap = Isa::kAvx2;
-  }
-  if (std::getenv("SPECDEC_LINEAR_SCALAR") != nullptr) cap = Isa::kScalar;
+  if (capped_at("avx2")) cap = Isa::kAvx2;
+  if (capped_at("scalar") || std::getenv("SPECDEC_LINEAR_SCALAR") != nullptr) cap = Isa::kScalar;
   const bool fma = __builtin_cpu_supports("fma");
   if (cap >= Isa::kAvx512 && fma && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
@@ -92,7 +95,7 @@ inline bool cpu_has_avx512_bf16() {
 inline bool detect_amx_bf16() {
 #if SPECDEC_CPU_AMX && defined(__linux__)
   if (!cpu_has_avx512_bf16()) return false;
-  if (const char* v = std::getenv("SPECDEC_CPU_ISA"); v != nullptr && std::strcmp(v, "avx512") == 0) return false;
+  if (capped_at("avx512")) return false;
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
   const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
