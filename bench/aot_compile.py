@@ -113,7 +113,7 @@ def _tree_attention_launches(dtype_name: str, D: int, paged: bool, rows: str, sp
     return _capture(
         TA,
         ("_tree_attention_kernel", "_combine_splits_kernel"),
-        lambda: TA._launch_tree_attention(q, k, k, seqlens, mask, table, D**-0.5, num_splits),
+        lambda: TA._launch_tree_attention(q, k, k, seqlens, TA._pack_tree_mask(mask), table, D**-0.5, num_splits),
     )
 
 
@@ -126,7 +126,7 @@ def _combine_launches(dtype_name: str, D: int, num_splits: int):
         TA,
         ("_tree_attention_kernel", "_combine_splits_kernel"),
         lambda: TA._launch_tree_attention(
-            q, k, k, torch.zeros(B, dtype=torch.int32), torch.ones(B, T, T, dtype=torch.bool), None, 1.0, num_splits
+            q, k, k, torch.zeros(B, dtype=torch.int32), torch.ones(B, T, 1, dtype=torch.int64), None, 1.0, num_splits
         ),
     )
     return [c for c in calls if c[0] == "_combine_splits_kernel"]

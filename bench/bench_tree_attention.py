@@ -6,7 +6,9 @@ bytes (plus q and the output) over the machine's copy bandwidth, measured here w
     python bench/bench_tree_attention.py            # B in {1,8,32} x L in {512,4096} x T in {1,8,32,64}
     python bench/bench_tree_attention.py --quick    # a reduced set that runs in a minute or two on a CPU
 
-Columns: median time with [p20, p80] in ms, effective GB/s of the K/V read, and the copy-bandwidth floor.
+Columns: median time with [p20, p80] in ms, effective GB/s of the K/V read, and the copy-bandwidth floor. ``op``
+is one call as a lone caller makes it (it prepares the lengths, mask and length check itself); ``planned`` is one
+layer's call inside a forward, which shares a plan (``plan_tree_attention``, made once, not timed).
 ``sdpa`` is ``F.scaled_dot_product_attention`` over K/V already repeated to Hq heads with an explicit [T, L+T]
 mask (preparation not timed): the unfused dense baseline. JSON goes to bench/out/tree_attention.json.
 """
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from spec_kernels.reference import tree_attention_ref
-from spec_kernels.tree_attention import tree_attention
+from spec_kernels.tree_attention import plan_tree_attention, tree_attention
 
 HQ, HKV, D = 32, 8, 128
 FULL = list(itertools.product([1, 8, 32], [512, 4096], [1, 8, 32, 64]))
@@ -98,7 +100,8 @@ def main() -> None:
     print(f"# {name} ({platform.node()}), torch {torch.__version__}, threads {torch.get_num_threads()}, {dtype}")
     print(f"# Hq/Hkv={HQ}/{HKV} D={D}; copy bandwidth {bandwidth:.1f} GB/s; times in ms as median [p20, p80]")
     header = (
-        f"{'B':>3} {'L':>5} {'T':>3} | {'op':>31} {'GB/s':>7} | {'ref':>31} | {'sdpa':>31} | {'floor':>7} {'vs ref':>7}"
+        f"{'B':>3} {'L':>5} {'T':>3} | {'op':>31} {'GB/s':>7} | {'planned':>31} | {'ref':>31} | {'sdpa':>31} | "
+        f"{'floor':>7} {'vs ref':>7}"
     )
     print(header)
     rows = []
@@ -106,6 +109,8 @@ def main() -> None:
         q, k, v, seqlens, mask = make_inputs(B, L, T, dtype, device)
         bytes_read = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size()  # K/V + q in, output out
         op = timeit(lambda: tree_attention(q, k, v, seqlens, mask), device, args.reps)  # noqa: B023
+        plan = plan_tree_attention(k, seqlens, mask, num_q_heads=HQ)
+        planned = timeit(lambda: tree_attention(q, k, v, seqlens, mask, plan=plan), device, args.reps)  # noqa: B023
         ref = None if args.no_ref else timeit(lambda: tree_attention_ref(q, k, v, seqlens, mask), device, args.reps)  # noqa: B023
         sdpa = timeit(dense_sdpa(q, k, v, seqlens, mask), device, args.reps)
         gbs = bytes_read / op[0] / 1e6
@@ -115,10 +120,10 @@ def main() -> None:
             return f"{t[0]:9.3f} [{t[1]:9.3f},{t[2]:9.3f}]" if t else f"{'-':>31}"
 
         speedup = f"{ref[0] / op[0]:6.1f}x" if ref else f"{'-':>7}"
-        print(f"{B:>3} {L:>5} {T:>3} | {fmt(op)} {gbs:7.1f} | {fmt(ref)} | {fmt(sdpa)} | {floor_ms:7.3f} {speedup}")
-        rows.append(
-            {"B": B, "L": L, "T": T, "op_ms": op, "ref_ms": ref, "sdpa_ms": sdpa, "gbs": gbs, "floor_ms": floor_ms}
-        )
+        print(f"{B:>3} {L:>5} {T:>3} | {fmt(op)} {gbs:7.1f} | {fmt(planned)} | {fmt(ref)} | {fmt(sdpa)} | "
+              f"{floor_ms:7.3f} {speedup}")  # fmt: skip
+        rows.append({"B": B, "L": L, "T": T, "op_ms": op, "planned_ms": planned, "ref_ms": ref, "sdpa_ms": sdpa,
+                     "gbs": gbs, "floor_ms": floor_ms})  # fmt: skip
 
     out = Path(__file__).parent / "out" / "tree_attention.json"
     out.parent.mkdir(parents=True, exist_ok=True)

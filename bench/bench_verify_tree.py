@@ -93,7 +93,8 @@ def _bench_shape(B: int, T: int, V: int, modes: dict, cuda: bool) -> list[dict]:
                 t = timer(partial(_unfused_coupled, x, tokens, parents, backend="triton" if cuda else "native", **kw))
             elif impl == "ref":
                 ref_args = (x.cpu(), tokens.cpu(), parents.cpu())
-                t = _wall(partial(verify_tree_ref, *ref_args, seed=0, **kw), reps=1)
+                ref_kw = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+                t = _wall(partial(verify_tree_ref, *ref_args, seed=0, **ref_kw), reps=1)
             else:
                 t = timer(partial(verify_tree, x, tokens, parents, seed=0, backend=impl, **kw))
             row = dict(B=B, T=T, V=V, mode=mode, impl=impl, median_s=t[0], p20_s=t[1], p80_s=t[2],

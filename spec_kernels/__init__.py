@@ -17,11 +17,12 @@ from spec_kernels.reference import (
     tree_attention_ref,
     verify_tree_ref,
 )
-from spec_kernels.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
+from spec_kernels.tree_attention import DevicePlan, TreeAttentionPlan, plan_tree_attention, tree_attention
 from spec_kernels.verify_tree import PAD_NODE, VerifyResult, verify_tree
 
 __all__ = [
     "PAD_NODE",
+    "DevicePlan",
     "TreeAttentionPlan",
     "VerifyResult",
     "compact_kv_",

@@ -233,8 +233,10 @@ def test_plan_shared_across_calls(paged):
         torch.testing.assert_close(out, tree_attention(q, k, v, seqlens, mask, block_table=table), rtol=0, atol=0)
         check_against_fp64(out, q, k, v, seqlens, mask, table)
     q, k, v = layers[0][:3]
-    with pytest.raises(ValueError, match="plan was made for other shapes"):
+    with pytest.raises(ValueError, match="plan was made for another path or other shapes"):
         tree_attention(q[:, :4], k, v, seqlens, mask[:, :4, :4], block_table=table, plan=plan)
+    with pytest.raises(ValueError, match="takes the triton path"):  # a native plan handed to the Triton path
+        tree_attention(q, k, v, seqlens, mask, block_table=table, plan=plan, backend="triton")
     assert ta.plan_tree_attention(k, seqlens, mask, num_q_heads=4, block_table=table, backend="torch") is None
     with pytest.raises(ValueError, match="block_table too short|cache too short"):
         ta.plan_tree_attention(k, seqlens + 10**6, mask, num_q_heads=4, block_table=table)
@@ -267,7 +269,9 @@ def test_triton_interpreter(dtype, case):
 def test_triton_split_prefix(dtype, paged):
     """Flash-decoding: 3 prefix splits (one empty for the short sequence) merged by log-sum-exp."""
     q, k, v, seqlens, mask, table = make_inputs([70, 2], 3, 8, 2, 16, dtype, block_size=16 if paged else None)
-    out = torch.ops.spec_kernels.tree_attention_triton(q, k, v, seqlens, mask, table, 16**-0.5, 3)
+    plan = ta_triton._device_plan(k, seqlens, mask, table)
+    out = torch.ops.spec_kernels.tree_attention_triton(q, k, v, plan.seqlens, plan.mask_bits, plan.block_table,
+                                                       16**-0.5, 3)  # fmt: skip
     check_against_fp64(out, q, k, v, seqlens, mask, table)
 
 
@@ -276,6 +280,26 @@ def test_triton_gqa_8_and_multiword_mask():
     """Group of 8 heads per KV head, and T=70 > 64: the tree mask spans two bit words."""
     inputs = make_inputs([4], 70, 8, 1, 16, torch.float16, seed=7)
     check_against_fp64(tree_attention(*inputs[:5], backend="triton"), *inputs)
+
+
+@INTERPRETER
+@pytest.mark.parametrize("paged", [False, True])
+def test_triton_plan_shared_across_calls(paged):
+    """The Triton path's plan (int32 lengths, packed mask, the length check once) serves every layer's call with
+    the same result as an unplanned call."""
+    layers = [make_inputs([0, 17, 40], 5, 4, 2, 32, torch.float32, block_size=8 if paged else None, seed=s)
+              for s in (22, 23)]  # fmt: skip
+    seqlens, mask, table = layers[0][3:]
+    plan = ta.plan_tree_attention(layers[0][1], seqlens, mask, num_q_heads=4, block_table=table, backend="triton")
+    assert isinstance(plan, ta.DevicePlan) and plan.mask_bits.dtype == torch.int64
+    for q, k, v, *_ in layers:
+        out = tree_attention(q, k, v, seqlens, mask, block_table=table, plan=plan, backend="triton")
+        unplanned = tree_attention(q, k, v, seqlens, mask, block_table=table, backend="triton")
+        torch.testing.assert_close(out, unplanned, rtol=0, atol=0)
+        check_against_fp64(out, q, k, v, seqlens, mask, table)
+    q, k, v = layers[0][:3]
+    with pytest.raises(ValueError, match="plan was made for another path or other shapes"):
+        tree_attention(q[:, :4], k, v, seqlens, mask[:, :4, :4], block_table=table, plan=plan, backend="triton")
 
 
 def test_pack_tree_mask_bits():
@@ -292,7 +316,7 @@ def test_fake_tensor_shape():
     with FakeTensorMode():
         q, k = torch.empty(2, 3, 8, 80, dtype=torch.bfloat16), torch.empty(2, 9, 2, 80, dtype=torch.bfloat16)
         out = torch.ops.spec_kernels.tree_attention_triton(
-            q, k, k, torch.zeros(2, dtype=torch.int32), torch.ones(2, 3, 3, dtype=torch.bool), None, 0.1, 0
+            q, k, k, torch.zeros(2, dtype=torch.int32), torch.ones(2, 3, 1, dtype=torch.int64), None, 0.1, 0
         )
     assert out.shape == (2, 3, 8, 80) and out.dtype == torch.bfloat16
 

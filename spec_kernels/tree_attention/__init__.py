@@ -23,13 +23,13 @@ import torch
 from spec_kernels._backend import host_value_checks, resolve_backend
 from spec_kernels.reference import tree_attention_ref
 from spec_kernels.tree_attention.cpu import TreeAttentionPlan, _native_plan, _native_tree_attention
-from spec_kernels.tree_attention.triton import _tree_attention_triton
+from spec_kernels.tree_attention.triton import DevicePlan, _device_plan, _tree_attention_triton
 
 MAX_HEAD_DIM = 256
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-__all__ = ["MAX_HEAD_DIM", "TreeAttentionPlan", "plan_tree_attention", "tree_attention"]
+__all__ = ["MAX_HEAD_DIM", "DevicePlan", "TreeAttentionPlan", "plan_tree_attention", "tree_attention"]
 
 
 # --- input checks -----------------------------------------------------------------------------------------------
@@ -47,9 +47,9 @@ def _check_inputs(
     """Raise a clear error for any input that breaks the contract in docs/ARCHITECTURE.md.
 
     Shapes, dtypes and devices are checked everywhere (metadata: free). The one value check, ``0 <= L_b`` and
-    ``L_b + T`` within the cache, reads ``cache_seqlens`` on CPU tensors (``check_lengths=False`` skips it where a
-    plan already made it) and is queued with ``torch._assert_async`` on the device path (CUDA, meta): no host sync,
-    a bad length fails the stream instead. ``SPECDEC_DEBUG_CHECKS=1`` reads it on the host there too."""
+    ``L_b + T`` within the cache, reads ``cache_seqlens`` on CPU tensors and is queued with ``torch._assert_async``
+    on the device path (CUDA, meta): no host sync, a bad length fails the stream instead (``check_lengths=False``
+    skips it where a plan already made it). ``SPECDEC_DEBUG_CHECKS=1`` reads it on the host there too."""
     op = "tree_attention"
     if q.dim() != 4:
         raise ValueError(f"{op}: q must be [B, T, Hq, D], got shape {tuple(q.shape)}")
@@ -101,11 +101,11 @@ def _check_inputs(
         raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
     # L_b + T must fit. On the device path the check is queued on the stream (no host sync, CUDA-graph safe);
     # SPECDEC_DEBUG_CHECKS=1 reads the lengths instead, for the message with the numbers.
-    if B == 0:
+    if B == 0 or not check_lengths:
         return
     if not host_value_checks(q.device):
         torch._assert_async((cache_seqlens >= 0).all() & (cache_seqlens.max() + T <= capacity), f"{op}: {what}")
-    elif check_lengths:
+    else:
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
         if lo < 0:
             raise ValueError(f"{op}: cache_seqlens must be >= 0, got min {lo}")
@@ -126,7 +126,7 @@ def tree_attention(
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     backend: str | None = None,
-    plan: TreeAttentionPlan | None = None,
+    plan: TreeAttentionPlan | DevicePlan | None = None,
 ) -> torch.Tensor:
     """Attention of T tree nodes over the committed prefix plus their ancestors in the tree.
 
@@ -149,7 +149,7 @@ def tree_attention(
         "native". On CUDA the call never syncs with the host (see ``_check_inputs`` for the one value check); on meta
         tensors it takes the same path and the custom op returns a fake output.
     plan : from ``plan_tree_attention`` with these same ``cache_seqlens``, ``tree_mask`` and ``block_table``, to
-        share their preparation among the calls of one forward (native path; other paths ignore it).
+        share their preparation (and the length check) among the calls of one forward; the reference ignores it.
 
     Shapes
     ------
@@ -157,25 +157,36 @@ def tree_attention(
     block_table ``[B, max_blocks]``. Returns ``[B, T, Hq, D]`` in q's dtype.
     """
     backend = resolve_backend("tree_attention", backend, q.device)
-    planned = plan is not None and backend == "native"  # the plan checked the lengths: no second host sync
+    kind = {"native": TreeAttentionPlan, "triton": DevicePlan}.get(backend)
+    planned = plan is not None and kind is not None  # the plan made the length check: no second one
     _check_inputs(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, check_lengths=not planned)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if backend == "torch":
         return tree_attention_ref(
             q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, softmax_scale=scale
         )
+    if backend == "native" and q.device.type != "cpu":
+        raise RuntimeError(f"tree_attention: backend='native' is the CPU path; got {q.device.type} tensors")
+    group = q.shape[2] // k_cache.shape[2]
+    if plan is None:
+        plan = _make_plan(backend, k_cache, cache_seqlens, tree_mask, block_table, group)
+    elif not isinstance(plan, kind) or getattr(plan, "group", group) != group or (
+        plan.batch, plan.num_nodes, plan.cache_shape, plan.paged
+    ) != (q.shape[0], q.shape[1], tuple(k_cache.shape), block_table is not None):  # fmt: skip
+        raise ValueError(
+            "tree_attention: the plan was made for another path or other shapes (batch, T, heads, cache, paging); "
+            f"this call takes the {backend} path"
+        )
     if backend == "native":
-        if q.device.type != "cpu":
-            raise RuntimeError(f"tree_attention: backend='native' is the CPU path; got {q.device.type} tensors")
-        group = q.shape[2] // k_cache.shape[2]
-        if plan is None:
-            plan = _native_plan(k_cache, cache_seqlens, tree_mask, block_table, group)
-        else:
-            made_for = (plan.batch, plan.num_nodes, plan.group, plan.cache_shape, plan.paged)
-            if made_for != (q.shape[0], q.shape[1], group, tuple(k_cache.shape), block_table is not None):
-                raise ValueError("tree_attention: the plan was made for other shapes (batch, T, heads, cache, paging)")
         return _native_tree_attention(q, k_cache, v_cache, plan, scale)
-    return _tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, scale, 0)
+    return _tree_attention_triton(q, k_cache, v_cache, plan.seqlens, plan.mask_bits, plan.block_table, scale, 0)
+
+
+def _make_plan(backend, k_cache, cache_seqlens, tree_mask, block_table, group) -> TreeAttentionPlan | DevicePlan:
+    """The plan of the native (CPU) or Triton path, for inputs already checked."""
+    if backend == "native":
+        return _native_plan(k_cache, cache_seqlens, tree_mask, block_table, group)
+    return _device_plan(k_cache, cache_seqlens, tree_mask, block_table)
 
 
 def plan_tree_attention(
@@ -186,9 +197,10 @@ def plan_tree_attention(
     num_q_heads: int,
     block_table: torch.Tensor | None = None,
     backend: str | None = None,
-) -> TreeAttentionPlan | None:
+) -> TreeAttentionPlan | DevicePlan | None:
     """Prepare what every ``tree_attention`` call of one forward shares (same lengths, mask, block table and cache
-    layout; q and the cache contents may differ per call). Returns None where the chosen path needs no plan.
+    layout; q and the cache contents may differ per call), the length check included. Returns None for the
+    reference path, which needs no plan.
 
     Shapes: k_cache as ``tree_attention`` (any layer's: they share one layout); cache_seqlens ``[B]``; tree_mask
     ``[B, T, T]``; block_table ``[B, max_blocks]``.
@@ -201,6 +213,7 @@ def plan_tree_attention(
     B, T = tree_mask.shape[:2]
     q_shape = k_cache.new_empty(()).expand(B, T, num_q_heads, k_cache.shape[-1])  # no memory: shape checks only
     _check_inputs(q_shape, k_cache, k_cache, cache_seqlens, tree_mask, block_table)
-    if resolve_backend("tree_attention", backend, k_cache.device) != "native" or k_cache.device.type != "cpu":
+    backend = resolve_backend("tree_attention", backend, k_cache.device)
+    if backend == "torch" or (backend == "native" and k_cache.device.type != "cpu"):
         return None
-    return _native_plan(k_cache, cache_seqlens, tree_mask, block_table, num_q_heads // k_cache.shape[2])
+    return _make_plan(backend, k_cache, cache_seqlens, tree_mask, block_table, num_q_heads // k_cache.shape[2])

@@ -32,7 +32,7 @@ class TreeAttentionPlan:
     """The work of a native ``tree_attention`` call that depends only on ``cache_seqlens``, ``tree_mask`` and
     ``block_table``: key rows and masks. A model's layers all attend with the same three tensors, so a forward
     builds the plan once (``plan_tree_attention``) and every layer reuses it; on this CPU that removes ~40 small
-    ops per layer. Plans are for the native CPU path; other paths ignore them."""
+    ops per layer. The Triton path has a plan of its own (``DevicePlan``)."""
 
     batch: int
     num_nodes: int  # T

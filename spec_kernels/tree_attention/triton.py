@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +225,35 @@ if triton_available():
         tl.store(out_ptr + row * D + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
+@dataclass(frozen=True)
+class DevicePlan:
+    """The work of a Triton ``tree_attention`` call that depends only on ``cache_seqlens``, ``tree_mask`` and
+    ``block_table``: the lengths and block table as int32, the mask packed into bit words, and the queued length
+    check. A forward's layers share one (``plan_tree_attention``), so each layer's call is one allocation and one
+    kernel launch (two with flash-decoding splits); without a plan every call makes its own.
+
+    Shapes: seqlens ``[B]`` int32; mask_bits ``[B, T, ceil(T/64)]`` int64; block_table ``[B, max_blocks]`` int32 or
+    None (contiguous cache)."""
+
+    batch: int
+    num_nodes: int  # T
+    cache_shape: tuple[int, ...]  # the k_cache shape it was built for
+    paged: bool
+    seqlens: torch.Tensor
+    mask_bits: torch.Tensor
+    block_table: torch.Tensor | None
+
+
+def _device_plan(
+    k_cache: torch.Tensor, cache_seqlens: torch.Tensor, tree_mask: torch.Tensor, block_table: torch.Tensor | None
+) -> DevicePlan:
+    """The plan of already-checked inputs (``_check_inputs`` queued or made the length check)."""
+    B, T = tree_mask.shape[:2]
+    table = None if block_table is None else block_table.to(torch.int32).contiguous()
+    return DevicePlan(B, T, tuple(k_cache.shape), block_table is not None, cache_seqlens.to(torch.int32).contiguous(),
+                      _pack_tree_mask(tree_mask), table)  # fmt: skip
+
+
 def _pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
     """``[B, T, T]`` bool -> ``[B, T, ceil(T/64)]`` int64; bit ``j % 64`` of word ``j // 64`` is ``mask[.., j]``."""
     B, T, _ = tree_mask.shape
@@ -288,12 +318,14 @@ def _launch_tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    tree_mask: torch.Tensor,
+    seqlens: torch.Tensor,
+    mask_bits: torch.Tensor,
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
 ) -> torch.Tensor:
+    """seqlens ``[B]`` int32, mask_bits ``[B, T, num_words]`` int64 and block_table ``[B, max_blocks]`` int32 (or
+    None) as a ``DevicePlan`` holds them."""
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     group = Hq // Hkv
@@ -305,11 +337,8 @@ def _launch_tree_attention(
     out = torch.empty((B, T, Hq, D), dtype=store_dtype, device=q.device)
     if out.numel() == 0:
         return out.to(q.dtype)
-    seqlens = cache_seqlens.to(torch.int32).contiguous()
-    mask_bits = _pack_tree_mask(tree_mask)  # [B, T, num_words]
     has_block_table = block_table is not None
     if has_block_table:
-        block_table = block_table.to(torch.int32).contiguous()
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         block_table = seqlens  # unused: a valid pointer for the HAS_BLOCK_TABLE=False specialisation
@@ -361,16 +390,17 @@ def _tree_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    tree_mask: torch.Tensor,
+    seqlens: torch.Tensor,
+    mask_bits: torch.Tensor,
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
 ) -> torch.Tensor:
-    """The Triton path as a custom op; ``num_splits <= 0`` lets the launcher choose (1 off CUDA)."""
-    return _launch_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, softmax_scale, num_splits)
+    """The Triton path as a custom op, on a ``DevicePlan``'s tensors; ``num_splits <= 0`` lets the launcher choose
+    (1 off CUDA)."""
+    return _launch_tree_attention(q, k_cache, v_cache, seqlens, mask_bits, block_table, softmax_scale, num_splits)
 
 
 @_tree_attention_triton.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, softmax_scale, num_splits):
+def _(q, k_cache, v_cache, seqlens, mask_bits, block_table, softmax_scale, num_splits):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
