@@ -106,3 +106,21 @@ def test_training_recipe_smoke(tmp_path):
     # resumable: a second run finds the checkpoints and does not retrain
     again = train.main(["--smoke", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")])
     assert again["held_out_ppl_target"] == pytest.approx(report["held_out_ppl_target"])
+
+
+def test_eagle_prompt_set_keeps_the_benchmarks_functions_out():
+    """The function stubs and edits come from the training half of the stdlib's files only: no function the edit
+    benchmark asks about (the held-out half) is in the shipped prompt set, and the added kinds leave the earlier
+    kinds' ids as they were."""
+    from bench.bench_suffix import functions
+    from spec_engine.zoo.eagle_prompts import build, stdlib_functions
+
+    shipped = [json.loads(line)["prompt"] for line in (train.Path(train.__file__).parent / "data" /
+               "eagle_prompts.jsonl").read_text().splitlines()]  # fmt: skip
+    benchmarked = functions(40)
+    assert len(benchmarked) >= 20
+    assert not any(src in p for src in benchmarked for p in shipped)
+    assert not any(src in source for _, source in stdlib_functions() for src in benchmarked)
+    small, more = build(0, 40, 10, 20), build(0, 40, 10, 20, n_complete=30, n_source_edit=10)
+    assert more[: len(small)] == small
+    assert {p["kind"] for p in more[len(small) :]} == {"complete", "source edit"}
