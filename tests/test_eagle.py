@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_engine_sampling import PROMPT, chi2_pvalue, exact_joint
 from tiny_models import make_model
 
@@ -454,6 +454,20 @@ def test_eagle3_recipe_end_to_end(tmp_path):
     drafted = LLM(str(target), speculative_config=spec, dtype="float32").generate({"prompt_token_ids": ids}, params)
     plain = LLM(str(target), dtype="float32").generate({"prompt_token_ids": ids}, params)
     assert drafted[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+    # --init starts a new run from that head's trained weights: at learning rate 0 they come out unchanged.
+    again = tmp_path / "head2"
+    train_eagle.main([*argv[:2], "--out", str(again), "--work-dir", str(tmp_path / "work2"), *argv[6:], "--init",
+                      str(out), "--lr", "0"])  # fmt: skip
+    first, second = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert torch.equal(first["fc.weight"], second["fc.weight"])
+    assert torch.equal(first["midlayer.mlp.down_proj.weight"], second["midlayer.mlp.down_proj.weight"])
+    with pytest.raises(ValueError, match="reads target layers"):
+        config = json.loads((out / "config.json").read_text())
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 0, 0]
+        (out / "config.json").write_text(json.dumps(config))
+        train_eagle.main([*argv[:2], "--out", str(again), "--work-dir", str(tmp_path / "work3"), *argv[6:], "--init",
+                          str(out)])  # fmt: skip
 
 
 def test_shipped_drafter_resolution(models):

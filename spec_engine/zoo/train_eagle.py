@@ -345,10 +345,24 @@ def build_eagle3(target, tcfg, eos, layers, vocab_ids: torch.Tensor, trained: di
     init_eagle3(head, target, vocab_ids, seed)
     if trained is not None:
         keep = {k: v for k, v in trained.items() if not k.startswith(("lm_head", "norm", "d2t"))}
-        head.load_state_dict(keep, strict=False)
+        unexpected = head.load_state_dict(keep, strict=False).unexpected_keys
+        if unexpected:
+            raise ValueError(f"the trained weights hold tensors this head does not have: {unexpected[:4]}")
     t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.int64)
     t2d[vocab_ids] = torch.arange(K)
     return head, cfg, t2d
+
+
+def init_weights(head_dir: Path, layers) -> dict:
+    """The trained weights (fc and the layer) of a published EAGLE-3 head, to start a run from (``--init``): a head
+    trained on other data or another draft vocabulary (lm_head and norm are the target's rows, rebuilt anyway)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((head_dir / "config.json").read_text())
+    theirs = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    if theirs is not None and list(theirs) != list(layers):
+        raise ValueError(f"--init {head_dir}: that head reads target layers {theirs}, this run {list(layers)}")
+    return {k: v.float() for k, v in load_file(str(head_dir / "model.safetensors")).items()}
 
 
 def export_eagle3(args, target, tcfg, eos) -> dict:
@@ -404,7 +418,9 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
         vocab_ids = draft_vocab(token_frequencies(data, args.target, tcfg.vocab_size, args.smoke), k)
         torch.save(vocab_ids, vocab_path)
     K = len(vocab_ids)
-    head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, vocab_ids, None, args.seed)
+    ckpt = work / "eagle3.ckpt"
+    start = None if args.init is None or ckpt.is_file() else init_weights(args.init, layers)
+    head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, vocab_ids, start, args.seed)
     trainable = [p for p in head.parameters() if p.requires_grad]
     n_all, n_trained = sum(p.numel() for p in head.parameters()), sum(p.numel() for p in trainable)
     print(
@@ -412,7 +428,7 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
         f"{args.ttt} TTT steps"
     )
     opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    ckpt, step, history = work / "eagle3.ckpt", 0, []
+    step, history = 0, []
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=True)
         head.load_state_dict(state["model"])
@@ -477,6 +493,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eval-every", type=int, default=200, help="eagle3: held-out agreement every N steps")
     ap.add_argument("--ckpt-every", type=int, default=50, help="eagle3: checkpoint (and new shards) every N steps")
     ap.add_argument("--export", action="store_true", help="eagle3: export the checkpoint (no training)")
+    ap.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="eagle3: start from this published head's weights (a new run only; a checkpoint wins)",
+    )
     ap.add_argument("--eval-k", default=None, help="eagle3 --export: also held-out agreement at these K (comma list)")
     args = ap.parse_args(argv)
     if args.smoke:
