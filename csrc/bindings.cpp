@@ -1,7 +1,8 @@
 // The only file that registers ops: spec_kernels::compact_kv_ with CPU, CUDA and Meta kernels, and
 // spec_kernels::linear (csrc/linear_cpu.cpp), spec_kernels::quant_linear (csrc/quant_linear_cpu.cpp) and
 // spec_kernels::decoder_layers (csrc/decoder_layers_cpu.cpp) with CPU and Meta kernels, the native step runners
-// spec_kernels::draft_chain, greedy_steps and spec_chain (csrc/runner_cpu.cpp),
+// spec_kernels::draft_chain, greedy_steps, eagle3_draft and spec_chain (csrc/runner_cpu.cpp) with the class
+// spec_kernels.NativeModel they take (csrc/native_model.h),
 // spec_kernels::verify_greedy (csrc/verify_tree_cpu.cpp: verify_tree's all-greedy CPU walk), and the class
 // spec_kernels.SuffixTree (csrc/suffix_tree_cpu.cpp: suffix decoding's tree).
 //
@@ -14,6 +15,7 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include "native_model.h"
 #include "suffix_tree_cpu.h"
 
 #include <tuple>
@@ -45,32 +47,21 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
                                                       const at::Tensor& tree_mask,
                                                       const c10::optional<at::Tensor>& block_table, int64_t num_heads,
                                                       double eps, at::IntArrayRef capture);
-at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embed, at::TensorList weights,
-                           const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
-                           const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
-                           const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
-                           int64_t gamma, bool strict, const c10::optional<at::Tensor>& vocab_map);
-at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at::TensorList weights,
-                            const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
-                            const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
-                            const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
+at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_ptr<NativeModel>& model,
+                           at::Tensor kv_cache, const at::Tensor& cache_seqlens,
+                           const c10::optional<at::Tensor>& block_table, int64_t gamma, bool strict);
+at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache,
+                            const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
                             int64_t steps, const c10::optional<at::Tensor>& stop_ids);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
-    const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens, const at::Tensor& t_embed,
-    at::TensorList t_weights, const at::Tensor& t_norm, const at::Tensor& t_lm_head, at::Tensor t_kv,
-    const at::Tensor& t_rope, int64_t t_heads, double t_eps, const at::Tensor& d_embed, at::TensorList d_weights,
-    const at::Tensor& d_norm, const at::Tensor& d_lm_head, at::Tensor d_kv, const at::Tensor& d_rope,
-    int64_t d_heads, double d_eps, const c10::optional<at::Tensor>& block_table, const at::Tensor& budget,
-    const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
-    const c10::optional<at::Tensor>& d_vocab_map, const c10::optional<at::Tensor>& d_hidden_norm,
-    const c10::optional<at::Tensor>& d_fc, const c10::optional<at::Tensor>& d_features, at::IntArrayRef capture,
-    bool d_norm_before_residual);
-std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(
-    const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last, const at::Tensor& feature_cache,
-    const at::Tensor& embed, at::TensorList weights, const at::Tensor& hidden_norm, const at::Tensor& norm,
-    const at::Tensor& lm_head, at::Tensor kv_cache, const at::Tensor& rope_table,
-    const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps, bool norm_before_residual,
-    int64_t gamma, const c10::optional<at::Tensor>& vocab_map);
+    const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens,
+    const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv, const c10::intrusive_ptr<NativeModel>& draft_model,
+    at::Tensor d_kv, const c10::optional<at::Tensor>& block_table, const at::Tensor& budget, const at::Tensor& stop_ids,
+    int64_t gamma, int64_t max_steps, bool stop_on_reject, const c10::optional<at::Tensor>& d_features);
+std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(const at::Tensor& tokens, const at::Tensor& start,
+                                                     const at::Tensor& last, const at::Tensor& feature_cache,
+                                                     const c10::intrusive_ptr<NativeModel>& head, at::Tensor kv_cache,
+                                                     const c10::optional<at::Tensor>& block_table, int64_t gamma);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
@@ -199,26 +190,27 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor rope, Tensor tree_mask, Tensor? block_table, int num_heads, float eps, int[] capture=[]) -> (Tensor, "
       "Tensor)");
   m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor, Tensor, Tensor)");
+  // a model as the native step runners take it (csrc/native_model.h)
+  m.class_<specdec::NativeModel>("NativeModel")
+      .def(torch::init<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
+                       c10::optional<at::Tensor>>())
+      .def("set_head", &specdec::NativeModel::set_head);
   m.def(
-      "draft_chain(Tensor root_logits, Tensor embed, Tensor[] weights, Tensor final_norm, Tensor lm_head, "
-      "Tensor(a!) kv_cache, Tensor cache_seqlens, Tensor rope_table, Tensor? block_table, int num_heads, float eps, "
-      "int gamma, bool strict=False, Tensor? vocab_map=None) -> Tensor");
+      "draft_chain(Tensor root_logits, __torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, "
+      "Tensor cache_seqlens, Tensor? block_table, int gamma, bool strict=False) -> Tensor");
   m.def(
-      "greedy_steps(Tensor roots, Tensor embed, Tensor[] weights, Tensor final_norm, Tensor lm_head, "
-      "Tensor(a!) kv_cache, Tensor cache_seqlens, Tensor rope_table, Tensor? block_table, int num_heads, float eps, "
-      "int steps, Tensor? stop_ids=None) -> Tensor");
+      "greedy_steps(Tensor roots, __torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, "
+      "Tensor cache_seqlens, Tensor? block_table, int steps, Tensor? stop_ids=None) -> Tensor");
   m.def(
-      "spec_chain(Tensor pending, Tensor pending_lens, Tensor seqlens, Tensor t_embed, Tensor[] t_weights, "
-      "Tensor t_norm, Tensor t_lm_head, Tensor(a!) t_kv, Tensor t_rope, int t_heads, float t_eps, Tensor d_embed, "
-      "Tensor[] d_weights, Tensor d_norm, Tensor d_lm_head, Tensor(b!) d_kv, Tensor d_rope, int d_heads, "
-      "float d_eps, Tensor? block_table, Tensor budget, Tensor stop_ids, int gamma, int max_steps, "
-      "bool stop_on_reject=False, Tensor? d_vocab_map=None, Tensor? d_hidden_norm=None, Tensor? d_fc=None, "
-      "Tensor(c!)? d_features=None, int[] capture=[], bool d_norm_before_residual=False) -> (Tensor, Tensor, Tensor, "
-      "Tensor)");
+      "spec_chain(Tensor pending, Tensor pending_lens, Tensor seqlens, "
+      "__torch__.torch.classes.spec_kernels.NativeModel target, Tensor(a!) t_kv, "
+      "__torch__.torch.classes.spec_kernels.NativeModel draft, Tensor(b!) d_kv, Tensor? block_table, Tensor budget, "
+      "Tensor stop_ids, int gamma, int max_steps, bool stop_on_reject=False, Tensor(c!)? d_features=None) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "eagle3_draft(Tensor tokens, Tensor start, Tensor last, Tensor feature_cache, Tensor embed, Tensor[] weights, "
-      "Tensor hidden_norm, Tensor norm, Tensor lm_head, Tensor(a!) kv_cache, Tensor rope_table, Tensor? block_table, "
-      "int num_heads, float eps, bool norm_before_residual, int gamma, Tensor? vocab_map=None) -> (Tensor, Tensor)");
+      "eagle3_draft(Tensor tokens, Tensor start, Tensor last, Tensor feature_cache, "
+      "__torch__.torch.classes.spec_kernels.NativeModel head, Tensor(a!) kv_cache, Tensor? block_table, int gamma) "
+      "-> (Tensor, Tensor)");
   // suffix decoding's tree (csrc/suffix_tree_cpu.cpp): torch.classes.spec_kernels.SuffixTree(max_depth)
   m.class_<specdec::SuffixTree>("SuffixTree")
       .def(torch::init<int64_t>())

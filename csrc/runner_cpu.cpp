@@ -1,51 +1,98 @@
 // The native step runners' op entry points (their pieces: csrc/runner_cpu.h): a draft's greedy chain
 // (draft_chain), the target's plain greedy steps (greedy_steps), an EAGLE-3 head's entries and chain (eagle3_draft)
 // and greedy speculative steps of a draft model's or a head's chains (spec_chain). Each forward is the layer
-// stack's (csrc/layers_cpu.h), so a runner emits exactly the tokens the op path's steps emit.
+// stack's (csrc/layers_cpu.h), so a runner emits exactly the tokens the op path's steps emit. Each takes its
+// models as NativeModel objects (csrc/native_model.h), built and checked once per model.
 
+#include "native_model.h"
 #include "runner_cpu.h"
 
 namespace specdec {
+
+NativeModel::NativeModel(at::Tensor embed_, std::vector<at::Tensor> weights_, at::Tensor final_norm_,
+                         at::Tensor lm_head_, at::Tensor rope_table_, int64_t num_heads_, double eps_,
+                         c10::optional<at::Tensor> vocab_map_)
+    : embed(embed_.contiguous()),
+      final_norm(final_norm_.contiguous()),
+      lm_head(lm_head_.contiguous()),
+      rope_table(rope_table_.contiguous()),
+      weights(std::move(weights_)),
+      num_heads(num_heads_),
+      eps(eps_),
+      vocab_map(std::move(vocab_map_)) {
+  TORCH_CHECK_VALUE(embed.dim() == 2 && lm_head.dim() == 2 && final_norm.dim() == 1,
+                    "NativeModel: embed [V, H], lm_head [K, H] and final_norm [H] expected, got ", embed.sizes(), ", ",
+                    lm_head.sizes(), " and ", final_norm.sizes());
+  TORCH_CHECK_VALUE(rope_table.dim() == 3 && rope_table.size(0) == 2, "NativeModel: rope_table must be [2, P, D], got ",
+                    rope_table.sizes());
+  TORCH_CHECK_VALUE(embed.device().is_cpu() && lm_head.device().is_cpu() && rope_table.device().is_cpu(),
+                    "NativeModel: the native runners take CPU tensors");
+  TORCH_CHECK_VALUE(num_heads >= 1, "NativeModel: num_heads must be >= 1, got ", num_heads);
+  ids = specdec::vocab_ids("NativeModel", vocab_map, lm_head.size(0), embed.size(0));
+}
+
+void NativeModel::set_head(at::Tensor hidden_norm_, at::Tensor fc_, bool norm_before_residual_,
+                           std::vector<int64_t> capture_) {
+  TORCH_CHECK_VALUE(hidden_norm_.dim() == 1 && hidden_norm_.size(0) == final_norm.size(0),
+                    "NativeModel.set_head: hidden_norm must be [H] = [", final_norm.size(0), "], got ",
+                    hidden_norm_.sizes());
+  TORCH_CHECK_VALUE(!capture_.empty() && fc_.dim() == 2 && fc_.size(0) == final_norm.size(0) &&
+                        fc_.size(1) % static_cast<int64_t>(capture_.size()) == 0,
+                    "NativeModel.set_head: fc must be [H, layers * H_target] over the captured layers, got ",
+                    fc_.sizes(), " for ", capture_.size(), " layers");
+  TORCH_CHECK_TYPE(fc_.scalar_type() == rope_table.scalar_type(), "NativeModel.set_head: fc must be in the head's dtype");
+  hidden_norm = hidden_norm_.contiguous();
+  fc = fc_.contiguous();
+  norm_before_residual = norm_before_residual_;
+  capture = std::move(capture_);
+}
+
+namespace {
+
+// The runner of `m` (its KV cache `kv`, the block table, B rows) for op `op`.
+template <typename T>
+ChainRunner<T> runner_of(const char* op, const NativeModel& m, const at::Tensor& kv, const at::Tensor& table,
+                         int64_t B) {
+  return ChainRunner<T>(op, m.embed, m.weights, m.final_norm, m.lm_head, kv, m.rope_table, m.num_heads, m.eps, table,
+                        B, m.hidden_norm, m.norm_before_residual);
+}
+
+}  // namespace
 
 // A greedy draft chain in one call: from the roots' draft logits [B, V], gamma tokens per row, each the argmax of
 // the previous one's logits; the first gamma - 1 run through the model at positions L_b + d (their K/V written there,
 // as the drafter's per-level forwards would). Returns tokens [B, gamma] int64. Why: a drafted level costs its weights
 // plus more than twice that in Python and op dispatch when driven level by level from Python (the default draft); here
 // one call pays the dispatch once. ``strict``: from a row's first non-finite logits on, its tokens are -1.
-at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embed, at::TensorList weights,
-                           const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
-                           const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
-                           const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
-                           int64_t gamma, bool strict, const c10::optional<at::Tensor>& vocab_map) {
+at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_ptr<NativeModel>& model,
+                           at::Tensor kv_cache, const at::Tensor& cache_seqlens,
+                           const c10::optional<at::Tensor>& block_table, int64_t gamma, bool strict) {
+  const NativeModel& m = *model;
   TORCH_CHECK_VALUE(root_logits.dim() == 2 && root_logits.device().is_cpu(),
                     "draft_chain: root_logits must be [B, V] on CPU, got ", root_logits.sizes());
   TORCH_CHECK_TYPE(root_logits.scalar_type() == at::kFloat || root_logits.scalar_type() == at::kBFloat16,
                    "draft_chain: root_logits must be float32 or bfloat16, got ", root_logits.scalar_type());
   const int64_t B = root_logits.size(0), V = root_logits.size(1);
   TORCH_CHECK_VALUE(gamma >= 1, "draft_chain: gamma must be >= 1, got ", gamma);
-  TORCH_CHECK_VALUE(embed.dim() == 2 && embed.size(0) >= V && lm_head.dim() == 2 && lm_head.size(0) == V &&
-                        lm_head.is_contiguous(),
-                    "draft_chain: embed [V, H] and a contiguous lm_head [V, H] must match the logits' V = ", V,
-                    ", got ", embed.sizes(), " and ", lm_head.sizes());
+  TORCH_CHECK_VALUE(m.embed.size(0) >= V && m.lm_head.size(0) == V,
+                    "draft_chain: the model's embed [V, H] and lm_head [V, H] must match the logits' V = ", V,
+                    ", got ", m.embed.sizes(), " and ", m.lm_head.sizes());
   // a restricted draft vocabulary: logits and lm_head rows are over vocab_map [V] (token ids), not over all ids
-  TORCH_CHECK_VALUE(!vocab_map.has_value() || !strict, "draft_chain: a strict (target) chain has no vocab_map");
-  const at::Tensor ids = vocab_ids("draft_chain", vocab_map, V, embed.size(0));
-  TORCH_CHECK_VALUE(rope_table.dim() == 3 && rope_table.size(0) == 2, "draft_chain: rope_table must be [2, P, D]");
+  TORCH_CHECK_VALUE(!m.vocab_map.has_value() || !strict, "draft_chain: a strict (target) chain has no vocab_map");
+  TORCH_CHECK_VALUE(!m.is_head(), "draft_chain: an EAGLE-3 head drafts with eagle3_draft");
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
                     "draft_chain: cache_seqlens must be [B] = [", B, "]");
   const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
   const int64_t max_pos = B > 0 ? seqlens.max().item<int64_t>() + gamma : 0;
-  TORCH_CHECK_VALUE(max_pos <= rope_table.size(1), "draft_chain: positions up to ", max_pos,
-                    " need a longer RoPE table than ", rope_table.size(1));
+  TORCH_CHECK_VALUE(max_pos <= m.rope_table.size(1), "draft_chain: positions up to ", max_pos,
+                    " need a longer RoPE table than ", m.rope_table.size(1));
   at::Tensor tokens = at::empty({B, gamma}, seqlens.options());  // [B, gamma]
   const int64_t* L = seqlens.data_ptr<int64_t>();
-  const int64_t* id_of = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
   const at::Tensor table = table_of(block_table);
-  with_dtype(rope_table.scalar_type(), [&](auto type) {
-    ChainRunner<decltype(type)> model("draft_chain", embed, weights, final_norm, lm_head, kv_cache, rope_table,
-                                      num_heads, eps, table, B);
+  with_dtype(m.rope_table.scalar_type(), [&](auto type) {
+    ChainRunner<decltype(type)> draft = runner_of<decltype(type)>("draft_chain", m, kv_cache, table, B);
     with_dtype(root_logits.scalar_type(), [&](auto root_type) {  // the target's roots: float32 logits
-      run_chain(model, root_logits.data_ptr<decltype(root_type)>(), V, L, B, gamma, strict, id_of,
+      run_chain(draft, root_logits.data_ptr<decltype(root_type)>(), V, L, B, gamma, strict, m.vocab_ids(),
                 tokens.data_ptr<int64_t>());
     });
   });
@@ -60,11 +107,10 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const at::Tensor& embe
 // the engine cuts each row at its own stop tokens and runs the rows that go on in its next call), and before a step
 // where some row's logits are not finite (K' = 0 when the first is: the engine then decodes that step the regular
 // way, which sanitises or raises).
-at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at::TensorList weights,
-                            const at::Tensor& final_norm, const at::Tensor& lm_head, at::Tensor kv_cache,
-                            const at::Tensor& cache_seqlens, const at::Tensor& rope_table,
-                            const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps,
+at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache,
+                            const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
                             int64_t steps, const c10::optional<at::Tensor>& stop_ids) {
+  const NativeModel& m = *model;
   TORCH_CHECK_VALUE(roots.dim() == 1 && roots.device().is_cpu(), "greedy_steps: roots must be [B] on CPU, got ",
                     roots.sizes());
   TORCH_CHECK_VALUE(!stop_ids.has_value() || (stop_ids->dim() == 1 && stop_ids->device().is_cpu()),
@@ -73,7 +119,8 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at
   TORCH_CHECK_VALUE(steps >= 1, "greedy_steps: steps must be >= 1, got ", steps);
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
                     "greedy_steps: cache_seqlens must be [B] = [", B, "]");
-  TORCH_CHECK_VALUE(rope_table.dim() == 3 && rope_table.size(0) == 2, "greedy_steps: rope_table must be [2, P, D]");
+  TORCH_CHECK_VALUE(!m.vocab_map.has_value() && !m.is_head(),
+                    "greedy_steps: a target's own model (its logits decide the output), not a draft's or a head");
   const at::Tensor ids = roots.to(at::kLong).contiguous();              // [B]
   const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
   ChainRows rows{B, 0, steps, false, {}, std::vector<int64_t>(B, 1), {}, std::vector<int64_t>(B, steps), {}, 1};
@@ -86,11 +133,10 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at
   std::vector<int64_t> out(B * steps * 2, 0);  // [B, K, 2]: per step the count (1; 0 where not run), the token
   std::vector<double> secs(steps * 2);
   const at::Tensor table = table_of(block_table);
-  with_dtype(rope_table.scalar_type(), [&](auto type) {
-    ChainRunner<decltype(type)> model("greedy_steps", embed, weights, final_norm, lm_head, kv_cache, rope_table,
-                                      num_heads, eps, table, B);
+  with_dtype(m.rope_table.scalar_type(), [&](auto type) {
+    ChainRunner<decltype(type)> target = runner_of<decltype(type)>("greedy_steps", m, kv_cache, table, B);
     NoDraft none;
-    run_spec_chain(model, none, rows, out.data(), secs.data());
+    run_spec_chain(target, none, rows, out.data(), secs.data());
   });
   int64_t ran = 0;
   while (ran < steps && B > 0 && out[ran * 2] > 0) ++ran;  // every row runs every step
@@ -111,15 +157,15 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const at::Tensor& embed, at
 // [B, T, H], the chain [B, gamma] int64; [B, 0] for gamma = 0). Why: driven from Python, a head step is dozens of
 // small torch ops (two norms, a cat, the layer, a 49152-wide scatter of the draft logits) whose dispatch cost more
 // than the head's weights.
-std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(
-    const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last, const at::Tensor& feature_cache,
-    const at::Tensor& embed, at::TensorList weights, const at::Tensor& hidden_norm, const at::Tensor& norm,
-    const at::Tensor& lm_head, at::Tensor kv_cache, const at::Tensor& rope_table,
-    const c10::optional<at::Tensor>& block_table, int64_t num_heads, double eps, bool norm_before_residual,
-    int64_t gamma, const c10::optional<at::Tensor>& vocab_map) {
+std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(const at::Tensor& tokens, const at::Tensor& start,
+                                                     const at::Tensor& last, const at::Tensor& feature_cache,
+                                                     const c10::intrusive_ptr<NativeModel>& head, at::Tensor kv_cache,
+                                                     const c10::optional<at::Tensor>& block_table, int64_t gamma) {
+  const NativeModel& m = *head;
+  TORCH_CHECK_VALUE(m.is_head(), "eagle3_draft: the model must be an EAGLE-3 head (NativeModel.set_head)");
   TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.device().is_cpu(), "eagle3_draft: tokens must be [B, T] on CPU, got ",
                     tokens.sizes());
-  const int64_t B = tokens.size(0), T_ = tokens.size(1), H = norm.size(0);
+  const int64_t B = tokens.size(0), T_ = tokens.size(1), H = m.final_norm.size(0);
   TORCH_CHECK_VALUE(gamma >= 0, "eagle3_draft: gamma must be >= 0, got ", gamma);
   TORCH_CHECK_VALUE(T_ >= 1 || B == 0, "eagle3_draft: tokens must hold at least one entry per row");
   for (const at::Tensor* t : {&start, &last}) {
@@ -128,24 +174,22 @@ std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(
   const at::Tensor ids = tokens.to(at::kLong).contiguous();  // [B, T]
   const at::Tensor first = start.to(at::kLong).contiguous(), root_t = last.to(at::kLong).contiguous();  // [B]
   const at::Tensor table = table_of(block_table);
-  const at::Tensor id_map = vocab_ids("eagle3_draft", vocab_map, lm_head.size(0), embed.size(0));
   const int64_t* S = first.data_ptr<int64_t>();
   const int64_t* R = root_t.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_VALUE(S[b] >= 0 && R[b] >= 0 && R[b] < T_, "eagle3_draft: row ", b, " has start ", S[b],
                       " and last ", R[b], " (must lie in [0, ", T_, "))");
   }
-  at::Tensor out = at::empty({B, T_, H}, rope_table.options());  // [B, T, H]
+  at::Tensor out = at::empty({B, T_, H}, m.rope_table.options());  // [B, T, H]
   at::Tensor chain = at::empty({B, gamma}, ids.options());          // [B, gamma]
   if (B == 0) return {out, chain};
-  with_dtype(rope_table.scalar_type(), [&](auto type) {
+  with_dtype(m.rope_table.scalar_type(), [&](auto type) {
     using T = decltype(type);
-    ChainRunner<T> model("eagle3_draft", embed, weights, norm, lm_head, kv_cache, rope_table, num_heads, eps, table,
-                         B, hidden_norm, norm_before_residual);
-    HeadDraft<T> head(model, feature_cache, table, id_map.defined() ? id_map.data_ptr<int64_t>() : nullptr);
-    const T* raw = head.entries(ids.data_ptr<int64_t>(), T_, B, T_, S);  // [B * T, H]
+    ChainRunner<T> model = runner_of<T>("eagle3_draft", m, kv_cache, table, B);
+    HeadDraft<T> draft(model, feature_cache, table, m.vocab_ids());
+    const T* raw = draft.entries(ids.data_ptr<int64_t>(), T_, B, T_, S);  // [B * T, H]
     std::copy(raw, raw + B * T_ * H, out.data_ptr<T>());
-    if (gamma > 0) head.chain(raw, B, T_, S, R, gamma, chain.data_ptr<int64_t>());
+    if (gamma > 0) draft.chain(raw, B, T_, S, R, gamma, chain.data_ptr<int64_t>());
   });
   return {out, chain};
 }
@@ -166,23 +210,20 @@ std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(
 // re-decides the depth after it). A step whose visited target logits are not finite (a NaN, or a non-finite
 // maximum) is dropped and ends the call: the engine's regular step decodes it (and sanitises or raises).
 //
-// The draft is a model, or with d_hidden_norm an EAGLE-3 head (d_fc [H, C * H_target], its feature cache d_features
-// [1, blocks, block_size, H], the target layers `capture` it reads; in the target's dtype): the target's captured
-// streams of each step's accepted positions become their features (HeadDraft).
+// The draft is a model, or an EAGLE-3 head (NativeModel.set_head: its fc over the target layers it reads; its
+// feature cache d_features [1, blocks, block_size, H]; in the target's dtype): the target's captured streams of each
+// step's accepted positions become their features (HeadDraft).
 //
 // Returns (steps [B, max_steps, gamma + 2] int64: per step the count n of emitted tokens then the tokens, -1
 // padded, n = 0 for steps not run; pending_out [B, P'] and pending_lens_out [B]: the rows' new gaps; times
 // [max_steps, 2] float64: per step the draft's and the whole step's seconds).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
-    const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens, const at::Tensor& t_embed,
-    at::TensorList t_weights, const at::Tensor& t_norm, const at::Tensor& t_lm_head, at::Tensor t_kv,
-    const at::Tensor& t_rope, int64_t t_heads, double t_eps, const at::Tensor& d_embed, at::TensorList d_weights,
-    const at::Tensor& d_norm, const at::Tensor& d_lm_head, at::Tensor d_kv, const at::Tensor& d_rope,
-    int64_t d_heads, double d_eps, const c10::optional<at::Tensor>& block_table, const at::Tensor& budget,
-    const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
-    const c10::optional<at::Tensor>& d_vocab_map, const c10::optional<at::Tensor>& d_hidden_norm,
-    const c10::optional<at::Tensor>& d_fc, const c10::optional<at::Tensor>& d_features, at::IntArrayRef capture,
-    bool d_norm_before_residual) {
+    const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens,
+    const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv, const c10::intrusive_ptr<NativeModel>& draft_model,
+    at::Tensor d_kv, const c10::optional<at::Tensor>& block_table, const at::Tensor& budget, const at::Tensor& stop_ids,
+    int64_t gamma, int64_t max_steps, bool stop_on_reject, const c10::optional<at::Tensor>& d_features) {
+  const NativeModel& t = *target_model;
+  const NativeModel& d = *draft_model;
   TORCH_CHECK_VALUE(pending.dim() == 2 && pending.size(1) >= 1, "spec_chain: pending must be [B, P], got ",
                     pending.sizes());
   const int64_t B = pending.size(0), P = pending.size(1);
@@ -191,21 +232,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   for (const at::Tensor* t : {&pending_lens, &seqlens, &budget}) {
     TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == B, "spec_chain: per-row inputs must be [B] = [", B, "]");
   }
-  TORCH_CHECK_VALUE(t_lm_head.is_contiguous() && d_lm_head.is_contiguous(), "spec_chain: lm_heads must be contiguous");
+  TORCH_CHECK_VALUE(!t.vocab_map.has_value() && !t.is_head(),
+                    "spec_chain: the target is a whole model (its logits decide the output)");
   const at::TensorOptions longs = pending.options().dtype(at::kLong);
-  const at::Tensor ids = vocab_ids("spec_chain", d_vocab_map, d_lm_head.size(0), d_embed.size(0));
-
-  const int64_t* id_of = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
-  const bool head = d_hidden_norm.has_value();  // the draft is an EAGLE-3 head on the target's captured streams
-  TORCH_CHECK_VALUE(!head || (d_fc.has_value() && d_features.has_value() && !capture.empty()),
-                    "spec_chain: an EAGLE-3 head needs its fc, its feature cache and the target layers it reads");
+  const bool head = d.is_head();  // the draft is an EAGLE-3 head on the target's captured streams
+  TORCH_CHECK_VALUE(!head || d_features.has_value(), "spec_chain: an EAGLE-3 head needs its feature cache");
   if (head) {
-    TORCH_CHECK_TYPE(d_rope.scalar_type() == t_rope.scalar_type() && d_fc->scalar_type() == t_rope.scalar_type(),
+    TORCH_CHECK_TYPE(d.rope_table.scalar_type() == t.rope_table.scalar_type(),
                      "spec_chain: an EAGLE-3 head runs in its target's dtype");
-    TORCH_CHECK_VALUE(d_fc->dim() == 2 && d_fc->size(0) == d_norm.size(0) &&
-                          d_fc->size(1) == static_cast<int64_t>(capture.size()) * t_norm.size(0) &&
-                          d_fc->is_contiguous(),
-                      "spec_chain: the head's fc must be contiguous [H, layers * H_target], got ", d_fc->sizes());
+    TORCH_CHECK_VALUE(d.fc.size(1) == static_cast<int64_t>(d.capture.size()) * t.final_norm.size(0),
+                      "spec_chain: the head's fc reads ", d.fc.size(1), " stream values, the target has ",
+                      d.capture.size(), " x ", t.final_norm.size(0));
   }
   ChainRows rows{B, gamma, max_steps, stop_on_reject, {}, std::vector<int64_t>(B), std::vector<int64_t>(B),
                  std::vector<int64_t>(B), {}, P};
@@ -228,21 +265,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   int64_t* out = steps.data_ptr<int64_t>();
   double* secs = times.data_ptr<double>();
   const at::Tensor table = table_of(block_table);
-  with_dtype(t_rope.scalar_type(), [&](auto target_type) {
+  with_dtype(t.rope_table.scalar_type(), [&](auto target_type) {
     using TT = decltype(target_type);
-    ChainRunner<TT> target("spec_chain", t_embed, t_weights, t_norm, t_lm_head, t_kv, t_rope, t_heads, t_eps, table,
-                           B);
+    ChainRunner<TT> target = runner_of<TT>("spec_chain", t, t_kv, table, B);
     if (head) {
-      target.capture(capture);
-      ChainRunner<TT> model("spec_chain", d_embed, d_weights, d_norm, d_lm_head, d_kv, d_rope, d_heads, d_eps, table,
-                            B, *d_hidden_norm, d_norm_before_residual);
-      HeadDraft<TT> draft(model, *d_features, table, id_of, *d_fc);
+      target.capture(d.capture);
+      ChainRunner<TT> model = runner_of<TT>("spec_chain", d, d_kv, table, B);
+      HeadDraft<TT> draft(model, *d_features, table, d.vocab_ids(), d.fc);
       return run_spec_chain(target, draft, rows, out, secs);
     }
-    with_dtype(d_rope.scalar_type(), [&](auto draft_type) {  // a draft may be narrower than its target
-      ChainRunner<decltype(draft_type)> model("spec_chain", d_embed, d_weights, d_norm, d_lm_head, d_kv, d_rope,
-                                              d_heads, d_eps, table, B);
-      ModelDraft<decltype(draft_type)> draft(model, id_of);
+    with_dtype(d.rope_table.scalar_type(), [&](auto draft_type) {  // a draft may be narrower than its target
+      ChainRunner<decltype(draft_type)> model = runner_of<decltype(draft_type)>("spec_chain", d, d_kv, table, B);
+      ModelDraft<decltype(draft_type)> draft(model, d.vocab_ids());
       run_spec_chain(target, draft, rows, out, secs);
     });
   });

@@ -15,6 +15,7 @@ On CUDA and meta tensors the same computation runs as torch ops around the fast 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -95,13 +96,22 @@ class NativeModel:
     def dtype(self) -> torch.dtype:
         return self.rope_table.dtype
 
-    def op_args(self, kv_cache: torch.Tensor) -> list:
-        """The op's arguments for this model with ``kv_cache``: (embed, layers, final norm, lm_head, cache, RoPE
-        table, num_heads, eps). ValueError for a cache of another dtype (the model's decides its cache's)."""
+    @functools.cached_property
+    def handle(self) -> torch.ScriptObject:
+        """The model as the ops take it: ``torch.classes.spec_kernels.NativeModel`` (csrc/native_model.h), made
+        and checked once."""
+        from spec_kernels._ext import load_ext
+
+        load_ext()
+        return torch.classes.spec_kernels.NativeModel(_op_tensor(self.embed), self.layers.flat, self.final_norm,
+                                                      _op_tensor(self.lm_head), self.rope_table, self.num_heads,
+                                                      self.eps, self.vocab_map)  # fmt: skip
+
+    def check_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``kv_cache``, or ValueError for a cache of another dtype (the model's decides its cache's)."""
         if kv_cache.dtype != self.dtype:
             raise ValueError(f"native chain: a {self.dtype} model takes a {self.dtype} cache, got {kv_cache.dtype}")
-        return [_op_tensor(self.embed), self.layers.flat, self.final_norm, _op_tensor(self.lm_head), kv_cache,
-                self.rope_table, self.num_heads, self.eps]  # fmt: skip
+        return kv_cache
 
 
 def native_model(embed, layers: LayerWeights, final_norm, lm_head, rope_table, *, num_heads: int, eps: float,
@@ -139,6 +149,19 @@ class NativeHead:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
+
+    @functools.cached_property
+    def handle(self) -> torch.ScriptObject:
+        """The head as the ops take it: its model's ``NativeModel`` with the head's parts (``set_head``)."""
+        m = self.model
+        from spec_kernels._ext import load_ext
+
+        load_ext()
+        handle = torch.classes.spec_kernels.NativeModel(_op_tensor(m.embed), m.layers.flat, m.final_norm,
+                                                        _op_tensor(m.lm_head), m.rope_table, m.num_heads, m.eps,
+                                                        m.vocab_map)  # fmt: skip
+        handle.set_head(self.hidden_norm, self.fc, self.norm_before_residual, list(self.capture))
+        return handle
 
 
 def decoder_layers(
@@ -258,12 +281,8 @@ def greedy_chain(
     or a non-finite maximum on, its tokens are -1 (a draft skips NaNs by default: a bad guess costs acceptance
     only).
     """
-    from spec_kernels._ext import load_ext
-
-    load_ext()
-    embed, flat, norm, lm_head, kv, rope, heads, eps = model.op_args(kv_cache)
-    return torch.ops.spec_kernels.draft_chain(root_logits, embed, flat, norm, lm_head, kv, cache_seqlens, rope,
-                                              block_table, heads, eps, gamma, strict, model.vocab_map)  # fmt: skip
+    return torch.ops.spec_kernels.draft_chain(root_logits, model.handle, model.check_cache(kv_cache), cache_seqlens,
+                                              block_table, gamma, strict)  # fmt: skip
 
 
 def greedy_steps(
@@ -284,12 +303,8 @@ def greedy_steps(
     be restricted (its logits decide the output)."""
     if model.vocab_map is not None:
         raise ValueError("greedy_steps: the model's vocabulary cannot be restricted (its logits decide the output)")
-    from spec_kernels._ext import load_ext
-
-    load_ext()
-    embed, flat, norm, lm_head, kv, rope, heads, eps = model.op_args(kv_cache)
-    return torch.ops.spec_kernels.greedy_steps(roots, embed, flat, norm, lm_head, kv, cache_seqlens, rope,
-                                               block_table, heads, eps, steps, stop_ids)  # fmt: skip
+    return torch.ops.spec_kernels.greedy_steps(roots, model.handle, model.check_cache(kv_cache), cache_seqlens,
+                                               block_table, steps, stop_ids)  # fmt: skip
 
 
 def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, pending, pending_lens, seqlens, target_kv,
@@ -312,14 +327,10 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, pending, pe
     if head and draft_features is None:
         raise ValueError("spec_chain: an EAGLE-3 head needs its feature cache (draft_features)")
     model = draft.model if head else draft
-    head_args = (draft.hidden_norm, draft.fc, draft_features, list(draft.capture), draft.norm_before_residual) if head \
-        else (None, None, None, [], False)  # fmt: skip
-    from spec_kernels._ext import load_ext
-
-    load_ext()
-    args = target.op_args(target_kv) + model.op_args(draft_kv)
-    return torch.ops.spec_kernels.spec_chain(pending, pending_lens, seqlens, *args, block_table, budget, stop_ids,
-                                             gamma, max_steps, stop_on_reject, model.vocab_map, *head_args)  # fmt: skip
+    return torch.ops.spec_kernels.spec_chain(pending, pending_lens, seqlens, target.handle,
+                                             target.check_cache(target_kv), draft.handle, model.check_cache(draft_kv),
+                                             block_table, budget, stop_ids, gamma, max_steps, stop_on_reject,
+                                             draft_features if head else None)  # fmt: skip
 
 
 def eagle3_draft(
@@ -345,10 +356,5 @@ def eagle3_draft(
     ``[1, 2, num_blocks, block_size, Hkv, D]`` on ``block_table`` ``[B, max_blocks]``. Returns (the entries' raw
     outputs ``[B, T, H]``, the stand-ins for their features; the chain ``[B, gamma]`` int64).
     """
-    from spec_kernels._ext import load_ext
-
-    load_ext()
-    embed, flat, norm, lm_head, kv, rope, heads, eps = head.model.op_args(kv_cache)
-    return torch.ops.spec_kernels.eagle3_draft(tokens, start, last, feature_cache, embed, flat, head.hidden_norm,
-                                               norm, lm_head, kv, rope, block_table, heads, eps,
-                                               head.norm_before_residual, gamma, head.model.vocab_map)  # fmt: skip
+    return torch.ops.spec_kernels.eagle3_draft(tokens, start, last, feature_cache, head.handle,
+                                               head.model.check_cache(kv_cache), block_table, gamma)  # fmt: skip
