@@ -287,6 +287,35 @@ def test_spec_chain_at_depth_zero_is_plain_decoding(target, draft):
     assert gap_lens.tolist() == [K + 1] * B and torch.equal(gap, torch.cat([roots[:, None], want], dim=1))
 
 
+def test_native_models_are_checked_once_and_roles_kept(target, draft):
+    """The ops' model object (torch.classes.spec_kernels.NativeModel) refuses bad parts when it is made, and each op
+    refuses a model in the wrong role: a draft's restricted vocabulary or a head as a target, a model as a head."""
+    import dataclasses
+
+    from spec_kernels.decoder_layers import greedy_steps
+
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
+                                               "num_speculative_tokens": 2})  # fmt: skip
+    eng = llm.engine
+    t, d = eng.runner.native_target, eng.runner.native_draft
+    make = torch.classes.spec_kernels.NativeModel
+    args = [t.embed, t.layers.flat, t.final_norm, t.lm_head, t.rope_table, t.num_heads, t.eps, None]
+    make(*args)  # well-formed
+    with pytest.raises((ValueError, RuntimeError), match="rope_table must be"):
+        make(*args[:4], t.rope_table[0], *args[5:])
+    with pytest.raises((ValueError, RuntimeError), match="vocab_map"):
+        make(*args[:7], torch.tensor([0, 10**6]))
+    with pytest.raises((ValueError, RuntimeError), match="hidden_norm must be"):
+        make(*args).set_head(torch.ones(3), torch.ones(2, 2), False, [1])
+    B, zero = 1, torch.zeros(1, dtype=torch.int64)
+    kv = eng.kv.data.new_zeros(eng.kv.data.shape[0], 2, B, 16, *eng.kv.data.shape[4:])
+    restricted = dataclasses.replace(d, vocab_map=torch.arange(d.lm_head.shape[0]))
+    with pytest.raises((ValueError, RuntimeError), match="cannot be restricted|target"):
+        greedy_steps(zero, restricted, eng.drafter.kv.data.new_zeros(kv.shape), zero, steps=1)
+    with pytest.raises((ValueError, RuntimeError), match="must be an EAGLE-3 head"):
+        torch.ops.spec_kernels.eagle3_draft(zero[:, None], zero, zero, torch.zeros(1, 1, 16, 8), t.handle, kv, None, 1)
+
+
 def test_spec_chain_catches_up_a_prompt_natively(target, draft, monkeypatch):
     """Under the adaptive controller the draft cache is filled lazily: a request's first drafted step feeds the draft
     its whole prompt. That step runs natively too (the call's pending holds the prompt), ragged rows within the
