@@ -98,8 +98,12 @@ class NativeModel:
 
     @functools.cached_property
     def handle(self) -> torch.ScriptObject:
-        """The model as the ops take it: ``torch.classes.spec_kernels.NativeModel`` (csrc/native_model.h), made
-        and checked once."""
+        """The model as the ops take it, made and checked once (``new_handle``)."""
+        return self.new_handle()
+
+    def new_handle(self) -> torch.ScriptObject:
+        """A new ``torch.classes.spec_kernels.NativeModel`` (csrc/native_model.h) of this model's tensors (shared,
+        not copied); its constructor checks them."""
         from spec_kernels._ext import load_ext
 
         load_ext()
@@ -152,14 +156,8 @@ class NativeHead:
 
     @functools.cached_property
     def handle(self) -> torch.ScriptObject:
-        """The head as the ops take it: its model's ``NativeModel`` with the head's parts (``set_head``)."""
-        m = self.model
-        from spec_kernels._ext import load_ext
-
-        load_ext()
-        handle = torch.classes.spec_kernels.NativeModel(_op_tensor(m.embed), m.layers.flat, m.final_norm,
-                                                        _op_tensor(m.lm_head), m.rope_table, m.num_heads, m.eps,
-                                                        m.vocab_map)  # fmt: skip
+        """The head as the ops take it: a ``NativeModel`` of its layer with the head's parts (``set_head``)."""
+        handle = self.model.new_handle()
         handle.set_head(self.hidden_norm, self.fc, self.norm_before_residual, list(self.capture))
         return handle
 
