@@ -55,9 +55,10 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Na
                             int64_t steps, const c10::optional<at::Tensor>& stop_ids);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens,
-    const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv, const c10::intrusive_ptr<NativeModel>& draft_model,
-    at::Tensor d_kv, const c10::optional<at::Tensor>& block_table, const at::Tensor& budget, const at::Tensor& stop_ids,
-    int64_t gamma, int64_t max_steps, bool stop_on_reject, const c10::optional<at::Tensor>& d_features);
+    const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv,
+    const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
+    const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
+    const c10::optional<at::Tensor>& d_features);
 std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(const at::Tensor& tokens, const at::Tensor& start,
                                                      const at::Tensor& last, const at::Tensor& feature_cache,
                                                      const c10::intrusive_ptr<NativeModel>& head, at::Tensor kv_cache,

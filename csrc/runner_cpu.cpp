@@ -23,8 +23,8 @@ NativeModel::NativeModel(at::Tensor embed_, std::vector<at::Tensor> weights_, at
   TORCH_CHECK_VALUE(embed.dim() == 2 && lm_head.dim() == 2 && final_norm.dim() == 1,
                     "NativeModel: embed [V, H], lm_head [K, H] and final_norm [H] expected, got ", embed.sizes(), ", ",
                     lm_head.sizes(), " and ", final_norm.sizes());
-  TORCH_CHECK_VALUE(rope_table.dim() == 3 && rope_table.size(0) == 2, "NativeModel: rope_table must be [2, P, D], got ",
-                    rope_table.sizes());
+  TORCH_CHECK_VALUE(rope_table.dim() == 3 && rope_table.size(0) == 2,
+                    "NativeModel: rope_table must be [2, P, D], got ", rope_table.sizes());
   TORCH_CHECK_VALUE(embed.device().is_cpu() && lm_head.device().is_cpu() && rope_table.device().is_cpu(),
                     "NativeModel: the native runners take CPU tensors");
   TORCH_CHECK_VALUE(num_heads >= 1, "NativeModel: num_heads must be >= 1, got ", num_heads);
@@ -40,7 +40,8 @@ void NativeModel::set_head(at::Tensor hidden_norm_, at::Tensor fc_, bool norm_be
                         fc_.size(1) % static_cast<int64_t>(capture_.size()) == 0,
                     "NativeModel.set_head: fc must be [H, layers * H_target] over the captured layers, got ",
                     fc_.sizes(), " for ", capture_.size(), " layers");
-  TORCH_CHECK_TYPE(fc_.scalar_type() == rope_table.scalar_type(), "NativeModel.set_head: fc must be in the head's dtype");
+  TORCH_CHECK_TYPE(fc_.scalar_type() == rope_table.scalar_type(),
+                   "NativeModel.set_head: fc must be in the head's dtype");
   hidden_norm = hidden_norm_.contiguous();
   fc = fc_.contiguous();
   norm_before_residual = norm_before_residual_;
@@ -219,9 +220,10 @@ std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(const at::Tensor& tokens, co
 // [max_steps, 2] float64: per step the draft's and the whole step's seconds).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens,
-    const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv, const c10::intrusive_ptr<NativeModel>& draft_model,
-    at::Tensor d_kv, const c10::optional<at::Tensor>& block_table, const at::Tensor& budget, const at::Tensor& stop_ids,
-    int64_t gamma, int64_t max_steps, bool stop_on_reject, const c10::optional<at::Tensor>& d_features) {
+    const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv,
+    const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
+    const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
+    const c10::optional<at::Tensor>& d_features) {
   const NativeModel& t = *target_model;
   const NativeModel& d = *draft_model;
   TORCH_CHECK_VALUE(pending.dim() == 2 && pending.size(1) >= 1, "spec_chain: pending must be [B, P], got ",
