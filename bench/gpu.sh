@@ -2,7 +2,7 @@
 # Everything this project checks on a GPU, in one command, for a machine with CUDA torch and one GPU:
 #   bash bench/gpu.sh            # writes bench/out/gpu/*.json and *.log, and prints a summary table last
 # 1. the CUDA tests (the `cuda`-marked parametrisations: Triton and CUDA kernels against their references);
-# 2. the AOT compile table (registers / stack / shared memory per Triton configuration, sm_80 and sm_90a);
+# 2. the AOT compile table's quick set (registers / stack / shared memory per Triton configuration, sm_80, sm_90a);
 # 3. the op benchmarks on the GPU (tree_attention, verify_tree, compact_kv_), each against its reference;
 # 4. the engine on CUDA: the main job (speculative vs plain, same tokens) and the end-to-end benchmark.
 # Runs from a source checkout with or without `pip install -e .` (the repository goes first on PYTHONPATH and the
