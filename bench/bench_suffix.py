@@ -131,16 +131,11 @@ def replay_ours(traces: list[dict], use_tree: bool) -> list[dict]:
 
 def functions(count: int, min_chars: int = 300, max_chars: int = 900) -> list[str]:
     """Source of ``count`` top-level functions from the held-out stdlib files, evenly spread."""
-    from spec_engine.zoo.train import corpus_files
+    from spec_engine.zoo.train import corpus_files, parsed_files
 
     _, held = corpus_files()
     found = []
-    for path in held:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
+    for text, tree in parsed_files(held):
         for node in tree.body:
             if isinstance(node, ast.FunctionDef):
                 src = ast.get_source_segment(text, node) or ""

@@ -264,16 +264,11 @@ SOURCE_EDITS = (
 def stdlib_functions(max_chars: int = 1500) -> list[tuple[str, str]]:
     """(stub, source) of the documented public functions and methods (dedented) in the training half of the stdlib's
     files: the stub is the signature and docstring, the source the whole function (at most ``max_chars``)."""
-    from spec_engine.zoo.train import corpus_files
+    from spec_engine.zoo.train import corpus_files, parsed_files
 
     train, _ = corpus_files()
     out = []
-    for path in train:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        try:
-            tree = ast.parse(text)
-        except (SyntaxError, ValueError):
-            continue
+    for text, tree in parsed_files(train):
         lines = text.splitlines()
         methods = [n for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body]
         for node in tree.body + methods:

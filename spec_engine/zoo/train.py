@@ -88,6 +88,18 @@ def corpus_files(root: Path | None = None) -> tuple[list[Path], list[Path]]:
     return train, held
 
 
+def parsed_files(files: list[Path]):
+    """(text, module AST) of each of ``files`` that parses (a few stdlib files are test data that does not)."""
+    import ast
+
+    for path in files:
+        text = _read(path)
+        try:
+            yield text, ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+
+
 def _bucket(rel: str) -> int:
     return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 20
 
