@@ -23,14 +23,14 @@ struct NativeModel : torch::CustomClassHolder {
   void set_head(at::Tensor hidden_norm, at::Tensor fc, bool norm_before_residual, std::vector<int64_t> capture);
 
   bool is_head() const { return hidden_norm.defined(); }
-  const int64_t* vocab_ids() const { return ids.defined() ? ids.data_ptr<int64_t>() : nullptr; }
+  bool restricted() const { return ids.defined(); }  // a draft's vocabulary: lm_head's rows are vocab_map's ids
+  const int64_t* vocab_ids() const { return restricted() ? ids.data_ptr<int64_t>() : nullptr; }
 
   at::Tensor embed, final_norm, lm_head, rope_table;
   std::vector<at::Tensor> weights;
   int64_t num_heads;
   double eps;
-  c10::optional<at::Tensor> vocab_map;
-  at::Tensor ids;  // vocab_map as int64 (undefined without one)
+  at::Tensor ids;  // vocab_map [K] as int64 (undefined without one)
   at::Tensor hidden_norm, fc;
   bool norm_before_residual = false;
   std::vector<int64_t> capture;

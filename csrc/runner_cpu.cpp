@@ -18,8 +18,7 @@ NativeModel::NativeModel(at::Tensor embed_, std::vector<at::Tensor> weights_, at
       rope_table(rope_table_.contiguous()),
       weights(std::move(weights_)),
       num_heads(num_heads_),
-      eps(eps_),
-      vocab_map(std::move(vocab_map_)) {
+      eps(eps_) {
   TORCH_CHECK_VALUE(embed.dim() == 2 && lm_head.dim() == 2 && final_norm.dim() == 1,
                     "NativeModel: embed [V, H], lm_head [K, H] and final_norm [H] expected, got ", embed.sizes(), ", ",
                     lm_head.sizes(), " and ", final_norm.sizes());
@@ -28,7 +27,7 @@ NativeModel::NativeModel(at::Tensor embed_, std::vector<at::Tensor> weights_, at
   TORCH_CHECK_VALUE(embed.device().is_cpu() && lm_head.device().is_cpu() && rope_table.device().is_cpu(),
                     "NativeModel: the native runners take CPU tensors");
   TORCH_CHECK_VALUE(num_heads >= 1, "NativeModel: num_heads must be >= 1, got ", num_heads);
-  ids = specdec::vocab_ids("NativeModel", vocab_map, lm_head.size(0), embed.size(0));
+  ids = specdec::vocab_ids("NativeModel", vocab_map_, lm_head.size(0), embed.size(0));
 }
 
 void NativeModel::set_head(at::Tensor hidden_norm_, at::Tensor fc_, bool norm_before_residual_,
@@ -79,7 +78,7 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_p
                     "draft_chain: the model's embed [V, H] and lm_head [V, H] must match the logits' V = ", V,
                     ", got ", m.embed.sizes(), " and ", m.lm_head.sizes());
   // a restricted draft vocabulary: logits and lm_head rows are over vocab_map [V] (token ids), not over all ids
-  TORCH_CHECK_VALUE(!m.vocab_map.has_value() || !strict, "draft_chain: a strict (target) chain has no vocab_map");
+  TORCH_CHECK_VALUE(!m.restricted() || !strict, "draft_chain: a strict (target) chain has no vocab_map");
   TORCH_CHECK_VALUE(!m.is_head(), "draft_chain: an EAGLE-3 head drafts with eagle3_draft");
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
                     "draft_chain: cache_seqlens must be [B] = [", B, "]");
@@ -120,7 +119,7 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Na
   TORCH_CHECK_VALUE(steps >= 1, "greedy_steps: steps must be >= 1, got ", steps);
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
                     "greedy_steps: cache_seqlens must be [B] = [", B, "]");
-  TORCH_CHECK_VALUE(!m.vocab_map.has_value() && !m.is_head(),
+  TORCH_CHECK_VALUE(!m.restricted() && !m.is_head(),
                     "greedy_steps: a target's own model (its logits decide the output), not a draft's or a head");
   const at::Tensor ids = roots.to(at::kLong).contiguous();              // [B]
   const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
@@ -234,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   for (const at::Tensor* t : {&pending_lens, &seqlens, &budget}) {
     TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == B, "spec_chain: per-row inputs must be [B] = [", B, "]");
   }
-  TORCH_CHECK_VALUE(!t.vocab_map.has_value() && !t.is_head(),
+  TORCH_CHECK_VALUE(!t.restricted() && !t.is_head(),
                     "spec_chain: the target is a whole model (its logits decide the output)");
   const at::TensorOptions longs = pending.options().dtype(at::kLong);
   const bool head = d.is_head();  // the draft is an EAGLE-3 head on the target's captured streams
