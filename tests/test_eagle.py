@@ -470,6 +470,71 @@ def test_eagle3_recipe_end_to_end(tmp_path):
                           str(out)])  # fmt: skip
 
 
+def test_eagle3_data_sampled_answers_keep_the_targets_labels(tmp_path):
+    """``eagle_data`` with a temperature writes sampled answers whose labels are still the target's greedy tokens
+    (``next``), and the batched torch pass (``torch_features``, the GPU path) gives the engine pass's labels and
+    streams; the training set takes both kinds of answers, its held-out split greedy ones only; data of another
+    target is refused; ``--max-seconds`` ends a training run (here at once: after its first step)."""
+    from tiny_models import make_tokenizer
+
+    from spec_engine.drafters.eagle import eagle3_target_layers
+    from spec_engine.zoo import eagle_data, train_eagle
+
+    target = make_model(tmp_path / "target", "llama_gqa", vocab_size=300, hidden=32, layers=3, logit_scale=4.0)
+    make_tokenizer(target)
+    common = ["--target", str(target), "--limit", "6", "--batch", "3", "--max-tokens", "8", "--dtype", "float32"]
+    eagle_data.main([*common, "--out", str(tmp_path / "greedy")])
+    eagle_data.main([*common, "--out", str(tmp_path / "sampled"), "--temperature", "1.0", "--seed", "1"])
+    greedy = [torch.load(f) for f in sorted((tmp_path / "greedy").glob("shard_*.pt"))]
+    sampled = [torch.load(f) for f in sorted((tmp_path / "sampled").glob("shard_*.pt"))]
+    assert [d["temperature"] for d in greedy + sampled] == [0.0, 0.0, 1.0, 1.0]
+    model = load_model(target)
+    layers = eagle3_target_layers(model.config.num_hidden_layers)
+    differ = 0
+    for d in greedy + sampled:
+        off, plens = d["offsets"].tolist(), d["prompt_lens"].tolist()
+        seqs = [d["tokens"][off[i] : off[i + 1]].long() for i in range(len(plens))]
+        batched = eagle_data.answer_features(model, [s.tolist() for s in seqs], layers)  # the CPU's engine pass
+        ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+        streams, nxt = eagle_data.torch_features(model, ids, layers)  # the batched torch pass
+        for i, s in enumerate(seqs):
+            labels, answer = d["next"][off[i] : off[i + 1]].long(), s[plens[i] :]
+            assert torch.equal(labels, batched[i][1].long()) and torch.equal(labels, nxt[i, : len(s)])
+            torch.testing.assert_close(
+                d["features"][off[i] : off[i + 1]].float(), streams[i, : len(s)].float(), atol=1e-2, rtol=8e-3
+            )  # the shard holds bf16: one ulp apart
+            if d["temperature"] == 0:
+                assert torch.equal(labels[plens[i] - 1 : -1], answer)  # greedy: the answer's own next tokens
+            else:
+                differ += int((labels[plens[i] - 1 : -1] != answer).sum())
+    assert differ > 0  # sampled answers leave the target's greedy path, their labels do not
+
+    data = train_eagle.ShardSet([tmp_path / "greedy", tmp_path / "sampled"])
+    data.reload()
+    assert len(data.train) == 10 and len(data.held) == 1  # prompt 0 is held out: its greedy answer only
+    for tokens, _, _, labels in data.train:
+        assert len(labels) == len(tokens) - 1
+    held_tokens, _, held_plen, held_labels = data.held[0]
+    assert torch.equal(held_labels[held_plen - 1 :], held_tokens[held_plen:])
+
+    work = tmp_path / "work"
+    argv = ["--target", str(target), "--layout", "eagle3", "--data", str(tmp_path / "greedy"),
+            str(tmp_path / "sampled"), "--work-dir", str(work), "--out", str(tmp_path / "head"), "--draft-vocab", "64",
+            "--batch-size", "2", "--steps", "50", "--eval-every", "10", "--ckpt-every", "10"]  # fmt: skip
+    report = train_eagle.main([*argv, "--max-seconds", "0"])
+    assert report["steps"] == 1 and report["history"][-1]["step"] == 1
+    assert (tmp_path / "head" / "model.safetensors").is_file()
+
+    other = make_model(tmp_path / "other", "llama_gqa", vocab_size=300, hidden=48, layers=3)
+    make_tokenizer(other)
+    eagle_data.main(["--target", str(other), "--limit", "3", "--batch", "3", "--max-tokens", "4", "--out",
+                     str(tmp_path / "other_data"), "--dtype", "float32"])  # fmt: skip
+    with pytest.raises(ValueError, match="streams of width"):
+        train_eagle.ShardSet([tmp_path / "greedy", tmp_path / "other_data"]).reload()
+    with pytest.raises(ValueError, match="data of another target"):
+        train_eagle.main([*argv[:5], str(tmp_path / "other_data"), "--work-dir", str(tmp_path / "w2"), *argv[9:]])
+
+
 def test_shipped_drafter_resolution(models):
     """A model-drafter method given no "model" takes the drafter shipped for the target, recognised by its
     architecture; a target nothing ships for gets a ValueError naming the missing key."""

@@ -308,7 +308,7 @@ def save_eagle_head(head: EagleHead, config: dict, out_dir: str | Path, *, dtype
     """Write a head directory in its published layout: config.json and model.safetensors (``dtype``, d2t int64)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() if k == "d2t" else v.detach().to(dtype).contiguous()
+    state = {k: v.detach().cpu().contiguous() if k == "d2t" else v.detach().cpu().to(dtype).contiguous()
              for k, v in head.state_dict().items()}  # fmt: skip
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(dict(config, torch_dtype=str(dtype).removeprefix("torch.")), indent=2)

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from spec_engine.drafters.eagle import EagleHead, eagle3_target_layers, save_eagle_head
 from spec_engine.models import ModelConfig, load_model
+from spec_engine.zoo.eagle_data import torch_features
 from spec_engine.zoo.train import Recipe, _run_stage, corpus_files, encode_splits, hf_config, lr_at
 
 TTT_DECAY = 0.8  # weight of step k's loss: TTT_DECAY ** k
@@ -143,6 +144,7 @@ def agreement(head: EagleHead, target, stream: torch.Tensor, seq_len: int, steps
 # own rows and stay frozen (the head learns to produce target-like final states, the target's map to tokens is
 # kept).
 
+TIMED_STEPS = 20  # a time-boxed run (--max-seconds) measures its step rate over its first steps
 HELD_OUT_EVERY = 33  # prompt ids divisible by this are the validation split (about 3%)
 PROMPTS = Path(__file__).parent / "data" / "eagle_prompts.jsonl"
 
@@ -219,34 +221,52 @@ def eagle3_ttt_loss(head: EagleHead, tokens, streams, labels, mask, steps: int, 
 
 
 class ShardSet:
-    """The generator's shards in memory, split by prompt id: ``reload`` picks up shards written since the last call.
+    """The generator's shards in memory (of one or more directories: greedy answers, sampled ones), split by prompt
+    id: ``reload`` picks up shards written since the last call. The held-out split keeps greedy answers only (the
+    answers the head meets at inference); sampled answers to held-out prompts are left out of both splits.
 
-    Each sample: tokens [T] int64, streams [T, n H] bf16, the prompt length."""
+    Each sample: tokens [T] int64, streams [T, n H] bf16, the prompt length, the target's greedy token after each
+    position but the last [T - 1] int64 (a greedy answer's own next tokens in shards that do not store them)."""
 
-    def __init__(self, data_dir: Path):
-        self.dir, self.seen = data_dir, set()
+    def __init__(self, data_dirs: Path | list[Path]):
+        self.dirs = [data_dirs] if isinstance(data_dirs, Path) else list(data_dirs)
+        self.seen: set[Path] = set()
         self.train: list[tuple] = []
         self.held: list[tuple] = []
+        self.width: int | None = None  # the streams' width, n H (every shard's must agree)
 
     def reload(self) -> int:
         new = 0
-        for shard in sorted(self.dir.glob("shard_*.pt")):
-            if shard.name in self.seen:
+        for shard in sorted(f for d in self.dirs for f in d.glob("shard_*.pt")):
+            if shard in self.seen:
                 continue
-            self.seen.add(shard.name)
+            self.seen.add(shard)
             d = torch.load(shard)
+            width = d["features"].shape[1]
+            if self.width not in (None, width):
+                raise ValueError(f"{shard}: streams of width {width}, the shards before it {self.width} "
+                                 "(another target's data in the same directories?)")  # fmt: skip
+            self.width = width
             off = d["offsets"].tolist()
+            greedy = float(d.get("temperature", 0.0)) == 0.0
+            nxt = d["next"].long() if "next" in d else None
             for i, pid in enumerate(d["ids"].tolist()):
-                sample = (d["tokens"][off[i] : off[i + 1]].long(), d["features"][off[i] : off[i + 1]],
-                          int(d["prompt_lens"][i]))  # fmt: skip
-                (self.held if pid % HELD_OUT_EVERY == 0 else self.train).append(sample)
+                tokens = d["tokens"][off[i] : off[i + 1]].long()
+                labels = tokens[1:] if nxt is None else nxt[off[i] : off[i + 1] - 1]
+                sample = (tokens, d["features"][off[i] : off[i + 1]], int(d["prompt_lens"][i]), labels)
+                if pid % HELD_OUT_EVERY:
+                    self.train.append(sample)
+                elif greedy:
+                    self.held.append(sample)
+                else:
+                    continue
                 new += 1
         return new
 
     def answer_counts(self, vocab_size: int) -> torch.Tensor:
         """[V] how often the target emitted each token in the training split's answers."""
         counts = torch.zeros(vocab_size, dtype=torch.int64)
-        for tokens, _, plen in self.train:
+        for tokens, _, plen, _ in self.train:
             counts += torch.bincount(tokens[plen:], minlength=vocab_size)
         return counts
 
@@ -254,9 +274,9 @@ class ShardSet:
         return sum(len(s[0]) - s[2] for s in getattr(self, split))
 
 
-def collate(samples: list[tuple], t2d: torch.Tensor):
-    """A padded batch: tokens [B, S], streams [B, S, F], labels [B, S] (draft-vocab index of token p + 1, -1
-    outside it or past the end), mask [B, S] (p + 1 is an answer token)."""
+def collate(samples: list[tuple], t2d: torch.Tensor, device="cpu"):
+    """A padded batch on ``device``: tokens [B, S], streams [B, S, F], labels [B, S] (draft-vocab index of the
+    target's greedy token after p, -1 outside it or past the end), mask [B, S] (p + 1 is an answer token)."""
     S = max(len(s[0]) for s in samples)
     F_ = samples[0][1].shape[1]
     B = len(samples)
@@ -264,12 +284,12 @@ def collate(samples: list[tuple], t2d: torch.Tensor):
     streams = torch.zeros(B, S, F_, dtype=torch.bfloat16)
     labels = torch.full((B, S), -1, dtype=torch.int64)
     mask = torch.zeros(B, S, dtype=torch.bool)
-    for b, (t, f, plen) in enumerate(samples):
+    for b, (t, f, plen, nxt) in enumerate(samples):
         T = len(t)
         tokens[b, :T], streams[b, :T] = t, f
-        labels[b, : T - 1] = t2d[t[1:]]
+        labels[b, : T - 1] = t2d[nxt]
         mask[b, plen - 1 : T - 1] = True
-    return tokens, streams, labels, mask
+    return tuple(x.to(device) for x in (tokens, streams, labels, mask))
 
 
 @torch.no_grad()
@@ -277,35 +297,22 @@ def eagle3_agreement(head: EagleHead, samples: list[tuple], t2d: torch.Tensor, s
     """Top-1 agreement with the target's greedy next token on answer positions, per TTT step (step k ~ depth k + 1)."""
     head.eval()
     stats: dict = {}
+    device = head.fc.weight.device
     for i in range(0, len(samples), batch):
-        eagle3_ttt_loss(head, *collate(samples[i : i + batch], t2d), steps, stats)
+        eagle3_ttt_loss(head, *collate(samples[i : i + batch], t2d, device), steps, stats)
     head.train()
     return [round(stats[k][0] / max(1, stats[k][1]), 4) for k in range(steps)]
 
 
-@torch.no_grad()
-def target_streams(target, tokens: torch.Tensor, layers) -> torch.Tensor:
-    """The residual streams entering ``layers``, concatenated: [B, S, n H] for token windows [B, S], in plain torch
-    ops (the smoke path's features, computed on the fly)."""
-    B, S = tokens.shape
-    h = target.model.embed_tokens(tokens)
-    cos, sin = target._rope(torch.arange(S).expand(B, S), h.dtype).unsqueeze(3)
-    streams = {}
-    for i, layer in enumerate(target.model.layers):
-        streams[i] = h
-        h = h + layer.self_attn.forward_train(layer.input_layernorm(h), cos, sin)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return torch.cat([streams[i] for i in layers], -1)
-
-
 def stream_samples(target, stream: torch.Tensor, seq_len: int, layers, n: int, seed: int) -> list[tuple]:
-    """``n`` corpus windows as samples (tokens, streams, prompt length 1): the smoke path's stand-in for the
-    generator's shards (its labels are the corpus's next tokens, not the target's)."""
+    """``n`` corpus windows as samples (tokens, streams, prompt length 1, the target's greedy next tokens): the smoke
+    path's stand-in for the generator's shards, the streams computed on the fly (``torch_features``)."""
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(stream) - seq_len - 1, (n,), generator=g)
     windows = stream[starts[:, None] + torch.arange(seq_len)].long()  # [n, S]
-    feats = target_streams(target, windows, layers)
-    return [(w, f.to(torch.bfloat16), 1) for w, f in zip(windows, feats)]
+    device = target.model.embed_tokens.weight.device
+    feats, nxt = torch_features(target, windows.to(device), layers)
+    return [(w, f.to(torch.bfloat16).cpu(), 1, x[:-1].cpu()) for w, f, x in zip(windows, feats, nxt)]
 
 
 def token_frequencies(data: ShardSet, target_dir: Path, vocab_size: int, smoke: bool = False) -> torch.Tensor:
@@ -371,11 +378,12 @@ def export_eagle3(args, target, tcfg, eos) -> dict:
     layers = eagle3_target_layers(tcfg.num_hidden_layers)
     data = ShardSet(args.data)
     data.reload()
-    state = torch.load(args.work_dir / "eagle3.ckpt", weights_only=True)
+    state = torch.load(args.work_dir / "eagle3.ckpt", weights_only=True, map_location="cpu")
     freqs = token_frequencies(data, args.target, tcfg.vocab_size)
     by_k = {}
     for k in sorted({int(x) for x in (args.eval_k or "").split(",") if x} | {args.draft_vocab}):
         head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, draft_vocab(freqs, k), state["model"], args.seed)
+        head.to(args.device)
         coverage = float((t2d[torch.cat([s[0][s[2] :] for s in data.held])] >= 0).float().mean())
         by_k[k] = {"held_out_top1_agreement_per_depth": eagle3_agreement(head, data.held, t2d, args.ttt),
                    "held_out_coverage": round(coverage, 4)}  # fmt: skip
@@ -399,6 +407,11 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
     if data is not None:
         data.reload()
         print(f"data: {len(data.train)} train samples ({data.tokens('train')} answer tokens), {len(data.held)} held")
+        if data.width not in (None, len(layers) * tcfg.hidden_size):
+            raise ValueError(
+                f"--data holds streams of width {data.width}; this target's layers {layers} give "
+                f"{len(layers) * tcfg.hidden_size} (data of another target?)"
+            )
     else:  # the smoke path: corpus windows, the target's streams on the fly
         from spec_engine.llm import load_tokenizer
 
@@ -421,6 +434,7 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
     ckpt = work / "eagle3.ckpt"
     start = None if args.init is None or ckpt.is_file() else init_weights(args.init, layers)
     head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, vocab_ids, start, args.seed)
+    head.to(args.device)
     trainable = [p for p in head.parameters() if p.requires_grad]
     n_all, n_trained = sum(p.numel() for p in head.parameters()), sum(p.numel() for p in trainable)
     print(
@@ -430,7 +444,7 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
     opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     step, history = 0, []
     if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=True)
+        state = torch.load(ckpt, weights_only=True, map_location="cpu")
         head.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, history = state["step"], json.loads(state["history"])
@@ -438,12 +452,19 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
     bar = tqdm(range(step, args.steps), desc="train eagle3", initial=step, total=args.steps, dynamic_ncols=True)
     t0, seen = time.perf_counter(), 0
     trained_tokens = history[-1]["trained_tokens"] if history else 0
+    last_step, first = args.steps, step
     for step in bar:
+        if args.max_seconds is not None and step == first + TIMED_STEPS:
+            # a time box: the run's length in steps, from the rate so far, so the learning rate's schedule ends
+            # when the time does (a resumed run keeps the steps it was given)
+            rate = (time.perf_counter() - t0) / TIMED_STEPS
+            last_step = min(args.steps, step + max(1, int((args.max_seconds - (time.perf_counter() - t0)) / rate)))
+            bar.total = last_step
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr)
+            group["lr"] = lr_at(step, last_step, args.lr)
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         idx = torch.randint(0, len(data.train), (args.batch_size,), generator=g).tolist()
-        tokens, streams, labels, mask = collate([data.train[i] for i in idx], t2d)
+        tokens, streams, labels, mask = collate([data.train[i] for i in idx], t2d, args.device)
         loss = eagle3_ttt_loss(head, tokens, streams, labels, mask, args.ttt)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -452,7 +473,9 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
         seen += int(mask.sum())
         trained_tokens += int(mask.sum())
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{seen / (time.perf_counter() - t0):.0f}", n=len(data.train))
-        last = step + 1 == args.steps
+        if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
+            last_step = step + 1  # past the time box (evaluations are not in the rate): stop here, saved
+        last = step + 1 == last_step
         if (step + 1) % args.eval_every == 0 or last:
             agree = eagle3_agreement(head, data.held, t2d, args.ttt)
             history.append({"step": step + 1, "trained_tokens": trained_tokens, "train_samples": len(data.train),
@@ -465,8 +488,10 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
             os.replace(tmp, ckpt)
             if args.data and data.reload():
                 bar.write(f"data: {len(data.train)} train samples ({data.tokens('train')} answer tokens)")
+        if last:
+            break
     report = {"params": sum(p.numel() for p in head.parameters()), "draft_vocab_size": K, "target_layers": layers,
-              "steps": args.steps, "ttt": args.ttt, "history": history}  # fmt: skip
+              "steps": last_step, "ttt": args.ttt, "history": history}  # fmt: skip
     save_eagle_head(head, cfg, args.out, dtype=torch.bfloat16)
     (work / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -488,7 +513,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-files", type=int, default=None, help="use only the first N corpus files")
     ap.add_argument("--smoke", action="store_true", help="a few steps on a few files: checks the recipe end to end")
     ap.add_argument("--layout", choices=("eagle", "eagle3"), default="eagle")
-    ap.add_argument("--data", type=Path, default=None, help="eagle3: the shards of spec_engine.zoo.eagle_data")
+    ap.add_argument(
+        "--data",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="eagle3: the shards' directories of spec_engine.zoo.eagle_data (greedy, sampled)",
+    )
     ap.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: K, the draft vocabulary's size")
     ap.add_argument("--eval-every", type=int, default=200, help="eagle3: held-out agreement every N steps")
     ap.add_argument("--ckpt-every", type=int, default=50, help="eagle3: checkpoint (and new shards) every N steps")
@@ -499,6 +530,8 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="eagle3: start from this published head's weights (a new run only; a checkpoint wins)",
     )
+    ap.add_argument("--device", default="cpu", help="eagle3: where the target and the head run (cpu, cuda)")
+    ap.add_argument("--max-seconds", type=float, default=None, help="eagle3: stop training after this long (saved)")
     ap.add_argument("--eval-k", default=None, help="eagle3 --export: also held-out agreement at these K (comma list)")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -508,7 +541,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     from spec_engine.llm import load_tokenizer
 
-    target = load_model(args.target)
+    target = load_model(args.target, device=args.device)
     target.requires_grad_(False)
     if args.layout == "eagle3":
         tcfg = target.config

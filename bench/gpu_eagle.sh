@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The SmolLM2 EAGLE-3 head's data and training on a lent GPU, time-boxed, in one command:
+#   MODEL=/path/SmolLM2-135M-Instruct.Q4_1.gguf BUDGET=480 bash bench/gpu_eagle.sh [OUT]
+# 1. data (spec_engine.zoo.eagle_data --device "$DEVICE"): the target's greedy answers to the prompt set, then answers
+#    sampled at temperature 0.8 (seeds 1, 2, ...), until DATA_SHARE of the budget is spent;
+# 2. training (spec_engine.zoo.train_eagle --device "$DEVICE") from the shipped head until EXPORT_SECONDS before the
+#    budget ends (the learning rate's schedule is fitted to the time box);
+# 3. the export: the head over K = 4096 with held-out agreement at K = 2048 / 4096 / 8192, into OUT/head, with
+#    OUT/report.json, OUT/export.json and OUT/log.txt (copy the head to spec_engine/zoo/models/smollm2-eagle3 and
+#    measure it on the CPU before shipping it).
+# DEVICE picks the device (default cuda). SMOKE=1 runs the same steps on the embedded target for a few seconds each: a check of the CUDA paths.
+# Every step is bounded; a failing step is logged and the export still runs from the last checkpoint.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench/out/gpu_eagle}
+BUDGET=${BUDGET:-480}
+DATA_SHARE=${DATA_SHARE:-0.45}
+EXPORT_SECONDS=${EXPORT_SECONDS:-75}
+DEVICE=${DEVICE:-cuda}
+WORK=${WORK:-/tmp/gpu_eagle$([ "${SMOKE:-0}" = 1 ] && echo -smoke)}  # data and checkpoints: a rerun resumes
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$OUT" "$WORK"
+LOG="$OUT/log.txt"
+if [ "${SMOKE:-0}" = 1 ]; then
+    MODEL=spec_engine/zoo/models/target
+    DATA_ARGS=(--limit 64 --batch 32 --max-tokens 32)
+    TRAIN_ARGS=(--batch-size 8 --eval-every 20 --ckpt-every 20 --draft-vocab 1024)
+    EXPORT_ARGS=(--eval-k 512 --draft-vocab 1024)
+else
+    MODEL=${MODEL:?MODEL: the SmolLM2 gguf}
+    DATA_ARGS=(--batch 1024 --max-num-seqs 256 --kv-cache-gib 24)
+    TRAIN_ARGS=(--batch-size 32 --lr 1e-3 --eval-every 1000 --ckpt-every 250 --init spec_engine/zoo/models/smollm2-eagle3)
+    EXPORT_ARGS=(--eval-k 2048,8192 --draft-vocab 4096)
+fi
+left() { echo $((BUDGET - SECONDS)); }
+step() {  # seconds, command...: bounded, logged, never fatal
+    local limit=$1
+    shift
+    echo "== [$SECONDS s] $*" | tee -a "$LOG"
+    timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep -v -E 'it/s|s/it' | tee -a "$LOG"
+    echo "== [$SECONDS s] rc ${PIPESTATUS[0]}" | tee -a "$LOG"
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee -a "$LOG"
+data_end=$(awk "BEGIN { print int($BUDGET * $DATA_SHARE) }")
+dirs=()
+for pass in 0 1 2 3; do
+    budget=$((data_end - SECONDS))
+    [ "$budget" -gt 20 ] || break
+    if [ "$pass" = 0 ]; then
+        dir="$WORK/data/greedy"
+        sample=()
+    else
+        dir="$WORK/data/t0.8-seed$pass"
+        sample=(--temperature 0.8 --seed "$pass")
+    fi
+    dirs+=("$dir")
+    step $((budget + 60)) "$PY" -m spec_engine.zoo.eagle_data --target "$MODEL" --out "$dir" --device "$DEVICE" \
+        --threads 8 --max-seconds "$budget" "${sample[@]}" "${DATA_ARGS[@]}"
+done
+step $(($(left) - EXPORT_SECONDS + 15)) "$PY" -m spec_engine.zoo.train_eagle --layout eagle3 --target "$MODEL" \
+    --data "${dirs[@]}" --work-dir "$WORK/train" --out "$WORK/head" --device "$DEVICE" --steps 100000 \
+    --max-seconds $(($(left) - EXPORT_SECONDS - 45)) "${TRAIN_ARGS[@]}"
+step $(($(left) > 30 ? $(left) : 30)) "$PY" -m spec_engine.zoo.train_eagle --layout eagle3 --target "$MODEL" \
+    --data "${dirs[@]}" --work-dir "$WORK/train" --export --out "$OUT/head" --device "$DEVICE" "${EXPORT_ARGS[@]}"
+cp "$WORK/train/report.json" "$WORK/train/export.json" "$OUT/" 2>/dev/null
+echo "== [$SECONDS s] done" | tee -a "$LOG"
