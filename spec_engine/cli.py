@@ -21,7 +21,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", choices=["hybrid", "suffix", "draft_model", "eagle", "ngram", "none"], default=None,
                    help="speculation method (default: hybrid where a model drafter exists, given by --draft or "
                    "shipped for the model; suffix elsewhere)")  # fmt: skip
-    g.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="gamma: tree depth (default 4)")
+    g.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
+                   help="the drafted depth (default: adaptive, per row and step)")  # fmt: skip
     g.add_argument("--tree", type=str, default=None, help="static tree, children per depth, e.g. 3,2,1")
     g.add_argument("--draft-vocab-size", type=int, default=None,
                    help="the draft's logits over its K most frequent ids (its draft_vocab.json; default: the "

@@ -15,7 +15,7 @@ Glossary:
                     positions, cache lengths, block table, the tree mask as bits) and the previous step's accepted
                     path, so every rank compacts its KV shard the same way before running the forward.
 
-Design choices (see README "Tensor parallelism"):
+Design choices (see docs/ENGINE.md, "Tensor parallelism"):
 - Verification runs on rank 0 only, with the gathered logits; the other ranks need only the accepted path, which
   reaches them with the next command (``ShardedKVCache.compact_`` queues it): no broadcast of the verify result, no
   extra collective per step, and no requirement that every rank draws the same random numbers.
