@@ -65,6 +65,7 @@ std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(const at::Tensor& tokens, co
                                                      const c10::optional<at::Tensor>& block_table, int64_t gamma);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents);
+at::Tensor rng_uniform_cpu(const at::Tensor& keys, int64_t n);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
                                                        const at::Tensor& final_norm, at::Tensor kv_cache,
                                                        const at::Tensor& cache_seqlens, const at::Tensor& rope,
@@ -191,6 +192,7 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor rope, Tensor tree_mask, Tensor? block_table, int num_heads, float eps, int[] capture=[]) -> (Tensor, "
       "Tensor)");
   m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor, Tensor, Tensor)");
+  m.def("rng_uniform(Tensor keys, int n) -> Tensor");  // csrc/rng_cpu.cpp
   // a model as the native step runners take it (csrc/native_model.h)
   m.class_<specdec::NativeModel>("NativeModel")
       .def(torch::init<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
@@ -234,6 +236,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("greedy_steps", &specdec::greedy_steps_cpu);
   m.impl("spec_chain", &specdec::spec_chain_cpu);
   m.impl("eagle3_draft", &specdec::eagle3_draft_cpu);
+  m.impl("rng_uniform", &specdec::rng_uniform_cpu);
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {

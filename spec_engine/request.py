@@ -118,7 +118,7 @@ class Request:
         tokens = self.history[: self.num_tokens]
         tokens.flags.writeable = False  # a view: the drafter reads, the engine writes
         return RowView(tokens, self.num_computed, self.draft_len, self.params.greedy, self.key,
-                       len(self.prompt_token_ids), self.score_trust.value)  # fmt: skip
+                       len(self.prompt_token_ids), self.score_trust.value, self.params.coupled)  # fmt: skip
 
     @property
     def prefilling(self) -> bool:

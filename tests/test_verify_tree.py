@@ -364,6 +364,22 @@ def test_in_kernel_uniform_is_bitwise_rng():
     assert torch.equal(out.cpu(), position_uniform(seeds, positions[:, None], V)[:, 0])
 
 
+def test_native_uniform_is_bitwise_the_torch_hash():
+    """The CPU's one-pass hash (``rng_uniform``, C++) gives the torch ops' float32 uniforms bit for bit, at every key
+    (the int64 extremes too) and counter, including those whose 24 bits round at + 0.5 in float32."""
+    from spec_kernels import rng
+
+    keys = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789, 2**62 + 5], dtype=torch.int64)
+    for n in (1, 7, 49152):
+        native = rng.uniform(keys, (n,))
+        assert native.shape == (len(keys), n) and native.dtype == torch.float32
+        assert torch.equal(native, rng.uniform_ref(keys, n))
+    assert torch.equal(rng.uniform(keys[2:5], (3, 4)), rng.uniform_ref(keys[2:5], 12).view(3, 3, 4))
+    assert rng.uniform(keys, (0,)).shape == (len(keys), 0)
+    u = rng.uniform(torch.arange(64, dtype=torch.int64), (4096,))
+    assert 0.0 < float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.01
+
+
 @pytest.mark.parametrize("backend", ["torch", "native", pytest.param("triton", marks=TRITON)])
 @pytest.mark.parametrize(
     "change,match",

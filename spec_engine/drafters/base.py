@@ -30,7 +30,8 @@ class RowView:
     it. ``key`` names the request for as long as the engine lives (never reused): a drafter's per-request cache
     entries are keyed by it. ``score_trust``: how far this request's suffix speculations kept what their scores
     promised (accepted / expected, ``spec_engine.request.ScoreTrust``): a drafter that plans by scores scales them by
-    it.
+    it. ``coupled``: sampled through the position-keyed coupling (``SamplingParams.coupled``): its draws are the
+    coupling noise's, never free ones.
     """
 
     token_ids: np.ndarray
@@ -40,6 +41,7 @@ class RowView:
     key: int = 0
     num_prompt_tokens: int = 0
     score_trust: float = 1.0
+    coupled: bool = False
 
 
 @dataclass

@@ -187,6 +187,7 @@ class DraftModelDrafter(Drafter):
         parents, tree_mask, depths = self._tree_shape(batch.gammas)
         levels = self.tree.level_slices
         all_greedy = all(r.greedy for r in batch.rows)  # host-known: no random draws at all
+        free = any(not (r.greedy or r.coupled) for r in batch.rows)  # ... and rows drawing from their own streams
         greedy = None if all_greedy else batch.temperature == 0  # [B]
         temp = 1.0 if all_greedy else torch.where(greedy, 1.0, batch.temperature)[:, None, None]  # [B, 1, 1]
         tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)  # [B, T]
@@ -212,7 +213,7 @@ class DraftModelDrafter(Drafter):
             noise = None
             if batch.coupled is not None:  # the target's noise at the parents' position: L_b + d - 1
                 noise = position_gumbel(batch.noise_seeds, L.long()[:, None] + (d - 1), q_parent.shape[-1])  # [B, 1, V]
-            children = self._draw_children(q_parent, b, greedy, batch.keys + d, batch.coupled, noise)  # [B, n, b]
+            children = self._draw_children(q_parent, b, greedy, batch.keys + d, batch.coupled, noise, free)  # [B, n, b]
             tokens[:, level] = children.flatten(1)
             if d == depth:
                 break
@@ -231,7 +232,7 @@ class DraftModelDrafter(Drafter):
 
     def _draw_children(
         self, q: torch.Tensor, b: int, greedy: torch.Tensor | None, keys: torch.Tensor,
-        coupled: torch.Tensor | None = None, noise: torch.Tensor | None = None,
+        coupled: torch.Tensor | None = None, noise: torch.Tensor | None = None, free: bool = True,
     ) -> torch.Tensor:  # fmt: skip
         """[B, n, V] -> [B, n, b]: b children per node, in the order they were drawn, for every row at once.
 
@@ -239,19 +240,22 @@ class DraftModelDrafter(Drafter):
         counter-based streams (``spec_kernels.rng``) keyed per row and level: no generator objects, no per-row loop,
         and the same draws alone or in any batch. On the ``coupled`` [B] rows (None: no row is) the children are the
         top-b of log q + ``noise`` [B, 1, V], the coupling's Gumbel noise at the parents' position: the target's own
-        perturbed choice whenever the two models agree."""
+        perturbed choice whenever the two models agree. ``free`` (host-known): some random row draws from its own
+        stream; when none does (every random row is coupled), those draws are not made (a V-wide hash per node)."""
         children = q.topk(b, dim=-1).indices  # greedy rows and "deterministic"
         if greedy is None or self.draft_sampling == "deterministic":
             return children
         B, n, V = q.shape
         log_q = q.log()  # [B, n, V]
-        if self.draft_sampling == "iid":  # inverse CDF: b independent draws per node
+        if not free and coupled is not None:
+            draws = (log_q + noise).topk(b, dim=-1).indices
+        elif self.draft_sampling == "iid":  # inverse CDF: b independent draws per node
             cdf = q.cumsum(-1)  # [B, n, V]
             u = rng.uniform(keys, (n, b)) * cdf[..., -1:]  # [B, n, b]
             draws = torch.searchsorted(cdf, u).clamp_(max=V - 1)
         else:  # Gumbel-top-b: exactly sequential sampling without replacement
             draws = (log_q + rng.gumbel(keys, (n, V))).topk(b, dim=-1).indices
-        if coupled is not None:
+        if coupled is not None and free:
             draws = torch.where(coupled[:, None, None], (log_q + noise).topk(b, dim=-1).indices, draws)
         return torch.where(greedy[:, None, None], children, draws)
 
