@@ -31,8 +31,9 @@ Estimates, all online and free:
   and OPTIMISM = 0.5 keep its first bonus small (+0.06 at alpha 0.66; n_0 = 2 and OPTIMISM = 1 gave +0.33 and sent
   every new request's first step to depth 8, which a 16-row batch paid with T = 9). Chosen by replaying recorded
   drafts of 24 held-out prompts and the 5 demo prompts through this controller with a cost model fit to the
-  engine's measured steps (noise-free): OPTIMISM 1, n_0 8 drafted held-out prompts at 0.89x plain where a draft
-  was useless; 0.5 and 16 keep them at 0.945x (at the price of 1.10 -> 1.06 geomean over the 24).
+  engine's measured steps (noise-free): OPTIMISM 1 and n_0 8 drafted held-out prompts where a draft was useless
+  and made them slower than plain decoding; 0.5 and 16 lose less there, at the price of a little geomean over the
+  24 (bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)").
 - cost: least squares with forgetting, t_target = a + b * (B*T) and t_draft = c * G + d * (B_d * draft tokens, the
   catch-up of a lagging draft cache included), the draft part timed around ``Drafter.propose`` and the target part
   the rest of the step, both fit on drafted steps only (plain ones set the plain rate, below). A weak prior on
@@ -45,10 +46,10 @@ Estimates, all online and free:
 - plain rate: the rate drafting must beat is priced from measured plain steps (their lowest ratio to the target
   model, against today's fit), not from the line alone: a drafted step carries fixed costs a plain one does not
   (two compactions, the drafter's commit, its catch-up), so a line fit mostly through drafted steps over-prices
-  plain decoding (by about a quarter on the default pair in bf16) and drafts that lose looked as if they
-  paid. While drafting, a plain chain runs every ``PLAIN_PROBE_INTERVAL`` steps to keep measuring: rarely, since a
-  probe is a whole chain of undrafted steps (at a shorter interval, one per short request), and native steps are
-  priced per step, their draft and target parts apart (bench/RESULTS.md, "what moved them").
+  plain decoding (bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)") and drafts that lose
+  looked as if they paid. While drafting, a plain chain runs every ``PLAIN_PROBE_INTERVAL`` steps to keep measuring:
+  rarely, since a probe is a whole chain of undrafted steps (at a shorter interval, one per short request), and native
+  steps are priced per step, their draft and target parts apart (bench/RESULTS.md, "what moved them").
 
 Margin: a step drafts only if it promises ``MIN_GAIN + TAIL_MARGIN * (1 - 1/B)`` times plain decoding's rate
 (1.02 at batch 1, 1.19 at 16). The model prices one step; it does not see what speculation costs around it: the
@@ -56,31 +57,32 @@ draft model's catch-up on a prompt (the engine fills the draft cache lazily, on 
 undrafted request never pays a draft prefill), and, when requests start together, the tail: rows finish at
 different steps, so the last steps run a few rows at nearly a full step's cost, where plain decoding finishes them
 all in the same step. The tail grows with the batch. At batch 16 on this CPU (fp32 verification is compute-bound:
-2 tokens per row cost ~1.6x one) steps promising +7-15% measured 0.84-1.16x end to end (median 0.96x, 6 rounds), so
-such steps stay plain. At batch 1, where native steps are priced as they run, the margin is small: a larger one left
+a second token per row costs more than half the first) steps promising a clear gain measured none end to end, their
+median slower than plain decoding (bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)"), so such
+steps stay plain. At batch 1, where native steps are priced as they run, the margin is small: a larger one left
 undrafted the requests whose drafts promise a few percent, which a fixed depth collects (bench/RESULTS.md).
 
 Rows dropped to depth 0 receive no acceptance evidence, so every ``PROBE_INTERVAL`` steps the rows that have not been
 drafted for their probe interval are drafted once (at G if others draft, else at depth 1). A probe that accepts
 nothing doubles the row's interval, up to ``MAX_PROBE_INTERVAL``: a useless draft then costs one depth-1 step in 64,
-about 0.5% of the time on this CPU, and a draft that turns useful is back within 64 steps. A new request starts with
-the interval of the last drafted row, so a stream of short requests does not probe a useless draft at every start,
-but at most half its max_tokens: otherwise, after a few hard requests had doubled the interval to 64, no later
-64-token request was ever probed and speculation stayed off for good. Steps count as the engine runs them (a native
-call runs several per choice).
+a small share of the time (bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)"), and a draft that
+turns useful is back within 64 steps. A new request starts with the interval of the last drafted row, so a stream of
+short requests does not probe a useless draft at every start, but at most half its max_tokens: otherwise, after a few
+hard requests had doubled the interval to 64, no later 64-token request was ever probed and speculation stayed off for
+good. Steps count as the engine runs them (a native call runs several per choice).
 A probe runs only if the scan would draft with the due rows' drafts as good as ``PROBE_ALPHA``: rows that are off
 because drafting costs too much at this batch size (not because their drafts fail) learn nothing from a probe.
 Their draft cache then lags; the first drafted step feeds the lag (catch-up), computing logits at the root only.
 
-Priced probes: a probe's catch-up is most of its price (the prompt and every undrafted token: ~130 draft tokens, ~3
-ms, for a 64-token request of the default pair in bfloat16 on a 2-core AVX2 CPU, where a step at depth 1 already
-costs ~1.45 plain tokens), so a due row is probed only where its expected gain exceeds that price
-(``AdaptiveController.gain_pays``): the time a draft as good as ``PROBE_ALPHA`` would save over the row's remaining
-tokens, times the recent probes' success rate. Unpriced, every held-out request paid a probe that never paid back
-(0.85-0.96x plain decoding per prompt there); a long request, a cheap catch-up or a run of successful probes still
-buys one. A request's first drafted step (its whole prompt to catch up) is priced the same way, at the rate its
-evidence promises without the optimism bonus: the bonus buys evidence where the cache is current, not a whole
-prompt's catch-up at alpha ~0.45, where depth 1 only breaks even on a CPU.
+Priced probes: a probe's catch-up is most of its price (the prompt and every undrafted token, on a CPU where a step
+at depth 1 already costs well over a plain token: bench/RESULTS-log.md, "A CPU without AVX-512"), so a due row is
+probed only where its expected gain exceeds that price (``AdaptiveController.gain_pays``): the time a draft as good
+as ``PROBE_ALPHA`` would save over the row's remaining tokens, times the recent probes' success rate. Unpriced,
+every held-out request paid a probe that never paid back, and each of those prompts decoded slower than plain
+decoding (bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)"); a long request, a cheap catch-up
+or a run of successful probes still buys one. A request's first drafted step (its whole prompt to catch up) is priced
+the same way, at the rate its evidence promises without the optimism bonus: the bonus buys evidence where the cache is
+current, not a whole prompt's catch-up at alpha ~0.45, where depth 1 only breaks even on a CPU.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ OPTIMISM = 0.5  # standard errors added to alpha when planning (see "optimism" a
 OPTIMISM_PSEUDO_TRIALS = 16.0  # the evidence a new request's prior is worth to the optimism bonus
 COST_FORGET = 0.97  # per observed step: the cost fits remember ~30 steps (batch size and context drift)
 TABLE_SAMPLES = 8  # target passes per verify width whose cheapest prices that width (WidthTable)
-TARGET_PER_TOKEN_PRIOR = 0.1  # b / a: on this CPU, HF eager verifies 6 tokens for ~1.7x the cost of one
+TARGET_PER_TOKEN_PRIOR = 0.1  # b / a: a verified token's prior cost as a share of a target pass's fixed cost (set
+# from HF eager's verify cost: bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)")
 DRAFT_PER_TOKEN_PRIOR = 0.1  # d / c
 TOKENS_REF = 16.0  # token counts are divided by this so both coefficients of a fit have comparable scales
 OUTLIER = 3.0  # a step timed above this multiple of its prediction (preemption, a one-time load) is clipped to it
@@ -112,7 +115,7 @@ PLAIN_PROBE_INTERVAL = 256  # while drafting, a plain chain (16 steps) starts ev
 PLAIN_PROBE_PHASE = 8  # ... the first of them at this step (apart from the undrafted rows' probes)
 PLAIN_SAMPLES = 64  # plain steps whose measured / modelled cost ratio sets the plain rate (their lowest): the
 # steady chains of a plain stretch, not only the last two probe chains (which run right after drafted steps and
-# cost ~1.5x a steady chain's steps on a 2-core AVX2 CPU in bfloat16)
+# cost more per step than a steady chain: bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)")
 SURE_TRIALS = 8  # drafted tokens of a request after which a native call keeps its depth through rejections
 
 
@@ -214,14 +217,16 @@ class LinearCost:
 class WidthTable:
     """Measured target-pass seconds per verify width (B * T tokens): the line's convexity correction.
 
-    On a CPU whose small-M matmuls turn compute-bound past a few rows (AVX2, bfloat16 widened in registers) a pass
-    costs ~1.4x a plain step at 2 tokens, ~2x at 4 and ~3.5x at 9 (default target, bench/RESULTS.md): a line fit through
-    the depths a request used over-prices the middle ones by ~30%, and a draft at alpha 0.8 that pays at depth 2-3
-    looked not to. Each width keeps its last ``TABLE_SAMPLES`` steps and is priced by the cheapest (as plain steps
-    are, ``plain_cost``: other jobs on the machine and cold caches only slow a step, and a few slow first steps of a
-    request, right after another engine ran, had priced depth 1 at ~3x a plain step for good, so that a draft at
-    alpha 0.98 went undrafted for a whole request); a width not measured is priced by the line, but never above the
-    straight interpolation between its measured neighbours (a convex cost lies below its chords)."""
+    On a CPU whose small-M matmuls turn compute-bound past a few rows (AVX2, bfloat16 widened in registers) a pass's
+    cost is convex in its width, well above a plain step already at 2 tokens (bench/RESULTS.md, "r(T)"; the default
+    target's passes: bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)"): a line fit through
+    the depths a request used over-prices the middle ones, and a draft at alpha 0.8 that pays at depth 2-3 looked
+    not to (bench/RESULTS-log.md, "A CPU without AVX-512"). Each width keeps its last ``TABLE_SAMPLES`` steps and is
+    priced by the cheapest (as plain steps are, ``plain_cost``: other jobs on the machine and cold caches only slow a
+    step, and a few slow first steps of a request, right after another engine ran, had priced depth 1 far above a plain
+    step for good (the same 2026-11-25 section), so that a draft at alpha 0.98 went undrafted for a whole request); a
+    width not measured is priced by the line, but never above the straight interpolation between its measured neighbours
+    (a convex cost lies below its chords)."""
 
     def __init__(self):
         self.samples: dict[int, list[float]] = {}  # width -> its last TABLE_SAMPLES target-pass seconds
@@ -292,7 +297,8 @@ class AdaptiveController:
         self._plain_mins: tuple[list, dict[int, float]] = ([], {})  # (the samples it was computed from, _plain_min)
         self._probe_hits = self._probe_misses = 0.0  # probes that accepted their draft / did not, forgotten slowly
         self._memo: dict = {}  # prices computed within one choice (target_time, plain_cost): a choice asks for the
-        # same ones ~10 times, and recomputing them from 64 plain samples cost ~7% of plain decoding's time
+        # same ones ~10 times, and recomputing them from 64 plain samples cost a visible share of plain decoding's
+        # time (bench/RESULTS-log.md, "A CPU without AVX-512")
 
     def state(self, req) -> RowState:
         if req.spec_state is None:
@@ -345,18 +351,19 @@ class AdaptiveController:
         (``Engine._spec_chain``) then ends at the first step where a row accepted nothing, so a new request's guess
         (the recent requests' rate) costs one step when its draft turns out useless. Past that the call keeps its
         depth through rejections: ending it there paid the per-call work at almost every step at alpha ~0.4, more
-        than the steps a stale depth wastes. A probe is unsure too: it is one trial of a row
-        that was off, and a 16-step call at depth 1 on a draft at alpha ~0.2 ('def fibonacci(n):') cost a fresh
-        engine ~15% of a 128-token request, twice."""
+        than the steps a stale depth wastes. A probe is unsure too: it is one trial of a row that was off, and a 16-step
+        call at depth 1 on a draft at alpha ~0.2 ('def fibonacci(n):') cost a fresh engine a sizeable share of a
+        128-token request, twice (bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)")."""
         return any(self.state(r).acceptance.num_trials < SURE_TRIALS or self.state(r).probing for r in reqs)
 
     def target_time(self, width: int) -> float:
         """Seconds of a drafted step's target pass over ``width`` = B * T tokens: the line, corrected by the widths
         measured (WidthTable; plain steps are measured passes over B tokens too, so the chord from them bounds the
-        widths between them and a drafted one: a fresh engine's line through its first, deep steps priced depth 1 at
-        ~3x a plain step, two thirds of depth 8, and a draft at alpha 0.98 went undrafted for a whole request),
-        and never below a measured plain step of at most that many rows (verifying more tokens never costs less: a
-        line through one deep step priced depth 1 at 0.68x a measured plain step)."""
+        widths between them and a drafted one: a fresh engine's line through its first, deep steps priced depth 1
+        far above a plain step, near depth 8, and a draft at alpha 0.98 went undrafted for a whole request;
+        bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)"), and never below a measured plain
+        step of at most that many rows (verifying more tokens never costs less: a line through one deep step priced
+        depth 1 below a measured plain step; "Figures moved from code comments (2026-11-26)")."""
         memo = self._memo.get(("target", width))
         if memo is not None:
             return memo
@@ -369,7 +376,8 @@ class AdaptiveController:
     def _plain_min(self) -> dict[int, float]:
         """batch -> its cheapest recent plain step: a measured pass over B tokens."""
         samples, mins = self._plain_mins
-        if samples is not self._plain_steps:  # (observe replaces the list): ~30% of a choice, recomputed at each
+        if samples is not self._plain_steps:  # (observe replaces the list): recomputed at each choice, a large
+            # share of it (bench/RESULTS-log.md, "One thread team per forward")
             mins = {}
             for b, t in self._plain_steps:
                 mins[b] = min(t, mins.get(b, t))
@@ -395,8 +403,9 @@ class AdaptiveController:
         modelled = self.target_cost.predict(1.0, B / TOKENS_REF)
         # never above a measured target pass over as many tokens or more (a plain step verifies the fewest): before
         # plain steps are measured the line's intercept alone priced them, and on a 2-core AVX2 CPU a fresh engine's
-        # line (through its first, deep steps) put plain decoding at twice a measured depth-1 pass: a draft at alpha
-        # 0.45 then looked worth drafting and ran at ~0.6x plain decoding's speed
+        # line (through its first, deep steps) put plain decoding far above a measured depth-1 pass: a draft at
+        # alpha 0.45 then looked worth drafting and ran well below plain decoding's speed (bench/RESULTS-log.md,
+        # "Figures moved from code comments (2026-11-26)")
         wider = min((t for w, t in self.target_widths.prices.items() if w >= B), default=float("inf"))
         if not self._plain_steps:
             return min(modelled, wider)
@@ -429,7 +438,8 @@ class AdaptiveController:
 
         Only where that could matter: if the scan would not draft even with the due rows' drafts as good as
         ``PROBE_ALPHA``, the rows are off for the cost, not for their drafts, and new evidence changes nothing.
-        (At batch 16 on this CPU, probes of good rows were 2.5% of row-steps, each with a draft catch-up.)
+        (At batch 16 on this CPU, probes of good rows were a steady share of row-steps, each with a draft catch-up:
+        bench/RESULTS-log.md, "Why we fall short".)
         And only where it pays in expectation (``gain_pays``)."""
         if self.num_steps < self._next_probe:
             return
@@ -467,14 +477,15 @@ class AdaptiveController:
         """Whether drafting ``req`` is worth its price: the time drafting at ``rate`` (the batch's tokens/s) saves
         against plain decoding over the row's remaining tokens, times the ``chance`` that its draft is that good,
         against what drafting it costs up front: the draft's catch-up on every token its cache lacks (a new
-        request's whole prompt; for a probe, the undrafted steps too: on the default pair in bfloat16 on a 2-core
-        AVX2 CPU about a tenth of a 64-token request's time) plus one drafted step's excess over a
+        request's whole prompt; for a probe, the undrafted steps too: a sizeable share of a short request's time on
+        a 2-core AVX2 CPU, bench/RESULTS-log.md, "A CPU without AVX-512") plus one drafted step's excess over a
         plain one. A row whose cache is current (a lag of a token or two, the steps' own) pays nothing up front.
         For a probe ``rate`` is a draft as good as ``PROBE_ALPHA``'s and ``chance`` the probes' success rate
         (``probe_success``); for a choice, the rate at the row's acceptance without the optimism bonus (the bonus
         buys evidence on a current cache; a prompt's catch-up on it drafted held-out requests at alpha ~0.45 where
         depth 1 breaks even) and 1. Unpriced, every held-out request paid a
-        probe, and most a first drafted step, that never paid back (0.85-0.96x plain decoding per prompt there)."""
+        probe, and most a first drafted step, that never paid back: each of those prompts decoded slower than plain
+        decoding (bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)")."""
         lag = self.cache_lag(req)
         if lag <= 2:
             return True
@@ -501,8 +512,9 @@ class AdaptiveController:
                 step_seconds: float, steps: int = 1, timed: bool = True) -> None:  # fmt: skip
         """Learn from one step: ``num_accepted`` as verify_tree's (the root included), the step's wall times.
         ``steps`` > 1: that many plain steps of ``step_seconds`` each (a native chain's), observed in one call (one
-        call per step cost ~1.5% of a bfloat16 token of the default pair). ``timed=False``: the step's
-        acceptance only (a hybrid's step with suffix rows: its shape is none the cost model prices).
+        call per step cost a measurable share of a token: bench/RESULTS-log.md, "Figures moved out of code comments
+        (2026-11-25)"). ``timed=False``: the step's acceptance only (a hybrid's step with suffix rows: its shape is none
+        the cost model prices).
 
         Steps are counted here, not per ``choose``: a native call runs several steps on one choice (up to 16 plain
         steps per chain), and a count of choices made undrafted requests of 64 tokens wait longer than their life for a

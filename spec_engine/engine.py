@@ -66,9 +66,10 @@ def chain_step_costs(times: list[list[float]], wall: float, steps: int) -> list[
     Each step carries a share of the call's own work (inputs, dispatch, committing) as a full call would spread it:
     the controller compares drafting and plain decoding as they run when it commits to one (16-step speculative
     calls, 16-step plain chains). Charged to the steps run instead, the short calls of exploring priced both wrong: a
-    one-step probe call (its Python comparable to the step itself) made drafting look 1.6x a plain token where full
-    calls cost ~1.2x, and the 4-step plain probe chains between drafted steps (~1.8x a full chain's cost per token)
-    made drafts at alpha 0.45 look 1.5x faster than plain decoding at depth 2."""
+    one-step probe call (its Python comparable to the step itself) made drafting look far dearer than full calls
+    cost, and the 4-step plain probe chains between drafted steps (dearer per token than a full chain) made drafts
+    at alpha 0.45 look faster than plain decoding at depth 2 (bench/RESULTS-log.md, "Native steps without ATen" and
+    "Figures moved from code comments (2026-11-26)")."""
     share = max(wall - sum(t[1] for t in times), 0.0) / max(steps, 1)
     return [(t[0], t[1] + share) for t in times]
 
@@ -393,7 +394,8 @@ class Engine:
         if self.controller is not None:
             return self.controller.choose(reqs)
         # a row's last tokens: drafts past max_tokens would be thrown away, and a step that no longer fits a full
-        # chain took the regular (Python) step, ~5% of a 64-token request; undrafted, it is a plain one
+        # chain took the regular (Python) step, a visible share of a 64-token request (bench/RESULTS-log.md,
+        # "Figures moved out of code comments (2026-11-25)"); undrafted, it is a plain one
         return [min(self.gamma, r.tokens_left - 1) for r in reqs]
 
     def _apply(self, reqs: list[Request], result: StepResult) -> list[StepOutput]:

@@ -209,10 +209,10 @@ def auto_dtype(device: str) -> str:
     """The fastest precision of the weights and KV caches on ``device`` (``dtype="auto"``, the default).
 
     CPU: bfloat16 where the native kernels have a vector bfloat16 path, AVX512-BF16 or AVX2 + FMA (the default
-    pair, 2 threads: ~1.4-1.7x float32's tokens/s, plain and speculative, because bf16 halves the bytes every step
-    streams and target + draft then fit in the L3 cache), float32 elsewhere. CUDA: bfloat16 where the GPU has it,
-    float16 otherwise. Other devices (meta): float32. Greedy tokens are those of the chosen dtype; pass
-    ``dtype="float32"`` for float32's."""
+    pair, 2 threads: faster than float32, plain and speculative, because bf16 halves the bytes every step streams
+    and target + draft then fit in the L3 cache; bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)"),
+    float32 elsewhere. CUDA: bfloat16 where the GPU has it, float16 otherwise. Other devices (meta): float32. Greedy
+    tokens are those of the chosen dtype; pass ``dtype="float32"`` for float32's."""
     if device == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     if device == "cpu" and cpu_supports_native_bf16():

@@ -34,8 +34,10 @@ SPIKE = 3.0  # steps on many threads this many times their median start a probe 
 SPIKE_STEPS = 3  # ... when most of the last this-many steps are such
 MIN_GAIN = 1.1  # the probed choice must be this much faster to take over: noise must not flip it back and forth
 EARLY_LOSS = 3.0  # a probe step this many times the current choice's median ends the probe at once, as lost: a
-# probe of many threads on busy cores costs ~100x a step, and 8 of them would cost more than the switch saves. Two
-# probe steps both slower than MIN_GAIN x it end it too (one thread on a quiet machine: ~1.4x a step)
+# probe of many threads on busy cores costs about two orders of magnitude more than a step (bench/RESULTS-log.md,
+# 2026-11-23 "decode threads by measurement"), and 8 of them would cost more than the switch saves. Two probe steps
+# both slower than MIN_GAIN x it end it too (one thread on a quiet machine loses by more than that margin:
+# bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)")
 
 
 class ThreadTuner:
@@ -43,10 +45,11 @@ class ThreadTuner:
     clock: the engine times each decode step and feeds ``after_step(seconds, kind)``; tests feed costs.
 
     ``kind`` names the step's shape (the engine's: its depth, and whether a draft caught up on a prompt). Costs are
-    compared within a kind only: under the adaptive controller a depth-7 step costs ~2.5x a depth-1 step, and
-    windows mixing them read a run of deep steps as cores turning busy and a probe's shallow steps as one thread
-    winning (2 runs in 6 then decoded on one thread at 0.66-0.77x). A probe whose steps share no kind with the
-    current choice's recent steps decides nothing and is retried soon (``_decide``)."""
+    compared within a kind only: under the adaptive controller a depth-7 step costs far more than a depth-1 step,
+    and windows mixing them read a run of deep steps as cores turning busy and a probe's shallow steps as one thread
+    winning (2 runs in 6 then decoded on one thread, slower than plain decoding for the whole run: bench/RESULTS-log.md,
+    "Adaptive steps, draft vocabulary" and "Figures moved from code comments (2026-11-26)"). A probe whose steps share
+    no kind with the current choice's recent steps decides nothing and is retried soon (``_decide``)."""
 
     def __init__(self) -> None:
         self.single = False  # the current choice

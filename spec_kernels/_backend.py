@@ -55,8 +55,9 @@ def host_value_checks(device: torch.device) -> bool:
 def cpu_supports_native_bf16() -> bool:
     """Whether this CPU runs the native bfloat16 kernels on a vector path: AVX-512 F/BW/VL with AVX512-BF16 dot
     products, or AVX2 + FMA (bfloat16 widened to float32 in registers; the default pair on a 2-core AMD EPYC without
-    AVX-512 decoded ~1.7x float32's tokens/s, the weights' bytes halved), from the kernel's CPU flags (Linux); False
-    where they cannot be read or ``SPECDEC_CPU_ISA=scalar`` forces the scalar kernels (csrc/cpu_simd.h)."""
+    AVX-512 decoded faster than in float32, the weights' bytes halved: bench/RESULTS-log.md, "A CPU without AVX-512"),
+    from the kernel's CPU flags (Linux); False where they cannot be read or ``SPECDEC_CPU_ISA=scalar`` forces the scalar
+    kernels (csrc/cpu_simd.h)."""
     if os.environ.get("SPECDEC_CPU_ISA") == "scalar" or os.environ.get("SPECDEC_LINEAR_SCALAR"):
         return False
     try:

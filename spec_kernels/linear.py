@@ -5,16 +5,18 @@ K the reduction length.
 
 The native backend is a C++ kernel (``csrc/linear_cpu.cpp``, ``torch.ops.spec_kernels.linear``; AVX-512 fp32 and
 AVX512-BF16) built on first use by :mod:`spec_kernels._ext`. On this 2-core CPU, per matrix of the default pair, it
-is 1.9-5.7x faster than ``F.linear`` in bf16 and 1.8-4.5x in fp32 at M = 4-16; fp32 at M = 1 ranges from 0.7x (the
-[64, 192] v projection: more fixed cost than MKL's gemv) to 1.9x (lm_head) (bench/bench_linear.py). It is
-batch-invariant: each output element is reduced in one fixed order whatever M is, so ``linear(x)[i]`` is bitwise
-``linear(x[i:i+1])[0]``, and a tree node's logits in a T-token verify pass equal plain decoding's bit for bit.
+is faster than ``F.linear`` in both dtypes at M = 4-16; in fp32 at M = 1 it is slower on a small matrix (the [64, 192] v
+projection: more fixed cost than MKL's gemv) and faster on a large one (lm_head) (bench/bench_linear.py;
+bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)"). It is batch-invariant: each output element is
+reduced in one fixed order whatever M is, so ``linear(x)[i]`` is bitwise ``linear(x[i:i+1])[0]``, and a tree node's
+logits in a T-token verify pass equal plain decoding's bit for bit.
 
 Threads: the kernel uses ``torch.get_num_threads()`` OpenMP threads (a second one only for calls with enough work
 to repay the hand-off). On a machine with more runnable threads than cores, any two-thread OpenMP region (this
 kernel's, torch's own ops') can wait a scheduler slice for its second thread: the default target's fp32 matmuls at
 M=1 ran two orders of magnitude slower during busy stretches, where one thread throughout stayed within a few times
-its quiet speed (spec_engine/threads.py chooses). Results never depend on the thread count.
+its quiet speed (bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)"; spec_engine/threads.py
+chooses). Results never depend on the thread count.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 # backend=None takes the native kernel up to this M: every M in both dtypes, which makes every forward and every
 # logits call batch-invariant (a row's result never depends on how many rows share the call), prefill included; the
 # engine's seeded and greedy requests rely on it in any batch. float32 is also faster than F.linear at every M (one
-# layer's four matmuls of the default target, 2 threads: 1.5-1.7x at M = 65..512); bfloat16 costs more than torch's
-# GEMM past ~64 rows (~1.5x at M = 512), which only prefill chunks reach.
+# layer's four matmuls of the default target, 2 threads, up to M = 512); bfloat16 costs more than torch's GEMM past
+# ~64 rows, which only prefill chunks reach (bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)").
 MAX_NATIVE_ROWS = {torch.float32: 1 << 62, torch.bfloat16: 1 << 62}
 
 _op = None  # the extension's direct entry of spec_kernels::linear, once loaded (skips torch.ops' boxed dispatch)

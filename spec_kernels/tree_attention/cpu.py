@@ -127,7 +127,8 @@ def _sdpa_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ca
     group = Hq // Hkv
     if call.key_rows is None:
         k, v = k_cache[call.seqs, : call.num_keys], v_cache[call.seqs, : call.num_keys]  # [n, num_keys, Hkv, D]
-    else:  # index_select gathers 4-7x faster than advanced indexing here
+    else:  # index_select gathers faster than advanced indexing here
+        # (bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)")
         rows = call.key_rows.flatten()
         k, v = (c.flatten(0, 1).index_select(0, rows).view(n, call.num_keys, Hkv, D) for c in (k_cache, v_cache))
     rows_q = q.reshape(n, T, Hkv, group, D).permute(0, 2, 1, 3, 4).reshape(n, Hkv, T * group, D)
@@ -144,7 +145,7 @@ def _native_tree_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TreeAttentionPlan, scale: float
 ) -> torch.Tensor:
     """CPU path: torch SDPA (fp32 accumulation for fp16/bf16, so no upcast) over keys ``0 .. L_b+T-1``, as the
-    plan lays the calls out. Row folding with a bool mask beat ``enable_gqa=True`` (by ~30% at B=8 L=512 T=8) and
-    matmul-softmax-matmul (by ~2.4x)."""
+    plan lays the calls out. Row folding with a bool mask beat ``enable_gqa=True`` and matmul-softmax-matmul at B=8
+    L=512 T=8 (bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)")."""
     outs = [_sdpa_call(q[call.seqs], k_cache, v_cache, call, scale) for call in plan.calls]
     return outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, T, Hq, D]
