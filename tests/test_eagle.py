@@ -521,6 +521,14 @@ def test_eagle3_data_sampled_answers_keep_the_targets_labels(tmp_path):
     argv = ["--target", str(target), "--layout", "eagle3", "--data", str(tmp_path / "greedy"),
             str(tmp_path / "sampled"), "--work-dir", str(work), "--out", str(tmp_path / "head"), "--draft-vocab", "64",
             "--batch-size", "2", "--steps", "50", "--eval-every", "10", "--ckpt-every", "10"]  # fmt: skip
+    for bad in (["--max-seconds", "-1"], ["--device", "cuda"] if not torch.cuda.is_available() else []):
+        if bad:
+            with pytest.raises(SystemExit):
+                train_eagle.main([*argv, *bad])
+    for bad in (["--temperature", "-0.5"], ["--max-seconds", "-1"], ["--kv-cache-gib", "0"]):
+        with pytest.raises(SystemExit):
+            eagle_data.main([*common, "--out", str(tmp_path / "never"), *bad])
+    assert not (tmp_path / "never").exists()
     report = train_eagle.main([*argv, "--max-seconds", "0"])
     assert report["steps"] == 1 and report["history"][-1]["step"] == 1
     assert (tmp_path / "head" / "model.safetensors").is_file()

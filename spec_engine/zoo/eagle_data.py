@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.temperature < 0:
         ap.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.max_seconds is not None and args.max_seconds < 0:
+        ap.error(f"--max-seconds must be >= 0, got {args.max_seconds}")
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        ap.error(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     torch.set_num_threads(args.threads)
     from spec_engine.llm import LLM, SamplingParams
 

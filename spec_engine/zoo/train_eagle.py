@@ -534,6 +534,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-seconds", type=float, default=None, help="eagle3: stop training after this long (saved)")
     ap.add_argument("--eval-k", default=None, help="eagle3 --export: also held-out agreement at these K (comma list)")
     args = ap.parse_args(argv)
+    if args.max_seconds is not None and args.max_seconds < 0:
+        ap.error(f"--max-seconds must be >= 0, got {args.max_seconds}")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device is available")
     if args.smoke:
         args.steps, args.max_files, args.batch_size = min(args.steps, 3), args.max_files or 8, 2
         args.eval_every = args.ckpt_every = args.steps
