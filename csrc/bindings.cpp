@@ -59,10 +59,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
     const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
     const c10::optional<at::Tensor>& d_features);
-std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(const at::Tensor& tokens, const at::Tensor& start,
-                                                     const at::Tensor& last, const at::Tensor& feature_cache,
-                                                     const c10::intrusive_ptr<NativeModel>& head, at::Tensor kv_cache,
-                                                     const c10::optional<at::Tensor>& block_table, int64_t gamma);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
+    const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last, const at::Tensor& feature_cache,
+    const c10::intrusive_ptr<NativeModel>& head, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
+    int64_t gamma, const c10::optional<at::Tensor>& inv_temp, const c10::optional<at::Tensor>& noise);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents);
 at::Tensor rng_uniform_cpu(const at::Tensor& keys, int64_t n);
@@ -212,8 +212,8 @@ TORCH_LIBRARY(spec_kernels, m) {
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "eagle3_draft(Tensor tokens, Tensor start, Tensor last, Tensor feature_cache, "
-      "__torch__.torch.classes.spec_kernels.NativeModel head, Tensor(a!) kv_cache, Tensor? block_table, int gamma) "
-      "-> (Tensor, Tensor)");
+      "__torch__.torch.classes.spec_kernels.NativeModel head, Tensor(a!) kv_cache, Tensor? block_table, int gamma, "
+      "Tensor? inv_temp=None, Tensor? noise=None) -> (Tensor, Tensor, Tensor)");
   // suffix decoding's tree (csrc/suffix_tree_cpu.cpp): torch.classes.spec_kernels.SuffixTree(max_depth)
   m.class_<specdec::SuffixTree>("SuffixTree")
       .def(torch::init<int64_t>())

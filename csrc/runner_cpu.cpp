@@ -153,14 +153,17 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Na
 // position 0): a prefill chunk or a step's catch-up, their K/V written. Then, from each row's root (entry last[b],
 // at position R_b = start[b] + last[b]), a greedy chain of gamma tokens: token d the argmax of the head's logits at
 // node d - 1 (over vocab_map's ids when given), nodes 1 .. gamma - 1 run at R_b + d with their parent's output as
-// their feature (K/V written there), as the drafter's level-by-level chain does. Returns (the entries' raw outputs
-// [B, T, H], the chain [B, gamma] int64; [B, 0] for gamma = 0). Why: driven from Python, a head step is dozens of
+// their feature (K/V written there), as the drafter's level-by-level chain does. A sampled chain passes inv_temp
+// [B] float32 (1 / temperature; 0 for a greedy row) and noise [B, gamma, K] float32 (each level's Gumbel noise over
+// the draft vocabulary): token d of a sampled row is then the argmax of logits * inv_temp + noise (a draw from
+// softmax(logits / temperature)). Returns (the entries' raw outputs [B, T, H], the chain [B, gamma] int64; [B, 0]
+// for gamma = 0; a sampled chain's logits at each level [B, gamma, K] float32, [0] otherwise). Why: driven from Python, a head step is dozens of
 // small torch ops (two norms, a cat, the layer, a 49152-wide scatter of the draft logits) whose dispatch cost more
 // than the head's weights.
-std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(const at::Tensor& tokens, const at::Tensor& start,
-                                                     const at::Tensor& last, const at::Tensor& feature_cache,
-                                                     const c10::intrusive_ptr<NativeModel>& head, at::Tensor kv_cache,
-                                                     const c10::optional<at::Tensor>& block_table, int64_t gamma) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
+    const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last, const at::Tensor& feature_cache,
+    const c10::intrusive_ptr<NativeModel>& head, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
+    int64_t gamma, const c10::optional<at::Tensor>& inv_temp, const c10::optional<at::Tensor>& noise) {
   const NativeModel& m = *head;
   TORCH_CHECK_VALUE(m.is_head(), "eagle3_draft: the model must be an EAGLE-3 head (NativeModel.set_head)");
   TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.device().is_cpu(), "eagle3_draft: tokens must be [B, T] on CPU, got ",
@@ -182,16 +185,34 @@ std::tuple<at::Tensor, at::Tensor> eagle3_draft_cpu(const at::Tensor& tokens, co
   }
   at::Tensor out = at::empty({B, T_, H}, m.rope_table.options());  // [B, T, H]
   at::Tensor chain = at::empty({B, gamma}, ids.options());          // [B, gamma]
-  if (B == 0) return {out, chain};
+  const int64_t K = m.lm_head.size(0);                               // the draft vocabulary
+  TORCH_CHECK_VALUE(inv_temp.has_value() == noise.has_value(), "eagle3_draft: inv_temp and noise go together");
+  at::Tensor temps, gumbel, logits;
+  if (noise.has_value()) {
+    TORCH_CHECK_VALUE(inv_temp->dim() == 1 && inv_temp->size(0) == B && inv_temp->scalar_type() == at::kFloat,
+                      "eagle3_draft: inv_temp must be [B] = [", B, "] float32, got ", inv_temp->sizes(), " ",
+                      inv_temp->scalar_type());
+    TORCH_CHECK_VALUE(noise->dim() == 3 && noise->size(0) == B && noise->size(1) == gamma && noise->size(2) == K &&
+                          noise->scalar_type() == at::kFloat,
+                      "eagle3_draft: noise must be [B, gamma, K] = [", B, ", ", gamma, ", ", K, "] float32, got ",
+                      noise->sizes(), " ", noise->scalar_type());
+    temps = inv_temp->contiguous(), gumbel = noise->contiguous();
+    logits = at::empty({B, gamma, K}, gumbel.options());  // [B, gamma, K]
+  } else {
+    logits = at::empty({0}, m.rope_table.options().dtype(at::kFloat));
+  }
+  if (B == 0) return {out, chain, logits};
   with_dtype(m.rope_table.scalar_type(), [&](auto type) {
     using T = decltype(type);
     ChainRunner<T> model = runner_of<T>("eagle3_draft", m, kv_cache, table, B);
     HeadDraft<T> draft(model, feature_cache, table, m.vocab_ids());
     const T* raw = draft.entries(ids.data_ptr<int64_t>(), T_, B, T_, S);  // [B * T, H]
     std::copy(raw, raw + B * T_ * H, out.data_ptr<T>());
-    if (gamma > 0) draft.chain(raw, B, T_, S, R, gamma, chain.data_ptr<int64_t>());
+    ChainDraws draws{temps.defined() ? temps.data_ptr<float>() : nullptr,
+                     gumbel.defined() ? gumbel.data_ptr<float>() : nullptr, logits.data_ptr<float>()};
+    if (gamma > 0) draft.chain(raw, B, T_, S, R, gamma, chain.data_ptr<int64_t>(), gumbel.defined() ? &draws : nullptr);
   });
-  return {out, chain};
+  return {out, chain, logits};
 }
 
 

@@ -4,6 +4,8 @@
 // entry points are csrc/runner_cpu.cpp.
 #pragma once
 
+#include <limits>
+
 #include "argmax_cpu.h"
 #include "layers_cpu.h"
 
@@ -354,6 +356,28 @@ class ModelDraft {
   std::vector<TD> root_;
 };
 
+// A sampled chain's draws (eagle3_draft's noise): per row its inverse temperature (0: greedy, the plain argmax), per
+// row and level the Gumbel noise over the draft vocabulary [B, gamma, K], and where each level's logits go
+// [B, gamma, K] (float32: the caller's draft distributions).
+struct ChainDraws {
+  const float* inv_temp;
+  const float* noise;
+  float* logits;
+
+  template <typename T>
+  int64_t argmax(const T* row_logits, int64_t b, int64_t level, int64_t V) const {
+    const float* g = noise + level * V;
+    const float scale = inv_temp[b];
+    int64_t best = 0;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < V; ++k) {
+      const float v = static_cast<float>(row_logits[k]) * scale + g[k];
+      if (v > top) top = v, best = k;  // NaN never wins
+    }
+    return best;
+  }
+};
+
 // An EAGLE-3 head's side of a step (and of the eagle3_draft op): its entries read the target's features from the
 // paged feature cache [1, num_blocks, block_size, H] (an entry at position p the feature of p - 1, zeros at 0); its
 // chain feeds each node its parent's raw output as its feature; with `fc` [H, F] (the head's map of the target's
@@ -398,9 +422,12 @@ class HeadDraft {
   }
 
   // From each row's root, entry last[b] of the entries just run (T per row, the first at start[b]), gamma greedy
-  // tokens into chain [B, gamma]: token d the argmax of node d - 1's draft logits, node d run at R_b + d.
+  // tokens into chain [B, gamma]: token d the argmax of node d - 1's draft logits, node d run at R_b + d. With
+  // ``draws`` (a sampled chain), token d of a row whose inv_temp is > 0 is the argmax of logits * inv_temp + noise
+  // over the draft vocabulary instead (Gumbel-max: a draw from softmax(logits / temperature)), and each level's
+  // logits are copied out.
   void chain(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, int64_t gamma,
-             int64_t* out) {
+             int64_t* out, const ChainDraws* draws = nullptr) {
     const int64_t H = head_.hidden_size(), V = head_.vocab();
     prev_.resize(B * H), normed_.resize(B * H), ids_.resize(B), pos_.resize(B);
     for (int64_t b = 0; b < B; ++b) {  // the roots: raw outputs feed node 1, normed ones give the first logits
@@ -411,7 +438,15 @@ class HeadDraft {
     const T* logits = head_.logits(normed_.data(), B);  // [B, V]
     for (int64_t d = 1; d <= gamma; ++d) {
       for (int64_t b = 0; b < B; ++b) {
-        const int64_t best = std::max<int64_t>(greedy::argmax(logits + b * V, V, false), 0);
+        const T* row_logits = logits + b * V;
+        const int64_t level = b * gamma + d - 1;  // [B, gamma] index of this row's level d
+        if (draws != nullptr) {
+          float* keep = draws->logits + level * V;
+          for (int64_t k = 0; k < V; ++k) keep[k] = static_cast<float>(row_logits[k]);
+        }
+        const int64_t best = draws != nullptr && draws->inv_temp[b] > 0.0f
+                                 ? draws->argmax(row_logits, b, level, V)
+                                 : std::max<int64_t>(greedy::argmax(row_logits, V, false), 0);
         ids_[b] = out[b * gamma + d - 1] = id_of_ != nullptr ? id_of_[best] : best;
         pos_[b] = start[b] + last[b] + d;
       }

@@ -341,18 +341,24 @@ def eagle3_draft(
     *,
     gamma: int,
     block_table: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An EAGLE-3 head's entries and greedy chain in one native call (see ``eagle3_draft_cpu``).
+    inv_temp: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 head's entries and greedy (or sampled) chain in one native call (see ``eagle3_draft_cpu``).
 
     Entry (b, t) is ``tokens[b, t]`` at position ``start[b] + t`` (a causal chunk: a prefill chunk or a step's
     catch-up) with the target's feature of the position before it from ``feature_cache``; its K/V are written.
     From each row's root, entry ``last[b]`` at R_b = start_b + last_b, ``gamma`` greedy tokens follow: token d the
     argmax of the head's logits at node d - 1 over its draft vocabulary, node d run at R_b + d with its parent's
-    output as its feature.
+    output as its feature. A sampled chain gives ``inv_temp`` [B] float32 (1 / temperature, 0 for a greedy row) and
+    ``noise`` [B, gamma, K] float32 (Gumbel noise over the K draft tokens per level): a sampled row's token d is then
+    the argmax of logits * inv_temp + noise, a draw from softmax(logits / temperature).
 
     Shapes: tokens ``[B, T]``; start, last ``[B]``; feature_cache ``[1, num_blocks, block_size, H]`` and kv_cache
     ``[1, 2, num_blocks, block_size, Hkv, D]`` on ``block_table`` ``[B, max_blocks]``. Returns (the entries' raw
-    outputs ``[B, T, H]``, the stand-ins for their features; the chain ``[B, gamma]`` int64).
+    outputs ``[B, T, H]``, the stand-ins for their features; the chain ``[B, gamma]`` int64; a sampled chain's logits
+    at each level ``[B, gamma, K]`` float32, empty otherwise).
     """
     return torch.ops.spec_kernels.eagle3_draft(tokens, start, last, feature_cache, head.handle,
-                                               head.model.check_cache(kv_cache), block_table, gamma)  # fmt: skip
+                                               head.model.check_cache(kv_cache), block_table, gamma, inv_temp,
+                                               noise)  # fmt: skip

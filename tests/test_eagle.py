@@ -288,7 +288,9 @@ def test_native_eagle3_draft_matches_the_head_op_by_op(models, tmp_path, dtype, 
         fcache = fcache32.to(dtype)
         with torch.inference_mode():
             if native:
-                out, chain = eagle3_draft(head.native, tokens, start, last, fcache, kv, gamma=gamma, block_table=table)
+                out, chain, _ = eagle3_draft(
+                    head.native, tokens, start, last, fcache, kv, gamma=gamma, block_table=table
+                )
             else:
                 out, chain = _head_op_by_op(head, tokens, start, last, fcache, kv, table, gamma)
         return out.float(), chain, kv.float()
@@ -335,6 +337,83 @@ def test_native_eagle3_chains_match_plain(models, plain_greedy, tmp_path, spec):
     assert stats["num_drafted"] > 0
     if spec.get("num_speculative_tokens"):  # fixed depths: the engine's native steps (spec_chain) ran the head
         assert stats["num_regular_steps"] < stats["num_steps"] // 2
+
+
+def test_native_sampled_chains_draw_as_the_level_by_level_path(models, tmp_path, monkeypatch):
+    """A chain with sampled rows runs in one native call (eagle3_draft with each level's Gumbel noise): its draws
+    are the level-by-level path's (the same keyed noise), so a batch of greedy and seeded (coupled) rows decodes
+    the same tokens with the same drafts at every step either way (a coupled row's tokens do not depend on its
+    drafts, so the steps line up). A planted bug (each level drawn with another level's noise) changes the drafts."""
+    import spec_engine.drafters.eagle as eagle_module
+
+    target, _ = models
+    spec = {"method": "eagle", "model": str(write_published_head(tmp_path / "eagle3", "eagle3")),
+            "num_speculative_tokens": 3}  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]] * 2
+    params = [SamplingParams(max_tokens=20, temperature=t, seed=s, ignore_eos=True)
+              for t, s in [(0.0, None), (0.7, 11), (0.9, 12), (0.0, None)]]  # fmt: skip
+    calls, drafts = [], []
+    real = eagle_module.eagle3_draft
+    monkeypatch.setattr(eagle_module, "eagle3_draft", lambda *a, **k: calls.append("noise" in k) or real(*a, **k))
+    propose = EagleDrafter.propose
+    monkeypatch.setattr(EagleDrafter, "propose", lambda self, batch: drafts.append(propose(self, batch)) or drafts[-1])
+
+    def run(native: bool) -> tuple[list, list]:
+        drafts.clear()
+        llm = LLM(str(target), speculative_config=spec, max_model_len=128)
+        if not native:
+            llm.engine.drafter.model.native = None  # every level as torch ops
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.stats["num_drafted"] > 0
+        return [o.outputs[0].token_ids for o in outs], [d.tokens.tolist() for d in drafts]
+
+    level_by_level = run(native=False)
+    assert not any(calls)
+    native = run(native=True)
+    assert any(calls), "the sampled chains must have run natively"
+    assert native == level_by_level
+    honest = EagleDrafter._chain_noise
+
+    def shifted(self, batch, depth):
+        out = honest(self, batch, depth)
+        out["noise"] = out["noise"].roll(1, dims=1).contiguous()
+        return out
+
+    monkeypatch.setattr(EagleDrafter, "_chain_noise", shifted)
+    planted = run(native=True)
+    assert planted[0] == native[0] and planted[1] != native[1]
+
+
+@pytest.fixture(scope="module")
+def small_eagle3(tmp_path_factory):
+    """A 6-token target at the published head's width and an EAGLE-3 head over 3 of its tokens (0, 2, 4)."""
+    root = tmp_path_factory.mktemp("eagle3_small")
+    target = make_model(root / "target", "llama_gqa", vocab_size=V, hidden=HIDDEN, logit_scale=0.5)
+    head = write_published_head(root / "head", "eagle3", vocab=V, draft_vocab=3)
+    state = load_file(head / "model.safetensors")  # a flat q (its logits at ~1/10): greedy drafts are not draws
+    state["lm_head.weight"] = state["lm_head.weight"] * 0.1
+    save_file(state, str(head / "model.safetensors"))
+    return target, head
+
+
+def test_native_sampled_chains_are_lossless(small_eagle3, monkeypatch):
+    """Unseeded sampled rows drafted by the native chain (a draw from the head's q at each level, q handed to
+    rejection sampling) keep the target's exact joint of the first two tokens (chi2); drafts taken greedily but
+    reported as drawn from q (the noise zeroed: a planted bug) are caught."""
+    counts, llm = _sample_joint(small_eagle3, {"num_speculative_tokens": 2})
+    assert llm.engine.drafter.model.native is not None
+    assert llm.engine.stats["num_accepted"] > N // 10, "the head must be accepted often for this test to bite"
+    assert chi2_pvalue(counts, exact_joint(small_eagle3[0], 1.0, 1.0)) > P_MIN
+    honest = EagleDrafter._chain_noise
+
+    def greedy_draws(self, batch, depth):
+        out = honest(self, batch, depth)
+        out["noise"] = torch.zeros_like(out["noise"])
+        return out
+
+    monkeypatch.setattr(EagleDrafter, "_chain_noise", greedy_draws)
+    counts, _ = _sample_joint(small_eagle3, {"num_speculative_tokens": 2})
+    assert chi2_pvalue(counts, exact_joint(small_eagle3[0], 1.0, 1.0)) < P_BUG
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

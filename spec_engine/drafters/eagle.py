@@ -50,8 +50,9 @@ from spec_engine.models.llama import (
 )
 from spec_engine.transfer import to_device
 from spec_engine.tree import StaticTree
-from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, linear
+from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, linear, rng
 from spec_kernels.decoder_layers import LayerWeights, NativeHead, decoder_layers, eagle3_draft, native_model
+from spec_kernels.rng import position_gumbel
 
 LAYOUTS = ("eagle", "eagle3")
 
@@ -320,9 +321,10 @@ class EagleDrafter(DraftModelDrafter):
     same tree shapes, children draws and verification modes), with the head's features in place of a model's own
     state: an entry reads the target's feature of the position before it (the feature cache) when it is a token of
     the sequence, and its parent node's output when it is a drafted node. An EAGLE-3 head on the CPU runs natively
-    (``EagleHead.native``): every causal chunk it is fed (prefill, catch-up) as one ``eagle3_draft`` call, and an
-    all-greedy chain step, its catch-up's last forward and the whole chain, as one more; the engine's native
-    speculative steps (``spec_chain``) run its chains whole, the feature cache written there.
+    (``EagleHead.native``): every causal chunk it is fed (prefill, catch-up) as one ``eagle3_draft`` call, and a
+    chain step, its catch-up's last forward and the whole chain, as one more (sampled rows too: their Gumbel noise
+    drawn here, the draws made there); the engine's native greedy speculative steps (``spec_chain``) run its chains
+    whole, the feature cache written there.
 
     Caches: the head's KV ``kv`` [1, 2, num_blocks, block_size, Hkv, D] and the feature cache ``features``
     [1, num_blocks, block_size, H], both on the target's block table. ``commit`` writes every node's feature and
@@ -338,6 +340,8 @@ class EagleDrafter(DraftModelDrafter):
         # EAGLE-2's dynamic tree has the shape of the static tree (k, 1, 1, ...): k nodes per level below the root
         self.dynamic_topk = tree.branching[0] if dynamic else None
         self.features = features
+        if head.layout == "eagle3":  # [K]: the draft vocabulary's target ids
+            self._draft_ids = head.d2t + torch.arange(head.draft_vocab_size, device=head.d2t.device)
         self.target_layers = head.target_layers
         self._node_parents = to_device(self.device, self._parents.clamp(min=0))[0]  # [T_max]: node -> parent node
 
@@ -372,15 +376,44 @@ class EagleDrafter(DraftModelDrafter):
         if self.dynamic_topk is not None:
             return self._propose_dynamic(batch)
         native = self.model.native
-        greedy_chain = self.tree.is_chain and batch.coupled is None and all(r.greedy for r in batch.rows)
-        if native is None or not greedy_chain:
+        greedy = all(r.greedy for r in batch.rows)
+        # a sampled chain natively: its draws are Gumbel-top-1, which "without_replacement" makes (and coupled rows)
+        sampled = not greedy and self.draft_sampling == "without_replacement"
+        if native is None or not self.tree.is_chain or not (greedy and batch.coupled is None or sampled):
             return super().propose(batch)
-        # a greedy chain: the catch-up's last forward and the whole chain in one native call
+        # the catch-up's last forward and the whole chain in one native call
+        depth = max(batch.gammas)
         tokens, start, lags = self._catch_up_entries(batch)
-        chain = eagle3_draft(native, tokens, start, lags, self.features, self.kv.data, gamma=max(batch.gammas),
-                             block_table=batch.block_table)[1]  # [B, depth]  # fmt: skip
+        draws = self._chain_noise(batch, depth) if sampled else {}
+        _, chain, logits = eagle3_draft(native, tokens, start, lags, self.features, self.kv.data, gamma=depth,
+                                        block_table=batch.block_table, **draws)  # fmt: skip
         parents, tree_mask, depths = self._tree_shape(batch.gammas)
-        return Draft(torch.cat((batch.roots[:, None], chain), dim=1), parents, tree_mask, depths, None, "iid")
+        tokens = torch.cat((batch.roots[:, None], chain), dim=1)  # [B, depth + 1]
+        if not sampled:
+            return Draft(tokens, parents, tree_mask, depths, None, "iid")
+        # q: node d - 1's draft distribution, softmax(logits / temperature) over the draft vocabulary (greedy rows:
+        # temperature 1; verification reads no q of theirs)
+        temp = torch.where(batch.temperature == 0, 1.0, batch.temperature)[:, None, None]  # [B, 1, 1]
+        q = torch.zeros(batch.size, depth + 1, self.model.vocab_size, device=self.device)  # [B, T, V]
+        q[:, :depth, self._draft_ids] = torch.softmax(logits / temp, dim=-1)
+        return Draft(tokens, parents, tree_mask, depths, q, self.draft_sampling)
+
+    def _chain_noise(self, batch: StepBatch, depth: int) -> dict:
+        """``eagle3_draft``'s sampling inputs for a chain of ``depth``: inv_temp [B] (0 on greedy rows) and noise
+        [B, depth, K], each level's Gumbel noise at the draft vocabulary's ids, the same draws as the level-by-level
+        path's (``DraftModelDrafter._draw_children``): a row's own stream keyed by ``keys + d``, or on coupled rows
+        the coupling's noise at the parent's position L_b + d - 1."""
+        V, ids = self.model.vocab_size, self._draft_ids
+        free = any(not (r.greedy or r.coupled) for r in batch.rows)
+        levels = []
+        for d in range(1, depth + 1):
+            noise = rng.gumbel(batch.keys + d, (1, V))[:, 0, ids] if free else None  # [B, K]
+            if batch.coupled is not None:
+                coupled = position_gumbel(batch.noise_seeds, batch.seqlens.long()[:, None] + (d - 1), V)[:, 0, ids]
+                noise = coupled if noise is None else torch.where(batch.coupled[:, None], coupled, noise)
+            levels.append(noise)
+        inv_temp = torch.where(batch.temperature == 0, 0.0, 1.0 / batch.temperature.clamp(min=1e-30))
+        return {"inv_temp": inv_temp.float().contiguous(), "noise": torch.stack(levels, 1).float().contiguous()}
 
     def _propose_dynamic(self, batch: StepBatch) -> Draft:
         """EAGLE-2's dynamic tree under a fixed node budget: level d keeps the k nodes of highest cumulative log q
