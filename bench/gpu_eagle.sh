@@ -58,10 +58,12 @@ for pass in 0 1 2 3; do
     step $((budget + 60)) "$PY" -m spec_engine.zoo.eagle_data --target "$MODEL" --out "$dir" --device "$DEVICE" \
         --threads 8 --max-seconds "$budget" "${sample[@]}" "${DATA_ARGS[@]}"
 done
-step $(($(left) - EXPORT_SECONDS + 15)) "$PY" -m spec_engine.zoo.train_eagle --layout eagle3 --target "$MODEL" \
-    --data "${dirs[@]}" --work-dir "$WORK/train" --out "$WORK/head" --device "$DEVICE" --steps 100000 \
-    --max-seconds $(($(left) - EXPORT_SECONDS - 45)) "${TRAIN_ARGS[@]}"
-step $(($(left) > 30 ? $(left) : 30)) "$PY" -m spec_engine.zoo.train_eagle --layout eagle3 --target "$MODEL" \
+atleast() { echo $(($1 > $2 ? $1 : $2)); }  # value, floor
+# training: until EXPORT_SECONDS before the end, less ~45 s of loading the data (at least one step)
+step "$(atleast $(($(left) - EXPORT_SECONDS + 15)) 60)" "$PY" -m spec_engine.zoo.train_eagle --layout eagle3 \
+    --target "$MODEL" --data "${dirs[@]}" --work-dir "$WORK/train" --out "$WORK/head" --device "$DEVICE" \
+    --steps 100000 --max-seconds "$(atleast $(($(left) - EXPORT_SECONDS - 45)) 0)" "${TRAIN_ARGS[@]}"
+step "$(atleast "$(left)" 30)" "$PY" -m spec_engine.zoo.train_eagle --layout eagle3 --target "$MODEL" \
     --data "${dirs[@]}" --work-dir "$WORK/train" --export --out "$OUT/head" --device "$DEVICE" "${EXPORT_ARGS[@]}"
 cp "$WORK/train/report.json" "$WORK/train/export.json" "$OUT/" 2>/dev/null
 echo "== [$SECONDS s] done" | tee -a "$LOG"

@@ -75,6 +75,11 @@ class StepBatch:
     def size(self) -> int:
         return len(self.rows)
 
+    @property
+    def free_draws(self) -> bool:
+        """Some row draws from its own random stream (neither greedy nor coupled: host-known)."""
+        return any(not (r.greedy or r.coupled) for r in self.rows)
+
     def select(self, rows: list[int], index: torch.Tensor) -> StepBatch:
         """The sub-batch of ``rows``; ``index`` is the same list as a tensor on the batch's device."""
         coupled = None if self.coupled is None else self.coupled[index]

@@ -187,7 +187,6 @@ class DraftModelDrafter(Drafter):
         parents, tree_mask, depths = self._tree_shape(batch.gammas)
         levels = self.tree.level_slices
         all_greedy = all(r.greedy for r in batch.rows)  # host-known: no random draws at all
-        free = any(not (r.greedy or r.coupled) for r in batch.rows)  # ... and rows drawing from their own streams
         greedy = None if all_greedy else batch.temperature == 0  # [B]
         temp = 1.0 if all_greedy else torch.where(greedy, 1.0, batch.temperature)[:, None, None]  # [B, 1, 1]
         tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)  # [B, T]
@@ -213,7 +212,9 @@ class DraftModelDrafter(Drafter):
             noise = None
             if batch.coupled is not None:  # the target's noise at the parents' position: L_b + d - 1
                 noise = position_gumbel(batch.noise_seeds, L.long()[:, None] + (d - 1), q_parent.shape[-1])  # [B, 1, V]
-            children = self._draw_children(q_parent, b, greedy, batch.keys + d, batch.coupled, noise, free)  # [B, n, b]
+            children = self._draw_children(
+                q_parent, b, greedy, batch.keys + d, batch.coupled, noise, batch.free_draws
+            )  # [B, n, b]
             tokens[:, level] = children.flatten(1)
             if d == depth:
                 break

@@ -403,8 +403,7 @@ class EagleDrafter(DraftModelDrafter):
         [B, depth, K], each level's Gumbel noise at the draft vocabulary's ids, the same draws as the level-by-level
         path's (``DraftModelDrafter._draw_children``): a row's own stream keyed by ``keys + d``, or on coupled rows
         the coupling's noise at the parent's position L_b + d - 1."""
-        V, ids = self.model.vocab_size, self._draft_ids
-        free = any(not (r.greedy or r.coupled) for r in batch.rows)
+        V, ids, free = self.model.vocab_size, self._draft_ids, batch.free_draws
         levels = []
         for d in range(1, depth + 1):
             noise = rng.gumbel(batch.keys + d, (1, V))[:, 0, ids] if free else None  # [B, K]
