@@ -157,9 +157,9 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Na
 // [B] float32 (1 / temperature; 0 for a greedy row) and noise [B, gamma, K] float32 (each level's Gumbel noise over
 // the draft vocabulary): token d of a sampled row is then the argmax of logits * inv_temp + noise (a draw from
 // softmax(logits / temperature)). Returns (the entries' raw outputs [B, T, H], the chain [B, gamma] int64; [B, 0]
-// for gamma = 0; a sampled chain's logits at each level [B, gamma, K] float32, [0] otherwise). Why: driven from Python, a head step is dozens of
-// small torch ops (two norms, a cat, the layer, a 49152-wide scatter of the draft logits) whose dispatch cost more
-// than the head's weights.
+// for gamma = 0; a sampled chain's logits at each level [B, gamma, K] float32, [0] otherwise). Why: driven from
+// Python, a head step is dozens of small torch ops (two norms, a cat, the layer, a 49152-wide scatter of the draft
+// logits) whose dispatch cost more than the head's weights.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
     const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last, const at::Tensor& feature_cache,
     const c10::intrusive_ptr<NativeModel>& head, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
