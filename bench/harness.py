@@ -350,6 +350,7 @@ def profile_steps(llm, prompts: list[Prompt], max_tokens: int) -> dict:
         (eng.target, "forward", "target forward (LlamaForCausalLM.forward)"),
         (eng.target, "logits", "target logits (lm_head)"),
         (runner_mod, "verify_tree", "verify_tree"),
+        (runner_mod, "tree_step", "tree_step (greedy trees: target pass, verify, compaction)"),
         (run, "step_inputs", "StepRunner.step_inputs (host rows -> device)"),
         (run, "_read_step", "StepRunner._read_step (the one host read)"),
     ]

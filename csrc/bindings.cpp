@@ -1,7 +1,7 @@
 // The only file that registers ops: spec_kernels::compact_kv_ with CPU, CUDA and Meta kernels, and
 // spec_kernels::linear (csrc/linear_cpu.cpp), spec_kernels::quant_linear (csrc/quant_linear_cpu.cpp) and
 // spec_kernels::decoder_layers (csrc/decoder_layers_cpu.cpp) with CPU and Meta kernels, the native step runners
-// spec_kernels::draft_chain, greedy_steps, eagle3_draft and spec_chain (csrc/runner_cpu.cpp) with the class
+// spec_kernels::draft_chain, greedy_steps, eagle3_draft, spec_chain and tree_step (csrc/runner_cpu.cpp) with the class
 // spec_kernels.NativeModel they take (csrc/native_model.h),
 // spec_kernels::verify_greedy (csrc/verify_tree_cpu.cpp: verify_tree's all-greedy CPU walk), and the class
 // spec_kernels.SuffixTree (csrc/suffix_tree_cpu.cpp: suffix decoding's tree).
@@ -59,6 +59,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
     const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
     const c10::optional<at::Tensor>& d_features);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_step_cpu(
+    const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& seqlens,
+    const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
+    at::IntArrayRef capture);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
     const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last, const at::Tensor& feature_cache,
     const c10::intrusive_ptr<NativeModel>& head, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
@@ -211,6 +215,9 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor stop_ids, int gamma, int max_steps, bool stop_on_reject=False, Tensor(c!)? d_features=None) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "tree_step(Tensor tokens, Tensor parents, Tensor seqlens, __torch__.torch.classes.spec_kernels.NativeModel model, "
+      "Tensor(a!) kv_cache, Tensor? block_table, int[] capture=[]) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "eagle3_draft(Tensor tokens, Tensor start, Tensor last, Tensor feature_cache, "
       "__torch__.torch.classes.spec_kernels.NativeModel head, Tensor(a!) kv_cache, Tensor? block_table, int gamma, "
       "Tensor? inv_temp=None, Tensor? noise=None) -> (Tensor, Tensor, Tensor)");
@@ -235,6 +242,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("draft_chain", &specdec::draft_chain_cpu);
   m.impl("greedy_steps", &specdec::greedy_steps_cpu);
   m.impl("spec_chain", &specdec::spec_chain_cpu);
+  m.impl("tree_step", &specdec::tree_step_cpu);
   m.impl("eagle3_draft", &specdec::eagle3_draft_cpu);
   m.impl("rng_uniform", &specdec::rng_uniform_cpu);
 }

@@ -1,6 +1,7 @@
 // The native step runners' op entry points (their pieces: csrc/runner_cpu.h): a draft's greedy chain
-// (draft_chain), the target's plain greedy steps (greedy_steps), an EAGLE-3 head's entries and chain (eagle3_draft)
-// and greedy speculative steps of a draft model's or a head's chains (spec_chain). Each forward is the layer
+// (draft_chain), the target's plain greedy steps (greedy_steps), an EAGLE-3 head's entries and chain (eagle3_draft),
+// greedy speculative steps of a draft model's or a head's chains (spec_chain) and one greedy step over trees drafted
+// elsewhere (tree_step). Each forward is the layer
 // stack's (csrc/layers_cpu.h), so a runner emits exactly the tokens the op path's steps emit. Each takes its
 // models as NativeModel objects (csrc/native_model.h), built and checked once per model.
 
@@ -8,6 +9,9 @@
 #include "runner_cpu.h"
 
 namespace specdec {
+
+void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, const at::Tensor& accepted_nodes,
+                    const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table);  // compact_kv_cpu.cpp
 
 NativeModel::NativeModel(at::Tensor embed_, std::vector<at::Tensor> weights_, at::Tensor final_norm_,
                          at::Tensor lm_head_, at::Tensor rope_table_, int64_t num_heads_, double eps_,
@@ -306,6 +310,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   at::Tensor next_gap = at::empty({B, rows.ld}, longs);
   std::copy(rows.gap.begin(), rows.gap.end(), next_gap.data_ptr<int64_t>());
   return {steps, next_gap, at::tensor(rows.gap_len, longs), times};
+}
+
+// One greedy speculative step over trees drafted elsewhere (a suffix speculation, a static tree, a hybrid's rows):
+// the target's pass over every node, greedy::walk, and the accepted paths' K/V compacted to L_b .. (every plane),
+// in one call, as the regular step's target pass, verify_tree and compact_kv_ do. tokens and parents [B, T] int64
+// (verify_tree's; node 0 the root); seqlens [B] = L_b; `capture`: the layers whose input streams the step returns
+// (an EAGLE-3 head's features). Returns (accepted_nodes [B, T], output_tokens [B, T], num_accepted [B], features
+// [B, T, C * H] in the model's dtype, [0] without capture). Where some row's num_accepted is < 1 (a visited node's
+// maximum not finite: 0; a malformed tree: -1, no forward run) nothing is compacted: the caller's regular path
+// redoes the step (and sanitises or raises).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_step_cpu(
+    const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& seqlens,
+    const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
+    at::IntArrayRef capture) {
+  const NativeModel& m = *model;
+  TORCH_CHECK_VALUE(tokens.dim() == 2, "tree_step: tokens must be [B, T], got ", tokens.sizes());
+  const int64_t B = tokens.size(0), T = tokens.size(1);
+  for (const at::Tensor* t : {&tokens, &parents}) {
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == B && t->size(1) == T && t->scalar_type() == at::kLong &&
+                          t->device().is_cpu(),
+                      "tree_step: tokens and parents must be int64 [B, T] = [", B, ", ", T, "] on CPU, got ",
+                      t->sizes(), " ", t->scalar_type());
+  }
+  TORCH_CHECK_VALUE(T >= 1 && seqlens.dim() == 1 && seqlens.size(0) == B,
+                    "tree_step: a tree has its root (T >= 1) and seqlens is [B] = [", B, "], got T = ", T, " and ",
+                    seqlens.sizes());
+  TORCH_CHECK_VALUE(!m.restricted() && !m.is_head(), "tree_step: the target is a whole model (its logits decide)");
+  const at::Tensor tok = tokens.contiguous(), par = parents.contiguous(), L = seqlens.to(at::kLong).contiguous();
+  const at::TensorOptions longs = tokens.options();
+  at::Tensor accepted = at::full({B, T}, -1, longs), output = at::full({B, T}, -1, longs);
+  at::Tensor counts = at::empty({B}, longs), features = at::empty({0}, longs.dtype(m.rope_table.scalar_type()));
+  const at::Tensor table = table_of(block_table);
+  with_dtype(m.rope_table.scalar_type(), [&](auto type) {
+    using T_ = decltype(type);
+    ChainRunner<T_> target = runner_of<T_>("tree_step", m, kv_cache, table, B);
+    if (!capture.empty()) target.capture(capture);
+    run_tree_step(target, tok.data_ptr<int64_t>(), par.data_ptr<int64_t>(), B, T, L.data_ptr<int64_t>(),
+                  accepted.data_ptr<int64_t>(), output.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
+    if (!capture.empty() && counts.min().item<int64_t>() >= 0) {  // (a malformed tree ran no forward)
+      features = at::empty({B, T, target.num_capture() * target.hidden_size()}, features.options());
+      std::copy(target.captured(), target.captured() + features.numel(), features.data_ptr<T_>());
+    }
+  });
+  if (T > 1 && counts.min().item<int64_t>() >= 1) {
+    const c10::optional<at::Tensor> paged = table.defined() ? c10::optional<at::Tensor>(table) : c10::nullopt;
+    compact_kv_cpu(kv_cache.flatten(0, 1), L, accepted, counts, paged);  // [2 * layers, blocks, block_size, ...]
+  }
+  return {accepted, output, counts, features};
 }
 
 }  // namespace specdec

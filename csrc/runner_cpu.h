@@ -1,7 +1,8 @@
 // The native step runners' pieces: one model's forwards from raw buffers kept across forwards (ChainRunner), a
 // draft's greedy chain (run_chain), the kinds of draft of a step (NoDraft for plain steps, ModelDraft, an EAGLE-3
-// head's HeadDraft) and the steps themselves (run_spec_chain: every native greedy step, plain or speculative). The op
-// entry points are csrc/runner_cpu.cpp.
+// head's HeadDraft) and the steps themselves: run_tree_step, the one greedy step (the target's pass over trees and
+// greedy::walk), which tree_step runs once on trees drafted elsewhere and run_spec_chain runs for every native step
+// of a call, plain or speculative (a chain is a tree). The op entry points are csrc/runner_cpu.cpp.
 #pragma once
 
 #include <limits>
@@ -96,6 +97,14 @@ class ChainRunner {
     return logits_.data();
   }
 
+  // The forward and logits of trees: node t of row b (tokens [B, T]) at slot start[b] + t and position start[b] +
+  // depths[b * T + t], seeing the prefix and the nodes tree_mask [B, T, T] allows. Valid until the next forward.
+  const T* forward_tree(const int64_t* tokens, int64_t B, int64_t T_, const int64_t* start, const int64_t* depths,
+                        const bool* tree_mask) {
+    run(tokens, T_, B, T_, start, true, nullptr, depths, tree_mask);
+    return logits_.data();
+  }
+
   // An EAGLE-3 head's forward (the runner built with a hidden norm): entry (b, t) is token tokens[b * ld + t] at
   // position start[b] + t with the feature feats [B * T, H]. Returns its raw outputs [B * T, H] (the stand-ins for
   // the next entries' features); normed() holds them final-normed, logits() of those the draft's. Valid until the
@@ -129,8 +138,9 @@ class ChainRunner {
   }
 
  private:
+  // A causal chunk, or trees where `depths` and `tree_mask` are given (forward_tree).
   void run(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start, bool with_logits,
-           const T* feats = nullptr) {
+           const T* feats = nullptr, const int64_t* depths = nullptr, const bool* tree_mask = nullptr) {
     const int64_t H = d_.H, D = d_.D, M = B * T_, V = embed_.size(0), P = rope_.size(1);
     h_.resize(M * H);
     cos_sin_.resize(2 * M * D);
@@ -145,7 +155,7 @@ class ChainRunner {
     const T* sin = cos + P * D;
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t t = 0; t < T_; ++t) {
-        const int64_t m = b * T_ + t, tok = tokens[b * ld + t], pos = start[b] + t;
+        const int64_t m = b * T_ + t, tok = tokens[b * ld + t], pos = start[b] + (depths ? depths[m] : t);
         TORCH_CHECK_VALUE(tok >= 0 && tok < V, op_, ": token ", tok, " is not an id of the ", V, "-token embedding");
         TORCH_CHECK_VALUE(pos >= 0 && pos < P, op_, ": position ", pos, " needs a longer RoPE table than ", P);
         if (emb != nullptr) {
@@ -156,7 +166,7 @@ class ChainRunner {
         }
         std::copy(cos + pos * D, cos + (pos + 1) * D, cos_sin_.data() + m * D);
         std::copy(sin + pos * D, sin + (pos + 1) * D, cos_sin_.data() + (M + m) * D);
-        for (int64_t j = 0; j < T_; ++j) mask_[m * T_ + j] = j <= t;
+        for (int64_t j = 0; j < T_; ++j) mask_[m * T_ + j] = tree_mask ? tree_mask[m * T_ + j] : j <= t;
       }
     }
     Problem<T> p = p_;
@@ -515,6 +525,39 @@ class HeadDraft {
   std::vector<int64_t> start_, last_, ids_, pos_;
 };
 
+// One greedy step over given trees (tree_step_cpu): tokens and parents [B, T] (node 0 the root, parents[i] < i, -1
+// for the root and padding, which sees itself only, at depth 0), each row at L_b. The target runs every node (slot
+// L_b + t, position L_b + its depth, seeing the prefix and its ancestors) and greedy::walk keeps each row's path:
+// path [B, T] and out [B, T] (-1 padded), counts [B] (the tokens emitted; 0 where a visited node's maximum is not
+// finite, -1 for a malformed tree, whose step then does not run). The caller compacts the cache.
+template <typename T>
+void run_tree_step(ChainRunner<T>& target, const int64_t* tokens, const int64_t* parents, int64_t B, int64_t T_,
+                   const int64_t* L, int64_t* path, int64_t* out, int64_t* counts) {
+  const int64_t V = target.vocab();
+  bool runs = true;
+  for (int64_t b = 0; b < B; ++b) {
+    counts[b] = greedy::well_formed(tokens + b * T_, parents + b * T_, T_, V) ? 0 : -1;
+    runs = runs && counts[b] == 0;
+  }
+  if (!runs || B * T_ == 0) return;
+  std::vector<int64_t> depths(B * T_);
+  std::unique_ptr<bool[]> mask(new bool[B * T_ * T_]());  // [B, T, T]: each node's ancestors and itself
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T_; ++t) {
+      const int64_t m = b * T_ + t, parent = parents[m];
+      bool* row = mask.get() + m * T_;
+      if (parent >= 0) std::copy(row - (t - parent) * T_, row - (t - parent) * T_ + T_, row);
+      row[t] = true;
+      depths[m] = parent >= 0 ? depths[b * T_ + parent] + 1 : 0;
+    }
+  }
+  const T* logits = target.forward_tree(tokens, B, T_, L, depths.data(), mask.get());  // [B * T, V]
+  for (int64_t b = 0; b < B; ++b) {
+    const auto row = [&](int64_t i) { return logits + (b * T_ + i) * V; };
+    counts[b] = greedy::walk(row, V, tokens + b * T_, parents + b * T_, T_, path + b * T_, out + b * T_);
+  }
+}
+
 // The steps of spec_chain_cpu into steps [B, S, gamma + 2] and times [S, 2]; leaves the rows' gaps in `r`. `draft`:
 // a ModelDraft or a HeadDraft (whose commit reads the target's captured streams).
 template <typename TT, typename Draft>
@@ -522,8 +565,9 @@ void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, int64_t
   const int64_t B = r.B, gamma = r.gamma, T = gamma + 1, max_steps = r.max_steps;
   if (B == 0) return;
   const auto is_stop = [&](int64_t t) { return std::find(r.stops.begin(), r.stops.end(), t) != r.stops.end(); };
-  std::vector<int64_t> drafts(B * gamma), tokens(B * T);
+  std::vector<int64_t> drafts(B * gamma), tokens(B * T), chain(B * T), path(B * T), accepted(B * T), counts(B);
   std::vector<std::vector<int64_t>> emitted(B);
+  for (int64_t i = 0; i < B * T; ++i) chain[i] = i % T - 1;  // [B, T]: the chains' parents
   for (int64_t s = 0; s < max_steps; ++s) {
     bool fits = true;
     for (int64_t b = 0; b < B; ++b) fits = fits && r.room[b] >= T;
@@ -534,25 +578,16 @@ void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, int64_t
     for (int64_t b = 0; b < B; ++b) tokens[b * T] = r.gap[b * r.ld + r.gap_len[b] - 1];
     if (gamma > 0) draft.propose(r, drafts.data());
     const auto drafted = std::chrono::steady_clock::now();
-    // 2. the target runs the root and the chain
+    // 2. the target runs the root and the chain, and greedy acceptance keeps the longest prefix of drafts equal to
+    // its argmax, then its own next token: the step over a tree (a chain is one), whose accepted path is in place
     for (int64_t b = 0; b < B; ++b) {
       std::copy(drafts.begin() + b * gamma, drafts.begin() + (b + 1) * gamma, tokens.begin() + b * T + 1);
     }
-    const TT* logits = target.forward_logits(tokens.data(), T, B, T, r.L.data());  // [B * T, V]
-    // 3. greedy acceptance: the longest prefix of drafts equal to the target's argmax, then its own next token
-    const int64_t V = target.vocab();
+    run_tree_step(target, tokens.data(), chain.data(), B, T, r.L.data(), path.data(), accepted.data(), counts.data());
     bool finite = true;
-    for (int64_t b = 0; b < B && finite; ++b) {
-      emitted[b].clear();
-      for (int64_t j = 0; j < T; ++j) {
-        const int64_t best = greedy::argmax(logits + (b * T + j) * V, V, true);
-        if (best < 0) {
-          finite = false;
-          break;
-        }
-        emitted[b].push_back(best);
-        if (j == gamma || drafts[b * gamma + j] != best) break;
-      }
+    for (int64_t b = 0; b < B; ++b) {
+      finite = finite && counts[b] >= 1;
+      emitted[b].assign(accepted.begin() + b * T, accepted.begin() + b * T + std::max<int64_t>(counts[b], 0));
     }
     if (!finite) break;  // nothing of this step is committed
     if (gamma > 0) {

@@ -3,8 +3,8 @@
 //
 // Why: plain decoding and greedy speculation verify every step, and the general native path (spec_kernels/
 // verify_tree.py) is ~30 torch ops of checks, argmax and walking: 10-70% of a default-target forward a step at batch 1
-// on a CPU. Here the walk reads one logits row per visited node (greedy::argmax, csrc/argmax_cpu.h: the runners'
-// choice too) and nothing else.
+// on a CPU. Here the walk reads one logits row per visited node (greedy::walk, csrc/argmax_cpu.h: the runners' walk
+// too) and nothing else.
 //
 // Semantics (docs/ARCHITECTURE.md, verify_tree, "Greedy"): from the root, move to the first child (in node order) whose token is the target
 // argmax (the first maximum); where none matches, or at a leaf, emit the argmax. A visited row whose maximum is not
@@ -69,33 +69,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tenso
       std::fill(out, out + T, kPadNode);
       acc[0] = 0;
       cp[b] = -1;
-      bool valid = true;
-      for (int64_t i = 0; i < T && valid; ++i) {
-        const int64_t parent = pp[b * T + i], token = tp[b * T + i];
-        valid = parent >= -1 && parent < i && (parent < 0 || (token >= 0 && token < V));
-      }
-      if (!valid) continue;
-      int64_t cur = 0, depth = 0;
-      cp[b] = 0;
-      while (true) {
-        const int64_t best = greedy::argmax(zp + (b * T + cur) * V, V, true);
-        if (best < 0) break;  // not finite: the caller's Python path sanitises this row
-        int64_t next = -1;
-        for (int64_t c = cur + 1; c < T; ++c) {
-          if (pp[b * T + c] == cur && tp[b * T + c] == best) {
-            next = c;
-            break;
-          }
-        }
-        if (next < 0) {
-          out[depth] = best;
-          cp[b] = depth + 1;
-          break;
-        }
-        out[depth] = best;
-        acc[++depth] = next;
-        cur = next;
-      }
+      if (!greedy::well_formed(tp + b * T, pp + b * T, T, V)) continue;
+      const auto row = [&](int64_t i) { return zp + (b * T + i) * V; };
+      cp[b] = greedy::walk(row, V, tp + b * T, pp + b * T, T, acc, out);  // 0: not finite, the Python path sanitises
     }
   });
   return {accepted, output, counts};

@@ -51,11 +51,15 @@ class EngineConfig:
     plain_chain : plain greedy steps per native chain (``Engine._plain_chain_len``); 1 turns chains off.
     spec_chain_steps : greedy speculative steps per native call (``Engine._spec_chain_steps``); 0 turns it off.
     unsure_chain_steps : the same while the adaptive controller is unsure of a row (``AdaptiveController.unsure``).
+    native_tree_step : a regular step of greedy rows (trees drafted in Python: suffix speculations, static trees)
+        verifies in one native call (``tree_step``) on a native target; False: the target pass, ``verify_tree`` and
+        compaction as separate ops.
     """
 
     plain_chain: int = 16
     spec_chain_steps: int = 16
     unsure_chain_steps: int = 4
+    native_tree_step: bool = True
 
 
 def chain_step_costs(times: list[list[float]], wall: float, steps: int) -> list[tuple[float, float]]:
@@ -358,7 +362,8 @@ class Engine:
         max_steps = 0 if self.waiting or (not drafted and cfg.plain_chain < 2) else \
             cfg.unsure_chain_steps if unsure else full_steps  # fmt: skip
         result = self.runner.run(reqs, gammas, suffix_rows, self._stop_tensor(reqs), max_steps=max_steps,
-                                 full_steps=full_steps, stop_on_reject=unsure)  # fmt: skip
+                                 full_steps=full_steps, stop_on_reject=unsure,
+                                 native_verify=cfg.native_tree_step)  # fmt: skip
         if not result.full_steps:
             self.stats["num_regular_steps"] += 1
         if plan.expected is not None:

@@ -9,7 +9,9 @@ changed as one ``StepResult`` for ``Engine._apply`` to commit:
 - a spec chain: up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chains in one
   C++ call (``spec_chain``);
 - the regular step (``_spec_step``): draft, the target's pass over the tree, ``verify_tree``, compaction, in
-  Python-driven ops: any tree, sampled rows, a hybrid's suffix rows, any device.
+  Python-driven ops: any tree, sampled rows, a hybrid's suffix rows, any device; where every row is greedy with a
+  deterministic tree and the target runs natively, the pass, verification and compaction are one native call
+  (``tree_step``: the step every native call runs, once).
 
 Glossary: L_b a row's root position (``num_computed``); lag its draft cache's catch-up (``cache_lag``: the tokens
 the draft has not seen, before the root).
@@ -30,7 +32,7 @@ from spec_engine.request import Request, RequestRows
 from spec_engine.sampling import SEED_MASK
 from spec_engine.transfer import to_device
 from spec_kernels import PAD_NODE, VerifyResult, verify_tree
-from spec_kernels.decoder_layers import NativeHead, NativeModel, greedy_steps, spec_chain
+from spec_kernels.decoder_layers import NativeHead, NativeModel, greedy_steps, spec_chain, tree_step
 from spec_kernels.rng import mix_key
 
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
@@ -90,19 +92,21 @@ class StepRunner:
         return req.num_computed - req.draft_len if self.drafter is not None and self.drafter.keeps_cache else 0
 
     def run(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None, stops: torch.Tensor, *,
-            max_steps: int, full_steps: int, stop_on_reject: bool = False) -> StepResult:  # fmt: skip
+            max_steps: int, full_steps: int, stop_on_reject: bool = False,
+            native_verify: bool = True) -> StepResult:  # fmt: skip
         """One decode call for ``reqs`` at depths ``gammas`` [B] (0: undrafted): up to ``max_steps`` steps in one
         native call where it can run them (0: the regular step), else the regular step. ``stops`` [S] every stop id
         of the rows (a native call ends at any of them); ``full_steps`` the steps of a full call, over which the
         call's own work is priced (``StepResult.full_steps``); ``stop_on_reject``: a speculative call ends at a
-        step where some row accepted nothing (an unsure controller re-decides the depth)."""
+        step where some row accepted nothing (an unsure controller re-decides the depth). ``native_verify``: the
+        regular step of greedy rows verifies in one native call where it can (``_native_verify``)."""
         result = None
         if max_steps and max(gammas) == 0:
             K = self._plain_chain_len(reqs, max_steps)
             result = self._plain_chain(reqs, K, stops, full_steps) if K else None
         elif max_steps and not any(suffix_rows or ()) and self._spec_chain_fits(reqs, gammas):
             result = self._spec_chain(reqs, gammas[0], max_steps, stops, full_steps, stop_on_reject)
-        return result if result is not None else self._regular_step(reqs, gammas, suffix_rows)
+        return result if result is not None else self._regular_step(reqs, gammas, suffix_rows, native_verify)
 
     def _plain_chain_len(self, reqs: list[Request], max_steps: int) -> int:
         """Tokens per row a plain native chain decodes (0: the regular one-token step).
@@ -200,10 +204,11 @@ class StepRunner:
         return StepResult([[g] * B] * ran, tokens, times[:ran], draft_lens, start=start,
                           full_steps=full_steps)  # fmt: skip
 
-    def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None) -> StepResult:
-        """One step in Python: ``_spec_step`` on the step's inputs."""
+    def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None,
+                      native_verify: bool = True) -> StepResult:  # fmt: skip
+        """One step driven from Python: ``_spec_step`` on the step's inputs."""
         batch, sampling = self.step_inputs(reqs, gammas, suffix_rows)
-        out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling)
+        out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling, native_verify)
         # a hybrid's suffix rows teach the controller nothing of the model drafter it prices
         learned = gammas if suffix_rows is None else [0 if s else g for g, s in zip(gammas, suffix_rows)]
         return StepResult([gammas], [[t[:n] for t, n in zip(out_tokens, num_accepted)]], [list(self.step_times)],
@@ -244,7 +249,8 @@ class StepRunner:
                           dev.pop("noise_seeds", None), suffix_rows)  # fmt: skip
         return batch, dev
 
-    def _spec_step(self, batch: StepBatch, sampling: dict) -> tuple[list[list[int]], list[int], list[int]]:
+    def _spec_step(self, batch: StepBatch, sampling: dict,
+                   native_verify: bool = True) -> tuple[list[list[int]], list[int], list[int]]:  # fmt: skip
         """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches.
 
         Returns the host's (emitted tokens [B][T], num_accepted [B], the draft cache's new lengths [B] where the
@@ -255,6 +261,38 @@ class StepRunner:
         index = to_device(self.device, torch.tensor(rows, dtype=torch.int64))[0] if partial else None  # [B_d]
         draft = self._propose(batch, rows, index)  # tokens/parents [B, T], draft_probs [B, T, V] | None
         drafted = time.perf_counter()
+        verified = self._native_verify(batch, draft) if native_verify else None
+        result, features = verified if verified is not None else self._verify(batch, draft, sampling)
+        out_tokens, num_accepted = self._read_step(result)  # the step's one host sync
+        draft_lens = [r.draft_len for r in batch.rows]
+        if features is not None:  # a drafter that reads the target's features keeps every row's, drafted or not
+            draft_lens = self.drafter.commit(batch, result, num_accepted, features)
+        elif rows:
+            sub = batch.select(rows, index) if partial else batch
+            sub_result = VerifyResult(*(x[index] for x in result)) if partial else result
+            new_lens = self.drafter.commit(sub, sub_result, [num_accepted[b] for b in rows])
+            for b, n in zip(rows, new_lens or []):
+                draft_lens[b] = n
+        self.step_times = (drafted - start, time.perf_counter() - start)
+        return out_tokens, num_accepted, draft_lens
+
+    def _native_verify(self, batch: StepBatch, draft: Draft) -> tuple[VerifyResult, torch.Tensor | None] | None:
+        """The step's target pass, greedy verification and compaction in one native call (``tree_step``) where every
+        row is greedy with a deterministic tree and the target runs natively (a drafter that reads the target's
+        features: the streams of its ``target_layers``, which the call returns); else None, as also where the call
+        leaves a row to the regular path (``_verify``)."""
+        drafter = self.drafter
+        if self.native_target is None or draft.draft_probs is not None or not all(r.greedy for r in batch.rows):
+            return None
+        if drafter is not None and drafter.needs_hidden and drafter.target_layers is None:
+            return None  # (a head on the final hidden states: the regular pass returns them)
+        capture = drafter.target_layers if drafter is not None and drafter.needs_hidden else ()
+        return tree_step(self.native_target, draft.tokens, draft.parents, batch.seqlens, self.kv.data,
+                         batch.block_table, capture=capture)  # fmt: skip
+
+    def _verify(self, batch: StepBatch, draft: Draft, sampling: dict) -> tuple[VerifyResult, torch.Tensor | None]:
+        """The regular step's target pass over the tree, ``verify_tree`` and the target cache's compaction: the
+        result, and the features of a drafter that reads the target's (else None)."""
         positions = batch.seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
         hidden, features = self.target_pass(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask,
                                              batch.block_table)  # fmt: skip
@@ -271,18 +309,7 @@ class StepRunner:
         )
         if draft.tokens.shape[1] > 1:  # a lone root's path is itself: nothing to move
             self.kv.compact_(batch.seqlens, result.accepted_nodes, result.num_accepted, block_table=batch.block_table)
-        out_tokens, num_accepted = self._read_step(result)  # the step's one host sync
-        draft_lens = [r.draft_len for r in batch.rows]
-        if features is not None:  # a drafter that reads the target's features keeps every row's, drafted or not
-            draft_lens = self.drafter.commit(batch, result, num_accepted, features)
-        elif rows:
-            sub = batch.select(rows, index) if partial else batch
-            sub_result = VerifyResult(*(x[index] for x in result)) if partial else result
-            new_lens = self.drafter.commit(sub, sub_result, [num_accepted[b] for b in rows])
-            for b, n in zip(rows, new_lens or []):
-                draft_lens[b] = n
-        self.step_times = (drafted - start, time.perf_counter() - start)
-        return out_tokens, num_accepted, draft_lens
+        return result, features
 
     def target_pass(self, *args) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's forward (``LlamaForCausalLM.forward``'s arguments): its final hidden states [B, T, H] and,

@@ -23,7 +23,7 @@ import torch
 
 from spec_kernels._backend import resolve_backend
 from spec_kernels.linear import linear
-from spec_kernels.reference import LAYER_FIELDS, QuantizedWeight, decoder_layer_loop, decoder_layers_ref
+from spec_kernels.reference import LAYER_FIELDS, QuantizedWeight, VerifyResult, decoder_layer_loop, decoder_layers_ref
 from spec_kernels.tree_attention import plan_tree_attention, tree_attention
 
 _EMPTY = torch.empty(0)  # stands for a missing optional weight in the C++ op's list (its schema has no holes)
@@ -329,6 +329,30 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, pending, pe
                                              target.check_cache(target_kv), draft.handle, model.check_cache(draft_kv),
                                              block_table, budget, stop_ids, gamma, max_steps, stop_on_reject,
                                              draft_features if head else None)  # fmt: skip
+
+
+def tree_step(
+    target: NativeModel, tokens, parents, seqlens, kv_cache, block_table=None, *, capture: Sequence[int] = ()
+) -> tuple[VerifyResult, torch.Tensor | None] | None:
+    """One greedy speculative step over trees drafted elsewhere, in one native call (``tree_step_cpu`` in
+    csrc/runner_cpu.cpp): the target's pass over every node (slot L_b + t, position L_b + its depth, seeing the prefix
+    and its ancestors), greedy verification (the walk ``verify_tree`` and ``spec_chain`` share) and the accepted paths'
+    K/V compacted to L_b .. in every plane: what the regular step's target pass, ``verify_tree`` and ``compact_kv_``
+    do for greedy rows, the same tokens and cache.
+
+    tokens, parents ``[B, T]`` int64 (``verify_tree``'s), seqlens ``[B]`` = L_b; ``capture``: the layers whose input
+    streams come back too (an EAGLE-3 head's features, ``LlamaForCausalLM.forward_features``). Returns
+    (``VerifyResult``, features ``[B, T, len(capture) * H]`` or None), or None, with nothing compacted, where some row
+    needs the regular path (a visited node's logits not finite, which it sanitises; a malformed tree, for which it
+    raises): it redoes the step, overwriting the slots this call wrote."""
+    if target.vocab_map is not None:
+        raise ValueError("tree_step: the target's vocabulary cannot be restricted (its logits decide the output)")
+    accepted, output, counts, features = torch.ops.spec_kernels.tree_step(
+        tokens, parents, seqlens, target.handle, target.check_cache(kv_cache), block_table, list(capture)
+    )  # [B, T], [B, T], [B], [B, T, F] | [0]
+    if int(counts.min()) < 1:
+        return None
+    return VerifyResult(accepted, output, counts), features if capture else None
 
 
 def eagle3_draft(

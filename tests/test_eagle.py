@@ -339,6 +339,28 @@ def test_native_eagle3_chains_match_plain(models, plain_greedy, tmp_path, spec):
         assert stats["num_regular_steps"] < stats["num_steps"] // 2
 
 
+def test_eagle3_trees_verify_natively_with_their_features(models, plain_greedy, tmp_path):
+    """An EAGLE-3 head's static trees take the regular step, verified in one native call (``tree_step``) that also
+    returns the target's features for the head: plain decoding's tokens, and the drafts and acceptances of the
+    separate ops (``EngineConfig(native_tree_step=False)``), which read the features from the target's pass."""
+    from spec_engine.engine import EngineConfig
+
+    target, _ = models
+    spec = {"method": "eagle", "model": str(write_published_head(tmp_path / "eagle3", "eagle3")),
+            "num_speculative_tokens": 3, "tree": [2, 2, 1]}  # fmt: skip
+    params = SamplingParams(max_tokens=24)
+    keys = ("num_steps", "num_drafted", "num_accepted", "accepted_length_hist")
+    runs = []
+    for native in (True, False):
+        llm = LLM(str(target), speculative_config=spec, max_model_len=128,
+                  engine_config=EngineConfig(native_tree_step=native))  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == plain_greedy
+        runs.append([{k: o.metrics[k] for k in keys} for o in outs])
+        assert llm.engine.stats["num_accepted"] > 0
+    assert runs[0] == runs[1]
+
+
 def test_native_sampled_chains_draw_as_the_level_by_level_path(models, tmp_path, monkeypatch):
     """A chain with sampled rows runs in one native call (eagle3_draft with each level's Gumbel noise): its draws
     are the level-by-level path's (the same keyed noise), so a batch of greedy and seeded (coupled) rows decodes

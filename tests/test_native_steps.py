@@ -455,3 +455,120 @@ def test_a_bfloat16_draft_under_a_float32_target(target, draft, monkeypatch):
         assert default.engine.drafter.kv.data.dtype == expected and default.engine.kv.data.dtype == torch.float32
     with pytest.raises(ValueError, match="draft_dtype must be one of"):
         LLM(str(target), speculative_config={**spec, "draft_dtype": "int8"})
+
+
+# --- one greedy step over trees drafted elsewhere (tree_step) ------------------------------------------------------
+
+
+def random_trees(continuations: list[list[int]], roots: list[int], T: int, V: int, seed: int):
+    """Trees [B, T] (tokens, parents) whose first branch follows each row's greedy continuation for a random depth
+    (0-3, so every row has accepted drafts or none), the other nodes random tokens under random parents, then
+    padding (parent -1, token 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, parents = torch.zeros(len(roots), T, dtype=torch.int64), torch.full((len(roots), T), -1)
+    for b, (root, cont) in enumerate(zip(roots, continuations)):
+        nodes = [(-1, root)]
+        for j in range(int(torch.randint(0, 4, (1,), generator=gen))):
+            nodes.append((len(nodes) - 1 if j else 0, cont[j]))
+        for _ in range(int(torch.randint(0, T - len(nodes), (1,), generator=gen))):  # leaves room for padding
+            nodes.append((int(torch.randint(0, len(nodes), (1,), generator=gen)),
+                          int(torch.randint(0, V, (1,), generator=gen))))  # fmt: skip
+        for i, (p, t) in enumerate(nodes):
+            tokens[b, i], parents[b, i] = t, p
+    return tokens, parents
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tree_step_is_the_regular_steps_pass_verify_and_compaction(target, dtype):
+    """``tree_step`` (one native call) against the regular step's ops on the same trees: the target's pass (positions
+    L_b + depth, the trees' masks), ``verify_tree``, ``compact_kv_``: the same result and, bit for bit, the same
+    cache; with ``capture``, the features ``forward_features`` returns."""
+    from spec_engine.tree import tree_mask_and_depths
+    from spec_kernels import compact_kv_, verify_tree
+    from spec_kernels.decoder_layers import greedy_steps, tree_step
+
+    llm = LLM(str(target), dtype=dtype)
+    eng, model = llm.engine, llm.target
+    native = eng.runner.native_target
+    B, P, T, V = 3, 48, 9, model.config.vocab_size
+    kv = eng.kv.data.new_zeros(eng.kv.data.shape[0], 2, B, P, *eng.kv.data.shape[4:])  # contiguous: B rows of P
+    first = torch.tensor([5, 60, 17])
+    greedy = greedy_steps(first, native, kv, torch.zeros(B, dtype=torch.int64), steps=24)  # [B, 24], cache 0 .. 23
+    L = torch.tensor([10, 14, 12], dtype=torch.int32)  # each row's root: its token at position L_b
+    roots = [int(greedy[b, L[b] - 1]) for b in range(B)]
+    conts = [greedy[b, L[b] :].tolist() for b in range(B)]
+    accepted_some = False
+    for seed in range(6):
+        tokens, parents = random_trees(conts, roots, T, V, seed)
+        mask, depths = tree_mask_and_depths(parents)
+        ref_kv, got_kv = kv.clone(), kv.clone()
+        hidden, features = model.forward_features(tokens, L.long()[:, None] + depths, ref_kv, L, mask, layers=[1, 0])
+        want = verify_tree(model.logits(hidden), tokens, parents, temperature=torch.zeros(B))  # greedy rows
+        compact_kv_(ref_kv.flatten(0, 1), L, want.accepted_nodes, want.num_accepted)
+        got, got_features = tree_step(native, tokens, parents, L, got_kv, capture=[1, 0])
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        assert torch.equal(got_kv, ref_kv)
+        assert torch.equal(got_features, features)
+        assert tree_step(native, tokens, parents, L, kv.clone())[1] is None  # no capture, no features
+        accepted_some = accepted_some or int(want.num_accepted.max()) > 1
+    assert accepted_some  # paths of several nodes: compaction moved rows
+
+
+def test_tree_step_leaves_a_bad_row_to_the_regular_step(target):
+    """A malformed tree runs nothing (the regular step raises its error); a non-finite maximum compacts nothing (the
+    regular step sanitises it): None both times."""
+    from spec_kernels.decoder_layers import tree_step
+
+    llm = LLM(str(target))
+    native = llm.engine.runner.native_target
+    kv = llm.engine.kv.data.new_zeros(llm.engine.kv.data.shape[0], 2, 1, 16, *llm.engine.kv.data.shape[4:])
+    tokens, parents, L = torch.tensor([[3, 4, 5]]), torch.tensor([[-1, 0, 2]]), torch.tensor([4])  # node 2 its own
+    assert tree_step(native, tokens, parents, L, kv) is None and not kv.any()
+    with torch.no_grad():
+        native.lm_head.fill_(float("nan"))  # (the native model's own lm_head: a view of the target's or a copy)
+    assert tree_step(native, tokens, torch.tensor([[-1, 0, 1]]), L, kv) is None
+
+
+SUFFIX_TREES = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_min_score": 0.0}
+
+
+def test_greedy_tree_steps_verify_natively(target, monkeypatch):
+    """Suffix speculation's trees (the regular step's drafts) verify in one ``tree_step`` call per step: the tokens
+    and the steps (drafts, acceptances) of the regular step's separate ops (``EngineConfig(native_tree_step=False)``)
+    and the tokens of plain decoding."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p * 3} for p in PROMPTS]  # repeats: suffix speculation has matches
+    plain = LLM(str(target)).generate(prompts, params, use_tqdm=False)
+    separate = LLM(str(target), speculative_config=SUFFIX_TREES, engine_config=EngineConfig(native_tree_step=False))
+    ref = separate.generate(prompts, params, use_tqdm=False)
+    widths, real = [], runner_mod.tree_step
+
+    def spy(native, tokens, *args, **kw):
+        widths.append(tokens.shape[1])
+        return real(native, tokens, *args, **kw)
+
+    monkeypatch.setattr(runner_mod, "tree_step", spy)
+    llm = LLM(str(target), speculative_config=SUFFIX_TREES)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert widths and max(widths) > 1  # trees verified natively
+    for a, b, c in zip(got, ref, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        assert {k: a.metrics[k] for k in STEP_METRICS} == {k: b.metrics[k] for k in STEP_METRICS}
+    assert llm.engine.stats["num_accepted"] > 0
+
+
+def test_tree_step_planted_bug_is_caught(target, monkeypatch):
+    """The parity check can fail: trees verified one position late change the tokens."""
+    llm = LLM(str(target), speculative_config=SUFFIX_TREES)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p * 3} for p in PROMPTS]
+    plain = LLM(str(target)).generate(prompts, params, use_tqdm=False)
+    real = runner_mod.tree_step
+
+    def shifted(native, tokens, parents, seqlens, *args, **kw):
+        return real(native, tokens, parents, seqlens + 1, *args, **kw)
+
+    monkeypatch.setattr(runner_mod, "tree_step", shifted)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in plain]

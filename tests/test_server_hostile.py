@@ -340,9 +340,12 @@ def test_a_faulty_request_fails_alone(server, monkeypatch):
     errors_before = metric(server, "specdec_requests_total", reason="error")
     http500_before = metric(server, "specdec_http_requests_total", endpoint="completions", status="500")
     monkeypatch.setattr(spec_engine.runner, "verify_tree", faulty)
-    # the fault sits in the regular step's verify: steps in one native call (no verify_tree) are turned off; they
-    # fail under the same per-request isolation (Engine._isolated wraps the whole decode)
-    monkeypatch.setattr(engine.engine, "config", EngineConfig(plain_chain=1, spec_chain_steps=0))
+    # the fault sits in the regular step's verify: steps in one native call (no verify_tree) and greedy trees'
+    # one-call verification are turned off; they fail under the same per-request isolation (Engine._isolated wraps
+    # the whole decode)
+    monkeypatch.setattr(
+        engine.engine, "config", EngineConfig(plain_chain=1, spec_chain_steps=0, native_tree_step=False)
+    )
 
     def post(ids, stream=False):
         body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "stream": stream}
