@@ -76,7 +76,7 @@ def _native_weights(x: torch.Tensor, weights: Sequence, kv_cache: torch.Tensor) 
 
 @dataclass(frozen=True, eq=False)
 class NativeModel:
-    """A whole model as the native step ops take it (``greedy_chain``, ``greedy_steps``, ``spec_chain``), built
+    """A whole model as the native step ops take it (``draft_chain``, ``greedy_steps``, ``spec_chain``), built
     once by the model's ``fuse`` (``native_model``): CPU tensors in one float32 or bfloat16 dtype, or GGUF blocks.
 
     Shapes: embed ``[V, H]``; lm_head ``[V, H]``, or ``[K, H]`` over ``vocab_map`` ``[K]`` int64 (a draft's
@@ -260,7 +260,7 @@ def _device_layers(
     )  # fmt: skip
 
 
-def greedy_chain(
+def draft_chain(
     root_logits: torch.Tensor,
     model: NativeModel,
     kv_cache: torch.Tensor,

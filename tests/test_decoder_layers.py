@@ -289,11 +289,11 @@ def test_capture_returns_the_streams_entering_layers(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_chain_equals_level_by_level(dtype):
+def test_draft_chain_equals_level_by_level(dtype):
     """The one-call greedy chain proposes what the drafter's level-by-level loop proposes (token d = argmax of
     token d-1's logits, tokens 1 .. gamma-1 run at positions L_b + d) and leaves the same K/V in the cache."""
     from spec_kernels import linear
-    from spec_kernels.decoder_layers import LayerWeights, NativeModel, greedy_chain
+    from spec_kernels.decoder_layers import LayerWeights, NativeModel, draft_chain
 
     Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
@@ -309,7 +309,7 @@ def test_greedy_chain_equals_level_by_level(dtype):
     kw = dict(num_heads=Hq, eps=EPS, block_table=table)
     native_kv = kv.clone()
     model = NativeModel(embed, LayerWeights(weights), final_norm.to(dtype), lm_head, rope_table, Hq, EPS)
-    chain = greedy_chain(root_logits, model, native_kv, seqlens, gamma=gamma, block_table=table)
+    chain = draft_chain(root_logits, model, native_kv, seqlens, gamma=gamma, block_table=table)
     loop_kv, logits, expected = kv.clone(), root_logits, []
     for d in range(1, gamma + 1):
         tok = logits.float().argmax(-1)  # [B]
@@ -391,7 +391,7 @@ def test_greedy_argmax_on_hard_rows(dtype, strict):
     """The one greedy choice every native path shares (verify_greedy, the runners): the first index of the maximum,
     over rows of every length around the vector widths, with ties, NaNs, infinities and a maximum in the tail. A
     chain of one runs no forward: its token is the argmax of the root logits, which this feeds directly."""
-    from spec_kernels.decoder_layers import LayerWeights, NativeModel, greedy_chain
+    from spec_kernels.decoder_layers import LayerWeights, NativeModel, draft_chain
 
     Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
@@ -412,6 +412,6 @@ def test_greedy_argmax_on_hard_rows(dtype, strict):
         _, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [3] * 8, 2, paged=True)
         rope_table = rope_rows(torch.arange(8)[None], D)[:, 0].to(dtype)
         model = NativeModel(embed, LayerWeights(weights), final_norm, embed, rope_table, Hq, EPS)
-        got = greedy_chain(logits, model, kv.to(dtype), seqlens, gamma=1, block_table=table, strict=strict)
+        got = draft_chain(logits, model, kv.to(dtype), seqlens, gamma=1, block_table=table, strict=strict)
         want = [_first_max(r, strict) for r in logits.float().tolist()]
         assert got[:, 0].tolist() == want, (V, got[:, 0].tolist(), want)

@@ -76,6 +76,12 @@ class StepBatch:
         return len(self.rows)
 
     @property
+    def draft_temperature(self) -> torch.Tensor:
+        """[B] the temperature each row's draft distribution q is taken at: the row's own, 1 on greedy rows (whose q
+        verification never reads, so no division by 0)."""
+        return torch.where(self.temperature == 0, 1.0, self.temperature)
+
+    @property
     def free_draws(self) -> bool:
         """Some row draws from its own random stream (neither greedy nor coupled: host-known)."""
         return any(not (r.greedy or r.coupled) for r in self.rows)

@@ -188,14 +188,14 @@ class DraftModelDrafter(Drafter):
         levels = self.tree.level_slices
         all_greedy = all(r.greedy for r in batch.rows)  # host-known: no random draws at all
         greedy = None if all_greedy else batch.temperature == 0  # [B]
-        temp = 1.0 if all_greedy else torch.where(greedy, 1.0, batch.temperature)[:, None, None]  # [B, 1, 1]
+        temp = 1.0 if all_greedy else batch.draft_temperature[:, None, None]  # [B, 1, 1]
         tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)  # [B, T]
         tokens[:, 0] = batch.roots
         root = self._catch_up(batch)  # [B, H]
         logits = self.model.logits(root)[:, None]  # [B, 1, V]: q logits of level 0
         if all_greedy and self.tree.is_chain and batch.coupled is None:
             # the whole chain in one native call: a level costs its weights, not a Python round of op dispatch
-            chain = self.model.greedy_chain(logits[:, 0], self.kv.data, L, depth, batch.block_table)  # [B, depth]
+            chain = self.model.draft_chain(logits[:, 0], self.kv.data, L, depth, batch.block_table)  # [B, depth]
             if chain is not None:
                 tokens[:, 1:] = chain
                 return Draft(tokens, parents, tree_mask, depths, None, "iid")

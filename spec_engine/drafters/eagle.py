@@ -200,8 +200,8 @@ class EagleHead(nn.Module):
                                 tree_mask, block_table)  # fmt: skip
         return self.finish(x, attn)
 
-    def greedy_chain(self, *args) -> None:
-        """None: a head's next level reads its own outputs as features, which ``LlamaForCausalLM.greedy_chain``'s
+    def draft_chain(self, *args) -> None:
+        """None: a head's next level reads its own outputs as features, which ``LlamaForCausalLM.draft_chain``'s
         one-call chain does not do (``EagleDrafter.propose`` runs an EAGLE-3 head's chain as ``eagle3_draft``)."""
         return None
 
@@ -391,9 +391,8 @@ class EagleDrafter(DraftModelDrafter):
         tokens = torch.cat((batch.roots[:, None], chain), dim=1)  # [B, depth + 1]
         if not sampled:
             return Draft(tokens, parents, tree_mask, depths, None, "iid")
-        # q: node d - 1's draft distribution, softmax(logits / temperature) over the draft vocabulary (greedy rows:
-        # temperature 1; verification reads no q of theirs)
-        temp = torch.where(batch.temperature == 0, 1.0, batch.temperature)[:, None, None]  # [B, 1, 1]
+        # q: node d - 1's draft distribution, softmax(logits / temperature) over the draft vocabulary
+        temp = batch.draft_temperature[:, None, None]  # [B, 1, 1]
         q = torch.zeros(batch.size, depth + 1, self.model.vocab_size, device=self.device)  # [B, T, V]
         q[:, :depth, self._draft_ids] = torch.softmax(logits / temp, dim=-1)
         return Draft(tokens, parents, tree_mask, depths, q, self.draft_sampling)
@@ -411,7 +410,7 @@ class EagleDrafter(DraftModelDrafter):
                 coupled = position_gumbel(batch.noise_seeds, batch.seqlens.long()[:, None] + (d - 1), V)[:, 0, ids]
                 noise = coupled if noise is None else torch.where(batch.coupled[:, None], coupled, noise)
             levels.append(noise)
-        inv_temp = torch.where(batch.temperature == 0, 0.0, 1.0 / batch.temperature.clamp(min=1e-30))
+        inv_temp = torch.where(batch.temperature == 0, 0.0, 1.0 / batch.draft_temperature.clamp(min=1e-30))
         return {"inv_temp": inv_temp.float().contiguous(), "noise": torch.stack(levels, 1).float().contiguous()}
 
     def _propose_dynamic(self, batch: StepBatch) -> Draft:

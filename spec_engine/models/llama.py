@@ -31,7 +31,7 @@ from spec_kernels.decoder_layers import (
     LayerWeights,
     NativeModel,
     decoder_layers,
-    greedy_chain,
+    draft_chain,
     native_model,
 )
 from spec_kernels.reference import QuantizedWeight, rms_norm_ref
@@ -308,15 +308,15 @@ class LlamaForCausalLM(nn.Module):
         """
         return self._decoder(input_ids, positions, kv_cache, cache_seqlens, tree_mask, block_table)
 
-    def greedy_chain(self, root_logits, kv_cache, cache_seqlens, gamma: int, block_table=None,
+    def draft_chain(self, root_logits, kv_cache, cache_seqlens, gamma: int, block_table=None,
                      strict: bool = False) -> torch.Tensor | None:  # fmt: skip
         """``gamma`` greedy tokens per row from the roots' logits [B, V] in one native call (see
-        ``spec_kernels.decoder_layers.greedy_chain``): [B, gamma], or None without the native handle (``native``)."""
+        ``spec_kernels.decoder_layers.draft_chain``): [B, gamma], or None without the native handle (``native``)."""
         if self.native is None:
             return None
         if self.vocab_map is not None:  # the chain runs over the restricted ids; -inf elsewhere never wins
             root_logits = root_logits[:, self.vocab_map]  # [B, K]
-        return greedy_chain(root_logits, self.native, kv_cache, cache_seqlens, gamma=gamma, block_table=block_table,
+        return draft_chain(root_logits, self.native, kv_cache, cache_seqlens, gamma=gamma, block_table=block_table,
                             strict=strict)  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
