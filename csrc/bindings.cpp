@@ -54,7 +54,7 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Na
                             const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
                             int64_t steps, const c10::optional<at::Tensor>& stop_ids);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
-    const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens,
+    const at::Tensor& catch_up, const at::Tensor& catch_up_lens, const at::Tensor& seqlens,
     const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv,
     const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
     const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
@@ -209,7 +209,7 @@ TORCH_LIBRARY(spec_kernels, m) {
       "greedy_steps(Tensor roots, __torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, "
       "Tensor cache_seqlens, Tensor? block_table, int steps, Tensor? stop_ids=None) -> Tensor");
   m.def(
-      "spec_chain(Tensor pending, Tensor pending_lens, Tensor seqlens, "
+      "spec_chain(Tensor catch_up, Tensor catch_up_lens, Tensor seqlens, "
       "__torch__.torch.classes.spec_kernels.NativeModel target, Tensor(a!) t_kv, "
       "__torch__.torch.classes.spec_kernels.NativeModel draft, Tensor(b!) d_kv, Tensor? block_table, Tensor budget, "
       "Tensor stop_ids, int gamma, int max_steps, bool stop_on_reject=False, Tensor(c!)? d_features=None) -> "

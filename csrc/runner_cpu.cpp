@@ -128,7 +128,7 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Na
   const at::Tensor ids = roots.to(at::kLong).contiguous();              // [B]
   const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
   ChainRows rows{B, 0, steps, false, {}, std::vector<int64_t>(B, 1), {}, std::vector<int64_t>(B, steps), {}, 1};
-  rows.gap.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + B);
+  rows.catch_up.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + B);
   rows.L.assign(seqlens.data_ptr<int64_t>(), seqlens.data_ptr<int64_t>() + B);
   if (stop_ids.has_value()) {
     const at::Tensor s = stop_ids->to(at::kLong).contiguous();
@@ -225,11 +225,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 // the chain at L_b .. L_b + gamma, and the longest prefix of drafts equal to the target's argmax is accepted, plus
 // the target's own next token. A chain's accepted nodes are a prefix: both caches stay in place (no compaction).
 // The engine's step does the same work in ~10 Python-driven op calls; here it costs its kernels (ChainRunner: no
-// ATen op inside the steps). gamma 0: plain greedy steps, the draft idle (its gap grows by each emitted token), a
+// ATen op inside the steps). gamma 0: plain greedy steps, the draft idle (its catch-up grows by each emitted token), a
 // head's features still stored: the plain decoding of a head's target.
 //
-// pending [B, P] int64: per row the tokens at positions D_b .. L_b (the draft cache's gap, then the root), padded
-// at the end; pending_lens [B]: their counts (>= 1); seqlens [B]: L_b; budget [B]: tokens the row may still emit
+// catch_up [B, P] int64: per row the tokens at positions D_b .. L_b (the draft cache's lag, then the root), padded
+// at the end; catch_up_lens [B]: their counts (>= 1); seqlens [B]: L_b; budget [B]: tokens the row may still emit
 // (a step starts only if every row has gamma + 1 of them left); stop_ids [S]: a step that emits one of them for any
 // row is the last, and so is one where some row accepted no draft when ``stop_on_reject`` (an adaptive controller
 // re-decides the depth after it). A step whose visited target logits are not finite (a NaN, or a non-finite
@@ -240,27 +240,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 // step's accepted positions become their features (HeadDraft).
 //
 // Returns (steps [B, max_steps, gamma + 2] int64: per step the count n of emitted tokens then the tokens, -1
-// padded, n = 0 for steps not run; pending_out [B, P'] and pending_lens_out [B]: the rows' new gaps; times
+// padded, n = 0 for steps not run; catch_up_out [B, P'] and catch_up_lens_out [B]: the rows' new catch-ups; times
 // [max_steps, 2] float64: per step the draft's and the whole step's seconds).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
-    const at::Tensor& pending, const at::Tensor& pending_lens, const at::Tensor& seqlens,
+    const at::Tensor& catch_up, const at::Tensor& catch_up_lens, const at::Tensor& seqlens,
     const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv,
     const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
     const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
     const c10::optional<at::Tensor>& d_features) {
   const NativeModel& t = *target_model;
   const NativeModel& d = *draft_model;
-  TORCH_CHECK_VALUE(pending.dim() == 2 && pending.size(1) >= 1, "spec_chain: pending must be [B, P], got ",
-                    pending.sizes());
-  const int64_t B = pending.size(0), P = pending.size(1);
+  TORCH_CHECK_VALUE(catch_up.dim() == 2 && catch_up.size(1) >= 1, "spec_chain: catch_up must be [B, P], got ",
+                    catch_up.sizes());
+  const int64_t B = catch_up.size(0), P = catch_up.size(1);
   TORCH_CHECK_VALUE(gamma >= 0 && max_steps >= 1, "spec_chain: gamma must be >= 0 and max_steps >= 1, got ", gamma,
                     " and ", max_steps);
-  for (const at::Tensor* t : {&pending_lens, &seqlens, &budget}) {
+  for (const at::Tensor* t : {&catch_up_lens, &seqlens, &budget}) {
     TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == B, "spec_chain: per-row inputs must be [B] = [", B, "]");
   }
   TORCH_CHECK_VALUE(!t.restricted() && !t.is_head(),
                     "spec_chain: the target is a whole model (its logits decide the output)");
-  const at::TensorOptions longs = pending.options().dtype(at::kLong);
+  const at::TensorOptions longs = catch_up.options().dtype(at::kLong);
   const bool head = d.is_head();  // the draft is an EAGLE-3 head on the target's captured streams
   TORCH_CHECK_VALUE(!head || d_features.has_value(), "spec_chain: an EAGLE-3 head needs its feature cache");
   if (head) {
@@ -272,16 +272,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   }
   ChainRows rows{B, gamma, max_steps, stop_on_reject, {}, std::vector<int64_t>(B), std::vector<int64_t>(B),
                  std::vector<int64_t>(B), {}, P};
-  const at::Tensor gap = pending.to(at::kLong).contiguous();  // [B, P]
-  rows.gap.assign(gap.data_ptr<int64_t>(), gap.data_ptr<int64_t>() + B * P);
-  const at::Tensor lens = pending_lens.to(at::kLong).contiguous(), L = seqlens.to(at::kLong).contiguous(),
+  const at::Tensor tokens = catch_up.to(at::kLong).contiguous();  // [B, P]
+  rows.catch_up.assign(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + B * P);
+  const at::Tensor lens = catch_up_lens.to(at::kLong).contiguous(), L = seqlens.to(at::kLong).contiguous(),
                    room = budget.to(at::kLong).contiguous(), stops = stop_ids.to(at::kLong).contiguous();
   for (int64_t b = 0; b < B; ++b) {
-    rows.gap_len[b] = lens.data_ptr<int64_t>()[b];
+    rows.catch_up_len[b] = lens.data_ptr<int64_t>()[b];
     rows.L[b] = L.data_ptr<int64_t>()[b];
     rows.room[b] = room.data_ptr<int64_t>()[b];
-    TORCH_CHECK_VALUE(rows.gap_len[b] >= 1 && rows.gap_len[b] <= P && rows.L[b] >= rows.gap_len[b] - 1,
-                      "spec_chain: row ", b, " has pending_lens ", rows.gap_len[b], " and L_b ", rows.L[b]);
+    TORCH_CHECK_VALUE(rows.catch_up_len[b] >= 1 && rows.catch_up_len[b] <= P && rows.L[b] >= rows.catch_up_len[b] - 1,
+                      "spec_chain: row ", b, " has catch_up_lens ", rows.catch_up_len[b], " and L_b ", rows.L[b]);
   }
   rows.stops.assign(stops.data_ptr<int64_t>(), stops.data_ptr<int64_t>() + stops.numel());
 
@@ -306,10 +306,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
       run_spec_chain(target, draft, rows, out, secs);
     });
   });
-  // [B, P']: the rows' gaps (pending itself when no step ran)
-  at::Tensor next_gap = at::empty({B, rows.ld}, longs);
-  std::copy(rows.gap.begin(), rows.gap.end(), next_gap.data_ptr<int64_t>());
-  return {steps, next_gap, at::tensor(rows.gap_len, longs), times};
+  // [B, P']: the rows' catch-ups (the input's when no step ran)
+  at::Tensor next_catch_up = at::empty({B, rows.ld}, longs);
+  std::copy(rows.catch_up.begin(), rows.catch_up.end(), next_catch_up.data_ptr<int64_t>());
+  return {steps, next_catch_up, at::tensor(rows.catch_up_len, longs), times};
 }
 
 // One greedy speculative step over trees drafted elsewhere (a suffix speculation, a static tree, a hybrid's rows):

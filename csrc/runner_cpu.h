@@ -280,33 +280,34 @@ void with_dtype(at::ScalarType dtype, F&& f) {
 }
 
 
-// The rows of a speculative call (spec_chain_cpu): per row the draft cache's gap then the root (row stride `ld`),
-// its length, L_b (the root's position), and the tokens it may still emit.
+// The rows of a speculative call (spec_chain_cpu): per row its catch-up, the tokens the draft cache lacks (its lag)
+// then the root (row stride `ld`), the catch-up's length (lag + 1), L_b (the root's position), and the tokens it may
+// still emit.
 struct ChainRows {
   int64_t B, gamma, max_steps;
   bool stop_on_reject;
-  std::vector<int64_t> gap, gap_len, L, room, stops;
+  std::vector<int64_t> catch_up, catch_up_len, L, room, stops;
   int64_t ld;
 
-  // After a step that drafted nothing (gamma 0: a plain step), the draft's cache did not move: each row's gap grows
+  // After a step that drafted nothing (gamma 0: a plain step), the draft's cache did not move: each row's catch-up grows
   // by the tokens it emitted (run_spec_chain applies it for every kind of draft).
   void extend(const std::vector<std::vector<int64_t>>& emitted) {
     int64_t width = 0;
-    for (int64_t b = 0; b < B; ++b) width = std::max<int64_t>(width, gap_len[b] + emitted[b].size());
+    for (int64_t b = 0; b < B; ++b) width = std::max<int64_t>(width, catch_up_len[b] + emitted[b].size());
     std::vector<int64_t> next(B * width, 0);  // [B, width]
     for (int64_t b = 0; b < B; ++b) {
-      std::copy(gap.begin() + b * ld, gap.begin() + b * ld + gap_len[b], next.begin() + b * width);
-      std::copy(emitted[b].begin(), emitted[b].end(), next.begin() + b * width + gap_len[b]);
-      gap_len[b] += static_cast<int64_t>(emitted[b].size());
+      std::copy(catch_up.begin() + b * ld, catch_up.begin() + b * ld + catch_up_len[b], next.begin() + b * width);
+      std::copy(emitted[b].begin(), emitted[b].end(), next.begin() + b * width + catch_up_len[b]);
+      catch_up_len[b] += static_cast<int64_t>(emitted[b].size());
     }
-    gap = std::move(next);
+    catch_up = std::move(next);
     ld = width;
   }
 };
 
 // A draft's side of a step, for run_spec_chain: propose(r, drafts) fills the chain [B, gamma] (gamma >= 1);
-// commit(r, emitted, drafts, target) sets the rows' next gaps after a drafted step; plain(r, emitted, target) is
-// what the draft keeps of a plain step (gamma 0), whose gaps the loop extends itself.
+// commit(r, emitted, drafts, target) sets the rows' next catch-ups after a drafted step; plain(r, emitted, target) is
+// what the draft keeps of a plain step (gamma 0), whose catch-ups the loop extends itself.
 
 // No draft: the target's plain greedy steps (gamma 0 only: propose and commit are never called).
 struct NoDraft {
@@ -317,7 +318,7 @@ struct NoDraft {
   void plain(const ChainRows&, const std::vector<std::vector<int64_t>>&, const ChainRunner<TT>&) {}
 };
 
-// A draft model's side of a speculative step: its catch-up (the gap, then the root, at L_b - gap_len + 1 ..), then
+// A draft model's side of a speculative step: its catch-up (the lag, then the root, at L_b - catch_up_len + 1 ..), then
 // its greedy chain. Its cache holds the root and drafts 1 .. gamma - 1 afterwards.
 template <typename TD>
 class ModelDraft {
@@ -326,20 +327,20 @@ class ModelDraft {
 
   void propose(const ChainRows& r, int64_t* drafts) {
     const int64_t B = r.B, H = model_.hidden_size();
-    const int64_t width = *std::max_element(r.gap_len.begin(), r.gap_len.end());
+    const int64_t width = *std::max_element(r.catch_up_len.begin(), r.catch_up_len.end());
     start_.resize(B);
-    for (int64_t b = 0; b < B; ++b) start_[b] = r.L[b] - r.gap_len[b] + 1;
-    const TD* hidden = model_.forward(r.gap.data(), r.ld, B, width, start_.data());  // [B * width, H]
+    for (int64_t b = 0; b < B; ++b) start_[b] = r.L[b] - r.catch_up_len[b] + 1;
+    const TD* hidden = model_.forward(r.catch_up.data(), r.ld, B, width, start_.data());  // [B * width, H]
     root_.clear();
     for (int64_t b = 0; b < B; ++b) {  // [B, H]: each row's root
-      const TD* row = hidden + (b * width + r.gap_len[b] - 1) * H;
+      const TD* row = hidden + (b * width + r.catch_up_len[b] - 1) * H;
       root_.insert(root_.end(), row, row + H);
     }
     const TD* logits = model_.logits(root_.data(), B);  // [B, V]
     run_chain(model_, logits, model_.vocab(), r.L.data(), B, r.gamma, false, id_of_, drafts);
   }
 
-  // The rows' next gaps once `emitted` [B][n] (accepted drafts, then the target's token) is known: the bonus, after
+  // The rows' next catch-ups once `emitted` [B][n] (accepted drafts, then the target's token) is known: the bonus, after
   // the last draft where all were accepted (the chain never ran it). r.L is still the step's.
   template <typename TT>
   void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t* drafts,
@@ -350,9 +351,9 @@ class ModelDraft {
       const bool all = n == r.gamma + 1;
       next[b * 2] = all ? drafts[b * r.gamma + r.gamma - 1] : emitted[b][n - 1];
       next[b * 2 + 1] = emitted[b][n - 1];
-      r.gap_len[b] = all ? 2 : 1;
+      r.catch_up_len[b] = all ? 2 : 1;
     }
-    r.gap = std::move(next);
+    r.catch_up = std::move(next);
     r.ld = 2;
   }
 
@@ -392,7 +393,7 @@ struct ChainDraws {
 // paged feature cache [1, num_blocks, block_size, H] (an entry at position p the feature of p - 1, zeros at 0); its
 // chain feeds each node its parent's raw output as its feature; with `fc` [H, F] (the head's map of the target's
 // captured streams to its features) commit stores the accepted positions' features. The head's cache keeps only the
-// root's entry of a step (built on a true feature): the next step's gap is every token the step emitted.
+// root's entry of a step (built on a true feature): the next step's catch-up is every token the step emitted.
 template <typename T>
 class HeadDraft {
  public:
@@ -468,25 +469,25 @@ class HeadDraft {
   }
 
   void propose(const ChainRows& r, int64_t* drafts) {
-    const int64_t B = r.B, width = *std::max_element(r.gap_len.begin(), r.gap_len.end());
+    const int64_t B = r.B, width = *std::max_element(r.catch_up_len.begin(), r.catch_up_len.end());
     start_.resize(B), last_.resize(B);
-    for (int64_t b = 0; b < B; ++b) start_[b] = r.L[b] - r.gap_len[b] + 1, last_[b] = r.gap_len[b] - 1;
-    const T* raw = entries(r.gap.data(), r.ld, B, width, start_.data());
+    for (int64_t b = 0; b < B; ++b) start_[b] = r.L[b] - r.catch_up_len[b] + 1, last_[b] = r.catch_up_len[b] - 1;
+    const T* raw = entries(r.catch_up.data(), r.ld, B, width, start_.data());
     chain(raw, B, width, start_.data(), last_.data(), r.gamma, drafts);
   }
 
   // The features of the step's accepted positions L_b .. L_b + n - 1 (fc of the target's captured streams), and
-  // the next gaps: every emitted token (positions L_b + 1 .. L_b + n, the head's entries of the drafted ones were
+  // the next catch-ups: every emitted token (positions L_b + 1 .. L_b + n, the head's entries of the drafted ones were
   // built on its own guesses). r.L is still the step's.
   void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t*,
               const ChainRunner<T>& target) {
     plain(r, emitted, target);
     const int64_t T_ = r.gamma + 1;
     r.ld = T_;
-    r.gap.assign(r.B * T_, 0);
+    r.catch_up.assign(r.B * T_, 0);
     for (int64_t b = 0; b < r.B; ++b) {
-      std::copy(emitted[b].begin(), emitted[b].end(), r.gap.begin() + b * T_);
-      r.gap_len[b] = static_cast<int64_t>(emitted[b].size());
+      std::copy(emitted[b].begin(), emitted[b].end(), r.catch_up.begin() + b * T_);
+      r.catch_up_len[b] = static_cast<int64_t>(emitted[b].size());
     }
   }
 
@@ -558,7 +559,7 @@ void run_tree_step(ChainRunner<T>& target, const int64_t* tokens, const int64_t*
   }
 }
 
-// The steps of spec_chain_cpu into steps [B, S, gamma + 2] and times [S, 2]; leaves the rows' gaps in `r`. `draft`:
+// The steps of spec_chain_cpu into steps [B, S, gamma + 2] and times [S, 2]; leaves the rows' catch-ups in `r`. `draft`:
 // a ModelDraft or a HeadDraft (whose commit reads the target's captured streams).
 template <typename TT, typename Draft>
 void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, int64_t* out, double* secs) {
@@ -573,9 +574,9 @@ void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, int64_t
     for (int64_t b = 0; b < B; ++b) fits = fits && r.room[b] >= T;
     if (!fits) break;
     const auto start = std::chrono::steady_clock::now();
-    // 1. the draft catches up on its gap, then the root (the gap's last token), and drafts its chain (gamma 0: a
+    // 1. the draft catches up on its lag, then the root (the catch-up's last token), and drafts its chain (gamma 0: a
     // plain step, the draft idle)
-    for (int64_t b = 0; b < B; ++b) tokens[b * T] = r.gap[b * r.ld + r.gap_len[b] - 1];
+    for (int64_t b = 0; b < B; ++b) tokens[b * T] = r.catch_up[b * r.ld + r.catch_up_len[b] - 1];
     if (gamma > 0) draft.propose(r, drafts.data());
     const auto drafted = std::chrono::steady_clock::now();
     // 2. the target runs the root and the chain, and greedy acceptance keeps the longest prefix of drafts equal to

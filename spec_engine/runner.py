@@ -179,28 +179,28 @@ class StepRunner:
         start = time.perf_counter()
         B = len(reqs)
         lags = [self.cache_lag(r) for r in reqs]
-        pending = np.zeros((B, max(lags) + 1), dtype=np.int64)  # [B, P]: each draft cache's gap, then the root
+        catch_up = np.zeros((B, max(lags) + 1), dtype=np.int64)  # [B, P]: each draft cache's lag, then the root
         for b, (r, lag) in enumerate(zip(reqs, lags)):
-            pending[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
+            catch_up[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
         lengths = [r.num_computed for r in reqs]
         reach = min(max_steps * (g + 1), max(r.tokens_left for r in reqs))  # positions a row may write past L_b
         table = self.block_table(reqs, max(lengths) + reach + 2)  # [B, W]
         result = spec_chain(
-            self.native_target, self.native_draft, torch.from_numpy(pending),
+            self.native_target, self.native_draft, torch.from_numpy(catch_up),
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
             torch.tensor([r.tokens_left for r in reqs]),
             stops, gamma=g, max_steps=max_steps, stop_on_reject=stop_on_reject,
             draft_features=self.drafter.features,
         )  # fmt: skip
-        steps, _, gap_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
-        steps, gap_lens, times = steps.tolist(), gap_lens.tolist(), times.tolist()
+        steps, _, catch_up_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
+        steps, catch_up_lens, times = steps.tolist(), catch_up_lens.tolist(), times.tolist()
         ran = next((s for s in range(max_steps) if steps[0][s][0] == 0), max_steps)  # every row runs every step
         if ran == 0:
             return None  # the first step's target logits were not finite: the regular step decodes it
         tokens = [[steps[b][s][1 : 1 + steps[b][s][0]] for b in range(B)] for s in range(ran)]  # [S][B][n]
-        # the draft cache lags by its gap (the pending tokens before the root) behind the rows' new L_b
+        # the draft cache lags by its catch-up's tokens before the root (its lag) behind the rows' new L_b
         draft_lens = [r.num_computed + sum(len(t[b]) for t in tokens) - (n - 1) for b, (r, n) in
-                      enumerate(zip(reqs, gap_lens))]  # fmt: skip
+                      enumerate(zip(reqs, catch_up_lens))]  # fmt: skip
         return StepResult([[g] * B] * ran, tokens, times[:ran], draft_lens, start=start,
                           full_steps=full_steps)  # fmt: skip
 

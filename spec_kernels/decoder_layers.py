@@ -305,7 +305,7 @@ def greedy_steps(
                                                block_table, steps, stop_ids)  # fmt: skip
 
 
-def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, pending, pending_lens, seqlens, target_kv,
+def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, catch_up_lens, seqlens, target_kv,
                draft_kv, block_table, budget, stop_ids, *, gamma: int, max_steps: int, stop_on_reject: bool = False,
                draft_features: torch.Tensor | None = None):  # fmt: skip
     """Up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chain in one native call
@@ -313,11 +313,11 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, pending, pe
     ``[1, num_blocks, block_size, H]`` (on the caches' blocks), and each step writes the accepted positions' there.
     ``gamma`` 0: plain greedy steps, the draft idle (a head's features still written).
 
-    pending ``[B, P]`` the tokens each row's draft cache lacks then its root, pending_lens / seqlens (L_b) / budget
-    ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``: per step the count n of emitted tokens
-    then the tokens; the rows' new pending ``[B, P']`` and pending_lens ``[B]``; times ``[max_steps, 2]``: per step
-    the draft's and the whole step's seconds). ``stop_on_reject``: a step where some row accepted no draft is the
-    call's last (an adaptive controller then re-decides the depth).
+    catch_up ``[B, P]`` the tokens each row's draft cache lacks (its lag) then its root, catch_up_lens / seqlens
+    (L_b) / budget ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``: per step the count n of
+    emitted tokens then the tokens; the rows' new catch_up ``[B, P']`` and catch_up_lens ``[B]``; times
+    ``[max_steps, 2]``: per step the draft's and the whole step's seconds). ``stop_on_reject``: a step where some row
+    accepted no draft is the call's last (an adaptive controller then re-decides the depth).
     """
     if target.vocab_map is not None:
         raise ValueError("spec_chain: the target's vocabulary cannot be restricted (its logits decide the output)")
@@ -325,7 +325,7 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, pending, pe
     if head and draft_features is None:
         raise ValueError("spec_chain: an EAGLE-3 head needs its feature cache (draft_features)")
     model = draft.model if head else draft
-    return torch.ops.spec_kernels.spec_chain(pending, pending_lens, seqlens, target.handle,
+    return torch.ops.spec_kernels.spec_chain(catch_up, catch_up_lens, seqlens, target.handle,
                                              target.check_cache(target_kv), draft.handle, model.check_cache(draft_kv),
                                              block_table, budget, stop_ids, gamma, max_steps, stop_on_reject,
                                              draft_features if head else None)  # fmt: skip

@@ -239,8 +239,8 @@ def test_spec_chain_planted_bug_is_caught(target, draft, monkeypatch):
     ref = run_spec(llm, params, 0)
     real = runner_mod.spec_chain
 
-    def shifted(t, d, pending, pending_lens, seqlens, *args, **kw):
-        return real(t, d, pending, pending_lens, seqlens + 1, *args, **kw)
+    def shifted(t, d, catch_up, catch_up_lens, seqlens, *args, **kw):
+        return real(t, d, catch_up, catch_up_lens, seqlens + 1, *args, **kw)
 
     monkeypatch.setattr(runner_mod, "spec_chain", shifted)
     got = run_spec(llm, params, 4)
@@ -264,7 +264,7 @@ def test_spec_chain_non_finite_logits_take_the_regular_step(target, draft, monke
 
 def test_spec_chain_at_depth_zero_is_plain_decoding(target, draft):
     """spec_chain at depth 0 (the plain decoding of a head's target): greedy_steps' tokens and target cache, the
-    draft idle (its cache untouched), each row's gap grown by every token it emitted."""
+    draft idle (its cache untouched), each row's catch-up grown by every token it emitted."""
     from spec_kernels.decoder_layers import greedy_steps, spec_chain
 
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
@@ -279,12 +279,13 @@ def test_spec_chain_at_depth_zero_is_plain_decoding(target, draft):
     kv_plain, kv_spec, d_kv = cache(eng.kv.data), cache(eng.kv.data), cache(eng.drafter.kv.data)
     target_model, draft_model = eng.runner.native_target, eng.runner.native_draft
     want = greedy_steps(roots, target_model, kv_plain, zero, steps=K)  # [B, K]
-    steps, gap, gap_lens, _ = spec_chain(target_model, draft_model, roots[:, None], zero + 1, zero, kv_spec, d_kv,
-                                         None, zero + 100, zero[:0], gamma=0, max_steps=K)  # fmt: skip
+    steps, catch_up, catch_up_lens, _ = spec_chain(target_model, draft_model, roots[:, None], zero + 1, zero,
+                                                   kv_spec, d_kv, None, zero + 100, zero[:0], gamma=0,
+                                                   max_steps=K)  # fmt: skip
     assert steps.shape == (B, K, 2) and bool((steps[:, :, 0] == 1).all())
     assert torch.equal(steps[:, :, 1], want)
     assert torch.equal(kv_spec, kv_plain) and not d_kv.any()
-    assert gap_lens.tolist() == [K + 1] * B and torch.equal(gap, torch.cat([roots[:, None], want], dim=1))
+    assert catch_up_lens.tolist() == [K + 1] * B and torch.equal(catch_up, torch.cat([roots[:, None], want], dim=1))
 
 
 def test_native_models_are_checked_once_and_roles_kept(target, draft):
@@ -318,7 +319,7 @@ def test_native_models_are_checked_once_and_roles_kept(target, draft):
 
 def test_spec_chain_catches_up_a_prompt_natively(target, draft, monkeypatch):
     """Under the adaptive controller the draft cache is filled lazily: a request's first drafted step feeds the draft
-    its whole prompt. That step runs natively too (the call's pending holds the prompt), ragged rows within the
+    its whole prompt. That step runs natively too (the call's catch-up holds the prompt), ragged rows within the
     depth of each other in one call, with the tokens of plain decoding; a new request's calls end at a rejection,
     a request with evidence keeps its depth through them."""
     spec = {"method": "draft_model", "model": str(draft)}
@@ -329,9 +330,9 @@ def test_spec_chain_catches_up_a_prompt_natively(target, draft, monkeypatch):
                                                           use_tqdm=False)]  # fmt: skip
     seen, real = [], runner_mod.spec_chain
 
-    def spy(t, d, pending, pending_lens, *args, **kw):
-        seen.append((pending_lens.tolist(), kw["stop_on_reject"]))
-        return real(t, d, pending, pending_lens, *args, **kw)
+    def spy(t, d, catch_up, catch_up_lens, *args, **kw):
+        seen.append((catch_up_lens.tolist(), kw["stop_on_reject"]))
+        return real(t, d, catch_up, catch_up_lens, *args, **kw)
 
     monkeypatch.setattr(runner_mod, "spec_chain", spy)
     for batch in (prompts[2:], prompts[:2]):  # a short prompt, then the long ones together (lags 29 and 28)
@@ -363,8 +364,8 @@ def test_native_catch_up_drafts_what_the_regular_catch_up_drafts(target, draft, 
     assert accepted(4) == regular and sum(n for n, _ in regular) > 0
     real = runner_mod.spec_chain
 
-    def late(t, d, pending, pending_lens, *args, **kw):
-        return real(t, d, pending.roll(1, dims=1), pending_lens, *args, **kw)
+    def late(t, d, catch_up, catch_up_lens, *args, **kw):
+        return real(t, d, catch_up.roll(1, dims=1), catch_up_lens, *args, **kw)
 
     monkeypatch.setattr(runner_mod, "spec_chain", late)
     assert accepted(4) != regular
