@@ -1,7 +1,8 @@
 // Greedy acceptance's one routine (walk), and its argmax: the first index of the maximum of a row of logits z [V]
 // (float32 or bfloat16). verify_tree's greedy walk (csrc/verify_tree_cpu.cpp) and the native step runners
-// (csrc/runner_cpu.cpp) both walk with it, so every greedy path picks exactly the same token and path. An AVX-512 body, an AVX2 one and a scalar one, chosen once per process
-// (simd::cpu_isa); all three give the same index (a maximum is exact, and the first index of it is unique).
+// (csrc/runner_cpu.cpp) both walk with it, so every greedy path picks exactly the same token and path. The argmax
+// has an AVX-512 body, an AVX2 one and a scalar one, chosen once per process (simd::cpu_isa); all three give the
+// same index (a maximum is exact, and the first index of it is unique).
 //
 // strict (the target's choice): -1 where the row holds a NaN or its maximum is not finite, the rows the Python path
 // sanitises or rejects. Otherwise (a draft's guess, which costs acceptance only, never correctness) NaNs are skipped
@@ -125,13 +126,6 @@ int64_t argmax(const T* z, int64_t V, bool strict) {
   return argmax_scalar(z, V, strict);
 }
 
-// Greedy acceptance over one row's tree of T nodes (docs/ARCHITECTURE.md, verify_tree, "Greedy"): tokens [T] and
-// parents [T] (parents[i] < i, -1 for the root and padding), row(i) node i's logits [V]. From the root, move to the
-// first child (in node order) whose token is the target's argmax at the current node; where none matches, or at a
-// leaf, emit the argmax. Writes the path's nodes into path (path[0] = 0) and the emitted tokens into out (the
-// accepted drafts, then the recovered or bonus token), at most T each; returns how many tokens were emitted (>= 1),
-// or 0 where a visited node's maximum is not finite (the row then counts as not verified). A chain is the tree whose
-// parents are -1, 0, 1, ...
 // Whether a row's tree is one walk can take: every parent -1 or an earlier node, every drafted token (a node with a
 // parent) an id of the V-token vocabulary.
 inline bool well_formed(const int64_t* tokens, const int64_t* parents, int64_t T, int64_t V) {
@@ -141,6 +135,13 @@ inline bool well_formed(const int64_t* tokens, const int64_t* parents, int64_t T
   return true;
 }
 
+// Greedy acceptance over one row's tree of T nodes (docs/ARCHITECTURE.md, verify_tree, "Greedy"): tokens [T] and
+// parents [T] (parents[i] < i, -1 for the root and padding), row(i) node i's logits [V]. From the root, move to the
+// first child (in node order) whose token is the target's argmax at the current node; where none matches, or at a
+// leaf, emit the argmax. Writes the path's nodes into path (path[0] = 0) and the emitted tokens into out (the
+// accepted drafts, then the recovered or bonus token), at most T each; returns how many tokens were emitted (>= 1),
+// or 0 where a visited node's maximum is not finite (the row then counts as not verified). A chain is the tree whose
+// parents are -1, 0, 1, ...
 template <typename Row>
 int64_t walk(const Row& row, int64_t V, const int64_t* tokens, const int64_t* parents, int64_t T, int64_t* path,
              int64_t* out) {

@@ -215,8 +215,9 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor stop_ids, int gamma, int max_steps, bool stop_on_reject=False, Tensor(c!)? d_features=None) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "tree_step(Tensor tokens, Tensor parents, Tensor seqlens, __torch__.torch.classes.spec_kernels.NativeModel model, "
-      "Tensor(a!) kv_cache, Tensor? block_table, int[] capture=[]) -> (Tensor, Tensor, Tensor, Tensor)");
+      "tree_step(Tensor tokens, Tensor parents, Tensor seqlens, "
+      "__torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, Tensor? block_table, "
+      "int[] capture=[]) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "eagle3_draft(Tensor tokens, Tensor start, Tensor last, Tensor feature_cache, "
       "__torch__.torch.classes.spec_kernels.NativeModel head, Tensor(a!) kv_cache, Tensor? block_table, int gamma, "

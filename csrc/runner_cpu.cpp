@@ -1,17 +1,18 @@
 // The native step runners' op entry points (their pieces: csrc/runner_cpu.h): a draft's greedy chain
 // (draft_chain), the target's plain greedy steps (greedy_steps), an EAGLE-3 head's entries and chain (eagle3_draft),
 // greedy speculative steps of a draft model's or a head's chains (spec_chain) and one greedy step over trees drafted
-// elsewhere (tree_step). Each forward is the layer
-// stack's (csrc/layers_cpu.h), so a runner emits exactly the tokens the op path's steps emit. Each takes its
-// models as NativeModel objects (csrc/native_model.h), built and checked once per model.
+// elsewhere (tree_step). Each forward is the layer stack's (csrc/layers_cpu.h), so a runner emits exactly the tokens
+// the op path's steps emit. Each takes its models as NativeModel objects (csrc/native_model.h), built and checked
+// once per model.
 
 #include "native_model.h"
 #include "runner_cpu.h"
 
 namespace specdec {
 
+// csrc/compact_kv_cpu.cpp
 void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, const at::Tensor& accepted_nodes,
-                    const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table);  // compact_kv_cpu.cpp
+                    const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table);
 
 NativeModel::NativeModel(at::Tensor embed_, std::vector<at::Tensor> weights_, at::Tensor final_norm_,
                          at::Tensor lm_head_, at::Tensor rope_table_, int64_t num_heads_, double eps_,
@@ -348,12 +349,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_step_cpu(
     if (!capture.empty()) target.capture(capture);
     run_tree_step(target, tok.data_ptr<int64_t>(), par.data_ptr<int64_t>(), B, T, L.data_ptr<int64_t>(),
                   accepted.data_ptr<int64_t>(), output.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
-    if (!capture.empty() && counts.min().item<int64_t>() >= 0) {  // (a malformed tree ran no forward)
+    if (!capture.empty() && (B == 0 || counts.min().item<int64_t>() >= 0)) {  // (a malformed tree ran no forward)
       features = at::empty({B, T, target.num_capture() * target.hidden_size()}, features.options());
       std::copy(target.captured(), target.captured() + features.numel(), features.data_ptr<T_>());
     }
   });
-  if (T > 1 && counts.min().item<int64_t>() >= 1) {
+  if (B > 0 && T > 1 && counts.min().item<int64_t>() >= 1) {
     const c10::optional<at::Tensor> paged = table.defined() ? c10::optional<at::Tensor>(table) : c10::nullopt;
     compact_kv_cpu(kv_cache.flatten(0, 1), L, accepted, counts, paged);  // [2 * layers, blocks, block_size, ...]
   }

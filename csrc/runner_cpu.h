@@ -289,8 +289,8 @@ struct ChainRows {
   std::vector<int64_t> catch_up, catch_up_len, L, room, stops;
   int64_t ld;
 
-  // After a step that drafted nothing (gamma 0: a plain step), the draft's cache did not move: each row's catch-up grows
-  // by the tokens it emitted (run_spec_chain applies it for every kind of draft).
+  // After a step that drafted nothing (gamma 0: a plain step), the draft's cache did not move: each row's catch-up
+  // grows by the tokens it emitted (run_spec_chain applies it for every kind of draft).
   void extend(const std::vector<std::vector<int64_t>>& emitted) {
     int64_t width = 0;
     for (int64_t b = 0; b < B; ++b) width = std::max<int64_t>(width, catch_up_len[b] + emitted[b].size());
@@ -318,8 +318,8 @@ struct NoDraft {
   void plain(const ChainRows&, const std::vector<std::vector<int64_t>>&, const ChainRunner<TT>&) {}
 };
 
-// A draft model's side of a speculative step: its catch-up (the lag, then the root, at L_b - catch_up_len + 1 ..), then
-// its greedy chain. Its cache holds the root and drafts 1 .. gamma - 1 afterwards.
+// A draft model's side of a speculative step: its catch-up (the lag, then the root, at L_b - catch_up_len + 1 ..),
+// then its greedy chain. Its cache holds the root and drafts 1 .. gamma - 1 afterwards.
 template <typename TD>
 class ModelDraft {
  public:
@@ -340,8 +340,8 @@ class ModelDraft {
     run_chain(model_, logits, model_.vocab(), r.L.data(), B, r.gamma, false, id_of_, drafts);
   }
 
-  // The rows' next catch-ups once `emitted` [B][n] (accepted drafts, then the target's token) is known: the bonus, after
-  // the last draft where all were accepted (the chain never ran it). r.L is still the step's.
+  // The rows' next catch-ups once `emitted` [B][n] (accepted drafts, then the target's token) is known: the bonus,
+  // after the last draft where all were accepted (the chain never ran it). r.L is still the step's.
   template <typename TT>
   void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t* drafts,
               const ChainRunner<TT>&) {
@@ -559,8 +559,8 @@ void run_tree_step(ChainRunner<T>& target, const int64_t* tokens, const int64_t*
   }
 }
 
-// The steps of spec_chain_cpu into steps [B, S, gamma + 2] and times [S, 2]; leaves the rows' catch-ups in `r`. `draft`:
-// a ModelDraft or a HeadDraft (whose commit reads the target's captured streams).
+// The steps of spec_chain_cpu into steps [B, S, gamma + 2] and times [S, 2]; leaves the rows' catch-ups in `r`.
+// `draft`: a ModelDraft or a HeadDraft (whose commit reads the target's captured streams).
 template <typename TT, typename Draft>
 void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, int64_t* out, double* secs) {
   const int64_t B = r.B, gamma = r.gamma, T = gamma + 1, max_steps = r.max_steps;

@@ -350,7 +350,7 @@ def tree_step(
     accepted, output, counts, features = torch.ops.spec_kernels.tree_step(
         tokens, parents, seqlens, target.handle, target.check_cache(kv_cache), block_table, list(capture)
     )  # [B, T], [B, T], [B], [B, T, F] | [0]
-    if int(counts.min()) < 1:
+    if counts.numel() and int(counts.min()) < 1:
         return None
     return VerifyResult(accepted, output, counts), features if capture else None
 
