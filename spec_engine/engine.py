@@ -378,7 +378,7 @@ class Engine:
         for b, req in enumerate(reqs):
             suffix = plan.suffix_rows[b] if plan.suffix_rows is not None else plan.gammas[b] > 0
             if suffix and plan.expected[b] > 0:
-                req.score_trust.observe(plan.expected[b] / req.score_trust.value, len(result.tokens[0][b]) - 1)
+                req.score_trust.observe(plan.expected[b] / req.score_trust.value, result.counts[0][b] - 1)
 
     def _plan(self, reqs: list[Request], gammas: list[int]) -> DraftPlan:
         """The drafter's revision of the step's depths (``Drafter.plan``: a suffix drafter drops the rows nothing
@@ -406,13 +406,13 @@ class Engine:
     def _apply(self, reqs: list[Request], result: StepResult) -> list[StepOutput]:
         """Commit a decode call (``StepResult``) once: each row's tokens, cut at its stop token or max_tokens (the
         steps after that are not its own), its lengths, the metrics and the controller's evidence."""
-        now, S = time.perf_counter(), len(result.tokens)
+        now, S = time.perf_counter(), len(result.counts)
         live: list[list[int]] = [[] for _ in range(S)]  # per step: the rows still running at its start
         follows = self.drafter is None or not self.drafter.keeps_cache  # no cache of its own: it follows L_b
         outputs = []
         for b, req in enumerate(reqs):
-            counts = [len(step[b]) for step in result.tokens]
-            new = self._truncate(req, [t for step in result.tokens for t in step[b]])
+            counts = [step[b] for step in result.counts]
+            new = self._truncate(req, result.tokens[b])
             kept, emitted = 1, counts[0]  # the steps whose tokens the row keeps (its first, at least)
             while kept < S and emitted < len(new):
                 emitted += counts[kept]
@@ -461,7 +461,7 @@ class Engine:
                 for s in range(ran):
                     rows = live[s]
                     self.controller.observe([reqs[b] for b in rows], [learned[s][b] for b in rows],
-                                            [len(result.tokens[s][b]) for b in rows], *costs[s],
+                                            [result.counts[s][b] for b in rows], *costs[s],
                                             timed=timed)  # fmt: skip
         return outputs
 

@@ -43,17 +43,19 @@ class StepResult:
     """What one decode call did, for ``Engine._apply`` to commit once: the regular step (one step), a plain chain
     (K one-token steps in one native call) or a spec chain (several drafted steps in one native call).
 
-    Per step s the call ran: ``gammas[s]`` [B] each row's depth (0: undrafted), ``tokens[s]`` [B][n] the tokens each
-    row emitted (its accepted path and the recovered or bonus token), ``times[s]`` (draft seconds, whole step
-    seconds) as measured. ``draft_lens`` [B]: the drafter caches' lengths after the call (what ``Drafter.commit``
-    returns; None: unchanged). A native call's own work (inputs, dispatch, committing) is spread over
-    ``full_steps`` steps from ``start`` (``chain_step_costs``; 0: the times are final). ``learned`` [S][B]: the depths
-    the controller learns acceptance from (None: ``gammas``; a hybrid's suffix rows say nothing of its model
-    drafter), ``timed``: whether the costs price step shapes the controller models.
+    ``tokens[b]``: every token row b emitted in the call, in order (each step's accepted path and its recovered or
+    bonus token). Per step s the call ran: ``gammas[s]`` [B] each row's depth (0: undrafted), ``counts[s]`` [B] the
+    tokens each row emitted in it, ``times[s]`` (draft seconds, whole step seconds) as measured. ``draft_lens`` [B]:
+    the drafter caches' lengths after the call (what ``Drafter.commit`` returns; None: unchanged). A native call's own
+    work (inputs, dispatch, committing) is spread over ``full_steps`` steps from ``start`` (``chain_step_costs``; 0:
+    the times are final). ``learned`` [S][B]: the depths the controller learns acceptance from (None: ``gammas``; a
+    hybrid's suffix rows say nothing of its model drafter), ``timed``: whether the costs price step shapes the
+    controller models.
     """
 
     gammas: list[list[int]]
-    tokens: list[list[list[int]]]
+    tokens: list[list[int]]
+    counts: list[list[int]]
     times: list[list[float]]
     draft_lens: list[int] | None = None
     start: float = 0.0
@@ -152,9 +154,9 @@ class StepRunner:
         if tokens.shape[1] == 0:
             return None
         K = tokens.shape[1]  # (the call ended at a row's stop token: the rows that go on continue next step)
-        rows = tokens.T.tolist()  # [K][B]
-        return StepResult([[0] * len(reqs)] * K, [[[t] for t in row] for row in rows], [[0.0, forwards / K]] * K,
-                          start=start, full_steps=full_steps)  # fmt: skip
+        B = len(reqs)
+        return StepResult([[0] * B] * K, tokens.tolist(), [[1] * B] * K, [[0.0, forwards / K]] * K, start=start,
+                          full_steps=full_steps)  # fmt: skip
 
     def _spec_chain_fits(self, reqs: list[Request], gammas: list[int]) -> bool:
         """Whether a native call can run the rows' speculative steps: a draft model or a native head proposing
@@ -197,11 +199,11 @@ class StepRunner:
         ran = next((s for s in range(max_steps) if steps[0][s][0] == 0), max_steps)  # every row runs every step
         if ran == 0:
             return None  # the first step's target logits were not finite: the regular step decodes it
-        tokens = [[steps[b][s][1 : 1 + steps[b][s][0]] for b in range(B)] for s in range(ran)]  # [S][B][n]
+        counts = [[steps[b][s][0] for b in range(B)] for s in range(ran)]  # [S][B]
+        tokens = [[t for s in range(ran) for t in steps[b][s][1 : 1 + steps[b][s][0]]] for b in range(B)]  # [B][n]
         # the draft cache lags by its catch-up's tokens before the root (its lag) behind the rows' new L_b
-        draft_lens = [r.num_computed + sum(len(t[b]) for t in tokens) - (n - 1) for b, (r, n) in
-                      enumerate(zip(reqs, catch_up_lens))]  # fmt: skip
-        return StepResult([[g] * B] * ran, tokens, times[:ran], draft_lens, start=start,
+        draft_lens = [r.num_computed + len(t) - (n - 1) for r, t, n in zip(reqs, tokens, catch_up_lens)]
+        return StepResult([[g] * B] * ran, tokens, counts, times[:ran], draft_lens, start=start,
                           full_steps=full_steps)  # fmt: skip
 
     def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None,
@@ -211,8 +213,9 @@ class StepRunner:
         out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling, native_verify)
         # a hybrid's suffix rows teach the controller nothing of the model drafter it prices
         learned = gammas if suffix_rows is None else [0 if s else g for g, s in zip(gammas, suffix_rows)]
-        return StepResult([gammas], [[t[:n] for t, n in zip(out_tokens, num_accepted)]], [list(self.step_times)],
-                          draft_lens, learned=[learned], timed=not any(suffix_rows or ()))  # fmt: skip
+        return StepResult([gammas], [t[:n] for t, n in zip(out_tokens, num_accepted)], [num_accepted],
+                          [list(self.step_times)], draft_lens, learned=[learned],
+                          timed=not any(suffix_rows or ()))  # fmt: skip
 
     def step_inputs(self, reqs: list[Request], gammas: list[int],
                      suffix_rows: list[bool] | None = None) -> tuple[StepBatch, dict]:  # fmt: skip
