@@ -343,18 +343,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_step_cpu(
   at::Tensor accepted = at::full({B, T}, -1, longs), output = at::full({B, T}, -1, longs);
   at::Tensor counts = at::empty({B}, longs), features = at::empty({0}, longs.dtype(m.rope_table.scalar_type()));
   const at::Tensor table = table_of(block_table);
+  const int64_t* n = counts.data_ptr<int64_t>();
+  int64_t least = 1;  // the smallest count: < 1 where a row is left to the regular path
   with_dtype(m.rope_table.scalar_type(), [&](auto type) {
     using T_ = decltype(type);
     ChainRunner<T_> target = runner_of<T_>("tree_step", m, kv_cache, table, B);
     if (!capture.empty()) target.capture(capture);
     run_tree_step(target, tok.data_ptr<int64_t>(), par.data_ptr<int64_t>(), B, T, L.data_ptr<int64_t>(),
                   accepted.data_ptr<int64_t>(), output.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
-    if (!capture.empty() && (B == 0 || counts.min().item<int64_t>() >= 0)) {  // (a malformed tree ran no forward)
+    least = B > 0 ? *std::min_element(n, n + B) : 1;
+    if (!capture.empty() && least >= 0) {  // (a malformed tree ran no forward)
       features = at::empty({B, T, target.num_capture() * target.hidden_size()}, features.options());
       std::copy(target.captured(), target.captured() + features.numel(), features.data_ptr<T_>());
     }
   });
-  if (B > 0 && T > 1 && counts.min().item<int64_t>() >= 1) {
+  if (T > 1 && least >= 1) {
     const c10::optional<at::Tensor> paged = table.defined() ? c10::optional<at::Tensor>(table) : c10::nullopt;
     compact_kv_cpu(kv_cache.flatten(0, 1), L, accepted, counts, paged);  // [2 * layers, blocks, block_size, ...]
   }

@@ -88,6 +88,12 @@ class StepRunner:
         # caches are in their dtype (a CPU model in float32 or bfloat16: spec_kernels.decoder_layers.native_model)
         self.native_target = _native(target, kv)
         self.native_draft = _native(drafter, drafter.kv) if drafter is not None else None
+        # a regular step's greedy trees verify in one call (tree_step) on the native target, which also returns the
+        # features of a drafter that reads streams of target layers (a head on the final hidden states: the separate
+        # ops' pass returns those)
+        reads = drafter is not None and drafter.needs_hidden
+        self.native_tree = None if reads and drafter.target_layers is None else self.native_target
+        self.tree_capture = tuple(drafter.target_layers) if reads and self.native_tree is not None else ()
 
     def cache_lag(self, req: Request) -> int:
         """Tokens before ``req``'s root that its draft cache has not seen (0 for a drafter without a cache)."""
@@ -284,14 +290,10 @@ class StepRunner:
         row is greedy with a deterministic tree and the target runs natively (a drafter that reads the target's
         features: the streams of its ``target_layers``, which the call returns); else None, as also where the call
         leaves a row to the regular path (``_verify``)."""
-        drafter = self.drafter
-        if self.native_target is None or draft.draft_probs is not None or not all(r.greedy for r in batch.rows):
+        if self.native_tree is None or draft.draft_probs is not None or not all(r.greedy for r in batch.rows):
             return None
-        if drafter is not None and drafter.needs_hidden and drafter.target_layers is None:
-            return None  # (a head on the final hidden states: the regular pass returns them)
-        capture = drafter.target_layers if drafter is not None and drafter.needs_hidden else ()
-        return tree_step(self.native_target, draft.tokens, draft.parents, batch.seqlens, self.kv.data,
-                         batch.block_table, capture=capture)  # fmt: skip
+        return tree_step(self.native_tree, draft.tokens, draft.parents, batch.seqlens, self.kv.data,
+                         batch.block_table, capture=self.tree_capture)  # fmt: skip
 
     def _verify(self, batch: StepBatch, draft: Draft, sampling: dict) -> tuple[VerifyResult, torch.Tensor | None]:
         """The regular step's target pass over the tree, ``verify_tree`` and the target cache's compaction: the
