@@ -36,7 +36,7 @@ from spec_engine.models import Target
 from spec_engine.request import Request, RequestRows, StepOutput
 from spec_engine.runner import StepResult, StepRunner
 from spec_engine.sampling import SamplingParams
-from spec_engine.threads import ThreadTuner
+from spec_engine.threads import PROBE_STEPS, ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
 
@@ -279,7 +279,8 @@ class Engine:
         try:
             yield
         finally:
-            self.threads.after_step((time.perf_counter() - start) / self._step_count, self._step_kind)
+            seconds = (time.perf_counter() - start) / self._step_count
+            self.threads.after_step(seconds, self._step_kind, self._step_count)
             if single:
                 torch.set_num_threads(many)
 
@@ -361,6 +362,8 @@ class Engine:
         full_steps = cfg.spec_chain_steps if drafted else cfg.plain_chain
         max_steps = 0 if self.waiting or (not drafted and cfg.plain_chain < 2) else \
             cfg.unsure_chain_steps if unsure else full_steps  # fmt: skip
+        if self._thread_probe:  # the thread tuner's probe of the other thread count: a probe's steps, not a chain's
+            max_steps = min(max_steps, PROBE_STEPS)
         result = self.runner.run(reqs, gammas, suffix_rows, self._stop_tensor(reqs), max_steps=max_steps,
                                  full_steps=full_steps, stop_on_reject=unsure,
                                  native_verify=cfg.native_tree_step)  # fmt: skip

@@ -7,8 +7,14 @@ magnitude slower with 2 threads, while 1 thread stayed near its quiet-machine ti
 are faster. Which is better depends on a load we cannot see, so we measure it.
 
 How: decode steps run with the current choice ("many": the caller's ``torch.get_num_threads()``, or "one"). A probe
-runs the next ``PROBE_STEPS`` steps with the other choice, and the tuner keeps whichever had the lower median step
-time over its last ``PROBE_STEPS`` steps (adjacent windows, so the batch is about the same). Probes come at step
+runs the next ``PROBE_STEPS`` steps with the other choice, and the tuner switches if they cost MIN_GAIN less than
+the current choice's cheapest of its last ``PROBE_STEPS`` measurements (adjacent windows, so the batch is about the
+same; the cheapest, since load only slows a step: ``_decide``). A measurement is
+one decode call: a native call of several steps (spec_engine/runner.py) is one, at its cost per step, and counts
+its steps toward the intervals and the probe's length. Counted in calls, an interval of 256 was ~4000 steps of
+16-step chains, and a probe that won kept a quiet machine's engine on one thread at about half its speed for a
+whole benchmark run (bench/RESULTS-log.md, "A thread tuner that counts steps"); a probe call runs at most
+``PROBE_STEPS`` steps. Probes come at step
 ``FIRST_INTERVAL`` (a run that starts on busy cores learns it at once), then every ``INTERVAL`` steps, doubling with
 every lost probe up to ``MAX_INTERVAL``, and at once when most of the last few steps on many threads took ``SPIKE``
 times their median (the cores just turned busy). A probe that is plainly losing (one step 3x the current choice's
@@ -42,7 +48,7 @@ EARLY_LOSS = 3.0  # a probe step this many times the current choice's median end
 
 class ThreadTuner:
     """Chooses "many" or "one" CPU threads for decode steps by paired probes (see the module doc). It reads no
-    clock: the engine times each decode step and feeds ``after_step(seconds, kind)``; tests feed costs.
+    clock: the engine times each decode step and feeds ``after_step(seconds, kind, steps)``; tests feed costs.
 
     ``kind`` names the step's shape (the engine's: its depth, and whether a draft caught up on a prompt). Costs are
     compared within a kind only: under the adaptive controller a depth-7 step costs far more than a depth-1 step,
@@ -64,13 +70,14 @@ class ThreadTuner:
         """Whether the coming decode step runs on one thread."""
         return self.single != bool(self.probing)
 
-    def after_step(self, seconds: float, kind: object = None) -> None:
+    def after_step(self, seconds: float, kind: object = None, steps: int = 1) -> None:
+        """One decode call ran ``steps`` steps of ``kind`` at ``seconds`` per step."""
         window = self.times[self.single_for_step()].setdefault(kind, [])
         window.append(seconds)
         del window[:-PROBE_STEPS]
         ours = self.times[self.single].get(kind, [])
         if self.probing:
-            self.probing -= 1
+            self.probing = max(self.probing - steps, 0)
             done = PROBE_STEPS - self.probing  # probe steps so far
             if ours:
                 typical = statistics.median(ours)
@@ -81,12 +88,13 @@ class ThreadTuner:
             if self.probing == 0:
                 self._decide()
             return
-        self.steps_since_probe += 1
+        self.steps_since_probe += steps
         if len(ours) < PROBE_STEPS:
             return
         if not self.single and seconds > SPIKE * min(ours) and self._spiking(ours):  # min: a cheap pre-check
-            # the cores turned busy: judge many threads by their last steps, not by the quiet ones before
-            self.times[False] = {kind: ours[-SPIKE_STEPS:]}
+            # the cores turned busy: judge many threads by their slow last steps, not by the quiet ones before
+            typical = statistics.median(ours)
+            self.times[False] = {kind: [t for t in ours[-SPIKE_STEPS:] if t > SPIKE * typical]}
             self.steps_since_probe = self.interval
         if self.steps_since_probe >= self.interval:
             self.probing, self.steps_since_probe, self.probe_slow = PROBE_STEPS, 0, True
@@ -104,12 +112,15 @@ class ThreadTuner:
 
     def _decide(self) -> None:
         """Switch if the probed choice was MIN_GAIN faster: the median, over the probe's steps, of each step's cost
-        relative to the current choice's median for its kind (kinds with fewer than 2 such samples left out, so a
-        kind seen once does not weigh as much as one seen 8 times). A probe that shares no kind decides nothing:
-        another comes after 2 * PROBE_STEPS steps, the interval unchanged (were it lost and the interval doubled, a
-        depth change at the moment the cores turned busy kept all threads on for ~1000 steps)."""
+        relative to the current choice's cheapest recent one of its kind (kinds with fewer than 2 such samples left
+        out, so a kind seen once does not weigh as much as one seen 8 times). The cheapest, not the median: load
+        only slows a step, and a window whose steps ran while other work held the cores, followed by a probe in a
+        quiet moment, read as one thread 2x faster (the median of 14 / 93 / 57 / 53 / 57 / 60 / 46 / 15 ms against
+        a one-thread probe's 25 ms), which switched a quiet machine to one thread. A probe that shares no kind
+        decides nothing: another comes after 2 * PROBE_STEPS steps, the interval unchanged (were it lost and the
+        interval doubled, a depth change at the moment the cores turned busy kept all threads on for ~1000 steps)."""
         ours, theirs = self.times[self.single], self.times[not self.single]
-        ratios = [t / statistics.median(ours[k]) for k, ts in theirs.items() if len(ours.get(k, ())) >= 2 for t in ts]
+        ratios = [t / min(ours[k]) for k, ts in theirs.items() if len(ours.get(k, ())) >= 2 for t in ts]
         if not ratios:
             self.steps_since_probe = max(self.interval - 2 * PROBE_STEPS, 0)
         elif statistics.median(ratios) * MIN_GAIN < 1.0:

@@ -11,13 +11,14 @@ from spec_engine import LLM, SamplingParams
 from spec_engine.threads import FIRST_INTERVAL, INTERVAL, MAX_INTERVAL, PROBE_STEPS, ThreadTuner
 
 
-def run(tuner: ThreadTuner, steps: int, cost_many: float, cost_one: float) -> list[bool]:
-    """Feed ``steps`` decode steps costing ``cost_many`` / ``cost_one`` seconds; return the choices made."""
+def run(tuner: ThreadTuner, steps: int, cost_many: float, cost_one: float, per_call: int = 1) -> list[bool]:
+    """Feed ``steps`` decode calls of ``per_call`` steps (a native chain's) costing ``cost_many`` / ``cost_one``
+    seconds a step; return the choices made."""
     chosen = []
     for _ in range(steps):
         single = tuner.single_for_step()
         chosen.append(single)
-        tuner.after_step(cost_one if single else cost_many)
+        tuner.after_step(cost_one if single else cost_many, None, per_call)
     return chosen
 
 
@@ -39,6 +40,37 @@ def test_busy_cores_switch_to_one_thread_within_one_probe_and_back_when_they_fre
     assert tuner.single and chosen.index(True) == 2
     chosen = run(tuner, 2 * MAX_INTERVAL, cost_many=1.0, cost_one=1.4)  # the load is gone
     assert not tuner.single and not chosen[-1]
+
+
+def test_a_native_calls_steps_count_toward_the_intervals():
+    """Native chains decode 16 steps a call: the intervals count those steps, so an engine whose cores freed up is
+    back on all threads within INTERVAL steps (~4 s of SmolLM2 on 2 cores). Counted in calls, that was 16x longer,
+    and one probe that won kept a quiet machine's engine on one thread, at half its speed, through a whole benchmark
+    run."""
+    tuner = ThreadTuner()
+    run(tuner, 8, cost_many=1.0, cost_one=1.9, per_call=16)
+    busy = run(tuner, 8, cost_many=50.0, cost_one=1.9, per_call=16)
+    assert tuner.single and busy.index(True) <= 3
+    quiet = run(tuner, 4 * INTERVAL // 16, cost_many=1.0, cost_one=1.9, per_call=16)  # the load is gone
+    back = quiet.index(False)
+    assert not tuner.single and back <= (INTERVAL + PROBE_STEPS) // 16 + 1  # calls until the probe of many threads
+    # and on a quiet machine the probes of one thread stay rare in steps: one 16-step call each, doubling apart
+    chosen = run(tuner, 8 * MAX_INTERVAL // 16, cost_many=1.0, cost_one=1.9, per_call=16)
+    assert not tuner.single and sum(chosen) * 16 <= 0.01 * len(chosen) * 16
+
+
+def test_a_probe_in_a_quiet_moment_after_a_busy_stretch_keeps_all_threads():
+    """Calls of many threads slowed by other work, then the cores free up as the probe of one thread runs: the probe
+    is compared with many threads' cheapest recent call, not with the stretch's median (which read one thread as 2x
+    faster and switched a quiet machine to it: the engine's trace in the docstring of ``ThreadTuner._decide``)."""
+    tuner = ThreadTuner()
+    costs = [1.0, 6.5, 3.9, 3.7, 4.0, 4.2, 3.2, 1.05]  # ms per step of 16-step calls, as the engine saw them
+    for cost in costs:
+        assert not tuner.probing
+        tuner.after_step(cost, None, 16)
+    assert tuner.probing and tuner.single_for_step()
+    tuner.after_step(1.75, None, 16)  # one thread on a quiet machine
+    assert not tuner.single
 
 
 def test_one_slow_step_is_not_a_busy_machine():
