@@ -9,16 +9,15 @@ are faster. Which is better depends on a load we cannot see, so we measure it.
 How: decode steps run with the current choice ("many": the caller's ``torch.get_num_threads()``, or "one"). A probe
 runs the next ``PROBE_STEPS`` steps with the other choice, and the tuner switches if they cost MIN_GAIN less than
 the current choice's cheapest of its last ``PROBE_STEPS`` measurements (adjacent windows, so the batch is about the
-same; the cheapest, since load only slows a step: ``_decide``). A measurement is
-one decode call: a native call of several steps (spec_engine/runner.py) is one, at its cost per step, and counts
-its steps toward the intervals and the probe's length. Counted in calls, an interval of 256 was ~4000 steps of
-16-step chains, and a probe that won kept a quiet machine's engine on one thread at about half its speed for a
-whole benchmark run (bench/RESULTS-log.md, "A thread tuner that counts steps"); a probe call runs at most
-``PROBE_STEPS`` steps. Probes come at step
-``FIRST_INTERVAL`` (a run that starts on busy cores learns it at once), then every ``INTERVAL`` steps, doubling with
-every lost probe up to ``MAX_INTERVAL``, and at once when most of the last few steps on many threads took ``SPIKE``
-times their median (the cores just turned busy). A probe that is plainly losing (one step 3x the current choice's
-median, or its first two steps both slower) ends early: on a quiet machine probing costs a few steps in a thousand.
+same; the cheapest, since load only slows a step: ``_decide``). A measurement is one decode call: a native call of
+several steps (spec_engine/runner.py) is one, at its cost per step, and counts its steps toward the intervals and
+the probe's length; a probe call runs at most ``PROBE_STEPS`` steps. (Counted in calls, the intervals stretched by
+a native chain's length, and after a busy stretch a quiet machine's engine decoded the rest of a benchmark run on
+one thread: bench/RESULTS-log.md, "A thread tuner that counts steps".) Probes come at step ``FIRST_INTERVAL`` (a
+run that starts on busy cores learns it at once), then every ``INTERVAL`` steps, doubling with every lost probe up
+to ``MAX_INTERVAL``, and at once when most of the last few steps on many threads took ``SPIKE`` times their median
+(the cores just turned busy). A probe that is plainly losing (one step 3x the current choice's median, or its first
+two steps both slower) ends early: on a quiet machine probing costs a few steps in a thousand.
 The engine applies the choice around the decode part of a step only and restores the caller's count after it, so
 nothing outside the step (the caller's own torch code, another engine) sees a changed setting.
 
@@ -115,8 +114,8 @@ class ThreadTuner:
         relative to the current choice's cheapest recent one of its kind (kinds with fewer than 2 such samples left
         out, so a kind seen once does not weigh as much as one seen 8 times). The cheapest, not the median: load
         only slows a step, and a window whose steps ran while other work held the cores, followed by a probe in a
-        quiet moment, read as one thread 2x faster (the median of 14 / 93 / 57 / 53 / 57 / 60 / 46 / 15 ms against
-        a one-thread probe's 25 ms), which switched a quiet machine to one thread. A probe that shares no kind
+        quiet moment, read one thread as the faster and switched a quiet machine to it (the engine's trace:
+        bench/RESULTS-log.md, "A thread tuner that counts steps"). A probe that shares no kind
         decides nothing: another comes after 2 * PROBE_STEPS steps, the interval unchanged (were it lost and the
         interval doubled, a depth change at the moment the cores turned busy kept all threads on for ~1000 steps)."""
         ours, theirs = self.times[self.single], self.times[not self.single]

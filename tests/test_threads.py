@@ -62,7 +62,8 @@ def test_a_native_calls_steps_count_toward_the_intervals():
 def test_a_probe_in_a_quiet_moment_after_a_busy_stretch_keeps_all_threads():
     """Calls of many threads slowed by other work, then the cores free up as the probe of one thread runs: the probe
     is compared with many threads' cheapest recent call, not with the stretch's median (which read one thread as 2x
-    faster and switched a quiet machine to it: the engine's trace in the docstring of ``ThreadTuner._decide``)."""
+    faster and switched a quiet machine to it: the engine's trace, bench/RESULTS-log.md, "A thread tuner that counts
+    steps")."""
     tuner = ThreadTuner()
     costs = [1.0, 6.5, 3.9, 3.7, 4.0, 4.2, 3.2, 1.05]  # ms per step of 16-step calls, as the engine saw them
     for cost in costs:
