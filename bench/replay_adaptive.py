@@ -95,10 +95,9 @@ PROFILES = {
         catch_up_token=0.0125,
         catch_up_call=0.05,
     ),
-    # SmolLM2-135M-Instruct bf16 and its shipped EAGLE-3 head, 2 threads, the Xeon with AMX (2026-11-26,
-    # bench/RESULTS-log.md "The verify's attention, trees and the native tree step"): a plain step 13.7 ms at
-    # HumanEval's contexts (L ~250), forwards 14.3 / 15.7 / 17.4 ms at L 16 / 400 / 800; the verify at depths
-    # 1 / 2 / 3 / 4 / 6 +0.1 / 0.8 / 1.3 / 1.6 / 2.2 ms over it; the head's levels 0.63 / 1.03 / 1.40 / 1.80 / 2.70 ms
+    # SmolLM2-135M-Instruct bf16 and its shipped EAGLE-3 head, 2 threads, the Xeon with AMX (2026-11-26): fit to
+    # the step's parts and the forwards by context in bench/RESULTS-log.md, "The verify's attention, trees and the
+    # native tree step" (checked against "The adaptive head against fixed depths, replayed without noise")
     "smollm2": Costs(
         plain_forward=13.1,
         plain_per_key=0.0025,
