@@ -62,7 +62,7 @@ class Costs:
     target_per_token: float  # a drafted step's target pass: a plain forward, plus this per verified token past the
     target_per_token_key: float  # root, plus this per such token and token of context (its attention)
     spec_step: float  # per drafted step: acceptance, compaction
-    draft_first: float  # the draft's root level over a drafted level's cost
+    draft_first: float  # a drafted step's draft cost beyond its levels' (the head first maps the target's features)
     draft_level: float  # one drafted level (the draft's forward and its reduced lm_head)
     spec_call: float  # per native speculative call: engine step, Python, dispatch
     catch_up_token: float  # per token of the draft's catch-up (a prompt)
