@@ -44,9 +44,8 @@ def test_busy_cores_switch_to_one_thread_within_one_probe_and_back_when_they_fre
 
 def test_a_native_calls_steps_count_toward_the_intervals():
     """Native chains decode 16 steps a call: the intervals count those steps, so an engine whose cores freed up is
-    back on all threads within INTERVAL steps (~4 s of SmolLM2 on 2 cores). Counted in calls, that was 16x longer,
-    and one probe that won kept a quiet machine's engine on one thread, at half its speed, through a whole benchmark
-    run."""
+    back on all threads within INTERVAL steps. Counted in calls, that was 16x longer, and a probe that won kept a
+    quiet machine's engine on one thread through the rest of a benchmark run."""
     tuner = ThreadTuner()
     run(tuner, 8, cost_many=1.0, cost_one=1.9, per_call=16)
     busy = run(tuner, 8, cost_many=50.0, cost_one=1.9, per_call=16)
@@ -65,12 +64,12 @@ def test_a_probe_in_a_quiet_moment_after_a_busy_stretch_keeps_all_threads():
     faster and switched a quiet machine to it: the engine's trace, bench/RESULTS-log.md, "A thread tuner that counts
     steps")."""
     tuner = ThreadTuner()
-    costs = [1.0, 6.5, 3.9, 3.7, 4.0, 4.2, 3.2, 1.05]  # ms per step of 16-step calls, as the engine saw them
+    costs = [1.0, 6.5, 3.9, 3.7, 4.0, 4.2, 3.2, 1.05]  # the traced calls' cost a step, in quiet steps' units
     for cost in costs:
         assert not tuner.probing
         tuner.after_step(cost, None, 16)
     assert tuner.probing and tuner.single_for_step()
-    tuner.after_step(1.75, None, 16)  # one thread on a quiet machine
+    tuner.after_step(1.75, None, 16)  # one thread on the quiet machine
     assert not tuner.single
 
 
