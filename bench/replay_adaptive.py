@@ -195,8 +195,8 @@ def plain_ms(costs: Costs, rec: dict, max_tokens: int) -> float:
 
 def replay(ctl, rec: dict, max_tokens: int, costs: Costs, fixed: int = 0, noise=None) -> float:
     """Milliseconds of one request decoded under ``ctl`` (or at the ``fixed`` depth, its draft prefilled), as the
-    engine runs it: a plain choice (the plain probe included) is a chain of ``EngineConfig.plain_chain`` steps; a
-    drafted one a native call of up to ``spec_chain_steps`` steps
+    engine runs it: a plain choice is a chain of ``EngineConfig.plain_chain`` steps (the plain probe
+    ``plain_probe_steps`` of them); a drafted one a native call of up to ``spec_chain_steps`` steps
     (``unsure_chain_steps`` while the controller is unsure, ending at a step that accepted nothing). The controller
     sees each step's time as the engine reports it (a call's own work spread over a full call's steps), times
     ``noise()`` if given; the total is the model's."""
@@ -214,6 +214,8 @@ def replay(ctl, rec: dict, max_tokens: int, costs: Costs, fixed: int = 0, noise=
         G = min(fixed, left - 1) if fixed else ctl.choose([req])[0]
         if G == 0:
             K = min(ENGINE.plain_chain, n - pos)
+            if ctl.plain_probe:  # the engine's probe: as many steps as measuring needs
+                K = min(K, ctl.plain_probe_steps(1))
             steps = [c.plain(L0 + pos + i) for i in range(K)]
             if not fixed:
                 per_step = c.plain_call / ENGINE.plain_chain + sum(steps) / K

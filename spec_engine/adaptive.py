@@ -48,8 +48,10 @@ Estimates, all online and free:
   (two compactions, the drafter's commit, its catch-up), so a line fit mostly through drafted steps over-prices
   plain decoding (bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)") and drafts that lose
   looked as if they paid. While drafting, a plain chain runs every ``PLAIN_PROBE_INTERVAL`` steps to keep measuring:
-  rarely, since a probe is a whole chain of undrafted steps (at a shorter interval, one per short request), and native
-  steps are priced per step, their draft and target parts apart (bench/RESULTS.md, "what moved them").
+  rarely, since a probe is a stretch of undrafted steps (at a shorter interval, one per short request), and only as
+  long as measuring needs (``plain_probe_steps``: a full chain where steps take a fraction of a millisecond, a few
+  steps where they take many); native steps are priced per step, their draft and target parts apart
+  (bench/RESULTS.md, "what moved them").
 
 Margin: a step drafts only if it promises ``MIN_GAIN + TAIL_MARGIN * (1 - 1/B)`` times plain decoding's rate
 (1.02 at batch 1, 1.19 at 16). The model prices one step; it does not see what speculation costs around it: the
@@ -87,6 +89,7 @@ current, not a whole prompt's catch-up at alpha ~0.45, where depth 1 only breaks
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -113,6 +116,8 @@ MIN_GAIN = 1.02  # drafting must promise this multiple of plain decoding's token
 TAIL_MARGIN = 0.18  # added to it as the batch grows: MIN_GAIN + TAIL_MARGIN * (1 - 1/B)
 PLAIN_PROBE_INTERVAL = 256  # while drafting, a plain chain (16 steps) starts every this many steps: the rate to beat
 PLAIN_PROBE_PHASE = 8  # ... the first of them at this step (apart from the undrafted rows' probes)
+PLAIN_PROBE_SECONDS = 0.05  # ... about this long a chain (see plain_probe_steps)
+PLAIN_PROBE_MIN_STEPS = 4  # ... and at least this many steps
 PLAIN_SAMPLES = 64  # plain steps whose measured / modelled cost ratio sets the plain rate (their lowest): the
 # steady chains of a plain stretch, not only the last two probe chains (which run right after drafted steps and
 # cost more per step than a steady chain: bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)")
@@ -372,6 +377,16 @@ class AdaptiveController:
         line = self.target_cost.predict(1.0, width / TOKENS_REF)
         self._memo["target", width] = out = max(self.target_widths.predict(width, line, anchors=plain), floor)
         return out
+
+    def plain_probe_steps(self, B: int) -> int:
+        """Steps of the plain probe at batch B (the engine caps them at a full chain): about PLAIN_PROBE_SECONDS of
+        plain decoding, at least PLAIN_PROBE_MIN_STEPS. Where a step is a fraction of a millisecond, the chain's
+        own work and the first steps after drafted ones (colder caches) made short probe chains read dearer per
+        step than a full chain, and weak drafts looked as if they paid (bench/RESULTS-log.md, "A CPU without
+        AVX-512"): such a model's probe stays a full chain. Where a step streams a real model's weights from
+        memory those are a small share of it, and a full chain of them cost a single request on a fresh engine a
+        sizeable share of its time (its first probe; bench/RESULTS-log.md, "The plain probe's length")."""
+        return max(PLAIN_PROBE_MIN_STEPS, math.ceil(PLAIN_PROBE_SECONDS / max(self.plain_cost(B), 1e-9)))
 
     def _plain_min(self) -> dict[int, float]:
         """batch -> its cheapest recent plain step: a measured pass over B tokens."""

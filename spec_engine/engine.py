@@ -352,16 +352,18 @@ class Engine:
         # the step's shape for the thread tuner: costs compare within a depth, a prompt's catch-up apart
         self._step_kind = (max(gammas), any(g and self._cache_lag(r) > 1 for r, g in zip(reqs, gammas)))
         # steps per native call: none while a request waits for a slot (it is admitted at the next step). A plain
-        # call runs a full chain, the controller's plain probe between drafted steps too: the rate it measures is the
-        # one drafting must beat, and short probe chains right after drafted steps cost more per token than a full
-        # chain's, which made weak drafts look as if they paid. An unsure controller (a new request's first drafts)
-        # re-decides every few steps and at a rejection: a perfect draft's first choice (depth 1, on the recent
-        # requests' rate) would otherwise run a whole call at depth 1.
+        # call runs a full chain; the controller's plain probe between drafted steps as many as measure the rate
+        # drafting must beat (AdaptiveController.plain_probe_steps: a full chain on a small model, a few steps on a
+        # large one). An unsure controller (a new request's first drafts) re-decides every few steps and at a
+        # rejection: a perfect draft's first choice (depth 1, on the recent requests' rate) would otherwise run a
+        # whole call at depth 1.
         cfg, drafted = self.config, max(gammas) > 0
         unsure = drafted and self.controller is not None and self.controller.unsure(reqs)
         full_steps = cfg.spec_chain_steps if drafted else cfg.plain_chain
         max_steps = 0 if self.waiting or (not drafted and cfg.plain_chain < 2) else \
             cfg.unsure_chain_steps if unsure else full_steps  # fmt: skip
+        if not drafted and self.controller is not None and self.controller.plain_probe:
+            max_steps = min(max_steps, self.controller.plain_probe_steps(len(reqs)))
         if self._thread_probe:  # the thread tuner's probe of the other thread count: a probe's steps, not a chain's
             max_steps = min(max_steps, PROBE_STEPS)
         result = self.runner.run(reqs, gammas, suffix_rows, self._stop_tensor(reqs), max_steps=max_steps,

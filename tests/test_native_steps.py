@@ -376,13 +376,20 @@ def run_spec_prompts(llm: LLM, prompts: list, params: SamplingParams, steps: int
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def test_the_controllers_plain_probe_runs_a_full_chain(target, draft, monkeypatch):
-    """The controller's plain probe between drafted steps measures the rate drafting must beat: a full chain, like a
-    plain choice after a drafted step that stopped drafting (4-step probe chains cost ~1.35x a full chain's steps
-    and made weak drafts look worth drafting)."""
+@pytest.mark.parametrize("plain_step", [None, 0.02])
+def test_the_controllers_plain_probe_runs_as_long_as_measuring_needs(target, draft, monkeypatch, plain_step):
+    """The controller's plain probe between drafted steps measures the rate drafting must beat. Where plain steps
+    are cheap (this tiny target: a fraction of a millisecond) it is a full chain, like a plain choice after a
+    drafted step that stopped drafting (4-step probe chains read dearer per step than a full chain there, and weak
+    drafts looked worth drafting); where a plain step costs 20 ms, PLAIN_PROBE_MIN_STEPS of them measure it."""
+    from spec_engine.adaptive import PLAIN_PROBE_MIN_STEPS
+
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft)})
     ctl = llm.engine.controller
+    if plain_step is not None:
+        monkeypatch.setattr(ctl, "plain_cost", lambda B: plain_step)
     chains = spy_chains(llm, monkeypatch)
+    expected = llm.engine.config.plain_chain if plain_step is None else PLAIN_PROBE_MIN_STEPS
     for probe in (False, True):
         choices = iter([[1], [0], [0]])
 
@@ -395,7 +402,7 @@ def test_the_controllers_plain_probe_runs_a_full_chain(target, draft, monkeypatc
         chains.clear()
         llm.generate([{"prompt_token_ids": list(range(10, 40))}], SamplingParams(max_tokens=30, ignore_eos=True),
                      use_tqdm=False)  # fmt: skip
-        assert chains[0] == llm.engine.config.plain_chain, chains
+        assert chains[0] == (expected if probe else llm.engine.config.plain_chain), chains
 
 
 def test_a_short_calls_overhead_is_spread_as_a_full_calls():
