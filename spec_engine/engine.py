@@ -36,7 +36,7 @@ from spec_engine.models import Target
 from spec_engine.request import Request, RequestRows, StepOutput
 from spec_engine.runner import StepResult, StepRunner
 from spec_engine.sampling import SamplingParams
-from spec_engine.threads import PROBE_STEPS, ThreadTuner
+from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
 
@@ -365,7 +365,7 @@ class Engine:
         if not drafted and self.controller is not None and self.controller.plain_probe:
             max_steps = min(max_steps, self.controller.plain_probe_steps(len(reqs)))
         if self._thread_probe:  # the thread tuner's probe of the other thread count: a probe's steps, not a chain's
-            max_steps = min(max_steps, PROBE_STEPS)
+            max_steps = min(max_steps, self.threads.probe_call_steps())
         result = self.runner.run(reqs, gammas, suffix_rows, self._stop_tensor(reqs), max_steps=max_steps,
                                  full_steps=full_steps, stop_on_reject=unsure,
                                  native_verify=cfg.native_tree_step)  # fmt: skip

@@ -38,11 +38,12 @@ MAX_INTERVAL = 4096
 SPIKE = 3.0  # steps on many threads this many times their median start a probe at once (the cores turned busy)...
 SPIKE_STEPS = 3  # ... when most of the last this-many steps are such
 MIN_GAIN = 1.1  # the probed choice must be this much faster to take over: noise must not flip it back and forth
+LOSS_STEPS = 2  # a probe whose first this many steps were all slower than MIN_GAIN x the current choice ends there
 EARLY_LOSS = 3.0  # a probe step this many times the current choice's median ends the probe at once, as lost: a
 # probe of many threads on busy cores costs about two orders of magnitude more than a step (bench/RESULTS-log.md,
-# 2026-11-23 "decode threads by measurement"), and 8 of them would cost more than the switch saves. Two probe steps
-# both slower than MIN_GAIN x it end it too (one thread on a quiet machine loses by more than that margin:
-# bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)")
+# 2026-11-23 "decode threads by measurement"), and 8 of them would cost more than the switch saves. LOSS_STEPS probe
+# steps all slower than MIN_GAIN x it end it too (one thread on a quiet machine loses by more than that margin:
+# bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)"); a probe's first native call runs only those
 
 
 class ThreadTuner:
@@ -69,6 +70,12 @@ class ThreadTuner:
         """Whether the coming decode step runs on one thread."""
         return self.single != bool(self.probing)
 
+    def probe_call_steps(self) -> int:
+        """The most steps the coming decode call may run while a probe is on: its first LOSS_STEPS (a probe slower in
+        all of them ends there, so a losing probe costs a few steps, not a native chain's), then the rest of it."""
+        done = PROBE_STEPS - self.probing
+        return LOSS_STEPS - done if done < LOSS_STEPS else self.probing
+
     def after_step(self, seconds: float, kind: object = None, steps: int = 1) -> None:
         """One decode call ran ``steps`` steps of ``kind`` at ``seconds`` per step."""
         window = self.times[self.single_for_step()].setdefault(kind, [])
@@ -81,7 +88,7 @@ class ThreadTuner:
             if ours:
                 typical = statistics.median(ours)
                 self.probe_slow = self.probe_slow and seconds > MIN_GAIN * typical
-                if seconds > EARLY_LOSS * typical or (done >= 2 and self.probe_slow):
+                if seconds > EARLY_LOSS * typical or (done >= LOSS_STEPS and self.probe_slow):
                     self.probing, self.interval = 0, self._longer()  # lost, before its end
                     return
             if self.probing == 0:

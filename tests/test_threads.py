@@ -120,6 +120,30 @@ def test_engine_decodes_on_the_chosen_threads_and_restores_the_callers(target, m
     assert set(seen) == {2} and many == single  # results never depend on the thread count
 
 
+def test_a_probes_native_calls_run_its_first_steps_then_the_rest(target, monkeypatch):
+    """A probe's first call runs LOSS_STEPS steps (a probe slower in all of them ends there, so a losing probe costs
+    a few steps of the other thread count, not a 16-step chain), the next the rest of its PROBE_STEPS, then chains
+    run whole again."""
+    from spec_engine.threads import LOSS_STEPS
+
+    torch.set_num_threads(2)
+    llm = LLM(str(target))
+    lengths, real = [], runner_mod.greedy_steps
+
+    def spy(*args, **kw):
+        lengths.append(kw["steps"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(runner_mod, "greedy_steps", spy)
+    tuner = llm.engine.threads
+    tuner.probing, tuner.interval = PROBE_STEPS, 10**9  # a probe starts now; no other comes
+    tuner.times = {False: {(0, False): [1.0] * PROBE_STEPS}, True: {}}  # the probe is never slower: it runs whole
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+    assert lengths[:3] == [LOSS_STEPS, PROBE_STEPS - LOSS_STEPS, llm.engine.config.plain_chain], lengths
+    assert torch.get_num_threads() == 2
+
+
 def test_a_thread_probes_steps_price_nothing(target):
     """Decode calls run while the tuner probes the other thread count teach the adaptive controller their
     acceptance, not their costs (a probe's single-thread steps priced a depth at 2x for the rest of a run); the
