@@ -11,13 +11,13 @@ runs the next ``PROBE_STEPS`` steps with the other choice, and the tuner switche
 the current choice's cheapest of its last ``PROBE_STEPS`` measurements (adjacent windows, so the batch is about the
 same; the cheapest, since load only slows a step: ``_decide``). A measurement is one decode call: a native call of
 several steps (spec_engine/runner.py) is one, at its cost per step, and counts its steps toward the intervals and
-the probe's length; a probe call runs at most ``PROBE_STEPS`` steps. (Counted in calls, the intervals stretched by
-a native chain's length, and after a busy stretch a quiet machine's engine decoded the rest of a benchmark run on
-one thread: bench/RESULTS-log.md, "A thread tuner that counts steps".) Probes come at step ``FIRST_INTERVAL`` (a
-run that starts on busy cores learns it at once), then every ``INTERVAL`` steps, doubling with every lost probe up
-to ``MAX_INTERVAL``, and at once when most of the last few steps on many threads took ``SPIKE`` times their median
-(the cores just turned busy). A probe that is plainly losing (one step 3x the current choice's median, or its first
-two steps both slower) ends early: on a quiet machine probing costs a few steps in a thousand.
+the probe's length; a probe's first call runs ``LOSS_STEPS`` steps, its next the rest. (Counted in calls, the
+intervals stretched by a native chain's length, and after a busy stretch a quiet machine's engine decoded the rest
+of a benchmark run on one thread: bench/RESULTS-log.md, "A thread tuner that counts steps".) Probes come at step
+``FIRST_INTERVAL`` (a run that starts on busy cores learns it at once), then every ``INTERVAL`` steps, doubling with
+every lost probe up to ``MAX_INTERVAL``, and at once when most of the last few steps on many threads took ``SPIKE``
+times their median (the cores just turned busy). A probe that is plainly losing (one step 3x the current choice's
+median, or its first two steps both slower) ends early: on a quiet machine probing costs a few steps in a thousand.
 The engine applies the choice around the decode part of a step only and restores the caller's count after it, so
 nothing outside the step (the caller's own torch code, another engine) sees a changed setting.
 
