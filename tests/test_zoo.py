@@ -124,3 +124,9 @@ def test_eagle_prompt_set_keeps_the_benchmarks_functions_out():
     small, more = build(0, 40, 10, 20), build(0, 40, 10, 20, n_complete=30, n_source_edit=10)
     assert more[: len(small)] == small
     assert {p["kind"] for p in more[len(small) :]} == {"complete", "source edit"}
+    later = build(0, 40, 10, 20, n_complete=30, n_source_edit=10, n_more_complete=25)
+    assert later[: len(more)] == more  # appended stubs leave every earlier id as it was
+    added = later[len(more) :]
+    assert 20 <= len(added) <= 25 and {p["kind"] for p in added} == {"complete"}
+    new = {p["prompt"] for p in added}
+    assert len(new) == len(added) and not new & {p["prompt"] for p in more}  # each new, once
