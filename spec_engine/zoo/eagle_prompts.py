@@ -323,9 +323,9 @@ def build(seed: int, n_code: int, n_edit: int, n_chat: int, n_complete: int = 0,
     rng.shuffle(more)
     unique += [(k, p) for k, p in more if p not in seen]
     later = functions[n_complete + n_source_edit : n_complete + n_source_edit + n_more_complete]
-    seen = {p for _, p in unique}
+    taken = {p for _, p in unique}
     for p in dict.fromkeys(ask.format(stub) for stub, _ in later):
-        if p not in seen:
+        if p not in taken:
             unique.append(("complete", p))
     return [{"id": i, "kind": k, "prompt": p} for i, (k, p) in enumerate(unique)]
 
