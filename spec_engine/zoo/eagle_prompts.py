@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chat", type=int, default=1200)
     ap.add_argument("--complete", type=int, default=1500, help="stdlib function stubs to complete")
     ap.add_argument("--source-edit", type=int, default=600, help="stdlib functions with an editing instruction")
-    ap.add_argument("--more-complete", type=int, default=2000, help="stubs of further functions, appended")
+    ap.add_argument("--more-complete", type=int, default=3400, help="stubs of further functions, appended")
     args = ap.parse_args(argv)
     prompts = build(args.seed, args.code, args.edit, args.chat, args.complete, args.source_edit, args.more_complete)
     args.out.parent.mkdir(parents=True, exist_ok=True)
