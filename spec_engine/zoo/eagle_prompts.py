@@ -2,7 +2,7 @@
 
     python -m spec_engine.zoo.eagle_prompts --out spec_engine/zoo/data/eagle_prompts.jsonl
 
-Two kinds of request, seeded (``--seed``), written one JSON object a line (``{"id", "kind", "prompt"}``):
+Kinds of request, seeded (``--seed``), written one JSON object a line (``{"id", "kind", "prompt"}``):
 - code: instructions written from the docstrings of the standard library's public functions and classes (use it,
   explain it with an example, fix a bug planted in a small snippet that calls it, rewrite a snippet, test it);
 - chat: general questions templated from a list of topics;
