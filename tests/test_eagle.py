@@ -13,6 +13,7 @@ layouts.
 from __future__ import annotations
 
 import json
+import lzma
 
 import numpy as np
 import pytest
@@ -642,6 +643,49 @@ def test_eagle3_data_sampled_answers_keep_the_targets_labels(tmp_path):
         train_eagle.ShardSet([tmp_path / "greedy", tmp_path / "other_data"]).reload()
     with pytest.raises(ValueError, match="data of another target"):
         train_eagle.main([*argv[:5], str(tmp_path / "other_data"), "--work-dir", str(tmp_path / "w2"), *argv[9:]])
+
+
+def test_eagle3_answers_travel_without_features(tmp_path):
+    """``--save-answers`` writes a run's answers without features; ``--answers`` turns them back into the same shards
+    (tokens, labels, features, temperature) on another run with the target, resuming past prompts already done;
+    a file holding another vocabulary's tokens, a missing file and a missing target are refused."""
+    from tiny_models import make_tokenizer
+
+    from spec_engine.zoo import eagle_data
+
+    target = make_model(tmp_path / "target", "llama_gqa", vocab_size=300, hidden=32, layers=3, logit_scale=4.0)
+    make_tokenizer(target)
+    common = ["--target", str(target), "--limit", "6", "--batch", "3", "--max-tokens", "8", "--dtype", "float32"]
+    eagle_data.main([*common, "--out", str(tmp_path / "sampled"), "--temperature", "1.0", "--seed", "1"])
+    answers = tmp_path / "sampled.xz"
+    eagle_data.main(["--out", str(tmp_path / "sampled"), "--save-answers", str(answers)])
+    first = sorted((tmp_path / "sampled").glob("shard_*.pt"))
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "shard_00000.pt").write_bytes(first[0].read_bytes())  # a run stopped after its first shard
+    eagle_data.main([*common, "--out", str(again), "--answers", str(answers)])
+    second = sorted(again.glob("shard_*.pt"))
+    assert len(second) == len(first) == 2
+    for a, b in zip(first, second):
+        a, b = torch.load(a), torch.load(b)
+        assert a["temperature"] == b["temperature"] == 1.0
+        for k in ("ids", "offsets", "prompt_lens", "tokens", "next", "features"):
+            assert torch.equal(a[k], b[k]), k
+
+    shards = torch.load(lzma.open(answers))
+    shards[1]["tokens"][-1] = 300  # past the vocabulary
+    planted = tmp_path / "planted.xz"
+    with lzma.open(planted, "wb") as fh:
+        torch.save(shards, fh)
+    with pytest.raises(ValueError, match="past this target's vocabulary"):
+        eagle_data.main([*common, "--out", str(tmp_path / "planted"), "--answers", str(planted)])
+    never = str(tmp_path / "never")
+    for bad in ([*common, "--out", never, "--answers", str(tmp_path / "none.xz")], ["--out", never]):  # no target
+        with pytest.raises(SystemExit):
+            eagle_data.main(bad)
+    with pytest.raises(ValueError, match="no shard"):
+        eagle_data.main(["--out", str(tmp_path), "--save-answers", str(tmp_path / "empty.xz")])
+    assert not (tmp_path / "never").exists() and not (tmp_path / "empty.xz").exists()
 
 
 def test_shipped_drafter_resolution(models):

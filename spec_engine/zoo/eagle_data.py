@@ -21,19 +21,30 @@ shard per batch (``shard_NNNNN.pt``):
 
 Resumable and stoppable at any time: a shard is written whole (temporary name, then renamed), and a restart skips
 the prompts already in a shard. ``--max-seconds`` stops starting new batches after that long (a time-boxed run).
+
+Answers made on one machine can be featured on another (a GPU's, where the features come fast but the machine is
+lent briefly): ``--save-answers FILE`` writes the shards of ``--out`` without features or labels (xz-compressed,
+~1.5 bytes a token), and ``--answers FILE`` takes those answers instead of generating them (one shard per shard of
+the file, their temperatures kept) and runs only the feature pass:
+
+    python -m spec_engine.zoo.eagle_data --out runs/eagle3/data --save-answers greedy.answers.xz
+    python -m spec_engine.zoo.eagle_data --target smollm2 --device cuda --answers greedy.answers.xz --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from spec_engine.drafters.eagle import eagle3_target_layers
 
+SAMPLE_KEYS = ("ids", "offsets", "prompt_lens", "tokens")  # a shard's samples, less their features and labels
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -106,13 +117,61 @@ def answer_features(target, seqs: list[list[int]], layers, max_tokens: int = 327
 def done_ids(out: Path) -> set[int]:
     done = set()
     for shard in sorted(out.glob("shard_*.pt")):
-        done.update(torch.load(shard)["ids"].tolist())
+        done.update(torch.load(shard, mmap=True)["ids"].tolist())
     return done
+
+
+def save_answers(data: Path, path: Path) -> int:
+    """Write the samples of ``data``'s shards less their features and labels (a list of per-shard dicts: the
+    ``SAMPLE_KEYS`` and the temperature), xz-compressed, to ``path``. Returns how many samples it wrote."""
+    shards = []
+    for f in sorted(data.glob("shard_*.pt")):
+        d = torch.load(f, mmap=True)
+        shards.append({**{k: d[k] for k in SAMPLE_KEYS}, "temperature": float(d.get("temperature", 0.0))})
+    if not shards:
+        raise ValueError(f"{data}: no shard_*.pt to take answers from")
+    tmp = path.with_name(path.name + ".tmp")
+    with lzma.open(tmp, "wb") as fh:
+        torch.save(shards, fh)
+    tmp.rename(path)
+    return sum(len(d["ids"]) for d in shards)
+
+
+Batch = tuple[list[int], list[list[int]], list[int], float]  # prompt ids, prompt + answer tokens, prompt lengths, T
+
+
+def generated(llm, todo: list[dict], args) -> Iterator[Batch]:
+    """The engine's answers to ``todo``'s prompts, ``--batch`` at a time."""
+    from spec_engine.llm import SamplingParams
+
+    for i in range(0, len(todo), args.batch):
+        batch = todo[i : i + args.batch]
+        params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                 seed=None if args.temperature == 0 else args.seed * 1_000_003 + p["id"])
+                  for p in batch]  # fmt: skip
+        outs = llm.generate([chatml(p["prompt"]) for p in batch], params, use_tqdm=False)
+        seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+        yield [p["id"] for p in batch], seqs, [len(o.prompt_token_ids) for o in outs], args.temperature
+
+
+def given(shards: list[dict], done: set[int], vocab_size: int) -> Iterator[Batch]:
+    """The answers of ``--answers``' shards not yet in ``done``, a shard at a time."""
+    for d in shards:
+        off = d["offsets"].tolist()
+        keep = [i for i, pid in enumerate(d["ids"].tolist()) if pid not in done]
+        if not keep:
+            continue
+        seqs = [d["tokens"][off[i] : off[i + 1]].tolist() for i in keep]
+        if max(max(s) for s in seqs) >= vocab_size:
+            raise ValueError(
+                f"--answers holds token ids past this target's vocabulary ({vocab_size}): another target's?"
+            )
+        yield [int(d["ids"][i]) for i in keep], seqs, [int(d["prompt_lens"][i]) for i in keep], float(d["temperature"])
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--target", type=Path, required=True, help="the target's HF directory")
+    ap.add_argument("--target", type=Path, help="the target's HF directory, GGUF file or pulled name")
     ap.add_argument("--prompts", type=Path, default=Path(__file__).parent / "data" / "eagle_prompts.jsonl")
     ap.add_argument("--out", type=Path, required=True, help="the shards' directory")
     ap.add_argument("--batch", type=int, default=32, help="prompts per generate call and per shard")
@@ -126,60 +185,73 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; > 0: sampled answers")
     ap.add_argument("--seed", type=int, default=0, help="sampled answers: prompt i's seed is seed * 1000003 + i")
     ap.add_argument("--max-seconds", type=float, default=None, help="start no new batch after this many seconds")
+    ap.add_argument("--answers", type=Path, default=None, help="features only, for the answers in this file")
+    ap.add_argument("--save-answers", type=Path, default=None, help="write --out's answers to this file and stop")
     args = ap.parse_args(argv)
+    if args.save_answers is not None:
+        n = save_answers(args.out, args.save_answers)
+        print(f"{n} answers of {args.out} -> {args.save_answers} ({args.save_answers.stat().st_size / 1e6:.1f} MB)")
+        return
+    if args.target is None:
+        ap.error("--target is required (except with --save-answers)")
     if args.temperature < 0:
         ap.error(f"--temperature must be >= 0, got {args.temperature}")
     if args.max_seconds is not None and args.max_seconds < 0:
         ap.error(f"--max-seconds must be >= 0, got {args.max_seconds}")
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         ap.error(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
+    if args.answers is not None and not args.answers.is_file():
+        ap.error(f"--answers {args.answers}: no such file")
     torch.set_num_threads(args.threads)
-    from spec_engine.llm import LLM, SamplingParams
+    from spec_engine.llm import LLM
 
-    prompts = [json.loads(line) for line in args.prompts.read_text().splitlines()]
-    prompts = prompts[: args.limit] if args.limit else prompts
     args.out.mkdir(parents=True, exist_ok=True)
     done = done_ids(args.out)
-    todo = [p for p in prompts if p["id"] not in done]
-    print(f"{len(done)} prompts done, {len(todo)} to go", flush=True)
+    if args.answers is None:
+        prompts = [json.loads(line) for line in args.prompts.read_text().splitlines()]
+        prompts = prompts[: args.limit] if args.limit else prompts
+        todo = [p for p in prompts if p["id"] not in done]
+        n_todo = len(todo)
+    else:
+        with lzma.open(args.answers) as fh:
+            shards = torch.load(fh)
+        n_todo = sum(int(pid not in done) for d in shards for pid in d["ids"].tolist())
+    print(f"{len(done)} prompts done, {n_todo} to go", flush=True)
     kv = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
     llm = LLM(
         model=str(args.target), dtype=args.dtype, max_num_seqs=args.max_num_seqs, device=args.device, kv_cache_memory=kv
     )
     layers = eagle3_target_layers(llm.target.config.num_hidden_layers)
+    batches = generated(llm, todo, args) if args.answers is None else given(shards, done, llm.target.config.vocab_size)
     shard_no = len(list(args.out.glob("shard_*.pt")))
-    total_new = 0
+    n_done = total_new = 0
     start = time.perf_counter()
-    for i in range(0, len(todo), args.batch):
-        if args.max_seconds is not None and time.perf_counter() - start > args.max_seconds:
-            print(f"--max-seconds {args.max_seconds:g} reached: {len(todo) - i} prompts to go", flush=True)
-            break
-        batch = todo[i : i + args.batch]
-        params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                 seed=None if args.temperature == 0 else args.seed * 1_000_003 + p["id"])
-                  for p in batch]  # fmt: skip
-        outs = llm.generate([chatml(p["prompt"]) for p in batch], params, use_tqdm=False)
-        seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    for ids, seqs, prompt_lens, temperature in batches:
         feats = answer_features(llm.target, seqs, layers)
         lens = torch.tensor([len(s) for s in seqs])
         shard = {
-            "ids": torch.tensor([p["id"] for p in batch]),
+            "ids": torch.tensor(ids),
             "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
-            "prompt_lens": torch.tensor([len(o.prompt_token_ids) for o in outs]),
+            "prompt_lens": torch.tensor(prompt_lens),
             "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
             "features": torch.cat([f for f, _ in feats]),
             "next": torch.cat([n for _, n in feats]),
-            "temperature": args.temperature,
+            "temperature": temperature,
             "target_layers": torch.tensor(layers),
         }
         tmp = args.out / f"shard_{shard_no:05d}.pt.tmp"
         torch.save(shard, tmp)
         tmp.rename(args.out / f"shard_{shard_no:05d}.pt")
         shard_no += 1
-        total_new += sum(len(o.outputs[0].token_ids) for o in outs)
+        n_done += len(ids)
+        total_new += sum(len(s) - p for s, p in zip(seqs, prompt_lens))
         elapsed = time.perf_counter() - start
-        print(f"shard {shard_no}: {len(done) + i + len(batch)} prompts, {total_new} answer tokens this run, "
-              f"{total_new / elapsed:.1f} answer tok/s (generation + features)", flush=True)  # fmt: skip
+        print(f"shard {shard_no}: {len(done) + n_done} prompts, {total_new} answer tokens this run, "
+              f"{total_new / elapsed:.1f} answer tok/s ({'generation + ' * (args.answers is None)}features)",
+              flush=True)  # fmt: skip
+        if args.max_seconds is not None and elapsed > args.max_seconds and n_done < n_todo:
+            print(f"--max-seconds {args.max_seconds:g} reached: {n_todo - n_done} prompts to go", flush=True)
+            break
 
 
 if __name__ == "__main__":

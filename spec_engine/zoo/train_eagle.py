@@ -398,8 +398,9 @@ def export_eagle3(args, target, tcfg, eos) -> dict:
     return report
 
 
-def main_eagle3(args, target, tcfg, eos) -> dict:
-    """The EAGLE-3 recipe: a reduced vocabulary, frozen target lm_head rows, TTT over ``--ttt`` steps."""
+def main_eagle3(args, target, tcfg, eos, deadline: float | None = None) -> dict:
+    """The EAGLE-3 recipe: a reduced vocabulary, frozen target lm_head rows, TTT over ``--ttt`` steps; training stops
+    (saved) at ``deadline`` (``time.perf_counter()``'s clock), if given."""
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     layers = eagle3_target_layers(tcfg.num_hidden_layers)
@@ -454,11 +455,11 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
     trained_tokens = history[-1]["trained_tokens"] if history else 0
     last_step, first = args.steps, step
     for step in bar:
-        if args.max_seconds is not None and step == first + TIMED_STEPS:
+        if deadline is not None and step == first + TIMED_STEPS:
             # a time box: the run's length in steps, from the rate so far, so the learning rate's schedule ends
             # when the time does (a resumed run keeps the steps it was given)
             rate = (time.perf_counter() - t0) / TIMED_STEPS
-            last_step = min(args.steps, step + max(1, int((args.max_seconds - (time.perf_counter() - t0)) / rate)))
+            last_step = min(args.steps, step + max(1, int((deadline - time.perf_counter()) / rate)))
             bar.total = last_step
         for group in opt.param_groups:
             group["lr"] = lr_at(step, last_step, args.lr)
@@ -473,7 +474,7 @@ def main_eagle3(args, target, tcfg, eos) -> dict:
         seen += int(mask.sum())
         trained_tokens += int(mask.sum())
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{seen / (time.perf_counter() - t0):.0f}", n=len(data.train))
-        if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
+        if deadline is not None and time.perf_counter() > deadline:
             last_step = step + 1  # past the time box (evaluations are not in the rate): stop here, saved
         last = step + 1 == last_step
         if (step + 1) % args.eval_every == 0 or last:
@@ -531,11 +532,14 @@ def main(argv: list[str] | None = None) -> dict:
         help="eagle3: start from this published head's weights (a new run only; a checkpoint wins)",
     )
     ap.add_argument("--device", default="cpu", help="eagle3: where the target and the head run (cpu, cuda)")
-    ap.add_argument("--max-seconds", type=float, default=None, help="eagle3: stop training after this long (saved)")
+    ap.add_argument(
+        "--max-seconds", type=float, default=None, help="eagle3: stop training this long after the start (saved)"
+    )
     ap.add_argument("--eval-k", default=None, help="eagle3 --export: also held-out agreement at these K (comma list)")
     args = ap.parse_args(argv)
     if args.max_seconds is not None and args.max_seconds < 0:
         ap.error(f"--max-seconds must be >= 0, got {args.max_seconds}")
+    deadline = None if args.max_seconds is None else time.perf_counter() + args.max_seconds  # loading included
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: no CUDA device is available")
     if args.smoke:
@@ -552,7 +556,7 @@ def main(argv: list[str] | None = None) -> dict:
         eos = tcfg.eos_token_id[0] if tcfg.eos_token_id else None
         if args.export:
             return export_eagle3(args, target, tcfg, eos)
-        report = main_eagle3(args, target, tcfg, eos)
+        report = main_eagle3(args, target, tcfg, eos, deadline)
         print(json.dumps(report["history"][-1]))
         return report
     tok = load_tokenizer(args.target)
