@@ -110,8 +110,9 @@ def test_training_recipe_smoke(tmp_path):
 
 def test_eagle_prompt_set_keeps_the_benchmarks_functions_out():
     """The function stubs and edits come from the training half of the stdlib's files only: no function the edit
-    benchmark asks about (the held-out half) is in the shipped prompt set, and the added kinds leave the earlier
-    kinds' ids as they were."""
+    benchmark asks about (the held-out half) is in the shipped prompt set, nor any of the chat benchmark's requests;
+    and the added kinds leave the earlier kinds' ids as they were."""
+    from bench.bench_drafters import CHAT
     from bench.bench_suffix import functions
     from spec_engine.zoo.eagle_prompts import build, stdlib_functions
 
@@ -130,3 +131,8 @@ def test_eagle_prompt_set_keeps_the_benchmarks_functions_out():
     assert 20 <= len(added) <= 25 and {p["kind"] for p in added} == {"complete"}
     new = {p["prompt"] for p in added}
     assert len(new) == len(added) and not new & {p["prompt"] for p in more}  # each new, once
+    chat = build(0, 40, 10, 20, n_complete=30, n_source_edit=10, n_more_complete=25, n_more_chat=50)
+    assert chat[: len(later)] == later and len(chat) == len(later) + 50
+    assert {p["kind"] for p in chat[len(later) :]} == {"everyday"}
+    assert len({p["prompt"] for p in chat}) == len(chat)
+    assert not set(CHAT) & set(shipped) and sum(p.startswith("How do I") for p in shipped) >= 50
