@@ -24,7 +24,7 @@ the prompts already in a shard. ``--max-seconds`` stops starting new batches aft
 
 Answers made on one machine can be featured on another (a GPU's, where the features come fast but the machine is
 lent briefly): ``--save-answers FILE`` writes the shards of ``--out`` without features or labels (xz-compressed,
-~1.5 bytes a token), and ``--answers FILE`` takes those answers instead of generating them (one shard per shard of
+~0.5 bytes a token), and ``--answers FILE`` takes those answers instead of generating them (one shard per shard of
 the file, their temperatures kept) and runs only the feature pass:
 
     python -m spec_engine.zoo.eagle_data --out runs/eagle3/data --save-answers greedy.answers.xz
@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; > 0: sampled answers")
     ap.add_argument("--seed", type=int, default=0, help="sampled answers: prompt i's seed is seed * 1000003 + i")
     ap.add_argument("--max-seconds", type=float, default=None, help="start no new batch after this many seconds")
-    ap.add_argument("--answers", type=Path, default=None, help="features only, for the answers in this file")
+    ap.add_argument(
+        "--answers", type=Path, default=None, help="features only, for this file's answers (--prompts etc. unused)"
+    )
     ap.add_argument("--save-answers", type=Path, default=None, help="write --out's answers to this file and stop")
     args = ap.parse_args(argv)
     if args.save_answers is not None:
