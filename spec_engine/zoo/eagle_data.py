@@ -137,6 +137,12 @@ def save_answers(data: Path, path: Path) -> int:
     return sum(len(d["ids"]) for d in shards)
 
 
+def load_answers(path: Path) -> list[dict]:
+    """The per-shard samples ``save_answers`` wrote to ``path``."""
+    with lzma.open(path) as fh:
+        return torch.load(fh)
+
+
 Batch = tuple[list[int], list[list[int]], list[int], float]  # prompt ids, prompt + answer tokens, prompt lengths, T
 
 
@@ -215,8 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         todo = [p for p in prompts if p["id"] not in done]
         n_todo = len(todo)
     else:
-        with lzma.open(args.answers) as fh:
-            shards = torch.load(fh)
+        shards = load_answers(args.answers)
         n_todo = sum(int(pid not in done) for d in shards for pid in d["ids"].tolist())
     print(f"{len(done)} prompts done, {n_todo} to go", flush=True)
     kv = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
