@@ -4,7 +4,8 @@
 # 1. data (spec_engine.zoo.eagle_data --device "$DEVICE"): the features of answers made elsewhere, if ANSWERS names
 #    files of them (eagle_data --save-answers: a CPU's answers travel in ~1 MB), then for each of PASSES (default
 #    "greedy 1 2 3") the target's answers to the prompt set, greedy or sampled at temperature 0.8 with that seed,
-#    until DATA_SHARE of the budget is spent;
+#    until DATA_SHARE of the budget is spent, over PROMPTS in its order (default: the shipped prompt set; a shuffled
+#    copy spreads a short pass over all of its kinds);
 # 2. training (spec_engine.zoo.train_eagle --device "$DEVICE") from the shipped head until EXPORT_SECONDS before the
 #    budget ends, at peak learning rate LR (default 5e-4: a fine-tune; the schedule is fitted to the time box);
 # 3. the export: the head over K = 4096 with held-out agreement at K = 2048 / 4096 / 8192, into OUT/head, with
@@ -21,6 +22,7 @@ EXPORT_SECONDS=${EXPORT_SECONDS:-75}
 DEVICE=${DEVICE:-cuda}
 ANSWERS=${ANSWERS:-}
 PASSES=${PASSES:-greedy 1 2 3}
+PROMPTS=${PROMPTS:-spec_engine/zoo/data/eagle_prompts.jsonl}
 LR=${LR:-5e-4}
 WORK=${WORK:-/tmp/gpu_eagle$([ "${SMOKE:-0}" = 1 ] && echo -smoke)}  # data and checkpoints: a rerun resumes
 PY=${PYTHON:-python3}
@@ -68,7 +70,7 @@ for pass in $PASSES; do
     fi
     dirs+=("$dir")
     step $((budget + 60)) "$PY" -m spec_engine.zoo.eagle_data --target "$MODEL" --out "$dir" --device "$DEVICE" \
-        --threads 8 --max-seconds "$budget" "${sample[@]}" "${DATA_ARGS[@]}"
+        --prompts "$PROMPTS" --threads 8 --max-seconds "$budget" "${sample[@]}" "${DATA_ARGS[@]}"
 done
 # training: until EXPORT_SECONDS before the end (its time box counts the data's loading; at least one step), with
 # 30 s for its last evaluation and checkpoint before the step's limit
