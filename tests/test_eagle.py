@@ -635,6 +635,16 @@ def test_eagle3_data_sampled_answers_keep_the_targets_labels(tmp_path):
     assert report["steps"] == 1 and report["history"][-1]["step"] == 1
     assert (tmp_path / "head" / "model.safetensors").is_file()
 
+    # sampled answers alone: no held-out split (greedy answers only), so nothing is measured, and the run still
+    # trains, checkpoints and exports (it crashed at its first evaluation and lost the run)
+    alone = [*argv[:5], str(tmp_path / "sampled"), "--work-dir", str(tmp_path / "w_sampled"), "--out",
+             str(tmp_path / "head_sampled"), *argv[11:]]  # fmt: skip
+    report = train_eagle.main([*alone, "--steps", "10"])
+    assert report["steps"] == 10 and report["history"][-1]["held_out_top1_agreement_per_depth"] == []
+    exported = train_eagle.main([*alone, "--export"])
+    assert exported["held_samples"] == 0 and exported["by_draft_vocab"][64]["held_out_coverage"] is None
+    assert (tmp_path / "head_sampled" / "model.safetensors").is_file()
+
     other = make_model(tmp_path / "other", "llama_gqa", vocab_size=300, hidden=48, layers=3)
     make_tokenizer(other)
     eagle_data.main(["--target", str(other), "--limit", "3", "--batch", "3", "--max-tokens", "4", "--out",

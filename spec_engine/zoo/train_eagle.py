@@ -294,7 +294,10 @@ def collate(samples: list[tuple], t2d: torch.Tensor, device="cpu"):
 
 @torch.no_grad()
 def eagle3_agreement(head: EagleHead, samples: list[tuple], t2d: torch.Tensor, steps: int, batch: int = 8) -> list:
-    """Top-1 agreement with the target's greedy next token on answer positions, per TTT step (step k ~ depth k + 1)."""
+    """Top-1 agreement with the target's greedy next token on answer positions, per TTT step (step k ~ depth k + 1);
+    [] without samples (data of sampled answers only: the held-out split keeps greedy ones)."""
+    if not samples:
+        return []
     head.eval()
     stats: dict = {}
     device = head.fc.weight.device
@@ -384,9 +387,10 @@ def export_eagle3(args, target, tcfg, eos) -> dict:
     for k in sorted({int(x) for x in (args.eval_k or "").split(",") if x} | {args.draft_vocab}):
         head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, draft_vocab(freqs, k), state["model"], args.seed)
         head.to(args.device)
-        coverage = float((t2d[torch.cat([s[0][s[2] :] for s in data.held])] >= 0).float().mean())
+        held = [s[0][s[2] :] for s in data.held]
+        coverage = round(float((t2d[torch.cat(held)] >= 0).float().mean()), 4) if held else None
         by_k[k] = {"held_out_top1_agreement_per_depth": eagle3_agreement(head, data.held, t2d, args.ttt),
-                   "held_out_coverage": round(coverage, 4)}  # fmt: skip
+                   "held_out_coverage": coverage}  # fmt: skip
         print(json.dumps({"K": k} | by_k[k]), flush=True)
         if k == args.draft_vocab:
             save_eagle_head(head, cfg, args.out, dtype=torch.bfloat16)
@@ -408,6 +412,8 @@ def main_eagle3(args, target, tcfg, eos, deadline: float | None = None) -> dict:
     if data is not None:
         data.reload()
         print(f"data: {len(data.train)} train samples ({data.tokens('train')} answer tokens), {len(data.held)} held")
+        if not data.held:
+            print("no held-out answers (the split keeps greedy answers only): agreement is not measured")
         if data.width not in (None, len(layers) * tcfg.hidden_size):
             raise ValueError(
                 f"--data holds streams of width {data.width}; this target's layers {layers} give "
