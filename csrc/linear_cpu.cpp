@@ -29,6 +29,7 @@
 #include <c10/util/Optional.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -272,6 +273,243 @@ SPECDEC_AVX512 void rows_avx512(const LinearArgs<T>& a, int64_t n_begin, int64_t
 }
 
 
+// ---------------------------------------------------------------------------------------------------------------
+// AVX-512 widening path for bfloat16 (CPUs whose vdpbf16ps issues slowly: bf16_widens below).
+// ---------------------------------------------------------------------------------------------------------------
+
+// The k loop runs 32 elements per step, as the AVX512-BF16 path pairs them: one 64-byte load of 32 weights, lo = the
+// even ones (k + 2l: shifted into an fp32's top half), hi = the odd ones (k + 2l + 1: masked in place), each fed to
+// fp32 FMAs against x widened once per call and thread into the same even / odd order ([M, ldxf], zero-padded to a
+// whole step). Lane l of an accumulator adds its lo product, then its hi one, for k = 0, 32, ...: one fixed order
+// whatever M and the tile: the AVX512-BF16 path's pairs, each product rounded into the sum on its own (its outputs
+// equal that path's but for about one in 10^4). 16 products per FMA against 32 per vdpbf16ps: this path pays where
+// vdpbf16ps issues at under 0.4x the FMAs' rate (bf16_widens; bench/RESULTS.md, "bfloat16 matmuls where vdpbf16ps
+// is slow").
+SPECDEC_AVX512 inline void load_w32(const uint16_t* w, __m512& lo, __m512& hi) {
+  const __m512i raw = _mm512_loadu_si512(w);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// The last K % 32 weights of a row, zero-padded (an odd K pairs its last element with a zero).
+SPECDEC_AVX512 inline void load_w32_tail(const uint16_t* w, int64_t count, __m512& lo, __m512& hi) {
+  const __m512i raw = _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << count) - 1), w);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// x [M, K] bf16 -> out [M, ldxf] fp32 (ldxf = K rounded up to 32), per 32 elements the 16 even then the 16 odd.
+SPECDEC_AVX512 inline void widen_even_odd32(const LinearArgs<c10::BFloat16>& a, float* out, int64_t ldxf) {
+  for (int64_t m = 0; m < a.M; ++m) {
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(a.x + m * a.ldx);
+    float* o = out + m * ldxf;
+    for (int64_t k = 0; k < a.K; k += 32) {
+      __m512 lo, hi;
+      if (k + 32 <= a.K) {
+        load_w32(x + k, lo, hi);
+      } else {
+        load_w32_tail(x + k, a.K - k, lo, hi);
+      }
+      _mm512_storeu_ps(o + k, lo);
+      _mm512_storeu_ps(o + k + 16, hi);
+    }
+  }
+}
+
+// A vector in a register that GCC may not fold into its users as a memory operand (each FMA would reload it).
+SPECDEC_AVX512 inline __m512 load_in_zmm(const float* p) {
+  __m512 v = _mm512_loadu_ps(p);
+  __asm__("" : "+v"(v));
+  return v;
+}
+
+// One k step of 32 for NB weight rows (row stride K; `count` < 32: the row's zero-padded tail) and MB widened x rows.
+template <int NB, int MB>
+SPECDEC_AVX512 inline void step32_widen(const uint16_t* w, int64_t K, int64_t count, const float* x, int64_t ldxf,
+                                        __m512* acc) {
+  if constexpr (MB <= 2) {  // few x rows: all of them in registers, the weight rows widened one at a time
+    __m512 x_lo[MB], x_hi[MB];
+#pragma GCC unroll 2
+    for (int mb = 0; mb < MB; ++mb) {
+      x_lo[mb] = load_in_zmm(x + mb * ldxf);
+      x_hi[mb] = load_in_zmm(x + mb * ldxf + 16);
+    }
+#pragma GCC unroll 16
+    for (int nb = 0; nb < NB; ++nb) {
+      __m512 w_lo, w_hi;
+      if (count == 32) {
+        load_w32(w + nb * K, w_lo, w_hi);
+      } else {
+        load_w32_tail(w + nb * K, count, w_lo, w_hi);
+      }
+#pragma GCC unroll 2
+      for (int mb = 0; mb < MB; ++mb) {
+        acc[slot<NB>(nb, mb)] = _mm512_fmadd_ps(w_lo, x_lo[mb], acc[slot<NB>(nb, mb)]);
+        acc[slot<NB>(nb, mb)] = _mm512_fmadd_ps(w_hi, x_hi[mb], acc[slot<NB>(nb, mb)]);
+      }
+    }
+  } else {  // many x rows: the NB weight rows widened once per step, each x half loaded once and fed to NB FMAs
+    __m512 w_lo[NB], w_hi[NB];
+#pragma GCC unroll 4
+    for (int nb = 0; nb < NB; ++nb) {
+      if (count == 32) {
+        load_w32(w + nb * K, w_lo[nb], w_hi[nb]);
+      } else {
+        load_w32_tail(w + nb * K, count, w_lo[nb], w_hi[nb]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int mb = 0; mb < MB; ++mb) {
+      const __m512 x_lo = load_in_zmm(x + mb * ldxf);
+#pragma GCC unroll 4
+      for (int nb = 0; nb < NB; ++nb) acc[slot<NB>(nb, mb)] = _mm512_fmadd_ps(w_lo[nb], x_lo, acc[slot<NB>(nb, mb)]);
+      const __m512 x_hi = load_in_zmm(x + mb * ldxf + 16);
+#pragma GCC unroll 4
+      for (int nb = 0; nb < NB; ++nb) acc[slot<NB>(nb, mb)] = _mm512_fmadd_ps(w_hi[nb], x_hi, acc[slot<NB>(nb, mb)]);
+    }
+  }
+}
+
+// NB weight rows x MB x rows (accumulator slot<NB>(nb, mb), summed by finish_tile as the AVX-512 paths do); `prefetch`
+// walks the next NB weight rows at this tile's pace, one line per row per step.
+template <int NB, int MB>
+SPECDEC_AVX512 void tile_widen(const LinearArgs<c10::BFloat16>& a, const float* xw, int64_t ldxf, int64_t n0,
+                               int64_t m0, const char* prefetch) {
+  static_assert(NB * MB <= 16, "a tile holds at most 16 accumulators");
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(a.w) + n0 * a.K;
+  const float* x = xw + m0 * ldxf;
+  const int64_t K = a.K;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if (prefetch != nullptr) {
+#pragma GCC unroll 16
+      for (int nb = 0; nb < NB; ++nb) _mm_prefetch(prefetch + nb * 64, _MM_HINT_T1);
+      prefetch += NB * 64;
+    }
+    step32_widen<NB, MB>(w + k, K, 32, x + k, ldxf, acc);
+  }
+  if (k < K) step32_widen<NB, MB>(w + k, K, K - k, x + k, ldxf, acc);
+  finish_tile<c10::BFloat16, NB, MB>(a, acc, n0, m0);
+}
+
+// The most x rows a many-row tile takes: 2 weight rows x 8 x rows = 16 accumulators + 4 widened weight vectors + one
+// x vector, within the 32 zmm registers.
+constexpr int64_t kMaxWidenChunk = 8;
+
+template <int NB>
+SPECDEC_AVX512 void widen_chunk(const LinearArgs<c10::BFloat16>& a, const float* xw, int64_t ldxf, int64_t n0,
+                                int64_t m0, int64_t mb, const char* prefetch) {
+  switch (mb) {
+    case 8:
+      return tile_widen<NB, 8>(a, xw, ldxf, n0, m0, prefetch);
+    case 7:
+      return tile_widen<NB, 7>(a, xw, ldxf, n0, m0, prefetch);
+    case 6:
+      return tile_widen<NB, 6>(a, xw, ldxf, n0, m0, prefetch);
+    case 5:
+      return tile_widen<NB, 5>(a, xw, ldxf, n0, m0, prefetch);
+    case 4:
+      return tile_widen<NB, 4>(a, xw, ldxf, n0, m0, prefetch);
+    case 3:
+      return tile_widen<NB, 3>(a, xw, ldxf, n0, m0, prefetch);
+    case 2:
+      return tile_widen<NB, 2>(a, xw, ldxf, n0, m0, prefetch);
+    default:
+      return tile_widen<NB, 1>(a, xw, ldxf, n0, m0, prefetch);
+  }
+}
+
+// Weight rows [n_begin, n_end): 16 at a time at M = 1, 8 against both x rows at M = 2; above that, per block of
+// kRowBlock weight rows, x in ceil(M / 8) chunks as even as possible, each run against the block two rows at a time,
+// so a chunk's widened x rows stay in L1 across the block and the block's weight rows in L1 across the chunks.
+// Rows that do not fill a tile run one at a time.
+SPECDEC_AVX512 void rows_widen(const LinearArgs<c10::BFloat16>& a, const float* xw, int64_t ldxf, int64_t n_begin,
+                               int64_t n_end) {
+  const auto next = [&](int64_t n) { return reinterpret_cast<const char*>(a.w + n * a.K); };
+  int64_t n = n_begin;
+  if (a.M == 1) {
+    for (; n + 16 <= n_end; n += 16) tile_widen<16, 1>(a, xw, ldxf, n, 0, next(n + 16));
+    for (; n < n_end; ++n) tile_widen<1, 1>(a, xw, ldxf, n, 0, nullptr);
+    return;
+  }
+  if (a.M == 2) {
+    for (; n + 8 <= n_end; n += 8) tile_widen<8, 2>(a, xw, ldxf, n, 0, next(n + 8));
+    for (; n < n_end; ++n) tile_widen<1, 2>(a, xw, ldxf, n, 0, nullptr);
+    return;
+  }
+  const int64_t chunks = (a.M + kMaxWidenChunk - 1) / kMaxWidenChunk;
+  for (; n < n_end; n += kRowBlock) {
+    const int64_t block_end = std::min(n + kRowBlock, n_end);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t m0 = c * a.M / chunks, mb = (c + 1) * a.M / chunks - m0;
+      int64_t r = n;
+      for (; r + 2 <= block_end; r += 2) {
+        widen_chunk<2>(a, xw, ldxf, r, m0, mb, c == 0 && block_end == n + kRowBlock ? next(r + kRowBlock) : nullptr);
+      }
+      if (r < block_end) widen_chunk<1>(a, xw, ldxf, r, m0, mb, nullptr);
+    }
+  }
+}
+
+// Whether this CPU's vdpbf16ps issues at under 0.4x its fp32 FMA's rate, timed once per process on 16 independent
+// accumulators each (~0.1 ms): then the widening path computes more products per cycle than the AVX512-BF16 one
+// (32 products per vdpbf16ps against 16 per FMA plus an integer op per 32; bench/RESULTS.md, "bfloat16 matmuls where
+// vdpbf16ps is slow", has the machine that issues it at a quarter of the FMAs' rate).
+SPECDEC_AVX512 __attribute__((noinline)) double time_dot_or_fma(bool dot, int reps) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  __m512 a = _mm512_set1_ps(1.0f);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) {
+    __asm__("" : "+v"(a));
+    if (dot) {
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)a, (__m512bh)a);
+    } else {
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(a, a, acc[j]);
+    }
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  float sink[16];
+  _mm512_storeu_ps(sink, simd::reduce16(acc));
+  __asm__ volatile("" : : "r"(sink) : "memory");
+  return seconds;
+}
+
+bool measure_bf16_widens() {
+  double dot = 1e9, fma = 1e9;
+  for (int round = 0; round < 5; ++round) {  // interleaved, best of 5: a preempted round only loses
+    dot = std::min(dot, time_dot_or_fma(true, 2000));
+    fma = std::min(fma, time_dot_or_fma(false, 2000));
+  }
+  return dot > 2.5 * fma;
+}
+
+#endif  // SPECDEC_LINEAR_X86
+
+// The bfloat16 path for an AVX512-BF16 CPU without AMX tiles: the widening path where vdpbf16ps issues slowly
+// (measure_bf16_widens), else vdpbf16ps; SPECDEC_BF16_LINEAR=widen or =dot chooses (tests run both on one machine).
+// Chosen once per process: the two sum in different orders.
+bool bf16_widens() {
+#if SPECDEC_LINEAR_X86
+  static const bool widen = [] {
+    const char* v = std::getenv("SPECDEC_BF16_LINEAR");
+    if (v != nullptr && std::strcmp(v, "widen") == 0) return true;
+    if (v != nullptr && std::strcmp(v, "dot") == 0) return false;
+    return measure_bf16_widens();
+  }();
+  return widen;
+#else
+  return false;
+#endif
+}
+
+#if SPECDEC_LINEAR_X86
 #if SPECDEC_CPU_AMX
 #include "linear_amx_cpu.h"  // rows_amx: the bfloat16 path on AMX tiles (uses LinearArgs and to_bf16_bits above)
 #endif
@@ -536,7 +774,7 @@ SPECDEC_AVX2 void rows_avx2(const Avx2Args<T>& p, int64_t n_begin, int64_t n_end
 
 #endif  // SPECDEC_LINEAR_X86
 
-enum class Path { kScalar, kAvx2, kAvx512, kAmx };
+enum class Path { kScalar, kAvx2, kAvx512, kAvx512Widen, kAmx };
 
 // This CPU's path for T and a weight's K (chosen once per process for each: the paths sum in different orders, so a
 // weight's outputs never depend on M).
@@ -544,6 +782,7 @@ template <typename T>
 Path path_for([[maybe_unused]] int64_t K) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (simd::cpu_has_amx_bf16() && K % 32 == 0) return Path::kAmx;
+    if (simd::cpu_has_avx512_bf16() && bf16_widens()) return Path::kAvx512Widen;
   }
   const bool avx512 = std::is_same_v<T, float> ? simd::cpu_has_avx512() : simd::cpu_has_avx512_bf16();
   return avx512 ? Path::kAvx512 : simd::cpu_isa() >= simd::Isa::kAvx2 ? Path::kAvx2 : Path::kScalar;
@@ -560,6 +799,15 @@ void rows(const LinearArgs<T>& a, [[maybe_unused]] Path path, int64_t n_begin, i
   }
 #endif
   if (path == Path::kAvx512) return rows_avx512<T>(a, n_begin, n_end);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (path == Path::kAvx512Widen) {
+      thread_local std::vector<float> widened;  // [M, ldxf]
+      const int64_t ldxf = (a.K + 31) / 32 * 32;
+      widened.resize(static_cast<size_t>(a.M * ldxf));
+      widen_even_odd32(a, widened.data(), ldxf);
+      return rows_widen(a, widened.data(), ldxf, n_begin, n_end);
+    }
+  }
   if (path == Path::kAvx2) {
     if constexpr (std::is_same_v<T, float>) {
       return rows_avx2<T>({a, a.x, a.ldx}, n_begin, n_end);
@@ -589,7 +837,9 @@ void run(const LinearArgs<T>& a) {
   // blocks. The split is by whole blocks: a tile's sums never depend on the thread count.
   const double block_bytes = static_cast<double>(kRowBlock * a.K * static_cast<int64_t>(sizeof(T)));
   const double block_flops = 2.0 * static_cast<double>(a.M * kRowBlock * a.K);
-  const double flops_per_us = path == Path::kAmx ? 2000e3 : std::is_same_v<T, float> ? 200e3 : 350e3;
+  const double flops_per_us = path == Path::kAmx                                   ? 2000e3
+                              : std::is_same_v<T, float> || path == Path::kAvx512Widen ? 200e3
+                                                                                       : 350e3;
   const double block_us = std::max(block_bytes / 130e3, block_flops / flops_per_us);
   const int64_t grain = static_cast<int64_t>(1.0 / std::max(block_us, 1e-3)) + 1;
   at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {

@@ -181,16 +181,23 @@ def test_fake_tensor_and_compile():
     assert out.shape == (3, 24) and out.dtype == torch.float32
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
-def test_narrower_cpu_paths(isa):
+@pytest.mark.parametrize(
+    "setting",
+    [{"SPECDEC_CPU_ISA": "avx512", "SPECDEC_BF16_LINEAR": "dot"},
+     {"SPECDEC_CPU_ISA": "avx512", "SPECDEC_BF16_LINEAR": "widen"},
+     {"SPECDEC_CPU_ISA": "avx2"}, {"SPECDEC_CPU_ISA": "scalar"}],
+    ids=["avx512-dot", "avx512-widen", "avx2", "scalar"],
+)  # fmt: skip
+def test_narrower_cpu_paths(setting):
     """SPECDEC_CPU_ISA caps the kernels' vector paths at AVX-512 without AMX tiles (Intel before Sapphire Rapids, AMD
     Zen 4-5), at AVX2 (CPUs without AVX-512: AMD Zen 1-3, older Intel) or at the scalar one (no AVX2, other
-    architectures): the native kernels' tests (float64 references, batch invariance,
-    tree nodes bitwise equal to plain decoding, greedy acceptance) must pass on each, in a process of its own (the
-    path is chosen once per process). A run capped above this CPU's own path repeats the suite's."""
+    architectures); SPECDEC_BF16_LINEAR picks the AVX-512 bfloat16 path that vdpbf16ps's speed would pick on another
+    CPU (dot products, or bfloat16 widened to float32 FMAs). The native kernels' tests (float64 references, batch
+    invariance, tree nodes bitwise equal to plain decoding, greedy acceptance) must pass on each, in a process of its
+    own (the path is chosen once per process). A run capped above this CPU's own path repeats the suite's."""
     root = Path(__file__).resolve().parent.parent
     files = ["tests/test_linear.py", "tests/test_decoder_layers.py", "tests/test_verify_tree.py"]
-    env = {**os.environ, "SPECDEC_CPU_ISA": isa}
+    env = {**os.environ, **setting}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
            "-k", "not triton and not interpret and not narrower_cpu_paths"]  # fmt: skip
     result = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
@@ -215,16 +222,38 @@ def test_amx_path_taken():
     gen = torch.Generator().manual_seed(0)
     x, w, b = _inputs(16, 1536, 576, torch.bfloat16, True, gen)
     ours = linear(x, w, b, backend="native")
+    avx512 = _native_linear_in_process(x, w, b, {"SPECDEC_CPU_ISA": "avx512"})
+    _assert_close_to_ref(avx512, x, w, b)
+    assert not torch.equal(ours, avx512), "the default path summed exactly as AVX-512 does: AMX tiles not used"
+
+
+@pytest.mark.skipif("avx512_bf16" not in _cpu_flags(), reason="no AVX512-BF16 on this CPU")
+def test_bf16_widening_path_taken():
+    """SPECDEC_BF16_LINEAR=widen runs the AVX-512 bfloat16 kernel as float32 FMAs on widened values, =dot as
+    vdpbf16ps: both close to the float64 reference, and not bitwise equal (the two products of a pair rounded into
+    the sum one by one, against one instruction's own rounding: about one output in 10^4 rounds apart), so each setting
+    really takes its own path. A K that is not a multiple of 32 and M = 1, 2 and 11 (two chunks of x rows) cover the
+    tails and every tile shape; the last case holds ~200,000 outputs."""
+    gen = torch.Generator().manual_seed(0)
+    for m, k, n in ((1, 100, 40), (2, 576, 24), (11, 1536, 37), (64, 1536, 3072)):
+        x, w, b = _inputs(m, k, n, torch.bfloat16, True, gen)
+        dot, widen = (_native_linear_in_process(x, w, b, {"SPECDEC_CPU_ISA": "avx512", "SPECDEC_BF16_LINEAR": mode})
+                      for mode in ("dot", "widen"))  # fmt: skip
+        _assert_close_to_ref(dot, x, w, b)
+        _assert_close_to_ref(widen, x, w, b)
+    assert not torch.equal(dot, widen), "SPECDEC_BF16_LINEAR chose nothing: both settings summed alike"
+
+
+def _native_linear_in_process(x, w, b, setting: dict) -> torch.Tensor:
+    """linear(x, w, b, backend='native') in a fresh process under the environment ``setting`` (kernel paths are
+    chosen once per process)."""
     code = (
         "import sys, torch\nfrom spec_kernels.linear import linear\n"
         "x, w, b = torch.load(sys.argv[1])\ntorch.save(linear(x, w, b, backend='native'), sys.argv[2])\n"
     )
     with tempfile.TemporaryDirectory() as tmp:
         torch.save((x, w, b), f"{tmp}/in.pt")
-        env = {**os.environ, "SPECDEC_CPU_ISA": "avx512"}
-        result = subprocess.run([sys.executable, "-c", code, f"{tmp}/in.pt", f"{tmp}/out.pt"], env=env,
-                                capture_output=True, text=True)  # fmt: skip
+        result = subprocess.run([sys.executable, "-c", code, f"{tmp}/in.pt", f"{tmp}/out.pt"],
+                                env={**os.environ, **setting}, capture_output=True, text=True)  # fmt: skip
         assert result.returncode == 0, result.stderr[-2000:]
-        avx512 = torch.load(f"{tmp}/out.pt")
-    _assert_close_to_ref(avx512, x, w, b)
-    assert not torch.equal(ours, avx512), "the default path summed exactly as AVX-512 does: AMX tiles not used"
+        return torch.load(f"{tmp}/out.pt")
