@@ -395,64 +395,63 @@ SPECDEC_AVX512 void tile_widen(const LinearArgs<c10::BFloat16>& a, const float* 
   finish_tile<c10::BFloat16, NB, MB>(a, acc, n0, m0);
 }
 
-// The most x rows a many-row tile takes: 2 weight rows x 8 x rows = 16 accumulators + 4 widened weight vectors + one
-// x vector, within the 32 zmm registers.
-constexpr int64_t kMaxWidenChunk = 8;
+// The most x rows one tile takes: 2 weight rows x 8 x rows = 16 accumulators + 4 widened weight vectors + one x
+// vector, within the 32 zmm registers.
+constexpr int64_t kWidenChunk = 8;
 
-template <int NB>
-SPECDEC_AVX512 void widen_chunk(const LinearArgs<c10::BFloat16>& a, const float* xw, int64_t ldxf, int64_t n0,
-                                int64_t m0, int64_t mb, const char* prefetch) {
+// Weight rows [n, block_end) of one block against x rows [m0, m0 + mb), 1 <= mb <= kWidenChunk, in tiles as wide as
+// 16 accumulators allow (NB = 16 / 8 / 4 / 4 / 2 weight rows for mb = 1 / 2 / 3 / 4 / 5-8): every accumulator adds two
+// dependent FMAs per k step, so a tile of fewer accumulators waits on the FMAs' latency rather than their issue.
+// Rows that do not fill a tile run one at a time. `prefetch`: the tiles pull the next block's lines.
+template <int NB, int MB>
+SPECDEC_AVX512 void block_widen(const LinearArgs<c10::BFloat16>& a, const float* xw, int64_t ldxf, int64_t n,
+                                int64_t block_end, int64_t m0, bool prefetch) {
+  int64_t r = n;
+  for (; r + NB <= block_end; r += NB) {
+    tile_widen<NB, MB>(a, xw, ldxf, r, m0,
+                       prefetch ? reinterpret_cast<const char*>(a.w + (r + kRowBlock) * a.K) : nullptr);
+  }
+  for (; r < block_end; ++r) tile_widen<1, MB>(a, xw, ldxf, r, m0, nullptr);
+}
+
+SPECDEC_AVX512 void chunk_widen(const LinearArgs<c10::BFloat16>& a, const float* xw, int64_t ldxf, int64_t n,
+                                int64_t block_end, int64_t m0, int64_t mb, bool prefetch) {
   switch (mb) {
-    case 8:
-      return tile_widen<NB, 8>(a, xw, ldxf, n0, m0, prefetch);
-    case 7:
-      return tile_widen<NB, 7>(a, xw, ldxf, n0, m0, prefetch);
-    case 6:
-      return tile_widen<NB, 6>(a, xw, ldxf, n0, m0, prefetch);
-    case 5:
-      return tile_widen<NB, 5>(a, xw, ldxf, n0, m0, prefetch);
-    case 4:
-      return tile_widen<NB, 4>(a, xw, ldxf, n0, m0, prefetch);
-    case 3:
-      return tile_widen<NB, 3>(a, xw, ldxf, n0, m0, prefetch);
+    case 1:
+      return block_widen<16, 1>(a, xw, ldxf, n, block_end, m0, prefetch);
     case 2:
-      return tile_widen<NB, 2>(a, xw, ldxf, n0, m0, prefetch);
+      return block_widen<8, 2>(a, xw, ldxf, n, block_end, m0, prefetch);
+    case 3:
+      return block_widen<4, 3>(a, xw, ldxf, n, block_end, m0, prefetch);
+    case 4:
+      return block_widen<4, 4>(a, xw, ldxf, n, block_end, m0, prefetch);
+    case 5:
+      return block_widen<2, 5>(a, xw, ldxf, n, block_end, m0, prefetch);
+    case 6:
+      return block_widen<2, 6>(a, xw, ldxf, n, block_end, m0, prefetch);
+    case 7:
+      return block_widen<2, 7>(a, xw, ldxf, n, block_end, m0, prefetch);
     default:
-      return tile_widen<NB, 1>(a, xw, ldxf, n0, m0, prefetch);
+      return block_widen<2, 8>(a, xw, ldxf, n, block_end, m0, prefetch);
   }
 }
 
-// Weight rows [n_begin, n_end): 16 at a time at M = 1, 8 against both x rows at M = 2; above that, per block of
-// kRowBlock weight rows, x in ceil(M / 8) chunks as even as possible, each run against the block two rows at a time,
-// so a chunk's widened x rows stay in L1 across the block and the block's weight rows in L1 across the chunks.
-// Rows that do not fill a tile run one at a time.
+// Weight rows [n_begin, n_end), per block of kRowBlock rows: x in ceil(M / 8) chunks as even as possible (9 rows:
+// 4 + 5), each run against the whole block, so a chunk's widened x rows stay in L1 across the block and the block's
+// weight rows in L1 across the chunks; the first chunk's tiles prefetch the next block (a whole block only: the
+// range's last one may be short).
 SPECDEC_AVX512 void rows_widen(const LinearArgs<c10::BFloat16>& a, const float* xw, int64_t ldxf, int64_t n_begin,
                                int64_t n_end) {
-  const auto next = [&](int64_t n) { return reinterpret_cast<const char*>(a.w + n * a.K); };
-  int64_t n = n_begin;
-  if (a.M == 1) {
-    for (; n + 16 <= n_end; n += 16) tile_widen<16, 1>(a, xw, ldxf, n, 0, next(n + 16));
-    for (; n < n_end; ++n) tile_widen<1, 1>(a, xw, ldxf, n, 0, nullptr);
-    return;
-  }
-  if (a.M == 2) {
-    for (; n + 8 <= n_end; n += 8) tile_widen<8, 2>(a, xw, ldxf, n, 0, next(n + 8));
-    for (; n < n_end; ++n) tile_widen<1, 2>(a, xw, ldxf, n, 0, nullptr);
-    return;
-  }
-  const int64_t chunks = (a.M + kMaxWidenChunk - 1) / kMaxWidenChunk;
-  for (; n < n_end; n += kRowBlock) {
+  const int64_t chunks = (a.M + kWidenChunk - 1) / kWidenChunk;
+  for (int64_t n = n_begin; n < n_end; n += kRowBlock) {
     const int64_t block_end = std::min(n + kRowBlock, n_end);
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t m0 = c * a.M / chunks, mb = (c + 1) * a.M / chunks - m0;
-      int64_t r = n;
-      for (; r + 2 <= block_end; r += 2) {
-        widen_chunk<2>(a, xw, ldxf, r, m0, mb, c == 0 && block_end == n + kRowBlock ? next(r + kRowBlock) : nullptr);
-      }
-      if (r < block_end) widen_chunk<1>(a, xw, ldxf, r, m0, mb, nullptr);
+      chunk_widen(a, xw, ldxf, n, block_end, m0, mb, c == 0 && block_end == n + kRowBlock);
     }
   }
 }
+
 
 // Whether this CPU's vdpbf16ps issues at under 0.4x its fp32 FMA's rate, timed once per process on 16 independent
 // accumulators each (~0.1 ms): then the widening path computes more products per cycle than the AVX512-BF16 one
