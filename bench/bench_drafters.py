@@ -63,6 +63,7 @@ from bench.harness import (  # noqa: E402
     time_interleaved,
 )
 from spec_engine import LLM  # noqa: E402
+from spec_kernels.linear import native_path  # noqa: E402
 
 SETS = ("humaneval", "chat", "edit", "second", "long", "concurrent", "lookup")
 CHAINS = (1, 2, 3, 4)
@@ -221,8 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = [Run("plain", "ours", 1, "")] + [Run(n, "ours", 1, "", gamma_cap=gammas.get(n)) for n in names]
         return [kind(runs[0], plain)] + [kind(r, llms[r.name]) for r in runs[1:]]
 
-    machine = {"node": platform.node(), "cpu": cpu_name(), "threads": torch.get_num_threads()}
-    print(f"{machine['cpu']} ({machine['node']}), {machine['threads']} threads; target {plain.model_dir}, head "
+    path, dot_ratio = native_path(torch.bfloat16)
+    machine = {"node": platform.node(), "cpu": cpu_name(), "threads": torch.get_num_threads(), "linear": path,
+               "dot_over_fma": dot_ratio}  # fmt: skip
+    print(f"{machine['cpu']} ({machine['node']}, bf16 linear {path}, vdpbf16ps/FMA {dot_ratio:.2f}), "
+          f"{machine['threads']} threads; target {plain.model_dir}, head "
           f"{head_dir}; bf16, batch 1, greedy")  # fmt: skip
     ctx = 256
     r = verify_costs(plain, ctx, [1, 2, 3, 4, 5, 8, 16], args.reps)

@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # run as a file: the repository root, not bench/,
 from spec_engine.cli import _alternating_tps, add_model_args  # noqa: E402
 from spec_engine.llm import build_llm  # noqa: E402
 from spec_engine.sampling import SamplingParams  # noqa: E402
+from spec_kernels.linear import native_path  # noqa: E402
 
 # Written for this benchmark, never used to tune anything: everyday coding requests of different kinds.
 REQUESTS = [
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['request']!r} -> {row['answer']!r}", flush=True)  # fmt: skip
     median = statistics.median(r["speedup"] for r in rows)
     print(f"median speedup {median:.2f}x over {len(rows)} requests ({llm.speculative_config['method']}, "
-          f"{llm.dtype}, {platform.node()})")  # fmt: skip
+          f"{llm.dtype}, {platform.node()}, bf16 linear {native_path()[0]})")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "median_speedup": median, "method": llm.speculative_config["method"],

@@ -18,6 +18,7 @@
 #include "native_model.h"
 #include "suffix_tree_cpu.h"
 
+#include <string>
 #include <tuple>
 
 #include <Python.h>
@@ -37,6 +38,7 @@ void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, co
                     const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table);
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+std::tuple<std::string, double> linear_path(bool bf16, int64_t k);
 at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
                             const c10::optional<at::Tensor>& bias);
 at::Tensor quant_linear_meta(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
@@ -190,6 +192,7 @@ TORCH_LIBRARY(spec_kernels, m) {
       "compact_kv_(Tensor(a!) cache, Tensor cache_seqlens, Tensor accepted_nodes, Tensor num_accepted, "
       "Tensor? block_table=None) -> ()");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("linear_path(bool bf16, int k) -> (str, float)", &specdec::linear_path);  // no tensors: one kernel
   m.def("quant_linear(Tensor x, Tensor weight, int qtype, Tensor? bias=None) -> Tensor");
   m.def(
       "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!) kv_cache, Tensor cache_seqlens, "

@@ -33,6 +33,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -458,9 +460,9 @@ SPECDEC_AVX512 void rows_widen(const LinearArgs<c10::BFloat16>& a, const float* 
 // (32 products per vdpbf16ps against 16 per FMA plus an integer op per 32; bench/RESULTS.md, "bfloat16 matmuls where
 // vdpbf16ps is slow", has the machine that issues it at a quarter of the FMAs' rate).
 SPECDEC_AVX512 __attribute__((noinline)) double time_dot_or_fma(bool dot, int reps) {
-  __m512 acc[16];
+  __m512 acc[16];  // distinct starts: 16 equal chains would be folded into one, timing the latency of one chain
 #pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j));
   __m512 a = _mm512_set1_ps(1.0f);
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < reps; ++i) {
@@ -480,32 +482,41 @@ SPECDEC_AVX512 __attribute__((noinline)) double time_dot_or_fma(bool dot, int re
   return seconds;
 }
 
-bool measure_bf16_widens() {
-  double dot = 1e9, fma = 1e9;
-  for (int round = 0; round < 5; ++round) {  // interleaved, best of 5: a preempted round only loses
-    dot = std::min(dot, time_dot_or_fma(true, 2000));
-    fma = std::min(fma, time_dot_or_fma(false, 2000));
-  }
-  return dot > 2.5 * fma;
-}
-
 #endif  // SPECDEC_LINEAR_X86
 
-// The bfloat16 path for an AVX512-BF16 CPU without AMX tiles: the widening path where vdpbf16ps issues slowly
-// (measure_bf16_widens), else vdpbf16ps; SPECDEC_BF16_LINEAR=widen or =dot chooses (tests run both on one machine).
-// Chosen once per process: the two sum in different orders.
-bool bf16_widens() {
+// vdpbf16ps's time over the FMAs' for the same count of instructions (best of 5 interleaved rounds: a preempted round
+// only loses), measured once per process; 0 where the CPU has no AVX512-BF16.
+double dot_over_fma() {
+  static const double ratio = [] {
 #if SPECDEC_LINEAR_X86
+    if (!simd::cpu_has_avx512_bf16()) return 0.0;
+    double dot = 1e9, fma = 1e9;
+    for (int round = 0; round < 5; ++round) {
+      dot = std::min(dot, time_dot_or_fma(true, 2000));
+      fma = std::min(fma, time_dot_or_fma(false, 2000));
+    }
+    return dot / fma;
+#else
+    return 0.0;
+#endif
+  }();
+  return ratio;
+}
+
+// The widening path above the ratio at which it computes more products per cycle (see time_dot_or_fma).
+constexpr double kWidenAboveRatio = 2.5;
+
+// The bfloat16 path for an AVX512-BF16 CPU without AMX tiles: the widening path where vdpbf16ps issues slowly
+// (dot_over_fma() > kWidenAboveRatio), else vdpbf16ps; SPECDEC_BF16_LINEAR=widen or =dot chooses (tests run both on
+// one machine). Chosen once per process: the two sum in different orders.
+bool bf16_widens() {
   static const bool widen = [] {
     const char* v = std::getenv("SPECDEC_BF16_LINEAR");
     if (v != nullptr && std::strcmp(v, "widen") == 0) return true;
     if (v != nullptr && std::strcmp(v, "dot") == 0) return false;
-    return measure_bf16_widens();
+    return dot_over_fma() > kWidenAboveRatio;
   }();
   return widen;
-#else
-  return false;
-#endif
 }
 
 #if SPECDEC_LINEAR_X86
@@ -930,6 +941,16 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::
                out.data_ptr<bf16>(), M, N, K, rows.stride(0)});
   }
   return out;
+}
+
+std::tuple<std::string, double> linear_path(bool bf16, int64_t k) {
+  const Path path = bf16 ? path_for<c10::BFloat16>(k) : path_for<float>(k);
+  const char* name = path == Path::kAmx           ? "amx"
+                     : path == Path::kAvx512Widen ? "avx512-widen"
+                     : path == Path::kAvx512      ? (bf16 ? "avx512-dot" : "avx512")
+                     : path == Path::kAvx2        ? "avx2"
+                                                  : "scalar";
+  return {name, dot_over_fma()};
 }
 
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {

@@ -141,3 +141,17 @@ def linear(
         return linear_ref(x, weight, bias)
     _check_native(x, weight, bias)
     return _native_op()(x, weight, bias)
+
+
+def native_path(dtype: torch.dtype = torch.bfloat16, k: int = 576) -> tuple[str, float]:
+    """The native kernel's path on this CPU for ``dtype`` weights of reduction length ``k`` (chosen once per process),
+    and vdpbf16ps's time over the float32 FMAs' for as many instructions, as this process measured it (0.0 without
+    AVX512-BF16): ``("amx" | "avx512-widen" | "avx512-dot" | "avx512" | "avx2" | "scalar", ratio)``. Benchmarks
+    print it beside their figures. Builds the extension on first use."""
+    if dtype not in NATIVE_DTYPES:
+        raise ValueError(f"native_path: dtype must be one of {NATIVE_DTYPES}, got {dtype}")
+    from spec_kernels._ext import load_ext
+
+    load_ext()
+    path, ratio = torch.ops.spec_kernels.linear_path(dtype is torch.bfloat16, int(k))
+    return path, ratio

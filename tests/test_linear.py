@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from spec_kernels.linear import linear
+from spec_kernels.linear import native_path as linear_native_path
 from spec_kernels.reference import linear_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -242,6 +243,31 @@ def test_bf16_widening_path_taken():
         _assert_close_to_ref(dot, x, w, b)
         _assert_close_to_ref(widen, x, w, b)
     assert not torch.equal(dot, widen), "SPECDEC_BF16_LINEAR chose nothing: both settings summed alike"
+
+
+@pytest.mark.skipif("avx512_bf16" not in _cpu_flags(), reason="no AVX512-BF16 on this CPU")
+def test_bf16_path_follows_the_measured_issue_rates():
+    """Without SPECDEC_BF16_LINEAR (AMX turned off), the AVX-512 bfloat16 path is the widening one exactly where
+    vdpbf16ps took over 2.5x the FMAs' time for as many instructions; the setting overrides the measurement both ways.
+    The ratio is a real measurement: sixteen independent chains of each instruction, which no CPU with AVX512-BF16
+    runs more than 8x apart (16 chains folded into one by the compiler timed one chain's latency instead, and chose
+    the dot products on a CPU that issues them at a quarter of the FMAs' rate)."""
+    code = "from spec_kernels.linear import native_path\nprint(*native_path())"
+    for setting, want in (({}, None), ({"SPECDEC_BF16_LINEAR": "widen"}, "avx512-widen"),
+                          ({"SPECDEC_BF16_LINEAR": "dot"}, "avx512-dot")):  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "SPECDEC_BF16_LINEAR"} | {"SPECDEC_CPU_ISA": "avx512"}
+        result = subprocess.run([sys.executable, "-c", code], env=env | setting, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-2000:]
+        path, ratio = result.stdout.split()
+        assert 0.2 < float(ratio) < 8.0, ratio
+        assert path == (want or ("avx512-widen" if float(ratio) > 2.5 else "avx512-dot")), (setting, path, ratio)
+
+
+def test_native_path_names_a_path():
+    path, ratio = linear_native_path(torch.float32)
+    assert path in ("avx512", "avx2", "scalar") and ratio >= 0.0
+    with pytest.raises(ValueError, match="dtype"):
+        linear_native_path(torch.float16)
 
 
 def _native_linear_in_process(x, w, b, setting: dict) -> torch.Tensor:
