@@ -29,6 +29,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": "auto", "eagle": "auto", "ngram": "auto", "suffix": "auto",
                                   "hybrid": "auto"}  # fmt: skip
 ADAPTIVE_MAX_DEPTH = 8  # the deepest chain "auto" may draft; a static tree caps it at its own depth
+# ... for an EAGLE head's chains (alone or in the hybrid): its acceptance falls with depth past the steps its training-time
+# test unrolled, which the controller's one acceptance rate per row does not see, and its deep steps cost more than
+# they keep (bench/RESULTS.md, "The adaptive head's maximum depth")
+EAGLE_ADAPTIVE_MAX_DEPTH = 4
 # suffix speculations under "auto": the most nodes a row's tree may have (a repeated passage is accepted whole, so
 # deeper than a model's chains; the adaptive controller still picks each row's cap from what the rows accepted)
 SUFFIX_ADAPTIVE_MAX_TOKENS = 16
@@ -102,6 +106,9 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
     tree = spec.get("tree")
     if adaptive:
         default = SUFFIX_ADAPTIVE_MAX_TOKENS if method == "suffix" else ADAPTIVE_MAX_DEPTH
+        eagle = method == "eagle" or (method == "hybrid" and spec.get("model") and is_eagle_head(spec["model"]))
+        if eagle and tree is None:  # (chains: an EAGLE-2 dynamic tree keeps its own depth's choice)
+            default = EAGLE_ADAPTIVE_MAX_DEPTH
         gamma = len(tree) if isinstance(tree, (list, tuple)) and tree else default
     most = MAX_SUFFIX_TOKENS if method == "suffix" else 16
     if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= most:
