@@ -270,7 +270,8 @@ class AdaptiveController:
 
     Parameters
     ----------
-    max_depth : the deepest tree allowed (8 for ``"auto"`` chains, a static tree's own depth).
+    max_depth : the deepest tree allowed (``"auto"``: 8 for a draft model's chains, 4 for an EAGLE head's; a static
+        tree's own depth).
     nodes_for_depth : T of a row drafted at depth g (``Drafter.nodes_for_depth``).
     tree : the drafts are trees (wider than chains): track acceptance per depth, and count the draft model's
         forward over all the nodes above the deepest level (a chain runs one new node per forward).

@@ -775,8 +775,8 @@ def test_smollm2_head_native_steps_draft_as_the_regular_step(smollm2_head):
 
 
 def test_adaptive_eagle_chains_stop_at_their_own_depth(models):
-    """"auto" caps an EAGLE head's chains at EAGLE_ADAPTIVE_MAX_DEPTH, alone and in the hybrid; a draft model's chains
-    and an EAGLE-2 dynamic tree keep ADAPTIVE_MAX_DEPTH, and a fixed depth is the user's."""
+    """``"auto"`` caps an EAGLE head's chains at EAGLE_ADAPTIVE_MAX_DEPTH, alone and in the hybrid; a draft model's
+    chains and an EAGLE-2 dynamic tree keep ADAPTIVE_MAX_DEPTH, and a fixed depth is the user's."""
     from spec_engine.llm import ADAPTIVE_MAX_DEPTH, EAGLE_ADAPTIVE_MAX_DEPTH, _parse_speculative_config
 
     _, head = models
