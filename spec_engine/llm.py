@@ -104,10 +104,10 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
     gamma = spec.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[method])
     adaptive = gamma == "auto"
     tree = spec.get("tree")
+    hybrid_head = method == "hybrid" and bool(spec.get("model")) and is_eagle_head(spec["model"])
     if adaptive:
         default = SUFFIX_ADAPTIVE_MAX_TOKENS if method == "suffix" else ADAPTIVE_MAX_DEPTH
-        eagle = method == "eagle" or (method == "hybrid" and spec.get("model") and is_eagle_head(spec["model"]))
-        if eagle and tree is None:  # (chains: an EAGLE-2 dynamic tree keeps its own depth's choice)
+        if (method == "eagle" or hybrid_head) and tree is None:  # (chains: a dynamic tree keeps its own choice)
             default = EAGLE_ADAPTIVE_MAX_DEPTH
         gamma = len(tree) if isinstance(tree, (list, tuple)) and tree else default
     most = MAX_SUFFIX_TOKENS if method == "suffix" else 16
@@ -145,7 +145,7 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
                 "adaptive": adaptive, "suffix": suffix}  # fmt: skip
     model_method = method
     if method == "hybrid":
-        model_method = "eagle" if is_eagle_head(spec["model"]) else "draft_model"
+        model_method = "eagle" if hybrid_head else "draft_model"
         if tree == "dynamic" and model_method != "eagle":
             raise ValueError("tree='dynamic' (EAGLE-2's dynamic tree) needs an EAGLE head")
         if (vocab is not None or draft_dtype is not None) and model_method != "draft_model":
