@@ -110,7 +110,7 @@ TOKENS_REF = 16.0  # token counts are divided by this so both coefficients of a 
 OUTLIER = 3.0  # a step timed above this multiple of its prediction (preemption, a one-time load) is clipped to it
 PROBE_ALPHA = 0.8  # a due row is probed if a draft this good would be drafted now (see the probes above)
 PROBE_PRIOR = 0.5  # the chance that a probe accepts its draft before any probe was seen (see "priced probes")
-PROBE_PRIOR_STRENGTH = 2.0  # ... worth this many probes
+PROBE_PRIOR_STRENGTH = 1.0  # ... worth this many probes (Jeffreys' Beta(1/2, 1/2): see probe_success)
 PROBE_DECAY = 0.9  # per probe: the probes' success rate remembers ~10 of them
 MIN_GAIN = 1.02  # drafting must promise this multiple of plain decoding's tokens/s at batch 1 (see "margin")
 TAIL_MARGIN = 0.18  # added to it as the batch grows: MIN_GAIN + TAIL_MARGIN * (1 - 1/B)
@@ -477,7 +477,12 @@ class AdaptiveController:
 
     @property
     def probe_success(self) -> float:
-        """The chance that a probe accepts its draft: the recent probes' rate, ``PROBE_PRIOR`` before any."""
+        """The chance that a probe accepts its draft: the recent probes' rate, ``PROBE_PRIOR`` before any.
+
+        The prior is worth one probe (Jeffreys' Beta(1/2, 1/2)), not two (the uniform Beta(1, 1)): under the uniform
+        one, a useless head's rate fell as 1/(n + 2) and ~14 of its probes missed in a row before the catch-up over a
+        256-token prompt stopped paying, one per request at ~4% of each 64-token request (bench/RESULTS-log.md, "A
+        useless head's probes"); now it falls as 1/(2n + 2), and a draft that finds hits weighs them as before."""
         hits = self._probe_hits + PROBE_PRIOR_STRENGTH * PROBE_PRIOR
         return hits / (self._probe_hits + self._probe_misses + PROBE_PRIOR_STRENGTH)
 

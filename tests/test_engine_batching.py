@@ -492,13 +492,11 @@ def test_a_plain_stretch_does_not_make_a_weak_draft_look_cheap():
     assert sum(g > 0 for g in depths[off:]) <= 20
 
 
-def test_a_probe_runs_only_where_it_pays_for_its_catch_up():
-    """A due row's probe costs its draft cache's catch-up (the prompt and every undrafted token: the default pair in
-    bfloat16 on a 2-core AVX2 CPU, ~130 draft tokens, ~3 ms, a tenth of a 64-token request) and is worth the time a
-    good draft would save over the row's remaining tokens, times the chance that a probe finds one. Injected costs:
-    plain 0.8 ms per token, a depth-g step 0.8 + 0.1 g ms in the target and ~0.13 g ms in the draft, 0.5 ms per 16
-    catch-up tokens: were the draft as good as PROBE_ALPHA, depth 3 would save ~0.29 ms per token, at half the
-    chance ~0.15, against ~4.3 ms to probe after a 130-token prompt."""
+def _probe_rig():
+    """An adaptive controller with injected costs whose draft is useless so far, and its probes: ``due(tokens_left,
+    lag)`` a row whose probe is due, its draft cache ``lag`` tokens behind; ``probed(req)`` whether the step probes
+    it. Plain 0.8 ms per token, a depth-g step 0.8 + 0.1 g ms in the target and ~0.13 g ms in the draft, 0.5 ms per
+    16 catch-up tokens: were the draft as good as PROBE_ALPHA, depth 3 would save ~0.29 ms per token."""
     ctl = AdaptiveController(8, lambda g: g + 1, cache_lag=lambda req: req.lag)
     ctl.population.prior = 0.02  # a useless draft so far: the row is off
 
@@ -518,6 +516,16 @@ def test_a_probe_runs_only_where_it_pays_for_its_catch_up():
         ctl._next_plain_probe = 10**9
         return ctl.choose([req]) == [1]
 
+    return ctl, due, probed
+
+
+def test_a_probe_runs_only_where_it_pays_for_its_catch_up():
+    """A due row's probe costs its draft cache's catch-up (the prompt and every undrafted token: the default pair in
+    bfloat16 on a 2-core AVX2 CPU, ~130 draft tokens, ~3 ms, a tenth of a 64-token request) and is worth the time a
+    good draft would save over the row's remaining tokens, times the chance that a probe finds one. Injected costs
+    (``_probe_rig``): ~0.29 ms saved per token, at half the chance ~0.15, against ~4.3 ms to probe after a
+    130-token prompt."""
+    ctl, due, probed = _probe_rig()
     assert probed(due(1000, 130))  # a long life left pays for a prompt's catch-up
     assert not probed(due(20, 130))  # a short one does not
     assert probed(due(20, 2))  # ... unless the draft cache is nearly current
@@ -532,6 +540,27 @@ def test_a_probe_runs_only_where_it_pays_for_its_catch_up():
         if probed(req):
             ctl.observe([req], [1], [1], 0.2e-3, 1.2e-3)
     assert not probed(due(100, 130)) and ctl.probe_success < 0.15
+
+
+def test_a_useless_draft_stops_probing_long_prompts_after_a_few_misses():
+    """SmolLM2 with a random-weight head, one 64-token request after another: each request's probe caught up over
+    its whole prompt, ~17 ms at 256 tokens against ~170 ms a good draft would save, so a probe pays while it finds a
+    good draft more than one time in ten. Under a prior worth two probes (uniform), the probes' rate fell as 1/(n +
+    2) and ~14 requests in a row paid a probe that missed (~4% each); worth one (Jeffreys'), 5 do. Injected costs
+    at the same ratio (``_probe_rig``): a prompt's catch-up ~9 ms against ~90 ms saved. A draft whose probes then
+    hit is probed again."""
+    ctl, due, probed = _probe_rig()
+    misses = 0
+    while misses < 20 and probed(req := due(310, 287)):
+        ctl.observe([req], [1], [1], 0.2e-3, 1.2e-3)  # rejected
+        misses += 1
+    assert 1 <= misses <= 6
+    assert probed(due(1000, 287))  # a longer life left still pays
+    for _ in range(3):
+        req = due(1000, 287)
+        assert probed(req)
+        ctl.observe([req], [1], [2], 0.2e-3, 1.2e-3)  # accepted
+    assert probed(due(310, 287))
 
 
 def test_measured_verify_widths_correct_a_convex_cost_line():
