@@ -47,6 +47,9 @@ class Run:
     gamma_cap: int | None = None  # fixed depth, for counting the positions a step tried
     ref: Run | None = None  # ours without speculation in the same round: speedups are paired with it
     tokens_per_s: list[float] = field(default_factory=list)  # one sample per group of prompts, in round order
+    # ... generation alone (from the prompt's last prefill chunk to the last token: what speculation can speed up);
+    # ours only
+    decode_tokens_per_s: list[float] = field(default_factory=list)
     prompt_idx: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     steps: int = 0
@@ -80,9 +83,11 @@ class Run:
         }  # fmt: skip
 
 
-def paired_ratio(a: Run, b: Run) -> float | None:
-    """Median over groups of a's tok/s / b's tok/s, both timed back to back in the same round."""
-    ratios = [x / y for x, y in zip(a.tokens_per_s, b.tokens_per_s) if y > 0]
+def paired_ratio(a: Run, b: Run, decode: bool = False) -> float | None:
+    """Median over groups of a's tok/s / b's tok/s, both timed back to back in the same round (``decode``: of their
+    generation alone, prompt processing left out)."""
+    xs, ys = (a.decode_tokens_per_s, b.decode_tokens_per_s) if decode else (a.tokens_per_s, b.tokens_per_s)
+    ratios = [x / y for x, y in zip(xs, ys) if y > 0]
     return statistics.median(ratios) if ratios else None
 
 
@@ -180,14 +185,21 @@ class Contender:
     def warm(self, group: list[Prompt]) -> None:
         self._generate([Prompt(p.name, p.ids[:32]) for p in group], 8)
 
-    def time(self, group: list[Prompt], idx: list[int], max_tokens: int, record: bool) -> float:
-        """Tokens/s of one ``generate`` on the group; ``record`` keeps its tokens and metrics."""
+    def time(self, group: list[Prompt], idx: list[int], max_tokens: int, record: bool) -> tuple[float, float]:
+        """(tokens/s, tokens/s of generation alone: 0 for HF) of one ``generate`` on the group; ``record`` keeps its
+        tokens and metrics. Generation spans the longest of the group's decodes (at batch 1, the request's)."""
         t0 = time.perf_counter()
         outs = self._generate(group, max_tokens)
         elapsed = time.perf_counter() - t0
         r = self.run
+        decode_rate = 0.0
         if self.hf_kwargs is None:
-            num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            counts = [len(o.outputs[0].token_ids) for o in outs]
+            num_tokens = sum(counts)
+            spans = [
+                n / o.metrics["decode_tokens_per_s"] for n, o in zip(counts, outs) if o.metrics["decode_tokens_per_s"]
+            ]
+            decode_rate = num_tokens / max(spans) if spans else 0.0
             if record:
                 _absorb(r, outs)
         else:
@@ -197,7 +209,7 @@ class Contender:
                 r.generated += num_tokens
         if record:
             r.prompt_idx += idx
-        return num_tokens / elapsed
+        return num_tokens / elapsed, decode_rate
 
 
 def round_robin(contenders: list[Contender], groups: list[tuple[list[int], list[Prompt]]], max_tokens: int,
@@ -211,7 +223,7 @@ def round_robin(contenders: list[Contender], groups: list[tuple[list[int], list[
     """
     for c in contenders:
         c.warm(groups[0][1])
-    best = [[0.0] * len(groups) for _ in contenders]
+    best = [[(0.0, 0.0)] * len(groups) for _ in contenders]  # [contender][group]: (tokens/s, decode tokens/s)
     for rep in range(repeats):
         for i, (idx, group) in enumerate(groups):
             k = (i + rep) % len(contenders)
@@ -221,7 +233,8 @@ def round_robin(contenders: list[Contender], groups: list[tuple[list[int], list[
                 best[j][i] = max(best[j][i], c.time(group, idx, max_tokens, record=rep == 0))
                 bar.update()
     for c, tps in zip(contenders, best):
-        c.run.tokens_per_s = tps
+        c.run.tokens_per_s = [t for t, _ in tps]
+        c.run.decode_tokens_per_s = [d for _, d in tps] if all(d > 0 for _, d in tps) else []
 
 
 # --- the cost ratio c ---------------------------------------------------------------------------------------------

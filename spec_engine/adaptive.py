@@ -82,9 +82,11 @@ probed only where its expected gain exceeds that price (``AdaptiveController.gai
 as ``PROBE_ALPHA`` would save over the row's remaining tokens, times the recent probes' success rate. Unpriced,
 every held-out request paid a probe that never paid back, and each of those prompts decoded slower than plain
 decoding (bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)"); a long request, a cheap catch-up
-or a run of successful probes still buys one. A request's first drafted step (its whole prompt to catch up) is priced
-the same way, at the rate its evidence promises without the optimism bonus: the bonus buys evidence where the cache is
-current, not a whole prompt's catch-up at alpha ~0.45, where depth 1 only breaks even on a CPU.
+or a run of successful probes still buys one. The success rate starts from a prior worth a single probe, so a draft
+whose probes all miss stops buying a long prompt's catch-up within a few requests (``probe_success``). A request's first
+drafted step (its whole prompt to catch up) is priced the same way, at the rate its evidence promises without the
+optimism bonus: the bonus buys evidence where the cache is current, not a whole prompt's catch-up at alpha ~0.45, where
+depth 1 only breaks even on a CPU.
 """
 
 from __future__ import annotations
