@@ -611,7 +611,7 @@ def test_eagle3_data_sampled_answers_keep_the_targets_labels(tmp_path):
                 differ += int((labels[plens[i] - 1 : -1] != answer).sum())
     assert differ > 0  # sampled answers leave the target's greedy path, their labels do not
 
-    data = train_eagle.ShardSet([tmp_path / "greedy", tmp_path / "sampled"])
+    data = eagle_data.ShardSet([tmp_path / "greedy", tmp_path / "sampled"])
     data.reload()
     assert len(data.train) == 10 and len(data.held) == 1  # prompt 0 is held out: its greedy answer only
     for tokens, _, _, labels in data.train:
@@ -650,7 +650,7 @@ def test_eagle3_data_sampled_answers_keep_the_targets_labels(tmp_path):
     eagle_data.main(["--target", str(other), "--limit", "3", "--batch", "3", "--max-tokens", "4", "--out",
                      str(tmp_path / "other_data"), "--dtype", "float32"])  # fmt: skip
     with pytest.raises(ValueError, match="streams of width"):
-        train_eagle.ShardSet([tmp_path / "greedy", tmp_path / "other_data"]).reload()
+        eagle_data.ShardSet([tmp_path / "greedy", tmp_path / "other_data"]).reload()
     with pytest.raises(ValueError, match="data of another target"):
         train_eagle.main([*argv[:5], str(tmp_path / "other_data"), "--work-dir", str(tmp_path / "w2"), *argv[9:]])
 

@@ -29,6 +29,10 @@ the file, their temperatures kept) and runs only the feature pass:
 
     python -m spec_engine.zoo.eagle_data --out runs/eagle3/data --save-answers greedy.answers.xz
     python -m spec_engine.zoo.eagle_data --target smollm2 --device cuda --answers greedy.answers.xz --out DIR
+
+The trainer (``spec_engine.zoo.train_eagle --layout eagle3``) reads the shards back through this module too
+(``ShardSet``: the splits by prompt id, ``collate``: a padded batch, ``token_frequencies``: the ranking the draft
+vocabulary is cut from), so the shard format is written and read in one place.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from spec_engine.drafters.eagle import eagle3_target_layers
 
 SAMPLE_KEYS = ("ids", "offsets", "prompt_lens", "tokens")  # a shard's samples, less their features and labels
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+PROMPTS = Path(__file__).parent / "data" / "eagle_prompts.jsonl"  # the shipped prompt set
+HELD_OUT_EVERY = 33  # prompt ids divisible by this are the validation split (about 3%)
 
 
 def chatml(user: str, system: str = SYSTEM) -> str:
@@ -175,10 +181,124 @@ def given(shards: list[dict], done: set[int], vocab_size: int) -> Iterator[Batch
         yield [int(d["ids"][i]) for i in keep], seqs, [int(d["prompt_lens"][i]) for i in keep], float(d["temperature"])
 
 
+# --- reading the shards: the trainer's data ----------------------------------------------------------------------
+
+
+class ShardSet:
+    """The generator's shards in memory (of one or more directories: greedy answers, sampled ones), split by prompt
+    id: ``reload`` picks up shards written since the last call. The held-out split keeps greedy answers only (the
+    answers the head meets at inference); sampled answers to held-out prompts are left out of both splits.
+
+    Each sample: tokens [T] int64, streams [T, n H] bf16, the prompt length, the target's greedy token after each
+    position but the last [T - 1] int64 (a greedy answer's own next tokens in shards that do not store them)."""
+
+    def __init__(self, data_dirs: Path | list[Path]):
+        self.dirs = [data_dirs] if isinstance(data_dirs, Path) else list(data_dirs)
+        self.seen: set[Path] = set()
+        self.train: list[tuple] = []
+        self.held: list[tuple] = []
+        self.width: int | None = None  # the streams' width, n H (every shard's must agree)
+
+    def reload(self) -> int:
+        new = 0
+        for shard in sorted(f for d in self.dirs for f in d.glob("shard_*.pt")):
+            if shard in self.seen:
+                continue
+            self.seen.add(shard)
+            d = torch.load(shard)
+            width = d["features"].shape[1]
+            if self.width not in (None, width):
+                raise ValueError(f"{shard}: streams of width {width}, the shards before it {self.width} "
+                                 "(another target's data in the same directories?)")  # fmt: skip
+            self.width = width
+            off = d["offsets"].tolist()
+            greedy = float(d.get("temperature", 0.0)) == 0.0
+            nxt = d["next"].long() if "next" in d else None
+            for i, pid in enumerate(d["ids"].tolist()):
+                tokens = d["tokens"][off[i] : off[i + 1]].long()
+                labels = tokens[1:] if nxt is None else nxt[off[i] : off[i + 1] - 1]
+                sample = (tokens, d["features"][off[i] : off[i + 1]], int(d["prompt_lens"][i]), labels)
+                if pid % HELD_OUT_EVERY:
+                    self.train.append(sample)
+                elif greedy:
+                    self.held.append(sample)
+                else:
+                    continue
+                new += 1
+        return new
+
+    def answer_counts(self, vocab_size: int) -> torch.Tensor:
+        """[V] how often the target emitted each token in the training split's answers."""
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for tokens, _, plen, _ in self.train:
+            counts += torch.bincount(tokens[plen:], minlength=vocab_size)
+        return counts
+
+    def tokens(self, split: str) -> int:
+        return sum(len(s[0]) - s[2] for s in getattr(self, split))
+
+
+def collate(samples: list[tuple], t2d: torch.Tensor, device="cpu"):
+    """A padded batch on ``device``: tokens [B, S], streams [B, S, F], labels [B, S] (draft-vocab index of the
+    target's greedy token after p, -1 outside it or past the end), mask [B, S] (p + 1 is an answer token)."""
+    S = max(len(s[0]) for s in samples)
+    F_ = samples[0][1].shape[1]
+    B = len(samples)
+    tokens = torch.zeros(B, S, dtype=torch.int64)
+    streams = torch.zeros(B, S, F_, dtype=torch.bfloat16)
+    labels = torch.full((B, S), -1, dtype=torch.int64)
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    for b, (t, f, plen, nxt) in enumerate(samples):
+        T = len(t)
+        tokens[b, :T], streams[b, :T] = t, f
+        labels[b, : T - 1] = t2d[nxt]
+        mask[b, plen - 1 : T - 1] = True
+    return tuple(x.to(device) for x in (tokens, streams, labels, mask))
+
+
+def stream_samples(target, stream: torch.Tensor, seq_len: int, layers, n: int, seed: int) -> list[tuple]:
+    """``n`` corpus windows as samples (tokens, streams, prompt length 1, the target's greedy next tokens): the smoke
+    path's stand-in for the generator's shards, the streams computed on the fly (``torch_features``)."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(stream) - seq_len - 1, (n,), generator=g)
+    windows = stream[starts[:, None] + torch.arange(seq_len)].long()  # [n, S]
+    device = target.model.embed_tokens.weight.device
+    feats, nxt = torch_features(target, windows.to(device), layers)
+    return [(w, f.to(torch.bfloat16).cpu(), 1, x[:-1].cpu()) for w, f, x in zip(windows, feats, nxt)]
+
+
+def token_frequencies(data: ShardSet, target_dir: Path, vocab_size: int, smoke: bool = False) -> torch.Tensor:
+    """[V] float64: the ranking a draft vocabulary is cut from. The target's answers (their relative frequencies)
+    plus half the prompt set's and a sample of the standard library's (about 4M characters, seeded): the answers
+    generated so far are too few to rank the tail, and the prompts and the stdlib are the same domain."""
+    import random
+
+    from spec_engine.llm import load_tokenizer
+    from spec_engine.zoo.train import corpus_files
+
+    def norm(c):
+        return c.double() / max(1, int(c.sum()))
+
+    tok = load_tokenizer(target_dir)
+    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
+    files, _ = corpus_files()
+    random.Random(0).shuffle(files)
+    budget = 4_000 if smoke else 4_000_000
+    for f in files:
+        texts.append(f.read_text(errors="replace"))
+        budget -= len(texts[-1])
+        if budget <= 0:
+            break
+    ref = torch.zeros(vocab_size, dtype=torch.int64)
+    for enc in tok.encode_batch(texts):
+        ref += torch.bincount(torch.tensor(enc.ids, dtype=torch.int64), minlength=vocab_size)[:vocab_size]
+    return norm(data.answer_counts(vocab_size)) + 0.5 * norm(ref)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", type=Path, help="the target's HF directory, GGUF file or pulled name")
-    ap.add_argument("--prompts", type=Path, default=Path(__file__).parent / "data" / "eagle_prompts.jsonl")
+    ap.add_argument("--prompts", type=Path, default=PROMPTS)
     ap.add_argument("--out", type=Path, required=True, help="the shards' directory")
     ap.add_argument("--batch", type=int, default=32, help="prompts per generate call and per shard")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together (the engine refills)")
