@@ -484,7 +484,8 @@ class AdaptiveController:
         The prior is worth one probe (Jeffreys' Beta(1/2, 1/2)), not two (the uniform Beta(1, 1)): under the uniform
         one, a useless head's rate fell as 1/(n + 2) and ~14 of its probes missed in a row before the catch-up over a
         256-token prompt stopped paying, one per request at ~4% of each 64-token request (bench/RESULTS-log.md, "A
-        useless head's probes"); now it falls as 1/(2n + 2), and a draft that finds hits weighs them as before."""
+        useless head's probes, and where the end-to-end speedup goes"); now it falls as 1/(2n + 2) (before decay),
+        and a draft that finds hits weighs them as before."""
         hits = self._probe_hits + PROBE_PRIOR_STRENGTH * PROBE_PRIOR
         return hits / (self._probe_hits + self._probe_misses + PROBE_PRIOR_STRENGTH)
 
