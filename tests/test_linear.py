@@ -63,15 +63,19 @@ def test_matches_reference(dtype, num_rows, k, n, bias):
 @pytest.mark.parametrize("k,n", [(320, 448), (864, 1728), (200, 111), (320, 4096), (33, 17), (576, 960), (1536, 576),
                                  (96, 100)])  # fmt: skip
 def test_batch_invariant(dtype, k, n):
-    """Row i's output is bitwise the same alone, in any prefix batch, beside other rows (M <= 64), on any threads."""
+    """Row i's output is bitwise the same alone, in any prefix batch, beside other rows (M <= 64, and a prompt's 300
+    rows: the widening path's panels of 128), on any threads."""
     gen = torch.Generator().manual_seed(k + n)
-    x, w, b = _inputs(64, k, n, dtype, True, gen)
+    x, w, b = _inputs(300, k, n, dtype, True, gen)
     full = linear(x[:16], w, b, backend="native")  # [16, N]
     for i in range(16):
         assert torch.equal(linear(x[i : i + 1], w, b, backend="native")[0], full[i]), f"row {i} alone"
     for num_rows in range(1, 16):
         assert torch.equal(linear(x[:num_rows], w, b, backend="native"), full[:num_rows]), f"M = {num_rows}"
-    assert torch.equal(linear(x, w, b, backend="native")[:16], full), "M = 64"
+    assert torch.equal(linear(x[:64], w, b, backend="native")[:16], full), "M = 64"
+    prompt = linear(x, w, b, backend="native")  # [300, N]
+    assert torch.equal(prompt[:16], full), "M = 300"
+    assert torch.equal(prompt[290], linear(x[290:291], w, b, backend="native")[0]), "row 290 alone"
     others = torch.cat([x[:3], torch.randn(5, k, generator=gen).to(dtype)])  # row 0-2 beside different rows
     assert torch.equal(linear(others, w, b, backend="native")[:3], full[:3])
     threads = torch.get_num_threads()  # how N is split across threads changes nothing either
