@@ -71,6 +71,12 @@ inline void store(const LinearArgs<T>& a, int64_t m, int64_t n, float sum) {
 // threads never changes a tile's shape.
 constexpr int64_t kRowBlock = 16;
 
+// The most x rows one pass over a thread's weight rows takes (a prompt's chunk is cut into panels this tall): a
+// panel's widened rows stay in L2 across the weight blocks (128 x 1536 fp32: 768 KB), where a whole 512-row chunk
+// (3 MB at K = 1536) was read from beyond L2 once per kRowBlock weight rows (bench/RESULTS-log.md, "Prompt chunks in
+// panels of x rows"). The paths that widen x (AVX-512 widening, AVX2) run a call panel by panel.
+constexpr int64_t kPanelRows = 128;
+
 // ---------------------------------------------------------------------------------------------------------------
 // Scalar path: CPUs without AVX2 (and other architectures): simd::dot8, the AVX2 path's order in plain C++.
 // ---------------------------------------------------------------------------------------------------------------
@@ -542,18 +548,20 @@ SPECDEC_AVX2 void tile_chunk(const Avx2Args<T>& p, int64_t n0, int64_t m0, int64
 // (~52-57 GFLOP/s at M = 16): there the DRAM stream and the FMAs barely overlap.
 template <typename T>
 SPECDEC_AVX2 void rows_avx2_many(const Avx2Args<T>& p, int64_t n_begin, int64_t n_end) {
-  const int64_t M = p.a.M;
-  const int64_t chunks = (M + kMaxChunk - 1) / kMaxChunk;
-  for (int64_t n = n_begin; n < n_end; n += kRowBlock) {
-    const int64_t rows_here = std::min(kRowBlock, n_end - n);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t m0 = c * M / chunks, mb = (c + 1) * M / chunks - m0;
-      int64_t r = 0;
-      for (; r + 2 <= rows_here; r += 2) {
-        const char* next = reinterpret_cast<const char*>(p.a.w + (n + r + kRowBlock) * p.a.K);
-        tile_chunk<T, 2>(p, n + r, m0, mb, rows_here == kRowBlock ? next : nullptr, chunks, c);
+  for (int64_t p0 = 0; p0 < p.a.M; p0 += kPanelRows) {
+    const int64_t M = std::min(kPanelRows, p.a.M - p0);
+    const int64_t chunks = (M + kMaxChunk - 1) / kMaxChunk;
+    for (int64_t n = n_begin; n < n_end; n += kRowBlock) {
+      const int64_t rows_here = std::min(kRowBlock, n_end - n);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t m0 = p0 + c * M / chunks, mb = p0 + (c + 1) * M / chunks - m0;
+        int64_t r = 0;
+        for (; r + 2 <= rows_here; r += 2) {
+          const char* next = reinterpret_cast<const char*>(p.a.w + (n + r + kRowBlock) * p.a.K);
+          tile_chunk<T, 2>(p, n + r, m0, mb, rows_here == kRowBlock ? next : nullptr, chunks, c);
+        }
+        if (r < rows_here) tile_chunk<T, 1>(p, n + r, m0, mb, nullptr, 1, 0);
       }
-      if (r < rows_here) tile_chunk<T, 1>(p, n + r, m0, mb, nullptr, 1, 0);
     }
   }
 }

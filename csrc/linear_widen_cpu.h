@@ -1,6 +1,6 @@
 // The bfloat16 linear's AVX-512 widening path and the timing that chooses it, a section of csrc/linear_cpu.cpp kept
-// in its own file: included there inside its anonymous namespace and its x86 guard, after LinearArgs, kRowBlock, slot
-// and the AVX-512 path's finish_tile.
+// in its own file: included there inside its anonymous namespace and its x86 guard, after LinearArgs, kRowBlock,
+// kPanelRows, slot and the AVX-512 path's finish_tile.
 #pragma once
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -131,11 +131,6 @@ SPECDEC_AVX512 void tile_widen(const LinearArgs<c10::BFloat16>& a, const float* 
 // vector, within the 32 zmm registers.
 constexpr int64_t kWidenChunk = 8;
 
-// The most x rows one pass over the weights takes (a prompt's chunk is cut into panels this tall): a panel's widened
-// rows stay in L2 across the weight blocks (128 x 1536 fp32: 768 KB), where a whole 512-row chunk (3 MB at K = 1536)
-// was read from L3 once per 16 weight rows (bench/RESULTS-log.md, "Prompt chunks in panels of x rows").
-constexpr int64_t kWidenPanel = 128;
-
 // Weight rows [n, block_end) of one block against x rows [m0, m0 + mb), 1 <= mb <= kWidenChunk, in tiles as wide as
 // 16 accumulators allow (NB = 16 / 8 / 4 / 4 / 2 weight rows for mb = 1 / 2 / 3 / 4 / 5-8): every accumulator adds two
 // dependent FMAs per k step, so a tile of fewer accumulators waits on the FMAs' latency rather than their issue.
@@ -173,14 +168,14 @@ SPECDEC_AVX512 void chunk_widen(const LinearArgs<c10::BFloat16>& a, const float*
   }
 }
 
-// Weight rows [n_begin, n_end), per panel of x rows, per block of kRowBlock weight rows: the panel in ceil(rows / 8)
-// chunks as even as possible (9 rows: 4 + 5), each run against the whole block, so a chunk's widened x rows stay in
-// L1 across the block and the block's weight rows in L1 across the chunks; the first chunk's tiles prefetch the next
-// block (a whole block only: the range's last one may be short).
+// Weight rows [n_begin, n_end), per panel of kPanelRows x rows, per block of kRowBlock weight rows: the panel in
+// ceil(rows / 8) chunks as even as possible (9 rows: 4 + 5), each run against the whole block, so a chunk's widened x
+// rows stay in L1 across the block and the block's weight rows in L1 across the chunks; the first chunk's tiles
+// prefetch the next block (a whole block only: the range's last one may be short).
 SPECDEC_AVX512 void rows_widen(const LinearArgs<c10::BFloat16>& a, const float* xw, int64_t ldxf, int64_t n_begin,
                                int64_t n_end) {
-  for (int64_t p0 = 0; p0 < a.M; p0 += kWidenPanel) {
-    const int64_t rows = std::min(kWidenPanel, a.M - p0);
+  for (int64_t p0 = 0; p0 < a.M; p0 += kPanelRows) {
+    const int64_t rows = std::min(kPanelRows, a.M - p0);
     const int64_t chunks = (rows + kWidenChunk - 1) / kWidenChunk;
     for (int64_t n = n_begin; n < n_end; n += kRowBlock) {
       const int64_t block_end = std::min(n + kRowBlock, n_end);
