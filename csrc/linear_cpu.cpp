@@ -74,7 +74,7 @@ constexpr int64_t kRowBlock = 16;
 // The most x rows one pass over a thread's weight rows takes (a prompt's chunk is cut into panels this tall): a
 // panel's widened rows stay in L2 across the weight blocks (128 x 1536 fp32: 768 KB), where a whole 512-row chunk
 // (3 MB at K = 1536) was read from beyond L2 once per kRowBlock weight rows (bench/RESULTS-log.md, "Prompt chunks in
-// panels of x rows"). The paths that widen x (AVX-512 widening, AVX2) run a call panel by panel.
+// panels of x rows"). The AVX-512 widening path and the AVX2 path (float32 x too) run a call panel by panel.
 constexpr int64_t kPanelRows = 128;
 
 // ---------------------------------------------------------------------------------------------------------------
