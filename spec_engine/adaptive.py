@@ -278,12 +278,16 @@ class AdaptiveController:
     tree : the drafts are trees (wider than chains): track acceptance per depth, and count the draft model's
         forward over all the nodes above the deepest level (a chain runs one new node per forward).
     cache_lag : tokens a row's draft cache must catch up on before it is drafted (``num_computed - draft_len``).
+    sized : the drafter shapes each row's tree itself (``Drafter.sizes_trees``: suffix speculation, whose depths are
+        budgets of nodes): every row is offered ``max_depth``, the drafter drops the rows nothing matches and the
+        engine the rows whose step does not pay (``step_pays``); the controller measures the costs and runs the plain
+        probes, and learns no acceptance (such rows come with depth 0 to ``observe``).
     """
 
     def __init__(self, max_depth: int, nodes_for_depth: Callable[[int], int], *, tree: bool = False,
-                 cache_lag: Callable[[object], int] = lambda req: 0):  # fmt: skip
+                 cache_lag: Callable[[object], int] = lambda req: 0, sized: bool = False):  # fmt: skip
         self.max_depth = max_depth
-        self.tree = tree
+        self.tree, self.sized = tree, sized
         self.cache_lag = cache_lag
         self.nodes = [nodes_for_depth(g) for g in range(max_depth + 1)]  # [D+1]: T at depth g
         # tokens per row of the draft forwards at depth g: the root, then (trees) the nodes of the levels above
@@ -324,6 +328,12 @@ class AdaptiveController:
         self._memo.clear()  # (prices hold within one choice: the fits may have been set since)
         B, D = len(reqs), self.max_depth
         states = [self.state(r) for r in reqs]
+        if self.sized:  # the largest budget, but a plain probe now and then: the rate step_pays must beat
+            if self.target_cost.num_observed and self.num_steps >= self._next_plain_probe:
+                self._next_plain_probe = self.num_steps + PLAIN_PROBE_INTERVAL
+                self.plain_probe = True
+                return self._commit_choice(reqs, states, [0] * B)
+            return self._commit_choice(reqs, states, [D] * B)
         if not (self.target_cost.num_observed and self.draft_cost.num_observed):
             return self._commit_choice(reqs, states, [D] * B)  # optimistic until costs are measured
         # tokens past max_tokens are worth nothing
@@ -348,8 +358,8 @@ class AdaptiveController:
     def step_pays(self, width: int, tokens: float, B: int) -> bool:
         """Whether a drafted step over ``width`` = B * T tokens that is expected to emit ``tokens`` beats plain
         decoding's rate at batch B by the margin ``choose`` asks (a step whose trees the drafter sized itself:
-        suffix speculation). True until the costs are measured."""
-        if not (self.target_cost.num_observed and self.draft_cost.num_observed):
+        suffix speculation). True until the target's passes are measured."""
+        if not self.target_cost.num_observed:
             return True
         margin = MIN_GAIN + TAIL_MARGIN * (1.0 - 1.0 / B)
         return tokens / max(self.target_time(width), 1e-9) > margin * B / max(self.plain_cost(B), 1e-9)
@@ -533,12 +543,14 @@ class AdaptiveController:
         return self.state(req).acceptance.expected_tokens(cap)[min(gamma, self.max_depth)] - 1.0
 
     def observe(self, reqs: Sequence, gammas: Sequence[int], num_accepted: Sequence[int], draft_seconds: float,
-                step_seconds: float, steps: int = 1, timed: bool = True) -> None:  # fmt: skip
+                step_seconds: float, steps: int = 1, timed: bool = True, width: int | None = None) -> None:  # fmt: skip
         """Learn from one step: ``num_accepted`` as verify_tree's (the root included), the step's wall times.
         ``steps`` > 1: that many plain steps of ``step_seconds`` each (a native chain's), observed in one call (one
         call per step cost a measurable share of a token: bench/RESULTS-log.md, "Figures moved out of code comments
-        (2026-11-25)"). ``timed=False``: the step's acceptance only (a hybrid's step with suffix rows: its shape is none
-        the cost model prices).
+        (2026-11-25)"). ``timed=False``: the step's acceptance only (a step on the thread count the tuner probes).
+        ``width``: the tokens the step's target pass verified (None: B * nodes_for_depth of the deepest row), wider
+        than the depths say where suffix speculation shaped the trees (its rows come with depth 0 here: they teach
+        no acceptance, and such a step with no other drafted row prices its width alone).
 
         Steps are counted here, not per ``choose``: a native call runs several steps on one choice (up to 16 plain
         steps per chain), and a count of choices made undrafted requests of 64 tokens wait longer than their life for a
@@ -571,14 +583,16 @@ class AdaptiveController:
                 return
         B, G = len(reqs), max(gammas)
         num_drafted = sum(g > 0 for g in gammas)
-        if G == 0:  # (compared with the line only when priced: plain_cost)
+        width = B * self.nodes[G] if width is None else width
+        if width == B:  # (compared with the line only when priced: plain_cost)
             self._plain_steps = [*self._plain_steps, *[(B, step_seconds)] * steps][-PLAIN_SAMPLES:]
-        if G:  # the target's line from drafted steps alone (plain ones are priced by plain_cost): a plain stretch
-            # (8 steps per chain) would push a forgetful fit's drafted-step level down to plain decoding's, and a
-            # useless draft looked worth another try after every few chains
-            width = B * self.nodes[G]
-            self.target_widths.observe(width, step_seconds - draft_seconds)
-            self.target_cost.observe(1.0, width / TOKENS_REF, step_seconds - draft_seconds)
+            return
+        # the target's line from drafted steps alone (plain ones are priced by plain_cost): a plain stretch (8 steps
+        # per chain) would push a forgetful fit's drafted-step level down to plain decoding's, and a useless draft
+        # looked worth another try after every few chains
+        self.target_widths.observe(width, step_seconds - draft_seconds)
+        self.target_cost.observe(1.0, width / TOKENS_REF, step_seconds - draft_seconds)
+        if G:
             tokens = num_drafted * self.draft_tokens[G] + self._catch_up_tokens
             self.draft_cost.observe(G, tokens / TOKENS_REF, draft_seconds)
             self._catch_up_tokens = 0  # the choice's first step caught up (a native call observes several)

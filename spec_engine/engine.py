@@ -157,7 +157,7 @@ class Engine:
             tree = drafter.tree
             self.controller = AdaptiveController(self.gamma, drafter.nodes_for_depth,
                                                  tree=tree is not None and not tree.is_chain,
-                                                 cache_lag=self._cache_lag)  # fmt: skip
+                                                 cache_lag=self._cache_lag, sized=drafter.sizes_trees)  # fmt: skip
 
     def metrics(self) -> dict:
         """A snapshot of the engine's counters (copies: safe to read from another thread)."""
@@ -381,8 +381,7 @@ class Engine:
         drafter) tells its request's score trust what the speculation kept: its raw score (the plan's expected
         tokens, which the drafter scaled by the trust) against the drafts accepted (such steps are regular: one)."""
         for b, req in enumerate(reqs):
-            suffix = plan.suffix_rows[b] if plan.suffix_rows is not None else plan.gammas[b] > 0
-            if suffix and plan.expected[b] > 0:
+            if plan.suffix_rows is not None and plan.suffix_rows[b] and plan.expected[b] > 0:
                 req.score_trust.observe(plan.expected[b] / req.score_trust.value, result.counts[0][b] - 1)
 
     def _plan(self, reqs: list[Request], gammas: list[int]) -> DraftPlan:
@@ -454,11 +453,12 @@ class Engine:
         self._step_count = ran
         self.gamma_history.extend(max(result.gammas[s]) for s in range(ran))
         if self.controller is not None:
-            timed = result.timed and not self._thread_probe
+            timed = not self._thread_probe
             costs = result.times[:ran]
             if result.full_steps:  # a native call: its own work spread as a full call spreads it
                 costs = chain_step_costs(costs, time.perf_counter() - result.start, result.full_steps)
             learned = result.learned or result.gammas
+            widths = result.widths or [None] * ran
             if not any(any(g) for g in result.gammas[:ran]):  # plain steps, priced alike: observed in one call
                 B = len(reqs)
                 self.controller.observe(reqs, [0] * B, [1] * B, *costs[0], steps=ran, timed=timed)
@@ -466,8 +466,8 @@ class Engine:
                 for s in range(ran):
                     rows = live[s]
                     self.controller.observe([reqs[b] for b in rows], [learned[s][b] for b in rows],
-                                            [result.counts[s][b] for b in rows], *costs[s],
-                                            timed=timed)  # fmt: skip
+                                            [result.counts[s][b] for b in rows], *costs[s], timed=timed,
+                                            width=widths[s])  # fmt: skip
         return outputs
 
     def _stop_ids(self, req: Request) -> set[int]:

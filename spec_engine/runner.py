@@ -49,8 +49,8 @@ class StepResult:
     the drafter caches' lengths after the call (what ``Drafter.commit`` returns; None: unchanged). A native call's own
     work (inputs, dispatch, committing) is spread over ``full_steps`` steps from ``start`` (``chain_step_costs``; 0:
     the times are final). ``learned`` [S][B]: the depths the controller learns acceptance from (None: ``gammas``; a
-    hybrid's suffix rows say nothing of its model drafter), ``timed``: whether the costs price step shapes the
-    controller models.
+    hybrid's suffix rows say nothing of its model drafter; nor do a suffix drafter's), ``widths[s]``: the tokens step s
+    verified in its target pass (B * T, T the step's widest tree; None: the depths' trees, ``nodes_for_depth``).
     """
 
     gammas: list[list[int]]
@@ -61,7 +61,7 @@ class StepResult:
     start: float = 0.0
     full_steps: int = 0
     learned: list[list[int]] | None = None
-    timed: bool = True
+    widths: list[int] | None = None
 
 
 def _native(model, cache: PagedKVCache | None) -> NativeModel | NativeHead | None:
@@ -216,12 +216,12 @@ class StepRunner:
                       native_verify: bool = True) -> StepResult:  # fmt: skip
         """One step driven from Python: ``_spec_step`` on the step's inputs."""
         batch, sampling = self.step_inputs(reqs, gammas, suffix_rows)
-        out_tokens, num_accepted, draft_lens = self._spec_step(batch, sampling, native_verify)
-        # a hybrid's suffix rows teach the controller nothing of the model drafter it prices
+        out_tokens, num_accepted, draft_lens, width = self._spec_step(batch, sampling, native_verify)
+        # suffix rows (a hybrid's, a suffix drafter's) teach the controller nothing of a model drafter's acceptance;
+        # their pass, as wide as the drafter shaped it, prices that width
         learned = gammas if suffix_rows is None else [0 if s else g for g, s in zip(gammas, suffix_rows)]
         return StepResult([gammas], [t[:n] for t, n in zip(out_tokens, num_accepted)], [num_accepted],
-                          [list(self.step_times)], draft_lens, learned=[learned],
-                          timed=not any(suffix_rows or ()))  # fmt: skip
+                          [list(self.step_times)], draft_lens, learned=[learned], widths=[width])  # fmt: skip
 
     def step_inputs(self, reqs: list[Request], gammas: list[int],
                      suffix_rows: list[bool] | None = None) -> tuple[StepBatch, dict]:  # fmt: skip
@@ -259,11 +259,11 @@ class StepRunner:
         return batch, dev
 
     def _spec_step(self, batch: StepBatch, sampling: dict,
-                   native_verify: bool = True) -> tuple[list[list[int]], list[int], list[int]]:  # fmt: skip
+                   native_verify: bool = True) -> tuple[list[list[int]], list[int], list[int], int]:  # fmt: skip
         """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches.
 
         Returns the host's (emitted tokens [B][T], num_accepted [B], the draft cache's new lengths [B] where the
-        drafter keeps a cache)."""
+        drafter keeps a cache, the tokens the target pass verified: B * T)."""
         start = time.perf_counter()
         rows = [b for b, g in enumerate(batch.gammas) if g > 0] if self.drafter is not None else []
         partial = 0 < len(rows) < batch.size  # some rows drafted, not all: the drafter runs on a sub-batch
@@ -283,7 +283,7 @@ class StepRunner:
             for b, n in zip(rows, new_lens or []):
                 draft_lens[b] = n
         self.step_times = (drafted - start, time.perf_counter() - start)
-        return out_tokens, num_accepted, draft_lens
+        return out_tokens, num_accepted, draft_lens, draft.tokens.numel()
 
     def _native_verify(self, batch: StepBatch, draft: Draft) -> tuple[VerifyResult, torch.Tensor | None] | None:
         """The step's target pass, greedy verification and compaction in one native call (``tree_step``) where every

@@ -163,11 +163,13 @@ def _adaptive(models, draft):
     assert ctl is not None and engine.gamma == ADAPTIVE_MAX_DEPTH
     observe = ctl.observe
 
-    def observe_modelled_costs(reqs, gammas, num_accepted, draft_seconds, step_seconds, steps=1, timed=True):
+    def observe_modelled_costs(reqs, gammas, num_accepted, draft_seconds, step_seconds, steps=1, timed=True,
+                               width=None):  # fmt: skip
         G = max(gammas)
+        width = len(reqs) * engine.drafter.nodes_for_depth(G) if width is None else width
         t_draft = 2e-3 * G
-        t_target = 10e-3 + 0.1e-3 * len(reqs) * engine.drafter.nodes_for_depth(G)
-        observe(reqs, gammas, num_accepted, t_draft, t_draft + t_target, steps, timed)
+        t_target = 10e-3 + 0.1e-3 * width
+        observe(reqs, gammas, num_accepted, t_draft, t_draft + t_target, steps, timed, width)
 
     ctl.observe = observe_modelled_costs
     return llm
@@ -629,3 +631,25 @@ def test_a_lagging_draft_cache_is_caught_up_only_where_the_evidence_pays_for_it(
     assert chosen(row(0.4, lag=100, tokens_left=40)) == 0
     assert chosen(row(0.4, lag=100, tokens_left=400)) == 1  # ... over 400 it pays
     assert chosen(row(0.9, lag=100, tokens_left=40)) > 0  # a good draft pays for its prompt
+
+
+def test_a_controller_of_sized_trees_offers_its_largest_budget_and_prices_the_widths_run():
+    """A drafter that sizes its own trees (suffix speculation) is offered the largest budget every step, bar the
+    plain probes that measure the rate to beat; its steps, observed with the width they verified and no depth
+    (suffix rows teach no acceptance), price that width."""
+    from spec_engine.adaptive import PLAIN_PROBE_INTERVAL, PLAIN_PROBE_PHASE
+
+    ctl = AdaptiveController(16, lambda g: g + 1, sized=True)
+    req = _row()
+    gammas = []
+    for step in range(2 * PLAIN_PROBE_INTERVAL):
+        G = ctl.choose([req])[0]
+        gammas.append(G)
+        width = 1 + (G and 4 + step % 5)  # trees of 5-9 tokens
+        ctl.observe([req], [0], [1 + (G and 2)], 1e-5, 1e-3 * (1 + 0.1 * (width - 1)), width=width)
+    assert gammas[0] == 16 and gammas[PLAIN_PROBE_PHASE] == gammas[PLAIN_PROBE_PHASE + PLAIN_PROBE_INTERVAL] == 0
+    assert sum(g == 0 for g in gammas) == 2 and set(gammas) == {0, 16}
+    assert ctl.state(req).acceptance.num_trials == 0
+    assert sorted(ctl.target_widths.prices) == [5, 6, 7, 8, 9]
+    assert ctl.target_time(9) == pytest.approx(1.8e-3 - 1e-5)
+    assert ctl.plain_cost(1) == pytest.approx(1e-3)

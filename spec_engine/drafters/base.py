@@ -99,8 +99,9 @@ class StepBatch:
 @dataclass(frozen=True)
 class DraftPlan:
     """What a drafter that ``plans`` will draft this step: ``gammas`` the depth per row (0: not drafted), and
-    ``suffix_rows`` the rows a hybrid serves with its suffix speculation (None: none), whose acceptance says nothing
-    about the model drafter the adaptive controller prices. A drafter whose trees' sizes depend on what it finds
+    ``suffix_rows`` the rows drafted by suffix speculation (a hybrid's, or every drafted row of a suffix drafter;
+    None: none), whose acceptance says nothing of the chains the adaptive controller prices (their passes still price
+    the widths they verify). A drafter whose trees' sizes depend on what it finds
     (suffix speculation) also says, per row, ``nodes`` (T of its tree, 1 undrafted) and ``expected`` (the drafted
     tokens its tree is expected to keep), so the engine can price the step it shapes (every row padded to the
     widest tree) before running it; None: the adaptive controller's depths priced it."""
@@ -151,6 +152,10 @@ class Drafter(ABC):
     needs_hidden: bool = False
     target_layers: tuple[int, ...] | None = None
     plans: bool = False  # True: ``plan`` revises each step's depths (suffix drafters: no draft where nothing matches)
+    # True: ``plan`` shapes every drafted row's tree itself from what it finds (suffix speculation: a row's depth is
+    # its budget of nodes); the adaptive controller then offers every row the largest budget and learns no acceptance
+    # from such rows
+    sizes_trees: bool = False
     plain_chain_cap: int | None = None  # the longest plain native chain the engine may run between two plans
     kv: PagedKVCache | None = None  # the drafter's own KV cache, where it keeps one (``keeps_cache``)
     # the target's features by position [1, num_blocks, block_size, H] on the caches' blocks, where the drafter reads

@@ -85,6 +85,7 @@ class SuffixDrafter(Drafter):
     """
 
     plans = True
+    sizes_trees = True
 
     def __init__(self, num_speculative_tokens: int, *, max_tree_depth: int = MAX_TREE_DEPTH,
                  max_spec_factor: float = MAX_SPEC_FACTOR, min_token_prob: float = MIN_TOKEN_PROB,
@@ -107,12 +108,14 @@ class SuffixDrafter(Drafter):
         return self.cache.speculate(row.key, row.token_ids, budget, self.max_spec_factor, self.min_token_prob, tree)
 
     def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None) -> DraftPlan:
-        """Each row keeps its depth where its speculation scores at least ``min_score`` (its score scaled by the
-        row's ``score_trust``); the others are not drafted (every row indexed either way)."""
+        """Each row keeps its depth (its budget of nodes) where its speculation scores at least ``min_score`` (its
+        score scaled by the row's ``score_trust``); the others are not drafted (every row indexed either way). Every
+        drafted row is a suffix row: what it keeps is its request's score trust, not the adaptive controller's
+        acceptance of chains."""
         drafts = [self.speculate(r, g) for r, g in zip(rows, gammas)]
         scores = [d.score * r.score_trust for d, r in zip(drafts, rows)]  # (what such scores kept on this request)
         kept = [s >= max(self.min_score, 1e-9) for s in scores]
-        return DraftPlan([g if k else 0 for g, k in zip(gammas, kept)],
+        return DraftPlan([g if k else 0 for g, k in zip(gammas, kept)], suffix_rows=kept,
                          nodes=[len(d.tokens) + 1 if k else 1 for d, k in zip(drafts, kept)],
                          expected=[s if k else 0.0 for s, k in zip(scores, kept)])  # fmt: skip
 
