@@ -42,6 +42,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["gguf"],
                    help="gguf: keep a .gguf model's quantized weights as stored (native CPU kernels) instead of "
                    "dequantizing them to --dtype")  # fmt: skip
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt in full (default: a prompt that starts with an earlier one's full "
+                   "32-token blocks takes their cached K/V; --compare always times uncached requests)")  # fmt: skip
 
 
 def stats_line(out, tokens_per_s: float, median_of: int | None = None) -> str:

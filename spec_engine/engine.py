@@ -231,16 +231,27 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if not self.allocator.can_allocate(self.tokens_to_reserve(req)):
+            keys = self.allocator.keys(req.prompt_token_ids[:-1])  # (the last prompt token is the first step's root)
+            if not self.allocator.can_allocate(self.tokens_to_reserve(req), keys):
                 break  # first come, first served: it waits for blocks to return
-            req.blocks = self.allocator.allocate(self.tokens_to_reserve(req))
+            req.blocks, cached = self.allocator.allocate(self.tokens_to_reserve(req), keys)
+            # a cached prefix (prefix caching) is computed: its K/V, an EAGLE head's features and, where the drafter
+            # sees every prompt chunk (a fixed depth: _prefill), the draft cache came with its blocks; the adaptive
+            # controller's drafter catches up from the start when it first drafts the request
+            req.num_computed = req.metrics.num_cached_tokens = cached * self.allocator.block_size
+            if self.drafter is not None and self.drafter.keeps_cache and self.controller is None:
+                req.draft_len = req.num_computed
             req.slot = self.rows.admit(req)
             self.running.append(self.waiting.popleft())
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.metrics.finish_time = time.perf_counter()
-        self.allocator.free(req.blocks)
+        # the prompt blocks its prefill completed stay cached for later requests (prefix caching), not a failed
+        # request's: its step may have written K/V it never committed
+        done = min(req.num_computed, len(req.prompt_token_ids) - 1)
+        keys = self.allocator.keys(req.prompt_token_ids[:done]) if reason != "error" else []
+        self.allocator.free(req.blocks, keys)
         req.blocks = []
         if req.slot >= 0:
             self.rows.release(req.slot)

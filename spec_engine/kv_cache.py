@@ -7,8 +7,11 @@ block ids in both caches. Block 0 is a scratch block: padding rows of a ragged b
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from spec_engine.models.config import ModelConfig
@@ -40,37 +43,106 @@ class PagedKVCache:
 
 
 class BlockAllocator:
-    """Free-list of KV blocks. A request reserves all the blocks it can ever need at admission, so it never OOMs."""
+    """Free-list of KV blocks. A request reserves all the blocks it can ever need at admission, so it never OOMs.
 
-    def __init__(self, num_blocks: int, block_size: int):
+    With ``prefix_caching`` (vLLM's automatic prefix caching), a request's full blocks of prompt tokens stay cached
+    after it finishes, under a key that names every token up to the block's end (``keys``: a SHA-256 chain over the
+    blocks, so no crafted prompt can pass for another's), and a later request whose prompt starts with the same
+    tokens takes them with their K/V instead of computing them again. A cached block no request holds is reclaimed,
+    least recently used first, only when no free block is left. ``num_free`` counts such blocks as free.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (one is scratch); raise the memory budget")
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.prefix_caching = prefix_caching
         self._free = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))  # pop() hands out low ids first
+        self._refs: dict[int, int] = {}  # block -> the requests holding it (cached blocks may have several)
+        self._key_of: dict[int, bytes] = {}  # cached block -> its key
+        self._cached: dict[bytes, int] = {}  # key -> cached block
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no request holds, least recently used first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._idle)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
+        return self.num_blocks - 1 - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks whose K/V a later request with the same prompt prefix can take."""
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= len(self._free)
+    def keys(self, tokens) -> list[bytes]:
+        """The cache keys of the full blocks of ``tokens`` (a prompt's tokens whose K/V its prefill computes): each
+        one names every token up to its block's end. [] without prefix caching."""
+        if not self.prefix_caching:
+            return []
+        ids = np.asarray(tokens, dtype=np.int64)
+        out, key = [], b""
+        for start in range(0, len(ids) - self.block_size + 1, self.block_size):
+            key = hashlib.sha256(key + ids[start : start + self.block_size].tobytes()).digest()
+            out.append(key)
+        return out
 
-    def allocate(self, num_tokens: int) -> list[int]:
-        n = self.blocks_for(num_tokens)
-        if n > len(self._free):
-            raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+    def _hits(self, keys: list[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of ``keys``."""
+        hits = []
+        for key in keys:
+            block = self._cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+    def can_allocate(self, num_tokens: int, keys: list[bytes] = ()) -> bool:
+        hits = self._hits(list(keys))
+        return self.blocks_for(num_tokens) - len(hits) <= self.num_free - sum(b in self._idle for b in hits)
+
+    def allocate(self, num_tokens: int, keys: list[bytes] = ()) -> tuple[list[int], int]:
+        """Blocks for ``num_tokens`` tokens, and how many of the first hold their tokens' K/V already: the cached
+        blocks of the longest prefix of ``keys`` (``keys`` of the request's prompt)."""
+        hits = self._hits(list(keys))
+        if not self.can_allocate(num_tokens, keys):
+            raise MemoryError(f"need {self.blocks_for(num_tokens) - len(hits)} KV blocks, {self.num_free} free")
+        for block in hits:
+            self._idle.pop(block, None)
+            self._refs[block] = self._refs.get(block, 0) + 1
+        return hits + [self._take() for _ in range(self.blocks_for(num_tokens) - len(hits))], len(hits)
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:  # the least recently used cached block that no request holds
+            block, _ = self._idle.popitem(last=False)
+            del self._cached[self._key_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def free(self, blocks: list[int], keys: list[bytes] = ()) -> None:
+        """Return a request's blocks. With prefix caching, its first blocks whose ``keys`` are given (full blocks
+        of prompt K/V, all computed) stay cached, the request's last prompt blocks the first to go."""
+        released = []
+        for i, block in enumerate(blocks):
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
+            del self._refs[block]
+            if block not in self._key_of and i < len(keys) and keys[i] not in self._cached:
+                self._key_of[block], self._cached[keys[i]] = keys[i], block
+            released.append(block)
+        for block in reversed(released):  # (deeper blocks less recently used: evicted first)
+            if block in self._key_of:
+                self._idle[block] = None
+            else:
+                self._free.append(block)
 
 
 def plan_num_blocks(

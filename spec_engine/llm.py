@@ -260,6 +260,9 @@ class LLM:
     max_model_len : context length (prompt + output); defaults to the model's, capped at 4096.
     max_num_seqs : requests decoded together.
     kv_cache_memory : bytes for the KV caches of both models (requests that do not fit wait).
+    enable_prefix_caching : keep finished requests' full blocks of prompt K/V, so a request whose prompt starts with
+        the same tokens (a chat's history, a request served again) computes only the rest (vLLM's automatic prefix
+        caching; ``spec_engine.kv_cache.BlockAllocator``). Reclaimed, least recently used first, when blocks run out.
     tensor_parallel_size : ranks the target is sharded over (Megatron-style, ``spec_engine.distributed``): N - 1
         worker processes are spawned (one per CUDA device, or CPU ranks over gloo); the drafter and verification run
         here, on rank 0. ``close()`` stops the workers. ValueError when the heads or MLP width do not divide.
@@ -285,6 +288,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         engine_config: EngineConfig | None = None,
         quantization: str | None = None,
+        enable_prefix_caching: bool = True,
     ):
         tp = tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -338,7 +342,7 @@ class LLM:
             blocks_per_seq = math.ceil(max_request_tokens / block_size)
             kv_cache_memory = min(2 << 30, (max_num_seqs * blocks_per_seq + 1) * per_block)
         num_blocks = plan_num_blocks(caches, block_size, kv_cache_memory, max_request_tokens)
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching=enable_prefix_caching)
         if tensor_parallel_size > 1:  # every rank's shard of the cache (its KV heads); rank 0's is the engine's
             kv = self.target.kv_cache(num_blocks, block_size)
         else:
@@ -549,6 +553,10 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: boo
                 spec["tree"] = [int(x) for x in args.tree.split(",")]
             except ValueError:
                 raise SystemExit(f"error: --tree must be comma-separated ints, got {args.tree!r}") from None
+    # --compare times the same request over and over: a cached prompt would skip the prompt processing a first
+    # request pays, in both engines
+    caching = getattr(args, "prefix_caching", True) and not getattr(args, "compare", False)
     return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)  # fmt: skip
+               tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+               enable_prefix_caching=caching)  # fmt: skip

@@ -26,6 +26,7 @@ class RequestMetrics:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     decode_start: float | None = None  # when the prompt's last prefill chunk was done
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not computed)
     finish_time: float | None = None
 
     def as_dict(self, num_output_tokens: int) -> dict:
@@ -39,6 +40,7 @@ class RequestMetrics:
             "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
             "mean_accepted_length": num_output_tokens / self.num_steps if self.num_steps else 0.0,  # tau
             "accepted_length_hist": list(self.accepted_hist),
+            "num_cached_tokens": self.num_cached_tokens,
             "gamma_hist": list(self.gamma_hist),
             "alpha_estimate": self.alpha_estimate,
             "time_to_first_token": (self.first_token_time or 0.0) - self.arrival_time,

@@ -21,26 +21,69 @@ def config(layers: int = 2, kv_heads: int = 3, head_dim: int = 80) -> ModelConfi
 
 def test_allocator_never_hands_out_the_scratch_block():
     alloc = BlockAllocator(num_blocks=5, block_size=4)
-    blocks = alloc.allocate(16)  # every usable block
-    assert sorted(blocks) == [1, 2, 3, 4] and SCRATCH_BLOCK not in blocks
+    blocks, cached = alloc.allocate(16)  # every usable block
+    assert sorted(blocks) == [1, 2, 3, 4] and SCRATCH_BLOCK not in blocks and cached == 0
     assert alloc.num_free == 0 and alloc.num_used == 4
 
 
 def test_allocator_rounds_up_to_whole_blocks():
     alloc = BlockAllocator(num_blocks=9, block_size=4)
     assert [alloc.blocks_for(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
-    assert len(alloc.allocate(5)) == 2 and alloc.num_free == 6
+    assert len(alloc.allocate(5)[0]) == 2 and alloc.num_free == 6
     assert alloc.can_allocate(24) and not alloc.can_allocate(25)
 
 
 def test_allocator_raises_when_full_and_reuses_freed_blocks():
     alloc = BlockAllocator(num_blocks=4, block_size=2)
-    first = alloc.allocate(4)
+    first, _ = alloc.allocate(4)
     with pytest.raises(MemoryError, match="need 2 KV blocks, 1 free"):
         alloc.allocate(3)
     alloc.free(first)
     assert alloc.num_used == 0 and alloc.num_free == 3
-    assert alloc.allocate(4) == first  # low ids first, again
+    assert alloc.allocate(4) == (first, 0)  # low ids first, again
+
+
+def test_prefix_caching_shares_full_prompt_blocks_by_their_tokens():
+    """A finished request's full blocks of prompt K/V stay cached under keys naming every token up to their end: a
+    prompt with the same first tokens takes them (as many as match, in order), one that differs in an earlier block
+    takes none past it, and a partial block is never shared. Held blocks count as used, idle cached ones as free."""
+    alloc = BlockAllocator(num_blocks=12, block_size=4, prefix_caching=True)
+    prompt = list(range(100, 111))  # 11 tokens: blocks [0:4], [4:8] full, [8:11] partial
+    keys = alloc.keys(prompt)
+    assert len(keys) == 2 and alloc.keys(prompt[:4]) == keys[:1]
+    blocks, cached = alloc.allocate(16, keys)
+    assert cached == 0 and alloc.num_used == 4
+    alloc.free(blocks, keys)  # the two full prompt blocks stay cached, idle
+    assert alloc.num_used == 0 and alloc.num_free == 11 and alloc.num_cached == 2
+    again, cached = alloc.allocate(12, alloc.keys(prompt))
+    assert cached == 2 and again[:2] == blocks[:2] and alloc.num_used == 3
+    other, cached = alloc.allocate(8, alloc.keys(prompt[:4] + [7, 7, 7, 7]))  # the same first block only
+    assert cached == 1 and other[0] == blocks[0] and other[1] != blocks[1]
+    assert alloc.allocate(8, alloc.keys([7] + prompt[1:8]))[1] == 0  # a different first token: nothing
+    alloc.free(other)
+    assert alloc.num_used == 5  # block 0 is still held by `again`
+    assert alloc.keys([]) == [] and BlockAllocator(4, 4).keys(prompt) == []  # off: no keys
+
+
+def test_prefix_caching_reclaims_the_least_recently_used_idle_blocks_only_when_needed():
+    """Cached blocks no request holds are taken back only when the free list is empty, the least recently used
+    first (a prompt's deeper blocks before its first); a held one never; and can_allocate counts what would be."""
+    alloc = BlockAllocator(num_blocks=7, block_size=2, prefix_caching=True)  # 6 usable blocks
+    a, b = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    for prompt in (a, b):  # each: 2 full prompt blocks, cached at the end
+        blocks, _ = alloc.allocate(4, alloc.keys(prompt[:-1]))
+        alloc.free(blocks, alloc.keys(prompt[:-1]))
+    assert alloc.num_cached == 4 and alloc.num_free == 6
+    held, cached = alloc.allocate(4, alloc.keys(b[:-1]))  # b's blocks held again (and now the most recent)
+    assert cached == 2 and alloc.num_free == 4
+    fresh, _ = alloc.allocate(6)  # 3 blocks: the 2 free ones, then a's deeper block (its least recently used)
+    assert alloc.num_cached == 3 and alloc.num_free == 1  # a's first block, idle
+    keys_a = alloc.keys(a[:-1])
+    assert alloc.can_allocate(2, keys_a) and not alloc.can_allocate(4, keys_a)  # its first block, but no second
+    assert not alloc.can_allocate(4)  # 2 new blocks, 1 left
+    alloc.free(fresh)
+    alloc.free(held, alloc.keys(b[:-1]))
+    assert alloc.allocate(4, alloc.keys(b[:-1]))[1] == 2  # b's blocks survived: they were held
 
 
 def test_allocator_needs_a_block_beside_scratch():

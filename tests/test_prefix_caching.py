@@ -1,0 +1,83 @@
+"""Prefix caching: a request whose prompt starts with a finished request's full blocks of prompt K/V takes them (with
+an EAGLE head's features there, and a fixed-depth drafter's cache) instead of computing them again. Greedy output is
+the same as without it, for plain decoding and every drafter kind, and when blocks run short (cached ones are
+reclaimed); a wrong block handed over as cached would change the tokens."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from spec_engine import LLM, SamplingParams, default_model_paths
+
+TARGET, DRAFT = default_model_paths()
+EAGLE_DIR = str(Path(TARGET).parent / "eagle")
+BLOCK = 32  # LLM's default block_size
+_rng = random.Random(0)
+BASE = [_rng.randrange(3, 2000) for _ in range(90)]
+# the same prompt again (2 full blocks of its first 89 tokens cached), one that leaves it inside its second block
+# (that block's key differs: only the first is shared), and one that runs past it (its third block was never cached)
+PROMPTS = [BASE, BASE, BASE[:40] + [5, 6, 7] * 10, BASE + [9] * 20]
+CACHED = [0, 2 * BLOCK, BLOCK, 2 * BLOCK]
+SPECS = {
+    "plain": None,
+    "draft model, fixed depth": {"model": DRAFT, "num_speculative_tokens": 3},
+    "draft model, adaptive": {"model": DRAFT},
+    "eagle head, adaptive": {"method": "eagle", "model": EAGLE_DIR},
+    "hybrid": {"method": "hybrid", "model": DRAFT},
+}
+
+
+def _run(spec, caching: bool, prompts=PROMPTS, **kw) -> tuple[list[list[int]], list[int], LLM]:
+    llm = LLM(TARGET, speculative_config=spec, max_model_len=256, enable_prefix_caching=caching, **kw)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]  # one after another
+    return [o.outputs[0].token_ids for o in outs], [o.metrics["num_cached_tokens"] for o in outs], llm
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_cached_prefix_decodes_the_same_tokens(name):
+    reference, none, _ = _run(SPECS[name], caching=False)
+    tokens, cached, llm = _run(SPECS[name], caching=True)
+    assert none == [0] * len(PROMPTS) and cached == CACHED
+    assert tokens == reference
+    assert llm.allocator.num_used == 0 and llm.allocator.num_cached == 4  # BASE's 2, one more of each later prompt
+
+
+def test_prompts_sharing_prefixes_in_a_small_cache_decode_the_same_tokens():
+    """A KV budget of three requests, a drafter, prompts sharing prefixes in every mix, several at once and then
+    again in the other order: every output is what the engine gives without prefix caching."""
+    prompts = [BASE[: 40 + 7 * i] + [i + 3] * 30 for i in range(8)] + [BASE, BASE[:70], BASE]
+    kw = dict(kv_cache_memory=None, max_num_seqs=3)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(TARGET, speculative_config={"model": DRAFT}, max_model_len=160, enable_prefix_caching=caching,
+                  **kw)  # fmt: skip
+        blocks = llm.allocator.num_blocks
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        second = llm.generate([{"prompt_token_ids": p} for p in reversed(prompts)], params, use_tqdm=False)
+        outs[caching] = [o.outputs[0].token_ids for o in first + second]
+        cached = sum(o.metrics["num_cached_tokens"] for o in second)
+        assert llm.allocator.num_used == 0
+    assert outs[True] == outs[False]
+    assert cached > 0 and blocks < 3 * len(prompts)  # some prompts were served from the cache; not all could be kept
+
+
+def test_an_evicted_block_is_never_handed_out_as_cached():
+    """A cache of 7 usable blocks: BASE's request leaves its 2 prompt blocks cached; a long request needs 6 blocks,
+    so the deeper of them (the least recently used) is reclaimed and overwritten; BASE again finds its first block
+    only, and decodes what it decoded the first time."""
+    from spec_engine.kv_cache import kv_bytes_per_token
+
+    probe = LLM(TARGET, max_model_len=192)
+    per_block = BLOCK * kv_bytes_per_token(probe.target.config, probe.engine.kv.data.dtype)
+    llm = LLM(TARGET, max_model_len=192, kv_cache_memory=8 * per_block)  # the least it takes: 1 + ceil(193 / 32)
+    assert llm.allocator.num_blocks == 8
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    long = [_rng.randrange(3, 2000) for _ in range(170)]  # 170 + 16 + 1 tokens: 6 blocks
+    outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in (BASE, long, BASE)]
+    assert [o.metrics["num_cached_tokens"] for o in outs] == [0, 0, BLOCK]
+    assert outs[2].outputs[0].token_ids == outs[0].outputs[0].token_ids
