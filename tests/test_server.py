@@ -125,6 +125,12 @@ def test_completion(which, request):
     ids = [5, 17, 3, 60]  # token-id prompts work too
     out = client(server).completions.create(model=name_of(server), prompt=ids, max_tokens=3, temperature=0)
     assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 3
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    long = list(range(3, 75))  # 72 tokens: a second request takes the first 64's K/V from the prefix cache
+    again = [client(server).completions.create(model=name_of(server), prompt=long, max_tokens=2, temperature=0)
+             for _ in range(2)]  # fmt: skip
+    assert [o.usage.prompt_tokens_details.cached_tokens for o in again] == [0, 64]
+    assert again[1].choices[0].text == again[0].choices[0].text
 
 
 @pytest.mark.parametrize("which,template", [("plain", DEFAULT_CHAT_TEMPLATE), ("spec", CHAT_TEMPLATE)])

@@ -289,7 +289,12 @@ def create_app(
 
 def _usage(d: Delta) -> dict:
     u = d.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},  # OpenAI's: the prefix cache's share
+    }
 
 
 def _include_usage(req) -> bool:

@@ -55,6 +55,7 @@ async def tokenize(tokenizer, text: str, add_special_tokens: bool = True) -> lis
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -232,7 +233,7 @@ class AsyncEngine:
             if sink is not None and req is not None:
                 self._totals.finished["abort"] += 1
                 text = self._new_text(sink, req.output_token_ids, finished=True)
-                usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids))
+                usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids), req.metrics.num_cached_tokens)
                 metrics = req.metrics.as_dict(usage.completion_tokens)
                 sink.put(Delta(request_id, [], text, True, "abort", usage, metrics))
 
@@ -305,7 +306,7 @@ class AsyncEngine:
         if sink is None:
             return
         text = self._new_text(sink, req.output_token_ids, out.finished)
-        usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids))
+        usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids), req.metrics.num_cached_tokens)
         delta = Delta(req.request_id, list(out.new_token_ids), text, out.finished, req.finish_reason, usage)
         if out.finished:
             delta.metrics = req.metrics.as_dict(len(req.output_token_ids))
