@@ -247,11 +247,7 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.metrics.finish_time = time.perf_counter()
-        # the prompt blocks its prefill completed stay cached for later requests (prefix caching), not a failed
-        # request's: its step may have written K/V it never committed
-        done = min(req.num_computed, len(req.prompt_token_ids) - 1)
-        keys = self.allocator.keys(req.prompt_token_ids[:done]) if reason != "error" else []
-        self.allocator.free(req.blocks, keys)
+        self.allocator.free(req.blocks)  # (its cached prompt blocks stay cached: _prefill)
         req.blocks = []
         if req.slot >= 0:
             self.rows.release(req.slot)
@@ -348,6 +344,9 @@ class Engine:
             r.num_computed += n
             if eager:
                 r.draft_len = r.num_computed
+            # its full blocks of prompt K/V are final: later requests may take them (prefix caching), this one's
+            # still running
+            self.allocator.cache(r.blocks, self.allocator.keys(r.prompt_token_ids[: r.num_computed]))
             if not r.prefilling:
                 r.metrics.decode_start = now
         return []

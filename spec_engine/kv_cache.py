@@ -45,10 +45,11 @@ class PagedKVCache:
 class BlockAllocator:
     """Free-list of KV blocks. A request reserves all the blocks it can ever need at admission, so it never OOMs.
 
-    With ``prefix_caching`` (vLLM's automatic prefix caching), a request's full blocks of prompt tokens stay cached
-    after it finishes, under a key that names every token up to the block's end (``keys``: a SHA-256 chain over the
-    blocks, so no crafted prompt can pass for another's), and a later request whose prompt starts with the same
-    tokens takes them with their K/V instead of computing them again. A cached block no request holds is reclaimed,
+    With ``prefix_caching`` (vLLM's automatic prefix caching), a request's full blocks of prompt tokens are cached
+    as its prefill completes them (``cache``), under a key that names every token up to the block's end (``keys``: a
+    SHA-256 chain over the blocks, so no crafted prompt can pass for another's), and a later request whose prompt
+    starts with the same tokens takes them with their K/V instead of computing them again, while their first holder
+    runs or after. A cached block no request holds is reclaimed,
     least recently used first, only when no free block is left. ``num_free`` counts such blocks as free.
     """
 
@@ -126,19 +127,24 @@ class BlockAllocator:
         self._refs[block] = 1
         return block
 
-    def free(self, blocks: list[int], keys: list[bytes] = ()) -> None:
-        """Return a request's blocks. With prefix caching, its first blocks whose ``keys`` are given (full blocks
-        of prompt K/V, all computed) stay cached, the request's last prompt blocks the first to go."""
+    def cache(self, blocks: list[int], keys: list[bytes]) -> None:
+        """Cache a request's first blocks under ``keys`` (full blocks of prompt K/V, all computed: a prefill chunk
+        has just written them), the request still holding them; a key some other block holds already keeps that
+        one (two requests that computed the same prompt together)."""
+        for block, key in zip(blocks, keys):
+            if block not in self._key_of and key not in self._cached:
+                self._key_of[block], self._cached[key] = key, block
+
+    def free(self, blocks: list[int]) -> None:
+        """Return a request's blocks: its cached ones stay cached (idle, the request's last prompt blocks the first
+        to be reclaimed), the others go back to the free list."""
         released = []
-        for i, block in enumerate(blocks):
+        for block in blocks:
             self._refs[block] -= 1
-            if self._refs[block]:
-                continue
-            del self._refs[block]
-            if block not in self._key_of and i < len(keys) and keys[i] not in self._cached:
-                self._key_of[block], self._cached[keys[i]] = keys[i], block
-            released.append(block)
-        for block in reversed(released):  # (deeper blocks less recently used: evicted first)
+            if not self._refs[block]:
+                del self._refs[block]
+                released.append(block)
+        for block in reversed(released):  # (deeper blocks less recently used: reclaimed first)
             if block in self._key_of:
                 self._idle[block] = None
             else:

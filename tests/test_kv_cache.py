@@ -44,7 +44,7 @@ def test_allocator_raises_when_full_and_reuses_freed_blocks():
 
 
 def test_prefix_caching_shares_full_prompt_blocks_by_their_tokens():
-    """A finished request's full blocks of prompt K/V stay cached under keys naming every token up to their end: a
+    """A request's full blocks of prompt K/V are cached under keys naming every token up to their end: a
     prompt with the same first tokens takes them (as many as match, in order), one that differs in an earlier block
     takes none past it, and a partial block is never shared. Held blocks count as used, idle cached ones as free."""
     alloc = BlockAllocator(num_blocks=12, block_size=4, prefix_caching=True)
@@ -53,7 +53,11 @@ def test_prefix_caching_shares_full_prompt_blocks_by_their_tokens():
     assert len(keys) == 2 and alloc.keys(prompt[:4]) == keys[:1]
     blocks, cached = alloc.allocate(16, keys)
     assert cached == 0 and alloc.num_used == 4
-    alloc.free(blocks, keys)  # the two full prompt blocks stay cached, idle
+    alloc.cache(blocks, keys)  # (its prefill wrote them) taken by a request that comes while it still runs
+    twin, cached = alloc.allocate(12, keys)
+    assert cached == 2 and twin[:2] == blocks[:2] and alloc.num_used == 5
+    alloc.free(twin)
+    alloc.free(blocks)  # the two full prompt blocks stay cached, idle
     assert alloc.num_used == 0 and alloc.num_free == 11 and alloc.num_cached == 2
     again, cached = alloc.allocate(12, alloc.keys(prompt))
     assert cached == 2 and again[:2] == blocks[:2] and alloc.num_used == 3
@@ -72,7 +76,8 @@ def test_prefix_caching_reclaims_the_least_recently_used_idle_blocks_only_when_n
     a, b = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
     for prompt in (a, b):  # each: 2 full prompt blocks, cached at the end
         blocks, _ = alloc.allocate(4, alloc.keys(prompt[:-1]))
-        alloc.free(blocks, alloc.keys(prompt[:-1]))
+        alloc.cache(blocks, alloc.keys(prompt[:-1]))
+        alloc.free(blocks)
     assert alloc.num_cached == 4 and alloc.num_free == 6
     held, cached = alloc.allocate(4, alloc.keys(b[:-1]))  # b's blocks held again (and now the most recent)
     assert cached == 2 and alloc.num_free == 4
@@ -82,8 +87,21 @@ def test_prefix_caching_reclaims_the_least_recently_used_idle_blocks_only_when_n
     assert alloc.can_allocate(2, keys_a) and not alloc.can_allocate(4, keys_a)  # its first block, but no second
     assert not alloc.can_allocate(4)  # 2 new blocks, 1 left
     alloc.free(fresh)
-    alloc.free(held, alloc.keys(b[:-1]))
+    alloc.free(held)
     assert alloc.allocate(4, alloc.keys(b[:-1]))[1] == 2  # b's blocks survived: they were held
+
+
+def test_two_requests_that_computed_the_same_prompt_leave_one_copy_cached():
+    alloc = BlockAllocator(num_blocks=9, block_size=2, prefix_caching=True)
+    keys = alloc.keys([1, 2, 3, 4])
+    first, _ = alloc.allocate(6, keys)
+    second, cached = alloc.allocate(6, keys)  # admitted together: nothing cached yet
+    assert cached == 0
+    alloc.cache(first, keys)
+    alloc.cache(second, keys)  # the keys are taken: its blocks stay its own
+    alloc.free(first)
+    alloc.free(second)
+    assert alloc.num_cached == 2 and alloc.num_free == 8 and alloc.allocate(6, keys)[0][:2] == first[:2]
 
 
 def test_allocator_needs_a_block_beside_scratch():

@@ -1,5 +1,6 @@
-"""Prefix caching: a request whose prompt starts with a finished request's full blocks of prompt K/V takes them (with
-an EAGLE head's features there, and a fixed-depth drafter's cache) instead of computing them again. Greedy output is
+"""Prefix caching: a request whose prompt starts with an earlier request's full blocks of prompt K/V (cached as its
+prefill completes them) takes them (with an EAGLE head's features there, and a fixed-depth drafter's cache) instead of
+computing them again, while that request runs or after. Greedy output is
 the same as without it, for plain decoding and every drafter kind, and when blocks run short (cached ones are
 reclaimed); a wrong block handed over as cached would change the tokens."""
 
@@ -81,3 +82,22 @@ def test_an_evicted_block_is_never_handed_out_as_cached():
     outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in (BASE, long, BASE)]
     assert [o.metrics["num_cached_tokens"] for o in outs] == [0, 0, BLOCK]
     assert outs[2].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_a_running_request_lends_its_prompt_blocks():
+    """Blocks are cached as the prefill completes them: a request that arrives while the first still decodes takes
+    them, and both decode what each decodes alone without prefix caching."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    alone = LLM(TARGET, max_model_len=256, enable_prefix_caching=False)
+    reference = [alone.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+                 for p in (BASE, BASE + [5])]  # fmt: skip
+    engine = LLM(TARGET, max_model_len=256).engine
+    first = engine.add_request(BASE, params)
+    while first.prefilling or not first.output_token_ids:
+        engine.step()
+    second = engine.add_request(BASE + [5], params)  # its first 90 tokens: the first request's 2 full blocks
+    assert not first.finished  # (admitted at the next step, beside it)
+    while engine.has_unfinished():
+        engine.step()
+    assert [first.metrics.num_cached_tokens, second.metrics.num_cached_tokens] == [0, 2 * BLOCK]
+    assert [first.output_token_ids, second.output_token_ids] == reference
