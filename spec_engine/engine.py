@@ -138,7 +138,7 @@ class Engine:
         self._keys = itertools.count()
         # num_regular_steps: decode steps taken by the regular (Python) step, not a native call
         self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0,
-                      "num_regular_steps": 0}  # fmt: skip
+                      "num_regular_steps": 0, "num_cached_tokens": 0}  # fmt: skip
         deepest = max(self.gamma, drafter.max_depth if drafter is not None else 0)  # (a hybrid's suffix rows)
         self.accepted_hist = [0] * (deepest + 1)
         self.gamma_history: deque[int] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode step: the deepest row's depth
@@ -239,6 +239,7 @@ class Engine:
             # sees every prompt chunk (a fixed depth: _prefill), the draft cache came with its blocks; the adaptive
             # controller's drafter catches up from the start when it first drafts the request
             req.num_computed = req.metrics.num_cached_tokens = cached * self.allocator.block_size
+            self.stats["num_cached_tokens"] += req.num_computed
             if self.drafter is not None and self.drafter.keeps_cache and self.controller is None:
                 req.draft_len = req.num_computed
             req.slot = self.rows.admit(req)

@@ -363,6 +363,11 @@ def test_non_streaming_disconnect_aborts(plain):
 
 def test_metrics_show_acceptance(spec):
     complete(spec, "def fib(n):", 16)
+    long = list(range(5, 80))  # 75 tokens: served twice, the second time 64 of them from the prefix cache
+    cached = health(spec)["num_cached_prompt_tokens"]
+    for _ in range(2):
+        client(spec).completions.create(model=name_of(spec), prompt=long, max_tokens=2, temperature=0)
+    assert health(spec)["num_cached_prompt_tokens"] == cached + 64
     text = httpx.get(spec[0] + "/metrics").text
     samples = {s.name + json.dumps(s.labels, sort_keys=True): s.value
                for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
@@ -386,6 +391,7 @@ def test_metrics_show_acceptance(spec):
     assert 0 <= value("specdec_spec_decode_depth_last") <= 3
     assert value("specdec_spec_decode_adaptive") in (0.0, 1.0)
     assert value("specdec_generation_tokens_total") > 0 and value("specdec_prompt_tokens_total") > 0
+    assert value("specdec_prompt_tokens_cached_total") >= 64
     assert value("specdec_http_requests_total", endpoint="completions", status="200") >= 1
     assert value("specdec_kv_cache_blocks_total") > 0
     for gauge in ("specdec_num_requests_running", "specdec_num_requests_waiting", "specdec_kv_cache_usage_ratio"):

@@ -433,6 +433,8 @@ class _EngineCollector(Collector):
             finished.add_metric([reason], n)
         yield finished
         yield CounterMetricFamily("specdec_prompt_tokens", "prompt tokens of accepted requests", s["num_prompt_tokens"])
+        yield CounterMetricFamily("specdec_prompt_tokens_cached", "prompt tokens whose K/V came from the prefix cache",
+                                  s["num_cached_prompt_tokens"])  # fmt: skip
         yield CounterMetricFamily("specdec_generation_tokens", "generated tokens", s["num_generated_tokens"])
         yield GaugeMetricFamily("specdec_num_requests_running", "requests decoding now", s["num_requests_running"])
         yield GaugeMetricFamily("specdec_num_requests_waiting", "requests queued for a slot", s["num_requests_waiting"])

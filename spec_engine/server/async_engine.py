@@ -351,6 +351,7 @@ class AsyncEngine:
             "num_requests_total": totals.num_requests,
             "num_requests_finished": dict(totals.finished),
             "num_prompt_tokens": totals.num_prompt_tokens,
+            "num_cached_prompt_tokens": m["num_cached_tokens"],  # prompt tokens the prefix cache spared
             "num_generated_tokens": m["num_generated"],
             "num_steps": m["num_steps"],  # per-request target passes while decoding
             "num_drafted_tokens": m["num_drafted"],
