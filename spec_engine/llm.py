@@ -262,8 +262,8 @@ class LLM:
     kv_cache_memory : bytes for the KV caches of both models (requests that do not fit wait).
     enable_prefix_caching : keep requests' full blocks of prompt K/V (as their prefill completes them), so a request
         whose prompt starts with the same tokens (a chat's history, a system prompt, a request served again)
-        computes only the rest (vLLM's automatic prefix
-        caching; ``spec_engine.kv_cache.BlockAllocator``). Reclaimed, least recently used first, when blocks run out.
+        computes only the rest (vLLM's automatic prefix caching; ``spec_engine.kv_cache.BlockAllocator``). Cached
+        blocks no request holds are reclaimed, least recently used first, when blocks run out.
     tensor_parallel_size : ranks the target is sharded over (Megatron-style, ``spec_engine.distributed``): N - 1
         worker processes are spawned (one per CUDA device, or CPU ranks over gloo); the drafter and verification run
         here, on rank 0. ``close()`` stops the workers. ValueError when the heads or MLP width do not divide.

@@ -101,10 +101,10 @@ class DraftPlan:
     """What a drafter that ``plans`` will draft this step: ``gammas`` the depth per row (0: not drafted), and
     ``suffix_rows`` the rows drafted by suffix speculation (a hybrid's, or every drafted row of a suffix drafter;
     None: none), whose acceptance says nothing of the chains the adaptive controller prices (their passes still price
-    the widths they verify). A drafter whose trees' sizes depend on what it finds
-    (suffix speculation) also says, per row, ``nodes`` (T of its tree, 1 undrafted) and ``expected`` (the drafted
-    tokens its tree is expected to keep), so the engine can price the step it shapes (every row padded to the
-    widest tree) before running it; None: the adaptive controller's depths priced it."""
+    the widths they verify). A drafter whose trees' sizes depend on what it finds (suffix speculation) also says, per
+    row, ``nodes`` (T of its tree, 1 undrafted) and ``expected`` (the drafted tokens its tree is expected to keep), so
+    the engine can price the step it shapes (every row padded to the widest tree) before running it; None: the
+    adaptive controller's depths priced it."""
 
     gammas: list[int]
     suffix_rows: list[bool] | None = None
