@@ -329,11 +329,8 @@ class AdaptiveController:
         B, D = len(reqs), self.max_depth
         states = [self.state(r) for r in reqs]
         if self.sized:  # the largest budget, but a plain probe now and then: the rate step_pays must beat
-            if self.target_cost.num_observed and self.num_steps >= self._next_plain_probe:
-                self._next_plain_probe = self.num_steps + PLAIN_PROBE_INTERVAL
-                self.plain_probe = True
-                return self._commit_choice(reqs, states, [0] * B)
-            return self._commit_choice(reqs, states, [D] * B)
+            plain = self._plain_probe_due(bool(self.target_cost.num_observed))
+            return self._commit_choice(reqs, states, [0 if plain else D] * B)
         if not (self.target_cost.num_observed and self.draft_cost.num_observed):
             return self._commit_choice(reqs, states, [D] * B)  # optimistic until costs are measured
         # tokens past max_tokens are worth nothing
@@ -343,9 +340,7 @@ class AdaptiveController:
         margin = MIN_GAIN + TAIL_MARGIN * (1.0 - 1.0 / B)
         plain_rate = margin * B / max(self.plain_cost(B), 1e-9)
         best_G, best_k, best_rate = self._scan(E, plain_rate)
-        if best_G and self.num_steps >= self._next_plain_probe:
-            self._next_plain_probe = self.num_steps + PLAIN_PROBE_INTERVAL
-            self.plain_probe = True
+        if self._plain_probe_due(best_G > 0):
             return self._commit_choice(reqs, states, [0] * B)  # a plain step, measured (see plain_cost)
         gammas = [0] * B
         for b in sorted(range(B), key=lambda b: -E[b][best_G])[:best_k]:
@@ -354,6 +349,15 @@ class AdaptiveController:
                 gammas[b] = best_G
         self._probe(reqs, states, E, gammas, best_G, plain_rate)
         return self._commit_choice(reqs, states, gammas)
+
+    def _plain_probe_due(self, drafting: bool) -> bool:
+        """Whether this choice, which would draft, is the plain probe (``plain_probe``; the next one is then due
+        PLAIN_PROBE_INTERVAL steps on)."""
+        if not drafting or self.num_steps < self._next_plain_probe:
+            return False
+        self._next_plain_probe = self.num_steps + PLAIN_PROBE_INTERVAL
+        self.plain_probe = True
+        return True
 
     def step_pays(self, width: int, tokens: float, B: int) -> bool:
         """Whether a drafted step over ``width`` = B * T tokens that is expected to emit ``tokens`` beats plain

@@ -231,10 +231,11 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            keys = self.allocator.keys(req.prompt_token_ids[:-1])  # (the last prompt token is the first step's root)
-            if not self.allocator.can_allocate(self.tokens_to_reserve(req), keys):
+            if req.block_keys is None:  # (the last prompt token is the first step's root: never in a cached block)
+                req.block_keys = self.allocator.keys(req.prompt_token_ids[:-1])
+            if not self.allocator.can_allocate(self.tokens_to_reserve(req), req.block_keys):
                 break  # first come, first served: it waits for blocks to return
-            req.blocks, cached = self.allocator.allocate(self.tokens_to_reserve(req), keys)
+            req.blocks, cached = self.allocator.allocate(self.tokens_to_reserve(req), req.block_keys)
             # a cached prefix (prefix caching) is computed: its K/V, an EAGLE head's features and, where the drafter
             # sees every prompt chunk (a fixed depth: _prefill), the draft cache came with its blocks; the adaptive
             # controller's drafter catches up from the start when it first drafts the request
@@ -347,7 +348,7 @@ class Engine:
                 r.draft_len = r.num_computed
             # its full blocks of prompt K/V are final: later requests may take them (prefix caching), this one's
             # still running
-            self.allocator.cache(r.blocks, self.allocator.keys(r.prompt_token_ids[: r.num_computed]))
+            self.allocator.cache(r.blocks, r.block_keys[: r.num_computed // self.allocator.block_size])
             if not r.prefilling:
                 r.metrics.decode_start = now
         return []

@@ -49,8 +49,8 @@ class BlockAllocator:
     as its prefill completes them (``cache``), under a key that names every token up to the block's end (``keys``: a
     SHA-256 chain over the blocks, so no crafted prompt can pass for another's), and a later request whose prompt
     starts with the same tokens takes them with their K/V instead of computing them again, while their first holder
-    runs or after. A cached block no request holds is reclaimed,
-    least recently used first, only when no free block is left. ``num_free`` counts such blocks as free.
+    runs or after. A cached block no request holds is reclaimed, least recently used first, only when no free block
+    is left. ``num_free`` counts such blocks as free.
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
@@ -103,15 +103,18 @@ class BlockAllocator:
             hits.append(block)
         return hits
 
-    def can_allocate(self, num_tokens: int, keys: list[bytes] = ()) -> bool:
-        hits = self._hits(list(keys))
+    def _fits(self, num_tokens: int, hits: list[int]) -> bool:
+        """Whether the blocks ``num_tokens`` need beside ``hits`` are free (idle hits are taken, not reclaimed)."""
         return self.blocks_for(num_tokens) - len(hits) <= self.num_free - sum(b in self._idle for b in hits)
+
+    def can_allocate(self, num_tokens: int, keys: list[bytes] = ()) -> bool:
+        return self._fits(num_tokens, self._hits(list(keys)))
 
     def allocate(self, num_tokens: int, keys: list[bytes] = ()) -> tuple[list[int], int]:
         """Blocks for ``num_tokens`` tokens, and how many of the first hold their tokens' K/V already: the cached
         blocks of the longest prefix of ``keys`` (``keys`` of the request's prompt)."""
         hits = self._hits(list(keys))
-        if not self.can_allocate(num_tokens, keys):
+        if not self._fits(num_tokens, hits):
             raise MemoryError(f"need {self.blocks_for(num_tokens) - len(hits)} KV blocks, {self.num_free} free")
         for block in hits:
             self._idle.pop(block, None)
