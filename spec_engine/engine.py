@@ -229,10 +229,14 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def _admit(self) -> None:
+        held = []  # requests that wait a step for prompt blocks a running prefill computes (their places kept)
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.block_keys is None:  # (the last prompt token is the first step's root: never in a cached block)
                 req.block_keys = self.allocator.keys(req.prompt_token_ids[:-1])
+            if self._awaits_shared_prefill(req):
+                held.append(self.waiting.popleft())
+                continue
             if not self.allocator.can_allocate(self.tokens_to_reserve(req), req.block_keys):
                 break  # first come, first served: it waits for blocks to return
             req.blocks, cached = self.allocator.allocate(self.tokens_to_reserve(req), req.block_keys)
@@ -245,6 +249,25 @@ class Engine:
                 req.draft_len = req.num_computed
             req.slot = self.rows.admit(req)
             self.running.append(self.waiting.popleft())
+        self.waiting.extendleft(reversed(held))
+
+    def _awaits_shared_prefill(self, req: Request) -> bool:
+        """Whether ``req`` waits a step rather than compute its prompt's next blocks beside a running request whose
+        prefill computes the same ones (prefix caching; the blocks are cached as each chunk completes them): where
+        at least half of the chunk it would compute now is such blocks. A burst of requests with one long shared
+        prefix (a system prompt) then computes it once, and takes it from the cache as it is computed."""
+        keys = req.block_keys
+        hits = self.allocator.num_hits(keys)
+        if hits == len(keys):
+            return False
+        shared = hits  # keys[hits:shared]: blocks a running prefill will compute (chained keys: a shared run)
+        for r in self.running:
+            if r.prefilling and len(r.block_keys) > hits and r.block_keys[hits] == keys[hits]:
+                common = min(len(keys), len(r.block_keys))
+                shared = max(shared, next((j for j in range(hits, common) if keys[j] != r.block_keys[j]), common))
+        block_size = self.allocator.block_size
+        chunk = min(self.prefill_chunk, len(req.prompt_token_ids) - 1 - hits * block_size)
+        return shared > hits and 2 * (shared - hits) * block_size >= chunk
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

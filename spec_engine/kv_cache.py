@@ -103,6 +103,10 @@ class BlockAllocator:
             hits.append(block)
         return hits
 
+    def num_hits(self, keys: list[bytes]) -> int:
+        """How many blocks of the longest prefix of ``keys`` are cached."""
+        return len(self._hits(keys))
+
     def _fits(self, num_tokens: int, hits: list[int]) -> bool:
         """Whether the blocks ``num_tokens`` need beside ``hits`` are free (idle hits are taken, not reclaimed)."""
         return self.blocks_for(num_tokens) - len(hits) <= self.num_free - sum(b in self._idle for b in hits)

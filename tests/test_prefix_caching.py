@@ -101,3 +101,53 @@ def test_a_running_request_lends_its_prompt_blocks():
         engine.step()
     assert [first.metrics.num_cached_tokens, second.metrics.num_cached_tokens] == [0, 2 * BLOCK]
     assert [first.output_token_ids, second.output_token_ids] == reference
+
+
+SYSTEM = [_rng.randrange(3, 2000) for _ in range(150)]  # a long shared prefix: 4 full blocks, the 5th has a tail
+BURST = [SYSTEM + [_rng.randrange(3, 2000) for _ in range(10)] for _ in range(4)]
+
+
+def _outputs(prompts, caching: bool, **kw) -> tuple[list[list[int]], list[int]]:
+    llm = LLM(TARGET, max_model_len=256, enable_prefix_caching=caching, **kw)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # admitted together
+    return [o.outputs[0].token_ids for o in outs], [o.metrics["num_cached_tokens"] for o in outs]
+
+
+def test_a_burst_sharing_a_long_prefix_computes_it_once():
+    """Requests admitted in one step with one long shared prefix: the first computes it (in chunks of 64 here), the
+    others wait for its blocks and take them; every output is what the engine gives without prefix caching."""
+    reference, _ = _outputs(BURST, caching=False, prefill_chunk=64)
+    tokens, cached = _outputs(BURST, caching=True, prefill_chunk=64)
+    assert tokens == reference
+    assert cached == [0] + [4 * BLOCK] * 3
+
+
+def test_a_short_shared_prefix_does_not_hold_a_request_back():
+    """One shared block against 100 tokens of the request's own: computing that block again costs less than a
+    step's wait, so both are admitted at once (nothing cached between them) and decode as without caching."""
+    prompts = [SYSTEM[:40] + [_rng.randrange(3, 2000) for _ in range(100)] for _ in range(2)]
+    reference, _ = _outputs(prompts, caching=False)
+    tokens, cached = _outputs(prompts, caching=True)
+    assert tokens == reference and cached == [0, 0]
+
+
+def test_a_held_request_keeps_its_place_and_others_go_by():
+    """A request held for a running prefill's blocks stays first in the queue; an unrelated one behind it is
+    admitted at once; when the request computing the blocks is aborted the held one is admitted at the next step
+    with what was cached, and decodes what it decodes alone."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    other = [_rng.randrange(3, 2000) for _ in range(60)]
+    alone = LLM(TARGET, max_model_len=256, enable_prefix_caching=False)
+    reference = [alone.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+                 for p in (BURST[1], other)]  # fmt: skip
+    engine = LLM(TARGET, max_model_len=256, prefill_chunk=64).engine
+    first, held, unrelated = (engine.add_request(p, params) for p in (BURST[0], BURST[1], other))
+    engine.step()
+    assert engine.running == [first, unrelated] and list(engine.waiting) == [held]
+    engine.abort(first.request_id)  # its first chunk (2 blocks) is cached; the rest of the prefix will not come
+    engine.step()
+    assert held in engine.running and held.metrics.num_cached_tokens == 2 * BLOCK
+    while engine.has_unfinished():
+        engine.step()
+    assert [held.output_token_ids, unrelated.output_token_ids] == reference
