@@ -83,6 +83,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed)  # fmt: skip
+    if args.compare_repeats < 1:
+        raise ValueError(f"--compare-repeats must be at least 1, got {args.compare_repeats}")
     llm = build_llm(args, fallback=True)
     prompt = args.prompt
     if args.chat is not None:  # the model's chat template around one user turn; its ids are the prompt

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from spec_engine.chat_template import ChatTemplate
 from spec_engine.drafters import suffix as suffix_defaults
 from spec_engine.drafters.factory import DEFAULT_EAGLE_TOPK, DrafterFactory
+from spec_engine.drafters.ngram import NGRAM_MAX_N
 from spec_engine.engine import Engine, EngineConfig
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
@@ -140,6 +141,15 @@ def _parse_speculative_config(spec: dict | None) -> dict | None:
             raise ValueError("draft_dtype (the draft model's precision) needs method='draft_model'")
         if draft_dtype not in DTYPES:
             raise ValueError(f"draft_dtype must be one of {list(DTYPES)}, got {draft_dtype!r}")
+    if "max_n" in spec or "min_n" in spec:
+        if method != "ngram":
+            raise ValueError("max_n and min_n (the n-gram lengths matched) need method='ngram'")
+        for name in ("max_n", "min_n"):
+            n = spec.get(name, 1)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if spec.get("min_n", 1) > spec.get("max_n", NGRAM_MAX_N):
+            raise ValueError(f"min_n ({spec.get('min_n', 1)}) exceeds max_n ({spec.get('max_n', NGRAM_MAX_N)})")
     if method in (*MODEL_METHODS, "hybrid") and not spec.get("model"):  # LLM fills in the shipped drafter
         return {**spec, "method": method, "model_method": None, "num_speculative_tokens": gamma,
                 "adaptive": adaptive, "suffix": suffix}  # fmt: skip
@@ -291,9 +301,18 @@ class LLM:
         quantization: str | None = None,
         enable_prefix_caching: bool = True,
     ):
-        tp = tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+        sizes = {"tensor_parallel_size": tensor_parallel_size, "max_num_seqs": max_num_seqs,
+                 "block_size": block_size, "prefill_chunk": prefill_chunk, "max_model_len": max_model_len,
+                 "kv_cache_memory": kv_cache_memory}  # fmt: skip
+        for name, value in sizes.items():
+            if value is None and name in ("max_model_len", "kv_cache_memory"):  # the defaults
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        try:
+            torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from error
         self.tensor_parallel_size = tensor_parallel_size
         if dtype == "auto":
             dtype = auto_dtype(device)
@@ -534,6 +553,9 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: boo
         draft = draft or (str(MODELS_DIR / "eagle") if args.method == "eagle" else default_draft)
     model = str(resolve_model(model))
     method = args.method or default_method(model, draft)
+    if args.draft and method not in (*MODEL_METHODS, "hybrid"):
+        raise ValueError(f"--draft is the drafter of --method {', '.join((*MODEL_METHODS, 'hybrid'))}; "
+                         f"--method {method} drafts without a model")  # fmt: skip
     spec = None
     if speculate and method != "none":
         spec = {"method": method}

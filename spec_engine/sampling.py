@@ -80,6 +80,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.invariant is not None and not isinstance(self.invariant, bool):
             raise ValueError(f"invariant must be True, False or None, got {self.invariant!r}")
         if self.stop_token_ids is not None:

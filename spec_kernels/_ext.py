@@ -81,7 +81,11 @@ def _jit_build() -> ModuleType:
     build_dir = cache_root() / f"ext-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     flags = build_flags(cuda)
-    with FileLock(str(build_dir / "build.lock")):
+    with FileLock(str(build_dir / "build.lock")):  # (released by the OS if its holder dies)
+        # torch's load() takes a lock file of its own in the folder, on every load, and waits while it exists; a
+        # process killed in a build leaves it behind, which would stall every later load forever. Under our lock no
+        # other process is in load(): any such file is stale.
+        (build_dir / "lock").unlink(missing_ok=True)
         if not (build_dir / f"{name}.so").exists():
             kind = "C++/CUDA" if cuda else "C++"
             print(f"spec_kernels: compiling the {kind} extension once (~1 min) into {build_dir}", file=sys.stderr)

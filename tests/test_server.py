@@ -253,6 +253,26 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
     "n_2": ("/v1/completions", _json({"prompt": "x", "n": 2}), 400, "n"),
     "token_out_of_vocab": ("/v1/completions", _json({"prompt": [1, 2, 10**6]}), 400, None),
     "stop_strings": ("/v1/completions", _json({"prompt": "x", "stop": ["\n"]}), 400, "stop"),
+    "logprobs_zero": ("/v1/completions", _json({"prompt": "x", "logprobs": 0}), 400, "logprobs"),
+    "repetition_penalty": (
+        "/v1/completions",
+        _json({"prompt": "x", "repetition_penalty": 1.2}),
+        400,
+        "repetition_penalty",
+    ),  # fmt: skip
+    "min_tokens": ("/v1/completions", _json({"prompt": "x", "min_tokens": 4}), 400, "min_tokens"),
+    "functions": (
+        "/v1/chat/completions",
+        _json({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f", "parameters": {}}]}),
+        400,
+        "functions",
+    ),  # fmt: skip
+    "stream_options_without_stream": (
+        "/v1/completions",
+        _json({"prompt": "x", "stream_options": {}}),
+        400,
+        "stream_options",
+    ),  # fmt: skip
     "unknown_model": ("/v1/completions", _json({"prompt": "x", "model": "gpt-17"}), 404, "model"),
     "oversized_body": ("/v1/completions", _json({"prompt": "x" * (2 * BODY_LIMIT)}), 413, None),
     "unknown_path": ("/v1/embeddings", _json({"input": "x"}), 404, None),
@@ -269,6 +289,39 @@ def test_bad_request_gets_4xx_and_the_server_keeps_serving(case, plain):
     assert err["param"] == param
     assert complete(plain, "still there?", 3)  # the next good request works
     assert wait_idle(plain)["kv_blocks_used"] == 0
+
+
+def test_unsupported_fields_at_their_no_op_values_are_accepted(plain):
+    """OpenAI's defaults of fields the server does not implement change nothing: 200 with the same text."""
+    body = {"prompt": "the fox", "max_tokens": 4, "temperature": 0}
+    reference = httpx.post(plain[0] + "/v1/completions", json=body).json()["choices"][0]["text"]
+    no_ops = {
+        "logprobs": False,
+        "top_logprobs": 0,
+        "logit_bias": {},
+        "best_of": 1,
+        "stop": [],
+        "echo": False,
+        "presence_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_tokens": 0,
+        "response_format": {"type": "text"},
+    }
+    r = httpx.post(plain[0] + "/v1/completions", json=body | no_ops)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == reference
+
+
+def test_unknown_paths_and_methods_are_counted(plain):
+    def count(status: str) -> float:
+        text = httpx.get(plain[0] + "/metrics").text
+        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name == "specdec_http_requests_total" and s.labels["status"] == status)  # fmt: skip
+
+    before = count("404"), count("405")
+    assert httpx.get(plain[0] + "/nope").status_code == 404
+    assert httpx.get(plain[0] + "/v1/completions").status_code == 405
+    assert (count("404"), count("405")) == (before[0] + 1, before[1] + 1)
 
 
 def test_oversized_body_without_content_length_is_cut_off(plain):

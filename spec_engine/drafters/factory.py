@@ -16,7 +16,7 @@ from spec_engine.drafters.base import Drafter
 from spec_engine.drafters.draft_model import DraftModelDrafter, read_draft_vocab
 from spec_engine.drafters.eagle import EagleDrafter, load_eagle_head
 from spec_engine.drafters.hybrid import HybridDrafter
-from spec_engine.drafters.ngram import NgramDrafter
+from spec_engine.drafters.ngram import NGRAM_MAX_N, NgramDrafter
 from spec_engine.drafters.suffix import SuffixDrafter
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.models import ModelConfig, load_model
@@ -85,7 +85,7 @@ class DrafterFactory:
         elif spec["method"] == "suffix":
             return suffix_drafter(spec, self.gamma, device)
         else:
-            return NgramDrafter(self.gamma, spec.get("max_n", 4), spec.get("min_n", 1), device=device)
+            return NgramDrafter(self.gamma, spec.get("max_n", NGRAM_MAX_N), spec.get("min_n", 1), device=device)
         if spec["method"] == "hybrid":
             suffix = suffix_drafter(spec, spec["suffix"]["suffix_decoding_max_spec_tokens"], device)
             return HybridDrafter(drafter, suffix)

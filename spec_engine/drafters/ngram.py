@@ -24,13 +24,16 @@ def ngram_lookup(history: np.ndarray, max_n: int, min_n: int, k: int) -> np.ndar
     return history[:0]
 
 
+NGRAM_MAX_N = 4  # the longest suffix n-gram looked up by default
+
+
 class NgramDrafter(Drafter):
     """Deterministic chains (``draft_probs=None``): verification treats each as a point-mass proposal.
 
     The lookup runs on the host over each request's token history (a numpy view, never rebuilt); the chains and
     their shapes go to the device in one copy per dtype."""
 
-    def __init__(self, num_speculative_tokens: int, max_n: int = 4, min_n: int = 1, device="cpu"):
+    def __init__(self, num_speculative_tokens: int, max_n: int = NGRAM_MAX_N, min_n: int = 1, device="cpu"):
         self.max_depth = num_speculative_tokens
         self.max_nodes = num_speculative_tokens + 1
         self.max_n, self.min_n = max_n, min_n

@@ -99,7 +99,8 @@ def create_app(
         return e.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
+    async def _http_error(request: Request, e: StarletteHTTPException):  # no such path (404), or method (405)
+        http_requests.labels(ENDPOINTS.get(request.url.path, "other"), str(e.status_code)).inc()
         code = "not_found" if e.status_code == 404 else None
         return APIError(e.status_code, str(e.detail), param=None, code=code).response()
 
@@ -145,6 +146,8 @@ def create_app(
         unsupported = req.unsupported_field()
         if unsupported is not None:
             raise APIError(400, f"'{unsupported}' is not supported by this server", param=unsupported)
+        if req.stream_options is not None and not req.stream:  # (as OpenAI answers it)
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if req.model is not None and req.model != served_model_name:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{served_model_name}'",
                            param="model", code="model_not_found")  # fmt: skip

@@ -14,18 +14,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from spec_engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (the server's names)
 
-_UNSUPPORTED = {  # field -> the value that means "not used"
-    "stop": None,
-    "logprobs": None,
-    "top_logprobs": None,
-    "echo": False,
-    "suffix": None,
-    "best_of": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
-    "tools": None,
-    "response_format": None,
+_UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null always do)
+    "stop": ([], ""),
+    "logprobs": (False,),  # (0 asks the completions API for the chosen tokens' logprobs)
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    # vLLM's sampling extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos it does)
+    "repetition_penalty": (1,),
+    "min_tokens": (0,),
+    "bad_words": ([],),
 }
 
 
@@ -52,10 +58,12 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
 
     def unsupported_field(self) -> str | None:
-        """The first OpenAI field set to a value this server does not implement."""
+        """The first field set to a value this server does not implement (OpenAI's, or vLLM's sampling ones)."""
         for name, unused in _UNSUPPORTED.items():
-            value = (self.model_extra or {}).get(name, unused)
-            if value is not None and value != unused and value != []:
+            value = (self.model_extra or {}).get(name)
+            # (a bool is not its number: logprobs 0 is not false, penalties 0.0 are 0)
+            if value is not None and not any(value == u and isinstance(value, bool) == isinstance(u, bool)
+                                             for u in unused):  # fmt: skip
                 return name
         return None
 
