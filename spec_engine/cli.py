@@ -82,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from spec_engine import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, seed=args.seed)  # fmt: skip
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop)  # fmt: skip
     if args.compare_repeats < 1:
         raise ValueError(f"--compare-repeats must be at least 1, got {args.compare_repeats}")
     llm = build_llm(args, fallback=True)
@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the output before TEXT (repeatable)")  # fmt: skip
     g.add_argument("--compare", action="store_true", help="also run without speculation and print the speedup")
     g.add_argument("--compare-repeats", type=int, default=5,
                    help="alternating warm runs of each engine behind --compare's medians (default 5)")  # fmt: skip

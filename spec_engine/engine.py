@@ -118,6 +118,7 @@ class Engine:
         eos_token_ids: list[int] | None = None,
         adaptive: bool = False,
         config: EngineConfig | None = None,
+        decode: Callable[[list[int]], str] | None = None,
     ):
         if getattr(target, "vocab_map", None) is not None:
             raise ValueError("the target's vocabulary cannot be restricted (restrict_vocab is for drafts): its logits "
@@ -130,6 +131,7 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
         self.eos_token_ids = set(eos_token_ids or [])
+        self.decode = decode  # token ids -> text (the tokenizer's): stop strings need it
         self.vocab_size = target.config.vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -189,6 +191,8 @@ class Engine:
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never run; nothing is queued."""
         params.validate()
+        if params.stop and self.decode is None:
+            raise ValueError("stop strings need a tokenizer to read the output; this model has none")
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
@@ -516,11 +520,32 @@ class Engine:
         return torch.tensor(sorted(stops), dtype=torch.int64)
 
     def _truncate(self, req: Request, toks: list[int]) -> list[int]:
-        """Cut the emitted tokens at a stop token (kept, as vLLM does for EOS) or at max_tokens."""
+        """Cut the emitted tokens at a stop token (kept, as vLLM does for EOS), at the token whose text completes a
+        stop string (kept; the text ends before the string: ``visible_text``) or at max_tokens: what decoding one
+        token a step would have emitted."""
         stops = self._stop_ids(req)
-        room = req.tokens_left
-        for i, t in enumerate(toks[:room]):
-            if t in stops:
+        toks = toks[: req.tokens_left]
+        completes = self._stop_string_end(req, toks)
+        for i, t in enumerate(toks):
+            if t in stops or i + 1 == completes:
                 self._finish(req, "stop")
                 return toks[: i + 1]
-        return toks[:room]
+        return toks
+
+    def _stop_string_end(self, req: Request, toks: list[int]) -> int | None:
+        """How many of ``toks`` (a step's new tokens) it takes to complete one of ``req``'s stop strings, or None.
+        Only a window of the output's tail is decoded: a string of n characters spans at most 4n tokens (one byte
+        each), and a stop string completed before this step would have ended the request then."""
+        stop = req.params.stop
+        if not stop or not toks:
+            return None
+        window = 4 * max(map(len, stop)) + 4
+        tail = req.output_token_ids[-window:]
+
+        def found(n: int) -> bool:
+            text = self.decode(tail + toks[:n])
+            return any(s in text for s in stop)
+
+        if not found(len(toks)):  # (one decode a step in the common case)
+            return None
+        return next(n for n in range(1, len(toks) + 1) if found(n))

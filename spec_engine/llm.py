@@ -19,7 +19,7 @@ from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_toke
 from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
 from spec_engine.request import Request
-from spec_engine.sampling import SamplingParams
+from spec_engine.sampling import SamplingParams, visible_text
 from spec_engine.zoo import shipped_drafter
 from spec_engine.zoo.pull import resolve_model
 from spec_kernels._backend import cpu_supports_native_bf16
@@ -373,7 +373,7 @@ class LLM:
             self.target, kv, self.allocator, drafter,
             num_speculative_tokens=gamma, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             prefill_chunk=prefill_chunk, eos_token_ids=cfg.eos_token_id, adaptive=bool(spec and spec["adaptive"]),
-            config=engine_config,
+            config=engine_config, decode=self.decode if self.tokenizer is not None else None,
         )  # fmt: skip
 
     @property
@@ -498,11 +498,12 @@ class LLM:
 
     def _output(self, req: Request, prompt: str | None) -> RequestOutput:
         ids = req.output_token_ids
+        text = visible_text(self.decode(ids), req.params.stop, finished=True)
         return RequestOutput(
             request_id=req.request_id,
             prompt=prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, self.decode(ids), list(ids), req.finish_reason)],
+            outputs=[CompletionOutput(0, text, list(ids), req.finish_reason)],
             finished=req.finished,
             metrics=req.metrics.as_dict(len(ids)),
         )

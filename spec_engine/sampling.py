@@ -15,6 +15,10 @@ INT64_MAX = (1 << 63) - 1
 # Below this, logits / temperature can overflow float32 (logits of 1e4 / 1e-35 = inf, then inf - inf = NaN); at it,
 # sampling is already greedy for every practical purpose.
 MIN_TEMPERATURE = 1e-5
+# Stop strings: at most this many a request, each at most this many characters (the engine decodes a window of about
+# 4 tokens a character behind each step's tokens to find them)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 128
 
 
 def as_float32(x: float) -> float:
@@ -34,6 +38,10 @@ class SamplingParams:
     depend on the drafter, the depth or the batch: with a seed, the same tokens with or without speculation. None (the
     default) means on for seeded requests and off for unseeded ones, which keep rejection sampling: it accepts more
     drafted tokens (1 - TV against at least (1 - TV) / (1 + TV)), and without a seed there is nothing to reproduce.
+
+    ``stop``: strings that end the request (OpenAI's ``stop``): the token whose text completes one is its last token
+    (finish reason "stop"), and its text ends before the string (``visible_text``). ``stop_token_ids`` end it at a
+    token, which is kept.
     """
 
     max_tokens: int = 64
@@ -45,6 +53,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     invariant: bool | None = None
+    stop: list[str] | None = None
 
     def __post_init__(self):
         self.validate()
@@ -80,6 +89,13 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if self.stop is not None and (
+            not isinstance(self.stop, list)
+            or len(self.stop) > MAX_STOP_STRINGS
+            or not all(isinstance(t, str) and 0 < len(t) <= MAX_STOP_CHARS for t in self.stop)
+        ):
+            raise ValueError(f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters")  # fmt: skip
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.invariant is not None and not isinstance(self.invariant, bool):
@@ -98,3 +114,18 @@ class SamplingParams:
     def coupled(self) -> bool:
         """Sampled through the position-keyed coupling (see ``invariant``); greedy rows need no noise."""
         return not self.greedy and (self.invariant if self.invariant is not None else self.seed is not None)
+
+
+def visible_text(text: str, stop: list[str] | None, finished: bool) -> str:
+    """The part of a request's decoded output ``text`` its client sees: cut before the first stop string (which the
+    output leaves out, as OpenAI's does); while the request runs, short of a tail that may be the start of one (a
+    stream never sends text that a later token turns into a stop string)."""
+    if not stop:
+        return text
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    if found:
+        return text[: min(found)]
+    if finished:
+        return text
+    held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    return text[: len(text) - held]

@@ -171,6 +171,27 @@ def test_streamed_text_equals_non_streamed(which, endpoint, request):
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16  # the final usage chunk
 
 
+@pytest.mark.parametrize("which", ["plain", "spec"])
+def test_stop_strings_end_the_text_before_them_streamed_or_not(which, request):
+    """The stop string (taken from the middle of the unstopped text) and everything after it are left out, streamed
+    or not; a stream never sends the start of a stop string that a later token completes."""
+    server = request.getfixturevalue(which)
+    c, model = client(server), name_of(server)
+    kw = dict(model=model, prompt="the quick brown fox", max_tokens=24, temperature=0)
+    unstopped = c.completions.create(**kw).choices[0].text
+    pieces = [ch.choices[0].text for ch in c.completions.create(**kw, stream=True) if ch.choices]
+    ends = [len("".join(pieces[:k])) for k in range(1, len(pieces))]  # where one delta's text ends
+    # where the text came in several deltas (the spec server's draft agrees with all of it: one delta), a stop
+    # string that straddles two: its first half must be held back
+    end = next((e for e in ends if 2 <= e <= len(unstopped) - 2), len(unstopped) // 2)
+    stop = unstopped[end - 2 : end + 2]
+    out = c.completions.create(**kw, stop=stop).choices[0]
+    assert out.finish_reason == "stop" and out.text == unstopped[: unstopped.index(stop)]
+    chunks = list(c.completions.create(**kw, stop=[stop, "never"], stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == out.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+
+
 def test_no_usage_chunk_when_opted_out(plain):
     c = client(plain)
     chunks = list(c.completions.create(model=name_of(plain), prompt="hi", max_tokens=4, temperature=0, stream=True,
@@ -252,7 +273,8 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
     "top_p_above_one": ("/v1/completions", _json({"prompt": "x", "top_p": 1.5}), 400, "top_p"),
     "n_2": ("/v1/completions", _json({"prompt": "x", "n": 2}), 400, "n"),
     "token_out_of_vocab": ("/v1/completions", _json({"prompt": [1, 2, 10**6]}), 400, None),
-    "stop_strings": ("/v1/completions", _json({"prompt": "x", "stop": ["\n"]}), 400, "stop"),
+    "stop_empty_string": ("/v1/completions", _json({"prompt": "x", "stop": [""]}), 400, "stop"),
+    "stop_not_strings": ("/v1/completions", _json({"prompt": "x", "stop": [3]}), 400, "stop"),
     "logprobs_zero": ("/v1/completions", _json({"prompt": "x", "logprobs": 0}), 400, "logprobs"),
     "repetition_penalty": (
         "/v1/completions",

@@ -2,8 +2,8 @@
 for numbers, no booleans for ints). The chat template lives in ``spec_engine.chat_template``.
 
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
-``ignore_eos``. OpenAI fields that would change the output but are not implemented (``stop`` strings, ``logprobs``,
-penalties, ...) are rejected with 400 when set, never silently ignored; unknown fields are ignored.
+``ignore_eos``. Fields that would change the output but are not implemented (``logprobs``, penalties, ...) are
+rejected with 400 when set, never silently ignored; unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from spec_engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (the server's names)
 
 _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null always do)
-    "stop": ([], ""),
     "logprobs": (False,),  # (0 asks the completions API for the chosen tokens' logprobs)
     "top_logprobs": (0,),
     "echo": (False,),
@@ -51,11 +50,21 @@ class _SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     seed: int | None = None
+    stop: list[str] | None = None  # a string or a list of them (SamplingParams checks their count and lengths)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1, le=1)  # one choice per request
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, v):
+        if isinstance(v, str):
+            return [v]
+        if v is None or isinstance(v, list) and all(isinstance(t, str) for t in v):
+            return v
+        raise ValueError("stop must be a string or a list of strings")
 
     def unsupported_field(self) -> str | None:
         """The first field set to a value this server does not implement (OpenAI's, or vLLM's sampling ones)."""

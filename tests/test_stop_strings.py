@@ -1,0 +1,63 @@
+"""Stop strings (OpenAI's ``stop``): the token whose text completes one is a request's last, its text ends before
+the string, and a speculative step that emitted tokens past it keeps none of them, so every drafter gives what
+decoding one token a step gives. Streams hold back a tail that may begin a stop string."""
+
+from __future__ import annotations
+
+import pytest
+
+from spec_engine import LLM, SamplingParams, default_model_paths
+from spec_engine.sampling import visible_text
+
+TARGET, DRAFT = default_model_paths()
+PROMPT = "def fibonacci(n):"
+SPECS = {
+    "plain": None,
+    "draft model, depth 4": {"model": DRAFT, "num_speculative_tokens": 4},
+    "draft model, adaptive": {"model": DRAFT},
+    "suffix": {"method": "suffix"},
+    "hybrid": {"method": "hybrid", "model": DRAFT},
+}
+
+
+def test_visible_text_cuts_at_the_first_stop_string_and_holds_back_a_partial_one():
+    assert visible_text("a, b; c", None, finished=False) == "a, b; c"
+    assert visible_text("a, b; c", [";", ","], finished=True) == "a"
+    assert visible_text("a, b; c", ["b;"], finished=False) == "a, "
+    assert visible_text("x = 1\nretu", ["return"], finished=False) == "x = 1\n"  # may yet become "return"
+    assert visible_text("x = 1\nretu", ["return"], finished=True) == "x = 1\nretu"  # it ended without it
+    assert visible_text("x = 1\nre", ["rex", "ret"], finished=False) == "x = 1\n"
+    assert visible_text("abc", ["xyz"], finished=False) == "abc"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain decoding's 64 greedy tokens, and the stop string taken from the middle of their text (it begins inside
+    a token and spans several)."""
+    llm = LLM(TARGET, max_model_len=512)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    stop = out.text[41:45]
+    first = next(n for n in range(1, 65) if stop in llm.decode(out.token_ids[:n]))  # the token that completes it
+    return out, stop, first
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_stop_string_ends_the_output_where_one_token_a_step_would(name, reference):
+    full, stop, first = reference
+    llm = LLM(TARGET, speculative_config=SPECS[name], max_model_len=512)
+    params = SamplingParams(max_tokens=64, temperature=0.0, stop=["never in the output", stop])
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[:first]  # no token of a step past the one that completed the string
+    assert out.text == full.text[: full.text.index(stop)]
+    again = llm.generate(PROMPT, SamplingParams(max_tokens=64, temperature=0.0, stop=["never"]), use_tqdm=False)
+    assert again[0].outputs[0].token_ids == full.token_ids and again[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [[""], "x", [1], ["x"] * 17, ["x" * 129]],
+)
+def test_bad_stop_strings_are_refused(stop):
+    with pytest.raises(ValueError, match="stop must be"):
+        SamplingParams(stop=stop)
