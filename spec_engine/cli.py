@@ -180,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="end the output before TEXT (repeatable)")  # fmt: skip
+    g.add_argument("--stop", action="append", metavar="TEXT", help="end the output before TEXT (repeatable)")
     g.add_argument("--compare", action="store_true", help="also run without speculation and print the speedup")
     g.add_argument("--compare-repeats", type=int, default=5,
                    help="alternating warm runs of each engine behind --compare's medians (default 5)")  # fmt: skip

@@ -118,7 +118,7 @@ class Engine:
         eos_token_ids: list[int] | None = None,
         adaptive: bool = False,
         config: EngineConfig | None = None,
-        decode: Callable[[list[int]], str] | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
     ):
         if getattr(target, "vocab_map", None) is not None:
             raise ValueError("the target's vocabulary cannot be restricted (restrict_vocab is for drafts): its logits "
@@ -131,7 +131,7 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
         self.eos_token_ids = set(eos_token_ids or [])
-        self.decode = decode  # token ids -> text (the tokenizer's): stop strings need it
+        self.detokenize = detokenize  # token ids -> text (the tokenizer's): stop strings need it
         self.vocab_size = target.config.vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -191,7 +191,7 @@ class Engine:
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never run; nothing is queued."""
         params.validate()
-        if params.stop and self.decode is None:
+        if params.stop and self.detokenize is None:
             raise ValueError("stop strings need a tokenizer to read the output; this model has none")
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -533,19 +533,23 @@ class Engine:
         return toks
 
     def _stop_string_end(self, req: Request, toks: list[int]) -> int | None:
-        """How many of ``toks`` (a step's new tokens) it takes to complete one of ``req``'s stop strings, or None.
-        Only a window of the output's tail is decoded: a string of n characters spans at most 4n tokens (one byte
-        each), and a stop string completed before this step would have ended the request then."""
+        """How many of ``toks`` (a call's new tokens) it takes to complete one of ``req``'s stop strings, or None.
+        A stop string completed before this call would have ended the request then, so only the output's tail is
+        read: as many tokens as give at least the longest string's length in text (a token of a cut character or a
+        special one gives less than a character)."""
         stop = req.params.stop
         if not stop or not toks:
             return None
-        window = 4 * max(map(len, stop)) + 4
-        tail = req.output_token_ids[-window:]
+        longest, out = max(map(len, stop)), req.output_token_ids
+        window = longest + 4
+        while window < len(out) and len(self.detokenize(out[-window:])) <= longest:
+            window *= 2
+        tail = out[-window:]
 
         def found(n: int) -> bool:
-            text = self.decode(tail + toks[:n])
+            text = self.detokenize(tail + toks[:n])
             return any(s in text for s in stop)
 
-        if not found(len(toks)):  # (one decode a step in the common case)
+        if not found(len(toks)):  # (the common case: the tail read twice a call)
             return None
         return next(n for n in range(1, len(toks) + 1) if found(n))

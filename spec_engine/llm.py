@@ -301,9 +301,14 @@ class LLM:
         quantization: str | None = None,
         enable_prefix_caching: bool = True,
     ):
-        sizes = {"tensor_parallel_size": tensor_parallel_size, "max_num_seqs": max_num_seqs,
-                 "block_size": block_size, "prefill_chunk": prefill_chunk, "max_model_len": max_model_len,
-                 "kv_cache_memory": kv_cache_memory}  # fmt: skip
+        sizes = {
+            "tensor_parallel_size": tensor_parallel_size,
+            "max_num_seqs": max_num_seqs,
+            "block_size": block_size,
+            "prefill_chunk": prefill_chunk,
+            "max_model_len": max_model_len,
+            "kv_cache_memory": kv_cache_memory,
+        }
         for name, value in sizes.items():
             if value is None and name in ("max_model_len", "kv_cache_memory"):  # the defaults
                 continue
@@ -373,7 +378,7 @@ class LLM:
             self.target, kv, self.allocator, drafter,
             num_speculative_tokens=gamma, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             prefill_chunk=prefill_chunk, eos_token_ids=cfg.eos_token_id, adaptive=bool(spec and spec["adaptive"]),
-            config=engine_config, decode=self.decode if self.tokenizer is not None else None,
+            config=engine_config, detokenize=self.decode if self.tokenizer is not None else None,
         )  # fmt: skip
 
     @property
@@ -555,8 +560,10 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: boo
     model = str(resolve_model(model))
     method = args.method or default_method(model, draft)
     if args.draft and method not in (*MODEL_METHODS, "hybrid"):
-        raise ValueError(f"--draft is the drafter of --method {', '.join((*MODEL_METHODS, 'hybrid'))}; "
-                         f"--method {method} drafts without a model")  # fmt: skip
+        raise ValueError(
+            f"--draft is the drafter of --method {', '.join((*MODEL_METHODS, 'hybrid'))}; "
+            f"--method {method} drafts without a model"
+        )
     spec = None
     if speculate and method != "none":
         spec = {"method": method}

@@ -15,8 +15,8 @@ INT64_MAX = (1 << 63) - 1
 # Below this, logits / temperature can overflow float32 (logits of 1e4 / 1e-35 = inf, then inf - inf = NaN); at it,
 # sampling is already greedy for every practical purpose.
 MIN_TEMPERATURE = 1e-5
-# Stop strings: at most this many a request, each at most this many characters (the engine decodes a window of about
-# 4 tokens a character behind each step's tokens to find them)
+# Stop strings: at most this many a request, each at most this many characters (the engine reads a window of the
+# output's tail about this long behind each call's tokens to find them)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
 
@@ -56,6 +56,8 @@ class SamplingParams:
     stop: list[str] | None = None
 
     def __post_init__(self):
+        if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
+            self.stop = [self.stop]
         self.validate()
 
     def validate(self) -> None:
@@ -94,8 +96,10 @@ class SamplingParams:
             or len(self.stop) > MAX_STOP_STRINGS
             or not all(isinstance(t, str) and 0 < len(t) <= MAX_STOP_CHARS for t in self.stop)
         ):
-            raise ValueError(f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
-                             f"{MAX_STOP_CHARS} characters")  # fmt: skip
+            raise ValueError(
+                f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
+                "characters"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.invariant is not None and not isinstance(self.invariant, bool):

@@ -348,9 +348,13 @@ def test_a_build_killed_midway_does_not_stall_later_loads():
 
     if importlib.util.find_spec(_ext.AOT_MODULE) is not None:
         pytest.skip("the extension is built ahead of time: no build folder is loaded")
+    from filelock import FileLock
+
     _ext.load_ext()  # the folder exists, the module is built
-    stale = _ext.cache_root() / f"ext-{_ext._build_key(_ext.with_cuda())}" / "lock"
-    stale.touch()
+    build_dir = _ext.cache_root() / f"ext-{_ext._build_key(_ext.with_cuda())}"
+    stale = build_dir / "lock"
+    with FileLock(str(build_dir / "build.lock")):  # (no other process is in a load while it is planted)
+        stale.touch()
     try:
         out = _run_python("from spec_kernels._ext import load_ext; load_ext(); print('loaded')", timeout=60)
     finally:

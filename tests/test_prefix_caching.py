@@ -139,8 +139,10 @@ def test_a_held_request_keeps_its_place_and_others_go_by():
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     other = [_rng.randrange(3, 2000) for _ in range(60)]
     alone = LLM(TARGET, max_model_len=256, enable_prefix_caching=False)
-    reference = [alone.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
-                 for p in (BURST[1], other)]  # fmt: skip
+    reference = [
+        alone.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+        for p in (BURST[1], other)
+    ]
     engine = LLM(TARGET, max_model_len=256, prefill_chunk=64).engine
     first, held, unrelated = (engine.add_request(p, params) for p in (BURST[0], BURST[1], other))
     engine.step()

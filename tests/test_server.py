@@ -252,7 +252,7 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         _json({"messages": [{"role": "robot", "content": "x"}]}),
         400,
         "messages[0].role",
-    ),  # fmt: skip
+    ),
     "max_tokens_0": ("/v1/completions", _json({"prompt": "x", "max_tokens": 0}), 400, "max_tokens"),
     "max_tokens_past_context": ("/v1/completions", _json({"prompt": "x", "max_tokens": CONTEXT}), 400, "max_tokens"),
     "prompt_past_context": (
@@ -260,13 +260,13 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         _json({"prompt": [7] * (CONTEXT + 5), "max_tokens": 1}),
         400,
         "prompt",
-    ),  # fmt: skip
+    ),
     "chat_past_context": (
         "/v1/chat/completions",
         _json({"messages": [{"role": "user", "content": "fox " * (2 * CONTEXT)}]}),
         400,
         "prompt",
-    ),  # fmt: skip
+    ),
     "temperature_negative": ("/v1/completions", _json({"prompt": "x", "temperature": -0.5}), 400, "temperature"),
     "temperature_string": ("/v1/completions", _json({"prompt": "x", "temperature": "0.5"}), 400, "temperature"),
     "top_p_zero": ("/v1/completions", _json({"prompt": "x", "top_p": 0}), 400, "top_p"),
@@ -282,6 +282,13 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         400,
         "repetition_penalty",
     ),  # fmt: skip
+    "include_stop_str_in_output": (
+        "/v1/completions",
+        _json({"prompt": "x", "stop": "\n", "include_stop_str_in_output": True}),
+        400,
+        "include_stop_str_in_output",
+    ),
+    "guided_json": ("/v1/completions", _json({"prompt": "x", "guided_json": {"type": "object"}}), 400, "guided_json"),
     "min_tokens": ("/v1/completions", _json({"prompt": "x", "min_tokens": 4}), 400, "min_tokens"),
     "functions": (
         "/v1/chat/completions",
@@ -337,8 +344,12 @@ def test_unsupported_fields_at_their_no_op_values_are_accepted(plain):
 def test_unknown_paths_and_methods_are_counted(plain):
     def count(status: str) -> float:
         text = httpx.get(plain[0] + "/metrics").text
-        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-                   if s.name == "specdec_http_requests_total" and s.labels["status"] == status)  # fmt: skip
+        return sum(
+            s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == "specdec_http_requests_total" and s.labels["status"] == status
+        )
 
     before = count("404"), count("405")
     assert httpx.get(plain[0] + "/nope").status_code == 404

@@ -54,10 +54,11 @@ def test_a_stop_string_ends_the_output_where_one_token_a_step_would(name, refere
     assert again[0].outputs[0].token_ids == full.token_ids and again[0].outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize(
-    "stop",
-    [[""], "x", [1], ["x"] * 17, ["x" * 129]],
-)
+@pytest.mark.parametrize("stop", [[""], "", [1], ("x",), ["x"] * 17, ["x" * 129]])
 def test_bad_stop_strings_are_refused(stop):
     with pytest.raises(ValueError, match="stop must be"):
         SamplingParams(stop=stop)
+
+
+def test_one_stop_string_may_be_given_alone():
+    assert SamplingParams(stop="\n\n").stop == ["\n\n"]

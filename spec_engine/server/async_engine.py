@@ -232,7 +232,7 @@ class AsyncEngine:
                 self._release()
             if sink is not None and req is not None:
                 self._totals.finished["abort"] += 1
-                text = self._new_text(sink, req.output_token_ids, True, req.params.stop)
+                text = self._new_text(sink, req.output_token_ids, finished=True, stop=req.params.stop)
                 usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids), req.metrics.num_cached_tokens)
                 metrics = req.metrics.as_dict(usage.completion_tokens)
                 sink.put(Delta(request_id, [], text, True, "abort", usage, metrics))
@@ -305,7 +305,7 @@ class AsyncEngine:
         sink = self._sinks.get(req.request_id)
         if sink is None:
             return
-        text = self._new_text(sink, req.output_token_ids, out.finished, req.params.stop)
+        text = self._new_text(sink, req.output_token_ids, finished=out.finished, stop=req.params.stop)
         usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids), req.metrics.num_cached_tokens)
         delta = Delta(req.request_id, list(out.new_token_ids), text, out.finished, req.finish_reason, usage)
         if out.finished:

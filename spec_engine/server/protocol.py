@@ -27,10 +27,20 @@ _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null al
     "functions": ([],),
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
-    # vLLM's sampling extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos it does)
+    # vLLM's extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos it does)
     "repetition_penalty": (1,),
     "min_tokens": (0,),
     "bad_words": ([],),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "allowed_token_ids": (),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
 }
 
 
@@ -67,12 +77,12 @@ class _SamplingRequest(BaseModel):
         raise ValueError("stop must be a string or a list of strings")
 
     def unsupported_field(self) -> str | None:
-        """The first field set to a value this server does not implement (OpenAI's, or vLLM's sampling ones)."""
+        """The first field set to a value this server does not implement (OpenAI's, or vLLM's extensions)."""
         for name, unused in _UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
             # (a bool is not its number: logprobs 0 is not false, penalties 0.0 are 0)
-            if value is not None and not any(value == u and isinstance(value, bool) == isinstance(u, bool)
-                                             for u in unused):  # fmt: skip
+            no_op = any(value == u and isinstance(value, bool) == isinstance(u, bool) for u in unused)
+            if value is not None and not no_op:
                 return name
         return None
 
