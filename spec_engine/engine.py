@@ -191,6 +191,8 @@ class Engine:
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never run; nothing is queued."""
         params.validate()
+        if params.n != 1:
+            raise ValueError(f"the engine runs one sequence a request, got n={params.n} (LLM.generate expands n)")
         if params.stop and self.detokenize is None:
             raise ValueError("stop strings need a tokenizer to read the output; this model has none")
         if not ids:

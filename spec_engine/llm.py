@@ -19,7 +19,7 @@ from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_toke
 from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
 from spec_engine.request import Request
-from spec_engine.sampling import SamplingParams, visible_text
+from spec_engine.sampling import SamplingParams, sequence_params, visible_text
 from spec_engine.zoo import shipped_drafter
 from spec_engine.zoo.pull import resolve_model
 from spec_kernels._backend import cpu_supports_native_bf16
@@ -479,13 +479,21 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         parsed = [self._prompt_ids(p) for p in prompts]
-        for (_, ids), p in zip(parsed, params):  # validate everything before queueing anything
-            self.engine.check_request(ids, p)
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        # each prompt's n sequences, one engine request each
+        sequences = [[sequence_params(p, i) for i in range(p.n)] for p in params]
+        for (_, ids), seqs in zip(parsed, sequences):  # validate everything before queueing anything
+            for p in seqs:
+                self.engine.check_request(ids, p)
+        groups: list[list[Request]] = []
         reqs: list[Request] = []
         try:
-            for (_, ids), p in zip(parsed, params):
-                reqs.append(self.engine.add_request(ids, p))
-            total = sum(p.max_tokens for p in params)
+            for (_, ids), seqs in zip(parsed, sequences):
+                groups.append([self.engine.add_request(ids, p) for p in seqs])
+                reqs += groups[-1]
+            total = sum(p.max_tokens for p in params for _ in range(p.n))
             with tqdm(total=total, desc="generate", unit="tok", disable=not use_tqdm, dynamic_ncols=True) as bar:
                 while any(not r.finished for r in reqs):
                     for out in self.engine.step():
@@ -499,18 +507,27 @@ class LLM:
         failed = [r for r in reqs if r.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed in the engine: {failed[0].error}")
-        return [self._output(r, text) for r, (text, _) in zip(reqs, parsed)]
+        return [self._output(group, text) for group, (text, _) in zip(groups, parsed)]
 
-    def _output(self, req: Request, prompt: str | None) -> RequestOutput:
-        ids = req.output_token_ids
-        text = visible_text(self.decode(ids), req.params.stop, finished=True)
+    def _output(self, group: list[Request], prompt: str | None) -> RequestOutput:
+        """One prompt's output: its sequences in order; the metrics are the first sequence's."""
+        first = group[0]
+        outputs = [
+            CompletionOutput(
+                i,
+                visible_text(self.decode(r.output_token_ids), r.params.stop, finished=True),
+                list(r.output_token_ids),
+                r.finish_reason,
+            )
+            for i, r in enumerate(group)
+        ]
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=first.request_id,
             prompt=prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, list(ids), req.finish_reason)],
-            finished=req.finished,
-            metrics=req.metrics.as_dict(len(ids)),
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=all(r.finished for r in group),
+            metrics=first.metrics.as_dict(len(first.output_token_ids)),
         )
 
 

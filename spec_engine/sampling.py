@@ -7,6 +7,8 @@ fine as a Python float but ``inf`` or 0 in float32 (temperature 1e300, top_p 1e-
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import struct
 from dataclasses import dataclass
 
@@ -19,6 +21,7 @@ MIN_TEMPERATURE = 1e-5
 # output's tail about this long behind each call's tokens to find them)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
+MAX_N = 64  # sequences a request may ask for
 
 
 def as_float32(x: float) -> float:
@@ -39,6 +42,10 @@ class SamplingParams:
     default) means on for seeded requests and off for unseeded ones, which keep rejection sampling: it accepts more
     drafted tokens (1 - TV against at least (1 - TV) / (1 + TV)), and without a seed there is nothing to reproduce.
 
+    ``n``: sequences sampled for the prompt (vLLM's ``n``; ``LLM.generate`` returns them as one output's
+    ``outputs``), each its own request: sequence i's seed derives from ``seed`` (``sequence_params``), and the prompt's
+    K/V is computed once and shared (prefix caching).
+
     ``stop``: strings that end the request (OpenAI's ``stop``): the token whose text completes one is its last token
     (finish reason "stop"), and its text ends before the string (``visible_text``). ``stop_token_ids`` end it at a
     token, which is kept.
@@ -54,6 +61,7 @@ class SamplingParams:
     ignore_eos: bool = False
     invariant: bool | None = None
     stop: list[str] | None = None
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
@@ -66,6 +74,9 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be {kind if isinstance(kind, type) else 'a number'}")
 
         _num("max_tokens", self.max_tokens, int)
+        _num("n", self.n, int)
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         _num("temperature", self.temperature, (int, float))
         _num("top_k", self.top_k, int)
         _num("top_p", self.top_p, (int, float))
@@ -118,6 +129,16 @@ class SamplingParams:
     def coupled(self) -> bool:
         """Sampled through the position-keyed coupling (see ``invariant``); greedy rows need no noise."""
         return not self.greedy and (self.invariant if self.invariant is not None else self.seed is not None)
+
+
+def sequence_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The parameters of sequence ``i`` of ``params.n``: one sequence, the same seed for the first (its tokens are
+    those of the same request with n = 1) and a seed derived from it for each other (seeded requests stay
+    reproducible, their sequences distinct)."""
+    seed = params.seed
+    if seed is not None and i > 0:
+        seed = int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "little") & SEED_MASK
+    return dataclasses.replace(params, n=1, seed=seed)
 
 
 def visible_text(text: str, stop: list[str] | None, finished: bool) -> str:
