@@ -43,6 +43,14 @@ from spec_engine.tree import causal_mask
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
 
 
+class RequestError(ValueError):
+    """A request that can never run (``Engine.check_request``); ``param`` names the field at fault, or None."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's knobs. The defaults are the engine's own choice; tests and benchmarks pass others
@@ -192,23 +200,26 @@ class Engine:
         """Raise ValueError for a request that can never run; nothing is queued."""
         params.validate()
         if params.n != 1:
-            raise ValueError(f"the engine runs one sequence a request, got n={params.n} (LLM.generate expands n)")
+            raise RequestError(f"the engine runs one sequence a request, not {params.n} (LLM.generate expands n)", "n")
         if params.stop and self.detokenize is None:
-            raise ValueError("stop strings need a tokenizer to read the output; this model has none")
+            raise RequestError("stop strings need a tokenizer to read the output; this model has none", "stop")
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise RequestError("the prompt is empty: give at least one token", "prompt")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+            raise RequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", "prompt")
         if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
-                f"({self.max_model_len})"
+                f"({self.max_model_len})",
+                "max_tokens",
             )
         if (
             self.allocator.blocks_for(len(ids) + params.max_tokens + self.max_tree_nodes())
             > self.allocator.num_blocks - 1
         ):
-            raise ValueError("this request needs more KV blocks than the whole cache holds; raise the KV budget")
+            raise RequestError(
+                "this request needs more KV blocks than the whole cache holds; raise the KV budget", "max_tokens"
+            )
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None

@@ -272,7 +272,7 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
     "top_p_zero": ("/v1/completions", _json({"prompt": "x", "top_p": 0}), 400, "top_p"),
     "top_p_above_one": ("/v1/completions", _json({"prompt": "x", "top_p": 1.5}), 400, "top_p"),
     "n_2": ("/v1/completions", _json({"prompt": "x", "n": 2}), 400, "n"),
-    "token_out_of_vocab": ("/v1/completions", _json({"prompt": [1, 2, 10**6]}), 400, None),
+    "token_out_of_vocab": ("/v1/completions", _json({"prompt": [1, 2, 10**6]}), 400, "prompt"),
     "stop_empty_string": ("/v1/completions", _json({"prompt": "x", "stop": [""]}), 400, "stop"),
     "stop_not_strings": ("/v1/completions", _json({"prompt": "x", "stop": [3]}), 400, "stop"),
     "logprobs_zero": ("/v1/completions", _json({"prompt": "x", "logprobs": 0}), 400, "logprobs"),

@@ -192,8 +192,8 @@ def create_app(
                            "rate_limit_error", code="too_many_requests")  # fmt: skip
         try:
             return await engine.add_request(ids, params)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        except ValueError as e:  # (the engine's RequestError names the field at fault)
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), "internal_error") from None
 
