@@ -171,7 +171,7 @@ def create_app(
                 seed=req.seed,
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
-                stop=req.stop or None,
+                stop=req.stop,
             )
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")

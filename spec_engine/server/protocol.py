@@ -60,7 +60,7 @@ class _SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     seed: int | None = None
-    stop: list[str] | None = None  # a string or a list of them (SamplingParams checks their count and lengths)
+    stop: str | list[str] | None = None  # (SamplingParams takes one string as a list, and checks count and lengths)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1, le=1)  # one choice per request
@@ -69,10 +69,8 @@ class _SamplingRequest(BaseModel):
 
     @field_validator("stop", mode="before")
     @classmethod
-    def _stop_strings(cls, v):
-        if isinstance(v, str):
-            return [v]
-        if v is None or isinstance(v, list) and all(isinstance(t, str) for t in v):
+    def _stop_strings(cls, v):  # (one message for either shape, not the union's two)
+        if v is None or isinstance(v, str) or isinstance(v, list) and all(isinstance(t, str) for t in v):
             return v
         raise ValueError("stop must be a string or a list of strings")
 
