@@ -64,10 +64,10 @@ from bench.report import canary, derive, fmt, goals, markdown_table, plots, tabl
 
 
 def adaptive_supported(draft_dir: str) -> tuple[bool, str]:
-    from spec_engine.llm import _parse_speculative_config
+    from spec_engine.config import parse_speculative_config
 
     try:
-        _parse_speculative_config({"method": "draft_model", "model": draft_dir, "num_speculative_tokens": "auto"})
+        parse_speculative_config({"method": "draft_model", "model": draft_dir, "num_speculative_tokens": "auto"})
     except (ValueError, TypeError) as e:
         return False, f"adaptive skipped: the engine does not accept num_speculative_tokens='auto' yet ({e})"
     return True, ""

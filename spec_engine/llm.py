@@ -11,9 +11,8 @@ import torch
 from tqdm import tqdm
 
 from spec_engine.chat_template import ChatTemplate
-from spec_engine.drafters import suffix as suffix_defaults
-from spec_engine.drafters.factory import DEFAULT_EAGLE_TOPK, DrafterFactory
-from spec_engine.drafters.ngram import NGRAM_MAX_N
+from spec_engine.config import DTYPES, MODEL_METHODS, parse_speculative_config
+from spec_engine.drafters.factory import DrafterFactory
 from spec_engine.engine import Engine, EngineConfig
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
@@ -24,32 +23,6 @@ from spec_engine.zoo import shipped_drafter
 from spec_engine.zoo.pull import resolve_model
 from spec_kernels._backend import cpu_supports_native_bf16
 from spec_kernels._ext import load_ext
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# "auto": adaptive (spec_engine/adaptive.py)
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": "auto", "eagle": "auto", "ngram": "auto", "suffix": "auto",
-                                  "hybrid": "auto"}  # fmt: skip
-ADAPTIVE_MAX_DEPTH = 8  # the deepest chain "auto" may draft; a static tree caps it at its own depth
-# ... for an EAGLE head's chains (alone or in the hybrid): its acceptance falls with depth past the steps its
-# training-time test unrolled, which the controller's one acceptance rate per row does not see, and its deep steps
-# cost more than they keep (bench/RESULTS.md, "The adaptive head's maximum depth")
-EAGLE_ADAPTIVE_MAX_DEPTH = 4
-# suffix speculations under "auto": the most nodes a row's tree may have (a repeated passage is accepted whole, so
-# deeper than a model's chains; the adaptive controller still picks each row's cap from what the rows accepted)
-SUFFIX_ADAPTIVE_MAX_TOKENS = 16
-MAX_SUFFIX_TOKENS = 32  # the largest num_speculative_tokens (tree nodes) of method="suffix"
-SPECULATIVE_METHODS = tuple(DEFAULT_NUM_SPECULATIVE_TOKENS)
-MODEL_METHODS = ("draft_model", "eagle")  # drafters with weights, proposing chains or static trees
-# suffix decoding's keys: vLLM's where vLLM has the knob (SpeculativeConfig.suffix_decoding_*), ours otherwise
-SUFFIX_KEYS = {
-    "suffix_decoding_max_tree_depth": suffix_defaults.MAX_TREE_DEPTH,
-    "suffix_decoding_max_spec_factor": suffix_defaults.MAX_SPEC_FACTOR,
-    "suffix_decoding_min_token_prob": suffix_defaults.MIN_TOKEN_PROB,
-    "suffix_decoding_max_cached_requests": suffix_defaults.MAX_CACHED_REQUESTS,
-    "suffix_decoding_use_tree_spec": True,  # ArcticInference's use_tree_spec: trees (True) or chains
-    "suffix_decoding_min_score": suffix_defaults.MIN_SCORE,  # the least expected accepted tokens worth a draft
-    "suffix_decoding_max_spec_tokens": SUFFIX_ADAPTIVE_MAX_TOKENS,  # hybrid: a suffix row's most nodes
-}
 
 
 @dataclass
@@ -86,122 +59,6 @@ def load_tokenizer(model: str | Path):
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises its own Exception subclass on bad JSON
         raise ValueError(f"corrupt tokenizer {path}: {e}") from e
-
-
-def _parse_speculative_config(spec: dict | None) -> dict | None:
-    if spec is None:
-        return None
-    if not isinstance(spec, dict):
-        raise ValueError("speculative_config must be a dict or None")
-    method = spec.get("method", "draft_model" if "model" in spec else None)
-    if method not in SPECULATIVE_METHODS:
-        raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {method!r}")
-    known = {"method", "model", "num_speculative_tokens", "tree", "draft_sampling", "max_n", "min_n", "eagle_topk",
-             "draft_vocab_size", "draft_dtype", *SUFFIX_KEYS}  # fmt: skip
-    unknown = set(spec) - known
-    if unknown:
-        raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
-    suffix = _parse_suffix_keys(spec, method)
-    gamma = spec.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[method])
-    adaptive = gamma == "auto"
-    tree = spec.get("tree")
-    hybrid_head = method == "hybrid" and bool(spec.get("model")) and is_eagle_head(spec["model"])
-    if adaptive:
-        default = SUFFIX_ADAPTIVE_MAX_TOKENS if method == "suffix" else ADAPTIVE_MAX_DEPTH
-        if (method == "eagle" or hybrid_head) and tree is None:  # (chains: a dynamic tree keeps its own choice)
-            default = EAGLE_ADAPTIVE_MAX_DEPTH
-        gamma = len(tree) if isinstance(tree, (list, tuple)) and tree else default
-    most = MAX_SUFFIX_TOKENS if method == "suffix" else 16
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= most:
-        raise ValueError(f"num_speculative_tokens must be 'auto' or an int in [1, {most}], got {gamma!r}")
-    if tree == "dynamic":
-        if method not in ("eagle", "hybrid"):
-            raise ValueError("tree='dynamic' (EAGLE-2's dynamic tree) needs method='eagle'")
-        topk = spec.get("eagle_topk", DEFAULT_EAGLE_TOPK)
-        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= 16:
-            raise ValueError(f"eagle_topk must be an int in [1, 16], got {topk!r}")
-    elif tree is not None:
-        if method not in (*MODEL_METHODS, "hybrid"):
-            raise ValueError("a static 'tree' needs method='draft_model', 'eagle' or 'hybrid'")
-        if not isinstance(tree, (list, tuple)) or not all(isinstance(b, int) and b >= 1 for b in tree):
-            raise ValueError(f"speculative_config.tree must be a list of positive ints, got {tree!r}")
-        if len(tree) > gamma:
-            raise ValueError(f"tree depth {len(tree)} exceeds num_speculative_tokens {gamma}")
-        if math.prod(tree) > 64:
-            raise ValueError(f"tree {list(tree)} has {math.prod(tree)} leaves; at most 64 are supported")
-    vocab = spec.get("draft_vocab_size")
-    if vocab is not None:
-        if method not in ("draft_model", "hybrid"):
-            raise ValueError("draft_vocab_size (a reduced draft vocabulary) needs method='draft_model'")
-        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
-            raise ValueError(f"draft_vocab_size must be a positive int, got {vocab!r}")
-    draft_dtype = spec.get("draft_dtype")
-    if draft_dtype is not None:
-        if method not in ("draft_model", "hybrid"):
-            raise ValueError("draft_dtype (the draft model's precision) needs method='draft_model'")
-        if draft_dtype not in DTYPES:
-            raise ValueError(f"draft_dtype must be one of {list(DTYPES)}, got {draft_dtype!r}")
-    if "max_n" in spec or "min_n" in spec:
-        if method != "ngram":
-            raise ValueError("max_n and min_n (the n-gram lengths matched) need method='ngram'")
-        for name in ("max_n", "min_n"):
-            n = spec.get(name, 1)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
-        if spec.get("min_n", 1) > spec.get("max_n", NGRAM_MAX_N):
-            raise ValueError(f"min_n ({spec.get('min_n', 1)}) exceeds max_n ({spec.get('max_n', NGRAM_MAX_N)})")
-    if method in (*MODEL_METHODS, "hybrid") and not spec.get("model"):  # LLM fills in the shipped drafter
-        return {**spec, "method": method, "model_method": None, "num_speculative_tokens": gamma,
-                "adaptive": adaptive, "suffix": suffix}  # fmt: skip
-    model_method = method
-    if method == "hybrid":
-        model_method = "eagle" if hybrid_head else "draft_model"
-        if tree == "dynamic" and model_method != "eagle":
-            raise ValueError("tree='dynamic' (EAGLE-2's dynamic tree) needs an EAGLE head")
-        if (vocab is not None or draft_dtype is not None) and model_method != "draft_model":
-            raise ValueError("draft_vocab_size and draft_dtype need a draft model, not an EAGLE head")
-    return {**spec, "method": method, "model_method": model_method, "num_speculative_tokens": gamma,
-            "adaptive": adaptive, "suffix": suffix}  # fmt: skip
-
-
-def _parse_suffix_keys(spec: dict, method: str) -> dict | None:
-    """The suffix drafter's settings (``SUFFIX_KEYS``, defaults filled in) for methods "suffix" and "hybrid"; None
-    for the others, which take no suffix key."""
-    given = {k for k in spec if k in SUFFIX_KEYS}
-    if method not in ("suffix", "hybrid"):
-        if given:
-            raise ValueError(f"{sorted(given)} need method='suffix' or 'hybrid'")
-        return None
-    if method == "suffix" and "suffix_decoding_max_spec_tokens" in given:
-        raise ValueError("suffix_decoding_max_spec_tokens is for method='hybrid' (suffix: num_speculative_tokens)")
-    out = {k: spec.get(k, default) for k, default in SUFFIX_KEYS.items()}
-    for k in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_tokens"):
-        v = out[k]
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= (256 if "depth" in k else MAX_SUFFIX_TOKENS):
-            raise ValueError(f"{k} must be an int in [1, {256 if 'depth' in k else MAX_SUFFIX_TOKENS}], got {v!r}")
-    v = out["suffix_decoding_max_cached_requests"]
-    if isinstance(v, bool) or not isinstance(v, int) or v < -1:
-        raise ValueError(f"suffix_decoding_max_cached_requests must be an int >= -1 (-1: unbounded), got {v!r}")
-    for k in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "suffix_decoding_min_score"):
-        v = out[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{k} must be a non-negative number, got {v!r}")
-    if out["suffix_decoding_min_token_prob"] > 1:
-        raise ValueError("suffix_decoding_min_token_prob must lie in [0, 1]")
-    if not isinstance(out["suffix_decoding_use_tree_spec"], bool):
-        raise ValueError("suffix_decoding_use_tree_spec must be a bool")
-    return out
-
-
-def is_eagle_head(model_dir: str | Path) -> bool:
-    """Whether ``model_dir`` holds an EAGLE head (an ``fc`` over the target's features) rather than a draft model."""
-    from safetensors import safe_open
-
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as weights:
-            if any(k.split(".")[-2] == "fc" or k.startswith("midlayer.") for k in weights.keys() if "." in k):
-                return True
-    return False
 
 
 def shipped_model(target_config, method: str) -> str:
@@ -327,7 +184,7 @@ class LLM:
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
         torch_dtype = DTYPES[dtype]
-        spec = _parse_speculative_config(speculative_config)
+        spec = parse_speculative_config(speculative_config)
         model = resolve_model(model)
         self.model_dir = Path(model)
         if tensor_parallel_size > 1 and gguf_path_or_none(model) is not None:
@@ -348,7 +205,7 @@ class LLM:
         cfg = self.target.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, 4096)
         if spec and spec["model_method"] is None:  # a model-drafter method given no "model": the one shipped
-            spec = _parse_speculative_config({**speculative_config, "model": shipped_model(cfg, spec["method"])})
+            spec = parse_speculative_config({**speculative_config, "model": shipped_model(cfg, spec["method"])})
             model_method = spec["model_method"]
         self.speculative_config = spec
 

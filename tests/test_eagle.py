@@ -777,16 +777,16 @@ def test_smollm2_head_native_steps_draft_as_the_regular_step(smollm2_head):
 def test_adaptive_eagle_chains_stop_at_their_own_depth(models):
     """``"auto"`` caps an EAGLE head's chains at EAGLE_ADAPTIVE_MAX_DEPTH, alone and in the hybrid; a draft model's
     chains and an EAGLE-2 dynamic tree keep ADAPTIVE_MAX_DEPTH, and a fixed depth is the user's."""
-    from spec_engine.llm import ADAPTIVE_MAX_DEPTH, EAGLE_ADAPTIVE_MAX_DEPTH, _parse_speculative_config
+    from spec_engine.config import ADAPTIVE_MAX_DEPTH, EAGLE_ADAPTIVE_MAX_DEPTH, parse_speculative_config
 
     _, head = models
     assert EAGLE_ADAPTIVE_MAX_DEPTH < ADAPTIVE_MAX_DEPTH
     for method in ("eagle", "hybrid"):
-        spec = _parse_speculative_config({"method": method, "model": str(head)})
+        spec = parse_speculative_config({"method": method, "model": str(head)})
         assert spec["adaptive"] and spec["num_speculative_tokens"] == EAGLE_ADAPTIVE_MAX_DEPTH, method
-    dynamic = _parse_speculative_config({"method": "eagle", "model": str(head), "tree": "dynamic"})
+    dynamic = parse_speculative_config({"method": "eagle", "model": str(head), "tree": "dynamic"})
     assert dynamic["num_speculative_tokens"] == ADAPTIVE_MAX_DEPTH
-    fixed = _parse_speculative_config({"method": "eagle", "model": str(head), "num_speculative_tokens": 6})
+    fixed = parse_speculative_config({"method": "eagle", "model": str(head), "num_speculative_tokens": 6})
     assert not fixed["adaptive"] and fixed["num_speculative_tokens"] == 6
     llm = _llm(models, {})
     assert llm.engine.gamma == EAGLE_ADAPTIVE_MAX_DEPTH

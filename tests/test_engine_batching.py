@@ -15,7 +15,7 @@ from tiny_models import make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
 from spec_engine.adaptive import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AcceptanceEstimate, AdaptiveController
-from spec_engine.llm import ADAPTIVE_MAX_DEPTH, _parse_speculative_config
+from spec_engine.config import ADAPTIVE_MAX_DEPTH, parse_speculative_config
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77], [9] * 20, [30, 31], [4, 8, 15, 16, 23, 42],
            list(range(40, 75)), [2, 90, 2, 90, 2]]  # fmt: skip
@@ -198,16 +198,16 @@ def test_adaptive_good_draft_raises_gamma(models):
     assert outs[0].outputs[0].token_ids == _generate(_llm(models), [PROMPTS[0]], [SamplingParams(max_tokens=60)])[0]
 
 
-def test_parse_speculative_config_auto():
-    auto = _parse_speculative_config({"model": "d"})
+def testparse_speculative_config_auto():
+    auto = parse_speculative_config({"model": "d"})
     assert auto["adaptive"] and auto["num_speculative_tokens"] == ADAPTIVE_MAX_DEPTH
-    assert _parse_speculative_config({"method": "ngram", "num_speculative_tokens": "auto"})["adaptive"]
-    tree = _parse_speculative_config({"model": "d", "tree": [3, 2, 1]})
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": "auto"})["adaptive"]
+    tree = parse_speculative_config({"model": "d", "tree": [3, 2, 1]})
     assert tree["adaptive"] and tree["num_speculative_tokens"] == 3
-    fixed = _parse_speculative_config({"model": "d", "num_speculative_tokens": 5})
+    fixed = parse_speculative_config({"model": "d", "num_speculative_tokens": 5})
     assert not fixed["adaptive"] and fixed["num_speculative_tokens"] == 5
     with pytest.raises(ValueError, match="'auto' or an int"):
-        _parse_speculative_config({"model": "d", "num_speculative_tokens": "max"})
+        parse_speculative_config({"model": "d", "num_speculative_tokens": "max"})
 
 
 def test_acceptance_estimate_is_the_forgetful_geometric_mle():

@@ -27,7 +27,7 @@ DEFAULT_EAGLE_TOPK = 4  # nodes per level of EAGLE-2's dynamic tree (tree="dynam
 
 
 class DrafterFactory:
-    """What a parsed speculative config (``spec_engine.llm``'s ``_parse_speculative_config``; None: no drafter)
+    """What a parsed speculative config (``spec_engine.config.parse_speculative_config``; None: no drafter)
     builds for ``target``.
 
     After construction (weights loaded and checked): ``gamma`` the depth (the adaptive controller's deepest),
