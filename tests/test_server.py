@@ -192,6 +192,42 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(which, request):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_n_choices_are_the_seeded_sequences_of_the_python_api_streamed_or_not(spec, model_dirs, endpoint):
+    """n > 1: choice i is sequence i of ``LLM.generate`` with the same n and seed (choice 0: the request with n = 1),
+    streamed or not; the usage counts the prompt once and every choice's tokens."""
+    c, model = client(spec), name_of(spec)
+    kw = dict(model=model, max_tokens=12, temperature=1.0, seed=11, n=3)
+    if endpoint == "completions":
+        kw["prompt"] = "the quick brown fox"
+        create, text = c.completions.create, lambda ch: ch.text
+        delta = lambda ch: ch.text  # noqa: E731
+    else:
+        kw["messages"] = [{"role": "user", "content": "the quick brown fox"}]
+        create, text = c.chat.completions.create, lambda ch: ch.message.content
+        delta = lambda ch: ch.delta.content or ""  # noqa: E731
+    out = create(**kw)
+    assert [ch.index for ch in out.choices] == [0, 1, 2]
+    texts = [text(ch) for ch in out.choices]
+    assert len(set(texts)) > 1  # distinct sequences
+    assert text(create(**{**kw, "n": 1}).choices[0]) == texts[0]
+    assert out.usage.completion_tokens == 3 * 12 and out.usage.total_tokens == out.usage.prompt_tokens + 36
+    streamed, finishes = ["", "", ""], []
+    chunks = list(create(**kw, stream=True))
+    for chunk in chunks:
+        for ch in chunk.choices:
+            streamed[ch.index] += delta(ch)
+            if ch.finish_reason:
+                finishes.append(ch.index)
+    assert streamed == texts and sorted(finishes) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == 36
+    if endpoint == "completions":  # the Python API's sequences (seeded sampling is the same with or without a draft)
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=11, n=3)
+        ref = LLM(model_dirs[0] / "plain").generate(kw["prompt"], params, use_tqdm=False)[0]
+        assert [o.text for o in ref.outputs] == texts
+    assert wait_idle(spec)["kv_blocks_used"] == 0
+
+
 def test_no_usage_chunk_when_opted_out(plain):
     c = client(plain)
     chunks = list(c.completions.create(model=name_of(plain), prompt="hi", max_tokens=4, temperature=0, stream=True,
@@ -271,7 +307,8 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
     "temperature_string": ("/v1/completions", _json({"prompt": "x", "temperature": "0.5"}), 400, "temperature"),
     "top_p_zero": ("/v1/completions", _json({"prompt": "x", "top_p": 0}), 400, "top_p"),
     "top_p_above_one": ("/v1/completions", _json({"prompt": "x", "top_p": 1.5}), 400, "top_p"),
-    "n_2": ("/v1/completions", _json({"prompt": "x", "n": 2}), 400, "n"),
+    "n_0": ("/v1/completions", _json({"prompt": "x", "n": 0}), 400, "n"),
+    "n_past_max_pending": ("/v1/completions", _json({"prompt": "x", "n": 17}), 400, "n"),  # (plain: max_pending 16)
     "token_out_of_vocab": ("/v1/completions", _json({"prompt": [1, 2, 10**6]}), 400, "prompt"),
     "stop_empty_string": ("/v1/completions", _json({"prompt": "x", "stop": [""]}), 400, "stop"),
     "stop_not_strings": ("/v1/completions", _json({"prompt": "x", "stop": [3]}), 400, "stop"),
@@ -434,14 +471,19 @@ def gated_steps(server):
         del engine.step
 
 
-def test_non_streaming_disconnect_aborts(plain):
-    """A client that gives up on a non-streaming request aborts it (the engine is held until the client has gone)."""
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_aborts_every_choice(plain, n, stream):
+    """A client that gives up on a request aborts it, each of its n choices (the engine is held until the client
+    has gone)."""
     base = health(plain)["num_requests_finished"]["abort"]
+    body = {"prompt": "slow", "max_tokens": LONG, "temperature": 0, "n": n, "stream": stream}
     with gated_steps(plain), pytest.raises(httpx.ReadTimeout):
-        httpx.post(plain[0] + "/v1/completions", json={"prompt": "slow", "max_tokens": LONG, "temperature": 0},
-                   timeout=httpx.Timeout(5, read=0.3))  # fmt: skip
+        with httpx.stream("POST", plain[0] + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3)) as r:
+            for _ in r.iter_lines():  # (a stream sends its role-less first chunks only once a step ran)
+                pass
     h = wait_idle(plain)
-    assert h["num_requests_finished"]["abort"] == base + 1 and h["kv_blocks_used"] == 0
+    assert h["num_requests_finished"]["abort"] == base + n and h["kv_blocks_used"] == 0
 
 
 # --- metrics and load --------------------------------------------------------------------------------------------

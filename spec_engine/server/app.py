@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from spec_engine.sampling import SamplingParams
+from spec_engine.sampling import SamplingParams, sequence_params
 from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
 from spec_engine.server.http_guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_REQUEST_TIMEOUT, guarded_protocol
 from spec_engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_param
@@ -172,6 +172,7 @@ def create_app(
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
                 stop=req.stop,
+                n=1 if req.n is None else req.n,
             )
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
@@ -186,16 +187,25 @@ def create_app(
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
 
-    async def start(ids: list[int], params: SamplingParams) -> RequestStream:
-        if engine.num_in_flight >= max_pending:
-            raise APIError(429, f"{engine.num_in_flight} requests in flight (the limit is {max_pending}); retry later",
-                           "rate_limit_error", code="too_many_requests")  # fmt: skip
+    async def start(ids: list[int], params: SamplingParams) -> list[RequestStream]:
+        """One engine request per choice (``params.n``; each sequence's seed as ``LLM.generate`` derives it), all
+        admitted or none: a choice refused aborts those already added."""
+        if params.n > max_pending:  # (no retry would admit it)
+            raise APIError(400, f"n ({params.n}) is more than this server runs at once ({max_pending})", param="n")
+        if engine.num_in_flight + params.n > max_pending:
+            raise APIError(429, f"{engine.num_in_flight} requests in flight and {params.n} more asked for (the limit "
+                           f"is {max_pending}); retry later", "rate_limit_error", code="too_many_requests")  # fmt: skip
+        streams = []
         try:
-            return await engine.add_request(ids, params)
-        except ValueError as e:  # (the engine's RequestError names the field at fault)
-            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), "internal_error") from None
+            for i in range(params.n):
+                streams.append(await engine.add_request(ids, sequence_params(params, i)))
+        except (ValueError, EngineDeadError) as e:
+            for stream in streams:
+                await stream.aclose()
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), "internal_error") from None
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None  # (RequestError names the field)
+        return streams
 
     async def respond(endpoint: str, request: Request, handler: Callable) -> Response:
         """Run ``handler(count)``, answer any exception with OpenAI's body, and count the status. A stream counts
@@ -225,17 +235,19 @@ def create_app(
             req = await read_body(request, CompletionRequest)
             ids = await encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
             params = sampling_params(req, len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
-            stream = await start(ids, params)
-            head = {"id": f"cmpl-{stream.request_id}", "object": "text_completion", "created": int(time.time()),
+            streams = await start(ids, params)
+            head = {"id": f"cmpl-{streams[0].request_id}", "object": "text_completion", "created": int(time.time()),
                     "model": served_model_name}  # fmt: skip
 
-            def choice(text: str, finish_reason: str | None) -> dict:
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            def choice(i: int, text: str, finish_reason: str | None) -> dict:
+                return {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
             if req.stream:
-                return _sse(stream, head, lambda d: [choice(d.text, d.finish_reason)], None, _include_usage(req), count)
-            text, last = await _collect(request, stream)
-            return JSONResponse({**head, "choices": [choice(text, last.finish_reason)], "usage": _usage(last)})
+                return _sse(streams, head, lambda i, d: choice(i, d.text, d.finish_reason), None, _include_usage(req),
+                            count)  # fmt: skip
+            done = await _collect(request, streams)
+            choices = [choice(i, text, last.finish_reason) for i, (text, last) in enumerate(done)]
+            return JSONResponse({**head, "choices": choices, "usage": _usage([last for _, last in done])})
 
         return await respond("completions", request, handle)
 
@@ -250,21 +262,23 @@ def create_app(
             ids = await encode(prompt, add_special_tokens=not chat_template.from_model)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
-            stream = await start(ids, params)
-            head = {"id": f"chatcmpl-{stream.request_id}", "object": "chat.completion.chunk",
+            streams = await start(ids, params)
+            head = {"id": f"chatcmpl-{streams[0].request_id}", "object": "chat.completion.chunk",
                     "created": int(time.time()), "model": served_model_name}  # fmt: skip
             if req.stream:
-                first = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+                first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for i in range(len(streams))]  # fmt: skip
 
-                def choices(d: Delta) -> list[dict]:
+                def choice(i: int, d: Delta) -> dict:
                     delta = {"content": d.text} if d.text else {}
-                    return [{"index": 0, "delta": delta, "finish_reason": d.finish_reason}]
+                    return {"index": i, "delta": delta, "finish_reason": d.finish_reason}
 
-                return _sse(stream, head, choices, first, _include_usage(req), count)
-            text, last = await _collect(request, stream)
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": last.finish_reason}
-            return JSONResponse({**head, "object": "chat.completion", "choices": [choice], "usage": _usage(last)})
+                return _sse(streams, head, choice, first, _include_usage(req), count)
+            done = await _collect(request, streams)
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": last.finish_reason} for i, (text, last) in enumerate(done)]  # fmt: skip
+            return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                                 "usage": _usage([last for _, last in done])})  # fmt: skip
 
         return await respond("chat_completions", request, handle)
 
@@ -291,13 +305,16 @@ def create_app(
 # --- responses ---------------------------------------------------------------------------------------------------
 
 
-def _usage(d: Delta) -> dict:
-    u = d.usage
+def _usage(lasts: list[Delta]) -> dict:
+    """A request's usage from its choices' last deltas: the prompt counted once (the first choice's: the others
+    share its prefix), the completions summed, as OpenAI bills n > 1."""
+    prompt = lasts[0].usage
+    completion = sum(d.usage.completion_tokens for d in lasts)
     return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},  # OpenAI's: the prefix cache's share
+        "prompt_tokens": prompt.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": prompt.cached_tokens},  # OpenAI's: the prefix cache's share
     }
 
 
@@ -314,30 +331,56 @@ def _error_event(message: str, code: str | None = None) -> str:
     return _event({"error": {"message": message, "type": "internal_error", "param": None, "code": code}})
 
 
-def _sse(stream: RequestStream, head: dict, choices: Callable[[Delta], list], first: list | None,
-         include_usage: bool, count: Callable[[int], None]) -> StreamingResponse:  # fmt: skip
-    """One ``data:`` event per engine step with new text (and the last one), the usage chunk, then [DONE]. A request
-    the engine failed gets an error event instead of its last chunk, then [DONE]. ``count(status)`` once at the end.
+async def _deltas(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
+    """A request's choices' deltas as each arrives, with its choice's index; closing it (or an error) aborts every
+    choice still running."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):  # (choices in index order within a step)
+                i = pending.pop(task)
+                delta = task.result()
+                yield i, delta
+                if not delta.finished:
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+            if task.done() and not task.cancelled():
+                task.exception()  # (retrieved: an error already raised by another choice's task)
+        for stream in streams:
+            await stream.aclose()
 
-    When the client disconnects, Starlette stops iterating; closing the stream aborts the request."""
+
+def _sse(streams: list[RequestStream], head: dict, choice: Callable[[int, Delta], dict], first: list | None,
+         include_usage: bool, count: Callable[[int], None]) -> StreamingResponse:  # fmt: skip
+    """One ``data:`` event per choice and engine step with new text (and each choice's last one), the usage chunk,
+    then [DONE]. A choice the engine failed gets an error event instead of its last chunk (the other choices are
+    aborted), then [DONE]. ``count(status)`` once at the end.
+
+    When the client disconnects, Starlette stops iterating; closing the streams aborts the request's choices."""
 
     async def events() -> AsyncIterator[str]:
-        last, status = None, 499  # until the end is reached, the client left
+        lasts: dict[int, Delta] = {}  # choice -> its latest delta
+        failed, status = None, 499  # until the end is reached, the client left
         try:
             if first is not None:
                 yield _event({**head, "choices": first})
-            async for delta in stream:
-                last = delta
-                if delta.finish_reason == "error":
-                    break
-                if delta.text or delta.finished:
-                    yield _event({**head, "choices": choices(delta)})
-            if last is not None and last.finish_reason == "error":
+            async with contextlib.aclosing(_deltas(streams)) as deltas:
+                async for i, delta in deltas:
+                    lasts[i] = delta
+                    if delta.finish_reason == "error":
+                        failed = delta
+                        break
+                    if delta.text or delta.finished:
+                        yield _event({**head, "choices": [choice(i, delta)]})
+            if failed is not None:
                 status = 500
-                yield _error_event(_engine_error_message(last), "engine_error")
+                yield _error_event(_engine_error_message(failed), "engine_error")
             else:
-                if include_usage and last is not None:
-                    yield _event({**head, "choices": [], "usage": _usage(last)})
+                if include_usage and len(lasts) == len(streams):
+                    yield _event({**head, "choices": [], "usage": _usage([lasts[i] for i in range(len(streams))])})
                 status = 200
         except EngineDeadError as e:
             status = 503
@@ -347,7 +390,8 @@ def _sse(stream: RequestStream, head: dict, choices: Callable[[Delta], list], fi
             status = 500
             yield _error_event(f"internal error: {e!r}")
         finally:
-            await stream.aclose()
+            for stream in streams:
+                await stream.aclose()
             count(status)
         yield "data: [DONE]\n\n"
 
@@ -358,15 +402,18 @@ def _engine_error_message(d: Delta) -> str:
     return f"the engine failed this request: {d.error or 'unknown error'}"
 
 
-async def _collect(request: Request, stream: RequestStream) -> tuple[str, Delta]:
-    """The whole text and the last delta; aborts the request when the client disconnects before the end."""
+async def _collect(request: Request, streams: list[RequestStream]) -> list[tuple[str, Delta]]:
+    """Each choice's whole text and last delta; aborts the request when the client disconnects before the end."""
 
     async def collect():
-        parts, last = [], None
-        async for delta in stream:
-            parts.append(delta.text)
-            last = delta
-        return "".join(parts), last
+        parts, lasts = [[] for _ in streams], [None] * len(streams)
+        async with contextlib.aclosing(_deltas(streams)) as deltas:
+            async for i, delta in deltas:
+                parts[i].append(delta.text)
+                lasts[i] = delta
+                if delta.finish_reason == "error":
+                    raise APIError(500, _engine_error_message(delta), "internal_error", code="engine_error")
+        return [("".join(p), last) for p, last in zip(parts, lasts)]
 
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
@@ -379,16 +426,14 @@ async def _collect(request: Request, stream: RequestStream) -> tuple[str, Delta]
         watch.cancel()
         if not work.done():
             work.cancel()
-            await stream.aclose()
+            for stream in streams:
+                await stream.aclose()
     if not work.done():
         raise APIError(499, "client closed the request", code="client_closed_request")
     try:
-        text, last = work.result()
+        return work.result()
     except EngineDeadError as e:
         raise APIError(503, str(e), "internal_error") from None
-    if last.finish_reason == "error":
-        raise APIError(500, _engine_error_message(last), "internal_error", code="engine_error")
-    return text, last
 
 
 def _parse_json(body: bytes):

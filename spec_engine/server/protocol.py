@@ -63,7 +63,7 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None  # (SamplingParams takes one string as a list, and checks count and lengths)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int | None = Field(None, ge=1, le=1)  # one choice per request
+    n: int | None = Field(None, ge=1)  # choices (SamplingParams checks the most)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
