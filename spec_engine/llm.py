@@ -31,6 +31,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    # SamplingParams.logprobs: per token of token_ids, {token: its log-probability, then the alternatives'}
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -375,6 +377,7 @@ class LLM:
                 visible_text(self.decode(r.output_token_ids), r.params.stop, finished=True),
                 list(r.output_token_ids),
                 r.finish_reason,
+                list(r.output_logprobs) if r.params.logprobs is not None else None,
             )
             for i, r in enumerate(group)
         ]

@@ -84,6 +84,9 @@ class Request:
     params: SamplingParams
     seed: int
     output_token_ids: list[int] = field(default_factory=list)
+    # per output token, where the request asks (params.logprobs): {token: its log-probability, then its
+    # params.logprobs most likely alternatives: theirs, in rank order}
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # L: positions whose K/V are committed in the target cache
     draft_len: int = 0  # the same for the drafter's cache (what its last commit returned)
@@ -103,7 +106,14 @@ class Request:
         self.history[: len(self.prompt_token_ids)] = self.prompt_token_ids
         self.num_tokens = len(self.prompt_token_ids)
 
-    def append(self, tokens: list[int]) -> None:
+    def append(self, tokens: list[int], logprobs: list[tuple[float, list[int], list[float]]] | None = None) -> None:
+        """Emitted ``tokens``; ``logprobs`` theirs (``StepResult.logprobs``), kept where the request asks."""
+        k = self.params.logprobs
+        if k is not None:
+            if logprobs is None or len(logprobs) != len(tokens):
+                raise RuntimeError(f"request {self.request_id} asks for logprobs but its step returned none")
+            for t, (lp, ids, values) in zip(tokens, logprobs):
+                self.output_logprobs.append({t: lp, **{i: v for i, v in zip(ids[:k], values[:k]) if i != t}})
         self.output_token_ids.extend(tokens)
         self.history[self.num_tokens : self.num_tokens + len(tokens)] = tokens
         self.num_tokens += len(tokens)

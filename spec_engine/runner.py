@@ -51,6 +51,8 @@ class StepResult:
     the times are final). ``learned`` [S][B]: the depths the controller learns acceptance from (None: ``gammas``; a
     hybrid's suffix rows say nothing of its model drafter; nor do a suffix drafter's), ``widths[s]``: the tokens step s
     verified in its target pass (B * T, T the step's widest tree; None: the depths' trees, ``nodes_for_depth``).
+    ``logprobs[b]`` (the regular step, when asked): per token of ``tokens[b]``, (its log-probability, the ``k`` most
+    likely tokens' ids, their log-probabilities) under the target's distribution at its parent node.
     """
 
     gammas: list[list[int]]
@@ -62,12 +64,27 @@ class StepResult:
     full_steps: int = 0
     learned: list[list[int]] | None = None
     widths: list[int] | None = None
+    logprobs: list[list[tuple[float, list[int], list[float]]]] | None = None
 
 
 def _native(model, cache: PagedKVCache | None) -> NativeModel | NativeHead | None:
     """``model``'s native handle where its cache is in the handle's dtype, else None."""
     native = getattr(model, "native", None)
     return native if native is not None and cache is not None and cache.data.dtype == native.dtype else None
+
+
+def _logprobs(logits: torch.Tensor, result: VerifyResult, k: int) -> list[list[tuple[float, list[int], list[float]]]]:
+    """Each row's emitted tokens' log-probabilities (``StepResult.logprobs``) from the verify pass's logits
+    [B, T, V]: token j of row b is drawn from the distribution at its path's node j (the root's, then each accepted
+    draft's), log-softmax of the logits there in float32."""
+    B = logits.shape[0]
+    nodes = result.accepted_nodes.clamp(min=0)  # [B, T]: padding past num_accepted reads the root, then is dropped
+    lp = torch.log_softmax(logits[torch.arange(B, device=logits.device)[:, None], nodes].float(), dim=-1)  # [B, T, V]
+    chosen = lp.gather(-1, result.output_tokens.clamp(min=0)[..., None])[..., 0]  # [B, T]
+    top = lp.topk(k, dim=-1)  # [B, T, k]
+    counts = result.num_accepted.tolist()
+    chosen, ids, values = chosen.tolist(), top.indices.tolist(), top.values.tolist()
+    return [list(zip(chosen[b][:n], ids[b][:n], values[b][:n])) for b, n in enumerate(counts)]
 
 
 class StepRunner:
@@ -100,21 +117,23 @@ class StepRunner:
         return req.num_computed - req.draft_len if self.drafter is not None and self.drafter.keeps_cache else 0
 
     def run(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None, stops: torch.Tensor, *,
-            max_steps: int, full_steps: int, stop_on_reject: bool = False,
-            native_verify: bool = True) -> StepResult:  # fmt: skip
+            max_steps: int, full_steps: int, stop_on_reject: bool = False, native_verify: bool = True,
+            logprobs: int | None = None) -> StepResult:  # fmt: skip
         """One decode call for ``reqs`` at depths ``gammas`` [B] (0: undrafted): up to ``max_steps`` steps in one
         native call where it can run them (0: the regular step), else the regular step. ``stops`` [S] every stop id
         of the rows (a native call ends at any of them); ``full_steps`` the steps of a full call, over which the
         call's own work is priced (``StepResult.full_steps``); ``stop_on_reject``: a speculative call ends at a
         step where some row accepted nothing (an unsure controller re-decides the depth). ``native_verify``: the
-        regular step of greedy rows verifies in one native call where it can (``_native_verify``)."""
+        regular step of greedy rows verifies in one native call where it can (``_native_verify``). ``logprobs``: the
+        regular step returns each emitted token's log-probabilities and this many alternatives' (``StepResult``;
+        the native calls return none: a caller asking sets ``max_steps`` 0 and ``native_verify`` False)."""
         result = None
         if max_steps and max(gammas) == 0:
             K = self._plain_chain_len(reqs, max_steps)
             result = self._plain_chain(reqs, K, stops, full_steps) if K else None
         elif max_steps and not any(suffix_rows or ()) and self._spec_chain_fits(reqs, gammas):
             result = self._spec_chain(reqs, gammas[0], max_steps, stops, full_steps, stop_on_reject)
-        return result if result is not None else self._regular_step(reqs, gammas, suffix_rows, native_verify)
+        return result if result is not None else self._regular_step(reqs, gammas, suffix_rows, native_verify, logprobs)
 
     def _plain_chain_len(self, reqs: list[Request], max_steps: int) -> int:
         """Tokens per row a plain native chain decodes (0: the regular one-token step).
@@ -213,15 +232,16 @@ class StepRunner:
                           full_steps=full_steps)  # fmt: skip
 
     def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None,
-                      native_verify: bool = True) -> StepResult:  # fmt: skip
+                      native_verify: bool = True, logprobs: int | None = None) -> StepResult:  # fmt: skip
         """One step driven from Python: ``_spec_step`` on the step's inputs."""
         batch, sampling = self.step_inputs(reqs, gammas, suffix_rows)
-        out_tokens, num_accepted, draft_lens, width = self._spec_step(batch, sampling, native_verify)
+        out_tokens, num_accepted, draft_lens, width, lps = self._spec_step(batch, sampling, native_verify, logprobs)
         # suffix rows (a hybrid's, a suffix drafter's) teach the controller nothing of a model drafter's acceptance;
         # their pass, as wide as the drafter shaped it, prices that width
         learned = gammas if suffix_rows is None else [0 if s else g for g, s in zip(gammas, suffix_rows)]
         return StepResult([gammas], [t[:n] for t, n in zip(out_tokens, num_accepted)], [num_accepted],
-                          [list(self.step_times)], draft_lens, learned=[learned], widths=[width])  # fmt: skip
+                          [list(self.step_times)], draft_lens, learned=[learned], widths=[width],
+                          logprobs=lps)  # fmt: skip
 
     def step_inputs(self, reqs: list[Request], gammas: list[int],
                      suffix_rows: list[bool] | None = None) -> tuple[StepBatch, dict]:  # fmt: skip
@@ -258,12 +278,14 @@ class StepRunner:
                           dev.pop("noise_seeds", None), suffix_rows)  # fmt: skip
         return batch, dev
 
-    def _spec_step(self, batch: StepBatch, sampling: dict,
-                   native_verify: bool = True) -> tuple[list[list[int]], list[int], list[int], int]:  # fmt: skip
+    def _spec_step(
+        self, batch: StepBatch, sampling: dict, native_verify: bool = True, logprobs: int | None = None
+    ) -> tuple[list[list[int]], list[int], list[int], int, list | None]:
         """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches.
 
         Returns the host's (emitted tokens [B][T], num_accepted [B], the draft cache's new lengths [B] where the
-        drafter keeps a cache, the tokens the target pass verified: B * T)."""
+        drafter keeps a cache, the tokens the target pass verified: B * T, the emitted tokens' log-probabilities
+        with ``logprobs`` alternatives each where asked: ``StepResult.logprobs``, else None)."""
         start = time.perf_counter()
         rows = [b for b, g in enumerate(batch.gammas) if g > 0] if self.drafter is not None else []
         partial = 0 < len(rows) < batch.size  # some rows drafted, not all: the drafter runs on a sub-batch
@@ -271,7 +293,13 @@ class StepRunner:
         draft = self._propose(batch, rows, index)  # tokens/parents [B, T], draft_probs [B, T, V] | None
         drafted = time.perf_counter()
         verified = self._native_verify(batch, draft) if native_verify else None
-        result, features = verified if verified is not None else self._verify(batch, draft, sampling)
+        lps = None
+        if verified is not None:
+            result, features = verified
+        else:
+            result, features, logits = self._verify(batch, draft, sampling)
+            if logprobs is not None:
+                lps = _logprobs(logits, result, logprobs)
         out_tokens, num_accepted = self._read_step(result)  # the step's one host sync
         draft_lens = [r.draft_len for r in batch.rows]
         if features is not None:  # a drafter that reads the target's features keeps every row's, drafted or not
@@ -283,7 +311,7 @@ class StepRunner:
             for b, n in zip(rows, new_lens or []):
                 draft_lens[b] = n
         self.step_times = (drafted - start, time.perf_counter() - start)
-        return out_tokens, num_accepted, draft_lens, draft.tokens.numel()
+        return out_tokens, num_accepted, draft_lens, draft.tokens.numel(), lps
 
     def _native_verify(self, batch: StepBatch, draft: Draft) -> tuple[VerifyResult, torch.Tensor | None] | None:
         """The step's target pass, greedy verification and compaction in one native call (``tree_step``) where every
@@ -295,9 +323,10 @@ class StepRunner:
         return tree_step(self.native_tree, draft.tokens, draft.parents, batch.seqlens, self.kv.data,
                          batch.block_table, capture=self.tree_capture)  # fmt: skip
 
-    def _verify(self, batch: StepBatch, draft: Draft, sampling: dict) -> tuple[VerifyResult, torch.Tensor | None]:
+    def _verify(self, batch: StepBatch, draft: Draft,
+                sampling: dict) -> tuple[VerifyResult, torch.Tensor | None, torch.Tensor]:  # fmt: skip
         """The regular step's target pass over the tree, ``verify_tree`` and the target cache's compaction: the
-        result, and the features of a drafter that reads the target's (else None)."""
+        result, the features of a drafter that reads the target's (else None) and the pass's logits [B, T, V]."""
         positions = batch.seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
         hidden, features = self.target_pass(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask,
                                              batch.block_table)  # fmt: skip
@@ -314,7 +343,7 @@ class StepRunner:
         )
         if draft.tokens.shape[1] > 1:  # a lone root's path is itself: nothing to move
             self.kv.compact_(batch.seqlens, result.accepted_nodes, result.num_accepted, block_table=batch.block_table)
-        return result, features
+        return result, features, logits
 
     def target_pass(self, *args) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's forward (``LlamaForCausalLM.forward``'s arguments): its final hidden states [B, T, H] and,

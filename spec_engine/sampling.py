@@ -22,6 +22,7 @@ MIN_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
 MAX_N = 64  # sequences a request may ask for
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each emitted one (OpenAI's top_logprobs bound)
 
 
 def as_float32(x: float) -> float:
@@ -49,6 +50,11 @@ class SamplingParams:
     ``stop``: strings that end the request (OpenAI's ``stop``): the token whose text completes one is its last token
     (finish reason "stop"), and its text ends before the string (``visible_text``). ``stop_token_ids`` end it at a
     token, which is kept.
+
+    ``logprobs``: with each emitted token, the target's log-probabilities of it and of its ``logprobs`` most likely
+    alternatives (0: the token's alone; None: none): the model's distribution, before temperature and the top-k /
+    top-p / min-p transform (vLLM's default), from the target pass that verified the token. A request asking for them
+    decodes one Python-driven step per call (no native multi-step chains), so it costs more than one that does not.
     """
 
     max_tokens: int = 64
@@ -62,6 +68,7 @@ class SamplingParams:
     invariant: bool | None = None
     stop: list[str] | None = None
     n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
@@ -111,6 +118,10 @@ class SamplingParams:
                 f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
                 "characters"
             )
+        if self.logprobs is not None:
+            _num("logprobs", self.logprobs, int)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.invariant is not None and not isinstance(self.invariant, bool):

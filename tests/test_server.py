@@ -228,6 +228,42 @@ def test_n_choices_are_the_seeded_sequences_of_the_python_api_streamed_or_not(sp
     assert wait_idle(spec)["kv_blocks_used"] == 0
 
 
+def test_logprobs_are_the_python_apis_streamed_or_not(plain, spec, model_dirs):
+    """Completions' logprobs (tokens, their logprobs, the alternatives, text offsets) and chat's (token, logprob,
+    bytes, top_logprobs): the Python API's values, the same on the speculative server, streamed or not."""
+    prompt = "naïve café 日本語"
+    params = SamplingParams(max_tokens=16, logprobs=2)
+    ref = LLM(model_dirs[0] / "plain").generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    tok = model_dirs[1]
+    for server in (plain, spec):
+        c, model = client(server), name_of(server)
+        kw = dict(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=2)
+        out = c.completions.create(**kw).choices[0]
+        lp = out.logprobs
+        assert lp.tokens == [tok.decode([t]) for t in ref.token_ids]
+        assert all(abs(a - b[t]) < 1e-4 for a, b, t in zip(lp.token_logprobs, ref.logprobs, ref.token_ids))
+        # (a dict by text: two tokens of one text, parts of a character shown as U+FFFD, are one key)
+        assert [len(d) for d in lp.top_logprobs] == [len({tok.decode([t]) for t in e}) for e in ref.logprobs]
+        assert lp.text_offset == [sum(map(len, lp.tokens[:j])) for j in range(len(lp.tokens))]
+        chunks = [ch.choices[0].logprobs for ch in c.completions.create(**kw, stream=True) if ch.choices]
+        assert [t for ch in chunks if ch for t in ch.tokens] == lp.tokens
+        assert [o for ch in chunks if ch for o in ch.text_offset] == lp.text_offset
+        msgs = [{"role": "user", "content": prompt}]
+        chat = c.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0, logprobs=True,
+                                         top_logprobs=2).choices[0]  # fmt: skip
+        content = chat.logprobs.content
+        assert b"".join(bytes(e.bytes) for e in content).decode(errors="replace") == chat.message.content
+        for e in content:  # greedy: each token is its position's most likely
+            assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+            assert e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob
+        streamed = c.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0, logprobs=True,
+                                             top_logprobs=2, stream=True)  # fmt: skip
+        entries = [
+            e for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content
+        ]
+        assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+
+
 def test_no_usage_chunk_when_opted_out(plain):
     c = client(plain)
     chunks = list(c.completions.create(model=name_of(plain), prompt="hi", max_tokens=4, temperature=0, stream=True,
@@ -312,7 +348,15 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
     "token_out_of_vocab": ("/v1/completions", _json({"prompt": [1, 2, 10**6]}), 400, "prompt"),
     "stop_empty_string": ("/v1/completions", _json({"prompt": "x", "stop": [""]}), 400, "stop"),
     "stop_not_strings": ("/v1/completions", _json({"prompt": "x", "stop": [3]}), 400, "stop"),
-    "logprobs_zero": ("/v1/completions", _json({"prompt": "x", "logprobs": 0}), 400, "logprobs"),
+    "logprobs_past_20": ("/v1/completions", _json({"prompt": "x", "logprobs": 21}), 400, "logprobs"),
+    "logprobs_true": ("/v1/completions", _json({"prompt": "x", "logprobs": True}), 400, "logprobs"),
+    "top_logprobs_without_logprobs": (
+        "/v1/chat/completions",
+        _json({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+        400,
+        "top_logprobs",
+    ),
+    "top_logprobs_on_completions": ("/v1/completions", _json({"prompt": "x", "top_logprobs": 2}), 400, "top_logprobs"),
     "repetition_penalty": (
         "/v1/completions",
         _json({"prompt": "x", "repetition_penalty": 1.2}),

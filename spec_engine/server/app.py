@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import time
@@ -35,6 +37,7 @@ from prometheus_client.registry import Collector
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
 from spec_engine.sampling import SamplingParams, sequence_params
 from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
@@ -173,10 +176,15 @@ def create_app(
                 ignore_eos=req.ignore_eos,
                 stop=req.stop,
                 n=1 if req.n is None else req.n,
+                logprobs=req.logprobs_asked(),
             )
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_text(token_id: int) -> tuple[str, bytes]:
+        return _token_text(llm.tokenizer, token_id)
 
     async def encode(text: str, add_special_tokens: bool = True) -> list[int]:
         if llm.tokenizer is None:
@@ -239,15 +247,18 @@ def create_app(
             head = {"id": f"cmpl-{streams[0].request_id}", "object": "text_completion", "created": int(time.time()),
                     "model": served_model_name}  # fmt: skip
 
-            def choice(i: int, text: str, finish_reason: str | None) -> dict:
-                return {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            offsets = [0] * len(streams)  # each choice's text so far, in characters (its tokens' text_offset)
+
+            def choice(i: int, d: Delta) -> dict:
+                lps = None
+                if d.logprobs is not None:
+                    lps, offsets[i] = _completion_logprobs(d.token_ids, d.logprobs, token_text, offsets[i])
+                return {"index": i, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
 
             if req.stream:
-                return _sse(streams, head, lambda i, d: choice(i, d.text, d.finish_reason), None, _include_usage(req),
-                            count)  # fmt: skip
+                return _sse(streams, head, choice, None, _include_usage(req), count)
             done = await _collect(request, streams)
-            choices = [choice(i, text, last.finish_reason) for i, (text, last) in enumerate(done)]
-            return JSONResponse({**head, "choices": choices, "usage": _usage([last for _, last in done])})
+            return JSONResponse({**head, "choices": [choice(i, d) for i, d in enumerate(done)], "usage": _usage(done)})
 
         return await respond("completions", request, handle)
 
@@ -262,6 +273,12 @@ def create_app(
             ids = await encode(prompt, add_special_tokens=not chat_template.from_model)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
+
+            def chat_logprobs(d: Delta) -> dict | None:
+                if d.logprobs is None:
+                    return None
+                return {"content": _chat_logprobs(d.token_ids, d.logprobs, token_text, req.top_logprobs or 0)}
+
             streams = await start(ids, params)
             head = {"id": f"chatcmpl-{streams[0].request_id}", "object": "chat.completion.chunk",
                     "created": int(time.time()), "model": served_model_name}  # fmt: skip
@@ -271,14 +288,13 @@ def create_app(
 
                 def choice(i: int, d: Delta) -> dict:
                     delta = {"content": d.text} if d.text else {}
-                    return {"index": i, "delta": delta, "finish_reason": d.finish_reason}
+                    return {"index": i, "delta": delta, "logprobs": chat_logprobs(d), "finish_reason": d.finish_reason}
 
                 return _sse(streams, head, choice, first, _include_usage(req), count)
             done = await _collect(request, streams)
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                        "finish_reason": last.finish_reason} for i, (text, last) in enumerate(done)]  # fmt: skip
-            return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                                 "usage": _usage([last for _, last in done])})  # fmt: skip
+            choices = [{"index": i, "message": {"role": "assistant", "content": d.text}, "logprobs": chat_logprobs(d),
+                        "finish_reason": d.finish_reason} for i, d in enumerate(done)]  # fmt: skip
+            return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(done)})
 
         return await respond("chat_completions", request, handle)
 
@@ -305,7 +321,7 @@ def create_app(
 # --- responses ---------------------------------------------------------------------------------------------------
 
 
-def _usage(lasts: list[Delta]) -> dict:
+def _usage(lasts: list[Delta]) -> dict:  # (each choice's last delta)
     """A request's usage from its choices' last deltas: the prompt counted once (the first choice's: the others
     share its prefix), the completions summed, as OpenAI bills n > 1."""
     prompt = lasts[0].usage
@@ -373,7 +389,7 @@ def _sse(streams: list[RequestStream], head: dict, choice: Callable[[int, Delta]
                     if delta.finish_reason == "error":
                         failed = delta
                         break
-                    if delta.text or delta.finished:
+                    if delta.text or delta.finished or delta.logprobs:  # (logprobs: tokens whose text is held back)
                         yield _event({**head, "choices": [choice(i, delta)]})
             if failed is not None:
                 status = 500
@@ -402,18 +418,18 @@ def _engine_error_message(d: Delta) -> str:
     return f"the engine failed this request: {d.error or 'unknown error'}"
 
 
-async def _collect(request: Request, streams: list[RequestStream]) -> list[tuple[str, Delta]]:
-    """Each choice's whole text and last delta; aborts the request when the client disconnects before the end."""
+async def _collect(request: Request, streams: list[RequestStream]) -> list[Delta]:
+    """Each choice whole, as one delta (its last, with every delta's text, token ids and logprobs); aborts the
+    request when the client disconnects before the end."""
 
     async def collect():
-        parts, lasts = [[] for _ in streams], [None] * len(streams)
+        choices: list[list[Delta]] = [[] for _ in streams]
         async with contextlib.aclosing(_deltas(streams)) as deltas:
             async for i, delta in deltas:
-                parts[i].append(delta.text)
-                lasts[i] = delta
+                choices[i].append(delta)
                 if delta.finish_reason == "error":
                     raise APIError(500, _engine_error_message(delta), "internal_error", code="engine_error")
-        return [("".join(p), last) for p, last in zip(parts, lasts)]
+        return [_joined(ds) for ds in choices]
 
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
@@ -434,6 +450,71 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[tuple
         return work.result()
     except EngineDeadError as e:
         raise APIError(503, str(e), "internal_error") from None
+
+
+def _joined(deltas: list[Delta]) -> Delta:
+    """One choice's deltas as one: the last's fields, every delta's text, token ids and logprobs."""
+    last = deltas[-1]
+    return dataclasses.replace(
+        last,
+        text="".join(d.text for d in deltas),
+        token_ids=[t for d in deltas for t in d.token_ids],
+        logprobs=None if last.logprobs is None else [e for d in deltas for e in d.logprobs],
+    )
+
+
+# --- log-probabilities -------------------------------------------------------------------------------------------
+
+_BYTE_OF = {}  # GPT-2's byte-level BPE alphabet, character -> the byte it stands for (bytes_to_unicode inverted)
+for _b in [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]:
+    _BYTE_OF[chr(_b)] = _b
+for _n, _b in enumerate(b for b in range(256) if chr(b) not in _BYTE_OF):
+    _BYTE_OF[chr(256 + _n)] = _b
+
+
+def _token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """A token's text and its bytes, as logprobs show them: its decoded text (U+FFFD where it holds part of a
+    character: its bytes then say which), a special token's name, or ``token_id:N`` with no tokenizer."""
+    if tokenizer is None:
+        name = f"token_id:{token_id}"
+        return name, name.encode()
+    piece = tokenizer.id_to_token(token_id) or ""
+    text = tokenizer.decode([token_id])
+    if not text:  # a special token (decoding skips it) or an empty one
+        return piece, piece.encode()
+    if isinstance(tokenizer.decoder, ByteLevelDecoder) and piece and all(c in _BYTE_OF for c in piece):
+        return text, bytes(_BYTE_OF[c] for c in piece)
+    return text, text.encode()
+
+
+def _completion_logprobs(ids: list[int], entries: list[dict[int, float]], token_text: Callable,
+                         offset: int) -> tuple[dict, int]:  # fmt: skip
+    """The completions API's ``logprobs`` of tokens ``ids`` (their ``Request.output_logprobs`` entries) whose text
+    starts at character ``offset``, and the offset after them."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in zip(ids, entries):
+        text = token_text(token)[0]
+        out["tokens"].append(text)
+        out["token_logprobs"].append(entry[token])
+        out["top_logprobs"].append({token_text(t)[0]: v for t, v in entry.items()})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out, offset
+
+
+def _chat_logprobs(ids: list[int], entries: list[dict[int, float]], token_text: Callable, k: int) -> list[dict]:
+    """The chat API's ``logprobs.content`` of tokens ``ids``: each token's, with its ``k`` most likely alternatives
+    in rank order (the token itself among them where it is one)."""
+
+    def item(token: int, value: float) -> dict:
+        text, raw = token_text(token)
+        return {"token": text, "logprob": value, "bytes": list(raw)}
+
+    content = []
+    for token, entry in zip(ids, entries):
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        content.append({**item(token, entry[token]), "top_logprobs": [item(t, v) for t, v in top]})
+    return content
 
 
 def _parse_json(body: bytes):

@@ -69,7 +69,8 @@ class Delta:
     ``finish_reason`` is "stop" | "length" | "abort" | "error" on the last delta (``finished``), else None; "error"
     means the engine failed this request alone (its row raised; the others in the step went on), and ``error`` says
     why. ``usage`` counts the tokens so far. ``metrics`` (the request's speculation figures,
-    ``RequestMetrics.as_dict``) is set on the last delta only.
+    ``RequestMetrics.as_dict``) is set on the last delta only. ``logprobs``: where the request asks
+    (``SamplingParams.logprobs``), those of ``token_ids`` (``Request.output_logprobs``'s entries), else None.
     """
 
     request_id: str
@@ -80,6 +81,7 @@ class Delta:
     usage: Usage | None = None
     metrics: dict | None = None
     error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
 
 
 class EngineDeadError(RuntimeError):
@@ -308,6 +310,8 @@ class AsyncEngine:
         text = self._new_text(sink, req.output_token_ids, finished=out.finished, stop=req.params.stop)
         usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids), req.metrics.num_cached_tokens)
         delta = Delta(req.request_id, list(out.new_token_ids), text, out.finished, req.finish_reason, usage)
+        if req.params.logprobs is not None:
+            delta.logprobs = req.output_logprobs[len(req.output_logprobs) - len(out.new_token_ids) :]
         if out.finished:
             delta.metrics = req.metrics.as_dict(len(req.output_token_ids))
             delta.error = req.error if req.finish_reason == "error" else None

@@ -2,7 +2,7 @@
 for numbers, no booleans for ints). The chat template lives in ``spec_engine.chat_template``.
 
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
-``ignore_eos``. Fields that would change the output but are not implemented (``logprobs``, penalties, ...) are
+``ignore_eos``. Fields that would change the output but are not implemented (``echo``, penalties, ...) are
 rejected with 400 when set, never silently ignored; unknown fields are ignored.
 """
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from spec_engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (the server's names)
+from spec_engine.sampling import MAX_LOGPROBS
 
 _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null always do)
-    "logprobs": (False,),  # (0 asks the completions API for the chosen tokens' logprobs)
-    "top_logprobs": (0,),
+    "top_logprobs": (0,),  # (the completions API's; chat declares its own)
     "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
@@ -87,6 +87,16 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Any = Field(..., description="a string or a list of token ids (one prompt per request)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the alternatives beside each token's (0: its own)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_none(cls, v):
+        return None if v is False else v  # (what chat's boolean means; true stays an error: which number?)
+
+    def logprobs_asked(self) -> int | None:
+        """``SamplingParams.logprobs``: the alternatives asked for beside each token (None: no logprobs)."""
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -122,6 +132,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (needs logprobs: true, as OpenAI's)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info: ValidationInfo):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def logprobs_asked(self) -> int | None:
+        """``SamplingParams.logprobs``: the alternatives asked for beside each token (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def error_param(loc: tuple) -> str | None:

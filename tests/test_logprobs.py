@@ -1,0 +1,125 @@
+"""Log-probabilities (``SamplingParams.logprobs``): each emitted token's, and its k most likely alternatives', under the
+target's distribution: HF transformers' log-softmax of the same positions' logits, with or without speculation,
+greedy or sampled, alone or beside requests that ask for none."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import make_model, make_noisy_copy
+
+from spec_engine import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [77]]
+K = 4
+MODES = {
+    "none": None,
+    "chain3": {"method": "draft_model", "num_speculative_tokens": 3},
+    "tree": {"method": "draft_model", "num_speculative_tokens": 3, "tree": [2, 2]},
+    "adaptive": {"method": "draft_model"},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "suffix": {"method": "suffix"},
+}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("logprobs")
+    target = make_model(root / "target", "llama_gqa", logit_scale=4.0)
+    return target, make_noisy_copy(target, root / "draft", noise=0.3)
+
+
+def hf_logprobs(model_dir, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[n, V] HF's log-softmax at the positions that predict each output token (prompt + output in one pass)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()  # [P + n, V]
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(output)], dim=-1)
+
+
+def check(model_dir, prompt: list[int], out, k: int) -> None:
+    ref = hf_logprobs(model_dir, prompt, out.token_ids)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert next(iter(entry)) == token  # the emitted token first
+        top = ref[j].topk(k)
+        alternatives = [i for i in top.indices.tolist() if i != token][: len(entry) - 1]
+        assert list(entry)[1:] == alternatives[: len(entry) - 1] and len(entry) - 1 in (k - 1, k), (j, entry)
+        for i, value in entry.items():
+            assert math.isclose(value, ref[j, i].item(), abs_tol=1e-4), (j, i, value, ref[j, i].item())
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_logprobs_are_the_targets_with_any_drafter(pair, mode):
+    target, draft = pair
+    spec = MODES[mode] and dict(
+        MODES[mode], **({"model": str(draft)} if MODES[mode]["method"] == "draft_model" else {})
+    )
+    llm = LLM(str(target), speculative_config=spec, max_model_len=128, dtype="float32")
+    params = SamplingParams(max_tokens=16, logprobs=K)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        o = out.outputs[0]
+        for token, entry in zip(o.token_ids, o.logprobs):  # greedy: the emitted token is the most likely one
+            assert entry[token] == max(entry.values())
+        check(target, prompt, o, K)
+    if mode in ("chain3", "tree"):
+        assert sum(o.metrics["num_accepted"] for o in outs) > 0  # the drafted steps' logprobs were checked too
+
+
+def test_sampled_logprobs_and_neighbours_that_ask_for_none(pair):
+    """Seeded sampled rows (the distribution before temperature) beside greedy rows with no logprobs, one batch: the
+    logprobs rows are the target's, and every row's tokens are those it gets alone."""
+    target, draft = pair
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
+              "num_speculative_tokens": 3}, max_model_len=128, dtype="float32")  # fmt: skip
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=0)
+    plain = SamplingParams(max_tokens=12)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outs = llm.generate(prompts * 2, [sampled, sampled, plain, plain], use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs[:2]):
+        check(target, prompt, out.outputs[0], 1)
+        assert all(len(e) == 1 for e in out.outputs[0].logprobs)  # logprobs=0: the token's alone
+    assert all(out.outputs[0].logprobs is None for out in outs[2:])
+    alone = llm.generate(prompts * 2, [SamplingParams(max_tokens=12, temperature=0.8, seed=3)] * 2 + [plain] * 2,
+                         use_tqdm=False)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_logprobs_follow_the_tokens_cut_at_a_stop(pair):
+    target, _ = pair
+    llm = LLM(str(target), max_model_len=128, dtype="float32")
+    full = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=16), use_tqdm=False)
+    stop = full[0].outputs[0].token_ids[5]
+    params = SamplingParams(max_tokens=16, logprobs=2, stop_token_ids=[stop])
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop
+    check(target, PROMPTS[0], out, 2)
+
+
+def test_a_planted_off_by_one_is_caught(pair, monkeypatch):
+    """The check fails when each token's logprobs are read at the next node (its own position, not its parent's)."""
+    import spec_engine.runner as runner
+
+    target, _ = pair
+    real = runner._logprobs
+
+    def shifted(logits, result, k):
+        return real(torch.roll(logits, -1, dims=1), result, k)
+
+    monkeypatch.setattr(runner, "_logprobs", shifted)
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(target),
+              "num_speculative_tokens": 3}, max_model_len=128, dtype="float32")  # fmt: skip
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=12, logprobs=K), use_tqdm=False)
+    with pytest.raises(AssertionError):
+        check(target, PROMPTS[0], out[0].outputs[0], K)
+
+
+@pytest.mark.parametrize("bad", [-1, 21, True, 2.0])
+def test_bad_logprobs_are_refused(bad):
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=bad)
