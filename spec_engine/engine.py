@@ -34,7 +34,7 @@ from spec_engine.drafters.base import Drafter, DraftPlan
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache
 from spec_engine.models import Target
 from spec_engine.request import Request, RequestRows, StepOutput
-from spec_engine.runner import StepResult, StepRunner
+from spec_engine.runner import StepResult, StepRunner, token_logprobs
 from spec_engine.sampling import SamplingParams
 from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
@@ -250,7 +250,9 @@ class Engine:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.block_keys is None:  # (the last prompt token is the first step's root: never in a cached block)
-                req.block_keys = self.allocator.keys(req.prompt_token_ids[:-1])
+                # (a request asking for its prompt's logprobs computes every position: none comes from the cache)
+                asks = req.params.prompt_logprobs is not None
+                req.block_keys = [] if asks else self.allocator.keys(req.prompt_token_ids[:-1])
             if self._awaits_shared_prefill(req):
                 held.append(self.waiting.popleft())
                 continue
@@ -371,7 +373,10 @@ class Engine:
         )
         positions = seqlens.long()[:, None] + torch.arange(T, device=self.device)  # [B, T]
         mask = causal_mask(len(reqs), T, self.device)
-        _, features = self.runner.target_pass(tokens, positions, self.kv.data, seqlens, mask, table)
+        hidden, features = self.runner.target_pass(tokens, positions, self.kv.data, seqlens, mask, table)
+        for b, (r, n) in enumerate(zip(reqs, counts)):
+            if r.params.prompt_logprobs is not None:
+                self._prompt_logprobs(r, hidden[b, :n], n)
         # With a fixed depth every request is drafted: the drafter sees the prompt now. The adaptive controller may
         # never draft a request (batch 16 on CPU, a useless draft), so there the draft cache is filled by catch-up
         # when it first does, a cost the controller weighs against the evidence; a drafter that reads the target's
@@ -392,6 +397,15 @@ class Engine:
             if not r.prefilling:
                 r.metrics.decode_start = now
         return []
+
+    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, n: int) -> None:
+        """The log-probabilities of the prompt tokens after a prefill chunk's ``n`` positions (``hidden`` [n, H]:
+        each position's final hidden state predicts the next prompt token)."""
+        start = req.num_computed
+        nxt = req.prompt_token_ids[start + 1 : start + n + 1]  # (the chunk ends before the last prompt token)
+        targets = to_device(self.device, torch.tensor(nxt, dtype=torch.int64))[0]  # [n]
+        rows = token_logprobs(self.target.logits(hidden), targets, req.params.prompt_logprobs)
+        req.prompt_logprobs += [req.logprobs_entry(t, row, req.params.prompt_logprobs) for t, row in zip(nxt, rows)]
 
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:

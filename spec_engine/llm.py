@@ -43,6 +43,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per prompt token, {token: its log-probability, then the alternatives'}; None
+    # for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def load_tokenizer(model: str | Path):
@@ -388,6 +391,7 @@ class LLM:
             outputs=outputs,
             finished=all(r.finished for r in group),
             metrics=first.metrics.as_dict(len(first.output_token_ids)),
+            prompt_logprobs=list(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None,
         )
 
 

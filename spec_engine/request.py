@@ -87,6 +87,8 @@ class Request:
     # per output token, where the request asks (params.logprobs): {token: its log-probability, then its
     # params.logprobs most likely alternatives: theirs, in rank order}
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # the same per prompt token where it asks (params.prompt_logprobs), None for the first (nothing precedes it)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # L: positions whose K/V are committed in the target cache
     draft_len: int = 0  # the same for the drafter's cache (what its last commit returned)
@@ -105,6 +107,14 @@ class Request:
         self.history = np.zeros(len(self.prompt_token_ids) + self.params.max_tokens, dtype=np.int64)
         self.history[: len(self.prompt_token_ids)] = self.prompt_token_ids
         self.num_tokens = len(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first token: nothing precedes it (the prefill adds the others')
+
+    @staticmethod
+    def logprobs_entry(token: int, logprobs: tuple[float, list[int], list[float]], k: int) -> dict[int, float]:
+        """{token: its log-probability, then the ``k`` most likely others': theirs} from ``token_logprobs``'s row."""
+        lp, ids, values = logprobs
+        return {token: lp, **{i: v for i, v in zip(ids[:k], values[:k]) if i != token}}
 
     def append(self, tokens: list[int], logprobs: list[tuple[float, list[int], list[float]]] | None = None) -> None:
         """Emitted ``tokens``; ``logprobs`` theirs (``StepResult.logprobs``), kept where the request asks."""
@@ -112,8 +122,7 @@ class Request:
         if k is not None:
             if logprobs is None or len(logprobs) != len(tokens):
                 raise RuntimeError(f"request {self.request_id} asks for logprobs but its step returned none")
-            for t, (lp, ids, values) in zip(tokens, logprobs):
-                self.output_logprobs.append({t: lp, **{i: v for i, v in zip(ids[:k], values[:k]) if i != t}})
+            self.output_logprobs += [self.logprobs_entry(t, row, k) for t, row in zip(tokens, logprobs)]
         self.output_token_ids.extend(tokens)
         self.history[self.num_tokens : self.num_tokens + len(tokens)] = tokens
         self.num_tokens += len(tokens)

@@ -73,18 +73,24 @@ def _native(model, cache: PagedKVCache | None) -> NativeModel | NativeHead | Non
     return native if native is not None and cache is not None and cache.data.dtype == native.dtype else None
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple[float, list[int], list[float]]]:
+    """Per row of ``logits`` [N, V]: (``tokens`` [N]'s log-probability, the ``k`` most likely tokens' ids, theirs),
+    log-softmax in float32."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    chosen = lp.gather(-1, tokens[:, None])[:, 0]  # [N]
+    top = lp.topk(k, dim=-1)  # [N, k]
+    return list(zip(chosen.tolist(), top.indices.tolist(), top.values.tolist()))
+
+
 def _logprobs(logits: torch.Tensor, result: VerifyResult, k: int) -> list[list[tuple[float, list[int], list[float]]]]:
     """Each row's emitted tokens' log-probabilities (``StepResult.logprobs``) from the verify pass's logits
     [B, T, V]: token j of row b is drawn from the distribution at its path's node j (the root's, then each accepted
-    draft's), log-softmax of the logits there in float32."""
-    B = logits.shape[0]
+    draft's)."""
+    B, T = result.output_tokens.shape
     nodes = result.accepted_nodes.clamp(min=0)  # [B, T]: padding past num_accepted reads the root, then is dropped
-    lp = torch.log_softmax(logits[torch.arange(B, device=logits.device)[:, None], nodes].float(), dim=-1)  # [B, T, V]
-    chosen = lp.gather(-1, result.output_tokens.clamp(min=0)[..., None])[..., 0]  # [B, T]
-    top = lp.topk(k, dim=-1)  # [B, T, k]
-    counts = result.num_accepted.tolist()
-    chosen, ids, values = chosen.tolist(), top.indices.tolist(), top.values.tolist()
-    return [list(zip(chosen[b][:n], ids[b][:n], values[b][:n])) for b, n in enumerate(counts)]
+    at = logits[torch.arange(B, device=logits.device)[:, None], nodes]  # [B, T, V]
+    rows = token_logprobs(at.flatten(0, 1), result.output_tokens.clamp(min=0).flatten(), k)  # [B * T]
+    return [rows[b * T : b * T + n] for b, n in enumerate(result.num_accepted.tolist())]
 
 
 class StepRunner:

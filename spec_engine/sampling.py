@@ -55,6 +55,8 @@ class SamplingParams:
     alternatives (0: the token's alone; None: none): the model's distribution, before temperature and the top-k /
     top-p / min-p transform (vLLM's default), from the target pass that verified the token. A request asking for them
     decodes one Python-driven step per call (no native multi-step chains), so it costs more than one that does not.
+    ``prompt_logprobs``: the same for each prompt token after the first (vLLM's), from the prefill's passes; such a
+    request computes its whole prompt (no prefix cache).
     """
 
     max_tokens: int = 64
@@ -69,6 +71,7 @@ class SamplingParams:
     stop: list[str] | None = None
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
@@ -118,10 +121,12 @@ class SamplingParams:
                 f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
                 "characters"
             )
-        if self.logprobs is not None:
-            _num("logprobs", self.logprobs, int)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None:
+                _num(name, k, int)
+                if not 0 <= k <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {k}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.invariant is not None and not isinstance(self.invariant, bool):

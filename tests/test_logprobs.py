@@ -123,3 +123,28 @@ def test_a_planted_off_by_one_is_caught(pair, monkeypatch):
 def test_bad_logprobs_are_refused(bad):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=bad)
+
+
+def test_prompt_logprobs_are_hfs_across_prefill_chunks_and_skip_the_prefix_cache(pair):
+    """``prompt_logprobs``: None for the first prompt token, then each one's under the target given those before it,
+    over several prefill chunks; a request asking computes its prompt even where it is cached."""
+    target, draft = pair
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft)}, max_model_len=128,
+              dtype="float32", prefill_chunk=16, block_size=16)  # fmt: skip
+    prompt = [(7 * i + 3) % 96 for i in range(41)]  # 40 prefilled positions: chunks of 16, 16 and 8
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2), use_tqdm=False)  # now cached
+    params = SamplingParams(max_tokens=4, prompt_logprobs=3)
+    out = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": [9]}], params, use_tqdm=False)
+    assert out[0].metrics["num_cached_tokens"] == 0 and out[0].outputs[0].logprobs is None
+    again = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert again.metrics["num_cached_tokens"] == 32  # (it was cached: the request asking passed the cache by)
+    assert out[1].prompt_logprobs == [None]  # a one-token prompt: nothing to predict
+    got = out[0].prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    ref = hf_logprobs(target, prompt[:1], prompt[1:])  # [40, V]: token j + 1 given tokens 0..j
+    for j, entry in enumerate(got[1:]):
+        assert next(iter(entry)) == prompt[j + 1] and len(entry) in (3, 4)
+        top = ref[j].topk(3).indices.tolist()
+        assert list(entry)[1:] == [i for i in top if i != prompt[j + 1]][: len(entry) - 1]
+        for i, value in entry.items():
+            assert math.isclose(value, ref[j, i].item(), abs_tol=1e-4), (j, i)

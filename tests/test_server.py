@@ -264,6 +264,29 @@ def test_logprobs_are_the_python_apis_streamed_or_not(plain, spec, model_dirs):
         assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
 
 
+@pytest.mark.parametrize("which", ["plain", "spec"])
+def test_echo_with_logprobs_scores_the_prompt_streamed_or_not(which, request, model_dirs):
+    """``echo`` puts the prompt before the completion; with ``logprobs`` the prompt tokens' come first (the first
+    token's null), the Python API's ``prompt_logprobs``: what an evaluation harness reads a loglikelihood from."""
+    server = request.getfixturevalue(which)
+    c, model = client(server), name_of(server)
+    prompt = "the quick brown fox jumps"
+    plain_text = c.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+    assert c.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                echo=True).choices[0].text == prompt + plain_text  # fmt: skip
+    ids = model_dirs[1].encode(prompt).ids
+    ref = LLM(model_dirs[0] / "plain").generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                                                use_tqdm=False)[0]  # fmt: skip
+    kw = dict(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    lp = c.completions.create(**kw).choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for got, entry, token in zip(lp.token_logprobs[1 : len(ids)], ref.prompt_logprobs[1:], ids[1:]):
+        assert abs(got - entry[token]) < 1e-4
+    streamed = [ch.choices[0] for ch in c.completions.create(**kw, stream=True) if ch.choices]
+    assert "".join(ch.text for ch in streamed).startswith(prompt)
+    assert [x for ch in streamed if ch.logprobs for x in ch.logprobs.token_logprobs] == lp.token_logprobs
+
+
 def test_no_usage_chunk_when_opted_out(plain):
     c = client(plain)
     chunks = list(c.completions.create(model=name_of(plain), prompt="hi", max_tokens=4, temperature=0, stream=True,
@@ -356,6 +379,12 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         400,
         "top_logprobs",
     ),
+    "chat_echo": (
+        "/v1/chat/completions",
+        _json({"messages": [{"role": "user", "content": "x"}], "echo": True}),
+        400,
+        "echo",
+    ),  # fmt: skip
     "top_logprobs_on_completions": ("/v1/completions", _json({"prompt": "x", "top_logprobs": 2}), 400, "top_logprobs"),
     "repetition_penalty": (
         "/v1/completions",

@@ -177,6 +177,7 @@ def create_app(
                 stop=req.stop,
                 n=1 if req.n is None else req.n,
                 logprobs=req.logprobs_asked(),
+                prompt_logprobs=req.prompt_logprobs_asked(),
             )
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
@@ -248,12 +249,21 @@ def create_app(
                     "model": served_model_name}  # fmt: skip
 
             offsets = [0] * len(streams)  # each choice's text so far, in characters (its tokens' text_offset)
+            echoed = [not req.echo] * len(streams)  # (echo: the prompt goes first, in the choice's first chunk)
+            prompt_text = (req.prompt if isinstance(req.prompt, str) else llm.decode(ids)) if req.echo else ""
 
             def choice(i: int, d: Delta) -> dict:
+                text, parts = d.text, []
+                if not echoed[i]:
+                    echoed[i], text = True, prompt_text + text
+                    parts.append((ids, d.prompt_logprobs))
+                parts.append((d.token_ids, d.logprobs))
                 lps = None
-                if d.logprobs is not None:
-                    lps, offsets[i] = _completion_logprobs(d.token_ids, d.logprobs, token_text, offsets[i])
-                return {"index": i, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
+                for tokens, entries in parts:
+                    if entries is not None:
+                        part, offsets[i] = _completion_logprobs(tokens, entries, token_text, offsets[i])
+                        lps = part if lps is None else {k: lps[k] + part[k] for k in lps}
+                return {"index": i, "text": text, "logprobs": lps, "finish_reason": d.finish_reason}
 
             if req.stream:
                 return _sse(streams, head, choice, None, _include_usage(req), count)
@@ -460,6 +470,7 @@ def _joined(deltas: list[Delta]) -> Delta:
         text="".join(d.text for d in deltas),
         token_ids=[t for d in deltas for t in d.token_ids],
         logprobs=None if last.logprobs is None else [e for d in deltas for e in d.logprobs],
+        prompt_logprobs=deltas[0].prompt_logprobs,
     )
 
 
@@ -487,16 +498,17 @@ def _token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
     return text, text.encode()
 
 
-def _completion_logprobs(ids: list[int], entries: list[dict[int, float]], token_text: Callable,
+def _completion_logprobs(ids: list[int], entries: list[dict[int, float] | None], token_text: Callable,
                          offset: int) -> tuple[dict, int]:  # fmt: skip
-    """The completions API's ``logprobs`` of tokens ``ids`` (their ``Request.output_logprobs`` entries) whose text
-    starts at character ``offset``, and the offset after them."""
+    """The completions API's ``logprobs`` of tokens ``ids`` (their ``Request.output_logprobs`` or
+    ``prompt_logprobs`` entries; None for a prompt's first token) whose text starts at character ``offset``, and the
+    offset after them."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(ids, entries):
         text = token_text(token)[0]
         out["tokens"].append(text)
-        out["token_logprobs"].append(entry[token])
-        out["top_logprobs"].append({token_text(t)[0]: v for t, v in entry.items()})
+        out["token_logprobs"].append(entry[token] if entry is not None else None)
+        out["top_logprobs"].append({token_text(t)[0]: v for t, v in entry.items()} if entry is not None else None)
         out["text_offset"].append(offset)
         offset += len(text)
     return out, offset

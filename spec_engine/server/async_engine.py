@@ -70,7 +70,8 @@ class Delta:
     means the engine failed this request alone (its row raised; the others in the step went on), and ``error`` says
     why. ``usage`` counts the tokens so far. ``metrics`` (the request's speculation figures,
     ``RequestMetrics.as_dict``) is set on the last delta only. ``logprobs``: where the request asks
-    (``SamplingParams.logprobs``), those of ``token_ids`` (``Request.output_logprobs``'s entries), else None.
+    (``SamplingParams.logprobs``), those of ``token_ids`` (``Request.output_logprobs``'s entries), else None;
+    ``prompt_logprobs`` the prompt's (``SamplingParams.prompt_logprobs``), on the first delta only.
     """
 
     request_id: str
@@ -82,6 +83,7 @@ class Delta:
     metrics: dict | None = None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class EngineDeadError(RuntimeError):
@@ -138,6 +140,7 @@ class _Sink:
     queue: asyncio.Queue
     num_prompt_tokens: int
     sent_text: str = ""
+    delivered: bool = False  # a delta went out (the first carries the prompt's logprobs)
 
     def put(self, item) -> bool:
         try:
@@ -312,6 +315,9 @@ class AsyncEngine:
         delta = Delta(req.request_id, list(out.new_token_ids), text, out.finished, req.finish_reason, usage)
         if req.params.logprobs is not None:
             delta.logprobs = req.output_logprobs[len(req.output_logprobs) - len(out.new_token_ids) :]
+        if req.params.prompt_logprobs is not None and not sink.delivered:
+            delta.prompt_logprobs = list(req.prompt_logprobs)
+        sink.delivered = True
         if out.finished:
             delta.metrics = req.metrics.as_dict(len(req.output_token_ids))
             delta.error = req.error if req.finish_reason == "error" else None

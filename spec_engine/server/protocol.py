@@ -17,7 +17,7 @@ from spec_engine.sampling import MAX_LOGPROBS
 
 _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null always do)
     "top_logprobs": (0,),  # (the completions API's; chat declares its own)
-    "echo": (False,),
+    "echo": (False,),  # (the chat API's; completions declares its own)
     "suffix": ("",),
     "best_of": (1,),
     "presence_penalty": (0,),
@@ -88,6 +88,7 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: Any = Field(..., description="a string or a list of token ids (one prompt per request)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the alternatives beside each token's (0: its own)
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' logprobs first)
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -97,6 +98,10 @@ class CompletionRequest(_SamplingRequest):
     def logprobs_asked(self) -> int | None:
         """``SamplingParams.logprobs``: the alternatives asked for beside each token (None: no logprobs)."""
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """``SamplingParams.prompt_logprobs``: the prompt's, where it is echoed with logprobs."""
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -145,6 +150,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def logprobs_asked(self) -> int | None:
         """``SamplingParams.logprobs``: the alternatives asked for beside each token (None: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return None
 
 
 def error_param(loc: tuple) -> str | None:
