@@ -432,14 +432,15 @@ class Engine:
             max_steps = min(max_steps, self.controller.plain_probe_steps(len(reqs)))
         if self._thread_probe:  # the thread tuner's probe of the other thread count: a probe's steps, not a chain's
             max_steps = min(max_steps, self.threads.probe_call_steps())
-        # log-probabilities come from the regular step's logits: the native calls return tokens alone
+        # log-probabilities and penalties take the regular step's logits: the native calls return tokens alone,
+        # verified against logits as the target gave them
         logprobs = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
-        if logprobs is not None:
+        regular = logprobs is not None or any(r.params.penalised for r in reqs)
+        if regular:
             max_steps = 0
         result = self.runner.run(reqs, gammas, suffix_rows, self._stop_tensor(reqs), max_steps=max_steps,
                                  full_steps=full_steps, stop_on_reject=unsure,
-                                 native_verify=cfg.native_tree_step and logprobs is None,
-                                 logprobs=logprobs)  # fmt: skip
+                                 native_verify=cfg.native_tree_step and not regular, logprobs=logprobs)  # fmt: skip
         if not result.full_steps:
             self.stats["num_regular_steps"] += 1
         if plan.expected is not None:

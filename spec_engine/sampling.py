@@ -22,6 +22,7 @@ MIN_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
 MAX_N = 64  # sequences a request may ask for
+MAX_REPETITION_PENALTY = 100.0  # (past it every seen token is as good as banned: a typo)
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each emitted one (OpenAI's top_logprobs bound)
 
 
@@ -57,6 +58,10 @@ class SamplingParams:
     decodes one Python-driven step per call (no native multi-step chains), so it costs more than one that does not.
     ``prompt_logprobs``: the same for each prompt token after the first (vLLM's), from the prefill's passes; such a
     request computes its whole prompt (no prefix cache).
+
+    ``presence_penalty``, ``frequency_penalty`` (in [-2, 2], 0: off; the output's tokens) and ``repetition_penalty``
+    (> 0, 1: off; the prompt's and the output's): vLLM's penalties, on the logits before temperature
+    (``spec_engine.penalties``); a penalised request decodes one Python-driven step per call, as ``logprobs`` does.
     """
 
     max_tokens: int = 64
@@ -72,6 +77,9 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
@@ -127,6 +135,17 @@ class SamplingParams:
                 _num(name, k, int)
                 if not 0 <= k <= MAX_LOGPROBS:
                     raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _num(name, v, (int, float))
+            if not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        _num("repetition_penalty", self.repetition_penalty, (int, float))
+        r = self.repetition_penalty
+        if not 0 < r <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {r}")
+        if not as_float32(self.repetition_penalty) > 0:
+            raise ValueError(f"repetition_penalty must be > 0 in float32, got {self.repetition_penalty}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.invariant is not None and not isinstance(self.invariant, bool):
@@ -136,6 +155,10 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
             ):
                 raise ValueError("stop_token_ids must be a list of ints")
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

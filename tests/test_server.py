@@ -287,6 +287,18 @@ def test_echo_with_logprobs_scores_the_prompt_streamed_or_not(which, request, mo
     assert [x for ch in streamed if ch.logprobs for x in ch.logprobs.token_logprobs] == lp.token_logprobs
 
 
+def test_penalties_over_http_are_the_python_apis(plain, spec, model_dirs):
+    """presence / frequency / repetition penalties: the Python API's tokens, with and without speculation."""
+    pens = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3)
+    prompt = "the quick brown fox"
+    ref = LLM(model_dirs[0] / "plain").generate(prompt, SamplingParams(max_tokens=16, **pens), use_tqdm=False)[0]
+    unpenalised = complete(plain, prompt, 16)
+    assert ref.outputs[0].text != unpenalised
+    for server in (plain, spec):
+        assert complete(server, prompt, 16, extra_body={"repetition_penalty": 1.3}, presence_penalty=0.5,
+                        frequency_penalty=1.0) == ref.outputs[0].text  # fmt: skip
+
+
 def test_no_usage_chunk_when_opted_out(plain):
     c = client(plain)
     chunks = list(c.completions.create(model=name_of(plain), prompt="hi", max_tokens=4, temperature=0, stream=True,
@@ -386,11 +398,17 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         "echo",
     ),  # fmt: skip
     "top_logprobs_on_completions": ("/v1/completions", _json({"prompt": "x", "top_logprobs": 2}), 400, "top_logprobs"),
-    "repetition_penalty": (
+    "repetition_penalty_zero": (
         "/v1/completions",
-        _json({"prompt": "x", "repetition_penalty": 1.2}),
+        _json({"prompt": "x", "repetition_penalty": 0}),
         400,
         "repetition_penalty",
+    ),  # fmt: skip
+    "presence_penalty_past_2": (
+        "/v1/completions",
+        _json({"prompt": "x", "presence_penalty": 2.5}),
+        400,
+        "presence_penalty",
     ),  # fmt: skip
     "include_stop_str_in_output": (
         "/v1/completions",

@@ -178,6 +178,9 @@ def create_app(
                 n=1 if req.n is None else req.n,
                 logprobs=req.logprobs_asked(),
                 prompt_logprobs=req.prompt_logprobs_asked(),
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             )
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")

@@ -2,8 +2,8 @@
 for numbers, no booleans for ints). The chat template lives in ``spec_engine.chat_template``.
 
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
-``ignore_eos``. Fields that would change the output but are not implemented (``echo``, penalties, ...) are
-rejected with 400 when set, never silently ignored; unknown fields are ignored.
+``ignore_eos``, ``repetition_penalty``. Fields that would change the output but are not implemented (the chat API's
+``echo``, ``logit_bias``, ...) are rejected with 400 when set, never silently ignored; unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -20,15 +20,13 @@ _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null al
     "echo": (False,),  # (the chat API's; completions declares its own)
     "suffix": ("",),
     "best_of": (1,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
-    # vLLM's extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos it does)
-    "repetition_penalty": (1,),
+    # vLLM's extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos and
+    # repetition_penalty it does)
     "min_tokens": (0,),
     "bad_words": ([],),
     "include_stop_str_in_output": (False,),
@@ -62,6 +60,9 @@ class _SamplingRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None  # (SamplingParams takes one string as a list, and checks count and lengths)
     stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None  # (SamplingParams checks the ranges)
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # (vLLM's extension)
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1)  # choices (SamplingParams checks the most)
     stream: bool = False

@@ -1,0 +1,73 @@
+"""Repetition, presence and frequency penalties on a step's logits, each tree node's under its own context.
+
+A node's logits predict the token after its path, so its penalties count the request's tokens (the prompt and the
+output, the root among them) plus the drafted tokens on its path below the root. Verification then judges every
+node by the distribution one-token-a-step decoding would sample from: with penalties too, speculation is lossless
+(greedy rows emit the penalised argmax, sampled rows the penalised distribution).
+
+vLLM's semantics, in its order, on the raw logits before temperature and the top-k / top-p / min-p transform:
+- ``repetition_penalty`` r (1: off): each token in the prompt or the output, logit > 0 -> logit / r, else logit * r;
+- ``frequency_penalty`` f and ``presence_penalty`` p (0: off): logit -= f * count + p * (count > 0), counting the
+  output's tokens only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import torch
+
+from spec_engine.drafters.base import RowView
+from spec_engine.sampling import SamplingParams
+from spec_engine.transfer import to_device
+
+
+def node_paths(parents: list[int]) -> list[list[int]]:
+    """Per node of one row's tree (``parents``: each node's parent, -1 for the root and for padding): the nodes on
+    its path below the root, itself last (the root's and padding's: empty)."""
+    paths: list[list[int] | None] = [None] * len(parents)
+
+    def path(t: int) -> list[int]:
+        if paths[t] is None:
+            p = parents[t]
+            paths[t] = [] if p < 0 else path(p) + [t]
+        return paths[t]
+
+    return [path(t) for t in range(len(parents))]
+
+
+def apply_penalties_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, rows: list[RowView],
+                     params: list[SamplingParams]) -> torch.Tensor:  # fmt: skip
+    """In place on float32 ``logits`` [B, T, V] of a step's tree (``tokens``, ``parents`` [B, T]: the draft's nodes;
+    node 0 the root): each row's penalties (``params[b]``) under each node's context (the module docstring)."""
+    B, T, V = logits.shape
+    tokens_h, parents_h = tokens.tolist(), parents.tolist()
+    for b, (row, p) in enumerate(zip(rows, params)):
+        if not p.penalised:
+            continue
+        history = row.token_ids  # the prompt, then the output (the root last)
+        output = history[row.num_prompt_tokens :]
+        paths = [[tokens_h[b][n] for n in path] for path in node_paths([-1] + parents_h[b][1:])]
+        if p.repetition_penalty != 1.0:
+            seen = np.zeros(V, dtype=bool)
+            seen[history] = True
+            mask = to_device(logits.device, torch.from_numpy(seen))[0]  # [V]
+            logits[b] = torch.where(mask, _repeated(logits[b], p.repetition_penalty), logits[b])
+            for t, drafted in enumerate(paths):  # a drafted token not seen before: penalised below its node
+                fresh = sorted({x for x in drafted if not seen[x]})
+                if fresh:
+                    logits[b, t, fresh] = _repeated(logits[b, t, fresh], p.repetition_penalty)
+        if p.frequency_penalty or p.presence_penalty:
+            counts = np.bincount(output, minlength=V).astype(np.float32)  # [V]
+            dense = p.frequency_penalty * counts + p.presence_penalty * (counts > 0)  # [V]
+            logits[b] -= to_device(logits.device, torch.from_numpy(dense))[0]
+            for t, drafted in enumerate(paths):
+                for x, c in Counter(drafted).items():
+                    logits[b, t, x] -= p.frequency_penalty * c + p.presence_penalty * (counts[x] == 0)
+    return logits
+
+
+def _repeated(z: torch.Tensor, r: float) -> torch.Tensor:
+    """The repetition penalty r on logits z: z > 0 -> z / r, else z * r."""
+    return torch.where(z > 0, z / r, z * r)
