@@ -374,9 +374,8 @@ class Engine:
         positions = seqlens.long()[:, None] + torch.arange(T, device=self.device)  # [B, T]
         mask = causal_mask(len(reqs), T, self.device)
         hidden, features = self.runner.target_pass(tokens, positions, self.kv.data, seqlens, mask, table)
-        for b, (r, n) in enumerate(zip(reqs, counts)):
-            if r.params.prompt_logprobs is not None:
-                self._prompt_logprobs(r, hidden[b, :n], n)
+        scored = {b: self._prompt_logprobs(r, hidden[b, :n], n) for b, (r, n) in enumerate(zip(reqs, counts))
+                  if r.params.prompt_logprobs is not None}  # fmt: skip
         # With a fixed depth every request is drafted: the drafter sees the prompt now. The adaptive controller may
         # never draft a request (batch 16 on CPU, a useless draft), so there the draft cache is filled by catch-up
         # when it first does, a cost the controller weighs against the evidence; a drafter that reads the target's
@@ -387,7 +386,8 @@ class Engine:
         elif features is not None:
             self.drafter.store_features(positions, table, features)
         now = time.perf_counter()
-        for r, n in zip(reqs, counts):
+        for b, (r, n) in enumerate(zip(reqs, counts)):  # committed only now: a failed chunk runs again (_isolated)
+            r.prompt_logprobs += scored.get(b, [])
             r.num_computed += n
             if eager:
                 r.draft_len = r.num_computed
@@ -398,14 +398,14 @@ class Engine:
                 r.metrics.decode_start = now
         return []
 
-    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, n: int) -> None:
-        """The log-probabilities of the prompt tokens after a prefill chunk's ``n`` positions (``hidden`` [n, H]:
-        each position's final hidden state predicts the next prompt token)."""
+    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, n: int) -> list[dict[int, float]]:
+        """The ``Request.prompt_logprobs`` entries of the prompt tokens after a prefill chunk's ``n`` positions
+        (``hidden`` [n, H]: each position's final hidden state predicts the next prompt token)."""
         start = req.num_computed
         nxt = req.prompt_token_ids[start + 1 : start + n + 1]  # (the chunk ends before the last prompt token)
         targets = to_device(self.device, torch.tensor(nxt, dtype=torch.int64))[0]  # [n]
         rows = token_logprobs(self.target.logits(hidden), targets, req.params.prompt_logprobs)
-        req.prompt_logprobs += [req.logprobs_entry(t, row, req.params.prompt_logprobs) for t, row in zip(nxt, rows)]
+        return [req.logprobs_entry(t, row, req.params.prompt_logprobs) for t, row in zip(nxt, rows)]
 
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:

@@ -148,3 +148,27 @@ def test_prompt_logprobs_are_hfs_across_prefill_chunks_and_skip_the_prefix_cache
         assert list(entry)[1:] == [i for i in top if i != prompt[j + 1]][: len(entry) - 1]
         for i, value in entry.items():
             assert math.isclose(value, ref[j, i].item(), abs_tol=1e-4), (j, i)
+
+
+def test_a_failed_prefill_chunk_run_again_scores_each_prompt_token_once(pair, monkeypatch):
+    """A batched prefill chunk that fails for one row runs again row by row (the engine's isolation): the rows that
+    had scored their chunk before the failure must not keep that chunk's prompt logprobs twice."""
+    from spec_engine.engine import Engine
+
+    target, _ = pair
+    llm = LLM(str(target), max_model_len=128, dtype="float32", prefill_chunk=16, block_size=16)
+    a = [(5 * i + 1) % 96 for i in range(40)]
+    b = [95] + [(3 * i + 2) % 96 for i in range(39)]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    alone = llm.generate({"prompt_token_ids": a}, params, use_tqdm=False)[0].prompt_logprobs
+    real, failed = Engine._prompt_logprobs, []
+
+    def once(self, req, hidden, n):  # b's second chunk fails the first time it is scored
+        if req.prompt_token_ids[0] == 95 and req.num_computed >= 16 and not failed:
+            failed.append(True)
+            raise RuntimeError("a planted failure")
+        return real(self, req, hidden, n)
+
+    monkeypatch.setattr(Engine, "_prompt_logprobs", once)
+    outs = llm.generate([{"prompt_token_ids": a}, {"prompt_token_ids": b}], params, use_tqdm=False)
+    assert failed and outs[0].prompt_logprobs == alone and len(outs[1].prompt_logprobs) == len(b)

@@ -46,6 +46,7 @@ from spec_engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("spec_engine.server")
 
+LOGPROB_FLOOR = -9999.0  # OpenAI's log-probability of a token with none (JSON has no -inf)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 MAX_JSON_DEPTH = 64  # an OpenAI body nests 4 deep (messages[i].content[j].text); 200,000 '[' hit RecursionError
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}  # metric labels
@@ -199,24 +200,35 @@ def create_app(
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
 
+    admitting = [0]  # choices promised to requests still adding them (not yet in engine.num_in_flight)
+
     async def start(ids: list[int], params: SamplingParams) -> list[RequestStream]:
         """One engine request per choice (``params.n``; each sequence's seed as ``LLM.generate`` derives it), all
-        admitted or none: a choice refused aborts those already added."""
+        admitted or none: a choice refused aborts those already added. The n slots are taken at once, before the
+        first await, so concurrent requests never pass ``max_pending`` together."""
         if params.n > max_pending:  # (no retry would admit it)
             raise APIError(400, f"n ({params.n}) is more than this server runs at once ({max_pending})", param="n")
-        if engine.num_in_flight + params.n > max_pending:
-            raise APIError(429, f"{engine.num_in_flight} requests in flight and {params.n} more asked for (the limit "
-                           f"is {max_pending}); retry later", "rate_limit_error", code="too_many_requests")  # fmt: skip
-        streams = []
+        taken = engine.num_in_flight + admitting[0]
+        if taken + params.n > max_pending:
+            raise APIError(429, f"{taken} requests in flight and {params.n} more asked for (the limit is "
+                           f"{max_pending}); retry later", "rate_limit_error", code="too_many_requests")  # fmt: skip
+        admitting[0] += params.n
+        streams, promised = [], params.n
         try:
             for i in range(params.n):
+                promised -= 1  # add_request counts it in flight before its first await: no window between
+                admitting[0] -= 1
                 streams.append(await engine.add_request(ids, sequence_params(params, i)))
-        except (ValueError, EngineDeadError) as e:
+        except BaseException as e:
             for stream in streams:
                 await stream.aclose()
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), "internal_error") from None
-            raise APIError(400, str(e), param=getattr(e, "param", None)) from None  # (RequestError names the field)
+            if isinstance(e, ValueError):  # (RequestError names the field)
+                raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+            raise
+        finally:
+            admitting[0] -= promised
         return streams
 
     async def respond(endpoint: str, request: Request, handler: Callable) -> Response:
@@ -487,8 +499,8 @@ for _n, _b in enumerate(b for b in range(256) if chr(b) not in _BYTE_OF):
 
 
 def _token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
-    """A token's text and its bytes, as logprobs show them: its decoded text (U+FFFD where it holds part of a
-    character: its bytes then say which), a special token's name, or ``token_id:N`` with no tokenizer."""
+    """A token's text and its bytes, as logprobs show them: its decoded text, ``bytes:\\xNN...`` where it holds part
+    of a character (its text alone would be U+FFFD), a special token's name, or ``token_id:N`` with no tokenizer."""
     if tokenizer is None:
         name = f"token_id:{token_id}"
         return name, name.encode()
@@ -497,8 +509,18 @@ def _token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
     if not text:  # a special token (decoding skips it) or an empty one
         return piece, piece.encode()
     if isinstance(tokenizer.decoder, ByteLevelDecoder) and piece and all(c in _BYTE_OF for c in piece):
-        return text, bytes(_BYTE_OF[c] for c in piece)
+        raw = bytes(_BYTE_OF[c] for c in piece)
+        try:
+            raw.decode()
+        except UnicodeDecodeError:  # part of a character: named by its bytes, as OpenAI names such tokens
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+        return text, raw
     return text, text.encode()
+
+
+def _logprob(value: float) -> float:
+    """A log-probability as JSON can carry it: -inf (and NaN) as OpenAI's floor, -9999."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def _completion_logprobs(ids: list[int], entries: list[dict[int, float] | None], token_text: Callable,
@@ -508,12 +530,19 @@ def _completion_logprobs(ids: list[int], entries: list[dict[int, float] | None],
     offset after them."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(ids, entries):
-        text = token_text(token)[0]
+        text, raw = token_text(token)
         out["tokens"].append(text)
-        out["token_logprobs"].append(entry[token] if entry is not None else None)
-        out["top_logprobs"].append({token_text(t)[0]: v for t, v in entry.items()} if entry is not None else None)
         out["text_offset"].append(offset)
-        offset += len(text)
+        offset += len(raw.decode(errors="replace"))
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_logprob(entry[token]))
+        top = {text: _logprob(entry[token])}  # (the token's own value wins a key two tokens' texts share)
+        for t, v in entry.items():
+            top.setdefault(token_text(t)[0], _logprob(v))
+        out["top_logprobs"].append(top)
     return out, offset
 
 
@@ -523,7 +552,7 @@ def _chat_logprobs(ids: list[int], entries: list[dict[int, float]], token_text: 
 
     def item(token: int, value: float) -> dict:
         text, raw = token_text(token)
-        return {"token": text, "logprob": value, "bytes": list(raw)}
+        return {"token": text, "logprob": _logprob(value), "bytes": list(raw)}
 
     content = []
     for token, entry in zip(ids, entries):

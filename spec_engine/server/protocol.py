@@ -89,7 +89,7 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: Any = Field(..., description="a string or a list of token ids (one prompt per request)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the alternatives beside each token's (0: its own)
-    echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' logprobs first)
+    echo: bool | None = None  # the prompt before the completion (with logprobs: the prompt tokens' logprobs first)
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -138,7 +138,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (needs logprobs: true, as OpenAI's)
 
     @field_validator("top_logprobs")
