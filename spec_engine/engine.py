@@ -207,6 +207,8 @@ class Engine:
             raise RequestError("the prompt is empty: give at least one token", "prompt")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
             raise RequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", "prompt")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise RequestError(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
@@ -227,7 +229,8 @@ class Engine:
         ids = list(prompt_token_ids)
         self.check_request(ids, params)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        req = Request(request_id or str(next(self._ids)), ids, params, seed, key=next(self._keys))
+        req = Request(request_id or str(next(self._ids)), ids, params, seed, key=next(self._keys),
+                      stop_ids=self._stop_ids(params))  # fmt: skip
         req.metrics.arrival_time = time.perf_counter()
         self.waiting.append(req)
         return req
@@ -432,10 +435,10 @@ class Engine:
             max_steps = min(max_steps, self.controller.plain_probe_steps(len(reqs)))
         if self._thread_probe:  # the thread tuner's probe of the other thread count: a probe's steps, not a chain's
             max_steps = min(max_steps, self.threads.probe_call_steps())
-        # log-probabilities and penalties take the regular step's logits: the native calls return tokens alone,
-        # verified against logits as the target gave them
+        # log-probabilities and logits processors take the regular step's logits: the native calls return tokens
+        # alone, verified against logits as the target gave them
         logprobs = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
-        regular = logprobs is not None or any(r.params.penalised for r in reqs)
+        regular = logprobs is not None or any(r.params.processes_logits for r in reqs)
         if regular:
             max_steps = 0
         result = self.runner.run(reqs, gammas, suffix_rows, self._stop_tensor(reqs), max_steps=max_steps,
@@ -542,21 +545,22 @@ class Engine:
                                             width=widths[s])  # fmt: skip
         return outputs
 
-    def _stop_ids(self, req: Request) -> set[int]:
-        """The tokens that end ``req``: its stop_token_ids, and the EOS ids unless it ignores EOS."""
-        stops = set(req.params.stop_token_ids or [])
-        return stops if req.params.ignore_eos else stops | self.eos_token_ids
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that end a request (``Request.stop_ids``): its stop_token_ids, and the EOS ids unless it
+        ignores EOS."""
+        stops = set(params.stop_token_ids or [])
+        return frozenset(stops if params.ignore_eos else stops | self.eos_token_ids)
 
     def _stop_tensor(self, reqs: list[Request]) -> torch.Tensor:
         """int64 [S]: every stop id of the rows that the model can emit (a native chain ends at any of them)."""
-        stops = {t for r in reqs for t in self._stop_ids(r) if 0 <= t < self.vocab_size}
+        stops = {t for r in reqs for t in r.stop_ids if 0 <= t < self.vocab_size}
         return torch.tensor(sorted(stops), dtype=torch.int64)
 
     def _truncate(self, req: Request, toks: list[int]) -> list[int]:
         """Cut the emitted tokens at a stop token (kept, as vLLM does for EOS), at the token whose text completes a
         stop string (kept; the text ends before the string: ``visible_text``) or at max_tokens: what decoding one
         token a step would have emitted."""
-        stops = self._stop_ids(req)
+        stops = req.stop_ids
         toks = toks[: req.tokens_left]
         completes = self._stop_string_end(req, toks)
         for i, t in enumerate(toks):

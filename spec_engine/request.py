@@ -99,6 +99,7 @@ class Request:
     slot: int = -1  # this request's row in the engine's RequestRows while it runs
     score_trust: ScoreTrust = field(default_factory=ScoreTrust)  # what its suffix speculations kept (RowView)
     key: int = 0  # the engine's own name for it, never reused (request ids are the caller's): RowView.key
+    stop_ids: frozenset[int] = frozenset()  # the tokens that end it (Engine._stop_ids: stop_token_ids, EOS)
     block_keys: list[bytes] | None = None  # its prompt's prefix-cache keys (BlockAllocator.keys), computed once
     history: np.ndarray = field(init=False, repr=False)  # [capacity] int64: prompt then output tokens
     num_tokens: int = field(init=False)  # filled length of history

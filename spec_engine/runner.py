@@ -27,8 +27,8 @@ import torch
 
 from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import PagedKVCache
+from spec_engine.logits_processors import process_logits_
 from spec_engine.models import Target
-from spec_engine.penalties import apply_penalties_
 from spec_engine.request import Request, RequestRows
 from spec_engine.sampling import SEED_MASK, SamplingParams
 from spec_engine.transfer import to_device
@@ -242,9 +242,10 @@ class StepRunner:
                       native_verify: bool = True, logprobs: int | None = None) -> StepResult:  # fmt: skip
         """One step driven from Python: ``_spec_step`` on the step's inputs."""
         batch, sampling = self.step_inputs(reqs, gammas, suffix_rows)
-        penalties = [r.params for r in reqs] if any(r.params.penalised for r in reqs) else None
+        processed = any(r.params.processes_logits for r in reqs)
+        processors = ([r.params for r in reqs], [r.stop_ids for r in reqs]) if processed else None
         out_tokens, num_accepted, draft_lens, width, lps = self._spec_step(batch, sampling, native_verify, logprobs,
-                                                                           penalties)  # fmt: skip
+                                                                           processors)  # fmt: skip
         # suffix rows (a hybrid's, a suffix drafter's) teach the controller nothing of a model drafter's acceptance;
         # their pass, as wide as the drafter shaped it, prices that width
         learned = gammas if suffix_rows is None else [0 if s else g for g, s in zip(gammas, suffix_rows)]
@@ -288,14 +289,15 @@ class StepRunner:
         return batch, dev
 
     def _spec_step(self, batch: StepBatch, sampling: dict, native_verify: bool = True, logprobs: int | None = None,
-                   penalties: list[SamplingParams] | None = None) -> tuple[list[list[int]], list[int], list[int], int,
-                                                                           list | None]:  # fmt: skip
+                   processors: tuple[list[SamplingParams], list[set[int]]] | None = None,
+                   ) -> tuple[list[list[int]], list[int], list[int], int, list | None]:  # fmt: skip
         """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches.
 
         Returns the host's (emitted tokens [B][T], num_accepted [B], the draft cache's new lengths [B] where the
         drafter keeps a cache, the tokens the target pass verified: B * T, the emitted tokens' log-probabilities
-        with ``logprobs`` alternatives each where asked: ``StepResult.logprobs``, else None). ``penalties``: the
-        rows' parameters where some row is penalised (``spec_engine.penalties``; the native calls are not)."""
+        with ``logprobs`` alternatives each where asked: ``StepResult.logprobs``, else None). ``processors``: the
+        rows' parameters and stop ids where some row's logits are processed (``spec_engine.logits_processors``; the
+        native calls do not)."""
         start = time.perf_counter()
         rows = [b for b, g in enumerate(batch.gammas) if g > 0] if self.drafter is not None else []
         partial = 0 < len(rows) < batch.size  # some rows drafted, not all: the drafter runs on a sub-batch
@@ -307,7 +309,7 @@ class StepRunner:
         if verified is not None:
             result, features = verified
         else:
-            result, features, logits = self._verify(batch, draft, sampling, penalties, raw=logprobs is not None)
+            result, features, logits = self._verify(batch, draft, sampling, processors, raw=logprobs is not None)
             if logprobs is not None:
                 lps = _logprobs(logits, result, logprobs)
         out_tokens, num_accepted = self._read_step(result)  # the step's one host sync
@@ -333,19 +335,20 @@ class StepRunner:
         return tree_step(self.native_tree, draft.tokens, draft.parents, batch.seqlens, self.kv.data,
                          batch.block_table, capture=self.tree_capture)  # fmt: skip
 
-    def _verify(self, batch: StepBatch, draft: Draft, sampling: dict, penalties: list[SamplingParams] | None = None,
+    def _verify(self, batch: StepBatch, draft: Draft, sampling: dict,
+                processors: tuple[list[SamplingParams], list[set[int]]] | None = None,
                 raw: bool = False) -> tuple[VerifyResult, torch.Tensor | None, torch.Tensor]:  # fmt: skip
         """The regular step's target pass over the tree, ``verify_tree`` and the target cache's compaction: the
         result, the features of a drafter that reads the target's (else None) and the pass's logits [B, T, V] (as
-        the target gave them where ``raw``, even where ``penalties`` changed those verified)."""
+        the target gave them where ``raw``, even where ``processors`` changed those verified)."""
         positions = batch.seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
         hidden, features = self.target_pass(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask,
                                              batch.block_table)  # fmt: skip
         logits = self.target.logits(hidden)  # [B, T, V]
         given = logits
-        if penalties is not None:
-            logits = apply_penalties_(logits.clone() if raw else logits, draft.tokens, draft.parents, batch.rows,
-                                      penalties)  # fmt: skip
+        if processors is not None:
+            logits = process_logits_(logits.clone() if raw else logits, draft.tokens, draft.parents, batch.rows,
+                                     *processors)  # fmt: skip
         if batch.coupled is not None:  # coupled rows: verify_tree samples argmax(z + g_t) in-kernel, walks greedily
             sampling = {**sampling, "noise_seeds": batch.noise_seeds, "positions": positions, "coupled": batch.coupled}
         result = verify_tree(

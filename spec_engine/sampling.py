@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
 MAX_N = 64  # sequences a request may ask for
 MAX_REPETITION_PENALTY = 100.0  # (past it every seen token is as good as banned: a typo)
+MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI's bound)
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each emitted one (OpenAI's top_logprobs bound)
 
 
@@ -60,8 +61,10 @@ class SamplingParams:
     request computes its whole prompt (no prefix cache).
 
     ``presence_penalty``, ``frequency_penalty`` (in [-2, 2], 0: off; the output's tokens) and ``repetition_penalty``
-    (> 0, 1: off; the prompt's and the output's): vLLM's penalties, on the logits before temperature
-    (``spec_engine.penalties``); a penalised request decodes one Python-driven step per call, as ``logprobs`` does.
+    (> 0, 1: off; the prompt's and the output's): vLLM's penalties; ``logit_bias`` {token id: bias in [-100, 100]}
+    (OpenAI's, at most ``MAX_LOGIT_BIAS`` entries); ``min_tokens``: the stop tokens held back until that many output
+    tokens (vLLM's). All on the logits before temperature (``spec_engine.logits_processors``); such a request decodes
+    one Python-driven step per call, as ``logprobs`` does.
     """
 
     max_tokens: int = 64
@@ -80,6 +83,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
@@ -146,6 +151,17 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {r}")
         if not as_float32(self.repetition_penalty) > 0:
             raise ValueError(f"repetition_penalty must be > 0 in float32, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases")
+            for t, v in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r}")
+        _num("min_tokens", self.min_tokens, int)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.invariant is not None and not isinstance(self.invariant, bool):
@@ -157,8 +173,10 @@ class SamplingParams:
                 raise ValueError("stop_token_ids must be a list of ints")
 
     @property
-    def penalised(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+    def processes_logits(self) -> bool:
+        """Whether a logits processor changes the target's logits (``spec_engine.logits_processors``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
+                    or self.min_tokens)  # fmt: skip
 
     @property
     def greedy(self) -> bool:

@@ -299,6 +299,16 @@ def test_penalties_over_http_are_the_python_apis(plain, spec, model_dirs):
     for server in (plain, spec):
         assert complete(server, prompt, 16, extra_body={"repetition_penalty": 1.3}, presence_penalty=0.5,
                         frequency_penalty=1.0) == ref.outputs[0].text  # fmt: skip
+    free = LLM(model_dirs[0] / "plain").generate(prompt, SamplingParams(max_tokens=16), use_tqdm=False)[0]
+    first = free.outputs[0].token_ids[0]
+    bias = {first: -100.0}
+    ref = LLM(model_dirs[0] / "plain").generate(prompt, SamplingParams(max_tokens=16, logit_bias=bias, min_tokens=6,
+                                                stop_token_ids=[5]), use_tqdm=False)[0]  # fmt: skip
+    assert first not in ref.outputs[0].token_ids
+    for server in (plain, spec):
+        got = complete(server, prompt, 16, logit_bias={str(first): -100}, extra_body={"min_tokens": 6,
+                       "stop_token_ids": [5]})  # fmt: skip
+        assert got == ref.outputs[0].text
 
 
 def test_concurrent_choices_never_pass_max_pending(plain):
@@ -460,7 +470,25 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         "include_stop_str_in_output",
     ),
     "guided_json": ("/v1/completions", _json({"prompt": "x", "guided_json": {"type": "object"}}), 400, "guided_json"),
-    "min_tokens": ("/v1/completions", _json({"prompt": "x", "min_tokens": 4}), 400, "min_tokens"),
+    "min_tokens_past_max_tokens": (
+        "/v1/completions",
+        _json({"prompt": "x", "max_tokens": 2, "min_tokens": 4}),
+        400,
+        "min_tokens",
+    ),  # fmt: skip
+    "logit_bias_key_not_an_id": (
+        "/v1/completions",
+        _json({"prompt": "x", "logit_bias": {"a": 1}}),
+        400,
+        "logit_bias",
+    ),  # fmt: skip
+    "logit_bias_past_100": ("/v1/completions", _json({"prompt": "x", "logit_bias": {"5": 200}}), 400, "logit_bias"),
+    "logit_bias_past_vocab": (
+        "/v1/completions",
+        _json({"prompt": "x", "logit_bias": {"1000000": 1}}),
+        400,
+        "logit_bias",
+    ),  # fmt: skip
     "functions": (
         "/v1/chat/completions",
         _json({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f", "parameters": {}}]}),

@@ -78,6 +78,24 @@ def make_noisy_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
 
 
 # Mixed scripts so the merges cover multi-byte UTF-8 and random models emit partial characters now and then.
+# One speculative config per kind of drafter, for tests that check a property holds whatever drafts (None: plain);
+# "draft_model" entries take their model from ``drafter_config``
+DRAFTER_MODES = {
+    "none": None,
+    "chain4": {"method": "draft_model", "num_speculative_tokens": 4},
+    "tree": {"method": "draft_model", "num_speculative_tokens": 3, "tree": [2, 2, 1]},
+    "adaptive": {"method": "draft_model"},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "suffix": {"method": "suffix"},
+}
+
+
+def drafter_config(mode: str, draft: Path) -> dict | None:
+    """``DRAFTER_MODES[mode]`` with ``draft`` as its model where it takes one."""
+    spec = DRAFTER_MODES[mode]
+    return spec and dict(spec, **({"model": str(draft)} if spec["method"] == "draft_model" else {}))
+
+
 CORPUS = [
     "the quick brown fox jumps over the lazy dog. ",
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",

@@ -165,6 +165,12 @@ def create_app(
         if max_tokens is not None and max_tokens > room:
             msg = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) is past the context ({llm.max_model_len})"
             raise APIError(400, msg, param="max_tokens", code="context_length_exceeded")
+        bias = None
+        if req.logit_bias is not None:
+            try:
+                bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise APIError(400, "logit_bias keys must be token ids (decimal strings)", param="logit_bias") from None
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
@@ -182,6 +188,8 @@ def create_app(
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=bias,
+                min_tokens=req.min_tokens or 0,
             )
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")

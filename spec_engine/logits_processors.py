@@ -1,14 +1,18 @@
-"""Repetition, presence and frequency penalties on a step's logits, each tree node's under its own context.
+"""Logits processors: penalties, a logit bias and ``min_tokens`` on a step's logits, each tree node's under its own
+context.
 
-A node's logits predict the token after its path, so its penalties count the request's tokens (the prompt and the
-output, the root among them) plus the drafted tokens on its path below the root. Verification then judges every
-node by the distribution one-token-a-step decoding would sample from: with penalties too, speculation is lossless
-(greedy rows emit the penalised argmax, sampled rows the penalised distribution).
+A node's logits predict the token after its path, so what they depend on counts the request's tokens (the prompt and
+the output, the root among them) plus the drafted tokens on its path below the root. Verification then judges every
+node by the distribution one-token-a-step decoding would sample from: with these too, speculation is lossless (greedy
+rows emit the processed argmax, sampled rows the processed distribution).
 
-vLLM's semantics, in its order, on the raw logits before temperature and the top-k / top-p / min-p transform:
+vLLM's semantics, in this order, on the raw logits before temperature and the top-k / top-p / min-p transform:
 - ``repetition_penalty`` r (1: off): each token in the prompt or the output, logit > 0 -> logit / r, else logit * r;
 - ``frequency_penalty`` f and ``presence_penalty`` p (0: off): logit -= f * count + p * (count > 0), counting the
-  output's tokens only.
+  output's tokens only;
+- ``logit_bias``: {token: bias} added (OpenAI's);
+- ``min_tokens``: the request's stop tokens (its EOS ids unless it ignores EOS, and its ``stop_token_ids``) at -inf
+  while fewer output tokens than that precede.
 """
 
 from __future__ import annotations
@@ -37,14 +41,15 @@ def node_paths(parents: list[int]) -> list[list[int]]:
     return [path(t) for t in range(len(parents))]
 
 
-def apply_penalties_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, rows: list[RowView],
-                     params: list[SamplingParams]) -> torch.Tensor:  # fmt: skip
+def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, rows: list[RowView],
+                    params: list[SamplingParams], stop_ids: list[set[int]]) -> torch.Tensor:  # fmt: skip
     """In place on float32 ``logits`` [B, T, V] of a step's tree (``tokens``, ``parents`` [B, T]: the draft's nodes;
-    node 0 the root): each row's penalties (``params[b]``) under each node's context (the module docstring)."""
+    node 0 the root): each row's processors (``params[b]``; ``stop_ids[b]`` the tokens ``min_tokens`` holds back)
+    under each node's context (the module docstring)."""
     B, T, V = logits.shape
     tokens_h, parents_h = tokens.tolist(), parents.tolist()
     for b, (row, p) in enumerate(zip(rows, params)):
-        if not p.penalised:
+        if not p.processes_logits:
             continue
         history = row.token_ids  # the prompt, then the output (the root last)
         output = history[row.num_prompt_tokens :]
@@ -65,6 +70,16 @@ def apply_penalties_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.
             for t, drafted in enumerate(paths):
                 for x, c in Counter(drafted).items():
                     logits[b, t, x] -= p.frequency_penalty * c + p.presence_penalty * (counts[x] == 0)
+        if p.logit_bias:
+            ids = sorted(p.logit_bias)
+            bias = torch.tensor([p.logit_bias[i] for i in ids], dtype=logits.dtype)  # [n]
+            logits[b, :, ids] += to_device(logits.device, bias)[0]
+        if p.min_tokens > len(output):
+            held = [t for t in range(T) if len(output) + len(paths[t]) < p.min_tokens]  # nodes before the minimum
+            stops = sorted(stop_ids[b])
+            if held and stops:
+                rows_, cols = to_device(logits.device, torch.tensor(held), torch.tensor(stops))
+                logits[b, rows_[:, None], cols[None, :]] = float("-inf")
     return logits
 
 

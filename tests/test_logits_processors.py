@@ -1,6 +1,7 @@
-"""Repetition, presence and frequency penalties (``spec_engine.penalties``): greedy tokens are a step-by-step
-reference's (HF's forward, the penalties applied by hand), with and without speculation, each tree node penalised
-under its own path; seeded samples are the same with any drafter; a planted bug (the drafted path ignored) is caught."""
+"""Logits processors (``spec_engine.logits_processors``: penalties, logit_bias, min_tokens): greedy tokens are a
+step-by-step reference's (HF's forward, the processors applied by hand), with and without speculation, each tree node
+processed under its own path; seeded samples are the same with any drafter; a planted bug (the drafted path ignored)
+is caught."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from collections import Counter
 
 import pytest
 import torch
-from tiny_models import make_model, make_noisy_copy
+from tiny_models import DRAFTER_MODES, drafter_config, make_model, make_noisy_copy
 
-import spec_engine.penalties as penalties
+import spec_engine.logits_processors as processors
 from spec_engine import LLM, SamplingParams
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2]]
@@ -19,13 +20,6 @@ SETTINGS = {
     "repetition": dict(repetition_penalty=1.5),
     "presence_frequency": dict(presence_penalty=0.8, frequency_penalty=0.6),
     "all": dict(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.2),
-}
-MODES = {
-    "none": None,
-    "chain4": {"method": "draft_model", "num_speculative_tokens": 4},
-    "tree": {"method": "draft_model", "num_speculative_tokens": 3, "tree": [2, 2, 1]},
-    "adaptive": {"method": "draft_model"},
-    "suffix": {"method": "suffix"},
 }
 
 
@@ -37,9 +31,11 @@ def pair(tmp_path_factory):
 
 
 def reference_greedy(model_dir, prompt: list[int], n: int, presence_penalty=0.0, frequency_penalty=0.0,
-                     repetition_penalty=1.0) -> tuple[list[int], int]:  # fmt: skip
-    """Greedy tokens one forward a token with the penalties applied by hand, and how many are trustworthy (the top-2
-    margin of the penalised logits >= 1e-3: a near-tie may go either way in another order of summation)."""
+                     repetition_penalty=1.0, logit_bias=None, min_tokens=0,
+                     stop_token_ids=()) -> tuple[list[int], int]:  # fmt: skip
+    """Greedy tokens one forward a token with the processors applied by hand (up to and with the first stop token),
+    and how many are trustworthy (the top-2 margin of the processed logits >= 1e-3: a near-tie may go either way in
+    another order of summation)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -51,23 +47,24 @@ def reference_greedy(model_dir, prompt: list[int], n: int, presence_penalty=0.0,
             z[x] = z[x] / repetition_penalty if z[x] > 0 else z[x] * repetition_penalty
         for x, c in Counter(seq[len(prompt) :]).items():
             z[x] -= frequency_penalty * c + presence_penalty
+        for x, v in (logit_bias or {}).items():
+            z[x] += v
+        if len(seq) - len(prompt) < min_tokens:
+            z[list(stop_token_ids)] = float("-inf")
         top2 = z.topk(2).values
         if trusted == n and top2[0] - top2[1] < 1e-3:
             trusted = i + 1
         seq.append(int(z.argmax()))
+        if seq[-1] in stop_token_ids:
+            return seq[len(prompt) :], min(trusted, i + 1)
     return seq[len(prompt) :], trusted
 
 
-def spec_config(mode: str, draft) -> dict | None:
-    spec = MODES[mode]
-    return spec and dict(spec, **({"model": str(draft)} if spec["method"] == "draft_model" else {}))
-
-
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(DRAFTER_MODES))
 def test_greedy_penalised_tokens_match_the_reference(pair, mode, setting):
     target, draft = pair
-    llm = LLM(str(target), speculative_config=spec_config(mode, draft), max_model_len=128, dtype="float32")
+    llm = LLM(str(target), speculative_config=drafter_config(mode, draft), max_model_len=128, dtype="float32")
     params = SamplingParams(max_tokens=MAX_TOKENS, **SETTINGS[setting])
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
@@ -81,13 +78,37 @@ def test_greedy_penalised_tokens_match_the_reference(pair, mode, setting):
         assert sum(o.metrics["num_accepted"] for o in outs) > 0  # drafted nodes were judged penalised
 
 
+@pytest.mark.parametrize("mode", list(DRAFTER_MODES))
+def test_logit_bias_and_min_tokens_match_the_reference(pair, mode):
+    """A bias that bans the first greedy token and favours another; then the biased output's third token as a stop
+    token, held back for 8 tokens (each drafted node by its own depth)."""
+    target, draft = pair
+    llm = LLM(str(target), speculative_config=drafter_config(mode, draft), max_model_len=128, dtype="float32")
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+
+    def greedy(**kw) -> list[int]:
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **kw)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    distinct = list(dict.fromkeys(greedy()))  # the unprocessed output's tokens, first seen first
+    bias = {distinct[0]: -100.0, distinct[1]: 2.0}
+    biased = greedy(logit_bias=bias)
+    assert distinct[0] not in biased and biased != greedy()[: len(biased)]
+    kw = dict(logit_bias=bias, min_tokens=8, stop_token_ids=[biased[2]])
+    got = greedy(**kw)
+    ref, trusted = reference_greedy(target, PROMPTS[0], MAX_TOKENS, **kw)
+    assert trusted >= 8, "too many near-ties: the check would be vacuous"
+    assert got[:trusted] == ref[:trusted], (mode, got, ref)
+    assert len(got) > 8 and biased[2] not in got[:8]  # held back, where it would have ended the request at 3
+
+
 def test_seeded_penalised_samples_are_the_same_with_any_drafter(pair):
     target, draft = pair
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=5, **SETTINGS["all"])
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     outs = {}
-    for mode in MODES:
-        llm = LLM(str(target), speculative_config=spec_config(mode, draft), max_model_len=128, dtype="float32")
+    for mode in DRAFTER_MODES:
+        llm = LLM(str(target), speculative_config=drafter_config(mode, draft), max_model_len=128, dtype="float32")
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert all(got == outs["none"] for got in outs.values()), outs
 
@@ -96,7 +117,7 @@ def test_a_planted_bug_is_caught(pair, monkeypatch):
     """Penalising every node as if its drafted path were not there (the root's context for all) changes a
     speculative request's greedy tokens: the reference check above would fail."""
     target, _ = pair
-    monkeypatch.setattr(penalties, "node_paths", lambda parents: [[] for _ in parents])
+    monkeypatch.setattr(processors, "node_paths", lambda parents: [[] for _ in parents])
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(target),
               "num_speculative_tokens": 4}, max_model_len=128, dtype="float32")  # fmt: skip
     params = SamplingParams(max_tokens=MAX_TOKENS, **SETTINGS["presence_frequency"])
@@ -110,7 +131,7 @@ def test_a_planted_bug_is_caught(pair, monkeypatch):
 
 def test_node_paths():
     # root 0; 1, 2 its children; 3 under 1; 4 under 3; 5 padding
-    assert penalties.node_paths([-1, 0, 0, 1, 3, -1]) == [[], [1], [2], [1, 3], [1, 3, 4], []]
+    assert processors.node_paths([-1, 0, 0, 1, 3, -1]) == [[], [1], [2], [1, 3], [1, 3, 4], []]
 
 
 @pytest.mark.parametrize(
@@ -129,3 +150,27 @@ def test_node_paths():
 def test_bad_penalties_are_refused(bad):
     with pytest.raises(ValueError, match="penalty"):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(logit_bias={1: 101}),
+        dict(logit_bias={-1: 1.0}),
+        dict(logit_bias={"1": 1.0}),
+        dict(logit_bias=[1]),
+        dict(logit_bias={i: 1.0 for i in range(301)}),
+        dict(min_tokens=-1),
+        dict(min_tokens=65, max_tokens=64),
+        dict(min_tokens=1.0),
+    ],  # fmt: skip
+)
+def test_bad_bias_and_min_tokens_are_refused(bad):
+    with pytest.raises(ValueError, match="logit_bias|min_tokens"):
+        SamplingParams(**bad)
+
+
+def test_a_bias_past_the_vocabulary_is_refused_before_queueing(pair):
+    llm = LLM(str(pair[0]), max_model_len=128, dtype="float32")
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
