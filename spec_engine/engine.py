@@ -209,6 +209,8 @@ class Engine:
             raise RequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", "prompt")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise RequestError(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
+            raise RequestError(f"allowed_token_ids must be token ids in [0, {self.vocab_size})", "allowed_token_ids")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "

@@ -377,7 +377,7 @@ class LLM:
         outputs = [
             CompletionOutput(
                 i,
-                visible_text(self.decode(r.output_token_ids), r.params.stop, finished=True),
+                visible_text(self.decode(r.output_token_ids), r.params.stop, True, r.params.include_stop_str_in_output),
                 list(r.output_token_ids),
                 r.finish_reason,
                 list(r.output_logprobs) if r.params.logprobs is not None else None,

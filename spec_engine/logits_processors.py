@@ -12,7 +12,8 @@ vLLM's semantics, in this order, on the raw logits before temperature and the to
   output's tokens only;
 - ``logit_bias``: {token: bias} added (OpenAI's);
 - ``min_tokens``: the request's stop tokens (its EOS ids unless it ignores EOS, and its ``stop_token_ids``) at -inf
-  while fewer output tokens than that precede.
+  while fewer output tokens than that precede;
+- ``allowed_token_ids``: every other token at -inf.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
             if held and stops:
                 rows_, cols = to_device(logits.device, torch.tensor(held), torch.tensor(stops))
                 logits[b, rows_[:, None], cols[None, :]] = float("-inf")
+        if p.allowed_token_ids:
+            allowed = np.zeros(V, dtype=bool)
+            allowed[p.allowed_token_ids] = True
+            logits[b].masked_fill_(~to_device(logits.device, torch.from_numpy(allowed))[0], float("-inf"))
     return logits
 
 

@@ -63,8 +63,9 @@ class SamplingParams:
     ``presence_penalty``, ``frequency_penalty`` (in [-2, 2], 0: off; the output's tokens) and ``repetition_penalty``
     (> 0, 1: off; the prompt's and the output's): vLLM's penalties; ``logit_bias`` {token id: bias in [-100, 100]}
     (OpenAI's, at most ``MAX_LOGIT_BIAS`` entries); ``min_tokens``: the stop tokens held back until that many output
-    tokens (vLLM's). All on the logits before temperature (``spec_engine.logits_processors``); such a request decodes
-    one Python-driven step per call, as ``logprobs`` does.
+    tokens (vLLM's); ``allowed_token_ids``: the only tokens it may emit (vLLM's). All on the logits before
+    temperature (``spec_engine.logits_processors``); such a request decodes one Python-driven step per call, as
+    ``logprobs`` does. ``include_stop_str_in_output``: the text ends after the stop string found, not before it.
     """
 
     max_tokens: int = 64
@@ -85,6 +86,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
@@ -159,6 +162,14 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
                     raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r}")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids (ints >= 0)")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError("include_stop_str_in_output must be True or False")
         _num("min_tokens", self.min_tokens, int)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
@@ -176,7 +187,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether a logits processor changes the target's logits (``spec_engine.logits_processors``)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
-                    or self.min_tokens)  # fmt: skip
+                    or self.min_tokens or self.allowed_token_ids)  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -198,15 +209,17 @@ def sequence_params(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, n=1, seed=seed)
 
 
-def visible_text(text: str, stop: list[str] | None, finished: bool) -> str:
+def visible_text(text: str, stop: list[str] | None, finished: bool, include_stop: bool = False) -> str:
     """The part of a request's decoded output ``text`` its client sees: cut before the first stop string (which the
-    output leaves out, as OpenAI's does); while the request runs, short of a tail that may be the start of one (a
-    stream never sends text that a later token turns into a stop string)."""
+    output leaves out, as OpenAI's does; after it with ``include_stop``, vLLM's ``include_stop_str_in_output``);
+    while the request runs, short of a tail that may be the start of one (a stream never sends text that a later
+    token turns into a stop string)."""
     if not stop:
         return text
-    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    found = [(i, -len(s)) for i, s in ((text.find(s), s) for s in stop) if i >= 0]
     if found:
-        return text[: min(found)]
+        start, minus_len = min(found)  # the first to start (the longest of those that start there)
+        return text[: start - minus_len if include_stop else start]
     if finished:
         return text
     held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)

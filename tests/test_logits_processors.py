@@ -31,8 +31,8 @@ def pair(tmp_path_factory):
 
 
 def reference_greedy(model_dir, prompt: list[int], n: int, presence_penalty=0.0, frequency_penalty=0.0,
-                     repetition_penalty=1.0, logit_bias=None, min_tokens=0,
-                     stop_token_ids=()) -> tuple[list[int], int]:  # fmt: skip
+                     repetition_penalty=1.0, logit_bias=None, min_tokens=0, stop_token_ids=(),
+                     allowed_token_ids=None) -> tuple[list[int], int]:  # fmt: skip
     """Greedy tokens one forward a token with the processors applied by hand (up to and with the first stop token),
     and how many are trustworthy (the top-2 margin of the processed logits >= 1e-3: a near-tie may go either way in
     another order of summation)."""
@@ -51,6 +51,10 @@ def reference_greedy(model_dir, prompt: list[int], n: int, presence_penalty=0.0,
             z[x] += v
         if len(seq) - len(prompt) < min_tokens:
             z[list(stop_token_ids)] = float("-inf")
+        if allowed_token_ids:
+            banned = torch.ones_like(z, dtype=torch.bool)
+            banned[allowed_token_ids] = False
+            z[banned] = float("-inf")
         top2 = z.topk(2).values
         if trusted == n and top2[0] - top2[1] < 1e-3:
             trusted = i + 1
@@ -100,6 +104,19 @@ def test_logit_bias_and_min_tokens_match_the_reference(pair, mode):
     assert trusted >= 8, "too many near-ties: the check would be vacuous"
     assert got[:trusted] == ref[:trusted], (mode, got, ref)
     assert len(got) > 8 and biased[2] not in got[:8]  # held back, where it would have ended the request at 3
+
+
+@pytest.mark.parametrize("mode", list(DRAFTER_MODES))
+def test_allowed_token_ids_match_the_reference(pair, mode):
+    target, draft = pair
+    llm = LLM(str(target), speculative_config=drafter_config(mode, draft), max_model_len=128, dtype="float32")
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    free = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0].token_ids
+    allowed = [t for t in range(96) if t not in free[:3]][:40]  # the first tokens plain decoding emits, left out
+    got = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, allowed_token_ids=allowed),
+                       use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+    ref, trusted = reference_greedy(target, PROMPTS[1], MAX_TOKENS, allowed_token_ids=allowed)
+    assert trusted > MAX_TOKENS // 2 and got[:trusted] == ref[:trusted] and set(got) <= set(allowed)
 
 
 def test_seeded_penalised_samples_are_the_same_with_any_drafter(pair):
@@ -163,10 +180,13 @@ def test_bad_penalties_are_refused(bad):
         dict(min_tokens=-1),
         dict(min_tokens=65, max_tokens=64),
         dict(min_tokens=1.0),
+        dict(allowed_token_ids=[]),
+        dict(allowed_token_ids=[-1]),
+        dict(allowed_token_ids=(1,)),
     ],  # fmt: skip
 )
 def test_bad_bias_and_min_tokens_are_refused(bad):
-    with pytest.raises(ValueError, match="logit_bias|min_tokens"):
+    with pytest.raises(ValueError, match="logit_bias|min_tokens|allowed_token_ids"):
         SamplingParams(**bad)
 
 

@@ -190,6 +190,11 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(which, request):
     chunks = list(c.completions.create(**kw, stop=[stop, "never"], stream=True))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == out.text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    kept = dict(kw, stop=stop, extra_body={"include_stop_str_in_output": True})  # (vLLM's: the string kept)
+    assert c.completions.create(**kept).choices[0].text == out.text + stop
+    assert (
+        "".join(ch.choices[0].text for ch in c.completions.create(**kept, stream=True) if ch.choices) == out.text + stop
+    )
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -463,12 +468,12 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         400,
         "presence_penalty",
     ),  # fmt: skip
-    "include_stop_str_in_output": (
+    "allowed_token_ids_past_vocab": (
         "/v1/completions",
-        _json({"prompt": "x", "stop": "\n", "include_stop_str_in_output": True}),
+        _json({"prompt": "x", "allowed_token_ids": [10**6]}),
         400,
-        "include_stop_str_in_output",
-    ),
+        "allowed_token_ids",
+    ),  # fmt: skip
     "guided_json": ("/v1/completions", _json({"prompt": "x", "guided_json": {"type": "object"}}), 400, "guided_json"),
     "min_tokens_past_max_tokens": (
         "/v1/completions",

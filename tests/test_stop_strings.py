@@ -28,6 +28,10 @@ def test_visible_text_cuts_at_the_first_stop_string_and_holds_back_a_partial_one
     assert visible_text("x = 1\nretu", ["return"], finished=True) == "x = 1\nretu"  # it ended without it
     assert visible_text("x = 1\nre", ["rex", "ret"], finished=False) == "x = 1\n"
     assert visible_text("abc", ["xyz"], finished=False) == "abc"
+    # include_stop_str_in_output: cut after the first to start (the longest of those starting there)
+    assert visible_text("a, b; c", [";", ","], finished=True, include_stop=True) == "a,"
+    assert visible_text("a, b; c", [",", ", b"], finished=True, include_stop=True) == "a, b"
+    assert visible_text("x = 1\nretu", ["return"], finished=False, include_stop=True) == "x = 1\n"
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +54,9 @@ def test_a_stop_string_ends_the_output_where_one_token_a_step_would(name, refere
     assert out.finish_reason == "stop"
     assert out.token_ids == full.token_ids[:first]  # no token of a step past the one that completed the string
     assert out.text == full.text[: full.text.index(stop)]
+    params.include_stop_str_in_output = True
+    kept = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == out.token_ids and kept.text == full.text[: full.text.index(stop) + len(stop)]
     again = llm.generate(PROMPT, SamplingParams(max_tokens=64, temperature=0.0, stop=["never"]), use_tqdm=False)
     assert again[0].outputs[0].token_ids == full.token_ids and again[0].outputs[0].finish_reason == "length"
 

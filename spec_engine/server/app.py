@@ -190,6 +190,8 @@ def create_app(
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logit_bias=bias,
                 min_tokens=req.min_tokens or 0,
+                allowed_token_ids=req.allowed_token_ids,
+                include_stop_str_in_output=bool(req.include_stop_str_in_output),
             )
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")

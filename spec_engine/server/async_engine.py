@@ -237,7 +237,7 @@ class AsyncEngine:
                 self._release()
             if sink is not None and req is not None:
                 self._totals.finished["abort"] += 1
-                text = self._new_text(sink, req.output_token_ids, finished=True, stop=req.params.stop)
+                text = self._new_text(sink, req.output_token_ids, finished=True, params=req.params)
                 usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids), req.metrics.num_cached_tokens)
                 metrics = req.metrics.as_dict(usage.completion_tokens)
                 sink.put(Delta(request_id, [], text, True, "abort", usage, metrics))
@@ -310,7 +310,7 @@ class AsyncEngine:
         sink = self._sinks.get(req.request_id)
         if sink is None:
             return
-        text = self._new_text(sink, req.output_token_ids, finished=out.finished, stop=req.params.stop)
+        text = self._new_text(sink, req.output_token_ids, finished=out.finished, params=req.params)
         usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids), req.metrics.num_cached_tokens)
         delta = Delta(req.request_id, list(out.new_token_ids), text, out.finished, req.finish_reason, usage)
         if req.params.logprobs is not None:
@@ -329,16 +329,19 @@ class AsyncEngine:
             del self._sinks[req.request_id]
             self._release()
 
-    def _new_text(self, sink: _Sink, output_ids: list[int], finished: bool, stop: list[str] | None = None) -> str:
+    def _new_text(self, sink: _Sink, output_ids: list[int], finished: bool,
+                  params: SamplingParams | None = None) -> str:  # fmt: skip
         """Decode the whole output and return what was not sent yet. A trailing U+FFFD may be half a character
         whose other bytes are still to come, so it is held back until a later token (or the end) settles it; so is a
-        tail that may begin a stop string, and a stop string itself is never sent (``visible_text``)."""
+        tail that may begin a stop string, and a stop string itself is not sent unless the request includes it
+        (``visible_text``)."""
         if self.llm.tokenizer is None:
             return ""
         text = self.llm.decode(output_ids)
         if not finished:
             text = text.rstrip(REPLACEMENT_CHAR)
-        text = visible_text(text, stop, finished)
+        if params is not None:
+            text = visible_text(text, params.stop, finished, params.include_stop_str_in_output)
         if not text.startswith(sink.sent_text):  # a decoder that rewrites earlier text (a byte-level one never does)
             return ""
         new = text[len(sink.sent_text) :]

@@ -2,9 +2,9 @@
 for numbers, no booleans for ints). The chat template lives in ``spec_engine.chat_template``.
 
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
-``ignore_eos``, ``repetition_penalty``, ``min_tokens``. Fields that would change the output but are not implemented
-(the chat API's ``echo``, ``tools``, ...) are rejected with 400 when set, never silently ignored; unknown fields are
-ignored.
+``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``include_stop_str_in_output``. Fields
+that would change the output but are not implemented (the chat API's ``echo``, ``tools``, ...) are rejected with 400
+when set, never silently ignored; unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null al
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
     # vLLM's extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos,
-    # repetition_penalty and min_tokens it does)
+    # repetition_penalty, min_tokens, allowed_token_ids and include_stop_str_in_output it does)
     "bad_words": ([],),
-    "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
-    "allowed_token_ids": (),
     "prompt_logprobs": (),
     "truncate_prompt_tokens": (),
     "guided_json": (),
@@ -64,6 +62,8 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: float | None = None  # (vLLM's extension)
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings -> biases
     min_tokens: int | None = Field(None, ge=0)  # (vLLM's extension)
+    allowed_token_ids: list[int] | None = None  # (vLLM's extension)
+    include_stop_str_in_output: bool | None = None  # (vLLM's extension)
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1)  # choices (SamplingParams checks the most)
     stream: bool = False
