@@ -211,6 +211,9 @@ class Engine:
             raise RequestError(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
         if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
             raise RequestError(f"allowed_token_ids must be token ids in [0, {self.vocab_size})", "allowed_token_ids")
+        if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= self._stop_ids(params):
+            raise RequestError("allowed_token_ids are all stop tokens, which min_tokens holds back: nothing could be "
+                               "emitted", "allowed_token_ids")  # fmt: skip
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "

@@ -46,46 +46,63 @@ def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
                     params: list[SamplingParams], stop_ids: list[set[int]]) -> torch.Tensor:  # fmt: skip
     """In place on float32 ``logits`` [B, T, V] of a step's tree (``tokens``, ``parents`` [B, T]: the draft's nodes;
     node 0 the root): each row's processors (``params[b]``; ``stop_ids[b]`` the tokens ``min_tokens`` holds back)
-    under each node's context (the module docstring)."""
+    under each node's context (the module docstring). Each processor touches the columns it concerns (the tokens
+    seen, counted, biased, held back), a few index copies a row, never a loop of per-node device ops."""
     B, T, V = logits.shape
-    tokens_h, parents_h = tokens.tolist(), parents.tolist()
+    dev = logits.device
+    both = torch.cat((tokens, parents), dim=1).tolist()  # [B, 2T]: the tree, read once
     for b, (row, p) in enumerate(zip(rows, params)):
         if not p.processes_logits:
             continue
+        z = logits[b]  # [T, V], a view
         history = row.token_ids  # the prompt, then the output (the root last)
         output = history[row.num_prompt_tokens :]
-        paths = [[tokens_h[b][n] for n in path] for path in node_paths([-1] + parents_h[b][1:])]
+        paths = [[both[b][n] for n in path] for path in node_paths([-1] + both[b][T + 1 :])]
         if p.repetition_penalty != 1.0:
-            seen = np.zeros(V, dtype=bool)
-            seen[history] = True
-            mask = to_device(logits.device, torch.from_numpy(seen))[0]  # [V]
-            logits[b] = torch.where(mask, _repeated(logits[b], p.repetition_penalty), logits[b])
-            for t, drafted in enumerate(paths):  # a drafted token not seen before: penalised below its node
-                fresh = sorted({x for x in drafted if not seen[x]})
-                if fresh:
-                    logits[b, t, fresh] = _repeated(logits[b, t, fresh], p.repetition_penalty)
+            seen = np.unique(history)  # [S]
+            cols = _ids(dev, seen)
+            z[:, cols] = _repeated(z[:, cols], p.repetition_penalty)
+            known = set(seen.tolist())  # a drafted token not seen before: penalised below its node
+            fresh = sorted({(t, x) for t, path in enumerate(paths) for x in path if x not in known})
+            if fresh:
+                at = _ids(dev, *zip(*fresh))
+                z[at] = _repeated(z[at], p.repetition_penalty)
         if p.frequency_penalty or p.presence_penalty:
-            counts = np.bincount(output, minlength=V).astype(np.float32)  # [V]
-            dense = p.frequency_penalty * counts + p.presence_penalty * (counts > 0)  # [V]
-            logits[b] -= to_device(logits.device, torch.from_numpy(dense))[0]
-            for t, drafted in enumerate(paths):
-                for x, c in Counter(drafted).items():
-                    logits[b, t, x] -= p.frequency_penalty * c + p.presence_penalty * (counts[x] == 0)
+            f, pres = p.frequency_penalty, p.presence_penalty
+            counts = np.bincount(output, minlength=V)  # [V]
+            counted = np.flatnonzero(counts)
+            if len(counted):
+                z[:, _ids(dev, counted)] -= _values(dev, f * counts[counted] + pres)
+            extra = [(t, x, f * c + pres * (counts[x] == 0)) for t, path in enumerate(paths)
+                     for x, c in Counter(path).items()]  # fmt: skip
+            if extra:
+                t_idx, x_idx, amounts = zip(*extra)
+                z.index_put_(_ids(dev, t_idx, x_idx), -_values(dev, amounts), accumulate=True)
         if p.logit_bias:
             ids = sorted(p.logit_bias)
-            bias = torch.tensor([p.logit_bias[i] for i in ids], dtype=logits.dtype)  # [n]
-            logits[b, :, ids] += to_device(logits.device, bias)[0]
+            z[:, _ids(dev, ids)] += _values(dev, [p.logit_bias[i] for i in ids])
         if p.min_tokens > len(output):
             held = [t for t in range(T) if len(output) + len(paths[t]) < p.min_tokens]  # nodes before the minimum
-            stops = sorted(stop_ids[b])
+            stops = sorted(t for t in stop_ids[b] if 0 <= t < V)  # (an id past the vocabulary is never emitted)
             if held and stops:
-                rows_, cols = to_device(logits.device, torch.tensor(held), torch.tensor(stops))
-                logits[b, rows_[:, None], cols[None, :]] = float("-inf")
+                rows_, cols = _ids(dev, held, stops)
+                z[rows_[:, None], cols[None, :]] = float("-inf")
         if p.allowed_token_ids:
             allowed = np.zeros(V, dtype=bool)
             allowed[p.allowed_token_ids] = True
-            logits[b].masked_fill_(~to_device(logits.device, torch.from_numpy(allowed))[0], float("-inf"))
+            z.masked_fill_(~to_device(dev, torch.from_numpy(allowed))[0], float("-inf"))
     return logits
+
+
+def _ids(device: torch.device, *lists) -> tuple[torch.Tensor, ...] | torch.Tensor:
+    """Host index lists as int64 tensors on ``device``, in one copy (one tensor for one list)."""
+    out = to_device(device, *(torch.as_tensor(np.asarray(x, dtype=np.int64)) for x in lists))
+    return out[0] if len(lists) == 1 else tuple(out)
+
+
+def _values(device: torch.device, values) -> torch.Tensor:
+    """Host numbers as a float32 tensor on ``device``."""
+    return to_device(device, torch.as_tensor(np.asarray(values, dtype=np.float32)))[0]
 
 
 def _repeated(z: torch.Tensor, r: float) -> torch.Tensor:

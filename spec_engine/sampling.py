@@ -173,15 +173,17 @@ class SamplingParams:
         _num("min_tokens", self.min_tokens, int)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
+        if self.min_tokens and self.stop:  # (vLLM skips stop strings before the minimum; the engine reads them once)
+            raise ValueError("min_tokens with stop strings is not supported: use stop_token_ids, or no min_tokens")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.invariant is not None and not isinstance(self.invariant, bool):
             raise ValueError(f"invariant must be True, False or None, got {self.invariant!r}")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
             ):
-                raise ValueError("stop_token_ids must be a list of ints")
+                raise ValueError("stop_token_ids must be a list of token ids (ints >= 0)")
 
     @property
     def processes_logits(self) -> bool:

@@ -183,10 +183,12 @@ def test_bad_penalties_are_refused(bad):
         dict(allowed_token_ids=[]),
         dict(allowed_token_ids=[-1]),
         dict(allowed_token_ids=(1,)),
+        dict(stop_token_ids=[-22]),  # (a negative id would index from the end of the vocabulary)
+        dict(min_tokens=2, stop=["x"]),  # (vLLM skips stop strings before the minimum; not supported)
     ],  # fmt: skip
 )
 def test_bad_bias_and_min_tokens_are_refused(bad):
-    with pytest.raises(ValueError, match="logit_bias|min_tokens|allowed_token_ids"):
+    with pytest.raises(ValueError, match="logit_bias|min_tokens|allowed_token_ids|stop_token_ids"):
         SamplingParams(**bad)
 
 
@@ -194,3 +196,12 @@ def test_a_bias_past_the_vocabulary_is_refused_before_queueing(pair):
     llm = LLM(str(pair[0]), max_model_len=128, dtype="float32")
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    # allowed tokens that min_tokens all holds back: nothing could be emitted
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(allowed_token_ids=[9], stop_token_ids=[9],
+                     min_tokens=5), use_tqdm=False)  # fmt: skip
+    # stop ids past the vocabulary (never emitted) held back by min_tokens: as if absent
+    params = SamplingParams(max_tokens=8, min_tokens=4, ignore_eos=True, stop_token_ids=[10**6, 2**70])
+    out = llm.generate({"prompt_token_ids": [1, 2]}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=8, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip

@@ -487,6 +487,12 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         400,
         "logit_bias",
     ),  # fmt: skip
+    "logit_bias_key_not_canonical": (
+        "/v1/completions",
+        _json({"prompt": "x", "logit_bias": {"05": 1}}),
+        400,
+        "logit_bias",
+    ),  # fmt: skip
     "logit_bias_past_100": ("/v1/completions", _json({"prompt": "x", "logit_bias": {"5": 200}}), 400, "logit_bias"),
     "logit_bias_past_vocab": (
         "/v1/completions",

@@ -167,10 +167,9 @@ def create_app(
             raise APIError(400, msg, param="max_tokens", code="context_length_exceeded")
         bias = None
         if req.logit_bias is not None:
-            try:
-                bias = {int(k): v for k, v in req.logit_bias.items()}
-            except ValueError:
-                raise APIError(400, "logit_bias keys must be token ids (decimal strings)", param="logit_bias") from None
+            if not all(k.isascii() and k.isdigit() and str(int(k)) == k for k in req.logit_bias):
+                raise APIError(400, "logit_bias keys must be token ids as decimal strings ('42')", param="logit_bias")
+            bias = {int(k): v for k, v in req.logit_bias.items()}
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
