@@ -1,5 +1,6 @@
-"""The names and checks of ``LLM``'s settings: the dtypes it takes and its ``speculative_config`` (methods, keys,
-defaults, the adaptive caps). Parsing reads no weights but a drafter directory's tensor names (``is_eagle_head``)."""
+"""The names and checks of ``LLM``'s settings: the dtype names it takes (``DTYPES``; which one "auto" picks is
+``llm.auto_dtype``'s) and its ``speculative_config`` (methods, keys, defaults, the adaptive caps). Parsing reads no
+weights but a drafter directory's tensor names (``is_eagle_head``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ SUFFIX_ADAPTIVE_MAX_TOKENS = 16
 MAX_SUFFIX_TOKENS = 32  # the largest num_speculative_tokens (tree nodes) of method="suffix"
 SPECULATIVE_METHODS = tuple(DEFAULT_NUM_SPECULATIVE_TOKENS)
 MODEL_METHODS = ("draft_model", "eagle")  # drafters with weights, proposing chains or static trees
+WEIGHTED_METHODS = (*MODEL_METHODS, "hybrid")  # the methods that take a "model" (the hybrid wraps one)
 # suffix decoding's keys: vLLM's where vLLM has the knob (SpeculativeConfig.suffix_decoding_*), ours otherwise
 SUFFIX_KEYS = {
     "suffix_decoding_max_tree_depth": suffix_defaults.MAX_TREE_DEPTH,
@@ -76,7 +78,7 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= 16:
             raise ValueError(f"eagle_topk must be an int in [1, 16], got {topk!r}")
     elif tree is not None:
-        if method not in (*MODEL_METHODS, "hybrid"):
+        if method not in WEIGHTED_METHODS:
             raise ValueError("a static 'tree' needs method='draft_model', 'eagle' or 'hybrid'")
         if not isinstance(tree, (list, tuple)) or not all(isinstance(b, int) and b >= 1 for b in tree):
             raise ValueError(f"speculative_config.tree must be a list of positive ints, got {tree!r}")
@@ -105,7 +107,7 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
         if spec.get("min_n", 1) > spec.get("max_n", NGRAM_MAX_N):
             raise ValueError(f"min_n ({spec.get('min_n', 1)}) exceeds max_n ({spec.get('max_n', NGRAM_MAX_N)})")
-    if method in (*MODEL_METHODS, "hybrid") and not spec.get("model"):  # LLM fills in the shipped drafter
+    if method in WEIGHTED_METHODS and not spec.get("model"):  # LLM fills in the shipped drafter
         return {**spec, "method": method, "model_method": None, "num_speculative_tokens": gamma,
                 "adaptive": adaptive, "suffix": suffix}  # fmt: skip
     model_method = method

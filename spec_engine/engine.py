@@ -258,15 +258,16 @@ class Engine:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.block_keys is None:  # (the last prompt token is the first step's root: never in a cached block)
-                # (a request asking for its prompt's logprobs computes every position: none comes from the cache)
-                asks = req.params.prompt_logprobs is not None
-                req.block_keys = [] if asks else self.allocator.keys(req.prompt_token_ids[:-1])
-            if self._awaits_shared_prefill(req):
+                req.block_keys = self.allocator.keys(req.prompt_token_ids[:-1])
+            # a request asking for its prompt's logprobs computes every position: it takes nothing from the cache
+            # (its own blocks are cached for the requests after it)
+            lookup = [] if req.params.prompt_logprobs is not None else req.block_keys
+            if lookup and self._awaits_shared_prefill(req):
                 held.append(self.waiting.popleft())
                 continue
-            if not self.allocator.can_allocate(self.tokens_to_reserve(req), req.block_keys):
+            if not self.allocator.can_allocate(self.tokens_to_reserve(req), lookup):
                 break  # first come, first served: it waits for blocks to return
-            req.blocks, cached = self.allocator.allocate(self.tokens_to_reserve(req), req.block_keys)
+            req.blocks, cached = self.allocator.allocate(self.tokens_to_reserve(req), lookup)
             # a cached prefix (prefix caching) is computed: its K/V, an EAGLE head's features and, where the drafter
             # sees every prompt chunk (a fixed depth: _prefill), the draft cache came with its blocks; the adaptive
             # controller's drafter catches up from the start when it first drafts the request
@@ -440,15 +441,10 @@ class Engine:
             max_steps = min(max_steps, self.controller.plain_probe_steps(len(reqs)))
         if self._thread_probe:  # the thread tuner's probe of the other thread count: a probe's steps, not a chain's
             max_steps = min(max_steps, self.threads.probe_call_steps())
-        # log-probabilities and logits processors take the regular step's logits: the native calls return tokens
-        # alone, verified against logits as the target gave them
         logprobs = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
-        regular = logprobs is not None or any(r.params.processes_logits for r in reqs)
-        if regular:
-            max_steps = 0
         result = self.runner.run(reqs, gammas, suffix_rows, self._stop_tensor(reqs), max_steps=max_steps,
-                                 full_steps=full_steps, stop_on_reject=unsure,
-                                 native_verify=cfg.native_tree_step and not regular, logprobs=logprobs)  # fmt: skip
+                                 full_steps=full_steps, stop_on_reject=unsure, native_verify=cfg.native_tree_step,
+                                 logprobs=logprobs)  # fmt: skip
         if not result.full_steps:
             self.stats["num_regular_steps"] += 1
         if plan.expected is not None:

@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from spec_engine.chat_template import ChatTemplate
-from spec_engine.config import DTYPES, MODEL_METHODS, parse_speculative_config
+from spec_engine.config import DTYPES, WEIGHTED_METHODS, parse_speculative_config
 from spec_engine.drafters.factory import DrafterFactory
 from spec_engine.engine import Engine, EngineConfig
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
@@ -346,6 +346,9 @@ class LLM:
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
         # each prompt's n sequences, one engine request each
         sequences = [[sequence_params(p, i) for i in range(p.n)] for p in params]
+        for seqs in sequences:  # the prompt's logprobs are the first sequence's: the others take its K/V from the cache
+            for later in seqs[1:]:
+                later.prompt_logprobs = None
         for (_, ids), seqs in zip(parsed, sequences):  # validate everything before queueing anything
             for p in seqs:
                 self.engine.check_request(ids, p)
@@ -440,15 +443,15 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: boo
         draft = draft or (str(MODELS_DIR / "eagle") if args.method == "eagle" else default_draft)
     model = str(resolve_model(model))
     method = args.method or default_method(model, draft)
-    if args.draft and method not in (*MODEL_METHODS, "hybrid"):
+    if args.draft and method not in WEIGHTED_METHODS:
         raise ValueError(
-            f"--draft is the drafter of --method {', '.join((*MODEL_METHODS, 'hybrid'))}; "
+            f"--draft is the drafter of --method {', '.join(WEIGHTED_METHODS)}; "
             f"--method {method} drafts without a model"
         )
     spec = None
     if speculate and method != "none":
         spec = {"method": method}
-        if method in (*MODEL_METHODS, "hybrid") and draft:  # none given: LLM takes the drafter shipped for the model
+        if method in WEIGHTED_METHODS and draft:  # none given: LLM takes the drafter shipped for the model
             spec["model"] = draft
         if method in ("suffix", "hybrid") and getattr(args, "compare", False):
             # --compare times the same request over and over: a global tree of earlier outputs would hand each

@@ -1,19 +1,20 @@
-"""Logits processors: penalties, a logit bias and ``min_tokens`` on a step's logits, each tree node's under its own
-context.
+"""Logits processors: ``allowed_token_ids``, ``min_tokens``, a logit bias and penalties on a step's logits, each tree
+node's under its own context (the tree read to the host once a step, besides the step's own read).
 
 A node's logits predict the token after its path, so what they depend on counts the request's tokens (the prompt and
 the output, the root among them) plus the drafted tokens on its path below the root. Verification then judges every
 node by the distribution one-token-a-step decoding would sample from: with these too, speculation is lossless (greedy
 rows emit the processed argmax, sampled rows the processed distribution).
 
-vLLM's semantics, in this order, on the raw logits before temperature and the top-k / top-p / min-p transform:
-- ``repetition_penalty`` r (1: off): each token in the prompt or the output, logit > 0 -> logit / r, else logit * r;
-- ``frequency_penalty`` f and ``presence_penalty`` p (0: off): logit -= f * count + p * (count > 0), counting the
-  output's tokens only;
-- ``logit_bias``: {token: bias} added (OpenAI's);
+vLLM's semantics, in its sampler's order, on the raw logits before temperature and the top-k / top-p / min-p
+transform:
+- ``allowed_token_ids``: every other token at -inf;
 - ``min_tokens``: the request's stop tokens (its EOS ids unless it ignores EOS, and its ``stop_token_ids``) at -inf
   while fewer output tokens than that precede;
-- ``allowed_token_ids``: every other token at -inf.
+- ``logit_bias``: {token: bias} added (OpenAI's);
+- ``repetition_penalty`` r (1: off): each token in the prompt or the output, logit > 0 -> logit / r, else logit * r;
+- ``frequency_penalty`` f and ``presence_penalty`` p (0: off): logit -= f * count + p * (count > 0), counting the
+  output's tokens only.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from spec_engine.drafters.base import RowView
-from spec_engine.sampling import SamplingParams
+from spec_engine.request import Request
 from spec_engine.transfer import to_device
 
 
@@ -42,22 +42,37 @@ def node_paths(parents: list[int]) -> list[list[int]]:
     return [path(t) for t in range(len(parents))]
 
 
-def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, rows: list[RowView],
-                    params: list[SamplingParams], stop_ids: list[set[int]]) -> torch.Tensor:  # fmt: skip
+def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                    reqs: list[Request]) -> torch.Tensor:  # fmt: skip
     """In place on float32 ``logits`` [B, T, V] of a step's tree (``tokens``, ``parents`` [B, T]: the draft's nodes;
-    node 0 the root): each row's processors (``params[b]``; ``stop_ids[b]`` the tokens ``min_tokens`` holds back)
-    under each node's context (the module docstring). Each processor touches the columns it concerns (the tokens
-    seen, counted, biased, held back), a few index copies a row, never a loop of per-node device ops."""
+    node 0 the root): each row's processors (``reqs[b].params``; ``reqs[b].stop_ids`` the tokens ``min_tokens`` holds
+    back) under each node's context (the module docstring). Each processor but ``allowed_token_ids`` (a mask of the row)
+    touches only the columns it concerns (the tokens held back, biased, seen, counted), in a few index copies a row,
+    never a loop of per-node device ops."""
     B, T, V = logits.shape
     dev = logits.device
     both = torch.cat((tokens, parents), dim=1).tolist()  # [B, 2T]: the tree, read once
-    for b, (row, p) in enumerate(zip(rows, params)):
+    for b, req in enumerate(reqs):
+        p = req.params
         if not p.processes_logits:
             continue
         z = logits[b]  # [T, V], a view
-        history = row.token_ids  # the prompt, then the output (the root last)
-        output = history[row.num_prompt_tokens :]
+        history = req.history[: req.num_tokens]  # the prompt, then the output (the root last)
+        output = history[len(req.prompt_token_ids) :]
         paths = [[both[b][n] for n in path] for path in node_paths([-1] + both[b][T + 1 :])]
+        if p.allowed_token_ids:
+            allowed = np.zeros(V, dtype=bool)
+            allowed[p.allowed_token_ids] = True
+            z.masked_fill_(~to_device(dev, torch.from_numpy(allowed))[0], float("-inf"))
+        if p.min_tokens > len(output):
+            held = [t for t in range(T) if len(output) + len(paths[t]) < p.min_tokens]  # nodes before the minimum
+            stops = sorted(t for t in req.stop_ids if 0 <= t < V)  # (an id past the vocabulary is never emitted)
+            if held and stops:
+                rows_, cols = _ids(dev, held, stops)
+                z[rows_[:, None], cols[None, :]] = float("-inf")
+        if p.logit_bias:
+            ids = sorted(p.logit_bias)
+            z[:, _ids(dev, ids)] += _values(dev, [p.logit_bias[i] for i in ids])
         if p.repetition_penalty != 1.0:
             seen = np.unique(history)  # [S]
             cols = _ids(dev, seen)
@@ -78,19 +93,6 @@ def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
             if extra:
                 t_idx, x_idx, amounts = zip(*extra)
                 z.index_put_(_ids(dev, t_idx, x_idx), -_values(dev, amounts), accumulate=True)
-        if p.logit_bias:
-            ids = sorted(p.logit_bias)
-            z[:, _ids(dev, ids)] += _values(dev, [p.logit_bias[i] for i in ids])
-        if p.min_tokens > len(output):
-            held = [t for t in range(T) if len(output) + len(paths[t]) < p.min_tokens]  # nodes before the minimum
-            stops = sorted(t for t in stop_ids[b] if 0 <= t < V)  # (an id past the vocabulary is never emitted)
-            if held and stops:
-                rows_, cols = _ids(dev, held, stops)
-                z[rows_[:, None], cols[None, :]] = float("-inf")
-        if p.allowed_token_ids:
-            allowed = np.zeros(V, dtype=bool)
-            allowed[p.allowed_token_ids] = True
-            z.masked_fill_(~to_device(dev, torch.from_numpy(allowed))[0], float("-inf"))
     return logits
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -77,6 +78,15 @@ class ScoreTrust:
         self.expected = TRUST_DECAY * self.expected + expected
 
 
+class TokenLogprobs(NamedTuple):
+    """One emitted (or prompt) token's log-probability under the target and the ``k`` most likely tokens' (their ids
+    and log-probabilities, in rank order), as a step reads them (``spec_engine.runner.token_logprobs``)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 @dataclass
 class Request:
     request_id: str
@@ -112,12 +122,12 @@ class Request:
             self.prompt_logprobs = [None]  # the first token: nothing precedes it (the prefill adds the others')
 
     @staticmethod
-    def logprobs_entry(token: int, logprobs: tuple[float, list[int], list[float]], k: int) -> dict[int, float]:
-        """{token: its log-probability, then the ``k`` most likely others': theirs} from ``token_logprobs``'s row."""
-        lp, ids, values = logprobs
-        return {token: lp, **{i: v for i, v in zip(ids[:k], values[:k]) if i != token}}
+    def logprobs_entry(token: int, logprobs: TokenLogprobs, k: int) -> dict[int, float]:
+        """{token: its log-probability, then the ``k`` most likely others': theirs}."""
+        top = zip(logprobs.top_ids[:k], logprobs.top_logprobs[:k])
+        return {token: logprobs.logprob, **{i: v for i, v in top if i != token}}
 
-    def append(self, tokens: list[int], logprobs: list[tuple[float, list[int], list[float]]] | None = None) -> None:
+    def append(self, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
         """Emitted ``tokens``; ``logprobs`` theirs (``StepResult.logprobs``), kept where the request asks."""
         k = self.params.logprobs
         if k is not None:

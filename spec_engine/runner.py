@@ -29,8 +29,8 @@ from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.logits_processors import process_logits_
 from spec_engine.models import Target
-from spec_engine.request import Request, RequestRows
-from spec_engine.sampling import SEED_MASK, SamplingParams
+from spec_engine.request import Request, RequestRows, TokenLogprobs
+from spec_engine.sampling import SEED_MASK
 from spec_engine.transfer import to_device
 from spec_kernels import PAD_NODE, VerifyResult, verify_tree
 from spec_kernels.decoder_layers import NativeHead, NativeModel, greedy_steps, spec_chain, tree_step
@@ -52,8 +52,8 @@ class StepResult:
     the times are final). ``learned`` [S][B]: the depths the controller learns acceptance from (None: ``gammas``; a
     hybrid's suffix rows say nothing of its model drafter; nor do a suffix drafter's), ``widths[s]``: the tokens step s
     verified in its target pass (B * T, T the step's widest tree; None: the depths' trees, ``nodes_for_depth``).
-    ``logprobs[b]`` (the regular step, when asked): per token of ``tokens[b]``, (its log-probability, the ``k`` most
-    likely tokens' ids, their log-probabilities) under the target's distribution at its parent node.
+    ``logprobs[b]`` (the regular step, when asked): per token of ``tokens[b]``, its ``TokenLogprobs`` under the target's
+    distribution at its parent node.
     """
 
     gammas: list[list[int]]
@@ -65,7 +65,7 @@ class StepResult:
     full_steps: int = 0
     learned: list[list[int]] | None = None
     widths: list[int] | None = None
-    logprobs: list[list[tuple[float, list[int], list[float]]]] | None = None
+    logprobs: list[list[TokenLogprobs]] | None = None
 
 
 def _native(model, cache: PagedKVCache | None) -> NativeModel | NativeHead | None:
@@ -74,24 +74,25 @@ def _native(model, cache: PagedKVCache | None) -> NativeModel | NativeHead | Non
     return native if native is not None and cache is not None and cache.data.dtype == native.dtype else None
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple[float, list[int], list[float]]]:
-    """Per row of ``logits`` [N, V]: (``tokens`` [N]'s log-probability, the ``k`` most likely tokens' ids, theirs),
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Per row of ``logits`` [N, V]: ``tokens`` [N]'s log-probability and the ``k`` most likely tokens' (one host read),
     log-softmax in float32."""
     lp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     chosen = lp.gather(-1, tokens[:, None])[:, 0]  # [N]
     top = lp.topk(k, dim=-1)  # [N, k]
-    return list(zip(chosen.tolist(), top.indices.tolist(), top.values.tolist()))
+    both = torch.cat((chosen[:, None], top.values), dim=1).tolist()  # [N, 1 + k]
+    return [TokenLogprobs(row[0], ids, row[1:]) for row, ids in zip(both, top.indices.tolist())]
 
 
-def _logprobs(logits: torch.Tensor, result: VerifyResult, k: int) -> list[list[tuple[float, list[int], list[float]]]]:
+def _logprobs(logits: torch.Tensor, result: VerifyResult, num_accepted: list[int], k: int) -> list[list[TokenLogprobs]]:
     """Each row's emitted tokens' log-probabilities (``StepResult.logprobs``) from the verify pass's logits
     [B, T, V]: token j of row b is drawn from the distribution at its path's node j (the root's, then each accepted
-    draft's)."""
+    draft's); ``num_accepted`` [B] the tokens each row emitted (host)."""
     B, T = result.output_tokens.shape
     nodes = result.accepted_nodes.clamp(min=0)  # [B, T]: padding past num_accepted reads the root, then is dropped
     at = logits[torch.arange(B, device=logits.device)[:, None], nodes]  # [B, T, V]
     rows = token_logprobs(at.flatten(0, 1), result.output_tokens.clamp(min=0).flatten(), k)  # [B * T]
-    return [rows[b * T : b * T + n] for b, n in enumerate(result.num_accepted.tolist())]
+    return [rows[b * T : b * T + n] for b, n in enumerate(num_accepted)]
 
 
 class StepRunner:
@@ -133,7 +134,9 @@ class StepRunner:
         step where some row accepted nothing (an unsure controller re-decides the depth). ``native_verify``: the
         regular step of greedy rows verifies in one native call where it can (``_native_verify``). ``logprobs``: the
         regular step returns each emitted token's log-probabilities and this many alternatives' (``StepResult``;
-        the native calls return none: a caller asking sets ``max_steps`` 0 and ``native_verify`` False)."""
+        the native calls return none, nor do they run logits processors: a call with such rows is the regular step)."""
+        if logprobs is not None or any(r.params.processes_logits for r in reqs):
+            max_steps, native_verify = 0, False
         result = None
         if max_steps and max(gammas) == 0:
             K = self._plain_chain_len(reqs, max_steps)
@@ -242,10 +245,9 @@ class StepRunner:
                       native_verify: bool = True, logprobs: int | None = None) -> StepResult:  # fmt: skip
         """One step driven from Python: ``_spec_step`` on the step's inputs."""
         batch, sampling = self.step_inputs(reqs, gammas, suffix_rows)
-        processed = any(r.params.processes_logits for r in reqs)
-        processors = ([r.params for r in reqs], [r.stop_ids for r in reqs]) if processed else None
+        processed = reqs if any(r.params.processes_logits for r in reqs) else None
         out_tokens, num_accepted, draft_lens, width, lps = self._spec_step(batch, sampling, native_verify, logprobs,
-                                                                           processors)  # fmt: skip
+                                                                           processed)  # fmt: skip
         # suffix rows (a hybrid's, a suffix drafter's) teach the controller nothing of a model drafter's acceptance;
         # their pass, as wide as the drafter shaped it, prices that width
         learned = gammas if suffix_rows is None else [0 if s else g for g, s in zip(gammas, suffix_rows)]
@@ -289,15 +291,14 @@ class StepRunner:
         return batch, dev
 
     def _spec_step(self, batch: StepBatch, sampling: dict, native_verify: bool = True, logprobs: int | None = None,
-                   processors: tuple[list[SamplingParams], list[set[int]]] | None = None,
+                   processed: list[Request] | None = None,
                    ) -> tuple[list[list[int]], list[int], list[int], int, list | None]:  # fmt: skip
         """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches.
 
         Returns the host's (emitted tokens [B][T], num_accepted [B], the draft cache's new lengths [B] where the
         drafter keeps a cache, the tokens the target pass verified: B * T, the emitted tokens' log-probabilities
-        with ``logprobs`` alternatives each where asked: ``StepResult.logprobs``, else None). ``processors``: the
-        rows' parameters and stop ids where some row's logits are processed (``spec_engine.logits_processors``; the
-        native calls do not)."""
+        with ``logprobs`` alternatives each where asked: ``StepResult.logprobs``, else None). ``processed``: the
+        step's requests where some row's logits are processed (``spec_engine.logits_processors``)."""
         start = time.perf_counter()
         rows = [b for b, g in enumerate(batch.gammas) if g > 0] if self.drafter is not None else []
         partial = 0 < len(rows) < batch.size  # some rows drafted, not all: the drafter runs on a sub-batch
@@ -305,14 +306,13 @@ class StepRunner:
         draft = self._propose(batch, rows, index)  # tokens/parents [B, T], draft_probs [B, T, V] | None
         drafted = time.perf_counter()
         verified = self._native_verify(batch, draft) if native_verify else None
-        lps = None
+        logits = None
         if verified is not None:
             result, features = verified
         else:
-            result, features, logits = self._verify(batch, draft, sampling, processors, raw=logprobs is not None)
-            if logprobs is not None:
-                lps = _logprobs(logits, result, logprobs)
-        out_tokens, num_accepted = self._read_step(result)  # the step's one host sync
+            result, features, logits = self._verify(batch, draft, sampling, processed, raw=logprobs is not None)
+        out_tokens, num_accepted = self._read_step(result)  # the step's one host sync (and logprobs' one more)
+        lps = _logprobs(logits, result, num_accepted, logprobs) if logprobs is not None else None
         draft_lens = [r.draft_len for r in batch.rows]
         if features is not None:  # a drafter that reads the target's features keeps every row's, drafted or not
             draft_lens = self.drafter.commit(batch, result, num_accepted, features)
@@ -336,19 +336,18 @@ class StepRunner:
                          batch.block_table, capture=self.tree_capture)  # fmt: skip
 
     def _verify(self, batch: StepBatch, draft: Draft, sampling: dict,
-                processors: tuple[list[SamplingParams], list[set[int]]] | None = None,
+                processed: list[Request] | None = None,
                 raw: bool = False) -> tuple[VerifyResult, torch.Tensor | None, torch.Tensor]:  # fmt: skip
         """The regular step's target pass over the tree, ``verify_tree`` and the target cache's compaction: the
         result, the features of a drafter that reads the target's (else None) and the pass's logits [B, T, V] (as
-        the target gave them where ``raw``, even where ``processors`` changed those verified)."""
+        the target gave them where ``raw``, even where ``processed``'s logits processors changed those verified)."""
         positions = batch.seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
         hidden, features = self.target_pass(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask,
                                              batch.block_table)  # fmt: skip
         logits = self.target.logits(hidden)  # [B, T, V]
         given = logits
-        if processors is not None:
-            logits = process_logits_(logits.clone() if raw else logits, draft.tokens, draft.parents, batch.rows,
-                                     *processors)  # fmt: skip
+        if processed is not None:
+            logits = process_logits_(logits.clone() if raw else logits, draft.tokens, draft.parents, processed)
         if batch.coupled is not None:  # coupled rows: verify_tree samples argmax(z + g_t) in-kernel, walks greedily
             sampling = {**sampling, "noise_seeds": batch.noise_seeds, "positions": positions, "coupled": batch.coupled}
         result = verify_tree(

@@ -198,7 +198,7 @@ def test_adaptive_good_draft_raises_gamma(models):
     assert outs[0].outputs[0].token_ids == _generate(_llm(models), [PROMPTS[0]], [SamplingParams(max_tokens=60)])[0]
 
 
-def testparse_speculative_config_auto():
+def test_parse_speculative_config_auto():
     auto = parse_speculative_config({"model": "d"})
     assert auto["adaptive"] and auto["num_speculative_tokens"] == ADAPTIVE_MAX_DEPTH
     assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": "auto"})["adaptive"]

@@ -20,12 +20,14 @@ SETTINGS = {
     "repetition": dict(repetition_penalty=1.5),
     "presence_frequency": dict(presence_penalty=0.8, frequency_penalty=0.6),
     "all": dict(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.2),
+    # a bias on prompt tokens under a repetition penalty: (z + b) / r, vLLM's order, not z / r + b
+    "bias_repetition": dict(repetition_penalty=1.6, logit_bias={5: 3.0, 17: -1.0, 60: 4.0, 3: 2.0}),
 }
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("penalties")
+    root = tmp_path_factory.mktemp("processors")
     target = make_model(root / "target", "llama_gqa", logit_scale=4.0)
     return target, make_noisy_copy(target, root / "draft", noise=0.1)
 
@@ -43,18 +45,18 @@ def reference_greedy(model_dir, prompt: list[int], n: int, presence_penalty=0.0,
     for i in range(n):
         with torch.no_grad():
             z = model(torch.tensor([seq])).logits[0, -1].float()
+        if allowed_token_ids:  # vLLM's order: allowed ids, min_tokens, the bias, then the penalties
+            banned = torch.ones_like(z, dtype=torch.bool)
+            banned[allowed_token_ids] = False
+            z[banned] = float("-inf")
+        if len(seq) - len(prompt) < min_tokens:
+            z[list(stop_token_ids)] = float("-inf")
+        for x, v in (logit_bias or {}).items():
+            z[x] += v
         for x in set(seq):
             z[x] = z[x] / repetition_penalty if z[x] > 0 else z[x] * repetition_penalty
         for x, c in Counter(seq[len(prompt) :]).items():
             z[x] -= frequency_penalty * c + presence_penalty
-        for x, v in (logit_bias or {}).items():
-            z[x] += v
-        if len(seq) - len(prompt) < min_tokens:
-            z[list(stop_token_ids)] = float("-inf")
-        if allowed_token_ids:
-            banned = torch.ones_like(z, dtype=torch.bool)
-            banned[allowed_token_ids] = False
-            z[banned] = float("-inf")
         top2 = z.topk(2).values
         if trusted == n and top2[0] - top2[1] < 1e-3:
             trusted = i + 1
@@ -128,6 +130,8 @@ def test_seeded_penalised_samples_are_the_same_with_any_drafter(pair):
         llm = LLM(str(target), speculative_config=drafter_config(mode, draft), max_model_len=128, dtype="float32")
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert all(got == outs["none"] for got in outs.values()), outs
+    free = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=5)  # (the processors bite on sampled rows)
+    assert outs["none"] != [o.outputs[0].token_ids for o in llm.generate(prompts, free, use_tqdm=False)]
 
 
 def test_a_planted_bug_is_caught(pair, monkeypatch):

@@ -97,8 +97,8 @@ def test_a_planted_off_by_one_is_caught(pair, monkeypatch):
     target, _ = pair
     real = runner._logprobs
 
-    def shifted(logits, result, k):
-        return real(torch.roll(logits, -1, dims=1), result, k)
+    def shifted(logits, result, num_accepted, k):
+        return real(torch.roll(logits, -1, dims=1), result, num_accepted, k)
 
     monkeypatch.setattr(runner, "_logprobs", shifted)
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(target),
@@ -161,3 +161,15 @@ def test_a_failed_prefill_chunk_run_again_scores_each_prompt_token_once(pair, mo
     monkeypatch.setattr(Engine, "_prompt_logprobs", once)
     outs = llm.generate([{"prompt_token_ids": a}, {"prompt_token_ids": b}], params, use_tqdm=False)
     assert failed and outs[0].prompt_logprobs == alone and len(outs[1].prompt_logprobs) == len(b)
+
+
+def test_n_sequences_score_their_prompt_once(pair):
+    """``prompt_logprobs`` with n = 3: the output's are the first sequence's; the other two take the prompt's K/V
+    from the prefix cache instead of computing it again to score it."""
+    target, _ = pair
+    llm = LLM(str(target), max_model_len=128, dtype="float32", prefill_chunk=16, block_size=16)
+    prompt = [(7 * i + 3) % 96 for i in range(41)]
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=2, n=3, prompt_logprobs=1)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(prompt)
+    assert llm.engine.stats["num_cached_tokens"] == 2 * 32  # two followers, two full blocks each

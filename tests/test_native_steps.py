@@ -382,8 +382,8 @@ def test_the_controllers_plain_probe_runs_as_long_as_measuring_needs(target, dra
     are cheap (a tiny target's: a fraction of a millisecond) it is a full chain, like a plain choice after a
     drafted step that stopped drafting (4-step probe chains read dearer per step than a full chain there, and weak
     drafts looked worth drafting); where a plain step costs 20 ms, PLAIN_PROBE_MIN_STEPS of them measure it. The
-    plain step's price is injected: measured, it follows the machine's load (a loaded CI machine priced this tiny
-    target's step at ~5 ms, and its probe at 10 steps)."""
+    plain step's price is injected: measured, it follows the machine's load (a loaded CI run once cut this tiny
+    target's probe short)."""
     from spec_engine.adaptive import PLAIN_PROBE_MIN_STEPS
 
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft)})

@@ -343,6 +343,36 @@ def test_null_means_absent_for_the_new_fields(plain):
         assert r.json()["choices"][0]["logprobs"] is None
 
 
+def test_token_texts_follow_the_tokenizers_convention(model_dirs):
+    """A logprob's token text and bytes: a byte-level piece's own bytes (part of a character: ``bytes:\\xNN``),
+    SentencePiece's word-boundary space and byte-fallback pieces (decoding such a token alone drops the space and
+    shows U+FFFD), a special token's name."""
+    from spec_engine.server.app import _token_text
+
+    class SentencePieceLike:  # (a Metaspace decoder: id_to_token and a decode that strips a leading space)
+        decoder = None
+        pieces = ["\u2581the", "ing", "<0xE6>", "</s>"]
+
+        def id_to_token(self, i):
+            return self.pieces[i]
+
+        def decode(self, ids):
+            piece = self.pieces[ids[0]]
+            return (
+                "" if piece == "</s>" else "\ufffd" if piece.startswith("<0x") else piece.replace("\u2581", " ").strip()
+            )
+
+    sp = SentencePieceLike()
+    assert [_token_text(sp, i) for i in range(4)] == [(" the", b" the"), ("ing", b"ing"), ("bytes:\\xe6", b"\xe6"),
+                                                      ("</s>", b"</s>")]  # fmt: skip
+    tok = model_dirs[1]  # byte-level: "é" is one token here or two; each token's bytes join into it
+    ids = tok.encode("café 日本").ids
+    parts = [_token_text(tok, i) for i in ids]
+    assert b"".join(raw for _, raw in parts).decode() == tok.decode(ids)
+    assert all(not text.startswith("bytes:") or "\ufffd" in tok.decode([i]) for (text, _), i in zip(parts, ids))
+    assert _token_text(None, 7) == ("token_id:7", b"token_id:7")
+
+
 def test_logprobs_json_has_no_infinity():
     """A token with no probability (a -inf log-probability; NaN too) is OpenAI's -9999, never JSON's invalid
     -Infinity."""

@@ -77,7 +77,6 @@ def make_noisy_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
     return dst
 
 
-# Mixed scripts so the merges cover multi-byte UTF-8 and random models emit partial characters now and then.
 # One speculative config per kind of drafter, for tests that check a property holds whatever drafts (None: plain);
 # "draft_model" entries take their model from ``drafter_config``
 DRAFTER_MODES = {
@@ -96,6 +95,7 @@ def drafter_config(mode: str, draft: Path) -> dict | None:
     return spec and dict(spec, **({"model": str(draft)} if spec["method"] == "draft_model" else {}))
 
 
+# Mixed scripts so the merges cover multi-byte UTF-8 and random models emit partial characters now and then.
 CORPUS = [
     "the quick brown fox jumps over the lazy dog. ",
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -500,6 +501,7 @@ def _joined(deltas: list[Delta]) -> Delta:
 
 # --- log-probabilities -------------------------------------------------------------------------------------------
 
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
 _BYTE_OF = {}  # GPT-2's byte-level BPE alphabet, character -> the byte it stands for (bytes_to_unicode inverted)
 for _b in [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]:
     _BYTE_OF[chr(_b)] = _b
@@ -508,23 +510,34 @@ for _n, _b in enumerate(b for b in range(256) if chr(b) not in _BYTE_OF):
 
 
 def _token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
-    """A token's text and its bytes, as logprobs show them: its decoded text, ``bytes:\\xNN...`` where it holds part
-    of a character (its text alone would be U+FFFD), a special token's name, or ``token_id:N`` with no tokenizer."""
+    """A token's text and its bytes, as logprobs show them: its vocabulary piece's bytes where the tokenizer's
+    convention says them (``_piece_bytes``) as text, ``bytes:\\xNN...`` where they hold part of a character (its text
+    alone would be U+FFFD); else its decoded text, a special token's name, or ``token_id:N`` with no tokenizer."""
     if tokenizer is None:
         name = f"token_id:{token_id}"
         return name, name.encode()
     piece = tokenizer.id_to_token(token_id) or ""
-    text = tokenizer.decode([token_id])
-    if not text:  # a special token (decoding skips it) or an empty one
-        return piece, piece.encode()
+    raw = _piece_bytes(tokenizer, piece)
+    if raw is None:
+        text = tokenizer.decode([token_id]) or piece  # (a special token decodes to nothing: its name)
+        return text, text.encode()
+    try:
+        return raw.decode(), raw
+    except UnicodeDecodeError:  # part of a character: named by its bytes, as OpenAI names such tokens
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def _piece_bytes(tokenizer, piece: str) -> bytes | None:
+    """A vocabulary piece's bytes where its convention says them: GPT-2's byte-level alphabet (a byte-level
+    decoder), or SentencePiece's (``<0xNN>`` a byte, ``\u2581`` a space: decoding a token alone would drop a word's
+    leading space); None otherwise."""
     if isinstance(tokenizer.decoder, ByteLevelDecoder) and piece and all(c in _BYTE_OF for c in piece):
-        raw = bytes(_BYTE_OF[c] for c in piece)
-        try:
-            raw.decode()
-        except UnicodeDecodeError:  # part of a character: named by its bytes, as OpenAI names such tokens
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
-        return text, raw
-    return text, text.encode()
+        return bytes(_BYTE_OF[c] for c in piece)
+    if (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+        return bytes([int(byte.group(1), 16)])
+    if "\u2581" in piece:
+        return piece.replace("\u2581", " ").encode()
+    return None
 
 
 def _logprob(value: float) -> float:

@@ -80,7 +80,7 @@ class _SamplingRequest(BaseModel):
         """The first field set to a value this server does not implement (OpenAI's, or vLLM's extensions)."""
         for name, unused in _UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
-            # (a bool is not its number: logprobs 0 is not false, penalties 0.0 are 0)
+            # (a bool is not its number: top_logprobs 0 is not false)
             no_op = any(value == u and isinstance(value, bool) == isinstance(u, bool) for u in unused)
             if value is not None and not no_op:
                 return name
