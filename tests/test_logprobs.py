@@ -62,7 +62,8 @@ def test_logprobs_are_the_targets_with_any_drafter(pair, mode):
 
 def test_sampled_logprobs_and_neighbours_that_ask_for_none(pair):
     """Seeded sampled rows (the distribution before temperature) beside greedy rows with no logprobs, one batch: the
-    logprobs rows are the target's, and every row's tokens are those it gets alone."""
+    logprobs rows are the target's, and every row's tokens are those the same batch gives with no logprobs asked
+    (asking changes no token, though it moves the batch to the regular step)."""
     target, draft = pair
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
               "num_speculative_tokens": 3}, max_model_len=128, dtype="float32")  # fmt: skip
