@@ -347,7 +347,7 @@ def test_token_texts_follow_the_tokenizers_convention(model_dirs):
     """A logprob's token text and bytes: a byte-level piece's own bytes (part of a character: ``bytes:\\xNN``),
     SentencePiece's word-boundary space and byte-fallback pieces (decoding such a token alone drops the space and
     shows U+FFFD), a special token's name."""
-    from spec_engine.server.app import _token_text
+    from spec_engine.server.logprobs import logprob_token_text
 
     class SentencePieceLike:  # (a Metaspace decoder: id_to_token and a decode that strips a leading space)
         decoder = None
@@ -363,27 +363,27 @@ def test_token_texts_follow_the_tokenizers_convention(model_dirs):
             )
 
     sp = SentencePieceLike()
-    assert [_token_text(sp, i) for i in range(4)] == [(" the", b" the"), ("ing", b"ing"), ("bytes:\\xe6", b"\xe6"),
-                                                      ("</s>", b"</s>")]  # fmt: skip
+    expected = [(" the", b" the"), ("ing", b"ing"), ("bytes:\\xe6", b"\xe6"), ("</s>", b"</s>")]
+    assert [logprob_token_text(sp, i) for i in range(4)] == expected
     tok = model_dirs[1]  # byte-level: "é" is one token here or two; each token's bytes join into it
     ids = tok.encode("café 日本").ids
-    parts = [_token_text(tok, i) for i in ids]
+    parts = [logprob_token_text(tok, i) for i in ids]
     assert b"".join(raw for _, raw in parts).decode() == tok.decode(ids)
     assert all(not text.startswith("bytes:") or "\ufffd" in tok.decode([i]) for (text, _), i in zip(parts, ids))
-    assert _token_text(None, 7) == ("token_id:7", b"token_id:7")
+    assert logprob_token_text(None, 7) == ("token_id:7", b"token_id:7")
 
 
 def test_logprobs_json_has_no_infinity():
     """A token with no probability (a -inf log-probability; NaN too) is OpenAI's -9999, never JSON's invalid
     -Infinity."""
-    from spec_engine.server.app import LOGPROB_FLOOR, _chat_logprobs, _completion_logprobs
+    from spec_engine.server.logprobs import LOGPROB_FLOOR, chat_content_logprobs, completion_logprobs
 
     entries = [{3: float("-inf"), 4: -0.1, 5: float("nan")}]
     text = lambda t: (f"t{t}", b"t")  # noqa: E731
-    out, _ = _completion_logprobs([3], entries, text, 0)
+    out, _ = completion_logprobs([3], entries, text, 0)
     assert out["token_logprobs"] == [LOGPROB_FLOOR] and out["top_logprobs"][0] == {"t3": LOGPROB_FLOOR, "t4": -0.1,
                                                                                     "t5": LOGPROB_FLOOR}  # fmt: skip
-    content = _chat_logprobs([3], entries, text, 2)
+    content = chat_content_logprobs([3], entries, text, 2)
     assert json.loads(json.dumps(content, allow_nan=False))[0]["logprob"] == LOGPROB_FLOOR
 
 

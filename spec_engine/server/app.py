@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -38,16 +37,15 @@ from prometheus_client.registry import Collector
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
 from spec_engine.sampling import SamplingParams, sequence_params
 from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
 from spec_engine.server.http_guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_REQUEST_TIMEOUT, guarded_protocol
+from spec_engine.server.logprobs import chat_content_logprobs, completion_logprobs, logprob_token_text
 from spec_engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_param
 
 log = logging.getLogger("spec_engine.server")
 
-LOGPROB_FLOOR = -9999.0  # OpenAI's log-probability of a token with none (JSON has no -inf)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 MAX_JSON_DEPTH = 64  # an OpenAI body nests 4 deep (messages[i].content[j].text); 200,000 '[' hit RecursionError
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}  # metric labels
@@ -199,7 +197,7 @@ def create_app(
 
     @functools.lru_cache(maxsize=1 << 16)
     def token_text(token_id: int) -> tuple[str, bytes]:
-        return _token_text(llm.tokenizer, token_id)
+        return logprob_token_text(llm.tokenizer, token_id)
 
     async def encode(text: str, add_special_tokens: bool = True) -> list[int]:
         if llm.tokenizer is None:
@@ -286,7 +284,7 @@ def create_app(
                 lps = None
                 for tokens, entries in parts:
                     if entries is not None:
-                        part, offsets[i] = _completion_logprobs(tokens, entries, token_text, offsets[i])
+                        part, offsets[i] = completion_logprobs(tokens, entries, token_text, offsets[i])
                         lps = part if lps is None else {k: lps[k] + part[k] for k in lps}
                 return {"index": i, "text": text, "logprobs": lps, "finish_reason": d.finish_reason}
 
@@ -312,7 +310,7 @@ def create_app(
             def chat_logprobs(d: Delta) -> dict | None:
                 if d.logprobs is None:
                     return None
-                return {"content": _chat_logprobs(d.token_ids, d.logprobs, token_text, req.top_logprobs or 0)}
+                return {"content": chat_content_logprobs(d.token_ids, d.logprobs, token_text, req.top_logprobs or 0)}
 
             streams = await start(ids, params)
             head = {"id": f"chatcmpl-{streams[0].request_id}", "object": "chat.completion.chunk",
@@ -497,90 +495,6 @@ def _joined(deltas: list[Delta]) -> Delta:
         logprobs=None if last.logprobs is None else [e for d in deltas for e in d.logprobs],
         prompt_logprobs=deltas[0].prompt_logprobs,
     )
-
-
-# --- log-probabilities -------------------------------------------------------------------------------------------
-
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
-_BYTE_OF = {}  # GPT-2's byte-level BPE alphabet, character -> the byte it stands for (bytes_to_unicode inverted)
-for _b in [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]:
-    _BYTE_OF[chr(_b)] = _b
-for _n, _b in enumerate(b for b in range(256) if chr(b) not in _BYTE_OF):
-    _BYTE_OF[chr(256 + _n)] = _b
-
-
-def _token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
-    """A token's text and its bytes, as logprobs show them: its vocabulary piece's bytes where the tokenizer's
-    convention says them (``_piece_bytes``) as text, ``bytes:\\xNN...`` where they hold part of a character (its text
-    alone would be U+FFFD); else its decoded text, a special token's name, or ``token_id:N`` with no tokenizer."""
-    if tokenizer is None:
-        name = f"token_id:{token_id}"
-        return name, name.encode()
-    piece = tokenizer.id_to_token(token_id) or ""
-    raw = _piece_bytes(tokenizer, piece)
-    if raw is None:
-        text = tokenizer.decode([token_id]) or piece  # (a special token decodes to nothing: its name)
-        return text, text.encode()
-    try:
-        return raw.decode(), raw
-    except UnicodeDecodeError:  # part of a character: named by its bytes, as OpenAI names such tokens
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
-
-
-def _piece_bytes(tokenizer, piece: str) -> bytes | None:
-    """A vocabulary piece's bytes where its convention says them: GPT-2's byte-level alphabet (a byte-level
-    decoder), or SentencePiece's (``<0xNN>`` a byte, ``\u2581`` a space: decoding a token alone would drop a word's
-    leading space); None otherwise."""
-    if isinstance(tokenizer.decoder, ByteLevelDecoder) and piece and all(c in _BYTE_OF for c in piece):
-        return bytes(_BYTE_OF[c] for c in piece)
-    if (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:
-        return bytes([int(byte.group(1), 16)])
-    if "\u2581" in piece:
-        return piece.replace("\u2581", " ").encode()
-    return None
-
-
-def _logprob(value: float) -> float:
-    """A log-probability as JSON can carry it: -inf (and NaN) as OpenAI's floor, -9999."""
-    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
-
-
-def _completion_logprobs(ids: list[int], entries: list[dict[int, float] | None], token_text: Callable,
-                         offset: int) -> tuple[dict, int]:  # fmt: skip
-    """The completions API's ``logprobs`` of tokens ``ids`` (their ``Request.output_logprobs`` or
-    ``prompt_logprobs`` entries; None for a prompt's first token) whose text starts at character ``offset``, and the
-    offset after them."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token, entry in zip(ids, entries):
-        text, raw = token_text(token)
-        out["tokens"].append(text)
-        out["text_offset"].append(offset)
-        offset += len(raw.decode(errors="replace"))
-        if entry is None:
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            continue
-        out["token_logprobs"].append(_logprob(entry[token]))
-        top = {text: _logprob(entry[token])}  # (the token's own value wins a key two tokens' texts share)
-        for t, v in entry.items():
-            top.setdefault(token_text(t)[0], _logprob(v))
-        out["top_logprobs"].append(top)
-    return out, offset
-
-
-def _chat_logprobs(ids: list[int], entries: list[dict[int, float]], token_text: Callable, k: int) -> list[dict]:
-    """The chat API's ``logprobs.content`` of tokens ``ids``: each token's, with its ``k`` most likely alternatives
-    in rank order (the token itself among them where it is one)."""
-
-    def item(token: int, value: float) -> dict:
-        text, raw = token_text(token)
-        return {"token": text, "logprob": _logprob(value), "bytes": list(raw)}
-
-    content = []
-    for token, entry in zip(ids, entries):
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-        content.append({**item(token, entry[token]), "top_logprobs": [item(t, v) for t, v in top]})
-    return content
 
 
 def _parse_json(body: bytes):
