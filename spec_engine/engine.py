@@ -207,10 +207,9 @@ class Engine:
             raise RequestError("the prompt is empty: give at least one token", "prompt")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
             raise RequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", "prompt")
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise RequestError(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
-        if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
-            raise RequestError(f"allowed_token_ids must be token ids in [0, {self.vocab_size})", "allowed_token_ids")
+        for name, named in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            if named and max(named) >= self.vocab_size:  # (SamplingParams checked them to be ints >= 0)
+                raise RequestError(f"{name} must name token ids in [0, {self.vocab_size})", name)
         if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= self._stop_ids(params):
             raise RequestError("allowed_token_ids are all stop tokens, which min_tokens holds back: nothing could be "
                                "emitted", "allowed_token_ids")  # fmt: skip

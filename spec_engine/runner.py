@@ -135,7 +135,8 @@ class StepRunner:
         regular step of greedy rows verifies in one native call where it can (``_native_verify``). ``logprobs``: the
         regular step returns each emitted token's log-probabilities and this many alternatives' (``StepResult``;
         the native calls return none, nor do they run logits processors: a call with such rows is the regular step)."""
-        if logprobs is not None or any(r.params.processes_logits for r in reqs):
+        processed = reqs if any(r.params.processes_logits for r in reqs) else None
+        if logprobs is not None or processed is not None:
             max_steps, native_verify = 0, False
         result = None
         if max_steps and max(gammas) == 0:
@@ -143,7 +144,9 @@ class StepRunner:
             result = self._plain_chain(reqs, K, stops, full_steps) if K else None
         elif max_steps and not any(suffix_rows or ()) and self._spec_chain_fits(reqs, gammas):
             result = self._spec_chain(reqs, gammas[0], max_steps, stops, full_steps, stop_on_reject)
-        return result if result is not None else self._regular_step(reqs, gammas, suffix_rows, native_verify, logprobs)
+        if result is None:
+            result = self._regular_step(reqs, gammas, suffix_rows, native_verify, logprobs, processed)
+        return result
 
     def _plain_chain_len(self, reqs: list[Request], max_steps: int) -> int:
         """Tokens per row a plain native chain decodes (0: the regular one-token step).
@@ -242,10 +245,11 @@ class StepRunner:
                           full_steps=full_steps)  # fmt: skip
 
     def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None,
-                      native_verify: bool = True, logprobs: int | None = None) -> StepResult:  # fmt: skip
-        """One step driven from Python: ``_spec_step`` on the step's inputs."""
+                      native_verify: bool = True, logprobs: int | None = None,
+                      processed: list[Request] | None = None) -> StepResult:  # fmt: skip
+        """One step driven from Python: ``_spec_step`` on the step's inputs (``processed``: ``reqs`` where a row's
+        logits are processed)."""
         batch, sampling = self.step_inputs(reqs, gammas, suffix_rows)
-        processed = reqs if any(r.params.processes_logits for r in reqs) else None
         out_tokens, num_accepted, draft_lens, width, lps = self._spec_step(batch, sampling, native_verify, logprobs,
                                                                            processed)  # fmt: skip
         # suffix rows (a hybrid's, a suffix drafter's) teach the controller nothing of a model drafter's acceptance;
