@@ -121,18 +121,76 @@ def test_a_device_read_in_a_meta_step_is_caught(models):
     assert outs[0].request.finish_reason == "error" and "meta" in outs[0].request.error
 
 
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+GPU_DRAFTERS = ["chain", "tree", "ngram", "suffix", "hybrid", "eagle3", "eagle3_adaptive"]
+PROCESSED = dict(logprobs=3, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, logit_bias={5: 2.0})
+GPU_PARAMS = {  # each drafter's tokens must be plain decoding's on the same device, for each of these
+    "greedy": SamplingParams(max_tokens=24, ignore_eos=True),
+    "seeded": SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+    "processed": SamplingParams(max_tokens=24, ignore_eos=True, **PROCESSED),
+}
+GPU_PROMPTS = [{"prompt_token_ids": p} for p in ([5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77])]
+
+
+@pytest.fixture(scope="module")
+def gpu_models(tmp_path_factory):
+    from test_eagle import write_published_head
+
+    root = tmp_path_factory.mktemp("gpu")
+    target = make_model(root / "target", "llama_gqa", logit_scale=4.0)
+    return target, make_noisy_copy(target, root / "draft", noise=0.05), write_published_head(root / "head", "eagle3")
+
+
+def gpu_spec(mode: str, draft, head) -> dict:
+    return {
+        "chain": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+        "tree": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "tree": [2, 2, 1]},
+        "ngram": {"method": "ngram"},
+        "suffix": {"method": "suffix"},
+        "hybrid": {"method": "hybrid", "model": str(draft)},
+        "eagle3": {"method": "eagle", "model": str(head), "num_speculative_tokens": 3},
+        "eagle3_adaptive": {"method": "eagle", "model": str(head)},
+    }[mode]
+
+
+@pytest.fixture(scope="module")
+def gpu_plain(gpu_models):
+    """Plain decoding on the GPU, per entry of GPU_PARAMS."""
+    llm = LLM(str(gpu_models[0]), device="cuda", dtype="float32")
+    return {name: llm.generate(GPU_PROMPTS, params, use_tqdm=False) for name, params in GPU_PARAMS.items()}
+
+
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=CUDA) for m in GPU_DRAFTERS])
+def test_a_real_gpu_speculates_losslessly(gpu_models, gpu_plain, mode):
+    """On a real GPU (bench/gpu.sh runs `pytest -m cuda`): every drafter emits plain decoding's tokens on the same
+    device, greedy, seeded-sampled, and with logprobs and logits processors (penalties, a bias), whose rows take the
+    regular step; their logprobs are plain decoding's."""
+    llm = LLM(str(gpu_models[0]), speculative_config=gpu_spec(mode, *gpu_models[1:]), device="cuda", dtype="float32")
+    assert llm.engine.kv.data.device.type == "cuda"
+    for name, params in GPU_PARAMS.items():
+        got = llm.generate(GPU_PROMPTS, params, use_tqdm=False)
+        want = gpu_plain[name]
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], (mode, name)
+        if params.logprobs:
+            for g, w in zip(got, want):
+                for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                    assert list(a) == list(b) and all(abs(a[i] - b[i]) < 1e-4 for i in a), (mode, a, b)
+    if mode in ("chain", "tree", "eagle3"):
+        assert llm.engine.stats["num_accepted"] > 0  # drafts were verified, not only plain steps
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_real_gpu_speculates_losslessly(tmp_path):
-    """On a real GPU (bench/gpu.sh runs `pytest -m cuda`): greedy speculation, by a draft model and by n-grams, emits
-    plain decoding's tokens on the same device."""
-    target = make_model(tmp_path / "target", "llama_gqa", logit_scale=4.0)
-    draft = make_noisy_copy(target, tmp_path / "draft", noise=0.05)
-    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77])]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    plain = LLM(str(target), device="cuda", dtype="float32").generate(prompts, params, use_tqdm=False)
-    for spec in ({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}, {"method": "ngram"}):
-        llm = LLM(str(target), speculative_config=spec, device="cuda", dtype="float32")
-        got = llm.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
-        assert llm.engine.kv.data.device.type == "cuda"
+def test_a_real_gpu_scores_as_the_cpu_does(gpu_models, gpu_plain):
+    """The GPU's processed logprobs are the CPU's, on the tokens both emit (a near-tie may part them later)."""
+    want = LLM(str(gpu_models[0]), device="cpu", dtype="float32").generate(GPU_PROMPTS, GPU_PARAMS["processed"],
+                                                                           use_tqdm=False)  # fmt: skip
+    for g, w in zip(gpu_plain["processed"], want):
+        common = 0
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            token = next(iter(a))
+            if token != next(iter(b)):
+                break
+            common += 1
+            assert abs(a[token] - b[token]) < 1e-3, (a, b)
+        assert common >= 12, (g.outputs[0].token_ids, w.outputs[0].token_ids)
