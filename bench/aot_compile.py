@@ -20,11 +20,13 @@ three verify variants with a draft and filters at V = 32000, one of them coupled
 call-site spill (fp32, head dim 64, paged, split, sm_90a) and 8-76 bytes in five coupled verify variants that also
 carry a draft and filters (bench/RESULTS.md), so it exits 1; the quick set guards the launchers' tile choices in CI:
 - ``_tree_attention_kernel``: dtype (fp32/fp16/bf16) x head dim (64, 80, 128, 256: BLOCK_D 64/128/256) x
-  paged/contiguous x the row blocks the launcher picks from T * group (T 4, 8, 16 at group 4: BLOCK_M 16/32/64,
-  fp32 16/32/32); BLOCK_N and num_warps follow. At BLOCK_M 16 also the flash-decoding epilogue (IS_SPLIT, paged and
-  contiguous) and the T = 1 specialisation of plain decoding. Head dims 80 and 128 compile to the same kernel (D is
-  a runtime argument, both divisible by 16): duplicates are compiled once.
+  paged/contiguous x T 4, 8, 16 (the tiles follow the group of query heads per KV head, never T: since the kernel
+  became batch-invariant the T rows compile to one kernel, kept as a check that they do). Also the flash-decoding
+  epilogue (IS_SPLIT, paged and contiguous) and T = 1, plain decoding. Head dims 80 and 128 compile to the same
+  kernel (D is a runtime argument, both divisible by 16): duplicates are compiled once.
 - ``_combine_splits_kernel``: output dtype x BLOCK_D x BLOCK_S 2 and 64 (the fewest and the most splits).
+- ``_linear_kernel`` (``spec_kernels.linear_triton``, CUDA's batch-invariant linear): dtype x bias, one tile
+  configuration each.
 - ``_verify_tree_kernel``: logits dtype x draft (none / iid / without replacement) x HAS_FILTERS x BLOCK_V 128 and
   1024 (V = 111 and 32000: the smallest common tile and the cap) x HAS_COUPLING (the in-kernel Gumbel noise).
 
@@ -63,6 +65,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 # The package attributes spec_kernels.tree_attention / .verify_tree are the functions; these are the Triton modules.
 TA = importlib.import_module("spec_kernels.tree_attention.triton")
 VT = importlib.import_module("spec_kernels.verify_tree.triton")
+LT = importlib.import_module("spec_kernels.linear_triton")
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}  # Triton targets sm_90a for capability 90 (wgmma needs the 'a' features)
 OUT = Path(__file__).resolve().parent / "out" / "aot_compile.json"
@@ -113,7 +116,7 @@ def _tree_attention_launches(dtype_name: str, D: int, paged: bool, rows: str, sp
     return _capture(
         TA,
         ("_tree_attention_kernel", "_combine_splits_kernel"),
-        lambda: TA._launch_tree_attention(q, k, k, seqlens, TA._pack_tree_mask(mask), table, D**-0.5, num_splits),
+        lambda: TA._launch_tree_attention(q, k, k, seqlens, *TA.tree_key_lists(mask), table, D**-0.5, num_splits),
     )
 
 
@@ -126,7 +129,14 @@ def _combine_launches(dtype_name: str, D: int, num_splits: int):
         TA,
         ("_tree_attention_kernel", "_combine_splits_kernel"),
         lambda: TA._launch_tree_attention(
-            q, k, k, torch.zeros(B, dtype=torch.int32), torch.ones(B, T, 1, dtype=torch.int64), None, 1.0, num_splits
+            q,
+            k,
+            k,
+            torch.zeros(B, dtype=torch.int32),
+            *TA.tree_key_lists(torch.ones(B, T, T, dtype=torch.bool)),
+            None,
+            1.0,
+            num_splits,
         ),
     )
     return [c for c in calls if c[0] == "_combine_splits_kernel"]
@@ -147,6 +157,13 @@ def _verify_launches(dtype_name: str, draft: str, filters: bool, V: int, coupled
             torch.zeros(B), torch.zeros(B, dtype=torch.int64), filters, *coupling,
         ),
     )  # fmt: skip
+
+
+def _linear_launches(dtype_name: str, bias: bool):
+    dtype = DTYPES[dtype_name]
+    x, w = torch.empty(5, 576, dtype=dtype), torch.empty(1536, 576, dtype=dtype)
+    b = torch.empty(1536, dtype=dtype) if bias else None
+    return _capture(LT, ("_linear_kernel",), lambda: LT.launch_linear(x, w, b))
 
 
 def configurations(quick: bool) -> list[tuple[str, str, tuple]]:
@@ -171,6 +188,9 @@ def configurations(quick: bool) -> list[tuple[str, str, tuple]]:
     for dt, D, splits in itertools.product(DTYPES, () if quick else HEAD_DIMS, (2, 64)):
         for call in _combine_launches(dt, D, splits):
             out.append((call[0], f"{dt} D={D} splits={splits}", call))
+    for dt, bias in itertools.product(QUICK_DTYPES if quick else DTYPES, (False,) if quick else (False, True)):
+        for call in _linear_launches(dt, bias):
+            out.append((call[0], f"{dt}{' bias' if bias else ''}", call))
     verify = itertools.product(DTYPES, ("none", "iid", "without_replacement"), (False, True), VOCABS, (False, True))
     if quick:  # the heaviest variants: a draft and every filter, the widest tile; with the coupling's noise
         verify = [("fp32", "without_replacement", True, VOCABS[-1], False), ("bf16", "iid", True, VOCABS[-1], False),
@@ -183,13 +203,13 @@ def configurations(quick: bool) -> list[tuple[str, str, tuple]]:
 
 
 def _constexpr_summary(kwargs: dict) -> str:
-    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_S", "BLOCK_V", "num_warps")
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_D", "BLOCK_S", "BLOCK_V", "num_warps")
     return " ".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
 
 
 def _specialise(kernel_name: str, args: tuple, kwargs: dict, arch: int):
     """What ``kernel[grid](*args, **kwargs)`` would compile on a GPU of ``arch``: Triton's own binder and packer."""
-    module = TA if hasattr(TA, kernel_name) else VT
+    module = next(m for m in (TA, VT, LT) if hasattr(m, kernel_name))
     fn = getattr(module, kernel_name)
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)

@@ -4,7 +4,8 @@ of five coding requests, in one process (each engine built once), with --compare
     python bench/bench_main_job.py [--model smollm2] [--method hybrid|suffix|...] [--repeats 5] [--max-tokens 128]
 
 Per request: the answer's first line, tokens, each engine's median tok/s over the alternating rounds, their ratio
-(the speedup), alpha, tau and whether the tokens equal plain decoding's; then the median speedup.
+(the speedup), alpha, tau and whether the tokens equal plain decoding's; then the median speedup. Exits 1 when some
+request's tokens differ (the greedy contract).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "median_speedup": median, "method": llm.speculative_config["method"],
                                "dtype": llm.dtype}, indent=2))  # fmt: skip
+    if not all(r["same"] for r in rows):
+        print("bench_main_job: speculative decoding emitted other tokens than plain decoding", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -4,7 +4,9 @@
 # 1. the CUDA tests (the `cuda`-marked parametrisations: Triton and CUDA kernels against their references);
 # 2. the AOT compile table's quick set (registers / stack / shared memory per Triton configuration, sm_80, sm_90a);
 # 3. the op benchmarks on the GPU (tree_attention, verify_tree, compact_kv_), each against its reference;
-# 4. the engine on CUDA: the main job (speculative vs plain, same tokens) and the end-to-end benchmark.
+# 4. the engine on CUDA: the main job (speculative vs plain, same tokens) and the end-to-end benchmark;
+# 5. with MODEL=PATH (SmolLM2's GGUF, which a call must carry in parts): the main job's five requests on it in bf16,
+#    CUDA's default dtype, where greedy parity needs the batch-invariant kernels (bench_main_job exits 1 otherwise).
 # Runs from a source checkout with or without `pip install -e .` (the repository goes first on PYTHONPATH and the
 # CLI runs as `python -m spec_engine.cli`); PYTHON picks the interpreter (default python3), STEP_TIMEOUT bounds
 # each step in seconds (default 300). A failing or hanging step is logged and the next one runs; the exit status
@@ -41,10 +43,15 @@ run aot "$PY" bench/aot_compile.py --quick --out "$OUT/aot_compile.json"
 run tree_attention "$PY" bench/bench_tree_attention.py --device cuda --quick
 run verify_tree "$PY" bench/bench_verify_tree.py --quick
 run compact_kv "$PY" bench/bench_compact_kv.py --quick
+run linear "$PY" bench/bench_linear_gpu.py --reps 100
 run main_job "$PY" -m spec_engine.cli generate --prompt "def fibonacci(n):" --compare --device cuda --max-tokens 128
 run main_job_bf16 "$PY" -m spec_engine.cli generate --prompt "def fibonacci(n):" --compare --device cuda \
     --dtype bfloat16 --max-tokens 128
 run e2e "$PY" bench/bench_e2e.py --quick --device cuda --no-hf --out "$OUT"
+if [ -n "${MODEL:-}" ]; then
+    run smollm2_main_job "$PY" bench/bench_main_job.py --model "$MODEL" --device cuda --repeats 3 \
+        --out "$OUT/smollm2_main_job.json"
+fi
 echo "== summary (rc 124: the step ran past STEP_TIMEOUT)"
 printf '%s' "$summary" | tee "$OUT/summary.txt"
 exit $status

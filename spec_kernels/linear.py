@@ -1,4 +1,5 @@
-"""``linear``: ``F.linear`` for the small-M shapes of decoding (M = 1) and verification (M = T <= 64) on CPU.
+"""``linear``: ``F.linear`` for the small-M shapes of decoding (M = 1) and verification (M = T <= 64) on CPU, and a
+batch-invariant GEMM on CUDA (``spec_kernels.linear_triton``).
 
 Glossary: M is the number of rows of x (``prod(x.shape[:-1])``), N the output features (rows of ``weight [N, K]``),
 K the reduction length.
@@ -24,7 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spec_kernels._backend import resolve_backend
+from spec_kernels._backend import on_device_path, resolve_backend, triton_available
+from spec_kernels.linear_triton import CONFIGS as TRITON_CONFIGS
+from spec_kernels.linear_triton import linear_triton
 from spec_kernels.quant_linear import QuantizedWeight, quant_linear
 from spec_kernels.reference import linear_ref
 
@@ -69,6 +72,20 @@ def _native_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     )
 
 
+def _triton_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the Triton kernel takes these inputs (any device): one dtype it has a configuration for, a 2-d weight
+    with contiguous rows; metadata only."""
+    dtype = x.dtype
+    return (
+        dtype in TRITON_CONFIGS
+        and weight.dtype is dtype
+        and weight.dim() == 2
+        and weight.stride(-1) == 1
+        and x.dim() >= 1
+        and (bias is None or bias.dtype is dtype)
+    )
+
+
 def _check_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """Why backend='native' cannot run these inputs, as a clear error (the C++ op checks the rest)."""
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
@@ -105,9 +122,10 @@ def linear(
     bias : Tensor, optional
         ``[N]``, same dtype as x.
     backend : {None, "native", "torch"}
-        None: the native kernel on CPU float32 and bfloat16 inputs (any M) with a contiguous weight, ``F.linear``
-        otherwise (CUDA, meta, other dtypes). "native": the C++ kernel, or a
-        clear error where it cannot run. "torch": :func:`linear_ref`. "triton" raises: there is no Triton path.
+        None: the native kernel on CPU float32 and bfloat16 inputs (any M) with a contiguous weight; on CUDA (and
+        meta) the batch-invariant Triton kernel for float32 / float16 / bfloat16 weights with contiguous rows;
+        ``F.linear`` otherwise. "native": the C++ kernel, "triton": the Triton kernel (CPU tensors under
+        ``TRITON_INTERPRET=1``), each a clear error where it cannot run. "torch": :func:`linear_ref`.
 
     Returns
     -------
@@ -133,10 +151,16 @@ def linear(
     if backend is None:
         if _native_fits(x, weight, bias):
             return _native_op()(x, weight, bias)
+        if on_device_path(x.device) and triton_available() and _triton_takes(x, weight, bias):
+            return linear_triton(x, weight, bias)
         return F.linear(x, weight, bias)
-    if backend == "triton":
-        raise ValueError("linear: there is no Triton backend (a C++ CPU kernel); use None, 'native' or 'torch'")
     backend = resolve_backend("linear", backend, x.device)
+    if backend == "triton":
+        if not _triton_takes(x, weight, bias):
+            raise ValueError(f"linear: backend='triton' takes one of float32 / float16 / bfloat16 for x, weight and "
+                             f"bias and a weight [N, K] with contiguous rows; got x {x.dtype}, weight {weight.dtype} "
+                             f"{tuple(weight.shape)}")  # fmt: skip
+        return linear_triton(x, weight, bias)
     if backend == "torch":
         return linear_ref(x, weight, bias)
     _check_native(x, weight, bias)

@@ -59,7 +59,7 @@ def test_tree_attention_on_meta(dtype, paged, backend):
     plan = plan_tree_attention(
         a["k_cache"], a["cache_seqlens"], a["tree_mask"], num_q_heads=HQ, block_table=a["block_table"], backend=backend
     )
-    assert plan.seqlens.device == META and plan.mask_bits.device == META  # the Triton path's plan, on the device
+    assert plan.seqlens.device == META and plan.tree_keys.device == META  # the Triton path's plan, on the device
     for shared in (None, plan):
         out = tree_attention(
             a["q"], a["k_cache"], a["v_cache"], a["cache_seqlens"], a["tree_mask"], block_table=a["block_table"],

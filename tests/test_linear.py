@@ -166,8 +166,8 @@ def test_native_errors(case, error, match):
 
 def test_unknown_backends():
     x, w = torch.randn(2, 8), torch.randn(3, 8)
-    with pytest.raises(ValueError, match="no Triton backend"):
-        linear(x, w, backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' takes"):
+        linear(x.double(), w.double(), backend="triton")
     with pytest.raises(ValueError, match="unknown backend"):
         linear(x, w, backend="cuda")
 
@@ -184,6 +184,66 @@ def test_fake_tensor_and_compile():
     with FakeTensorMode() as mode:  # eager calls take the extension's direct entry, which still dispatches
         out = linear(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b))
     assert out.shape == (3, 24) and out.dtype == torch.float32
+
+
+# --- the Triton kernel (CUDA's path): under the interpreter here, on a GPU in bench/gpu.sh ---------------------------
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _interpreted() -> bool:
+    """True when the Triton kernel was decorated under TRITON_INTERPRET=1 (CPU tensors can run it)."""
+    import spec_kernels.linear_triton as lt
+
+    if not lt.triton_available():
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(lt._linear_kernel, InterpretedFunction)
+
+
+INTERPRETED = pytest.mark.skipif(not _interpreted(), reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+TRITON_DEVICES = [pytest.param("cpu", marks=INTERPRETED), pytest.param("cuda", marks=CUDA)]
+TRITON_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("k,n", [(200, 111), (64, 40), (320, 448)])
+def test_triton_matches_reference_and_is_batch_invariant(device, dtype, k, n):
+    """The Triton kernel against float64 (2x torch's own error), and batch-invariant bit for bit: each row of an
+    M-row call (M across one, two and three row blocks) is the 1-row call's."""
+    gen = torch.Generator().manual_seed(k + n)
+    x, w, b = (t.to(device) for t in _inputs(70, k, n, torch.float32, True, gen))
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    out = linear(x, w, b, backend="triton")  # [70, N]
+    assert out.shape == (70, n) and out.dtype == dtype
+    ref = F.linear(x.double(), w.double(), b.double())
+    err_torch = (F.linear(x.float(), w.float(), b.float()).to(dtype).double() - ref).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 2 * err_torch + {torch.float32: 1e-5}.get(dtype, 2e-3)
+    for rows in (slice(0, 1), slice(3, 8), slice(30, 63)):
+        assert torch.equal(linear(x[rows], w, b, backend="triton"), out[rows])
+    for i in (0, 33, 69):
+        assert torch.equal(linear(x[i : i + 1], w, b, backend="triton")[0], out[i])
+
+
+@INTERPRETED
+def test_triton_planted_config_by_m_is_caught(monkeypatch):
+    """The invariance check has teeth: a kernel whose K tile changes with M (as cuBLAS's choice does) parts rows."""
+    import spec_kernels.linear_triton as lt
+
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = _inputs(40, 200, 111, torch.float32, True, gen)
+    out = linear(x, w, b, backend="triton")
+    monkeypatch.setitem(lt.CONFIGS, torch.float32, (32, 32, 32, 4, 3))
+    assert not torch.equal(linear(x[:1], w, b, backend="triton")[0], out[0])
+
+
+def test_cuda_default_is_the_triton_kernel_and_meta_shapes():
+    """backend=None on device tensors takes the Triton custom op: on meta (the simulated GPU) its fake output."""
+    x = torch.empty(5, 64, device="meta", dtype=torch.bfloat16)
+    out = linear(x, torch.empty(40, 64, device="meta", dtype=torch.bfloat16))
+    assert out.shape == (5, 40) and out.device.type == "meta" and out.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(

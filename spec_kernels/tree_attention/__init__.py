@@ -179,7 +179,9 @@ def tree_attention(
         )
     if backend == "native":
         return _native_tree_attention(q, k_cache, v_cache, plan, scale)
-    return _tree_attention_triton(q, k_cache, v_cache, plan.seqlens, plan.mask_bits, plan.block_table, scale, 0)
+    return _tree_attention_triton(
+        q, k_cache, v_cache, plan.seqlens, plan.tree_keys, plan.tree_lens, plan.block_table, scale, 0
+    )
 
 
 def _make_plan(backend, k_cache, cache_seqlens, tree_mask, block_table, group) -> TreeAttentionPlan | DevicePlan:

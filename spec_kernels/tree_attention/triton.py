@@ -3,16 +3,18 @@ of long prefixes, registered as the custom op ``spec_kernels::tree_attention_tri
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from spec_kernels._backend import triton_available, triton_interpret
 
-MASK_WORD_BITS = 64  # the tree mask travels to the kernel as int64 bit words: T=64 costs 8 bytes per row, not 64
+# Flash-decoding splits cut each node's sequence at fixed positions (multiples of SPLIT_LEN), whatever the batch, T
+# or cache capacity, and the combine always reduces MAX_SPLITS lanes: so splitting never changes a node's rounding.
+# Past MAX_SPLITS * SPLIT_LEN positions of capacity the split length doubles (the one place capacity enters).
+SPLIT_LEN = 1024
+MAX_SPLITS = 64
 
 if triton_available():
     import triton
@@ -76,7 +78,8 @@ if triton_available():
         o_ptr,
         lse_ptr,
         seqlens_ptr,
-        mask_bits_ptr,
+        tree_keys_ptr,
+        tree_lens_ptr,
         block_table_ptr,
         stride_qb,
         stride_qt,
@@ -91,17 +94,15 @@ if triton_available():
         stride_ob,
         stride_ot,
         stride_oh,
-        stride_mb,
-        stride_mt,
         stride_btb,
         T,
         D,
         Hkv,
         block_size,
         split_len,
-        num_splits,
         qk_scale,
         GROUP: tl.constexpr,
+        ROW_BLOCKS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -110,23 +111,28 @@ if triton_available():
         UPCAST_DOT: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
-        # grid: (row blocks, B * Hkv, splits). Rows are (tree node, head in group) pairs, m = t * GROUP + g, so the
-        # GROUP query heads of one KV head share every K/V tile load.
-        pid_m = tl.program_id(0)
+        # grid: (T * ROW_BLOCKS, B * Hkv, splits). One program serves one tree node's query heads of one KV head
+        # (rows g = head in group). Its keys are the node's own sequence: the prefix, then the tree nodes it sees in
+        # node order (its ancestors along the path, itself last), at sequence positions 0 .. L + tree_len - 1, in
+        # tiles that start at multiples of BLOCK_N of those positions. Plain decoding of the same token at the same
+        # position walks the same keys in the same tiles, so a node's output is bitwise the lone token's whatever T,
+        # B or the tree (batch invariance: greedy speculation in 16-bit dtypes relies on it).
+        t = tl.program_id(0) // ROW_BLOCKS
         b = tl.program_id(1) // Hkv
         kvh = (tl.program_id(1) % Hkv).to(tl.int64)
         split = tl.program_id(2)
         L = tl.load(seqlens_ptr + b)
+        tree_len = tl.load(tree_lens_ptr + b * T + t)  # the tree nodes this one sees
+        keys_row = tree_keys_ptr + (b * T + t).to(tl.int64) * T
 
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_g = (tl.program_id(0) % ROW_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        t = offs_m // GROUP
-        h = kvh * GROUP + offs_m % GROUP
-        row_ok = offs_m < T * GROUP
+        h = kvh * GROUP + offs_g
+        row_ok = offs_g < GROUP
         d_ok = offs_d < D
 
-        q_offs = b.to(tl.int64) * stride_qb + t.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
+        q_offs = b.to(tl.int64) * stride_qb + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh
         q = tl.load(q_ptr + q_offs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST_DOT:
             q = q.to(tl.float32)
@@ -135,45 +141,24 @@ if triton_available():
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        # Prefix: this split's share of positions [0, L); no mask beyond the length.
+        # This split's share of the node's sequence positions [0, L + tree_len).
         lo = split * split_len
-        hi = tl.minimum(lo + split_len, L)
+        hi = tl.minimum(lo + split_len, L + tree_len)
         for start in range(lo, hi, BLOCK_N):
             pos = start + offs_n
             key_ok = pos < hi
+            in_tree = pos >= L
+            node = tl.load(keys_row + (pos - L), mask=key_ok & in_tree, other=0)
+            slot = tl.where(in_tree, L + node, pos)  # where the key's K/V sit in the cache
             k_offs = _kv_row_offsets(
-                pos, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_kb, stride_ks, stride_kh,
+                slot, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_kb, stride_ks, stride_kh,
                 HAS_BLOCK_TABLE,
             )  # fmt: skip
             v_offs = _kv_row_offsets(
-                pos, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_vb, stride_vs, stride_vh,
+                slot, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_vb, stride_vs, stride_vh,
                 HAS_BLOCK_TABLE,
             )  # fmt: skip
             allowed = row_ok[:, None] & key_ok[None, :]
-            m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, key_ok, allowed, qk_scale, D, UPCAST_DOT,
-                INPUT_PRECISION,
-            )  # fmt: skip
-
-        # Tree block: positions L + j under the bitmask; done once, by the last split. A loop bound, not an `if`:
-        # reductions inside a branch made ptxas outline its warp-shuffle slow path, and the call spilled registers.
-        tree_hi = tl.where(split == num_splits - 1, T, 0)
-        for j0 in range(0, tree_hi, BLOCK_N):
-            j = j0 + offs_n
-            key_ok = j < T
-            pos = L + j
-            k_offs = _kv_row_offsets(
-                pos, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_kb, stride_ks, stride_kh,
-                HAS_BLOCK_TABLE,
-            )  # fmt: skip
-            v_offs = _kv_row_offsets(
-                pos, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_vb, stride_vs, stride_vh,
-                HAS_BLOCK_TABLE,
-            )  # fmt: skip
-            word_ptrs = mask_bits_ptr + b * stride_mb + t[:, None] * stride_mt + (j // 64)[None, :]
-            words = tl.load(word_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0)
-            bits = (words >> (j % 64).to(tl.int64)[None, :]) & 1
-            allowed = (bits != 0) & row_ok[:, None] & key_ok[None, :]
             m_i, l_i, acc = _attend_block(
                 q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, key_ok, allowed, qk_scale, D, UPCAST_DOT,
                 INPUT_PRECISION,
@@ -187,7 +172,7 @@ if triton_available():
         o_offs = (
             split.to(tl.int64) * stride_os
             + b.to(tl.int64) * stride_ob
-            + t.to(tl.int64)[:, None] * stride_ot
+            + t.to(tl.int64) * stride_ot
             + h[:, None] * stride_oh
         )
         tl.store(o_ptr + o_offs + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -228,19 +213,21 @@ if triton_available():
 @dataclass(frozen=True)
 class DevicePlan:
     """The work of a Triton ``tree_attention`` call that depends only on ``cache_seqlens``, ``tree_mask`` and
-    ``block_table``: the lengths and block table as int32, the mask packed into bit words, and the queued length
-    check. A forward's layers share one (``plan_tree_attention``), so each layer's call is one allocation and one
-    kernel launch (two with flash-decoding splits); without a plan every call makes its own.
+    ``block_table``: the lengths and block table as int32, each node's visible tree nodes as a list, and the queued
+    length check. A forward's layers share one (``plan_tree_attention``), so each layer's call is one allocation
+    and one kernel launch (two with flash-decoding splits); without a plan every call makes its own.
 
-    Shapes: seqlens ``[B]`` int32; mask_bits ``[B, T, ceil(T/64)]`` int64; block_table ``[B, max_blocks]`` int32 or
-    None (contiguous cache)."""
+    Shapes: seqlens ``[B]`` int32; tree_keys ``[B, T, T]`` int32 (row t: the nodes t sees, in node order, then
+    padding); tree_lens ``[B, T]`` int32 (how many it sees); block_table ``[B, max_blocks]`` int32 or None
+    (contiguous cache)."""
 
     batch: int
     num_nodes: int  # T
     cache_shape: tuple[int, ...]  # the k_cache shape it was built for
     paged: bool
     seqlens: torch.Tensor
-    mask_bits: torch.Tensor
+    tree_keys: torch.Tensor
+    tree_lens: torch.Tensor
     block_table: torch.Tensor | None
 
 
@@ -250,38 +237,28 @@ def _device_plan(
     """The plan of already-checked inputs (``_check_inputs`` queued or made the length check)."""
     B, T = tree_mask.shape[:2]
     table = None if block_table is None else block_table.to(torch.int32).contiguous()
+    tree_keys, tree_lens = tree_key_lists(tree_mask)
     return DevicePlan(B, T, tuple(k_cache.shape), block_table is not None, cache_seqlens.to(torch.int32).contiguous(),
-                      _pack_tree_mask(tree_mask), table)  # fmt: skip
+                      tree_keys, tree_lens, table)  # fmt: skip
 
 
-def _pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T, T]`` bool -> ``[B, T, ceil(T/64)]`` int64; bit ``j % 64`` of word ``j // 64`` is ``mask[.., j]``."""
-    B, T, _ = tree_mask.shape
-    num_words = max(1, -(-T // MASK_WORD_BITS))
-    padded = F.pad(tree_mask, (0, num_words * MASK_WORD_BITS - T)).view(B, T, num_words, MASK_WORD_BITS)
-    weights = torch.ones((), dtype=torch.int64, device=tree_mask.device) << torch.arange(
-        MASK_WORD_BITS, device=tree_mask.device
-    )  # bit 63 is -2**63: the sum of distinct powers of two is their OR, wrap-around included
-    return (padded.long() * weights).sum(dim=-1)
+def tree_key_lists(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T, T]`` bool -> (``[B, T, T]`` int32: row t lists the nodes j with ``mask[.., t, j]`` in increasing j,
+    then the others; ``[B, T]`` int32: how many it sees). Along a tree path node order is depth order, so a node's
+    list is its ancestors from the root, itself last: the tokens at positions L, L+1, ... of its own sequence."""
+    order = torch.argsort((~tree_mask).to(torch.int8), dim=-1, stable=True)  # seen first, each part in node order
+    return order.to(torch.int32).contiguous(), tree_mask.sum(dim=-1, dtype=torch.int32)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _pick_num_splits(q: torch.Tensor, num_programs: int, capacity: int, block_n: int) -> int:
-    """Flash-decoding: split the prefix when (sequence, KV head, row block) programs cannot fill the GPU.
-
-    Sync-free: decided from shapes (cache capacity), never from the values of ``cache_seqlens``. Splits past a
-    sequence's length exit at once; a cache far larger than its contents therefore gains less from splitting.
-    """
-    if q.device.type != "cuda":
-        return 1
-    num_sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if num_programs >= num_sms or capacity < 4 * block_n * 4:
-        return 1
-    return max(1, min(-(-2 * num_sms // num_programs), capacity // (4 * block_n), 64))
+def _split_len(capacity: int, block_n: int, num_splits: int) -> int:
+    """Positions per flash-decoding split: SPLIT_LEN (doubled past MAX_SPLITS splits of capacity) when the launcher
+    chooses (``num_splits <= 0``), else capacity over ``num_splits`` (tests), in whole tiles."""
+    if num_splits <= 0:
+        split_len = SPLIT_LEN
+        while split_len * MAX_SPLITS < capacity:
+            split_len *= 2
+        return split_len
+    return max(block_n, triton.cdiv(triton.cdiv(capacity, min(num_splits, MAX_SPLITS)), block_n) * block_n)
 
 
 FP32_TILE_PRODUCT = 1 << 16  # BLOCK_M * BLOCK_N * BLOCK_D of an fp32 tile that 8 warps hold without spilling
@@ -289,7 +266,8 @@ HALF_TILE_ROWS_X_DIM = 64 * 128  # the largest BLOCK_M * BLOCK_D of a 16-bit til
 
 
 def _tile_config(dtype: torch.dtype, num_rows: int, D: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for ``num_rows = T * group`` query rows per KV head.
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for ``num_rows = group`` query rows per KV head and tree node: a
+    function of the model alone (never of T or B), so that every call of a model runs the same tiles.
 
     Chosen so that no configuration spills for register pressure on sm_80 or sm_90a: ``python bench/aot_compile.py``
     compiles every one (bench/RESULTS.md has the table; a few still save 8-24 bytes around ptxas's outlined
@@ -319,13 +297,14 @@ def _launch_tree_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     seqlens: torch.Tensor,
-    mask_bits: torch.Tensor,
+    tree_keys: torch.Tensor,
+    tree_lens: torch.Tensor,
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
 ) -> torch.Tensor:
-    """seqlens ``[B]`` int32, mask_bits ``[B, T, num_words]`` int64 and block_table ``[B, max_blocks]`` int32 (or
-    None) as a ``DevicePlan`` holds them."""
+    """seqlens ``[B]``, tree_keys ``[B, T, T]``, tree_lens ``[B, T]`` and block_table ``[B, max_blocks]`` (or None),
+    all int32, as a ``DevicePlan`` holds them."""
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     group = Hq // Hkv
@@ -344,12 +323,10 @@ def _launch_tree_attention(
         block_table = seqlens  # unused: a valid pointer for the HAS_BLOCK_TABLE=False specialisation
         capacity = k_cache.shape[1]
 
-    block_m, block_n, block_d, num_warps = _tile_config(q.dtype, T * group, D)
-    num_row_blocks = triton.cdiv(T * group, block_m)
-    if num_splits <= 0:
-        num_splits = _pick_num_splits(q, num_row_blocks * B * Hkv, capacity, block_n)
-    split_len = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(capacity, split_len) if capacity > 0 else 1
+    block_m, block_n, block_d, num_warps = _tile_config(q.dtype, group, D)
+    row_blocks = triton.cdiv(group, block_m)
+    split_len = _split_len(capacity, block_n, num_splits)
+    num_splits = max(1, triton.cdiv(capacity, split_len))
     is_split = num_splits > 1
     if is_split:
         o_part = torch.empty((num_splits, B, T, Hq, D), dtype=torch.float32, device=q.device)
@@ -357,18 +334,17 @@ def _launch_tree_attention(
     else:
         o_part, lse = out.unsqueeze(0), seqlens  # lse unused without splits
 
-    grid = (num_row_blocks, B * Hkv, num_splits)
+    grid = (T * row_blocks, B * Hkv, num_splits)
     _tree_attention_kernel[grid](
-        q, k_cache, v_cache, o_part, lse, seqlens, mask_bits, block_table,
+        q, k_cache, v_cache, o_part, lse, seqlens, tree_keys, tree_lens, block_table,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        mask_bits.stride(0), mask_bits.stride(1),
         block_table.stride(0),
-        T, D, Hkv, k_cache.shape[1], split_len, num_splits,
+        T, D, Hkv, k_cache.shape[1], split_len,
         softmax_scale * math.log2(math.e),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        GROUP=group, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_BLOCK_TABLE=has_block_table, IS_SPLIT=is_split,
         # bf16 tl.dot multiplies raw bit patterns under the Triton 3.9 interpreter (triton-lang/triton#11584).
         UPCAST_DOT=triton_interpret() and q.dtype == torch.bfloat16,
@@ -379,8 +355,7 @@ def _launch_tree_attention(
     if is_split:
         num_rows = B * T * Hq
         _combine_splits_kernel[(num_rows,)](
-            o_part, lse, out, num_rows, D, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            o_part, lse, out, num_rows, D, num_splits, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d
         )  # fmt: skip
     return out.to(q.dtype)
 
@@ -391,16 +366,19 @@ def _tree_attention_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     seqlens: torch.Tensor,
-    mask_bits: torch.Tensor,
+    tree_keys: torch.Tensor,
+    tree_lens: torch.Tensor,
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
 ) -> torch.Tensor:
     """The Triton path as a custom op, on a ``DevicePlan``'s tensors; ``num_splits <= 0`` lets the launcher choose
-    (1 off CUDA)."""
-    return _launch_tree_attention(q, k_cache, v_cache, seqlens, mask_bits, block_table, softmax_scale, num_splits)
+    (splits of SPLIT_LEN positions)."""
+    return _launch_tree_attention(
+        q, k_cache, v_cache, seqlens, tree_keys, tree_lens, block_table, softmax_scale, num_splits
+    )
 
 
 @_tree_attention_triton.register_fake
-def _(q, k_cache, v_cache, seqlens, mask_bits, block_table, softmax_scale, num_splits):
+def _(q, k_cache, v_cache, seqlens, tree_keys, tree_lens, block_table, softmax_scale, num_splits):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
