@@ -24,7 +24,7 @@ carry a draft and filters (bench/RESULTS.md), so it exits 1; the quick set guard
   became batch-invariant the T rows compile to one kernel, kept as a check that they do). Also the flash-decoding
   epilogue (IS_SPLIT, paged and contiguous) and T = 1, plain decoding. Head dims 80 and 128 compile to the same
   kernel (D is a runtime argument, both divisible by 16): duplicates are compiled once.
-- ``_combine_splits_kernel``: output dtype x BLOCK_D x BLOCK_S 2 and 64 (the fewest and the most splits).
+- ``_combine_splits_kernel``: output dtype x BLOCK_D at 2 and 64 splits (BLOCK_S is 64 at both: duplicates).
 - ``_linear_kernel`` (``spec_kernels.linear_triton``, CUDA's batch-invariant linear): dtype x bias, one tile
   configuration each.
 - ``_verify_tree_kernel``: logits dtype x draft (none / iid / without replacement) x HAS_FILTERS x BLOCK_V 128 and
@@ -100,6 +100,12 @@ def _capture(module, names: tuple[str, ...], launch) -> list[tuple[str, tuple, d
     return [call for r in recorders.values() for call in r.calls]
 
 
+def _plan_tensors(k, seqlens, mask, table) -> tuple:
+    """The Triton launcher's int32 inputs, as a forward's plan holds them."""
+    p = TA._device_plan(k, seqlens, mask, table, HQ // HKV)
+    return p.seqlens, p.tree_keys, p.tree_lens, p.tile_shared, p.tile_lens, p.block_table
+
+
 def _tree_attention_launches(dtype_name: str, D: int, paged: bool, rows: str, split: bool):
     dtype, T = DTYPES[dtype_name], {"T1": 1, **ROW_SHAPES}[rows]
     B, L, block_size = 4, 1024, 16
@@ -116,12 +122,13 @@ def _tree_attention_launches(dtype_name: str, D: int, paged: bool, rows: str, sp
     return _capture(
         TA,
         ("_tree_attention_kernel", "_combine_splits_kernel"),
-        lambda: TA._launch_tree_attention(q, k, k, seqlens, *TA.tree_key_lists(mask), table, D**-0.5, num_splits),
+        lambda: TA._launch_tree_attention(q, k, k, *_plan_tensors(k, seqlens, mask, table), D**-0.5, num_splits),
     )
 
 
 def _combine_launches(dtype_name: str, D: int, num_splits: int):
-    """The combine kernel alone, at a split count the launcher can reach (BLOCK_S = its power of two)."""
+    """The combine kernel alone, at a split count the launcher can reach (BLOCK_S is MAX_SPLITS at any count: the
+    combine reduces the same lanes whatever the split count, for batch invariance)."""
     dtype, B, T = DTYPES[dtype_name], 1, 1
     q = torch.empty(B, T, HQ, D, dtype=dtype)
     k = torch.empty(B, 64 * 64 * 4, HKV, D, dtype=dtype)
@@ -132,9 +139,7 @@ def _combine_launches(dtype_name: str, D: int, num_splits: int):
             q,
             k,
             k,
-            torch.zeros(B, dtype=torch.int32),
-            *TA.tree_key_lists(torch.ones(B, T, T, dtype=torch.bool)),
-            None,
+            *_plan_tensors(k, torch.zeros(B, dtype=torch.int32), torch.ones(B, T, T, dtype=torch.bool), None),
             1.0,
             num_splits,
         ),

@@ -269,9 +269,10 @@ def test_triton_interpreter(dtype, case):
 def test_triton_split_prefix(dtype, paged):
     """Flash-decoding: 3 prefix splits (one empty for the short sequence) merged by log-sum-exp."""
     q, k, v, seqlens, mask, table = make_inputs([70, 2], 3, 8, 2, 16, dtype, block_size=16 if paged else None)
-    plan = ta_triton._device_plan(k, seqlens, mask, table)
+    plan = ta_triton._device_plan(k, seqlens, mask, table, 4)
     out = torch.ops.spec_kernels.tree_attention_triton(q, k, v, plan.seqlens, plan.tree_keys, plan.tree_lens,
-                                                       plan.block_table, 16**-0.5, 3)  # fmt: skip
+                                                       plan.tile_shared, plan.tile_lens, plan.block_table, 16**-0.5,
+                                                       3)  # fmt: skip
     check_against_fp64(out, q, k, v, seqlens, mask, table)
 
 
@@ -320,13 +321,22 @@ def _lone_token_outputs(q, k, v, seqlens, mask) -> torch.Tensor:
 
 @INTERPRETER
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_tree_nodes_equal_lone_tokens_bitwise(dtype, monkeypatch):
+@pytest.mark.parametrize("kind", ["trees", "causal", "mixed"])
+def test_triton_tree_nodes_equal_lone_tokens_bitwise(dtype, kind, monkeypatch):
     """Batch invariance, the contract greedy speculation in 16-bit dtypes relies on: every tree node's output is bit
     for bit plain decoding's for the same token at the same position, whatever T, the batch or the cache capacity,
-    with sequences that cross tiles and flash-decoding splits (SPLIT_LEN cut to 64 positions here). A planted bug
-    (split lengths that follow the capacity, as flash-decoding's usually do) is caught in float32."""
+    with sequences that cross tiles and flash-decoding splits (SPLIT_LEN cut to 64 positions here). Group 3: a tile
+    holds 5 nodes, which walk their sequences in turn (trees) or together (causal chunks, chains: one K/V tile load
+    for all), or each as its sequence asks ("mixed": one causal sequence in a batch of trees). A planted bug (split
+    lengths that follow the capacity, as flash-decoding's usually do) is caught in float32."""
     monkeypatch.setattr(ta_triton, "SPLIT_LEN", 64)
     q, k, v, seqlens, mask, _ = make_inputs([37, 130, 0], 9, 6, 2, 32, dtype, seed=5)
+    if kind != "trees":
+        mask[1] = causal_mask(1, 9)[0]
+    if kind == "causal":
+        mask[:] = causal_mask(3, 9)
+    plan = ta_triton._device_plan(k, seqlens, mask, None, 3)
+    assert plan.tile_shared[1].all() == (kind != "trees") and plan.tile_shared.all() == (kind == "causal")
     verify = tree_attention(q, k, v, seqlens, mask, backend="triton")
     check_against_fp64(verify, q, k, v, seqlens, mask, None)
     assert torch.equal(verify, _lone_token_outputs(q, k, v, seqlens, mask))
@@ -361,6 +371,8 @@ def test_fake_tensor_shape():
             torch.zeros(2, dtype=torch.int32),
             torch.zeros(2, 3, 3, dtype=torch.int32),
             torch.ones(2, 3, dtype=torch.int32),
+            torch.ones(2, 1, dtype=torch.int32),
+            torch.ones(2, 1, dtype=torch.int32),
             None,
             0.1,
             0,

@@ -180,15 +180,16 @@ def tree_attention(
     if backend == "native":
         return _native_tree_attention(q, k_cache, v_cache, plan, scale)
     return _tree_attention_triton(
-        q, k_cache, v_cache, plan.seqlens, plan.tree_keys, plan.tree_lens, plan.block_table, scale, 0
-    )
+        q, k_cache, v_cache, plan.seqlens, plan.tree_keys, plan.tree_lens, plan.tile_shared, plan.tile_lens,
+        plan.block_table, scale, 0,
+    )  # fmt: skip
 
 
 def _make_plan(backend, k_cache, cache_seqlens, tree_mask, block_table, group) -> TreeAttentionPlan | DevicePlan:
     """The plan of the native (CPU) or Triton path, for inputs already checked."""
     if backend == "native":
         return _native_plan(k_cache, cache_seqlens, tree_mask, block_table, group)
-    return _device_plan(k_cache, cache_seqlens, tree_mask, block_table)
+    return _device_plan(k_cache, cache_seqlens, tree_mask, block_table, group)
 
 
 def plan_tree_attention(

@@ -70,7 +70,7 @@ if triton_available():
 
     # T is not specialised: T = 1 (plain decoding) compiled to its own kernel, which spilled in fp32 (192-376 bytes
     # of stack at BLOCK_D 128/256) where the general one did not.
-    @triton.jit(do_not_specialize=["T"])
+    @triton.jit(do_not_specialize=["T", "num_tiles"])
     def _tree_attention_kernel(
         q_ptr,
         k_ptr,
@@ -80,6 +80,8 @@ if triton_available():
         seqlens_ptr,
         tree_keys_ptr,
         tree_lens_ptr,
+        tile_shared_ptr,
+        tile_lens_ptr,
         block_table_ptr,
         stride_qb,
         stride_qt,
@@ -96,12 +98,14 @@ if triton_available():
         stride_oh,
         stride_btb,
         T,
+        num_tiles,
         D,
         Hkv,
         block_size,
         split_len,
         qk_scale,
         GROUP: tl.constexpr,
+        NODES_PER_TILE: tl.constexpr,
         ROW_BLOCKS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -111,28 +115,38 @@ if triton_available():
         UPCAST_DOT: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
-        # grid: (T * ROW_BLOCKS, B * Hkv, splits). One program serves one tree node's query heads of one KV head
-        # (rows g = head in group). Its keys are the node's own sequence: the prefix, then the tree nodes it sees in
-        # node order (its ancestors along the path, itself last), at sequence positions 0 .. L + tree_len - 1, in
-        # tiles that start at multiples of BLOCK_N of those positions. Plain decoding of the same token at the same
-        # position walks the same keys in the same tiles, so a node's output is bitwise the lone token's whatever T,
-        # B or the tree (batch invariance: greedy speculation in 16-bit dtypes relies on it).
-        t = tl.program_id(0) // ROW_BLOCKS
+        # grid: (tiles * ROW_BLOCKS, B * Hkv, splits). A tile's rows are (tree node, query head of this KV head)
+        # pairs: NODES_PER_TILE consecutive nodes of GROUP rows each (or, for a group wider than BLOCK_M, one node in
+        # ROW_BLOCKS blocks of rows). Each row attends over its node's own sequence: the prefix, then the tree nodes
+        # it sees in node order (its ancestors along the path, itself last), at positions 0 .. L + tree_len - 1,
+        # in tiles that start at multiples of BLOCK_N of those positions. Plain decoding of the same token at the
+        # same position walks the same keys in the same tiles (a fully masked tile, or a row left out of a walk, is
+        # an exact no-op), so a node's output is bitwise the lone token's whatever T, B or the tree (batch
+        # invariance: greedy speculation in 16-bit dtypes relies on it). Nodes whose sequences are the tree's first
+        # nodes in order (prefill chunks, chains: the tile is "shared") walk together, one K/V tile load for all;
+        # otherwise each node of the tile walks in turn.
+        tile = tl.program_id(0) // ROW_BLOCKS
         b = tl.program_id(1) // Hkv
         kvh = (tl.program_id(1) % Hkv).to(tl.int64)
         split = tl.program_id(2)
         L = tl.load(seqlens_ptr + b)
-        tree_len = tl.load(tree_lens_ptr + b * T + t)  # the tree nodes this one sees
-        keys_row = tree_keys_ptr + (b * T + t).to(tl.int64) * T
 
-        offs_g = (tl.program_id(0) % ROW_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        h = kvh * GROUP + offs_g
-        row_ok = offs_g < GROUP
+        if NODES_PER_TILE == 1:
+            node = tile + offs_m * 0
+            g = (tl.program_id(0) % ROW_BLOCKS) * BLOCK_M + offs_m
+            row_ok = g < GROUP
+        else:
+            node = tile * NODES_PER_TILE + offs_m // GROUP
+            g = offs_m % GROUP
+            row_ok = (offs_m < NODES_PER_TILE * GROUP) & (node < T)
+        h = kvh * GROUP + g
         d_ok = offs_d < D
+        row_len = L + tl.load(tree_lens_ptr + b * T + node, mask=row_ok, other=0)  # each row's sequence length
 
-        q_offs = b.to(tl.int64) * stride_qb + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh
+        q_offs = b.to(tl.int64) * stride_qb + node.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
         q = tl.load(q_ptr + q_offs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST_DOT:
             q = q.to(tl.float32)
@@ -141,28 +155,35 @@ if triton_available():
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        # This split's share of the node's sequence positions [0, L + tree_len).
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, L + tree_len)
-        for start in range(lo, hi, BLOCK_N):
-            pos = start + offs_n
-            key_ok = pos < hi
-            in_tree = pos >= L
-            node = tl.load(keys_row + (pos - L), mask=key_ok & in_tree, other=0)
-            slot = tl.where(in_tree, L + node, pos)  # where the key's K/V sit in the cache
-            k_offs = _kv_row_offsets(
-                slot, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_kb, stride_ks, stride_kh,
-                HAS_BLOCK_TABLE,
-            )  # fmt: skip
-            v_offs = _kv_row_offsets(
-                slot, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_vb, stride_vs, stride_vh,
-                HAS_BLOCK_TABLE,
-            )  # fmt: skip
-            allowed = row_ok[:, None] & key_ok[None, :]
-            m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, key_ok, allowed, qk_scale, D, UPCAST_DOT,
-                INPUT_PRECISION,
-            )  # fmt: skip
+        shared_flag = tl.load(tile_shared_ptr + b * num_tiles + tile)
+        shared = shared_flag != 0
+        num_walks = tl.where(shared, 1, tl.minimum(NODES_PER_TILE, T - tile * NODES_PER_TILE))
+        lo = split * split_len  # this split's share of the positions
+        for w in range(0, num_walks):
+            walker = tile * NODES_PER_TILE + w  # the node whose keys this walk loads (all the tile's, if shared)
+            walk_len = tl.where(shared, tl.load(tile_lens_ptr + b * num_tiles + tile),
+                                tl.load(tree_lens_ptr + b * T + walker))  # fmt: skip
+            walking = row_ok & (shared | (node == walker))
+            keys_row = tree_keys_ptr + (b * T + walker).to(tl.int64) * T
+            hi = tl.minimum(lo + split_len, L + walk_len)
+            for start in range(lo, hi, BLOCK_N):
+                pos = start + offs_n
+                key_ok = pos < hi
+                mapped = (pos >= L) & key_ok & (pos * 0 + shared_flag == 0)  # (a vector: the interpreter needs one)
+                slot = tl.where(mapped, L + tl.load(keys_row + (pos - L), mask=mapped, other=0), pos)
+                k_offs = _kv_row_offsets(
+                    slot, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_kb, stride_ks, stride_kh,
+                    HAS_BLOCK_TABLE,
+                )  # fmt: skip
+                v_offs = _kv_row_offsets(
+                    slot, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_vb, stride_vs, stride_vh,
+                    HAS_BLOCK_TABLE,
+                )  # fmt: skip
+                allowed = walking[:, None] & key_ok[None, :] & (pos[None, :] < row_len[:, None])
+                m_i, l_i, acc = _attend_block(
+                    q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, key_ok, allowed, qk_scale, D, UPCAST_DOT,
+                    INPUT_PRECISION,
+                )  # fmt: skip
 
         # A row that saw nothing (empty split, or L_b = 0 with an all-False mask row) has l_i = 0: write zeros.
         seen = l_i > 0
@@ -172,7 +193,7 @@ if triton_available():
         o_offs = (
             split.to(tl.int64) * stride_os
             + b.to(tl.int64) * stride_ob
-            + t.to(tl.int64) * stride_ot
+            + node.to(tl.int64)[:, None] * stride_ot
             + h[:, None] * stride_oh
         )
         tl.store(o_ptr + o_offs + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -180,7 +201,7 @@ if triton_available():
             # lse: contiguous [splits, B, T, Hq], log2 units
             lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
             B = tl.num_programs(1) // Hkv
-            lse_offs = ((split.to(tl.int64) * B + b) * T + t) * (Hkv * GROUP) + h
+            lse_offs = ((split.to(tl.int64) * B + b) * T + node) * (Hkv * GROUP) + h
             tl.store(lse_ptr + lse_offs, lse, mask=row_ok)
 
     @triton.jit
@@ -218,28 +239,53 @@ class DevicePlan:
     and one kernel launch (two with flash-decoding splits); without a plan every call makes its own.
 
     Shapes: seqlens ``[B]`` int32; tree_keys ``[B, T, T]`` int32 (row t: the nodes t sees, in node order, then
-    padding); tree_lens ``[B, T]`` int32 (how many it sees); block_table ``[B, max_blocks]`` int32 or None
-    (contiguous cache)."""
+    padding); tree_lens ``[B, T]`` int32 (how many it sees); tile_shared / tile_lens ``[B, tiles]`` int32 (whether
+    a kernel tile's nodes each see the tree's first nodes in order, so that they walk one sequence together, and the
+    longest of their sequences' tree parts; tiles of ``_tiling``'s nodes_per_tile); block_table ``[B, max_blocks]``
+    int32 or None (contiguous cache)."""
 
     batch: int
     num_nodes: int  # T
+    group: int  # query heads per KV head (the tiling depends on it)
     cache_shape: tuple[int, ...]  # the k_cache shape it was built for
     paged: bool
     seqlens: torch.Tensor
     tree_keys: torch.Tensor
     tree_lens: torch.Tensor
+    tile_shared: torch.Tensor
+    tile_lens: torch.Tensor
     block_table: torch.Tensor | None
 
 
 def _device_plan(
-    k_cache: torch.Tensor, cache_seqlens: torch.Tensor, tree_mask: torch.Tensor, block_table: torch.Tensor | None
+    k_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tree_mask: torch.Tensor,
+    block_table: torch.Tensor | None,
+    group: int,
 ) -> DevicePlan:
     """The plan of already-checked inputs (``_check_inputs`` queued or made the length check)."""
     B, T = tree_mask.shape[:2]
     table = None if block_table is None else block_table.to(torch.int32).contiguous()
     tree_keys, tree_lens = tree_key_lists(tree_mask)
-    return DevicePlan(B, T, tuple(k_cache.shape), block_table is not None, cache_seqlens.to(torch.int32).contiguous(),
-                      tree_keys, tree_lens, table)  # fmt: skip
+    npt = _tiling(k_cache.dtype, group, k_cache.shape[-1])[4]
+    tile_shared, tile_lens = tile_walks(tree_keys, tree_lens, npt)
+    return DevicePlan(B, T, group, tuple(k_cache.shape), block_table is not None,
+                      cache_seqlens.to(torch.int32).contiguous(), tree_keys, tree_lens, tile_shared, tile_lens,
+                      table)  # fmt: skip
+
+
+def tile_walks(tree_keys: torch.Tensor, tree_lens: torch.Tensor, nodes_per_tile: int):
+    """Per kernel tile of ``nodes_per_tile`` consecutive nodes: ([B, tiles] int32) 1 where every node of the tile
+    sees exactly the tree's first nodes (``tree_keys[.., t, :len] == 0 .. len-1``: a causal chunk, a chain), so that
+    each node's sequence is the positions 0 .. L + len - 1 themselves; and ([B, tiles] int32) the longest len."""
+    B, T = tree_lens.shape
+    j = torch.arange(T, device=tree_keys.device)
+    in_order = ((tree_keys == j) | (j >= tree_lens[..., None])).all(dim=-1)  # [B, T]
+    pad = -T % nodes_per_tile
+    in_order = torch.nn.functional.pad(in_order, (0, pad), value=True).view(B, -1, nodes_per_tile)
+    lens = torch.nn.functional.pad(tree_lens, (0, pad)).view(B, -1, nodes_per_tile)
+    return in_order.all(dim=-1).to(torch.int32), lens.amax(dim=-1).to(torch.int32)
 
 
 def tree_key_lists(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,13 +311,22 @@ FP32_TILE_PRODUCT = 1 << 16  # BLOCK_M * BLOCK_N * BLOCK_D of an fp32 tile that 
 HALF_TILE_ROWS_X_DIM = 64 * 128  # the largest BLOCK_M * BLOCK_D of a 16-bit tile; from half of it, BLOCK_N is 32
 
 
+def _tiling(dtype: torch.dtype, group: int, D: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, nodes per tile, row blocks per node) for a model's ``group`` query
+    heads per KV head: a function of the model alone, never of T or B."""
+    block_m, block_n, block_d, num_warps = _tile_config(dtype, group, D)
+    return block_m, block_n, block_d, num_warps, max(1, block_m // group), triton.cdiv(group, block_m)
+
+
 def _tile_config(dtype: torch.dtype, num_rows: int, D: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for ``num_rows = group`` query rows per KV head and tree node: a
     function of the model alone (never of T or B), so that every call of a model runs the same tiles.
 
-    Chosen so that no configuration spills for register pressure on sm_80 or sm_90a: ``python bench/aot_compile.py``
-    compiles every one (bench/RESULTS.md has the table; a few still save 8-24 bytes around ptxas's outlined
-    warp-shuffle calls at 96-128 registers). Measured there (before these rules):
+    Chosen so that configurations spill little for register pressure on sm_80 or sm_90a: ``python
+    bench/aot_compile.py`` compiles every one (bench/RESULTS-log.md, "Batch-invariant CUDA kernels": in the
+    batch-invariant kernel, fp32 at head dims 64-256 saves 8-40 bytes of stack in 8 of its configurations and 16-bit
+    at head dim 80, paged, 8 bytes on sm_80; 16-bit tiles run 4 warps, which spilled in one configuration where 8
+    spilled in five). Measured there (before the batch-invariant kernel; the warp counts below are the old ones):
     - fp32 takes a true fp32 dot, on CUDA cores with both operand tiles in registers. BLOCK_M 32 spilled even at
       BLOCK_M * BLOCK_N * BLOCK_D = 2^16 (BLOCK_N 32, BLOCK_D 64: 255 registers, 32-56 bytes of stack on sm_90a),
       BLOCK_M 64 with BLOCK_N 64, BLOCK_D 128 spilled 6.6 KB. So fp32 rows come in blocks of 16, and BLOCK_N is
@@ -288,8 +343,7 @@ def _tile_config(dtype: torch.dtype, num_rows: int, D: int) -> tuple[int, int, i
         return 16, max(16, min(64, FP32_TILE_PRODUCT // (16 * block_d))), block_d, 8
     block_m = min(64, HALF_TILE_ROWS_X_DIM // block_d, max(16, triton.next_power_of_2(num_rows)))
     block_n = 32 if block_d >= 256 or block_m >= 64 else 64
-    num_warps = 4 if (block_m, block_d) in ((32, 64), (16, 256)) else 8
-    return block_m, block_n, block_d, num_warps
+    return block_m, block_n, block_d, 4
 
 
 def _launch_tree_attention(
@@ -299,12 +353,14 @@ def _launch_tree_attention(
     seqlens: torch.Tensor,
     tree_keys: torch.Tensor,
     tree_lens: torch.Tensor,
+    tile_shared: torch.Tensor,
+    tile_lens: torch.Tensor,
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
 ) -> torch.Tensor:
-    """seqlens ``[B]``, tree_keys ``[B, T, T]``, tree_lens ``[B, T]`` and block_table ``[B, max_blocks]`` (or None),
-    all int32, as a ``DevicePlan`` holds them."""
+    """seqlens ``[B]``, tree_keys ``[B, T, T]``, tree_lens ``[B, T]``, tile_shared / tile_lens ``[B, tiles]`` and
+    block_table ``[B, max_blocks]`` (or None), all int32, as a ``DevicePlan`` holds them."""
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     group = Hq // Hkv
@@ -323,8 +379,11 @@ def _launch_tree_attention(
         block_table = seqlens  # unused: a valid pointer for the HAS_BLOCK_TABLE=False specialisation
         capacity = k_cache.shape[1]
 
-    block_m, block_n, block_d, num_warps = _tile_config(q.dtype, group, D)
-    row_blocks = triton.cdiv(group, block_m)
+    block_m, block_n, block_d, num_warps, npt, row_blocks = _tiling(q.dtype, group, D)
+    num_tiles = triton.cdiv(T, npt)
+    if tile_shared.shape != (B, num_tiles):
+        raise ValueError(f"tree_attention: the plan's tiles {tuple(tile_shared.shape)} are not this call's "
+                         f"{(B, num_tiles)} (another group or dtype)")  # fmt: skip
     split_len = _split_len(capacity, block_n, num_splits)
     num_splits = max(1, triton.cdiv(capacity, split_len))
     is_split = num_splits > 1
@@ -334,17 +393,17 @@ def _launch_tree_attention(
     else:
         o_part, lse = out.unsqueeze(0), seqlens  # lse unused without splits
 
-    grid = (T * row_blocks, B * Hkv, num_splits)
+    grid = (num_tiles * row_blocks, B * Hkv, num_splits)
     _tree_attention_kernel[grid](
-        q, k_cache, v_cache, o_part, lse, seqlens, tree_keys, tree_lens, block_table,
+        q, k_cache, v_cache, o_part, lse, seqlens, tree_keys, tree_lens, tile_shared, tile_lens, block_table,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         block_table.stride(0),
-        T, D, Hkv, k_cache.shape[1], split_len,
+        T, num_tiles, D, Hkv, k_cache.shape[1], split_len,
         softmax_scale * math.log2(math.e),
-        GROUP=group, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        GROUP=group, NODES_PER_TILE=npt, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_BLOCK_TABLE=has_block_table, IS_SPLIT=is_split,
         # bf16 tl.dot multiplies raw bit patterns under the Triton 3.9 interpreter (triton-lang/triton#11584).
         UPCAST_DOT=triton_interpret() and q.dtype == torch.bfloat16,
@@ -368,6 +427,8 @@ def _tree_attention_triton(
     seqlens: torch.Tensor,
     tree_keys: torch.Tensor,
     tree_lens: torch.Tensor,
+    tile_shared: torch.Tensor,
+    tile_lens: torch.Tensor,
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
@@ -375,10 +436,12 @@ def _tree_attention_triton(
     """The Triton path as a custom op, on a ``DevicePlan``'s tensors; ``num_splits <= 0`` lets the launcher choose
     (splits of SPLIT_LEN positions)."""
     return _launch_tree_attention(
-        q, k_cache, v_cache, seqlens, tree_keys, tree_lens, block_table, softmax_scale, num_splits
-    )
+        q, k_cache, v_cache, seqlens, tree_keys, tree_lens, tile_shared, tile_lens, block_table, softmax_scale,
+        num_splits,
+    )  # fmt: skip
 
 
 @_tree_attention_triton.register_fake
-def _(q, k_cache, v_cache, seqlens, tree_keys, tree_lens, block_table, softmax_scale, num_splits):
+def _(q, k_cache, v_cache, seqlens, tree_keys, tree_lens, tile_shared, tile_lens, block_table, softmax_scale,
+      num_splits):  # fmt: skip
     return torch.empty_like(q, memory_format=torch.contiguous_format)
