@@ -35,7 +35,7 @@ from spec_engine.kv_cache import BlockAllocator, PagedKVCache
 from spec_engine.models import Target
 from spec_engine.request import Request, RequestRows, StepOutput
 from spec_engine.runner import StepResult, StepRunner, token_logprobs
-from spec_engine.sampling import SamplingParams
+from spec_engine.sampling import SamplingParams, truncate_prompt
 from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
@@ -126,7 +126,7 @@ class Engine:
         eos_token_ids: list[int] | None = None,
         adaptive: bool = False,
         config: EngineConfig | None = None,
-        detokenize: Callable[[list[int]], str] | None = None,
+        detokenize: Callable[[list[int], bool], str] | None = None,
     ):
         if getattr(target, "vocab_map", None) is not None:
             raise ValueError("the target's vocabulary cannot be restricted (restrict_vocab is for drafts): its logits "
@@ -139,7 +139,7 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
         self.eos_token_ids = set(eos_token_ids or [])
-        self.detokenize = detokenize  # token ids -> text (the tokenizer's): stop strings need it
+        self.detokenize = detokenize  # (token ids, skip special tokens) -> text (the tokenizer's): stop strings need it
         self.vocab_size = target.config.vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -230,7 +230,7 @@ class Engine:
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
-        ids = list(prompt_token_ids)
+        ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens)
         self.check_request(ids, params)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = Request(request_id or str(next(self._ids)), ids, params, seed, key=next(self._keys),
@@ -577,14 +577,14 @@ class Engine:
         stop = req.params.stop
         if not stop or not toks:
             return None
-        longest, out = max(map(len, stop)), req.output_token_ids
+        longest, out, skip = max(map(len, stop)), req.output_token_ids, req.params.skip_special_tokens
         window = longest + 4
-        while window < len(out) and len(self.detokenize(out[-window:])) <= longest:
+        while window < len(out) and len(self.detokenize(out[-window:], skip)) <= longest:
             window *= 2
         tail = out[-window:]
 
         def found(n: int) -> bool:
-            text = self.detokenize(tail + toks[:n])
+            text = self.detokenize(tail + toks[:n], skip)
             return any(s in text for s in stop)
 
         if not found(len(toks)):  # (the common case: the tail read twice a call)

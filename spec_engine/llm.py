@@ -258,8 +258,10 @@ class LLM:
             raise ValueError(f"{self.model_dir} has no tokenizer: pass {{'prompt_token_ids': [...]}} instead")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` ("" without a tokenizer); special tokens left out unless ``skip_special_tokens`` is
+        False."""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if self.tokenizer is not None else ""
 
     def get_chat_template(self, chat_template: str | None = None) -> ChatTemplate:
         """The model's chat template (HF directory or GGUF metadata), or ``chat_template`` (a Jinja source)."""
@@ -380,7 +382,12 @@ class LLM:
         outputs = [
             CompletionOutput(
                 i,
-                visible_text(self.decode(r.output_token_ids), r.params.stop, True, r.params.include_stop_str_in_output),
+                visible_text(
+                    self.decode(r.output_token_ids, r.params.skip_special_tokens),
+                    r.params.stop,
+                    True,
+                    r.params.include_stop_str_in_output,
+                ),
                 list(r.output_token_ids),
                 r.finish_reason,
                 list(r.output_logprobs) if r.params.logprobs is not None else None,

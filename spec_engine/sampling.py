@@ -66,6 +66,10 @@ class SamplingParams:
     tokens (vLLM's); ``allowed_token_ids``: the only tokens it may emit (vLLM's). All on the logits before
     temperature (``spec_engine.logits_processors``); such a request decodes one Python-driven step per call, as
     ``logprobs`` does. ``include_stop_str_in_output``: the text ends after the stop string found, not before it.
+
+    ``skip_special_tokens``: the output text leaves special tokens (end of turn, BOS...) out (True, as vLLM's and HF's
+    default) or shows them. ``truncate_prompt_tokens``: only the prompt's last that many tokens are used (vLLM's;
+    the request's ``prompt_token_ids`` are those).
     """
 
     max_tokens: int = 64
@@ -88,6 +92,8 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
@@ -170,6 +176,12 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must be a non-empty list of token ids (ints >= 0)")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError("include_stop_str_in_output must be True or False")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError("skip_special_tokens must be True or False")
+        if self.truncate_prompt_tokens is not None:
+            _num("truncate_prompt_tokens", self.truncate_prompt_tokens, int)
+            if self.truncate_prompt_tokens < 1:
+                raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
         _num("min_tokens", self.min_tokens, int)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
@@ -199,6 +211,11 @@ class SamplingParams:
     def coupled(self) -> bool:
         """Sampled through the position-keyed coupling (see ``invariant``); greedy rows need no noise."""
         return not self.greedy and (self.invariant if self.invariant is not None else self.seed is not None)
+
+
+def truncate_prompt(prompt_token_ids: list[int], k: int | None) -> list[int]:
+    """The prompt tokens a request uses: the last ``k`` (``SamplingParams.truncate_prompt_tokens``), or all."""
+    return list(prompt_token_ids if k is None else prompt_token_ids[-k:])
 
 
 def sequence_params(params: SamplingParams, i: int) -> SamplingParams:

@@ -316,6 +316,39 @@ def test_penalties_over_http_are_the_python_apis(plain, spec, model_dirs):
         assert got == ref.outputs[0].text
 
 
+def test_special_tokens_and_truncated_prompts_over_http():
+    """vLLM's skip_special_tokens (the embedded target's "<|endoftext|>" forced by allowed_token_ids) and
+    truncate_prompt_tokens (the prompt's last k tokens: usage counts them, echo shows them), streamed or not: the
+    Python API's text."""
+    from spec_engine import default_model_paths
+
+    llm = LLM(default_model_paths()[0], max_model_len=512)
+    forced = {"allowed_token_ids": [0], "ignore_eos": True}
+    prompt = "def fibonacci(n):\n    # the n-th Fibonacci number\n"
+    ids = llm.encode(prompt)
+    ref = llm.generate({"prompt_token_ids": ids[-4:]}, SamplingParams(max_tokens=8), use_tqdm=False)[0].outputs[0]
+    with running_server(llm, "embedded", max_pending=4) as server:
+        c, model = client(server), name_of(server)
+        for stream in (False, True):
+            texts = []
+            for skip in (True, False):
+                kw = dict(model=model, prompt="x", max_tokens=3, temperature=0, stream=stream,
+                          extra_body={**forced, "skip_special_tokens": skip})  # fmt: skip
+                out = c.completions.create(**kw)
+                texts.append("".join(ch.choices[0].text for ch in out if ch.choices) if stream else out.choices[0].text)
+            assert texts == ["", "<|endoftext|>" * 3], stream
+        out = c.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, echo=True,
+                                   extra_body={"truncate_prompt_tokens": 4})  # fmt: skip
+        assert out.usage.prompt_tokens == 4 and out.choices[0].text == llm.decode(ids[-4:]) + ref.text
+        msgs = [{"role": "user", "content": prompt}]
+        chat = c.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 3})  # fmt: skip
+        assert chat.usage.prompt_tokens == 3
+        bad = httpx.post(server[0] + "/v1/completions", json={"model": model, "prompt": "x",
+                                                              "truncate_prompt_tokens": 0})  # fmt: skip
+        assert bad.status_code == 400 and "truncate_prompt_tokens" in bad.text
+
+
 def test_concurrent_choices_never_pass_max_pending(plain):
     """Three requests of n = 10 at once on a server that runs 16: one is admitted, two get 429, however their
     choices' additions interleave (the engine is held while they arrive)."""

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from spec_engine.sampling import SamplingParams, sequence_params
+from spec_engine.sampling import SamplingParams, sequence_params, truncate_prompt
 from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
 from spec_engine.server.http_guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_REQUEST_TIMEOUT, guarded_protocol
 from spec_engine.server.logprobs import chat_content_logprobs, completion_logprobs, logprob_token_text
@@ -189,6 +189,8 @@ def create_app(
                 min_tokens=req.min_tokens or 0,
                 allowed_token_ids=req.allowed_token_ids,
                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                skip_special_tokens=req.skip_special_tokens,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
             )
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
@@ -264,7 +266,8 @@ def create_app(
     async def completions(request: Request) -> Response:
         async def handle(count):
             req = await read_body(request, CompletionRequest)
-            ids = await encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+            encoded = await encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+            ids = truncate_prompt(encoded, req.truncate_prompt_tokens)
             params = sampling_params(req, len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
             streams = await start(ids, params)
             head = {"id": f"cmpl-{streams[0].request_id}", "object": "text_completion", "created": int(time.time()),
@@ -272,7 +275,8 @@ def create_app(
 
             offsets = [0] * len(streams)  # each choice's text so far, in characters (its tokens' text_offset)
             echoed = [not req.echo] * len(streams)  # (echo: the prompt goes first, in the choice's first chunk)
-            prompt_text = (req.prompt if isinstance(req.prompt, str) else llm.decode(ids)) if req.echo else ""
+            whole = isinstance(req.prompt, str) and len(ids) == len(encoded)
+            prompt_text = (req.prompt if whole else llm.decode(ids)) if req.echo else ""
 
             def choice(i: int, d: Delta) -> dict:
                 text, parts = d.text, []
@@ -303,6 +307,7 @@ def create_app(
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             ids = await encode(prompt, add_special_tokens=not chat_template.from_model)
+            ids = truncate_prompt(ids, req.truncate_prompt_tokens)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
 

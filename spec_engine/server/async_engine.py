@@ -337,7 +337,7 @@ class AsyncEngine:
         (``visible_text``)."""
         if self.llm.tokenizer is None:
             return ""
-        text = self.llm.decode(output_ids)
+        text = self.llm.decode(output_ids, params.skip_special_tokens if params is not None else True)
         if not finished:
             text = text.rstrip(REPLACEMENT_CHAR)
         if params is not None:

@@ -2,7 +2,8 @@
 for numbers, no booleans for ints). The chat template lives in ``spec_engine.chat_template``.
 
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
-``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``include_stop_str_in_output``. Fields
+``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``truncate_prompt_tokens``. Fields
 that would change the output but are not implemented (the chat API's ``echo``, ``tools``, ...) are rejected with 400
 when set, never silently ignored; unknown fields are ignored.
 """
@@ -26,11 +27,10 @@ _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null al
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
     # vLLM's extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos,
-    # repetition_penalty, min_tokens, allowed_token_ids and include_stop_str_in_output it does)
+    # repetition_penalty, min_tokens, allowed_token_ids, include_stop_str_in_output, skip_special_tokens and
+    # truncate_prompt_tokens it does)
     "bad_words": ([],),
-    "skip_special_tokens": (True,),
     "prompt_logprobs": (),
-    "truncate_prompt_tokens": (),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
@@ -64,6 +64,8 @@ class _SamplingRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0)  # (vLLM's extension)
     allowed_token_ids: list[int] | None = None  # (vLLM's extension)
     include_stop_str_in_output: bool | None = None  # (vLLM's extension)
+    skip_special_tokens: bool = True  # (vLLM's extension)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # (vLLM's extension: the prompt's last k tokens)
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1)  # choices (SamplingParams checks the most)
     stream: bool = False

@@ -323,10 +323,11 @@ def _tile_config(dtype: torch.dtype, num_rows: int, D: int) -> tuple[int, int, i
     function of the model alone (never of T or B), so that every call of a model runs the same tiles.
 
     Chosen so that configurations spill little for register pressure on sm_80 or sm_90a: ``python
-    bench/aot_compile.py`` compiles every one (bench/RESULTS-log.md, "Batch-invariant CUDA kernels": in the
-    batch-invariant kernel, fp32 at head dims 64-256 saves 8-40 bytes of stack in 8 of its configurations and 16-bit
-    at head dim 80, paged, 8 bytes on sm_80; 16-bit tiles run 4 warps, which spilled in one configuration where 8
-    spilled in five). Measured there (before the batch-invariant kernel; the warp counts below are the old ones):
+    bench/aot_compile.py`` compiles every one (bench/RESULTS-log.md, "Batch-invariant CUDA kernels"). In the
+    batch-invariant kernel every paged configuration (the engine's cache) compiles clean; contiguous ones save 8-40
+    bytes of stack in fp32 (head dims 64-256) and 8-20 bytes in 16-bit at BLOCK_D 128 on sm_80. 16-bit tiles run 8
+    warps at BLOCK_D 128 (4 spilled there, paged, on sm_80) and 4 elsewhere (8 spilled at BLOCK_D 64, paged).
+    Measured there (before the batch-invariant kernel; the warp counts below are the old ones):
     - fp32 takes a true fp32 dot, on CUDA cores with both operand tiles in registers. BLOCK_M 32 spilled even at
       BLOCK_M * BLOCK_N * BLOCK_D = 2^16 (BLOCK_N 32, BLOCK_D 64: 255 registers, 32-56 bytes of stack on sm_90a),
       BLOCK_M 64 with BLOCK_N 64, BLOCK_D 128 spilled 6.6 KB. So fp32 rows come in blocks of 16, and BLOCK_N is
@@ -343,7 +344,7 @@ def _tile_config(dtype: torch.dtype, num_rows: int, D: int) -> tuple[int, int, i
         return 16, max(16, min(64, FP32_TILE_PRODUCT // (16 * block_d))), block_d, 8
     block_m = min(64, HALF_TILE_ROWS_X_DIM // block_d, max(16, triton.next_power_of_2(num_rows)))
     block_n = 32 if block_d >= 256 or block_m >= 64 else 64
-    return block_m, block_n, block_d, 4
+    return block_m, block_n, block_d, 8 if block_d == 128 else 4
 
 
 def _launch_tree_attention(
