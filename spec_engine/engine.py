@@ -197,8 +197,10 @@ class Engine:
         return self.runner.cache_lag(req)
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError for a request that can never run; nothing is queued."""
+        """Raise ValueError for a request that can never run (its prompt as ``truncate_prompt_tokens`` cuts it);
+        nothing is queued."""
         params.validate()
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens)
         if params.n != 1:
             raise RequestError(f"the engine runs one sequence a request, not {params.n} (LLM.generate expands n)", "n")
         if params.stop and self.detokenize is None:
@@ -207,9 +209,14 @@ class Engine:
             raise RequestError("the prompt is empty: give at least one token", "prompt")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
             raise RequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", "prompt")
-        for name, named in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        bad_ids = [t for seq in params.bad_words_token_ids or () for t in seq]
+        for name, named in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                            ("bad_words", bad_ids)):  # fmt: skip
             if named and max(named) >= self.vocab_size:  # (SamplingParams checked them to be ints >= 0)
                 raise RequestError(f"{name} must name token ids in [0, {self.vocab_size})", name)
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise RequestError("bad_words need their token ids (LLM.generate and the server fill them in with the "
+                               "tokenizer; the engine has none): pass bad_words_token_ids", "bad_words")  # fmt: skip
         if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= self._stop_ids(params):
             raise RequestError("allowed_token_ids are all stop tokens, which min_tokens holds back: nothing could be "
                                "emitted", "allowed_token_ids")  # fmt: skip

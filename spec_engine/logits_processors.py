@@ -9,6 +9,8 @@ rows emit the processed argmax, sampled rows the processed distribution).
 vLLM's semantics, in its sampler's order, on the raw logits before temperature and the top-k / top-p / min-p
 transform:
 - ``allowed_token_ids``: every other token at -inf;
+- ``bad_words`` (as ``bad_words_token_ids``): a sequence's last token at -inf where the output so far (the prompt not
+  counted, as vLLM's) ends with the rest of it; a one-token sequence everywhere;
 - ``min_tokens``: the request's stop tokens (its EOS ids unless it ignores EOS, and its ``stop_token_ids``) at -inf
   while fewer output tokens than that precede;
 - ``logit_bias``: {token: bias} added (OpenAI's);
@@ -64,6 +66,8 @@ def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
             allowed = np.zeros(V, dtype=bool)
             allowed[p.allowed_token_ids] = True
             z.masked_fill_(~to_device(dev, torch.from_numpy(allowed))[0], float("-inf"))
+        if p.bad_words_token_ids:
+            _ban_bad_words(z, output, paths, p.bad_words_token_ids)
         if p.min_tokens > len(output):
             held = [t for t in range(T) if len(output) + len(paths[t]) < p.min_tokens]  # nodes before the minimum
             stops = sorted(t for t in req.stop_ids if 0 <= t < V)  # (an id past the vocabulary is never emitted)
@@ -94,6 +98,24 @@ def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
                 t_idx, x_idx, amounts = zip(*extra)
                 z.index_put_(_ids(dev, t_idx, x_idx), -_values(dev, amounts), accumulate=True)
     return logits
+
+
+def _ban_bad_words(z: torch.Tensor, output: list[int], paths: list[list[int]], seqs: list[list[int]]) -> None:
+    """``z`` [T, V] (one row's nodes; ``paths[t]``: node t's drafted tokens below the root): each sequence's last
+    token at -inf at the nodes whose context (``output``, then the path) ends with the rest of it, in one index
+    copy."""
+    T, V = z.shape
+    longest = max(map(len, seqs))
+    recent = list(output[len(output) - (longest - 1) :]) if longest > 1 else []  # all a match can reach back to
+    banned = set()
+    for t, path in enumerate(paths):
+        context = recent + path
+        for seq in seqs:
+            n = len(seq)
+            if seq[-1] < V and (n == 1 or len(context) >= n - 1 and context[len(context) - n + 1 :] == seq[:-1]):
+                banned.add((t, seq[-1]))
+    if banned:
+        z[_ids(z.device, *zip(*sorted(banned)))] = float("-inf")
 
 
 def _ids(device: torch.device, *lists) -> tuple[torch.Tensor, ...] | torch.Tensor:

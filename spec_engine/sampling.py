@@ -24,6 +24,8 @@ MAX_STOP_CHARS = 128
 MAX_N = 64  # sequences a request may ask for
 MAX_REPETITION_PENALTY = 100.0  # (past it every seen token is as good as banned: a typo)
 MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI's bound)
+MAX_BAD_WORDS = 100  # strings (or token sequences) a request may ban
+MAX_BAD_WORD_TOKENS = 64  # tokens in one banned sequence
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each emitted one (OpenAI's top_logprobs bound)
 
 
@@ -67,6 +69,11 @@ class SamplingParams:
     temperature (``spec_engine.logits_processors``); such a request decodes one Python-driven step per call, as
     ``logprobs`` does. ``include_stop_str_in_output``: the text ends after the stop string found, not before it.
 
+    ``bad_words``: strings the output must not contain (vLLM's): each one's tokens, with and without a leading space,
+    as ``bad_words_token_ids`` (``LLM.generate`` and the server fill that in with the tokenizer; the engine takes
+    token sequences only); a sequence's last token is banned where the output so far ends with the rest of it (a
+    one-token sequence: always), each drafted node under its own path.
+
     ``skip_special_tokens``: the output text leaves special tokens (end of turn, BOS...) out (True, as vLLM's and HF's
     default) or shows them. ``truncate_prompt_tokens``: only the prompt's last that many tokens are used (vLLM's;
     the request's ``prompt_token_ids`` are those).
@@ -94,6 +101,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
@@ -176,6 +185,24 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must be a non-empty list of token ids (ints >= 0)")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError("include_stop_str_in_output must be True or False")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list)
+            or len(self.bad_words) > MAX_BAD_WORDS
+            or not all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in self.bad_words)
+        ):
+            raise ValueError(f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                             f"{MAX_STOP_CHARS} characters")  # fmt: skip
+        if self.bad_words_token_ids is not None and (
+            not isinstance(self.bad_words_token_ids, list)
+            or len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS
+            or not all(
+                isinstance(seq, list) and 0 < len(seq) <= MAX_BAD_WORD_TOKENS
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in seq)
+                for seq in self.bad_words_token_ids
+            )
+        ):  # fmt: skip
+            raise ValueError(f"bad_words_token_ids must be a list of at most {2 * MAX_BAD_WORDS} non-empty lists of "
+                             f"at most {MAX_BAD_WORD_TOKENS} token ids (ints >= 0)")  # fmt: skip
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError("skip_special_tokens must be True or False")
         if self.truncate_prompt_tokens is not None:
@@ -201,7 +228,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether a logits processor changes the target's logits (``spec_engine.logits_processors``)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
-                    or self.min_tokens or self.allowed_token_ids)  # fmt: skip
+                    or self.min_tokens or self.allowed_token_ids or self.bad_words_token_ids)  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -211,6 +238,24 @@ class SamplingParams:
     def coupled(self) -> bool:
         """Sampled through the position-keyed coupling (see ``invariant``); greedy rows need no noise."""
         return not self.greedy and (self.invariant if self.invariant is not None else self.seed is not None)
+
+
+def with_bad_words_token_ids(params: SamplingParams, encode) -> SamplingParams:
+    """``params`` with ``bad_words_token_ids`` from its ``bad_words`` (``encode``: text -> token ids, no special
+    tokens): each word's tokens as written, and with one leading space where that is another token sequence (vLLM's:
+    a word at the start of the text and inside it), without duplicates; ``params`` itself when it has no bad words
+    or already has their ids."""
+    if not params.bad_words or params.bad_words_token_ids is not None:
+        return params
+    seqs: list[list[int]] = []
+    for word in params.bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(encode(text))
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"bad_words must be at most {MAX_BAD_WORD_TOKENS} tokens each; {word!r} is {len(ids)}")
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return dataclasses.replace(params, bad_words_token_ids=seqs)
 
 
 def truncate_prompt(prompt_token_ids: list[int], k: int | None) -> list[int]:

@@ -88,6 +88,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    bias = None if bias is None else bias.contiguous()  # (read with unit stride)
     # The Triton 3.9 interpreter truncates fp32 -> bf16 on store: there, store fp32 and let torch round to nearest.
     store_dtype = torch.float32 if triton_interpret() and x.dtype == torch.bfloat16 else x.dtype
     out = torch.empty((M, N), dtype=store_dtype, device=x.device)

@@ -34,7 +34,7 @@ def pair(tmp_path_factory):
 
 def reference_greedy(model_dir, prompt: list[int], n: int, presence_penalty=0.0, frequency_penalty=0.0,
                      repetition_penalty=1.0, logit_bias=None, min_tokens=0, stop_token_ids=(),
-                     allowed_token_ids=None) -> tuple[list[int], int]:  # fmt: skip
+                     allowed_token_ids=None, bad_words_token_ids=()) -> tuple[list[int], int]:  # fmt: skip
     """Greedy tokens one forward a token with the processors applied by hand (up to and with the first stop token),
     and how many are trustworthy (the top-2 margin of the processed logits >= 1e-3: a near-tie may go either way in
     another order of summation)."""
@@ -45,10 +45,14 @@ def reference_greedy(model_dir, prompt: list[int], n: int, presence_penalty=0.0,
     for i in range(n):
         with torch.no_grad():
             z = model(torch.tensor([seq])).logits[0, -1].float()
-        if allowed_token_ids:  # vLLM's order: allowed ids, min_tokens, the bias, then the penalties
+        if allowed_token_ids:  # vLLM's order: allowed ids, bad words, min_tokens, the bias, then the penalties
             banned = torch.ones_like(z, dtype=torch.bool)
             banned[allowed_token_ids] = False
             z[banned] = float("-inf")
+        out = seq[len(prompt) :]
+        for bad in bad_words_token_ids:  # the last token, where the output ends with the rest
+            if len(bad) == 1 or len(out) >= len(bad) - 1 and out[len(out) - len(bad) + 1 :] == bad[:-1]:
+                z[bad[-1]] = float("-inf")
         if len(seq) - len(prompt) < min_tokens:
             z[list(stop_token_ids)] = float("-inf")
         for x, v in (logit_bias or {}).items():
@@ -121,6 +125,23 @@ def test_allowed_token_ids_match_the_reference(pair, mode):
     assert trusted > MAX_TOKENS // 2 and got[:trusted] == ref[:trusted] and set(got) <= set(allowed)
 
 
+@pytest.mark.parametrize("mode", list(DRAFTER_MODES))
+def test_bad_words_match_the_reference(pair, mode):
+    """Token sequences banned (bad_words_token_ids): two-token ones taken from plain decoding's output, so that they
+    bite where drafts would propose them, and a one-token one; each drafted node judged under its own path."""
+    target, draft = pair
+    llm = LLM(str(target), speculative_config=drafter_config(mode, draft), max_model_len=128, dtype="float32")
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    free = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0].token_ids
+    bad = [free[2:4], free[8:11], [free[14]]]
+    got = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, bad_words_token_ids=bad),
+                       use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+    ref, trusted = reference_greedy(target, PROMPTS[0], MAX_TOKENS, bad_words_token_ids=bad)
+    assert trusted > MAX_TOKENS // 2 and got[:trusted] == ref[:trusted], (mode, got, ref)
+    assert got != free  # the bans bite
+    assert all(got[i : i + len(b)] != b for b in bad for i in range(len(got)))
+
+
 def test_seeded_penalised_samples_are_the_same_with_any_drafter(pair):
     target, draft = pair
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=5, **SETTINGS["all"])
@@ -148,6 +169,23 @@ def test_a_planted_bug_is_caught(pair, monkeypatch):
         ref, trusted = reference_greedy(target, prompt, MAX_TOKENS, **SETTINGS["presence_frequency"])
         wrong += o.outputs[0].token_ids[:trusted] != ref[:trusted]
     assert wrong > 0
+
+
+def test_a_planted_bad_words_bug_is_caught(pair, monkeypatch):
+    """Banning as if no drafted token preceded a node lets a draft that agrees with the target complete a banned
+    sequence inside one step."""
+    target, _ = pair
+    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4}
+    llm = LLM(str(target), speculative_config=spec, max_model_len=128, dtype="float32")
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    free = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0].token_ids
+    bad = [free[i : i + 2] for i in range(2, MAX_TOKENS - 2, 3)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, bad_words_token_ids=bad)
+    ok = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(processors, "node_paths", lambda parents: [[] for _ in parents])
+    planted = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    contains = [any(out[i : i + 2] == b for b in bad for i in range(len(out))) for out in (ok, planted)]
+    assert contains == [False, True]
 
 
 def test_node_paths():

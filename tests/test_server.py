@@ -316,10 +316,10 @@ def test_penalties_over_http_are_the_python_apis(plain, spec, model_dirs):
         assert got == ref.outputs[0].text
 
 
-def test_special_tokens_and_truncated_prompts_over_http():
-    """vLLM's skip_special_tokens (the embedded target's "<|endoftext|>" forced by allowed_token_ids) and
-    truncate_prompt_tokens (the prompt's last k tokens: usage counts them, echo shows them), streamed or not: the
-    Python API's text."""
+def test_special_tokens_truncated_prompts_and_bad_words_over_http():
+    """vLLM's skip_special_tokens (the embedded target's "<|endoftext|>" forced by allowed_token_ids),
+    truncate_prompt_tokens (the prompt's last k tokens: usage counts them, echo shows them) and bad_words, streamed or
+    not: the Python API's text."""
     from spec_engine import default_model_paths
 
     llm = LLM(default_model_paths()[0], max_model_len=512)
@@ -347,6 +347,19 @@ def test_special_tokens_and_truncated_prompts_over_http():
         bad = httpx.post(server[0] + "/v1/completions", json={"model": model, "prompt": "x",
                                                               "truncate_prompt_tokens": 0})  # fmt: skip
         assert bad.status_code == 400 and "truncate_prompt_tokens" in bad.text
+        prose = "import os\n\n"
+        free = llm.generate(prose, SamplingParams(max_tokens=24), use_tqdm=False)[0].outputs[0].text
+        words = [w for w in free.split() if w.isalpha() and len(w) > 2][:2]
+        want = llm.generate(prose, SamplingParams(max_tokens=24, bad_words=words), use_tqdm=False)[0].outputs[0]
+        assert len(words) == 2 and want.text != free
+        for stream in (False, True):
+            out = c.completions.create(model=model, prompt=prose, max_tokens=24, temperature=0, stream=stream,
+                                       extra_body={"bad_words": words})  # fmt: skip
+            assert (
+                "".join(ch.choices[0].text for ch in out if ch.choices) if stream else out.choices[0].text
+            ) == want.text
+        bad = httpx.post(server[0] + "/v1/completions", json={"model": model, "prompt": "x", "bad_words": [" "]})
+        assert bad.status_code == 400 and "bad_words" in bad.text
 
 
 def test_concurrent_choices_never_pass_max_pending(plain):

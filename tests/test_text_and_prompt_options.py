@@ -1,12 +1,14 @@
 """vLLM's ``skip_special_tokens`` (the output text with or without special tokens, stop strings read in the same
-text) and ``truncate_prompt_tokens`` (only the prompt's last k tokens), on the Python API; the server's are in
-tests/test_server.py."""
+text), ``truncate_prompt_tokens`` (only the prompt's last k tokens) and ``bad_words`` (strings as token sequences),
+on the Python API; the server's are in tests/test_server.py; bad token sequences against a by-hand reference in
+tests/test_logits_processors.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from spec_engine import LLM, SamplingParams, default_model_paths
+from spec_engine.sampling import with_bad_words_token_ids
 
 TARGET, DRAFT = default_model_paths()
 EOS = 0  # the default target's one special token, "<|endoftext|>"
@@ -47,12 +49,33 @@ def test_a_truncated_prompt_is_its_last_tokens(llm):
     assert llm.generate({"prompt_token_ids": ids}, longer, use_tqdm=False)[0].prompt_token_ids == ids
 
 
+def test_bad_words_are_kept_out_of_the_output(llm):
+    """Two words of plain decoding's output banned: their token sequences (as written, and after a space) never
+    appear in the output, which differs; the engine alone (no tokenizer at hand) refuses strings without ids."""
+    prompt = "import os\n\n"  # (the default prompt's answer is a loop of punctuation)
+    free = llm.generate(prompt, SamplingParams(max_tokens=48), use_tqdm=False)[0].outputs[0]
+    words = [w for w in free.text.split() if w.isalpha() and len(w) > 2][:2]
+    assert len(words) == 2, free.text
+    params = SamplingParams(max_tokens=48, bad_words=words)
+    seqs = with_bad_words_token_ids(params, llm._encode_words).bad_words_token_ids
+    assert all(llm._encode_words(t) in seqs for w in words for t in (w, " " + w))
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids != free.token_ids
+    assert all(out.token_ids[i : i + len(s)] != s for s in seqs for i in range(len(out.token_ids)))
+    with pytest.raises(ValueError, match="bad_words need their token ids"):
+        llm.engine.add_request(llm.encode(prompt), params)
+
+
 @pytest.mark.parametrize(
     "bad,match",
     [(dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be >= 1"),
      (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens must be"),
      (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens must be"),
-     (dict(skip_special_tokens=0), "skip_special_tokens must be True or False")],
+     (dict(skip_special_tokens=0), "skip_special_tokens must be True or False"),
+     (dict(bad_words=["ok", " "]), "bad_words must be a list"),
+     (dict(bad_words="word"), "bad_words must be a list"),
+     (dict(bad_words_token_ids=[[1], []]), "bad_words_token_ids must be"),
+     (dict(bad_words_token_ids=[[1, -2]]), "bad_words_token_ids must be")],
 )  # fmt: skip
 def test_bad_values_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):

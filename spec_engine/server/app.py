@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from spec_engine.sampling import SamplingParams, sequence_params, truncate_prompt
+from spec_engine.sampling import SamplingParams, sequence_params, truncate_prompt, with_bad_words_token_ids
 from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
 from spec_engine.server.http_guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_REQUEST_TIMEOUT, guarded_protocol
 from spec_engine.server.logprobs import chat_content_logprobs, completion_logprobs, logprob_token_text
@@ -169,7 +169,7 @@ def create_app(
                 raise APIError(400, "logit_bias keys must be token ids as decimal strings ('42')", param="logit_bias")
             bias = {int(k): v for k, v in req.logit_bias.items()}
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_k=max(req.top_k or 0, 0),
@@ -191,10 +191,17 @@ def create_app(
                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
                 skip_special_tokens=req.skip_special_tokens,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
+                bad_words=req.bad_words or None,
             )
+            if params.bad_words and llm.tokenizer is None:
+                raise APIError(400, "bad_words need a tokenizer; this model has none", param="bad_words")
+            return with_bad_words_token_ids(params, words_to_ids)
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
+
+    def words_to_ids(text: str) -> list[int]:
+        return llm.encode(text, add_special_tokens=False)
 
     @functools.lru_cache(maxsize=1 << 16)
     def token_text(token_id: int) -> tuple[str, bytes]:

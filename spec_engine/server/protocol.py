@@ -3,7 +3,7 @@ for numbers, no booleans for ints). The chat template lives in ``spec_engine.cha
 
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
 ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``truncate_prompt_tokens``. Fields
+``skip_special_tokens``, ``truncate_prompt_tokens``, ``bad_words``. Fields
 that would change the output but are not implemented (the chat API's ``echo``, ``tools``, ...) are rejected with 400
 when set, never silently ignored; unknown fields are ignored.
 """
@@ -27,9 +27,8 @@ _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null al
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
     # vLLM's extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos,
-    # repetition_penalty, min_tokens, allowed_token_ids, include_stop_str_in_output, skip_special_tokens and
-    # truncate_prompt_tokens it does)
-    "bad_words": ([],),
+    # repetition_penalty, min_tokens, allowed_token_ids, include_stop_str_in_output, skip_special_tokens,
+    # truncate_prompt_tokens and bad_words it does)
     "prompt_logprobs": (),
     "guided_json": (),
     "guided_regex": (),
@@ -66,6 +65,7 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool | None = None  # (vLLM's extension)
     skip_special_tokens: bool = True  # (vLLM's extension)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # (vLLM's extension: the prompt's last k tokens)
+    bad_words: list[str] | None = None  # (vLLM's extension; SamplingParams checks count and lengths)
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1)  # choices (SamplingParams checks the most)
     stream: bool = False
