@@ -271,6 +271,42 @@ def test_logprobs_are_the_python_apis_streamed_or_not(plain, spec, model_dirs):
         assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
 
 
+def test_prompt_logprobs_are_the_python_apis(plain, spec, model_dirs):
+    """vLLM's prompt_logprobs: per prompt token after the first, {id: logprob, rank, decoded_token} for it and its
+    alternatives, the Python API's values; in completions' first chunk when streamed; in chat, the response's
+    (not with stream: 400); with echo, logprobs must ask for as many."""
+    prompt = "the quick brown fox"
+    ref = LLM(model_dirs[0] / "plain").generate(prompt, SamplingParams(max_tokens=4, prompt_logprobs=2),
+                                                use_tqdm=False)[0]  # fmt: skip
+    tok = model_dirs[1]
+
+    def check(got: list) -> None:
+        assert got[0] is None and len(got) == len(ref.prompt_token_ids)
+        for entry, want, token in zip(got[1:], ref.prompt_logprobs[1:], ref.prompt_token_ids[1:]):
+            assert {int(t) for t in entry} == set(want) and str(token) in entry
+            assert all(abs(entry[str(t)]["logprob"] - v) < 1e-4 for t, v in want.items())
+            ranks = sorted(e["rank"] for e in entry.values() if e["rank"] is not None)
+            assert ranks == [1, 2] and entry[str(token)]["decoded_token"] == tok.decode([token])
+
+    for server in (plain, spec):
+        body = {"model": name_of(server), "prompt": prompt, "max_tokens": 4, "temperature": 0, "prompt_logprobs": 2}
+        check(httpx.post(server[0] + "/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"])
+        with httpx.stream("POST", server[0] + "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        firsts = [ch["choices"][0]["prompt_logprobs"] for ch in chunks if ch["choices"] and "prompt_logprobs" in
+                  ch["choices"][0]]  # fmt: skip
+        assert len(firsts) == 1
+        check(firsts[0])
+        bad = httpx.post(server[0] + "/v1/completions", json={**body, "echo": True, "logprobs": 1})
+        assert bad.status_code == 400 and "prompt_logprobs" in bad.text
+    chat = {"model": name_of(plain), "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
+            "prompt_logprobs": 1}  # fmt: skip
+    got = httpx.post(plain[0] + "/v1/chat/completions", json=chat).json()
+    assert got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == got["usage"]["prompt_tokens"]
+    bad = httpx.post(plain[0] + "/v1/chat/completions", json={**chat, "stream": True})
+    assert bad.status_code == 400 and "prompt_logprobs" in bad.text
+
+
 @pytest.mark.parametrize("which", ["plain", "spec"])
 def test_echo_with_logprobs_scores_the_prompt_streamed_or_not(which, request, model_dirs):
     """``echo`` puts the prompt before the completion; with ``logprobs`` the prompt tokens' come first (the first

@@ -39,7 +39,12 @@ from starlette.requests import ClientDisconnect
 from spec_engine.sampling import SamplingParams, sequence_params, truncate_prompt, with_bad_words_token_ids
 from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
 from spec_engine.server.http_guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_REQUEST_TIMEOUT, guarded_protocol
-from spec_engine.server.logprobs import chat_content_logprobs, completion_logprobs, logprob_token_text
+from spec_engine.server.logprobs import (
+    chat_content_logprobs,
+    completion_logprobs,
+    logprob_token_text,
+    vllm_prompt_logprobs,
+)
 from spec_engine.server.metrics import EngineCollector
 from spec_engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_param
 
@@ -296,7 +301,11 @@ def create_app(
                     if entries is not None:
                         part, offsets[i] = completion_logprobs(tokens, entries, token_text, offsets[i])
                         lps = part if lps is None else {k: lps[k] + part[k] for k in lps}
-                return {"index": i, "text": text, "logprobs": lps, "finish_reason": d.finish_reason}
+                out = {"index": i, "text": text, "logprobs": lps, "finish_reason": d.finish_reason}
+                if req.prompt_logprobs is not None and d.prompt_logprobs is not None:  # (a choice's first chunk)
+                    out["prompt_logprobs"] = vllm_prompt_logprobs(ids, d.prompt_logprobs, token_text,
+                                                                  params.prompt_logprobs)  # fmt: skip
+                return out
 
             if req.stream:
                 return _sse(streams, head, choice, None, _include_usage(req), count)
@@ -317,6 +326,9 @@ def create_app(
             ids = truncate_prompt(ids, req.truncate_prompt_tokens)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
+            if req.prompt_logprobs is not None and req.stream:
+                raise APIError(400, "prompt_logprobs is not supported with stream in the chat API (the completions "
+                               "API streams them)", param="prompt_logprobs")  # fmt: skip
 
             def chat_logprobs(d: Delta) -> dict | None:
                 if d.logprobs is None:
@@ -338,7 +350,11 @@ def create_app(
             done = await _collect(request, streams)
             choices = [{"index": i, "message": {"role": "assistant", "content": d.text}, "logprobs": chat_logprobs(d),
                         "finish_reason": d.finish_reason} for i, d in enumerate(done)]  # fmt: skip
-            return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(done)})
+            body = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(done)}
+            if req.prompt_logprobs is not None:  # (vLLM's: the response's, not a choice's)
+                body["prompt_logprobs"] = vllm_prompt_logprobs(ids, done[0].prompt_logprobs, token_text,
+                                                               params.prompt_logprobs)  # fmt: skip
+            return JSONResponse(body)
 
         return await respond("chat_completions", request, handle)
 

@@ -1,6 +1,6 @@
 """Log-probabilities as OpenAI's APIs show them: a token's text and bytes (``logprob_token_text``), the completions
 API's ``logprobs`` object and the chat API's ``logprobs.content`` from a request's ``Request.output_logprobs`` /
-``prompt_logprobs`` entries ({token: log-probability, then the alternatives'})."""
+``prompt_logprobs`` entries ({token: log-probability, then the alternatives'}); and vLLM's ``prompt_logprobs``."""
 
 from __future__ import annotations
 
@@ -90,3 +90,21 @@ def chat_content_logprobs(ids: list[int], entries: list[dict[int, float]], token
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
         content.append({**item(token, entry[token]), "top_logprobs": [item(t, v) for t, v in top]})
     return content
+
+
+def vllm_prompt_logprobs(ids: list[int], entries: list[dict[int, float] | None], token_text: Callable,
+                         k: int) -> list[dict | None]:  # fmt: skip
+    """vLLM's ``prompt_logprobs`` of prompt tokens ``ids`` (their entries, ``k`` alternatives each asked for): None
+    for the first token, else {token id as a string: {"logprob", "rank", "decoded_token"}} for the token and its
+    alternatives; rank 1 is the most likely, and the token's own rank is null where it is not among the k (its
+    exact rank is not computed)."""
+    out: list[dict | None] = []
+    for token, entry in zip(ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        top = [t for t in entry if t != token or len(entry) == k]  # the k alternatives (the token among them or not)
+        ranked = sorted(top, key=lambda t: -entry[t])
+        out.append({str(t): {"logprob": _logprob(v), "rank": ranked.index(t) + 1 if t in ranked else None,
+                             "decoded_token": token_text(t)[0]} for t, v in entry.items()})  # fmt: skip
+    return out

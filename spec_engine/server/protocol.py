@@ -3,7 +3,7 @@ for numbers, no booleans for ints). The chat template lives in ``spec_engine.cha
 
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
 ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``truncate_prompt_tokens``, ``bad_words``. Fields
+``skip_special_tokens``, ``truncate_prompt_tokens``, ``bad_words``, ``prompt_logprobs``. Fields
 that would change the output but are not implemented (the chat API's ``echo``, ``tools``, ...) are rejected with 400
 when set, never silently ignored; unknown fields are ignored.
 """
@@ -28,8 +28,7 @@ _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null al
     "response_format": ({"type": "text"},),
     # vLLM's extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos,
     # repetition_penalty, min_tokens, allowed_token_ids, include_stop_str_in_output, skip_special_tokens,
-    # truncate_prompt_tokens and bad_words it does)
-    "prompt_logprobs": (),
+    # truncate_prompt_tokens, bad_words and prompt_logprobs it does)
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
@@ -66,6 +65,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True  # (vLLM's extension)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # (vLLM's extension: the prompt's last k tokens)
     bad_words: list[str] | None = None  # (vLLM's extension; SamplingParams checks count and lengths)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (vLLM's extension: each prompt token's)
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1)  # choices (SamplingParams checks the most)
     stream: bool = False
@@ -104,8 +104,13 @@ class CompletionRequest(_SamplingRequest):
         return self.logprobs
 
     def prompt_logprobs_asked(self) -> int | None:
-        """``SamplingParams.prompt_logprobs``: the prompt's, where it is echoed with logprobs."""
-        return self.logprobs if self.echo else None
+        """``SamplingParams.prompt_logprobs``: the prompt's, asked for (vLLM's ``prompt_logprobs``) or echoed with
+        logprobs (one list of alternatives serves both: the two counts must agree)."""
+        echoed = self.logprobs if self.echo else None
+        if self.prompt_logprobs is not None and echoed is not None and self.prompt_logprobs != echoed:
+            raise ValueError(f"prompt_logprobs ({self.prompt_logprobs}) and logprobs with echo ({echoed}) ask for "
+                             "different numbers of the prompt's alternatives")  # fmt: skip
+        return self.prompt_logprobs if self.prompt_logprobs is not None else echoed
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -156,7 +161,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt_logprobs_asked(self) -> int | None:
-        return None
+        return self.prompt_logprobs
 
 
 def error_param(loc: tuple) -> str | None:
