@@ -210,13 +210,18 @@ class Engine:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
             raise RequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", "prompt")
         bad_ids = [t for seq in params.bad_words_token_ids or () for t in seq]
+        choice_ids = [t for seq in params.guided_choice_token_ids or () for t in seq]
         for name, named in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
-                            ("bad_words", bad_ids)):  # fmt: skip
+                            ("bad_words", bad_ids), ("guided_choice", choice_ids)):  # fmt: skip
             if named and max(named) >= self.vocab_size:  # (SamplingParams checked them to be ints >= 0)
                 raise RequestError(f"{name} must name token ids in [0, {self.vocab_size})", name)
-        if params.bad_words and params.bad_words_token_ids is None:
-            raise RequestError("bad_words need their token ids (LLM.generate and the server fill them in with the "
-                               "tokenizer; the engine has none): pass bad_words_token_ids", "bad_words")  # fmt: skip
+        for name in ("bad_words", "guided_choice"):
+            if getattr(params, name) and getattr(params, f"{name}_token_ids") is None:
+                raise RequestError(f"{name} need their token ids (LLM.generate and the server fill them in with the "
+                                   f"tokenizer; the engine has none): pass {name}_token_ids", name)  # fmt: skip
+        if choice_ids and not any(0 <= t < self.vocab_size for t in self._stop_ids(params)):
+            raise RequestError("guided_choice ends at a stop token, and this request has none (the model names no "
+                               "EOS): pass stop_token_ids", "guided_choice")  # fmt: skip
         if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= self._stop_ids(params):
             raise RequestError("allowed_token_ids are all stop tokens, which min_tokens holds back: nothing could be "
                                "emitted", "allowed_token_ids")  # fmt: skip

@@ -18,7 +18,7 @@ from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_toke
 from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
 from spec_engine.request import Request
-from spec_engine.sampling import SamplingParams, sequence_params, visible_text, with_bad_words_token_ids
+from spec_engine.sampling import SamplingParams, sequence_params, visible_text, with_token_ids
 from spec_engine.zoo import shipped_drafter
 from spec_engine.zoo.pull import resolve_model
 from spec_kernels._backend import cpu_supports_native_bf16
@@ -259,7 +259,7 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _encode_words(self, text: str) -> list[int]:
-        """A word's tokens with no special tokens around them (bad_words)."""
+        """Text's tokens with no special tokens around them (bad_words, guided_choice)."""
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -350,7 +350,7 @@ class LLM:
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-        params = [with_bad_words_token_ids(p, self._encode_words) for p in params]
+        params = [with_token_ids(p, self._encode_words) for p in params]
         # each prompt's n sequences, one engine request each
         sequences = [[sequence_params(p, i) for i in range(p.n)] for p in params]
         for seqs in sequences:  # the prompt's logprobs are the first sequence's: the others take its K/V from the cache

@@ -6,8 +6,10 @@ the output, the root among them) plus the drafted tokens on its path below the r
 node by the distribution one-token-a-step decoding would sample from: with these too, speculation is lossless (greedy
 rows emit the processed argmax, sampled rows the processed distribution).
 
-vLLM's semantics, in its sampler's order, on the raw logits before temperature and the top-k / top-p / min-p
-transform:
+vLLM's semantics, in its sampler's order (a guided choice's mask first, as vLLM applies structured output's), on the
+raw logits before temperature and the top-k / top-p / min-p transform:
+- ``guided_choice`` (as ``guided_choice_token_ids``): only the tokens that continue one of the choices from the
+  output so far, and the request's stop tokens where the output is one whole;
 - ``allowed_token_ids``: every other token at -inf;
 - ``bad_words`` (as ``bad_words_token_ids``): a sequence's last token at -inf where the output so far (the prompt not
   counted, as vLLM's) ends with the rest of it; a one-token sequence everywhere;
@@ -62,6 +64,8 @@ def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
         history = req.history[: req.num_tokens]  # the prompt, then the output (the root last)
         output = history[len(req.prompt_token_ids) :]
         paths = [[both[b][n] for n in path] for path in node_paths([-1] + both[b][T + 1 :])]
+        if p.guided_choice_token_ids:
+            _guide_choice(z, output, paths, p.guided_choice_token_ids, req.stop_ids)
         if p.allowed_token_ids:
             allowed = np.zeros(V, dtype=bool)
             allowed[p.allowed_token_ids] = True
@@ -98,6 +102,30 @@ def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
                 t_idx, x_idx, amounts = zip(*extra)
                 z.index_put_(_ids(dev, t_idx, x_idx), -_values(dev, amounts), accumulate=True)
     return logits
+
+
+def _guide_choice(z: torch.Tensor, output, paths: list[list[int]], choices: list[list[int]], stop_ids) -> None:
+    """``z`` [T, V] (one row's nodes): at each node whose context (``output``, then its path) begins some choice,
+    every token at -inf but the choices' next tokens and, where the context is one whole, the stop tokens. A node off
+    every choice is left as it is: its own token was masked at its parent, so verification never reaches it."""
+    T, V = z.shape
+    output = list(output)
+    stops = sorted(t for t in stop_ids if 0 <= t < V)
+    rows, cols = [], []
+    for t, path in enumerate(paths):
+        context = output + path
+        n = len(context)
+        keep = {c[n] for c in choices if len(c) > n and c[:n] == context}
+        if any(c == context for c in choices):
+            keep.update(stops)
+        rows += [t] * len(keep)
+        cols += sorted(keep)
+    if rows:
+        on = sorted(set(rows))
+        at = _ids(z.device, rows, cols)
+        kept = z[at]
+        z[_ids(z.device, on)] = float("-inf")
+        z[at] = kept
 
 
 def _ban_bad_words(z: torch.Tensor, output: list[int], paths: list[list[int]], seqs: list[list[int]]) -> None:

@@ -25,6 +25,8 @@ MAX_N = 64  # sequences a request may ask for
 MAX_REPETITION_PENALTY = 100.0  # (past it every seen token is as good as banned: a typo)
 MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI's bound)
 MAX_BAD_WORDS = 100  # strings (or token sequences) a request may ban
+MAX_CHOICES = 64  # guided_choice's strings
+MAX_CHOICE_TOKENS = 256  # tokens in one choice
 MAX_BAD_WORD_TOKENS = 64  # tokens in one banned sequence
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each emitted one (OpenAI's top_logprobs bound)
 
@@ -74,6 +76,11 @@ class SamplingParams:
     token sequences only); a sequence's last token is banned where the output so far ends with the rest of it (a
     one-token sequence: always), each drafted node under its own path.
 
+    ``guided_choice``: the output is one of these strings (vLLM's), as ``guided_choice_token_ids`` (each string's
+    tokens; ``LLM.generate`` and the server fill that in): each node may emit only a token that continues one of them
+    from its context, and a stop token (EOS, ``stop_token_ids``) once its context is one whole; so the request needs a
+    stop token, and takes no ``ignore_eos``, ``min_tokens``, ``allowed_token_ids`` or ``bad_words`` beside it.
+
     ``skip_special_tokens``: the output text leaves special tokens (end of turn, BOS...) out (True, as vLLM's and HF's
     default) or shows them. ``truncate_prompt_tokens``: only the prompt's last that many tokens are used (vLLM's;
     the request's ``prompt_token_ids`` are those).
@@ -103,6 +110,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    guided_choice: list[str] | None = None
+    guided_choice_token_ids: list[list[int]] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
@@ -203,6 +212,28 @@ class SamplingParams:
         ):  # fmt: skip
             raise ValueError(f"bad_words_token_ids must be a list of at most {2 * MAX_BAD_WORDS} non-empty lists of "
                              f"at most {MAX_BAD_WORD_TOKENS} token ids (ints >= 0)")  # fmt: skip
+        if self.guided_choice is not None and (
+            not isinstance(self.guided_choice, list)
+            or not 0 < len(self.guided_choice) <= MAX_CHOICES
+            or not all(isinstance(c, str) and c and len(c) <= 4 * MAX_CHOICE_TOKENS for c in self.guided_choice)
+        ):
+            raise ValueError(f"guided_choice must be a list of 1 to {MAX_CHOICES} non-empty strings of at most "
+                             f"{4 * MAX_CHOICE_TOKENS} characters")  # fmt: skip
+        if self.guided_choice_token_ids is not None and (
+            not isinstance(self.guided_choice_token_ids, list)
+            or not 0 < len(self.guided_choice_token_ids) <= MAX_CHOICES
+            or not all(
+                isinstance(seq, list) and 0 < len(seq) <= MAX_CHOICE_TOKENS
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in seq)
+                for seq in self.guided_choice_token_ids
+            )
+        ):  # fmt: skip
+            raise ValueError(f"guided_choice_token_ids must be a list of 1 to {MAX_CHOICES} non-empty lists of at "
+                             f"most {MAX_CHOICE_TOKENS} token ids (ints >= 0)")  # fmt: skip
+        if self.guided_choice or self.guided_choice_token_ids:
+            for name in ("ignore_eos", "min_tokens", "allowed_token_ids", "bad_words", "bad_words_token_ids"):
+                if getattr(self, name):
+                    raise ValueError(f"guided_choice with {name} is not supported: the choice ends at a stop token")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError("skip_special_tokens must be True or False")
         if self.truncate_prompt_tokens is not None:
@@ -228,7 +259,8 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether a logits processor changes the target's logits (``spec_engine.logits_processors``)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
-                    or self.min_tokens or self.allowed_token_ids or self.bad_words_token_ids)  # fmt: skip
+                    or self.min_tokens or self.allowed_token_ids or self.bad_words_token_ids
+                    or self.guided_choice_token_ids)  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -240,22 +272,29 @@ class SamplingParams:
         return not self.greedy and (self.invariant if self.invariant is not None else self.seed is not None)
 
 
-def with_bad_words_token_ids(params: SamplingParams, encode) -> SamplingParams:
-    """``params`` with ``bad_words_token_ids`` from its ``bad_words`` (``encode``: text -> token ids, no special
-    tokens): each word's tokens as written, and with one leading space where that is another token sequence (vLLM's:
-    a word at the start of the text and inside it), without duplicates; ``params`` itself when it has no bad words
-    or already has their ids."""
-    if not params.bad_words or params.bad_words_token_ids is not None:
-        return params
-    seqs: list[list[int]] = []
-    for word in params.bad_words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = list(encode(text))
-            if len(ids) > MAX_BAD_WORD_TOKENS:
-                raise ValueError(f"bad_words must be at most {MAX_BAD_WORD_TOKENS} tokens each; {word!r} is {len(ids)}")
-            if ids and ids not in seqs:
-                seqs.append(ids)
-    return dataclasses.replace(params, bad_words_token_ids=seqs)
+def with_token_ids(params: SamplingParams, encode) -> SamplingParams:
+    """``params`` with the token ids of its strings filled in (``encode``: text -> token ids, no special tokens):
+    ``bad_words_token_ids`` (each word's tokens as written, and after one leading space where that is another token
+    sequence: vLLM's, a word at the start of the text and inside it; no duplicates) and ``guided_choice_token_ids``
+    (each choice's tokens); ``params`` itself when there is nothing to fill in."""
+    fill = {}
+    if params.bad_words and params.bad_words_token_ids is None:
+        seqs: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(encode(text))
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise ValueError(f"bad_words must be at most {MAX_BAD_WORD_TOKENS} tokens each; {word!r} is "
+                                     f"{len(ids)}")  # fmt: skip
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        fill["bad_words_token_ids"] = seqs
+    if params.guided_choice and params.guided_choice_token_ids is None:
+        choices = [list(encode(c)) for c in params.guided_choice]
+        if any(not 0 < len(ids) <= MAX_CHOICE_TOKENS for ids in choices):
+            raise ValueError(f"guided_choice must be 1 to {MAX_CHOICE_TOKENS} tokens each")
+        fill["guided_choice_token_ids"] = choices
+    return dataclasses.replace(params, **fill) if fill else params
 
 
 def truncate_prompt(prompt_token_ids: list[int], k: int | None) -> list[int]:

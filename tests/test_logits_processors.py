@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import DRAFTER_MODES, drafter_config, make_model, make_noisy_copy
@@ -32,9 +33,19 @@ def pair(tmp_path_factory):
     return target, make_noisy_copy(target, root / "draft", noise=0.1)
 
 
+def guided(z: torch.Tensor, out: list[int], choices: list[list[int]], stops) -> torch.Tensor:
+    """``z`` [V] with only the choices' next tokens after ``out`` (and the stop tokens where it is one whole)."""
+    n = len(out)
+    keep = {c[n] for c in choices if len(c) > n and c[:n] == out} | (set(stops) if out in choices else set())
+    masked = torch.full_like(z, float("-inf"))
+    masked[sorted(keep)] = z[sorted(keep)]
+    return masked
+
+
 def reference_greedy(model_dir, prompt: list[int], n: int, presence_penalty=0.0, frequency_penalty=0.0,
                      repetition_penalty=1.0, logit_bias=None, min_tokens=0, stop_token_ids=(),
-                     allowed_token_ids=None, bad_words_token_ids=()) -> tuple[list[int], int]:  # fmt: skip
+                     allowed_token_ids=None, bad_words_token_ids=(),
+                     guided_choice_token_ids=None) -> tuple[list[int], int]:  # fmt: skip
     """Greedy tokens one forward a token with the processors applied by hand (up to and with the first stop token),
     and how many are trustworthy (the top-2 margin of the processed logits >= 1e-3: a near-tie may go either way in
     another order of summation)."""
@@ -45,7 +56,9 @@ def reference_greedy(model_dir, prompt: list[int], n: int, presence_penalty=0.0,
     for i in range(n):
         with torch.no_grad():
             z = model(torch.tensor([seq])).logits[0, -1].float()
-        if allowed_token_ids:  # vLLM's order: allowed ids, bad words, min_tokens, the bias, then the penalties
+        if guided_choice_token_ids:  # vLLM's order: a guided choice, allowed ids, bad words, min_tokens, the bias,
+            z = guided(z, seq[len(prompt) :], guided_choice_token_ids, stop_token_ids)  # then the penalties
+        if allowed_token_ids:
             banned = torch.ones_like(z, dtype=torch.bool)
             banned[allowed_token_ids] = False
             z[banned] = float("-inf")
@@ -140,6 +153,62 @@ def test_bad_words_match_the_reference(pair, mode):
     assert trusted > MAX_TOKENS // 2 and got[:trusted] == ref[:trusted], (mode, got, ref)
     assert got != free  # the bans bite
     assert all(got[i : i + len(b)] != b for b in bad for i in range(len(got)))
+
+
+def _choices(llm) -> tuple[list[list[int]], int]:
+    """Three choices that share first tokens with plain decoding's output (drafts propose into them) and a stop."""
+    free = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=MAX_TOKENS),
+                        use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+    stop = next(t for t in range(96) if t not in free)
+    choices = [free[:4], free[:2] + [free[5], free[6]], [free[3], free[1]]]
+    assert len({tuple(c) for c in choices}) == 3, free  # (distinct, so that each has its own probability)
+    return choices, stop
+
+
+@pytest.mark.parametrize("mode", list(DRAFTER_MODES))
+def test_guided_choice_matches_the_reference(pair, mode):
+    """Greedy rows pick the choice one token at a time by the masked argmax, then the stop token."""
+    target, draft = pair
+    llm = LLM(str(target), speculative_config=drafter_config(mode, draft), max_model_len=128, dtype="float32")
+    choices, stop = _choices(llm)
+    params = SamplingParams(max_tokens=MAX_TOKENS, guided_choice_token_ids=choices, stop_token_ids=[stop])
+    got = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)[0].outputs[0]
+    ref, trusted = reference_greedy(target, PROMPTS[0], MAX_TOKENS, guided_choice_token_ids=choices,
+                                    stop_token_ids=[stop])  # fmt: skip
+    assert got.token_ids == ref and trusted == len(ref) and got.finish_reason == "stop"
+    assert got.token_ids[:-1] in choices and got.token_ids[-1] == stop
+
+
+def test_guided_choice_samples_follow_the_exact_distribution(pair):
+    """Sampled rows (temperature 1, a draft model at depth 3) pick each choice with its exact probability under
+    the masked target: the product of its tokens' masked softmax (chi2 over 600 seeded requests). (Masking each
+    drafted node as if its path were not there, a planted bug, emits tokens off every choice: caught here.)"""
+    from test_engine_sampling import chi2_pvalue
+    from transformers import AutoModelForCausalLM
+
+    target, draft = pair
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
+              "num_speculative_tokens": 3}, max_model_len=128, dtype="float32", max_num_seqs=64)  # fmt: skip
+    choices, stop = _choices(llm)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
+    probs = []
+    for c in choices:
+        p = 1.0
+        for j in range(len(c) + 1):
+            with torch.no_grad():
+                z = model(torch.tensor([PROMPTS[0] + c[:j]])).logits[0, -1]
+            p *= torch.softmax(guided(z, c[:j], choices, [stop]), dim=-1)[c[j] if j < len(c) else stop].item()
+        probs.append(p)
+    assert abs(sum(probs) - 1) < 1e-9
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=s, guided_choice_token_ids=choices,
+                             stop_token_ids=[stop]) for s in range(600)]  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 600, params, use_tqdm=False)
+    counts = np.zeros(len(choices))
+    for o in outs:
+        assert o.outputs[0].token_ids[:-1] in choices and o.outputs[0].token_ids[-1] == stop, o.outputs[0].token_ids
+        counts[choices.index(o.outputs[0].token_ids[:-1])] += 1
+    assert min(probs) > 0.02 and chi2_pvalue(counts, np.array(probs)) > 1e-3, (counts, probs)
+    assert llm.engine.stats["num_accepted"] > 0
 
 
 def test_seeded_penalised_samples_are_the_same_with_any_drafter(pair):

@@ -352,10 +352,10 @@ def test_penalties_over_http_are_the_python_apis(plain, spec, model_dirs):
         assert got == ref.outputs[0].text
 
 
-def test_special_tokens_truncated_prompts_and_bad_words_over_http():
+def test_special_tokens_truncated_prompts_bad_words_and_choices_over_http():
     """vLLM's skip_special_tokens (the embedded target's "<|endoftext|>" forced by allowed_token_ids),
-    truncate_prompt_tokens (the prompt's last k tokens: usage counts them, echo shows them) and bad_words, streamed or
-    not: the Python API's text."""
+    truncate_prompt_tokens (the prompt's last k tokens: usage counts them, echo shows them), bad_words and
+    guided_choice, streamed or not: the Python API's text."""
     from spec_engine import default_model_paths
 
     llm = LLM(default_model_paths()[0], max_model_len=512)
@@ -396,6 +396,22 @@ def test_special_tokens_truncated_prompts_and_bad_words_over_http():
             ) == want.text
         bad = httpx.post(server[0] + "/v1/completions", json={"model": model, "prompt": "x", "bad_words": [" "]})
         assert bad.status_code == 400 and "bad_words" in bad.text
+        choices = ["positive", "negative", "(none)"]
+        want = llm.generate(prose, SamplingParams(max_tokens=8, guided_choice=choices), use_tqdm=False)[0].outputs[0]
+        msgs = [{"role": "user", "content": "Sentiment of 'I loved it'?"}]
+        for stream in (False, True):
+            out = c.completions.create(model=model, prompt=prose, max_tokens=8, temperature=0, stream=stream,
+                                       extra_body={"guided_choice": choices})  # fmt: skip
+            text = "".join(ch.choices[0].text for ch in out if ch.choices) if stream else out.choices[0].text
+            assert text == want.text and text in choices
+            chat = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0, stream=stream,
+                                             extra_body={"guided_choice": choices})  # fmt: skip
+            text = "".join(ch.choices[0].delta.content or "" for ch in chat if ch.choices) if stream else (
+                chat.choices[0].message.content)  # fmt: skip
+            assert text in choices
+        bad = httpx.post(server[0] + "/v1/completions", json={"model": model, "prompt": "x", "guided_choice": [],
+                                                              "max_tokens": 4})  # fmt: skip
+        assert bad.status_code == 400 and "guided_choice" in bad.text
 
 
 def test_concurrent_choices_never_pass_max_pending(plain):

@@ -1,6 +1,7 @@
 """vLLM's ``skip_special_tokens`` (the output text with or without special tokens, stop strings read in the same
-text), ``truncate_prompt_tokens`` (only the prompt's last k tokens) and ``bad_words`` (strings as token sequences),
-on the Python API; the server's are in tests/test_server.py; bad token sequences against a by-hand reference in
+text), ``truncate_prompt_tokens`` (only the prompt's last k tokens), ``bad_words`` (strings as token sequences) and
+``guided_choice`` (the output one of some strings), on the Python API; the server's are in tests/test_server.py;
+bad token sequences and choices against a by-hand reference (and a choice's exact distribution) in
 tests/test_logits_processors.py."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from spec_engine import LLM, SamplingParams, default_model_paths
-from spec_engine.sampling import with_bad_words_token_ids
+from spec_engine.sampling import with_token_ids
 
 TARGET, DRAFT = default_model_paths()
 EOS = 0  # the default target's one special token, "<|endoftext|>"
@@ -57,13 +58,27 @@ def test_bad_words_are_kept_out_of_the_output(llm):
     words = [w for w in free.text.split() if w.isalpha() and len(w) > 2][:2]
     assert len(words) == 2, free.text
     params = SamplingParams(max_tokens=48, bad_words=words)
-    seqs = with_bad_words_token_ids(params, llm._encode_words).bad_words_token_ids
+    seqs = with_token_ids(params, llm._encode_words).bad_words_token_ids
     assert all(llm._encode_words(t) in seqs for w in words for t in (w, " " + w))
     out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids != free.token_ids
     assert all(out.token_ids[i : i + len(s)] != s for s in seqs for i in range(len(out.token_ids)))
     with pytest.raises(ValueError, match="bad_words need their token ids"):
         llm.engine.add_request(llm.encode(prompt), params)
+
+
+def test_guided_choice_answers_with_one_of_the_strings(llm):
+    """The output's text is one of the choices, ended by EOS (finish reason "stop"); greedy picks the same one with
+    and without speculation; choices the tokenizer splits differently still work (token sequences of their own)."""
+    choices = ["positive", "negative", "a neutral review", "(none)"]
+    params = SamplingParams(max_tokens=16, guided_choice=choices)
+    plain = LLM(TARGET, max_model_len=512)
+    for prompt in ("Review: I loved it. Sentiment:", "import os\n\n"):
+        got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert got.text in choices and got.finish_reason == "stop", got
+        assert got.token_ids == plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="guided_choice with ignore_eos"):
+        SamplingParams(guided_choice=["a"], ignore_eos=True)
 
 
 @pytest.mark.parametrize(
@@ -75,7 +90,11 @@ def test_bad_words_are_kept_out_of_the_output(llm):
      (dict(bad_words=["ok", " "]), "bad_words must be a list"),
      (dict(bad_words="word"), "bad_words must be a list"),
      (dict(bad_words_token_ids=[[1], []]), "bad_words_token_ids must be"),
-     (dict(bad_words_token_ids=[[1, -2]]), "bad_words_token_ids must be")],
+     (dict(bad_words_token_ids=[[1, -2]]), "bad_words_token_ids must be"),
+     (dict(guided_choice=[]), "guided_choice must be"),
+     (dict(guided_choice=["ok", ""]), "guided_choice must be"),
+     (dict(guided_choice_token_ids=[[]]), "guided_choice_token_ids must be"),
+     (dict(guided_choice=["a"], min_tokens=1), "guided_choice with min_tokens")],
 )  # fmt: skip
 def test_bad_values_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):

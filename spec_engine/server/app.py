@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from spec_engine.sampling import SamplingParams, sequence_params, truncate_prompt, with_bad_words_token_ids
+from spec_engine.sampling import SamplingParams, sequence_params, truncate_prompt, with_token_ids
 from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
 from spec_engine.server.http_guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_REQUEST_TIMEOUT, guarded_protocol
 from spec_engine.server.logprobs import (
@@ -197,10 +197,12 @@ def create_app(
                 skip_special_tokens=req.skip_special_tokens,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 bad_words=req.bad_words or None,
+                guided_choice=req.guided_choice,
             )
-            if params.bad_words and llm.tokenizer is None:
-                raise APIError(400, "bad_words need a tokenizer; this model has none", param="bad_words")
-            return with_bad_words_token_ids(params, words_to_ids)
+            for name in ("bad_words", "guided_choice"):
+                if getattr(params, name) and llm.tokenizer is None:
+                    raise APIError(400, f"{name} need a tokenizer; this model has none", param=name)
+            return with_token_ids(params, words_to_ids)
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None

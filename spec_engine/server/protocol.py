@@ -3,7 +3,7 @@ for numbers, no booleans for ints). The chat template lives in ``spec_engine.cha
 
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
 ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``truncate_prompt_tokens``, ``bad_words``, ``prompt_logprobs``. Fields
+``skip_special_tokens``, ``truncate_prompt_tokens``, ``bad_words``, ``prompt_logprobs``, ``guided_choice``. Fields
 that would change the output but are not implemented (the chat API's ``echo``, ``tools``, ...) are rejected with 400
 when set, never silently ignored; unknown fields are ignored.
 """
@@ -28,10 +28,9 @@ _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null al
     "response_format": ({"type": "text"},),
     # vLLM's extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos,
     # repetition_penalty, min_tokens, allowed_token_ids, include_stop_str_in_output, skip_special_tokens,
-    # truncate_prompt_tokens, bad_words and prompt_logprobs it does)
+    # truncate_prompt_tokens, bad_words, prompt_logprobs and guided_choice it does)
     "guided_json": (),
     "guided_regex": (),
-    "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
 }
@@ -66,6 +65,7 @@ class _SamplingRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # (vLLM's extension: the prompt's last k tokens)
     bad_words: list[str] | None = None  # (vLLM's extension; SamplingParams checks count and lengths)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (vLLM's extension: each prompt token's)
+    guided_choice: list[str] | None = None  # (vLLM's extension: the output is one of these)
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1)  # choices (SamplingParams checks the most)
     stream: bool = False
