@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from spec_kernels._backend import resolve_backend
+from spec_kernels._backend import on_device_path, resolve_backend, triton_available
+from spec_kernels.linear_triton import linear_triton
 from spec_kernels.reference import (
     QUANT_BLOCK,
     QUANT_BLOCK_BYTES,
     QUANT_TYPES,
     QuantizedWeight,
+    dequantize_ref,
     quant_linear_ref,
     quant_type_name,
 )
@@ -71,8 +73,10 @@ def quant_linear(
     bias : Tensor, optional
         ``[N]`` in x's dtype.
     backend : {None, "native", "torch"}
-        None: the native kernel on CPU float32 / bfloat16 x, :func:`quant_linear_ref` otherwise. "native": the C++
-        kernel or a clear error. "torch": the reference (dequantize in float32, ``F.linear``, cast to x's dtype).
+        None: the native kernel on CPU float32 / bfloat16 x; on CUDA (and meta) the blocks dequantized to float32
+        and the batch-invariant Triton GEMM (``spec_kernels.linear_triton``); :func:`quant_linear_ref` otherwise.
+        "native": the C++ kernel or a clear error. "torch": the reference (dequantize in float32, ``F.linear``, cast
+        to x's dtype).
 
     Returns
     -------
@@ -97,6 +101,10 @@ def quant_linear(
     if backend == "triton":
         raise ValueError("quant_linear: there is no Triton backend (a C++ CPU kernel); use None, 'native' or 'torch'")
     native_fits = x.is_cpu and weight.is_cpu and x.dtype in NATIVE_DTYPES and weight.is_contiguous()
+    if backend is None and on_device_path(x.device) and triton_available():
+        # CUDA: the blocks dequantized to float32 and the batch-invariant Triton GEMM (cuBLAS picks its kernel by M)
+        w = dequantize_ref(weight, name)  # [N, K]
+        return linear_triton(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
     if backend is None:
         backend = "native" if native_fits else "torch"
     backend = resolve_backend("quant_linear", backend, x.device, has_triton=False)

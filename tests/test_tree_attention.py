@@ -325,11 +325,13 @@ def _lone_token_outputs(q, k, v, seqlens, mask) -> torch.Tensor:
 def test_triton_tree_nodes_equal_lone_tokens_bitwise(dtype, kind, monkeypatch):
     """Batch invariance, the contract greedy speculation in 16-bit dtypes relies on: every tree node's output is bit
     for bit plain decoding's for the same token at the same position, whatever T, the batch or the cache capacity,
-    with sequences that cross tiles and flash-decoding splits (SPLIT_LEN cut to 64 positions here). Group 3: a tile
+    with sequences that cross tiles and flash-decoding splits (SPLIT_LEN cut to 64 positions here, and the combine
+    merging 2 splits at a time: one call's rows merge 3, a lone token's 1 to 3). Group 3: a tile
     holds 5 nodes, which walk their sequences in turn (trees) or together (causal chunks, chains: one K/V tile load
     for all), or each as its sequence asks ("mixed": one causal sequence in a batch of trees). A planted bug (split
     lengths that follow the capacity, as flash-decoding's usually do) is caught in float32."""
     monkeypatch.setattr(ta_triton, "SPLIT_LEN", 64)
+    monkeypatch.setattr(ta_triton, "MAX_SPLITS", 2)
     q, k, v, seqlens, mask, _ = make_inputs([37, 130, 0], 9, 6, 2, 32, dtype, seed=5)
     if kind != "trees":
         mask[1] = causal_mask(1, 9)[0]
@@ -347,6 +349,15 @@ def test_triton_tree_nodes_equal_lone_tokens_bitwise(dtype, kind, monkeypatch):
     monkeypatch.setattr(ta_triton, "_split_len", lambda capacity, block_n, n: block_n * (1 + capacity % 2))
     planted = tree_attention(q, k, v, seqlens, mask, backend="triton")
     assert not torch.equal(planted, _lone_token_outputs(q, k, v, seqlens, mask))
+
+
+@INTERPRETER
+def test_triton_empty_batch():
+    q, k = torch.zeros(0, 3, 4, 16), torch.zeros(0, 8, 2, 16)
+    for backend in ("triton", "native"):
+        out = tree_attention(q, k, k, torch.zeros(0, dtype=torch.int32), torch.zeros(0, 3, 3, dtype=torch.bool),
+                             backend=backend)  # fmt: skip
+        assert out.shape == (0, 3, 4, 16)
 
 
 def test_tree_key_lists():

@@ -11,9 +11,10 @@ import torch
 from spec_kernels._backend import triton_available, triton_interpret
 
 # Flash-decoding splits cut each node's sequence at fixed positions (multiples of SPLIT_LEN), whatever the batch, T
-# or cache capacity, and the combine always reduces MAX_SPLITS lanes: so splitting never changes a node's rounding.
-# Past MAX_SPLITS * SPLIT_LEN positions of capacity the split length doubles (the one place capacity enters).
-SPLIT_LEN = 1024
+# or cache capacity, and the combine merges them MAX_SPLITS lanes at a time in split order: so splitting never changes
+# a node's rounding. (4096: a prefill chunk's float32 partial outputs stay ~130 MB at 64K positions, T 512, 32 heads
+# of 128; a decode step still splits past 4K positions.)
+SPLIT_LEN = 4096
 MAX_SPLITS = 64
 
 if triton_available():
@@ -159,31 +160,42 @@ if triton_available():
         shared = shared_flag != 0
         num_walks = tl.where(shared, 1, tl.minimum(NODES_PER_TILE, T - tile * NODES_PER_TILE))
         lo = split * split_len  # this split's share of the positions
-        for w in range(0, num_walks):
-            walker = tile * NODES_PER_TILE + w  # the node whose keys this walk loads (all the tile's, if shared)
+        split_hi = lo + split_len
+        # One loop (one set of pipeline buffers) over: the prefix's whole tiles, once for every row (each node's
+        # sequence starts with them); then the rest, walked by the tile's nodes together (shared) or once a node.
+        prefix_end = L - L % BLOCK_N
+        num_prefix = tl.maximum(tl.minimum(split_hi, prefix_end) - lo, 0) // BLOCK_N
+        tail_start = tl.maximum(lo, prefix_end)
+        tail_hi = tl.minimum(split_hi, L + tl.load(tile_lens_ptr + b * num_tiles + tile))  # the tile's longest
+        num_tail = tl.cdiv(tl.maximum(tail_hi - tail_start, 0), BLOCK_N)
+        for i in range(0, num_prefix + num_walks * num_tail):
+            in_tail = i >= num_prefix
+            w = tl.where(in_tail, (i - num_prefix) // tl.maximum(num_tail, 1), 0)
+            start = tl.where(in_tail, tail_start + ((i - num_prefix) % tl.maximum(num_tail, 1)) * BLOCK_N,
+                             lo + i * BLOCK_N)  # fmt: skip
+            walker = tile * NODES_PER_TILE + w  # the node whose keys a tail tile loads (any of the tile's, if shared)
             walk_len = tl.where(shared, tl.load(tile_lens_ptr + b * num_tiles + tile),
                                 tl.load(tree_lens_ptr + b * T + walker))  # fmt: skip
-            walking = row_ok & (shared | (node == walker))
+            hi = tl.where(in_tail, tl.minimum(split_hi, L + walk_len), prefix_end)
+            pos = start + offs_n
+            key_ok = pos < hi
+            mapped = (pos >= L) & key_ok & (pos * 0 + shared_flag == 0)  # (a vector: the interpreter needs one)
             keys_row = tree_keys_ptr + (b * T + walker).to(tl.int64) * T
-            hi = tl.minimum(lo + split_len, L + walk_len)
-            for start in range(lo, hi, BLOCK_N):
-                pos = start + offs_n
-                key_ok = pos < hi
-                mapped = (pos >= L) & key_ok & (pos * 0 + shared_flag == 0)  # (a vector: the interpreter needs one)
-                slot = tl.where(mapped, L + tl.load(keys_row + (pos - L), mask=mapped, other=0), pos)
-                k_offs = _kv_row_offsets(
-                    slot, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_kb, stride_ks, stride_kh,
-                    HAS_BLOCK_TABLE,
-                )  # fmt: skip
-                v_offs = _kv_row_offsets(
-                    slot, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_vb, stride_vs, stride_vh,
-                    HAS_BLOCK_TABLE,
-                )  # fmt: skip
-                allowed = walking[:, None] & key_ok[None, :] & (pos[None, :] < row_len[:, None])
-                m_i, l_i, acc = _attend_block(
-                    q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, key_ok, allowed, qk_scale, D, UPCAST_DOT,
-                    INPUT_PRECISION,
-                )  # fmt: skip
+            slot = tl.where(mapped, L + tl.load(keys_row + (pos - L), mask=mapped, other=0), pos)
+            k_offs = _kv_row_offsets(
+                slot, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_kb, stride_ks, stride_kh,
+                HAS_BLOCK_TABLE,
+            )  # fmt: skip
+            v_offs = _kv_row_offsets(
+                slot, b, kvh, key_ok, block_table_ptr, stride_btb, block_size, stride_vb, stride_vs, stride_vh,
+                HAS_BLOCK_TABLE,
+            )  # fmt: skip
+            walking = row_ok & (shared | (node == walker) | (i < num_prefix))
+            allowed = walking[:, None] & key_ok[None, :] & (pos[None, :] < row_len[:, None])
+            m_i, l_i, acc = _attend_block(
+                q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, key_ok, allowed, qk_scale, D, UPCAST_DOT,
+                INPUT_PRECISION,
+            )  # fmt: skip
 
         # A row that saw nothing (empty split, or L_b = 0 with an all-False mask row) has l_i = 0: write zeros.
         seen = l_i > 0
@@ -215,19 +227,26 @@ if triton_available():
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # One program per output row (b, t, head): merge the splits' normalised outputs by their log-sum-exp.
+        # One program per output row (b, t, head): merge the splits' normalised outputs by their log-sum-exp, BLOCK_S
+        # splits at a time in split order (chunks past the row's last split are exact no-ops: scale 1, weights 0).
         row = tl.program_id(0).to(tl.int64)
-        offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
-        s_ok = offs_s < num_splits
-        lse = tl.load(lse_ptr + offs_s * num_rows + row, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
-        m = tl.max(lse, axis=0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)
-        part_ptrs = o_part_ptr + (offs_s.to(tl.int64) * num_rows + row)[:, None] * D + offs_d[None, :]
-        part = tl.load(part_ptrs, mask=s_ok[:, None] & (offs_d < D)[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-        total = tl.sum(w, axis=0)
-        out = tl.sum(part * w[:, None], axis=0) * (1.0 / tl.where(total > 0, total, 1.0))
+        m = tl.full([], -1.0e30, dtype=tl.float32)  # (a finite floor, as in the attention kernel)
+        total = tl.zeros([], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, num_splits, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            s_ok = offs_s < num_splits
+            lse = tl.load(lse_ptr + offs_s * num_rows + row, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
+            m_new = tl.maximum(m, tl.max(lse, axis=0))
+            scale = tl.exp2(m - m_new)
+            w = tl.exp2(lse - m_new)
+            part_ptrs = o_part_ptr + (offs_s.to(tl.int64) * num_rows + row)[:, None] * D + offs_d[None, :]
+            part = tl.load(part_ptrs, mask=s_ok[:, None] & (offs_d < D)[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+            total = total * scale + tl.sum(w, axis=0)
+            acc = acc * scale + tl.sum(part * w[:, None], axis=0)
+            m = m_new
+        out = acc * (1.0 / tl.where(total > 0, total, 1.0))
         tl.store(out_ptr + row * D + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
@@ -280,6 +299,9 @@ def tile_walks(tree_keys: torch.Tensor, tree_lens: torch.Tensor, nodes_per_tile:
     sees exactly the tree's first nodes (``tree_keys[.., t, :len] == 0 .. len-1``: a causal chunk, a chain), so that
     each node's sequence is the positions 0 .. L + len - 1 themselves; and ([B, tiles] int32) the longest len."""
     B, T = tree_lens.shape
+    if B * T == 0:  # (nothing to walk; view() cannot infer a dimension of an empty tensor)
+        none = torch.zeros(B, -(-T // nodes_per_tile), dtype=torch.int32, device=tree_lens.device)
+        return none, none.clone()
     j = torch.arange(T, device=tree_keys.device)
     in_order = ((tree_keys == j) | (j >= tree_lens[..., None])).all(dim=-1)  # [B, T]
     pad = -T % nodes_per_tile
@@ -297,14 +319,11 @@ def tree_key_lists(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _split_len(capacity: int, block_n: int, num_splits: int) -> int:
-    """Positions per flash-decoding split: SPLIT_LEN (doubled past MAX_SPLITS splits of capacity) when the launcher
-    chooses (``num_splits <= 0``), else capacity over ``num_splits`` (tests), in whole tiles."""
+    """Positions per flash-decoding split: SPLIT_LEN when the launcher chooses (``num_splits <= 0``), else capacity
+    over ``num_splits`` (tests), in whole tiles."""
     if num_splits <= 0:
-        split_len = SPLIT_LEN
-        while split_len * MAX_SPLITS < capacity:
-            split_len *= 2
-        return split_len
-    return max(block_n, triton.cdiv(triton.cdiv(capacity, min(num_splits, MAX_SPLITS)), block_n) * block_n)
+        return SPLIT_LEN
+    return max(block_n, triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n)
 
 
 FP32_TILE_PRODUCT = 1 << 16  # BLOCK_M * BLOCK_N * BLOCK_D of an fp32 tile that 8 warps hold without spilling
@@ -323,9 +342,8 @@ def _tile_config(dtype: torch.dtype, num_rows: int, D: int) -> tuple[int, int, i
     function of the model alone (never of T or B), so that every call of a model runs the same tiles.
 
     Chosen so that configurations spill little for register pressure on sm_80 or sm_90a: ``python
-    bench/aot_compile.py`` compiles every one (bench/RESULTS-log.md, "Batch-invariant CUDA kernels"). In the
-    batch-invariant kernel every paged configuration (the engine's cache) compiles clean; contiguous ones save 8-40
-    bytes of stack in fp32 (head dims 64-256) and 8-20 bytes in 16-bit at BLOCK_D 128 on sm_80. 16-bit tiles run 8
+    bench/aot_compile.py`` compiles every one (bench/RESULTS-log.md, "Batch-invariant CUDA kernels": in the
+    batch-invariant kernel only fp32 at head dim 64 with splits saves 8 bytes of stack, on sm_80). 16-bit tiles run 8
     warps at BLOCK_D 128 (4 spilled there, paged, on sm_80) and 4 elsewhere (8 spilled at BLOCK_D 64, paged).
     Measured there (before the batch-invariant kernel; the warp counts below are the old ones):
     - fp32 takes a true fp32 dot, on CUDA cores with both operand tiles in registers. BLOCK_M 32 spilled even at
