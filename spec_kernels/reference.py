@@ -358,7 +358,7 @@ def dequantize_ref(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     num_rows = weight.shape[0]
     blocks = weight.reshape(num_rows, -1, QUANT_BLOCK_BYTES[qtype])  # [N, K / 32, block_bytes]
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, K / 32, 1]
-    out = torch.empty(num_rows, blocks.shape[1], QUANT_BLOCK, dtype=torch.float32)  # [N, K / 32, 32]
+    out = torch.empty(num_rows, blocks.shape[1], QUANT_BLOCK, dtype=torch.float32, device=weight.device)  # [N,K/32,32]
     if qtype == "Q8_0":
         out.copy_(blocks[..., 2:].view(torch.int8))
         return out.mul_(d).reshape(num_rows, -1)

@@ -118,6 +118,22 @@ def test_dispatch_and_quantized_weight():
     assert torch.equal(QuantizedWeight.cat([top, bottom]).data, blocks)
     meta = torch.ops.spec_kernels.quant_linear(x.to("meta"), blocks.to("meta"), 3, None)
     assert meta.shape == (3, 40)
+    # the device path (meta stands in for CUDA): dequantized on the weight's device (a CPU buffer failed a CUDA
+    # weight), then the batch-invariant Triton GEMM
+    device = quant_linear(x.to("meta", torch.bfloat16), blocks.to("meta"), "Q4_1")
+    assert device.shape == (3, 40) and device.device.type == "meta" and device.dtype == torch.bfloat16
+    assert dequantize_ref(blocks.to("meta"), "Q4_1").device.type == "meta"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_quant_linear_is_the_reference_and_batch_invariant():
+    blocks, _ = _quantized(40, 64, "Q4_1", 4)
+    x = _x(33, 64, torch.float32, 5).to("cuda", torch.bfloat16)
+    out = quant_linear(x, blocks.cuda(), "Q4_1")  # [33, 40]
+    ref = quant_linear_ref(x.cpu(), blocks, "Q4_1").float()
+    assert (out.cpu().float() - ref).abs().max().item() < 0.05
+    assert all(torch.equal(quant_linear(x[i : i + 1], blocks.cuda(), "Q4_1")[0], out[i]) for i in (0, 17, 32))
 
 
 @pytest.mark.parametrize(
