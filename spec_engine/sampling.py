@@ -194,40 +194,20 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must be a non-empty list of token ids (ints >= 0)")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError("include_stop_str_in_output must be True or False")
-        if self.bad_words is not None and (
-            not isinstance(self.bad_words, list)
-            or len(self.bad_words) > MAX_BAD_WORDS
-            or not all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in self.bad_words)
-        ):
+        if self.bad_words is not None and not _strings(self.bad_words, 0, MAX_BAD_WORDS, MAX_STOP_CHARS, blank=False):
             raise ValueError(f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
                              f"{MAX_STOP_CHARS} characters")  # fmt: skip
-        if self.bad_words_token_ids is not None and (
-            not isinstance(self.bad_words_token_ids, list)
-            or len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS
-            or not all(
-                isinstance(seq, list) and 0 < len(seq) <= MAX_BAD_WORD_TOKENS
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in seq)
-                for seq in self.bad_words_token_ids
-            )
-        ):  # fmt: skip
+        if self.bad_words_token_ids is not None and not _token_lists(
+            self.bad_words_token_ids, 0, 2 * MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS
+        ):
             raise ValueError(f"bad_words_token_ids must be a list of at most {2 * MAX_BAD_WORDS} non-empty lists of "
                              f"at most {MAX_BAD_WORD_TOKENS} token ids (ints >= 0)")  # fmt: skip
-        if self.guided_choice is not None and (
-            not isinstance(self.guided_choice, list)
-            or not 0 < len(self.guided_choice) <= MAX_CHOICES
-            or not all(isinstance(c, str) and c and len(c) <= 4 * MAX_CHOICE_TOKENS for c in self.guided_choice)
-        ):
+        if self.guided_choice is not None and not _strings(self.guided_choice, 1, MAX_CHOICES, 4 * MAX_CHOICE_TOKENS):
             raise ValueError(f"guided_choice must be a list of 1 to {MAX_CHOICES} non-empty strings of at most "
                              f"{4 * MAX_CHOICE_TOKENS} characters")  # fmt: skip
-        if self.guided_choice_token_ids is not None and (
-            not isinstance(self.guided_choice_token_ids, list)
-            or not 0 < len(self.guided_choice_token_ids) <= MAX_CHOICES
-            or not all(
-                isinstance(seq, list) and 0 < len(seq) <= MAX_CHOICE_TOKENS
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in seq)
-                for seq in self.guided_choice_token_ids
-            )
-        ):  # fmt: skip
+        if self.guided_choice_token_ids is not None and not _token_lists(
+            self.guided_choice_token_ids, 1, MAX_CHOICES, MAX_CHOICE_TOKENS
+        ):
             raise ValueError(f"guided_choice_token_ids must be a list of 1 to {MAX_CHOICES} non-empty lists of at "
                              f"most {MAX_CHOICE_TOKENS} token ids (ints >= 0)")  # fmt: skip
         if self.guided_choice or self.guided_choice_token_ids:
@@ -270,6 +250,29 @@ class SamplingParams:
     def coupled(self) -> bool:
         """Sampled through the position-keyed coupling (see ``invariant``); greedy rows need no noise."""
         return not self.greedy and (self.invariant if self.invariant is not None else self.seed is not None)
+
+
+def _strings(value, least: int, most: int, max_chars: int, blank: bool = True) -> bool:
+    """Whether ``value`` is a list of ``least`` to ``most`` non-empty strings of at most ``max_chars`` characters (not
+    all whitespace, unless ``blank``)."""
+    return (
+        isinstance(value, list)
+        and least <= len(value) <= most
+        and all(isinstance(v, str) and v and (blank or v.strip()) and len(v) <= max_chars for v in value)
+    )
+
+
+def _token_lists(value, least: int, most: int, max_tokens: int) -> bool:
+    """Whether ``value`` is a list of ``least`` to ``most`` non-empty lists of at most ``max_tokens`` token ids."""
+    return (
+        isinstance(value, list)
+        and least <= len(value) <= most
+        and all(
+            isinstance(seq, list) and 0 < len(seq) <= max_tokens
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in seq)
+            for seq in value
+        )
+    )  # fmt: skip
 
 
 def with_token_ids(params: SamplingParams, encode) -> SamplingParams:
