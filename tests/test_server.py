@@ -412,6 +412,12 @@ def test_special_tokens_truncated_prompts_bad_words_and_choices_over_http():
         bad = httpx.post(server[0] + "/v1/completions", json={"model": model, "prompt": "x", "guided_choice": [],
                                                               "max_tokens": 4})  # fmt: skip
         assert bad.status_code == 400 and "guided_choice" in bad.text
+        body = {"model": model, "prompt": prose, "max_tokens": 8, "temperature": 0}
+        same = httpx.post(server[0] + "/v1/completions", json={**body, "structured_outputs": {"choice": choices}})
+        assert same.json()["choices"][0]["text"] == want.text  # (vLLM's newer form of guided_choice)
+        for so in ({"json": {"type": "object"}}, {"choice": "yes"}):
+            bad = httpx.post(server[0] + "/v1/completions", json={**body, "structured_outputs": so})
+            assert bad.status_code == 400 and "structured_outputs" in bad.text, bad.text
 
 
 def test_concurrent_choices_never_pass_max_pending(plain):

@@ -197,7 +197,7 @@ def create_app(
                 skip_special_tokens=req.skip_special_tokens,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 bad_words=req.bad_words or None,
-                guided_choice=req.guided_choice,
+                guided_choice=req.choices_asked(),
             )
             for name in ("bad_words", "guided_choice"):
                 if getattr(params, name) and llm.tokenizer is None:

@@ -3,7 +3,8 @@ for numbers, no booleans for ints). The chat template lives in ``spec_engine.cha
 
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
 ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``truncate_prompt_tokens``, ``bad_words``, ``prompt_logprobs``, ``guided_choice``. Fields
+``skip_special_tokens``, ``truncate_prompt_tokens``, ``bad_words``, ``prompt_logprobs``, ``guided_choice`` (also as
+``structured_outputs: {"choice": [...]}``). Fields
 that would change the output but are not implemented (the chat API's ``echo``, ``tools``, ...) are rejected with 400
 when set, never silently ignored; unknown fields are ignored.
 """
@@ -28,11 +29,10 @@ _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null al
     "response_format": ({"type": "text"},),
     # vLLM's extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos,
     # repetition_penalty, min_tokens, allowed_token_ids, include_stop_str_in_output, skip_special_tokens,
-    # truncate_prompt_tokens, bad_words, prompt_logprobs and guided_choice it does)
+    # truncate_prompt_tokens, bad_words, prompt_logprobs, guided_choice and structured_outputs' choice it does)
     "guided_json": (),
     "guided_regex": (),
     "guided_grammar": (),
-    "structured_outputs": (),
 }
 
 
@@ -66,6 +66,25 @@ class _SamplingRequest(BaseModel):
     bad_words: list[str] | None = None  # (vLLM's extension; SamplingParams checks count and lengths)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (vLLM's extension: each prompt token's)
     guided_choice: list[str] | None = None  # (vLLM's extension: the output is one of these)
+    structured_outputs: dict[str, Any] | None = None  # (vLLM's newer form: {"choice": [...]} only)
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _choice_only(cls, v):
+        others = sorted(k for k, x in (v or {}).items() if k != "choice" and x not in (None, False))
+        if others:
+            raise ValueError(f"only 'choice' is supported, not {others}")
+        if v is not None and not isinstance(v.get("choice"), list):
+            raise ValueError("'choice' must be a list of strings")
+        return v
+
+    def choices_asked(self) -> list[str] | None:
+        """``SamplingParams.guided_choice``: ``guided_choice`` or ``structured_outputs["choice"]``."""
+        other = (self.structured_outputs or {}).get("choice")
+        if self.guided_choice is not None and other is not None and other != self.guided_choice:
+            raise ValueError("guided_choice and structured_outputs.choice differ: give one")
+        return self.guided_choice if self.guided_choice is not None else other
+
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1)  # choices (SamplingParams checks the most)
     stream: bool = False
