@@ -3,8 +3,8 @@
 Why not ``F.linear`` on CUDA: cuBLAS chooses its kernel (tile shape, split-K) by the problem's shape, M included, so
 row i of a T-token verify pass and the same row in a 1-token forward are reduced in different orders. In float32 the
 two agree to ~1e-6; in bfloat16 the outputs are rounded after the sum, and a different last bit now and then flips a
-near-tie of the logits: greedy speculation parted from plain decoding on 2-3 of 5 SmolLM2 requests on an H200 (bf16,
-bench/RESULTS.md, "On a GPU: the second run"). Here every call of a dtype runs one compiled kernel with one tile
+near-tie of the logits: greedy speculation parted from plain decoding on SmolLM2 on a GPU (bench/RESULTS.md, "On a
+GPU: the second run"). Here every call of a dtype runs one compiled kernel with one tile
 configuration whatever M is (M is not specialised either), and each output element is one K-loop of ``tl.dot`` steps
 in a fixed order over its own row of x and column of the weight: ``linear(x)[i]`` is bitwise ``linear(x[i:i+1])[0]``.
 
