@@ -260,6 +260,9 @@ class LLM:
 
     def _encode_words(self, text: str) -> list[int]:
         """Text's tokens with no special tokens around them (bad_words, guided_choice)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer: give bad_words_token_ids / guided_choice_token_ids "
+                             "instead of strings")  # fmt: skip
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -81,6 +81,18 @@ def test_guided_choice_answers_with_one_of_the_strings(llm):
         SamplingParams(guided_choice=["a"], ignore_eos=True)
 
 
+def test_strings_need_a_tokenizer(tmp_path):
+    """A model without a tokenizer takes token sequences, and says so for strings."""
+    from tiny_models import make_model
+
+    bare = LLM(str(make_model(tmp_path / "bare", "llama_gqa")), max_model_len=128)
+    for params in (SamplingParams(guided_choice=["a"]), SamplingParams(bad_words=["a"])):
+        with pytest.raises(ValueError, match="has no tokenizer: give bad_words_token_ids / guided_choice_token_ids"):
+            bare.generate({"prompt_token_ids": [1, 2]}, params, use_tqdm=False)
+    ids = SamplingParams(max_tokens=4, guided_choice_token_ids=[[3, 4]], stop_token_ids=[5])
+    assert bare.generate({"prompt_token_ids": [1, 2]}, ids, use_tqdm=False)[0].outputs[0].token_ids == [3, 4, 5]
+
+
 @pytest.mark.parametrize(
     "bad,match",
     [(dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be >= 1"),
