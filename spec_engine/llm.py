@@ -391,7 +391,7 @@ class LLM:
             CompletionOutput(
                 i,
                 visible_text(
-                    self.decode(r.output_token_ids, r.params.skip_special_tokens),
+                    self.decode(r.text_token_ids, r.params.skip_special_tokens),
                     r.params.stop,
                     True,
                     r.params.include_stop_str_in_output,

@@ -134,7 +134,7 @@ def _ban_bad_words(z: torch.Tensor, output: list[int], paths: list[list[int]], s
     copy."""
     T, V = z.shape
     longest = max(map(len, seqs))
-    recent = list(output[len(output) - (longest - 1) :]) if longest > 1 else []  # all a match can reach back to
+    recent = list(output[max(0, len(output) - longest + 1) :]) if longest > 1 else []  # all a match can reach back to
     banned = set()
     for t, path in enumerate(paths):
         context = recent + path

@@ -139,6 +139,16 @@ class Request:
         self.num_tokens += len(tokens)
 
     @property
+    def text_token_ids(self) -> list[int]:
+        """The output tokens its text shows: all but a stop token that ended it (EOS, ``stop_token_ids``), whose
+        text is left out unless ``include_stop_str_in_output`` (vLLM's)."""
+        ids = self.output_token_ids
+        if (self.finish_reason == "stop" and ids and ids[-1] in self.stop_ids
+                and not self.params.include_stop_str_in_output):  # fmt: skip
+            return ids[:-1]
+        return ids
+
+    @property
     def tokens_left(self) -> int:
         """Output tokens this request may still emit (max_tokens minus those emitted)."""
         return self.params.max_tokens - len(self.output_token_ids)

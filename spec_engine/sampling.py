@@ -54,8 +54,9 @@ class SamplingParams:
     K/V is computed once and shared (prefix caching).
 
     ``stop``: strings that end the request (OpenAI's ``stop``): the token whose text completes one is its last token
-    (finish reason "stop"), and its text ends before the string (``visible_text``). ``stop_token_ids`` end it at a
-    token, which is kept.
+    (finish reason "stop"), and its text ends before the string (``visible_text``). ``stop_token_ids`` (and EOS) end
+    it at a token, which is kept in its token ids; its text is left out unless ``include_stop_str_in_output``
+    (vLLM's).
 
     ``logprobs``: with each emitted token, the target's log-probabilities of it and of its ``logprobs`` most likely
     alternatives (0: the token's alone; None: none): the model's distribution, before temperature and the top-k /
@@ -79,7 +80,8 @@ class SamplingParams:
     ``guided_choice``: the output is one of these strings (vLLM's), as ``guided_choice_token_ids`` (each string's
     tokens; ``LLM.generate`` and the server fill that in): each node may emit only a token that continues one of them
     from its context, and a stop token (EOS, ``stop_token_ids``) once its context is one whole; so the request needs a
-    stop token, and takes no ``ignore_eos``, ``min_tokens``, ``allowed_token_ids`` or ``bad_words`` beside it.
+    stop token, and takes no ``ignore_eos``, ``min_tokens``, ``allowed_token_ids`` or ``bad_words`` beside it (nor do
+    ``bad_words`` and ``allowed_token_ids`` go together: each could leave a node no token).
 
     ``skip_special_tokens``: the output text leaves special tokens (end of turn, BOS...) out (True, as vLLM's and HF's
     default) or shows them. ``truncate_prompt_tokens``: only the prompt's last that many tokens are used (vLLM's;
@@ -210,6 +212,8 @@ class SamplingParams:
         ):
             raise ValueError(f"guided_choice_token_ids must be a list of 1 to {MAX_CHOICES} non-empty lists of at "
                              f"most {MAX_CHOICE_TOKENS} token ids (ints >= 0)")  # fmt: skip
+        if (self.bad_words or self.bad_words_token_ids) and self.allowed_token_ids:
+            raise ValueError("bad_words with allowed_token_ids is not supported: together they may leave no token")
         if self.guided_choice or self.guided_choice_token_ids:
             for name in ("ignore_eos", "min_tokens", "allowed_token_ids", "bad_words", "bad_words_token_ids"):
                 if getattr(self, name):

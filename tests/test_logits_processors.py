@@ -257,6 +257,14 @@ def test_a_planted_bad_words_bug_is_caught(pair, monkeypatch):
     assert contains == [False, True]
 
 
+def test_bad_words_reach_back_over_a_short_output():
+    """An output shorter than the longest banned sequence: the shorter ones still match against the whole of it (a
+    negative slice start once kept only its tail)."""
+    z = torch.zeros(1, 12)
+    processors._ban_bad_words(z, np.array([9, 9, 1, 2, 3]), [[]], [[1, 2, 3, 4], [7] * 8])
+    assert z[0, 4] == float("-inf") and z[0, 7] == 0
+
+
 def test_node_paths():
     # root 0; 1, 2 its children; 3 under 1; 4 under 3; 5 padding
     assert processors.node_paths([-1, 0, 0, 1, 3, -1]) == [[], [1], [2], [1, 3], [1, 3, 4], []]

@@ -299,6 +299,12 @@ def test_prompt_logprobs_are_the_python_apis(plain, spec, model_dirs):
         check(firsts[0])
         bad = httpx.post(server[0] + "/v1/completions", json={**body, "echo": True, "logprobs": 1})
         assert bad.status_code == 400 and "prompt_logprobs" in bad.text
+        # a stop string the whole output may still begin holds every token's text back: the first chunk goes anyway
+        text = httpx.post(server[0] + "/v1/completions", json=body).json()["choices"][0]["text"]
+        with httpx.stream("POST", server[0] + "/v1/completions",
+                          json={**body, "stream": True, "stop": [text + "never"]}) as r:  # fmt: skip
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        check(next(ch["choices"][0]["prompt_logprobs"] for ch in chunks if ch["choices"]))
     chat = {"model": name_of(plain), "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
             "prompt_logprobs": 1}  # fmt: skip
     got = httpx.post(plain[0] + "/v1/chat/completions", json=chat).json()

@@ -37,6 +37,23 @@ def test_special_tokens_are_shown_when_asked(llm):
     assert stopped.finish_reason == "stop" and stopped.token_ids == [EOS] and stopped.text == ""
 
 
+def test_a_stop_tokens_text_is_left_out_unless_asked(llm):
+    """vLLM's: the token that ends a request (EOS, stop_token_ids) is in token_ids, its text only with
+    include_stop_str_in_output; so a guided choice shows special tokens and still reads as the choice."""
+    free = llm.generate(PROMPT, SamplingParams(max_tokens=12), use_tqdm=False)[0].outputs[0]
+    stop = free.token_ids[5]
+    first = free.token_ids.index(stop)
+    params = SamplingParams(max_tokens=12, stop_token_ids=[stop])
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
+    assert out.text == llm.decode(free.token_ids[:first])
+    params.include_stop_str_in_output = True
+    assert llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text == llm.decode(free.token_ids[: first + 1])
+    choices = ["positive", "negative"]
+    shown = SamplingParams(max_tokens=8, guided_choice=choices, skip_special_tokens=False)
+    assert llm.generate("Review: I loved it. Sentiment:", shown, use_tqdm=False)[0].outputs[0].text in choices
+
+
 def test_a_truncated_prompt_is_its_last_tokens(llm):
     ids = llm.encode(PROMPT + "\n    # the n-th Fibonacci number, recursively\n")
     params = SamplingParams(max_tokens=16)
@@ -106,7 +123,8 @@ def test_strings_need_a_tokenizer(tmp_path):
      (dict(guided_choice=[]), "guided_choice must be"),
      (dict(guided_choice=["ok", ""]), "guided_choice must be"),
      (dict(guided_choice_token_ids=[[]]), "guided_choice_token_ids must be"),
-     (dict(guided_choice=["a"], min_tokens=1), "guided_choice with min_tokens")],
+     (dict(guided_choice=["a"], min_tokens=1), "guided_choice with min_tokens"),
+     (dict(bad_words=["a"], allowed_token_ids=[1, 2]), "bad_words with allowed_token_ids")],
 )  # fmt: skip
 def test_bad_values_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -290,7 +290,7 @@ def create_app(
             offsets = [0] * len(streams)  # each choice's text so far, in characters (its tokens' text_offset)
             echoed = [not req.echo] * len(streams)  # (echo: the prompt goes first, in the choice's first chunk)
             whole = isinstance(req.prompt, str) and len(ids) == len(encoded)
-            prompt_text = (req.prompt if whole else llm.decode(ids)) if req.echo else ""
+            prompt_text = (req.prompt if whole else llm.decode(ids, req.skip_special_tokens)) if req.echo else ""
 
             def choice(i: int, d: Delta) -> dict:
                 text, parts = d.text, []
@@ -451,7 +451,9 @@ def _sse(streams: list[RequestStream], head: dict, choice: Callable[[int, Delta]
                     if delta.finish_reason == "error":
                         failed = delta
                         break
-                    if delta.text or delta.finished or delta.logprobs:  # (logprobs: tokens whose text is held back)
+                    if (
+                        delta.text or delta.finished or delta.logprobs or delta.prompt_logprobs
+                    ):  # (sent: text held back)
                         yield _event({**head, "choices": [choice(i, delta)]})
             if failed is not None:
                 status = 500

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from spec_engine.request import Request, StepOutput
-from spec_engine.sampling import SamplingParams, visible_text
+from spec_engine.sampling import SamplingParams, truncate_prompt, visible_text, with_token_ids
 
 log = logging.getLogger("spec_engine.server")
 
@@ -195,6 +195,8 @@ class AsyncEngine:
         if isinstance(prompt, str) and self.llm.tokenizer is None:
             raise ValueError(f"{self.llm.model_dir} has no tokenizer.json: pass the prompt as token ids")
         ids = await tokenize(self.llm.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens)  # (the prompt its usage counts)
+        params = with_token_ids(params, self.llm._encode_words)  # bad_words, guided_choice: strings to token ids
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
@@ -237,7 +239,7 @@ class AsyncEngine:
                 self._release()
             if sink is not None and req is not None:
                 self._totals.finished["abort"] += 1
-                text = self._new_text(sink, req.output_token_ids, finished=True, params=req.params)
+                text = self._new_text(sink, req.text_token_ids, finished=True, params=req.params)
                 usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids), req.metrics.num_cached_tokens)
                 metrics = req.metrics.as_dict(usage.completion_tokens)
                 sink.put(Delta(request_id, [], text, True, "abort", usage, metrics))
@@ -310,7 +312,7 @@ class AsyncEngine:
         sink = self._sinks.get(req.request_id)
         if sink is None:
             return
-        text = self._new_text(sink, req.output_token_ids, finished=out.finished, params=req.params)
+        text = self._new_text(sink, req.text_token_ids, finished=out.finished, params=req.params)
         usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids), req.metrics.num_cached_tokens)
         delta = Delta(req.request_id, list(out.new_token_ids), text, out.finished, req.finish_reason, usage)
         if req.params.logprobs is not None:

@@ -36,6 +36,11 @@ _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null al
 }
 
 
+# structured_outputs' keys this server reads ("choice") or may ignore (vLLM's options for its grammar backends)
+_STRUCTURED_OPTIONS = ("choice", "backend", "disable_fallback", "disable_any_whitespace",
+                       "disable_additional_properties", "whitespace_pattern")  # fmt: skip
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool | None = None
@@ -71,11 +76,12 @@ class _SamplingRequest(BaseModel):
     @field_validator("structured_outputs")
     @classmethod
     def _choice_only(cls, v):
-        others = sorted(k for k, x in (v or {}).items() if k != "choice" and x not in (None, False))
+        others = sorted(k for k, x in (v or {}).items() if k not in _STRUCTURED_OPTIONS and x not in (None, False))
         if others:
             raise ValueError(f"only 'choice' is supported, not {others}")
-        if v is not None and not isinstance(v.get("choice"), list):
-            raise ValueError("'choice' must be a list of strings")
+        choice = None if v is None else v.get("choice")
+        if v is not None and not (isinstance(choice, list) and choice and all(isinstance(c, str) for c in choice)):
+            raise ValueError("'choice' must be a non-empty list of strings")
         return v
 
     def choices_asked(self) -> list[str] | None:
