@@ -35,7 +35,7 @@ from spec_engine.kv_cache import BlockAllocator, PagedKVCache
 from spec_engine.models import Target
 from spec_engine.request import Request, RequestRows, StepOutput
 from spec_engine.runner import StepResult, StepRunner, token_logprobs
-from spec_engine.sampling import SamplingParams, truncate_prompt
+from spec_engine.sampling import SamplingParams, stop_string_end, truncate_prompt
 from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
@@ -196,9 +196,9 @@ class Engine:
     def _cache_lag(self, req: Request) -> int:
         return self.runner.cache_lag(req)
 
-    def check_request(self, ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError for a request that can never run (its prompt as ``truncate_prompt_tokens`` cuts it);
-        nothing is queued."""
+    def check_request(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """Raise ValueError for a request that can never run; nothing is queued. Returns the prompt it checked: as
+        ``truncate_prompt_tokens`` cuts it."""
         params.validate()
         ids = truncate_prompt(ids, params.truncate_prompt_tokens)
         if params.n != 1:
@@ -238,12 +238,12 @@ class Engine:
             raise RequestError(
                 "this request needs more KV blocks than the whole cache holds; raise the KV budget", "max_tokens"
             )
+        return ids
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
-        ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens)
-        self.check_request(ids, params)
+        ids = self.check_request(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = Request(request_id or str(next(self._ids)), ids, params, seed, key=next(self._keys),
                       stop_ids=self._stop_ids(params))  # fmt: skip
@@ -574,31 +574,9 @@ class Engine:
         token a step would have emitted."""
         stops = req.stop_ids
         toks = toks[: req.tokens_left]
-        completes = self._stop_string_end(req, toks)
+        completes = stop_string_end(req.params, req.output_token_ids, toks, self.detokenize)
         for i, t in enumerate(toks):
             if t in stops or i + 1 == completes:
                 self._finish(req, "stop")
                 return toks[: i + 1]
         return toks
-
-    def _stop_string_end(self, req: Request, toks: list[int]) -> int | None:
-        """How many of ``toks`` (a call's new tokens) it takes to complete one of ``req``'s stop strings, or None.
-        A stop string completed before this call would have ended the request then, so only the output's tail is
-        read: as many tokens as give at least the longest string's length in text (a token of a cut character or a
-        special one gives less than a character)."""
-        stop = req.params.stop
-        if not stop or not toks:
-            return None
-        longest, out, skip = max(map(len, stop)), req.output_token_ids, req.params.skip_special_tokens
-        window = longest + 4
-        while window < len(out) and len(self.detokenize(out[-window:], skip)) <= longest:
-            window *= 2
-        tail = out[-window:]
-
-        def found(n: int) -> bool:
-            text = self.detokenize(tail + toks[:n], skip)
-            return any(s in text for s in stop)
-
-        if not found(len(toks)):  # (the common case: the tail read twice a call)
-            return None
-        return next(n for n in range(1, len(toks) + 1) if found(n))

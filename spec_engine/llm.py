@@ -258,8 +258,9 @@ class LLM:
             raise ValueError(f"{self.model_dir} has no tokenizer: pass {{'prompt_token_ids': [...]}} instead")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def _encode_words(self, text: str) -> list[int]:
-        """Text's tokens with no special tokens around them (bad_words, guided_choice)."""
+    def encode_words(self, text: str) -> list[int]:
+        """Text's tokens with no special tokens around them: ``bad_words`` and ``guided_choice`` strings as token ids
+        (``sampling.with_token_ids``; here, in ``AsyncEngine`` and in the server)."""
         if self.tokenizer is None:
             raise ValueError(f"{self.model_dir} has no tokenizer: give bad_words_token_ids / guided_choice_token_ids "
                              "instead of strings")  # fmt: skip
@@ -353,7 +354,7 @@ class LLM:
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-        params = [with_token_ids(p, self._encode_words) for p in params]
+        params = [with_token_ids(p, self.encode_words) for p in params]
         # each prompt's n sequences, one engine request each
         sequences = [[sequence_params(p, i) for i in range(p.n)] for p in params]
         for seqs in sequences:  # the prompt's logprobs are the first sequence's: the others take its K/V from the cache

@@ -64,8 +64,9 @@ def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
         history = req.history[: req.num_tokens]  # the prompt, then the output (the root last)
         output = history[len(req.prompt_token_ids) :]
         paths = [[both[b][n] for n in path] for path in node_paths([-1] + both[b][T + 1 :])]
+        stops = sorted(t for t in req.stop_ids if 0 <= t < V)  # (an id past the vocabulary is never emitted)
         if p.guided_choice_token_ids:
-            _guide_choice(z, output, paths, p.guided_choice_token_ids, req.stop_ids)
+            _guide_choice(z, output, paths, p.guided_choice_token_ids, stops)
         if p.allowed_token_ids:
             allowed = np.zeros(V, dtype=bool)
             allowed[p.allowed_token_ids] = True
@@ -74,7 +75,6 @@ def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
             _ban_bad_words(z, output, paths, p.bad_words_token_ids)
         if p.min_tokens > len(output):
             held = [t for t in range(T) if len(output) + len(paths[t]) < p.min_tokens]  # nodes before the minimum
-            stops = sorted(t for t in req.stop_ids if 0 <= t < V)  # (an id past the vocabulary is never emitted)
             if held and stops:
                 rows_, cols = _ids(dev, held, stops)
                 z[rows_[:, None], cols[None, :]] = float("-inf")
@@ -104,13 +104,13 @@ def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     return logits
 
 
-def _guide_choice(z: torch.Tensor, output, paths: list[list[int]], choices: list[list[int]], stop_ids) -> None:
+def _guide_choice(z: torch.Tensor, output, paths: list[list[int]], choices: list[list[int]],
+                  stops: list[int]) -> None:  # fmt: skip
     """``z`` [T, V] (one row's nodes): at each node whose context (``output``, then its path) begins some choice,
-    every token at -inf but the choices' next tokens and, where the context is one whole, the stop tokens. A node off
-    every choice is left as it is: its own token was masked at its parent, so verification never reaches it."""
-    T, V = z.shape
+    every token at -inf but the choices' next tokens and, where the context is one whole, the ``stops`` (the row's
+    stop tokens in the vocabulary). A node off every choice is left as it is: its own token was masked at its
+    parent, so verification never reaches it."""
     output = list(output)
-    stops = sorted(t for t in stop_ids if 0 <= t < V)
     rows, cols = [], []
     for t, path in enumerate(paths):
         context = output + path

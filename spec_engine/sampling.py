@@ -319,6 +319,30 @@ def sequence_params(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, n=1, seed=seed)
 
 
+def stop_string_end(params: SamplingParams, output: list[int], toks: list[int], detokenize) -> int | None:
+    """How many of ``toks`` (a call's new tokens after ``output``, the request's tokens so far) it takes to complete
+    one of ``params.stop``, or None (``detokenize``: (token ids, skip special tokens) -> text, the tokenizer's). A
+    stop string completed before this call would have ended the request then, so only the output's tail is read: as
+    many tokens as give at least the longest string's length in text (a token of a cut character or a special one
+    gives less than a character)."""
+    stop, skip = params.stop, params.skip_special_tokens
+    if not stop or not toks:
+        return None
+    longest = max(map(len, stop))
+    window = longest + 4
+    while window < len(output) and len(detokenize(output[-window:], skip)) <= longest:
+        window *= 2
+    tail = output[-window:]
+
+    def found(n: int) -> bool:
+        text = detokenize(tail + toks[:n], skip)
+        return any(s in text for s in stop)
+
+    if not found(len(toks)):  # (the common case: the tail read twice a call)
+        return None
+    return next(n for n in range(1, len(toks) + 1) if found(n))
+
+
 def visible_text(text: str, stop: list[str] | None, finished: bool, include_stop: bool = False) -> str:
     """The part of a request's decoded output ``text`` its client sees: cut before the first stop string (which the
     output leaves out, as OpenAI's does; after it with ``include_stop``, vLLM's ``include_stop_str_in_output``);

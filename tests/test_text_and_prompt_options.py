@@ -75,8 +75,8 @@ def test_bad_words_are_kept_out_of_the_output(llm):
     words = [w for w in free.text.split() if w.isalpha() and len(w) > 2][:2]
     assert len(words) == 2, free.text
     params = SamplingParams(max_tokens=48, bad_words=words)
-    seqs = with_token_ids(params, llm._encode_words).bad_words_token_ids
-    assert all(llm._encode_words(t) in seqs for w in words for t in (w, " " + w))
+    seqs = with_token_ids(params, llm.encode_words).bad_words_token_ids
+    assert all(llm.encode_words(t) in seqs for w in words for t in (w, " " + w))
     out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids != free.token_ids
     assert all(out.token_ids[i : i + len(s)] != s for s in seqs for i in range(len(out.token_ids)))

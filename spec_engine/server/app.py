@@ -202,13 +202,10 @@ def create_app(
             for name in ("bad_words", "guided_choice"):
                 if getattr(params, name) and llm.tokenizer is None:
                     raise APIError(400, f"{name} need a tokenizer; this model has none", param=name)
-            return with_token_ids(params, words_to_ids)
+            return with_token_ids(params, llm.encode_words)
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
-
-    def words_to_ids(text: str) -> list[int]:
-        return llm.encode(text, add_special_tokens=False)
 
     @functools.lru_cache(maxsize=1 << 16)
     def token_text(token_id: int) -> tuple[str, bytes]:
@@ -451,9 +448,8 @@ def _sse(streams: list[RequestStream], head: dict, choice: Callable[[int, Delta]
                     if delta.finish_reason == "error":
                         failed = delta
                         break
-                    if (
-                        delta.text or delta.finished or delta.logprobs or delta.prompt_logprobs
-                    ):  # (sent: text held back)
+                    # (logprobs, the prompt's too, are sent while the text is held back)
+                    if delta.text or delta.finished or delta.logprobs or delta.prompt_logprobs:
                         yield _event({**head, "choices": [choice(i, delta)]})
             if failed is not None:
                 status = 500

@@ -196,7 +196,7 @@ class AsyncEngine:
             raise ValueError(f"{self.llm.model_dir} has no tokenizer.json: pass the prompt as token ids")
         ids = await tokenize(self.llm.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens)  # (the prompt its usage counts)
-        params = with_token_ids(params, self.llm._encode_words)  # bad_words, guided_choice: strings to token ids
+        params = with_token_ids(params, self.llm.encode_words)  # bad_words, guided_choice: strings to token ids
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()

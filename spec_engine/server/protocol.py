@@ -4,9 +4,8 @@ for numbers, no booleans for ints). The chat template lives in ``spec_engine.cha
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
 ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``truncate_prompt_tokens``, ``bad_words``, ``prompt_logprobs``, ``guided_choice`` (also as
-``structured_outputs: {"choice": [...]}``). Fields
-that would change the output but are not implemented (the chat API's ``echo``, ``tools``, ...) are rejected with 400
-when set, never silently ignored; unknown fields are ignored.
+``structured_outputs: {"choice": [...]}``). Fields that would change the output but are not implemented (the chat
+API's ``echo``, ``tools``, ...) are rejected with 400 when set, never silently ignored; unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -72,6 +71,17 @@ class _SamplingRequest(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (vLLM's extension: each prompt token's)
     guided_choice: list[str] | None = None  # (vLLM's extension: the output is one of these)
     structured_outputs: dict[str, Any] | None = None  # (vLLM's newer form: {"choice": [...]} only)
+    ignore_eos: bool = False
+    n: int | None = Field(None, ge=1)  # choices (SamplingParams checks the most)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, v):  # (one message for either shape, not the union's two)
+        if v is None or isinstance(v, str) or isinstance(v, list) and all(isinstance(t, str) for t in v):
+            return v
+        raise ValueError("stop must be a string or a list of strings")
 
     @field_validator("structured_outputs")
     @classmethod
@@ -90,18 +100,6 @@ class _SamplingRequest(BaseModel):
         if self.guided_choice is not None and other is not None and other != self.guided_choice:
             raise ValueError("guided_choice and structured_outputs.choice differ: give one")
         return self.guided_choice if self.guided_choice is not None else other
-
-    ignore_eos: bool = False
-    n: int | None = Field(None, ge=1)  # choices (SamplingParams checks the most)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_strings(cls, v):  # (one message for either shape, not the union's two)
-        if v is None or isinstance(v, str) or isinstance(v, list) and all(isinstance(t, str) for t in v):
-            return v
-        raise ValueError("stop must be a string or a list of strings")
 
     def unsupported_field(self) -> str | None:
         """The first field set to a value this server does not implement (OpenAI's, or vLLM's extensions)."""

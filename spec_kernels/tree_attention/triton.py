@@ -166,7 +166,8 @@ if triton_available():
         prefix_end = L - L % BLOCK_N
         num_prefix = tl.maximum(tl.minimum(split_hi, prefix_end) - lo, 0) // BLOCK_N
         tail_start = tl.maximum(lo, prefix_end)
-        tail_hi = tl.minimum(split_hi, L + tl.load(tile_lens_ptr + b * num_tiles + tile))  # the tile's longest
+        tile_len = tl.load(tile_lens_ptr + b * num_tiles + tile)  # the longest tree part of the tile's nodes
+        tail_hi = tl.minimum(split_hi, L + tile_len)
         num_tail = tl.cdiv(tl.maximum(tail_hi - tail_start, 0), BLOCK_N)
         for i in range(0, num_prefix + num_walks * num_tail):
             in_tail = i >= num_prefix
@@ -174,8 +175,7 @@ if triton_available():
             start = tl.where(in_tail, tail_start + ((i - num_prefix) % tl.maximum(num_tail, 1)) * BLOCK_N,
                              lo + i * BLOCK_N)  # fmt: skip
             walker = tile * NODES_PER_TILE + w  # the node whose keys a tail tile loads (any of the tile's, if shared)
-            walk_len = tl.where(shared, tl.load(tile_lens_ptr + b * num_tiles + tile),
-                                tl.load(tree_lens_ptr + b * T + walker))  # fmt: skip
+            walk_len = tl.where(shared, tile_len, tl.load(tree_lens_ptr + b * T + walker))
             hi = tl.where(in_tail, tl.minimum(split_hi, L + walk_len), prefix_end)
             pos = start + offs_n
             key_ok = pos < hi
