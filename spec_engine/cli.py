@@ -78,11 +78,23 @@ def explain(metrics: dict, speedup: float, same: bool, params) -> str | None:
     )
 
 
+def _inline_or_file(value: str | None) -> str | None:
+    """A flag's text, or with a leading @ the text of that file."""
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read {value[1:]}: {e.strerror}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from spec_engine import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop)  # fmt: skip
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                            guided_json=_inline_or_file(args.json_schema), guided_regex=args.regex,
+                            guided_grammar=_inline_or_file(args.grammar))  # fmt: skip
     if args.compare_repeats < 1:
         raise ValueError(f"--compare-repeats must be at least 1, got {args.compare_repeats}")
     llm = build_llm(args, fallback=True)
@@ -181,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", metavar="TEXT", help="end the output before TEXT (repeatable)")
+    guide = g.add_mutually_exclusive_group()
+    guide.add_argument("--json-schema", metavar="SCHEMA", help="the output is JSON following this schema (inline, "
+                       "or @FILE; '{\"type\": \"object\"}': any object)")  # fmt: skip
+    guide.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
+    guide.add_argument("--grammar", metavar="LARK", help="the output is a sentence of this Lark grammar (inline or "
+                       "@FILE)")  # fmt: skip
     g.add_argument("--compare", action="store_true", help="also run without speculation and print the speedup")
     g.add_argument("--compare-repeats", type=int, default=5,
                    help="alternating warm runs of each engine behind --compare's medians (default 5)")  # fmt: skip

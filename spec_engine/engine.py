@@ -36,6 +36,7 @@ from spec_engine.models import Target
 from spec_engine.request import Request, RequestRows, StepOutput
 from spec_engine.runner import StepResult, StepRunner, token_logprobs
 from spec_engine.sampling import SamplingParams, stop_string_end, truncate_prompt
+from spec_engine.structured import Grammars
 from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
@@ -127,6 +128,7 @@ class Engine:
         adaptive: bool = False,
         config: EngineConfig | None = None,
         detokenize: Callable[[list[int], bool], str] | None = None,
+        grammars: Grammars | None = None,
     ):
         if getattr(target, "vocab_map", None) is not None:
             raise ValueError("the target's vocabulary cannot be restricted (restrict_vocab is for drafts): its logits "
@@ -140,6 +142,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.eos_token_ids = set(eos_token_ids or [])
         self.detokenize = detokenize  # (token ids, skip special tokens) -> text (the tokenizer's): stop strings need it
+        self.grammars = grammars  # guided_json / guided_regex / guided_grammar compile against the tokenizer
         self.vocab_size = target.config.vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -219,9 +222,17 @@ class Engine:
             if getattr(params, name) and getattr(params, f"{name}_token_ids") is None:
                 raise RequestError(f"{name} need their token ids (LLM.generate and the server fill them in with the "
                                    f"tokenizer; the engine has none): pass {name}_token_ids", name)  # fmt: skip
-        if choice_ids and not any(0 <= t < self.vocab_size for t in self._stop_ids(params)):
-            raise RequestError("guided_choice ends at a stop token, and this request has none (the model names no "
-                               "EOS): pass stop_token_ids", "guided_choice")  # fmt: skip
+        guide = "guided_choice" if choice_ids else params.guided and params.guided[0]
+        if params.guided and self.grammars is None:
+            raise RequestError(f"{guide} needs the model's tokenizer; this model has none", guide)
+        if guide and not any(0 <= t < self.vocab_size for t in self._stop_ids(params)):
+            raise RequestError(f"{guide} ends at a stop token, and this request has none (the model names no EOS): "
+                               "pass stop_token_ids", guide)  # fmt: skip
+        if params.guided:
+            try:
+                self.grammars.check(params)
+            except ValueError as e:
+                raise RequestError(str(e), guide) from None
         if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= self._stop_ids(params):
             raise RequestError("allowed_token_ids are all stop tokens, which min_tokens holds back: nothing could be "
                                "emitted", "allowed_token_ids")  # fmt: skip
@@ -247,6 +258,8 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = Request(request_id or str(next(self._ids)), ids, params, seed, key=next(self._keys),
                       stop_ids=self._stop_ids(params))  # fmt: skip
+        if params.guided:
+            req.grammar = self.grammars.state(params)
         req.metrics.arrival_time = time.perf_counter()
         self.waiting.append(req)
         return req

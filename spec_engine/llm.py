@@ -19,6 +19,7 @@ from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
 from spec_engine.request import Request
 from spec_engine.sampling import SamplingParams, sequence_params, visible_text, with_token_ids
+from spec_engine.structured import Grammars
 from spec_engine.zoo import shipped_drafter
 from spec_engine.zoo.pull import resolve_model
 from spec_kernels._backend import cpu_supports_native_bf16
@@ -241,6 +242,7 @@ class LLM:
             num_speculative_tokens=gamma, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             prefill_chunk=prefill_chunk, eos_token_ids=cfg.eos_token_id, adaptive=bool(spec and spec["adaptive"]),
             config=engine_config, detokenize=self.decode if self.tokenizer is not None else None,
+            grammars=Grammars(self.tokenizer, cfg.vocab_size, cfg.eos_token_id) if self.tokenizer is not None else None,
         )  # fmt: skip
 
     @property

@@ -10,6 +10,8 @@ vLLM's semantics, in its sampler's order (a guided choice's mask first, as vLLM 
 raw logits before temperature and the top-k / top-p / min-p transform:
 - ``guided_choice`` (as ``guided_choice_token_ids``): only the tokens that continue one of the choices from the
   output so far, and the request's stop tokens where the output is one whole;
+- ``guided_json`` / ``guided_regex`` / ``guided_grammar`` (``spec_engine.structured``): only the tokens that keep the
+  output a prefix of the grammar's language, and the stop tokens where it is one whole sentence;
 - ``allowed_token_ids``: every other token at -inf;
 - ``bad_words`` (as ``bad_words_token_ids``): a sequence's last token at -inf where the output so far (the prompt not
   counted, as vLLM's) ends with the rest of it; a one-token sequence everywhere;
@@ -67,6 +69,11 @@ def process_logits_(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
         stops = sorted(t for t in req.stop_ids if 0 <= t < V)  # (an id past the vocabulary is never emitted)
         if p.guided_choice_token_ids:
             _guide_choice(z, output, paths, p.guided_choice_token_ids, stops)
+        if req.grammar is not None:
+            nodes, allowed = req.grammar.masks(output, paths, stops, V)  # [N], [N, V]
+            if nodes:
+                on = _ids(dev, nodes)
+                z[on] = z[on].masked_fill(~to_device(dev, torch.from_numpy(allowed))[0], float("-inf"))
         if p.allowed_token_ids:
             allowed = np.zeros(V, dtype=bool)
             allowed[p.allowed_token_ids] = True

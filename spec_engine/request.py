@@ -14,6 +14,7 @@ from spec_engine.adaptive import RowState
 from spec_engine.drafters.base import RowView
 from spec_engine.kv_cache import SCRATCH_BLOCK
 from spec_engine.sampling import SamplingParams
+from spec_engine.structured import GrammarState
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Request:
     score_trust: ScoreTrust = field(default_factory=ScoreTrust)  # what its suffix speculations kept (RowView)
     key: int = 0  # the engine's own name for it, never reused (request ids are the caller's): RowView.key
     stop_ids: frozenset[int] = frozenset()  # the tokens that end it (Engine._stop_ids: stop_token_ids, EOS)
+    grammar: GrammarState | None = None  # its guided_json / guided_regex / guided_grammar, following the output
     block_keys: list[bytes] | None = None  # its prompt's prefix-cache keys (BlockAllocator.keys), computed once
     history: np.ndarray = field(init=False, repr=False)  # [capacity] int64: prompt then output tokens
     num_tokens: int = field(init=False)  # filled length of history

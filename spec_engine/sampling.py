@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import struct
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ MAX_BAD_WORDS = 100  # strings (or token sequences) a request may ban
 MAX_CHOICES = 64  # guided_choice's strings
 MAX_CHOICE_TOKENS = 256  # tokens in one choice
 MAX_BAD_WORD_TOKENS = 64  # tokens in one banned sequence
+MAX_GRAMMAR_CHARS = 64 * 1024  # guided_json's schema (as JSON), guided_regex, guided_grammar: compiling grows with it
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each emitted one (OpenAI's top_logprobs bound)
 
 
@@ -83,6 +85,16 @@ class SamplingParams:
     stop token, and takes no ``ignore_eos``, ``min_tokens``, ``allowed_token_ids`` or ``bad_words`` beside it (nor do
     ``bad_words`` and ``allowed_token_ids`` go together: each could leave a node no token).
 
+    ``guided_json`` (a JSON schema: a dict, or its JSON text; ``{"type": "object"}`` is any JSON object),
+    ``guided_regex`` (a regular expression the whole output matches) and ``guided_grammar`` (a Lark grammar, in
+    llguidance's dialect): the output is a sentence of that language (vLLM's), through llguidance
+    (``spec_engine.structured``; the ``structured`` extra): each node may emit only a token that keeps its context a
+    prefix of one, and a stop token once its context is one whole; so, as with ``guided_choice``, the request needs a
+    stop token and takes none of the four fields above beside it, and one guide at most. A request that reaches
+    ``max_tokens`` first ends with the sentence unfinished (finish reason "length"). ``disable_any_whitespace``
+    (vLLM's): ``guided_json`` writes no whitespace between its tokens (by default any amount is allowed there, and a
+    weak model may spend its tokens on it).
+
     ``skip_special_tokens``: the output text leaves special tokens (end of turn, BOS...) out (True, as vLLM's and HF's
     default) or shows them. ``truncate_prompt_tokens``: only the prompt's last that many tokens are used (vLLM's;
     the request's ``prompt_token_ids`` are those).
@@ -114,6 +126,10 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     guided_choice: list[str] | None = None
     guided_choice_token_ids: list[list[int]] | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
@@ -214,10 +230,7 @@ class SamplingParams:
                              f"most {MAX_CHOICE_TOKENS} token ids (ints >= 0)")  # fmt: skip
         if (self.bad_words or self.bad_words_token_ids) and self.allowed_token_ids:
             raise ValueError("bad_words with allowed_token_ids is not supported: together they may leave no token")
-        if self.guided_choice or self.guided_choice_token_ids:
-            for name in ("ignore_eos", "min_tokens", "allowed_token_ids", "bad_words", "bad_words_token_ids"):
-                if getattr(self, name):
-                    raise ValueError(f"guided_choice with {name} is not supported: the choice ends at a stop token")
+        self._check_guides()
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError("skip_special_tokens must be True or False")
         if self.truncate_prompt_tokens is not None:
@@ -239,12 +252,52 @@ class SamplingParams:
             ):
                 raise ValueError("stop_token_ids must be a list of token ids (ints >= 0)")
 
+    def _check_guides(self) -> None:
+        """``guided_choice``, ``guided_json``, ``guided_regex``, ``guided_grammar``: one at most, well formed, and none
+        of the fields that could keep it from ending at a stop token."""
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"guided_json is not JSON: {e}") from None
+            if not isinstance(schema, dict) or len(json.dumps(schema)) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"guided_json must be a JSON schema (an object) of at most "
+                                 f"{MAX_GRAMMAR_CHARS} characters as JSON")  # fmt: skip
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("disable_any_whitespace must be True or False")
+        for name in ("guided_regex", "guided_grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.strip() and len(value) <= MAX_GRAMMAR_CHARS):
+                raise ValueError(f"{name} must be a non-blank string of at most {MAX_GRAMMAR_CHARS} characters")
+        guides = ["guided_choice"] if self.guided_choice is not None or self.guided_choice_token_ids else []
+        guides += [
+            name for name in ("guided_json", "guided_regex", "guided_grammar") if getattr(self, name) is not None
+        ]
+        if len(guides) > 1:
+            raise ValueError(f"{guides[0]} with {guides[1]}: give one guide")
+        if guides:
+            for name in ("ignore_eos", "min_tokens", "allowed_token_ids", "bad_words", "bad_words_token_ids"):
+                if getattr(self, name):
+                    raise ValueError(f"{guides[0]} with {name} is not supported: the output ends at a stop token")
+
     @property
     def processes_logits(self) -> bool:
         """Whether a logits processor changes the target's logits (``spec_engine.logits_processors``)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
                     or self.min_tokens or self.allowed_token_ids or self.bad_words_token_ids
-                    or self.guided_choice_token_ids)  # fmt: skip
+                    or self.guided_choice_token_ids or self.guided is not None)  # fmt: skip
+
+    @property
+    def guided(self) -> tuple[str, object] | None:
+        """The structured-output field set, as (name, value): ``guided_json``, ``guided_regex`` or ``guided_grammar``
+        (``guided_choice`` is the engine's own, by token ids); None where there is none."""
+        for name in ("guided_json", "guided_regex", "guided_grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def greedy(self) -> bool:

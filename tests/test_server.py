@@ -421,9 +421,28 @@ def test_special_tokens_truncated_prompts_bad_words_and_choices_over_http():
         body = {"model": model, "prompt": prose, "max_tokens": 8, "temperature": 0}
         same = httpx.post(server[0] + "/v1/completions", json={**body, "structured_outputs": {"choice": choices}})
         assert same.json()["choices"][0]["text"] == want.text  # (vLLM's newer form of guided_choice)
-        for so in ({"json": {"type": "object"}}, {"choice": "yes"}):
+        for so in ({"json": 5}, {"choice": "yes"}, {"regex": "a", "choice": ["a"]}, {"xml": "<a/>"}, {}):
             bad = httpx.post(server[0] + "/v1/completions", json={**body, "structured_outputs": so})
             assert bad.status_code == 400 and "structured_outputs" in bad.text, bad.text
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                  "additionalProperties": False}  # fmt: skip
+        for name, guide, extra in (
+            ("json_schema", dict(guided_json=schema), {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "verdict", "schema": schema}}}),
+            ("json_object", dict(guided_json={"type": "object"}), {"response_format": {"type": "json_object"}}),
+            ("regex", dict(guided_regex="(yes|no)[.!]"), {"structured_outputs": {"regex": "(yes|no)[.!]"}}),
+            ("json_compact", dict(guided_json=schema, disable_any_whitespace=True),
+             {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}),
+        ):  # fmt: skip
+            want = llm.chat(msgs, SamplingParams(max_tokens=24, **guide), use_tqdm=False)[0].outputs[0]
+            for stream in (False, True):
+                chat = c.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0,
+                                                 stream=stream, extra_body=extra)  # fmt: skip
+                text = "".join(ch.choices[0].delta.content or "" for ch in chat if ch.choices) if stream else (
+                    chat.choices[0].message.content)  # fmt: skip
+                assert text == want.text, (name, stream)
+            if want.finish_reason == "stop" and name != "regex":
+                assert isinstance(json.loads(want.text), dict), name
 
 
 def test_concurrent_choices_never_pass_max_pending(plain):
@@ -614,7 +633,30 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         400,
         "allowed_token_ids",
     ),  # fmt: skip
-    "guided_json": ("/v1/completions", _json({"prompt": "x", "guided_json": {"type": "object"}}), 400, "guided_json"),
+    "guided_json_without_a_stop_token": (
+        "/v1/completions",
+        _json({"prompt": "x", "guided_json": {"type": "object"}}),
+        400,
+        "guided_json",
+    ),  # fmt: skip
+    "guided_regex_malformed": (
+        "/v1/completions",
+        _json({"prompt": "x", "guided_regex": "[a-", "stop_token_ids": [5]}),
+        400,
+        "guided_regex",
+    ),  # fmt: skip
+    "response_format_schema_missing": (
+        "/v1/chat/completions",
+        _json({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}),
+        400,
+        "response_format",
+    ),  # fmt: skip
+    "two_guides": (
+        "/v1/completions",
+        _json({"prompt": "x", "guided_regex": "a+", "response_format": {"type": "json_object"}}),
+        400,
+        None,
+    ),  # fmt: skip
     "min_tokens_past_max_tokens": (
         "/v1/completions",
         _json({"prompt": "x", "max_tokens": 2, "min_tokens": 4}),

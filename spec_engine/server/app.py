@@ -197,9 +197,9 @@ def create_app(
                 skip_special_tokens=req.skip_special_tokens,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 bad_words=req.bad_words or None,
-                guided_choice=req.choices_asked(),
+                **req.guides_asked(),
             )
-            for name in ("bad_words", "guided_choice"):
+            for name in ("bad_words", "guided_choice", "guided_json", "guided_regex", "guided_grammar"):
                 if getattr(params, name) and llm.tokenizer is None:
                     raise APIError(400, f"{name} need a tokenizer; this model has none", param=name)
             return with_token_ids(params, llm.encode_words)

@@ -3,9 +3,11 @@ for numbers, no booleans for ints). The chat template lives in ``spec_engine.cha
 
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min_p``, ``stop_token_ids``,
 ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``truncate_prompt_tokens``, ``bad_words``, ``prompt_logprobs``, ``guided_choice`` (also as
-``structured_outputs: {"choice": [...]}``). Fields that would change the output but are not implemented (the chat
-API's ``echo``, ``tools``, ...) are rejected with 400 when set, never silently ignored; unknown fields are ignored.
+``skip_special_tokens``, ``truncate_prompt_tokens``, ``bad_words``, ``prompt_logprobs``, ``guided_choice``,
+``guided_json``, ``guided_regex``, ``guided_grammar`` (also as ``structured_outputs: {"choice" | "json" | "regex" |
+"grammar" | "json_object": ...}``), and OpenAI's ``response_format`` (``json_object``, ``json_schema``). Fields that
+would change the output but are not implemented (the chat API's ``echo``, ``tools``, ...) are rejected with 400 when
+set, never silently ignored; unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -25,19 +27,38 @@ _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null al
     "tools": ([],),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
-    # vLLM's extensions this server does not implement (top_k, min_p, stop_token_ids, ignore_eos,
-    # repetition_penalty, min_tokens, allowed_token_ids, include_stop_str_in_output, skip_special_tokens,
-    # truncate_prompt_tokens, bad_words, prompt_logprobs, guided_choice and structured_outputs' choice it does)
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_grammar": (),
+    "guided_whitespace_pattern": (),  # (vLLM's)
 }
 
 
-# structured_outputs' keys this server reads ("choice") or may ignore (vLLM's options for its grammar backends)
-_STRUCTURED_OPTIONS = ("choice", "backend", "disable_fallback", "disable_any_whitespace",
-                       "disable_additional_properties", "whitespace_pattern")  # fmt: skip
+# structured_outputs' keys: the guides this server reads, and vLLM's options for its grammar backends (ignored)
+_STRUCTURED_GUIDES = {"choice": "guided_choice", "json": "guided_json", "regex": "guided_regex",
+                      "grammar": "guided_grammar", "json_object": "guided_json"}  # fmt: skip
+_STRUCTURED_OPTIONS = ("backend", "disable_fallback", "disable_any_whitespace")  # (the first two change nothing here)
+ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object's schema
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text (no guide), any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_asked(self) -> dict | None:
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            return self.json_schema.schema_
+        return ANY_JSON_OBJECT if self.type == "json_object" else None
 
 
 class StreamOptions(BaseModel):
@@ -70,7 +91,11 @@ class _SamplingRequest(BaseModel):
     bad_words: list[str] | None = None  # (vLLM's extension; SamplingParams checks count and lengths)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (vLLM's extension: each prompt token's)
     guided_choice: list[str] | None = None  # (vLLM's extension: the output is one of these)
-    structured_outputs: dict[str, Any] | None = None  # (vLLM's newer form: {"choice": [...]} only)
+    guided_json: dict[str, Any] | str | None = None  # (vLLM's: a JSON schema the output follows)
+    guided_regex: str | None = None  # (vLLM's)
+    guided_grammar: str | None = None  # (vLLM's; a Lark grammar, llguidance's dialect)
+    structured_outputs: dict[str, Any] | None = None  # (vLLM's newer form of the four: choice, json, regex, grammar)
+    response_format: ResponseFormat | None = None  # (OpenAI's: text, json_object, json_schema)
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1)  # choices (SamplingParams checks the most)
     stream: bool = False
@@ -85,21 +110,46 @@ class _SamplingRequest(BaseModel):
 
     @field_validator("structured_outputs")
     @classmethod
-    def _choice_only(cls, v):
-        others = sorted(k for k, x in (v or {}).items() if k not in _STRUCTURED_OPTIONS and x not in (None, False))
+    def _known_guides(cls, v):
+        set_ = {k: x for k, x in (v or {}).items() if x is not None and x is not False}
+        others = sorted(k for k in set_ if k not in _STRUCTURED_GUIDES and k not in _STRUCTURED_OPTIONS)
         if others:
-            raise ValueError(f"only 'choice' is supported, not {others}")
-        choice = None if v is None else v.get("choice")
-        if v is not None and not (isinstance(choice, list) and choice and all(isinstance(c, str) for c in choice)):
+            raise ValueError(f"only {sorted(_STRUCTURED_GUIDES)} are supported, not {others}")
+        guides = [k for k in set_ if k in _STRUCTURED_GUIDES]
+        if v is not None and len(guides) != 1:
+            raise ValueError(f"give one of {sorted(_STRUCTURED_GUIDES)}, not {guides or 'none'}")
+        kinds = {"choice": list, "json": (dict, str), "regex": str, "grammar": str, "json_object": bool}
+        for k in guides:
+            if not isinstance(set_[k], kinds[k]) or isinstance(set_[k], bool) != (k == "json_object"):
+                raise ValueError(f"'{k}' has the wrong type")
+        if not isinstance(set_.get("disable_any_whitespace", False), bool):
+            raise ValueError("'disable_any_whitespace' must be true or false")
+        choice = set_.get("choice")
+        if choice is not None and not (choice and all(isinstance(c, str) for c in choice)):
             raise ValueError("'choice' must be a non-empty list of strings")
         return v
 
-    def choices_asked(self) -> list[str] | None:
-        """``SamplingParams.guided_choice``: ``guided_choice`` or ``structured_outputs["choice"]``."""
-        other = (self.structured_outputs or {}).get("choice")
-        if self.guided_choice is not None and other is not None and other != self.guided_choice:
-            raise ValueError("guided_choice and structured_outputs.choice differ: give one")
-        return self.guided_choice if self.guided_choice is not None else other
+    def guides_asked(self) -> dict[str, Any]:
+        """The ``SamplingParams`` guide the request asks for ({} or one of ``guided_choice``, ``guided_json``,
+        ``guided_regex``, ``guided_grammar``), from the field of that name, ``structured_outputs`` or
+        ``response_format``; ValueError where they ask for different ones."""
+        asked = [(name, getattr(self, name)) for name in ("guided_choice", "guided_json", "guided_regex",
+                 "guided_grammar") if getattr(self, name) is not None]  # fmt: skip
+        for key, value in (self.structured_outputs or {}).items():
+            if key in _STRUCTURED_GUIDES and value is not None and value is not False:
+                asked.append((_STRUCTURED_GUIDES[key], ANY_JSON_OBJECT if key == "json_object" else value))
+        schema = self.response_format.schema_asked() if self.response_format is not None else None
+        if schema is not None:
+            asked.append(("guided_json", schema))
+        distinct = {name: value for name, value in asked}
+        if len(distinct) > 1 or len({repr(value) for _, value in asked}) > 1:
+            raise ValueError(
+                f"guided_choice, guided_json, guided_regex, guided_grammar, structured_outputs and "
+                f"response_format ask for different outputs ({', '.join(n for n, _ in asked)}): give one"
+            )
+        if (self.structured_outputs or {}).get("disable_any_whitespace"):
+            distinct["disable_any_whitespace"] = True
+        return distinct
 
     def unsupported_field(self) -> str | None:
         """The first field set to a value this server does not implement (OpenAI's, or vLLM's extensions)."""
