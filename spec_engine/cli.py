@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     guide.add_argument("--json-schema", metavar="SCHEMA", help="the output is JSON following this schema (inline, "
                        "or @FILE; '{\"type\": \"object\"}': any object)")  # fmt: skip
     guide.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
-    guide.add_argument("--grammar", metavar="LARK", help="the output is a sentence of this Lark grammar (inline or "
-                       "@FILE)")  # fmt: skip
+    guide.add_argument("--grammar", metavar="GBNF", help="the output is a sentence of this GBNF (or Lark) grammar "
+                       "(inline or @FILE)")  # fmt: skip
     g.add_argument("--compare", action="store_true", help="also run without speculation and print the speedup")
     g.add_argument("--compare-repeats", type=int, default=5,
                    help="alternating warm runs of each engine behind --compare's medians (default 5)")  # fmt: skip

@@ -86,12 +86,13 @@ class SamplingParams:
     ``bad_words`` and ``allowed_token_ids`` go together: each could leave a node no token).
 
     ``guided_json`` (a JSON schema: a dict, or its JSON text; ``{"type": "object"}`` is any JSON object),
-    ``guided_regex`` (a regular expression the whole output matches) and ``guided_grammar`` (a Lark grammar, in
-    llguidance's dialect): the output is a sentence of that language (vLLM's), through llguidance
+    ``guided_regex`` (a regular expression the whole output matches) and ``guided_grammar`` (a GBNF grammar, as
+    llama.cpp writes them, or a Lark one in llguidance's dialect): the output is a sentence of that language
+    (vLLM's), through llguidance
     (``spec_engine.structured``; the ``structured`` extra): each node may emit only a token that keeps its context a
     prefix of one, and a stop token once its context is one whole; so, as with ``guided_choice``, the request needs a
     stop token and takes none of the four fields above beside it, and one guide at most. A request that reaches
-    ``max_tokens`` first ends with the sentence unfinished (finish reason "length"). ``disable_any_whitespace``
+    ``max_tokens`` or a stop string first ends with the sentence unfinished. ``disable_any_whitespace``
     (vLLM's): ``guided_json`` writes no whitespace between its tokens (by default any amount is allowed there, and a
     weak model may spend its tokens on it).
 
@@ -262,7 +263,11 @@ class SamplingParams:
                     schema = json.loads(schema)
                 except ValueError as e:
                     raise ValueError(f"guided_json is not JSON: {e}") from None
-            if not isinstance(schema, dict) or len(json.dumps(schema)) > MAX_GRAMMAR_CHARS:
+            try:
+                size = len(json.dumps(schema))
+            except (TypeError, ValueError):  # (a set, a circular dict...: not JSON)
+                size = None
+            if not isinstance(schema, dict) or size is None or size > MAX_GRAMMAR_CHARS:
                 raise ValueError(f"guided_json must be a JSON schema (an object) of at most "
                                  f"{MAX_GRAMMAR_CHARS} characters as JSON")  # fmt: skip
         if not isinstance(self.disable_any_whitespace, bool):

@@ -421,7 +421,8 @@ def test_special_tokens_truncated_prompts_bad_words_and_choices_over_http():
         body = {"model": model, "prompt": prose, "max_tokens": 8, "temperature": 0}
         same = httpx.post(server[0] + "/v1/completions", json={**body, "structured_outputs": {"choice": choices}})
         assert same.json()["choices"][0]["text"] == want.text  # (vLLM's newer form of guided_choice)
-        for so in ({"json": 5}, {"choice": "yes"}, {"regex": "a", "choice": ["a"]}, {"xml": "<a/>"}, {}):
+        for so in ({"json": 5}, {"choice": "yes"}, {"regex": "a", "choice": ["a"]}, {"xml": "<a/>"},
+                   {"disable_any_whitespace": "yes"}):  # fmt: skip
             bad = httpx.post(server[0] + "/v1/completions", json={**body, "structured_outputs": so})
             assert bad.status_code == 400 and "structured_outputs" in bad.text, bad.text
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -433,6 +434,12 @@ def test_special_tokens_truncated_prompts_bad_words_and_choices_over_http():
             ("regex", dict(guided_regex="(yes|no)[.!]"), {"structured_outputs": {"regex": "(yes|no)[.!]"}}),
             ("json_compact", dict(guided_json=schema, disable_any_whitespace=True),
              {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}),
+            ("json_schema_compact", dict(guided_json=schema, disable_any_whitespace=True), {"response_format": {
+                "type": "json_schema", "json_schema": {"schema": schema}}, "structured_outputs": {
+                "disable_any_whitespace": True}}),
+            ("named_twice", dict(guided_json=schema), {"guided_json": json.dumps(schema), "response_format": {
+                "type": "json_schema", "json_schema": {"schema": dict(reversed(schema.items()))}}}),
+            ("gbnf", dict(guided_grammar='root ::= "yes" | "no"'), {"guided_grammar": 'root ::= "yes" | "no"'}),
         ):  # fmt: skip
             want = llm.chat(msgs, SamplingParams(max_tokens=24, **guide), use_tqdm=False)[0].outputs[0]
             for stream in (False, True):
@@ -441,7 +448,7 @@ def test_special_tokens_truncated_prompts_bad_words_and_choices_over_http():
                 text = "".join(ch.choices[0].delta.content or "" for ch in chat if ch.choices) if stream else (
                     chat.choices[0].message.content)  # fmt: skip
                 assert text == want.text, (name, stream)
-            if want.finish_reason == "stop" and name != "regex":
+            if want.finish_reason == "stop" and "guided_json" in guide:
                 assert isinstance(json.loads(want.text), dict), name
 
 

@@ -233,7 +233,7 @@ def test_a_planted_bug_is_caught_end_to_end(pair, monkeypatch):
     dict(guided_regex="a", guided_json={"type": "object"}), dict(guided_regex="a", guided_choice=["a"]),
     dict(guided_regex="a", ignore_eos=True), dict(guided_json={"type": "object"}, min_tokens=2),
     dict(guided_grammar='start: "a"', allowed_token_ids=[1]), dict(guided_regex="a", bad_words=["b"]),
-    dict(guided_regex="a" * 70000),
+    dict(guided_regex="a" * 70000), dict(guided_json={"enum": {1, 2}}),
 ])  # fmt: skip
 def test_malformed_guides_are_refused(bad):
     with pytest.raises(ValueError):
@@ -243,8 +243,12 @@ def test_malformed_guides_are_refused(bad):
 def test_guides_that_do_not_compile_are_refused_before_queueing(pair, monkeypatch):
     target, _, tok = pair
     llm = LLM(str(target), max_model_len=128, dtype="float32")
-    for guide, name in ((dict(guided_regex="[a-"), "guided_regex"), (dict(guided_grammar="start: nothing"),
-                        "guided_grammar"), (dict(guided_json={"type": "nonsense"}), "guided_json")):  # fmt: skip
+    for guide, name in (
+        (dict(guided_regex="[a-"), "guided_regex"),
+        (dict(guided_grammar="start: nothing"), "guided_grammar"),
+        (dict(guided_json={"type": "nonsense"}), "guided_json"),
+        (dict(guided_regex=r"[^\s\S]"), "guided_regex"),
+    ):  # an empty language
         with pytest.raises(ValueError, match=name):
             llm.engine.add_request([1, 2], SamplingParams(max_tokens=4, **guide))
     assert not llm.engine.waiting
@@ -252,6 +256,42 @@ def test_guides_that_do_not_compile_are_refused_before_queueing(pair, monkeypatc
     fresh = LLM(str(target), max_model_len=128, dtype="float32")
     with pytest.raises(ValueError, match="pip install"):
         fresh.engine.add_request([1, 2], SamplingParams(max_tokens=4, guided_regex="b+"))
+
+
+def test_nodes_verification_never_reaches_are_left_alone(pair):
+    """A stop token the grammar takes as text is held back until the output is whole; a drafted node below a token
+    its parent masked (here the ngram drafter's x after z) or below a stop token is never judged, so it is not
+    masked (and cannot fail the request): the same tokens as plain decoding."""
+    target, _, tok = pair
+    x, z = tok.token_to_id("x"), tok.token_to_id("z")
+    prompt = {"prompt_token_ids": [z, x] * 6 + [z]}
+    outs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        llm = LLM(str(target), speculative_config=spec, max_model_len=128, dtype="float32")
+        params = SamplingParams(max_tokens=8, guided_regex="xx|z|zxx", stop_token_ids=[x])
+        outs.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0])
+    assert outs[0].token_ids == outs[1].token_ids and outs[1].token_ids[0] == z and outs[1].finish_reason == "stop"
+
+
+def test_gbnf_grammars_are_read(pair):
+    target, _, _ = pair
+    llm = LLM(str(target), max_model_len=128, dtype="float32")
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=8, guided_grammar='root ::= "yes" | "no"'), use_tqdm=False)
+    assert out[0].outputs[0].text in ("yes", "no") and out[0].outputs[0].finish_reason == "stop"
+
+
+def test_a_grammar_past_llguidances_limits_is_refused():
+    """One that compiles but fails at its first mask (the embedded target's 4,096-token vocabulary), refused with
+    llguidance's reason in one line."""
+    from spec_engine import default_model_paths
+    from spec_engine.llm import load_tokenizer
+    from spec_engine.structured import Grammars
+
+    grammars = Grammars(load_tokenizer(default_model_paths()[0]), 4096)
+    with pytest.raises(
+        ValueError, match="guided_regex does not compile: lexer error: too many expressions constructed$"
+    ):
+        grammars.check(SamplingParams(guided_regex="[a-z]{0,3}(x|y){0,1}" * 40))
 
 
 def test_a_model_without_a_tokenizer_or_a_stop_token_says_so(tmp_path):

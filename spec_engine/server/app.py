@@ -83,6 +83,8 @@ def create_app(
     with ``uvicorn_config`` (the guarded HTTP layer), e.g. ``uvicorn.Server(uvicorn_config(app, port=0)).run()``.
     """
     engine = AsyncEngine(llm)
+    if llm.engine.grammars is not None:  # structured outputs' view of the tokenizer, built before any request waits
+        llm.engine.grammars.warm()
     chat_template = llm.get_chat_template()
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine, max_pending))

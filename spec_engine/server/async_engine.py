@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from spec_engine.engine import RequestError
 from spec_engine.request import Request, StepOutput
 from spec_engine.sampling import SamplingParams, truncate_prompt, visible_text, with_token_ids
 
@@ -203,6 +204,15 @@ class AsyncEngine:
         sink = _Sink(loop, asyncio.Queue(), len(ids))
         with self._cond:
             self._num_in_flight += 1
+        grammars = self.engine.grammars
+        if params.guided and grammars is not None:  # compiled here, off the engine's thread: add() finds it cached
+            try:
+                await asyncio.to_thread(grammars.check, params)
+            except BaseException as e:
+                self._release()
+                if isinstance(e, ValueError):
+                    raise RequestError(str(e), params.guided[0]) from None
+                raise
 
         def add() -> None:
             try:

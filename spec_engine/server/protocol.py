@@ -12,6 +12,7 @@ set, never silently ignored; unknown fields are ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -36,6 +37,16 @@ _STRUCTURED_GUIDES = {"choice": "guided_choice", "json": "guided_json", "regex":
                       "grammar": "guided_grammar", "json_object": "guided_json"}  # fmt: skip
 _STRUCTURED_OPTIONS = ("backend", "disable_fallback", "disable_any_whitespace")  # (the first two change nothing here)
 ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object's schema
+
+
+def _parsed_schema(schema):
+    """A schema given as JSON text, parsed (what two spellings of one schema compare by)."""
+    if isinstance(schema, str):
+        try:
+            return json.loads(schema)
+        except ValueError:
+            return schema  # (SamplingParams says what is wrong with it)
+    return schema
 
 
 class JsonSchemaFormat(BaseModel):
@@ -116,8 +127,8 @@ class _SamplingRequest(BaseModel):
         if others:
             raise ValueError(f"only {sorted(_STRUCTURED_GUIDES)} are supported, not {others}")
         guides = [k for k in set_ if k in _STRUCTURED_GUIDES]
-        if v is not None and len(guides) != 1:
-            raise ValueError(f"give one of {sorted(_STRUCTURED_GUIDES)}, not {guides or 'none'}")
+        if len(guides) > 1:  # (none: its options for a guide named elsewhere, or nothing)
+            raise ValueError(f"give one of {sorted(_STRUCTURED_GUIDES)}, not {guides}")
         kinds = {"choice": list, "json": (dict, str), "regex": str, "grammar": str, "json_object": bool}
         for k in guides:
             if not isinstance(set_[k], kinds[k]) or isinstance(set_[k], bool) != (k == "json_object"):
@@ -141,12 +152,11 @@ class _SamplingRequest(BaseModel):
         schema = self.response_format.schema_asked() if self.response_format is not None else None
         if schema is not None:
             asked.append(("guided_json", schema))
-        distinct = {name: value for name, value in asked}
-        if len(distinct) > 1 or len({repr(value) for _, value in asked}) > 1:
-            raise ValueError(
-                f"guided_choice, guided_json, guided_regex, guided_grammar, structured_outputs and "
-                f"response_format ask for different outputs ({', '.join(n for n, _ in asked)}): give one"
-            )
+        parsed = [(n, _parsed_schema(v) if n == "guided_json" else v) for n, v in asked]  # (a schema as text too)
+        distinct = dict(asked)
+        if any(p != parsed[0] for p in parsed[1:]):
+            raise ValueError(f"the request asks for {len(asked)} different outputs ({', '.join(n for n, _ in asked)}, "
+                             "from guided_*, structured_outputs and response_format): give one")  # fmt: skip
         if (self.structured_outputs or {}).get("disable_any_whitespace"):
             distinct["disable_any_whitespace"] = True
         return distinct
