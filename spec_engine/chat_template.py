@@ -52,7 +52,7 @@ class ChatTemplate:
         ``ValueError``."""
         import jinja2
 
-        messages = [m.model_dump() if hasattr(m, "model_dump") else dict(m) for m in messages]
+        messages = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in messages]
         try:
             return self._template.render(
                 **{**self.special, **kwargs}, messages=messages, add_generation_prompt=add_generation_prompt

@@ -452,6 +452,81 @@ def test_special_tokens_truncated_prompts_bad_words_and_choices_over_http():
                 assert isinstance(json.loads(want.text), dict), name
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+        "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}}, "required": ["city"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+def test_tool_calls_over_http():
+    """tool_choice naming a function: its arguments are JSON following its parameters (the Python API's guided_json
+    answer), as one tool call, streamed piece by piece; "required": calls of the tools, as an array, one without
+    parallel_tool_calls; "auto", unknown names and choices without tools get 400; an earlier call and its tool
+    message in the history render."""
+    from spec_engine import default_model_paths
+    from spec_engine.server.tools import tool_schema
+
+    llm = LLM(default_model_paths()[0], max_model_len=512)
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    add = {"type": "function", "function": {"name": "add"}}
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}
+    with running_server(llm, "embedded", max_pending=4) as server:
+        c, model = client(server), name_of(server)
+        kw = dict(model=model, messages=msgs, max_tokens=48, temperature=0, tools=TOOLS, extra_body=compact)
+        want = llm.chat(msgs, SamplingParams(max_tokens=48, guided_json=TOOLS[0]["function"]["parameters"],
+                                             disable_any_whitespace=True), use_tqdm=False)[0].outputs[0]  # fmt: skip
+        assert want.finish_reason == "stop"
+        out = c.chat.completions.create(tool_choice=add, **kw).choices[0]
+        assert out.finish_reason == "stop" and out.message.content is None
+        (call,) = out.message.tool_calls
+        assert call.function.name == "add" and call.function.arguments == want.text and call.id
+        assert set(json.loads(call.function.arguments)) == {"a", "b"}
+        chunks = list(c.chat.completions.create(tool_choice=add, stream=True, **kw))
+        heads = [ch.choices[0].delta.tool_calls[0] for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]
+        assert heads[0].function.name == "add" and heads[0].id and all(h.index == 0 for h in heads)
+        assert "".join(h.function.arguments or "" for h in heads) == want.text
+        for parallel in (True, False):
+            schema = tool_schema(TOOLS, "required", parallel)
+            ref = llm.chat(msgs, SamplingParams(max_tokens=96, guided_json=schema, disable_any_whitespace=True),
+                           use_tqdm=False)[0].outputs[0]  # fmt: skip
+            assert ref.finish_reason == "stop"
+            calls = [(x["name"], x["parameters"]) for x in json.loads(ref.text)]
+            got = c.chat.completions.create(tool_choice="required", parallel_tool_calls=parallel,
+                                            **{**kw, "max_tokens": 96}).choices[0]  # fmt: skip
+            assert got.finish_reason == "tool_calls" and got.message.content is None
+            assert [(t.function.name, json.loads(t.function.arguments)) for t in got.message.tool_calls] == calls
+            assert parallel or len(calls) == 1
+            streamed = [ch for ch in c.chat.completions.create(tool_choice="required", parallel_tool_calls=parallel,
+                        stream=True, **{**kw, "max_tokens": 96}) if ch.choices]  # fmt: skip
+            last = [ch.choices[0] for ch in streamed if ch.choices[0].delta.tool_calls]
+            assert len(last) == 1 and last[0].finish_reason == "tool_calls"
+            assert [(t.function.name, json.loads(t.function.arguments)) for t in last[0].delta.tool_calls] == calls
+        history = msgs + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+             "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        ]  # fmt: skip
+        text = c.chat.completions.create(model=model, messages=history, max_tokens=4, temperature=0, tools=TOOLS,
+                                         tool_choice="none").choices[0].message.content  # fmt: skip
+        assert isinstance(text, str)
+        body = {"model": model, "messages": msgs, "max_tokens": 4}
+        for bad, param in (
+            ({"tools": TOOLS}, "tool_choice"),  # (OpenAI's default with tools is "auto")
+            ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+            ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"},
+             "tools[0].function.name"),
+            ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ):  # fmt: skip
+            r = httpx.post(server[0] + "/v1/chat/completions", json={**body, **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
 def test_concurrent_choices_never_pass_max_pending(plain):
     """Three requests of n = 10 at once on a server that runs 16: one is admitted, two get 429, however their
     choices' additions interleave (the engine is held while they arrive)."""

@@ -47,6 +47,7 @@ from spec_engine.server.logprobs import (
 )
 from spec_engine.server.metrics import EngineCollector
 from spec_engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_param
+from spec_engine.server.tools import call_id, template_messages, tool_calls
 
 log = logging.getLogger("spec_engine.server")
 
@@ -320,7 +321,12 @@ def create_app(
         async def handle(count):
             req = await read_body(request, ChatCompletionRequest)
             try:
-                prompt = await asyncio.to_thread(chat_template.render, req.messages)
+                tool_choice = req.tool_choice_asked()
+            except ValueError as e:
+                raise APIError(400, str(e), param="tool_choice") from None
+            messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+            try:
+                prompt = await asyncio.to_thread(chat_template.render, messages, tools=req.tools_asked())
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             ids = await encode(prompt, add_special_tokens=not chat_template.from_model)
@@ -339,18 +345,45 @@ def create_app(
             streams = await start(ids, params)
             head = {"id": f"chatcmpl-{streams[0].request_id}", "object": "chat.completion.chunk",
                     "created": int(time.time()), "model": served_model_name}  # fmt: skip
+            named = tool_choice if isinstance(tool_choice, dict) else None
             if req.stream:
-                first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                         for i in range(len(streams))]  # fmt: skip
 
-                def choice(i: int, d: Delta) -> dict:
-                    delta = {"content": d.text} if d.text else {}
-                    return {"index": i, "delta": delta, "logprobs": chat_logprobs(d), "finish_reason": d.finish_reason}
+                def opening() -> dict:  # (a named function's call opens each choice: its arguments stream)
+                    if named is None:
+                        return {"role": "assistant", "content": ""}
+                    call = {"index": 0, "id": call_id(), "type": "function",
+                            "function": {"name": named["function"]["name"], "arguments": ""}}  # fmt: skip
+                    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+                first = [{"index": i, "delta": opening(), "finish_reason": None} for i in range(len(streams))]
+                held = [""] * len(streams)  # "required": each choice's text, parsed into calls at its end
+
+                def choice(i: int, d: Delta) -> dict | None:
+                    if named is not None:
+                        delta = {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]} if d.text else {}
+                    elif tool_choice == "required":
+                        held[i] += d.text
+                        if not d.finished:
+                            return None
+                        calls = tool_calls(tool_choice, held[i]) if d.finish_reason == "stop" else None
+                        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls else (
+                            {"content": held[i]})  # fmt: skip
+                    else:
+                        delta = {"content": d.text} if d.text else {}
+                    finish = (
+                        "tool_calls" if tool_choice == "required" and d.finish_reason == "stop" else d.finish_reason
+                    )
+                    return {"index": i, "delta": delta, "logprobs": chat_logprobs(d), "finish_reason": finish}
 
                 return _sse(streams, head, choice, first, _include_usage(req), count)
             done = await _collect(request, streams)
-            choices = [{"index": i, "message": {"role": "assistant", "content": d.text}, "logprobs": chat_logprobs(d),
-                        "finish_reason": d.finish_reason} for i, d in enumerate(done)]  # fmt: skip
+            choices = []
+            for i, d in enumerate(done):
+                calls = tool_calls(tool_choice, d.text) if d.finish_reason == "stop" else None
+                message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else (
+                    {"role": "assistant", "content": d.text})  # fmt: skip
+                finish = "tool_calls" if calls and tool_choice == "required" else d.finish_reason
+                choices.append({"index": i, "message": message, "logprobs": chat_logprobs(d), "finish_reason": finish})
             body = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(done)}
             if req.prompt_logprobs is not None:  # (vLLM's: the response's, not a choice's)
                 body["prompt_logprobs"] = vllm_prompt_logprobs(ids, done[0].prompt_logprobs, token_text,
@@ -430,7 +463,7 @@ async def _deltas(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delt
             await stream.aclose()
 
 
-def _sse(streams: list[RequestStream], head: dict, choice: Callable[[int, Delta], dict], first: list | None,
+def _sse(streams: list[RequestStream], head: dict, choice: Callable[[int, Delta], dict | None], first: list | None,
          include_usage: bool, count: Callable[[int], None]) -> StreamingResponse:  # fmt: skip
     """One ``data:`` event per choice and engine step with new text (and each choice's last one), the usage chunk,
     then [DONE]. A choice the engine failed gets an error event instead of its last chunk (the other choices are
@@ -452,7 +485,9 @@ def _sse(streams: list[RequestStream], head: dict, choice: Callable[[int, Delta]
                         break
                     # (logprobs, the prompt's too, are sent while the text is held back)
                     if delta.text or delta.finished or delta.logprobs or delta.prompt_logprobs:
-                        yield _event({**head, "choices": [choice(i, delta)]})
+                        out = choice(i, delta)  # (None: nothing to send yet)
+                        if out is not None:
+                            yield _event({**head, "choices": [out]})
             if failed is not None:
                 status = 500
                 yield _error_event(_engine_error_message(failed), "engine_error")

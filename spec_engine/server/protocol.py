@@ -5,8 +5,9 @@ Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (0 or -1 = off), ``min
 ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``truncate_prompt_tokens``, ``bad_words``, ``prompt_logprobs``, ``guided_choice``,
 ``guided_json``, ``guided_regex``, ``guided_grammar`` (also as ``structured_outputs: {"choice" | "json" | "regex" |
-"grammar" | "json_object": ...}``), and OpenAI's ``response_format`` (``json_object``, ``json_schema``). Fields that
-would change the output but are not implemented (the chat API's ``echo``, ``tools``, ...) are rejected with 400 when
+"grammar" | "json_object": ...}``), and OpenAI's ``response_format`` (``json_object``, ``json_schema``) and ``tools``
+with ``tool_choice`` "none", "required" or a named function (``spec_engine.server.tools``). Fields that would change
+the output but are not implemented (the chat API's ``echo``, ``functions``, ...) are rejected with 400 when
 set, never silently ignored; unknown fields are ignored.
 """
 
@@ -19,13 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from spec_engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (the server's names)
 from spec_engine.sampling import MAX_LOGPROBS
+from spec_engine.server.tools import tool_schema
+
+MAX_TOOLS = 128  # tools a chat request may define (OpenAI's bound)
 
 _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null always do)
     "top_logprobs": (0,),  # (the completions API's; chat declares its own)
     "echo": (False,),  # (the chat API's; completions declares its own)
     "suffix": ("",),
     "best_of": (1,),
-    "tools": ([],),
     "functions": ([],),
     "function_call": ("none",),
     "guided_whitespace_pattern": (),  # (vLLM's)
@@ -209,10 +212,26 @@ class CompletionRequest(_SamplingRequest):
         raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str  # (JSON text, as OpenAI sends it)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
+    tool_calls: list[ToolCall] | None = None  # (an assistant's earlier calls)
+    tool_call_id: str | None = None  # (a tool message's: the call it answers)
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -226,11 +245,64 @@ class ChatMessage(BaseModel):
         raise ValueError("content must be a string or a list of {'type': 'text', 'text': str} parts")
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # (a JSON schema of its arguments; none: any object)
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: ToolName
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (needs logprobs: true, as OpenAI's)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_choice_asked(self) -> str | dict:
+        """``tool_choice`` as ``spec_engine.server.tools`` takes it: "none", "required" or {"type": "function",
+        "function": {"name": ...}}; ValueError for "auto" (OpenAI's default with tools), which needs a parser of the
+        model's own tool-call format, and for a choice without tools."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice == "auto":
+            raise ValueError("tool_choice 'auto' is not supported (it needs a parser of this model's own tool-call "
+                             "format): give tool_choice 'required' or name a function")  # fmt: skip
+        if choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        return choice if isinstance(choice, str) else choice.model_dump()
+
+    def tools_asked(self) -> list[dict] | None:
+        """``tools`` as dicts (the chat template's ``tools`` variable), or None."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def guides_asked(self) -> dict[str, Any]:
+        guides = super().guides_asked()
+        schema = tool_schema(self.tools_asked() or [], self.tool_choice_asked(), self.parallel_tool_calls is not False)
+        if schema is None:
+            return guides
+        if any(k != "disable_any_whitespace" for k in guides):
+            raise ValueError("tool_choice with guided_*, structured_outputs or response_format: give one")
+        return {**guides, "guided_json": schema}
 
     @field_validator("top_logprobs")
     @classmethod
