@@ -513,6 +513,29 @@ def test_tool_calls_over_http():
         text = c.chat.completions.create(model=model, messages=history, max_tokens=4, temperature=0, tools=TOOLS,
                                          tool_choice="none").choices[0].message.content  # fmt: skip
         assert isinstance(text, str)
+        deep = [*msgs, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "add", "arguments": "[" * 5000}}]}]  # fmt: skip
+        assert c.chat.completions.create(model=model, messages=deep, max_tokens=2).choices[0].message.content
+        # cut short: a named call keeps its partial arguments (vLLM's), "required" answers the text, streamed or not
+        cut = {**kw, "max_tokens": 3}
+        got = c.chat.completions.create(tool_choice=add, **cut).choices[0]
+        assert got.finish_reason == "length" and got.message.tool_calls[0].function.arguments == want.text[: len(
+            got.message.tool_calls[0].function.arguments)]  # fmt: skip
+        pieces = [ch.choices[0] for ch in c.chat.completions.create(tool_choice=add, stream=True, **cut) if ch.choices]
+        assert "".join(p.delta.tool_calls[0].function.arguments or "" for p in pieces if p.delta.tool_calls) == (
+            got.message.tool_calls[0].function.arguments) and pieces[-1].finish_reason == "length"  # fmt: skip
+        held = dict(tool_choice="required", stop=['"name"'], logprobs=True, **{**kw, "max_tokens": 96})
+        whole = c.chat.completions.create(**held).choices[0]
+        assert whole.finish_reason == "stop" and whole.message.content == "[{" and not whole.message.tool_calls
+        last = [ch.choices[0] for ch in c.chat.completions.create(stream=True, **held) if ch.choices][-1]
+        assert last.finish_reason == "stop" and last.delta.content == "[{" and not last.delta.tool_calls
+        assert len(last.logprobs.content) == len(whole.logprobs.content)
+        entries = c.chat.completions.create(tool_choice="required", logprobs=True, **{**kw, "max_tokens": 96})
+        streamed = [ch.choices[0] for ch in c.chat.completions.create(tool_choice="required", logprobs=True,
+                    stream=True, **{**kw, "max_tokens": 96}) if ch.choices]  # fmt: skip
+        assert [e.token for e in streamed[-1].logprobs.content] == [
+            e.token for e in entries.choices[0].logprobs.content
+        ]
         body = {"model": model, "messages": msgs, "max_tokens": 4}
         for bad, param in (
             ({"tools": TOOLS}, "tool_choice"),  # (OpenAI's default with tools is "auto")
@@ -522,9 +545,35 @@ def test_tool_calls_over_http():
             ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"},
              "tools[0].function.name"),
             ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+            ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+              "tool_choice": "required"}, "tools[0].function.parameters"),
+            ({"tools": TOOLS, "tool_choice": "required", "min_tokens": 2}, "tool_choice"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/missing"}}}],
+              "tool_choice": "required"}, "tools"),
         ):  # fmt: skip
             r = httpx.post(server[0] + "/v1/chat/completions", json={**body, **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_tool_calls_and_tools_reach_the_template():
+    """An assistant's earlier calls (arguments parsed; a message with no content still has one), a tool message's
+    id and name, and the tools, as a template reads them."""
+    from spec_engine.chat_template import ChatTemplate
+    from spec_engine.server.protocol import ChatCompletionRequest
+
+    template = ("{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}{% for m in messages %}<{{ m.role }}>"
+                "{{ m.content }}{% for c in m.tool_calls or [] %}({{ c.function.name }} a={{ c.function.arguments.a }})"
+                "{% endfor %}{% if m.tool_call_id is defined %}#{{ m.tool_call_id }}/{{ m.name }}{% endif %}"
+                "{% endfor %}")  # fmt: skip
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "add", "content": "5"}], "tools": TOOLS})  # fmt: skip
+    messages, tools = req.template_inputs()
+    text = ChatTemplate(None, source=template).render(messages, add_generation_prompt=False, tools=tools)
+    assert text == "[tool add][tool weather]<user>2 + 3?<assistant>(add a=2)<tool>5#c1/add", text
 
 
 def test_concurrent_choices_never_pass_max_pending(plain):

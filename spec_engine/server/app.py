@@ -47,7 +47,7 @@ from spec_engine.server.logprobs import (
 )
 from spec_engine.server.metrics import EngineCollector
 from spec_engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_param
-from spec_engine.server.tools import call_id, template_messages, tool_calls
+from spec_engine.server.tools import call_id, tool_calls
 
 log = logging.getLogger("spec_engine.server")
 
@@ -324,15 +324,26 @@ def create_app(
                 tool_choice = req.tool_choice_asked()
             except ValueError as e:
                 raise APIError(400, str(e), param="tool_choice") from None
-            messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+            messages, tools = req.template_inputs()
             try:
-                prompt = await asyncio.to_thread(chat_template.render, messages, tools=req.tools_asked())
+                prompt = await asyncio.to_thread(chat_template.render, messages, tools=tools)
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             ids = await encode(prompt, add_special_tokens=not chat_template.from_model)
             ids = truncate_prompt(ids, req.truncate_prompt_tokens)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
+            try:
+                params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
+                if tool_choice != "none" and llm.engine.grammars is not None:  # the tools' schema, said as theirs
+                    await asyncio.to_thread(llm.engine.grammars.check, params)
+            except APIError as e:  # (the guide tool_choice built is guided_json to SamplingParams)
+                if tool_choice == "none" or e.param != "guided_json":
+                    raise
+                raise APIError(
+                    400, e.message.replace("guided_json", "tool_choice (its guide)"), param="tool_choice"
+                ) from None
+            except ValueError as e:
+                raise APIError(400, str(e).replace("guided_json", "the tools' schema"), param="tools") from None
             if req.prompt_logprobs is not None and req.stream:
                 raise APIError(400, "prompt_logprobs is not supported with stream in the chat API (the completions "
                                "API streams them)", param="prompt_logprobs")  # fmt: skip
@@ -350,39 +361,41 @@ def create_app(
 
                 def opening() -> dict:  # (a named function's call opens each choice: its arguments stream)
                     if named is None:
-                        return {"role": "assistant", "content": ""}
+                        return {"role": "assistant", "content": None if tool_choice == "required" else ""}
                     call = {"index": 0, "id": call_id(), "type": "function",
                             "function": {"name": named["function"]["name"], "arguments": ""}}  # fmt: skip
                     return {"role": "assistant", "content": None, "tool_calls": [call]}
 
                 first = [{"index": i, "delta": opening(), "finish_reason": None} for i in range(len(streams))]
                 held = [""] * len(streams)  # "required": each choice's text, parsed into calls at its end
+                held_logprobs: list[list] = [[] for _ in streams]  # and its logprobs, sent with them
 
                 def choice(i: int, d: Delta) -> dict | None:
+                    lps, finish = chat_logprobs(d), d.finish_reason
                     if named is not None:
                         delta = {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]} if d.text else {}
                     elif tool_choice == "required":
                         held[i] += d.text
+                        held_logprobs[i] += (lps or {}).get("content", [])
                         if not d.finished:
                             return None
-                        calls = tool_calls(tool_choice, held[i]) if d.finish_reason == "stop" else None
+                        calls = tool_calls(tool_choice, held[i]) if finish == "stop" else None
                         delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls else (
                             {"content": held[i]})  # fmt: skip
+                        finish = "tool_calls" if calls else finish
+                        lps = {"content": held_logprobs[i]} if lps is not None else None
                     else:
                         delta = {"content": d.text} if d.text else {}
-                    finish = (
-                        "tool_calls" if tool_choice == "required" and d.finish_reason == "stop" else d.finish_reason
-                    )
-                    return {"index": i, "delta": delta, "logprobs": chat_logprobs(d), "finish_reason": finish}
+                    return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
 
                 return _sse(streams, head, choice, first, _include_usage(req), count)
             done = await _collect(request, streams)
             choices = []
             for i, d in enumerate(done):
-                calls = tool_calls(tool_choice, d.text) if d.finish_reason == "stop" else None
+                calls = tool_calls(tool_choice, d.text) if named is not None or d.finish_reason == "stop" else None
                 message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else (
                     {"role": "assistant", "content": d.text})  # fmt: skip
-                finish = "tool_calls" if calls and tool_choice == "required" else d.finish_reason
+                finish = "tool_calls" if calls and named is None else d.finish_reason
                 choices.append({"index": i, "message": message, "logprobs": chat_logprobs(d), "finish_reason": finish})
             body = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(done)}
             if req.prompt_logprobs is not None:  # (vLLM's: the response's, not a choice's)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from spec_engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (the server's names)
 from spec_engine.sampling import MAX_LOGPROBS
-from spec_engine.server.tools import tool_schema
+from spec_engine.server.tools import template_messages, tool_schema
 
 MAX_TOOLS = 128  # tools a chat request may define (OpenAI's bound)
 
@@ -215,7 +215,7 @@ class CompletionRequest(_SamplingRequest):
 class FunctionCall(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     name: str
-    arguments: str  # (JSON text, as OpenAI sends it)
+    arguments: str | dict[str, Any] = ""  # (JSON text, as OpenAI sends it; an object too, as vLLM takes)
 
 
 class ToolCall(BaseModel):
@@ -228,7 +228,7 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None
+    content: Any = ""  # (absent or null: "", so a template may always read it)
     tool_calls: list[ToolCall] | None = None  # (an assistant's earlier calls)
     tool_call_id: str | None = None  # (a tool message's: the call it answers)
     name: str | None = None
@@ -251,6 +251,13 @@ class FunctionDef(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # (a JSON schema of its arguments; none: any object)
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, v):
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError("parameters must be a JSON schema of an object (the call's named arguments)")
+        return v
 
 
 class ToolDef(BaseModel):
@@ -279,6 +286,20 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v):
+        names = [t.function.name for t in v or ()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tool names must be unique: {twice} given twice")
+        return v
+
+    def template_inputs(self) -> tuple[list[dict], list[dict] | None]:
+        """The chat template's ``messages`` (earlier tool calls' arguments parsed) and ``tools``."""
+        messages = template_messages([m.model_dump(exclude_none=True) for m in self.messages])
+        return messages, [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
     def tool_choice_asked(self) -> str | dict:
         """``tool_choice`` as ``spec_engine.server.tools`` takes it: "none", "required" or {"type": "function",
         "function": {"name": ...}}; ValueError for "auto" (OpenAI's default with tools), which needs a parser of the
@@ -291,13 +312,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("tool_choice needs tools")
         return choice if isinstance(choice, str) else choice.model_dump()
 
-    def tools_asked(self) -> list[dict] | None:
-        """``tools`` as dicts (the chat template's ``tools`` variable), or None."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-
     def guides_asked(self) -> dict[str, Any]:
         guides = super().guides_asked()
-        schema = tool_schema(self.tools_asked() or [], self.tool_choice_asked(), self.parallel_tool_calls is not False)
+        tools = [t.model_dump() for t in self.tools or ()]
+        schema = tool_schema(tools, self.tool_choice_asked(), self.parallel_tool_calls is not False)
         if schema is None:
             return guides
         if any(k != "disable_any_whitespace" for k in guides):

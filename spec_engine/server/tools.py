@@ -36,25 +36,26 @@ def call_id() -> str:
 
 
 def tool_calls(choice, text: str) -> list[dict] | None:
-    """The answer ``text`` of a request with ``tool_choice`` as OpenAI's ``tool_calls`` (each with a new id); None
-    where it names no tool or is not whole JSON (an answer cut at max_tokens)."""
+    """The answer ``text`` of a request with ``tool_choice`` as OpenAI's ``tool_calls`` (each with a new id): a named
+    function's call whatever the text (its arguments, cut short where the answer was: vLLM's); "required"'s calls
+    where the text is a whole array of them, else None (an answer cut at max_tokens or a stop string)."""
     if choice in (None, "none"):
         return None
-    try:
-        value = json.loads(text)
-        if choice == "required":  # (the grammar's shape; checked all the same)
-            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
-        else:
-            calls = [(choice["function"]["name"], text)]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return [{"id": call_id(), "type": "function",
-             "function": {"name": name, "arguments": arguments}} for name, arguments in calls]  # fmt: skip
+    if choice == "required":
+        try:
+            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False, allow_nan=False))
+                     for c in json.loads(text)]  # fmt: skip
+        except (ValueError, KeyError, TypeError, RecursionError):  # (RecursionError: nesting past Python's stack)
+            return None
+    else:
+        calls = [(choice["function"]["name"], text)]
+    return [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+            for name, arguments in calls]  # fmt: skip
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
-    """Chat messages for the template: an assistant's earlier ``tool_calls`` with their ``arguments`` parsed (the
-    JSON text OpenAI sends, as the dict chat templates write out with ``tojson``; kept as text where it is not
+    """Chat messages for the template: an assistant's earlier ``tool_calls`` with their ``arguments`` as the dict chat
+    templates write out with ``tojson`` (OpenAI sends JSON text: parsed, "" as {}, kept as text where it is not
     JSON)."""
     out = []
     for m in messages:
@@ -64,8 +65,8 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 fn = dict(call.get("function") or {})
                 if isinstance(fn.get("arguments"), str):
                     try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
+                        fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+                    except (ValueError, RecursionError):
                         pass
                 calls.append({**call, "function": fn})
             m = {**m, "tool_calls": calls}
