@@ -207,6 +207,7 @@ class LLM:
         else:
             self.target = load_model(model, dtype=torch_dtype, device=device, quantization=quantization)
         self.tokenizer = load_tokenizer(model)
+        self.served_by = None  # the AsyncEngine stepping this engine in its thread, if any (generate then refuses)
         self._chat_template: ChatTemplate | None = None
         cfg = self.target.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, 4096)
@@ -344,6 +345,9 @@ class LLM:
 
         Invalid input raises ``ValueError`` before any work starts, and the engine stays usable.
         """
+        if self.served_by is not None:
+            raise RuntimeError("this LLM's engine is served by an AsyncEngine (a running server): send requests "
+                               "through it, or build another LLM for direct calls")  # fmt: skip
         if not isinstance(prompts, (list, tuple)):
             prompts = [prompts]
         prompts = list(prompts)

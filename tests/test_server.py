@@ -369,6 +369,7 @@ def test_special_tokens_truncated_prompts_bad_words_and_choices_over_http():
     prompt = "def fibonacci(n):\n    # the n-th Fibonacci number\n"
     ids = llm.encode(prompt)
     ref = llm.generate({"prompt_token_ids": ids[-4:]}, SamplingParams(max_tokens=8), use_tqdm=False)[0].outputs[0]
+    apart = LLM(default_model_paths()[0], max_model_len=512)  # the Python API's answers: not the served engine
     with running_server(llm, "embedded", max_pending=4) as server:
         c, model = client(server), name_of(server)
         for stream in (False, True):
@@ -390,9 +391,9 @@ def test_special_tokens_truncated_prompts_bad_words_and_choices_over_http():
                                                               "truncate_prompt_tokens": 0})  # fmt: skip
         assert bad.status_code == 400 and "truncate_prompt_tokens" in bad.text
         prose = "import os\n\n"
-        free = llm.generate(prose, SamplingParams(max_tokens=24), use_tqdm=False)[0].outputs[0].text
+        free = apart.generate(prose, SamplingParams(max_tokens=24), use_tqdm=False)[0].outputs[0].text
         words = [w for w in free.split() if w.isalpha() and len(w) > 2][:2]
-        want = llm.generate(prose, SamplingParams(max_tokens=24, bad_words=words), use_tqdm=False)[0].outputs[0]
+        want = apart.generate(prose, SamplingParams(max_tokens=24, bad_words=words), use_tqdm=False)[0].outputs[0]
         assert len(words) == 2 and want.text != free
         for stream in (False, True):
             out = c.completions.create(model=model, prompt=prose, max_tokens=24, temperature=0, stream=stream,
@@ -403,7 +404,7 @@ def test_special_tokens_truncated_prompts_bad_words_and_choices_over_http():
         bad = httpx.post(server[0] + "/v1/completions", json={"model": model, "prompt": "x", "bad_words": [" "]})
         assert bad.status_code == 400 and "bad_words" in bad.text
         choices = ["positive", "negative", "(none)"]
-        want = llm.generate(prose, SamplingParams(max_tokens=8, guided_choice=choices), use_tqdm=False)[0].outputs[0]
+        want = apart.generate(prose, SamplingParams(max_tokens=8, guided_choice=choices), use_tqdm=False)[0].outputs[0]
         msgs = [{"role": "user", "content": "Sentiment of 'I loved it'?"}]
         for stream in (False, True):
             out = c.completions.create(model=model, prompt=prose, max_tokens=8, temperature=0, stream=stream,
@@ -441,7 +442,7 @@ def test_special_tokens_truncated_prompts_bad_words_and_choices_over_http():
                 "type": "json_schema", "json_schema": {"schema": dict(reversed(schema.items()))}}}),
             ("gbnf", dict(guided_grammar='root ::= "yes" | "no"'), {"guided_grammar": 'root ::= "yes" | "no"'}),
         ):  # fmt: skip
-            want = llm.chat(msgs, SamplingParams(max_tokens=24, **guide), use_tqdm=False)[0].outputs[0]
+            want = apart.chat(msgs, SamplingParams(max_tokens=24, **guide), use_tqdm=False)[0].outputs[0]
             for stream in (False, True):
                 chat = c.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0,
                                                  stream=stream, extra_body=extra)  # fmt: skip
@@ -471,13 +472,14 @@ def test_tool_calls_over_http():
     from spec_engine.server.tools import tool_schema
 
     llm = LLM(default_model_paths()[0], max_model_len=512)
+    apart = LLM(default_model_paths()[0], max_model_len=512)  # the Python API's answers: not the served engine
     msgs = [{"role": "user", "content": "What is 2 + 3?"}]
     add = {"type": "function", "function": {"name": "add"}}
     compact = {"structured_outputs": {"disable_any_whitespace": True}}
     with running_server(llm, "embedded", max_pending=4) as server:
         c, model = client(server), name_of(server)
         kw = dict(model=model, messages=msgs, max_tokens=48, temperature=0, tools=TOOLS, extra_body=compact)
-        want = llm.chat(msgs, SamplingParams(max_tokens=48, guided_json=TOOLS[0]["function"]["parameters"],
+        want = apart.chat(msgs, SamplingParams(max_tokens=48, guided_json=TOOLS[0]["function"]["parameters"],
                                              disable_any_whitespace=True), use_tqdm=False)[0].outputs[0]  # fmt: skip
         assert want.finish_reason == "stop"
         out = c.chat.completions.create(tool_choice=add, **kw).choices[0]
@@ -491,7 +493,7 @@ def test_tool_calls_over_http():
         assert "".join(h.function.arguments or "" for h in heads) == want.text
         for parallel in (True, False):
             schema = tool_schema(TOOLS, "required", parallel)
-            ref = llm.chat(msgs, SamplingParams(max_tokens=96, guided_json=schema, disable_any_whitespace=True),
+            ref = apart.chat(msgs, SamplingParams(max_tokens=96, guided_json=schema, disable_any_whitespace=True),
                            use_tqdm=False)[0].outputs[0]  # fmt: skip
             assert ref.finish_reason == "stop"
             calls = [(x["name"], x["parameters"]) for x in json.loads(ref.text)]
@@ -782,6 +784,30 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         400,
         "response_format",
     ),  # fmt: skip
+    "response_format_without_a_stop_token": (
+        "/v1/completions",
+        _json({"prompt": "x", "response_format": {"type": "json_object"}}),
+        400,
+        "response_format",
+    ),  # fmt: skip
+    "response_format_schema_not_compiling": (
+        "/v1/completions",
+        _json(
+            {
+                "prompt": "x",
+                "stop_token_ids": [5],
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/$defs/missing"}}},
+            }
+        ),
+        400,
+        "response_format",
+    ),  # fmt: skip
+    "structured_outputs_regex_malformed": (
+        "/v1/completions",
+        _json({"prompt": "x", "stop_token_ids": [5], "structured_outputs": {"regex": "[a-"}}),
+        400,
+        "structured_outputs",
+    ),  # fmt: skip
     "two_guides": (
         "/v1/completions",
         _json({"prompt": "x", "guided_regex": "a+", "response_format": {"type": "json_object"}}),
@@ -1067,3 +1093,20 @@ def test_incremental_text_never_splits_a_character(spec, model_dirs):
     pieces = [engine._new_text(sink, ids[:k], finished=k == len(ids)) for k in range(1, len(ids) + 1)]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_a_served_llm_refuses_direct_calls(model_dirs):
+    """While an AsyncEngine steps an LLM's engine in its thread, LLM.generate (another thread stepping the same
+    engine) and a second AsyncEngine are refused; after close both work again."""
+    from spec_engine.server.async_engine import AsyncEngine
+
+    root, _ = model_dirs
+    llm = LLM(root / "plain")
+    served = AsyncEngine(llm)
+    with pytest.raises(RuntimeError, match="served"):
+        llm.generate("the fox", SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(RuntimeError, match="already served"):
+        AsyncEngine(llm)
+    served.close()
+    assert llm.generate("the fox", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    AsyncEngine(llm).close()

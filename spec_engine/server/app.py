@@ -208,6 +208,7 @@ def create_app(
             return with_token_ids(params, llm.encode_words)
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
+            field = req.guide_field(field)  # (the field the client named a guide by)
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
 
     @functools.lru_cache(maxsize=1 << 16)
@@ -225,7 +226,7 @@ def create_app(
 
     admitting = [0]  # choices promised to requests still adding them (not yet in engine.num_in_flight)
 
-    async def start(ids: list[int], params: SamplingParams) -> list[RequestStream]:
+    async def start(ids: list[int], params: SamplingParams, req) -> list[RequestStream]:
         """One engine request per choice (``params.n``; each sequence's seed as ``LLM.generate`` derives it), all
         admitted or none: a choice refused aborts those already added. The n slots are taken at once, before the
         first await, so concurrent requests never pass ``max_pending`` together."""
@@ -247,8 +248,8 @@ def create_app(
                 await stream.aclose()
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), "internal_error") from None
-            if isinstance(e, ValueError):  # (RequestError names the field)
-                raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+            if isinstance(e, ValueError):  # (RequestError names the field; a guide by the client's name of it)
+                raise APIError(400, str(e), param=req.guide_field(getattr(e, "param", None))) from None
             raise
         finally:
             admitting[0] -= promised
@@ -283,7 +284,7 @@ def create_app(
             encoded = await encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
             ids = truncate_prompt(encoded, req.truncate_prompt_tokens)
             params = sampling_params(req, len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
-            streams = await start(ids, params)
+            streams = await start(ids, params, req)
             head = {"id": f"cmpl-{streams[0].request_id}", "object": "text_completion", "created": int(time.time()),
                     "model": served_model_name}  # fmt: skip
 
@@ -353,7 +354,7 @@ def create_app(
                     return None
                 return {"content": chat_content_logprobs(d.token_ids, d.logprobs, token_text, req.top_logprobs or 0)}
 
-            streams = await start(ids, params)
+            streams = await start(ids, params, req)
             head = {"id": f"chatcmpl-{streams[0].request_id}", "object": "chat.completion.chunk",
                     "created": int(time.time()), "model": served_model_name}  # fmt: skip
             named = tool_choice if isinstance(tool_choice, dict) else None

@@ -163,13 +163,16 @@ class AsyncEngine:
 
     Parameters
     ----------
-    llm : a ``spec_engine.LLM``; its engine, tokenizer and KV allocator are used. Do not call ``llm.generate``
-        while the AsyncEngine runs: the engine belongs to the loop thread.
+    llm : a ``spec_engine.LLM``; its engine, tokenizer and KV allocator are used. The engine belongs to the loop
+        thread: ``llm.generate`` raises ``RuntimeError`` until ``close``.
     """
 
     def __init__(self, llm):
+        if getattr(llm, "served_by", None) is not None:
+            raise RuntimeError("this LLM is already served by an AsyncEngine: close that one first")
         self.llm = llm
         self.engine = llm.engine
+        llm.served_by = self  # (LLM.generate refuses while it is: two threads would step one engine)
         self._cond = threading.Condition()
         self._commands: list[Callable[[], None]] = []
         self._sinks: dict[str, _Sink] = {}  # loop thread only
@@ -276,6 +279,8 @@ class AsyncEngine:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout)
+        if not self._thread.is_alive() and self.llm.served_by is self:
+            self.llm.served_by = None
 
     # --- the loop thread ---------------------------------------------------------------------------------------
 

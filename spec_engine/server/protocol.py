@@ -164,6 +164,16 @@ class _SamplingRequest(BaseModel):
             distinct["disable_any_whitespace"] = True
         return distinct
 
+    def guide_field(self, name: str | None) -> str | None:
+        """The request's field that asked for the guide ``name`` (a ``SamplingParams`` field: an error about it is
+        the client's ``response_format`` or ``structured_outputs`` where that is what it sent); any other name as
+        it is."""
+        if name not in _STRUCTURED_GUIDES.values() or getattr(self, name, None) is not None:
+            return name
+        if name == "guided_json" and self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return "structured_outputs" if self.structured_outputs else name
+
     def unsupported_field(self) -> str | None:
         """The first field set to a value this server does not implement (OpenAI's, or vLLM's extensions)."""
         for name, unused in _UNSUPPORTED.items():
@@ -311,6 +321,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if choice != "none" and not self.tools:
             raise ValueError("tool_choice needs tools")
         return choice if isinstance(choice, str) else choice.model_dump()
+
+    def guide_field(self, name: str | None) -> str | None:
+        if name == "guided_json" and self.tools and self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"  # (the one guide beside it: guides_asked)
+        return super().guide_field(name)
 
     def guides_asked(self) -> dict[str, Any]:
         guides = super().guides_asked()
