@@ -14,7 +14,7 @@ from spec_engine.adaptive import RowState
 from spec_engine.drafters.base import RowView
 from spec_engine.kv_cache import SCRATCH_BLOCK
 from spec_engine.sampling import SamplingParams
-from spec_engine.structured import GrammarState
+from spec_engine.structured import MAX_FORCED_DRAFT, GrammarState
 
 
 @dataclass
@@ -162,8 +162,11 @@ class Request:
     def view(self) -> RowView:
         tokens = self.history[: self.num_tokens]
         tokens.flags.writeable = False  # a view: the drafter reads, the engine writes
+        forced = ()
+        if self.grammar is not None and not self.prefilling:
+            forced = self.grammar.forced(tokens[len(self.prompt_token_ids) :], MAX_FORCED_DRAFT)
         return RowView(tokens, self.num_computed, self.draft_len, self.params.greedy, self.key,
-                       len(self.prompt_token_ids), self.score_trust.value, self.params.coupled)  # fmt: skip
+                       len(self.prompt_token_ids), self.score_trust.value, self.params.coupled, forced)  # fmt: skip
 
     @property
     def prefilling(self) -> bool:

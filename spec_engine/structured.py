@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+MAX_FORCED_DRAFT = 16  # forced tokens a row's view carries (a draft takes as many as its depth allows)
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept (a fresh matcher each, copied per request)
 INSTALL_HINT = "structured outputs need llguidance: pip install 'specdec[structured]'"
 
@@ -133,6 +134,25 @@ class GrammarState:
         self.matcher, self._eos = matcher, eos_tokens
         self.num_consumed = 0  # output tokens the matcher has consumed
 
+    def _caught_up(self, output):
+        """The matcher, after ``output`` (the request's committed output tokens, the root last)."""
+        m = self.matcher
+        if len(output) > self.num_consumed:
+            if not m.consume_tokens(np.asarray(output[self.num_consumed :]).tolist()):
+                raise ValueError(f"the output left its grammar: {m.get_error()}")
+            self.num_consumed = len(output)
+        return m
+
+    def forced(self, output, most: int) -> tuple[int, ...]:
+        """The tokens the grammar forces after ``output`` (llguidance's fast-forward tokens: the only way on, a key
+        of a schema's object, say), at most ``most``: a draft the masked target accepts but where another
+        tokenization of the same text is allowed too. Empty where the grammar failed (the step's masks say why)."""
+        try:
+            m = self._caught_up(output)
+        except ValueError:
+            return ()
+        return tuple(m.compute_ff_tokens()[:most]) if not m.is_error() else ()
+
     def masks(self, output, paths: list[list[int]], stops: list[int], vocab_size: int):
         """Per node that verification can reach (its context, ``output`` then its drafted ``paths[t]``, has every
         drafted token allowed at its parent and no stop token before its own): the tokens it may emit, as
@@ -140,11 +160,7 @@ class GrammarState:
         row's stop tokens in the vocabulary) are allowed where the context is a whole sentence, and nowhere else.
         ValueError where a reachable node could emit nothing (the grammar needs a token that is one of the request's
         stop tokens) or llguidance fails."""
-        m = self.matcher
-        if len(output) > self.num_consumed:
-            if not m.consume_tokens(np.asarray(output[self.num_consumed :]).tolist()):
-                raise ValueError(f"the output left its grammar: {m.get_error()}")
-            self.num_consumed = len(output)
+        m = self._caught_up(output)
         rows: dict[tuple[int, ...], np.ndarray | None] = {}  # a path -> its node's row (None: unreachable)
         stop_set = set(stops)
         for path in sorted({tuple(p) for p in paths}, key=len):  # parents before children; padding is the root

@@ -273,6 +273,37 @@ def test_nodes_verification_never_reaches_are_left_alone(pair):
     assert outs[0].token_ids == outs[1].token_ids and outs[1].token_ids[0] == z and outs[1].finish_reason == "stop"
 
 
+def test_the_tokens_a_grammar_forces_are_drafted(pair):
+    """Where the grammar allows one way on (a fixed run of text), the row's view carries its tokens and suffix
+    speculation drafts them as a sure chain: most are accepted (the target may still pick another tokenization of
+    the same text), and the tokens are plain decoding's."""
+    target, _, tok = pair
+    guide = dict(guided_regex="zebra yak xylophone walrus [a-z]{2,5}\\.")  # (none of it in the prompt)
+    outs, stats = [], []
+    for spec in (None, {"method": "suffix", "num_speculative_tokens": 8}):
+        llm = LLM(str(target), speculative_config=spec, max_model_len=128, dtype="float32")
+        outs.append(llm.generate(PROMPT, SamplingParams(max_tokens=32, **guide), use_tqdm=False)[0].outputs[0])
+        stats.append(llm.engine.stats)
+    assert outs[0].token_ids == outs[1].token_ids and outs[1].text.startswith("zebra yak xylophone walrus ")
+    assert stats[1]["num_accepted"] >= 4 and stats[1]["num_steps"] < stats[0]["num_steps"], stats
+
+
+def test_forced_tokens_follow_the_output(pair):
+    from spec_engine.structured import Grammars
+
+    _, _, tok = pair
+    eos = tok.token_to_id(END)
+    params = SamplingParams(guided_regex="ab(cd|ce)fgh")
+    state = Grammars(tok, VOCAB, [eos]).state(params)
+    ids = tok.encode("abcdfgh").ids
+    for k in range(len(ids) + 1):
+        ref = fresh_matcher(tok, {"guided_regex": "ab(cd|ce)fgh"})
+        assert ref.consume_tokens(ids[:k])
+        assert state.forced(ids[:k], 16) == tuple(ref.compute_ff_tokens()[:16])
+    fresh = Grammars(tok, VOCAB, [eos]).state(params)
+    assert len(fresh.forced([], 16)) >= 1 and fresh.forced([], 1) == fresh.forced([], 16)[:1]
+
+
 def test_gbnf_grammars_are_read(pair):
     target, _, _ = pair
     llm = LLM(str(target), max_model_len=128, dtype="float32")

@@ -31,7 +31,8 @@ class RowView:
     entries are keyed by it. ``score_trust``: how far this request's suffix speculations kept what their scores
     promised (accepted / expected, ``spec_engine.request.ScoreTrust``): a drafter that plans by scores scales them by
     it. ``coupled``: sampled through the position-keyed coupling (``SamplingParams.coupled``): its draws are the
-    coupling noise's, never free ones.
+    coupling noise's, never free ones. ``forced``: where the request's grammar (``SamplingParams.guided_json`` ...)
+    allows one way on, its tokens (``GrammarState.forced``): suffix speculation drafts them.
     """
 
     token_ids: np.ndarray
@@ -42,6 +43,7 @@ class RowView:
     num_prompt_tokens: int = 0
     score_trust: float = 1.0
     coupled: bool = False
+    forced: tuple[int, ...] = ()  # the tokens its structured-output grammar forces after the root (a sure draft)
 
 
 @dataclass

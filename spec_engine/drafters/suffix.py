@@ -9,6 +9,9 @@ tree grown by estimated probability: a few microseconds per row, no forward pass
 The trees are this drafter's own cache, as a draft model's KV cache is its: it reads each row's history from the
 engine's read-only ``RowView`` (indexing the tokens it has not seen) and forgets a request's own tree when the
 engine retires it (``finish_request``); the request's output stays in the global tree until evicted.
+
+A structured-output request whose grammar allows one way on (``RowView.forced``: a schema's next key, say) is
+drafted those tokens instead, a sure chain: nothing a suffix tree could know (the schema is not in the text).
 """
 
 from __future__ import annotations
@@ -104,6 +107,9 @@ class SuffixDrafter(Drafter):
         self.cache.update(row.key, row.token_ids, row.num_prompt_tokens)
         if budget <= 0:
             return SuffixDraft()
+        if row.forced:  # the row's grammar allows one way on: a sure chain (another tokenization may be chosen)
+            n = min(len(row.forced), budget)
+            return SuffixDraft(list(row.forced[:n]), list(range(-1, n - 1)), [1.0] * n, float(n))
         tree = self.use_tree if tree is None else tree
         return self.cache.speculate(row.key, row.token_ids, budget, self.max_spec_factor, self.min_token_prob, tree)
 
