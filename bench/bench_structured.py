@@ -4,6 +4,7 @@ without the guide as a control (what the guide itself costs: a guided request de
 call, with a grammar mask per node).
 
     python bench/bench_structured.py [--model smollm2] [--method hybrid|suffix|...] [--repeats 5] [--max-tokens 128]
+        [--compact]
 
 Per request: tokens, each engine's median tok/s, the speedup, alpha, tau, whether the tokens equal plain decoding's
 and whether the answer parses as JSON; then the medians. Exits 1 when some request's tokens differ.
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5, help="alternating rounds per request")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--compact", action="store_true", help="disable_any_whitespace: compact JSON, keys forced whole")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "bench_structured.json"))
     add_model_args(ap)
     ap.set_defaults(model="smollm2")
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for text, schema in REQUESTS:
         prompt = {"prompt_token_ids": llm.render_chat([{"role": "user", "content": text}])[1]}
-        guided = SamplingParams(max_tokens=args.max_tokens, guided_json=schema)
+        guided = SamplingParams(max_tokens=args.max_tokens, guided_json=schema, disable_any_whitespace=args.compact)
         out = llm.generate([prompt], guided, use_tqdm=False)[0]
         ref = base.generate([prompt], guided, use_tqdm=False)[0]
         spec_tps, base_tps = _alternating_tps(llm, base, prompt, guided, args.repeats)

@@ -481,7 +481,8 @@ class Engine:
         drafter) tells its request's score trust what the speculation kept: its raw score (the plan's expected
         tokens, which the drafter scaled by the trust) against the drafts accepted (such steps are regular: one)."""
         for b, req in enumerate(reqs):
-            if plan.suffix_rows is not None and plan.suffix_rows[b] and plan.expected[b] > 0:
+            sure = plan.sure is not None and plan.sure[b]  # (a grammar's forced chain: no suffix match)
+            if plan.suffix_rows is not None and plan.suffix_rows[b] and plan.expected[b] > 0 and not sure:
                 req.score_trust.observe(plan.expected[b] / req.score_trust.value, result.counts[0][b] - 1)
 
     def _plan(self, reqs: list[Request], gammas: list[int]) -> DraftPlan:

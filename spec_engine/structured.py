@@ -139,7 +139,7 @@ class GrammarState:
         m = self.matcher
         if len(output) > self.num_consumed:
             if not m.consume_tokens(np.asarray(output[self.num_consumed :]).tolist()):
-                raise ValueError(f"the output left its grammar: {m.get_error()}")
+                raise ValueError(f"the output left its grammar: {_first_line(m.get_error())}")
             self.num_consumed = len(output)
         return m
 
@@ -169,10 +169,10 @@ class GrammarState:
                 rows[path] = None
                 continue
             if m.try_consume_tokens(list(path)) != len(path) or m.is_error():
-                raise ValueError(f"llguidance refused a token its mask allowed: {m.get_error()}")
+                raise ValueError(f"llguidance refused a token its mask allowed: {_first_line(m.get_error())}")
             allowed = _allowed(m, vocab_size, self._eos, stops)
             if m.is_error():
-                raise ValueError(f"the grammar failed: {m.get_error()}")
+                raise ValueError(f"the grammar failed: {_first_line(m.get_error())}")
             if path:
                 m.rollback(len(path))
             if not allowed.any():

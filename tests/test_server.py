@@ -808,6 +808,12 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         400,
         "structured_outputs",
     ),  # fmt: skip
+    "response_format_with_ignore_eos": (
+        "/v1/completions",
+        _json({"prompt": "x", "ignore_eos": True, "response_format": {"type": "json_object"}}),
+        400,
+        "response_format",
+    ),  # fmt: skip
     "two_guides": (
         "/v1/completions",
         _json({"prompt": "x", "guided_regex": "a+", "response_format": {"type": "json_object"}}),
@@ -865,6 +871,7 @@ def test_bad_request_gets_4xx_and_the_server_keeps_serving(case, plain):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
+    assert param in (None, "guided_json") or "guided_json" not in err["message"], err  # (the client's own field)
     assert complete(plain, "still there?", 3)  # the next good request works
     assert wait_idle(plain)["kv_blocks_used"] == 0
 
@@ -1093,6 +1100,16 @@ def test_incremental_text_never_splits_a_character(spec, model_dirs):
     pieces = [engine._new_text(sink, ids[:k], finished=k == len(ids)) for k in range(1, len(ids) + 1)]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_a_template_that_does_not_compile_leaves_the_llm_unserved(tmp_path, model_dirs):
+    root, _ = model_dirs
+    shutil.copytree(root / "plain", tmp_path / "broken")
+    (tmp_path / "broken" / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
+    llm = LLM(tmp_path / "broken")
+    with pytest.raises(ValueError, match="chat template"):
+        create_app(llm, "broken")
+    assert llm.served_by is None and llm.generate("the fox", SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 def test_a_served_llm_refuses_direct_calls(model_dirs):

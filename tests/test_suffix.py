@@ -210,6 +210,22 @@ def test_the_suffix_plan_scales_scores_by_the_requests_trust():
     assert plan.gammas == [8, 0] and plan.expected[0] >= 1.0 and plan.expected[1] == 0.0
 
 
+def test_a_grammars_forced_chain_is_sure():
+    """A row whose grammar forces tokens (RowView.forced) drafts them whatever its trust (a forced chain is no
+    match, so no trust scales it), and the plan marks it sure, so its acceptance teaches the trust nothing; the
+    hybrid compares it, unscaled, with the model drafter's gain."""
+    target, _ = default_model_paths()
+    drafter = LLM(target, speculative_config={"method": "suffix"}, max_model_len=256).engine.drafter
+    ids = np.array([5, 6, 7, 8] * 6 + [5], dtype=np.int64)
+    forced, matched = (RowView(ids, len(ids) - 1, 0, True, key=k, score_trust=0.01, forced=f)
+                       for k, f in ((1, (9,)), (2, ())))  # fmt: skip
+    plan = drafter.plan([forced, matched], [8, 8])
+    assert plan.gammas == [8, 0] and plan.expected[0] == 1.0 and plan.sure == [True, False]
+    hybrid = LLM(target, speculative_config={"method": "hybrid"}, max_model_len=256).engine.drafter
+    plan = hybrid.plan([forced, forced], [3, 3], gains=[0.5, 1.5])
+    assert plan.suffix_rows == [True, False] and plan.sure == [True, False]
+
+
 def test_suffix_rows_teach_their_requests_trust():
     """In the engine, every suffix-drafted step tells the request's trust what its speculation kept (parity holds)."""
     target, _ = default_model_paths()

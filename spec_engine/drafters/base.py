@@ -112,6 +112,7 @@ class DraftPlan:
     suffix_rows: list[bool] | None = None
     nodes: list[int] | None = None
     expected: list[float] | None = None
+    sure: list[bool] | None = None  # rows drafted a grammar's forced chain: their acceptance teaches no score trust
 
     def without(self, rows: set[int]) -> DraftPlan:
         """The plan with ``rows`` not drafted."""
@@ -120,7 +121,13 @@ class DraftPlan:
         def cut(values, off):
             return None if values is None else [v if k else off for v, k in zip(values, keep)]
 
-        return DraftPlan(cut(self.gammas, 0), cut(self.suffix_rows, False), cut(self.nodes, 1), cut(self.expected, 0.0))
+        return DraftPlan(
+            cut(self.gammas, 0),
+            cut(self.suffix_rows, False),
+            cut(self.nodes, 1),
+            cut(self.expected, 0.0),
+            cut(self.sure, False),
+        )
 
 
 @dataclass

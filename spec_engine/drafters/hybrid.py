@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from spec_engine.drafters.base import Draft, Drafter, DraftPlan, RowView, StepBatch
-from spec_engine.drafters.suffix import SuffixDrafter, draft_tensors
+from spec_engine.drafters.suffix import SuffixDrafter, draft_tensors, trusted_score
 from spec_engine.drafters.suffix_ref import SuffixDraft
 from spec_kernels import PAD_NODE, VerifyResult
 from spec_kernels.decoder_layers import NativeHead, NativeModel
@@ -79,13 +79,13 @@ class HybridDrafter(Drafter):
         if gains is None:
             gains = [sum(FIXED_ALPHA**d for d in range(1, g + 1)) for g in gammas]
         drafts = [self._speculate(r) for r in rows]
-        scores = [d.score * r.score_trust for d, r in zip(drafts, rows)]  # (what such scores kept on this request)
-        suffix_rows = [s >= self.suffix.min_score and s > gain for s, gain in zip(scores, gains)]
+        scores = [trusted_score(d, r) for d, r in zip(drafts, rows)]
+        suffix_rows = [(s >= self.suffix.min_score or d.sure) and s > gain for s, d, gain in zip(scores, drafts, gains)]
         out = [self.suffix.max_depth if s else g for s, g in zip(suffix_rows, gammas)]
         nodes = [len(d.tokens) + 1 if s else self.model.nodes_for_depth(g) if g else 1
                  for d, s, g in zip(drafts, suffix_rows, gammas)]  # fmt: skip
         expected = [x if s else gain if g else 0.0 for x, s, g, gain in zip(scores, suffix_rows, gammas, gains)]
-        return DraftPlan(out, suffix_rows, nodes, expected)
+        return DraftPlan(out, suffix_rows, nodes, expected, [d.sure and s for d, s in zip(drafts, suffix_rows)])
 
     def propose(self, batch: StepBatch) -> Draft:
         flags = batch.suffix_rows or [False] * batch.size

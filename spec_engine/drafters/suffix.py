@@ -109,7 +109,7 @@ class SuffixDrafter(Drafter):
             return SuffixDraft()
         if row.forced:  # the row's grammar allows one way on: a sure chain (another tokenization may be chosen)
             n = min(len(row.forced), budget)
-            return SuffixDraft(list(row.forced[:n]), list(range(-1, n - 1)), [1.0] * n, float(n))
+            return SuffixDraft(list(row.forced[:n]), list(range(-1, n - 1)), [1.0] * n, float(n), sure=True)
         tree = self.use_tree if tree is None else tree
         return self.cache.speculate(row.key, row.token_ids, budget, self.max_spec_factor, self.min_token_prob, tree)
 
@@ -119,11 +119,12 @@ class SuffixDrafter(Drafter):
         drafted row is a suffix row: what it keeps is its request's score trust, not the adaptive controller's
         acceptance of chains."""
         drafts = [self.speculate(r, g) for r, g in zip(rows, gammas)]
-        scores = [d.score * r.score_trust for d, r in zip(drafts, rows)]  # (what such scores kept on this request)
-        kept = [s >= max(self.min_score, 1e-9) for s in scores]
+        scores = [trusted_score(d, r) for d, r in zip(drafts, rows)]
+        kept = [s >= max(self.min_score, 1e-9) or d.sure and s > 0 for s, d in zip(scores, drafts)]
         return DraftPlan([g if k else 0 for g, k in zip(gammas, kept)], suffix_rows=kept,
                          nodes=[len(d.tokens) + 1 if k else 1 for d, k in zip(drafts, kept)],
-                         expected=[s if k else 0.0 for s, k in zip(scores, kept)])  # fmt: skip
+                         expected=[s if k else 0.0 for s, k in zip(scores, kept)],
+                         sure=[d.sure and k for d, k in zip(drafts, kept)])  # fmt: skip
 
     def propose(self, batch: StepBatch) -> Draft:
         drafts = [self.speculate(r, g) for r, g in zip(batch.rows, batch.gammas)]
@@ -133,6 +134,12 @@ class SuffixDrafter(Drafter):
 
     def finish_request(self, key: int) -> None:
         self.cache.finish(key)
+
+
+def trusted_score(draft: SuffixDraft, row: RowView) -> float:
+    """A speculation's expected accepted tokens on this request: its score times what such scores kept here
+    (``RowView.score_trust``); a grammar's forced chain its length, sure."""
+    return draft.score if draft.sure else draft.score * row.score_trust
 
 
 def draft_tensors(drafts: list[SuffixDraft], device, width: int | None = None) -> list[torch.Tensor]:

@@ -46,6 +46,7 @@ class SuffixDraft:
     probs: list[float] = field(default_factory=list)
     score: float = 0.0  # sum of probs: expected accepted drafted tokens
     match_len: int = 0
+    sure: bool = False  # tokens a grammar forces (RowView.forced), not a match: its score needs no trust
 
 
 class _Node:

@@ -83,10 +83,10 @@ def create_app(
     ``app.state.engine`` is the ``AsyncEngine``; ``app.state.registry`` the app's own Prometheus registry. Run it
     with ``uvicorn_config`` (the guarded HTTP layer), e.g. ``uvicorn.Server(uvicorn_config(app, port=0)).run()``.
     """
-    engine = AsyncEngine(llm)
     if llm.engine.grammars is not None:  # structured outputs' view of the tokenizer, built before any request waits
         llm.engine.grammars.warm()
-    chat_template = llm.get_chat_template()
+    chat_template = llm.get_chat_template()  # (before the engine's thread starts: a bad template leaves no thread)
+    engine = AsyncEngine(llm)
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine, max_pending))
     http_requests = Counter("specdec_http_requests", "API requests by endpoint and HTTP status", ["endpoint", "status"],
@@ -204,12 +204,13 @@ def create_app(
             )
             for name in ("bad_words", "guided_choice", "guided_json", "guided_regex", "guided_grammar"):
                 if getattr(params, name) and llm.tokenizer is None:
-                    raise APIError(400, f"{name} need a tokenizer; this model has none", param=name)
+                    raise ValueError(f"{name} needs a tokenizer; this model has none")
             return with_token_ids(params, llm.encode_words)
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
-            field = req.guide_field(field)  # (the field the client named a guide by)
-            raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
+            named = req.guide_field(field)  # (the field the client named a guide by, in the message too)
+            message = str(e) if named == field else f"{named}: {str(e).replace(field, 'its guide', 1)}"
+            raise APIError(400, message, param=named if named in type(req).model_fields else None) from None
 
     @functools.lru_cache(maxsize=1 << 16)
     def token_text(token_id: int) -> tuple[str, bytes]:
@@ -249,7 +250,10 @@ def create_app(
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), "internal_error") from None
             if isinstance(e, ValueError):  # (RequestError names the field; a guide by the client's name of it)
-                raise APIError(400, str(e), param=req.guide_field(getattr(e, "param", None))) from None
+                param = getattr(e, "param", None)
+                named = req.guide_field(param)
+                message = str(e) if named == param else f"{named}: {str(e).replace(param, 'its guide', 1)}"
+                raise APIError(400, message, param=named) from None
             raise
         finally:
             admitting[0] -= promised
@@ -333,18 +337,12 @@ def create_app(
             ids = await encode(prompt, add_special_tokens=not chat_template.from_model)
             ids = truncate_prompt(ids, req.truncate_prompt_tokens)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            try:
-                params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
-                if tool_choice != "none" and llm.engine.grammars is not None:  # the tools' schema, said as theirs
+            params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
+            if tool_choice != "none" and llm.engine.grammars is not None:  # the tools' schema, said as theirs
+                try:
                     await asyncio.to_thread(llm.engine.grammars.check, params)
-            except APIError as e:  # (the guide tool_choice built is guided_json to SamplingParams)
-                if tool_choice == "none" or e.param != "guided_json":
-                    raise
-                raise APIError(
-                    400, e.message.replace("guided_json", "tool_choice (its guide)"), param="tool_choice"
-                ) from None
-            except ValueError as e:
-                raise APIError(400, str(e).replace("guided_json", "the tools' schema"), param="tools") from None
+                except ValueError as e:
+                    raise APIError(400, str(e).replace("guided_json", "the tools' schema"), param="tools") from None
             if req.prompt_logprobs is not None and req.stream:
                 raise APIError(400, "prompt_logprobs is not supported with stream in the chat API (the completions "
                                "API streams them)", param="prompt_logprobs")  # fmt: skip
