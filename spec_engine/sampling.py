@@ -70,9 +70,10 @@ class SamplingParams:
     ``presence_penalty``, ``frequency_penalty`` (in [-2, 2], 0: off; the output's tokens) and ``repetition_penalty``
     (> 0, 1: off; the prompt's and the output's): vLLM's penalties; ``logit_bias`` {token id: bias in [-100, 100]}
     (OpenAI's, at most ``MAX_LOGIT_BIAS`` entries); ``min_tokens``: the stop tokens held back until that many output
-    tokens (vLLM's); ``allowed_token_ids``: the only tokens it may emit (vLLM's). All on the logits before
-    temperature (``spec_engine.logits_processors``); such a request decodes one Python-driven step per call, as
-    ``logprobs`` does. ``include_stop_str_in_output``: the text ends after the stop string found, not before it.
+    tokens, and no stop string read before (one that ends at an earlier token counts for nothing; vLLM's);
+    ``allowed_token_ids``: the only tokens it may emit (vLLM's). All on the logits before temperature
+    (``spec_engine.logits_processors``); such a request decodes one Python-driven step per call, as ``logprobs``
+    does. ``include_stop_str_in_output``: the text ends after the stop string found, not before it.
 
     ``bad_words``: strings the output must not contain (vLLM's): each one's tokens, with and without a leading space,
     as ``bad_words_token_ids`` (``LLM.generate`` and the server fill that in with the tokenizer; the engine takes
@@ -241,8 +242,6 @@ class SamplingParams:
         _num("min_tokens", self.min_tokens, int)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
-        if self.min_tokens and self.stop:  # (vLLM skips stop strings before the minimum; the engine reads them once)
-            raise ValueError("min_tokens with stop strings is not supported: use stop_token_ids, or no min_tokens")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.invariant is not None and not isinstance(self.invariant, bool):
@@ -386,6 +385,17 @@ def stop_string_end(params: SamplingParams, output: list[int], toks: list[int], 
     stop, skip = params.stop, params.skip_special_tokens
     if not stop or not toks:
         return None
+    if params.min_tokens > 1:  # (a string completed before the minimum counts for nothing, then or later)
+        whole = list(output) + list(toks)
+        start = stop_search_start(params, whole, detokenize)
+
+        def counts(n: int) -> bool:
+            text = detokenize(whole[: len(output) + n], skip)
+            return len(output) + n >= params.min_tokens and any(
+                text.find(s, max(0, start - len(s) + 1)) >= 0 for s in stop
+            )
+
+        return next((n for n in range(1, len(toks) + 1) if counts(n)), None)
     longest = max(map(len, stop))
     window = longest + 4
     while window < len(output) and len(detokenize(output[-window:], skip)) <= longest:
@@ -401,14 +411,22 @@ def stop_string_end(params: SamplingParams, output: list[int], toks: list[int], 
     return next(n for n in range(1, len(toks) + 1) if found(n))
 
 
-def visible_text(text: str, stop: list[str] | None, finished: bool, include_stop: bool = False) -> str:
-    """The part of a request's decoded output ``text`` its client sees: cut before the first stop string (which the
-    output leaves out, as OpenAI's does; after it with ``include_stop``, vLLM's ``include_stop_str_in_output``);
-    while the request runs, short of a tail that may be the start of one (a stream never sends text that a later
-    token turns into a stop string)."""
+def stop_search_start(params: SamplingParams, output: list[int], detokenize) -> int:
+    """Where a stop string may end in the text of ``output`` (a request's output tokens) at the earliest: past the
+    text of its first ``min_tokens`` - 1 tokens (vLLM reads no stop string before the minimum); 0 without one."""
+    if not params.stop or params.min_tokens <= 1:
+        return 0
+    return len(detokenize(list(output[: params.min_tokens - 1]), params.skip_special_tokens))
+
+
+def visible_text(text: str, stop: list[str] | None, finished: bool, include_stop: bool = False, start: int = 0) -> str:
+    """The part of a request's decoded output ``text`` its client sees: cut before the first stop string that ends
+    past ``start`` (``stop_search_start``; which the output leaves out, as OpenAI's does; after it with
+    ``include_stop``, vLLM's ``include_stop_str_in_output``); while the request runs, short of a tail that may be the
+    start of one (a stream never sends text that a later token turns into a stop string)."""
     if not stop:
         return text
-    found = [(i, -len(s)) for i, s in ((text.find(s), s) for s in stop) if i >= 0]
+    found = [(i, -len(s)) for i, s in ((text.find(s, max(0, start - len(s) + 1)), s) for s in stop) if i >= 0]
     if found:
         start, minus_len = min(found)  # the first to start (the longest of those that start there)
         return text[: start - minus_len if include_stop else start]

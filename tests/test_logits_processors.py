@@ -303,7 +303,6 @@ def test_bad_penalties_are_refused(bad):
         dict(allowed_token_ids=[-1]),
         dict(allowed_token_ids=(1,)),
         dict(stop_token_ids=[-22]),  # (a negative id would index from the end of the vocabulary)
-        dict(min_tokens=2, stop=["x"]),  # (vLLM skips stop strings before the minimum; not supported)
     ],  # fmt: skip
 )
 def test_bad_bias_and_min_tokens_are_refused(bad):

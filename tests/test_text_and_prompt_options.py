@@ -129,3 +129,38 @@ def test_strings_need_a_tokenizer(tmp_path):
 def test_bad_values_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "hybrid", "model": DRAFT}, {"method": "ngram"}])
+def test_stop_strings_count_from_min_tokens(spec):
+    """A stop string that ends at a token before ``min_tokens`` counts for nothing, then or later (vLLM's); the
+    first that ends at the minimum or past it ends the request there, its text cut before it: a by-hand reference
+    on plain decoding's tokens, the same with speculation, through the server's streamed text too."""
+    import asyncio
+
+    from spec_engine.server.async_engine import AsyncEngine
+
+    llm = LLM(TARGET, speculative_config=spec, max_model_len=512)
+    free = llm.generate(PROMPT, SamplingParams(max_tokens=48, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    ids, text = free.token_ids, free.text
+    stop = next(c for c in "(:,= ." if text.count(c) >= 2)
+    first = next(k for k in range(1, len(ids) + 1) if stop in llm.decode(ids[:k]))  # the token completing it
+    minimum = first + 2
+    start = len(llm.decode(ids[: minimum - 1]))
+    end = next(k for k in range(minimum, len(ids) + 1) if llm.decode(ids[:k]).find(stop, start) >= 0)
+    want_text = llm.decode(ids[:end])
+    want_text = want_text[: want_text.find(stop, start)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True, min_tokens=minimum, stop=[stop])
+    got = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == ids[:end] and got.text == want_text and got.finish_reason == "stop"
+    assert stop in got.text  # (the early one stays in the text)
+
+    async def streamed() -> str:
+        served = AsyncEngine(llm)
+        try:
+            pieces = [d.text async for d in await served.add_request(PROMPT, params)]
+        finally:
+            served.close()
+        return "".join(pieces)
+
+    assert asyncio.run(streamed()) == want_text

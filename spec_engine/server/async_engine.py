@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from spec_engine.engine import RequestError
 from spec_engine.request import Request, StepOutput
-from spec_engine.sampling import SamplingParams, truncate_prompt, visible_text, with_token_ids
+from spec_engine.sampling import SamplingParams, stop_search_start, truncate_prompt, visible_text, with_token_ids
 
 log = logging.getLogger("spec_engine.server")
 
@@ -358,7 +358,8 @@ class AsyncEngine:
         if not finished:
             text = text.rstrip(REPLACEMENT_CHAR)
         if params is not None:
-            text = visible_text(text, params.stop, finished, params.include_stop_str_in_output)
+            start = stop_search_start(params, output_ids, self.llm.decode)  # (past min_tokens' share)
+            text = visible_text(text, params.stop, finished, params.include_stop_str_in_output, start)
         if not text.startswith(sink.sent_text):  # a decoder that rewrites earlier text (a byte-level one never does)
             return ""
         new = text[len(sink.sent_text) :]
