@@ -52,13 +52,36 @@ class ChatTemplate:
         ``ValueError``."""
         import jinja2
 
-        messages = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in messages]
+        messages = _parsed_tool_calls(
+            [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in messages]
+        )
         try:
             return self._template.render(
                 **{**self.special, **kwargs}, messages=messages, add_generation_prompt=add_generation_prompt
             )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
+
+
+def _parsed_tool_calls(messages: list[dict]) -> list[dict]:
+    """``messages`` with an assistant's earlier ``tool_calls`` carrying their ``arguments`` as the dict chat
+    templates write out with ``tojson`` (OpenAI sends JSON text: parsed, "" as {}, kept as text where it is not
+    JSON), as transformers' callers (vLLM) hand them over."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+                    except (ValueError, RecursionError):  # (RecursionError: nesting past Python's stack)
+                        pass
+                calls.append({**call, "function": fn})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
 
 
 def _model_template(model: Path) -> tuple[str | None, dict[str, str]]:

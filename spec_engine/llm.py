@@ -301,6 +301,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, as vLLM's ``LLM.chat``.
 
@@ -312,6 +313,8 @@ class LLM:
             models without one get ``DEFAULT_CHAT_TEMPLATE``).
         add_generation_prompt : end the prompt with the assistant's header, for the model to continue from.
         chat_template_kwargs : more variables for the template.
+        tools : OpenAI's tool definitions, the template's ``tools`` variable (a call's arguments are the caller's to
+            guide: ``SamplingParams.guided_json`` with the function's parameters).
 
         Returns one ``RequestOutput`` per conversation, in order; ``prompt`` holds the rendered text.
         """
@@ -319,6 +322,8 @@ class LLM:
         for conv in conversations:
             if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
                 raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of them")
+        if tools is not None:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                       chat_template_kwargs=chat_template_kwargs)  # fmt: skip
         rendered = [self.render_chat(conv, **kwargs) for conv in conversations]

@@ -89,3 +89,15 @@ def test_server_chat_uses_the_gguf_template(models):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert json.loads(r.text)["usage"]["prompt_tokens"] == len(_expected(models, MESSAGES)[1])
+
+
+def test_chat_hands_tools_and_earlier_calls_to_the_template(llm):
+    """LLM.chat's ``tools`` (vLLM's) are the template's ``tools``; an earlier call's arguments reach it parsed."""
+    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}<{{ m.role }}>"
+                "{{ m.content }}{% for c in m.tool_calls or [] %}({{ c.function.arguments.a }}){% endfor %}"
+                "{% endfor %}")  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "add"}}, {"type": "function", "function": {"name": "mul"}}]
+    messages = [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}]  # fmt: skip
+    out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=tools)
+    assert out[0].prompt == "[add][mul]<user>2 + 3?<assistant>(2)"

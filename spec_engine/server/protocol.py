@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from spec_engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (the server's names)
 from spec_engine.sampling import MAX_LOGPROBS
-from spec_engine.server.tools import template_messages, tool_schema
+from spec_engine.server.tools import tool_schema
 
 MAX_TOOLS = 128  # tools a chat request may define (OpenAI's bound)
 
@@ -306,8 +306,8 @@ class ChatCompletionRequest(_SamplingRequest):
         return v
 
     def template_inputs(self) -> tuple[list[dict], list[dict] | None]:
-        """The chat template's ``messages`` (earlier tool calls' arguments parsed) and ``tools``."""
-        messages = template_messages([m.model_dump(exclude_none=True) for m in self.messages])
+        """The chat template's ``messages`` (``ChatTemplate.render`` parses earlier calls' arguments) and ``tools``."""
+        messages = [m.model_dump(exclude_none=True) for m in self.messages]
         return messages, [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def tool_choice_asked(self) -> str | dict:

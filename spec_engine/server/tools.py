@@ -51,24 +51,3 @@ def tool_calls(choice, text: str) -> list[dict] | None:
         calls = [(choice["function"]["name"], text)]
     return [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
             for name, arguments in calls]  # fmt: skip
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Chat messages for the template: an assistant's earlier ``tool_calls`` with their ``arguments`` as the dict chat
-    templates write out with ``tojson`` (OpenAI sends JSON text: parsed, "" as {}, kept as text where it is not
-    JSON)."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"]:
-                fn = dict(call.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-                    except (ValueError, RecursionError):
-                        pass
-                calls.append({**call, "function": fn})
-            m = {**m, "tool_calls": calls}
-        out.append(m)
-    return out
