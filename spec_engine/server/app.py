@@ -382,7 +382,7 @@ def create_app(
                         delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls else (
                             {"content": held[i]})  # fmt: skip
                         finish = "tool_calls" if calls else finish
-                        lps = {"content": held_logprobs[i]} if lps is not None else None
+                        lps = {"content": held_logprobs[i]} if req.logprobs else None  # (a last delta may have none)
                     else:
                         delta = {"content": d.text} if d.text else {}
                     return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
