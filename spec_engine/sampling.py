@@ -29,6 +29,7 @@ MAX_BAD_WORDS = 100  # strings (or token sequences) a request may ban
 MAX_CHOICES = 64  # guided_choice's strings
 MAX_CHOICE_TOKENS = 256  # tokens in one choice
 MAX_BAD_WORD_TOKENS = 64  # tokens in one banned sequence
+GRAMMAR_GUIDES = ("guided_json", "guided_regex", "guided_grammar")  # the guides a grammar engine compiles
 MAX_GRAMMAR_CHARS = 64 * 1024  # guided_json's schema (as JSON), guided_regex, guided_grammar: compiling grows with it
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each emitted one (OpenAI's top_logprobs bound)
 
@@ -276,9 +277,7 @@ class SamplingParams:
             if value is not None and not (isinstance(value, str) and value.strip() and len(value) <= MAX_GRAMMAR_CHARS):
                 raise ValueError(f"{name} must be a non-blank string of at most {MAX_GRAMMAR_CHARS} characters")
         guides = ["guided_choice"] if self.guided_choice is not None or self.guided_choice_token_ids else []
-        guides += [
-            name for name in ("guided_json", "guided_regex", "guided_grammar") if getattr(self, name) is not None
-        ]
+        guides += [name for name in GRAMMAR_GUIDES if getattr(self, name) is not None]
         if len(guides) > 1:
             raise ValueError(f"{guides[0]} with {guides[1]}: give one guide")
         if guides:
@@ -297,11 +296,7 @@ class SamplingParams:
     def guided(self) -> tuple[str, object] | None:
         """The structured-output field set, as (name, value): ``guided_json``, ``guided_regex`` or ``guided_grammar``
         (``guided_choice`` is the engine's own, by token ids); None where there is none."""
-        for name in ("guided_json", "guided_regex", "guided_grammar"):
-            value = getattr(self, name)
-            if value is not None:
-                return name, value
-        return None
+        return next(((name, getattr(self, name)) for name in GRAMMAR_GUIDES if getattr(self, name) is not None), None)
 
     @property
     def greedy(self) -> bool:
@@ -391,9 +386,7 @@ def stop_string_end(params: SamplingParams, output: list[int], toks: list[int], 
 
         def counts(n: int) -> bool:
             text = detokenize(whole[: len(output) + n], skip)
-            return len(output) + n >= params.min_tokens and any(
-                text.find(s, max(0, start - len(s) + 1)) >= 0 for s in stop
-            )
+            return len(output) + n >= params.min_tokens and any(_find_stop(text, s, start) >= 0 for s in stop)
 
         return next((n for n in range(1, len(toks) + 1) if counts(n)), None)
     longest = max(map(len, stop))
@@ -419,6 +412,11 @@ def stop_search_start(params: SamplingParams, output: list[int], detokenize) -> 
     return len(detokenize(list(output[: params.min_tokens - 1]), params.skip_special_tokens))
 
 
+def _find_stop(text: str, stop: str, start: int) -> int:
+    """Where ``stop`` first starts in ``text`` among the places where it ends past ``start`` (-1: nowhere)."""
+    return text.find(stop, max(0, start - len(stop) + 1))
+
+
 def visible_text(text: str, stop: list[str] | None, finished: bool, include_stop: bool = False, start: int = 0) -> str:
     """The part of a request's decoded output ``text`` its client sees: cut before the first stop string that ends
     past ``start`` (``stop_search_start``; which the output leaves out, as OpenAI's does; after it with
@@ -426,7 +424,7 @@ def visible_text(text: str, stop: list[str] | None, finished: bool, include_stop
     start of one (a stream never sends text that a later token turns into a stop string)."""
     if not stop:
         return text
-    found = [(i, -len(s)) for i, s in ((text.find(s, max(0, start - len(s) + 1)), s) for s in stop) if i >= 0]
+    found = [(i, -len(s)) for i, s in ((_find_stop(text, s, start), s) for s in stop) if i >= 0]
     if found:
         start, minus_len = min(found)  # the first to start (the longest of those that start there)
         return text[: start - minus_len if include_stop else start]

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from spec_engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (the server's names)
-from spec_engine.sampling import MAX_LOGPROBS
+from spec_engine.sampling import GRAMMAR_GUIDES, MAX_LOGPROBS
 from spec_engine.server.tools import tool_schema
 
 MAX_TOOLS = 128  # tools a chat request may define (OpenAI's bound)
@@ -147,8 +147,8 @@ class _SamplingRequest(BaseModel):
         """The ``SamplingParams`` guide the request asks for ({} or one of ``guided_choice``, ``guided_json``,
         ``guided_regex``, ``guided_grammar``), from the field of that name, ``structured_outputs`` or
         ``response_format``; ValueError where they ask for different ones."""
-        asked = [(name, getattr(self, name)) for name in ("guided_choice", "guided_json", "guided_regex",
-                 "guided_grammar") if getattr(self, name) is not None]  # fmt: skip
+        asked = [(name, getattr(self, name)) for name in ("guided_choice", *GRAMMAR_GUIDES)
+                 if getattr(self, name) is not None]  # fmt: skip
         for key, value in (self.structured_outputs or {}).items():
             if key in _STRUCTURED_GUIDES and value is not None and value is not False:
                 asked.append((_STRUCTURED_GUIDES[key], ANY_JSON_OBJECT if key == "json_object" else value))
