@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -36,7 +35,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from spec_engine.sampling import SamplingParams, sequence_params, truncate_prompt, with_token_ids
+from spec_engine.sampling import GRAMMAR_GUIDES, SamplingParams, sequence_params, truncate_prompt, with_token_ids
 from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
 from spec_engine.server.http_guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_REQUEST_TIMEOUT, guarded_protocol
 from spec_engine.server.logprobs import (
@@ -47,28 +46,14 @@ from spec_engine.server.logprobs import (
 )
 from spec_engine.server.metrics import EngineCollector
 from spec_engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_param
-from spec_engine.server.tools import call_id, tool_calls
+from spec_engine.server.responses import APIError, collect_choices, sse_response, usage_body, wants_usage
+from spec_engine.server.tools import ChatAnswers
 
 log = logging.getLogger("spec_engine.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 MAX_JSON_DEPTH = 64  # an OpenAI body nests 4 deep (messages[i].content[j].text); 200,000 '[' hit RecursionError
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}  # metric labels
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's JSON body."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        headers = {"Retry-After": "1"} if self.status == 429 else {}
-        if self.status >= 500 or self.status in (408, 413):  # the connection's state is unknown, or a body unread
-            headers["Connection"] = "close"
-        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def create_app(
@@ -202,7 +187,7 @@ def create_app(
                 bad_words=req.bad_words or None,
                 **req.guides_asked(),
             )
-            for name in ("bad_words", "guided_choice", "guided_json", "guided_regex", "guided_grammar"):
+            for name in ("bad_words", "guided_choice", *GRAMMAR_GUIDES):
                 if getattr(params, name) and llm.tokenizer is None:
                     raise ValueError(f"{name} needs a tokenizer; this model has none")
             return with_token_ids(params, llm.encode_words)
@@ -315,9 +300,11 @@ def create_app(
                 return out
 
             if req.stream:
-                return _sse(streams, head, choice, None, _include_usage(req), count)
-            done = await _collect(request, streams)
-            return JSONResponse({**head, "choices": [choice(i, d) for i, d in enumerate(done)], "usage": _usage(done)})
+                return sse_response(streams, head, choice, None, wants_usage(req), count)
+            done = await collect_choices(request, streams)
+            return JSONResponse(
+                {**head, "choices": [choice(i, d) for i, d in enumerate(done)], "usage": usage_body(done)}
+            )
 
         return await respond("completions", request, handle)
 
@@ -355,48 +342,21 @@ def create_app(
             streams = await start(ids, params, req)
             head = {"id": f"chatcmpl-{streams[0].request_id}", "object": "chat.completion.chunk",
                     "created": int(time.time()), "model": served_model_name}  # fmt: skip
-            named = tool_choice if isinstance(tool_choice, dict) else None
+            answers = ChatAnswers(tool_choice, len(streams))
             if req.stream:
-
-                def opening() -> dict:  # (a named function's call opens each choice: its arguments stream)
-                    if named is None:
-                        return {"role": "assistant", "content": None if tool_choice == "required" else ""}
-                    call = {"index": 0, "id": call_id(), "type": "function",
-                            "function": {"name": named["function"]["name"], "arguments": ""}}  # fmt: skip
-                    return {"role": "assistant", "content": None, "tool_calls": [call]}
-
-                first = [{"index": i, "delta": opening(), "finish_reason": None} for i in range(len(streams))]
-                held = [""] * len(streams)  # "required": each choice's text, parsed into calls at its end
-                held_logprobs: list[list] = [[] for _ in streams]  # and its logprobs, sent with them
+                first = [{"index": i, "delta": answers.opening(), "finish_reason": None} for i in range(len(streams))]
 
                 def choice(i: int, d: Delta) -> dict | None:
-                    lps, finish = chat_logprobs(d), d.finish_reason
-                    if named is not None:
-                        delta = {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]} if d.text else {}
-                    elif tool_choice == "required":
-                        held[i] += d.text
-                        held_logprobs[i] += (lps or {}).get("content", [])
-                        if not d.finished:
-                            return None
-                        calls = tool_calls(tool_choice, held[i]) if finish == "stop" else None
-                        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls else (
-                            {"content": held[i]})  # fmt: skip
-                        finish = "tool_calls" if calls else finish
-                        lps = {"content": held_logprobs[i]} if req.logprobs else None  # (a last delta may have none)
-                    else:
-                        delta = {"content": d.text} if d.text else {}
-                    return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
+                    out = answers.streamed(i, d.text, d.finish_reason, chat_logprobs(d), bool(req.logprobs))
+                    return None if out is None else {"index": i, **out}
 
-                return _sse(streams, head, choice, first, _include_usage(req), count)
-            done = await _collect(request, streams)
+                return sse_response(streams, head, choice, first, wants_usage(req), count)
+            done = await collect_choices(request, streams)
             choices = []
             for i, d in enumerate(done):
-                calls = tool_calls(tool_choice, d.text) if named is not None or d.finish_reason == "stop" else None
-                message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else (
-                    {"role": "assistant", "content": d.text})  # fmt: skip
-                finish = "tool_calls" if calls and named is None else d.finish_reason
+                message, finish = answers.whole(d.text, d.finish_reason)
                 choices.append({"index": i, "message": message, "logprobs": chat_logprobs(d), "finish_reason": finish})
-            body = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(done)}
+            body = {**head, "object": "chat.completion", "choices": choices, "usage": usage_body(done)}
             if req.prompt_logprobs is not None:  # (vLLM's: the response's, not a choice's)
                 body["prompt_logprobs"] = vllm_prompt_logprobs(ids, done[0].prompt_logprobs, token_text,
                                                                params.prompt_logprobs)  # fmt: skip
@@ -422,155 +382,6 @@ def create_app(
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-# --- responses ---------------------------------------------------------------------------------------------------
-
-
-def _usage(lasts: list[Delta]) -> dict:  # (each choice's last delta)
-    """A request's usage from its choices' last deltas: the prompt counted once (the first choice's: the others
-    share its prefix), the completions summed, as OpenAI bills n > 1."""
-    prompt = lasts[0].usage
-    completion = sum(d.usage.completion_tokens for d in lasts)
-    return {
-        "prompt_tokens": prompt.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": prompt.cached_tokens},  # OpenAI's: the prefix cache's share
-    }
-
-
-def _include_usage(req) -> bool:
-    """The final usage chunk is on unless the client sets ``stream_options.include_usage`` to false."""
-    return req.stream_options is None or req.stream_options.include_usage is not False
-
-
-def _event(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _error_event(message: str, code: str | None = None) -> str:
-    return _event({"error": {"message": message, "type": "internal_error", "param": None, "code": code}})
-
-
-async def _deltas(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
-    """A request's choices' deltas as each arrives, with its choice's index; closing it (or an error) aborts every
-    choice still running."""
-    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=pending.get):  # (choices in index order within a step)
-                i = pending.pop(task)
-                delta = task.result()
-                yield i, delta
-                if not delta.finished:
-                    pending[asyncio.ensure_future(anext(streams[i]))] = i
-    finally:
-        for task in pending:
-            task.cancel()
-            if task.done() and not task.cancelled():
-                task.exception()  # (retrieved: an error already raised by another choice's task)
-        for stream in streams:
-            await stream.aclose()
-
-
-def _sse(streams: list[RequestStream], head: dict, choice: Callable[[int, Delta], dict | None], first: list | None,
-         include_usage: bool, count: Callable[[int], None]) -> StreamingResponse:  # fmt: skip
-    """One ``data:`` event per choice and engine step with new text (and each choice's last one), the usage chunk,
-    then [DONE]. A choice the engine failed gets an error event instead of its last chunk (the other choices are
-    aborted), then [DONE]. ``count(status)`` once at the end.
-
-    When the client disconnects, Starlette stops iterating; closing the streams aborts the request's choices."""
-
-    async def events() -> AsyncIterator[str]:
-        lasts: dict[int, Delta] = {}  # choice -> its latest delta
-        failed, status = None, 499  # until the end is reached, the client left
-        try:
-            if first is not None:
-                yield _event({**head, "choices": first})
-            async with contextlib.aclosing(_deltas(streams)) as deltas:
-                async for i, delta in deltas:
-                    lasts[i] = delta
-                    if delta.finish_reason == "error":
-                        failed = delta
-                        break
-                    # (logprobs, the prompt's too, are sent while the text is held back)
-                    if delta.text or delta.finished or delta.logprobs or delta.prompt_logprobs:
-                        out = choice(i, delta)  # (None: nothing to send yet)
-                        if out is not None:
-                            yield _event({**head, "choices": [out]})
-            if failed is not None:
-                status = 500
-                yield _error_event(_engine_error_message(failed), "engine_error")
-            else:
-                if include_usage and len(lasts) == len(streams):
-                    yield _event({**head, "choices": [], "usage": _usage([lasts[i] for i in range(len(streams))])})
-                status = 200
-        except EngineDeadError as e:
-            status = 503
-            yield _error_event(str(e))
-        except Exception as e:  # a bug while streaming: end this stream cleanly, keep serving
-            log.exception("streaming failed")
-            status = 500
-            yield _error_event(f"internal error: {e!r}")
-        finally:
-            for stream in streams:
-                await stream.aclose()
-            count(status)
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _engine_error_message(d: Delta) -> str:
-    return f"the engine failed this request: {d.error or 'unknown error'}"
-
-
-async def _collect(request: Request, streams: list[RequestStream]) -> list[Delta]:
-    """Each choice whole, as one delta (its last, with every delta's text, token ids and logprobs); aborts the
-    request when the client disconnects before the end."""
-
-    async def collect():
-        choices: list[list[Delta]] = [[] for _ in streams]
-        async with contextlib.aclosing(_deltas(streams)) as deltas:
-            async for i, delta in deltas:
-                choices[i].append(delta)
-                if delta.finish_reason == "error":
-                    raise APIError(500, _engine_error_message(delta), "internal_error", code="engine_error")
-        return [_joined(ds) for ds in choices]
-
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            for stream in streams:
-                await stream.aclose()
-    if not work.done():
-        raise APIError(499, "client closed the request", code="client_closed_request")
-    try:
-        return work.result()
-    except EngineDeadError as e:
-        raise APIError(503, str(e), "internal_error") from None
-
-
-def _joined(deltas: list[Delta]) -> Delta:
-    """One choice's deltas as one: the last's fields, every delta's text, token ids and logprobs."""
-    last = deltas[-1]
-    return dataclasses.replace(
-        last,
-        text="".join(d.text for d in deltas),
-        token_ids=[t for d in deltas for t in d.token_ids],
-        logprobs=None if last.logprobs is None else [e for d in deltas for e in d.logprobs],
-        prompt_logprobs=deltas[0].prompt_logprobs,
-    )
 
 
 def _parse_json(body: bytes):

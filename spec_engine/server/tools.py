@@ -51,3 +51,52 @@ def tool_calls(choice, text: str) -> list[dict] | None:
         calls = [(choice["function"]["name"], text)]
     return [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
             for name, arguments in calls]  # fmt: skip
+
+
+class ChatAnswers:
+    """How a chat request's choices read, by its ``tool_choice``: text ("none"); a named function's call, whose
+    arguments stream as they come (and stay a call when cut short, vLLM's); or "required"'s calls, held until the
+    choice ends (with its logprobs) and sent whole, or as text where the answer is not a whole array of calls."""
+
+    def __init__(self, choice, num_choices: int):
+        self.choice = choice
+        self.named = choice if isinstance(choice, dict) else None
+        self._held = [""] * num_choices  # "required": each choice's text so far
+        self._held_logprobs: list[list] = [[] for _ in range(num_choices)]  # and its logprobs' entries
+
+    def opening(self) -> dict:
+        """A streamed choice's first delta (a named function's call opens it: its id and name)."""
+        if self.named is None:
+            return {"role": "assistant", "content": None if self.choice == "required" else ""}
+        call = {"index": 0, "id": call_id(), "type": "function",
+                "function": {"name": self.named["function"]["name"], "arguments": ""}}  # fmt: skip
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+    def streamed(self, i: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                 asks_logprobs: bool) -> dict | None:  # fmt: skip
+        """Choice ``i``'s chunk for a step's new ``text`` (``finish_reason`` None while it runs; ``logprobs``: the
+        step's, OpenAI's chat shape): its delta, logprobs and finish reason; None while "required" holds it."""
+        if self.named is not None:
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+        elif self.choice == "required":
+            self._held[i] += text
+            self._held_logprobs[i] += (logprobs or {}).get("content", [])
+            if finish_reason is None:
+                return None
+            calls = tool_calls(self.choice, self._held[i]) if finish_reason == "stop" else None
+            delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls else (
+                {"content": self._held[i]})  # fmt: skip
+            finish_reason = "tool_calls" if calls else finish_reason
+            logprobs = {"content": self._held_logprobs[i]} if asks_logprobs else None  # (a last delta may have none)
+        else:
+            delta = {"content": text} if text else {}
+        return {"delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def whole(self, text: str, finish_reason: str) -> tuple[dict, str]:
+        """A finished choice's message and finish reason, not streamed."""
+        calls = tool_calls(self.choice, text) if self.named is not None or finish_reason == "stop" else None
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": None, "tool_calls": calls}, (
+            finish_reason if self.named is not None else "tool_calls"
+        )
