@@ -11,7 +11,6 @@ request's tokens differ (the greedy contract).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import save_same_tokens  # noqa: E402
 from spec_engine.cli import _alternating_tps, add_model_args  # noqa: E402
 from spec_engine.llm import build_llm  # noqa: E402
 from spec_engine.sampling import SamplingParams  # noqa: E402
@@ -68,14 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     median = statistics.median(r["speedup"] for r in rows)
     print(f"median speedup {median:.2f}x over {len(rows)} requests ({llm.speculative_config['method']}, "
           f"{llm.dtype}, {platform.node()}, bf16 linear {native_path()[0]})")  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "median_speedup": median, "method": llm.speculative_config["method"],
-                               "dtype": llm.dtype}, indent=2))  # fmt: skip
-    if not all(r["same"] for r in rows):
-        print("bench_main_job: speculative decoding emitted other tokens than plain decoding", file=sys.stderr)
-        return 1
-    return 0
+    payload = {"rows": rows, "median_speedup": median, "method": llm.speculative_config["method"], "dtype": llm.dtype}
+    return save_same_tokens(args.out, payload, rows, "bench_main_job")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import save_same_tokens  # noqa: E402
 from spec_engine.cli import _alternating_tps, add_model_args  # noqa: E402
 from spec_engine.llm import build_llm  # noqa: E402
 from spec_engine.sampling import SamplingParams  # noqa: E402
@@ -85,13 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     cost = statistics.median(r["base_tps"] / r["unguided_tps"] for r in rows)
     print(f"median speedup {median:.2f}x over {len(rows)} guided requests; guided plain decoding at {cost:.2f} of "
           f"unguided ({llm.speculative_config['method']}, {llm.dtype}, {platform.node()})")  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "median_speedup": median, "guided_over_unguided": cost}, indent=2))
-    if not all(r["same"] for r in rows):
-        print("bench_structured: speculative decoding emitted other tokens than plain decoding", file=sys.stderr)
-        return 1
-    return 0
+    payload = {"rows": rows, "median_speedup": median, "guided_over_unguided": cost}
+    return save_same_tokens(args.out, payload, rows, "bench_structured")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import platform
 import pstats
 import shutil
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -448,3 +449,15 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def save_same_tokens(out: str | Path, payload: dict, rows: list[dict], name: str) -> int:
+    """Write a benchmark's ``payload`` as JSON to ``out``; its exit status: 1 (said on stderr) where a row's tokens
+    differ from plain decoding's (a row's ``same``: the greedy contract), else 0."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2))
+    if not all(r["same"] for r in rows):
+        print(f"{name}: speculative decoding emitted other tokens than plain decoding", file=sys.stderr)
+        return 1
+    return 0
