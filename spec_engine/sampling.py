@@ -376,23 +376,29 @@ def stop_string_end(params: SamplingParams, output: list[int], toks: list[int], 
     one of ``params.stop``, or None (``detokenize``: (token ids, skip special tokens) -> text, the tokenizer's). A
     stop string completed before this call would have ended the request then, so only the output's tail is read: as
     many tokens as give at least the longest string's length in text (a token of a cut character or a special one
-    gives less than a character)."""
+    gives less than a character), while that tail is past the first ``min_tokens`` - 1 tokens."""
     stop, skip = params.stop, params.skip_special_tokens
-    if not stop or not toks:
+    minimum = params.min_tokens
+    if not stop or not toks or len(output) + len(toks) < minimum:
         return None
-    if params.min_tokens > 1:  # (a string completed before the minimum counts for nothing, then or later)
-        whole = list(output) + list(toks)
-        start = stop_search_start(params, whole, detokenize)
-
-        def counts(n: int) -> bool:
-            text = detokenize(whole[: len(output) + n], skip)
-            return len(output) + n >= params.min_tokens and any(_find_stop(text, s, start) >= 0 for s in stop)
-
-        return next((n for n in range(1, len(toks) + 1) if counts(n)), None)
     longest = max(map(len, stop))
     window = longest + 4
     while window < len(output) and len(detokenize(output[-window:], skip)) <= longest:
         window *= 2
+    if minimum > 1 and len(output) - window < minimum - 1:
+        # the tail reaches into the first min_tokens - 1 tokens' text, where a string completed before the minimum
+        # counts for nothing, then or later: read the whole output, that text excluded (a bounded stretch of the
+        # request: past it the tail alone is read)
+        whole = list(output) + list(toks)
+        start = stop_search_start(params, whole, detokenize)
+
+        def counts(n: int) -> bool:
+            if len(output) + n < minimum:
+                return False
+            text = detokenize(whole[: len(output) + n], skip)
+            return any(_find_stop(text, s, start) >= 0 for s in stop)
+
+        return next((n for n in range(1, len(toks) + 1) if counts(n)), None)
     tail = output[-window:]
 
     def found(n: int) -> bool:
