@@ -578,6 +578,44 @@ def test_tool_calls_and_tools_reach_the_template():
     assert text == "[tool add][tool weather]<user>2 + 3?<assistant>(add a=2)<tool>5#c1/add", text
 
 
+def test_tokenize_and_detokenize_are_the_apis_own(plain, spec, model_dirs):
+    """/tokenize gives the token ids the completions API makes of a prompt and the chat API of a conversation (the
+    usage's prompt_tokens), /detokenize their text back; bad input gets 400 naming the field."""
+    url, (root, tok) = spec[0], model_dirs
+    llm = LLM(root / "templated")  # (not the served one: LLM.generate on a served LLM raises)
+    r = httpx.post(url + "/tokenize", json={"prompt": "hello world", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == llm.encode("hello world") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == llm.max_model_len
+    assert body["token_strs"] == [tok.id_to_token(i) for i in body["tokens"]]
+    assert httpx.post(url + "/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()[
+        "tokens"] == llm.encode("hello world", add_special_tokens=False)  # fmt: skip
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = httpx.post(url + "/tokenize", json={"messages": messages}).json()
+    assert chat["token_strs"] is None
+    used = client(spec).chat.completions.create(model=name_of(spec), messages=messages, max_tokens=2, temperature=0)
+    assert chat["count"] == used.usage.prompt_tokens
+    assert chat["tokens"] == llm.render_chat(messages)[1]
+    bare = httpx.post(url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == llm.render_chat(messages, add_generation_prompt=False)[1]
+    asked = {"messages": messages, "add_generation_prompt": False}  # (the default template reads it)
+    plain_llm, plain_url = LLM(root / "plain"), plain[0]
+    bare = httpx.post(plain_url + "/tokenize", json=asked).json()["tokens"]
+    assert bare == plain_llm.render_chat(messages, add_generation_prompt=False)[1] != plain_llm.render_chat(messages)[1]
+    r = httpx.post(url + "/detokenize", json={"tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json()["prompt"] == llm.decode(body["tokens"], skip_special_tokens=False)
+    assert httpx.get(url + "/version").json()["version"]
+    for path, bad, param in (("/tokenize", {}, None), ("/tokenize", {"prompt": "a", "messages": messages}, None),
+                             ("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {"messages": []}, "messages"),
+                             ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+                             ("/detokenize", {"tokens": [-1]}, "tokens"),
+                             ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                             ("/detokenize", {"tokens": "12"}, "tokens")):  # fmt: skip
+        r = httpx.post(url + path, json=bad)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, bad, r.text)
+
+
 def test_concurrent_choices_never_pass_max_pending(plain):
     """Three requests of n = 10 at once on a server that runs 16: one is admitted, two get 429, however their
     choices' additions interleave (the engine is held while they arrive)."""

@@ -1,7 +1,9 @@
 """``specdec serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on one ``AsyncEngine``.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream: true`` -> server-sent events in OpenAI's
-chunk format, a final usage chunk, then ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus).
+chunk format, a final usage chunk, then ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus),
+and vLLM's POST /tokenize (a prompt's or a chat's token ids, as the completions or chat API makes them), POST
+/detokenize and GET /version.
 
 Limits: bodies over ``max_body_bytes`` get 413 (checked on Content-Length and while reading); a body not received
 in full within ``request_timeout`` seconds of its head gets 408; JSON nested deeper than ``MAX_JSON_DEPTH`` or holding
@@ -45,7 +47,15 @@ from spec_engine.server.logprobs import (
     vllm_prompt_logprobs,
 )
 from spec_engine.server.metrics import EngineCollector
-from spec_engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_param
+from spec_engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingRequest,
+    TokenizeRequest,
+    error_param,
+    template_inputs,
+)
 from spec_engine.server.responses import APIError, collect_choices, sse_response, usage_body, wants_usage
 from spec_engine.server.tools import ChatAnswers
 
@@ -53,7 +63,8 @@ log = logging.getLogger("spec_engine.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 MAX_JSON_DEPTH = 64  # an OpenAI body nests 4 deep (messages[i].content[j].text); 200,000 '[' hit RecursionError
-ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}  # metric labels
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions", "/tokenize": "tokenize",
+             "/detokenize": "detokenize"}  # metric labels  # fmt: skip
 
 
 def create_app(
@@ -138,11 +149,12 @@ def create_app(
             param = error_param(err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             raise APIError(400, f"{param}: {msg}" if param else msg, param=param, code=err["type"]) from None
-        unsupported = req.unsupported_field()
-        if unsupported is not None:
-            raise APIError(400, f"'{unsupported}' is not supported by this server", param=unsupported)
-        if req.stream_options is not None and not req.stream:  # (as OpenAI answers it)
-            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if isinstance(req, SamplingRequest):
+            unsupported = req.unsupported_field()
+            if unsupported is not None:
+                raise APIError(400, f"'{unsupported}' is not supported by this server", param=unsupported)
+            if req.stream_options is not None and not req.stream:  # (as OpenAI answers it)
+                raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if req.model is not None and req.model != served_model_name:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{served_model_name}'",
                            param="model", code="model_not_found")  # fmt: skip
@@ -364,6 +376,45 @@ def create_app(
 
         return await respond("chat_completions", request, handle)
 
+    @app.post("/tokenize")
+    async def tokenize_text(request: Request) -> Response:
+        async def handle(count):
+            req = await read_body(request, TokenizeRequest)
+            if req.messages is None:
+                special = req.add_special_tokens is not False
+                ids = await encode(req.prompt, add_special_tokens=special)
+            else:
+                messages, tools = template_inputs(req.messages, req.tools)
+                try:
+                    prompt = await asyncio.to_thread(chat_template.render, messages, req.add_generation_prompt,
+                                                     tools=tools)  # fmt: skip
+                except ValueError as e:
+                    raise APIError(400, str(e), param="messages") from None
+                special = req.add_special_tokens if req.add_special_tokens is not None else not chat_template.from_model
+                ids = await encode(prompt, add_special_tokens=special)
+            strs = [llm.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
+            return JSONResponse({"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids,
+                                 "token_strs": strs})  # fmt: skip
+
+        return await respond("tokenize", request, handle)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        async def handle(count):
+            req = await read_body(request, DetokenizeRequest)
+            if llm.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer.json", param="tokens")
+            vocab = llm.engine.vocab_size
+            if not all(0 <= t < vocab for t in req.tokens):
+                raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
+            return JSONResponse({"prompt": await asyncio.to_thread(llm.decode, req.tokens, False)})
+
+        return await respond("detokenize", request, handle)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
+
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": served_model_name, "object": "model", "created": 0, "owned_by": "specdec",
@@ -382,6 +433,17 @@ def create_app(
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+@functools.cache
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("specdec")
+    except PackageNotFoundError:  # (run from a source tree that was never installed)
+        return "unknown"
 
 
 def _parse_json(body: bytes):

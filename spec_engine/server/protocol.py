@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from spec_engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (the server's names)
 from spec_engine.sampling import GRAMMAR_GUIDES, MAX_LOGPROBS
@@ -80,7 +80,7 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. None means "the default"."""
 
     model_config = ConfigDict(strict=True, extra="allow")
@@ -185,7 +185,7 @@ class _SamplingRequest(BaseModel):
         return None
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: Any = Field(..., description="a string or a list of token ids (one prompt per request)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the alternatives beside each token's (0: its own)
     echo: bool | None = None  # the prompt before the completion (with logprobs: the prompt tokens' logprobs first)
@@ -287,7 +287,7 @@ class NamedToolChoice(BaseModel):
     function: ToolName
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
@@ -306,9 +306,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return v
 
     def template_inputs(self) -> tuple[list[dict], list[dict] | None]:
-        """The chat template's ``messages`` (``ChatTemplate.render`` parses earlier calls' arguments) and ``tools``."""
-        messages = [m.model_dump(exclude_none=True) for m in self.messages]
-        return messages, [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return template_inputs(self.messages, self.tools)
 
     def tool_choice_asked(self) -> str | dict:
         """``tool_choice`` as ``spec_engine.server.tools`` takes it: "none", "required" or {"type": "function",
@@ -350,6 +348,42 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def prompt_logprobs_asked(self) -> int | None:
         return self.prompt_logprobs
+
+
+def template_inputs(messages: list[ChatMessage], tools: list[ToolDef] | None) -> tuple[list[dict], list[dict] | None]:
+    """The chat template's ``messages`` (``ChatTemplate.render`` parses earlier calls' arguments) and ``tools``."""
+    dumped = [t.model_dump(exclude_none=True) for t in tools or ()]
+    return [m.model_dump(exclude_none=True) for m in messages], dumped or None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: the token ids the completions API makes of ``prompt``, or the chat API of ``messages``
+    (and ``tools``) through the model's chat template."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    add_generation_prompt: bool = True  # (messages only)
+    add_special_tokens: bool | None = None  # (None: as the completions or the chat API encodes)
+    return_token_strs: bool = False  # each token's own string beside its id (the vocabulary's spelling)
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give one of prompt and messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: the text of ``tokens``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_param(loc: tuple) -> str | None:
