@@ -48,8 +48,8 @@ class ChatTemplate:
 
     def render(self, messages: list, add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text for ``messages`` (dicts with "role" and "content", or pydantic models of them);
-        ``kwargs`` reach the template as variables. A template error (e.g. roles that must alternate) raises
-        ``ValueError``."""
+        ``kwargs`` reach the template as variables. A template error (e.g. roles that must alternate), or one on
+        values the template did not expect (a variable of another type), raises ``ValueError``."""
         import jinja2
 
         messages = _parsed_tool_calls(
@@ -61,6 +61,8 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
+        except (TypeError, ValueError, LookupError, ArithmeticError) as e:  # (the template on values it did not expect)
+            raise ValueError(f"chat template: {e!r}") from e
 
 
 def _parsed_tool_calls(messages: list[dict]) -> list[dict]:

@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="request line + headers past this get 431 and the connection closes")  # fmt: skip
     s.add_argument("--request-timeout", type=float, default=30.0,
                    help="seconds a client has to send a request head, then its body (408 and close after)")  # fmt: skip
+    s.add_argument("--chat-template", default=None,
+                   help="the chat API's Jinja template, a file or the text itself (default: the model's own, else "
+                   "ChatML)")  # fmt: skip
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_model_args(s)
     s.set_defaults(func=cmd_serve)

@@ -159,7 +159,7 @@ class SamplingParams:
         temperature = as_float32(self.temperature)
         if temperature == float("inf"):
             raise ValueError(f"temperature must be finite in float32 (< 3.4e38), got {self.temperature}")
-        if self.temperature != 0 and not temperature >= MIN_TEMPERATURE:
+        if self.temperature != 0 and not temperature >= as_float32(MIN_TEMPERATURE):
             raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
         if not 0 <= self.top_k <= INT64_MAX:
             raise ValueError(f"top_k must be in [0, 2**63) (0 = off), got {self.top_k}")
@@ -263,9 +263,11 @@ class SamplingParams:
                     schema = json.loads(schema)
                 except ValueError as e:
                     raise ValueError(f"guided_json is not JSON: {e}") from None
+                except RecursionError:  # (nesting past Python's stack)
+                    raise ValueError("guided_json is not JSON Python can read: nested too deep") from None
             try:
                 size = len(json.dumps(schema))
-            except (TypeError, ValueError):  # (a set, a circular dict...: not JSON)
+            except (TypeError, ValueError, RecursionError):  # (a set, a circular dict, nesting too deep: not JSON)
                 size = None
             if not isinstance(schema, dict) or size is None or size > MAX_GRAMMAR_CHARS:
                 raise ValueError(f"guided_json must be a JSON schema (an object) of at most "

@@ -35,10 +35,10 @@ BODY_LIMIT = 16384
 
 
 @contextlib.contextmanager
-def running_server(llm: LLM, name: str, max_pending: int):
+def running_server(llm: LLM, name: str, max_pending: int, chat_template: str | None = None):
     """A real uvicorn server on a free loopback port, in a background thread; stopped and joined on exit."""
     llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)  # builds the C++ ext here, not mid-test
-    app = create_app(llm, name, max_pending=max_pending, max_body_bytes=BODY_LIMIT)
+    app = create_app(llm, name, max_pending=max_pending, max_body_bytes=BODY_LIMIT, chat_template=chat_template)
     with serve_in_thread(app, log_level="warning") as port:
         yield f"http://127.0.0.1:{port}", app
     assert not app.state.engine.alive  # the lifespan shutdown stopped the engine loop
@@ -895,6 +895,37 @@ BAD_REQUESTS = {  # name: (path, raw body, status, param)
         400,
         "stream_options",
     ),  # fmt: skip
+    "logit_bias_key_of_5000_digits": (
+        "/v1/completions",
+        _json({"prompt": "x", "logit_bias": {"1" * 5000: 1}}),
+        400,
+        "logit_bias",
+    ),  # fmt: skip
+    "guided_json_nested_past_pythons_stack": (
+        "/v1/completions",
+        _json({"prompt": "x", "guided_json": "[" * 5000 + "]" * 5000}),
+        400,
+        "guided_json",
+    ),  # fmt: skip
+    "continue_final_message": (
+        "/v1/chat/completions",
+        _json({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}),
+        400,
+        "continue_final_message",
+    ),  # fmt: skip
+    "chat_template_per_request": (
+        "/v1/chat/completions",
+        _json({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}),
+        400,
+        "chat_template",
+    ),  # fmt: skip
+    "chat_template_kwargs_setting_messages": (
+        "/v1/chat/completions",
+        _json({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}}),
+        400,
+        "chat_template_kwargs",
+    ),  # fmt: skip
+    "beam_search": ("/v1/completions", _json({"prompt": "x", "use_beam_search": True}), 400, "use_beam_search"),
     "unknown_model": ("/v1/completions", _json({"prompt": "x", "model": "gpt-17"}), 404, "model"),
     "oversized_body": ("/v1/completions", _json({"prompt": "x" * (2 * BODY_LIMIT)}), 413, None),
     "unknown_path": ("/v1/embeddings", _json({"input": "x"}), 404, None),
@@ -929,10 +960,43 @@ def test_unsupported_fields_at_their_no_op_values_are_accepted(plain):
         "repetition_penalty": 1.0,
         "min_tokens": 0,
         "response_format": {"type": "text"},
+        "temperature": 1e-5,  # (the least nonzero temperature: as float32 just below 1e-5)
+        "use_beam_search": False,
+        "spaces_between_special_tokens": True,
     }
     r = httpx.post(plain[0] + "/v1/completions", json=body | no_ops)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == reference
+
+
+def test_chat_template_variables_and_generation_prompt_reach_the_template(model_dirs):
+    """vLLM's chat fields: chat_template_kwargs are the template's variables, add_generation_prompt opens the
+    assistant's turn or not, add_special_tokens overrides the template's choice; the usage counts the prompt so made
+    (as /tokenize does), and a template failing on a variable's value is the client's 400."""
+    root, _ = model_dirs
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}" \
+               "{% if shout %}!{{ shout * 2 }}{% endif %}"  # fmt: skip
+    llm, apart = LLM(root / "plain"), LLM(root / "plain")
+    msgs = [{"role": "user", "content": "hi"}]
+    with running_server(llm, "tiny", max_pending=4, chat_template=template) as server:  # (--chat-template's)
+
+        def used(**fields) -> tuple[int, int]:
+            body = {"messages": msgs, "max_tokens": 1, "temperature": 0, **fields}
+            r = httpx.post(server[0] + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            tokenized = httpx.post(server[0] + "/tokenize", json={"messages": msgs, **fields})
+            return r.json()["usage"]["prompt_tokens"], tokenized.json()["count"]
+
+        def n(text: str, special: bool = True) -> int:
+            return len(apart.encode(text, add_special_tokens=special))
+
+        assert used() == (n("hi>"),) * 2
+        assert used(add_generation_prompt=False) == (n("hi"),) * 2
+        assert used(chat_template_kwargs={"shout": "ab"}) == (n("hi>!abab"),) * 2
+        assert used(add_special_tokens=False) == (n("hi>", False),) * 2
+        body = {"messages": msgs, "max_tokens": 1, "chat_template_kwargs": {"shout": {"a": 1}}}  # (a dict * 2)
+        r = httpx.post(server[0] + "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 def test_unknown_paths_and_methods_are_counted(plain):

@@ -380,6 +380,35 @@ def test_a_faulty_request_fails_alone(server, monkeypatch):
     assert metric(server, "specdec_http_requests_total", endpoint="completions", status="500") == http500_before + 2
 
 
+def test_a_fault_delivering_one_output_fails_that_request_alone(server, monkeypatch):
+    """A fault turning one request's output into a delta (planted in the loop thread's decoding of its text) fails
+    that request alone, with finish reason "error" (500), instead of killing the loop thread and hanging every
+    request; the request beside it finishes, and nothing leaks."""
+    engine = server[1].state.engine
+    real = engine._new_text
+
+    def faulty(sink, output_ids, finished, params=None):
+        if params is not None and params.max_tokens == 7:  # (the planted request's mark)
+            raise RuntimeError("planted delivery fault")
+        return real(sink, output_ids, finished, params)
+
+    monkeypatch.setattr(engine, "_new_text", faulty)
+    before = health(server)
+
+    def post(max_tokens):
+        body = {"prompt": [5, 17, 3], "max_tokens": max_tokens, "temperature": 0}
+        return httpx.post(url(server) + "/v1/completions", json=body, timeout=HANG_GUARD * 3)
+
+    with ThreadPoolExecutor(2) as pool:
+        bad, good = pool.submit(post, 7), pool.submit(post, 12)
+        bad, good = bad.result(), good.result()
+    assert bad.status_code == 500 and "planted delivery fault" in error_of(bad.content)["message"]
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 12
+    h = wait_idle(server)
+    assert h["status"] == "ok" and h["kv_blocks_used"] == 0 and h["num_requests_in_flight"] == 0
+    assert h["num_requests_finished"]["error"] - before["num_requests_finished"]["error"] == 1
+
+
 # --- the soak --------------------------------------------------------------------------------------------------
 
 

@@ -234,6 +234,7 @@ def test_a_planted_bug_is_caught_end_to_end(pair, monkeypatch):
     dict(guided_regex="a", ignore_eos=True), dict(guided_json={"type": "object"}, min_tokens=2),
     dict(guided_grammar='start: "a"', allowed_token_ids=[1]), dict(guided_regex="a", bad_words=["b"]),
     dict(guided_regex="a" * 70000), dict(guided_json={"enum": {1, 2}}),
+    dict(guided_json="[" * 20000 + "]" * 20000),  # (nesting past Python's stack: a ValueError, not a RecursionError)
 ])  # fmt: skip
 def test_malformed_guides_are_refused(bad):
     with pytest.raises(ValueError):
@@ -256,6 +257,26 @@ def test_guides_that_do_not_compile_are_refused_before_queueing(pair, monkeypatc
     fresh = LLM(str(target), max_model_len=128, dtype="float32")
     with pytest.raises(ValueError, match="pip install"):
         fresh.engine.add_request([1, 2], SamplingParams(max_tokens=4, guided_regex="b+"))
+
+
+def test_required_tool_calls_keep_their_tools_definitions(pair):
+    """tool_choice "required" nests each tool's parameters in one array schema: their "#/$defs/..." references
+    still resolve (the definitions move to its root), and a name two tools define differently is refused."""
+    from spec_engine.server.tools import tool_schema
+
+    target, _, _ = pair
+    llm = LLM(str(target), max_model_len=128, dtype="float32")
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+    def tool(name, defs):
+        params = {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"], "$defs": defs}
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    schema = tool_schema([tool("f", {"Loc": loc}), tool("g", {"Loc": loc})], "required", True)
+    assert schema["$defs"] == {"Loc": loc}
+    llm.engine.grammars.check(SamplingParams(max_tokens=8, guided_json=schema))  # compiles
+    with pytest.raises(ValueError, match="Loc"):
+        tool_schema([tool("f", {"Loc": loc}), tool("g", {"Loc": {"type": "string"}})], "required", True)
 
 
 def test_nodes_verification_never_reaches_are_left_alone(pair):

@@ -73,15 +73,18 @@ def create_app(
     max_pending: int = 64,
     max_body_bytes: int = 1 << 20,
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The server for ``llm`` (a ``spec_engine.LLM``). Starts the engine loop thread now; stops it at shutdown.
 
+    ``chat_template``: the chat API's Jinja source (default: the model's own template, else ChatML).
     ``app.state.engine`` is the ``AsyncEngine``; ``app.state.registry`` the app's own Prometheus registry. Run it
     with ``uvicorn_config`` (the guarded HTTP layer), e.g. ``uvicorn.Server(uvicorn_config(app, port=0)).run()``.
     """
     if llm.engine.grammars is not None:  # structured outputs' view of the tokenizer, built before any request waits
         llm.engine.grammars.warm()
-    chat_template = llm.get_chat_template()  # (before the engine's thread starts: a bad template leaves no thread)
+    # (before the engine's thread starts: a bad template leaves no thread)
+    chat_template = llm.get_chat_template(chat_template)
     engine = AsyncEngine(llm)
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine, max_pending))
@@ -170,7 +173,7 @@ def create_app(
             raise APIError(400, msg, param="max_tokens", code="context_length_exceeded")
         bias = None
         if req.logit_bias is not None:
-            if not all(k.isascii() and k.isdigit() and str(int(k)) == k for k in req.logit_bias):
+            if not all(k.isascii() and k.isdigit() and len(k) <= 19 and str(int(k)) == k for k in req.logit_bias):
                 raise APIError(400, "logit_bias keys must be token ids as decimal strings ('42')", param="logit_bias")
             bias = {int(k): v for k, v in req.logit_bias.items()}
         try:
@@ -221,6 +224,18 @@ def create_app(
             return await tokenize(llm.tokenizer, text, add_special_tokens)
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
+
+    async def encode_chat(req, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """A conversation's token ids, as the chat API prompts the model: rendered by the chat template (with the
+        request's ``add_generation_prompt`` and ``chat_template_kwargs``), encoded with special tokens where the
+        template does not write them itself (unless ``add_special_tokens`` says)."""
+        try:
+            prompt = await asyncio.to_thread(chat_template.render, messages, req.add_generation_prompt,
+                                             **(req.chat_template_kwargs or {}), tools=tools)  # fmt: skip
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        special = req.add_special_tokens
+        return await encode(prompt, add_special_tokens=not chat_template.from_model if special is None else special)
 
     admitting = [0]  # choices promised to requests still adding them (not yet in engine.num_in_flight)
 
@@ -282,7 +297,8 @@ def create_app(
     async def completions(request: Request) -> Response:
         async def handle(count):
             req = await read_body(request, CompletionRequest)
-            encoded = await encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+            special = req.add_special_tokens is not False
+            encoded = await encode(req.prompt, special) if isinstance(req.prompt, str) else req.prompt
             ids = truncate_prompt(encoded, req.truncate_prompt_tokens)
             params = sampling_params(req, len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
             streams = await start(ids, params, req)
@@ -328,12 +344,7 @@ def create_app(
                 tool_choice = req.tool_choice_asked()
             except ValueError as e:
                 raise APIError(400, str(e), param="tool_choice") from None
-            messages, tools = req.template_inputs()
-            try:
-                prompt = await asyncio.to_thread(chat_template.render, messages, tools=tools)
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages") from None
-            ids = await encode(prompt, add_special_tokens=not chat_template.from_model)
+            ids = await encode_chat(req, *req.template_inputs())
             ids = truncate_prompt(ids, req.truncate_prompt_tokens)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
@@ -381,17 +392,9 @@ def create_app(
         async def handle(count):
             req = await read_body(request, TokenizeRequest)
             if req.messages is None:
-                special = req.add_special_tokens is not False
-                ids = await encode(req.prompt, add_special_tokens=special)
+                ids = await encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
             else:
-                messages, tools = template_inputs(req.messages, req.tools)
-                try:
-                    prompt = await asyncio.to_thread(chat_template.render, messages, req.add_generation_prompt,
-                                                     tools=tools)  # fmt: skip
-                except ValueError as e:
-                    raise APIError(400, str(e), param="messages") from None
-                special = req.add_special_tokens if req.add_special_tokens is not None else not chat_template.from_model
-                ids = await encode(prompt, add_special_tokens=special)
+                ids = await encode_chat(req, *template_inputs(req.messages, req.tools))
             strs = [llm.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
             return JSONResponse({"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids,
                                  "token_strs": strs})  # fmt: skip
@@ -497,10 +500,19 @@ def serve(args) -> int:
 
     from spec_engine.llm import build_llm
 
+    template = args.chat_template
+    if template is not None and (Path(template).is_file() or "{" not in template):  # a file, else Jinja text
+        try:
+            template = Path(template).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"specdec serve: --chat-template: cannot read {template}: {e}") from None
     llm = build_llm(args)
     name = args.served_model_name or (Path(args.model).name if args.model else "specdec-default")
-    app = create_app(llm, name, max_pending=args.max_pending, max_body_bytes=args.max_body_bytes,
-                     request_timeout=args.request_timeout)  # fmt: skip
+    try:
+        app = create_app(llm, name, max_pending=args.max_pending, max_body_bytes=args.max_body_bytes,
+                         request_timeout=args.request_timeout, chat_template=template)  # fmt: skip
+    except ValueError as e:  # (a template that does not parse)
+        raise SystemExit(f"specdec serve: --chat-template: {e}") from None
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"[specdec] serving '{name}' at http://{host}:{args.port}/v1 (OpenAI API; /health, /metrics)", flush=True)
     config = uvicorn_config(app, args.host, args.port, max_header_bytes=args.max_header_bytes,

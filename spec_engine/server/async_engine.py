@@ -312,9 +312,17 @@ class AsyncEngine:
                     self._fail_all(EngineDeadError(f"the engine step failed: {e!r}"))
                     outputs = []
                 for out in outputs:
-                    self._deliver(out)
+                    sink = self._sinks.get(out.request.request_id)
+                    try:
+                        self._deliver(out)
+                    except Exception as e:  # (a bug turning this output into a delta: its request fails alone)
+                        log.exception("delivering request %s's output failed", out.request.request_id)
+                        self._fail_request(out.request, sink, e)
                 busy = self.engine.has_unfinished()
-                self._stats = self._snapshot()
+                try:
+                    self._stats = self._snapshot()
+                except Exception:  # (/health keeps the last figures; the loop goes on)
+                    log.exception("the engine's figures failed")
         with self.lock:  # commands queued before close: adds are accepted, then failed with everything else
             with self._cond:
                 commands, self._commands = self._commands, []
@@ -365,6 +373,17 @@ class AsyncEngine:
         new = text[len(sink.sent_text) :]
         sink.sent_text = text if new else sink.sent_text
         return new
+
+    def _fail_request(self, req: Request, sink: _Sink | None, error: Exception) -> None:
+        """End ``req`` alone with finish reason "error" (its delta could not be made), freeing its blocks."""
+        if not req.finished:
+            self.engine.abort(req.request_id)
+        if self._sinks.pop(req.request_id, None) is not None:
+            self._release()
+            self._totals.finished["error"] = self._totals.finished.get("error", 0) + 1
+        if sink is not None:
+            usage = Usage(sink.num_prompt_tokens, len(req.output_token_ids), req.metrics.num_cached_tokens)
+            sink.put(Delta(req.request_id, [], "", True, "error", usage, error=f"internal error: {error!r}"))
 
     def _fail_all(self, error: BaseException) -> None:
         """End every in-flight request with ``error`` and free its blocks; the engine then serves new requests."""

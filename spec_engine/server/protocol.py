@@ -32,7 +32,15 @@ _UNSUPPORTED = {  # field -> the values that mean "not used" (absent and null al
     "functions": ([],),
     "function_call": ("none",),
     "guided_whitespace_pattern": (),  # (vLLM's)
+    "chat_template": (),  # (vLLM's, a template per request; the server's own is --chat-template)
+    "continue_final_message": (False,),  # (vLLM's)
+    "use_beam_search": (False,),  # (vLLM's)
+    "length_penalty": (1.0,),  # (vLLM's, beam search's)
+    "logits_processors": ([],),  # (vLLM's)
+    "return_tokens_as_token_ids": (False,),  # (vLLM's)
+    "spaces_between_special_tokens": (True,),  # (vLLM's; this server's decoder never adds them)
 }
+TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")  # what chat_template_kwargs may not set
 
 
 # structured_outputs' keys: the guides this server reads, and vLLM's options for its grammar backends (ignored)
@@ -47,7 +55,7 @@ def _parsed_schema(schema):
     if isinstance(schema, str):
         try:
             return json.loads(schema)
-        except ValueError:
+        except (ValueError, RecursionError):
             return schema  # (SamplingParams says what is wrong with it)
     return schema
 
@@ -104,6 +112,8 @@ class SamplingRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # (vLLM's extension: the prompt's last k tokens)
     bad_words: list[str] | None = None  # (vLLM's extension; SamplingParams checks count and lengths)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (vLLM's extension: each prompt token's)
+    add_special_tokens: bool | None = None  # (vLLM's: the tokenizer's BOS...; None: the completions API adds them,
+    # the chat API where the chat template does not write them itself)
     guided_choice: list[str] | None = None  # (vLLM's extension: the output is one of these)
     guided_json: dict[str, Any] | str | None = None  # (vLLM's: a JSON schema the output follows)
     guided_regex: str | None = None  # (vLLM's)
@@ -287,8 +297,19 @@ class NamedToolChoice(BaseModel):
     function: ToolName
 
 
+def _template_kwargs(cls, v):
+    """``chat_template_kwargs``: more variables for the chat template, none of those the server sets itself."""
+    taken = sorted(set(v or ()) & set(TEMPLATE_VARIABLES))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {taken} (the request's own fields set them)")
+    return v
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True  # (vLLM's: the template opens the assistant's turn)
+    chat_template_kwargs: dict[str, Any] | None = None  # (vLLM's: more variables for the chat template)
+    _kwargs = field_validator("chat_template_kwargs")(classmethod(_template_kwargs))
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (needs logprobs: true, as OpenAI's)
@@ -366,15 +387,17 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True  # (messages only)
+    chat_template_kwargs: dict[str, Any] | None = None  # (messages only)
     add_special_tokens: bool | None = None  # (None: as the completions or the chat API encodes)
     return_token_strs: bool = False  # each token's own string beside its id (the vocabulary's spelling)
+    _kwargs = field_validator("chat_template_kwargs")(classmethod(_template_kwargs))
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give one of prompt and messages")
-        if self.tools is not None and self.messages is None:
-            raise ValueError("tools go with messages")
+        if (self.tools is not None or self.chat_template_kwargs is not None) and self.messages is None:
+            raise ValueError("tools and chat_template_kwargs go with messages")
         return self
 
 

@@ -19,10 +19,18 @@ def tool_schema(tools: list[dict], choice, parallel: bool) -> dict | None:
         return None
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+        # each tool's parameters nest inside the array's schema, so their "#/$defs/..." references go to its root:
+        # the definitions move there (vLLM's), one name defined two ways refused
+        defs: dict = {}
+        for schema in params.values():
+            for key, value in (schema.get("$defs") or {}).items():
+                if defs.setdefault(key, value) != value:
+                    raise ValueError(f"tools define '$defs/{key}' in two ways (the tools' schemas share one $defs)")
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                  "parameters": {k: v for k, v in schema.items() if k != "$defs"}},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, schema in params.items()]  # fmt: skip
-        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({"$defs": defs} if defs else {})}
         return array if parallel else {**array, "maxItems": 1}
     name = choice["function"]["name"]
     if name not in params:
