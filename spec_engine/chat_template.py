@@ -4,6 +4,7 @@ and the server's ``/v1/chat/completions``."""
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -37,10 +38,11 @@ class ChatTemplate:
             raise jinja2.exceptions.TemplateError(message)
 
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _generation_tag()]
         )
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             self._template = env.from_string(self.source)
         except jinja2.exceptions.TemplateError as e:
@@ -63,6 +65,32 @@ class ChatTemplate:
             raise ValueError(f"chat template: {e}") from e
         except (TypeError, ValueError, LookupError, ArithmeticError) as e:  # (the template on values it did not expect)
             raise ValueError(f"chat template: {e!r}") from e
+
+
+def _tojson(x, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """Jinja's ``tojson`` as transformers' templates call it (no HTML escaping; its keyword arguments)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_tag():
+    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks the assistant's part for training masks):
+    its body, as written."""
+    import jinja2.ext
+    from jinja2 import nodes
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        @staticmethod
+        def _body(caller):
+            return caller()
+
+    return Generation
 
 
 def _parsed_tool_calls(messages: list[dict]) -> list[dict]:

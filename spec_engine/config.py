@@ -152,10 +152,14 @@ def _parse_suffix_keys(spec: dict, method: str) -> dict | None:
 
 def is_eagle_head(model_dir: str | Path) -> bool:
     """Whether ``model_dir`` holds an EAGLE head (an ``fc`` over the target's features) rather than a draft model."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as weights:
-            if any(k.split(".")[-2] == "fc" or k.startswith("midlayer.") for k in weights.keys() if "." in k):
-                return True
+        try:
+            with safe_open(str(f), "pt") as weights:
+                names = list(weights.keys())
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"corrupt weight file {f}: {e}") from None
+        if any(k.split(".")[-2] == "fc" or k.startswith("midlayer.") for k in names if "." in k):
+            return True
     return False

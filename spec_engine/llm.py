@@ -25,6 +25,8 @@ from spec_engine.zoo.pull import resolve_model
 from spec_kernels._backend import cpu_supports_native_bf16
 from spec_kernels._ext import load_ext
 
+DEFAULT_MAX_MODEL_LEN = 4096  # the context when none is asked for, where the model's is longer (KV memory)
+
 
 @dataclass
 class CompletionOutput:
@@ -130,7 +132,8 @@ class LLM:
     device, dtype : where and in what precision the weights and KV caches live; ``dtype="auto"`` (the default) is
         the fastest for the device (``auto_dtype``: bfloat16 on CPUs with AVX512-BF16 or AVX2 and on GPUs, else
         float32).
-    max_model_len : context length (prompt + output); defaults to the model's, capped at 4096.
+    max_model_len : context length (prompt + output), at most the model's; defaults to the model's, capped at
+        ``DEFAULT_MAX_MODEL_LEN`` (4096: KV memory for ``max_num_seqs`` full requests).
     max_num_seqs : requests decoded together.
     kv_cache_memory : bytes for the KV caches of both models (requests that do not fit wait).
     enable_prefix_caching : keep requests' full blocks of prompt K/V (as their prefill completes them), so a request
@@ -210,7 +213,10 @@ class LLM:
         self.served_by = None  # the AsyncEngine stepping this engine in its thread, if any (generate then refuses)
         self._chat_template: ChatTemplate | None = None
         cfg = self.target.config
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, 4096)
+        if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_model_len}) is past the model's context "
+                             f"({cfg.max_position_embeddings} positions)")  # fmt: skip
+        self.max_model_len = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if spec and spec["model_method"] is None:  # a model-drafter method given no "model": the one shipped
             spec = parse_speculative_config({**speculative_config, "model": shipped_model(cfg, spec["method"])})
             model_method = spec["model_method"]
@@ -455,13 +461,13 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: boo
     import sys
 
     from spec_engine.zoo import MODELS_DIR, default_model_paths
-    from spec_engine.zoo.pull import REGISTRY
+    from spec_engine.zoo.pull import REGISTRY, PullError
 
     model, draft = args.model, args.draft
     if fallback and model in REGISTRY:
         try:
             model = str(resolve_model(model))
-        except RuntimeError as e:
+        except PullError as e:
             reason = str(e).splitlines()[0]
             print(f"[specdec] could not pull {model} ({reason}); running the embedded default pair instead",
                   file=sys.stderr)  # fmt: skip

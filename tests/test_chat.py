@@ -101,3 +101,17 @@ def test_chat_hands_tools_and_earlier_calls_to_the_template(llm):
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}]  # fmt: skip
     out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=tools)
     assert out[0].prompt == "[add][mul]<user>2 + 3?<assistant>(2)"
+
+
+def test_templates_render_transformers_helpers():
+    """What transformers gives templates: ``strftime_now``, the ``{% generation %}`` block (its body as written),
+    ``tojson`` with its keyword arguments (``sort_keys``, ``separators``: the prompt text, so the tokens, as HF's)."""
+    import datetime
+
+    from spec_engine.chat_template import ChatTemplate
+
+    source = ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}|"
+              "{{ strftime_now('%Y') }}|{{ {'b': 1, 'a': [2]} | tojson(sort_keys=True, separators=(',', ':')) }}|"
+              "{{ 'é' | tojson }}")  # fmt: skip
+    text = ChatTemplate(None, source=source).render([{"role": "user", "content": "hi"}])
+    assert text == f'hi|{datetime.datetime.now().year}|{{"a":[2],"b":1}}|"é"', text

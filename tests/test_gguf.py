@@ -168,6 +168,20 @@ def test_tokenizer_adds_bos_when_the_file_says_so(hf_dir, tmp_path):
     assert tok.encode("hello").ids[0] == 1 and tok.encode("hello", add_special_tokens=False).ids[0] != 1
 
 
+def test_metadata_it_needs_and_lacks_is_named(hf_dir, tmp_path):
+    """A file without a key the model needs, or a BOS id outside its vocabulary, is a ValueError naming it."""
+    path = tmp_path / "bare.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)  # (no head count, no embedding length)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ValueError, match="lacks llama.attention.head_count"):
+        load_model(path)
+    meta = {**tokenizer_metadata(_bpe("default"), SPECIALS), "bos": 10**6, "eos": 2, "add_bos": True}
+    with pytest.raises(ValueError, match="bos_token_id 1000000 is not a token"):
+        gguf_tokenizer(write_gguf(tmp_path / "t.gguf", hf_dir, tokenizer=meta))
+
+
 def test_unsupported_pre_tokenizer(hf_dir, tmp_path):
     meta = tokenizer_metadata(_bpe("default"), SPECIALS, pre="deepseek-llm")
     with pytest.raises(ValueError, match="deepseek-llm.*smollm"):

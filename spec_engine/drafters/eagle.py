@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -259,16 +260,24 @@ def load_eagle_head(head_dir: str | Path, target: LlamaForCausalLM, *, dtype: to
     head_dir = Path(head_dir)
     if not (head_dir / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {head_dir}: not an EAGLE head directory")
-    raw = json.loads((head_dir / "config.json").read_text())
+    try:
+        raw = json.loads((head_dir / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{head_dir / 'config.json'}: {e}") from None
     files = sorted(head_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {head_dir}")
     state = {}
     for f in files:
-        state.update({_strip(k): v for k, v in load_file(str(f)).items()})
+        try:
+            state.update({_strip(k): v for k, v in load_file(str(f)).items()})
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"corrupt weight file {f}: {e}") from None
     layout = "eagle3" if any(k.startswith("midlayer.") for k in state) else "eagle"
     if layout == "eagle" and not any(k.startswith("layers.0.") for k in state):
         raise ValueError(f"{head_dir} is no EAGLE head: it has neither 'layers.0.*' (EAGLE) nor 'midlayer.*' (EAGLE-3)")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{head_dir / 'config.json'} must hold a JSON object")
     raw.setdefault("model_type", "llama")
     cfg = ModelConfig.from_dict(raw)
     tcfg = target.config

@@ -33,16 +33,32 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
+        """The config of an HF ``config.json``'s dict; ValueError naming the field that is missing, of the wrong
+        type, or asks for what this engine does not implement."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
+        try:
+            return cls._from_dict(cfg)
+        except KeyError as e:
+            raise ValueError(f"config.json lacks {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict) -> ModelConfig:
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(SUPPORTED_ARCHITECTURES)
             raise ValueError(f"unsupported architecture model_type={model_type!r}; specdec supports {supported}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act={cfg['hidden_act']!r}; only SwiGLU ('silu') models are supported")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias (biases on the MLP's projections) is not supported")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            _positive_int(cfg, key, required=True)
+        for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+            _positive_int(cfg, key)
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
         num_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos = token_ids(cfg.get("eos_token_id"), "eos_token_id")
         out = cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -70,14 +86,42 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """``config.json``'s config, its stop tokens joined by ``generation_config.json``'s (where chat models name
+        their end-of-turn token, as HF's ``generate`` reads it)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir!s}: not an HF model directory")
         try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"corrupt {path}: {e}") from e
-        return cls.from_dict(cfg)
+            raw = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:  # (json.JSONDecodeError is a ValueError)
+            raise ValueError(f"corrupt {path}: {e}") from None
+        try:
+            out = cls.from_dict(raw)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        generation = Path(model_dir) / "generation_config.json"
+        if generation.is_file():
+            try:
+                gen = json.loads(generation.read_text())
+                extra = token_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None, "eos_token_id")
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{generation}: {e}") from None
+            out.eos_token_id += [t for t in extra if t not in out.eos_token_id]
+        return out
+
+
+def token_ids(value, name: str) -> list[int]:
+    """A config's token id field (one id, a list, or null) as a list; ValueError for anything else."""
+    ids = [] if value is None else [value] if isinstance(value, int) else value
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{name} must be a token id or a list of them, got {value!r}")
+    return list(ids)
+
+
+def _positive_int(cfg: dict, key: str, required: bool = False) -> None:
+    value = cfg[key] if required else cfg.get(key)
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
 
 
 def _rope_parameters(cfg: dict) -> dict:
@@ -87,8 +131,14 @@ def _rope_parameters(cfg: dict) -> dict:
         params = dict(cfg.get("rope_scaling") or {})
         params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    if params["rope_type"] not in ("default", "linear", "llama3"):
+    llama3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    needs = {"default": (), "linear": ("factor",), "llama3": llama3}
+    if params["rope_type"] not in needs:
         raise ValueError(f"unsupported rope_type {params['rope_type']!r}; supported: default, linear, llama3")
+    for key in ("rope_theta", *needs[params["rope_type"]]):
+        value = params.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"rope_type {params['rope_type']!r} needs a positive {key}, got {value!r}")
     return params
 
 

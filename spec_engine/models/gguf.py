@@ -169,8 +169,21 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     def key(name, default=None):
         return f.get(f"{arch}.{name}", default)
 
-    num_heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    def need(name):
+        value = key(name)
+        if value is None:
+            raise ValueError(f"{f.path}: the metadata lacks {arch}.{name}")
+        return value
+
+    try:
+        return _gguf_config(f, arch, key, need)
+    except (TypeError, ValueError) as e:  # (a value of the wrong type: int() of a string, a list...)
+        raise ValueError(e if str(f.path) in str(e) else f"{f.path}: {e}") from None
+
+
+def _gguf_config(f: GGUFFile, arch: str, key, need) -> ModelConfig:
+    num_heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
     tokens = f.get("tokenizer.ggml.tokens")
     vocab = key("vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:
@@ -179,7 +192,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
     scaling = key("rope.scaling.type")
     if scaling == "linear":
-        rope = {**rope, "rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        rope = {**rope, "rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ValueError(f"{f.path}: unsupported RoPE scaling {scaling!r}; supported: none, linear")
     eos = [f.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
@@ -187,8 +200,8 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         "model_type": GGUF_ARCHITECTURES[arch][0],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(key("attention.head_count_kv", num_heads)),
         "head_dim": int(head_dim),
@@ -368,6 +381,8 @@ def _post_processor(f: GGUFFile, tokens: list[str]) -> dict | None:
         token_id = f.get(f"tokenizer.ggml.{end}_token_id")
         if token_id is None or not f.get(f"tokenizer.ggml.add_{end}_token", False):
             return []
+        if not (isinstance(token_id, int) and 0 <= token_id < len(tokens)):
+            raise ValueError(f"{f.path}: tokenizer.ggml.{end}_token_id {token_id!r} is not a token of its vocabulary")
         return [(tokens[token_id], int(token_id))]
 
     bos, eos = added("bos"), added("eos")

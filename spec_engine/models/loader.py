@@ -112,6 +112,12 @@ def build_model(
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"checkpoint {source} lacks {len(missing)} weights, e.g. {missing[:3]}")
+    # weights the model has no place for would be dropped and the output silently differ from the checkpoint's
+    # (a Llama with attention_bias has an o_proj bias too): refused. RoPE's inverse frequencies are computed here.
+    unused = sorted(k for k in set(state) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"checkpoint {source} holds {len(unused)} weights this engine's {cfg.model_type} has no "
+                         f"place for, e.g. {unused[:3]}: a variant it does not implement")  # fmt: skip
     for name, tensor in expected.items():
         if tuple(state[name].shape) != tuple(tensor.shape):
             raise ValueError(

@@ -77,7 +77,7 @@ def create_app(
 ) -> FastAPI:
     """The server for ``llm`` (a ``spec_engine.LLM``). Starts the engine loop thread now; stops it at shutdown.
 
-    ``chat_template``: the chat API's Jinja source (default: the model's own template, else ChatML).
+    ``chat_template``: the chat API's Jinja source (default: the model's own template, else ``DEFAULT_CHAT_TEMPLATE``).
     ``app.state.engine`` is the ``AsyncEngine``; ``app.state.registry`` the app's own Prometheus registry. Run it
     with ``uvicorn_config`` (the guarded HTTP layer), e.g. ``uvicorn.Server(uvicorn_config(app, port=0)).run()``.
     """
@@ -507,7 +507,7 @@ def serve(args) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise SystemExit(f"specdec serve: --chat-template: cannot read {template}: {e}") from None
     llm = build_llm(args)
-    name = args.served_model_name or (Path(args.model).name if args.model else "specdec-default")
+    name = args.served_model_name or (Path(args.model).resolve().name if args.model else "specdec-default")
     try:
         app = create_app(llm, name, max_pending=args.max_pending, max_body_bytes=args.max_body_bytes,
                          request_timeout=args.request_timeout, chat_template=template)  # fmt: skip

