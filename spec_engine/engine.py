@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import random
 import time
 from collections import deque
@@ -40,6 +41,8 @@ from spec_engine.structured import Grammars
 from spec_engine.threads import ThreadTuner
 from spec_engine.transfer import to_device
 from spec_engine.tree import causal_mask
+
+log = logging.getLogger("spec_engine.engine")
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
 
@@ -149,9 +152,10 @@ class Engine:
         self.rows = RequestRows(max_num_seqs, allocator.blocks_for(max_model_len + self.max_tree_nodes()))
         self._ids = itertools.count()
         self._keys = itertools.count()
-        # num_regular_steps: decode steps taken by the regular (Python) step, not a native call
+        # num_regular_steps: decode steps taken by the regular (Python) step, not a native call; num_retried_steps:
+        # steps whose rows raised together and ran again one by one (Engine._isolated: an engine bug where none fails)
         self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0,
-                      "num_regular_steps": 0, "num_cached_tokens": 0}  # fmt: skip
+                      "num_regular_steps": 0, "num_cached_tokens": 0, "num_retried_steps": 0}  # fmt: skip
         deepest = max(self.gamma, drafter.max_depth if drafter is not None else 0)  # (a hybrid's suffix rows)
         self.accepted_hist = [0] * (deepest + 1)
         self.gamma_history: deque[int] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode step: the deepest row's depth
@@ -269,6 +273,7 @@ class Engine:
             if req.request_id == request_id:
                 self.waiting.remove(req)
                 req.finish_reason = "abort"
+                req.metrics.finish_time = time.perf_counter()  # (it holds no blocks yet)
         for req in self.running:
             if req.request_id == request_id:
                 self._finish(req, "abort")
@@ -330,7 +335,7 @@ class Engine:
             self.rows.release(req.slot)
             req.slot = -1
         if self.drafter is not None:
-            self.drafter.finish_request(req.key)
+            self.drafter.finish_request(req.view())
 
     # --- one engine iteration --------------------------------------------------------------------------------
 
@@ -378,6 +383,8 @@ class Engine:
         except Exception as error:
             if len(reqs) == 1:
                 return [self._fail(reqs[0], error)]
+            self.stats["num_retried_steps"] += 1
+            log.warning("a step of %d requests raised (%r); running each alone", len(reqs), error)
         outputs = []
         for req in reqs:
             try:
@@ -395,7 +402,11 @@ class Engine:
     @torch.inference_mode()
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
         counts = [min(len(r.prompt_token_ids) - 1 - r.num_computed, self.prefill_chunk) for r in reqs]
-        T = max(counts)
+        # rows are padded to the widest chunk: a padded slot's position stays inside the RoPE table and the row's
+        # blocks (a short last chunk beside a long one, near the end of the context)
+        room = self.max_model_len + self.max_tree_nodes()
+        T = min(max(counts), min(room - r.num_computed for r in reqs))
+        counts = [min(n, T) for n in counts]
         tokens = np.zeros((len(reqs), T), dtype=np.int64)  # [B, T], ragged rows padded at the end
         for b, (r, n) in enumerate(zip(reqs, counts)):
             tokens[b, :n] = r.history[r.num_computed : r.num_computed + n]
@@ -517,7 +528,7 @@ class Engine:
         outputs = []
         for b, req in enumerate(reqs):
             counts = [step[b] for step in result.counts]
-            new = self._truncate(req, result.tokens[b])
+            new, stopped = self._truncate(req, result.tokens[b])
             kept, emitted = 1, counts[0]  # the steps whose tokens the row keeps (its first, at least)
             while kept < S and emitted < len(new):
                 emitted += counts[kept]
@@ -547,7 +558,9 @@ class Engine:
             self.stats["num_generated"] += len(new)
             if m.first_token_time is None:
                 m.first_token_time = now
-            if req.finish_reason is None and len(req.output_token_ids) >= req.params.max_tokens:
+            if stopped:  # (finished once its tokens are in: the drafter's last look at the request sees them)
+                self._finish(req, "stop")
+            elif req.finish_reason is None and len(req.output_token_ids) >= req.params.max_tokens:
                 self._finish(req, "length")
             outputs.append(StepOutput(req, new, req.finished))
         ran = sum(1 for rows in live if rows)
@@ -582,15 +595,14 @@ class Engine:
         stops = {t for r in reqs for t in r.stop_ids if 0 <= t < self.vocab_size}
         return torch.tensor(sorted(stops), dtype=torch.int64)
 
-    def _truncate(self, req: Request, toks: list[int]) -> list[int]:
+    def _truncate(self, req: Request, toks: list[int]) -> tuple[list[int], bool]:
         """Cut the emitted tokens at a stop token (kept, as vLLM does for EOS), at the token whose text completes a
         stop string (kept; the text ends before the string: ``visible_text``) or at max_tokens: what decoding one
-        token a step would have emitted."""
+        token a step would have emitted; and whether it stopped."""
         stops = req.stop_ids
         toks = toks[: req.tokens_left]
         completes = stop_string_end(req.params, req.output_token_ids, toks, self.detokenize)
         for i, t in enumerate(toks):
             if t in stops or i + 1 == completes:
-                self._finish(req, "stop")
-                return toks[: i + 1]
-        return toks
+                return toks[: i + 1], True
+        return toks, False

@@ -325,9 +325,15 @@ class LLM:
         Returns one ``RequestOutput`` per conversation, in order; ``prompt`` holds the rendered text.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        shape = "messages must be a non-empty list of {'role': str, 'content': ...} dicts, or a list of them"
+        if not conversations:
+            raise ValueError(shape)
         for conv in conversations:
-            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
-                raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of them")
+            if not isinstance(conv, (list, tuple)) or not conv or not all(isinstance(m, dict) for m in conv):
+                raise ValueError(shape)
+            for m in conv:  # (an assistant's earlier tool calls may stand without content, as OpenAI's)
+                if not isinstance(m.get("role"), str) or "content" not in m and not m.get("tool_calls"):
+                    raise ValueError(f"{shape}; got {m!r}"[:300])
         if tools is not None:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,

@@ -163,10 +163,11 @@ class Request:
         tokens = self.history[: self.num_tokens]
         tokens.flags.writeable = False  # a view: the drafter reads, the engine writes
         forced = ()
-        if self.grammar is not None and not self.prefilling:
+        if self.grammar is not None and not self.prefilling and not self.finished:
             forced = self.grammar.forced(tokens[len(self.prompt_token_ids) :], MAX_FORCED_DRAFT)
         return RowView(tokens, self.num_computed, self.draft_len, self.params.greedy, self.key,
-                       len(self.prompt_token_ids), self.score_trust.value, self.params.coupled, forced)  # fmt: skip
+                       len(self.prompt_token_ids), self.score_trust.value, self.params.coupled, forced,
+                       max(self.tokens_left - 1, 0))  # fmt: skip
 
     @property
     def prefilling(self) -> bool:

@@ -115,3 +115,14 @@ def test_templates_render_transformers_helpers():
               "{{ 'é' | tojson }}")  # fmt: skip
     text = ChatTemplate(None, source=source).render([{"role": "user", "content": "hi"}])
     assert text == f'hi|{datetime.datetime.now().year}|{{"a":[2],"b":1}}|"é"', text
+
+
+def test_malformed_conversations_are_refused(models):
+    llm = LLM(model=str(models["hf"]), dtype="float32", max_model_len=128)
+    for bad in ([], [[]], [{"role": "user"}], [{"content": "x"}], [{"role": 1, "content": "x"}], [[1]]):
+        with pytest.raises(ValueError, match="messages must be a non-empty list"):
+            llm.chat(bad, use_tqdm=False)
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls},
+               {"role": "tool", "tool_call_id": "c", "content": "1"}]  # fmt: skip
+    assert llm.chat(history, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

@@ -42,7 +42,7 @@ def test_plan_compares_expected_accepted_tokens():
     """A row goes to the suffix speculation exactly where its score beats the model's expected accepted tokens (and
     reaches min_score); the others keep the controller's depth."""
     hybrid = HybridDrafter(FakeModel(), FakeSuffix([3.0, 0.5, 2.0, 0.9]))
-    rows = [SimpleNamespace(greedy=True, score_trust=1.0)] * 4
+    rows = [SimpleNamespace(greedy=True, score_trust=1.0, draft_room=99)] * 4
     plan = hybrid.plan(rows, [4, 0, 2, 0], gains=[2.5, 0.0, 2.5, 0.0])
     assert plan.suffix_rows == [True, False, False, False]  # 0.5 and 0.9 are below min_score
     assert plan.gammas == [12, 0, 2, 0]
@@ -53,7 +53,7 @@ def test_a_request_whose_suffix_drafts_failed_goes_to_the_model():
     """The suffix side's score is scaled by what such scores kept on the request (RowView.score_trust): the same
     score of 3 wins against the model's 2.5 on a trusted request and loses on one whose speculations kept a third."""
     hybrid = HybridDrafter(FakeModel(), FakeSuffix([3.0, 3.0, 3.0]))
-    rows = [SimpleNamespace(greedy=True, score_trust=t) for t in (1.0, 0.6, 0.3)]
+    rows = [SimpleNamespace(greedy=True, score_trust=t, draft_room=99) for t in (1.0, 0.6, 0.3)]
     plan = hybrid.plan(rows, [4, 4, 4], gains=[2.5, 0.5, 0.5])
     assert plan.suffix_rows == [True, True, False]  # 3 * 0.6 = 1.8 beats 0.5; 3 * 0.3 = 0.9 is below min_score
     assert plan.expected == [3.0, pytest.approx(1.8), 0.5]
@@ -158,3 +158,17 @@ def test_the_cli_default_is_suffix_where_no_drafter_is_shipped(tmp_path):
     assert default_method(tmp_path / "tiny", None) == "suffix"
     with pytest.raises(ValueError, match="model"):
         LLM(str(tmp_path / "tiny"), {"method": "hybrid"})
+
+
+def test_suffix_rows_draft_no_deeper_than_the_request_can_keep():
+    """A request's last steps: the hybrid's suffix speculation is cut to the tokens the request can still keep (its
+    tokens left but one), as the engine cuts a model drafter's depth; a deeper tree is verified for nothing."""
+    target, draft = default_model_paths()
+    llm = LLM(target, speculative_config={"method": "hybrid", "model": draft}, max_model_len=256)
+    prompt = REPETITIVE[1]
+    llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)  # the loop, indexed
+    for max_tokens in (1, 3):
+        llm.engine.gamma_history.clear()
+        out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0]
+        assert max(llm.engine.gamma_history, default=0) <= max_tokens - 1, list(llm.engine.gamma_history)
+        assert len(out.outputs[0].token_ids) == max_tokens

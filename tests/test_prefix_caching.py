@@ -153,3 +153,22 @@ def test_a_held_request_keeps_its_place_and_others_go_by():
     while engine.has_unfinished():
         engine.step()
     assert [held.output_token_ids, unrelated.output_token_ids] == reference
+
+
+@pytest.mark.parametrize("name", ["plain", "draft model, adaptive"])
+def test_a_short_last_chunk_beside_a_long_one_near_the_context_end(name):
+    """A prompt whose cached prefix leaves a short chunk near the end of the context, prefilled in one step with
+    another prompt's long chunk: rows are padded to the widest chunk, and a padded slot's position must stay inside
+    the RoPE table and the row's blocks (it ran past them and raised; the step then ran each request alone, hiding
+    it). Same tokens as each request alone, and no step retried."""
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(3, 2000) for _ in range(210)]
+    other = [rng.randrange(3, 2000) for _ in range(150)]
+    llm = LLM(TARGET, speculative_config=SPECS[name], max_model_len=224, prefill_chunk=128)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate({"prompt_token_ids": long_prompt}, params, use_tqdm=False)  # its 6 full blocks cached
+    prompts = [{"prompt_token_ids": long_prompt + [5, 6, 7]}, {"prompt_token_ids": other}]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.stats["num_retried_steps"] == 0
+    alone = LLM(TARGET, speculative_config=SPECS[name], max_model_len=224, enable_prefix_caching=False)
+    assert together == [alone.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]

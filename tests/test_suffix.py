@@ -149,6 +149,31 @@ def test_global_tree_keeps_the_last_requests(make_tree):
     assert cache.global_tree.num_nodes() == 3 * 6  # three unique outputs of 3 tokens: 3 + 2 + 1 nodes each
 
 
+@pytest.mark.parametrize("make_tree", list(TREES.values()), ids=list(TREES))
+def test_a_finished_requests_last_tokens_join_the_global_tree(make_tree):
+    """The tokens a request's last step emitted were never speculated from (no step after them): finishing with its
+    final history indexes them, so a repeat of the request is drafted to its very end."""
+    cache = SuffixCache(max_depth=8, max_cached_requests=10, make_tree=make_tree)
+    tokens = np.array([5, 6, 7, 8, 9, 10, 11])
+    cache.update(0, tokens[:4], num_prompt_tokens=2)  # (its last speculation: three of its tokens out)
+    cache.finish(0, tokens, num_prompt_tokens=2)
+    assert cache.global_tree.frequency([7, 8, 9, 10, 11]) == 1
+    cache.update(1, np.array([5, 6, 7, 8, 9]), num_prompt_tokens=2)
+    assert cache.speculate(1, np.array([5, 6, 7, 8, 9]), 4, 4.0, 0.1).tokens == [10, 11]
+
+
+def test_the_engine_hands_a_finished_requests_last_tokens_to_suffix_decoding():
+    """Through the engine: a request's answer is in the global tree to its very end, its last step's tokens (and a
+    stop token) included."""
+    from spec_engine import LLM, SamplingParams, default_model_paths
+
+    llm = LLM(default_model_paths()[0], speculative_config={"method": "suffix"}, max_model_len=256)
+    for params in (SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[0])):  # fmt: skip
+        out = llm.generate("one two three four one two three four", params, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.engine.drafter.cache.global_tree.frequency(out[-4:]) >= 1, out
+
+
 def test_global_tree_serves_a_repeated_request():
     cache = SuffixCache(max_depth=8, max_cached_requests=10)
     cache.update(0, np.array([5, 6, 7, 8, 9, 10, 11]), num_prompt_tokens=2)

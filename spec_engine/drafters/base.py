@@ -32,7 +32,9 @@ class RowView:
     promised (accepted / expected, ``spec_engine.request.ScoreTrust``): a drafter that plans by scores scales them by
     it. ``coupled``: sampled through the position-keyed coupling (``SamplingParams.coupled``): its draws are the
     coupling noise's, never free ones. ``forced``: where the request's grammar (``SamplingParams.guided_json`` ...)
-    allows one way on, its tokens (``GrammarState.forced``): suffix speculation drafts them.
+    allows one way on, its tokens (``GrammarState.forced``): suffix speculation drafts them. ``draft_room``: the
+    drafted tokens the request can still keep (its tokens left but the one every step emits): a deeper draft is
+    verified for nothing.
     """
 
     token_ids: np.ndarray
@@ -44,6 +46,7 @@ class RowView:
     score_trust: float = 1.0
     coupled: bool = False
     forced: tuple[int, ...] = ()  # the tokens its structured-output grammar forces after the root (a sure draft)
+    draft_room: int = 1 << 30
 
 
 @dataclass
@@ -177,8 +180,9 @@ class Drafter(ABC):
         drafter at each row's depth (None without the controller)."""
         return DraftPlan(gammas)
 
-    def finish_request(self, key: int) -> None:  # noqa: B027
-        """Request ``key`` (``RowView.key``) is retired: drop what this drafter keeps for it alone."""
+    def finish_request(self, row: RowView) -> None:  # noqa: B027
+        """Request ``row.key`` is retired (``row``: its final tokens, the last step's included): drop what this
+        drafter keeps for it alone."""
 
     def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:  # noqa: B027
         """See the same prompt chunk the target prefilled. Shapes as ``LlamaForCausalLM.forward``; ``hidden``

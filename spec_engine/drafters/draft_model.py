@@ -163,6 +163,10 @@ class DraftModelDrafter(Drafter):
                 break
             counts = [min(rows[b].num_computed - cached[b], CATCH_UP_CHUNK) for b in long]
             n = max(counts)
+            table = self.model.rope_table  # [2, P, D]: a padded slot's position stays inside it (ragged rows)
+            if table is not None:
+                n = min(n, min(table.shape[1] - cached[b] for b in long))
+                counts = [min(c, n) for c in counts]
             tokens = np.zeros((len(long), n), dtype=np.int64)  # [n_long, n], ragged rows padded at the end
             for i, (b, count) in enumerate(zip(long, counts)):
                 tokens[i, :count] = rows[b].token_ids[cached[b] : cached[b] + count]

@@ -67,13 +67,17 @@ class HybridDrafter(Drafter):
     def store_features(self, positions, block_table, hidden) -> None:
         self.model.store_features(positions, block_table, hidden)
 
-    def finish_request(self, key: int) -> None:
-        self.model.finish_request(key)
-        self.suffix.finish_request(key)
+    def finish_request(self, row: RowView) -> None:
+        self.model.finish_request(row)
+        self.suffix.finish_request(row)
+
+    def _budget(self, row: RowView) -> int:
+        """A row's suffix speculation's nodes: the suffix drafter's most, or the drafted tokens the row can keep."""
+        return min(self.suffix.max_depth, row.draft_room)
 
     def _speculate(self, row: RowView) -> SuffixDraft:
         # sampled rows: chains (see the module docstring); greedy rows: the suffix drafter's own choice
-        return self.suffix.speculate(row, self.suffix.max_depth, tree=None if row.greedy else False)
+        return self.suffix.speculate(row, self._budget(row), tree=None if row.greedy else False)
 
     def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None) -> DraftPlan:
         if gains is None:
@@ -81,7 +85,7 @@ class HybridDrafter(Drafter):
         drafts = [self._speculate(r) for r in rows]
         scores = [trusted_score(d, r) for d, r in zip(drafts, rows)]
         suffix_rows = [(s >= self.suffix.min_score or d.sure) and s > gain for s, d, gain in zip(scores, drafts, gains)]
-        out = [self.suffix.max_depth if s else g for s, g in zip(suffix_rows, gammas)]
+        out = [self._budget(r) if s else g for s, g, r in zip(suffix_rows, gammas, rows)]
         nodes = [len(d.tokens) + 1 if s else self.model.nodes_for_depth(g) if g else 1
                  for d, s, g in zip(drafts, suffix_rows, gammas)]  # fmt: skip
         expected = [x if s else gain if g else 0.0 for x, s, g, gain in zip(scores, suffix_rows, gammas, gains)]

@@ -132,8 +132,8 @@ class SuffixDrafter(Drafter):
         tokens[:, 0] = batch.roots
         return Draft(tokens, parents, mask, depths, None, "iid")
 
-    def finish_request(self, key: int) -> None:
-        self.cache.finish(key)
+    def finish_request(self, row: RowView) -> None:
+        self.cache.finish(row.key, row.token_ids, row.num_prompt_tokens)
 
 
 def trusted_score(draft: SuffixDraft, row: RowView) -> float:

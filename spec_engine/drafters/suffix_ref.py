@@ -229,10 +229,15 @@ class SuffixCache:
             self.global_tree.extend(key, token_ids[output_start:])
         self._indexed[key] = len(token_ids)
 
-    def finish(self, key: int) -> None:
-        """Drop request ``key``'s own tree; its output stays in the global tree until evicted."""
+    def finish(self, key: int, token_ids: np.ndarray | None = None, num_prompt_tokens: int = 0) -> None:
+        """Drop request ``key``'s own tree; its output stays in the global tree until evicted, with ``token_ids`` (its
+        final history) the tokens its last step emitted too (no speculation after them indexed them)."""
         self._local.pop(key, None)
-        self._indexed.pop(key, None)
+        start = self._indexed.pop(key, None)
+        if token_ids is not None and start is not None and key in self._cached:
+            output_start = max(start, num_prompt_tokens)
+            if output_start < len(token_ids):
+                self.global_tree.extend(key, token_ids[output_start:])
 
     def speculate(self, key: int, context: np.ndarray, max_tokens: int, max_spec_factor: float,
                   min_token_prob: float, tree: bool = True) -> SuffixDraft:  # fmt: skip
