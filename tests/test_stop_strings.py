@@ -113,3 +113,43 @@ def test_bad_stop_strings_are_refused(stop):
 
 def test_one_stop_string_may_be_given_alone():
     assert SamplingParams(stop="\n\n").stop == ["\n\n"]
+
+
+def test_streamed_text_is_decoded_incrementally_and_equals_the_whole_decode(tmp_path):
+    """The server's deltas (``AsyncEngine._new_text``): random byte-level token streams (characters cut across
+    tokens, U+FFFD included), random steps of 1-5 tokens, with and without stop strings and min_tokens. Joined they
+    are the whole output's text as ``visible_text`` shows it; no delta ends in a cut character but at the end; and
+    each step decodes a window of its new tokens, not the whole output."""
+    from types import SimpleNamespace
+
+    from tiny_models import make_tokenizer
+
+    from spec_engine.server.async_engine import REPLACEMENT_CHAR, AsyncEngine, _Sink
+
+    tok = make_tokenizer(tmp_path / "tok", corpus=["naïve café 日本語 déjà vu — ünïcödé ✓ 🙂 " * 4, "plain text"])
+    widths = []
+
+    def decode(ids, skip=True):
+        widths.append(len(ids))
+        return tok.decode(list(ids), skip_special_tokens=skip)
+
+    fake = SimpleNamespace(llm=SimpleNamespace(tokenizer=tok, decode=decode))
+    rng = random.Random(0)
+    for case in range(60):
+        ids = [rng.randrange(tok.get_vocab_size()) for _ in range(rng.randrange(1, 120))]
+        stop = ["é", "ab"] if case % 3 == 0 else None
+        params = SamplingParams(max_tokens=200, stop=stop, min_tokens=rng.choice([0, 5]) if stop else 0)
+        sink, sent, n = _Sink(None, None, 0), [], 0
+        while n < len(ids):
+            n = min(len(ids), n + rng.randrange(1, 6))
+            done = n == len(ids)
+            sent.append(AsyncEngine._new_text(fake, sink, ids[:n], done, params))
+            assert done or stop or not sent[-1].endswith(REPLACEMENT_CHAR)  # (a stop string may cut after one)
+        whole = tok.decode(ids)
+        start = len(tok.decode(ids[: params.min_tokens - 1])) if stop and params.min_tokens > 1 else 0
+        assert "".join(sent) == visible_text(whole, stop, True, start=start), case
+    widths.clear()
+    sink, ids = _Sink(None, None, 0), [rng.randrange(tok.get_vocab_size()) for _ in range(2000)]
+    for n in range(1, len(ids) + 1):
+        AsyncEngine._new_text(fake, sink, ids[:n], n == len(ids), SamplingParams(max_tokens=2000))
+    assert max(widths) < 50  # (the whole output per step before: 2000)

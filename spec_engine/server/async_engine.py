@@ -142,6 +142,12 @@ class _Sink:
     num_prompt_tokens: int
     sent_text: str = ""
     delivered: bool = False  # a delta went out (the first carries the prompt's logprobs)
+    # the output's text decoded so far (``AsyncEngine._new_text``): ``text`` of its tokens before ``read_offset``,
+    # the last window decoded again from ``prefix_offset`` (a character's bytes may span tokens)
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    search_start: int | None = None  # where a stop string may end (``stop_search_start``), once min_tokens are out
 
     def put(self, item) -> bool:
         try:
@@ -356,17 +362,34 @@ class AsyncEngine:
 
     def _new_text(self, sink: _Sink, output_ids: list[int], finished: bool,
                   params: SamplingParams | None = None) -> str:  # fmt: skip
-        """Decode the whole output and return what was not sent yet. A trailing U+FFFD may be half a character
-        whose other bytes are still to come, so it is held back until a later token (or the end) settles it; so is a
-        tail that may begin a stop string, and a stop string itself is not sent unless the request includes it
+        """The output's text not sent yet. The text is decoded incrementally (each step decodes its new tokens with
+        the window before them, not the whole output: an output of n tokens costs n, not n^2, on the engine's
+        thread); a trailing U+FFFD may be half a character whose other bytes are still to come, so it is held back
+        (its tokens decoded again next step) until a later token (or the end) settles it; so is a tail that may
+        begin a stop string, and a stop string itself is not sent unless the request includes it
         (``visible_text``)."""
         if self.llm.tokenizer is None:
             return ""
-        text = self.llm.decode(output_ids, params.skip_special_tokens if params is not None else True)
-        if not finished:
-            text = text.rstrip(REPLACEMENT_CHAR)
-        if params is not None:
-            start = stop_search_start(params, output_ids, self.llm.decode)  # (past min_tokens' share)
+        skip = params.skip_special_tokens if params is not None else True
+        text = sink.text
+        if sink.read_offset < len(output_ids):
+            before = self.llm.decode(output_ids[sink.prefix_offset : sink.read_offset], skip)
+            window = self.llm.decode(output_ids[sink.prefix_offset :], skip)
+            if not window.startswith(before):  # a decoder that reads a window otherwise: the whole output again
+                before, window, sink.text = "", self.llm.decode(output_ids, skip), ""
+            pending = window[len(before) :]  # the text of the tokens past read_offset
+            if finished or pending and not pending.endswith(REPLACEMENT_CHAR):  # settled: the window moves on
+                sink.text += pending
+                sink.prefix_offset, sink.read_offset = sink.read_offset, len(output_ids)
+                text = sink.text
+            else:  # shown but for a cut character at its end, decoded again with the next tokens
+                text = sink.text + pending.rstrip(REPLACEMENT_CHAR)
+        if params is not None and params.stop:
+            start = sink.search_start
+            if start is None:  # (past min_tokens' share of the text: fixed once that many tokens are out)
+                start = stop_search_start(params, output_ids, self.llm.decode)
+                if len(output_ids) >= params.min_tokens - 1:
+                    sink.search_start = start
             text = visible_text(text, params.stop, finished, params.include_stop_str_in_output, start)
         if not text.startswith(sink.sent_text):  # a decoder that rewrites earlier text (a byte-level one never does)
             return ""
