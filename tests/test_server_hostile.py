@@ -311,6 +311,24 @@ def test_long_prompts_are_tokenised_off_the_event_loop(server, monkeypatch):
     assert threads and all(t.startswith("asyncio_") for t in threads), threads  # the default executor's workers
 
 
+def test_logprobs_responses_are_built_off_the_event_loop(server, monkeypatch):
+    """A response's logprobs (n choices, the prompt's too: megabytes of JSON) are built in a worker thread, not on
+    the event loop that serves /health and every other stream."""
+    import spec_engine.server.app as app_module
+
+    threads, real = [], app_module.completion_logprobs
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "completion_logprobs", spy)
+    body = {"prompt": "fox " * 40, "max_tokens": 4, "logprobs": 5, "echo": True, "n": 2}
+    r = httpx.post(url(server) + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert threads and all(t.startswith("asyncio_") for t in threads), threads
+
+
 # --- isolation: a planted engine fault fails one request only ----------------------------------------------------
 
 

@@ -330,9 +330,10 @@ def create_app(
             if req.stream:
                 return sse_response(streams, head, choice, None, wants_usage(req), count)
             done = await collect_choices(request, streams)
-            return JSONResponse(
+            # (n choices' logprobs, the prompt's too, can be megabytes of JSON: built off the event loop)
+            return await asyncio.to_thread(lambda: JSONResponse(
                 {**head, "choices": [choice(i, d) for i, d in enumerate(done)], "usage": usage_body(done)}
-            )
+            ))  # fmt: skip
 
         return await respond("completions", request, handle)
 
@@ -375,15 +376,20 @@ def create_app(
 
                 return sse_response(streams, head, choice, first, wants_usage(req), count)
             done = await collect_choices(request, streams)
-            choices = []
-            for i, d in enumerate(done):
-                message, finish = answers.whole(d.text, d.finish_reason)
-                choices.append({"index": i, "message": message, "logprobs": chat_logprobs(d), "finish_reason": finish})
-            body = {**head, "object": "chat.completion", "choices": choices, "usage": usage_body(done)}
-            if req.prompt_logprobs is not None:  # (vLLM's: the response's, not a choice's)
-                body["prompt_logprobs"] = vllm_prompt_logprobs(ids, done[0].prompt_logprobs, token_text,
-                                                               params.prompt_logprobs)  # fmt: skip
-            return JSONResponse(body)
+
+            def response() -> JSONResponse:  # (logprobs can be megabytes of JSON: built off the event loop)
+                choices = []
+                for i, d in enumerate(done):
+                    message, finish = answers.whole(d.text, d.finish_reason)
+                    choices.append({"index": i, "message": message, "logprobs": chat_logprobs(d),
+                                    "finish_reason": finish})  # fmt: skip
+                body = {**head, "object": "chat.completion", "choices": choices, "usage": usage_body(done)}
+                if req.prompt_logprobs is not None:  # (vLLM's: the response's, not a choice's)
+                    body["prompt_logprobs"] = vllm_prompt_logprobs(ids, done[0].prompt_logprobs, token_text,
+                                                                   params.prompt_logprobs)  # fmt: skip
+                return JSONResponse(body)
+
+            return await asyncio.to_thread(response)
 
         return await respond("chat_completions", request, handle)
 
