@@ -59,6 +59,13 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
     if unknown:
         raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
     suffix = _parse_suffix_keys(spec, method)
+    if method not in WEIGHTED_METHODS:  # (keys a model-free method would otherwise take and ignore)
+        for key in ("model", "draft_sampling"):
+            if key in spec:
+                raise ValueError(f"speculative_config.{key} needs a drafter with weights (method 'draft_model', "
+                                 f"'eagle' or 'hybrid'), not {method!r}")  # fmt: skip
+    if "eagle_topk" in spec and spec.get("tree") != "dynamic":
+        raise ValueError("eagle_topk (nodes a level of EAGLE-2's dynamic tree) needs tree='dynamic'")
     gamma = spec.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[method])
     adaptive = gamma == "auto"
     tree = spec.get("tree")
@@ -80,7 +87,9 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
     elif tree is not None:
         if method not in WEIGHTED_METHODS:
             raise ValueError("a static 'tree' needs method='draft_model', 'eagle' or 'hybrid'")
-        if not isinstance(tree, (list, tuple)) or not all(isinstance(b, int) and b >= 1 for b in tree):
+        if not isinstance(tree, (list, tuple)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in tree
+        ):
             raise ValueError(f"speculative_config.tree must be a list of positive ints, got {tree!r}")
         if len(tree) > gamma:
             raise ValueError(f"tree depth {len(tree)} exceeds num_speculative_tokens {gamma}")

@@ -488,6 +488,18 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: boo
             f"--draft is the drafter of --method {', '.join(WEIGHTED_METHODS)}; "
             f"--method {method} drafts without a model"
         )
+    asked = [
+        flag
+        for flag, value in (
+            ("--num-speculative-tokens", args.num_speculative_tokens),
+            ("--tree", args.tree),
+            ("--draft-vocab-size", args.draft_vocab_size),
+            ("--draft-dtype", args.draft_dtype),
+        )
+        if value is not None
+    ]
+    if method == "none" and asked:  # (settings of a drafter that would not run)
+        raise ValueError(f"{', '.join(asked)} set a drafter, and --method none runs none")
     spec = None
     if speculate and method != "none":
         spec = {"method": method}
@@ -503,11 +515,11 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: boo
             spec["draft_vocab_size"] = args.draft_vocab_size
         if args.draft_dtype is not None:
             spec["draft_dtype"] = args.draft_dtype
-        if args.tree:
+        if args.tree is not None:
             try:
                 spec["tree"] = [int(x) for x in args.tree.split(",")]
             except ValueError:
-                raise SystemExit(f"error: --tree must be comma-separated ints, got {args.tree!r}") from None
+                raise ValueError(f"--tree must be comma-separated ints, got {args.tree!r}") from None
     # --compare times the same request over and over: a cached prompt would skip the prompt processing a first
     # request pays, in both engines
     caching = getattr(args, "prefix_caching", True) and not getattr(args, "compare", False)

@@ -190,3 +190,10 @@ def test_max_model_len_is_honoured_up_to_the_models_context(pair):
 def test_compare_repeats_below_one_is_refused(capsys):
     assert main(["generate", "--prompt", "x", "--compare", "--compare-repeats", "0"]) == 2
     assert "--compare-repeats must be at least 1" in capsys.readouterr().err
+
+
+def test_drafter_flags_without_a_drafter_are_refused(capsys):
+    assert main(["generate", "--prompt", "x", "--method", "none", "-k", "3"]) == 2
+    assert "--method none runs none" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--tree", ""]) == 2
+    assert "--tree must be comma-separated ints" in capsys.readouterr().err

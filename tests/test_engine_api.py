@@ -92,6 +92,10 @@ def test_vocab_mismatch_is_refused_at_load(dirs):
         ({"method": "ngram", "min_n": 0}, "min_n"),
         ({"method": "ngram", "max_n": 2, "min_n": 3}, "exceeds max_n"),
         ({"method": "suffix", "max_n": 3}, "method='ngram'"),
+        ({"method": "suffix", "model": "x"}, "model needs a drafter with weights"),
+        ({"method": "ngram", "draft_sampling": "iid"}, "draft_sampling needs a drafter with weights"),
+        ({"method": "draft_model", "model": "x", "eagle_topk": 3}, "needs tree='dynamic'"),
+        ({"method": "draft_model", "model": "x", "tree": [True, 2]}, "list of positive ints"),
     ],
 )
 def test_bad_speculative_config(dirs, spec, match):
