@@ -503,9 +503,14 @@ class AdaptiveController:
         hits = self._probe_hits + PROBE_PRIOR_STRENGTH * PROBE_PRIOR
         return hits / (self._probe_hits + self._probe_misses + PROBE_PRIOR_STRENGTH)
 
+    def row_rate(self, req, B: int, G: int) -> float:
+        """The batch's tokens/s with ``req`` drafted at depth G (0: plain) and the others plain, at the row's
+        acceptance without the optimism bonus."""
+        if G == 0:
+            return B / max(self.plain_cost(B), 1e-9)
+        return self._row_rate(self.state(req), req, B, G)
+
     def _row_rate(self, state: RowState, req, B: int, G: int) -> float:
-        """The batch's tokens/s with this row drafted at depth G and the others plain, at the row's acceptance
-        without the optimism bonus."""
         cap = max(req.params.max_tokens - len(req.output_token_ids), 1)
         e = state.acceptance.expected_tokens(cap)[G]
         t = self.target_time(B * self.nodes[G]) + self.draft_cost.predict(G, self.draft_tokens[G] / TOKENS_REF)

@@ -502,10 +502,17 @@ class Engine:
         of the model drafter at each row's depth."""
         if self.drafter is None or not self.drafter.plans:
             return DraftPlan(gammas)
-        gains = None
-        if self.controller is not None:
-            gains = [self.controller.expected_accepted(r, g) for r, g in zip(reqs, gammas)]
-        plan = self.drafter.plan([r.view() for r in reqs], gammas, gains)
+        gains = faster = None
+        c = self.controller
+        if c is not None:
+            gains = [c.expected_accepted(r, g) for r, g in zip(reqs, gammas)]
+            if len(reqs) == 1 and c.target_cost.num_observed and c.draft_cost.num_observed:  # (steps priced)
+                model_rate = c.row_rate(reqs[0], 1, gammas[0])
+
+                def faster(b: int, nodes: int, tokens: float) -> bool:
+                    return tokens / max(c.target_time(nodes), 1e-9) > model_rate
+
+        plan = self.drafter.plan([r.view() for r in reqs], gammas, gains, faster)
         if self.controller is None or plan.nodes is None:
             return plan
         return priced_plan(plan, lambda width, tokens: self.controller.step_pays(width, tokens, len(reqs)))

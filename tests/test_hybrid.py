@@ -49,6 +49,30 @@ def test_plan_compares_expected_accepted_tokens():
     assert plan.nodes == [1, 1, 3, 1] and plan.expected == [3.0, 0.0, 2.5, 0.0]  # (the fake speculations are empty)
 
 
+def test_where_steps_are_priced_the_faster_step_wins():
+    """With the controller's prices (batch 1), a row goes to the suffix speculation where its step is faster in
+    tokens per second, not where it promises more tokens: a wide tree promising 3 tokens loses to the model's chain
+    promising 2.5 when it costs twice as much, and a narrow one promising less may win."""
+    wide = SuffixDraft(list(range(15)), list(range(-1, 14)), [0.2] * 15, 3.0)
+    narrow = SuffixDraft([1, 2], [-1, 0], [0.7, 0.5], 1.2)
+
+    class Drafts(FakeSuffix):
+        def speculate(self, row, budget, tree=None):
+            return next(self.scores)
+
+    rows = [SimpleNamespace(greedy=True, score_trust=1.0, draft_room=99)] * 2
+    cost = {16: 2.0, 3: 1.0}  # seconds of a step verifying that many nodes; the model's chain: 3.5 tokens / 1.4 s
+
+    def faster(b, nodes, tokens):
+        return tokens / cost[nodes] > 3.5 / 1.4
+
+    plan = HybridDrafter(FakeModel(), Drafts([wide, narrow])).plan(rows, [4, 4], [2.5, 2.5], faster)
+    assert plan.suffix_rows == [False, False]  # 4 / 2 = 2 and 2.2 / 1 tokens a second: both slower than 2.5
+    faster_narrow = lambda b, nodes, tokens: tokens / cost[nodes] > 1.5  # noqa: E731  (a slower model step)
+    plan = HybridDrafter(FakeModel(), Drafts([wide, narrow])).plan(rows, [4, 4], [2.5, 2.5], faster_narrow)
+    assert plan.suffix_rows == [True, True] and plan.nodes == [16, 3]
+
+
 def test_a_request_whose_suffix_drafts_failed_goes_to_the_model():
     """The suffix side's score is scaled by what such scores kept on the request (RowView.score_trust): the same
     score of 3 wins against the model's 2.5 on a trusted request and loses on one whose speculations kept a third."""

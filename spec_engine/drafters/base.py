@@ -10,6 +10,7 @@ trees (indexed from the rows' token views, forgotten at ``finish_request``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,10 +175,13 @@ class Drafter(ABC):
     # them (``needs_hidden``): the engine's native speculative steps write it
     features: torch.Tensor | None = None
 
-    def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None) -> DraftPlan:
+    def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None,
+             faster: Callable[[int, int, float], bool] | None = None) -> DraftPlan:  # fmt: skip
         """Revise the step's depths per row (``gammas``: the engine's or the adaptive controller's choice), before
         the step is shaped. ``gains`` [B]: the adaptive controller's expected accepted drafted tokens of the model
-        drafter at each row's depth (None without the controller)."""
+        drafter at each row's depth (None without the controller). ``faster(b, nodes, tokens)``, where the
+        controller prices steps (batch 1): whether row b's step verifying ``nodes`` (its root included) and
+        expected to emit ``tokens`` is faster, in tokens per second, than the step at the controller's depth."""
         return DraftPlan(gammas)
 
     def finish_request(self, row: RowView) -> None:  # noqa: B027

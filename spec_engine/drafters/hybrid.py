@@ -1,12 +1,15 @@
 """The hybrid drafter: per row and step, suffix decoding's speculation where it predicts more accepted tokens than
 the model drafter (a draft model or an EAGLE head), the model drafter elsewhere.
 
-The comparison is in expected accepted drafted tokens. The suffix side's is its speculation's score (the sum of its
-nodes' estimated probabilities, ``spec_engine.drafters.suffix_ref``) times what such scores kept on the request
+The comparison starts from expected accepted drafted tokens. The suffix side's is its speculation's score (the sum
+of its nodes' estimated probabilities, ``spec_engine.drafters.suffix_ref``) times what such scores kept on the request
 (``RowView.score_trust``); the model side's is the adaptive controller's
 estimate at the depth it chose for the row, sum_{d<=g} prod_{j<=d} alpha_j (``AdaptiveController.expected_accepted``,
-handed over as ``gains``: 0 where it chose not to draft), or, without the controller, sum_{d<=g} FIXED_ALPHA^d. The
-controller goes on pricing the model drafter from the rows the model drafts; the suffix rows teach it nothing.
+handed over as ``gains``: 0 where it chose not to draft), or, without the controller, sum_{d<=g} FIXED_ALPHA^d.
+Where the controller prices steps (batch 1), the two are compared as rates, tokens per second, each step at its
+measured price (``faster``): on a CPU a 16-node suffix tree costs r(17) ~2.5 tokens' worth, so more tokens can be
+slower than the model's chain. The controller goes on pricing the model drafter from the rows the model drafts; the
+suffix rows teach it nothing.
 
 One step's rows may mix the two: the model drafter runs on its rows only, the suffix speculations fill the others,
 and the step's tree is as wide as the widest row (the rest padding). The model drafter's cache skips the suffix
@@ -79,12 +82,17 @@ class HybridDrafter(Drafter):
         # sampled rows: chains (see the module docstring); greedy rows: the suffix drafter's own choice
         return self.suffix.speculate(row, self._budget(row), tree=None if row.greedy else False)
 
-    def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None) -> DraftPlan:
+    def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None,
+             faster=None) -> DraftPlan:  # fmt: skip
         if gains is None:
             gains = [sum(FIXED_ALPHA**d for d in range(1, g + 1)) for g in gammas]
         drafts = [self._speculate(r) for r in rows]
         scores = [trusted_score(d, r) for d, r in zip(drafts, rows)]
-        suffix_rows = [(s >= self.suffix.min_score or d.sure) and s > gain for s, d, gain in zip(scores, drafts, gains)]
+        # where steps are priced, the faster step in tokens per second (a wide suffix tree costs r(T) of a token:
+        # more tokens than the model's chain can still be slower); else the more tokens expected
+        beats = [faster(b, len(d.tokens) + 1, 1.0 + s) if faster is not None else s > gain
+                 for b, (d, s, gain) in enumerate(zip(drafts, scores, gains))]  # fmt: skip
+        suffix_rows = [(s >= self.suffix.min_score or d.sure) and s > 0 and x for s, d, x in zip(scores, drafts, beats)]
         out = [self._budget(r) if s else g for s, g, r in zip(suffix_rows, gammas, rows)]
         nodes = [len(d.tokens) + 1 if s else self.model.nodes_for_depth(g) if g else 1
                  for d, s, g in zip(drafts, suffix_rows, gammas)]  # fmt: skip

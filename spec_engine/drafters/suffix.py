@@ -113,7 +113,8 @@ class SuffixDrafter(Drafter):
         tree = self.use_tree if tree is None else tree
         return self.cache.speculate(row.key, row.token_ids, budget, self.max_spec_factor, self.min_token_prob, tree)
 
-    def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None) -> DraftPlan:
+    def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None,
+             faster=None) -> DraftPlan:  # fmt: skip
         """Each row keeps its depth (its budget of nodes) where its speculation scores at least ``min_score`` (its
         score scaled by the row's ``score_trust``); the others are not drafted (every row indexed either way). Every
         drafted row is a suffix row: what it keeps is its request's score trust, not the adaptive controller's
