@@ -153,3 +153,19 @@ def test_streamed_text_is_decoded_incrementally_and_equals_the_whole_decode(tmp_
     for n in range(1, len(ids) + 1):
         AsyncEngine._new_text(fake, sink, ids[:n], n == len(ids), SamplingParams(max_tokens=2000))
     assert max(widths) < 50  # (the whole output per step before: 2000)
+
+
+def test_a_decoder_that_reads_a_window_otherwise_falls_back_to_the_whole_output():
+    """A decoder whose text of a window is not a prefix of the text of a longer one (here token 0 alone reads
+    "*b"): the step decodes from the output's start instead, and the deltas still join to the whole text."""
+    from types import SimpleNamespace
+
+    from spec_engine.server.async_engine import AsyncEngine, _Sink
+
+    def decode(ids, skip=True):
+        return "*b" if list(ids) == [0] else "".join("bacd"[i] for i in ids)
+
+    fake = SimpleNamespace(llm=SimpleNamespace(tokenizer=object(), decode=decode))
+    sink, ids = _Sink(None, None, 0), [1, 0, 2, 3]
+    deltas = [AsyncEngine._new_text(fake, sink, ids[:n], n == len(ids), SamplingParams()) for n in range(1, 5)]
+    assert "".join(deltas) == "abcd" and deltas == ["a", "b", "c", "d"]

@@ -375,8 +375,9 @@ class AsyncEngine:
         if sink.read_offset < len(output_ids):
             before = self.llm.decode(output_ids[sink.prefix_offset : sink.read_offset], skip)
             window = self.llm.decode(output_ids[sink.prefix_offset :], skip)
-            if not window.startswith(before):  # a decoder that reads a window otherwise: the whole output again
-                before, window, sink.text = "", self.llm.decode(output_ids, skip), ""
+            if not window.startswith(before):  # a decoder that reads a window otherwise: from the output's start
+                sink.text, sink.prefix_offset, sink.read_offset = "", 0, 0
+                before, window = "", self.llm.decode(output_ids, skip)
             pending = window[len(before) :]  # the text of the tokens past read_offset
             if finished or pending and not pending.endswith(REPLACEMENT_CHAR):  # settled: the window moves on
                 sink.text += pending
