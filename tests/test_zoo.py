@@ -136,3 +136,14 @@ def test_eagle_prompt_set_keeps_the_benchmarks_functions_out():
     assert {p["kind"] for p in chat[len(later) :]} == {"everyday"}
     assert len({p["prompt"] for p in chat}) == len(chat)
     assert not set(CHAT) & set(shipped) and sum(p.startswith("How do I") for p in shipped) >= 50
+
+
+def test_a_work_dir_belongs_to_one_run(tmp_path):
+    """A work directory's caches and checkpoints are its first run's: a run with other inputs is refused (it would
+    silently resume from and train on the first run's token streams), one with the same inputs resumes."""
+    from spec_engine.zoo.train import claim_work_dir
+
+    claim_work_dir(tmp_path / "w", layout="eagle3", target=tmp_path / "a", max_files=2)
+    claim_work_dir(tmp_path / "w", layout="eagle3", target=tmp_path / "a", max_files=2)  # the same: resumes
+    with pytest.raises(ValueError, match="max_files.*2 -> 8.*another --work-dir"):
+        claim_work_dir(tmp_path / "w", layout="eagle3", target=tmp_path / "a", max_files=8)

@@ -317,7 +317,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--save-answers", type=Path, default=None, help="write --out's answers to this file and stop")
     args = ap.parse_args(argv)
     if args.save_answers is not None:
-        n = save_answers(args.out, args.save_answers)
+        try:
+            n = save_answers(args.out, args.save_answers)
+        except ValueError as e:
+            ap.error(str(e))
         print(f"{n} answers of {args.out} -> {args.save_answers} ({args.save_answers.stat().st_size / 1e6:.1f} MB)")
         return
     if args.target is None:
@@ -330,6 +333,12 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     if args.answers is not None and not args.answers.is_file():
         ap.error(f"--answers {args.answers}: no such file")
+    if args.answers is None and not args.prompts.is_file():
+        ap.error(f"--prompts {args.prompts}: no such file")
+    for flag in ("batch", "max_num_seqs", "max_tokens", "limit", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     torch.set_num_threads(args.threads)
     from spec_engine.llm import LLM
 

@@ -136,6 +136,23 @@ def encode_files(tok, files: list[Path], eos: int | None = None) -> torch.Tensor
     return torch.tensor(ids, dtype=torch.int32)
 
 
+def claim_work_dir(work: Path, **inputs) -> None:
+    """A work directory's caches (token streams, tokenizer, draft vocabulary) and checkpoints belong to one set of
+    ``inputs`` (the target, the layout, the corpus...): the first run records them in ``work/manifest.json``; a
+    later run with others is refused (it would silently resume from, and train on, the first run's)."""
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "manifest.json"
+    inputs = {k: str(v) if isinstance(v, Path) else v for k, v in inputs.items()}
+    if not path.is_file():
+        path.write_text(json.dumps(inputs, indent=2) + "\n")
+        return
+    recorded = json.loads(path.read_text())
+    changed = {k: f"{recorded.get(k)!r} -> {v!r}" for k, v in inputs.items() if recorded.get(k) != v}
+    if changed:
+        raise ValueError(f"{work} holds the caches and checkpoints of a run with other inputs ({changed}): give "
+                         "another --work-dir, or remove that one to start over")  # fmt: skip
+
+
 def encode_splits(tok, splits: dict[str, list[Path]], work: Path, eos: int | None = None) -> dict[str, torch.Tensor]:
     """Each split's token stream (``encode_files``), cached as ``work/<split>.pt``."""
     streams = {}
@@ -255,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     work = args.work_dir
-    work.mkdir(parents=True, exist_ok=True)
+    claim_work_dir(work, recipe="zoo", smoke=args.smoke, max_files=recipe.max_files, vocab_size=recipe.vocab_size)
 
     train_files, held_files = corpus_files()
     if recipe.max_files:

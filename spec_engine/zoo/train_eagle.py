@@ -44,7 +44,7 @@ from tqdm import tqdm
 from spec_engine.drafters.eagle import EagleHead, eagle3_target_layers, save_eagle_head
 from spec_engine.models import ModelConfig, load_model
 from spec_engine.zoo.eagle_data import ShardSet, collate, stream_samples, token_frequencies
-from spec_engine.zoo.train import Recipe, _run_stage, corpus_files, encode_splits, hf_config, lr_at
+from spec_engine.zoo.train import Recipe, _run_stage, claim_work_dir, corpus_files, encode_splits, hf_config, lr_at
 
 TTT_DECAY = 0.8  # weight of step k's loss: TTT_DECAY ** k
 
@@ -300,6 +300,9 @@ def main_eagle3(args, target, tcfg, eos, deadline: float | None = None) -> dict:
     if data is not None:
         data.reload()
         print(f"data: {len(data.train)} train samples ({data.tokens('train')} answer tokens), {len(data.held)} held")
+        if not data.train:  # (before the vocabulary is cut from them and kept)
+            raise ValueError(f"--data {' '.join(map(str, args.data))}: no answers there (spec_engine.zoo.eagle_data "
+                             "writes them)")  # fmt: skip
         if not data.held:
             print("no held-out answers (the split keeps greedy answers only): agreement is not measured")
         if data.width not in (None, len(layers) * tcfg.hidden_size):
@@ -343,10 +346,12 @@ def main_eagle3(args, target, tcfg, eos, deadline: float | None = None) -> dict:
         head.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, history = state["step"], json.loads(state["history"])
+        trained_tokens = state.get("trained_tokens", history[-1]["trained_tokens"] if history else 0)
+    else:
+        trained_tokens = 0
     head.train()
     bar = tqdm(range(step, args.steps), desc="train eagle3", initial=step, total=args.steps, dynamic_ncols=True)
     t0, seen = time.perf_counter(), 0
-    trained_tokens = history[-1]["trained_tokens"] if history else 0
     last_step, first = args.steps, step
     for step in bar:
         if deadline is not None and step == first + TIMED_STEPS:
@@ -379,7 +384,7 @@ def main_eagle3(args, target, tcfg, eos, deadline: float | None = None) -> dict:
         if (step + 1) % args.ckpt_every == 0 or last:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"model": head.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "history": json.dumps(history)}, tmp)  # fmt: skip
+                        "history": json.dumps(history), "trained_tokens": trained_tokens}, tmp)  # fmt: skip
             os.replace(tmp, ckpt)
             if args.data and data.reload():
                 bar.write(f"data: {len(data.train)} train samples ({data.tokens('train')} answer tokens)")
@@ -433,6 +438,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.max_seconds is not None and args.max_seconds < 0:
         ap.error(f"--max-seconds must be >= 0, got {args.max_seconds}")
+    for flag in ("steps", "ttt", "batch_size", "eval_every", "ckpt_every", "draft_vocab", "seq_len", "max_files"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    for flag in ("target", "init", *(() if args.smoke else ("data",))):
+        paths = getattr(args, flag)
+        missing = [str(p) for p in (paths if isinstance(paths, list) else [paths]) if p is not None and not p.exists()]
+        if missing:
+            ap.error(f"--{flag}: {', '.join(missing)} not found")
+    if args.export and not (args.work_dir / "eagle3.ckpt").is_file():
+        ap.error(f"--export: no checkpoint in --work-dir {args.work_dir} (train there first)")
+    if args.export and not args.data:
+        ap.error("--export needs --data (the answers its draft vocabulary and agreement are measured on)")
     deadline = None if args.max_seconds is None else time.perf_counter() + args.max_seconds  # loading included
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: no CUDA device is available")
@@ -443,6 +461,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     from spec_engine.llm import load_tokenizer
 
+    claim_work_dir(args.work_dir, layout=args.layout, target=args.target.resolve(), smoke=args.smoke,
+                   max_files=args.max_files)  # fmt: skip
     target = load_model(args.target, device=args.device)
     target.requires_grad_(False)
     if args.layout == "eagle3":
