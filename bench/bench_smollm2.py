@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             records.setdefault("hf", {})), "tok/s"))  # fmt: skip
     if lbench:
         for label, path in (("llama.cpp F16", f16), ("llama.cpp Q4_1", gguf)):
+            if path is None:  # (no llama-quantize: no F16 copy to time)
+                continue
             modes.append(
                 Mode(label, llama_cpp.decode_sampler(lbench, path, args.threads, args.max_tokens, CTX, 2), "tok/s")
             )
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         fn = forward_step(eng.target, eng.kv, 1, CTX, T)
         fn()
         fwd_modes.append(Mode(f"ours fwd T={T}", timed_ms(fn, 5), "ms"))
-        if lbench:
+        if lbench and f16:
             fwd_modes.append(
                 Mode(f"llama.cpp F16 fwd T={T}", llama_cpp.forward_sampler(lbench, f16, args.threads, T, CTX, 5), "ms")
             )

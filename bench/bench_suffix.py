@@ -18,7 +18,7 @@
    draft) on the same requests, each configuration timed back to back with plain decoding per request (the load
    drift of a shared machine hits both sides of a ratio); speedup = median of the per-request ratios of decode
    tok/s. Tokens are checked against plain decoding. A control row times held-out code continued (``--held-out``;
-   spec_engine/benchmark.py's prompts), where matching has little to find: the never-slower check.
+   ``bench.harness.build_prompts``), where matching has little to find: the never-slower check.
 
 Writes ``--out``/suffix.json with the machine's name, and the traces to ``--out``/traces.json (``--traces`` replays
 them).
@@ -232,13 +232,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     if args.peer:  # arctic-inference's interpreter: the replay only
         traces = json.loads(Path(args.peer[0]).read_text())
         out = {mode: replay_arctic(traces, mode == "tree") for mode in ("tree", "chain")}
         Path(args.peer[1]).write_text(json.dumps(out))
-        return
+        return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from spec_engine import LLM, default_model_paths
 
@@ -258,6 +258,9 @@ def main(argv=None) -> None:
     print(f"{len(traces)} traces, {sum(len(t['output']) for t in traces)} tokens ({model}); knobs {KNOBS}")
     ours = {mode: replay_ours(traces, mode == "tree") for mode in ("tree", "chain")}
     peer = run_peer(traces, args.arctic_python) if Path(args.arctic_python).is_file() else None
+    if peer is None:
+        print(f"arctic-inference skipped: no interpreter at --arctic-python {args.arctic_python} (a venv with "
+              "arctic-inference==0.3.0: README, 'Benchmarks')")  # fmt: skip
     print(f"{'drafter':<22}{'pass':>5}{'tau':>7}{'acc/step':>9}{'drafted':>9}{'alpha':>7}")
     for mode in ("tree", "chain"):
         for who, res in (("ours", ours), ("arctic-inference", peer)):
@@ -298,7 +301,11 @@ def main(argv=None) -> None:
         )
     )
     print(f"wrote {out / 'suffix.json'}")
+    if not all(r["same_tokens"] for rows in e2e.values() for r in rows.values()):
+        print("DIFFERENT tokens in some row: its speedup is not a result", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

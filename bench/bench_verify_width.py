@@ -11,7 +11,7 @@ Two parts, each with 2 threads (torch.set_num_threads):
    576x1536) and its lm_head 49152x576, bfloat16, cold, through ``spec_kernels.linear`` at M = 1, 2, 4, 8, 16:
    median us per call (p20-p80), weight GB/s (the DRAM roofline) and GFLOP/s (the FMA roofline: 2 cores x 2 FMA
    ports x 8 fp32 lanes x 2 flops per cycle on AVX2, ~190 GFLOP/s at ~3 GHz).
-2. **Forward**: the engine's own forward + logits of SmolLM2 (``/tmp/smol/hf``, the HF export) in bfloat16 over a
+2. **Forward**: the engine's own forward + logits of SmolLM2 (``--model``, default the pulled GGUF) in bfloat16 over a
    ``CTX``-token cached prefix at T = 1, 2, 4, 8, 16 (spec_engine.benchmark.forward_step), interleaved round by round,
    and r(T) from the medians.
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
     parser.add_argument("--part", choices=("matmuls", "forward", "both"), default="both")
-    parser.add_argument("--model", default="/tmp/smol/hf", help="SmolLM2 as an HF directory")
+    parser.add_argument("--model", default="smollm2", help="the target: an HF directory, a GGUF file or a pulled name")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: this thread's CPU time")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "bench_verify_width.json"))

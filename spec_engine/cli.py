@@ -120,6 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         report["tokens_per_s"], report["baseline_tokens_per_s"] = spec_tps, base_tps
         report["speedup"] = spec_tps / base_tps
         same = ref.outputs[0].token_ids == out.outputs[0].token_ids
+        report["same_tokens"] = same
         print(stats_line(out, spec_tps, median_of=args.compare_repeats), file=stream)
         why = explain(out.metrics, report["speedup"], same, params)
         if why:
@@ -129,7 +130,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
               file=stream)  # fmt: skip
     if args.json:
         print(json.dumps(report))
-    return 0
+    # tokens that differ where they must not (greedy, or seeded) break the lossless contract: exit 1, so no script
+    # reports the speedup as a pass
+    deterministic = params.greedy or params.seed is not None
+    return 1 if args.compare and not report["same_tokens"] and deterministic else 0
 
 
 def _alternating_tps(llm, base, prompt: str | dict, params, repeats: int) -> tuple[float, float]:

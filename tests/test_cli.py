@@ -197,3 +197,32 @@ def test_drafter_flags_without_a_drafter_are_refused(capsys):
     assert "--method none runs none" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--tree", ""]) == 2
     assert "--tree must be comma-separated ints" in capsys.readouterr().err
+
+
+def test_compare_exits_1_where_the_tokens_differ(pair, monkeypatch, capsys):
+    """--compare's tokens differing from plain decoding's (greedy: the contract broken; planted here in the plain
+    engine's answer) exit 1 and say so in the JSON, so no script takes the speedup for a pass."""
+    import spec_engine.cli as cli
+
+    real = cli.build_llm
+
+    def planted(args, speculate=True, **kw):
+        llm = real(args, speculate=speculate, **kw)
+        if not speculate:
+            generate = llm.generate
+
+            def differ(*a, **k):
+                outs = generate(*a, **k)
+                outs[0].outputs[0].token_ids = outs[0].outputs[0].token_ids[:-1] + [0]
+                return outs
+
+            llm.generate = differ
+        return llm
+
+    monkeypatch.setattr(cli, "build_llm", planted)
+    target, draft = pair
+    argv = ["generate", "--prompt", "def fib(n):", "--model", str(target), "--draft", str(draft), "--max-tokens", "8",
+            "--compare", "--compare-repeats", "1", "--json"]  # fmt: skip
+    assert main(argv) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out.strip().splitlines()[-1])["same_tokens"] is False and "DIFFERENT tokens" in out.err
