@@ -124,7 +124,7 @@ void compact_kv_cpu_entry(at::Tensor cache, const at::Tensor& cache_seqlens, con
                           const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table) {
   check_inputs(cache, cache_seqlens, accepted_nodes, num_accepted, block_table);
   c10::optional<at::Tensor> table;
-  if (block_table.has_value()) table = block_table->to(at::kInt).contiguous();
+  if (block_table.has_value()) table = int32_block_table("compact_kv_", *block_table);
   compact_kv_cpu(cache, as_long(cache_seqlens), as_long(accepted_nodes), as_long(num_accepted), table);
 }
 

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -137,6 +138,8 @@ void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, co
       const int64_t node = nodes[b * max_nodes + t];
       TORCH_CHECK_VALUE(node >= 0, "compact_kv_: accepted_nodes[", b, ", ", t, "] = ", node,
                         " is padding (or negative) inside the first num_accepted[", b, "] = ", num, " entries");
+      TORCH_CHECK_VALUE(node <= std::numeric_limits<int64_t>::max() - base, "compact_kv_: accepted_nodes[", b, ", ",
+                        t, "] = ", node, " is past the cache (cache_seqlens + it overflows)");
       lay.check_slot(b, t, base + node, "source (cache_seqlens + accepted_nodes)");
       lay.check_slot(b, t, base + t, "destination (cache_seqlens + t)");
       if (node != t) {

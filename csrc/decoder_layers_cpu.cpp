@@ -25,6 +25,7 @@
 // op's entry points.
 
 #include "layers_cpu.h"
+#include "native_model.h"
 
 namespace specdec {
 
@@ -46,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
   const at::Tensor cos_sin = rope.contiguous();                          // [2, B, T, D]
   const at::Tensor input = hidden.contiguous();                          // [B, T, H]
   at::Tensor table;                                                      // [B, max_blocks]
-  if (block_table.has_value()) table = block_table->to(at::kInt).contiguous();
+  if (block_table.has_value()) table = int32_block_table("decoder_layers", *block_table);
 
   at::Tensor out = at::empty(hidden.sizes(), hidden.options());  // [B, T, H]
   at::Tensor features = at::empty({d.B, d.T, static_cast<int64_t>(capture.size()) * d.H}, hidden.options());

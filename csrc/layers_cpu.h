@@ -307,6 +307,9 @@ Dims check_inputs(const at::Tensor& hidden, const std::vector<at::Tensor>& weigh
     TORCH_CHECK_VALUE(t->device() == hidden.device(), "decoder_layers: all tensors must be on ", hidden.device(),
                       ", got one on ", t->device());
   }
+  TORCH_CHECK_VALUE(!block_table.has_value() || block_table->device() == hidden.device(),
+                    "decoder_layers: all tensors must be on ", hidden.device(), ", got the block_table on ",
+                    block_table.has_value() ? block_table->device() : hidden.device());
   return d;
 }
 

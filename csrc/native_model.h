@@ -5,11 +5,27 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_to_copy.h>
+#include <c10/util/Exception.h>
 #include <torch/custom_class.h>
 
+#include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace specdec {
+
+// A block table as the CPU kernels read it: int32, contiguous. Ids an int32 cannot hold are refused, not wrapped
+// (2^32 + k read as block k would be another sequence's blocks).
+inline at::Tensor int32_block_table(const char* op, const at::Tensor& table) {
+  if (table.scalar_type() != at::kInt && table.numel() > 0) {
+    const at::Tensor wide = table.to(at::kLong);
+    const int64_t lo = wide.min().item<int64_t>(), hi = wide.max().item<int64_t>();
+    TORCH_CHECK_VALUE(lo >= std::numeric_limits<int32_t>::min() && hi <= std::numeric_limits<int32_t>::max(), op,
+                      ": block_table holds ids an int32 cannot (", lo, " .. ", hi, ")");
+  }
+  return table.to(at::kInt).contiguous();
+}
 
 struct NativeModel : torch::CustomClassHolder {
   // embed [V, H]; weights: LAYER_FIELDS tensors per layer (an empty tensor for a missing optional one; uint8 GGUF

@@ -46,6 +46,9 @@ void NativeModel::set_head(at::Tensor hidden_norm_, at::Tensor fc_, bool norm_be
                     fc_.sizes(), " for ", capture_.size(), " layers");
   TORCH_CHECK_TYPE(fc_.scalar_type() == rope_table.scalar_type(),
                    "NativeModel.set_head: fc must be in the head's dtype");
+  TORCH_CHECK_VALUE(fc_.device().is_cpu() && hidden_norm_.device().is_cpu(),
+                    "NativeModel.set_head: fc and hidden_norm must be on the CPU, got ", fc_.device(), " and ",
+                    hidden_norm_.device());
   hidden_norm = hidden_norm_.contiguous();
   fc = fc_.contiguous();
   norm_before_residual = norm_before_residual_;
@@ -78,7 +81,8 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_p
   TORCH_CHECK_TYPE(root_logits.scalar_type() == at::kFloat || root_logits.scalar_type() == at::kBFloat16,
                    "draft_chain: root_logits must be float32 or bfloat16, got ", root_logits.scalar_type());
   const int64_t B = root_logits.size(0), V = root_logits.size(1);
-  TORCH_CHECK_VALUE(gamma >= 1, "draft_chain: gamma must be >= 1, got ", gamma);
+  TORCH_CHECK_VALUE(gamma >= 1 && gamma <= m.rope_table.size(1), "draft_chain: gamma must be in [1, ",
+                    m.rope_table.size(1), "] (the RoPE table's positions), got ", gamma);
   TORCH_CHECK_VALUE(m.embed.size(0) >= V && m.lm_head.size(0) == V,
                     "draft_chain: the model's embed [V, H] and lm_head [V, H] must match the logits' V = ", V,
                     ", got ", m.embed.sizes(), " and ", m.lm_head.sizes());
@@ -92,12 +96,13 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_p
   TORCH_CHECK_VALUE(max_pos <= m.rope_table.size(1), "draft_chain: positions up to ", max_pos,
                     " need a longer RoPE table than ", m.rope_table.size(1));
   at::Tensor tokens = at::empty({B, gamma}, seqlens.options());  // [B, gamma]
+  const at::Tensor logits = root_logits.contiguous();             // [B, V], read row by row
   const int64_t* L = seqlens.data_ptr<int64_t>();
   const at::Tensor table = table_of(block_table);
   with_dtype(m.rope_table.scalar_type(), [&](auto type) {
     ChainRunner<decltype(type)> draft = runner_of<decltype(type)>("draft_chain", m, kv_cache, table, B);
     with_dtype(root_logits.scalar_type(), [&](auto root_type) {  // the target's roots: float32 logits
-      run_chain(draft, root_logits.data_ptr<decltype(root_type)>(), V, L, B, gamma, strict, m.vocab_ids(),
+      run_chain(draft, logits.data_ptr<decltype(root_type)>(), V, L, B, gamma, strict, m.vocab_ids(),
                 tokens.data_ptr<int64_t>());
     });
   });
@@ -121,7 +126,9 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Na
   TORCH_CHECK_VALUE(!stop_ids.has_value() || (stop_ids->dim() == 1 && stop_ids->device().is_cpu()),
                     "greedy_steps: stop_ids must be [S] on CPU");
   const int64_t B = roots.size(0);
-  TORCH_CHECK_VALUE(steps >= 1, "greedy_steps: steps must be >= 1, got ", steps);
+  TORCH_CHECK_VALUE(steps >= 1 && steps <= m.rope_table.size(1), "greedy_steps: steps must be in [1, ",
+                    m.rope_table.size(1), "] (the RoPE table's positions), got ", steps);
+  TORCH_CHECK_VALUE(B >= 1, "greedy_steps: no roots (B = 0)");
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
                     "greedy_steps: cache_seqlens must be [B] = [", B, "]");
   TORCH_CHECK_VALUE(!m.restricted() && !m.is_head(),

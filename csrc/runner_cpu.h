@@ -255,7 +255,7 @@ void run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t* L
 
 // The block table as the runners read it: int32, contiguous (undefined when absent).
 at::Tensor table_of(const c10::optional<at::Tensor>& block_table) {
-  return block_table.has_value() ? block_table->to(at::kInt).contiguous() : at::Tensor();
+  return block_table.has_value() ? int32_block_table("native step", *block_table) : at::Tensor();
 }
 
 // A restricted vocabulary's ids [V] as int64, each an id of the embedding's `rows` (undefined when absent).

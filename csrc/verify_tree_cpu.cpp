@@ -40,6 +40,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tenso
                     "verify_greedy: logits must be float32 [B, T, V] on CPU, got ", logits.sizes(), " ",
                     logits.scalar_type(), " on ", logits.device());
   const int64_t B = logits.size(0), T = logits.size(1), V = logits.size(2);
+  TORCH_CHECK_VALUE(T >= 1 && V >= 1, "verify_greedy: a tree has its root (T >= 1) and logits a vocabulary, got ",
+                    logits.sizes());
   for (const at::Tensor* t : {&tokens, &parents}) {
     TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == B && t->size(1) == T && t->scalar_type() == at::kLong &&
                           t->device().is_cpu(),

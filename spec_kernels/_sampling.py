@@ -259,13 +259,14 @@ def sample_from_weights(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample: w [N, V] >= 0 unnormalised with positive row mass, u [N] uniform in [0, 1) -> ids [N].
 
     One uniform per row instead of V exponentials (an exponential race costs more in random numbers than in
-    logits on CPU). Never returns a zero-weight id: rounding past the end clamps to the last positive weight.
+    logits on CPU). Never returns a zero-weight id: rounding past the end clamps to the last positive weight; nor
+    an id past the vocabulary where the weights hold a NaN (a garbage draw, but an id).
     """
     cdf = torch.cumsum(w, -1)  # [N, V]
     total = cdf[:, -1:].contiguous()
     idx = torch.searchsorted(cdf, u[:, None].to(cdf.dtype) * total, right=True)
     last = torch.searchsorted(cdf, total, right=False)  # first index reaching the total: the last positive weight
-    return torch.minimum(idx, last).squeeze(1)
+    return torch.minimum(idx, last).squeeze(1).clamp_(max=w.shape[-1] - 1)
 
 
 def check_seed(seed, B: int):

@@ -74,6 +74,15 @@ def _native_weights(x: torch.Tensor, weights: Sequence, kv_cache: torch.Tensor) 
     return layers.flat if fits else None
 
 
+def _native_ops():
+    """``torch.ops.spec_kernels`` with the extension loaded: the step runners' ops are looked up before a model's
+    ``handle`` (which loads it) is built, so in a fresh process they were not registered yet."""
+    from spec_kernels._ext import load_ext
+
+    load_ext()
+    return torch.ops.spec_kernels
+
+
 @dataclass(frozen=True, eq=False)
 class NativeModel:
     """A whole model as the native step ops take it (``draft_chain``, ``greedy_steps``, ``spec_chain``), built
@@ -279,8 +288,8 @@ def draft_chain(
     or a non-finite maximum on, its tokens are -1 (a draft skips NaNs by default: a bad guess costs acceptance
     only).
     """
-    return torch.ops.spec_kernels.draft_chain(root_logits, model.handle, model.check_cache(kv_cache), cache_seqlens,
-                                              block_table, gamma, strict)  # fmt: skip
+    return _native_ops().draft_chain(root_logits, model.handle, model.check_cache(kv_cache), cache_seqlens,
+                                     block_table, gamma, strict)  # fmt: skip
 
 
 def greedy_steps(
@@ -301,8 +310,8 @@ def greedy_steps(
     be restricted (its logits decide the output)."""
     if model.vocab_map is not None:
         raise ValueError("greedy_steps: the model's vocabulary cannot be restricted (its logits decide the output)")
-    return torch.ops.spec_kernels.greedy_steps(roots, model.handle, model.check_cache(kv_cache), cache_seqlens,
-                                               block_table, steps, stop_ids)  # fmt: skip
+    return _native_ops().greedy_steps(roots, model.handle, model.check_cache(kv_cache), cache_seqlens,
+                                      block_table, steps, stop_ids)  # fmt: skip
 
 
 def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, catch_up_lens, seqlens, target_kv,
@@ -325,10 +334,10 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
     if head and draft_features is None:
         raise ValueError("spec_chain: an EAGLE-3 head needs its feature cache (draft_features)")
     model = draft.model if head else draft
-    return torch.ops.spec_kernels.spec_chain(catch_up, catch_up_lens, seqlens, target.handle,
-                                             target.check_cache(target_kv), draft.handle, model.check_cache(draft_kv),
-                                             block_table, budget, stop_ids, gamma, max_steps, stop_on_reject,
-                                             draft_features if head else None)  # fmt: skip
+    return _native_ops().spec_chain(catch_up, catch_up_lens, seqlens, target.handle,
+                                    target.check_cache(target_kv), draft.handle, model.check_cache(draft_kv),
+                                    block_table, budget, stop_ids, gamma, max_steps, stop_on_reject,
+                                    draft_features if head else None)  # fmt: skip
 
 
 def tree_step(
@@ -347,7 +356,7 @@ def tree_step(
     raises): it redoes the step, overwriting the slots this call wrote."""
     if target.vocab_map is not None:
         raise ValueError("tree_step: the target's vocabulary cannot be restricted (its logits decide the output)")
-    accepted, output, counts, features = torch.ops.spec_kernels.tree_step(
+    accepted, output, counts, features = _native_ops().tree_step(
         tokens, parents, seqlens, target.handle, target.check_cache(kv_cache), block_table, list(capture)
     )  # [B, T], [B, T], [B], [B, T, F] | [0]
     if counts.numel() and int(counts.min()) < 1:
@@ -383,6 +392,6 @@ def eagle3_draft(
     outputs ``[B, T, H]``, the stand-ins for their features; the chain ``[B, gamma]`` int64; a sampled chain's logits
     at each level ``[B, gamma, K]`` float32, empty otherwise).
     """
-    return torch.ops.spec_kernels.eagle3_draft(tokens, start, last, feature_cache, head.handle,
-                                               head.model.check_cache(kv_cache), block_table, gamma, inv_temp,
-                                               noise)  # fmt: skip
+    return _native_ops().eagle3_draft(tokens, start, last, feature_cache, head.handle,
+                                      head.model.check_cache(kv_cache), block_table, gamma, inv_temp,
+                                      noise)  # fmt: skip

@@ -74,7 +74,8 @@ def _native_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _triton_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the Triton kernel takes these inputs (any device): one dtype it has a configuration for, a 2-d weight
-    with contiguous rows; metadata only."""
+    with contiguous rows, x's K and the bias's N matching it, one device; metadata only (the kernel checks no
+    bounds: a K past the weight's rows read past it)."""
     dtype = x.dtype
     return (
         dtype in TRITON_CONFIGS
@@ -82,7 +83,9 @@ def _triton_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         and weight.dim() == 2
         and weight.stride(-1) == 1
         and x.dim() >= 1
-        and (bias is None or bias.dtype is dtype)
+        and x.shape[-1] == weight.shape[1]
+        and weight.device == x.device
+        and (bias is None or bias.dtype is dtype and bias.shape == weight.shape[:1] and bias.device == x.device)
     )
 
 
@@ -157,9 +160,11 @@ def linear(
     backend = resolve_backend("linear", backend, x.device)
     if backend == "triton":
         if not _triton_takes(x, weight, bias):
-            raise ValueError(f"linear: backend='triton' takes one of float32 / float16 / bfloat16 for x, weight and "
-                             f"bias and a weight [N, K] with contiguous rows; got x {x.dtype}, weight {weight.dtype} "
-                             f"{tuple(weight.shape)}")  # fmt: skip
+            raise ValueError(f"linear: backend='triton' takes one of float32 / float16 / bfloat16 for x [..., K], "
+                             f"weight [N, K] with contiguous rows and bias [N], on one device; got x {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}, weight {weight.dtype} {tuple(weight.shape)} on "
+                             f"{weight.device}, bias "
+                             f"{None if bias is None else (bias.dtype, tuple(bias.shape), bias.device)}")  # fmt: skip
         return linear_triton(x, weight, bias)
     if backend == "torch":
         return linear_ref(x, weight, bias)

@@ -103,14 +103,23 @@ def _check_inputs(
     # SPECDEC_DEBUG_CHECKS=1 reads the lengths instead, for the message with the numbers.
     if B == 0 or not check_lengths:
         return
+    # a block id outside the cache reads (and the kernels never bound-check it) another row of memory
+    num_blocks = k_cache.shape[0]
+    ids_ok = f"{op}: block_table holds ids outside [0, num_blocks = {num_blocks})"
     if not host_value_checks(q.device):
         torch._assert_async((cache_seqlens >= 0).all() & (cache_seqlens.max() + T <= capacity), f"{op}: {what}")
+        if block_table is not None and block_table.numel():
+            torch._assert_async(((block_table >= 0) & (block_table < num_blocks)).all(), ids_ok)
     else:
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
         if lo < 0:
             raise ValueError(f"{op}: cache_seqlens must be >= 0, got min {lo}")
         if hi + T > capacity:
             raise ValueError(f"{op}: {what} < max(cache_seqlens) + T = {hi} + {T}")
+        if block_table is not None and block_table.numel():
+            lo, hi = int(block_table.min()), int(block_table.max())
+            if lo < 0 or hi >= num_blocks:
+                raise ValueError(f"{ids_ok}: {lo} .. {hi}")
 
 
 # --- public op --------------------------------------------------------------------------------------------------
