@@ -7,9 +7,10 @@ of its nodes' estimated probabilities, ``spec_engine.drafters.suffix_ref``) time
 estimate at the depth it chose for the row, sum_{d<=g} prod_{j<=d} alpha_j (``AdaptiveController.expected_accepted``,
 handed over as ``gains``: 0 where it chose not to draft), or, without the controller, sum_{d<=g} FIXED_ALPHA^d.
 Where the controller prices steps (batch 1), the two are compared as rates, tokens per second, each step at its
-measured price (``faster``): on a CPU a 16-node suffix tree costs r(17) ~2.5 tokens' worth, so more tokens can be
-slower than the model's chain. The controller goes on pricing the model drafter from the rows the model drafts; the
-suffix rows teach it nothing.
+measured price (``faster``): on a CPU a wide suffix tree's verify costs r(T) of a token, several where r climbs
+(bench/RESULTS-log.md, "the hybrid's choice as a rate"), so more tokens can be slower than the model's chain.
+The controller goes on pricing the model drafter from the rows the model drafts; the suffix rows teach it
+nothing.
 
 One step's rows may mix the two: the model drafter runs on its rows only, the suffix speculations fill the others,
 and the step's tree is as wide as the widest row (the rest padding). The model drafter's cache skips the suffix

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from spec_engine.drafters.eagle import eagle3_target_layers
+from spec_engine.zoo.train import refuse_counts_below_one
 
 SAMPLE_KEYS = ("ids", "offsets", "prompt_lens", "tokens")  # a shard's samples, less their features and labels
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -335,10 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--answers {args.answers}: no such file")
     if args.answers is None and not args.prompts.is_file():
         ap.error(f"--prompts {args.prompts}: no such file")
-    for flag in ("batch", "max_num_seqs", "max_tokens", "limit", "threads"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    refuse_counts_below_one(ap, args, ("batch", "max_num_seqs", "max_tokens", "limit", "threads"))
     torch.set_num_threads(args.threads)
     from spec_engine.llm import LLM
 

@@ -136,6 +136,15 @@ def encode_files(tok, files: list[Path], eos: int | None = None) -> torch.Tensor
     return torch.tensor(ids, dtype=torch.int32)
 
 
+def refuse_counts_below_one(ap: argparse.ArgumentParser, args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """argparse's one-line error for the first of ``flags`` (``args``' attribute names: counts, None where unset)
+    given below 1."""
+    for flag in flags:
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+
+
 def claim_work_dir(work: Path, **inputs) -> None:
     """A work directory's caches (token streams, tokenizer, draft vocabulary) and checkpoints belong to one set of
     ``inputs`` (the target, the layout, the corpus...): the first run records them in ``work/manifest.json``; a

@@ -44,7 +44,16 @@ from tqdm import tqdm
 from spec_engine.drafters.eagle import EagleHead, eagle3_target_layers, save_eagle_head
 from spec_engine.models import ModelConfig, load_model
 from spec_engine.zoo.eagle_data import ShardSet, collate, stream_samples, token_frequencies
-from spec_engine.zoo.train import Recipe, _run_stage, claim_work_dir, corpus_files, encode_splits, hf_config, lr_at
+from spec_engine.zoo.train import (
+    Recipe,
+    _run_stage,
+    claim_work_dir,
+    corpus_files,
+    encode_splits,
+    hf_config,
+    lr_at,
+    refuse_counts_below_one,
+)
 
 TTT_DECAY = 0.8  # weight of step k's loss: TTT_DECAY ** k
 
@@ -438,10 +447,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.max_seconds is not None and args.max_seconds < 0:
         ap.error(f"--max-seconds must be >= 0, got {args.max_seconds}")
-    for flag in ("steps", "ttt", "batch_size", "eval_every", "ckpt_every", "draft_vocab", "seq_len", "max_files"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    refuse_counts_below_one(ap, args, ("steps", "ttt", "batch_size", "eval_every", "ckpt_every", "draft_vocab",
+                                       "seq_len", "max_files"))  # fmt: skip
     for flag in ("target", "init", *(() if args.smoke else ("data",))):
         paths = getattr(args, flag)
         missing = [str(p) for p in (paths if isinstance(paths, list) else [paths]) if p is not None and not p.exists()]
