@@ -20,7 +20,9 @@ class ChatTemplate:
     """The model's chat template rendered as transformers does, or ``DEFAULT_CHAT_TEMPLATE`` when the model has none.
 
     The template comes from an HF directory (``tokenizer_config.json``'s ``chat_template``, or a
-    ``chat_template.jinja`` file) or a GGUF file (``tokenizer.chat_template``); ``source`` overrides it.
+    ``chat_template.jinja`` file) or a GGUF file (``tokenizer.chat_template``); ``source`` overrides it, with its
+    Jinja source or the name of one of the model's named templates. Of named templates (a list in
+    tokenizer_config.json), "tool_use" renders conversations given tools and "default" the others (transformers').
     ``from_model`` says whether the rendered text already carries the special tokens (BOS...), in which case it
     must be encoded without adding them again.
     """
@@ -29,10 +31,13 @@ class ChatTemplate:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        found, self.special = _model_template(Path(model)) if model is not None else (None, {})
-        source = source if source is not None else found
-        self.from_model = isinstance(source, str)
-        self.source = source if self.from_model else DEFAULT_CHAT_TEMPLATE
+        if source is not None and not isinstance(source, str):  # (a Path would otherwise fall back to the default)
+            raise ValueError(f"chat_template must be the template's Jinja source (a str), got {type(source).__name__}")
+        named, self.special = _model_templates(Path(model)) if model is not None else ({}, {})
+        if source is not None:
+            named = {"default": named.get(source, source)}
+        self.from_model = bool(named)
+        self.source = named.get("default") or next(iter(named.values()), DEFAULT_CHAT_TEMPLATE)
 
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
@@ -45,21 +50,26 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             self._template = env.from_string(self.source)
+            self._tool_use = env.from_string(named["tool_use"]) if "tool_use" in named else self._template
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
 
     def render(self, messages: list, add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text for ``messages`` (dicts with "role" and "content", or pydantic models of them);
-        ``kwargs`` reach the template as variables. A template error (e.g. roles that must alternate), or one on
-        values the template did not expect (a variable of another type), raises ``ValueError``."""
+        ``kwargs`` reach the template as variables. Content is text, as the server reads it (``_text_content``). A
+        template error (e.g. roles that must alternate), or one on values the template did not expect (a variable
+        of another type), raises ``ValueError``."""
         import jinja2
 
         messages = _parsed_tool_calls(
-            [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in messages]
+            [_text_content(m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m)) for m in messages]
         )
-        try:
-            return self._template.render(
-                **{**self.special, **kwargs}, messages=messages, add_generation_prompt=add_generation_prompt
+        template = self._tool_use if kwargs.get("tools") is not None else self._template
+        try:  # (tools and documents None where not given, as transformers passes them: "tools is not none" tests)
+            return template.render(
+                **{"tools": None, "documents": None, **self.special, **kwargs},
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
             )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
@@ -93,6 +103,23 @@ def _generation_tag():
     return Generation
 
 
+def _text_content(message: dict) -> dict:
+    """``message`` with its content as the text a template writes, as the server's ``ChatMessage`` reads it: OpenAI
+    content parts of type "text" joined, null or absent content "" (a template would write "None", or a list's
+    repr). ValueError for other parts (images...: this engine takes text) or content of another type."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return message
+    if content is None:
+        return {**message, "content": ""}
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return {**message, "content": "".join(p["text"] for p in content)}
+    raise ValueError(f"message content must be a string or a list of {{'type': 'text', 'text': str}} parts, got "
+                     f"{content!r}"[:300])  # fmt: skip
+
+
 def _parsed_tool_calls(messages: list[dict]) -> list[dict]:
     """``messages`` with an assistant's earlier ``tool_calls`` carrying their ``arguments`` as the dict chat
     templates write out with ``tojson`` (OpenAI sends JSON text: parsed, "" as {}, kept as text where it is not
@@ -101,6 +128,11 @@ def _parsed_tool_calls(messages: list[dict]) -> list[dict]:
     for m in messages:
         if m.get("tool_calls"):
             calls = []
+            if not isinstance(m["tool_calls"], list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function") or {}, dict) for c in m["tool_calls"]
+            ):
+                raise ValueError(f"tool_calls must be a list of {{'id', 'type', 'function': {{'name', 'arguments'}}}} "
+                                 f"dicts, got {m['tool_calls']!r}"[:300])  # fmt: skip
             for call in m["tool_calls"]:
                 fn = dict(call.get("function") or {})
                 if isinstance(fn.get("arguments"), str):
@@ -114,12 +146,14 @@ def _parsed_tool_calls(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _model_template(model: Path) -> tuple[str | None, dict[str, str]]:
-    """(template source or None, special token texts) of an HF directory or a GGUF file."""
+def _model_templates(model: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """({name: template source}, special token texts) of an HF directory or a GGUF file: its named templates, or its
+    one template as "default"; {} where it has none."""
     from spec_engine.models.gguf import gguf_chat_template, gguf_path_or_none, gguf_special_tokens
 
     if gguf_path_or_none(model) is not None:
-        return gguf_chat_template(model), gguf_special_tokens(model)
+        source = gguf_chat_template(model)
+        return ({"default": source} if isinstance(source, str) else {}), gguf_special_tokens(model)
     cfg: dict = {}
     cfg_path = model / "tokenizer_config.json"
     if cfg_path.is_file():
@@ -130,12 +164,14 @@ def _model_template(model: Path) -> tuple[str | None, dict[str, str]]:
     source = cfg.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default") or next(iter(named.values()), None)
+        named = {k: v for k, v in named.items() if isinstance(k, str) and isinstance(v, str)}
+    else:
+        named = {"default": source} if isinstance(source, str) else {}
     jinja_file = model / "chat_template.jinja"
-    if source is None and jinja_file.is_file():
-        source = jinja_file.read_text()
+    if not named and jinja_file.is_file():
+        named = {"default": jinja_file.read_text()}
     special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    return source, special
+    return named, special
 
 
 def _token_text(tok) -> str:

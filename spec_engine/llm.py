@@ -36,6 +36,8 @@ class CompletionOutput:
     finish_reason: str | None
     # SamplingParams.logprobs: per token of token_ids, {token: its log-probability, then the alternatives'}
     logprobs: list[dict[int, float]] | None = None
+    # the sum of token_ids' log-probabilities (vLLM's), where SamplingParams.logprobs asks for them; else None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -95,9 +97,10 @@ def auto_dtype(device: str) -> str:
     and target + draft then fit in the L3 cache; bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)"),
     float32 elsewhere. CUDA: bfloat16 where the GPU has it, float16 otherwise. Other devices (meta): float32. Greedy
     tokens are those of the chosen dtype; pass ``dtype="float32"`` for float32's."""
-    if device == "cuda":
+    kind = torch.device(device).type  # ("cuda:1" is a CUDA device too)
+    if kind == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if device == "cpu" and cpu_supports_native_bf16():
+    if kind == "cpu" and cpu_supports_native_bf16():
         return "bfloat16"
     return "float32"
 
@@ -181,7 +184,7 @@ class LLM:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         try:
-            torch.device(device)
+            kind = torch.device(device).type
         except RuntimeError as error:
             raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from error
         self.tensor_parallel_size = tensor_parallel_size
@@ -190,8 +193,8 @@ class LLM:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {dtype!r}")
         self.dtype = dtype
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but no CUDA device is available")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but no CUDA device is available")
         torch_dtype = DTYPES[dtype]
         spec = parse_speculative_config(speculative_config)
         model = resolve_model(model)
@@ -313,7 +316,8 @@ class LLM:
 
         Parameters
         ----------
-        messages : one conversation (``[{"role": "user", "content": "..."}, ...]``) or a list of them.
+        messages : one conversation (``[{"role": "user", "content": "..."}, ...]``) or a list of them; a content is
+            a string or OpenAI's ``[{"type": "text", "text": ...}]`` parts (joined, as the server reads them).
         sampling_params : one for all conversations, or one per conversation.
         chat_template : a Jinja source used instead of the model's template (HF directory or GGUF metadata;
             models without one get ``DEFAULT_CHAT_TEMPLATE``).
@@ -324,8 +328,10 @@ class LLM:
 
         Returns one ``RequestOutput`` per conversation, in order; ``prompt`` holds the rendered text.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         shape = "messages must be a non-empty list of {'role': str, 'content': ...} dicts, or a list of them"
+        if not isinstance(messages, (list, tuple)):  # (a bare message dict, None, a string)
+            raise ValueError(f"{shape}; got {type(messages).__name__}")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError(shape)
         for conv in conversations:
@@ -349,7 +355,9 @@ class LLM:
             return prompt, self.encode(prompt)
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), (list, tuple)):
             return None, list(prompt["prompt_token_ids"])
-        raise ValueError("each prompt must be a str or {'prompt_token_ids': [int, ...]}")
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+            return prompt["prompt"], self.encode(prompt["prompt"])
+        raise ValueError("each prompt must be a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
 
     def generate(
         self,
@@ -424,6 +432,9 @@ class LLM:
                 list(r.output_token_ids),
                 r.finish_reason,
                 list(r.output_logprobs) if r.params.logprobs is not None else None,
+                sum(e[t] for t, e in zip(r.output_token_ids, r.output_logprobs))
+                if r.params.logprobs is not None
+                else None,
             )
             for i, r in enumerate(group)
         ]

@@ -87,7 +87,9 @@ class SamplingParams:
     stop token, and takes no ``ignore_eos``, ``min_tokens``, ``allowed_token_ids`` or ``bad_words`` beside it (nor do
     ``bad_words`` and ``allowed_token_ids`` go together: each could leave a node no token).
 
-    ``guided_json`` (a JSON schema: a dict, or its JSON text; ``{"type": "object"}`` is any JSON object),
+    ``guided_json`` (a JSON schema: a dict, or its JSON text; ``{"type": "object"}`` is any JSON object; an object
+    that names its ``properties`` takes no other keys unless it says ``"additionalProperties"``, as vLLM's default
+    backend reads schemas: ``structured.closed_objects``),
     ``guided_regex`` (a regular expression the whole output matches) and ``guided_grammar`` (a GBNF grammar, as
     llama.cpp writes them, or a Lark one in llguidance's dialect): the output is a sentence of that language
     (vLLM's), through llguidance
@@ -137,6 +139,8 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI take it
             self.stop = [self.stop]
+        if isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k == -1:  # vLLM's "all tokens"
+            self.top_k = 0
         self.validate()
 
     def validate(self) -> None:
@@ -162,7 +166,7 @@ class SamplingParams:
         if self.temperature != 0 and not temperature >= as_float32(MIN_TEMPERATURE):
             raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
         if not 0 <= self.top_k <= INT64_MAX:
-            raise ValueError(f"top_k must be in [0, 2**63) (0 = off), got {self.top_k}")
+            raise ValueError(f"top_k must be in [0, 2**63) (0 or -1 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not as_float32(self.top_p) > 0:

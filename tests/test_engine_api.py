@@ -62,7 +62,7 @@ def test_bad_prompts_raise_and_the_engine_survives(llm, prompt, params, match):
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(max_tokens=0), "max_tokens"),
-        (dict(top_k=-1), "top_k"),
+        (dict(top_k=-2), "top_k"),
         (dict(min_p=2.0), "min_p"),
         (dict(seed="x"), "seed"),
         (dict(ignore_eos="no"), "ignore_eos"),
@@ -71,6 +71,11 @@ def test_bad_prompts_raise_and_the_engine_survives(llm, prompt, params, match):
 def test_invalid_sampling_params(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    """vLLM's documented "-1 considers all tokens" (the server takes it too) is top-k off, not a ValueError."""
+    assert SamplingParams(top_k=-1, temperature=1.0).top_k == 0
 
 
 def test_vocab_mismatch_is_refused_at_load(dirs):
@@ -122,6 +127,14 @@ def test_bad_engine_sizes_are_refused_before_loading(dirs, kw, match):
     """Sizes that would hang the engine (no request admitted, a prefill that never advances) or fail every request."""
     with pytest.raises(ValueError, match=match):
         LLM(str(dirs[0]), **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without CUDA")
+def test_an_indexed_cuda_device_without_cuda_is_refused(dirs):
+    """device="cuda:0" is a CUDA device as "cuda" is: a clear ValueError without one (was an AssertionError from
+    deep in the loader)."""
+    with pytest.raises(ValueError, match="no CUDA device"):
+        LLM(str(dirs[0]), device="cuda:0")
 
 
 def test_missing_and_corrupt_checkpoints(dirs, tmp_path):

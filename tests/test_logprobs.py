@@ -174,3 +174,15 @@ def test_n_sequences_score_their_prompt_once(pair):
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     assert len(out.prompt_logprobs) == len(prompt)
     assert llm.engine.stats["num_cached_tokens"] == 2 * 32  # two followers, two full blocks each
+
+
+def test_cumulative_logprob_sums_the_tokens_logprobs(pair):
+    """vLLM's ``CompletionOutput.cumulative_logprob``: the sum of the emitted tokens' log-probabilities where logprobs
+    are asked for (n sequences ranked by it), None where they are not."""
+    llm = LLM(str(pair[0]), max_model_len=128, dtype="float32")
+    seqs = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=6, logprobs=0, n=3, seed=1,
+                        temperature=1.0), use_tqdm=False)[0].outputs  # fmt: skip
+    for o in seqs:
+        assert math.isclose(o.cumulative_logprob, sum(e[t] for t, e in zip(o.token_ids, o.logprobs)), abs_tol=1e-9)
+    assert llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2),
+                        use_tqdm=False)[0].outputs[0].cumulative_logprob is None  # fmt: skip

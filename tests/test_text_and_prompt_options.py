@@ -164,3 +164,14 @@ def test_stop_strings_count_from_min_tokens(spec):
         return "".join(pieces)
 
     assert asyncio.run(streamed()) == want_text
+
+
+def test_a_text_prompt_dict_is_its_text(llm):
+    """vLLM's TextPrompt ``{"prompt": text}`` is the text itself (was refused as neither a str nor token ids)."""
+    params = SamplingParams(max_tokens=4)
+    out = llm.generate([{"prompt": PROMPT}], params, use_tqdm=False)[0]
+    plain = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert out.prompt == PROMPT and out.prompt_token_ids == plain.prompt_token_ids
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt must be"):
+        llm.generate({"prompt": 5}, params, use_tqdm=False)
