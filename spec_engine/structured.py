@@ -34,12 +34,47 @@ def grammar_text(name: str, value, *, whitespace_flexible: bool = True) -> str:
     try:
         if name == "guided_json":
             schema = json.loads(value) if isinstance(value, str) else value  # (SamplingParams checked it parses)
-            return llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": whitespace_flexible})
+            return llg.LLMatcher.grammar_from_json_schema(
+                closed_objects(schema), defaults={"whitespace_flexible": whitespace_flexible}
+            )
         if name == "guided_regex":
             return llg.LLMatcher.grammar_from_regex(value)
         return llg.grammar_from("grammar", value)  # GBNF (llama.cpp's, vLLM's examples) or Lark
     except Exception as e:  # llguidance raises its own errors on what it cannot read
         raise ValueError(f"{name} does not compile: {e}") from None
+
+
+# keywords whose values are subschemas (a dict), lists of them, or maps of names to them; any other keyword's value
+# (const, enum, default, examples) is data and never edited
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalItems")  # fmt: skip
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema):
+    """``schema`` (not edited) with ``"additionalProperties": false`` on each object schema that names its
+    ``properties`` and says nothing of other keys, as vLLM's default structured-output backend (xgrammar's strict
+    mode) and OpenAI's strict schemas treat them: a small model otherwise wanders into keys the schema never named
+    (JSON Schema's own default allows them). A schema says ``"additionalProperties": true`` to keep them; objects
+    without ``properties`` stay free. A schema with ``allOf`` or ``unevaluatedProperties`` anywhere is left as given:
+    closing each branch of an ``allOf`` would refuse the other branches' keys."""
+    text = json.dumps(schema)
+    if '"allOf"' in text or '"unevaluatedProperties"' in text:
+        return schema
+    schema = json.loads(text)  # a copy to edit
+    todo = [schema]
+    while todo:  # (iterative: a deep schema must not reach Python's recursion limit here)
+        node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        says_others = "additionalProperties" in node or "patternProperties" in node
+        if isinstance(node.get("properties"), dict) and not says_others:
+            node["additionalProperties"] = False
+        todo += [node[k] for k in _SUBSCHEMA if isinstance(node.get(k), dict)]
+        todo += [s for k in _SUBSCHEMA_LISTS if isinstance(node.get(k), list) for s in node[k]]
+        todo += [s for k in _SUBSCHEMA_MAPS if isinstance(node.get(k), dict) for s in node[k].values()]
+    return schema
 
 
 def _allowed(matcher, vocab_size: int, eos: list[int], stops: list[int]) -> np.ndarray:

@@ -385,3 +385,43 @@ def test_smollm2_json_is_the_same_with_the_hybrid_default(smollm2):
             for s in ({"method": "hybrid"}, None)]  # fmt: skip
     assert outs[0].token_ids == outs[1].token_ids
     assert outs[0].finish_reason == "stop" and set(json.loads(outs[0].text)) == {"name", "age"}, outs[0].text
+
+
+def test_objects_that_name_their_properties_take_no_other_keys(pair):
+    """vLLM's default backend (xgrammar, strict) reads an object schema with ``properties`` and no word on other keys
+    as closed; JSON Schema's own default would let a weak model wander into keys the schema never named."""
+    _, _, tok = pair
+    ll = llg.LLTokenizer(tok.to_str(), n_vocab=VOCAB, eos_token=tok.token_to_id(END))
+
+    def accepts(schema, text: str) -> bool:
+        text_of_grammar = structured.grammar_text("guided_json", schema, whitespace_flexible=False)
+        matcher = llg.LLMatcher(ll, text_of_grammar, log_level=0)
+        ids = tok.encode(text).ids
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    named = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    assert accepts(named, '{"n":1}') and not accepts(named, '{"n":1,"w":2}')
+    assert accepts({**named, "additionalProperties": True}, '{"n":1,"w":2}')
+    assert accepts({"type": "object"}, '{"n":1,"w":2}')  # an object naming no properties stays free
+
+
+def test_closed_objects_edits_subschemas_only():
+    leaf = {"type": "object", "properties": {"a": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {"p": dict(leaf), "q": {"type": "array", "items": dict(leaf)}},
+        "$defs": {"d": {"anyOf": [dict(leaf), {"type": "null"}]}},
+        "const": {"type": "object", "properties": {}},  # data, not a schema
+        "patternProperties": {"^x": {"type": "object", "properties": {}, "additionalProperties": True}},
+    }
+    before = json.dumps(schema)
+    out = structured.closed_objects(schema)
+    assert json.dumps(schema) == before, "the caller's schema was edited"
+    assert "additionalProperties" not in out  # (patternProperties say which other keys it takes)
+    assert out["properties"]["p"]["additionalProperties"] is False
+    assert out["properties"]["q"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
+    assert out["const"] == {"type": "object", "properties": {}}
+    assert out["patternProperties"]["^x"]["additionalProperties"] is True
+    branches = {"allOf": [leaf, {"properties": {"b": {"type": "string"}}}]}  # closing each would refuse the other's
+    assert structured.closed_objects(branches) == branches
