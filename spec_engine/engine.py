@@ -374,8 +374,10 @@ class Engine:
                 torch.set_num_threads(many)
 
     def _isolated(self, run, reqs: list[Request]) -> list[StepOutput]:
-        """``run(reqs)``; if it raises, each request alone, failing only those that still raise. A failed run has
-        committed nothing (lengths and outputs change only after the step's one sync), so re-running is safe."""
+        """``run(reqs)``; if it raises, each request alone, failing only those that still raise. A run that raised
+        before its sync committed nothing (lengths and outputs change only after it), so re-running is safe; one that
+        raised while committing (``_apply``) may have finished some requests, which return their blocks: those are
+        reported finished, never re-run (another request's blocks would take their writes)."""
         if not reqs:
             return []
         try:
@@ -387,6 +389,9 @@ class Engine:
             log.warning("a step of %d requests raised (%r); running each alone", len(reqs), error)
         outputs = []
         for req in reqs:
+            if req.finished:
+                outputs.append(StepOutput(req, [], True))
+                continue
             try:
                 outputs += run([req])
             except Exception as error:

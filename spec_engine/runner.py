@@ -413,5 +413,8 @@ class StepRunner:
 
     def block_table(self, reqs: list[Request], max_pos: int) -> torch.Tensor:
         """[B, W] int32 host rows covering positions < max_pos (padding is the scratch block)."""
+        slots = [r.slot for r in reqs]
+        if min(slots) < 0:  # a finished request: row -1 is another request's, whose K/V its step would overwrite
+            raise RuntimeError("a step was given a finished request (it holds no blocks)")
         width = min(-(-max_pos // self.block_size), self.rows.block_table.shape[1])
-        return self.rows.block_table[[r.slot for r in reqs], :width]
+        return self.rows.block_table[slots, :width]

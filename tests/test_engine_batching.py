@@ -112,6 +112,37 @@ def test_kv_accounting_returns_to_zero_after_aborts(models):
     assert llm.allocator.num_used == 0 and not engine.has_unfinished()
 
 
+def test_a_step_never_runs_a_finished_request_on_another_requests_blocks(models):
+    """A decode step raises after one of its requests finished (blocks freed, slot released): the engine runs the
+    step's requests again one by one (``Engine._isolated``). The finished one must not run on row -1 of the block
+    table, the last slot's: that is another request's, and its committed K/V were overwritten (position 5 of a
+    60-token prompt here)."""
+    llm = _llm(models, max_num_seqs=3)
+    engine = llm.engine
+    long_prompt = list(range(20, 80))
+    alone = _generate(llm, [long_prompt], [SamplingParams(max_tokens=8, ignore_eos=True)])[0]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 8, 8)]
+    short, _, victim = (engine.add_request(p, sp) for p, sp in zip(([5, 6, 7, 8], [9, 10, 11], long_prompt), params))
+    finish, seen = engine._finish, {}
+
+    def finish_then_raise(req, reason):
+        finish(req, reason)
+        if req is short and not seen:  # the victim's K/V before the step's requests run again
+            block = victim.blocks[0]
+            seen["block"], seen["kv"] = block, engine.kv.data[:, :, block].clone()
+            raise RuntimeError("a bug after a request finished")
+
+    engine._finish = finish_then_raise
+    while engine.has_unfinished():
+        engine.step()
+        if seen and "after" not in seen:
+            seen["after"] = engine.kv.data[:, :, seen["block"]].clone()
+    assert victim.slot == -1 and victim.output_token_ids == alone
+    assert short.finish_reason == "length" and len(short.output_token_ids) == 2  # reported as it finished, not re-run
+    assert engine.stats["num_retried_steps"] == 1 and engine.stats["num_errors"] == 0
+    assert torch.equal(seen["after"], seen["kv"])  # (the victim's first block: all of it committed prompt K/V)
+
+
 def _kv_budget(models, num_blocks: int, block_size: int) -> int:
     """Bytes that plan_num_blocks turns into exactly ``num_blocks`` blocks for the target alone (float32)."""
     cfg = json.loads(open(f"{models['target']}/config.json").read())
