@@ -328,7 +328,10 @@ class TPTarget:
                 if str(dead) not in str(e):
                     e = TensorParallelError(f"{dead}; {e}") if isinstance(e, TensorParallelError) else dead
             self.error = str(e)
-            self._finalizer()  # stop the workers: a broken group cannot resynchronise
+            # a broken group cannot resynchronise: stop the workers without a SHUTDOWN, which a worker still inside
+            # this call's collectives would take for its own and wait in until the group timeout (120 s by default)
+            self._finalizer.detach()
+            _stop(self.processes)
             if isinstance(e, TensorParallelError):
                 raise e from None
             raise TensorParallelError(f"tensor-parallel step failed on rank 0: {e!r}") from e
@@ -348,6 +351,12 @@ def _shutdown(comm: _Comm, processes: list) -> None:
             pass
     for p in processes:
         p.join(timeout=5)
+    _stop(processes)
+
+
+def _stop(processes: list) -> None:
+    """Terminate the workers still running (torchrun's ranks, none here, time out on their own)."""
+    for p in processes:
         if p.is_alive():
             p.terminate()
             p.join(timeout=5)
@@ -385,6 +394,9 @@ def launch(model_dir: str | Path, world: int, *, dtype: torch.dtype, device: str
 
     from spec_kernels._ext import load_ext
 
+    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        raise ValueError(f"device={device!r}: with tensor parallelism rank r uses cuda:r (under torchrun, its local "
+                         "rank); pass device='cuda' (CUDA_VISIBLE_DEVICES picks the GPUs)")  # fmt: skip
     cfg = ModelConfig.from_dir(model_dir)
     for rank in range(world):
         shard_plan(cfg, world, rank)  # every rank's split is valid before any process starts
@@ -536,9 +548,10 @@ def serve_rank(model_dir, comm: _Comm, dtype: torch.dtype) -> None:
                 compact_kv_(kv.planes, seqlens_p, accepted, num_accepted, block_table=table_p)
             hidden = shard.forward(ids, positions, kv.data, seqlens, mask, table)
         elif cmd in (LOGITS, LOGITS_OF):
+            rows = hidden  # LOGITS: the last forward's, which stay for the next LOGITS (TPTarget.logits)
             if cmd == LOGITS_OF:
-                hidden = torch.empty(header[8], cfg.hidden_size, dtype=dtype, device=comm.device)
-                comm.broadcast(hidden)
-            comm.gather(shard.logits(hidden).reshape(-1, plan.vocab_per_rank))
+                rows = torch.empty(header[8], cfg.hidden_size, dtype=dtype, device=comm.device)
+                comm.broadcast(rows)
+            comm.gather(shard.logits(rows).reshape(-1, plan.vocab_per_rank))
         else:
             raise TensorParallelError(f"rank {comm.rank}: unknown command {cmd}")

@@ -147,6 +147,27 @@ def test_worker_killed_mid_collective_raises(models):
         llm.close()
 
 
+def test_a_failure_on_rank_0_stops_the_workers_at_once(models):
+    """Rank 0 raises inside a forward after the command went out: the worker waits in that forward's first
+    all-reduce. The group is broken; rank 0 stops the worker at once (it sent it a SHUTDOWN, which the worker took
+    for that all-reduce, and both waited out the group timeout: 120 s by default, the worker then exiting with 1)."""
+    target, _ = models["llama_gqa"]
+    llm = LLM(str(target), dtype="float32", tensor_parallel_size=2, max_model_len=128)
+    try:
+        (worker,) = _workers(llm)
+
+        def broken_forward(*args):
+            raise ValueError("a bug on rank 0")
+
+        llm.target.shard.forward = broken_forward
+        with pytest.raises(RuntimeError, match="a bug on rank 0"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert not llm.healthy and not worker.is_alive()
+        assert worker.exitcode == -signal.SIGTERM  # stopped by rank 0, not by the group timeout
+    finally:
+        llm.close()
+
+
 def test_health_turns_503_when_a_worker_dies(models):
     from fastapi.testclient import TestClient
 
@@ -182,6 +203,29 @@ def test_workers_exit_on_close_and_on_garbage_collection(models):
     gc.collect()
     worker.join(DEAD_WORKER_BOUND_S)
     assert not worker.is_alive()
+
+
+def test_a_forwards_hidden_states_stay_on_every_rank_after_other_logits(models):
+    """``logits`` of the last forward's hidden states sends no rows (the workers kept theirs), also after the logits
+    of other rows (broadcast to the workers): those must not replace the forward's there (they did: the workers then
+    computed the other rows' logits, and the gather broke the group)."""
+    from spec_engine.tree import causal_mask
+
+    target, _ = models["llama_gqa"]
+    llm = LLM(str(target), dtype="float32", tensor_parallel_size=2, max_model_len=128)
+    try:
+        tp, kv = llm.target, llm.engine.kv
+        ids = torch.tensor([[5, 6, 7]])  # [1, 3]
+        hidden = tp.forward(ids, torch.arange(3)[None], kv.data, torch.zeros(1, dtype=torch.int32),
+                            causal_mask(1, 3), torch.tensor([[1]], dtype=torch.int32))  # fmt: skip
+        full = load_model(target)
+        expected = full.logits(hidden)
+        torch.testing.assert_close(tp.logits(hidden), expected)
+        other = torch.randn(2, tp.config.hidden_size)
+        torch.testing.assert_close(tp.logits(other), full.logits(other))
+        torch.testing.assert_close(tp.logits(hidden), expected)
+    finally:
+        llm.close()
 
 
 def test_no_orphans_when_the_parent_is_killed(models, tmp_path):
@@ -271,6 +315,10 @@ def test_bad_sizes_raise_clear_errors(models):
         shard_plan(ModelConfig.from_dict({**_cfg_dict(cfg), "intermediate_size": 130}), 4, 0)
     with pytest.raises(ValueError, match="EAGLE"):
         LLM(str(target), {"method": "eagle", "model": str(target)}, dtype="float32", tensor_parallel_size=2)
+    from spec_engine.distributed import launch
+
+    with pytest.raises(ValueError, match="rank r uses cuda:r"):  # (cuda:1 would put rank 0 and rank 1 on one GPU)
+        launch(target, 2, dtype=torch.float32, device="cuda:1")
 
 
 def _cfg_dict(cfg: ModelConfig) -> dict:
