@@ -81,11 +81,13 @@ void SuffixTree::unlink(int32_t parent, int32_t node) {
 
 void SuffixTree::extend(int64_t seq_id, const at::Tensor& tokens) {
   const std::vector<int64_t> values = host_tokens(tokens, "tokens");
+  for (const int64_t value : values) {  // all checked first: a bad id leaves the tree as it was
+    TORCH_CHECK_VALUE(value >= 0 && value <= INT32_MAX, "SuffixTree: token ids must lie in [0, 2^31), got ", value);
+  }
   Sequence& seq = seqs_[seq_id];
   std::vector<int32_t> next;
   next.reserve(max_depth_);
   for (const int64_t value : values) {
-    TORCH_CHECK_VALUE(value >= 0 && value <= INT32_MAX, "SuffixTree: token ids must lie in [0, 2^31), got ", value);
     const auto t = static_cast<int32_t>(value);
     seq.tokens.push_back(t);
     next.clear();
@@ -209,8 +211,11 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, doub
   for (int64_t match_len = 1; match_len <= std::min(n, max_depth_); ++match_len) {
     const int32_t node = match(ctx.data() + (n - match_len), match_len);
     if (node == kNone) break;
-    const auto budget = std::max<int64_t>(
-        std::min<int64_t>(max_tokens, static_cast<int64_t>(match_len * max_spec_factor + kSpecEps)), 0);
+    // compared as a double before the cast: a factor's budget past int64 (unbounded in the reference) is no UB
+    const double by_factor = match_len * max_spec_factor + kSpecEps;
+    const int64_t budget = !(by_factor > 0.0)                               ? 0
+                           : by_factor >= static_cast<double>(max_tokens) ? std::max<int64_t>(max_tokens, 0)
+                                                                          : static_cast<int64_t>(by_factor);
     Draft draft = tree ? grow_tree(node, budget, min_token_prob) : grow_chain(node, budget, min_token_prob);
     if (draft.score >= best.score) {
       best = std::move(draft);

@@ -74,6 +74,8 @@ def tree_mask_and_depths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     it on host tensors only (tree shapes are host-known: see ``Draft``) and sends the result to the device.
     """
     B, T = parents.shape
+    if bool((parents >= torch.arange(T, device=parents.device)).any()):  # a cycle would climb forever
+        raise ValueError("tree parents must precede their nodes (parents[b, i] < i; -1 for the root and padding)")
     eye = torch.eye(T, dtype=torch.bool, device=parents.device)
     mask = eye.expand(B, T, T).clone()
     depth = torch.zeros(B, T, dtype=torch.int64, device=parents.device)

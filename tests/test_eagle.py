@@ -498,6 +498,72 @@ def test_mismatched_heads_raise_clear_errors(models, tmp_path):
         load_eagle_head(tmp_path / "nowhere", t)
 
 
+def _set(name, value):
+    return lambda d: d.__setitem__(name, value(d[name]) if callable(value) else value)
+
+
+def _duplicate_first_id(d2t):
+    d2t = d2t.clone()
+    d2t[1] = d2t[0] - 1  # draft tokens 0 and 1 both map to target token d2t[0]
+    return d2t
+
+
+MALFORMED_HEADS = {  # edit of the weights, edit of config.json, the error's words
+    "d2t float": (_set("d2t", lambda t: t.half()), None, "integer offsets"),
+    "d2t bool": (_set("d2t", lambda t: t.bool()), None, "integer offsets"),
+    "d2t duplicates": (_set("d2t", _duplicate_first_id), None, "same target token"),
+    "int weights": (_set("fc.weight", lambda t: t.long()), None, "floating-point"),
+    "NaN weights": (_set("fc.weight", lambda t: t * float("nan")), None, "NaN"),
+    "draft vocab str": (None, _set("draft_vocab_size", "40"), "draft_vocab_size"),
+    "target layers int": (None, _set("target_layers", 1), "target layers"),
+    "target layers str": (None, _set("target_layers", ["0", "1", "1"]), "target layers"),
+    "eagle_config str": (None, _set("eagle_config", "x"), "eagle_config"),
+    "EAGLE-1 draft vocab": (_set("lm_head.weight", torch.zeros(40, HIDDEN)), _set("draft_vocab_size", 40), "d2t"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED_HEADS))
+def test_malformed_heads_raise_clear_errors(models, tmp_path, name):
+    """Malformed files give a ValueError naming the fault, not a traceback deep in torch, and never load a head
+    that maps draft tokens otherwise than the file says (a float or bool d2t) or whose sampled drafts would be
+    verified against the wrong q (two draft tokens on one target id, NaN weights)."""
+    edit_state, edit_config, words = MALFORMED_HEADS[name]
+    head_dir = write_published_head(tmp_path / "head", "eagle" if name.startswith("EAGLE-1") else "eagle3")
+    if edit_state is not None:
+        state = load_file(str(head_dir / "model.safetensors"))
+        edit_state(state)
+        save_file(state, str(head_dir / "model.safetensors"))
+    if edit_config is not None:
+        cfg = json.loads((head_dir / "config.json").read_text())
+        edit_config(cfg)
+        (head_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=words):
+        load_eagle_head(head_dir, load_model(models[0]))
+
+
+def test_an_int32_d2t_loads_as_int64(models, tmp_path):
+    head_dir = write_published_head(tmp_path / "head", "eagle3")
+    state = load_file(str(head_dir / "model.safetensors"))
+    state["d2t"] = state["d2t"].int()
+    save_file(state, str(head_dir / "model.safetensors"))
+    head = load_eagle_head(head_dir, load_model(models[0]))
+    assert head.d2t.dtype == torch.int64 and head.d2t.tolist() == list(range(40))
+
+
+def test_a_tree_wider_than_the_heads_draft_vocabulary_is_refused(models, tmp_path):
+    """An EAGLE-3 level of b children drawn without replacement from a draft vocabulary of fewer than b ids would
+    draw some with q = 0 and verify them as if q proposed them (as a draft model's reduced vocabulary: the same
+    check); EAGLE-2's dynamic tree takes its top-k as point masses and stays allowed."""
+    head = str(write_published_head(tmp_path / "head", "eagle3", draft_vocab=4))
+    with pytest.raises(ValueError, match="narrower than the tree"):
+        LLM(str(models[0]), speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 1,
+                                                "tree": [6]}, max_model_len=64)  # fmt: skip
+    LLM(str(models[0]), speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 2,
+                                            "tree": [4]}, max_model_len=64)  # fmt: skip
+    LLM(str(models[0]), speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 2,
+                                            "tree": "dynamic", "eagle_topk": 6}, max_model_len=64)  # fmt: skip
+
+
 def test_training_recipe_end_to_end(tmp_path):
     """``python -m spec_engine.zoo.train_eagle --smoke`` on a tiny target: a head that loads in the normed variant,
     with its checkpoint left for a resumed run."""

@@ -96,6 +96,28 @@ def test_native_matches_reference(seed):
     assert ref.num_nodes() == native.num_nodes() == 0
 
 
+@pytest.mark.parametrize("factor", [1e18, 1e19, 1e300])
+def test_native_matches_reference_at_huge_spec_factors(factor):
+    """A max_spec_factor whose budget overflows int64 (any finite factor passes the config) still caps the
+    speculation at max_tokens, as the reference's unbounded int does, instead of drafting nothing."""
+    ref, native = SuffixTreeRef(8), NativeSuffixTree(8)
+    for tree in (ref, native):
+        tree.extend(0, [1, 2, 3] * 4)
+    for max_tokens in (0, 5, 2**62):
+        want = ref.speculate([1, 2], max_tokens, factor, 0.1)
+        assert same_speculation(want, native.speculate([1, 2], max_tokens, factor, 0.1))
+        assert len(want.tokens) == min(max_tokens, 7)  # (the chain ends at the tree's depth)
+
+
+def test_a_bad_token_id_leaves_the_native_tree_as_it_was():
+    tree = NativeSuffixTree(4)
+    tree.extend(0, [1, 2])
+    for bad in ([3, 2**31], [-1]):
+        with pytest.raises(ValueError, match="token ids"):
+            tree.extend(1, bad)
+    assert (tree.num_seqs, tree.num_nodes(), tree.frequency([3])) == (1, 3, 0)
+
+
 def test_speculation_by_hand():
     tree = SuffixTreeRef(8)
     tree.extend(0, [1, 2, 3, 4, 1, 2, 3, 5, 1, 2])
@@ -270,6 +292,23 @@ def test_suffix_rows_teach_their_requests_trust():
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert len(seen) > 0 and sum(a for _, a in seen) == llm.engine.stats["num_accepted"]
     assert all(e > 0 for e, _ in seen)
+
+
+@pytest.mark.parametrize("gamma", ["auto", 12])
+def test_speculations_draft_no_deeper_than_the_request_can_keep(gamma):
+    """A request's last steps: its speculation is cut to the tokens it can still keep (its tokens left but one), as
+    the hybrid's suffix rows are; under "auto" the controller offers every row the largest budget, and a tree of 16
+    nodes on a request's last token was verified for nothing."""
+    target, _ = default_model_paths()
+    spec = {"method": "suffix", "num_speculative_tokens": gamma, "suffix_decoding_min_score": 0.0}
+    llm = LLM(target, speculative_config=spec, max_model_len=256)
+    prompt = REPETITIVE[1]
+    llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)  # the loop, indexed
+    for max_tokens in (1, 3):
+        llm.engine.gamma_history.clear()
+        out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0]
+        assert max(llm.engine.gamma_history, default=0) <= max_tokens - 1, list(llm.engine.gamma_history)
+        assert len(out.outputs[0].token_ids) == max_tokens
 
 
 def test_finished_requests_leave_the_drafter():

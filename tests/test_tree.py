@@ -58,3 +58,21 @@ def test_bad_branching():
         StaticTree((2, 0))
     with pytest.raises(ValueError, match="positive"):
         StaticTree(())
+
+
+@pytest.mark.parametrize("parents", [[-1, 2, 1], [-1, 1], [0, -1], [-1, 0, 5]], ids=["cycle", "self", "root", "past"])
+def test_parents_that_do_not_precede_their_nodes_raise(parents):
+    """A drafter's bad tree (a cycle would climb forever; a parent past the tree indexes out of it) is a clear error,
+    not a hang."""
+    with pytest.raises(ValueError, match="precede"):
+        tree_mask_and_depths(torch.tensor([parents]))
+
+
+def test_degenerate_trees():
+    """No rows, a lone root, and an all-padding row."""
+    mask, depth = tree_mask_and_depths(torch.full((0, 3), -1))
+    assert mask.shape == (0, 3, 3) and depth.shape == (0, 3)
+    mask, depth = tree_mask_and_depths(torch.full((2, 1), -1))
+    assert mask.all() and not depth.any()
+    mask, depth = tree_mask_and_depths(torch.full((1, 4), -1))
+    assert torch.equal(mask[0], torch.eye(4, dtype=torch.bool)) and not depth.any()

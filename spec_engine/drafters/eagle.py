@@ -252,6 +252,10 @@ def _strip(name: str) -> str:
     return name.removeprefix("model.")
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def load_eagle_head(head_dir: str | Path, target: LlamaForCausalLM, *, dtype: torch.dtype = torch.float32,
                     device: str = "cpu") -> EagleHead:  # fmt: skip
     """Load a head directory (config.json + *.safetensors) in either published layout, checked against ``target``.
@@ -285,14 +289,26 @@ def load_eagle_head(head_dir: str | Path, target: LlamaForCausalLM, *, dtype: to
         raise ValueError(f"EAGLE head vocab ({cfg.vocab_size}) != target vocab ({tcfg.vocab_size}): the head was "
                          "trained for another target")  # fmt: skip
     eagle_cfg = raw.get("eagle_config") or {}
+    if not isinstance(eagle_cfg, dict):
+        raise ValueError(f"{head_dir / 'config.json'}: eagle_config must be a JSON object, got {eagle_cfg!r}")
     target_layers = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or raw.get("target_layers")
+    if target_layers is not None and not (isinstance(target_layers, list) and all(_is_int(i) for i in target_layers)):
+        raise ValueError(f"{head_dir / 'config.json'}: EAGLE-3 target layers must be a list of ints, got "
+                         f"{target_layers!r}")  # fmt: skip
+    draft_vocab_size = raw.get("draft_vocab_size")
+    if draft_vocab_size is not None and not (_is_int(draft_vocab_size) and 1 <= draft_vocab_size <= cfg.vocab_size):
+        raise ValueError(f"{head_dir / 'config.json'}: draft_vocab_size must be an int in [1, {cfg.vocab_size}], got "
+                         f"{draft_vocab_size!r}")  # fmt: skip
+    if layout == "eagle" and draft_vocab_size not in (None, cfg.vocab_size):  # its logits would be read as target ids
+        raise ValueError(f"{head_dir}: a reduced draft vocabulary (draft_vocab_size={draft_vocab_size}) needs the "
+                         "EAGLE-3 layout's d2t map to the target's ids")  # fmt: skip
     target_hidden = raw.get("target_hidden_size") or cfg.hidden_size
     if target_hidden != tcfg.hidden_size or (layout == "eagle" and cfg.hidden_size != tcfg.hidden_size):
         raise ValueError(f"EAGLE head expects target hidden size {target_hidden}, the target has {tcfg.hidden_size}")
     if target_layers is not None and not all(0 <= i < tcfg.num_hidden_layers for i in target_layers):
         raise ValueError(f"EAGLE-3 target layers {target_layers} outside the target's {tcfg.num_hidden_layers}")
     with torch.device("meta"):
-        head = EagleHead(cfg, layout, target, fc_bias="fc.bias" in state, draft_vocab_size=raw.get("draft_vocab_size"),
+        head = EagleHead(cfg, layout, target, fc_bias="fc.bias" in state, draft_vocab_size=draft_vocab_size,
                          target_layers=target_layers, own_lm_head="lm_head.weight" in state,
                          own_embedding=layout == "eagle3" and "embed_tokens.weight" in state,
                          norm_before_residual=bool(raw.get("norm_before_residual")),
@@ -302,15 +318,27 @@ def load_eagle_head(head_dir: str | Path, target: LlamaForCausalLM, *, dtype: to
     if missing:
         raise ValueError(f"EAGLE head {head_dir} ({layout} layout) lacks {len(missing)} weights, e.g. {missing[:3]}")
     for name, t in expected.items():
-        if tuple(state[name].shape) != tuple(t.shape):
-            raise ValueError(f"EAGLE head weight {name}: shape {tuple(state[name].shape)} != expected {tuple(t.shape)}")
-    cast = {k: state[k] if k == "d2t" else state[k].to(dtype) for k in expected}
+        w = state[name]
+        if tuple(w.shape) != tuple(t.shape):
+            raise ValueError(f"EAGLE head weight {name}: shape {tuple(w.shape)} != expected {tuple(t.shape)}")
+        if name == "d2t":  # offsets: a float or bool tensor would map draft tokens to other ids than it says
+            if w.is_floating_point() or w.is_complex() or w.dtype == torch.bool:
+                raise ValueError(f"EAGLE-3 d2t must hold integer offsets, got {w.dtype}")
+        elif not w.is_floating_point():
+            raise ValueError(f"EAGLE head weight {name}: dtype {w.dtype} is no floating-point type")
+        elif not bool(torch.isfinite(w).all()):  # NaN draft probabilities would void the rejection test's guarantee
+            raise ValueError(f"EAGLE head weight {name} holds NaN or infinite values")
+    cast = {k: state[k].long() if k == "d2t" else state[k].to(dtype) for k in expected}
     head.load_state_dict(cast, strict=False, assign=True)
     head.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     if layout == "eagle3":
         mapped = head.d2t + torch.arange(head.draft_vocab_size)
         if int(mapped.min()) < 0 or int(mapped.max()) >= tcfg.vocab_size:
             raise ValueError(f"EAGLE-3 d2t maps draft tokens outside the target vocabulary [0, {tcfg.vocab_size})")
+        # two draft tokens on one target id: the native chains' q, scattered onto target ids, would lose one's mass,
+        # and a draw would be verified against a probability it was not drawn with
+        if mapped.unique().numel() != head.draft_vocab_size:
+            raise ValueError("EAGLE-3 d2t maps two draft tokens to the same target token")
     return head.to(device).eval().requires_grad_(False)
 
 

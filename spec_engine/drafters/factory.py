@@ -54,6 +54,12 @@ class DrafterFactory:
             dynamic = spec.get("tree") == "dynamic"
             branching = (spec.get("eagle_topk", DEFAULT_EAGLE_TOPK),) if dynamic else tuple(spec.get("tree") or ())
             self.tree = StaticTree(branching + (1,) * (self.gamma - len(branching))) if branching else chain(self.gamma)
+            widest = max(self.tree.branching)
+            if self.head is not None and not dynamic and widest > self.head.draft_vocab_size:
+                # as a draft model's reduced vocabulary (_load_draft_model): b children drawn without replacement
+                # need b ids with q > 0, or some are drawn with q = 0 and verified as if q proposed them
+                raise ValueError(f"the EAGLE head's draft vocabulary of {self.head.draft_vocab_size} ids is narrower "
+                                 f"than the tree's widest level ({widest} children)")  # fmt: skip
         self.max_tree_nodes = self.tree.num_nodes if self.tree else self.gamma + 1
         if method == "hybrid":  # a suffix row's tree may be wider than the model's
             self.max_tree_nodes = max(self.max_tree_nodes, spec["suffix"]["suffix_decoding_max_spec_tokens"] + 1)

@@ -103,8 +103,10 @@ class SuffixDrafter(Drafter):
         self.cache = SuffixCache(max_tree_depth, max_cached_requests, make_tree)
 
     def speculate(self, row: RowView, budget: int, tree: bool | None = None) -> SuffixDraft:
-        """Row ``row``'s best speculation of at most ``budget`` nodes, its new tokens indexed first."""
+        """Row ``row``'s best speculation of at most ``budget`` nodes (and no more than the row can keep), its new
+        tokens indexed first."""
         self.cache.update(row.key, row.token_ids, row.num_prompt_tokens)
+        budget = min(budget, row.draft_room)
         if budget <= 0:
             return SuffixDraft()
         if row.forced:  # the row's grammar allows one way on: a sure chain (another tokenization may be chosen)
@@ -119,6 +121,7 @@ class SuffixDrafter(Drafter):
         score scaled by the row's ``score_trust``); the others are not drafted (every row indexed either way). Every
         drafted row is a suffix row: what it keeps is its request's score trust, not the adaptive controller's
         acceptance of chains."""
+        gammas = [min(g, r.draft_room) for g, r in zip(gammas, rows)]  # a deeper tree is verified for nothing
         drafts = [self.speculate(r, g) for r, g in zip(rows, gammas)]
         scores = [trusted_score(d, r) for d, r in zip(drafts, rows)]
         kept = [s >= max(self.min_score, 1e-9) or d.sure and s > 0 for s, d in zip(scores, drafts)]
