@@ -508,6 +508,11 @@ def _duplicate_first_id(d2t):
     return d2t
 
 
+def _add_second_layer(state):
+    layer = {k: v for k, v in state.items() if k.startswith("midlayer.")}
+    state.update({k.replace("midlayer.", "layers.1."): v.clone() for k, v in layer.items()})
+
+
 MALFORMED_HEADS = {  # edit of the weights, edit of config.json, the error's words
     "d2t float": (_set("d2t", lambda t: t.half()), None, "integer offsets"),
     "d2t bool": (_set("d2t", lambda t: t.bool()), None, "integer offsets"),
@@ -519,6 +524,7 @@ MALFORMED_HEADS = {  # edit of the weights, edit of config.json, the error's wor
     "target layers str": (None, _set("target_layers", ["0", "1", "1"]), "target layers"),
     "eagle_config str": (None, _set("eagle_config", "x"), "eagle_config"),
     "EAGLE-1 draft vocab": (_set("lm_head.weight", torch.zeros(40, HIDDEN)), _set("draft_vocab_size", 40), "d2t"),
+    "a second layer": (_add_second_layer, None, "no place for"),
 }
 
 

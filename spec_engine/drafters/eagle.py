@@ -252,6 +252,11 @@ def _strip(name: str) -> str:
     return name.removeprefix("model.")
 
 
+# weights published heads carry that the head does not use: EAGLE-3's target-to-draft mask (d2t says the same) and
+# EAGLE-1's copy of the target's embedding (the head reads the target's own)
+UNUSED_HEAD_WEIGHTS = frozenset({"t2d", "embed_tokens.weight"})
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -317,6 +322,10 @@ def load_eagle_head(head_dir: str | Path, target: LlamaForCausalLM, *, dtype: to
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"EAGLE head {head_dir} ({layout} layout) lacks {len(missing)} weights, e.g. {missing[:3]}")
+    unused = sorted(set(state) - set(expected) - UNUSED_HEAD_WEIGHTS)
+    if unused:  # (a second layer's weights, say: the head would draft as a one-layer head, badly and silently)
+        raise ValueError(f"EAGLE head {head_dir} ({layout} layout) holds {len(unused)} weights this head has no place "
+                         f"for, e.g. {unused[:3]}")  # fmt: skip
     for name, t in expected.items():
         w = state[name]
         if tuple(w.shape) != tuple(t.shape):
