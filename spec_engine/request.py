@@ -45,7 +45,8 @@ class RequestMetrics:
             "num_cached_tokens": self.num_cached_tokens,
             "gamma_hist": list(self.gamma_hist),
             "alpha_estimate": self.alpha_estimate,
-            "time_to_first_token": (self.first_token_time or 0.0) - self.arrival_time,
+            # (None for a request that ended before its first token: aborted, failed)
+            "time_to_first_token": None if self.first_token_time is None else self.first_token_time - self.arrival_time,
             "elapsed": elapsed,
             "tokens_per_s": num_output_tokens / elapsed if elapsed > 0 else 0.0,
             # generation alone (prompt processing and queueing left out): what llama.cpp's "decoded N tokens in S

@@ -101,10 +101,12 @@ def test_kv_accounting_returns_to_zero_after_aborts(models):
     engine.step()
     assert llm.allocator.num_used > 0
     engine.abort(engine.running[0].request_id)  # one decoding
-    engine.abort(engine.waiting[-1].request_id)  # one not yet admitted
+    never_ran = engine.waiting[-1]
+    engine.abort(never_ran.request_id)  # one not yet admitted
     while engine.has_unfinished():
         engine.step()
     assert sum(r.finish_reason == "abort" for r in reqs) == 2
+    assert never_ran.metrics.as_dict(0)["time_to_first_token"] is None  # (no first token: not a negative time)
     assert llm.allocator.num_used == 0
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=50))
     engine.step()
