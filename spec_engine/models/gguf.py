@@ -285,7 +285,10 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
 
 # tokenizer.ggml.pre -> the pre-tokenizer llama.cpp runs before byte-level BPE (llama-vocab.cpp's regex lists)
 _GPT2_REGEX_PRES = ("default", "gpt2", "gpt-2")
-_DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")  # "\p{N}" first
+_DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b")  # "\p{N}" first
+# llama.cpp's LLAMA3 arm: ignore_merges (a pre-token that is a token is that token, whether or not the merges reach it,
+# as tiktoken encodes and as Llama 3's tokenizer.json says) and BOS added where the file has no add_bos_token
+_LLAMA3_PRES = ("llama-bpe",)
 _SPLIT_REGEXES = {
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+",
@@ -312,8 +315,9 @@ def gguf_tokenizer(path: str | Path):
     Byte-level BPE (``tokenizer.ggml.model == "gpt2"``): the tokens and merges, the pre-tokenizer that
     ``tokenizer.ggml.pre`` names (SmolLM2's ``smollm``: each digit apart, then GPT-2's regex), control tokens (type 3)
     as special added tokens and user-defined ones (type 4) as plain added tokens, and BOS / EOS added to every
-    encoding where ``add_bos_token`` / ``add_eos_token`` say so. ValueError for any other tokenizer model or
-    pre-tokenizer: a guessed tokenizer would encode prompts the model never saw.
+    encoding where ``add_bos_token`` / ``add_eos_token`` say so (without the key: llama.cpp's default, BOS for
+    ``llama-bpe`` only). ValueError for any other tokenizer model or pre-tokenizer: a guessed tokenizer would encode
+    prompts the model never saw.
     """
     import json
 
@@ -353,7 +357,7 @@ def gguf_tokenizer(path: str | Path):
         "added_tokens": added,
         "normalizer": {"type": "NFC"} if pre == "qwen2" else None,
         "pre_tokenizer": _pre_tokenizer(pre),
-        "post_processor": _post_processor(f, tokens),
+        "post_processor": _post_processor(f, tokens, add_bos=pre in _LLAMA3_PRES),
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
             "type": "BPE",
@@ -363,7 +367,7 @@ def gguf_tokenizer(path: str | Path):
             "end_of_word_suffix": "",
             "fuse_unk": False,
             "byte_fallback": False,
-            "ignore_merges": False,
+            "ignore_merges": pre in _LLAMA3_PRES,
             "vocab": {tok: i for i, tok in enumerate(tokens)},
             "merges": merges,
         },  # fmt: skip
@@ -374,18 +378,19 @@ def gguf_tokenizer(path: str | Path):
         raise ValueError(f"{f.path}: cannot build the tokenizer from its metadata: {e}") from e
 
 
-def _post_processor(f: GGUFFile, tokens: list[str]) -> dict | None:
-    """BOS before and EOS after every encoding, as far as ``add_bos_token`` / ``add_eos_token`` ask for them."""
+def _post_processor(f: GGUFFile, tokens: list[str], add_bos: bool) -> dict | None:
+    """BOS before and EOS after every encoding, as far as ``add_bos_token`` / ``add_eos_token`` ask for them (where
+    the file has no such key: ``add_bos``, and no EOS)."""
 
-    def added(end: str) -> list[tuple[str, int]]:
+    def added(end: str, default: bool) -> list[tuple[str, int]]:
         token_id = f.get(f"tokenizer.ggml.{end}_token_id")
-        if token_id is None or not f.get(f"tokenizer.ggml.add_{end}_token", False):
+        if token_id is None or not f.get(f"tokenizer.ggml.add_{end}_token", default):
             return []
         if not (isinstance(token_id, int) and 0 <= token_id < len(tokens)):
             raise ValueError(f"{f.path}: tokenizer.ggml.{end}_token_id {token_id!r} is not a token of its vocabulary")
         return [(tokens[token_id], int(token_id))]
 
-    bos, eos = added("bos"), added("eos")
+    bos, eos = added("bos", add_bos), added("eos", False)
     if not bos and not eos:
         return None
 
