@@ -144,11 +144,11 @@ def small(tmp_path_factory):
     return target, train_head(target, root / "head", steps=4, vocab=V)
 
 
-def _sample_joint(small, spec: dict) -> tuple[np.ndarray, LLM]:
+def _sample_joint(small, spec: dict, temperature: float = 1.0) -> tuple[np.ndarray, LLM]:
     target, head = small
     llm = LLM(str(target), speculative_config={"method": "eagle", "model": str(head), **spec}, max_model_len=32,
               max_num_seqs=512)  # fmt: skip
-    params = [SamplingParams(max_tokens=2, temperature=1.0, seed=1000 + i, invariant=False) for i in range(N)]
+    params = [SamplingParams(max_tokens=2, temperature=temperature, seed=1000 + i, invariant=False) for i in range(N)]
     counts = np.zeros(V * V)
     for o in llm.generate([{"prompt_token_ids": PROMPT}] * N, params, use_tqdm=False):
         a, b = o.outputs[0].token_ids
@@ -437,6 +437,15 @@ def test_native_sampled_chains_are_lossless(small_eagle3, monkeypatch):
     monkeypatch.setattr(EagleDrafter, "_chain_noise", greedy_draws)
     counts, _ = _sample_joint(small_eagle3, {"num_speculative_tokens": 2})
     assert chi2_pvalue(counts, exact_joint(small_eagle3[0], 1.0, 1.0)) < P_BUG
+
+
+def test_native_sampled_chains_below_temperature_one_are_lossless(small_eagle3):
+    """At temperature 0.3 the native chain draws from softmax(logits / 0.3), and the q it hands to verification must
+    be taken at the same temperature (the temperature-1 test above cannot tell them apart)."""
+    counts, llm = _sample_joint(small_eagle3, {"num_speculative_tokens": 2}, temperature=0.3)
+    assert llm.engine.drafter.model.native is not None
+    assert llm.engine.stats["num_accepted"] > N // 10, "the head must be accepted often for this test to bite"
+    assert chi2_pvalue(counts, exact_joint(small_eagle3[0], 0.3, 1.0)) > P_MIN
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -171,3 +171,35 @@ def test_coupling_planted_bug_is_rejected(pair, monkeypatch):
     llm = LLM(str(target), speculative_config={"model": str(draft), "num_speculative_tokens": 2}, max_model_len=32,
               max_num_seqs=512)  # fmt: skip
     assert chi2_pvalue(sample_joint(llm, 1.0, 1.0, invariant=True), exact_joint(target, 1.0, 1.0)) < P_BUG
+
+
+def test_sampled_drafts_below_temperature_one_follow_the_target(pair):
+    """At temperature 0.5 both the draft's draws and the q handed to verification are softmax(logits / 0.5): a q
+    taken at another temperature than the draws passes every temperature-1 test above, and fails this one."""
+    target, draft = pair
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2, "tree": [2, 2]}
+    llm = LLM(str(target), speculative_config=spec, max_model_len=32, max_num_seqs=512)
+    counts = sample_joint(llm, 0.5, 1.0)
+    assert llm.engine.stats["num_accepted"] > N // 4, "the draft must be accepted often for this test to bite"
+    assert chi2_pvalue(counts, exact_joint(target, 0.5, 1.0)) > P_MIN
+
+
+def test_each_level_draws_from_its_own_stream(pair, monkeypatch):
+    """Verification reads q_d as the law of level d's draw given the path above it, so a level's draws must not
+    reuse an earlier level's noise: every (step, level) draws with its own key. (One key for every level of a step
+    biases the deeper draws towards the shallower ones' choices, too weakly for the chi2 tests above to see.)"""
+    target, draft = pair
+    keys = []
+    honest = DraftModelDrafter._draw_children
+
+    def spy(self, q, b, greedy, level_keys, *rest):
+        keys.append(level_keys.tolist())
+        return honest(self, q, b, greedy, level_keys, *rest)
+
+    monkeypatch.setattr(DraftModelDrafter, "_draw_children", spy)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(str(target), speculative_config=spec, max_model_len=64)
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=s, invariant=False) for s in (1, 2)]
+    llm.generate([{"prompt_token_ids": PROMPT}] * 2, params, use_tqdm=False)
+    drawn = [k for row in keys for k in row]
+    assert len(keys) >= 6 and len(set(drawn)) == len(drawn)
