@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import ClientDisconnect
 from tiny_models import make_model, make_tokenizer, serve_in_thread
 
 from spec_engine import LLM, SamplingParams
@@ -334,6 +335,19 @@ def test_echo_with_logprobs_scores_the_prompt_streamed_or_not(which, request, mo
     streamed = [ch.choices[0] for ch in c.completions.create(**kw, stream=True) if ch.choices]
     assert "".join(ch.text for ch in streamed).startswith(prompt)
     assert [x for ch in streamed if ch.logprobs for x in ch.logprobs.token_logprobs] == lp.token_logprobs
+
+
+def test_echo_with_prompt_logprobs_alone_leaves_logprobs_null(plain):
+    """``echo`` with vLLM's ``prompt_logprobs`` but no ``logprobs``: the choice's ``logprobs`` stays null, streamed
+    or not (it held the prompt's tokens alone, not covering the text), and ``prompt_logprobs`` carries them."""
+    body = {"prompt": "the quick brown fox", "max_tokens": 3, "temperature": 0, "echo": True, "prompt_logprobs": 1}
+    choice = httpx.post(plain[0] + "/v1/completions", json=body).json()["choices"][0]
+    assert choice["logprobs"] is None and choice["prompt_logprobs"][0] is None
+    with httpx.stream("POST", plain[0] + "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [ch["choices"][0] for ch in chunks if ch["choices"]]
+    assert all(ch["logprobs"] is None for ch in choices) and "prompt_logprobs" in choices[0]
+    assert "".join(ch["text"] for ch in choices) == choice["text"]
 
 
 def test_penalties_over_http_are_the_python_apis(plain, spec, model_dirs):
@@ -692,6 +706,34 @@ def test_no_usage_chunk_when_opted_out(plain):
     chunks = list(c.completions.create(model=name_of(plain), prompt="hi", max_tokens=4, temperature=0, stream=True,
                                        stream_options={"include_usage": False}))  # fmt: skip
     assert all(ch.choices for ch in chunks) and all(ch.usage is None for ch in chunks)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_put_each_choices_usage_on_every_chunk(plain, endpoint):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage so far (the chat's
+    opening chunk none of the completion yet), beside the final usage chunk; not without ``include_usage``."""
+    c, model = client(plain), name_of(plain)
+    kw = dict(model=model, max_tokens=6, temperature=1.0, seed=5, n=2, stream=True)
+    if endpoint == "completions":
+        create, kw["prompt"] = c.completions.create, "the quick brown fox"
+    else:
+        create, kw["messages"] = c.chat.completions.create, [{"role": "user", "content": "the quick brown fox"}]
+    chunks = list(create(**kw, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    final, chunks = chunks[-1], chunks[:-1]
+    assert final.choices == [] and final.usage.completion_tokens == 12
+    prompt, seen = final.usage.prompt_tokens, {0: 0, 1: 0}
+    for ch in chunks:
+        assert ch.usage is not None and ch.usage.prompt_tokens == prompt
+        assert ch.usage.total_tokens == prompt + ch.usage.completion_tokens
+        if endpoint == "chat" and ch.choices[0].delta.role:  # (the opening chunk, every choice's role)
+            assert ch.usage.completion_tokens == 0
+            continue
+        (choice,) = ch.choices
+        assert ch.usage.completion_tokens >= seen[choice.index]
+        seen[choice.index] = ch.usage.completion_tokens
+    assert seen == {0: 6, 1: 6}
+    quiet = list(create(**kw, stream_options={"include_usage": False, "continuous_usage_stats": True}))
+    assert all(ch.usage is None for ch in quiet)
 
 
 def test_speculation_is_lossless_over_http(plain, spec):
@@ -1105,6 +1147,76 @@ def test_disconnect_aborts_every_choice(plain, n, stream):
                 pass
     h = wait_idle(plain)
     assert h["num_requests_finished"]["abort"] == base + n and h["kv_blocks_used"] == 0
+
+
+def http_count(server, endpoint: str, status: int) -> float:
+    """``specdec_http_requests_total{endpoint, status}`` now (0 before the first)."""
+    for fam in text_string_to_metric_families(httpx.get(server[0] + "/metrics").text):
+        for s in fam.samples:
+            if s.name == "specdec_http_requests_total" and s.labels == {"endpoint": endpoint, "status": str(status)}:
+                return s.value
+    return 0.0
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_client_that_stops_reading_then_leaves_aborts_its_stream(plain, n, spec_version):
+    """A client that stopped reading (the server's write of a chunk blocks) and then disconnects aborts every choice
+    at once, and the stream counts as 499: Starlette cancels the blocked write (ASGI 2.3: on the disconnect message;
+    2.4: the write raises ``OSError``) without closing the events' iterator, whose cleanup would otherwise wait for
+    the garbage collector (off here) while the request decodes to its end. Driven at the ASGI level, where a write
+    can block for certain. The engine steps only to admit the choices
+    (``gated_steps``' gate left open never blocks the loop thread, which takes the aborts between steps), so none
+    ends by length."""
+    import gc
+
+    app, engine = plain[1], plain[1].state.engine
+    base, base_499 = health(plain)["num_requests_finished"]["abort"], http_count(plain, "completions", 499)
+    body = json.dumps({"prompt": "slow", "max_tokens": LONG, "temperature": 0, "n": n, "stream": True}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+             "headers": headers}  # fmt: skip
+
+    async def run() -> None:
+        blocked, gone, requests = asyncio.Event(), asyncio.Event(), [{"type": "http.request", "body": body}]
+
+        async def receive() -> dict:
+            if requests:
+                return requests.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":  # the first chunk: the client reads no more
+                blocked.set()
+                await gone.wait()
+                if spec_version == "2.4":
+                    raise OSError("the client left")
+                await asyncio.Event().wait()
+
+        served = asyncio.ensure_future(app(scope, receive, send))
+        await asyncio.wait_for(blocked.wait(), 30)
+        gone.set()
+        with contextlib.suppress(ClientDisconnect):  # (2.4: Starlette's word for the failed write)
+            await asyncio.wait_for(served, 30)
+        for _ in range(600):  # (a hang guard: the aborts land at the engine's next command)
+            if engine.num_in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.num_in_flight == 0  # (here: asyncio.run's own cleanup would close the iterator)
+
+    gc.disable()
+    try:
+        with gated_steps(plain) as gate:
+            gate.set()
+            asyncio.run(run())
+    finally:
+        gc.enable()
+    h = wait_idle(plain)
+    assert h["num_requests_finished"]["abort"] == base + n and h["kv_blocks_used"] == 0
+    assert http_count(plain, "completions", 499) == base_499 + 1
 
 
 # --- metrics and load --------------------------------------------------------------------------------------------

@@ -56,7 +56,14 @@ from spec_engine.server.protocol import (
     error_param,
     template_inputs,
 )
-from spec_engine.server.responses import APIError, collect_choices, sse_response, usage_body, wants_usage
+from spec_engine.server.responses import (
+    APIError,
+    collect_choices,
+    sse_response,
+    usage_body,
+    wants_continuous_usage,
+    wants_usage,
+)
 from spec_engine.server.tools import ChatAnswers
 
 log = logging.getLogger("spec_engine.server")
@@ -314,7 +321,8 @@ def create_app(
                 text, parts = d.text, []
                 if not echoed[i]:
                     echoed[i], text = True, prompt_text + text
-                    parts.append((ids, d.prompt_logprobs))
+                    if req.logprobs is not None:  # (the prompt's asked for alone go in prompt_logprobs, vLLM's)
+                        parts.append((ids, d.prompt_logprobs))
                 parts.append((d.token_ids, d.logprobs))
                 lps = None
                 for tokens, entries in parts:
@@ -328,7 +336,7 @@ def create_app(
                 return out
 
             if req.stream:
-                return sse_response(streams, head, choice, None, wants_usage(req), count)
+                return sse_response(streams, head, choice, None, wants_usage(req), count, wants_continuous_usage(req))
             done = await collect_choices(request, streams)
             # (n choices' logprobs, the prompt's too, can be megabytes of JSON: built off the event loop)
             return await asyncio.to_thread(lambda: JSONResponse(
@@ -374,7 +382,7 @@ def create_app(
                     out = answers.streamed(i, d.text, d.finish_reason, chat_logprobs(d), bool(req.logprobs))
                     return None if out is None else {"index": i, **out}
 
-                return sse_response(streams, head, choice, first, wants_usage(req), count)
+                return sse_response(streams, head, choice, first, wants_usage(req), count, wants_continuous_usage(req))
             done = await collect_choices(request, streams)
 
             def response() -> JSONResponse:  # (logprobs can be megabytes of JSON: built off the event loop)

@@ -86,6 +86,7 @@ class ResponseFormat(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # (vLLM's: each chunk carries its choice's usage so far)
 
 
 class SamplingRequest(BaseModel):

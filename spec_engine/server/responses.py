@@ -11,6 +11,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -52,6 +53,11 @@ def wants_usage(req) -> bool:
     return req.stream_options is None or req.stream_options.include_usage is not False
 
 
+def wants_continuous_usage(req) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: usage on every chunk too (only beside the final one)."""
+    return wants_usage(req) and req.stream_options is not None and bool(req.stream_options.continuous_usage_stats)
+
+
 def _event(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -83,20 +89,27 @@ async def _deltas(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delt
 
 
 def sse_response(streams: list[RequestStream], head: dict, choice: Callable[[int, Delta], dict | None],
-                 first: list | None, include_usage: bool,
-                 count: Callable[[int], None]) -> StreamingResponse:  # fmt: skip
+                 first: list | None, include_usage: bool, count: Callable[[int], None],
+                 continuous_usage: bool = False) -> StreamingResponse:  # fmt: skip
     """One ``data:`` event per choice and engine step with new text (and each choice's last one), the usage chunk,
     then [DONE]. A choice the engine failed gets an error event instead of its last chunk (the other choices are
-    aborted), then [DONE]. ``count(status)`` once at the end.
+    aborted), then [DONE]. ``count(status)`` once at the end. ``continuous_usage``: each chunk also carries its
+    choice's usage so far (vLLM's; ``first``, the opening chunk, with no completion tokens).
 
     When the client disconnects, Starlette stops iterating; closing the streams aborts the request's choices."""
+
+    def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:  # (a chunk's fields)
+        if not continuous_usage:
+            return {}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        return {"usage": {**usage, "total_tokens": prompt_tokens + completion_tokens}}
 
     async def events() -> AsyncIterator[str]:
         lasts: dict[int, Delta] = {}  # choice -> its latest delta
         failed, status = None, 499  # until the end is reached, the client left
         try:
             if first is not None:
-                yield _event({**head, "choices": first})
+                yield _event({**head, "choices": first, **usage_so_far(streams[0].num_prompt_tokens, 0)})
             async with contextlib.aclosing(_deltas(streams)) as deltas:
                 async for i, delta in deltas:
                     lasts[i] = delta
@@ -107,7 +120,8 @@ def sse_response(streams: list[RequestStream], head: dict, choice: Callable[[int
                     if delta.text or delta.finished or delta.logprobs or delta.prompt_logprobs:
                         out = choice(i, delta)  # (None: nothing to send yet)
                         if out is not None:
-                            yield _event({**head, "choices": [out]})
+                            usage = usage_so_far(delta.usage.prompt_tokens, delta.usage.completion_tokens)
+                            yield _event({**head, "choices": [out], **usage})
             if failed is not None:
                 status = 500
                 yield _error_event(_engine_error_message(failed), "engine_error")
@@ -128,7 +142,21 @@ def sse_response(streams: list[RequestStream], head: dict, choice: Callable[[int
             count(status)
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return _ClosingStreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that closes its body iterator however the response ends. On a disconnect Starlette
+    cancels the write in progress; where that write was blocked (a client that stopped reading, then left), the
+    iterator sits at a ``yield`` and nothing closes it: its cleanup, which aborts the request, would wait for the
+    garbage collector while the request decodes to its end."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):  # (in a cancelled scope: the cleanup must still run)
+                await self.body_iterator.aclose()
 
 
 def _engine_error_message(d: Delta) -> str:
