@@ -104,7 +104,7 @@ async def run_load(url: str, num_requests: int, clients: int, max_tokens: int) -
 
     async def one(client: httpx.AsyncClient, i: int):
         body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True}  # fmt: skip
+                "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
         async with sem:
             t0 = time.perf_counter()
             first = None
@@ -167,7 +167,8 @@ async def run_soak(url: str, num_requests: int, duration_s: float, max_tokens: i
         await asyncio.sleep(max(0.0, start - time.perf_counter()))
         kind = SOAK_KINDS[i % len(SOAK_KINDS)]
         body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": 0.0 if i % 2 else 0.8, "seed": i, "stream": kind.startswith("stream")}  # fmt: skip
+                "temperature": 0.0 if i % 2 else 0.8, "seed": i, "stream": kind.startswith("stream"),
+                "stream_options": {"include_usage": True} if kind.startswith("stream") else None}  # fmt: skip
         t0 = time.perf_counter()
         if kind == "complete":
             r = await client.post("/v1/completions", json=body)

@@ -169,7 +169,7 @@ def test_streamed_text_equals_non_streamed(which, endpoint, request):
         assert "".join(texts) == full
         finishing = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
         assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == "length"
-        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16  # the final usage chunk
+        assert all(ch.choices and ch.usage is None for ch in chunks)  # no usage chunk unless include_usage asks
 
 
 @pytest.mark.parametrize("which", ["plain", "spec"])
@@ -219,7 +219,7 @@ def test_n_choices_are_the_seeded_sequences_of_the_python_api_streamed_or_not(sp
     assert text(create(**{**kw, "n": 1}).choices[0]) == texts[0]
     assert out.usage.completion_tokens == 3 * 12 and out.usage.total_tokens == out.usage.prompt_tokens + 36
     streamed, finishes = ["", "", ""], []
-    chunks = list(create(**kw, stream=True))
+    chunks = list(create(**kw, stream=True, stream_options={"include_usage": True}))
     for chunk in chunks:
         for ch in chunk.choices:
             streamed[ch.index] += delta(ch)
@@ -701,11 +701,15 @@ def test_logprobs_json_has_no_infinity():
     assert json.loads(json.dumps(content, allow_nan=False))[0]["logprob"] == LOGPROB_FLOOR
 
 
-def test_no_usage_chunk_when_opted_out(plain):
+def test_the_usage_chunk_only_when_asked(plain):
+    """OpenAI's and vLLM's rule: a stream ends with a usage chunk (no choices) only where include_usage asks."""
     c = client(plain)
-    chunks = list(c.completions.create(model=name_of(plain), prompt="hi", max_tokens=4, temperature=0, stream=True,
-                                       stream_options={"include_usage": False}))  # fmt: skip
+    kw = dict(model=name_of(plain), prompt="hi", max_tokens=4, temperature=0, stream=True)
+    chunks = list(c.completions.create(**kw, stream_options={"include_usage": False}))
     assert all(ch.choices for ch in chunks) and all(ch.usage is None for ch in chunks)
+    chunks = list(c.completions.create(**kw, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert all(ch.choices and ch.usage is None for ch in chunks[:-1])
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -1266,7 +1270,7 @@ def test_bounded_load_run_completes_and_frees_kv(spec):
     def one(i: int):
         kw = dict(model=model, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=8, temperature=0.8, seed=i)
         if i % 2:
-            chunks = list(c.completions.create(**kw, stream=True))
+            chunks = list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
             return chunks[-1].usage.completion_tokens, [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
         out = c.completions.create(**kw)
         return out.usage.completion_tokens, out.choices[0].finish_reason

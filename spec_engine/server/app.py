@@ -1,9 +1,9 @@
 """``specdec serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on one ``AsyncEngine``.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream: true`` -> server-sent events in OpenAI's
-chunk format, a final usage chunk, then ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus),
-and vLLM's POST /tokenize (a prompt's or a chat's token ids, as the completions or chat API makes them), POST
-/detokenize and GET /version.
+chunk format, a final usage chunk where ``stream_options.include_usage`` asks, then ``data: [DONE]``), GET
+/v1/models, GET /health, GET /metrics (Prometheus), and vLLM's POST /tokenize (a prompt's or a chat's token ids, as
+the completions or chat API makes them), POST /detokenize and GET /version.
 
 Limits: bodies over ``max_body_bytes`` get 413 (checked on Content-Length and while reading); a body not received
 in full within ``request_timeout`` seconds of its head gets 408; JSON nested deeper than ``MAX_JSON_DEPTH`` or holding

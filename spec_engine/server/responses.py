@@ -49,8 +49,9 @@ def usage_body(lasts: list[Delta]) -> dict:  # (each choice's last delta)
 
 
 def wants_usage(req) -> bool:
-    """The final usage chunk is on unless the client sets ``stream_options.include_usage`` to false."""
-    return req.stream_options is None or req.stream_options.include_usage is not False
+    """The final usage chunk is sent where the client sets ``stream_options.include_usage`` (OpenAI's and vLLM's
+    rule: clients that read ``chunk.choices[0]`` on every chunk would fail on its empty choices)."""
+    return req.stream_options is not None and req.stream_options.include_usage is True
 
 
 def wants_continuous_usage(req) -> bool:
