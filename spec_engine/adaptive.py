@@ -51,7 +51,9 @@ Estimates, all online and free:
   rarely, since a probe is a stretch of undrafted steps (at a shorter interval, one per short request), and only as
   long as measuring needs (``plain_probe_steps``: a full chain where steps take a fraction of a millisecond, a few
   steps where they take many); native steps are priced per step, their draft and target parts apart
-  (bench/RESULTS.md, "what moved them").
+  (bench/RESULTS.md, "what moved them"). The mirror: while nothing drafts, one row is drafted every
+  ``PLAIN_PROBE_INTERVAL`` steps (``_price_probe``), and a verify width not measured for as long is priced by the
+  line again (``WidthTable.expire``): prices measured on a busy machine otherwise kept a perfect draft off for good.
 
 Margin: a step drafts only if it promises ``MIN_GAIN + TAIL_MARGIN * (1 - 1/B)`` times plain decoding's rate
 (1.02 at batch 1, 1.19 at 16). The model prices one step; it does not see what speculation costs around it: the
@@ -238,10 +240,17 @@ class WidthTable:
     def __init__(self):
         self.samples: dict[int, list[float]] = {}  # width -> its last TABLE_SAMPLES target-pass seconds
         self.prices: dict[int, float] = {}  # width -> the price of a pass that wide (the cheapest recent one)
+        self.seen: dict[int, int] = {}  # width -> the step of its last sample
 
-    def observe(self, width: int, t: float) -> None:
+    def observe(self, width: int, t: float, step: int = 0) -> None:
         self.samples[width] = kept = [*self.samples.get(width, []), t][-TABLE_SAMPLES:]
-        self.prices[width] = min(kept)
+        self.prices[width], self.seen[width] = min(kept), step
+
+    def expire(self, before: int) -> None:
+        """Forget the widths last measured before step ``before``: a price measured while the machine was busy kept
+        its width from being chosen, hence measured, again, and pinned a perfect draft below max_depth for good."""
+        for width in [w for w, step in self.seen.items() if step < before]:
+            del self.samples[width], self.prices[width], self.seen[width]
 
     def predict(self, width: int, line: float, anchors: dict[int, float] | None = None) -> float:
         """``anchors``: other measured passes (plain steps: width B) that bound the chords where no drafted width
@@ -302,6 +311,7 @@ class AdaptiveController:
         self.num_steps = 0  # steps observed
         self._next_probe = 0  # the step at or after which undrafted rows' probes are next considered
         self._next_plain_probe = PLAIN_PROBE_PHASE  # ... and a plain step is next run while drafting
+        self._drafted_at = 0  # the step of the last drafted pass timed (or price probe chosen): drafting's prices' age
         self.probe_interval = PROBE_INTERVAL  # the last drafted row's: where a new request's interval starts
         self._catch_up_tokens = 0  # tokens the draft cache catches up on this step, drafted rows
         self._cold = True  # the engine's first step pays one-time costs (extension loads, allocations): not timed
@@ -348,7 +358,23 @@ class AdaptiveController:
             if self.gain_pays(reqs[b], B, self._row_rate(states[b], reqs[b], B, best_G), 1.0):
                 gammas[b] = best_G
         self._probe(reqs, states, E, gammas, best_G, plain_rate)
+        if not any(gammas) and self.num_steps - self._drafted_at >= PLAIN_PROBE_INTERVAL:
+            self._price_probe(reqs, states, E, gammas)
         return self._commit_choice(reqs, states, gammas)
+
+    def _price_probe(self, reqs: Sequence, states: list[RowState], E: list[list[float]], gammas: list[int]) -> None:
+        """Draft one row at the depth the prices favour, though it loses to plain decoding: the plain probe's mirror.
+        Drafting is priced only from drafted steps, so prices measured on a busy machine (50 steps at 10x) outlived
+        it, and a perfect draft stayed off for good. Only a row whose drafts are good (alpha >= ``PROBE_ALPHA``): one
+        that is off for its drafts (a useless head) would pay its catch-up for nothing, every interval. Of those, the
+        row whose draft cache lags least: its catch-up is the price."""
+        good = [b for b, s in enumerate(states) if s.acceptance.alpha >= PROBE_ALPHA]
+        if not good:
+            return
+        G = self._scan(E, 0.0)[0]
+        b = min(good, key=lambda b: (self.cache_lag(reqs[b]), -E[b][G]))
+        gammas[b], states[b].probing = G, True
+        self._drafted_at = self.num_steps
 
     def _plain_probe_due(self, drafting: bool) -> bool:
         """Whether this choice, which would draft, is the plain probe (``plain_probe``; the next one is then due
@@ -582,7 +608,9 @@ class AdaptiveController:
             s.probe_interval = PROBE_INTERVAL if n > 1 else min(2 * s.probe_interval, MAX_PROBE_INTERVAL)
             self.probe_interval = s.probe_interval
             req.metrics.alpha_estimate = s.acceptance.alpha
-        if not timed:
+        # a clock that failed (NaN, inf, stood still, ran back) tells nothing of the step's cost: one NaN poisoned
+        # the fits for good, and one pass priced at 0 s made plain decoding look infinitely fast, drafting off for good
+        if not timed or not 0.0 <= draft_seconds < step_seconds < math.inf:
             return
         if self._cold:  # (the first step alone: a plain chain's later steps are timed)
             self._cold = False
@@ -599,7 +627,9 @@ class AdaptiveController:
         # the target's line from drafted steps alone (plain ones are priced by plain_cost): a plain stretch (8 steps
         # per chain) would push a forgetful fit's drafted-step level down to plain decoding's, and a useless draft
         # looked worth another try after every few chains
-        self.target_widths.observe(width, step_seconds - draft_seconds)
+        self._drafted_at = self.num_steps
+        self.target_widths.expire(self.num_steps - PLAIN_PROBE_INTERVAL)
+        self.target_widths.observe(width, step_seconds - draft_seconds, self.num_steps)
         self.target_cost.observe(1.0, width / TOKENS_REF, step_seconds - draft_seconds)
         if G:
             tokens = num_drafted * self.draft_tokens[G] + self._catch_up_tokens

@@ -1,0 +1,98 @@
+"""spec_engine/adaptive.py at its edges, with costs injected (never the wall clock): clocks that fail (NaN, inf, a
+clock that stands still or runs back), machines that stall, batches of 1 and 64, max_depth 1 and 16, and the
+design's two ends: a perfect draft reaches max_depth and a useless one is turned off."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from spec_engine.adaptive import AdaptiveController
+
+NAN, INF = float("nan"), float("inf")
+
+
+def request(max_tokens: int = 1 << 20) -> SimpleNamespace:
+    return SimpleNamespace(spec_state=None, params=SimpleNamespace(max_tokens=max_tokens), output_token_ids=[],
+                           metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
+
+
+def step_seconds(B: int, G: int, num_drafted: int) -> tuple[float, float]:
+    """(draft, whole step) seconds: a memory-bound target (10 ms, +20 us per verified token) and a draft of 0.5 ms
+    per level; drafting at depth G pays for any acceptance above ~0.3."""
+    draft = (0.0005 + 0.00001 * num_drafted) * G
+    return draft, 0.01 + 0.00002 * B * (G + 1) + draft
+
+
+def run(ctl: AdaptiveController, reqs: list, accepted, num_steps: int, clock=lambda s, d, t: (d, t)) -> list[int]:
+    """Drive ``ctl`` as Engine._decode does, one step per choice; ``accepted(step, depth)`` the drafts a row keeps,
+    ``clock(step, draft, whole)`` what the controller is told the step took. The deepest row's depth per step."""
+    deepest = []
+    for s in range(num_steps):
+        live = [r for r in reqs if len(r.output_token_ids) < r.params.max_tokens]
+        if not live:
+            break
+        gammas = ctl.choose(live)
+        assert all(isinstance(g, int) and 0 <= g <= ctl.max_depth for g in gammas), gammas
+        counts = [accepted(s, g) + 1 for g in gammas]
+        ctl.observe(live, gammas, counts, *clock(s, *step_seconds(len(live), max(gammas), sum(g > 0 for g in gammas))))
+        for r, n in zip(live, counts):
+            r.output_token_ids.extend([0] * n)
+        deepest.append(max(gammas))
+    return deepest
+
+
+def perfect(step: int, depth: int) -> int:
+    return depth
+
+
+@pytest.mark.parametrize("bad", [(NAN, NAN), (0.001, NAN), (INF, INF), (0.001, INF), (0.0, 0.0), (0.02, 0.01)],
+                         ids=["nan", "nan-step", "inf", "inf-step", "clock-stood-still", "clock-ran-back"])  # fmt: skip
+@pytest.mark.parametrize("at", [1, 5])
+def test_a_failed_clock_reading_teaches_nothing(bad, at):
+    """One step timed by a clock that failed (NaN, inf, no time at all, a draft part longer than the whole step):
+    before, it poisoned the cost fits (NaN for good) or priced a pass at 0 s, so that plain decoding looked
+    infinitely fast and a perfect draft stayed off for good."""
+    ctl = AdaptiveController(8, lambda g: g + 1)
+    deepest = run(ctl, [request()], perfect, 300, lambda s, d, t: bad if s == at else (d, t))
+    assert all(math.isfinite(x) for x in (*ctl.target_cost.theta, *ctl.draft_cost.theta))
+    assert deepest[-20:].count(8) >= 19  # (the plain probe aside)
+
+
+@pytest.mark.parametrize("B, slower, depth", [(1, 10.0, 8), (64, 5.0, 7)])  # (at 64 rows the line prices depth 8 a hair
+# above depth 7, its measured neighbour)
+def test_a_perfect_draft_drafts_again_after_the_machine_stalled(B, slower, depth):
+    """50 steps on a busy machine (every part ``slower`` times as slow) priced drafting above plain decoding, and once
+    off nothing drafted re-measured it: plain steps refreshed the rate to beat, the drafted prices stayed the busy
+    ones, and a perfect draft stayed off for good. Drafting's prices are re-measured as plain decoding's are."""
+    ctl = AdaptiveController(8, lambda g: g + 1)
+
+    def busy(s: int, draft: float, whole: float) -> tuple[float, float]:
+        return (slower * draft, slower * whole) if 10 <= s < 60 else (draft, whole)
+
+    deepest = run(ctl, [request() for _ in range(B)], perfect, 900, busy)
+    assert 0 in deepest[10:300]  # (the stall turned it off)
+    assert sum(d >= depth for d in deepest[-20:]) >= 19
+
+
+@pytest.mark.parametrize("B", [1, 64])
+@pytest.mark.parametrize("D", [1, 16])
+def test_a_perfect_draft_reaches_max_depth(B, D):
+    """alpha -> 1 for hundreds of steps (no 1 / (1 - alpha) blows up), at every max_depth and batch."""
+    deepest = run(AdaptiveController(D, lambda g: g + 1), [request() for _ in range(B)], perfect, 300)
+    assert deepest[-20:].count(D) >= 17
+
+
+def test_a_useless_draft_buys_no_price_probes():
+    """The price probe drafts a row while nothing has drafted for an interval, to re-measure drafting's prices; a
+    row that is off for its drafts (accepting nothing), not for the prices, would pay its catch-up (a whole prompt,
+    for a lazily filled head) every interval for nothing."""
+    ctl = AdaptiveController(8, lambda g: g + 1)
+    slow_draft = lambda s, d, t: (6 * d, t + 5 * d)  # noqa: E731 (a draft at 0.3 of a step: a useless one is off)
+    reqs = [request()]
+    run(ctl, reqs, lambda step, depth: 0, 300, slow_draft)
+    ctl._next_probe = ctl.num_steps + 1000  # (no undrafted-row probe due: the price probe's case)
+    ctl._drafted_at = ctl.num_steps - 1000
+    assert ctl.choose(reqs) == [0]  # (a perfect draft's price probe: test_a_perfect_draft_drafts_again_after...)
