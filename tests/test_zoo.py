@@ -103,9 +103,14 @@ def test_training_recipe_smoke(tmp_path):
               speculative_config={"method": "draft_model", "model": str(tmp_path / "out" / "draft")})  # fmt: skip
     assert len(llm.generate("x = ", SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids) == 4
     assert llm.engine.drafter.model.vocab_map is None  # the smoke vocabulary (300) is within draft_vocab_size
-    # resumable: a second run finds the checkpoints and does not retrain
-    again = train.main(["--smoke", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")])
+    # resumable: a second run finds the checkpoints and does not retrain; without --out-dir a smoke run exports into
+    # its work directory, never over the shipped pair (the embedded default, and the head trained against it)
+    shipped = train.DEFAULT_OUT / "target" / "model.safetensors"
+    before = shipped.read_bytes() if shipped.exists() else None
+    again = train.main(["--smoke", "--work-dir", str(tmp_path / "work")])
     assert again["held_out_ppl_target"] == pytest.approx(report["held_out_ppl_target"])
+    assert (tmp_path / "work" / "export" / "target" / "config.json").is_file()
+    assert (shipped.read_bytes() if shipped.exists() else None) == before
 
 
 def test_eagle_prompt_set_keeps_the_benchmarks_functions_out():

@@ -14,7 +14,8 @@ Stages, each checkpointed under ``--work-dir`` so a killed run resumes where it 
    autocast: 1.34x the eager step on this CPU (5.1k -> 6.8k tok/s at 256 tokens).
 4. draft: distilled from the target with KL(target || draft) on the same stream and curriculum, plus a little
    cross-entropy.
-5. export: HF directories (fp16 safetensors, config, tokenizer) into ``--out-dir``.
+5. export: HF directories (fp16 safetensors, config, tokenizer) into ``--out-dir`` (the shipped pair's folder by
+   default; a ``--smoke`` run's default is its work directory's ``export/``).
 """
 
 from __future__ import annotations
@@ -265,7 +266,9 @@ def perplexity(model: LlamaForCausalLM, stream: torch.Tensor, seq_len: int, max_
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--work-dir", type=Path, default=Path("runs/zoo"), help="checkpoints and caches (resumable)")
-    ap.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="where target/ and draft/ are exported")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="where target/ and draft/ are exported (default: the shipped pair's folder; with --smoke, "
+                         "WORK_DIR/export: a smoke run never replaces the shipped pair)")  # fmt: skip
     ap.add_argument("--target-steps", type=int)
     ap.add_argument("--draft-steps", type=int)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -281,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     work = args.work_dir
+    if args.out_dir is None:
+        args.out_dir = work / "export" if args.smoke else DEFAULT_OUT
     claim_work_dir(work, recipe="zoo", smoke=args.smoke, max_files=recipe.max_files, vocab_size=recipe.vocab_size)
 
     train_files, held_files = corpus_files()
