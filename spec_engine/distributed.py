@@ -394,7 +394,8 @@ def launch(model_dir: str | Path, world: int, *, dtype: torch.dtype, device: str
 
     from spec_kernels._ext import load_ext
 
-    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+    asked = torch.device(device)
+    if asked.type == "cuda" and asked.index is not None:
         raise ValueError(f"device={device!r}: with tensor parallelism rank r uses cuda:r (under torchrun, its local "
                          "rank); pass device='cuda' (CUDA_VISIBLE_DEVICES picks the GPUs)")  # fmt: skip
     cfg = ModelConfig.from_dir(model_dir)

@@ -182,17 +182,3 @@ def test_the_cli_default_is_suffix_where_no_drafter_is_shipped(tmp_path):
     assert default_method(tmp_path / "tiny", None) == "suffix"
     with pytest.raises(ValueError, match="model"):
         LLM(str(tmp_path / "tiny"), {"method": "hybrid"})
-
-
-def test_suffix_rows_draft_no_deeper_than_the_request_can_keep():
-    """A request's last steps: the hybrid's suffix speculation is cut to the tokens the request can still keep (its
-    tokens left but one), as the engine cuts a model drafter's depth; a deeper tree is verified for nothing."""
-    target, draft = default_model_paths()
-    llm = LLM(target, speculative_config={"method": "hybrid", "model": draft}, max_model_len=256)
-    prompt = REPETITIVE[1]
-    llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)  # the loop, indexed
-    for max_tokens in (1, 3):
-        llm.engine.gamma_history.clear()
-        out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0]
-        assert max(llm.engine.gamma_history, default=0) <= max_tokens - 1, list(llm.engine.gamma_history)
-        assert len(out.outputs[0].token_ids) == max_tokens

@@ -294,13 +294,16 @@ def test_suffix_rows_teach_their_requests_trust():
     assert all(e > 0 for e, _ in seen)
 
 
-@pytest.mark.parametrize("gamma", ["auto", 12])
-def test_speculations_draft_no_deeper_than_the_request_can_keep(gamma):
-    """A request's last steps: its speculation is cut to the tokens it can still keep (its tokens left but one), as
-    the hybrid's suffix rows are; under "auto" the controller offers every row the largest budget, and a tree of 16
-    nodes on a request's last token was verified for nothing."""
-    target, _ = default_model_paths()
+@pytest.mark.parametrize("method, gamma", [("suffix", "auto"), ("suffix", 12), ("hybrid", None)])
+def test_speculations_draft_no_deeper_than_the_request_can_keep(method, gamma):
+    """A request's last steps: suffix speculation, alone or as the hybrid's suffix rows, is cut to the tokens the
+    request can still keep (its tokens left but one), as the engine cuts a model drafter's depth; under "auto" the
+    controller offers every row the largest budget, and a tree of 16 nodes on a request's last token was verified
+    for nothing."""
+    target, draft = default_model_paths()
     spec = {"method": "suffix", "num_speculative_tokens": gamma, "suffix_decoding_min_score": 0.0}
+    if method == "hybrid":
+        spec = {"method": "hybrid", "model": draft}
     llm = LLM(target, speculative_config=spec, max_model_len=256)
     prompt = REPETITIVE[1]
     llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)  # the loop, indexed

@@ -56,7 +56,7 @@ def wants_usage(req) -> bool:
 
 def wants_continuous_usage(req) -> bool:
     """vLLM's ``stream_options.continuous_usage_stats``: usage on every chunk too (only beside the final one)."""
-    return wants_usage(req) and req.stream_options is not None and bool(req.stream_options.continuous_usage_stats)
+    return wants_usage(req) and bool(req.stream_options.continuous_usage_stats)
 
 
 def _event(obj) -> str:
