@@ -87,7 +87,7 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer is not None:
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(tokenizer.get("pre", "default"))
+        w.add_tokenizer_pre(tokenizer.get("pre", "gpt-2"))
         w.add_token_list(tokenizer["tokens"])
         w.add_token_types(tokenizer["types"])
         w.add_token_merges(tokenizer["merges"])
@@ -111,7 +111,7 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
     return path
 
 
-def tokenizer_metadata(tok, specials: list[str], pre: str = "default") -> dict:
+def tokenizer_metadata(tok, specials: list[str], pre: str = "gpt-2") -> dict:
     """The ``tokenizer.ggml.*`` metadata of a byte-level BPE ``tokenizers.Tokenizer`` (as convert_hf_to_gguf
     writes it): every token by id, the added specials as control tokens (type 3), the merges as "a b" strings."""
     spec = json.loads(tok.to_str())

@@ -150,7 +150,7 @@ def _bpe(pre: str):
     return chatml_tokenizer(SPECIALS, digits_apart=pre == "smollm")
 
 
-@pytest.mark.parametrize("pre", ["smollm", "default"])
+@pytest.mark.parametrize("pre", ["smollm", "gpt-2"])
 def test_tokenizer_equals_hf(hf_dir, tmp_path, pre):
     hf = _bpe(pre)
     meta = {**tokenizer_metadata(hf, SPECIALS, pre), "bos": 1, "eos": 2}
@@ -163,7 +163,7 @@ def test_tokenizer_equals_hf(hf_dir, tmp_path, pre):
 
 
 def test_tokenizer_adds_bos_when_the_file_says_so(hf_dir, tmp_path):
-    meta = {**tokenizer_metadata(_bpe("default"), SPECIALS), "bos": 1, "eos": 2, "add_bos": True}
+    meta = {**tokenizer_metadata(_bpe("gpt-2"), SPECIALS), "bos": 1, "eos": 2, "add_bos": True}
     tok = gguf_tokenizer(write_gguf(tmp_path / "t.gguf", hf_dir, tokenizer=meta))
     assert tok.encode("hello").ids[0] == 1 and tok.encode("hello", add_special_tokens=False).ids[0] != 1
 
@@ -177,13 +177,13 @@ def test_metadata_it_needs_and_lacks_is_named(hf_dir, tmp_path):
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     with pytest.raises(ValueError, match="lacks llama.attention.head_count"):
         load_model(path)
-    meta = {**tokenizer_metadata(_bpe("default"), SPECIALS), "bos": 10**6, "eos": 2, "add_bos": True}
+    meta = {**tokenizer_metadata(_bpe("gpt-2"), SPECIALS), "bos": 10**6, "eos": 2, "add_bos": True}
     with pytest.raises(ValueError, match="bos_token_id 1000000 is not a token"):
         gguf_tokenizer(write_gguf(tmp_path / "t.gguf", hf_dir, tokenizer=meta))
 
 
 def test_unsupported_pre_tokenizer(hf_dir, tmp_path):
-    meta = tokenizer_metadata(_bpe("default"), SPECIALS, pre="deepseek-llm")
+    meta = tokenizer_metadata(_bpe("gpt-2"), SPECIALS, pre="deepseek-llm")
     with pytest.raises(ValueError, match="deepseek-llm.*smollm"):
         gguf_tokenizer(write_gguf(tmp_path / "t.gguf", hf_dir, tokenizer=meta))
 

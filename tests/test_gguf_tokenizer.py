@@ -6,6 +6,7 @@ when ``pull("smollm2")`` does not work."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -145,10 +146,12 @@ WHOLE_WORD = "Ġzebra"  # in the vocabulary, but no merge makes it (Llama 3's ti
 
 
 def _tokenizer_file(path: Path, meta: dict, add_bos: bool | None = None) -> Path:
-    """A GGUF file holding only ``tokenizer_metadata``'s keys (and ``add_bos_token`` unless None: absent)."""
+    """A GGUF file holding only ``tokenizer_metadata``'s keys (``pre`` absent where None) and ``add_bos_token`` (absent
+    where None)."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(meta["pre"])
+    if meta["pre"] is not None:
+        w.add_tokenizer_pre(meta["pre"])
     w.add_token_list(meta["tokens"])
     w.add_token_types(meta["types"])
     w.add_token_merges(meta["merges"])
@@ -201,3 +204,29 @@ def test_digits_apart_under_llama_cpps_names(tmp_path, pre):
     ours = gguf_tokenizer(_tokenizer_file(tmp_path / "t.gguf", tokenizer_metadata(ref, SPECIALS, pre)))
     for text in TRICKY:
         assert ours.encode(text).ids == ref.encode(text).ids, text
+
+
+# llama.cpp's "default" (also for a file without tokenizer.ggml.pre), worked by hand from llama-vocab.cpp's regex list.
+# [\p{P}$+<=>^~|]+ cuts "it" "'" "s x " "=" " f" "(" "12345" ")!" " 2024"; GPT-2's regex cuts "s x " into "s" " x" " ";
+# \p{N}+ takes the space off " 2024"; [0-9][0-9][0-9] cuts "12345" and "2024" into threes from the left.
+DEFAULT_TEXT = "it's x = f(12345)! 2024"
+DEFAULT_PIECES = ["it", "'", "s", " x", " ", "=", " f", "(", "123", "45", ")!", " ", "202", "4"]
+GPT2_PIECES = ["it", "'s", " x", " =", " f", "(", "12345", ")!", " 2024"]  # GPT-2's regex alone: what it is not
+
+
+def _pieces(tok: Tokenizer, text: str) -> list[str]:
+    return [text[start:end] for _, (start, end) in tok.pre_tokenizer.pre_tokenize_str(text)]
+
+
+@pytest.mark.parametrize("pre", ["default", None])
+def test_default_pre_tokenizer_is_llama_cpps_regex_list(tmp_path, caplog, pre):
+    """A file whose pre-tokenizer is ``default``, or that has none, splits text by llama.cpp's default regex list, not
+    by GPT-2's regex; the missing key is warned about, as llama.cpp warns."""
+    meta = tokenizer_metadata(chatml_tokenizer(SPECIALS, digits_apart=False), SPECIALS)
+    with caplog.at_level(logging.WARNING, logger="spec_engine.models.gguf"):
+        ours = gguf_tokenizer(_tokenizer_file(tmp_path / "t.gguf", {**meta, "pre": pre}))
+    assert ("tokenizer.ggml.pre" in caplog.text) == (pre is None)
+    assert _pieces(ours, DEFAULT_TEXT) == DEFAULT_PIECES
+    gpt2 = gguf_tokenizer(_tokenizer_file(tmp_path / "gpt2.gguf", {**meta, "pre": "gpt-2"}))
+    assert _pieces(gpt2, DEFAULT_TEXT) == GPT2_PIECES
+    assert ours.decode(ours.encode(DEFAULT_TEXT).ids) == DEFAULT_TEXT

@@ -20,6 +20,7 @@ bit-for-bit ``gguf.quants.dequantize``'s, which is what transformers uses, only 
 from __future__ import annotations
 
 import functools
+import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ import torch
 
 from spec_engine.models.config import ModelConfig
 from spec_kernels.reference import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref
+
+log = logging.getLogger("spec_engine.models.gguf")
 
 # GGUF general.architecture -> (our model_type, whether llama.cpp permuted the Q/K rows when converting)
 GGUF_ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
@@ -283,41 +286,54 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
 
 # --- the tokenizer ------------------------------------------------------------------------------------------------
 
-# tokenizer.ggml.pre -> the pre-tokenizer llama.cpp runs before byte-level BPE (llama-vocab.cpp's regex lists)
-_GPT2_REGEX_PRES = ("default", "gpt2", "gpt-2")
-_DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b")  # "\p{N}" first
+# tokenizer.ggml.pre -> the regexes llama.cpp splits text with before byte-level BPE (llama-vocab.cpp's
+# llm_tokenizer_bpe), applied in turn: each cuts every piece the one before left into its matches and the text between
+# them, and sees only that piece (unicode.cpp's unicode_regex_split), as a Sequence of "Isolated" Splits does.
+# (llama.cpp writes GPT-2's regex without its last "|\s+", but its hand-written matcher for it runs that branch too.)
+_DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b")
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_PRE_REGEXES = {
+    # llama.cpp's default, also for a file without the key: runs of punctuation (\p{P}, and the symbols $+<=>^~| but
+    # not `) apart, then GPT-2's regex, then runs of digits apart from a space before them and cut into threes
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    "gpt2": (_GPT2_REGEX,),
+    "gpt-2": (_GPT2_REGEX,),
+    **dict.fromkeys(_DIGIT_SPLIT_PRES, (r"\p{N}", _GPT2_REGEX)),
+    "llama-bpe": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+        r"|\s+(?!\S)|\s+",
+    ),
+    "qwen2": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
+        r"|\s+",
+    ),
+}
 # llama.cpp's LLAMA3 arm: ignore_merges (a pre-token that is a token is that token, whether or not the merges reach it,
 # as tiktoken encodes and as Llama 3's tokenizer.json says) and BOS added where the file has no add_bos_token
 _LLAMA3_PRES = ("llama-bpe",)
-_SPLIT_REGEXES = {
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+",
-}
-SUPPORTED_PRE_TOKENIZERS = _GPT2_REGEX_PRES + _DIGIT_SPLIT_PRES + tuple(_SPLIT_REGEXES)
+SUPPORTED_PRE_TOKENIZERS = tuple(_PRE_REGEXES)
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4  # llama.cpp's token types of added (pre-matched) tokens
 
 
 def _pre_tokenizer(pre: str) -> dict:
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    if pre in _GPT2_REGEX_PRES:
-        return byte_level
-    if pre in _DIGIT_SPLIT_PRES:
-        return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
-    split = {"type": "Split", "pattern": {"Regex": _SPLIT_REGEXES[pre]}, "behavior": "Isolated", "invert": False}
-    return {"type": "Sequence", "pretokenizers": [split, {**byte_level, "use_regex": False}]}
+    splits = [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+        for regex in _PRE_REGEXES[pre]
+    ]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    return {"type": "Sequence", "pretokenizers": [*splits, byte_level]}
 
 
 def gguf_tokenizer(path: str | Path):
     """A ``tokenizers.Tokenizer`` from the file's ``tokenizer.ggml.*`` metadata, or None when it has none.
 
     Byte-level BPE (``tokenizer.ggml.model == "gpt2"``): the tokens and merges, the pre-tokenizer that
-    ``tokenizer.ggml.pre`` names (SmolLM2's ``smollm``: each digit apart, then GPT-2's regex), control tokens (type 3)
-    as special added tokens and user-defined ones (type 4) as plain added tokens, and BOS / EOS added to every
-    encoding where ``add_bos_token`` / ``add_eos_token`` say so (without the key: llama.cpp's default, BOS for
-    ``llama-bpe`` only). ValueError for any other tokenizer model or pre-tokenizer: a guessed tokenizer would encode
-    prompts the model never saw.
+    ``tokenizer.ggml.pre`` names (SmolLM2's ``smollm``: each digit apart, then GPT-2's regex; a file without the key
+    gets llama.cpp's ``default`` and a warning, as in llama.cpp), control tokens (type 3) as special added tokens
+    and user-defined ones (type 4) as plain added tokens, and BOS / EOS added to every encoding where
+    ``add_bos_token`` / ``add_eos_token`` say so (without the key: llama.cpp's default, BOS for ``llama-bpe`` only).
+    ValueError for any other tokenizer model or pre-tokenizer: a guessed tokenizer would encode prompts the model
+    never saw.
     """
     import json
 
@@ -329,7 +345,10 @@ def gguf_tokenizer(path: str | Path):
         return None
     if kind != "gpt2":
         raise ValueError(f"{f.path}: tokenizer model {kind!r} is not supported; specdec builds 'gpt2' (byte-level BPE)")
-    pre = f.get("tokenizer.ggml.pre", "default")
+    pre = f.get("tokenizer.ggml.pre")
+    if not pre:
+        log.warning("%s: no tokenizer.ggml.pre; pre-tokenizing as llama.cpp's 'default' (regenerate the file)", f.path)
+        pre = "default"
     if pre not in SUPPORTED_PRE_TOKENIZERS:
         raise ValueError(
             f"{f.path}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
