@@ -4,7 +4,8 @@
     python bench/replay_adaptive.py --model smollm2 [--noise 0.05 --seeds 3] [--engine plain_chain=8 ...]
 
 On a shared 2-core machine two runs of the same interleaved A/B differ by +-5% per prompt, more than the knobs of
-``spec_engine/adaptive.py`` move. This script separates the two things the engine's speed depends on:
+``spec_engine/adaptive.py`` and ``spec_engine/estimates.py`` move. This script separates the two things the engine's
+speed depends on:
 
 1. **What the draft proposes** is deterministic (greedy): for every position i of each prompt's greedy
    continuation y, the draft's own 8-token greedy chain from the true prefix (prompt + y[:i]) is recorded once
@@ -43,6 +44,7 @@ if __package__ in (None, ""):  # run as a file: the repository root, not bench/,
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import spec_engine.adaptive as adaptive  # noqa: E402
+import spec_engine.estimates as estimates  # noqa: E402
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 from spec_engine.drafters.draft_model import read_draft_vocab  # noqa: E402
 from spec_engine.engine import EngineConfig  # noqa: E402
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noise", type=float, default=0.0, help="sigma of the log-normal noise on the times observed")
     ap.add_argument("--seeds", type=int, default=1, help="adaptive runs, one noise seed each")
     ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
-                    help="a constant of spec_engine/adaptive.py for this replay (e.g. OPTIMISM=1.0)")  # fmt: skip
+                    help="a constant of spec_engine/adaptive.py or estimates.py (e.g. OPTIMISM=1.0)")  # fmt: skip
     ap.add_argument("--engine", action="append", default=[], metavar="KNOB=VALUE",
                     help="an EngineConfig field for this replay (e.g. plain_chain=8)")  # fmt: skip
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "out")
@@ -308,17 +310,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"no cost profile for {args.model}; profiles: {', '.join(p for p in PROFILES if p != 'pair')}")
     for kv in args.set:
         knob, _, value = kv.partition("=")
-        if not hasattr(adaptive, knob):
-            ap.error(f"spec_engine.adaptive has no {knob}")
-        setattr(adaptive, knob, type(getattr(adaptive, knob))(value))
+        module = next((m for m in (adaptive, estimates) if hasattr(m, knob)), None)
+        if module is None:
+            ap.error(f"neither spec_engine.adaptive nor spec_engine.estimates has {knob}")
+        setattr(module, knob, type(getattr(module, knob))(value))
     global ENGINE
     for kv in args.engine:
         knob, _, value = kv.partition("=")
         if not hasattr(ENGINE, knob):
             ap.error(f"EngineConfig has no {knob}")
         ENGINE = dataclasses.replace(ENGINE, **{knob: type(getattr(ENGINE, knob))(value)})
-    knobs = {k: getattr(adaptive, k) for k in ("OPTIMISM", "OPTIMISM_PSEUDO_TRIALS", "MIN_GAIN", "PRIOR_STRENGTH",
-                                               "SURE_TRIALS", "PROBE_INTERVAL", "PLAIN_PROBE_INTERVAL")}  # fmt: skip
+    knobs = {k: getattr(estimates, k) for k in ("OPTIMISM", "OPTIMISM_PSEUDO_TRIALS", "PRIOR_STRENGTH")}
+    knobs |= {k: getattr(adaptive, k) for k in ("MIN_GAIN", "SURE_TRIALS", "PROBE_INTERVAL", "PLAIN_PROBE_INTERVAL")}
     print(f"knobs: {knobs}; {ENGINE}")
     if args.model is not None:
         args.prompts, args.max_tokens = args.prompts or 20, args.max_tokens or 128

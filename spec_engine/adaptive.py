@@ -15,33 +15,17 @@ gain most), and keeps the pair maximising
 G = 0 turns the drafter off for the step: plain decoding. The scan is (max_depth + 1) * (B + 1) numbers: ~1e3 at
 max_depth 16 and B 64, a small fraction of a step in Python, and no forward pass.
 
-Estimates, all online and free:
-- acceptance: per request and depth, exponentially forgotten counts (``DECAY`` per drafted step of the row) of the
-  geometric MLE: alpha = (a + s * alpha_0) / (a + r + s). A step drafted at depth g that accepted k adds one accept
-  at depths 1..k and one reject at depth k+1 (if k < g). A chain pools the depths (which is exactly the geometric
-  MLE); a tree shrinks each depth toward the row's pooled estimate with ``DEPTH_PRIOR`` pseudo-trials. The prior
-  alpha_0 (``PRIOR_STRENGTH`` pseudo-trials) is the acceptance of the recent requests (a slower-forgetting estimate
-  over all rows, itself starting at 0.5): a new request starts where its predecessors ended, so it neither wastes
-  steps on a useless draft nor ramps up slowly with a good one.
-- optimism: the controller plans with alpha + OPTIMISM * sqrt(alpha (1 - alpha) / (n + n_0)), n the row's drafted
-  tokens so far (not forgotten). Two unlucky first steps would otherwise put a good draft at alpha ~0.25 and off
-  until its next probe; with the bonus it keeps drafting shallowly until the evidence is real. The bonus shrinks as
-  the request goes on: after ~10 always-rejected tokens a useless draft is off (measured in bench_adaptive). A new
-  request starts from the recent requests' rate, itself well measured, so n_0 = ``OPTIMISM_PSEUDO_TRIALS`` = 16
-  and OPTIMISM = 0.5 keep its first bonus small (+0.06 at alpha 0.66; n_0 = 2 and OPTIMISM = 1 gave +0.33 and sent
-  every new request's first step to depth 8, which a 16-row batch paid with T = 9). Chosen by replaying recorded
-  drafts of 24 held-out prompts and the 5 demo prompts through this controller with a cost model fit to the
-  engine's measured steps (noise-free): OPTIMISM 1 and n_0 8 drafted held-out prompts where a draft was useless
-  and made them slower than plain decoding; 0.5 and 16 lose less there, at the price of a little geomean over the
-  24 (bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)").
-- cost: least squares with forgetting, t_target = a + b * (B*T) and t_draft = c * G + d * (B_d * draft tokens, the
-  catch-up of a lagging draft cache included), the draft part timed around ``Drafter.propose`` and the target part
-  the rest of the step, both fit on drafted steps only (plain ones set the plain rate, below). A weak prior on
-  b / a and d / c splits the first observations, so the first step can run at max depth (optimistic) and the
-  measurements correct it. The engine's first step is not timed (one-time costs),
-  and a step slower than ``OUTLIER`` times its prediction is clipped, since other jobs on the machine preempt steps
-  at random. On CUDA the draft's kernels may finish after ``propose`` returns; their time then lands in the target
-  part, which still rises with G, so the sum the controller compares stays right.
+Estimates, all online and free (spec_engine/estimates.py: the acceptance counts with forgetting and the optimism
+bonus, the cost fits, the verify widths' table), fed by the controller:
+- acceptance: one estimate per request (``RowState``), whose prior is the acceptance of the recent requests
+  (``population``, an estimate over all rows forgetting slower: ``POPULATION_DECAY``). The controller plans with the
+  optimistic alpha, and prices a request's first drafted step and a probe without the bonus (below).
+- cost: t_target = a + b * (B*T) and t_draft = c * G + d * (B_d * draft tokens, the catch-up of a lagging draft cache
+  included), the draft part timed around ``Drafter.propose`` and the target part the rest of the step, both fit on
+  drafted steps only (plain ones set the plain rate, below); each verify width measured is priced by its cheapest
+  recent pass (``WidthTable``). The engine's first step is not timed (one-time costs). On CUDA the draft's kernels may
+  finish after ``propose`` returns; their time then lands in the target part, which still rises with G, so the sum
+  the controller compares stays right.
 
 - plain rate: the rate drafting must beat is priced from measured plain steps (their lowest ratio to the target
   model, against today's fit), not from the line alone: a drafted step carries fixed costs a plain one does not
@@ -97,21 +81,15 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-DECAY = 0.9  # per drafted step of a row: a half-life of ~6.6 steps, so a request adapts within ~10 steps
+from spec_engine.estimates import AcceptanceEstimate, LinearCost, WidthTable, geometric_tokens
+
 POPULATION_DECAY = 0.99  # per drafted row-step: the engine-wide estimate remembers ~100 of them
-PRIOR_STRENGTH = 2.0  # pseudo-trials of the prior: a row that rejects everything settles at alpha_0 / 6
-DEPTH_PRIOR = 2.0  # pseudo-trials pulling a tree depth's alpha toward the row's pooled alpha
 PROBE_INTERVAL = 16  # steps between probes of undrafted rows
 MAX_PROBE_INTERVAL = 64
-OPTIMISM = 0.5  # standard errors added to alpha when planning (see "optimism" above)
-OPTIMISM_PSEUDO_TRIALS = 16.0  # the evidence a new request's prior is worth to the optimism bonus
-COST_FORGET = 0.97  # per observed step: the cost fits remember ~30 steps (batch size and context drift)
-TABLE_SAMPLES = 8  # target passes per verify width whose cheapest prices that width (WidthTable)
 TARGET_PER_TOKEN_PRIOR = 0.1  # b / a: a verified token's prior cost as a share of a target pass's fixed cost (set
 # from HF eager's verify cost: bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)")
 DRAFT_PER_TOKEN_PRIOR = 0.1  # d / c
 TOKENS_REF = 16.0  # token counts are divided by this so both coefficients of a fit have comparable scales
-OUTLIER = 3.0  # a step timed above this multiple of its prediction (preemption, a one-time load) is clipped to it
 PROBE_ALPHA = 0.8  # a due row is probed if a draft this good would be drafted now (see the probes above)
 PROBE_PRIOR = 0.5  # the chance that a probe accepts its draft before any probe was seen (see "priced probes")
 PROBE_PRIOR_STRENGTH = 1.0  # ... worth this many probes (Jeffreys' Beta(1/2, 1/2): see probe_success)
@@ -126,144 +104,6 @@ PLAIN_SAMPLES = 64  # plain steps whose measured / modelled cost ratio sets the 
 # steady chains of a plain stretch, not only the last two probe chains (which run right after drafted steps and
 # cost more per step than a steady chain: bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)")
 SURE_TRIALS = 8  # drafted tokens of a request after which a native call keeps its depth through rejections
-
-
-def geometric_tokens(alpha: float, max_depth: int, cap: float) -> list[float]:
-    """``[D + 1]`` E(g) = 1 + alpha + ... + alpha^g for g = 0..D, each capped at ``cap`` tokens."""
-    out, reach, total = [1.0], 1.0, 1.0
-    for _ in range(max_depth):
-        reach *= alpha
-        total += reach
-        out.append(min(total, cap))
-    return out
-
-
-class AcceptanceEstimate:
-    """Forgetful accept/reject counts of one request (or of all rows); see the module docstring.
-
-    Plain floats, not numpy: at these sizes numpy's per-call overhead would cost more than the step it steers.
-    """
-
-    def __init__(self, max_depth: int, per_depth: bool, prior: float = 0.5, decay: float = DECAY):
-        self.num_accepts = self.num_rejects = 0.0  # decayed counts over all depths: the pooled (chain) estimate
-        self.num_trials = 0  # drafted tokens judged (accepts + rejects), never forgotten: the optimism's sample size
-        self.accepts = [0.0] * max_depth  # [D]: decayed count of steps whose path survived depth j+1 (trees only)
-        self.rejects = [0.0] * max_depth  # [D]: decayed count of steps whose path stopped at depth j+1 (trees only)
-        self.per_depth, self.prior, self.decay = per_depth, prior, decay
-
-    def update(self, depth: int, num_accepted: int) -> None:
-        if depth == 0:
-            return
-        rejected = num_accepted < depth
-        self.num_trials += num_accepted + rejected
-        self.num_accepts = self.decay * self.num_accepts + num_accepted
-        self.num_rejects = self.decay * self.num_rejects + rejected
-        if self.per_depth:
-            self.accepts = [self.decay * a + (j < num_accepted) for j, a in enumerate(self.accepts)]
-            self.rejects = [self.decay * r + (rejected and j == num_accepted) for j, r in enumerate(self.rejects)]
-
-    @property
-    def alpha(self) -> float:
-        """The pooled (chain) acceptance rate per drafted token."""
-        return (self.num_accepts + PRIOR_STRENGTH * self.prior) / (self.num_accepts + self.num_rejects + PRIOR_STRENGTH)
-
-    @property
-    def alpha_optimistic(self) -> float:
-        """alpha plus ``OPTIMISM`` binomial standard errors: what the controller plans with."""
-        a = self.alpha
-        return min(a + OPTIMISM * (a * (1.0 - a) / (self.num_trials + OPTIMISM_PSEUDO_TRIALS)) ** 0.5, 1.0)
-
-    def depth_alphas(self, optimistic: bool = False) -> list[float]:
-        """[D] alpha_j: the chance that the path survives depth j+1 once it reached depth j."""
-        pooled = self.alpha_optimistic if optimistic else self.alpha
-        if not self.per_depth:
-            return [pooled] * len(self.accepts)
-        return [(a + DEPTH_PRIOR * pooled) / (a + r + DEPTH_PRIOR) for a, r in zip(self.accepts, self.rejects)]
-
-    def expected_tokens(self, cap: float, optimistic: bool = False) -> list[float]:
-        """[D + 1] E(g) = 1 + sum_{d<=g} prod_{j<=d} alpha_j for g = 0..D, each capped at ``cap`` tokens."""
-        out, reach, total = [1.0], 1.0, 1.0
-        for a in self.depth_alphas(optimistic):
-            reach *= a
-            total += reach
-            out.append(min(total, cap))
-        return out
-
-
-class LinearCost:
-    """t ~ theta . (x0, x1) by least squares with exponential forgetting, plus a ridge prior theta1 ~ ratio * theta0.
-
-    The prior weighs as one observation, so it only decides what the data cannot: the split between the two
-    coefficients while every observation has the same x. A 2x2 solve in closed form: cheaper than numpy's.
-    Observations above ``OUTLIER`` times the prediction are clipped: one slow step (the machine's other jobs) would
-    otherwise steer ~30 steps.
-    """
-
-    def __init__(self, prior_ratio: float, forget: float = COST_FORGET):
-        self.forget, self.ratio = forget, prior_ratio
-        self._xx = [0.0, 0.0, 0.0]  # decayed sums of x0*x0, x0*x1, x1*x1
-        self._xt = [0.0, 0.0]  # decayed sums of x0*t, x1*t
-        self.num_observed = 0
-        self.theta = (0.0, 0.0)
-
-    def observe(self, x0: float, x1: float, t: float) -> None:
-        if self.num_observed >= 2:
-            t = min(t, OUTLIER * self.predict(x0, x1))
-        f, xx, xt = self.forget, self._xx, self._xt
-        self._xx = [f * xx[0] + x0 * x0, f * xx[1] + x0 * x1, f * xx[2] + x1 * x1]
-        self._xt = [f * xt[0] + x0 * t, f * xt[1] + x1 * t]
-        self.num_observed += 1
-        a00, a01, a11 = self._xx[0] + self.ratio**2, self._xx[1] - self.ratio, self._xx[2] + 1.0  # + (-r, 1)(-r, 1)^T
-        det = a00 * a11 - a01 * a01
-        theta0 = (a11 * self._xt[0] - a01 * self._xt[1]) / det
-        theta1 = (a00 * self._xt[1] - a01 * self._xt[0]) / det
-        self.theta = (max(theta0, 0.0), max(theta1, 0.0))  # noise must not make more work look cheaper
-
-    def predict(self, x0: float, x1: float) -> float:
-        return self.theta[0] * x0 + self.theta[1] * x1
-
-
-class WidthTable:
-    """Measured target-pass seconds per verify width (B * T tokens): the line's convexity correction.
-
-    On a CPU whose small-M matmuls turn compute-bound past a few rows (AVX2, bfloat16 widened in registers) a pass's
-    cost is convex in its width, well above a plain step already at 2 tokens (bench/RESULTS.md, "r(T)"; the default
-    target's passes: bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)"): a line fit through
-    the depths a request used over-prices the middle ones, and a draft at alpha 0.8 that pays at depth 2-3 looked
-    not to (bench/RESULTS-log.md, "A CPU without AVX-512"). Each width keeps its last ``TABLE_SAMPLES`` steps and is
-    priced by the cheapest (as plain steps are, ``plain_cost``: other jobs on the machine and cold caches only slow a
-    step, and a few slow first steps of a request, right after another engine ran, had priced depth 1 far above a plain
-    step for good (the same 2026-11-25 section), so that a draft at alpha 0.98 went undrafted for a whole request); a
-    width not measured is priced by the line, but never above the straight interpolation between its measured neighbours
-    (a convex cost lies below its chords)."""
-
-    def __init__(self):
-        self.samples: dict[int, list[float]] = {}  # width -> its last TABLE_SAMPLES target-pass seconds
-        self.prices: dict[int, float] = {}  # width -> the price of a pass that wide (the cheapest recent one)
-        self.seen: dict[int, int] = {}  # width -> the step of its last sample
-
-    def observe(self, width: int, t: float, step: int = 0) -> None:
-        self.samples[width] = kept = [*self.samples.get(width, []), t][-TABLE_SAMPLES:]
-        self.prices[width], self.seen[width] = min(kept), step
-
-    def expire(self, before: int) -> None:
-        """Forget the widths last measured before step ``before``: a price measured while the machine was busy kept
-        its width from being chosen, hence measured, again, and pinned a perfect draft below max_depth for good."""
-        for width in [w for w, step in self.seen.items() if step < before]:
-            del self.samples[width], self.prices[width], self.seen[width]
-
-    def predict(self, width: int, line: float, anchors: dict[int, float] | None = None) -> float:
-        """``anchors``: other measured passes (plain steps: width B) that bound the chords where no drafted width
-        was measured."""
-        if width in self.prices:
-            return self.prices[width]
-        known = {**(anchors or {}), **self.prices}
-        below = max((x for x in known if x < width), default=None)
-        above = min((x for x in known if x > width), default=None)
-        if below is None or above is None:
-            return line
-        f = (width - below) / (above - below)
-        return min(line, (1.0 - f) * known[below] + f * known[above])
 
 
 @dataclass

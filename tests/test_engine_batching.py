@@ -14,8 +14,9 @@ import torch
 from tiny_models import make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
-from spec_engine.adaptive import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AcceptanceEstimate, AdaptiveController
+from spec_engine.adaptive import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AdaptiveController
 from spec_engine.config import ADAPTIVE_MAX_DEPTH, parse_speculative_config
+from spec_engine.estimates import AcceptanceEstimate
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77], [9] * 20, [30, 31], [4, 8, 15, 16, 23, 42],
            list(range(40, 75)), [2, 90, 2, 90, 2]]  # fmt: skip
@@ -604,7 +605,7 @@ def test_measured_verify_widths_correct_a_convex_cost_line():
     that pays there looked not to. Measured widths price themselves (their cheapest recent pass: a few slow steps,
     cold caches or the machine's other jobs, must not price a width for good); an unmeasured one is priced by the
     line but never above the chord between its measured neighbours."""
-    from spec_engine.adaptive import TABLE_SAMPLES, WidthTable
+    from spec_engine.estimates import TABLE_SAMPLES, WidthTable
 
     ctl = AdaptiveController(8, lambda g: g + 1)
     req = _row()
