@@ -12,9 +12,9 @@ import pytest
 import torch
 from tiny_models import make_model, make_noisy_copy
 
-import spec_engine.engine as engine_mod
 import spec_engine.runner as runner_mod
 from spec_engine import LLM, SamplingParams
+from spec_engine.adaptive import chain_step_costs
 from spec_engine.engine import EngineConfig
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77], list(range(10, 40))]
@@ -411,11 +411,11 @@ def test_a_short_calls_overhead_is_spread_as_a_full_calls():
     call cut after one step by a rejection does not charge all of its Python to that step (which made drafting look
     1.6x a plain token where full calls cost 1.2x)."""
     native = [[0.0001, 0.0004]]  # one step run: 0.1 ms drafting, 0.4 ms in all
-    (cost,) = engine_mod.chain_step_costs(native, wall=0.0004 + 0.0016, steps=16)
+    (cost,) = chain_step_costs(native, wall=0.0004 + 0.0016, steps=16)
     assert cost == pytest.approx((0.0001, 0.0004 + 0.0001))
-    full = engine_mod.chain_step_costs(native * 16, wall=16 * 0.0004 + 0.0016, steps=16)
+    full = chain_step_costs(native * 16, wall=16 * 0.0004 + 0.0016, steps=16)
     assert full == [pytest.approx(cost)] * 16  # a step costs the same whether the call ran on or stopped
-    assert engine_mod.chain_step_costs(native, wall=0.0003, steps=4) == [pytest.approx((0.0001, 0.0004))]
+    assert chain_step_costs(native, wall=0.0003, steps=4) == [pytest.approx((0.0001, 0.0004))]
 
 
 def test_an_unsure_controller_re_decides_every_few_steps(target, monkeypatch):
