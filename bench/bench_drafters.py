@@ -197,8 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="", help="contenders to time, comma-separated (default: all; plain always)")
     ap.add_argument("--reps", type=int, default=30, help="interleaved rounds for r(T) and c")
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"))
+    ap.add_argument("--trees", default=";".join(",".join(map(str, t)) for t in TREES),
+                    help="the eagle-t rows' static trees, children per depth, ';'-separated")  # fmt: skip
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
+    try:
+        trees = [tuple(int(b) for b in t.split(",")) for t in args.trees.split(";") if t]
+    except ValueError:
+        trees = []
+    if not trees or any(b < 1 for t in trees for b in t):
+        ap.error(f"--trees takes positive children per depth, e.g. '2,1;3,1,1', got {args.trees!r}")
     sets = args.sets.split(",")
     if "second" in sets and "edit" not in sets:  # the second pass serves what the first left in the global tree
         print("--sets second: the edit set runs first (its pass fills the global suffix tree)")
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         sets.insert(0, "humaneval")
     if unknown := set(sets) - set(SETS):
         ap.error(f"unknown sets {sorted(unknown)}; choose from {', '.join(SETS)}")
-    rows = ["eagle-auto", *(f"eagle-g{g}" for g in CHAINS), *("eagle-t" + "".join(map(str, t)) for t in TREES),
+    rows = ["eagle-auto", *(f"eagle-g{g}" for g in CHAINS), *("eagle-t" + "".join(map(str, t)) for t in trees),
             "suffix", "hybrid"]  # fmt: skip
     if args.rows and (unknown := set(args.rows.split(",")) - set(rows)):
         ap.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(rows)}")
@@ -224,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     eagle = {"method": "eagle"} | ({"model": args.head} if args.head else {})
     engines = {"eagle-auto": eagle, **{f"eagle-g{g}": eagle | {"num_speculative_tokens": g} for g in CHAINS},
                **{"eagle-t" + "".join(map(str, t)): eagle | {"num_speculative_tokens": len(t), "tree": list(t)}
-                  for t in TREES},
+                  for t in trees},
                "suffix": {"method": "suffix"}, "hybrid": {"method": "hybrid"} | ({"model": args.head} if args.head
                                                                                   else {})}  # fmt: skip
     llms = {name: LLM(args.model, speculative_config=spec, **kw) for name, spec in tqdm(engines.items(), desc="load")}
