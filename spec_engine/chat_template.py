@@ -154,24 +154,36 @@ def _model_templates(model: Path) -> tuple[dict[str, str], dict[str, str]]:
     if gguf_path_or_none(model) is not None:
         source = gguf_chat_template(model)
         return ({"default": source} if isinstance(source, str) else {}), gguf_special_tokens(model)
-    cfg: dict = {}
-    cfg_path = model / "tokenizer_config.json"
-    if cfg_path.is_file():
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"corrupt {cfg_path}: {e}") from e
+    cfg = _json_file(model / "tokenizer_config.json")
     source = cfg.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         named = {k: v for k, v in named.items() if isinstance(k, str) and isinstance(v, str)}
     else:
         named = {"default": source} if isinstance(source, str) else {}
-    jinja_file = model / "chat_template.jinja"
-    if not named and jinja_file.is_file():
-        named = {"default": jinja_file.read_text()}
+    # template files win over the config's entries, as in transformers (a template fixed on the Hub in its file can
+    # leave a stale copy in the config)
+    files = {"default": model / "chat_template.jinja"} if (model / "chat_template.jinja").is_file() else {}
+    files |= {f.name.removesuffix(".jinja"): f for f in sorted(model.glob("additional_chat_templates/*.jinja"))}
+    if files:
+        named = {name: f.read_text(encoding="utf-8") for name, f in files.items()}
+    if "added_tokens_decoder" not in cfg:  # (a legacy directory: transformers takes its special_tokens_map.json)
+        cfg |= _json_file(model / "special_tokens_map.json")
     special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
     return named, special
+
+
+def _json_file(path: Path) -> dict:
+    """A JSON object file's contents; {} where there is no such file."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"corrupt {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"corrupt {path}: not a JSON object")
+    return data
 
 
 def _token_text(tok) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -84,14 +85,34 @@ def _inline_or_file(value: str | None) -> str | None:
     if value is None or not value.startswith("@"):
         return value
     try:
-        return Path(value[1:]).read_text()
+        return Path(value[1:]).read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"cannot read {value[1:]}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"cannot read {value[1:]}: not UTF-8 text") from None
+
+
+def _check_text(args: argparse.Namespace) -> None:
+    """Refuse text flags that cannot be what the user meant: bytes that are not UTF-8 (Python hands them over as lone
+    surrogates, which the tokenizer rejects and a stop string never matches), and an empty chat message."""
+    texts = [("--prompt", args.prompt), ("--chat", args.chat), ("--regex", args.regex)]
+    texts += [("--stop", stop) for stop in args.stop or []]
+    for flag, text in (("--json-schema", args.json_schema), ("--grammar", args.grammar)):
+        if not (text or "").startswith("@"):  # (an @FILE's path may be any bytes; its text is read as UTF-8)
+            texts.append((flag, text))
+    for flag, text in texts:
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{flag} is not valid UTF-8 text") from None
+    if args.chat is not None and not args.chat.strip():
+        raise ValueError("--chat is empty: give the user's message")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from spec_engine import SamplingParams
 
+    _check_text(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
                             guided_json=_inline_or_file(args.json_schema), guided_regex=args.regex,
@@ -102,8 +123,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat is not None:  # the model's chat template around one user turn; its ids are the prompt
         prompt = {"prompt_token_ids": llm.render_chat([{"role": "user", "content": args.chat}])[1]}
+    progress = sys.stderr.isatty()  # (bars on a terminal only: they would clutter a log or a pipe)
     t0 = time.perf_counter()
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    out = llm.generate([prompt], params, use_tqdm=progress)[0]
     elapsed = time.perf_counter() - t0
     stream = sys.stderr if args.json else sys.stdout
     print(out.outputs[0].text if args.chat is not None else args.prompt + out.outputs[0].text)
@@ -112,11 +134,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(stats_line(out, report["tokens_per_s"]), file=stream)
     else:
         base = build_llm(argparse.Namespace(**{**vars(args), "model": str(llm.model_dir)}), speculate=False)
-        ref = base.generate([prompt], params, use_tqdm=False)[0]  # also its warm-up
+        ref = base.generate([prompt], params, use_tqdm=progress)[0]  # also its warm-up
         # One timing of a short request is mostly noise (cold caches, the scheduler, other jobs): each engine runs
         # the request over alternating rounds (which goes first alternates, so a burst of load hits both), and the
         # two lines print the medians whose ratio is the speedup.
-        spec_tps, base_tps = _alternating_tps(llm, base, prompt, params, args.compare_repeats)
+        spec_tps, base_tps = _alternating_tps(llm, base, prompt, params, args.compare_repeats, progress)
         report["tokens_per_s"], report["baseline_tokens_per_s"] = spec_tps, base_tps
         report["speedup"] = spec_tps / base_tps
         same = ref.outputs[0].token_ids == out.outputs[0].token_ids
@@ -136,18 +158,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 1 if args.compare and not report["same_tokens"] and deterministic else 0
 
 
-def _alternating_tps(llm, base, prompt: str | dict, params, repeats: int) -> tuple[float, float]:
+def _alternating_tps(
+    llm, base, prompt: str | dict, params, repeats: int, progress: bool = False
+) -> tuple[float, float]:
     """Median tok/s of ``llm`` and of ``base`` over ``repeats`` rounds of the same request (the first engine of a
-    round alternates)."""
+    round alternates). ``progress``: a bar on stderr counts the runs (outside the timed spans), then clears."""
     import statistics
 
+    from tqdm import tqdm
+
     rates: tuple[list[float], list[float]] = ([], [])
-    for r in range(max(1, repeats)):
-        order = ((llm, rates[0]), (base, rates[1]))
-        for engine, out in order if r % 2 == 0 else order[::-1]:
-            t0 = time.perf_counter()
-            done = engine.generate([prompt], params, use_tqdm=False)[0]
-            out.append(len(done.outputs[0].token_ids) / (time.perf_counter() - t0))
+    with tqdm(total=2 * max(1, repeats), desc="[specdec] timing both engines", unit="run", disable=not progress,
+              leave=False, file=sys.stderr) as bar:  # fmt: skip
+        for r in range(max(1, repeats)):
+            order = ((llm, rates[0]), (base, rates[1]))
+            for engine, out in order if r % 2 == 0 else order[::-1]:
+                t0 = time.perf_counter()
+                done = engine.generate([prompt], params, use_tqdm=False)[0]
+                out.append(len(done.outputs[0].token_ids) / (time.perf_counter() - t0))
+                bar.update()
     return statistics.median(rates[0]), statistics.median(rates[1])
 
 
@@ -203,6 +232,16 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
             continue
         if action.option_strings and "default" not in (action.help or ""):
             action.help = f"{action.help} (default: %(default)s)" if action.help else "(default: %(default)s)"
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so what is still buffered for a reader that left flushes quietly at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # (a stdout without a file descriptor)
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,7 +304,15 @@ def main(argv: list[str] | None = None) -> int:
         _show_defaults(parser)
     args = ap.parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # (a reader that left shows here, not as Python's "Exception ignored" at exit)
+        return code
+    except KeyboardInterrupt:
+        print("[specdec] interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # (`specdec generate ... | head`: the reader has what it wanted)
+        _drop_stdout()
+        return 141
     except PullError as e:  # (a registry model that could not be downloaded: what to run instead)
         print(f"error: {e}", file=sys.stderr)
         return 1

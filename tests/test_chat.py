@@ -189,3 +189,57 @@ def test_malformed_tool_calls_are_a_value_error(llm):
         messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
         with pytest.raises(ValueError, match="tool_calls"):
             llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def _hf_dir(root: Path, config: dict, files: dict[str, str]) -> Path:
+    """A tokenizer directory as the Hub ships one: tokenizer.json, tokenizer_config.json and ``files``."""
+    root.mkdir()
+    chatml_tokenizer(SPECIALS).save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **config}))
+    for name, text in files.items():
+        (root / name).parent.mkdir(exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_an_hf_directory_renders_what_transformers_renders(tmp_path):
+    """transformers' choices in an HF directory: chat_template.jinja and additional_chat_templates/*.jinja win over
+    tokenizer_config.json's entries (a template fixed on the Hub in the file, the config's copy stale), and a legacy
+    special_tokens_map.json (a config without added_tokens_decoder) gives the special tokens the template writes."""
+    from spec_engine.chat_template import ChatTemplate
+
+    transformers = pytest.importorskip("transformers")
+    stale = {"chat_template": "OLD{{ bos_token }}{{ messages[0].content }}"}
+    eos = {"content": "<|im_end|>", "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+    cases = {
+        "file": _hf_dir(tmp_path / "file", stale, {"chat_template.jinja": "NEW{{ messages[0].content }}"}),
+        "named files": _hf_dir(tmp_path / "named", stale, {"chat_template.jinja": "D{{ messages[0].content }}",
+                               "additional_chat_templates/tool_use.jinja": "T{{ tools | length }}"}),  # fmt: skip
+        "special map": _hf_dir(tmp_path / "special", {"chat_template": "{{ bos_token }}{{ eos_token }}"},
+                               {"special_tokens_map.json": json.dumps({"bos_token": SPECIALS[1], "eos_token": eos})}),
+    }  # fmt: skip
+    hi, tools = [{"role": "user", "content": "hi"}], [{"type": "function", "function": {"name": "f"}}]
+    for name, root in cases.items():
+        hf = transformers.AutoTokenizer.from_pretrained(str(root))
+        for kw in ({}, {"tools": tools}):
+            assert ChatTemplate(root).render(hi, **kw) == hf.apply_chat_template(hi, tokenize=False, **kw), (name, kw)
+
+
+def test_smollm2_renders_as_transformers(smollm2):
+    """SmolLM2's own template from its GGUF file, ours vs transformers' apply_chat_template: the default system turn
+    where none is given, a system message, several turns, with and without the generation prompt. (transformers'
+    GGUF loader takes 15 s to convert the tokenizer: the template goes to an empty one, with the file's specials.)"""
+    import tokenizers
+
+    from spec_engine.chat_template import ChatTemplate
+
+    transformers = pytest.importorskip("transformers")
+    ours = ChatTemplate(smollm2)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(tokenizers.models.BPE()),
+                                              chat_template=ours.source, **ours.special)  # fmt: skip
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
+             {"role": "user", "content": "café 🎉\n\n  {{ x }} <|im_end|>  "}]  # fmt: skip
+    for messages in (turns[:1], turns, [{"role": "system", "content": "be brief"}, *turns]):
+        for add in (False, True):
+            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+            assert ours.render(messages, add_generation_prompt=add) == expected

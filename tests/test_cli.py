@@ -95,7 +95,7 @@ def test_draft_dtype_is_passed_and_checked(pair, monkeypatch, capsys):
     assert "--draft is the drafter" in capsys.readouterr().err
 
 
-def test_compare_prints_the_medians_whose_ratio_is_the_speedup(monkeypatch):
+def test_compare_prints_the_medians_whose_ratio_is_the_speedup(monkeypatch, capsys):
     """--compare runs the two engines in alternating rounds (which goes first alternates) and reports each engine's
     median tok/s; the speedup is their ratio, so the printed figures and the speedup agree. Injected clock: each run
     advances it by its engine's cost (spec 0.5 s, plain 1 s) times that run's load."""
@@ -119,6 +119,7 @@ def test_compare_prints_the_medians_whose_ratio_is_the_speedup(monkeypatch):
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * 10)])]
 
     spec_tps, base_tps = cli._alternating_tps(Engine("spec", 0.5), Engine("plain", 1.0), "p", None, 5)
+    assert capsys.readouterr().err == ""  # (no progress bar unless asked: stderr is not a terminal)
     assert order == ["spec", "plain", "plain", "spec", "spec", "plain", "plain", "spec", "spec", "plain"]
     assert (spec_tps, base_tps) == (pytest.approx(10.0), pytest.approx(5.0))  # tok/s medians: 20 10 10 6.7 20, ...
 
@@ -226,3 +227,76 @@ def test_compare_exits_1_where_the_tokens_differ(pair, monkeypatch, capsys):
     assert main(argv) == 1
     out = capsys.readouterr()
     assert json.loads(out.out.strip().splitlines()[-1])["same_tokens"] is False and "DIFFERENT tokens" in out.err
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    """Ctrl-C while loading or generating ends with one line and the shell's 130, not a Python traceback."""
+    import spec_engine.cli as cli
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_llm", interrupted)
+    try:
+        code = main(["generate", "--prompt", "x", "--max-tokens", "2"])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main (a traceback for the user)")
+    assert code == 130 and capsys.readouterr().err.strip().splitlines() == ["[specdec] interrupted"]
+
+
+def test_a_closed_stdout_ends_quietly(pair, monkeypatch, capsys):
+    """`specdec generate ... | head`: the reader leaving is no error message, nor Python's "Exception ignored" at
+    exit; the exit status is a pipe's (141, as SIGPIPE would give)."""
+    import os
+    import sys
+
+    target, draft = pair
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # (the reader is gone before the first write: EPIPE, as Python ignores SIGPIPE)
+    with os.fdopen(write_end, "w") as closed:  # block-buffered, as stdout on a pipe: the write fails at a flush
+        monkeypatch.setattr(sys, "stdout", closed)
+        argv = ["generate", "--prompt", "def f(x):", "--model", str(target), "--draft", str(draft), "--max-tokens", "4"]
+        assert main(argv) == 141
+        closed.write("more")  # (what is left in the buffer, or written after, reaches no reader and raises nothing)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("flag", ["--prompt", "--chat", "--stop"])
+def test_text_that_is_not_utf8_is_refused_in_one_line(flag, pair, capsys):
+    """Arguments that are not UTF-8 reach Python as lone surrogates ("\\udcff"); they are refused by name."""
+    target, _ = pair
+    text = "caf\udce9 \udcff"  # b"caf\xe9 \xff" in Latin-1, decoded as the shell's UTF-8 argv
+    argv = ["generate", "--model", str(target), "--max-tokens", "2", "--method", "none"]
+    argv += [flag, text] if flag != "--stop" else [flag, text, "--prompt", "x"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {flag} is not valid UTF-8 text"]
+
+
+def test_a_schema_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    bad = tmp_path / "schema.json"
+    bad.write_bytes(b'{"description": "caf\xe9"}')
+    assert main(["generate", "--prompt", "x", "--json-schema", f"@{bad}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: cannot read {bad}: not UTF-8 text"]
+
+
+@pytest.mark.parametrize("text", ["", "  \n"])
+def test_an_empty_chat_message_is_refused(text, capsys):
+    """`--chat "$MSG"` with MSG unset would otherwise print a reply to nothing, as if that were the answer."""
+    assert main(["generate", "--chat", text]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --chat is empty: give the user's message"]
+
+
+def test_compare_shows_its_timing_rounds_on_a_terminal(capsys):
+    """After the reply prints, --compare's rounds run for a while (a minute for the main job on a small CPU): on a
+    terminal a progress bar on stderr counts them, and clears itself so the output still ends with the contract line."""
+    from types import SimpleNamespace
+
+    import spec_engine.cli as cli
+
+    class Engine:
+        def generate(self, prompts, params, use_tqdm):
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * 10)])]
+
+    cli._alternating_tps(Engine(), Engine(), "p", None, 3, progress=True)
+    err = capsys.readouterr().err
+    assert "timing both engines" in err and "/6 " in err  # (tqdm redraws at most every 0.1 s: the count is not)
