@@ -186,3 +186,21 @@ def test_cumulative_logprob_sums_the_tokens_logprobs(pair):
         assert math.isclose(o.cumulative_logprob, sum(e[t] for t, e in zip(o.token_ids, o.logprobs)), abs_tol=1e-9)
     assert llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2),
                         use_tqdm=False)[0].outputs[0].cumulative_logprob is None  # fmt: skip
+
+
+def test_a_requests_alternatives_do_not_depend_on_the_largest_k_of_its_batch():
+    """A step reads every row's alternatives with the batch's largest k; a request keeps the first k of them. Ties
+    (common in bf16 logits) go to the lower id, so those first k are the request's top k whatever the batch asks."""
+    from spec_engine.runner import token_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 500).to(torch.bfloat16).float()  # [N, V]
+    logits[:, [400, 7, 100]] = logits.max() + 1  # a three-way tie at the top
+    logits[1, [300, 5]] = logits[1].topk(6).values[-1]  # and one over the sixth to eighth places
+    tokens = torch.tensor([7, 3, 100])
+    widest = token_logprobs(logits, tokens, 20)
+    for k in range(21):
+        for row, wide in zip(token_logprobs(logits, tokens, k), widest):
+            assert row.top_ids == wide.top_ids[:k] and row.top_logprobs == wide.top_logprobs[:k], k
+            assert row.logprob == wide.logprob
+    assert widest[0].top_ids[:3] == [7, 100, 400]  # the tie in id order
