@@ -305,7 +305,7 @@ def decoder_layer_loop(
         kv_cache[i, 0, blocks, offsets] = k  # [B, T, Hkv, D] at positions L_b + t
         kv_cache[i, 1, blocks, offsets] = v
         out = attend(q, kv_cache[i, 0], kv_cache[i, 1])  # [B, T, Hq, D]
-        h = h + linear(out.reshape(B, T, -1), w["o"], None)
+        h = h + linear(out.flatten(2), w["o"], None)  # [B, T, Hq * D] (reshape(B, T, -1) fails at B = 0)
         gate, up = linear(rms_norm_ref(h, w["post_norm"], eps), w["gate_up"], None).chunk(2, dim=-1)
         h = h + linear(torch.nn.functional.silu(gate) * up, w["down"], None)
     out = rms_norm_ref(h, final_norm, eps)

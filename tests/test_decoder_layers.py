@@ -231,6 +231,19 @@ def test_errors_are_clear():
         decoder_layers(hidden.double(), weights, final_norm, kv, seqlens, rope, mask, **kwargs, backend="native")
 
 
+@pytest.mark.parametrize("backend, dtype", [("torch", torch.float32), ("native", torch.float32), (None, torch.float16)])
+def test_empty_batch(backend, dtype):
+    """B = 0 gives [0, T, H] on every path: the reference, the C++ op and the torch-op loop (float16 on CPU)."""
+    Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    hidden, kv, seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [3], 2, paged=True)
+    weights = [None if w is None else w.to(dtype) for w in weights]
+    empty = (hidden[:0].to(dtype), kv.to(dtype), seqlens[:0], rope[:, :0].to(dtype), mask[:0])
+    out = decoder_layers(empty[0], weights, final_norm.to(dtype), *empty[1:], num_heads=Hq, eps=EPS,
+                         block_table=table[:0], backend=backend)  # fmt: skip
+    assert out.shape == (0, 2, H) and out.dtype == dtype
+
+
 def test_meta_takes_the_device_path_and_native_refuses_it():
     Hq, Hkv, D, bias, qk_norm = CONFIGS["qwen2_bias"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
