@@ -472,9 +472,10 @@ class AdaptiveController:
         # per chain) would push a forgetful fit's drafted-step level down to plain decoding's, and a useless draft
         # looked worth another try after every few chains
         self._drafted_at = self.num_steps
+        target_seconds = step_seconds - draft_seconds
         self.target_widths.expire(self.num_steps - PLAIN_PROBE_INTERVAL)
-        self.target_widths.observe(width, step_seconds - draft_seconds, self.num_steps)
-        self.target_cost.observe(1.0, width / TOKENS_REF, step_seconds - draft_seconds)
+        self.target_widths.observe(width, target_seconds, self.num_steps)
+        self.target_cost.observe(1.0, width / TOKENS_REF, target_seconds)
         if G:
             tokens = num_drafted * self.draft_tokens[G] + self._catch_up_tokens
             self.draft_cost.observe(G, tokens / TOKENS_REF, draft_seconds)
