@@ -51,7 +51,12 @@ def build_flags(cuda: bool) -> dict[str, list[str]]:
     cflags = ["-O3", "-fopenmp"]
     if cuda:
         cflags.append("-DSPECDEC_WITH_CUDA")
-    return {"cxx": cflags, "nvcc": ["-O3"], "ldflags": ["-fopenmp"]}
+    # The C++ runtime NEEDED by name: on a CUDA image with g++ 13 (Ubuntu's --as-needed default) neither the plain
+    # link nor "-lstdc++" put libstdc++.so.6 among the extension's NEEDED libraries, and every exception it threw
+    # (a TORCH_CHECK's ValueError) killed the process instead of reaching Python (bench/RESULTS-log.md, "The
+    # device's crash on C++ errors").
+    ldflags = ["-fopenmp", "-Wl,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--as-needed"]
+    return {"cxx": cflags, "nvcc": ["-O3"], "ldflags": ldflags}
 
 
 def _build_key(cuda: bool) -> str:
