@@ -50,7 +50,8 @@ median slower than plain decoding (bench/RESULTS-log.md, "Figures moved from cod
 steps stay plain. At batch 1, where native steps are priced as they run, the margin is small: a larger one left
 undrafted the requests whose drafts promise a few percent, which a fixed depth collects (bench/RESULTS.md).
 
-Rows dropped to depth 0 receive no acceptance evidence, so every ``PROBE_INTERVAL`` steps the rows that have not been
+Rows dropped to depth 0 receive no acceptance evidence (their recent counts fade toward the request's earlier rate:
+spec_engine/estimates.py, "acceptance"), so every ``PROBE_INTERVAL`` steps the rows that have not been
 drafted for their probe interval are drafted once (at G if others draft, else at depth 1). A probe that accepts
 nothing doubles the row's interval, up to ``MAX_PROBE_INTERVAL``: a useless draft then costs one depth-1 step in 64,
 a small share of the time (bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)"), and a draft that
@@ -440,9 +441,9 @@ class AdaptiveController:
         for req, g, n in zip(reqs, gammas, num_accepted):
             s = self.state(req)
             s.steps_undrafted = s.steps_undrafted + steps if g == 0 else 0
+            s.acceptance.update(g, n - 1, steps)
             if g == 0:
                 continue
-            s.acceptance.update(g, n - 1)
             self.population.update(g, n - 1)
             if s.probing:  # the probe's outcome: did the draft's first token survive?
                 s.probing = False

@@ -8,12 +8,25 @@ Glossary:
     width       the tokens one target pass verifies: B * T
 
 - acceptance (``AcceptanceEstimate``): per request and depth, exponentially forgotten counts (``DECAY`` per drafted
-  step of the row) of the geometric MLE: alpha = (a + s * alpha_0) / (a + r + s). A step drafted at depth g that
+  step of the row) of the geometric MLE: alpha = (a + s * alpha_e) / (a + r + s). A step drafted at depth g that
   accepted k adds one accept at depths 1..k and one reject at depth k+1 (if k < g). A chain pools the depths (which
   is exactly the geometric MLE); a tree shrinks each depth toward the row's pooled estimate with ``DEPTH_PRIOR``
-  pseudo-trials. The prior alpha_0 (``PRIOR_STRENGTH`` pseudo-trials) is the acceptance of the recent requests (the
-  controller's slower-forgetting estimate over all rows, itself starting at 0.5): a new request starts where its
-  predecessors ended, so it neither wastes steps on a useless draft nor ramps up slowly with a good one.
+  pseudo-trials. The prior alpha_e (s = ``PRIOR_STRENGTH`` pseudo-trials) is the request's earlier rate: the same
+  counts forgotten slowly (``LONG_DECAY``) less the recent ones, itself shrunk with s pseudo-trials toward alpha_0, the
+  acceptance of the recent requests (the controller's slower-forgetting estimate over all rows, itself starting at
+  0.5): a new request starts where its predecessors ended, so it neither wastes steps on a useless draft nor ramps up
+  slowly with a good one.
+  Why two levels: the recent counts never hold more than 1 / (1 - DECAY) = 10 rejects, so a fixed prior at alpha_0
+  floored a draft that accepts nothing at alpha_0 / 6 (~0.08); where a draft step costs a few percent of a target
+  pass and verify widths are flat (a GPU's), depth 1 still paid there, and a useless draft drafted every step of a
+  long request, up to 5% slower than plain decoding (tests/test_adaptive_edges.py, "...a useless draft costs little").
+  The earlier rate weighs up to ~100 steps' evidence against alpha_0's 2 pseudo-trials: a useless draft's falls toward
+  alpha_0 / 45 (its alpha below that) and it is off within ~10 drafted steps, then drafts ever more rarely (a few
+  percent of a long request's steps, at depth 1: under 0.3% of its time); a useful draft's prior is its own earlier
+  rate, no pull toward alpha_0 and as steady as before, so its depths do not move. Undrafted steps fade the recent
+  counts (``update`` at depth 0, per step as when drafted): a row that a run of rejects put off drifts back to its
+  earlier rate and drafts again without waiting for a probe (a draft at alpha 0.3 otherwise sat out 64-step probe
+  intervals), while a useless row's earlier rate keeps it off.
 - optimism (``AcceptanceEstimate.alpha_optimistic``): the controller plans with
   alpha + OPTIMISM * sqrt(alpha (1 - alpha) / (n + n_0)), n the row's drafted tokens so far (not forgotten). Two
   unlucky first steps would otherwise put a good draft at alpha ~0.25 and off until its next probe; with the bonus it
@@ -38,7 +51,8 @@ Glossary:
 from __future__ import annotations
 
 DECAY = 0.9  # per drafted step of a row: a half-life of ~6.6 steps, so a request adapts within ~10 steps
-PRIOR_STRENGTH = 2.0  # pseudo-trials of the prior: a row that rejects everything settles at alpha_0 / 6
+PRIOR_STRENGTH = 2.0  # pseudo-trials of each prior: alpha_0's in the earlier rate, the earlier rate's in alpha
+LONG_DECAY = 0.99  # per drafted step of a row: the counts of the earlier rate remember ~100 steps (see acceptance)
 DEPTH_PRIOR = 2.0  # pseudo-trials pulling a tree depth's alpha toward the row's pooled alpha
 OPTIMISM = 0.5  # standard errors added to alpha when planning (see "optimism" above)
 OPTIMISM_PSEUDO_TRIALS = 16.0  # the evidence a new request's prior is worth to the optimism bonus
@@ -69,14 +83,23 @@ class AcceptanceEstimate:
         self.accepts = [0.0] * max_depth  # [D]: decayed count of steps whose path survived depth j+1 (trees only)
         self.rejects = [0.0] * max_depth  # [D]: decayed count of steps whose path stopped at depth j+1 (trees only)
         self.per_depth, self.prior, self.decay = per_depth, prior, decay
+        self.long_accepts = self.long_rejects = 0.0  # the pooled counts forgotten at LONG_DECAY (alpha_earlier)
 
-    def update(self, depth: int, num_accepted: int) -> None:
+    def update(self, depth: int, num_accepted: int, steps: int = 1) -> None:
+        """One step drafted at ``depth`` that kept ``num_accepted`` drafted tokens; depth 0: ``steps`` undrafted steps,
+        over which the recent counts go stale and alpha falls back to the earlier rate (see acceptance)."""
         if depth == 0:
+            f = self.decay**steps
+            self.num_accepts, self.num_rejects = f * self.num_accepts, f * self.num_rejects
+            if self.per_depth:
+                self.accepts, self.rejects = [f * a for a in self.accepts], [f * r for r in self.rejects]
             return
         rejected = num_accepted < depth
         self.num_trials += num_accepted + rejected
         self.num_accepts = self.decay * self.num_accepts + num_accepted
         self.num_rejects = self.decay * self.num_rejects + rejected
+        self.long_accepts = LONG_DECAY * self.long_accepts + num_accepted
+        self.long_rejects = LONG_DECAY * self.long_rejects + rejected
         if self.per_depth:
             self.accepts = [self.decay * a + (j < num_accepted) for j, a in enumerate(self.accepts)]
             self.rejects = [self.decay * r + (rejected and j == num_accepted) for j, r in enumerate(self.rejects)]
@@ -84,7 +107,17 @@ class AcceptanceEstimate:
     @property
     def alpha(self) -> float:
         """The pooled (chain) acceptance rate per drafted token."""
-        return (self.num_accepts + PRIOR_STRENGTH * self.prior) / (self.num_accepts + self.num_rejects + PRIOR_STRENGTH)
+        prior = self.alpha_earlier
+        return (self.num_accepts + PRIOR_STRENGTH * prior) / (self.num_accepts + self.num_rejects + PRIOR_STRENGTH)
+
+    @property
+    def alpha_earlier(self) -> float:
+        """The rate over the request's earlier drafted steps, shrunk toward the recent requests' rate: the prior of
+        ``alpha``. The slowly forgotten counts less the recent ones, so that no step counts twice (two failed first
+        steps weigh about as they did under a fixed prior)."""
+        a = max(self.long_accepts - self.num_accepts, 0.0)
+        r = max(self.long_rejects - self.num_rejects, 0.0)
+        return (a + PRIOR_STRENGTH * self.prior) / (a + r + PRIOR_STRENGTH)
 
     @property
     def alpha_optimistic(self) -> float:

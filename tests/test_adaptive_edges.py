@@ -5,11 +5,12 @@ design's two ends: a perfect draft reaches max_depth and a useless one is turned
 from __future__ import annotations
 
 import math
+import random
 from types import SimpleNamespace
 
 import pytest
 
-from spec_engine.adaptive import AdaptiveController
+from spec_engine.adaptive import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AdaptiveController
 
 NAN, INF = float("nan"), float("inf")
 
@@ -26,9 +27,22 @@ def step_seconds(B: int, G: int, num_drafted: int) -> tuple[float, float]:
     return draft, 0.01 + 0.00002 * B * (G + 1) + draft
 
 
-def run(ctl: AdaptiveController, reqs: list, accepted, num_steps: int, clock=lambda s, d, t: (d, t)) -> list[int]:
+def flat_widths(c: float, r2: float):
+    """(draft, whole step) seconds where drafting is cheap (a GPU's): a draft step at ``c`` of a 10 ms target pass,
+    and a pass over T tokens per row ``r(T) = 1 + (r2 - 1) * (T - 1)`` plain passes (flat: r(2) = ``r2``)."""
+
+    def seconds(B: int, G: int, num_drafted: int) -> tuple[float, float]:
+        draft = 0.01 * c * G
+        return draft, 0.01 * (1.0 + (r2 - 1.0) * G) + draft
+
+    return seconds
+
+
+def run(ctl: AdaptiveController, reqs: list, accepted, num_steps: int, clock=lambda s, d, t: (d, t),
+        seconds=step_seconds) -> list[int]:  # fmt: skip
     """Drive ``ctl`` as Engine._decode does, one step per choice; ``accepted(step, depth)`` the drafts a row keeps,
-    ``clock(step, draft, whole)`` what the controller is told the step took. The deepest row's depth per step."""
+    ``seconds(B, G, rows drafted)`` a step's (draft, whole) seconds and ``clock(step, draft, whole)`` what the
+    controller is told the step took. The deepest row's depth per step."""
     deepest = []
     for s in range(num_steps):
         live = [r for r in reqs if len(r.output_token_ids) < r.params.max_tokens]
@@ -37,7 +51,7 @@ def run(ctl: AdaptiveController, reqs: list, accepted, num_steps: int, clock=lam
         gammas = ctl.choose(live)
         assert all(isinstance(g, int) and 0 <= g <= ctl.max_depth for g in gammas), gammas
         counts = [accepted(s, g) + 1 for g in gammas]
-        ctl.observe(live, gammas, counts, *clock(s, *step_seconds(len(live), max(gammas), sum(g > 0 for g in gammas))))
+        ctl.observe(live, gammas, counts, *clock(s, *seconds(len(live), max(gammas), sum(g > 0 for g in gammas))))
         for r, n in zip(live, counts):
             r.output_token_ids.extend([0] * n)
         deepest.append(max(gammas))
@@ -96,3 +110,48 @@ def test_a_useless_draft_buys_no_price_probes():
     ctl._next_probe = ctl.num_steps + 1000  # (no undrafted-row probe due: the price probe's case)
     ctl._drafted_at = ctl.num_steps - 1000
     assert ctl.choose(reqs) == [0]  # (a perfect draft's price probe: test_a_perfect_draft_drafts_again_after...)
+
+
+@pytest.mark.parametrize("c", [0.02, 0.05, 0.08])
+@pytest.mark.parametrize("r2", [1.0, 1.05])
+def test_a_useless_draft_costs_little_over_a_long_request_where_drafting_is_cheap(c, r2):
+    """A draft that accepts nothing, 2,000 steps, where a draft step costs a few percent of a target pass: its rate
+    used to settle at alpha_0 / 6 (the prior's floor: the forgetful counts never outweighed it), where depth 1 still
+    paid, and it drafted every step, up to 5% slower than plain decoding. The "never slower" aim: at most ~1%."""
+    num_steps, seconds = 2000, flat_widths(c, r2)
+    deepest = run(AdaptiveController(8, lambda g: g + 1), [request()], lambda step, depth: 0, num_steps,
+                  seconds=seconds)  # fmt: skip
+    cost = sum(seconds(1, G, G > 0)[1] for G in deepest) / (num_steps * seconds(1, 0, 0)[1])  # one token a step
+    assert sum(G > 0 for G in deepest) < 0.05 * num_steps
+    assert cost < 1.01
+
+
+@pytest.mark.parametrize("c", [0.02, 0.08])
+@pytest.mark.parametrize("alpha, speedup", [(0.5, 1.4), (0.8, 2.3)])
+def test_a_useful_draft_is_drafted_where_drafting_is_cheap(c, alpha, speedup):
+    """The other end of the useless draft's case (same costs): a draft at alpha 0.5-0.8 drafts every step but the
+    plain probes, deeper for the better one, faster than plain decoding by about what the geometric model says
+    (alpha 0.5 at depth ~2-3: 1.4-1.6x; alpha 0.8 at depth ~6-8: 2.4-3.2x)."""
+    rng, seconds, kept = random.Random(0), flat_widths(c, 1.02), []
+
+    def accepted(step: int, depth: int) -> int:
+        k = 0
+        while k < depth and rng.random() < alpha:
+            k += 1
+        kept.append(k)
+        return k
+
+    deepest = run(AdaptiveController(8, lambda g: g + 1), [request()], accepted, 1000, seconds=seconds)
+    assert sum(G > 0 for G in deepest) >= 990  # (the plain probes aside: one per 256 steps)
+    time = sum(seconds(1, G, G > 0)[1] for G in deepest)
+    assert (len(deepest) + sum(kept)) * seconds(1, 0, 0)[1] / time > speedup
+
+
+def test_a_draft_that_turns_useful_is_noticed():
+    """A draft useless for 600 steps (off, probed now and then), then perfect: a probe finds it within the longest
+    probe interval, and it is back at max depth within a few steps more."""
+    deepest = run(AdaptiveController(8, lambda g: g + 1), [request()], lambda step, depth: depth if step >= 600 else 0,
+                  900, seconds=flat_widths(0.05, 1.02))  # fmt: skip
+    assert sum(G > 0 for G in deepest[300:600]) < 15  # (off: a probe or a drift back now and then, at depth 1)
+    back = next(s for s in range(600, 900) if deepest[s] == 8)
+    assert back - 600 <= MAX_PROBE_INTERVAL + PROBE_INTERVAL + 8

@@ -301,7 +301,7 @@ def test_optimism_keeps_a_row_drafting_until_the_evidence_is_real():
     acceptance = ctl.state(req).acceptance
     for _ in range(2):
         acceptance.update(8, 0)
-    assert acceptance.alpha < 0.3 < acceptance.alpha_optimistic
+    assert acceptance.alpha < 0.28 < acceptance.alpha_optimistic  # (the earlier steps' prior: 0.245 < 0.256 before)
     assert ctl.choose([req])[0] >= 1
     for _ in range(18):
         acceptance.update(1, 0)
