@@ -157,6 +157,14 @@ class Request:
         return self.params.max_tokens - len(self.output_token_ids)
 
     @property
+    def processes_logits(self) -> bool:
+        """Whether a logits processor changes this request's logits from its next token on: ``min_tokens`` only until
+        that many tokens are out (past them it holds nothing back, and the request takes the native calls as one
+        without it does: ``StepRunner.run``)."""
+        p = self.params
+        return p.processes_logits_past_min_tokens or p.min_tokens > len(self.output_token_ids)
+
+    @property
     def last_token(self) -> int:
         return int(self.history[self.num_tokens - 1])
 

@@ -159,7 +159,7 @@ class StepRunner:
         regular step of greedy rows verifies in one native call where it can (``_native_verify``). ``logprobs``: the
         regular step returns each emitted token's log-probabilities and this many alternatives' (``StepResult``;
         the native calls return none, nor do they run logits processors: a call with such rows is the regular step)."""
-        processed = reqs if any(r.params.processes_logits for r in reqs) else None
+        processed = reqs if any(r.processes_logits for r in reqs) else None
         if logprobs is not None or processed is not None:
             max_steps, native_verify = 0, False
         result = None

@@ -294,9 +294,15 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether a logits processor changes the target's logits (``spec_engine.logits_processors``)."""
+        return bool(self.min_tokens) or self.processes_logits_past_min_tokens
+
+    @property
+    def processes_logits_past_min_tokens(self) -> bool:
+        """Whether one does once ``min_tokens`` are out (``min_tokens`` then holds nothing back:
+        ``Request.processes_logits``)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
-                    or self.min_tokens or self.allowed_token_ids or self.bad_words_token_ids
-                    or self.guided_choice_token_ids or self.guided is not None)  # fmt: skip
+                    or self.allowed_token_ids or self.bad_words_token_ids or self.guided_choice_token_ids
+                    or self.guided is not None)  # fmt: skip
 
     @property
     def guided(self) -> tuple[str, object] | None:
