@@ -582,7 +582,7 @@ class Engine:
         token a step would have emitted; and whether it stopped."""
         stops = req.stop_ids
         toks = toks[: req.tokens_left]
-        completes = stop_string_end(req.params, req.output_token_ids, toks, self.detokenize)
+        completes = stop_string_end(req.params, req.output_token_ids, toks, self.detokenize, req.prompt_token_ids)
         for i, t in enumerate(toks):
             if t in stops or i + 1 == completes:
                 return toks[: i + 1], True

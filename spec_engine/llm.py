@@ -18,7 +18,14 @@ from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_toke
 from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
 from spec_engine.request import Request
-from spec_engine.sampling import SamplingParams, sequence_params, stop_search_start, visible_text, with_token_ids
+from spec_engine.sampling import (
+    SamplingParams,
+    output_text,
+    sequence_params,
+    stop_search_start,
+    visible_text,
+    with_token_ids,
+)
 from spec_engine.structured import Grammars
 from spec_engine.zoo import shipped_drafter
 from spec_engine.zoo.pull import resolve_model
@@ -423,11 +430,11 @@ class LLM:
             CompletionOutput(
                 i,
                 visible_text(
-                    self.decode(r.text_token_ids, r.params.skip_special_tokens),
+                    output_text(self.decode, r.prompt_token_ids, r.text_token_ids, r.params.skip_special_tokens),
                     r.params.stop,
                     True,
                     r.params.include_stop_str_in_output,
-                    stop_search_start(r.params, r.output_token_ids, self.decode),
+                    stop_search_start(r.params, r.output_token_ids, self.decode, r.prompt_token_ids),
                 ),
                 list(r.output_token_ids),
                 r.finish_reason,

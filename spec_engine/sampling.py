@@ -22,6 +22,10 @@ MIN_TEMPERATURE = 1e-5
 # output's tail about this long behind each call's tokens to find them)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
+# An output's text is decoded after this many of its prompt's last tokens (vLLM reads 4 or 5): a SentencePiece
+# decoder drops the space before the first word of what it decodes ("\u2581Hello" alone reads "Hello")
+TEXT_CONTEXT_TOKENS = 4
+REPLACEMENT_CHAR = "\ufffd"  # what a byte-level decoder shows for a cut multi-byte character
 MAX_N = 64  # sequences a request may ask for
 MAX_REPETITION_PENALTY = 100.0  # (past it every seen token is as good as banned: a typo)
 MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI's bound)
@@ -383,12 +387,31 @@ def sequence_params(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, n=1, seed=seed)
 
 
-def stop_string_end(params: SamplingParams, output: list[int], toks: list[int], detokenize) -> int | None:
+def output_text(detokenize, prompt: list[int], ids: list[int], skip: bool) -> str:
+    """The text of ``ids``, a request's output tokens from its first, as they read after its ``prompt`` (vLLM's
+    incremental detokenizer): the text of the prompt's last ``TEXT_CONTEXT_TOKENS`` and the output, less the text of
+    those tokens alone. Decoded alone, a SentencePiece output "\u2581Hello" reads "Hello", not " Hello". The output is
+    read alone after no prompt or one that ends in a cut character (which the output may complete), and where it
+    changes the text before it; so a byte-level decoder's text is the output's own. ``detokenize``: (token ids, skip
+    special tokens) -> text, the tokenizer's."""
+    context = list(prompt[-TEXT_CONTEXT_TOKENS:])
+    if not context:
+        return detokenize(ids, skip)
+    before = detokenize(context, skip)
+    if before.endswith(REPLACEMENT_CHAR):
+        return detokenize(ids, skip)
+    whole = detokenize(context + list(ids), skip)
+    return whole[len(before) :] if whole.startswith(before) else detokenize(ids, skip)
+
+
+def stop_string_end(params: SamplingParams, output: list[int], toks: list[int], detokenize,
+                    prompt: list[int] = ()) -> int | None:  # fmt: skip
     """How many of ``toks`` (a call's new tokens after ``output``, the request's tokens so far) it takes to complete
-    one of ``params.stop``, or None (``detokenize``: (token ids, skip special tokens) -> text, the tokenizer's). A
-    stop string completed before this call would have ended the request then, so only the output's tail is read: as
-    many tokens as give at least the longest string's length in text (a token of a cut character or a special one
-    gives less than a character), while that tail is past the first ``min_tokens`` - 1 tokens."""
+    one of ``params.stop``, or None (``detokenize``: (token ids, skip special tokens) -> text, the tokenizer's; the
+    output's text is read after its ``prompt``: ``output_text``). A stop string completed before this call would have
+    ended the request then, so only the output's tail is read: as many tokens as give at least the longest string's
+    length in text (a token of a cut character or a special one gives less than a character), while that tail is past
+    the first ``min_tokens`` - 1 tokens."""
     stop, skip = params.stop, params.skip_special_tokens
     minimum = params.min_tokens
     if not stop or not toks or len(output) + len(toks) < minimum:
@@ -402,32 +425,40 @@ def stop_string_end(params: SamplingParams, output: list[int], toks: list[int], 
         # counts for nothing, then or later: read the whole output, that text excluded (a bounded stretch of the
         # request: past it the tail alone is read)
         whole = list(output) + list(toks)
-        start = stop_search_start(params, whole, detokenize)
+        start = stop_search_start(params, whole, detokenize, prompt)
 
         def counts(n: int) -> bool:
             if len(output) + n < minimum:
                 return False
-            text = detokenize(whole[: len(output) + n], skip)
+            text = output_text(detokenize, prompt, whole[: len(output) + n], skip)
             return any(_find_stop(text, s, start) >= 0 for s in stop)
 
         return next((n for n in range(1, len(toks) + 1) if counts(n)), None)
     tail = output[-window:]
+    # read after the prompt where the tail is the whole output; a shorter tail's text is longer than any stop string,
+    # so the first word's space it drops is in none that this call completes
+    head = prompt if len(tail) == len(output) else ()
 
     def found(n: int) -> bool:
-        text = detokenize(tail + toks[:n], skip)
+        text = output_text(detokenize, head, tail + toks[:n], skip)
         return any(s in text for s in stop)
 
-    if not found(len(toks)):  # (the common case: the tail read twice a call)
+    text = output_text(detokenize, head, tail + toks, skip)
+    # (the common case: the tail read twice a call). Where the text shows U+FFFD each prefix is read: a ByteFallback
+    # decoder (SentencePiece's "<0xNN>" tokens) reads a run of bytes that is not UTF-8 as U+FFFD a byte, so the bytes
+    # of a character that a shorter prefix completed, followed by a cut one, read as U+FFFD
+    if not any(s in text for s in stop) and REPLACEMENT_CHAR not in text:
         return None
-    return next(n for n in range(1, len(toks) + 1) if found(n))
+    return next((n for n in range(1, len(toks) + 1) if found(n)), None)
 
 
-def stop_search_start(params: SamplingParams, output: list[int], detokenize) -> int:
-    """Where a stop string may end in the text of ``output`` (a request's output tokens) at the earliest: past the
-    text of its first ``min_tokens`` - 1 tokens (vLLM reads no stop string before the minimum); 0 without one."""
+def stop_search_start(params: SamplingParams, output: list[int], detokenize, prompt: list[int] = ()) -> int:
+    """Where a stop string may end in the text of ``output`` (a request's output tokens, read after its ``prompt``:
+    ``output_text``) at the earliest: past the text of its first ``min_tokens`` - 1 tokens (vLLM reads no stop string
+    before the minimum); 0 without one."""
     if not params.stop or params.min_tokens <= 1:
         return 0
-    return len(detokenize(list(output[: params.min_tokens - 1]), params.skip_special_tokens))
+    return len(output_text(detokenize, prompt, list(output[: params.min_tokens - 1]), params.skip_special_tokens))
 
 
 def _find_stop(text: str, stop: str, start: int) -> int:

@@ -169,3 +169,132 @@ def test_a_decoder_that_reads_a_window_otherwise_falls_back_to_the_whole_output(
     sink, ids = _Sink(None, None, 0), [1, 0, 2, 3]
     deltas = [AsyncEngine._new_text(fake, sink, ids[:n], n == len(ids), SamplingParams()) for n in range(1, 5)]
     assert "".join(deltas) == "abcd" and deltas == ["a", "b", "c", "d"]
+
+
+def _sentencepiece_tokenizer(decoder: str):
+    """A Llama-2 / Mistral style tokenizer (words are "\u2581"-prefixed pieces, "<0xNN>" pieces bytes, "</s>"
+    special) whose decoder drops the space before the first word of what it decodes: ``decoder`` "metaspace" (a
+    Metaspace decoder) or "llama" (Llama-2's tokenizer.json: Replace, ByteFallback, Fuse, Strip)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["<unk>", "</s>", "\u2581Say", "\u2581Hello", "\u2581world", "\u2581x", "\u2581", "ello", "!", ","]
+    words += ["<0xE2>", "<0x82>", "<0xAC>"]  # the bytes of "€"
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.add_special_tokens([AddedToken("</s>", special=True)])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = {
+        "metaspace": decoders.Metaspace(prepend_scheme="first"),
+        "llama": decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        ),
+    }[decoder]
+    return tok
+
+
+@pytest.mark.parametrize("decoder", ["metaspace", "llama"])
+def test_a_sentencepiece_output_reads_after_its_prompt(decoder):
+    """Random prompts and outputs of a SentencePiece-style tokenizer: the output's text is the whole sequence's less
+    the prompt's (decoded alone, the output's first word lost its space: "Hello", not " Hello"); a stop string with a
+    leading space is found at the output's very start (``stop_string_end``, against the by-hand reference on that
+    text; so is a ByteFallback character that a call's later bytes turn into U+FFFD); and the server's deltas join to
+    that text as ``visible_text`` shows it."""
+    from types import SimpleNamespace
+
+    from spec_engine.sampling import output_text
+    from spec_engine.server.async_engine import AsyncEngine, _Sink
+
+    tok = _sentencepiece_tokenizer(decoder)
+    assert tok.decode([2, 3]) == "Say Hello" and tok.decode([3]) == "Hello"
+
+    def decode(ids, skip=True):
+        return tok.decode(list(ids), skip_special_tokens=skip)
+
+    fake = SimpleNamespace(llm=SimpleNamespace(tokenizer=tok, decode=decode))
+    assert output_text(decode, [2], [3, 4], True) == " Hello world"
+    assert stop_string_end(SamplingParams(stop=[" Hello"]), [], [3, 4], decode, [2]) == 1
+    if decoder == "llama":  # "€" complete at the call's first token, read as U+FFFD again with its second
+        assert decode([10, 11, 12]) == "\u20ac" and decode([10, 11, 12, 10]) == "\ufffd" * 4
+        assert stop_string_end(SamplingParams(stop=["\u20ac"]), [10, 11], [12, 10], decode, [2]) == 1
+    # an output's units: "</s>", a word or a piece, or the three bytes of "€" (ByteFallback reads a run of
+    # bytes that is not UTF-8 as one U+FFFD a byte, so a window that starts inside such a run reads otherwise)
+    units = [[t] for t in range(1, 10)] + [[10, 11, 12]]
+    rng = random.Random(0)
+    for case in range(200):
+        prompt = [rng.randrange(2, 10) for _ in range(rng.randrange(1, 8))]  # words and pieces: no cut character
+        ids = [t for _ in range(rng.randrange(1, 20)) for t in rng.choice(units)]
+
+        def text(out, prompt=prompt):
+            return decode(prompt + list(out))[len(decode(prompt)) :]
+
+        assert output_text(decode, prompt, ids, True) == text(ids), (case, prompt, ids)
+        stop = [rng.choice([" Hello", " x", "o w", "!,", "\u20ac"]) for _ in range(rng.randrange(1, 3))]
+        params = SamplingParams(max_tokens=64, stop=stop, min_tokens=rng.choice([0, 1, 3]))
+        got, n = None, 0
+        while n < len(ids) and got is None:
+            toks = ids[n : n + rng.randrange(1, 6)]
+            end = stop_string_end(params, ids[:n], toks, decode, prompt)
+            got = None if end is None else n + end
+            n += len(toks)
+        assert got == _by_hand(stop, params.min_tokens, ids, text), (case, prompt, ids, stop)
+        sink, sent, n = _Sink(None, None, len(prompt), prompt=prompt), [], 0
+        while n < len(ids):
+            n = min(len(ids), n + rng.randrange(1, 6))
+            sent.append(AsyncEngine._new_text(fake, sink, ids[:n], n == len(ids), params))
+        start = len(text(ids[: params.min_tokens - 1])) if params.min_tokens > 1 else 0
+        assert "".join(sent) == visible_text(text(ids), stop, True, start=start), (case, prompt, ids, stop)
+
+
+def test_a_byte_level_output_reads_the_same_after_any_prompt(tmp_path):
+    """A byte-level decoder keeps no space to drop: the output's text after its prompt is its text alone, whatever
+    the prompt (one that ends in a cut character included), so its stop strings and deltas are as they were."""
+    from tiny_models import make_tokenizer
+
+    from spec_engine.sampling import output_text
+
+    tok = make_tokenizer(tmp_path / "tok", corpus=["naïve café 日本語 déjà vu — ünïcödé ✓ 🙂 " * 4, "plain text"])
+
+    def decode(ids, skip=True):
+        return tok.decode(list(ids), skip_special_tokens=skip)
+
+    rng = random.Random(0)
+    for case in range(300):
+        prompt = [rng.randrange(tok.get_vocab_size()) for _ in range(rng.randrange(0, 8))]
+        ids = [rng.randrange(tok.get_vocab_size()) for _ in range(rng.randrange(1, 20))]
+        assert output_text(decode, prompt, ids, True) == decode(ids), (case, prompt, ids)
+
+
+def test_a_stop_string_at_the_start_of_a_sentencepiece_output_is_found(tmp_path):
+    """A tiny model with a SentencePiece-style tokenizer, forced to emit "\u2581Hello": the output reads " Hello
+    Hello Hello" after the prompt "Say" (decoded alone: "Hello Hello Hello"), a stop string " Hello" ends it at its
+    first token (it was missed there, and the output ran a token past it), and the server's deltas join to the same
+    text."""
+    import asyncio
+
+    from tiny_models import make_model
+
+    from spec_engine.server.async_engine import AsyncEngine
+
+    tok = _sentencepiece_tokenizer("metaspace")
+    path = make_model(tmp_path / "spm", "llama_gqa", vocab_size=tok.get_vocab_size())
+    tok.save(str(path / "tokenizer.json"))
+    llm = LLM(str(path), max_model_len=64)
+    hello = tok.token_to_id("\u2581Hello")
+    forced = dict(max_tokens=3, allowed_token_ids=[hello])
+    prompt = llm.encode("Say")
+    out = llm.generate("Say", SamplingParams(**forced), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [hello] * 3
+    assert out.text == llm.decode(prompt + out.token_ids)[len(llm.decode(prompt)) :] == " Hello Hello Hello"
+    stopped = llm.generate("Say", SamplingParams(**forced, stop=[" Hello"]), use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == [hello] and stopped.text == "" and stopped.finish_reason == "stop"
+    kept = SamplingParams(**forced, stop=[" Hello"], include_stop_str_in_output=True)
+    assert llm.generate("Say", kept, use_tqdm=False)[0].outputs[0].text == " Hello"
+
+    async def streamed(params: SamplingParams) -> list[str]:
+        served = AsyncEngine(llm)
+        try:
+            return [d.text async for d in await served.add_request("Say", params)]
+        finally:
+            served.close()
+
+    assert "".join(asyncio.run(streamed(SamplingParams(**forced)))) == " Hello Hello Hello"
+    assert "".join(asyncio.run(streamed(kept))) == " Hello"

@@ -27,11 +27,18 @@ from dataclasses import dataclass, field
 
 from spec_engine.engine import RequestError
 from spec_engine.request import Request, StepOutput
-from spec_engine.sampling import SamplingParams, stop_search_start, truncate_prompt, visible_text, with_token_ids
+from spec_engine.sampling import (
+    REPLACEMENT_CHAR,
+    SamplingParams,
+    output_text,
+    stop_search_start,
+    truncate_prompt,
+    visible_text,
+    with_token_ids,
+)
 
 log = logging.getLogger("spec_engine.server")
 
-REPLACEMENT_CHAR = "\ufffd"  # what a byte-level decoder shows for a cut multi-byte character
 # Texts at least this long are tokenised in a worker thread with ``encode_batch``, which releases the GIL (``encode``
 # holds it: a megabyte prompt froze the event loop for as long as it took to encode; off the loop, it does not).
 LONG_TEXT = 8192
@@ -142,8 +149,10 @@ class _Sink:
     num_prompt_tokens: int
     sent_text: str = ""
     delivered: bool = False  # a delta went out (the first carries the prompt's logprobs)
+    prompt: list[int] = field(default_factory=list)  # the request's: its output's text reads after it (``output_text``)
     # the output's text decoded so far (``AsyncEngine._new_text``): ``text`` of its tokens before ``read_offset``,
-    # the last window decoded again from ``prefix_offset`` (a character's bytes may span tokens)
+    # the last window decoded again from ``prefix_offset`` (a character's bytes may span tokens; a window from the
+    # output's start, after the prompt)
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
@@ -210,7 +219,7 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
-        sink = _Sink(loop, asyncio.Queue(), len(ids))
+        sink = _Sink(loop, asyncio.Queue(), len(ids), prompt=ids)
         with self._cond:
             self._num_in_flight += 1
         grammars = self.engine.grammars
@@ -371,13 +380,14 @@ class AsyncEngine:
         if self.llm.tokenizer is None:
             return ""
         skip = params.skip_special_tokens if params is not None else True
-        text = sink.text
+        text, decode = sink.text, self.llm.decode
         if sink.read_offset < len(output_ids):
-            before = self.llm.decode(output_ids[sink.prefix_offset : sink.read_offset], skip)
-            window = self.llm.decode(output_ids[sink.prefix_offset :], skip)
+            head = sink.prompt if sink.prefix_offset == 0 else []
+            before = output_text(decode, head, output_ids[sink.prefix_offset : sink.read_offset], skip)
+            window = output_text(decode, head, output_ids[sink.prefix_offset :], skip)
             if not window.startswith(before):  # a decoder that reads a window otherwise: from the output's start
                 sink.text, sink.prefix_offset, sink.read_offset = "", 0, 0
-                before, window = "", self.llm.decode(output_ids, skip)
+                before, window = "", output_text(decode, sink.prompt, output_ids, skip)
             pending = window[len(before) :]  # the text of the tokens past read_offset
             if finished or pending and not pending.endswith(REPLACEMENT_CHAR):  # settled: the window moves on
                 sink.text += pending
@@ -388,7 +398,7 @@ class AsyncEngine:
         if params is not None and params.stop:
             start = sink.search_start
             if start is None:  # (past min_tokens' share of the text: fixed once that many tokens are out)
-                start = stop_search_start(params, output_ids, self.llm.decode)
+                start = stop_search_start(params, output_ids, decode, sink.prompt)
                 if len(output_ids) >= params.min_tokens - 1:
                     sink.search_start = start
             text = visible_text(text, params.stop, finished, params.include_stop_str_in_output, start)
