@@ -5,7 +5,7 @@
 #    files of them (eagle_data --save-answers: a CPU's answers travel in ~1 MB), then for each of PASSES (default
 #    "greedy 1 2 3") the target's answers to the prompt set, greedy or sampled at temperature 0.8 with that seed,
 #    until DATA_SHARE of the budget is spent, over PROMPTS in its order (default: the shipped prompt set; a shuffled
-#    copy spreads a short pass over all of its kinds);
+#    copy spreads a short pass over all of its kinds), the sampled passes over SAMPLE_PROMPTS (default PROMPTS);
 # 2. training (spec_engine.zoo.train_eagle --device "$DEVICE") from the shipped head until EXPORT_SECONDS before the
 #    budget ends, at peak learning rate LR (default 5e-4: a fine-tune; the schedule is fitted to the time box);
 # 3. the export: the head over K = 4096 with held-out agreement at K = 2048 / 4096 / 8192, into OUT/head, with
@@ -23,6 +23,7 @@ DEVICE=${DEVICE:-cuda}
 ANSWERS=${ANSWERS:-}
 PASSES=${PASSES:-greedy 1 2 3}
 PROMPTS=${PROMPTS:-spec_engine/zoo/data/eagle_prompts.jsonl}
+SAMPLE_PROMPTS=${SAMPLE_PROMPTS:-$PROMPTS}
 LR=${LR:-5e-4}
 WORK=${WORK:-/tmp/gpu_eagle$([ "${SMOKE:-0}" = 1 ] && echo -smoke)}  # data and checkpoints: a rerun resumes
 PY=${PYTHON:-python3}
@@ -63,14 +64,16 @@ for pass in $PASSES; do
     [ "$budget" -gt 20 ] || break
     if [ "$pass" = greedy ]; then
         dir="$WORK/data/greedy"
+        prompts=$PROMPTS
         sample=()
     else
         dir="$WORK/data/t0.8-seed$pass"
+        prompts=$SAMPLE_PROMPTS
         sample=(--temperature 0.8 --seed "$pass")
     fi
     dirs+=("$dir")
     step $((budget + 60)) "$PY" -m spec_engine.zoo.eagle_data --target "$MODEL" --out "$dir" --device "$DEVICE" \
-        --prompts "$PROMPTS" --threads 8 --max-seconds "$budget" "${sample[@]}" "${DATA_ARGS[@]}"
+        --prompts "$prompts" --threads 8 --max-seconds "$budget" "${sample[@]}" "${DATA_ARGS[@]}"
 done
 # training: until EXPORT_SECONDS before the end (its time box counts the data's loading; at least one step), with
 # 30 s for its last evaluation and checkpoint before the step's limit
