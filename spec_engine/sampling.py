@@ -417,9 +417,18 @@ def stop_string_end(params: SamplingParams, output: list[int], toks: list[int], 
     if not stop or not toks or len(output) + len(toks) < minimum:
         return None
     longest = max(map(len, stop))
-    window = longest + 4
-    while window < len(output) and len(detokenize(output[-window:], skip)) <= longest:
-        window *= 2
+    window, stepped_back = longest + 4, 0
+    while window < len(output):
+        tail_text = detokenize(output[-window:], skip)
+        if len(tail_text) <= longest:
+            window *= 2
+        elif tail_text.startswith(REPLACEMENT_CHAR) and stepped_back < 3:
+            # a tail that starts inside a character: a ByteFallback decoder reads the whole run of "<0xNN>" tokens
+            # it starts as U+FFFD, a stop string completed in that run included; up to 3 tokens earlier it starts at
+            # the character's first byte (a byte-level decoder's U+FFFD is the cut bytes' alone: no loss there)
+            window, stepped_back = window + 1, stepped_back + 1
+        else:
+            break
     if minimum > 1 and len(output) - window < minimum - 1:
         # the tail reaches into the first min_tokens - 1 tokens' text, where a string completed before the minimum
         # counts for nothing, then or later: read the whole output, that text excluded (a bounded stretch of the

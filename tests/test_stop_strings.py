@@ -298,3 +298,47 @@ def test_a_stop_string_at_the_start_of_a_sentencepiece_output_is_found(tmp_path)
 
     assert "".join(asyncio.run(streamed(SamplingParams(**forced)))) == " Hello Hello Hello"
     assert "".join(asyncio.run(streamed(kept))) == " Hello"
+
+
+def test_a_stop_string_after_a_tail_that_starts_inside_a_bytefallback_character_is_found():
+    """A ByteFallback decoder reads a run of "<0xNN>" byte tokens that is not UTF-8 as U+FFFD a byte, so a tail of the
+    output that starts inside a character read all of its run as U+FFFD: "\u20ac" after "\u00e9\u00e9\u00e9\u00e9",
+    or "\\n\\n" (Llama-2's "\\n" is "<0x0A>") after them, was never found (the request ran on to max_tokens). Random
+    outputs of such runs and calls of 1-5 tokens: the token that completes a stop string is the by-hand reference's."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["<unk>", "</s>", "\u2581Say", "\u2581Hello", "\u2581x"]
+    words += ["<0xC3>", "<0xA9>", "<0xE2>", "<0x82>", "<0xAC>", "<0x0A>"]  # "\u00e9", "\u20ac", "\n"
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.add_special_tokens([AddedToken("</s>", special=True)])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+
+    def decode(ids, skip=True):
+        return tok.decode(list(ids), skip_special_tokens=skip)
+
+    e, euro, nl = [5, 6], [7, 8, 9], [10]
+    assert decode([3] + e * 4 + euro + nl) == "Hello\u00e9\u00e9\u00e9\u00e9\u20ac\n"
+    assert stop_string_end(SamplingParams(stop=["\u20ac"]), e * 4 + euro[:2], euro[2:], decode, [2]) == 1
+    assert stop_string_end(SamplingParams(stop=["\n\n"]), [3] + e * 4 + nl, nl, decode, [2]) == 1
+    units = [[t] for t in range(1, 5)] + [e, euro, nl]
+    rng = random.Random(0)
+    for case in range(300):
+        prompt = [rng.randrange(2, 5) for _ in range(rng.randrange(1, 4))]
+        ids = [t for _ in range(rng.randrange(1, 24)) for t in rng.choice(units)]
+
+        def text(out, prompt=prompt):
+            return decode(prompt + list(out))[len(decode(prompt)) :]
+
+        strings = ["\u20ac", "\n\n", "\u00e9\n", "\u00e9\u00e9\u00e9", " x"]
+        stop = [rng.choice(strings) for _ in range(rng.randrange(1, 3))]
+        params = SamplingParams(max_tokens=64, stop=stop, min_tokens=rng.choice([0, 1, 3]))
+        got, n = None, 0
+        while n < len(ids) and got is None:
+            toks = ids[n : n + rng.randrange(1, 6)]
+            end = stop_string_end(params, ids[:n], toks, decode, prompt)
+            got = None if end is None else n + end
+            n += len(toks)
+        assert got == _by_hand(stop, params.min_tokens, ids, text), (case, prompt, ids, stop)
