@@ -5,8 +5,19 @@ llm = LLM(model=target_dir, speculative_config={"method": "draft_model", "model"
 outs = llm.generate(["def fib(n):"], SamplingParams(max_tokens=64))
 """
 
-from spec_engine.llm import LLM, CompletionOutput, RequestOutput
-from spec_engine.sampling import SamplingParams
-from spec_engine.zoo import default_model_paths
+import importlib
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "default_model_paths"]
+# Each public name imported on first use (PEP 562): the CLI's start-up imports no torch before its own argument parsing
+# and Ctrl-C handling (`specdec --help` answers at once; a Ctrl-C while torch loads ends in one line, not a traceback).
+_HOMES = {"LLM": "spec_engine.llm", "CompletionOutput": "spec_engine.llm", "RequestOutput": "spec_engine.llm",
+          "SamplingParams": "spec_engine.sampling", "default_model_paths": "spec_engine.zoo"}  # fmt: skip
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'spec_engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # (later lookups skip this function)
+    return value

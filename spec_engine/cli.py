@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from spec_engine.llm import build_llm
 from spec_engine.zoo.pull import PullError
 
 
@@ -107,6 +106,14 @@ def _check_text(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} is not valid UTF-8 text") from None
     if args.chat is not None and not args.chat.strip():
         raise ValueError("--chat is empty: give the user's message")
+
+
+def build_llm(*args, **kwargs):
+    """``spec_engine.llm.build_llm``, imported on first use: the CLI parses its arguments, answers ``--help`` and
+    handles Ctrl-C before torch loads."""
+    from spec_engine.llm import build_llm as build
+
+    return build(*args, **kwargs)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

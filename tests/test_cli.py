@@ -300,3 +300,15 @@ def test_compare_shows_its_timing_rounds_on_a_terminal(capsys):
     cli._alternating_tps(Engine(), Engine(), "p", None, 3, progress=True)
     err = capsys.readouterr().err
     assert "timing both engines" in err and "/6 " in err  # (tqdm redraws at most every 0.1 s: the count is not)
+
+
+def test_the_cli_starts_without_torch():
+    """`specdec --help` and a Ctrl-C while the engine loads need no torch: importing the CLI (and the package) loads
+    none, and the public names still import (PEP 562). A torch import at either's top level fails this."""
+    import subprocess
+    import sys
+
+    code = ("import sys, spec_engine.cli; assert 'torch' not in sys.modules, 'torch imported';"
+            "from spec_engine import LLM, SamplingParams; assert 'torch' in sys.modules")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
