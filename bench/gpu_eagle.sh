@@ -6,6 +6,8 @@
 #    "greedy 1 2 3") the target's answers to the prompt set, greedy or sampled at temperature 0.8 with that seed,
 #    until DATA_SHARE of the budget is spent, over PROMPTS in its order (default: the shipped prompt set; a shuffled
 #    copy spreads a short pass over all of its kinds), the sampled passes over SAMPLE_PROMPTS (default PROMPTS);
+#    GREEDY_SECONDS caps the greedy pass, so the passes after it get the rest (a slow greedy pass took the whole
+#    data budget once: bench/RESULTS-log.md, "A GPU fine-tune, not shipped");
 # 2. training (spec_engine.zoo.train_eagle --device "$DEVICE") from the shipped head until EXPORT_SECONDS before the
 #    budget ends, at peak learning rate LR (default 5e-4: a fine-tune; the schedule is fitted to the time box);
 # 3. the export: the head over K = 4096 with held-out agreement at K = 2048 / 4096 / 8192, into OUT/head, with
@@ -24,6 +26,7 @@ ANSWERS=${ANSWERS:-}
 PASSES=${PASSES:-greedy 1 2 3}
 PROMPTS=${PROMPTS:-spec_engine/zoo/data/eagle_prompts.jsonl}
 SAMPLE_PROMPTS=${SAMPLE_PROMPTS:-$PROMPTS}
+GREEDY_SECONDS=${GREEDY_SECONDS:-}
 LR=${LR:-5e-4}
 WORK=${WORK:-/tmp/gpu_eagle$([ "${SMOKE:-0}" = 1 ] && echo -smoke)}  # data and checkpoints: a rerun resumes
 PY=${PYTHON:-python3}
@@ -66,6 +69,7 @@ for pass in $PASSES; do
         dir="$WORK/data/greedy"
         prompts=$PROMPTS
         sample=()
+        [ -z "$GREEDY_SECONDS" ] || budget=$((budget < GREEDY_SECONDS ? budget : GREEDY_SECONDS))
     else
         dir="$WORK/data/t0.8-seed$pass"
         prompts=$SAMPLE_PROMPTS
