@@ -16,8 +16,13 @@ __all__ = list(_HOMES)
 
 
 def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'spec_engine' has no attribute {name!r}")
+    if name not in _HOMES:  # a submodule, as the package's eager imports once made them (`spec_engine.llm.LLM`)
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     value = getattr(importlib.import_module(_HOMES[name]), name)
     globals()[name] = value  # (later lookups skip this function)
     return value

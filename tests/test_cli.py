@@ -304,11 +304,14 @@ def test_compare_shows_its_timing_rounds_on_a_terminal(capsys):
 
 def test_the_cli_starts_without_torch():
     """`specdec --help` and a Ctrl-C while the engine loads need no torch: importing the CLI (and the package) loads
-    none, and the public names still import (PEP 562). A torch import at either's top level fails this."""
+    none, and the public names and submodules still import (PEP 562). A torch import at either's top level fails
+    this."""
     import subprocess
     import sys
 
     code = ("import sys, spec_engine.cli; assert 'torch' not in sys.modules, 'torch imported';"
-            "from spec_engine import LLM, SamplingParams; assert 'torch' in sys.modules")  # fmt: skip
+            "from spec_engine import LLM, SamplingParams; assert 'torch' in sys.modules;"
+            "import spec_engine; assert spec_engine.llm.LLM is LLM;"
+            "assert not hasattr(spec_engine, 'nope')")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
