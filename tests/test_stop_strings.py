@@ -47,6 +47,18 @@ def _by_hand(stop: list[str], minimum: int, ids: list[int], decode) -> int | Non
     return None
 
 
+def _found_in_calls(params: SamplingParams, ids: list[int], decode, rng: random.Random, prompt=()) -> int | None:
+    """The output length at which ``stop_string_end`` ends ``ids``, fed in calls of 1-5 tokens as the engine's steps
+    emit them (None: never)."""
+    got, n = None, 0
+    while n < len(ids) and got is None:
+        toks = ids[n : n + rng.randrange(1, 6)]
+        end = stop_string_end(params, ids[:n], toks, decode, prompt)
+        got = None if end is None else n + end
+        n += len(toks)
+    return got
+
+
 def test_stop_string_end_matches_a_by_hand_reference_and_reads_a_bounded_tail():
     """Random streams of multi-character tokens, random calls of 1-5 tokens, with and without min_tokens: the
     token that completes a stop string is the by-hand reference's. Past the minimum, a call reads a tail of the
@@ -64,12 +76,7 @@ def test_stop_string_end_matches_a_by_hand_reference_and_reads_a_bounded_tail():
         stop = [rng.choice(["ab", "bab", "cc", "abba", "c"]) for _ in range(rng.randrange(1, 3))]
         params = SamplingParams(max_tokens=64, stop=stop, min_tokens=rng.choice([0, 1, 2, 5, 20]))
         want = _by_hand(stop, params.min_tokens, ids, decode)
-        got, n = None, 0
-        while n < len(ids) and got is None:
-            toks = ids[n : n + rng.randrange(1, 6)]
-            end = stop_string_end(params, ids[:n], toks, decode)
-            got = None if end is None else n + end
-            n += len(toks)
+        got = _found_in_calls(params, ids, decode, rng)
         assert got == want, (case, ids, stop, params.min_tokens)
     read.clear()
     params = SamplingParams(max_tokens=4096, stop=["never"], min_tokens=3)
@@ -229,12 +236,7 @@ def test_a_sentencepiece_output_reads_after_its_prompt(decoder):
         assert output_text(decode, prompt, ids, True) == text(ids), (case, prompt, ids)
         stop = [rng.choice([" Hello", " x", "o w", "!,", "\u20ac"]) for _ in range(rng.randrange(1, 3))]
         params = SamplingParams(max_tokens=64, stop=stop, min_tokens=rng.choice([0, 1, 3]))
-        got, n = None, 0
-        while n < len(ids) and got is None:
-            toks = ids[n : n + rng.randrange(1, 6)]
-            end = stop_string_end(params, ids[:n], toks, decode, prompt)
-            got = None if end is None else n + end
-            n += len(toks)
+        got = _found_in_calls(params, ids, decode, rng, prompt)
         assert got == _by_hand(stop, params.min_tokens, ids, text), (case, prompt, ids, stop)
         sink, sent, n = _Sink(None, None, len(prompt), prompt=prompt), [], 0
         while n < len(ids):
@@ -335,10 +337,5 @@ def test_a_stop_string_after_a_tail_that_starts_inside_a_bytefallback_character_
         strings = ["\u20ac", "\n\n", "\u00e9\n", "\u00e9\u00e9\u00e9", " x"]
         stop = [rng.choice(strings) for _ in range(rng.randrange(1, 3))]
         params = SamplingParams(max_tokens=64, stop=stop, min_tokens=rng.choice([0, 1, 3]))
-        got, n = None, 0
-        while n < len(ids) and got is None:
-            toks = ids[n : n + rng.randrange(1, 6)]
-            end = stop_string_end(params, ids[:n], toks, decode, prompt)
-            got = None if end is None else n + end
-            n += len(toks)
+        got = _found_in_calls(params, ids, decode, rng, prompt)
         assert got == _by_hand(stop, params.min_tokens, ids, text), (case, prompt, ids, stop)
