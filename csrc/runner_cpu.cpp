@@ -10,10 +10,6 @@
 
 namespace specdec {
 
-// csrc/compact_kv_cpu.cpp
-void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, const at::Tensor& accepted_nodes,
-                    const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table);
-
 NativeModel::NativeModel(at::Tensor embed_, std::vector<at::Tensor> weights_, at::Tensor final_norm_,
                          at::Tensor lm_head_, at::Tensor rope_table_, int64_t num_heads_, double eps_,
                          c10::optional<at::Tensor> vocab_map_)
@@ -56,6 +52,8 @@ void NativeModel::set_head(at::Tensor hidden_norm_, at::Tensor fc_, bool norm_be
 }
 
 namespace {
+
+constexpr int64_t kMaxTreeNodes = 1024;  // spec_chain's widest tree (a step's nodes are one forward's rows)
 
 // The runner of `m` (its KV cache `kv`, the block table, B rows) for op `op`.
 template <typename T>
@@ -148,7 +146,7 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Na
   with_dtype(m.rope_table.scalar_type(), [&](auto type) {
     ChainRunner<decltype(type)> target = runner_of<decltype(type)>("greedy_steps", m, kv_cache, table, B);
     NoDraft none;
-    run_spec_chain(target, none, rows, out.data(), secs.data());
+    run_spec_chain(target, none, rows, kv_cache, table, out.data(), secs.data());
   });
   int64_t ran = 0;
   while (ran < steps && B > 0 && out[ran * 2] > 0) ++ran;  // every row runs every step
@@ -232,6 +230,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 // tokens its cache lacks (then the root), drafts gamma tokens (draft_chain), the target runs the root and
 // the chain at L_b .. L_b + gamma, and the longest prefix of drafts equal to the target's argmax is accepted, plus
 // the target's own next token. A chain's accepted nodes are a prefix: both caches stay in place (no compaction).
+// ``tree`` (an EAGLE-3 head's only; empty: a chain): the static tree with tree[d] children for each node at depth d
+// (gamma levels, breadth-first as spec_engine/tree.py's StaticTree), its children the head's top tree[d] tokens
+// (HeadDraft::tree); the target runs every node (slot L_b + t, position L_b + its depth) and the accepted path's
+// K/V are compacted to L_b .. (the head's cache keeps only the root's entry, as for chains).
 // The engine's step does the same work in ~10 Python-driven op calls; here it costs its kernels (ChainRunner: no
 // ATen op inside the steps). gamma 0: plain greedy steps, the draft idle (its catch-up grows by each emitted token), a
 // head's features still stored: the plain decoding of a head's target.
@@ -255,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv,
     const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
     const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
-    const c10::optional<at::Tensor>& d_features) {
+    const c10::optional<at::Tensor>& d_features, at::IntArrayRef tree) {
   const NativeModel& t = *target_model;
   const NativeModel& d = *draft_model;
   TORCH_CHECK_VALUE(catch_up.dim() == 2 && catch_up.size(1) >= 1, "spec_chain: catch_up must be [B, P], got ",
@@ -278,8 +280,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
                       "spec_chain: the head's fc reads ", d.fc.size(1), " stream values, the target has ",
                       d.capture.size(), " x ", t.final_norm.size(0));
   }
+  TORCH_CHECK_VALUE(tree.empty() || static_cast<int64_t>(tree.size()) == gamma,
+                    "spec_chain: a tree has gamma = ", gamma, " levels, got ", tree.size());
+  int64_t nodes = 1, level = 1;
+  for (const int64_t children : tree) {
+    TORCH_CHECK_VALUE(children >= 1, "spec_chain: a tree's levels have >= 1 children per node, got ", tree);
+    level *= children, nodes += level;
+    TORCH_CHECK_VALUE(nodes <= kMaxTreeNodes, "spec_chain: a tree of at most ", kMaxTreeNodes, " nodes, got ", tree);
+  }
   ChainRows rows{B, gamma, max_steps, stop_on_reject, {}, std::vector<int64_t>(B), std::vector<int64_t>(B),
                  std::vector<int64_t>(B), {}, P};
+  rows.tree = TreeShape(tree.empty() ? std::vector<int64_t>(gamma, 1) : tree.vec());
+  TORCH_CHECK_VALUE(head || rows.tree.is_chain(), "spec_chain: a draft model drafts chains (trees: an EAGLE-3 head)");
+  for (const int64_t children : rows.tree.branching) {
+    TORCH_CHECK_VALUE(children <= d.lm_head.size(0), "spec_chain: ", children, " children per node, but the draft ",
+                      "vocabulary has ", d.lm_head.size(0), " tokens");
+  }
   const at::Tensor tokens = catch_up.to(at::kLong).contiguous();  // [B, P]
   rows.catch_up.assign(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + B * P);
   const at::Tensor lens = catch_up_lens.to(at::kLong).contiguous(), L = seqlens.to(at::kLong).contiguous(),
@@ -306,12 +322,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
       target.capture(d.capture);
       ChainRunner<TT> model = runner_of<TT>("spec_chain", d, d_kv, table, B);
       HeadDraft<TT> draft(model, *d_features, table, d.vocab_ids(), d.fc);
-      return run_spec_chain(target, draft, rows, out, secs);
+      return run_spec_chain(target, draft, rows, t_kv, table, out, secs);
     }
     with_dtype(d.rope_table.scalar_type(), [&](auto draft_type) {  // a draft may be narrower than its target
       ChainRunner<decltype(draft_type)> model = runner_of<decltype(draft_type)>("spec_chain", d, d_kv, table, B);
       ModelDraft<decltype(draft_type)> draft(model, d.vocab_ids());
-      run_spec_chain(target, draft, rows, out, secs);
+      run_spec_chain(target, draft, rows, t_kv, table, out, secs);
     });
   });
   // [B, P']: the rows' catch-ups (the input's when no step ran)

@@ -5,12 +5,19 @@
 // of a call, plain or speculative (a chain is a tree). The op entry points are csrc/runner_cpu.cpp.
 #pragma once
 
+#include <ATen/ops/from_blob.h>
+
 #include <limits>
 
 #include "argmax_cpu.h"
 #include "layers_cpu.h"
 
 namespace specdec {
+
+// csrc/compact_kv_cpu.cpp
+void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, const at::Tensor& accepted_nodes,
+                    const at::Tensor& num_accepted, const c10::optional<at::Tensor>& block_table);
+
 namespace {
 
 // One model's forwards within one chain op call (draft_chain, spec_chain): its tensors checked and its cache's geometry
@@ -113,6 +120,14 @@ class ChainRunner {
                         const T* feats, bool with_logits) {
     TORCH_CHECK(hidden_norm_.defined(), op_, ": forward_head needs a head's runner");
     run(tokens, ld, B, T_, start, with_logits, feats);
+    return raw_.data();
+  }
+  // The same over trees: entry t of row b at slot start[b] + t and position start[b] + depths[b * T + t], seeing the
+  // prefix and the entries tree_mask [B, T, T] allows. No logits.
+  const T* forward_head_tree(const int64_t* tokens, int64_t B, int64_t T_, const int64_t* start,
+                             const int64_t* depths, const bool* tree_mask, const T* feats) {
+    TORCH_CHECK(hidden_norm_.defined(), op_, ": forward_head_tree needs a head's runner");
+    run(tokens, T_, B, T_, start, false, feats, depths, tree_mask);
     return raw_.data();
   }
   const T* normed() const { return out_.data(); }
@@ -280,14 +295,38 @@ void with_dtype(at::ScalarType dtype, F&& f) {
 }
 
 
+// A step's draft shape (run_spec_chain): the static tree with `branching[d]` children for each node at depth d (a
+// chain: all 1; no levels: a plain step), its nodes numbered breadth-first as spec_engine/tree.py's StaticTree numbers
+// them: parents [T] (-1 for the root), depths [T], and levels [depth + 2] (level d is nodes levels[d] ..
+// levels[d + 1] - 1).
+struct TreeShape {
+  std::vector<int64_t> branching, parents{-1}, depths{0}, levels{0, 1};
+
+  explicit TreeShape(std::vector<int64_t> children = {}) : branching(std::move(children)) {
+    for (size_t d = 0; d < branching.size(); ++d) {
+      for (int64_t p = levels[d]; p < levels[d + 1]; ++p) {
+        for (int64_t c = 0; c < branching[d]; ++c) {
+          parents.push_back(p);
+          depths.push_back(static_cast<int64_t>(d) + 1);
+        }
+      }
+      levels.push_back(static_cast<int64_t>(parents.size()));
+    }
+  }
+  int64_t nodes() const { return static_cast<int64_t>(parents.size()); }
+  int64_t depth() const { return static_cast<int64_t>(branching.size()); }
+  bool is_chain() const { return nodes() == depth() + 1; }
+};
+
 // The rows of a speculative call (spec_chain_cpu): per row its catch-up, the tokens the draft cache lacks (its lag)
 // then the root (row stride `ld`), the catch-up's length (lag + 1), L_b (the root's position), and the tokens it may
-// still emit.
+// still emit; the steps' draft shape (`tree`, of depth gamma).
 struct ChainRows {
   int64_t B, gamma, max_steps;
   bool stop_on_reject;
   std::vector<int64_t> catch_up, catch_up_len, L, room, stops;
   int64_t ld;
+  TreeShape tree;
 
   // After a step that drafted nothing (gamma 0: a plain step), the draft's cache did not move: each row's catch-up
   // grows by the tokens it emitted (run_spec_chain applies it for every kind of draft).
@@ -305,21 +344,24 @@ struct ChainRows {
   }
 };
 
-// A draft's side of a step, for run_spec_chain: propose(r, drafts) fills the chain [B, gamma] (gamma >= 1);
-// commit(r, emitted, drafts, target) sets the rows' next catch-ups after a drafted step; plain(r, emitted, target) is
-// what the draft keeps of a plain step (gamma 0), whose catch-ups the loop extends itself.
+// A draft's side of a step, for run_spec_chain: propose(r, drafts) fills the nodes 1 .. T - 1 of r.tree [B, T - 1]
+// (gamma >= 1; a chain: [B, gamma]); commit(r, emitted, drafts, path, target) sets the rows' next catch-ups after a
+// drafted step (path [B, T]: the nodes each row accepted, -1 padded); plain(r, emitted, path, target) is what the
+// draft keeps of a plain step (gamma 0), whose catch-ups the loop extends itself.
 
 // No draft: the target's plain greedy steps (gamma 0 only: propose and commit are never called).
 struct NoDraft {
   void propose(const ChainRows&, int64_t*) {}
   template <typename TT>
-  void commit(ChainRows&, const std::vector<std::vector<int64_t>>&, const int64_t*, const ChainRunner<TT>&) {}
+  void commit(ChainRows&, const std::vector<std::vector<int64_t>>&, const int64_t*, const int64_t*,
+              const ChainRunner<TT>&) {}
   template <typename TT>
-  void plain(const ChainRows&, const std::vector<std::vector<int64_t>>&, const ChainRunner<TT>&) {}
+  void plain(const ChainRows&, const std::vector<std::vector<int64_t>>&, const int64_t*, const ChainRunner<TT>&) {}
 };
 
 // A draft model's side of a speculative step: its catch-up (the lag, then the root, at L_b - catch_up_len + 1 ..),
-// then its greedy chain. Its cache holds the root and drafts 1 .. gamma - 1 afterwards.
+// then its greedy chain (chains only: spec_chain_cpu refuses its trees). Its cache holds the root and drafts 1 ..
+// gamma - 1 afterwards.
 template <typename TD>
 class ModelDraft {
  public:
@@ -343,7 +385,7 @@ class ModelDraft {
   // The rows' next catch-ups once `emitted` [B][n] (accepted drafts, then the target's token) is known: the bonus,
   // after the last draft where all were accepted (the chain never ran it). r.L is still the step's.
   template <typename TT>
-  void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t* drafts,
+  void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t* drafts, const int64_t*,
               const ChainRunner<TT>&) {
     std::vector<int64_t> next(r.B * 2);
     for (int64_t b = 0; b < r.B; ++b) {
@@ -358,7 +400,7 @@ class ModelDraft {
   }
 
   template <typename TT>
-  void plain(const ChainRows&, const std::vector<std::vector<int64_t>>&, const ChainRunner<TT>&) {}
+  void plain(const ChainRows&, const std::vector<std::vector<int64_t>>&, const int64_t*, const ChainRunner<TT>&) {}
 
  private:
   ChainRunner<TD>& model_;
@@ -468,20 +510,90 @@ class HeadDraft {
     }
   }
 
+  // From each row's root (entry last[b] of the entries just run, T per row, the first at start[b]), the nodes 1 ..
+  // N - 1 of `tree` into out [B, N - 1]: the children of a node are the branching[d] most likely tokens of its draft
+  // logits (the first index of the maximum when one; ties to the lower id), level by level. Below the last level,
+  // levels 1 .. d + 1 run together, re-rooted at slot R_b + 1 (each node at position R_b + its depth, seeing the
+  // prefix through the root and its own ancestors), each fed its parent's raw output as its feature.
+  void tree(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, const TreeShape& tree,
+            int64_t* out) {
+    const int64_t H = head_.hidden_size(), V = head_.vocab(), N = tree.nodes();
+    nodes_.resize(B * N * H);  // [B, N, H]: each node's raw output (the root's from the entries)
+    normed_.resize(B * H), pos_.resize(B);
+    tree_tok_.assign(B * N, 0);  // [B, N]: the nodes' target ids
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t m = b * T_ + last[b];
+      std::copy(raw + m * H, raw + (m + 1) * H, nodes_.begin() + b * N * H);
+      std::copy(head_.normed() + m * H, head_.normed() + (m + 1) * H, normed_.begin() + b * H);
+      pos_[b] = start[b] + last[b] + 1;  // node 1's slot
+    }
+    const T* logits = head_.logits(normed_.data(), B);  // [B, n_level, V] with level 0's one node
+    for (int64_t d = 0; d < tree.depth(); ++d) {
+      const int64_t first = tree.levels[d], n_level = tree.levels[d + 1] - first, kids = tree.branching[d];
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = 0; i < n_level; ++i) {
+          top_k(logits + (b * n_level + i) * V, V, kids);
+          for (int64_t c = 0; c < kids; ++c) {
+            const int64_t node = tree.levels[d + 1] + i * kids + c, best = best_[c];
+            tree_tok_[b * N + node] = id_of_ != nullptr ? id_of_[best] : best;
+          }
+        }
+      }
+      if (d + 1 == tree.depth()) break;
+      const int64_t n = tree.levels[d + 2] - 1;  // levels 1 .. d + 1: nodes 1 .. n
+      sub_tok_.resize(B * n), sub_depth_.resize(B * n), feats_.resize(B * n * H);
+      if (mask_size_ < B * n * n) mask_.reset(new bool[B * n * n]), mask_size_ = B * n * n;
+      bool* mask = mask_.get();  // [B, n, n]: node i + 1 sees node j + 1 where j + 1 is i + 1 or its ancestor
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t node = i + 1, parent = tree.parents[node], m = b * n + i;
+          sub_tok_[m] = tree_tok_[b * N + node];
+          sub_depth_[m] = tree.depths[node] - 1;
+          const T* src = nodes_.data() + (b * N + parent) * H;
+          std::copy(src, src + H, feats_.begin() + m * H);
+          bool* row = mask + m * n;
+          if (parent > 0) {
+            std::copy(row - (node - parent) * n, row - (node - parent) * n + n, row);
+          } else {
+            std::fill(row, row + n, false);
+          }
+          row[i] = true;
+        }
+      }
+      const T* h = head_.forward_head_tree(sub_tok_.data(), B, n, pos_.data(), sub_depth_.data(), mask,
+                                           feats_.data());  // [B * n, H]
+      const int64_t next = tree.levels[d + 1], n_next = tree.levels[d + 2] - next;
+      level_.resize(B * n_next * H);  // [B * n_next, H]: level d + 1's normed outputs
+      for (int64_t b = 0; b < B; ++b) {
+        std::copy(h + b * n * H, h + (b + 1) * n * H, nodes_.begin() + (b * N + 1) * H);
+        const T* normed = head_.normed() + (b * n + next - 1) * H;
+        std::copy(normed, normed + n_next * H, level_.begin() + b * n_next * H);
+      }
+      logits = head_.logits(level_.data(), B * n_next);  // [B, n_next, V]
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy(tree_tok_.begin() + b * N + 1, tree_tok_.begin() + (b + 1) * N, out + b * (N - 1));
+    }
+  }
+
   void propose(const ChainRows& r, int64_t* drafts) {
     const int64_t B = r.B, width = *std::max_element(r.catch_up_len.begin(), r.catch_up_len.end());
     start_.resize(B), last_.resize(B);
     for (int64_t b = 0; b < B; ++b) start_[b] = r.L[b] - r.catch_up_len[b] + 1, last_[b] = r.catch_up_len[b] - 1;
     const T* raw = entries(r.catch_up.data(), r.ld, B, width, start_.data());
-    chain(raw, B, width, start_.data(), last_.data(), r.gamma, drafts);
+    if (r.tree.is_chain()) {
+      chain(raw, B, width, start_.data(), last_.data(), r.gamma, drafts);
+    } else {
+      tree(raw, B, width, start_.data(), last_.data(), r.tree, drafts);
+    }
   }
 
   // The features of the step's accepted positions L_b .. L_b + n - 1 (fc of the target's captured streams), and
   // the next catch-ups: every emitted token (positions L_b + 1 .. L_b + n, the head's entries of the drafted ones were
   // built on its own guesses). r.L is still the step's.
-  void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t*,
+  void commit(ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t*, const int64_t* path,
               const ChainRunner<T>& target) {
-    plain(r, emitted, target);
+    plain(r, emitted, path, target);
     const int64_t T_ = r.gamma + 1;
     r.ld = T_;
     r.catch_up.assign(r.B * T_, 0);
@@ -491,14 +603,16 @@ class HeadDraft {
     }
   }
 
-  // A step's emitted positions' features (a plain step's too: the head's entries read them when it next drafts).
-  void plain(const ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const ChainRunner<T>& target) {
-    const int64_t B = r.B, T_ = r.gamma + 1, H = head_.hidden_size(), F = fc_.size(1);
+  // A step's emitted positions' features (a plain step's too: the head's entries read them when it next drafts):
+  // emitted token j of row b is node path[b * T + j] of the step's tree (T nodes).
+  void plain(const ChainRows& r, const std::vector<std::vector<int64_t>>& emitted, const int64_t* path,
+             const ChainRunner<T>& target) {
+    const int64_t B = r.B, T_ = r.tree.nodes(), H = head_.hidden_size(), F = fc_.size(1);
     feats_.resize(B * T_ * H);
     linear(target.captured(), Weight{fc_.data_ptr(), 0}, nullptr, feats_.data(), B * T_, H, F);  // [B * T, H]
     for (int64_t b = 0; b < B; ++b) {
       for (size_t j = 0; j < emitted[b].size(); ++j) {
-        const T* src = feats_.data() + (b * T_ + j) * H;
+        const T* src = feats_.data() + (b * T_ + path[b * T_ + j]) * H;
         std::copy(src, src + H, row(b, r.L[b] + j));
       }
     }
@@ -522,8 +636,28 @@ class HeadDraft {
   int64_t max_blocks_;
   const int64_t* id_of_;
   at::Tensor fc_;
-  std::vector<T> feats_, prev_, normed_;
-  std::vector<int64_t> start_, last_, ids_, pos_;
+  // best_[0 .. k - 1]: the k largest of z [V] (NaN never, ties to the lower id; k = 1: greedy::argmax's choice)
+  void top_k(const T* z, int64_t V, int64_t k) {
+    best_.resize(k);
+    if (k == 1) {
+      best_[0] = std::max<int64_t>(greedy::argmax(z, V, false), 0);
+      return;
+    }
+    const auto better = [&](int64_t a, int64_t b) {
+      const float za = static_cast<float>(z[a]), zb = static_cast<float>(z[b]);
+      const bool na = za != za, nb = zb != zb;
+      return na != nb ? nb : (na || za == zb ? a < b : za > zb);
+    };
+    order_.resize(V);
+    for (int64_t v = 0; v < V; ++v) order_[v] = v;
+    std::partial_sort(order_.begin(), order_.begin() + k, order_.end(), better);
+    std::copy(order_.begin(), order_.begin() + k, best_.begin());
+  }
+
+  std::vector<T> feats_, prev_, normed_, nodes_, level_;
+  std::vector<int64_t> start_, last_, ids_, pos_, tree_tok_, sub_tok_, sub_depth_, best_, order_;
+  std::unique_ptr<bool[]> mask_;
+  int64_t mask_size_ = 0;
 };
 
 // One greedy step over given trees (tree_step_cpu): tokens and parents [B, T] (node 0 the root, parents[i] < i, -1
@@ -560,41 +694,51 @@ void run_tree_step(ChainRunner<T>& target, const int64_t* tokens, const int64_t*
 }
 
 // The steps of spec_chain_cpu into steps [B, S, gamma + 2] and times [S, 2]; leaves the rows' catch-ups in `r`.
-// `draft`: a ModelDraft or a HeadDraft (whose commit reads the target's captured streams).
+// `draft`: a ModelDraft or a HeadDraft (whose commit reads the target's captured streams); its drafts are r.tree's
+// nodes, and where that is not a chain the accepted paths' K/V are compacted to L_b .. in `kv` (the target's cache,
+// [2, layers, blocks, block_size, ...], on `table`) after each step.
 template <typename TT, typename Draft>
-void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, int64_t* out, double* secs) {
-  const int64_t B = r.B, gamma = r.gamma, T = gamma + 1, max_steps = r.max_steps;
+void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, const at::Tensor& kv,
+                    const at::Tensor& table, int64_t* out, double* secs) {
+  const int64_t B = r.B, gamma = r.gamma, T = r.tree.nodes(), max_steps = r.max_steps;
   if (B == 0) return;
   const auto is_stop = [&](int64_t t) { return std::find(r.stops.begin(), r.stops.end(), t) != r.stops.end(); };
-  std::vector<int64_t> drafts(B * gamma), tokens(B * T), chain(B * T), path(B * T), accepted(B * T), counts(B);
+  std::vector<int64_t> drafts(B * (T - 1)), tokens(B * T), parents(B * T), path(B * T), accepted(B * T), counts(B);
   std::vector<std::vector<int64_t>> emitted(B);
-  for (int64_t i = 0; i < B * T; ++i) chain[i] = i % T - 1;  // [B, T]: the chains' parents
+  for (int64_t i = 0; i < B * T; ++i) parents[i] = r.tree.parents[i % T];  // [B, T]
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  const c10::optional<at::Tensor> paged = table.defined() ? c10::optional<at::Tensor>(table) : c10::nullopt;
   for (int64_t s = 0; s < max_steps; ++s) {
     bool fits = true;
-    for (int64_t b = 0; b < B; ++b) fits = fits && r.room[b] >= T;
+    for (int64_t b = 0; b < B; ++b) fits = fits && r.room[b] >= gamma + 1;
     if (!fits) break;
     const auto start = std::chrono::steady_clock::now();
-    // 1. the draft catches up on its lag, then the root (the catch-up's last token), and drafts its chain (gamma 0: a
+    // 1. the draft catches up on its lag, then the root (the catch-up's last token), and drafts its tree (gamma 0: a
     // plain step, the draft idle)
     for (int64_t b = 0; b < B; ++b) tokens[b * T] = r.catch_up[b * r.ld + r.catch_up_len[b] - 1];
     if (gamma > 0) draft.propose(r, drafts.data());
     const auto drafted = std::chrono::steady_clock::now();
-    // 2. the target runs the root and the chain, and greedy acceptance keeps the longest prefix of drafts equal to
-    // its argmax, then its own next token: the step over a tree (a chain is one), whose accepted path is in place
+    // 2. the target runs the root and the drafts, and greedy acceptance keeps the longest path of drafts equal to
+    // its argmax, then its own next token; a tree's accepted path is compacted to L_b .. (a chain's is in place)
     for (int64_t b = 0; b < B; ++b) {
-      std::copy(drafts.begin() + b * gamma, drafts.begin() + (b + 1) * gamma, tokens.begin() + b * T + 1);
+      std::copy(drafts.begin() + b * (T - 1), drafts.begin() + (b + 1) * (T - 1), tokens.begin() + b * T + 1);
     }
-    run_tree_step(target, tokens.data(), chain.data(), B, T, r.L.data(), path.data(), accepted.data(), counts.data());
+    run_tree_step(target, tokens.data(), parents.data(), B, T, r.L.data(), path.data(), accepted.data(),
+                  counts.data());
     bool finite = true;
     for (int64_t b = 0; b < B; ++b) {
       finite = finite && counts[b] >= 1;
       emitted[b].assign(accepted.begin() + b * T, accepted.begin() + b * T + std::max<int64_t>(counts[b], 0));
     }
     if (!finite) break;  // nothing of this step is committed
+    if (!r.tree.is_chain()) {
+      compact_kv_cpu(kv.flatten(0, 1), at::from_blob(r.L.data(), {B}, longs), at::from_blob(path.data(), {B, T}, longs),
+                     at::from_blob(counts.data(), {B}, longs), paged);  // [2 * layers, blocks, block_size, ...]
+    }
     if (gamma > 0) {
-      draft.commit(r, emitted, drafts.data(), target);
+      draft.commit(r, emitted, drafts.data(), path.data(), target);
     } else {
-      draft.plain(r, emitted, target);
+      draft.plain(r, emitted, path.data(), target);
       r.extend(emitted);
     }
     bool stopped = false;

@@ -221,11 +221,12 @@ class StepRunner:
                           full_steps=full_steps)  # fmt: skip
 
     def _spec_chain_fits(self, reqs: list[Request], gammas: list[int]) -> bool:
-        """Whether a native call can run the rows' speculative steps: a draft model or a native head proposing
-        chains for greedy rows, all at one depth g, the draft caches' lags (their catch-up: a prompt and the tokens
-        decoded before a row's first drafted step, under the adaptive controller) at most a prefill chunk and within
-        g of each other, and every row with g + 1 tokens of its max_tokens left (the C++ checks before each step:
-        a call near the end of a request is not cut to the steps that fit at full acceptance)."""
+        """Whether a native call can run the rows' speculative steps: a draft model proposing chains or a native head
+        proposing chains or static trees, for greedy rows, all at one depth g, the draft caches' lags (their
+        catch-up: a prompt and the tokens decoded before a row's first drafted step, under the adaptive controller)
+        at most a prefill chunk and within g of each other, and every row with g + 1 tokens of its max_tokens left
+        (the C++ checks before each step: a call near the end of a request is not cut to the steps that fit at full
+        acceptance)."""
         g = gammas[0]
         if self.native_target is None or self.native_draft is None:
             return False
@@ -247,14 +248,17 @@ class StepRunner:
         for b, (r, lag) in enumerate(zip(reqs, lags)):
             catch_up[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
         lengths = [r.num_computed for r in reqs]
-        reach = min(max_steps * (g + 1), max(r.tokens_left for r in reqs))  # positions a row may write past L_b
+        tree = self.drafter.tree
+        branching = () if tree is None or tree.is_chain else tree.branching[:g]  # (a head's static tree, cut at g)
+        # positions a row may write past L_b: its emitted tokens, then the last step's tree
+        reach = min(max_steps * (g + 1), max(r.tokens_left for r in reqs)) + self.drafter.nodes_for_depth(g)
         table = self.block_table(reqs, max(lengths) + reach + 2)  # [B, W]
         result = spec_chain(
             self.native_target, self.native_draft, torch.from_numpy(catch_up),
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
             torch.tensor([r.tokens_left for r in reqs]),
             stops, gamma=g, max_steps=max_steps, stop_on_reject=stop_on_reject,
-            draft_features=self.drafter.features,
+            draft_features=self.drafter.features, tree=branching,
         )  # fmt: skip
         steps, _, catch_up_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
         steps, catch_up_lens, times = steps.tolist(), catch_up_lens.tolist(), times.tolist()

@@ -316,7 +316,7 @@ def greedy_steps(
 
 def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, catch_up_lens, seqlens, target_kv,
                draft_kv, block_table, budget, stop_ids, *, gamma: int, max_steps: int, stop_on_reject: bool = False,
-               draft_features: torch.Tensor | None = None):  # fmt: skip
+               draft_features: torch.Tensor | None = None, tree: Sequence[int] = ()):  # fmt: skip
     """Up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chain in one native call
     (see ``spec_chain_cpu`` in csrc/runner_cpu.cpp). A head reads its features from ``draft_features``
     ``[1, num_blocks, block_size, H]`` (on the caches' blocks), and each step writes the accepted positions' there.
@@ -326,7 +326,9 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
     (L_b) / budget ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``: per step the count n of
     emitted tokens then the tokens; the rows' new catch_up ``[B, P']`` and catch_up_lens ``[B]``; times
     ``[max_steps, 2]``: per step the draft's and the whole step's seconds). ``stop_on_reject``: a step where some row
-    accepted no draft is the call's last (an adaptive controller then re-decides the depth).
+    accepted no draft is the call's last (an adaptive controller then re-decides the depth). ``tree`` (a head's):
+    the static tree with ``tree[d]`` children per node at depth d (``gamma`` levels; empty: a chain), its children
+    the head's most likely tokens, the accepted paths compacted in the target's cache after each step.
     """
     if target.vocab_map is not None:
         raise ValueError("spec_chain: the target's vocabulary cannot be restricted (its logits decide the output)")
@@ -337,7 +339,7 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
     return _native_ops().spec_chain(catch_up, catch_up_lens, seqlens, target.handle,
                                     target.check_cache(target_kv), draft.handle, model.check_cache(draft_kv),
                                     block_table, budget, stop_ids, gamma, max_steps, stop_on_reject,
-                                    draft_features if head else None)  # fmt: skip
+                                    draft_features if head else None, list(tree))  # fmt: skip
 
 
 def tree_step(

@@ -340,26 +340,32 @@ def test_native_eagle3_chains_match_plain(models, plain_greedy, tmp_path, spec):
         assert stats["num_regular_steps"] < stats["num_steps"] // 2
 
 
-def test_eagle3_trees_verify_natively_with_their_features(models, plain_greedy, tmp_path):
-    """An EAGLE-3 head's static trees take the regular step, verified in one native call (``tree_step``) that also
-    returns the target's features for the head: plain decoding's tokens, and the drafts and acceptances of the
-    separate ops (``EngineConfig(native_tree_step=False)``), which read the features from the target's pass."""
+@pytest.mark.parametrize("tree", [[2, 2, 1], [3, 1, 1]], ids=["t221", "t311"])
+def test_eagle3_trees_run_natively_as_the_regular_step(models, plain_greedy, tmp_path, tree):
+    """An EAGLE-3 head's static trees run in the engine's native steps (``spec_chain`` with the tree: the head's levels,
+    the target's pass, the walk and the compaction in C++), and on the regular step verify in one native call
+    (``tree_step``) that also returns the target's features: plain decoding's tokens, and the drafts and acceptances
+    of the separate ops (``EngineConfig(native_tree_step=False)``), which read the features from the target's
+    pass."""
     from spec_engine.engine import EngineConfig
 
     target, _ = models
     spec = {"method": "eagle", "model": str(write_published_head(tmp_path / "eagle3", "eagle3")),
-            "num_speculative_tokens": 3, "tree": [2, 2, 1]}  # fmt: skip
+            "num_speculative_tokens": 3, "tree": tree}  # fmt: skip
     params = SamplingParams(max_tokens=24)
     keys = ("num_steps", "num_drafted", "num_accepted", "accepted_length_hist")
     runs = []
-    for native in (True, False):
+    for steps, native in ((16, True), (0, True), (0, False)):
         llm = LLM(str(target), speculative_config=spec, max_model_len=128,
-                  engine_config=EngineConfig(native_tree_step=native))  # fmt: skip
+                  engine_config=EngineConfig(spec_chain_steps=steps, native_tree_step=native))  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == plain_greedy
         runs.append([{k: o.metrics[k] for k in keys} for o in outs])
-        assert llm.engine.stats["num_accepted"] > 0
-    assert runs[0] == runs[1]
+        stats = llm.engine.stats
+        assert stats["num_accepted"] > 0
+        if steps:  # the native steps ran the trees
+            assert stats["num_regular_steps"] < stats["num_steps"] // 2
+    assert runs[0] == runs[1] == runs[2]
 
 
 def test_native_sampled_chains_draw_as_the_level_by_level_path(models, tmp_path, monkeypatch):

@@ -288,6 +288,26 @@ def test_spec_chain_at_depth_zero_is_plain_decoding(target, draft):
     assert catch_up_lens.tolist() == [K + 1] * B and torch.equal(catch_up, torch.cat([roots[:, None], want], dim=1))
 
 
+def test_spec_chain_refuses_bad_trees(target, draft):
+    """spec_chain's ``tree``: gamma levels of >= 1 children, at most 1024 nodes, and an EAGLE-3 head's only (a draft
+    model drafts chains): each mistake is a ValueError naming it, before any forward."""
+    from spec_kernels.decoder_layers import spec_chain
+
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
+                                               "num_speculative_tokens": 2})  # fmt: skip
+    eng = llm.engine
+    B, P = 1, 32
+    kv = eng.kv.data.new_zeros(eng.kv.data.shape[0], 2, B, P, *eng.kv.data.shape[4:])
+    d_kv = eng.drafter.kv.data.new_zeros(eng.drafter.kv.data.shape[0], 2, B, P, *eng.drafter.kv.data.shape[4:])
+    roots, zero = torch.tensor([5]), torch.zeros(B, dtype=torch.int64)
+    for tree, gamma, message in (([2], 2, "a tree has gamma = 2 levels"), ([2, 0], 2, ">= 1 children"),
+                                 ([32, 32, 2], 3, "at most 1024 nodes"), ([2, 1], 2, "a draft model drafts chains")):
+        with pytest.raises(ValueError, match=message):
+            spec_chain(eng.runner.native_target, eng.runner.native_draft, roots[:, None], zero + 1, zero, kv, d_kv,
+                       None, zero + 100, zero[:0], gamma=gamma, max_steps=1, tree=tree)  # fmt: skip
+    assert not kv.any() and not d_kv.any()
+
+
 def test_native_models_are_checked_once_and_roles_kept(target, draft):
     """The ops' model object (torch.classes.spec_kernels.NativeModel) refuses bad parts when it is made, and each op
     refuses a model in the wrong role: a draft's restricted vocabulary or a head as a target, a model as a head."""

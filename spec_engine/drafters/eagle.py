@@ -391,6 +391,12 @@ class EagleDrafter(DraftModelDrafter):
         self.target_layers = head.target_layers
         self._node_parents = to_device(self.device, self._parents.clamp(min=0))[0]  # [T_max]: node -> parent node
 
+    @property
+    def native(self) -> NativeHead | None:
+        """The handle of the engine's native steps (``spec_chain``): an EAGLE-3 head's chains and static trees alike;
+        None for EAGLE-2's dynamic tree, whose parents are chosen each step."""
+        return None if self.dynamic_topk is not None else self.model.native
+
     def _store(self, hidden: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> None:
         """The target's hidden states [B, T, F] at ``positions`` [B, T] into the feature cache."""
         blocks, offsets = cache_slots(positions, self.features.shape[2], block_table)
