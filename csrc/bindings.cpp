@@ -72,6 +72,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents);
 at::Tensor rng_uniform_cpu(const at::Tensor& keys, int64_t n);
+at::Tensor rng_gumbel_cpu(const at::Tensor& keys, int64_t n);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
                                                        const at::Tensor& final_norm, at::Tensor kv_cache,
                                                        const at::Tensor& cache_seqlens, const at::Tensor& rope,
@@ -200,6 +201,7 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor)");
   m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor, Tensor, Tensor)");
   m.def("rng_uniform(Tensor keys, int n) -> Tensor");  // csrc/rng_cpu.cpp
+  m.def("rng_gumbel(Tensor keys, int n) -> Tensor");
   // a model as the native step runners take it (csrc/native_model.h)
   m.class_<specdec::NativeModel>("NativeModel")
       .def(torch::init<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
@@ -250,6 +252,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("tree_step", &specdec::tree_step_cpu);
   m.impl("eagle3_draft", &specdec::eagle3_draft_cpu);
   m.impl("rng_uniform", &specdec::rng_uniform_cpu);
+  m.impl("rng_gumbel", &specdec::rng_gumbel_cpu);
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {

@@ -78,7 +78,17 @@ def uniform_ref(keys: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def gumbel(keys: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """[B, *shape] standard Gumbel noise, -log(-log u), from :func:`uniform`."""
+    """[B, *shape] standard Gumbel noise, -log(-log u), from :func:`uniform`. On the CPU one C++ pass
+    (``rng_gumbel``), its log exact to ~2 ulp and the same float on every path (csrc/rng_cpu.h: the native steps'
+    sampled rows compute single entries of it, which torch.log's vector body and scalar tail would not match)."""
+    if keys.device.type == "cpu" and keys.dtype == torch.int64:
+        from spec_kernels._ext import load_ext
+
+        load_ext()
+        n = 1
+        for s in shape:
+            n *= s
+        return torch.ops.spec_kernels.rng_gumbel(keys, n).view(keys.shape[0], *shape)
     return -torch.log(-torch.log(uniform(keys, shape)))
 
 
@@ -96,7 +106,8 @@ def position_uniform(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> to
 def position_gumbel(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
     """[B, T, V] the coupling's Gumbel noise g_t(x) = -log(-log U(s, t, x)) for every row and position in
     ``positions`` [B, T]: a pure function of (seed, position, x), whatever the batch, step or drafter."""
-    return -torch.log(-torch.log(position_uniform(seeds, positions, V)))
+    B, T = positions.shape
+    return gumbel(noise_keys(seeds, positions).reshape(-1), (V,)).view(B, T, V)
 
 
 def row_uniforms(seeds: torch.Tensor, n: int) -> torch.Tensor:

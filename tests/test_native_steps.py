@@ -300,8 +300,12 @@ def test_spec_chain_refuses_bad_trees(target, draft):
     kv = eng.kv.data.new_zeros(eng.kv.data.shape[0], 2, B, P, *eng.kv.data.shape[4:])
     d_kv = eng.drafter.kv.data.new_zeros(eng.drafter.kv.data.shape[0], 2, B, P, *eng.drafter.kv.data.shape[4:])
     roots, zero = torch.tensor([5]), torch.zeros(B, dtype=torch.int64)
-    for tree, gamma, message in (([2], 2, "a tree has gamma = 2 levels"), ([2, 0], 2, ">= 1 children"),
-                                 ([32, 32, 2], 3, "at most 1024 nodes"), ([2, 1], 2, "a draft model drafts chains")):
+    for tree, gamma, message in (
+        ([2], 2, "a tree has gamma = 2 levels"),
+        ([2, 0], 2, ">= 1 children"),
+        ([32, 32, 2], 3, "at most 1024 nodes"),
+        ([2, 1], 2, "a draft model drafts chains"),
+    ):
         with pytest.raises(ValueError, match=message):
             spec_chain(eng.runner.native_target, eng.runner.native_draft, roots[:, None], zero + 1, zero, kv, d_kv,
                        None, zero + 100, zero[:0], gamma=gamma, max_steps=1, tree=tree)  # fmt: skip
