@@ -136,19 +136,19 @@ inline bool well_formed(const int64_t* tokens, const int64_t* parents, int64_t T
 }
 
 // Greedy acceptance over one row's tree of T nodes (docs/ARCHITECTURE.md, verify_tree, "Greedy"): tokens [T] and
-// parents [T] (parents[i] < i, -1 for the root and padding), row(i) node i's logits [V]. From the root, move to the
-// first child (in node order) whose token is the target's argmax at the current node; where none matches, or at a
-// leaf, emit the argmax. Writes the path's nodes into path (path[0] = 0) and the emitted tokens into out (the
-// accepted drafts, then the recovered or bonus token), at most T each; returns how many tokens were emitted (>= 1),
-// or 0 where a visited node's maximum is not finite (the row then counts as not verified). A chain is the tree whose
-// parents are -1, 0, 1, ...
-template <typename Row>
-int64_t walk(const Row& row, int64_t V, const int64_t* tokens, const int64_t* parents, int64_t T, int64_t* path,
-             int64_t* out) {
+// parents [T] (parents[i] < i, -1 for the root and padding), choose(i) the target's token at node i (its argmax, or
+// a coupled row's perturbed argmax), -1 where it cannot choose. From the root, move to the first child (in node order)
+// whose token is the target's choice at the current node; where none matches, or at a leaf, emit the choice. Writes
+// the path's nodes into path (path[0] = 0) and the emitted tokens into out (the accepted drafts, then the recovered
+// or bonus token), at most T each; returns how many tokens were emitted (>= 1), or 0 where a visited node could not
+// choose (the row then counts as not verified). A chain is the tree whose parents are -1, 0, 1, ...
+template <typename Choose>
+int64_t walk_choosing(const Choose& choose, const int64_t* tokens, const int64_t* parents, int64_t T, int64_t* path,
+                      int64_t* out) {
   path[0] = 0;
   int64_t cur = 0, depth = 0;
   while (true) {
-    const int64_t best = argmax(row(cur), V, true);
+    const int64_t best = choose(cur);
     if (best < 0) return 0;
     out[depth] = best;
     int64_t next = -1;
@@ -159,6 +159,13 @@ int64_t walk(const Row& row, int64_t V, const int64_t* tokens, const int64_t* pa
     path[++depth] = next;
     cur = next;
   }
+}
+
+// walk_choosing with the argmax of row(i), node i's logits [V]: 0 where a visited node's maximum is not finite.
+template <typename Row>
+int64_t walk(const Row& row, int64_t V, const int64_t* tokens, const int64_t* parents, int64_t T, int64_t* path,
+             int64_t* out) {
+  return walk_choosing([&](int64_t i) { return argmax(row(i), V, true); }, tokens, parents, T, path, out);
 }
 
 }  // namespace greedy

@@ -60,7 +60,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv,
     const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
     const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
-    const c10::optional<at::Tensor>& d_features, at::IntArrayRef tree);
+    const c10::optional<at::Tensor>& d_features, at::IntArrayRef tree, const c10::optional<at::Tensor>& temperature,
+    const c10::optional<at::Tensor>& noise_seeds);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_step_cpu(
     const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& seqlens,
     const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
@@ -218,7 +219,7 @@ TORCH_LIBRARY(spec_kernels, m) {
       "__torch__.torch.classes.spec_kernels.NativeModel target, Tensor(a!) t_kv, "
       "__torch__.torch.classes.spec_kernels.NativeModel draft, Tensor(b!) d_kv, Tensor? block_table, Tensor budget, "
       "Tensor stop_ids, int gamma, int max_steps, bool stop_on_reject=False, Tensor(c!)? d_features=None, "
-      "int[] tree=[]) -> "
+      "int[] tree=[], Tensor? temperature=None, Tensor? noise_seeds=None) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "tree_step(Tensor tokens, Tensor parents, Tensor seqlens, "

@@ -233,7 +233,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 // ``tree`` (an EAGLE-3 head's only; empty: a chain): the static tree with tree[d] children for each node at depth d
 // (gamma levels, breadth-first as spec_engine/tree.py's StaticTree), its children the head's top tree[d] tokens
 // (HeadDraft::tree); the target runs every node (slot L_b + t, position L_b + its depth) and the accepted path's
-// K/V are compacted to L_b .. (the head's cache keeps only the root's entry, as for chains).
+// K/V are compacted to L_b .. (the head's cache keeps only the root's entry, as for chains). ``temperature`` and
+// ``noise_seeds`` [B] (optional, together): rows at a temperature > 0 are sampled through the position-keyed coupling
+// (Sampling in csrc/runner_cpu.h: the regular step's coupled rows, the same tokens), with a head's chains or none
+// (gamma 0); greedy rows are 0.
 // The engine's step does the same work in ~10 Python-driven op calls; here it costs its kernels (ChainRunner: no
 // ATen op inside the steps). gamma 0: plain greedy steps, the draft idle (its catch-up grows by each emitted token), a
 // head's features still stored: the plain decoding of a head's target.
@@ -257,7 +260,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv,
     const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
     const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
-    const c10::optional<at::Tensor>& d_features, at::IntArrayRef tree) {
+    const c10::optional<at::Tensor>& d_features, at::IntArrayRef tree, const c10::optional<at::Tensor>& temperature,
+    const c10::optional<at::Tensor>& noise_seeds) {
   const NativeModel& t = *target_model;
   const NativeModel& d = *draft_model;
   TORCH_CHECK_VALUE(catch_up.dim() == 2 && catch_up.size(1) >= 1, "spec_chain: catch_up must be [B, P], got ",
@@ -292,6 +296,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
                  std::vector<int64_t>(B), {}, P};
   rows.tree = TreeShape(tree.empty() ? std::vector<int64_t>(gamma, 1) : tree.vec());
   TORCH_CHECK_VALUE(head || rows.tree.is_chain(), "spec_chain: a draft model drafts chains (trees: an EAGLE-3 head)");
+  TORCH_CHECK_VALUE(temperature.has_value() == noise_seeds.has_value(),
+                    "spec_chain: temperature and noise_seeds go together");
+  if (temperature.has_value()) {
+    TORCH_CHECK_VALUE(temperature->dim() == 1 && temperature->size(0) == B && temperature->scalar_type() == at::kFloat &&
+                          noise_seeds->dim() == 1 && noise_seeds->size(0) == B &&
+                          noise_seeds->scalar_type() == at::kLong,
+                      "spec_chain: temperature must be float32 [B] and noise_seeds int64 [B] = [", B, "], got ",
+                      temperature->sizes(), " ", temperature->scalar_type(), " and ", noise_seeds->sizes(), " ",
+                      noise_seeds->scalar_type());
+    const at::Tensor t = temperature->contiguous(), seeds = noise_seeds->contiguous();
+    rows.sampling.temperature.assign(t.data_ptr<float>(), t.data_ptr<float>() + B);
+    rows.sampling.seeds.assign(seeds.data_ptr<int64_t>(), seeds.data_ptr<int64_t>() + B);
+    for (const float v : rows.sampling.temperature) {
+      TORCH_CHECK_VALUE(std::isfinite(v) && v >= 0.0f, "spec_chain: temperatures must be finite and >= 0, got ", v);
+    }
+    TORCH_CHECK_VALUE(!rows.sampling.any() || gamma == 0 || (head && rows.tree.is_chain()),
+                      "spec_chain: sampled rows draft an EAGLE-3 head's chains (a draft model and trees: the regular "
+                      "step)");
+  }
   for (const int64_t children : rows.tree.branching) {
     TORCH_CHECK_VALUE(children <= d.lm_head.size(0), "spec_chain: ", children, " children per node, but the draft ",
                       "vocabulary has ", d.lm_head.size(0), " tokens");

@@ -11,6 +11,7 @@
 
 #include "argmax_cpu.h"
 #include "layers_cpu.h"
+#include "rng_cpu.h"
 
 namespace specdec {
 
@@ -318,6 +319,25 @@ struct TreeShape {
   bool is_chain() const { return nodes() == depth() + 1; }
 };
 
+// The coupled rows of a native call (spec_chain's temperature and noise_seeds; empty: every row greedy). Row b at
+// temperature t_b > 0 is sampled through the position-keyed coupling (spec_engine/coupling.py): at a node at
+// position p the target emits argmax_x (z_x / t_b + g(s_b, p, x)) (rng::perturbed_argmax, verify_tree's coupled
+// sample: an exact draw from softmax(z / t_b)), and a head drafts node d with the same noise at its parent's position
+// over its draft vocabulary (HeadDraft::chain's draws, as the regular step's eagle3_draft call), so the two agree
+// where their perturbed maxima do.
+struct Sampling {
+  std::vector<float> temperature;  // [B]: 0 for a greedy row
+  std::vector<int64_t> seeds;      // [B]: the coupling's noise seeds
+
+  bool sampled(int64_t b) const { return !temperature.empty() && temperature[b] > 0.0f; }
+  bool any() const {
+    for (const float t : temperature) {
+      if (t > 0.0f) return true;
+    }
+    return false;
+  }
+};
+
 // The rows of a speculative call (spec_chain_cpu): per row its catch-up, the tokens the draft cache lacks (its lag)
 // then the root (row stride `ld`), the catch-up's length (lag + 1), L_b (the root's position), and the tokens it may
 // still emit; the steps' draft shape (`tree`, of depth gamma).
@@ -327,6 +347,7 @@ struct ChainRows {
   std::vector<int64_t> catch_up, catch_up_len, L, room, stops;
   int64_t ld;
   TreeShape tree;
+  Sampling sampling;
 
   // After a step that drafted nothing (gamma 0: a plain step), the draft's cache did not move: each row's catch-up
   // grows by the tokens it emitted (run_spec_chain applies it for every kind of draft).
@@ -411,7 +432,7 @@ class ModelDraft {
 
 // A sampled chain's draws (eagle3_draft's noise): per row its inverse temperature (0: greedy, the plain argmax), per
 // row and level the Gumbel noise over the draft vocabulary [B, gamma, K], and where each level's logits go
-// [B, gamma, K] (float32: the caller's draft distributions).
+// [B, gamma, K] (float32: the caller's draft distributions; null: nowhere).
 struct ChainDraws {
   const float* inv_temp;
   const float* noise;
@@ -493,7 +514,7 @@ class HeadDraft {
       for (int64_t b = 0; b < B; ++b) {
         const T* row_logits = logits + b * V;
         const int64_t level = b * gamma + d - 1;  // [B, gamma] index of this row's level d
-        if (draws != nullptr) {
+        if (draws != nullptr && draws->logits != nullptr) {
           float* keep = draws->logits + level * V;
           for (int64_t k = 0; k < V; ++k) keep[k] = static_cast<float>(row_logits[k]);
         }
@@ -581,7 +602,10 @@ class HeadDraft {
     start_.resize(B), last_.resize(B);
     for (int64_t b = 0; b < B; ++b) start_[b] = r.L[b] - r.catch_up_len[b] + 1, last_[b] = r.catch_up_len[b] - 1;
     const T* raw = entries(r.catch_up.data(), r.ld, B, width, start_.data());
-    if (r.tree.is_chain()) {
+    if (r.sampling.any()) {  // (chains only: spec_chain_cpu refuses sampled rows' trees)
+      const ChainDraws draws = coupled_draws(r);
+      chain(raw, B, width, start_.data(), last_.data(), r.gamma, drafts, &draws);
+    } else if (r.tree.is_chain()) {
       chain(raw, B, width, start_.data(), last_.data(), r.gamma, drafts);
     } else {
       tree(raw, B, width, start_.data(), last_.data(), r.tree, drafts);
@@ -601,6 +625,25 @@ class HeadDraft {
       std::copy(emitted[b].begin(), emitted[b].end(), r.catch_up.begin() + b * T_);
       r.catch_up_len[b] = static_cast<int64_t>(emitted[b].size());
     }
+  }
+
+  // The chain's draws for r's coupled rows (the regular step's _chain_noise): a sampled row's inverse temperature,
+  // and at level d the coupling's noise at its parent's position L_b + d - 1 over the draft vocabulary's target ids.
+  ChainDraws coupled_draws(const ChainRows& r) {
+    const int64_t B = r.B, gamma = r.gamma, K = head_.vocab();
+    inv_temp_.assign(B, 0.0f);
+    noise_.assign(B * gamma * K, 0.0f);  // [B, gamma, K]
+    for (int64_t b = 0; b < B; ++b) {
+      if (!r.sampling.sampled(b)) continue;
+      inv_temp_[b] = 1.0f / r.sampling.temperature[b];
+      for (int64_t d = 1; d <= gamma; ++d) {
+        const uint64_t base = rng::row_base(rng::noise_key(r.sampling.seeds[b], r.L[b] + d - 1));
+        float* g = noise_.data() + (b * gamma + d - 1) * K;
+        for (int64_t k = 0; k < K; ++k) g[k] = rng::uniform_at(base, id_of_ != nullptr ? id_of_[k] : k);
+        rng::gumbel_inplace(g, K);
+      }
+    }
+    return ChainDraws{inv_temp_.data(), noise_.data(), nullptr};
   }
 
   // A step's emitted positions' features (a plain step's too: the head's entries read them when it next drafts):
@@ -654,6 +697,7 @@ class HeadDraft {
     std::copy(order_.begin(), order_.begin() + k, best_.begin());
   }
 
+  std::vector<float> inv_temp_, noise_;  // coupled_draws': [B] and [B, gamma, K]
   std::vector<T> feats_, prev_, normed_, nodes_, level_;
   std::vector<int64_t> start_, last_, ids_, pos_, tree_tok_, sub_tok_, sub_depth_, best_, order_;
   std::unique_ptr<bool[]> mask_;
@@ -664,10 +708,13 @@ class HeadDraft {
 // for the root and padding, which sees itself only, at depth 0), each row at L_b. The target runs every node (slot
 // L_b + t, position L_b + its depth, seeing the prefix and its ancestors) and greedy::walk keeps each row's path:
 // path [B, T] and out [B, T] (-1 padded), counts [B] (the tokens emitted; 0 where a visited node's maximum is not
-// finite, -1 for a malformed tree, whose step then does not run). The caller compacts the cache.
+// finite, -1 for a malformed tree, whose step then does not run). The caller compacts the cache. `sampling` (or
+// null): its coupled rows walk on their perturbed argmax (the node at position p: rng::perturbed_argmax with p's
+// noise), the others on the argmax.
 template <typename T>
 void run_tree_step(ChainRunner<T>& target, const int64_t* tokens, const int64_t* parents, int64_t B, int64_t T_,
-                   const int64_t* L, int64_t* path, int64_t* out, int64_t* counts) {
+                   const int64_t* L, int64_t* path, int64_t* out, int64_t* counts,
+                   const Sampling* sampling = nullptr) {
   const int64_t V = target.vocab();
   bool runs = true;
   for (int64_t b = 0; b < B; ++b) {
@@ -689,7 +736,16 @@ void run_tree_step(ChainRunner<T>& target, const int64_t* tokens, const int64_t*
   const T* logits = target.forward_tree(tokens, B, T_, L, depths.data(), mask.get());  // [B * T, V]
   for (int64_t b = 0; b < B; ++b) {
     const auto row = [&](int64_t i) { return logits + (b * T_ + i) * V; };
-    counts[b] = greedy::walk(row, V, tokens + b * T_, parents + b * T_, T_, path + b * T_, out + b * T_);
+    if (sampling != nullptr && sampling->sampled(b)) {
+      const float t = sampling->temperature[b];
+      const int64_t seed = sampling->seeds[b];
+      const auto choose = [&](int64_t i) {
+        return rng::perturbed_argmax(row(i), V, t, rng::noise_key(seed, L[b] + depths[b * T_ + i]));
+      };
+      counts[b] = greedy::walk_choosing(choose, tokens + b * T_, parents + b * T_, T_, path + b * T_, out + b * T_);
+    } else {
+      counts[b] = greedy::walk(row, V, tokens + b * T_, parents + b * T_, T_, path + b * T_, out + b * T_);
+    }
   }
 }
 
@@ -724,7 +780,7 @@ void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, const a
       std::copy(drafts.begin() + b * (T - 1), drafts.begin() + (b + 1) * (T - 1), tokens.begin() + b * T + 1);
     }
     run_tree_step(target, tokens.data(), parents.data(), B, T, r.L.data(), path.data(), accepted.data(),
-                  counts.data());
+                  counts.data(), &r.sampling);
     bool finite = true;
     for (int64_t b = 0; b < B; ++b) {
       finite = finite && counts[b] >= 1;

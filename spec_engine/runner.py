@@ -5,11 +5,12 @@ natively where it can (decided once, when it is built) and as the regular step o
 changed as one ``StepResult`` for ``Engine._apply`` to commit:
 
 - a plain chain: K plain greedy steps in one C++ call (``greedy_steps``; ``spec_chain`` at depth 0 where a head
-  reads the target's features);
-- a spec chain: up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chains in one
-  C++ call (``spec_chain``);
+  reads the target's features, which samples coupled rows too);
+- a spec chain: up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chains (a
+  head's static trees too) in one C++ call (``spec_chain``); with a head's chains, coupled sampled rows too
+  (``_samples_natively``: the position-keyed coupling's tokens, as the regular step draws them);
 - the regular step (``_spec_step``): draft, the target's pass over the tree, ``verify_tree``, compaction, in
-  Python-driven ops: any tree, sampled rows, a hybrid's suffix rows, any device; where every row is greedy with a
+  Python-driven ops: any tree, other sampled rows, a hybrid's suffix rows, any device; where every row is greedy with a
   deterministic tree and the target runs natively, the pass, verification and compaction are one native call
   (``tree_step``: the step every native call runs, once).
 
@@ -66,6 +67,14 @@ class StepResult:
     learned: list[list[int]] | None = None
     widths: list[int] | None = None
     logprobs: list[list[TokenLogprobs]] | None = None
+
+
+def _samples_natively(reqs: list[Request]) -> bool:
+    """Whether the native calls can sample these rows: each greedy, or coupled (``SamplingParams.coupled``: its
+    tokens the position-keyed coupling's, as the regular step draws them) with no top-k, top-p or min-p."""
+    return all(
+        p.greedy or (p.coupled and not p.top_k and p.top_p >= 1 and not p.min_p) for p in (r.params for r in reqs)
+    )
 
 
 def _native(model, cache: PagedKVCache | None) -> NativeModel | NativeHead | None:
@@ -177,13 +186,16 @@ class StepRunner:
 
         Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter or none this step (a drafter that reads
         the target's features must see every step, so only a native head, whose features the call stores) and all
-        rows greedy, the target runs up to ``max_steps`` forwards in one C++ call, so the step's Python and dispatch,
-        comparable to a small model's whole forward, is paid once per chain. Same forwards, same kernels, same tokens
-        (tests/test_native_steps.py); the call ends at a row's stop token, so a long chain wastes no forward at a
-        request's end. A chain of one (a row's last token) still saves the regular step's Python."""
-        if self.native_target is None or not all(r.params.greedy for r in reqs):
+        rows greedy (or, for a head's target, coupled: ``_samples_natively``), the target runs up to ``max_steps``
+        forwards in one C++ call, so the step's Python and dispatch, comparable to a small model's whole forward, is
+        paid once per chain. Same forwards, same kernels, same tokens (tests/test_native_steps.py); the call ends at a
+        row's stop token, so a long chain wastes no forward at a request's end. A chain of one (a row's last token)
+        still saves the regular step's Python."""
+        head_target = self.drafter is not None and self.drafter.needs_hidden
+        if self.native_target is None or (head_target and not isinstance(self.native_draft, NativeHead)):
             return 0
-        if self.drafter is not None and self.drafter.needs_hidden and not isinstance(self.native_draft, NativeHead):
+        # (sampled rows: through a head's target's spec_chain, which samples coupled rows; greedy_steps does not)
+        if not all(r.params.greedy for r in reqs) and not (head_target and _samples_natively(reqs)):
             return 0
         cap = self.drafter.plain_chain_cap if self.drafter is not None else None
         return min(max_steps, cap or max_steps, min(r.tokens_left for r in reqs))
@@ -205,7 +217,7 @@ class StepRunner:
             steps, _, _, _ = spec_chain(
                 self.native_target, self.native_draft, roots[:, None], torch.ones(B, dtype=torch.int64), seqlens,
                 self.kv.data, self.drafter.kv.data, table, torch.tensor([r.tokens_left for r in reqs]), stops,
-                gamma=0, max_steps=K, draft_features=self.drafter.features,
+                gamma=0, max_steps=K, draft_features=self.drafter.features, **self._sampling(reqs),
             )  # fmt: skip  # [B, K, 2]: per step 1 (0 where not run) then the token
             tokens = steps[:, : int((steps[0, :, 0] > 0).sum()), 1]  # [B, K' <= K]
         else:
@@ -222,23 +234,28 @@ class StepRunner:
 
     def _spec_chain_fits(self, reqs: list[Request], gammas: list[int]) -> bool:
         """Whether a native call can run the rows' speculative steps: a draft model proposing chains or a native head
-        proposing chains or static trees, for greedy rows, all at one depth g, the draft caches' lags (their
-        catch-up: a prompt and the tokens decoded before a row's first drafted step, under the adaptive controller)
-        at most a prefill chunk and within g of each other, and every row with g + 1 tokens of its max_tokens left
-        (the C++ checks before each step: a call near the end of a request is not cut to the steps that fit at full
-        acceptance)."""
+        proposing chains or static trees, for greedy rows (a head's chains: coupled sampled rows too), all at one
+        depth g, the draft caches' lags (their catch-up: a prompt and the tokens decoded before a row's first drafted
+        step, under the adaptive controller) at most a prefill chunk and within g of each other, and every row with
+        g + 1 tokens of its max_tokens left (the C++ checks before each step: a call near the end of a request is not
+        cut to the steps that fit at full acceptance)."""
         g = gammas[0]
         if self.native_target is None or self.native_draft is None:
             return False
-        if any(x != g for x in gammas) or not all(r.params.greedy for r in reqs):
+        if any(x != g for x in gammas):
             return False
+        if not all(r.params.greedy for r in reqs):  # sampled rows: coupled, drafted by a head's chains
+            tree = self.drafter.tree
+            chains = tree is None or tree.is_chain
+            if not (_samples_natively(reqs) and isinstance(self.native_draft, NativeHead) and chains):
+                return False
         lags = [self.cache_lag(r) for r in reqs]
         # (a ragged catch-up pads rows past their roots: at most g slots, which the step overwrites)
         return max(lags) <= self.prefill_chunk and max(lags) - min(lags) <= g and min(r.tokens_left for r in reqs) > g
 
     def _spec_chain(self, reqs: list[Request], g: int, max_steps: int, stops: torch.Tensor, full_steps: int,
                     stop_on_reject: bool) -> StepResult | None:  # fmt: skip
-        """Up to ``max_steps`` greedy speculative steps at depth ``g`` in one ``spec_chain`` call, as a
+        """Up to ``max_steps`` speculative steps at depth ``g`` in one ``spec_chain`` call, as a
         ``StepResult`` (``_apply`` commits it as it commits the regular step's). None, with nothing committed, where
         the first step's target logits were not finite."""
         start = time.perf_counter()
@@ -258,7 +275,7 @@ class StepRunner:
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
             torch.tensor([r.tokens_left for r in reqs]),
             stops, gamma=g, max_steps=max_steps, stop_on_reject=stop_on_reject,
-            draft_features=self.drafter.features, tree=branching,
+            draft_features=self.drafter.features, tree=branching, **self._sampling(reqs),
         )  # fmt: skip
         steps, _, catch_up_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
         steps, catch_up_lens, times = steps.tolist(), catch_up_lens.tolist(), times.tolist()
@@ -271,6 +288,14 @@ class StepRunner:
         draft_lens = [r.num_computed + len(t) - (n - 1) for r, t, n in zip(reqs, tokens, catch_up_lens)]
         return StepResult([[g] * B] * ran, tokens, counts, times[:ran], draft_lens, start=start,
                           full_steps=full_steps)  # fmt: skip
+
+    def _sampling(self, reqs: list[Request]) -> dict:
+        """A native call's sampling inputs: each row's temperature [B] float32 (0: greedy) and noise seed [B] int64,
+        the regular step's (``step_inputs``); none where every row is greedy."""
+        if all(r.params.greedy for r in reqs):
+            return {}
+        return {"temperature": self.rows.temperature[[r.slot for r in reqs]].float().contiguous(),
+                "noise_seeds": torch.tensor([r.seed & INT63_MASK for r in reqs], dtype=torch.int64)}  # fmt: skip
 
     def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None,
                       native_verify: bool = True, logprobs: int | None = None,

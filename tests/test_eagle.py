@@ -144,14 +144,18 @@ def small(tmp_path_factory):
     return target, train_head(target, root / "head", steps=4, vocab=V)
 
 
-def _sample_joint(small, spec: dict, temperature: float = 1.0) -> tuple[np.ndarray, LLM]:
+def _sample_joint(small, spec: dict, temperature: float = 1.0, coupled: bool = False) -> tuple[np.ndarray, LLM]:
+    """The counts of the first two tokens of N seeded requests (``coupled``: through the position-keyed coupling,
+    4 tokens each and all admitted at once, so that native steps at depth 2 run them: a call waits while a request
+    does; else rejection sampling, 2 tokens)."""
     target, head = small
     llm = LLM(str(target), speculative_config={"method": "eagle", "model": str(head), **spec}, max_model_len=32,
-              max_num_seqs=512)  # fmt: skip
-    params = [SamplingParams(max_tokens=2, temperature=temperature, seed=1000 + i, invariant=False) for i in range(N)]
+              max_num_seqs=N if coupled else 512)  # fmt: skip
+    params = [SamplingParams(max_tokens=4 if coupled else 2, temperature=temperature, seed=1000 + i, invariant=coupled,
+                             ignore_eos=True) for i in range(N)]  # fmt: skip
     counts = np.zeros(V * V)
     for o in llm.generate([{"prompt_token_ids": PROMPT}] * N, params, use_tqdm=False):
-        a, b = o.outputs[0].token_ids
+        a, b = o.outputs[0].token_ids[:2]
         counts[a * V + b] += 1
     return counts, llm
 
@@ -452,6 +456,58 @@ def test_native_sampled_chains_below_temperature_one_are_lossless(small_eagle3):
     assert llm.engine.drafter.model.native is not None
     assert llm.engine.stats["num_accepted"] > N // 10, "the head must be accepted often for this test to bite"
     assert chi2_pvalue(counts, exact_joint(small_eagle3[0], 0.3, 1.0)) > P_MIN
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_native_coupled_chains_are_lossless(small_eagle3, temperature, monkeypatch):
+    """Coupled rows in the engine's native steps (spec_chain's temperature and noise seeds: the target's perturbed
+    argmax, the head's draws with the same noise) keep the target's exact joint of the first two tokens (chi2); a
+    temperature handed to the native call off by half (a planted bug) is caught."""
+    from spec_engine import runner as runner_module
+
+    counts, llm = _sample_joint(small_eagle3, {"num_speculative_tokens": 2}, temperature, coupled=True)
+    stats = llm.engine.stats
+    assert stats["num_accepted"] > N // 10, "the head must be accepted often for this test to bite"
+    assert stats["num_regular_steps"] <= 2, "the native steps must have run the rows"
+    assert chi2_pvalue(counts, exact_joint(small_eagle3[0], temperature, 1.0)) > P_MIN
+    honest = runner_module.StepRunner._sampling
+
+    def halved(self, reqs):
+        out = honest(self, reqs)
+        return out | {"temperature": out["temperature"] * 0.5} if out else out
+
+    monkeypatch.setattr(runner_module.StepRunner, "_sampling", halved)
+    counts, _ = _sample_joint(small_eagle3, {"num_speculative_tokens": 2}, temperature, coupled=True)
+    assert chi2_pvalue(counts, exact_joint(small_eagle3[0], temperature, 1.0)) < P_BUG
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_native_coupled_steps_are_plain_samplings_tokens(models, plain_greedy, tmp_path, temperature):
+    """Seeded rows (coupled) in the native steps, alone and beside greedy rows: plain sampled decoding's tokens (no
+    drafter), and the drafts and acceptances of the regular step (``spec_chain_steps=0``: eagle3_draft with the noise
+    drawn in Python, verify_tree's coupled walk): the two compute the same noise floats."""
+    from spec_engine.engine import EngineConfig
+
+    target, _ = models
+    head = str(write_published_head(tmp_path / "eagle3", "eagle3"))
+    params = [SamplingParams(max_tokens=24, temperature=temperature, seed=7 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))] + [SamplingParams(max_tokens=24)]  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + PROMPTS[:1]]
+    plain = LLM(str(target), max_model_len=128).generate(prompts, params, use_tqdm=False)
+    keys = ("num_steps", "num_drafted", "num_accepted", "accepted_length_hist")
+    runs = []
+    for steps in (16, 0):
+        llm = LLM(str(target), speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 3},
+                  max_model_len=128, engine_config=EngineConfig(spec_chain_steps=steps))  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+        assert outs[-1].outputs[0].token_ids == plain_greedy[0]
+        runs.append([{k: o.metrics[k] for k in keys} for o in outs])
+        stats = llm.engine.stats
+        assert stats["num_accepted"] > 0
+        if steps:
+            assert stats["num_regular_steps"] < stats["num_steps"] // 2, "the native steps must have run the rows"
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -288,9 +288,10 @@ def test_spec_chain_at_depth_zero_is_plain_decoding(target, draft):
     assert catch_up_lens.tolist() == [K + 1] * B and torch.equal(catch_up, torch.cat([roots[:, None], want], dim=1))
 
 
-def test_spec_chain_refuses_bad_trees(target, draft):
+def test_spec_chain_refuses_bad_trees_and_sampling(target, draft):
     """spec_chain's ``tree``: gamma levels of >= 1 children, at most 1024 nodes, and an EAGLE-3 head's only (a draft
-    model drafts chains): each mistake is a ValueError naming it, before any forward."""
+    model drafts chains); its ``temperature`` and ``noise_seeds``: together, float32 and int64 [B], finite and >= 0,
+    and sampled rows drafted by a head's chains only. Each mistake is a ValueError naming it, before any forward."""
     from spec_kernels.decoder_layers import spec_chain
 
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
@@ -300,15 +301,21 @@ def test_spec_chain_refuses_bad_trees(target, draft):
     kv = eng.kv.data.new_zeros(eng.kv.data.shape[0], 2, B, P, *eng.kv.data.shape[4:])
     d_kv = eng.drafter.kv.data.new_zeros(eng.drafter.kv.data.shape[0], 2, B, P, *eng.drafter.kv.data.shape[4:])
     roots, zero = torch.tensor([5]), torch.zeros(B, dtype=torch.int64)
-    for tree, gamma, message in (
-        ([2], 2, "a tree has gamma = 2 levels"),
-        ([2, 0], 2, ">= 1 children"),
-        ([32, 32, 2], 3, "at most 1024 nodes"),
-        ([2, 1], 2, "a draft model drafts chains"),
-    ):
+    seeds, warm = torch.tensor([3]), torch.tensor([0.7])
+    cases = (
+        ({"tree": [2]}, 2, "a tree has gamma = 2 levels"),
+        ({"tree": [2, 0]}, 2, ">= 1 children"),
+        ({"tree": [32, 32, 2]}, 3, "at most 1024 nodes"),
+        ({"tree": [2, 1]}, 2, "a draft model drafts chains"),
+        ({"temperature": warm}, 2, "go together"),
+        ({"temperature": warm.double(), "noise_seeds": seeds}, 2, "float32"),
+        ({"temperature": torch.tensor([-1.0]), "noise_seeds": seeds}, 2, "finite and >= 0"),
+        ({"temperature": warm, "noise_seeds": seeds}, 2, "sampled rows draft an EAGLE-3 head's chains"),
+    )
+    for kwargs, gamma, message in cases:
         with pytest.raises(ValueError, match=message):
             spec_chain(eng.runner.native_target, eng.runner.native_draft, roots[:, None], zero + 1, zero, kv, d_kv,
-                       None, zero + 100, zero[:0], gamma=gamma, max_steps=1, tree=tree)  # fmt: skip
+                       None, zero + 100, zero[:0], gamma=gamma, max_steps=1, **kwargs)  # fmt: skip
     assert not kv.any() and not d_kv.any()
 
 
