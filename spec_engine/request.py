@@ -114,6 +114,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # the tokens that end it (Engine._stop_ids: stop_token_ids, EOS)
     grammar: GrammarState | None = None  # its guided_json / guided_regex / guided_grammar, following the output
     block_keys: list[bytes] | None = None  # its prompt's prefix-cache keys (BlockAllocator.keys), computed once
+    coupled: bool = False  # sampled through the position-keyed coupling (SamplingParams.coupled, or the engine's
+    # choice for unseeded requests: EngineConfig.couple_unseeded)
     history: np.ndarray = field(init=False, repr=False)  # [capacity] int64: prompt then output tokens
     num_tokens: int = field(init=False)  # filled length of history
 
@@ -175,7 +177,7 @@ class Request:
         if self.grammar is not None and not self.prefilling and not self.finished:
             forced = self.grammar.forced(tokens[len(self.prompt_token_ids) :], MAX_FORCED_DRAFT)
         return RowView(tokens, self.num_computed, self.draft_len, self.params.greedy, self.key,
-                       len(self.prompt_token_ids), self.score_trust.value, self.params.coupled, forced,
+                       len(self.prompt_token_ids), self.score_trust.value, self.coupled, forced,
                        max(self.tokens_left - 1, 0))  # fmt: skip
 
     @property

@@ -70,10 +70,11 @@ class StepResult:
 
 
 def _samples_natively(reqs: list[Request]) -> bool:
-    """Whether the native calls can sample these rows: each greedy, or coupled (``SamplingParams.coupled``: its
-    tokens the position-keyed coupling's, as the regular step draws them) with no top-k, top-p or min-p."""
+    """Whether the native calls can sample these rows: each greedy, or coupled (``Request.coupled``: its tokens the
+    position-keyed coupling's, as the regular step draws them) with no top-k, top-p or min-p."""
     return all(
-        p.greedy or (p.coupled and not p.top_k and p.top_p >= 1 and not p.min_p) for p in (r.params for r in reqs)
+        r.params.greedy or (r.coupled and not r.params.top_k and r.params.top_p >= 1 and not r.params.min_p)
+        for r in reqs
     )
 
 
@@ -152,6 +153,8 @@ class StepRunner:
         reads = drafter is not None and drafter.needs_hidden
         self.native_tree = None if reads and drafter.target_layers is None else self.native_target
         self.tree_capture = tuple(drafter.target_layers) if reads and self.native_tree is not None else ()
+        # the native calls sample coupled rows: a head's chains and its target's plain steps (spec_chain)
+        self.samples_natively = self.native_target is not None and isinstance(self.native_draft, NativeHead)
 
     def cache_lag(self, req: Request) -> int:
         """Tokens before ``req``'s root that its draft cache has not seen (0 for a drafter without a cache)."""
@@ -336,9 +339,9 @@ class StepRunner:
                 "min_p": self.rows.min_p[slots],
                 "seed": torch.tensor(seeds, dtype=torch.int64),
             }
-        if any(r.params.coupled for r in reqs):
+        if any(r.coupled for r in reqs):
             host |= {
-                "coupled": torch.tensor([r.params.coupled for r in reqs]),
+                "coupled": torch.tensor([r.coupled for r in reqs]),
                 "noise_seeds": torch.tensor([r.seed & INT63_MASK for r in reqs], dtype=torch.int64),
             }
         dev = dict(zip(host, to_device(self.device, *host.values())))

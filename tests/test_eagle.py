@@ -144,15 +144,16 @@ def small(tmp_path_factory):
     return target, train_head(target, root / "head", steps=4, vocab=V)
 
 
-def _sample_joint(small, spec: dict, temperature: float = 1.0, coupled: bool = False) -> tuple[np.ndarray, LLM]:
-    """The counts of the first two tokens of N seeded requests (``coupled``: through the position-keyed coupling,
-    4 tokens each and all admitted at once, so that native steps at depth 2 run them: a call waits while a request
-    does; else rejection sampling, 2 tokens)."""
+def _sample_joint(small, spec: dict, temperature: float = 1.0, coupled: bool = False,
+                  seeded: bool = True) -> tuple[np.ndarray, LLM]:  # fmt: skip
+    """The counts of the first two tokens of N requests, seeded unless ``seeded`` is False (``coupled``: through the
+    position-keyed coupling, or unseeded as the engine chooses, 4 tokens each and all admitted at once, so that native
+    steps at depth 2 run them: a call waits while a request does; else rejection sampling, 2 tokens)."""
     target, head = small
     llm = LLM(str(target), speculative_config={"method": "eagle", "model": str(head), **spec}, max_model_len=32,
               max_num_seqs=N if coupled else 512)  # fmt: skip
-    params = [SamplingParams(max_tokens=4 if coupled else 2, temperature=temperature, seed=1000 + i, invariant=coupled,
-                             ignore_eos=True) for i in range(N)]  # fmt: skip
+    params = [SamplingParams(max_tokens=4 if coupled else 2, temperature=temperature, seed=1000 + i if seeded else None,
+                             invariant=coupled if seeded else None, ignore_eos=True) for i in range(N)]  # fmt: skip
     counts = np.zeros(V * V)
     for o in llm.generate([{"prompt_token_ids": PROMPT}] * N, params, use_tqdm=False):
         a, b = o.outputs[0].token_ids[:2]
@@ -479,6 +480,30 @@ def test_native_coupled_chains_are_lossless(small_eagle3, temperature, monkeypat
     monkeypatch.setattr(runner_module.StepRunner, "_sampling", halved)
     counts, _ = _sample_joint(small_eagle3, {"num_speculative_tokens": 2}, temperature, coupled=True)
     assert chi2_pvalue(counts, exact_joint(small_eagle3[0], temperature, 1.0)) < P_BUG
+
+
+def test_unseeded_requests_couple_where_the_native_steps_sample(small_eagle3, models):
+    """An engine whose native calls sample coupled rows (a native EAGLE-3 head on the CPU) samples unseeded requests
+    through the coupling, there (losslessly: chi2); ``EngineConfig(couple_unseeded=False)`` keeps rejection sampling,
+    and so does an engine without such calls (an EAGLE-1 head). A request's own ``invariant`` always wins."""
+    from spec_engine.engine import EngineConfig
+
+    counts, llm = _sample_joint(small_eagle3, {"num_speculative_tokens": 2}, coupled=True, seeded=False)
+    eng = llm.engine
+    assert eng.couple_unseeded and eng.stats["num_regular_steps"] <= 2, "the native steps must have run the rows"
+    assert chi2_pvalue(counts, exact_joint(small_eagle3[0], 1.0, 1.0)) > P_MIN
+    target, head = small_eagle3
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    sampled = SamplingParams(max_tokens=4, temperature=1.0)
+    assert eng.add_request(PROMPT, sampled).coupled
+    assert not eng.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, invariant=False)).coupled
+    assert not eng.add_request(PROMPT, SamplingParams(max_tokens=4)).coupled  # greedy needs no noise
+    off = LLM(str(target), speculative_config=spec, max_model_len=32,
+              engine_config=EngineConfig(couple_unseeded=False)).engine  # fmt: skip
+    assert not off.couple_unseeded and not off.add_request(PROMPT, sampled).coupled
+    assert off.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, invariant=True)).coupled
+    eagle1 = _llm(models, {"num_speculative_tokens": 2}).engine  # an EAGLE-1 head: no native head calls
+    assert not eagle1.couple_unseeded and not eagle1.add_request([5, 17], sampled).coupled
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
