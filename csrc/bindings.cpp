@@ -74,6 +74,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tenso
                                                                  const at::Tensor& parents);
 at::Tensor rng_uniform_cpu(const at::Tensor& keys, int64_t n);
 at::Tensor rng_gumbel_cpu(const at::Tensor& keys, int64_t n);
+at::Tensor rng_meta(const at::Tensor& keys, int64_t n);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
                                                        const at::Tensor& final_norm, at::Tensor kv_cache,
                                                        const at::Tensor& cache_seqlens, const at::Tensor& rope,
@@ -258,6 +259,8 @@ TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
 
 TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {
   m.impl("compact_kv_", &specdec::compact_kv_meta);
+  m.impl("rng_uniform", &specdec::rng_meta);
+  m.impl("rng_gumbel", &specdec::rng_meta);
   m.impl("linear", &specdec::linear_meta);
   m.impl("quant_linear", &specdec::quant_linear_meta);
   m.impl("decoder_layers", &specdec::decoder_layers_meta);

@@ -37,6 +37,12 @@ void check_keys(const char* op, const at::Tensor& keys, int64_t n) {
 
 }  // namespace
 
+// Both ops' shape and checks without values (their Meta kernel: fake-tensor tracing sees the same errors).
+at::Tensor rng_meta(const at::Tensor& keys, int64_t n) {
+  check_keys("rng", keys, n);
+  return at::empty({keys.size(0), n}, keys.options().dtype(at::kFloat));
+}
+
 at::Tensor rng_uniform_cpu(const at::Tensor& keys, int64_t n) {
   check_keys("rng_uniform", keys, n);
   at::Tensor out = at::empty({keys.size(0), n}, keys.options().dtype(at::kFloat));

@@ -10,6 +10,7 @@
 // Accuracy: within ~2 ulp of log on the normal floats (tests/test_rng.py).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +23,9 @@ namespace rng {
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 constexpr float kUnit = 1.0f / 16777216.0f;  // 2^-24: u = (k + 0.5) 2^-24 for the top 24 bits k of a hash
+// The largest uniform, 1 - 2^-24: (k + 0.5) 2^-24 rounds to 1 at k = 2^24 - 1 (k + 0.5 needs 25 bits), where
+// -log(-log u) is infinite (an entry that always won) or, through det_log, -89 (one that never did).
+constexpr float kUnitMax = 0.99999994f;
 
 inline uint64_t mix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -36,7 +40,7 @@ inline uint64_t noise_key(int64_t seed, int64_t position) {
 
 // The base of rng.uniform's row for `key`: element i is unit(mix64(base + i * kGolden)).
 inline uint64_t row_base(uint64_t key) { return mix64(key + kGolden); }
-inline float unit(uint64_t x) { return (static_cast<float>(x >> 40) + 0.5f) * kUnit; }
+inline float unit(uint64_t x) { return std::min((static_cast<float>(x >> 40) + 0.5f) * kUnit, kUnitMax); }
 inline float uniform_at(uint64_t base, int64_t i) { return unit(mix64(base + static_cast<uint64_t>(i) * kGolden)); }
 
 // det_log's constants: log(1 + f) = f + f^2 (C0 + f (C1 + ... )) on f in [sqrt(1/2) - 1, sqrt(2) - 1] (Cephes'
@@ -47,8 +51,8 @@ constexpr float kLogC[10] = {7.0376836292e-2f,  -1.1514610310e-1f, 1.1676998740e
 constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
 constexpr uint32_t kSqrt2Mantissa = 0x3504F3;  // the mantissa bits of sqrt(2)
 
-// The natural log of a positive normal finite float (the only inputs Gumbel noise makes: u in [2^-25, 1) and
-// -log(u) in [2^-25, 18)). x = 2^e m, m in [sqrt(1/2), sqrt(2)) by exact bit moves; f = m - 1 exactly (Sterbenz).
+// The natural log of a positive normal finite float (the only inputs Gumbel noise makes: u in [2^-25, 1 - 2^-24]
+// and -log(u) in [5.9e-8, 17.33]). x = 2^e m, m in [sqrt(1/2), sqrt(2)) by exact bit moves; f = m - 1 exactly (Sterbenz).
 inline float det_log(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
@@ -70,8 +74,8 @@ inline float det_log(float x) {
 // The coupling's Gumbel noise from a uniform: -log(-log(u)).
 inline float gumbel_of(float u) { return -det_log(-det_log(u)); }
 
-// The largest and smallest noise a 24-bit uniform gives: u in [2^-25, 1 - 2^-25].
-constexpr float kGumbelMax = 17.33f, kGumbelMin = -2.86f;
+// Bounds on the noise of u in [2^-25, 1 - 2^-24]: -log(-log u) in [-2.8524, 16.6355] (rounded outward).
+constexpr float kGumbelMax = 16.64f, kGumbelMin = -2.86f;
 
 #if SPECDEC_CPU_X86
 SPECDEC_AVX512 inline __m512 det_log16(__m512 x) {

@@ -34,7 +34,14 @@ from spec_engine.request import Request, RequestRows, TokenLogprobs
 from spec_engine.sampling import SEED_MASK
 from spec_engine.transfer import to_device
 from spec_kernels import PAD_NODE, VerifyResult, verify_tree
-from spec_kernels.decoder_layers import NativeHead, NativeModel, greedy_steps, spec_chain, tree_step
+from spec_kernels.decoder_layers import (
+    SPEC_CHAIN_MAX_NODES,
+    NativeHead,
+    NativeModel,
+    greedy_steps,
+    spec_chain,
+    tree_step,
+)
 from spec_kernels.rng import mix_key
 
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
@@ -154,7 +161,9 @@ class StepRunner:
         self.native_tree = None if reads and drafter.target_layers is None else self.native_target
         self.tree_capture = tuple(drafter.target_layers) if reads and self.native_tree is not None else ()
         # the native calls sample coupled rows: a head's chains and its target's plain steps (spec_chain)
-        self.samples_natively = self.native_target is not None and isinstance(self.native_draft, NativeHead)
+        tree = drafter.tree if drafter is not None else None
+        chains = tree is None or tree.is_chain
+        self.samples_natively = self.native_target is not None and isinstance(self.native_draft, NativeHead) and chains
 
     def cache_lag(self, req: Request) -> int:
         """Tokens before ``req``'s root that its draft cache has not seen (0 for a drafter without a cache)."""
@@ -245,7 +254,7 @@ class StepRunner:
         g = gammas[0]
         if self.native_target is None or self.native_draft is None:
             return False
-        if any(x != g for x in gammas):
+        if any(x != g for x in gammas) or self.drafter.nodes_for_depth(g) > SPEC_CHAIN_MAX_NODES:
             return False
         if not all(r.params.greedy for r in reqs):  # sampled rows: coupled, drafted by a head's chains
             tree = self.drafter.tree

@@ -314,11 +314,14 @@ def greedy_steps(
                                       block_table, steps, stop_ids)  # fmt: skip
 
 
+SPEC_CHAIN_MAX_NODES = 1024  # the widest tree spec_chain takes (kMaxTreeNodes in csrc/runner_cpu.cpp)
+
+
 def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, catch_up_lens, seqlens, target_kv,
                draft_kv, block_table, budget, stop_ids, *, gamma: int, max_steps: int, stop_on_reject: bool = False,
                draft_features: torch.Tensor | None = None, tree: Sequence[int] = (),
                temperature: torch.Tensor | None = None, noise_seeds: torch.Tensor | None = None):  # fmt: skip
-    """Up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chain in one native call
+    """Up to ``max_steps`` speculative steps of a draft model's or an EAGLE-3 head's chain in one native call
     (see ``spec_chain_cpu`` in csrc/runner_cpu.cpp). A head reads its features from ``draft_features``
     ``[1, num_blocks, block_size, H]`` (on the caches' blocks), and each step writes the accepted positions' there.
     ``gamma`` 0: plain greedy steps, the draft idle (a head's features still written).

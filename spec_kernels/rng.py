@@ -20,7 +20,9 @@ GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _M2 = -7723592293110705685  # 0x94D049BB133111EB
 _U64 = (1 << 64) - 1
-UNIFORM_BITS = 24  # float32 holds 24 bits exactly: u = (k + 0.5) / 2^24, never 0 or 1
+UNIFORM_BITS = 24  # u = (k + 0.5) / 2^24 of the top 24 bits k, never 0
+UNIFORM_MAX = 1.0 - 2.0**-24  # ... and at most this: k + 0.5 needs 25 bits, and k = 2^24 - 1 rounds to u = 1, whose
+# noise -log(-log u) is infinite (that entry won whatever its logit: about V / 2^24 of a coupled row's tokens)
 
 
 def _wrap(x):
@@ -48,9 +50,9 @@ def mix_key(seed: int, counter: int) -> int:
 
 
 def _to_unit(x: torch.Tensor) -> torch.Tensor:
-    """The top UNIFORM_BITS of int64 hashes as float32 uniforms (k + 0.5) / 2^24 in (0, 1)."""
+    """The top UNIFORM_BITS of int64 hashes as float32 uniforms (k + 0.5) / 2^24, at most UNIFORM_MAX."""
     k = _shr(x, 64 - UNIFORM_BITS)
-    return (k.to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+    return ((k.to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))).clamp_(max=UNIFORM_MAX)
 
 
 def uniform(keys: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

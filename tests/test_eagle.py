@@ -373,6 +373,25 @@ def test_eagle3_trees_run_natively_as_the_regular_step(models, plain_greedy, tmp
     assert runs[0] == runs[1] == runs[2]
 
 
+def test_a_tree_wider_than_the_native_calls_take_runs_regular_steps(models, plain_greedy, tmp_path, monkeypatch):
+    """A static tree of more nodes than spec_chain takes (SPEC_CHAIN_MAX_NODES, 1,024; the config allows 64 leaves at
+    16 levels: 1,025 nodes) decodes on the regular step instead of failing the request: here the cap lowered to 8
+    under an 11-node tree."""
+    from spec_engine import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "SPEC_CHAIN_MAX_NODES", 8)
+    calls = []
+    real = runner_module.spec_chain
+    monkeypatch.setattr(runner_module, "spec_chain", lambda *a, **k: calls.append(k["gamma"]) or real(*a, **k))
+    target, _ = models
+    spec = {"method": "eagle", "model": str(write_published_head(tmp_path / "eagle3", "eagle3")),
+            "num_speculative_tokens": 3, "tree": [2, 2, 1]}  # fmt: skip
+    llm = LLM(str(target), speculative_config=spec, max_model_len=128)
+    assert _generate(llm, SamplingParams(max_tokens=24)) == plain_greedy
+    # (a row's last steps draft shallower trees, of 7 and 3 nodes: those still run natively)
+    assert llm.engine.stats["num_drafted"] > 0 and 3 not in calls, "no native call may run the 11-node tree"
+
+
 def test_native_sampled_chains_draw_as_the_level_by_level_path(models, tmp_path, monkeypatch):
     """A chain with sampled rows runs in one native call (eagle3_draft with each level's Gumbel noise): its draws
     are the level-by-level path's (the same keyed noise), so a batch of greedy and seeded (coupled) rows decodes
@@ -504,6 +523,11 @@ def test_unseeded_requests_couple_where_the_native_steps_sample(small_eagle3, mo
     assert off.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, invariant=True)).coupled
     eagle1 = _llm(models, {"num_speculative_tokens": 2}).engine  # an EAGLE-1 head: no native head calls
     assert not eagle1.couple_unseeded and not eagle1.add_request([5, 17], sampled).coupled
+    # the native calls take no filters, no sampled trees, and none at all with spec_chain_steps=0
+    assert not eng.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9)).coupled
+    tree = LLM(str(target), speculative_config=spec | {"tree": [2, 1]}, max_model_len=32).engine
+    off = LLM(str(target), speculative_config=spec, max_model_len=32, engine_config=EngineConfig(spec_chain_steps=0))
+    assert not tree.couple_unseeded and not off.engine.couple_unseeded
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])

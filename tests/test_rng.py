@@ -43,6 +43,27 @@ def test_position_gumbel_is_gumbel_of_the_noise_keys():
     assert torch.allclose(g.double(), -torch.log(-torch.log(u)), rtol=1e-6, atol=1e-6)
 
 
+def test_no_uniform_reaches_one():
+    """(k + 0.5) / 2^24 rounds to 1 at k = 2^24 - 1, whose noise was infinite (the entry won whatever its logit);
+    the uniforms stop at 1 - 2^-24. Seed 7 at position 3694 draws that k at entry 3509 of 4096."""
+    seeds, positions = torch.tensor([7]), torch.tensor([[3694]])
+    u = rng.position_uniform(seeds, positions, 4096)[0, 0]
+    assert float(u[3509]) == rng.UNIFORM_MAX and float(u.max()) < 1.0
+    ref = rng.uniform_ref(rng.noise_keys(seeds, positions).reshape(-1), 4096)[0]  # the torch ops, any device
+    assert torch.equal(ref, u)
+    g = rng.position_gumbel(seeds, positions, 4096)[0, 0]
+    assert 16.6 < float(g[3509]) <= 16.64 and bool(torch.isfinite(g).all())
+
+
+def test_the_ops_trace_on_meta():
+    from spec_kernels._ext import load_ext
+
+    load_ext()
+    for op in (torch.ops.spec_kernels.rng_uniform, torch.ops.spec_kernels.rng_gumbel):
+        out = op(torch.zeros(3, dtype=torch.int64, device="meta"), 5)
+        assert out.device.type == "meta" and out.shape == (3, 5) and out.dtype == torch.float32
+
+
 def test_bad_keys_raise():
     from spec_kernels._ext import load_ext
 

@@ -75,7 +75,8 @@ if triton_available():
         """U(s, t, x) for the tile's ids ``offs``: bit for bit rng.position_uniform. One hash per logit, in
         registers: the noise never touches memory."""
         h = _mix64(node_key + offs.to(tl.uint64) * GOLDEN_U64)
-        return ((h >> 40).to(tl.uint32).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # top 24 bits: (k + 0.5) / 2^24
+        u = ((h >> 40).to(tl.uint32).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # top 24 bits: (k + 0.5) / 2^24
+        return tl.minimum(u, 0.99999994)  # rng.UNIFORM_MAX: k = 2^24 - 1 rounds to 1, whose noise is infinite
 
     @triton.jit
     def _verify_tree_kernel(
