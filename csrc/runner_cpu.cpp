@@ -6,7 +6,7 @@
 // once per model.
 
 #include "native_model.h"
-#include "runner_cpu.h"
+#include "head_draft_cpu.h"
 
 namespace specdec {
 

@@ -241,9 +241,8 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         # through the coupling: as the request asks (a seed, or invariant), or unseeded where this engine chooses it
         # (the native calls take no top-k, top-p or min-p: such a request keeps rejection sampling)
-        filtered = params.top_k or params.top_p < 1 or params.min_p
         coupled = params.coupled or (self.couple_unseeded and not params.greedy and params.invariant is None
-                                     and not filtered)  # fmt: skip
+                                     and not params.filtered)  # fmt: skip
         req = Request(request_id or str(next(self._ids)), ids, params, seed, key=next(self._keys),
                       stop_ids=self._stop_ids(params), coupled=coupled)  # fmt: skip
         if params.guided:

@@ -76,13 +76,15 @@ class StepResult:
     logprobs: list[list[TokenLogprobs]] | None = None
 
 
+def _noise_seeds(reqs: list[Request]) -> torch.Tensor:
+    """[B] int64: each row's coupling noise seed, its request seed as a non-negative int64."""
+    return torch.tensor([r.seed & INT63_MASK for r in reqs], dtype=torch.int64)
+
+
 def _samples_natively(reqs: list[Request]) -> bool:
     """Whether the native calls can sample these rows: each greedy, or coupled (``Request.coupled``: its tokens the
     position-keyed coupling's, as the regular step draws them) with no top-k, top-p or min-p."""
-    return all(
-        r.params.greedy or (r.coupled and not r.params.top_k and r.params.top_p >= 1 and not r.params.min_p)
-        for r in reqs
-    )
+    return all(r.params.greedy or (r.coupled and not r.params.filtered) for r in reqs)
 
 
 def _native(model, cache: PagedKVCache | None) -> NativeModel | NativeHead | None:
@@ -307,7 +309,7 @@ class StepRunner:
         if all(r.params.greedy for r in reqs):
             return {}
         return {"temperature": self.rows.temperature[[r.slot for r in reqs]].float().contiguous(),
-                "noise_seeds": torch.tensor([r.seed & INT63_MASK for r in reqs], dtype=torch.int64)}  # fmt: skip
+                "noise_seeds": _noise_seeds(reqs)}  # fmt: skip
 
     def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None,
                       native_verify: bool = True, logprobs: int | None = None,
@@ -351,7 +353,7 @@ class StepRunner:
         if any(r.coupled for r in reqs):
             host |= {
                 "coupled": torch.tensor([r.coupled for r in reqs]),
-                "noise_seeds": torch.tensor([r.seed & INT63_MASK for r in reqs], dtype=torch.int64),
+                "noise_seeds": _noise_seeds(reqs),
             }
         dev = dict(zip(host, to_device(self.device, *host.values())))
         batch = StepBatch([r.view() for r in reqs], dev.pop("seqlens"), dev.pop("roots"), dev.pop("block_table"),

@@ -315,6 +315,11 @@ class SamplingParams:
         return next(((name, getattr(self, name)) for name in GRAMMAR_GUIDES if getattr(self, name) is not None), None)
 
     @property
+    def filtered(self) -> bool:
+        """Whether top-k, top-p or min-p cut the distribution (the native calls sample none such)."""
+        return bool(self.top_k or self.top_p < 1 or self.min_p)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
