@@ -837,6 +837,18 @@ def test_eagle3_data_sampled_answers_keep_the_targets_labels(tmp_path):
     assert exported["held_samples"] == 0 and exported["by_draft_vocab"][64]["held_out_coverage"] is None
     assert (tmp_path / "head_sampled" / "model.safetensors").is_file()
 
+    # a fine-tune (--init) keeps its head's draft vocabulary, not one cut from its own data (here one kind's)
+    head_d2t, cut_d2t = (
+        load_file(d / "model.safetensors")["d2t"] for d in (tmp_path / "head", tmp_path / "head_sampled")
+    )
+    assert not torch.equal(head_d2t, cut_d2t)  # the two data cut different vocabularies
+    tuned = [*alone[:6], "--work-dir", str(tmp_path / "w_tuned"), "--out", str(tmp_path / "head_tuned"), *alone[10:]]
+    train_eagle.main([*tuned, "--steps", "2", "--init", str(tmp_path / "head")])
+    assert torch.equal(load_file(tmp_path / "head_tuned" / "model.safetensors")["d2t"], head_d2t)
+    exported = train_eagle.main([*tuned, "--export", "--out", str(tmp_path / "head_tuned_export")])
+    assert torch.equal(load_file(tmp_path / "head_tuned_export" / "model.safetensors")["d2t"], head_d2t)
+    assert train_eagle.init_vocab({"d2t": head_d2t.float()}, 32) is None  # another K: the run cuts its own
+
     other = make_model(tmp_path / "other", "llama_gqa", vocab_size=300, hidden=48, layers=3)
     make_tokenizer(other)
     eagle_data.main(["--target", str(other), "--limit", "3", "--batch", "3", "--max-tokens", "4", "--out",

@@ -140,6 +140,9 @@ def test_eagle_prompt_set_keeps_the_benchmarks_functions_out():
     assert chat[: len(later)] == later and len(chat) == len(later) + 50
     assert {p["kind"] for p in chat[len(later) :]} == {"everyday"}
     assert len({p["prompt"] for p in chat}) == len(chat)
+    assist = build(0, 40, 10, 20, n_complete=30, n_source_edit=10, n_more_complete=25, n_more_chat=50, n_assist=40)
+    assert assist[: len(chat)] == chat and {p["kind"] for p in assist[len(chat) :]} == {"assist"}
+    assert len(assist) == len(chat) + 40 and len({p["prompt"] for p in assist}) == len(assist)
     assert not set(CHAT) & set(shipped) and sum(p.startswith("How do I") for p in shipped) >= 50
 
 

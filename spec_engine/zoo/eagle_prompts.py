@@ -360,6 +360,210 @@ THING_TEMPLATES = (
 )
 N_COMPARISONS = 80  # "What is the difference between {thing} and {other}?" for this many seeded pairs
 
+# Assistant requests (appended after the everyday ones): subjects asked about in an assistant's everyday voice,
+# writing jobs, personal advice and cooking. None of them is, or is about, a chat benchmark request's subject.
+ASSIST_SUBJECTS = (
+    "octopuses",
+    "coral reefs",
+    "glaciers",
+    "deserts",
+    "penguins",
+    "the Olympic Games",
+    "ancient Egypt",
+    "jazz music",
+    "origami",
+    "the violin",
+    "skyscrapers",
+    "suspension bridges",
+    "steam trains",
+    "old maps",
+    "paper money",
+    "sign language",
+    "the Moon's phases",
+    "shooting stars",
+    "the northern lights",
+    "hurricanes",
+    "sand dunes",
+    "caves",
+    "lighthouses",
+    "castles",
+    "the Silk Road",
+    "the Vikings",
+    "the Aztecs",
+    "the Industrial Revolution",
+    "the first airplanes",
+    "the telephone",
+    "radio",
+    "television",
+    "video games",
+    "board games",
+    "the piano",
+    "opera",
+    "ballet",
+    "comic books",
+    "museums",
+    "libraries",
+    "zoos",
+    "bees' dances",
+    "migrating birds",
+    "whales",
+    "elephants",
+    "wolves",
+    "owls",
+    "mushrooms",
+    "cacti",
+    "bamboo",
+    "olive trees",
+    "cheese making",
+    "chocolate",
+    "spices",
+    "the Mediterranean diet",
+    "fermentation",
+    "soap",
+    "glass making",
+    "clocks",
+    "calendars",
+)
+ASSIST_TEMPLATES = (
+    "Tell me something surprising about {s}.",
+    "I'm curious about {s}. Can you explain the basics?",
+    "Write the opening paragraph of a blog post about {s}.",
+    "Explain {s} with an everyday analogy.",
+    "What questions could I ask to learn more about {s}?",
+    "Outline a two-minute talk about {s}.",
+)
+WRITING_JOBS = (
+    "Write a birthday message for my grandmother.",
+    "Write a short apology to a customer whose order arrived late.",
+    "Draft a text inviting friends to a board game night on Saturday.",
+    "Write a short profile summary for a junior graphic designer.",
+    "Write a haiku about autumn leaves.",
+    "Write a limerick about a cat who loves cardboard boxes.",
+    "Write a short product description for a reusable water bottle.",
+    "Write a note to my landlord about a leaking kitchen sink.",
+    "Write a two-sentence scary story.",
+    "Write an encouraging message for a friend running her first marathon.",
+    "Write a short toast for my parents' anniversary dinner.",
+    "Write a welcome message for new members of a gardening club.",
+    "Write a short bedtime story about a brave little turtle.",
+    "Write a polite message declining a party invitation.",
+    "Write a short announcement that our office will be closed on Monday.",
+    "Write a thank-you message to a teacher at the end of the school year.",
+    "Write a short review of a cozy neighbourhood cafe.",
+    "Write a lost-cat poster text.",
+    "Write a short speech to open a school science fair.",
+    "Write a postcard message from a holiday by the sea.",
+    "Write a cheerful out-of-office reply.",
+    "Write a short poem about a rainy Sunday.",
+    "Write a message asking my manager for a day off next week.",
+    "Write a short introduction of myself for a new online class.",
+    "Write a recommendation note for a reliable babysitter.",
+    "Write a short farewell message for a coworker who is retiring.",
+    "Write a complaint to a gym about broken equipment, politely.",
+    "Write a description of a sunny beach for a travel brochure.",
+    "Write a reminder to my team about tomorrow's 10 am meeting.",
+    "Write a short story about a robot who learns to paint.",
+    "Write a message congratulating a friend on a new baby.",
+    "Write a short fable with a moral about patience.",
+    "Write a few lines for a card to a friend who is moving away.",
+    "Write a short newsletter paragraph about a charity bake sale.",
+    "Write a riddle and its answer.",
+    "Write a short letter to my future self.",
+    "Write an ad for a used desk lamp in good condition.",
+    "Write a short dialogue between a customer and a bookshop owner.",
+    "Write a message to a neighbour asking them to water my plants.",
+    "Write a short motivational quote and explain it.",
+    "Write a thank-you note for a wedding gift.",
+    "Write instructions for feeding a goldfish while I am away.",
+    "Write a short description of a mountain village in winter.",
+    "Write a tweet announcing the opening of a small flower shop.",
+    "Write a short story that begins with a knock on the door.",
+    "Write a polite reminder to a client about an unpaid invoice.",
+    "Write a short poem about the first day of spring.",
+    "Write a message welcoming a new student to the class.",
+    "Write an invitation to a neighbourhood picnic.",
+    "Write a short persuasive paragraph about reading every day.",
+)
+ADVICE_ASKS = (
+    "My roommate never cleans up. How can I talk to them about it?",
+    "I feel nervous about starting at a new school. Any advice?",
+    "How can I be a better listener?",
+    "I keep forgetting people's names. What can I do?",
+    "How do I say no to extra work without sounding rude?",
+    "My friend is going through a hard time. How can I support her?",
+    "How can I stop procrastinating on small chores?",
+    "I want to read more books this year. How should I start?",
+    "How do I handle criticism from my boss?",
+    "What is a good way to split chores in a family?",
+    "How can I make my mornings less rushed?",
+    "I get bored easily when studying. What can help?",
+    "How can I keep in touch with old friends?",
+    "How do I start a conversation with someone at a party?",
+    "What can I do on a rainy weekend with kids?",
+    "How can I feel less lonely after moving abroad?",
+    "How do I pick a hobby that suits me?",
+    "My neighbour plays loud music at night. What should I do?",
+    "How can I make a long train ride more enjoyable?",
+    "How do I prepare for my first day at a new job?",
+    "How can I spend less on groceries?",
+    "What should I do if I lose my wallet?",
+    "How can I help my teenager manage stress before exams?",
+    "How do I keep my desk tidy?",
+    "I want to be more confident when speaking in meetings. Any tips?",
+    "How do I choose a good gift for a coworker?",
+    "How can I make my small kitchen more practical?",
+    "How do I deal with a friend who is always late?",
+    "What should I pack for a week at the beach?",
+    "How can I learn to enjoy vegetables more?",
+    "How can I get better at remembering what I read?",
+    "How do I ask for feedback on my work?",
+    "How can I make a room feel cozier?",
+    "What can I do when I can't decide between two options?",
+    "How do I help an elderly parent use a smartphone?",
+    "How can I keep my car clean on long trips?",
+    "How do I start saving for retirement in my twenties?",
+    "What should I do the night before a long hike?",
+    "How can I make new friends at work?",
+    "How can I make my bus commute more relaxing?",
+)
+DISHES = (
+    "pancakes",
+    "guacamole",
+    "fried rice",
+    "lentil soup",
+    "an omelette",
+    "hummus",
+    "chicken curry",
+    "oatmeal cookies",
+    "a fruit smoothie",
+    "roasted vegetables",
+    "French toast",
+    "potato salad",
+    "a Greek salad",
+    "chili con carne",
+    "mashed potatoes",
+    "lemonade",
+    "fish tacos",
+    "a vegetable stir-fry",
+    "garlic bread",
+    "apple pie",
+    "spaghetti carbonara",
+    "a tuna sandwich",
+    "pumpkin soup",
+    "chocolate chip muffins",
+    "a bean burrito",
+    "grilled cheese",
+    "overnight oats",
+    "baked salmon",
+    "vegetable lasagna",
+    "fruit salad",
+)
+DISH_TEMPLATES = (
+    "Give me a simple recipe for {d}.",
+    "What goes well with {d}?",
+    "How can I make {d} a little healthier?",
+)
+
 
 def everyday_chat(seed: int) -> list[str]:
     """Every everyday request once (each task in each task template, each thing in each thing template, and
@@ -370,6 +574,16 @@ def everyday_chat(seed: int) -> list[str]:
     pairs = rng.sample([(a, b) for a in EVERYDAY_THINGS for b in EVERYDAY_THINGS if a < b], N_COMPARISONS)
     asks += [f"What is the difference between {a} and {b}?" for a, b in pairs]
     rng.shuffle(asks)
+    return asks
+
+
+def assistant_requests(seed: int) -> list[str]:
+    """Every assistant request once (each subject in each template, the writing jobs, the advice asks, each dish in
+    each dish template), in a seeded order."""
+    asks = [t.format(s=s) for t in ASSIST_TEMPLATES for s in ASSIST_SUBJECTS]
+    asks += [*WRITING_JOBS, *ADVICE_ASKS]
+    asks += [t.format(d=d) for t in DISH_TEMPLATES for d in DISHES]
+    random.Random(seed).shuffle(asks)
     return asks
 
 
@@ -425,12 +639,12 @@ def stdlib_functions(max_chars: int = 1500) -> list[tuple[str, str]]:
 
 
 def build(seed: int, n_code: int, n_edit: int, n_chat: int, n_complete: int = 0, n_source_edit: int = 0,
-          n_more_complete: int = 0, n_more_chat: int = 0) -> list[dict]:  # fmt: skip
+          n_more_complete: int = 0, n_more_chat: int = 0, n_assist: int = 0) -> list[dict]:  # fmt: skip
     """The prompt set: ``n_code`` docstring instructions, ``n_edit`` code-editing requests, ``n_chat`` questions;
     then ``n_complete`` stubs to complete and ``n_source_edit`` functions to edit, drawn from their own seeded stream
     (so the first three kinds keep their ids whatever these counts); then ``n_more_complete`` stubs of the functions
-    after those, then ``n_more_chat`` everyday requests, each stream appended (every id before it unchanged: data
-    generated for a smaller set stays valid)."""
+    after those, then ``n_more_chat`` everyday requests, then ``n_assist`` assistant requests, each stream appended
+    (every id before it unchanged: data generated for a smaller set stays valid)."""
     rng = random.Random(seed)
     entries = stdlib_entries()
     prompts = []
@@ -471,6 +685,8 @@ def build(seed: int, n_code: int, n_edit: int, n_chat: int, n_complete: int = 0,
             unique.append(("complete", p))
             taken.add(p)
     unique += [("everyday", p) for p in everyday_chat(seed + 2)[:n_more_chat] if p not in taken]
+    taken = {p for _, p in unique}
+    unique += [("assist", p) for p in assistant_requests(seed + 3)[:n_assist] if p not in taken]
     return [{"id": i, "kind": k, "prompt": p} for i, (k, p) in enumerate(unique)]
 
 
@@ -484,10 +700,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--complete", type=int, default=1500, help="stdlib function stubs to complete")
     ap.add_argument("--source-edit", type=int, default=600, help="stdlib functions with an editing instruction")
     ap.add_argument("--more-complete", type=int, default=3400, help="stubs of further functions, appended")
-    ap.add_argument("--more-chat", type=int, default=1000, help="everyday requests, appended last")
+    ap.add_argument("--more-chat", type=int, default=1000, help="everyday requests, appended")
+    ap.add_argument(
+        "--assist", type=int, default=1000, help="assistant requests (writing, advice, cooking), appended last"
+    )
     args = ap.parse_args(argv)
     prompts = build(args.seed, args.code, args.edit, args.chat, args.complete, args.source_edit, args.more_complete,
-                    args.more_chat)  # fmt: skip
+                    args.more_chat, args.assist)  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     print(f"{len(prompts)} prompts -> {args.out}")

@@ -272,17 +272,29 @@ def init_weights(head_dir: Path, layers) -> dict:
     return {k: v.float() for k, v in load_file(str(head_dir / "model.safetensors")).items()}
 
 
+def init_vocab(weights: dict | None, k: int) -> torch.Tensor | None:
+    """The draft vocabulary [K] int64 (ascending ids) of an ``--init`` head's weights when it has ``k`` tokens, else
+    None (no such head, or another K: the run cuts its own from the data)."""
+    d2t = None if weights is None else weights.get("d2t")
+    if d2t is None or len(d2t) != k:
+        return None
+    return (d2t.long() + torch.arange(k)).sort().values
+
+
 def export_eagle3(args, target, tcfg, eos) -> dict:
-    """The checkpoint's head over draft vocabularies cut from every answer generated so far: held-out agreement for
-    each K of ``--eval-k``, and the head over ``--draft-vocab`` written to ``--out`` (bf16)."""
+    """The checkpoint's head over draft vocabularies cut from every answer generated so far (at the run's own K, the
+    vocabulary it was trained on): held-out agreement for each K of ``--eval-k``, and the head over ``--draft-vocab``
+    written to ``--out`` (bf16)."""
     layers = eagle3_target_layers(tcfg.num_hidden_layers)
     data = ShardSet(args.data)
     data.reload()
     state = torch.load(args.work_dir / "eagle3.ckpt", weights_only=True, map_location="cpu")
     freqs = token_frequencies(data, args.target, tcfg.vocab_size)
+    trained_on = torch.load(args.work_dir / "draft_vocab.pt")
     by_k = {}
     for k in sorted({int(x) for x in (args.eval_k or "").split(",") if x} | {args.draft_vocab}):
-        head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, draft_vocab(freqs, k), state["model"], args.seed)
+        vocab_ids = trained_on if len(trained_on) == k else draft_vocab(freqs, k)  # the run's own at its K
+        head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, vocab_ids, state["model"], args.seed)
         head.to(args.device)
         held = [s[0][s[2] :] for s in data.held]
         coverage = round(float((t2d[torch.cat(held)] >= 0).float().mean()), 4) if held else None
@@ -331,15 +343,17 @@ def main_eagle3(args, target, tcfg, eos, deadline: float | None = None) -> dict:
         data.train = stream_samples(target, streams["train"], seq, layers, 4 * args.batch_size, args.seed)
         data.held = stream_samples(target, streams["held"], seq, layers, 2, args.seed + 1)
     vocab_path = work / "draft_vocab.pt"
+    ckpt = work / "eagle3.ckpt"
+    start = None if args.init is None or ckpt.is_file() else init_weights(args.init, layers)
+    k = min(args.draft_vocab or tcfg.vocab_size, tcfg.vocab_size)
     if vocab_path.is_file():  # a resumed run keeps the vocabulary its head was built on
         vocab_ids = torch.load(vocab_path)
     else:
-        k = min(args.draft_vocab or tcfg.vocab_size, tcfg.vocab_size)
-        vocab_ids = draft_vocab(token_frequencies(data, args.target, tcfg.vocab_size, args.smoke), k)
+        vocab_ids = init_vocab(start, k)  # a fine-tune keeps its head's vocabulary (its data may be one kind's)
+        if vocab_ids is None:
+            vocab_ids = draft_vocab(token_frequencies(data, args.target, tcfg.vocab_size, args.smoke), k)
         torch.save(vocab_ids, vocab_path)
     K = len(vocab_ids)
-    ckpt = work / "eagle3.ckpt"
-    start = None if args.init is None or ckpt.is_file() else init_weights(args.init, layers)
     head, cfg, t2d = build_eagle3(target, tcfg, eos, layers, vocab_ids, start, args.seed)
     head.to(args.device)
     trainable = [p for p in head.parameters() if p.requires_grad]
