@@ -222,10 +222,11 @@ def test_a_sentencepiece_output_reads_after_its_prompt(decoder):
     if decoder == "llama":  # "€" complete at the call's first token, read as U+FFFD again with its second
         assert decode([10, 11, 12]) == "\u20ac" and decode([10, 11, 12, 10]) == "\ufffd" * 4
         assert stop_string_end(SamplingParams(stop=["\u20ac"]), [10, 11], [12, 10], decode, [2]) == 1
-    # an output's units: "</s>", a word or a piece, or the three bytes of "€" (ByteFallback reads a run of
-    # bytes that is not UTF-8 as one U+FFFD a byte, so a window that starts inside such a run reads otherwise)
-    units = [[t] for t in range(1, 10)] + [[10, 11, 12]]
-    rng = random.Random(0)
+    # an output's units: "</s>", a word or a piece, the three bytes of "€", or one of them alone: a run of bytes
+    # that is not UTF-8 (ByteFallback reads it as one U+FFFD a byte, so a window that starts inside such a run
+    # reads otherwise; a stream holds a trailing U+FFFD back until a later token settles it)
+    units = [[t] for t in range(1, 10)] + [[10, 11, 12]] * 3 + [[10], [11], [12]]
+    rng, rewrites = random.Random(0), 0
     for case in range(200):
         prompt = [rng.randrange(2, 10) for _ in range(rng.randrange(1, 8))]  # words and pieces: no cut character
         ids = [t for _ in range(rng.randrange(1, 20)) for t in rng.choice(units)]
@@ -237,13 +238,26 @@ def test_a_sentencepiece_output_reads_after_its_prompt(decoder):
         stop = [rng.choice([" Hello", " x", "o w", "!,", "\u20ac"]) for _ in range(rng.randrange(1, 3))]
         params = SamplingParams(max_tokens=64, stop=stop, min_tokens=rng.choice([0, 1, 3]))
         got = _found_in_calls(params, ids, decode, rng, prompt)
-        assert got == _by_hand(stop, params.min_tokens, ids, text), (case, prompt, ids, stop)
+        # a run of bytes that is not UTF-8 reads as U+FFFD throughout, and once later bytes make it so, a "€" in it
+        # that the text showed before reads so too: the output's text rewrites text a stream already sent; and a
+        # stop string there is found as a tail of the output reads it (one that starts inside the run may read "€")
+        rewritten = any(not text(ids).startswith(text(ids[:n]).rstrip("\ufffd")) for n in range(1, len(ids)))
+        if "\ufffd" not in text(ids) or "\u20ac" not in stop:
+            assert got == _by_hand(stop, params.min_tokens, ids, text), (case, prompt, ids, stop)
         sink, sent, n = _Sink(None, None, len(prompt), prompt=prompt), [], 0
         while n < len(ids):
             n = min(len(ids), n + rng.randrange(1, 6))
             sent.append(AsyncEngine._new_text(fake, sink, ids[:n], n == len(ids), params))
         start = len(text(ids[: params.min_tokens - 1])) if params.min_tokens > 1 else 0
-        assert "".join(sent) == visible_text(text(ids), stop, True, start=start), (case, prompt, ids, stop)
+        whole, joined = visible_text(text(ids), stop, True, start=start), "".join(sent)
+        if not rewritten:
+            assert joined == whole, (case, prompt, ids, stop)
+        elif "\u20ac" not in stop:  # what was sent stays, and no other text is lost or doubled (the stream
+            # stalled at the rewrite, and sent nothing more)
+            drop = str.maketrans("", "", "\u20ac\ufffd")
+            assert joined.translate(drop) == whole.translate(drop), (case, prompt, ids, stop)
+            rewrites += 1
+    assert decoder == "metaspace" or rewrites >= 10
 
 
 def test_a_byte_level_output_reads_the_same_after_any_prompt(tmp_path):
