@@ -4,6 +4,7 @@ runs on it, and the training recipe works end to end on tiny configs."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -144,6 +145,16 @@ def test_eagle_prompt_set_keeps_the_benchmarks_functions_out():
     assert assist[: len(chat)] == chat and {p["kind"] for p in assist[len(chat) :]} == {"assist"}
     assert len(assist) == len(chat) + 40 and len({p["prompt"] for p in assist}) == len(assist)
     assert not set(CHAT) & set(shipped) and sum(p.startswith("How do I") for p in shipped) >= 50
+    # nor is an assistant request about a chat benchmark request's subject (its words, whole or as a stem)
+    words = ["focus", "working from home", "weather", "climate", "tomato", "pasta", "sky", "sunset", "bakery",
+             "interest", "bicycle", "dog", "romeo", "virus", "interview", "sunlight", "budget", "traffic", "tea",
+             "leap year", "calendar", "plastic", "report", "colleague"]  # fmt: skip
+    stems = ["pack", "hik", "retire", "adopt", "bacteri", "photosynth", "vaccin"]
+    subject = re.compile(r"\b(" + "|".join(words) + r")s?\b|\b(" + "|".join(stems) + ")", re.IGNORECASE)
+    assert all(subject.search(q) for q in CHAT)  # every benchmark request's subject is among them
+    assist = [json.loads(line)["prompt"] for line in (train.Path(train.__file__).parent / "data" /
+              "eagle_prompts.jsonl").read_text().splitlines() if json.loads(line)["kind"] == "assist"]  # fmt: skip
+    assert len(assist) >= 500 and not [p for p in assist if subject.search(p)]
 
 
 def test_a_work_dir_belongs_to_one_run(tmp_path):

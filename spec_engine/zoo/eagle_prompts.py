@@ -361,7 +361,8 @@ THING_TEMPLATES = (
 N_COMPARISONS = 80  # "What is the difference between {thing} and {other}?" for this many seeded pairs
 
 # Assistant requests (appended after the everyday ones): subjects asked about in an assistant's everyday voice,
-# writing jobs, personal advice and cooking. None of them is, or is about, a chat benchmark request's subject.
+# writing jobs, personal advice and cooking. None of them is, or is about, a chat benchmark request's subject
+# (tested on the subjects' words: no calendars beside leap years, no pasta beside its tomato sauce, no packing).
 ASSIST_SUBJECTS = (
     "octopuses",
     "coral reefs",
@@ -382,7 +383,6 @@ ASSIST_SUBJECTS = (
     "the Moon's phases",
     "shooting stars",
     "the northern lights",
-    "hurricanes",
     "sand dunes",
     "caves",
     "lighthouses",
@@ -422,7 +422,6 @@ ASSIST_SUBJECTS = (
     "soap",
     "glass making",
     "clocks",
-    "calendars",
 )
 ASSIST_TEMPLATES = (
     "Tell me something surprising about {s}.",
@@ -504,7 +503,6 @@ ADVICE_ASKS = (
     "How do I pick a hobby that suits me?",
     "My neighbour plays loud music at night. What should I do?",
     "How can I make a long train ride more enjoyable?",
-    "How do I prepare for my first day at a new job?",
     "How can I spend less on groceries?",
     "What should I do if I lose my wallet?",
     "How can I help my teenager manage stress before exams?",
@@ -513,16 +511,12 @@ ADVICE_ASKS = (
     "How do I choose a good gift for a coworker?",
     "How can I make my small kitchen more practical?",
     "How do I deal with a friend who is always late?",
-    "What should I pack for a week at the beach?",
     "How can I learn to enjoy vegetables more?",
     "How can I get better at remembering what I read?",
-    "How do I ask for feedback on my work?",
     "How can I make a room feel cozier?",
     "What can I do when I can't decide between two options?",
     "How do I help an elderly parent use a smartphone?",
     "How can I keep my car clean on long trips?",
-    "How do I start saving for retirement in my twenties?",
-    "What should I do the night before a long hike?",
     "How can I make new friends at work?",
     "How can I make my bus commute more relaxing?",
 )
@@ -547,7 +541,6 @@ DISHES = (
     "a vegetable stir-fry",
     "garlic bread",
     "apple pie",
-    "spaghetti carbonara",
     "a tuna sandwich",
     "pumpkin soup",
     "chocolate chip muffins",
@@ -555,7 +548,6 @@ DISHES = (
     "grilled cheese",
     "overnight oats",
     "baked salmon",
-    "vegetable lasagna",
     "fruit salad",
 )
 DISH_TEMPLATES = (
