@@ -848,6 +848,13 @@ def test_eagle3_data_sampled_answers_keep_the_targets_labels(tmp_path):
     exported = train_eagle.main([*tuned, "--export", "--out", str(tmp_path / "head_tuned_export")])
     assert torch.equal(load_file(tmp_path / "head_tuned_export" / "model.safetensors")["d2t"], head_d2t)
     assert train_eagle.init_vocab({"d2t": head_d2t.float()}, 32) is None  # another K: the run cuts its own
+    foreign = tmp_path / "head_foreign"  # a head whose vocabulary reaches past this target's 300 ids
+    foreign.mkdir()
+    (foreign / "config.json").write_text((tmp_path / "head" / "config.json").read_text())
+    weights = load_file(tmp_path / "head" / "model.safetensors")
+    save_file(weights | {"d2t": weights["d2t"] + 1000}, str(foreign / "model.safetensors"))
+    with pytest.raises(ValueError, match="outside this target's 300"):
+        train_eagle.main([*tuned[:7], str(tmp_path / "w_foreign"), *tuned[8:], "--steps", "1", "--init", str(foreign)])
 
     other = make_model(tmp_path / "other", "llama_gqa", vocab_size=300, hidden=48, layers=3)
     make_tokenizer(other)

@@ -350,6 +350,9 @@ def main_eagle3(args, target, tcfg, eos, deadline: float | None = None) -> dict:
         vocab_ids = torch.load(vocab_path)
     else:
         vocab_ids = init_vocab(start, k)  # a fine-tune keeps its head's vocabulary (its data may be one kind's)
+        if vocab_ids is not None and not (0 <= int(vocab_ids[0]) and int(vocab_ids[-1]) < tcfg.vocab_size):
+            raise ValueError(f"--init {args.init}: its draft vocabulary holds ids outside this target's "
+                             f"{tcfg.vocab_size} (another target's head?)")  # fmt: skip
         if vocab_ids is None:
             vocab_ids = draft_vocab(token_frequencies(data, args.target, tcfg.vocab_size, args.smoke), k)
         torch.save(vocab_ids, vocab_path)
