@@ -52,7 +52,8 @@ constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
 constexpr uint32_t kSqrt2Mantissa = 0x3504F3;  // the mantissa bits of sqrt(2)
 
 // The natural log of a positive normal finite float (the only inputs Gumbel noise makes: u in [2^-25, 1 - 2^-24]
-// and -log(u) in [5.9e-8, 17.33]). x = 2^e m, m in [sqrt(1/2), sqrt(2)) by exact bit moves; f = m - 1 exactly (Sterbenz).
+// and -log(u) in [5.9e-8, 17.33]). x = 2^e m, m in [sqrt(1/2), sqrt(2)) by exact bit moves; f = m - 1 exactly
+// (Sterbenz).
 inline float det_log(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, 4);

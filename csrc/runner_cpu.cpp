@@ -229,7 +229,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 // Up to max_steps speculative steps of a draft's chain in one call: per step, the draft catches up on the tokens
 // its cache lacks (then the root), drafts gamma tokens (draft_chain), the target runs the root and the chain at
 // L_b .. L_b + gamma, and the longest prefix of drafts equal to the target's choice (its argmax; a coupled row's
-// perturbed argmax, below) is accepted, plus the target's own next token. A chain's accepted nodes are a prefix: both caches stay in place (no compaction).
+// perturbed argmax, below) is accepted, plus the target's own next token. A chain's accepted nodes are a prefix:
+// both caches stay in place (no compaction).
 // ``tree`` (an EAGLE-3 head's only; empty: a chain): the static tree with tree[d] children for each node at depth d
 // (gamma levels, breadth-first as spec_engine/tree.py's StaticTree), its children the head's top tree[d] tokens
 // (HeadDraft::tree); the target runs every node (slot L_b + t, position L_b + its depth) and the accepted path's
@@ -289,7 +290,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   int64_t nodes = 1, level = 1;
   for (const int64_t children : tree) {
     TORCH_CHECK_VALUE(children >= 1, "spec_chain: a tree's levels have >= 1 children per node, got ", tree);
-    TORCH_CHECK_VALUE(children <= kMaxTreeNodes, "spec_chain: a tree of at most ", kMaxTreeNodes, " nodes, got ", tree);
+    TORCH_CHECK_VALUE(children <= kMaxTreeNodes, "spec_chain: a tree of at most ", kMaxTreeNodes, " nodes, got ",
+                      tree);
     level *= children, nodes += level;  // (both stay <= kMaxTreeNodes^2: no overflow)
     TORCH_CHECK_VALUE(nodes <= kMaxTreeNodes, "spec_chain: a tree of at most ", kMaxTreeNodes, " nodes, got ", tree);
   }

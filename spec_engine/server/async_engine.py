@@ -385,19 +385,22 @@ class AsyncEngine:
             head = sink.prompt if sink.prefix_offset == 0 else []
             before = output_text(decode, head, output_ids[sink.prefix_offset : sink.read_offset], skip)
             window = output_text(decode, head, output_ids[sink.prefix_offset :], skip)
+            # ByteFallback reads a run of byte tokens that is not UTF-8 as U+FFFD throughout, so later bytes can turn
+            # a character it showed into U+FFFD: the window no longer begins with its settled text. While the run
+            # may still end as UTF-8 (the window ends in U+FFFD) its text is held back; once it cannot, what was
+            # settled stays sent (the stream stalled here before) and the tokens past it are read alone (they begin
+            # with a byte: no space to lose)
             rewritten = not window.startswith(before)
-            if rewritten and (finished or not window.endswith(REPLACEMENT_CHAR)):
-                # ByteFallback reads a run of byte tokens that is not UTF-8 as U+FFFD throughout, so later bytes
-                # can turn a character it showed into U+FFFD: what was settled stays sent (the stream stalled
-                # here before), and the tokens past it are read alone (they begin with a byte: no space to lose)
-                sink.prefix_offset, rewritten = sink.read_offset, False
+            held = rewritten and not finished and window.endswith(REPLACEMENT_CHAR)
+            if rewritten and not held:
+                sink.prefix_offset = sink.read_offset
                 before, window = "", decode(output_ids[sink.read_offset :], skip)
             pending = window[len(before) :]  # the text of the tokens past read_offset
             if finished or pending and not pending.endswith(REPLACEMENT_CHAR):  # settled: the window moves on
                 sink.text += pending
                 sink.prefix_offset, sink.read_offset = sink.read_offset, len(output_ids)
                 text = sink.text
-            elif rewritten:  # held back until its run of bytes ends (or the output does)
+            elif held:
                 text = sink.text
             else:  # shown but for a cut character at its end, decoded again with the next tokens
                 text = sink.text + pending.rstrip(REPLACEMENT_CHAR)
