@@ -2,7 +2,8 @@
 commit.
 
 Each ``Engine.step()``:
-1. admits waiting requests while batch slots and KV blocks allow (a request reserves every block it can need);
+1. gives each running request the KV blocks its next decode call may write, preempting the newest requests where
+   none are left (``_make_room``), then admits waiting requests while batch slots and KV blocks allow;
 2. runs one prefill chunk for the requests still reading their prompt (so a long prompt never stalls decoding);
 3. runs one decode call for every decoding request: it chooses each row's depth (fixed, or the adaptive
    controller's) and how many steps the call may run, the ``StepRunner`` (spec_engine/runner.py) runs them (the
@@ -131,8 +132,10 @@ class Engine:
         # num_regular_steps: decode steps taken by the regular (Python) step, not a native call; num_retried_steps:
         # steps whose rows raised together and ran again one by one (Engine._isolated: an engine bug where none fails)
         self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0,
-                      "num_regular_steps": 0, "num_cached_tokens": 0, "num_retried_steps": 0}  # fmt: skip
+                      "num_regular_steps": 0, "num_cached_tokens": 0, "num_retried_steps": 0,
+                      "num_preemptions": 0}  # fmt: skip
         deepest = max(self.gamma, drafter.max_depth if drafter is not None else 0)  # (a hybrid's suffix rows)
+        self.deepest = deepest
         self.accepted_hist = [0] * (deepest + 1)
         self.gamma_history: deque[int] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode step: the deepest row's depth
         self.gamma_hist = [0] * (deepest + 1)  # [g] = rows drafted at depth g, over all steps
@@ -175,9 +178,26 @@ class Engine:
             return 1
         return max(self.drafter.nodes_for_depth(self.gamma), self.drafter.max_nodes)
 
-    def tokens_to_reserve(self, req: Request) -> int:
-        # the tree of the last step can run past max_tokens; its K/V still need rows
-        return len(req.prompt_token_ids) + req.params.max_tokens + self.max_tree_nodes()
+    def tokens_to_hold(self, req: Request, whole_call: bool = False) -> int:
+        """KV rows ``req`` needs for its next step: its tokens (after a preemption its output's too) and the step's
+        tree (which can run past max_tokens); with ``whole_call``, for a whole decode call: the most tokens one call
+        can emit (a native chain's), never more than the request can."""
+        emitted = 0
+        if whole_call:
+            cfg = self.config
+            call = max(cfg.plain_chain, cfg.spec_chain_steps * (self.deepest + 1))
+            emitted = min(req.tokens_left, call)
+        return req.num_tokens + emitted + self.max_tree_nodes()
+
+    def _steps_that_fit(self, reqs: list[Request], gamma: int, steps: int) -> int:
+        """At most ``steps`` native steps at depth ``gamma``: those whose K/V every row's blocks hold
+        (``StepRunner``'s reach: the tokens emitted, at most a row's tokens left, then the last step's tree)."""
+        nodes = self.max_tree_nodes()
+        for r in reqs:
+            room = len(r.blocks) * self.allocator.block_size - r.num_tokens - nodes
+            if room < r.tokens_left:  # (a call ends as a row's tokens run out: room for them all is room enough)
+                steps = min(steps, max(room, 0) // (gamma + 1))
+        return steps
 
     def _cache_lag(self, req: Request) -> int:
         return self.runner.cache_lag(req)
@@ -255,8 +275,11 @@ class Engine:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                req.finish_reason = "abort"
-                req.metrics.finish_time = time.perf_counter()  # (it holds no blocks yet)
+                if req.metrics.num_preemptions:  # it ran: its drafter may keep something for it (no blocks now)
+                    self._finish(req, "abort")
+                else:
+                    req.finish_reason = "abort"
+                    req.metrics.finish_time = time.perf_counter()  # (it holds no blocks yet)
         for req in self.running:
             if req.request_id == request_id:
                 self._finish(req, "abort")
@@ -267,29 +290,80 @@ class Engine:
 
     def _admit(self) -> None:
         held = []  # requests that wait a step for prompt blocks a running prefill computes (their places kept)
+        spare = len(self.running)  # a block each is left free (vLLM's watermark): one admitted now is not preempted
+        # as soon as the others grow
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.block_keys is None:  # (the last prompt token is the first step's root: never in a cached block)
-                req.block_keys = self.allocator.keys(req.prompt_token_ids[:-1])
+            if req.block_keys is None:  # (the last token is the first step's root: never in a cached block)
+                req.block_keys = self.allocator.keys(req.history[: req.num_tokens - 1])
             # a request asking for its prompt's logprobs computes every position: it takes nothing from the cache
             # (its own blocks are cached for the requests after it)
             lookup = [] if req.params.prompt_logprobs is not None else req.block_keys
             if lookup and self._awaits_shared_prefill(req):
                 held.append(self.waiting.popleft())
                 continue
-            if not self.allocator.can_allocate(self.tokens_to_reserve(req), lookup):
+            if not self.allocator.can_allocate(self.tokens_to_hold(req), lookup, spare):
                 break  # first come, first served: it waits for blocks to return
-            req.blocks, cached = self.allocator.allocate(self.tokens_to_reserve(req), lookup)
+            req.blocks, cached = self.allocator.allocate(self.tokens_to_hold(req), lookup)
             # a cached prefix (prefix caching) is computed: its K/V, an EAGLE head's features and, where the drafter
             # sees every prompt chunk (a fixed depth: _prefill), the draft cache came with its blocks; the adaptive
             # controller's drafter catches up from the start when it first drafts the request
-            req.num_computed = req.metrics.num_cached_tokens = cached * self.allocator.block_size
-            self.stats["num_cached_tokens"] += req.num_computed
+            req.num_computed = cached * self.allocator.block_size
+            if not req.metrics.num_preemptions:  # (a resumed request's hits are its own blocks: no prompt spared)
+                req.metrics.num_cached_tokens = req.num_computed
+                self.stats["num_cached_tokens"] += req.num_computed
             if self.drafter is not None and self.drafter.keeps_cache and self.controller is None:
                 req.draft_len = req.num_computed
             req.slot = self.rows.admit(req)
             self.running.append(self.waiting.popleft())
+            spare += 1
         self.waiting.extendleft(reversed(held))
+
+    def _make_room(self) -> None:
+        """Give each running request, oldest first, the blocks of its next step (``tokens_to_hold``). Where none
+        are left the newest running requests are preempted (vLLM's preemption by recompute): their blocks return, and
+        they go back to the head of the queue with their output, to be prefilled again, prompt and output, when blocks
+        allow. The oldest request always fits alone (``check_request``), so every request finishes."""
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            missing = self._missing_blocks(req)
+            while missing > self.allocator.num_free and self.running[-1] is not req:
+                self._preempt(self.running.pop())
+            if missing > self.allocator.num_free:
+                self._preempt(self.running.pop())  # itself, the newest left
+                return
+            self._grow(req, missing)
+            i += 1
+
+    def _top_up(self) -> None:
+        """After admission, give the running requests, oldest first, the blocks of a whole native call where free
+        blocks allow (``_decode`` cuts a call to the steps their blocks hold)."""
+        for req in self.running:
+            self._grow(req, min(self._missing_blocks(req, whole_call=True), self.allocator.num_free))
+
+    def _missing_blocks(self, req: Request, whole_call: bool = False) -> int:
+        return self.allocator.blocks_for(self.tokens_to_hold(req, whole_call)) - len(req.blocks)
+
+    def _grow(self, req: Request, n: int) -> None:
+        if n > 0:
+            req.blocks += self.allocator.take(n)
+            self.rows.grow(req.slot, req.blocks)
+
+    def _preempt(self, req: Request) -> None:
+        """Return ``req``'s blocks and slot and queue it first; what it emitted stays (its tokens, its drafter's
+        token-keyed state: a suffix tree). The K/V recomputed later is the same bit for bit (batch-invariant kernels),
+        so its output is as if it had never stopped."""
+        self.allocator.free(req.blocks)  # (its cached prompt blocks stay cached: re-admitted, it takes them back)
+        req.blocks, req.block_keys = [], None
+        self.rows.release(req.slot)
+        req.slot = -1
+        req.num_computed = req.draft_len = 0
+        if req.params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # (computed again with the prompt)
+        req.metrics.num_preemptions += 1
+        self.stats["num_preemptions"] += 1
+        self.waiting.appendleft(req)
 
     def _awaits_shared_prefill(self, req: Request) -> bool:
         """Whether ``req`` waits a step rather than compute its prompt's next blocks beside a running request whose
@@ -306,7 +380,7 @@ class Engine:
                 common = min(len(keys), len(r.block_keys))
                 shared = max(shared, next((j for j in range(hits, common) if keys[j] != r.block_keys[j]), common))
         block_size = self.allocator.block_size
-        chunk = min(self.prefill_chunk, len(req.prompt_token_ids) - 1 - hits * block_size)
+        chunk = min(self.prefill_chunk, req.num_tokens - 1 - hits * block_size)
         return shared > hits and 2 * (shared - hits) * block_size >= chunk
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -325,7 +399,9 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One iteration: admit, one prefill chunk, one speculative step. A request whose rows make the step fail
         is found by re-running the rows one at a time and finished with reason "error"; the others go on."""
+        self._make_room()
         self._admit()
+        self._top_up()
         outputs = self._isolated(self._prefill, [r for r in self.running if r.prefilling])
         decoding = [r for r in self.running if not r.prefilling]
         with self._decode_threads(bool(decoding)):
@@ -389,7 +465,7 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
-        counts = [min(len(r.prompt_token_ids) - 1 - r.num_computed, self.prefill_chunk) for r in reqs]
+        counts = [min(r.num_tokens - 1 - r.num_computed, self.prefill_chunk) for r in reqs]
         # rows are padded to the widest chunk: a padded slot's position stays inside the RoPE table and the row's
         # blocks (a short last chunk beside a long one, near the end of the context)
         room = self.max_model_len + self.max_tree_nodes()
@@ -406,8 +482,11 @@ class Engine:
         positions = seqlens.long()[:, None] + torch.arange(T, device=self.device)  # [B, T]
         mask = causal_mask(len(reqs), T, self.device)
         hidden, features = self.runner.target_pass(tokens, positions, self.kv.data, seqlens, mask, table)
-        scored = {b: self._prompt_logprobs(r, hidden[b, :n], n) for b, (r, n) in enumerate(zip(reqs, counts))
-                  if r.params.prompt_logprobs is not None}  # fmt: skip
+        scored = {}  # (a preempted request's chunk can run past its prompt, into its output)
+        for b, (r, n) in enumerate(zip(reqs, counts)):
+            m = min(n, len(r.prompt_token_ids) - 1 - r.num_computed)
+            if r.params.prompt_logprobs is not None and m > 0:
+                scored[b] = self._prompt_logprobs(r, hidden[b, :m], m)
         # With a fixed depth every request is drafted: the drafter sees the prompt now. The adaptive controller may
         # never draft a request (batch 16 on CPU, a useless draft), so there the draft cache is filled by catch-up
         # when it first does, a cost the controller weighs against the evidence; a drafter that reads the target's
@@ -464,6 +543,7 @@ class Engine:
             max_steps = min(max_steps, self.controller.plain_probe_steps(len(reqs)))
         if self._thread_probe:  # the thread tuner's probe of the other thread count: a probe's steps, not a chain's
             max_steps = min(max_steps, self.threads.probe_call_steps())
+        max_steps = self._steps_that_fit(reqs, max(gammas), max_steps)  # (where blocks ran short: _top_up)
         logprobs = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
         result = self.runner.run(reqs, gammas, suffix_rows, self._stop_tensor(reqs), max_steps=max_steps,
                                  full_steps=full_steps, stop_on_reject=unsure, native_verify=cfg.native_tree_step,

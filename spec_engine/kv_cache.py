@@ -43,7 +43,8 @@ class PagedKVCache:
 
 
 class BlockAllocator:
-    """Free-list of KV blocks. A request reserves all the blocks it can ever need at admission, so it never OOMs.
+    """Free-list of KV blocks. A request takes the blocks of its prompt and its first decode call at admission and
+    more as it grows (``take``); where none are left the engine preempts a request (``Engine._make_room``).
 
     With ``prefix_caching`` (vLLM's automatic prefix caching), a request's full blocks of prompt tokens are cached
     as its prefill completes them (``cache``), under a key that names every token up to the block's end (``keys``: a
@@ -111,8 +112,9 @@ class BlockAllocator:
         """Whether the blocks ``num_tokens`` need beside ``hits`` are free (idle hits are taken, not reclaimed)."""
         return self.blocks_for(num_tokens) - len(hits) <= self.num_free - sum(b in self._idle for b in hits)
 
-    def can_allocate(self, num_tokens: int, keys: list[bytes] = ()) -> bool:
-        return self._fits(num_tokens, self._hits(list(keys)))
+    def can_allocate(self, num_tokens: int, keys: list[bytes] = (), spare: int = 0) -> bool:
+        """Whether ``allocate(num_tokens, keys)`` would succeed with ``spare`` blocks still free after it."""
+        return self._fits(num_tokens + spare * self.block_size, self._hits(list(keys)))
 
     def allocate(self, num_tokens: int, keys: list[bytes] = ()) -> tuple[list[int], int]:
         """Blocks for ``num_tokens`` tokens, and how many of the first hold their tokens' K/V already: the cached
@@ -124,6 +126,12 @@ class BlockAllocator:
             self._idle.pop(block, None)
             self._refs[block] = self._refs.get(block, 0) + 1
         return hits + [self._take() for _ in range(self.blocks_for(num_tokens) - len(hits))], len(hits)
+
+    def take(self, n: int) -> list[int]:
+        """``n`` more blocks for a request that grows (none cached: they hold no K/V yet)."""
+        if n > self.num_free:
+            raise MemoryError(f"need {n} KV blocks, {self.num_free} free")
+        return [self._take() for _ in range(n)]
 
     def _take(self) -> int:
         if self._free:

@@ -29,6 +29,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     decode_start: float | None = None  # when the prompt's last prefill chunk was done
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not computed)
+    num_preemptions: int = 0  # times its blocks were taken for older requests (it was prefilled again after)
     finish_time: float | None = None
 
     def as_dict(self, num_output_tokens: int) -> dict:
@@ -43,6 +44,7 @@ class RequestMetrics:
             "mean_accepted_length": num_output_tokens / self.num_steps if self.num_steps else 0.0,  # tau
             "accepted_length_hist": list(self.accepted_hist),
             "num_cached_tokens": self.num_cached_tokens,
+            "num_preemptions": self.num_preemptions,
             "gamma_hist": list(self.gamma_hist),
             "alpha_estimate": self.alpha_estimate,
             # (None for a request that ended before its first token: aborted, failed)
@@ -182,7 +184,9 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_token_ids) - 1
+        """Whether K/V is still to be computed before its root (the last token): its prompt's, or after a
+        preemption its output's too."""
+        return self.num_computed < self.num_tokens - 1
 
     @property
     def finished(self) -> bool:
@@ -216,7 +220,7 @@ class RequestRows:
         slot = self._free.pop()
         p = req.params
         self.block_table[slot] = SCRATCH_BLOCK
-        self.block_table[slot, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+        self.grow(slot, req.blocks)
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
             p.temperature,
             p.top_k,
@@ -224,6 +228,10 @@ class RequestRows:
             p.min_p,
         )
         return slot
+
+    def grow(self, slot: int, blocks: list[int]) -> None:
+        """The request in ``slot`` now holds ``blocks`` (its first ones unchanged, more after them)."""
+        self.block_table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
 
     def release(self, slot: int) -> None:
         self._free.append(slot)

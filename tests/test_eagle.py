@@ -345,6 +345,33 @@ def test_native_eagle3_chains_match_plain(models, plain_greedy, tmp_path, spec):
         assert stats["num_regular_steps"] < stats["num_steps"] // 2
 
 
+@pytest.mark.parametrize("spec", [{"num_speculative_tokens": 4}, {"num_speculative_tokens": 3, "tree": [2, 1, 1]},
+                                  {}], ids=["chain4", "t211", "adaptive"])  # fmt: skip
+def test_preempted_requests_keep_their_tokens_under_a_native_head(models, tmp_path, monkeypatch, spec):
+    """Requests preempted for KV blocks (``Engine._make_room``) are prefilled again, prompt and output: the head's
+    features and cache are rebuilt from those of the target's pass, and greedy and seeded (coupled) tokens are those
+    of a cache that holds every request."""
+    import spec_engine.llm as llm_mod
+
+    target, _ = models
+    spec = {"method": "eagle", "model": str(write_published_head(tmp_path / "eagle3", "eagle3")), **spec}
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS * 2]
+    params = [SamplingParams(max_tokens=70 + 9 * i, ignore_eos=True, temperature=0.7 if i % 2 else 0.0, seed=i)
+              for i in range(len(prompts))]  # fmt: skip
+
+    def run(**kw):
+        llm = LLM(str(target), speculative_config=spec, max_model_len=128, block_size=16, **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.allocator.num_used == 0
+        return [o.outputs[0].token_ids for o in outs], llm.engine.stats
+
+    ample, ample_stats = run()
+    monkeypatch.setattr(llm_mod, "plan_num_blocks", lambda *args: 12)  # two requests at their longest, about
+    tight, tight_stats = run()
+    assert ample_stats["num_preemptions"] == 0 and tight_stats["num_preemptions"] >= 2
+    assert tight == ample and tight_stats["num_drafted"] > 0
+
+
 @pytest.mark.parametrize("tree", [[2, 2, 1], [3, 1, 1]], ids=["t221", "t311"])
 def test_eagle3_trees_run_natively_as_the_regular_step(models, plain_greedy, tmp_path, tree):
     """An EAGLE-3 head's static trees run in the engine's native steps (``spec_chain`` with the tree: the head's levels,

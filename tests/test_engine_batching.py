@@ -154,7 +154,7 @@ def _kv_budget(models, num_blocks: int, block_size: int) -> int:
     return per_token * block_size * num_blocks
 
 
-def test_request_larger_than_cache_errors_and_others_wait(models):
+def test_request_larger_than_cache_errors_and_others_take_turns(models):
     # A cache that cannot hold one full-context request (64 tokens + the 1-node tree of plain decoding = 5 blocks of
     # 16, plus scratch) is refused when the LLM is built, so no admitted request can ever be too large to run.
     with pytest.raises(ValueError, match="Raise the budget"):
@@ -164,16 +164,53 @@ def test_request_larger_than_cache_errors_and_others_wait(models):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [1] * 40}, SamplingParams(max_tokens=25), use_tqdm=False)
     assert not llm.engine.has_unfinished() and llm.allocator.num_used == 0
-    # two requests of 3 blocks each (5 usable): the second waits for the first's blocks, then completes
+    alone = _generate(llm, [[3, 4, 5]], [SamplingParams(max_tokens=40, ignore_eos=True)])[0]
+    # two requests of 3 blocks each (5 usable): both start on the blocks of their first call; as they grow, the
+    # newer is preempted, the older finishes, then the newer is prefilled again, output included, and finishes
     engine = llm.engine
     reqs = [engine.add_request([3, 4, 5], SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(2)]
     engine.step()
-    assert len(engine.running) == 1 and len(engine.waiting) == 1
+    assert len(engine.running) == 2 and not engine.waiting
     while engine.has_unfinished():
         engine.step()
-    assert [len(r.output_token_ids) for r in reqs] == [40, 40]
-    assert reqs[0].output_token_ids == reqs[1].output_token_ids
+    assert [r.output_token_ids for r in reqs] == [alone, alone]
+    assert [r.metrics.num_preemptions for r in reqs] == [0, 1] and engine.stats["num_preemptions"] == 1
     assert llm.allocator.num_used == 0
+
+
+LONG_TOKENS = [120, 90, 150, 60, 110, 130, 75, 100]
+
+
+@pytest.mark.parametrize("spec", [None, "fixed", "adaptive", "suffix"])
+def test_preempted_requests_emit_what_they_would_have(models, spec):
+    """Eight requests of 60-150 tokens on a cache that holds about two at their longest: they start on the blocks of
+    their first decode call, grow, and the newest are preempted and prefilled again (prompt and output) later. Each
+    request's greedy tokens, seeded samples and log-probabilities are those of a cache that holds them all."""
+    config = {"fixed": {"model": models["noisy"], "num_speculative_tokens": 3}, "adaptive": {"model": models["noisy"]},
+              "suffix": {"method": "suffix"}}.get(spec)  # fmt: skip
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8 if i % 3 == 1 else 0.0, seed=7 + i,
+                             logprobs=2 if i == 2 else None, prompt_logprobs=1 if i == 5 else None)
+              for i, n in enumerate(LONG_TOKENS)]  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def run(llm):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.allocator.num_used == 0
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs], llm.engine.stats
+
+    kw = {"speculative_config": config, "max_model_len": 256, "block_size": 16, "max_num_seqs": 8}
+    llm = LLM(models["target"], **kw)
+    caches = [llm.engine.kv.data, *([llm.engine.drafter.kv.data] if spec in ("fixed", "adaptive") else [])]
+    per_block = sum(c.nbytes for c in caches) // llm.allocator.num_blocks  # (the draft model's cache beside)
+    ample, ample_stats = run(llm)
+    tight_llm = LLM(models["target"], kv_cache_memory=19 * per_block, **kw)
+    assert tight_llm.allocator.num_blocks == 19
+    tight, tight_stats = run(tight_llm)
+    assert ample_stats["num_preemptions"] == 0 and tight_stats["num_preemptions"] >= 2
+    assert tight == ample
+    assert [len(t[0]) for t in tight] == LONG_TOKENS
+    if spec is not None:
+        assert tight_stats["num_accepted"] > 0
 
 
 def test_mixed_row_depths_keep_greedy_tokens(models):

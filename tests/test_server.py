@@ -774,6 +774,31 @@ def test_16_concurrent_greedy_requests_match_sequential(spec):
     assert health(spec)["num_steps"] > before
 
 
+def test_chat_requests_without_max_tokens_share_a_small_cache(model_dirs, monkeypatch):
+    """Chat requests that set no max_tokens may run to the end of the context (1,024 tokens here), but hold only the
+    KV blocks they have written: on a cache of 48 blocks of 32, where each could take 33, six run side by side, the
+    newest preempted and resumed as the others grow, and each answers as it does alone."""
+    import spec_engine.llm as llm_mod
+
+    root, _ = model_dirs
+    monkeypatch.setattr(llm_mod, "plan_num_blocks", lambda *args: 48)
+    cfg = {"method": "draft_model", "model": str(root / "draft"), "num_speculative_tokens": 3}
+    with running_server(LLM(root / "templated", cfg, max_num_seqs=8), "tiny-tight", max_pending=16) as server:
+
+        def chat(text: str) -> str:
+            out = client(server).chat.completions.create(model="tiny-tight", temperature=0,
+                                                         messages=[{"role": "user", "content": text}])  # fmt: skip
+            return out.choices[0].message.content
+
+        prompts = PROMPTS
+        alone = [chat(p) for p in prompts]
+        assert health(server)["num_preemptions"] == 0
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(chat, prompts)) == alone
+        h = wait_idle(server)
+        assert h["num_preemptions"] > 0 and h["kv_blocks_used"] == 0
+
+
 # --- limits and errors -------------------------------------------------------------------------------------------
 
 
@@ -1257,6 +1282,7 @@ def test_metrics_show_acceptance(spec):
     assert value("specdec_spec_decode_adaptive") in (0.0, 1.0)
     assert value("specdec_generation_tokens_total") > 0 and value("specdec_prompt_tokens_total") > 0
     assert value("specdec_prompt_tokens_cached_total") >= 64
+    assert value("specdec_num_preemptions_total") == 0  # (a cache with room for every request)
     assert value("specdec_http_requests_total", endpoint="completions", status="200") >= 1
     assert value("specdec_kv_cache_blocks_total") > 0
     for gauge in ("specdec_num_requests_running", "specdec_num_requests_waiting", "specdec_kv_cache_usage_ratio"):

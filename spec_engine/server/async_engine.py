@@ -448,6 +448,7 @@ class AsyncEngine:
             "num_prompt_tokens": totals.num_prompt_tokens,
             "num_cached_prompt_tokens": m["num_cached_tokens"],  # prompt tokens the prefix cache spared
             "num_generated_tokens": m["num_generated"],
+            "num_preemptions": m["num_preemptions"],  # requests whose blocks went to older ones (resumed later)
             "num_steps": m["num_steps"],  # per-request target passes while decoding
             "num_drafted_tokens": m["num_drafted"],
             "num_accepted_tokens": m["num_accepted"],

@@ -25,6 +25,8 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("specdec_prompt_tokens_cached", "prompt tokens whose K/V came from the prefix cache",
                                   s["num_cached_prompt_tokens"])  # fmt: skip
         yield CounterMetricFamily("specdec_generation_tokens", "generated tokens", s["num_generated_tokens"])
+        yield CounterMetricFamily("specdec_num_preemptions", "requests preempted for KV blocks (resumed later, same "
+                                  "output)", s["num_preemptions"])  # fmt: skip
         yield GaugeMetricFamily("specdec_num_requests_running", "requests decoding now", s["num_requests_running"])
         yield GaugeMetricFamily("specdec_num_requests_waiting", "requests queued for a slot", s["num_requests_waiting"])
         yield GaugeMetricFamily("specdec_num_requests_in_flight", "accepted, unfinished requests (429 above "
