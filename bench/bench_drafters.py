@@ -109,14 +109,15 @@ EDITS = (
 
 @dataclass
 class SampledChatContender(ChatContender):
-    """Seeded requests at ``temperature``, each request's seed from its name: sampled through the position-keyed
-    coupling, so every row emits plain decoding's tokens."""
+    """Seeded requests at ``temperature`` (and ``top_p``), each request's seed from its name: sampled through the
+    position-keyed coupling, so every row emits plain decoding's tokens."""
 
     temperature: float = 0.8
+    top_p: float = 1.0
 
     def _generate(self, group, max_tokens: int) -> list:
-        params = [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, seed=zlib.crc32(p.name.encode()))
-                  for p in group]  # fmt: skip
+        params = [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                 seed=zlib.crc32(p.name.encode())) for p in group]  # fmt: skip
         return self.llm.generate([{"prompt_token_ids": p.ids} for p in group], params, use_tqdm=False)
 
 
@@ -218,10 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample the humaneval and chat sets at this temperature, each request seeded (the coupling: "
                     "every row's tokens are plain decoding's)")  # fmt: skip
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the sampled requests' top_p")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
     if not (0.0 <= args.temperature <= 2.0):
         ap.error(f"--temperature must be in [0, 2], got {args.temperature}")
+    if not (0.0 < args.top_p <= 1.0) or (args.top_p < 1.0 and not args.temperature):
+        ap.error(f"--top-p must be in (0, 1], and below 1 only with --temperature, got {args.top_p}")
     try:
         trees = [tuple(int(b) for b in t.split(",")) for t in args.trees.split(";") if t]
     except ValueError:
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def contenders(names: list[str], kind=ChatContender) -> list[Contender]:
         if kind is ChatContender and args.temperature > 0:
-            kind = partial(SampledChatContender, temperature=args.temperature)
+            kind = partial(SampledChatContender, temperature=args.temperature, top_p=args.top_p)
         runs = [Run("plain", "ours", 1, "")] + [Run(n, "ours", 1, "", gamma_cap=gammas.get(n)) for n in names]
         return [kind(runs[0], plain)] + [kind(r, llms[r.name]) for r in runs[1:]]
 
@@ -272,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{machine['cpu']} ({machine['node']}, bf16 linear {path}, vdpbf16ps/FMA {dot_ratio:.2f}), "
           f"{machine['threads']} threads; target {plain.model_dir}, head "
           f"{head_dir}; bf16, batch 1, "
-          + (f"seeded sampling at temperature {args.temperature:g}" if args.temperature else "greedy"))  # fmt: skip
+          + (f"seeded sampling at temperature {args.temperature:g}, top_p {args.top_p:g}" if args.temperature
+             else "greedy"))  # fmt: skip
     ctx = 256
     r = verify_costs(plain, ctx, [1, 2, 3, 4, 5, 8, 16], args.reps)
     ms = time_interleaved({"target": forward_step(plain.engine.target, plain.engine.kv, 1, ctx, 1),

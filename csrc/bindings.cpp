@@ -3,7 +3,8 @@
 // spec_kernels::decoder_layers (csrc/decoder_layers_cpu.cpp) with CPU and Meta kernels, the native step runners
 // spec_kernels::draft_chain, greedy_steps, eagle3_draft, spec_chain and tree_step (csrc/runner_cpu.cpp) with the class
 // spec_kernels.NativeModel they take (csrc/native_model.h),
-// spec_kernels::verify_greedy (csrc/verify_tree_cpu.cpp: verify_tree's all-greedy CPU walk), and the class
+// spec_kernels::verify_greedy (csrc/verify_tree_cpu.cpp: verify_tree's all-greedy CPU walk),
+// spec_kernels::keep_threshold (csrc/keep_threshold_cpu.cpp: the sampling filters' threshold), and the class
 // spec_kernels.SuffixTree (csrc/suffix_tree_cpu.cpp: suffix decoding's tree).
 //
 // Also the torch-facing half of the CUDA path (shape checks, device guard, current stream): nvcc 13 cannot compile
@@ -61,7 +62,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
     const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
     const c10::optional<at::Tensor>& d_features, at::IntArrayRef tree, const c10::optional<at::Tensor>& temperature,
-    const c10::optional<at::Tensor>& noise_seeds);
+    const c10::optional<at::Tensor>& noise_seeds, const c10::optional<at::Tensor>& top_k,
+    const c10::optional<at::Tensor>& top_p, const c10::optional<at::Tensor>& min_p);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_step_cpu(
     const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& seqlens,
     const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
@@ -75,6 +77,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tenso
 at::Tensor rng_uniform_cpu(const at::Tensor& keys, int64_t n);
 at::Tensor rng_gumbel_cpu(const at::Tensor& keys, int64_t n);
 at::Tensor rng_meta(const at::Tensor& keys, int64_t n);
+at::Tensor keep_threshold_cpu(const at::Tensor& z, const at::Tensor& top_k, const at::Tensor& top_p,
+                              const at::Tensor& min_p);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
                                                        const at::Tensor& final_norm, at::Tensor kv_cache,
                                                        const at::Tensor& cache_seqlens, const at::Tensor& rope,
@@ -204,6 +208,7 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor, Tensor, Tensor)");
   m.def("rng_uniform(Tensor keys, int n) -> Tensor");  // csrc/rng_cpu.cpp
   m.def("rng_gumbel(Tensor keys, int n) -> Tensor");
+  m.def("keep_threshold(Tensor z, Tensor top_k, Tensor top_p, Tensor min_p) -> Tensor");  // csrc/keep_threshold_cpu.cpp
   // a model as the native step runners take it (csrc/native_model.h)
   m.class_<specdec::NativeModel>("NativeModel")
       .def(torch::init<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
@@ -220,7 +225,8 @@ TORCH_LIBRARY(spec_kernels, m) {
       "__torch__.torch.classes.spec_kernels.NativeModel target, Tensor(a!) t_kv, "
       "__torch__.torch.classes.spec_kernels.NativeModel draft, Tensor(b!) d_kv, Tensor? block_table, Tensor budget, "
       "Tensor stop_ids, int gamma, int max_steps, bool stop_on_reject=False, Tensor(c!)? d_features=None, "
-      "int[] tree=[], Tensor? temperature=None, Tensor? noise_seeds=None) -> "
+      "int[] tree=[], Tensor? temperature=None, Tensor? noise_seeds=None, Tensor? top_k=None, Tensor? top_p=None, "
+      "Tensor? min_p=None) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "tree_step(Tensor tokens, Tensor parents, Tensor seqlens, "
@@ -255,6 +261,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("eagle3_draft", &specdec::eagle3_draft_cpu);
   m.impl("rng_uniform", &specdec::rng_uniform_cpu);
   m.impl("rng_gumbel", &specdec::rng_gumbel_cpu);
+  m.impl("keep_threshold", &specdec::keep_threshold_cpu);
 }
 
 TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {

@@ -142,12 +142,14 @@ inline void gumbel_inplace(float* u, int64_t n) {
 }
 
 // The coupled sample at one node: argmax_x (float(z_x) / t + g(key, x)) over z [V] (verify_tree's perturbed argmax
-// of a coupled row at temperature t > 0, without filters), computing the noise only where it can win: an entry more
-// than kGumbelMax - kGumbelMin (plus a margin for rounding) below the largest z / t cannot reach the maximum. The
-// first index of the maximum, as torch.argmax takes; -1 where z holds a NaN or its maximum is not finite (the
-// caller's regular path sanitises such rows).
+// of a coupled row at temperature t > 0), over the entries with z_x / t >= keep_from (the filters' threshold:
+// sampling::filtered_argmax), computing the noise only where it can win: an entry more than kGumbelMax - kGumbelMin
+// (plus a margin for rounding) below the largest z / t cannot reach the maximum. The first index of the maximum, as
+// torch.argmax takes; -1 where z holds a NaN or its maximum is not finite (the caller's regular path sanitises such
+// rows).
 template <typename T>
-int64_t perturbed_argmax(const T* z, int64_t V, float t, uint64_t key) {
+int64_t perturbed_argmax(const T* z, int64_t V, float t, uint64_t key,
+                         float keep_from = -std::numeric_limits<float>::infinity()) {
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t x = 0; x < V; ++x) {
     const float v = static_cast<float>(z[x]);
@@ -155,7 +157,7 @@ int64_t perturbed_argmax(const T* z, int64_t V, float t, uint64_t key) {
     top = v > top ? v : top;
   }
   if (!std::isfinite(top)) return -1;
-  const float floor = top / t - (kGumbelMax - kGumbelMin) - 1.0f;
+  const float floor = std::max(top / t - (kGumbelMax - kGumbelMin) - 1.0f, keep_from);
   const uint64_t base = row_base(key);
   int64_t best = -1;
   float best_v = -std::numeric_limits<float>::infinity();

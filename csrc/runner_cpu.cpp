@@ -262,7 +262,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
     const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
     const c10::optional<at::Tensor>& d_features, at::IntArrayRef tree, const c10::optional<at::Tensor>& temperature,
-    const c10::optional<at::Tensor>& noise_seeds) {
+    const c10::optional<at::Tensor>& noise_seeds, const c10::optional<at::Tensor>& top_k,
+    const c10::optional<at::Tensor>& top_p, const c10::optional<at::Tensor>& min_p) {
   const NativeModel& t = *target_model;
   const NativeModel& d = *draft_model;
   TORCH_CHECK_VALUE(catch_up.dim() == 2 && catch_up.size(1) >= 1, "spec_chain: catch_up must be [B, P], got ",
@@ -317,6 +318,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     TORCH_CHECK_VALUE(!rows.sampling.any() || gamma == 0 || (head && rows.tree.is_chain()),
                       "spec_chain: sampled rows draft an EAGLE-3 head's chains (a draft model and trees: the regular "
                       "step)");
+  }
+  TORCH_CHECK_VALUE(top_k.has_value() == top_p.has_value() && top_p.has_value() == min_p.has_value() &&
+                        (!top_k.has_value() || temperature.has_value()),
+                    "spec_chain: top_k, top_p and min_p go together, with temperature");
+  if (top_k.has_value()) {
+    TORCH_CHECK_VALUE(top_k->dim() == 1 && top_k->size(0) == B && top_k->scalar_type() == at::kLong &&
+                          top_p->dim() == 1 && top_p->size(0) == B && top_p->scalar_type() == at::kFloat &&
+                          min_p->dim() == 1 && min_p->size(0) == B && min_p->scalar_type() == at::kFloat,
+                      "spec_chain: top_k must be int64 [B] and top_p, min_p float32 [B] = [", B, "]");
+    const at::Tensor k = top_k->contiguous(), p = top_p->contiguous(), m = min_p->contiguous();
+    rows.sampling.top_k.assign(k.data_ptr<int64_t>(), k.data_ptr<int64_t>() + B);
+    rows.sampling.top_p.assign(p.data_ptr<float>(), p.data_ptr<float>() + B);
+    rows.sampling.min_p.assign(m.data_ptr<float>(), m.data_ptr<float>() + B);
+    for (int64_t b = 0; b < B; ++b) {
+      const float pb = rows.sampling.top_p[b], mb = rows.sampling.min_p[b];
+      TORCH_CHECK_VALUE(rows.sampling.top_k[b] >= 0 && pb > 0.0f && pb <= 1.0f && mb >= 0.0f && mb <= 1.0f,
+                        "spec_chain: top_k must be >= 0, top_p in (0, 1] and min_p in [0, 1], got ",
+                        rows.sampling.top_k[b], ", ", pb, " and ", mb);
+    }
   }
   for (const int64_t children : rows.tree.branching) {
     TORCH_CHECK_VALUE(children <= d.lm_head.size(0), "spec_chain: ", children, " children per node, but the draft ",

@@ -11,6 +11,7 @@
 
 #include "argmax_cpu.h"
 #include "layers_cpu.h"
+#include "keep_threshold_cpu.h"
 #include "rng_cpu.h"
 
 namespace specdec {
@@ -353,12 +354,16 @@ struct TreeShape {
 // position p the target emits argmax_x (z_x / t_b + g(s_b, p, x)) (rng::perturbed_argmax, verify_tree's coupled
 // sample: an exact draw from softmax(z / t_b)), and a head drafts node d with the same noise at its parent's position
 // over its draft vocabulary (HeadDraft::chain's draws, as the regular step's eagle3_draft call), so the two agree
-// where their perturbed maxima do.
+// where their perturbed maxima do. A row with top-k, top-p or min-p samples over the entries they keep
+// (sampling::filtered_argmax); its head drafts as an unfiltered row's does.
 struct Sampling {
   std::vector<float> temperature;  // [B]: 0 for a greedy row
   std::vector<int64_t> seeds;      // [B]: the coupling's noise seeds
+  std::vector<int64_t> top_k;      // [B] (all three, or none: no row filtered): 0, 1 and 0 for off
+  std::vector<float> top_p, min_p;
 
   bool sampled(int64_t b) const { return !temperature.empty() && temperature[b] > 0.0f; }
+  bool filtered(int64_t b) const { return !top_k.empty() && sampling::filtered(top_k[b], top_p[b], min_p[b]); }
   bool any() const {
     for (const float t : temperature) {
       if (t > 0.0f) return true;
@@ -481,13 +486,18 @@ void run_tree_step(ChainRunner<T>& target, const int64_t* tokens, const int64_t*
   std::unique_ptr<bool[]> mask(new bool[B * T_ * T_]);  // [B, T, T]: each node's ancestors and itself
   for (int64_t b = 0; b < B; ++b) ancestor_mask(parents + b * T_, T_, mask.get() + b * T_ * T_, depths.data() + b * T_);
   const T* logits = target.forward_tree(tokens, B, T_, L, depths.data(), mask.get());  // [B * T, V]
+  std::vector<float> zt, buf;  // a filtered row's scaled logits and its threshold's scratch
   for (int64_t b = 0; b < B; ++b) {
     const auto row = [&](int64_t i) { return logits + (b * T_ + i) * V; };
     if (sampling != nullptr && sampling->sampled(b)) {
       const float t = sampling->temperature[b];
       const int64_t seed = sampling->seeds[b];
+      const bool filtered = sampling->filtered(b);
       const auto choose = [&](int64_t i) {
-        return rng::perturbed_argmax(row(i), V, t, rng::noise_key(seed, L[b] + depths[b * T_ + i]));
+        const uint64_t key = rng::noise_key(seed, L[b] + depths[b * T_ + i]);
+        if (!filtered) return rng::perturbed_argmax(row(i), V, t, key);
+        return sampling::filtered_argmax(row(i), V, t, key, sampling->top_k[b], sampling->top_p[b],
+                                         sampling->min_p[b], zt, buf);
       };
       counts[b] = greedy::walk_choosing(choose, tokens + b * T_, parents + b * T_, T_, path + b * T_, out + b * T_);
     } else {

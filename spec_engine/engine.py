@@ -67,12 +67,12 @@ class EngineConfig:
     native_tree_step : a regular step of greedy rows (trees drafted in Python: suffix speculations, static trees)
         verifies in one native call (``tree_step``) on a native target; False: the target pass, ``verify_tree`` and
         compaction as separate ops.
-    couple_unseeded : unseeded sampled requests (``invariant`` unset) with no top-k, top-p or min-p sample through
-        the position-keyed coupling (``spec_engine/coupling.py``) rather than by rejection sampling. None: where the
-        native calls sample coupled rows (a native target with an EAGLE-3 head's chains on the CPU,
-        ``StepRunner.samples_natively``, and ``spec_chain_steps`` > 0), which ran them 1.2-1.3x faster than
-        rejection sampling's regular steps at about its acceptance (bench/RESULTS.md, "Sampled rows in the native
-        steps"); elsewhere rejection sampling, which accepts a little more.
+    couple_unseeded : unseeded sampled requests (``invariant`` unset) sample through the position-keyed coupling
+        (``spec_engine/coupling.py``) rather than by rejection sampling. None: where the native calls sample coupled
+        rows (a native target with an EAGLE-3 head's chains on the CPU, ``StepRunner.samples_natively``, and
+        ``spec_chain_steps`` > 0), which ran them 1.2-1.3x faster than rejection sampling's regular steps at about its
+        acceptance (bench/RESULTS.md, "Sampled rows in the native steps"); elsewhere rejection sampling, which accepts
+        a little more.
     """
 
     plain_chain: int = 16
@@ -260,9 +260,7 @@ class Engine:
         ids = self.check_request(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         # through the coupling: as the request asks (a seed, or invariant), or unseeded where this engine chooses it
-        # (the native calls take no top-k, top-p or min-p: such a request keeps rejection sampling)
-        coupled = params.coupled or (self.couple_unseeded and not params.greedy and params.invariant is None
-                                     and not params.filtered)  # fmt: skip
+        coupled = params.coupled or (self.couple_unseeded and not params.greedy and params.invariant is None)
         req = Request(request_id or str(next(self._ids)), ids, params, seed, key=next(self._keys),
                       stop_ids=self._stop_ids(params), coupled=coupled)  # fmt: skip
         if params.guided:

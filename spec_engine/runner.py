@@ -83,8 +83,8 @@ def _noise_seeds(reqs: list[Request]) -> torch.Tensor:
 
 def _samples_natively(reqs: list[Request]) -> bool:
     """Whether the native calls can sample these rows: each greedy, or coupled (``Request.coupled``: its tokens the
-    position-keyed coupling's, as the regular step draws them) with no top-k, top-p or min-p."""
-    return all(r.params.greedy or (r.coupled and not r.params.filtered) for r in reqs)
+    position-keyed coupling's, as the regular step draws them, top-k, top-p and min-p included)."""
+    return all(r.params.greedy or r.coupled for r in reqs)
 
 
 def _native(model, cache: PagedKVCache | None) -> NativeModel | NativeHead | None:
@@ -305,11 +305,15 @@ class StepRunner:
 
     def _sampling(self, reqs: list[Request]) -> dict:
         """A native call's sampling inputs: each row's temperature [B] float32 (0: greedy) and noise seed [B] int64,
-        the regular step's (``step_inputs``); none where every row is greedy."""
+        and where a row has top-k, top-p or min-p, every row's (``top_k`` [B] int64, ``top_p``, ``min_p`` [B]
+        float32), the regular step's (``step_inputs``); none where every row is greedy."""
         if all(r.params.greedy for r in reqs):
             return {}
-        return {"temperature": self.rows.temperature[[r.slot for r in reqs]].float().contiguous(),
-                "noise_seeds": _noise_seeds(reqs)}  # fmt: skip
+        slots = [r.slot for r in reqs]
+        sampling = {"temperature": self.rows.temperature[slots].float().contiguous(), "noise_seeds": _noise_seeds(reqs)}
+        if any(r.params.filtered for r in reqs):
+            sampling.update(top_k=self.rows.top_k[slots], top_p=self.rows.top_p[slots], min_p=self.rows.min_p[slots])
+        return sampling
 
     def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None,
                       native_verify: bool = True, logprobs: int | None = None,

@@ -316,7 +316,7 @@ class SamplingParams:
 
     @property
     def filtered(self) -> bool:
-        """Whether top-k, top-p or min-p cut the distribution (the native calls sample none such)."""
+        """Whether top-k, top-p or min-p cut the distribution."""
         return bool(self.top_k or self.top_p < 1 or self.min_p)
 
     @property

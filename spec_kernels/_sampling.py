@@ -197,7 +197,23 @@ def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tens
 
 
 def keep_threshold(z: torch.Tensor, params: RowParams) -> torch.Tensor:
-    """Per-row threshold thr [N] such that the transform keeps exactly z >= thr (-inf: keep all).
+    """Per-row threshold thr [N] such that the transform keeps exactly z >= thr (-inf: keep all); z [N, V] float32.
+
+    On the CPU one C++ call (``keep_threshold``, csrc/keep_threshold_cpu.h): the function the native steps' coupled
+    rows call, so a seeded request's tokens do not depend on which path sampled them; elsewhere
+    :func:`keep_threshold_ref`.
+    """
+    if z.device.type == "cpu":
+        from spec_kernels._ext import load_ext
+
+        load_ext()
+        _, top_k, top_p, min_p = params
+        return torch.ops.spec_kernels.keep_threshold(z, top_k, top_p, min_p)
+    return keep_threshold_ref(z, params)
+
+
+def keep_threshold_ref(z: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """:func:`keep_threshold` in torch ops, any device.
 
     Cost: rows with top-k/top-p pay one torch.topk of TOPP_CANDIDATES (about one pass over V); a top-p row whose
     candidates hold less than top_p of the mass falls back to a full sort. Rows without filters pay nothing.

@@ -320,7 +320,9 @@ SPEC_CHAIN_MAX_NODES = 1024  # the widest tree spec_chain takes (kMaxTreeNodes i
 def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, catch_up_lens, seqlens, target_kv,
                draft_kv, block_table, budget, stop_ids, *, gamma: int, max_steps: int, stop_on_reject: bool = False,
                draft_features: torch.Tensor | None = None, tree: Sequence[int] = (),
-               temperature: torch.Tensor | None = None, noise_seeds: torch.Tensor | None = None):  # fmt: skip
+               temperature: torch.Tensor | None = None, noise_seeds: torch.Tensor | None = None,
+               top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+               min_p: torch.Tensor | None = None):  # fmt: skip
     """Up to ``max_steps`` speculative steps of a draft model's or an EAGLE-3 head's chain in one native call
     (see ``spec_chain_cpu`` in csrc/runner_cpu.cpp). A head reads its features from ``draft_features``
     ``[1, num_blocks, block_size, H]`` (on the caches' blocks), and each step writes the accepted positions' there.
@@ -335,7 +337,8 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
     the head's most likely tokens, the accepted paths compacted in the target's cache after each step.
     ``temperature`` float32 and ``noise_seeds`` int64 ``[B]`` (together): the rows at a temperature > 0 are sampled
     through the position-keyed coupling (``spec_engine.coupling``: the regular step's coupled rows, the same tokens),
-    drafted by a head's chains or not at all (``gamma`` 0).
+    drafted by a head's chains or not at all (``gamma`` 0). ``top_k`` int64, ``top_p`` and ``min_p`` float32 ``[B]``
+    (together, with ``temperature``; 0, 1, 0: off): a sampled row's filters (``keep_threshold``, the regular step's).
     """
     if target.vocab_map is not None:
         raise ValueError("spec_chain: the target's vocabulary cannot be restricted (its logits decide the output)")
@@ -347,7 +350,7 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
                                     target.check_cache(target_kv), draft.handle, model.check_cache(draft_kv),
                                     block_table, budget, stop_ids, gamma, max_steps, stop_on_reject,
                                     draft_features if head else None, list(tree), temperature,
-                                    noise_seeds)  # fmt: skip
+                                    noise_seeds, top_k, top_p, min_p)  # fmt: skip
 
 
 def tree_step(

@@ -144,16 +144,18 @@ def small(tmp_path_factory):
     return target, train_head(target, root / "head", steps=4, vocab=V)
 
 
-def _sample_joint(small, spec: dict, temperature: float = 1.0, coupled: bool = False,
-                  seeded: bool = True) -> tuple[np.ndarray, LLM]:  # fmt: skip
+def _sample_joint(small, spec: dict, temperature: float = 1.0, coupled: bool = False, seeded: bool = True,
+                  filters: dict | None = None) -> tuple[np.ndarray, LLM]:  # fmt: skip
     """The counts of the first two tokens of N requests, seeded unless ``seeded`` is False (``coupled``: through the
     position-keyed coupling, or unseeded as the engine chooses, 4 tokens each and all admitted at once, so that native
-    steps at depth 2 run them: a call waits while a request does; else rejection sampling, 2 tokens)."""
+    steps at depth 2 run them: a call waits while a request does; else rejection sampling, 2 tokens); ``filters``:
+    their top_k, top_p, min_p."""
     target, head = small
     llm = LLM(str(target), speculative_config={"method": "eagle", "model": str(head), **spec}, max_model_len=32,
               max_num_seqs=N if coupled else 512)  # fmt: skip
     params = [SamplingParams(max_tokens=4 if coupled else 2, temperature=temperature, seed=1000 + i if seeded else None,
-                             invariant=coupled if seeded else None, ignore_eos=True) for i in range(N)]  # fmt: skip
+                             invariant=coupled if seeded else None, ignore_eos=True, **(filters or {}))
+              for i in range(N)]  # fmt: skip
     counts = np.zeros(V * V)
     for o in llm.generate([{"prompt_token_ids": PROMPT}] * N, params, use_tqdm=False):
         a, b = o.outputs[0].token_ids[:2]
@@ -528,6 +530,35 @@ def test_native_coupled_chains_are_lossless(small_eagle3, temperature, monkeypat
     assert chi2_pvalue(counts, exact_joint(small_eagle3[0], temperature, 1.0)) < P_BUG
 
 
+FILTERS = {"top_p": {"top_p": 0.7}, "top_k+min_p": {"top_k": 3, "min_p": 0.15},
+           "all": {"top_k": 4, "top_p": 0.8, "min_p": 0.05}}  # fmt: skip
+
+
+@pytest.mark.parametrize("filters", list(FILTERS.values()), ids=list(FILTERS))
+def test_native_coupled_chains_with_filters_are_lossless(small_eagle3, filters, monkeypatch):
+    """Coupled rows with top-k, top-p and min-p in the native steps (each node's perturbed argmax over the entries
+    the filters keep, ``sampling::filtered_argmax``) keep the HF-warped target's exact joint of the first two tokens
+    (chi2, and no pair the filters rule out: chi2_pvalue pools those cells away); the filters left out of the native
+    call (a planted bug) are caught."""
+    from spec_engine import runner as runner_module
+
+    counts, llm = _sample_joint(small_eagle3, {"num_speculative_tokens": 2}, 0.8, coupled=True, filters=filters)
+    stats = llm.engine.stats
+    assert stats["num_accepted"] > N // 10, "the head must be accepted often for this test to bite"
+    assert stats["num_regular_steps"] <= 2, "the native steps must have run the rows"
+    exact = exact_joint(small_eagle3[0], 0.8, filters.get("top_p", 1.0), filters.get("top_k", 0),
+                        filters.get("min_p", 0.0))  # fmt: skip
+    assert chi2_pvalue(counts, exact) > P_MIN and counts[exact == 0].sum() == 0
+    honest = runner_module.StepRunner._sampling
+
+    def unfiltered(self, reqs):
+        return {k: v for k, v in honest(self, reqs).items() if k not in ("top_k", "top_p", "min_p")}
+
+    monkeypatch.setattr(runner_module.StepRunner, "_sampling", unfiltered)
+    counts, _ = _sample_joint(small_eagle3, {"num_speculative_tokens": 2}, 0.8, coupled=True, filters=filters)
+    assert counts[exact == 0].sum() > N // 20
+
+
 def test_unseeded_requests_couple_where_the_native_steps_sample(small_eagle3, models):
     """An engine whose native calls sample coupled rows (a native EAGLE-3 head on the CPU) samples unseeded requests
     through the coupling, there (losslessly: chi2); ``EngineConfig(couple_unseeded=False)`` keeps rejection sampling,
@@ -550,8 +581,8 @@ def test_unseeded_requests_couple_where_the_native_steps_sample(small_eagle3, mo
     assert off.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, invariant=True)).coupled
     eagle1 = _llm(models, {"num_speculative_tokens": 2}).engine  # an EAGLE-1 head: no native head calls
     assert not eagle1.couple_unseeded and not eagle1.add_request([5, 17], sampled).coupled
-    # the native calls take no filters, no sampled trees, and none at all with spec_chain_steps=0
-    assert not eng.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9)).coupled
+    # the native calls take filtered rows, but no sampled trees, and none at all with spec_chain_steps=0
+    assert eng.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9)).coupled
     tree = LLM(str(target), speculative_config=spec | {"tree": [2, 1]}, max_model_len=32).engine
     off = LLM(str(target), speculative_config=spec, max_model_len=32, engine_config=EngineConfig(spec_chain_steps=0))
     assert not tree.couple_unseeded and not off.engine.couple_unseeded
@@ -559,16 +590,18 @@ def test_unseeded_requests_couple_where_the_native_steps_sample(small_eagle3, mo
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_native_coupled_steps_are_plain_samplings_tokens(models, plain_greedy, tmp_path, temperature):
-    """Seeded rows (coupled) in the native steps, alone and beside greedy rows: plain sampled decoding's tokens (no
-    drafter), and the drafts and acceptances of the regular step (``spec_chain_steps=0``: eagle3_draft with the noise
-    drawn in Python, verify_tree's coupled walk): the two compute the same noise floats."""
+    """Seeded rows (coupled) in the native steps, alone and beside greedy rows, with and without top-k, top-p and
+    min-p: plain sampled decoding's tokens (no drafter), and the drafts and acceptances of the regular step
+    (``spec_chain_steps=0``: eagle3_draft with the noise drawn in Python, verify_tree's coupled walk): the two compute
+    the same noise and thresholds."""
     from spec_engine.engine import EngineConfig
 
     target, _ = models
     head = str(write_published_head(tmp_path / "eagle3", "eagle3"))
-    params = [SamplingParams(max_tokens=24, temperature=temperature, seed=7 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))] + [SamplingParams(max_tokens=24)]  # fmt: skip
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS + PROMPTS[:1]]
+    filters = [{}, {"top_p": 0.9}, {"top_k": 20, "min_p": 0.02}, {"top_k": 40, "top_p": 0.95, "min_p": 0.01}]
+    params = [SamplingParams(max_tokens=24, temperature=temperature, seed=7 + i, ignore_eos=True, **f)
+              for i, f in enumerate(filters)] + [SamplingParams(max_tokens=24)]  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + PROMPTS[:1] * 2]
     plain = LLM(str(target), max_model_len=128).generate(prompts, params, use_tqdm=False)
     keys = ("num_steps", "num_drafted", "num_accepted", "accepted_length_hist")
     runs = []

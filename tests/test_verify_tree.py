@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from spec_kernels._ext import load_ext  # noqa: E402
-from spec_kernels._sampling import RowParams, transform_probs  # noqa: E402
+from spec_kernels._sampling import RowParams, keep_threshold, keep_threshold_ref, transform_probs  # noqa: E402
 from spec_kernels.reference import _transform_row_ref  # noqa: E402
 
 vt = importlib.import_module("spec_kernels.verify_tree")
@@ -412,6 +412,38 @@ def test_transform_matches_hf_warpers(t, k, p, m):
     dtypes = (torch.float32, torch.int64, torch.float32, torch.float32)
     params = RowParams(*(torch.full((6,), v, dtype=d) for v, d in zip((t, k, p, m), dtypes)))
     assert torch.allclose(transform_probs(logits, params).double(), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("V", [7, 111, 5000])
+def test_the_native_threshold_keeps_what_the_torch_one_keeps(V):
+    """``keep_threshold`` on the CPU (one C++ function, the native steps' own) keeps the entries its torch reference
+    keeps: every filter alone and together, k past the candidates (1,024) and past V, ties, -inf entries, and top-p
+    rows whose candidates hold too little mass (a flat row of 5,000: the search falls back to the whole row). The
+    two sum the masses in different orders, so an entry whose mass before it is top_p to within float32 rounding
+    (top_p 0.999999) may fall either side."""
+    g = torch.Generator().manual_seed(V)
+    rows = []
+    for k, p, m in [(0, 1.0, 0.0), (1, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.5, 0.0), (0, 0.95, 0.0), (0, 0.999999, 0.0),
+                    (0, 1.0, 0.1), (5, 0.8, 0.02), (1500, 0.9, 0.0), (V, 0.7, 0.0), (V + 3, 1.0, 0.3)]:  # fmt: skip
+        for scale in (0.05, 1.0, 4.0):
+            rows.append((k, p, m, scale))
+    z = torch.stack([torch.randn(V, generator=g) * scale for *_, scale in rows])  # [N, V]
+    z[::4, : V // 3] = z[::4, V // 3 : 2 * (V // 3)]  # ties
+    z[1::5, ::7] = -math.inf
+    z[2::6] = z[2::6].round()  # many ties at the boundaries
+    dtypes = (torch.int64, torch.float32, torch.float32)
+    params = RowParams(
+        torch.ones(len(rows)), *(torch.tensor([r[i] for r in rows], dtype=d) for i, d in enumerate(dtypes))
+    )
+    native, ref = keep_threshold(z, params), keep_threshold_ref(z, params)
+    differ = (z >= native[:, None]) != (z >= ref[:, None])  # [N, V]
+    rows_differ = differ.any(-1).nonzero().squeeze(1).tolist()
+    assert len(rows_differ) <= 1
+    for i in rows_differ:
+        p = torch.softmax(torch.where(z[i] >= min(ref[i], native[i]), z[i], -math.inf).double(), -1)  # [V]
+        before = (p[None, :] * (z[i][None, :] > z[i][:, None])).sum(-1)  # [V]: the mass of the entries above each
+        assert rows[i][1] == 0.999999 and bool(((before - 0.999999).abs() < 1e-5)[differ[i]].all())
+    assert torch.equal(native == -math.inf, ref == -math.inf)  # (the rows that keep all)
 
 
 def test_top_k_and_top_p_keep_ties():
