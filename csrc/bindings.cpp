@@ -55,7 +55,10 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_p
                            const c10::optional<at::Tensor>& block_table, int64_t gamma, bool strict);
 at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache,
                             const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
-                            int64_t steps, const c10::optional<at::Tensor>& stop_ids);
+                            int64_t steps, const c10::optional<at::Tensor>& stop_ids,
+                            const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& noise_seeds,
+                            const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
+                            const c10::optional<at::Tensor>& min_p);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const at::Tensor& catch_up, const at::Tensor& catch_up_lens, const at::Tensor& seqlens,
     const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv,
@@ -219,7 +222,8 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor cache_seqlens, Tensor? block_table, int gamma, bool strict=False) -> Tensor");
   m.def(
       "greedy_steps(Tensor roots, __torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, "
-      "Tensor cache_seqlens, Tensor? block_table, int steps, Tensor? stop_ids=None) -> Tensor");
+      "Tensor cache_seqlens, Tensor? block_table, int steps, Tensor? stop_ids=None, Tensor? temperature=None, "
+      "Tensor? noise_seeds=None, Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) -> Tensor");
   m.def(
       "spec_chain(Tensor catch_up, Tensor catch_up_lens, Tensor seqlens, "
       "__torch__.torch.classes.spec_kernels.NativeModel target, Tensor(a!) t_kv, "

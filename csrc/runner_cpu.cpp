@@ -63,6 +63,44 @@ ChainRunner<T> runner_of(const char* op, const NativeModel& m, const at::Tensor&
                         B, m.hidden_norm, m.norm_before_residual);
 }
 
+using OptTensor = c10::optional<at::Tensor>;
+
+// A native call's sampled rows (Sampling, csrc/runner_cpu.h), checked: temperature [B] float32 and noise_seeds [B]
+// int64 together (none: every row greedy); top_k [B] int64, top_p and min_p [B] float32 together, with them.
+Sampling sampling_of(const char* op, int64_t B, const OptTensor& temperature, const OptTensor& noise_seeds,
+                     const OptTensor& top_k, const OptTensor& top_p, const OptTensor& min_p) {
+  Sampling s;
+  TORCH_CHECK_VALUE(temperature.has_value() == noise_seeds.has_value(), op, ": temperature and noise_seeds go together");
+  TORCH_CHECK_VALUE(top_k.has_value() == top_p.has_value() && top_p.has_value() == min_p.has_value() &&
+                        (!top_k.has_value() || temperature.has_value()),
+                    op, ": top_k, top_p and min_p go together, with temperature");
+  if (!temperature.has_value()) return s;
+  const auto rows = [&](const at::Tensor& t, at::ScalarType type) {
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == B && t.scalar_type() == type, op,
+                      ": per-row sampling inputs must be [B] = [", B, "] ", type, ", got ", t.sizes(), " ",
+                      t.scalar_type());
+    return t.contiguous();
+  };
+  const at::Tensor t = rows(*temperature, at::kFloat), seeds = rows(*noise_seeds, at::kLong);
+  s.temperature.assign(t.data_ptr<float>(), t.data_ptr<float>() + B);
+  s.seeds.assign(seeds.data_ptr<int64_t>(), seeds.data_ptr<int64_t>() + B);
+  for (const float v : s.temperature) {
+    TORCH_CHECK_VALUE(std::isfinite(v) && v >= 0.0f, op, ": temperatures must be finite and >= 0, got ", v);
+  }
+  if (!top_k.has_value()) return s;
+  const at::Tensor k = rows(*top_k, at::kLong), p = rows(*top_p, at::kFloat), m = rows(*min_p, at::kFloat);
+  s.top_k.assign(k.data_ptr<int64_t>(), k.data_ptr<int64_t>() + B);
+  s.top_p.assign(p.data_ptr<float>(), p.data_ptr<float>() + B);
+  s.min_p.assign(m.data_ptr<float>(), m.data_ptr<float>() + B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(s.top_k[b] >= 0 && s.top_p[b] > 0.0f && s.top_p[b] <= 1.0f && s.min_p[b] >= 0.0f &&
+                          s.min_p[b] <= 1.0f,
+                      op, ": top_k must be >= 0, top_p in (0, 1] and min_p in [0, 1], got ", s.top_k[b], ", ",
+                      s.top_p[b], " and ", s.min_p[b]);
+  }
+  return s;
+}
+
 }  // namespace
 
 // A greedy draft chain in one call: from the roots' draft logits [B, V], gamma tokens per row, each the argmax of
@@ -109,7 +147,8 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_p
 
 // K plain greedy steps in one call (the target's plain decoding, batched): the speculative steps' loop
 // (run_spec_chain) with no draft. The roots [B] run at positions L_b, then token d = 1 .. K is the argmax of the
-// previous forward's logits, tokens 1 .. K - 1 run at L_b + d (their K/V written there, as K one-token steps
+// previous forward's logits (a sampled row's perturbed argmax: `temperature`, `noise_seeds` and its filters, as
+// spec_chain_cpu takes them), tokens 1 .. K - 1 run at L_b + d (their K/V written there, as K one-token steps
 // would). Returns tokens [B, K'] int64, K' <= K: the call ends after the first token at which any row emits one of
 // stop_ids [S] (a row's end of text: no forward is spent past it, so a long chain costs nothing at a request's end;
 // the engine cuts each row at its own stop tokens and runs the rows that go on in its next call), and before a step
@@ -117,7 +156,10 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_p
 // way, which sanitises or raises).
 at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache,
                             const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
-                            int64_t steps, const c10::optional<at::Tensor>& stop_ids) {
+                            int64_t steps, const c10::optional<at::Tensor>& stop_ids,
+                            const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& noise_seeds,
+                            const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
+                            const c10::optional<at::Tensor>& min_p) {
   const NativeModel& m = *model;
   TORCH_CHECK_VALUE(roots.dim() == 1 && roots.device().is_cpu(), "greedy_steps: roots must be [B] on CPU, got ",
                     roots.sizes());
@@ -136,6 +178,7 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Na
   ChainRows rows{B, 0, steps, false, {}, std::vector<int64_t>(B, 1), {}, std::vector<int64_t>(B, steps), {}, 1};
   rows.catch_up.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + B);
   rows.L.assign(seqlens.data_ptr<int64_t>(), seqlens.data_ptr<int64_t>() + B);
+  rows.sampling = sampling_of("greedy_steps", B, temperature, noise_seeds, top_k, top_p, min_p);
   if (stop_ids.has_value()) {
     const at::Tensor s = stop_ids->to(at::kLong).contiguous();
     rows.stops.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
@@ -300,44 +343,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
                  std::vector<int64_t>(B), {}, P};
   rows.tree = TreeShape(tree.empty() ? std::vector<int64_t>(gamma, 1) : tree.vec());
   TORCH_CHECK_VALUE(head || rows.tree.is_chain(), "spec_chain: a draft model drafts chains (trees: an EAGLE-3 head)");
-  TORCH_CHECK_VALUE(temperature.has_value() == noise_seeds.has_value(),
-                    "spec_chain: temperature and noise_seeds go together");
-  if (temperature.has_value()) {
-    TORCH_CHECK_VALUE(temperature->dim() == 1 && temperature->size(0) == B && temperature->scalar_type() == at::kFloat &&
-                          noise_seeds->dim() == 1 && noise_seeds->size(0) == B &&
-                          noise_seeds->scalar_type() == at::kLong,
-                      "spec_chain: temperature must be float32 [B] and noise_seeds int64 [B] = [", B, "], got ",
-                      temperature->sizes(), " ", temperature->scalar_type(), " and ", noise_seeds->sizes(), " ",
-                      noise_seeds->scalar_type());
-    const at::Tensor t = temperature->contiguous(), seeds = noise_seeds->contiguous();
-    rows.sampling.temperature.assign(t.data_ptr<float>(), t.data_ptr<float>() + B);
-    rows.sampling.seeds.assign(seeds.data_ptr<int64_t>(), seeds.data_ptr<int64_t>() + B);
-    for (const float v : rows.sampling.temperature) {
-      TORCH_CHECK_VALUE(std::isfinite(v) && v >= 0.0f, "spec_chain: temperatures must be finite and >= 0, got ", v);
-    }
-    TORCH_CHECK_VALUE(!rows.sampling.any() || gamma == 0 || (head && rows.tree.is_chain()),
-                      "spec_chain: sampled rows draft an EAGLE-3 head's chains (a draft model and trees: the regular "
-                      "step)");
-  }
-  TORCH_CHECK_VALUE(top_k.has_value() == top_p.has_value() && top_p.has_value() == min_p.has_value() &&
-                        (!top_k.has_value() || temperature.has_value()),
-                    "spec_chain: top_k, top_p and min_p go together, with temperature");
-  if (top_k.has_value()) {
-    TORCH_CHECK_VALUE(top_k->dim() == 1 && top_k->size(0) == B && top_k->scalar_type() == at::kLong &&
-                          top_p->dim() == 1 && top_p->size(0) == B && top_p->scalar_type() == at::kFloat &&
-                          min_p->dim() == 1 && min_p->size(0) == B && min_p->scalar_type() == at::kFloat,
-                      "spec_chain: top_k must be int64 [B] and top_p, min_p float32 [B] = [", B, "]");
-    const at::Tensor k = top_k->contiguous(), p = top_p->contiguous(), m = min_p->contiguous();
-    rows.sampling.top_k.assign(k.data_ptr<int64_t>(), k.data_ptr<int64_t>() + B);
-    rows.sampling.top_p.assign(p.data_ptr<float>(), p.data_ptr<float>() + B);
-    rows.sampling.min_p.assign(m.data_ptr<float>(), m.data_ptr<float>() + B);
-    for (int64_t b = 0; b < B; ++b) {
-      const float pb = rows.sampling.top_p[b], mb = rows.sampling.min_p[b];
-      TORCH_CHECK_VALUE(rows.sampling.top_k[b] >= 0 && pb > 0.0f && pb <= 1.0f && mb >= 0.0f && mb <= 1.0f,
-                        "spec_chain: top_k must be >= 0, top_p in (0, 1] and min_p in [0, 1], got ",
-                        rows.sampling.top_k[b], ", ", pb, " and ", mb);
-    }
-  }
+  rows.sampling = sampling_of("spec_chain", B, temperature, noise_seeds, top_k, top_p, min_p);
+  TORCH_CHECK_VALUE(!rows.sampling.any() || gamma == 0 || (head && rows.tree.is_chain()),
+                    "spec_chain: sampled rows draft an EAGLE-3 head's chains (a draft model and trees: the regular "
+                    "step)");
   for (const int64_t children : rows.tree.branching) {
     TORCH_CHECK_VALUE(children <= d.lm_head.size(0), "spec_chain: ", children, " children per node, but the draft ",
                       "vocabulary has ", d.lm_head.size(0), " tokens");

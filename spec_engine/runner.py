@@ -4,8 +4,8 @@ The scheduler (``Engine``) chooses the rows, their depths and how many steps a c
 natively where it can (decided once, when it is built) and as the regular step otherwise, and returns what
 changed as one ``StepResult`` for ``Engine._apply`` to commit:
 
-- a plain chain: K plain greedy steps in one C++ call (``greedy_steps``; ``spec_chain`` at depth 0 where a head
-  reads the target's features, which samples coupled rows too);
+- a plain chain: K plain steps in one C++ call (``greedy_steps``; ``spec_chain`` at depth 0 where a head reads the
+  target's features), of greedy rows and coupled sampled ones;
 - a spec chain: up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chains (a
   head's static trees too) in one C++ call (``spec_chain``); with a head's chains, coupled sampled rows too
   (``_samples_natively``: the position-keyed coupling's tokens, as the regular step draws them);
@@ -162,10 +162,12 @@ class StepRunner:
         reads = drafter is not None and drafter.needs_hidden
         self.native_tree = None if reads and drafter.target_layers is None else self.native_target
         self.tree_capture = tuple(drafter.target_layers) if reads and self.native_tree is not None else ()
-        # the native calls sample coupled rows: a head's chains and its target's plain steps (spec_chain)
+        # the native calls sample coupled rows: a head's chains and its target's plain steps (spec_chain), and a
+        # target's plain steps where nothing drafts (greedy_steps)
         tree = drafter.tree if drafter is not None else None
         chains = tree is None or tree.is_chain
-        self.samples_natively = self.native_target is not None and isinstance(self.native_draft, NativeHead) and chains
+        head_chains = isinstance(self.native_draft, NativeHead) and chains
+        self.samples_natively = self.native_target is not None and (drafter is None or head_chains)
 
     def cache_lag(self, req: Request) -> int:
         """Tokens before ``req``'s root that its draft cache has not seen (0 for a drafter without a cache)."""
@@ -200,7 +202,7 @@ class StepRunner:
 
         Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter or none this step (a drafter that reads
         the target's features must see every step, so only a native head, whose features the call stores) and all
-        rows greedy (or, for a head's target, coupled: ``_samples_natively``), the target runs up to ``max_steps``
+        rows greedy or coupled (``_samples_natively``), the target runs up to ``max_steps``
         forwards in one C++ call, so the step's Python and dispatch, comparable to a small model's whole forward, is
         paid once per chain. Same forwards, same kernels, same tokens (tests/test_native_steps.py); the call ends at a
         row's stop token, so a long chain wastes no forward at a request's end. A chain of one (a row's last token)
@@ -208,8 +210,7 @@ class StepRunner:
         head_target = self.drafter is not None and self.drafter.needs_hidden
         if self.native_target is None or (head_target and not isinstance(self.native_draft, NativeHead)):
             return 0
-        # (sampled rows: through a head's target's spec_chain, which samples coupled rows; greedy_steps does not)
-        if not all(r.params.greedy for r in reqs) and not (head_target and _samples_natively(reqs)):
+        if not _samples_natively(reqs):  # (coupled sampled rows: spec_chain at depth 0 and greedy_steps sample them)
             return 0
         cap = self.drafter.plain_chain_cap if self.drafter is not None else None
         return min(max_steps, cap or max_steps, min(r.tokens_left for r in reqs))
@@ -235,9 +236,8 @@ class StepRunner:
             )  # fmt: skip  # [B, K, 2]: per step 1 (0 where not run) then the token
             tokens = steps[:, : int((steps[0, :, 0] > 0).sum()), 1]  # [B, K' <= K]
         else:
-            tokens = greedy_steps(
-                roots, self.native_target, self.kv.data, seqlens, steps=K, block_table=table, stop_ids=stops
-            )  # [B, K' <= K]
+            tokens = greedy_steps(roots, self.native_target, self.kv.data, seqlens, steps=K, block_table=table,
+                                  stop_ids=stops, **self._sampling(reqs))  # fmt: skip  # [B, K' <= K]
         forwards = time.perf_counter() - forwards
         if tokens.shape[1] == 0:
             return None

@@ -301,17 +301,24 @@ def greedy_steps(
     steps: int,
     block_table: torch.Tensor | None = None,
     stop_ids: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    noise_seeds: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``steps`` plain greedy steps per row in one native call (see ``greedy_steps_cpu``): the roots ``[B]`` run at
     positions ``cache_seqlens`` (L_b), then each token is the argmax of the previous forward's logits and runs at
     L_b + d, its K/V written there: ``spec_chain``'s steps with no draft. Returns ``[B, K]`` int64, K = ``steps``,
     or fewer where some row emitted one of ``stop_ids`` ``[S]`` (the call ends after that token) or where some row's
     logits are not finite (the call ends before that step; K = 0 when the first is). The model's vocabulary cannot
-    be restricted (its logits decide the output)."""
+    be restricted (its logits decide the output). ``temperature`` ... ``min_p``: sampled rows, as ``spec_chain``
+    takes them (the position-keyed coupling's tokens)."""
     if model.vocab_map is not None:
         raise ValueError("greedy_steps: the model's vocabulary cannot be restricted (its logits decide the output)")
     return _native_ops().greedy_steps(roots, model.handle, model.check_cache(kv_cache), cache_seqlens,
-                                      block_table, steps, stop_ids)  # fmt: skip
+                                      block_table, steps, stop_ids, temperature, noise_seeds, top_k, top_p,
+                                      min_p)  # fmt: skip
 
 
 SPEC_CHAIN_MAX_NODES = 1024  # the widest tree spec_chain takes (kMaxTreeNodes in csrc/runner_cpu.cpp)

@@ -116,10 +116,22 @@ def test_waiting_requests_take_one_token_steps(target, monkeypatch):
     assert chains  # once the queue is empty, the last rows chain
 
 
-def test_sampled_rows_take_one_token_steps(target, monkeypatch):
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.8}, {"top_k": 5, "min_p": 0.05}], ids=["none", "top_p", "k+min_p"])
+def test_coupled_sampled_rows_chain_with_one_token_steps_tokens(target, monkeypatch, filters):
+    """Seeded rows (the position-keyed coupling) chain natively with no drafter (greedy_steps' perturbed argmax, over
+    the entries the filters keep), emitting the regular one-token steps' tokens; unseeded rows are coupled there too
+    (``couple_unseeded``), and rows sampled by rejection (``invariant=False``) take one-token steps."""
     llm = LLM(str(target))
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, **filters)
+    ref = run(llm, seeded, 1)
     chains = spy_chains(llm, monkeypatch)
-    run(llm, SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True), 8)
+    got = run(llm, seeded, 16)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert chains and max(chains) > 1
+    assert llm.engine.couple_unseeded and llm.engine.add_request([1, 2], SamplingParams(temperature=0.8)).coupled
+    llm.engine.abort(llm.engine.waiting[-1].request_id)
+    chains.clear()
+    run(llm, SamplingParams(max_tokens=12, temperature=0.8, seed=3, invariant=False, ignore_eos=True), 16)
     assert chains == []
 
 
@@ -291,7 +303,8 @@ def test_spec_chain_at_depth_zero_is_plain_decoding(target, draft):
 def test_spec_chain_refuses_bad_trees_and_sampling(target, draft):
     """spec_chain's ``tree``: gamma levels of >= 1 children, at most 1024 nodes, and an EAGLE-3 head's only (a draft
     model drafts chains); its ``temperature`` and ``noise_seeds``: together, float32 and int64 [B], finite and >= 0,
-    and sampled rows drafted by a head's chains only. Each mistake is a ValueError naming it, before any forward."""
+    and sampled rows drafted by a head's chains only; ``top_k``, ``top_p`` and ``min_p``: together, with them, [B] in
+    range. Each mistake is a ValueError naming it, before any forward."""
     from spec_kernels.decoder_layers import spec_chain
 
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
@@ -308,9 +321,21 @@ def test_spec_chain_refuses_bad_trees_and_sampling(target, draft):
         ({"tree": [32, 32, 2]}, 3, "at most 1024 nodes"),
         ({"tree": [2, 1]}, 2, "a draft model drafts chains"),
         ({"temperature": warm}, 2, "go together"),
-        ({"temperature": warm.double(), "noise_seeds": seeds}, 2, "float32"),
+        ({"temperature": warm.double(), "noise_seeds": seeds}, 2, r"\[B\] = \[1\] Float, got \[1\] Double"),
         ({"temperature": torch.tensor([-1.0]), "noise_seeds": seeds}, 2, "finite and >= 0"),
         ({"temperature": warm, "noise_seeds": seeds}, 2, "sampled rows draft an EAGLE-3 head's chains"),
+        ({"temperature": warm, "noise_seeds": seeds, "top_k": zero}, 0, "go together"),
+        ({"top_k": zero, "top_p": warm, "min_p": warm}, 0, "with temperature"),
+        (
+            {"temperature": warm, "noise_seeds": seeds, "top_k": zero, "top_p": warm, "min_p": warm * 2},
+            0,
+            r"min_p in \[0, 1\]",
+        ),
+        (
+            {"temperature": warm, "noise_seeds": seeds, "top_k": zero, "top_p": warm.double(), "min_p": warm},
+            0,
+            "Double",
+        ),
     )
     for kwargs, gamma, message in cases:
         with pytest.raises(ValueError, match=message):
