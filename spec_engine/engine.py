@@ -69,10 +69,10 @@ class EngineConfig:
         compaction as separate ops.
     couple_unseeded : unseeded sampled requests (``invariant`` unset) sample through the position-keyed coupling
         (``spec_engine/coupling.py``) rather than by rejection sampling. None: where the native calls sample coupled
-        rows (a native target with an EAGLE-3 head's chains on the CPU, ``StepRunner.samples_natively``, and
-        ``spec_chain_steps`` > 0), which ran them 1.2-1.3x faster than rejection sampling's regular steps at about its
-        acceptance (bench/RESULTS.md, "Sampled rows in the native steps"); elsewhere rejection sampling, which accepts
-        a little more.
+        rows (a native target on the CPU with an EAGLE-3 head's chains and ``spec_chain_steps`` > 0, or with no
+        drafter and ``plain_chain`` > 1: ``StepRunner.samples_natively``), which ran them 1.2-1.3x faster than
+        rejection sampling's regular steps at about its acceptance (bench/RESULTS.md, "Sampled rows in the native
+        steps"); elsewhere rejection sampling, which accepts a little more.
     """
 
     plain_chain: int = 16
@@ -149,7 +149,8 @@ class Engine:
         self.runner = StepRunner(target, kv, drafter, self.rows, block_size=allocator.block_size,
                                  max_tree_nodes=self.max_tree_nodes(), prefill_chunk=prefill_chunk)  # fmt: skip
         couple = self.config.couple_unseeded
-        native = self.runner.samples_natively and self.config.spec_chain_steps > 0
+        cfg = self.config  # (the native calls that sample: spec chains, or with no drafter plain chains)
+        native = self.runner.samples_natively and (cfg.spec_chain_steps > 0 if drafter else cfg.plain_chain > 1)
         self.couple_unseeded = native if couple is None else couple
         self.controller = None
         if adaptive and drafter is not None:
