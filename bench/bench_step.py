@@ -117,20 +117,20 @@ def stream_gbps(num_bytes: int = 256 << 20):
     return sample
 
 
-NATIVE_STEPS = 16  # forwards per greedy_steps call in native_step
+NATIVE_STEPS = 16  # forwards per plain_steps call in native_step
 
 
 def native_step(eng):
     """A callable running NATIVE_STEPS native one-token forwards in one call, as the engine's chains run them
-    (``greedy_steps``: no Python per forward): the per-forward cost c compares in the engine's own steps
+    (``plain_steps``: no Python per forward): the per-forward cost c compares in the engine's own steps
     (``spec_chain``)."""
-    from spec_kernels.decoder_layers import greedy_steps
+    from spec_kernels.decoder_layers import plain_steps
 
     block_size = eng.kv.data.shape[3]
     table = torch.arange(1, 2 + (CTX + NATIVE_STEPS) // block_size, dtype=torch.int32)[None]  # [1, W]
 
     def once():
-        greedy_steps(torch.tensor([5]), eng.runner.native_target, eng.kv.data, torch.tensor([CTX], dtype=torch.int32),
+        plain_steps(torch.tensor([5]), eng.runner.native_target, eng.kv.data, torch.tensor([CTX], dtype=torch.int32),
                      steps=NATIVE_STEPS, block_table=table)  # fmt: skip
 
     once()  # (builds the extension)
@@ -475,7 +475,7 @@ def print_step_cost(result: dict) -> None:
         if row["model"] == "c":
             print(f"  c = draft/target fwd(1), {row['dtype']}: {row['c']:.3f} (best {row['c_best']:.3f}; bare matmuls "
                   f"{row['c_mm_best']:.3f}); control/fwd {row['control_over_fwd']:.3f}")  # fmt: skip
-            print(f"  c native (one-token forwards in one greedy_steps call, as the engine's chains run them), "
+            print(f"  c native (one-token forwards in one plain_steps call, as the engine's chains run them), "
                   f"{row['dtype']}: {row['c_native']:.3f} (best {row['c_native_best']:.3f}): draft "
                   f"{row['draft_native_ms']:.3f} ms, target {row['target_native_ms']:.3f} ms")  # fmt: skip
             continue
@@ -534,7 +534,7 @@ def markdown(result: dict) -> str:
             if row["model"] == "c":
                 lines.append(f"- c ({row['dtype']}): {row['c']:.3f} from medians, {row['c_best']:.3f} from bests (bare "
                              f"matmuls {row['c_mm_best']:.3f}); control / fwd(1): {row['control_over_fwd']:.2f} "
-                             f"(bests {row['control_over_fwd_best']:.2f}); native forwards (greedy_steps, as the "
+                             f"(bests {row['control_over_fwd_best']:.2f}); native forwards (plain_steps, as the "
                              f"engine's chains): {row['c_native']:.3f} from medians, {row['c_native_best']:.3f} from "
                              f"bests (draft {row['draft_native_ms']:.3f} ms, target "
                              f"{row['target_native_ms']:.3f} ms)")  # fmt: skip

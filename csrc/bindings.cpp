@@ -1,7 +1,7 @@
 // The only file that registers ops: spec_kernels::compact_kv_ with CPU, CUDA and Meta kernels, and
 // spec_kernels::linear (csrc/linear_cpu.cpp), spec_kernels::quant_linear (csrc/quant_linear_cpu.cpp) and
 // spec_kernels::decoder_layers (csrc/decoder_layers_cpu.cpp) with CPU and Meta kernels, the native step runners
-// spec_kernels::draft_chain, greedy_steps, eagle3_draft, spec_chain and tree_step (csrc/runner_cpu.cpp) with the class
+// spec_kernels::draft_chain, plain_steps, eagle3_draft, spec_chain and tree_step (csrc/runner_cpu.cpp) with the class
 // spec_kernels.NativeModel they take (csrc/native_model.h),
 // spec_kernels::verify_greedy (csrc/verify_tree_cpu.cpp: verify_tree's all-greedy CPU walk),
 // spec_kernels::keep_threshold (csrc/keep_threshold_cpu.cpp: the sampling filters' threshold), and the class
@@ -53,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
 at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_ptr<NativeModel>& model,
                            at::Tensor kv_cache, const at::Tensor& cache_seqlens,
                            const c10::optional<at::Tensor>& block_table, int64_t gamma, bool strict);
-at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache,
+at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache,
                             const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
                             int64_t steps, const c10::optional<at::Tensor>& stop_ids,
                             const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& noise_seeds,
@@ -82,6 +82,8 @@ at::Tensor rng_gumbel_cpu(const at::Tensor& keys, int64_t n);
 at::Tensor rng_meta(const at::Tensor& keys, int64_t n);
 at::Tensor keep_threshold_cpu(const at::Tensor& z, const at::Tensor& top_k, const at::Tensor& top_p,
                               const at::Tensor& min_p);
+at::Tensor keep_threshold_meta(const at::Tensor& z, const at::Tensor& top_k, const at::Tensor& top_p,
+                               const at::Tensor& min_p);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
                                                        const at::Tensor& final_norm, at::Tensor kv_cache,
                                                        const at::Tensor& cache_seqlens, const at::Tensor& rope,
@@ -221,7 +223,7 @@ TORCH_LIBRARY(spec_kernels, m) {
       "draft_chain(Tensor root_logits, __torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, "
       "Tensor cache_seqlens, Tensor? block_table, int gamma, bool strict=False) -> Tensor");
   m.def(
-      "greedy_steps(Tensor roots, __torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, "
+      "plain_steps(Tensor roots, __torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, "
       "Tensor cache_seqlens, Tensor? block_table, int steps, Tensor? stop_ids=None, Tensor? temperature=None, "
       "Tensor? noise_seeds=None, Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) -> Tensor");
   m.def(
@@ -259,7 +261,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("decoder_layers", &specdec::decoder_layers_cpu);
   m.impl("verify_greedy", &specdec::verify_greedy_cpu);
   m.impl("draft_chain", &specdec::draft_chain_cpu);
-  m.impl("greedy_steps", &specdec::greedy_steps_cpu);
+  m.impl("plain_steps", &specdec::plain_steps_cpu);
   m.impl("spec_chain", &specdec::spec_chain_cpu);
   m.impl("tree_step", &specdec::tree_step_cpu);
   m.impl("eagle3_draft", &specdec::eagle3_draft_cpu);
@@ -272,6 +274,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {
   m.impl("compact_kv_", &specdec::compact_kv_meta);
   m.impl("rng_uniform", &specdec::rng_meta);
   m.impl("rng_gumbel", &specdec::rng_meta);
+  m.impl("keep_threshold", &specdec::keep_threshold_meta);
   m.impl("linear", &specdec::linear_meta);
   m.impl("quant_linear", &specdec::quant_linear_meta);
   m.impl("decoder_layers", &specdec::decoder_layers_meta);

@@ -30,11 +30,22 @@ at::Tensor keep_threshold_cpu(const at::Tensor& z, const at::Tensor& top_k, cons
   const int64_t* k = kc.data_ptr<int64_t>();
   const float *p = pc.data_ptr<float>(), *m = mc.data_ptr<float>();
   float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < N * V; ++i) {  // (sorting NaNs is undefined; the callers sanitise their rows)
+    TORCH_CHECK_VALUE(zp[i] == zp[i], "keep_threshold: z holds a NaN (sanitise it: NaN -> -inf)");
+  }
   at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf;
     for (int64_t i = lo; i < hi; ++i) o[i] = sampling::keep_threshold(zp + i * V, V, k[i], p[i], m[i], buf);
   });
   return out;
+}
+
+// Its shape and checks without values (the Meta kernel: fake-tensor tracing sees the same errors).
+at::Tensor keep_threshold_meta(const at::Tensor& z, const at::Tensor& top_k, const at::Tensor& top_p,
+                               const at::Tensor& min_p) {
+  TORCH_CHECK_VALUE(z.dim() == 2 && z.scalar_type() == at::kFloat, "keep_threshold: z must be float32 [N, V], got ",
+                    z.sizes(), " ", z.scalar_type());
+  return at::empty({z.size(0)}, z.options());
 }
 
 }  // namespace specdec

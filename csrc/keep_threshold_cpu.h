@@ -51,7 +51,8 @@ inline float keep_threshold(const float* z, int64_t V, int64_t top_k, float top_
       float before = 0.0f;  // the mass of the candidates before the next one
       int64_t keep = 0;
       while (keep < C && buf[keep] >= thr_k && before < top_p) before += std::exp(buf[keep++] - zmax) / total;
-      // found where top-p or the top-k cut ended it, or where the candidates are the whole row
+      // found where top-p or the top-k cut ended it, or where the candidates are the whole row (keep >= 1: the
+      // first candidate is the maximum, >= thr_k, and top_p > 0)
       if (before >= top_p || keep < C || C == V) {
         thr = buf[keep - 1];
         break;

@@ -1,4 +1,4 @@
-// A model as the native step runners take it (spec_kernels::draft_chain, greedy_steps, eagle3_draft and
+// A model as the native step runners take it (spec_kernels::draft_chain, plain_steps, eagle3_draft and
 // spec_chain): the class torch.classes.spec_kernels.NativeModel, built once per model by
 // spec_kernels.decoder_layers.NativeModel (a draft model, a target, or with set_head an EAGLE-3 head), checked
 // once there, and handed to every call as one argument instead of its tensors one by one.

@@ -1,5 +1,5 @@
 // The native step runners' op entry points (their pieces: csrc/runner_cpu.h): a draft's greedy chain
-// (draft_chain), the target's plain greedy steps (greedy_steps), an EAGLE-3 head's entries and chain (eagle3_draft),
+// (draft_chain), the target's plain steps (plain_steps), an EAGLE-3 head's entries and chain (eagle3_draft),
 // greedy speculative steps of a draft model's or a head's chains (spec_chain) and one greedy step over trees drafted
 // elsewhere (tree_step). Each forward is the layer stack's (csrc/layers_cpu.h), so a runner emits exactly the tokens
 // the op path's steps emit. Each takes its models as NativeModel objects (csrc/native_model.h), built and checked
@@ -145,7 +145,7 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_p
   return tokens;
 }
 
-// K plain greedy steps in one call (the target's plain decoding, batched): the speculative steps' loop
+// K plain steps in one call (the target's plain decoding, batched): the speculative steps' loop
 // (run_spec_chain) with no draft. The roots [B] run at positions L_b, then token d = 1 .. K is the argmax of the
 // previous forward's logits (a sampled row's perturbed argmax: `temperature`, `noise_seeds` and its filters, as
 // spec_chain_cpu takes them), tokens 1 .. K - 1 run at L_b + d (their K/V written there, as K one-token steps
@@ -154,31 +154,31 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_p
 // the engine cuts each row at its own stop tokens and runs the rows that go on in its next call), and before a step
 // where some row's logits are not finite (K' = 0 when the first is: the engine then decodes that step the regular
 // way, which sanitises or raises).
-at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache,
+at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache,
                             const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
                             int64_t steps, const c10::optional<at::Tensor>& stop_ids,
                             const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& noise_seeds,
                             const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
                             const c10::optional<at::Tensor>& min_p) {
   const NativeModel& m = *model;
-  TORCH_CHECK_VALUE(roots.dim() == 1 && roots.device().is_cpu(), "greedy_steps: roots must be [B] on CPU, got ",
+  TORCH_CHECK_VALUE(roots.dim() == 1 && roots.device().is_cpu(), "plain_steps: roots must be [B] on CPU, got ",
                     roots.sizes());
   TORCH_CHECK_VALUE(!stop_ids.has_value() || (stop_ids->dim() == 1 && stop_ids->device().is_cpu()),
-                    "greedy_steps: stop_ids must be [S] on CPU");
+                    "plain_steps: stop_ids must be [S] on CPU");
   const int64_t B = roots.size(0);
-  TORCH_CHECK_VALUE(steps >= 1 && steps <= m.rope_table.size(1), "greedy_steps: steps must be in [1, ",
+  TORCH_CHECK_VALUE(steps >= 1 && steps <= m.rope_table.size(1), "plain_steps: steps must be in [1, ",
                     m.rope_table.size(1), "] (the RoPE table's positions), got ", steps);
-  TORCH_CHECK_VALUE(B >= 1, "greedy_steps: no roots (B = 0)");
+  TORCH_CHECK_VALUE(B >= 1, "plain_steps: no roots (B = 0)");
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
-                    "greedy_steps: cache_seqlens must be [B] = [", B, "]");
+                    "plain_steps: cache_seqlens must be [B] = [", B, "]");
   TORCH_CHECK_VALUE(!m.restricted() && !m.is_head(),
-                    "greedy_steps: a target's own model (its logits decide the output), not a draft's or a head");
+                    "plain_steps: a target's own model (its logits decide the output), not a draft's or a head");
   const at::Tensor ids = roots.to(at::kLong).contiguous();              // [B]
   const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
   ChainRows rows{B, 0, steps, false, {}, std::vector<int64_t>(B, 1), {}, std::vector<int64_t>(B, steps), {}, 1};
   rows.catch_up.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + B);
   rows.L.assign(seqlens.data_ptr<int64_t>(), seqlens.data_ptr<int64_t>() + B);
-  rows.sampling = sampling_of("greedy_steps", B, temperature, noise_seeds, top_k, top_p, min_p);
+  rows.sampling = sampling_of("plain_steps", B, temperature, noise_seeds, top_k, top_p, min_p);
   if (stop_ids.has_value()) {
     const at::Tensor s = stop_ids->to(at::kLong).contiguous();
     rows.stops.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
@@ -187,7 +187,7 @@ at::Tensor greedy_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Na
   std::vector<double> secs(steps * 2);
   const at::Tensor table = table_of(block_table);
   with_dtype(m.rope_table.scalar_type(), [&](auto type) {
-    ChainRunner<decltype(type)> target = runner_of<decltype(type)>("greedy_steps", m, kv_cache, table, B);
+    ChainRunner<decltype(type)> target = runner_of<decltype(type)>("plain_steps", m, kv_cache, table, B);
     NoDraft none;
     run_spec_chain(target, none, rows, kv_cache, table, out.data(), secs.data());
   });
@@ -282,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 // (Sampling in csrc/runner_cpu.h: the regular step's coupled rows, the same tokens), with a head's chains or none
 // (gamma 0); greedy rows are 0.
 // The engine's step does the same work in ~10 Python-driven op calls; here it costs its kernels (ChainRunner: no
-// ATen op inside the steps). gamma 0: plain greedy steps, the draft idle (its catch-up grows by each emitted token), a
+// ATen op inside the steps). gamma 0: plain steps, the draft idle (its catch-up grows by each emitted token), a
 // head's features still stored: the plain decoding of a head's target.
 //
 // catch_up [B, P] int64: per row the tokens at positions D_b .. L_b (the draft cache's lag, then the root), padded

@@ -404,7 +404,7 @@ struct ChainRows {
 // drafted step (path [B, T]: the nodes each row accepted, -1 padded); plain(r, emitted, path, target) is what the
 // draft keeps of a plain step (gamma 0), whose catch-ups the loop extends itself.
 
-// No draft: the target's plain greedy steps (gamma 0 only: propose and commit are never called).
+// No draft: the target's plain steps (gamma 0 only: propose and commit are never called).
 struct NoDraft {
   void propose(const ChainRows&, int64_t*) {}
   template <typename TT>

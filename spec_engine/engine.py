@@ -61,7 +61,8 @@ class EngineConfig:
     """The engine's knobs. The defaults are the engine's own choice; tests and benchmarks pass others
     (``LLM(..., engine_config=EngineConfig(plain_chain=1))``) instead of patching module globals.
 
-    plain_chain : plain greedy steps per native chain (``Engine._plain_chain_len``); 1 turns chains off.
+    plain_chain : plain steps (greedy and coupled sampled rows) per native chain (``Engine._plain_chain_len``); 1 turns
+        chains off.
     spec_chain_steps : greedy speculative steps per native call (``Engine._spec_chain_steps``); 0 turns it off.
     unsure_chain_steps : the same while the adaptive controller is unsure of a row (``AdaptiveController.unsure``).
     native_tree_step : a regular step of greedy rows (trees drafted in Python: suffix speculations, static trees)
@@ -150,7 +151,9 @@ class Engine:
                                  max_tree_nodes=self.max_tree_nodes(), prefill_chunk=prefill_chunk)  # fmt: skip
         couple = self.config.couple_unseeded
         cfg = self.config  # (the native calls that sample: spec chains, or with no drafter plain chains)
-        native = self.runner.samples_natively and (cfg.spec_chain_steps > 0 if drafter else cfg.plain_chain > 1)
+        native = self.runner.samples_natively and (
+            cfg.spec_chain_steps > 0 if drafter is not None else cfg.plain_chain > 1
+        )
         self.couple_unseeded = native if couple is None else couple
         self.controller = None
         if adaptive and drafter is not None:
@@ -289,8 +292,8 @@ class Engine:
 
     def _admit(self) -> None:
         held = []  # requests that wait a step for prompt blocks a running prefill computes (their places kept)
-        spare = len(self.running)  # a block each is left free (vLLM's watermark): one admitted now is not preempted
-        # as soon as the others grow
+        spare = len(self.running)  # a block each is left free (as vLLM leaves a watermark of blocks): one admitted
+        # now is not preempted as soon as the others grow
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.block_keys is None:  # (the last token is the first step's root: never in a cached block)
@@ -318,28 +321,40 @@ class Engine:
             spare += 1
         self.waiting.extendleft(reversed(held))
 
-    def _make_room(self) -> None:
-        """Give each running request, oldest first, the blocks of its next step (``tokens_to_hold``). Where none
-        are left the newest running requests are preempted (vLLM's preemption by recompute): their blocks return, and
-        they go back to the head of the queue with their output, to be prefilled again, prompt and output, when blocks
-        allow. The oldest request always fits alone (``check_request``), so every request finishes."""
-        i = 0
+    def _make_room(self) -> bool:
+        """Give each running request, oldest first, the blocks of its next step (``tokens_to_hold``), and whether
+        some request was preempted for them. Where none are left, the newer requests first return the blocks
+        ``_top_up`` gave them beyond their next step (they hold no K/V yet); then the newest running requests are
+        preempted (vLLM's preemption by recompute): their blocks return, and they go back to the head of the queue
+        with their output, to be prefilled again, prompt and output, when blocks allow. The oldest request always fits
+        alone (``check_request``), so every request finishes."""
+        i, preempted = 0, False
         while i < len(self.running):
             req = self.running[i]
             missing = self._missing_blocks(req)
+            for newer in reversed(self.running[i + 1 :]):
+                if missing <= self.allocator.num_free:
+                    break
+                self._shrink(newer)
             while missing > self.allocator.num_free and self.running[-1] is not req:
                 self._preempt(self.running.pop())
+                preempted = True
             if missing > self.allocator.num_free:
                 self._preempt(self.running.pop())  # itself, the newest left
-                return
+                return True
             self._grow(req, missing)
             i += 1
+        return preempted
 
     def _top_up(self) -> None:
-        """After admission, give the running requests, oldest first, the blocks of a whole native call where free
-        blocks allow (``_decode`` cuts a call to the steps their blocks hold)."""
+        """After admission, give the running requests that decode this step, oldest first, the blocks of a whole
+        native call where free blocks allow, a block each left free as admission left it (``_decode`` cuts a call to
+        the steps the blocks hold)."""
         for req in self.running:
-            self._grow(req, min(self._missing_blocks(req, whole_call=True), self.allocator.num_free))
+            if req.num_tokens - 1 - req.num_computed > self.prefill_chunk:  # (still prefilling after this step)
+                continue
+            spare = self.allocator.num_free - len(self.running)
+            self._grow(req, min(self._missing_blocks(req, whole_call=True), spare))
 
     def _missing_blocks(self, req: Request, whole_call: bool = False) -> int:
         return self.allocator.blocks_for(self.tokens_to_hold(req, whole_call)) - len(req.blocks)
@@ -347,7 +362,15 @@ class Engine:
     def _grow(self, req: Request, n: int) -> None:
         if n > 0:
             req.blocks += self.allocator.take(n)
-            self.rows.grow(req.slot, req.blocks)
+            self.rows.set_blocks(req.slot, req.blocks)
+
+    def _shrink(self, req: Request) -> None:
+        """Return the blocks ``req`` holds beyond its next step's (never cached: no K/V was written to them)."""
+        extra = -self._missing_blocks(req)
+        if extra > 0:
+            self.allocator.free(req.blocks[-extra:])
+            req.blocks = req.blocks[:-extra]
+            self.rows.set_blocks(req.slot, req.blocks)  # (the row's table forgets them: padding writes go to scratch)
 
     def _preempt(self, req: Request) -> None:
         """Return ``req``'s blocks and slot and queue it first; what it emitted stays (its tokens, its drafter's
@@ -398,8 +421,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One iteration: admit, one prefill chunk, one speculative step. A request whose rows make the step fail
         is found by re-running the rows one at a time and finished with reason "error"; the others go on."""
-        self._make_room()
-        self._admit()
+        if not self._make_room():  # (a request preempted now is not readmitted at once, its K/V thrown away)
+            self._admit()
         self._top_up()
         outputs = self._isolated(self._prefill, [r for r in self.running if r.prefilling])
         decoding = [r for r in self.running if not r.prefilling]
@@ -465,8 +488,8 @@ class Engine:
     @torch.inference_mode()
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
         counts = [min(r.num_tokens - 1 - r.num_computed, self.prefill_chunk) for r in reqs]
-        # rows are padded to the widest chunk: a padded slot's position stays inside the RoPE table and the row's
-        # blocks (a short last chunk beside a long one, near the end of the context)
+        # rows are padded to the widest chunk: a padded slot's position stays inside the RoPE table (a short last
+        # chunk beside a long one, near the end of the context); past the row's blocks its K/V lands in scratch
         room = self.max_model_len + self.max_tree_nodes()
         T = min(max(counts), min(room - r.num_computed for r in reqs))
         counts = [min(n, T) for n in counts]
@@ -504,7 +527,7 @@ class Engine:
             # its full blocks of prompt K/V are final: later requests may take them (prefix caching), this one's
             # still running
             self.allocator.cache(r.blocks, r.block_keys[: r.num_computed // self.allocator.block_size])
-            if not r.prefilling:
+            if not r.prefilling and r.metrics.decode_start is None:  # (not again after a preemption)
                 r.metrics.decode_start = now
         return []
 

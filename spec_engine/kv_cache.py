@@ -43,15 +43,15 @@ class PagedKVCache:
 
 
 class BlockAllocator:
-    """Free-list of KV blocks. A request takes the blocks of its prompt and its first decode call at admission and
-    more as it grows (``take``); where none are left the engine preempts a request (``Engine._make_room``).
+    """Free-list of KV blocks. A request takes the blocks of its prompt and its first step at admission and more as
+    it grows (``take``); where none are left the engine preempts a request (``Engine._make_room``).
 
-    With ``prefix_caching`` (vLLM's automatic prefix caching), a request's full blocks of prompt tokens are cached
-    as its prefill completes them (``cache``), under a key that names every token up to the block's end (``keys``: a
-    SHA-256 chain over the blocks, so no crafted prompt can pass for another's), and a later request whose prompt
-    starts with the same tokens takes them with their K/V instead of computing them again, while their first holder
-    runs or after. A cached block no request holds is reclaimed, least recently used first, only when no free block
-    is left. ``num_free`` counts such blocks as free.
+    With ``prefix_caching`` (vLLM's automatic prefix caching), a request's full blocks of prompt tokens (after a
+    preemption, of the output its prefill computes again too) are cached as its prefill completes them (``cache``),
+    under a key that names every token up to the block's end (``keys``: a SHA-256 chain over the blocks, so no crafted
+    prompt can pass for another's), and a later request whose prompt starts with the same tokens takes them with their
+    K/V instead of computing them again, while their first holder runs or after. A cached block no request holds is
+    reclaimed, least recently used first, only when no free block is left. ``num_free`` counts such blocks as free.
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):

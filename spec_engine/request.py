@@ -115,7 +115,8 @@ class Request:
     key: int = 0  # the engine's own name for it, never reused (request ids are the caller's): RowView.key
     stop_ids: frozenset[int] = frozenset()  # the tokens that end it (Engine._stop_ids: stop_token_ids, EOS)
     grammar: GrammarState | None = None  # its guided_json / guided_regex / guided_grammar, following the output
-    block_keys: list[bytes] | None = None  # its prompt's prefix-cache keys (BlockAllocator.keys), computed once
+    block_keys: list[bytes] | None = None  # its prefix-cache keys (BlockAllocator.keys) of the tokens its prefill
+    # computes: its prompt's, computed at its first admission; after a preemption its output's too
     coupled: bool = False  # sampled through the position-keyed coupling (SamplingParams.coupled, or the engine's
     # choice for unseeded requests: EngineConfig.couple_unseeded)
     history: np.ndarray = field(init=False, repr=False)  # [capacity] int64: prompt then output tokens
@@ -219,8 +220,7 @@ class RequestRows:
     def admit(self, req: Request) -> int:
         slot = self._free.pop()
         p = req.params
-        self.block_table[slot] = SCRATCH_BLOCK
-        self.grow(slot, req.blocks)
+        self.set_blocks(slot, req.blocks)
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
             p.temperature,
             p.top_k,
@@ -229,8 +229,9 @@ class RequestRows:
         )
         return slot
 
-    def grow(self, slot: int, blocks: list[int]) -> None:
-        """The request in ``slot`` now holds ``blocks`` (its first ones unchanged, more after them)."""
+    def set_blocks(self, slot: int, blocks: list[int]) -> None:
+        """The request in ``slot`` now holds ``blocks`` (as it grows or returns unwritten ones); past them, scratch."""
+        self.block_table[slot] = SCRATCH_BLOCK
         self.block_table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
 
     def release(self, slot: int) -> None:

@@ -4,7 +4,7 @@ The scheduler (``Engine``) chooses the rows, their depths and how many steps a c
 natively where it can (decided once, when it is built) and as the regular step otherwise, and returns what
 changed as one ``StepResult`` for ``Engine._apply`` to commit:
 
-- a plain chain: K plain steps in one C++ call (``greedy_steps``; ``spec_chain`` at depth 0 where a head reads the
+- a plain chain: K plain steps in one C++ call (``plain_steps``; ``spec_chain`` at depth 0 where a head reads the
   target's features), of greedy rows and coupled sampled ones;
 - a spec chain: up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chains (a
   head's static trees too) in one C++ call (``spec_chain``); with a head's chains, coupled sampled rows too
@@ -38,7 +38,7 @@ from spec_kernels.decoder_layers import (
     SPEC_CHAIN_MAX_NODES,
     NativeHead,
     NativeModel,
-    greedy_steps,
+    plain_steps,
     spec_chain,
     tree_step,
 )
@@ -163,7 +163,7 @@ class StepRunner:
         self.native_tree = None if reads and drafter.target_layers is None else self.native_target
         self.tree_capture = tuple(drafter.target_layers) if reads and self.native_tree is not None else ()
         # the native calls sample coupled rows: a head's chains and its target's plain steps (spec_chain), and a
-        # target's plain steps where nothing drafts (greedy_steps)
+        # target's plain steps where nothing drafts (plain_steps)
         tree = drafter.tree if drafter is not None else None
         chains = tree is None or tree.is_chain
         head_chains = isinstance(self.native_draft, NativeHead) and chains
@@ -210,13 +210,13 @@ class StepRunner:
         head_target = self.drafter is not None and self.drafter.needs_hidden
         if self.native_target is None or (head_target and not isinstance(self.native_draft, NativeHead)):
             return 0
-        if not _samples_natively(reqs):  # (coupled sampled rows: spec_chain at depth 0 and greedy_steps sample them)
+        if not _samples_natively(reqs):  # (coupled sampled rows: spec_chain at depth 0 and plain_steps sample them)
             return 0
         cap = self.drafter.plain_chain_cap if self.drafter is not None else None
         return min(max_steps, cap or max_steps, min(r.tokens_left for r in reqs))
 
     def _plain_chain(self, reqs: list[Request], K: int, stops: torch.Tensor, full_steps: int) -> StepResult | None:
-        """``K`` plain greedy steps for every row in one native call (``greedy_steps``: the roots at L_b, then
+        """``K`` plain steps for every row in one native call (``plain_steps``: the roots at L_b, then
         tokens 1 .. K-1 at L_b + 1 .. L_b + K - 1, their K/V written there, as K one-token steps would), or fewer:
         the call ends at the first token that is a stop token of some row, so a chain spends no forward past a
         request's end, and before a step where some row's logits are not finite. None, with nothing committed, where
@@ -236,7 +236,7 @@ class StepRunner:
             )  # fmt: skip  # [B, K, 2]: per step 1 (0 where not run) then the token
             tokens = steps[:, : int((steps[0, :, 0] > 0).sum()), 1]  # [B, K' <= K]
         else:
-            tokens = greedy_steps(roots, self.native_target, self.kv.data, seqlens, steps=K, block_table=table,
+            tokens = plain_steps(roots, self.native_target, self.kv.data, seqlens, steps=K, block_table=table,
                                   stop_ids=stops, **self._sampling(reqs))  # fmt: skip  # [B, K' <= K]
         forwards = time.perf_counter() - forwards
         if tokens.shape[1] == 0:

@@ -85,7 +85,7 @@ def _native_ops():
 
 @dataclass(frozen=True, eq=False)
 class NativeModel:
-    """A whole model as the native step ops take it (``draft_chain``, ``greedy_steps``, ``spec_chain``), built
+    """A whole model as the native step ops take it (``draft_chain``, ``plain_steps``, ``spec_chain``), built
     once by the model's ``fuse`` (``native_model``): CPU tensors in one float32 or bfloat16 dtype, or GGUF blocks.
 
     Shapes: embed ``[V, H]``; lm_head ``[V, H]``, or ``[K, H]`` over ``vocab_map`` ``[K]`` int64 (a draft's
@@ -292,7 +292,7 @@ def draft_chain(
                                      block_table, gamma, strict)  # fmt: skip
 
 
-def greedy_steps(
+def plain_steps(
     roots: torch.Tensor,
     model: NativeModel,
     kv_cache: torch.Tensor,
@@ -307,7 +307,7 @@ def greedy_steps(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``steps`` plain greedy steps per row in one native call (see ``greedy_steps_cpu``): the roots ``[B]`` run at
+    """``steps`` plain steps per row in one native call (see ``plain_steps_cpu``): the roots ``[B]`` run at
     positions ``cache_seqlens`` (L_b), then each token is the argmax of the previous forward's logits and runs at
     L_b + d, its K/V written there: ``spec_chain``'s steps with no draft. Returns ``[B, K]`` int64, K = ``steps``,
     or fewer where some row emitted one of ``stop_ids`` ``[S]`` (the call ends after that token) or where some row's
@@ -315,8 +315,8 @@ def greedy_steps(
     be restricted (its logits decide the output). ``temperature`` ... ``min_p``: sampled rows, as ``spec_chain``
     takes them (the position-keyed coupling's tokens)."""
     if model.vocab_map is not None:
-        raise ValueError("greedy_steps: the model's vocabulary cannot be restricted (its logits decide the output)")
-    return _native_ops().greedy_steps(roots, model.handle, model.check_cache(kv_cache), cache_seqlens,
+        raise ValueError("plain_steps: the model's vocabulary cannot be restricted (its logits decide the output)")
+    return _native_ops().plain_steps(roots, model.handle, model.check_cache(kv_cache), cache_seqlens,
                                       block_table, steps, stop_ids, temperature, noise_seeds, top_k, top_p,
                                       min_p)  # fmt: skip
 
@@ -333,7 +333,7 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
     """Up to ``max_steps`` speculative steps of a draft model's or an EAGLE-3 head's chain in one native call
     (see ``spec_chain_cpu`` in csrc/runner_cpu.cpp). A head reads its features from ``draft_features``
     ``[1, num_blocks, block_size, H]`` (on the caches' blocks), and each step writes the accepted positions' there.
-    ``gamma`` 0: plain greedy steps, the draft idle (a head's features still written).
+    ``gamma`` 0: plain steps, the draft idle (a head's features still written).
 
     catch_up ``[B, P]`` the tokens each row's draft cache lacks (its lag) then its root, catch_up_lens / seqlens
     (L_b) / budget ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``: per step the count n of

@@ -338,12 +338,12 @@ def test_draft_chain_equals_level_by_level(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_steps_equal_one_token_steps(dtype):
-    """greedy_steps (the target's plain chain in one call) emits what one-token steps emit: the roots run at L_b,
+def test_plain_steps_equal_one_token_steps(dtype):
+    """plain_steps (the target's plain chain in one call) emits what one-token steps emit: the roots run at L_b,
     token d = argmax of the previous forward's logits runs at L_b + d; the cache ends the same. The call ends before
     a step where some row's logits are not finite (the engine's regular step then decodes it)."""
     from spec_kernels import linear
-    from spec_kernels.decoder_layers import LayerWeights, NativeModel, greedy_steps
+    from spec_kernels.decoder_layers import LayerWeights, NativeModel, plain_steps
 
     Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
@@ -359,7 +359,7 @@ def test_greedy_steps_equal_one_token_steps(dtype):
     native_kv = kv.clone()
     model = NativeModel(embed, LayerWeights(weights), final_norm, lm_head, rope_table, Hq, EPS)
     run = dict(steps=steps, block_table=table)
-    got = greedy_steps(roots, model, native_kv, seqlens, **run)
+    got = plain_steps(roots, model, native_kv, seqlens, **run)
     loop_kv, tok, expected = kv.clone(), roots, []
     for d in range(steps):
         rope, alone = rope_table[:, seqlens.long() + d][:, :, None], torch.ones(3, 1, 1, dtype=torch.bool)
@@ -373,18 +373,18 @@ def test_greedy_steps_equal_one_token_steps(dtype):
     full = got.tolist()
     stop = full[2][1]  # row 2's second token
     first = min(row.index(stop) for row in full if stop in row)
-    cut = greedy_steps(roots, model, kv.clone(), seqlens, stop_ids=torch.tensor([V + 5, stop]), **run)
+    cut = plain_steps(roots, model, kv.clone(), seqlens, stop_ids=torch.tensor([V + 5, stop]), **run)
     assert first <= 1 and torch.equal(cut, got[:, : first + 1])
-    never = greedy_steps(roots, model, kv.clone(), seqlens, stop_ids=torch.tensor([V + 5]), **run)
+    never = plain_steps(roots, model, kv.clone(), seqlens, stop_ids=torch.tensor([V + 5]), **run)
     assert torch.equal(never, got)
 
     broken = lm_head.clone()
     broken[7] = float("nan")  # every row's logits hold a NaN: no step runs
     broken_model = NativeModel(embed, model.layers, final_norm, broken, rope_table, Hq, EPS)
-    bad = greedy_steps(roots, broken_model, kv.clone(), seqlens, **run)
+    bad = plain_steps(roots, broken_model, kv.clone(), seqlens, **run)
     assert bad.shape == (3, 0)
     with pytest.raises(ValueError, match="token 97 is not an id"):
-        greedy_steps(torch.tensor([97, 0, 0]), model, kv.clone(), seqlens, **run)
+        plain_steps(torch.tensor([97, 0, 0]), model, kv.clone(), seqlens, **run)
 
 
 def _first_max(row: list[float], strict: bool) -> int:

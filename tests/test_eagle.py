@@ -28,7 +28,7 @@ from spec_engine.models import ModelConfig, load_model
 from spec_engine.models.llama import cache_slots
 from spec_engine.tree import causal_mask
 from spec_engine.zoo.train_eagle import head_config, init_head, ttt_loss
-from spec_kernels.decoder_layers import NativeHead, eagle3_draft, greedy_steps, spec_chain
+from spec_kernels.decoder_layers import NativeHead, eagle3_draft, plain_steps, spec_chain
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77]]
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 128  # tiny_models' llama_gqa at hidden 64
@@ -623,7 +623,7 @@ def test_native_coupled_steps_are_plain_samplings_tokens(models, plain_greedy, t
 def test_plain_native_steps_store_a_heads_features(models, tmp_path, dtype):
     """A head's target decodes plainly in native chains (spec_chain at depth 0: the head idle, the target's captured
     streams through fc into the feature cache at each emitted position), so an undrafted stretch costs no regular
-    Python step per token. Its tokens are greedy_steps', and the features it stores are those the regular step
+    Python step per token. Its tokens are plain_steps', and the features it stores are those the regular step
     stores (the target's forward_features through the head's fc) at positions 0 .. K - 1: one stored a position off,
     or from another layer's stream, differs."""
     target, _ = models
@@ -643,7 +643,7 @@ def test_plain_native_steps_store_a_heads_features(models, tmp_path, dtype):
                                        zero, cache(eng.kv.data), d_kv, None, zero + 100, zero[:0], gamma=0,
                                        max_steps=K, draft_features=features)  # fmt: skip
     tokens = steps[:, :, 1]  # [B, K]
-    assert torch.equal(tokens, greedy_steps(roots, eng.runner.native_target, cache(eng.kv.data), zero, steps=K))
+    assert torch.equal(tokens, plain_steps(roots, eng.runner.native_target, cache(eng.kv.data), zero, steps=K))
     assert not d_kv.any() and catch_up.shape == (B, K + 1)  # the head did not run: its catch-up holds every token
     seq = torch.cat([roots[:, None], tokens[:, :-1]], dim=1)  # [B, K]: the tokens at positions 0 .. K - 1
     positions = torch.arange(K).expand(B, K)

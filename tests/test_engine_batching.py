@@ -171,11 +171,55 @@ def test_request_larger_than_cache_errors_and_others_take_turns(models):
     reqs = [engine.add_request([3, 4, 5], SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(2)]
     engine.step()
     assert len(engine.running) == 2 and not engine.waiting
+    started = None
     while engine.has_unfinished():
         engine.step()
+        if reqs[1].metrics.num_preemptions and started is None:
+            started = reqs[1].metrics.decode_start  # (its rate counts from its first decode, not its resumption)
     assert [r.output_token_ids for r in reqs] == [alone, alone]
     assert [r.metrics.num_preemptions for r in reqs] == [0, 1] and engine.stats["num_preemptions"] == 1
+    assert started is not None and reqs[1].metrics.decode_start == started
     assert llm.allocator.num_used == 0
+
+
+def test_a_request_preempted_while_prefilling_and_one_aborted_while_it_waits(models, monkeypatch):
+    """A request preempted halfway through its prompt (chunks of 4) is prefilled again from the start: its tokens and
+    prompt log-probabilities are those of a cache that holds it, none counted twice. One aborted while it waits after
+    a preemption is finished at once, and the other request's tokens do not change."""
+    import spec_engine.llm as llm_mod
+
+    params = [SamplingParams(max_tokens=55, ignore_eos=True), SamplingParams(max_tokens=20, ignore_eos=True,
+                                                                              prompt_logprobs=1)]  # fmt: skip
+    prompts = [[3, 4, 5], list(range(10, 40))]
+    kw = {"max_model_len": 64, "block_size": 16, "prefill_chunk": 4}
+    ample = LLM(models["target"], **kw).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    monkeypatch.setattr(llm_mod, "plan_num_blocks", lambda *args: 6)
+    llm = LLM(models["target"], **kw)
+    engine = llm.engine
+    a = engine.add_request(prompts[0], params[0])
+    engine.step()
+    b = engine.add_request(prompts[1], params[1])
+    preempted_prefilling = False
+    while engine.has_unfinished():
+        prefilling = b.slot >= 0 and b.prefilling
+        engine.step()
+        preempted_prefilling |= prefilling and b.metrics.num_preemptions == 1 and b.slot < 0
+    assert preempted_prefilling
+    assert [a.output_token_ids, b.output_token_ids] == [o.outputs[0].token_ids for o in ample]
+    assert b.prompt_logprobs == ample[1].prompt_logprobs and len(b.prompt_logprobs) == len(prompts[1])
+    assert llm.allocator.num_used == 0
+    # the same again, the preempted request aborted while it waits
+    a = engine.add_request(prompts[0], params[0])
+    engine.step()
+    b = engine.add_request(prompts[1], params[1])
+    while not b.metrics.num_preemptions:
+        engine.step()
+    assert b in engine.waiting
+    engine.abort(b.request_id)
+    assert b.finish_reason == "abort" and b not in engine.waiting
+    while engine.has_unfinished():
+        engine.step()
+    assert a.output_token_ids == ample[0].outputs[0].token_ids and llm.allocator.num_used == 0
 
 
 LONG_TOKENS = [120, 90, 150, 60, 110, 130, 75, 100]

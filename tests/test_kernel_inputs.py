@@ -55,7 +55,7 @@ def test_a_draw_from_nan_weights_is_still_an_id():
 
 
 def test_the_step_runners_ops_load_the_extension_in_a_fresh_process(tmp_path):
-    """``greedy_steps`` (and its siblings) looked ``torch.ops.spec_kernels.greedy_steps`` up before the model's
+    """``plain_steps`` (and its siblings) looked ``torch.ops.spec_kernels.plain_steps`` up before the model's
     handle loaded the extension: in a fresh process every call failed with an AttributeError."""
     from tiny_models import make_model
 
@@ -63,10 +63,10 @@ def test_the_step_runners_ops_load_the_extension_in_a_fresh_process(tmp_path):
     code = f"""
 import torch
 from spec_engine.models import load_model
-from spec_kernels.decoder_layers import greedy_steps
+from spec_kernels.decoder_layers import plain_steps
 m = load_model({str(path)!r}).fuse(max_positions=64)
 kv = torch.zeros(m.config.num_hidden_layers, 2, 4, 16, m.config.num_key_value_heads, m.config.head_dim)
-out = greedy_steps(torch.tensor([1]), m.native, kv, torch.tensor([0], dtype=torch.int32), steps=3,
+out = plain_steps(torch.tensor([1]), m.native, kv, torch.tensor([0], dtype=torch.int32), steps=3,
                    block_table=torch.tensor([[1]], dtype=torch.int32))
 print(tuple(out.shape))
 """

@@ -1,7 +1,7 @@
 """Steps in one native call.
 
 Plain chains: with no drafter (or none this step) and every row greedy, the engine runs up to plain_chain target
-forwards in one ``greedy_steps`` call. Speculative chains: a draft model's greedy chain steps, up to spec_chain_steps
+forwards in one ``plain_steps`` call. Speculative chains: a draft model's greedy chain steps, up to spec_chain_steps
 per ``spec_chain`` call. Both must emit exactly the tokens of the regular steps, stop where they stop, count their
 steps as such (the speculative ones: the same drafts and acceptances), and hand non-finite logits to the regular
 step."""
@@ -37,13 +37,13 @@ def run(llm: LLM, params: SamplingParams, chain: int) -> list:
 
 def spy_chains(llm: LLM, monkeypatch) -> list[int]:
     """The length of every native chain the target runs."""
-    calls, real = [], runner_mod.greedy_steps
+    calls, real = [], runner_mod.plain_steps
 
     def spy(*args, **kw):
         calls.append(kw["steps"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(runner_mod, "greedy_steps", spy)
+    monkeypatch.setattr(runner_mod, "plain_steps", spy)
     return calls
 
 
@@ -79,7 +79,7 @@ def test_chain_stops_where_one_token_steps_stop(target, monkeypatch):
 
 
 def test_a_chain_spends_no_forward_past_a_stop_token(target, monkeypatch):
-    """greedy_steps ends its call at the first token that is some row's stop token: a long chain costs nothing at a
+    """plain_steps ends its call at the first token that is some row's stop token: a long chain costs nothing at a
     request's end. A row that emits another row's stop token (a plain token for it) goes on in the next call."""
     llm = LLM(str(target))
     free = run(llm, SamplingParams(max_tokens=30, ignore_eos=True), 1)
@@ -88,14 +88,14 @@ def test_a_chain_spends_no_forward_past_a_stop_token(target, monkeypatch):
     stop = next(t for i, t in enumerate(a) if i >= 3 and a.index(t) == i)
     first = min(a.index(stop), b.index(stop) if stop in b else 30)  # where the first call must end
     params = [SamplingParams(max_tokens=30, stop_token_ids=[stop])] + [SamplingParams(max_tokens=30, ignore_eos=True)]
-    real, runs = runner_mod.greedy_steps, []
+    real, runs = runner_mod.plain_steps, []
 
     def spy(*args, **kw):
         out = real(*args, **kw)
         runs.append((kw["steps"], out.shape[1]))  # (steps asked, steps run)
         return out
 
-    monkeypatch.setattr(runner_mod, "greedy_steps", spy)
+    monkeypatch.setattr(runner_mod, "plain_steps", spy)
     llm.engine.config = EngineConfig(plain_chain=16)
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == a[: a.index(stop) + 1] and got[0].outputs[0].finish_reason == "stop"
@@ -118,7 +118,7 @@ def test_waiting_requests_take_one_token_steps(target, monkeypatch):
 
 @pytest.mark.parametrize("filters", [{}, {"top_p": 0.8}, {"top_k": 5, "min_p": 0.05}], ids=["none", "top_p", "k+min_p"])
 def test_coupled_sampled_rows_chain_with_one_token_steps_tokens(target, monkeypatch, filters):
-    """Seeded rows (the position-keyed coupling) chain natively with no drafter (greedy_steps' perturbed argmax, over
+    """Seeded rows (the position-keyed coupling) chain natively with no drafter (plain_steps' perturbed argmax, over
     the entries the filters keep), emitting the regular one-token steps' tokens; unseeded rows are coupled there too
     (``couple_unseeded``), and rows sampled by rejection (``invariant=False``) take one-token steps."""
     llm = LLM(str(target))
@@ -140,12 +140,12 @@ def test_planted_bug_chain_at_the_wrong_positions_is_caught(target, monkeypatch)
     llm = LLM(str(target))
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = run(llm, params, 1)
-    real = runner_mod.greedy_steps
+    real = runner_mod.plain_steps
 
     def shifted(roots, model, kv, seqlens, **kw):
         return real(roots, model, kv, seqlens + 1, **kw)
 
-    monkeypatch.setattr(runner_mod, "greedy_steps", shifted)
+    monkeypatch.setattr(runner_mod, "plain_steps", shifted)
     got = run(llm, params, 8)
     assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in ref]
 
@@ -275,9 +275,9 @@ def test_spec_chain_non_finite_logits_take_the_regular_step(target, draft, monke
 
 
 def test_spec_chain_at_depth_zero_is_plain_decoding(target, draft):
-    """spec_chain at depth 0 (the plain decoding of a head's target): greedy_steps' tokens and target cache, the
+    """spec_chain at depth 0 (the plain decoding of a head's target): plain_steps' tokens and target cache, the
     draft idle (its cache untouched), each row's catch-up grown by every token it emitted."""
-    from spec_kernels.decoder_layers import greedy_steps, spec_chain
+    from spec_kernels.decoder_layers import plain_steps, spec_chain
 
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
                                                "num_speculative_tokens": 2})  # fmt: skip
@@ -290,7 +290,7 @@ def test_spec_chain_at_depth_zero_is_plain_decoding(target, draft):
     roots, zero = torch.tensor([5, 60]), torch.zeros(B, dtype=torch.int64)
     kv_plain, kv_spec, d_kv = cache(eng.kv.data), cache(eng.kv.data), cache(eng.drafter.kv.data)
     target_model, draft_model = eng.runner.native_target, eng.runner.native_draft
-    want = greedy_steps(roots, target_model, kv_plain, zero, steps=K)  # [B, K]
+    want = plain_steps(roots, target_model, kv_plain, zero, steps=K)  # [B, K]
     steps, catch_up, catch_up_lens, _ = spec_chain(target_model, draft_model, roots[:, None], zero + 1, zero,
                                                    kv_spec, d_kv, None, zero + 100, zero[:0], gamma=0,
                                                    max_steps=K)  # fmt: skip
@@ -349,7 +349,7 @@ def test_native_models_are_checked_once_and_roles_kept(target, draft):
     refuses a model in the wrong role: a draft's restricted vocabulary or a head as a target, a model as a head."""
     import dataclasses
 
-    from spec_kernels.decoder_layers import greedy_steps
+    from spec_kernels.decoder_layers import plain_steps
 
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
                                                "num_speculative_tokens": 2})  # fmt: skip
@@ -368,7 +368,7 @@ def test_native_models_are_checked_once_and_roles_kept(target, draft):
     kv = eng.kv.data.new_zeros(eng.kv.data.shape[0], 2, B, 16, *eng.kv.data.shape[4:])
     restricted = dataclasses.replace(d, vocab_map=torch.arange(d.lm_head.shape[0]))
     with pytest.raises((ValueError, RuntimeError), match="cannot be restricted|target"):
-        greedy_steps(zero, restricted, eng.drafter.kv.data.new_zeros(kv.shape), zero, steps=1)
+        plain_steps(zero, restricted, eng.drafter.kv.data.new_zeros(kv.shape), zero, steps=1)
     with pytest.raises((ValueError, RuntimeError), match="must be an EAGLE-3 head"):
         torch.ops.spec_kernels.eagle3_draft(zero[:, None], zero, zero, torch.zeros(1, 1, 16, 8), t.handle, kv, None, 1)
 
@@ -550,7 +550,7 @@ def test_tree_step_is_the_regular_steps_pass_verify_and_compaction(target, dtype
     cache; with ``capture``, the features ``forward_features`` returns."""
     from spec_engine.tree import tree_mask_and_depths
     from spec_kernels import compact_kv_, verify_tree
-    from spec_kernels.decoder_layers import greedy_steps, tree_step
+    from spec_kernels.decoder_layers import plain_steps, tree_step
 
     llm = LLM(str(target), dtype=dtype)
     eng, model = llm.engine, llm.target
@@ -558,7 +558,7 @@ def test_tree_step_is_the_regular_steps_pass_verify_and_compaction(target, dtype
     B, P, T, V = 3, 48, 9, model.config.vocab_size
     kv = eng.kv.data.new_zeros(eng.kv.data.shape[0], 2, B, P, *eng.kv.data.shape[4:])  # contiguous: B rows of P
     first = torch.tensor([5, 60, 17])
-    greedy = greedy_steps(first, native, kv, torch.zeros(B, dtype=torch.int64), steps=24)  # [B, 24], cache 0 .. 23
+    greedy = plain_steps(first, native, kv, torch.zeros(B, dtype=torch.int64), steps=24)  # [B, 24], cache 0 .. 23
     L = torch.tensor([10, 14, 12], dtype=torch.int32)  # each row's root: its token at position L_b
     roots = [int(greedy[b, L[b] - 1]) for b in range(B)]
     conts = [greedy[b, L[b] :].tolist() for b in range(B)]

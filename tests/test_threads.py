@@ -108,7 +108,7 @@ def test_engine_decodes_on_the_chosen_threads_and_restores_the_callers(target, m
         return run
 
     monkeypatch.setattr(llm.engine.target, "forward", spy(llm.engine.target.forward))  # the prefill's forward
-    monkeypatch.setattr(runner_mod, "greedy_steps", spy(runner_mod.greedy_steps))  # the decode steps' native chains
+    monkeypatch.setattr(runner_mod, "plain_steps", spy(runner_mod.plain_steps))  # the decode steps' native chains
     monkeypatch.setattr(llm.engine.threads, "single_for_step", lambda: True)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     single = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -128,13 +128,13 @@ def test_a_probes_native_calls_run_its_first_steps_then_the_rest(target, monkeyp
 
     torch.set_num_threads(2)
     llm = LLM(str(target))
-    lengths, real = [], runner_mod.greedy_steps
+    lengths, real = [], runner_mod.plain_steps
 
     def spy(*args, **kw):
         lengths.append(kw["steps"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(runner_mod, "greedy_steps", spy)
+    monkeypatch.setattr(runner_mod, "plain_steps", spy)
     tuner = llm.engine.threads
     tuner.probing, tuner.interval = PROBE_STEPS, 10**9  # a probe starts now; no other comes
     tuner.times = {False: {(0, False): [1.0] * PROBE_STEPS}, True: {}}  # the probe is never slower: it runs whole

@@ -28,7 +28,8 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("specdec_num_preemptions", "requests preempted for KV blocks (resumed later, same "
                                   "output)", s["num_preemptions"])  # fmt: skip
         yield GaugeMetricFamily("specdec_num_requests_running", "requests decoding now", s["num_requests_running"])
-        yield GaugeMetricFamily("specdec_num_requests_waiting", "requests queued for a slot", s["num_requests_waiting"])
+        yield GaugeMetricFamily("specdec_num_requests_waiting", "requests queued for a slot or KV blocks",
+                                s["num_requests_waiting"])  # fmt: skip
         yield GaugeMetricFamily("specdec_num_requests_in_flight", "accepted, unfinished requests (429 above "
                                 "specdec_max_pending)", self.engine.num_in_flight)  # fmt: skip
         yield GaugeMetricFamily("specdec_max_pending", "the in-flight bound", self.max_pending)
