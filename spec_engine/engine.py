@@ -149,12 +149,11 @@ class Engine:
         self._thread_probe = False
         self.runner = StepRunner(target, kv, drafter, self.rows, block_size=allocator.block_size,
                                  max_tree_nodes=self.max_tree_nodes(), prefill_chunk=prefill_chunk)  # fmt: skip
-        couple = self.config.couple_unseeded
         cfg = self.config  # (the native calls that sample: spec chains, or with no drafter plain chains)
         native = self.runner.samples_natively and (
             cfg.spec_chain_steps > 0 if drafter is not None else cfg.plain_chain > 1
         )
-        self.couple_unseeded = native if couple is None else couple
+        self.couple_unseeded = native if cfg.couple_unseeded is None else cfg.couple_unseeded
         self.controller = None
         if adaptive and drafter is not None:
             tree = drafter.tree
@@ -372,14 +371,20 @@ class Engine:
             req.blocks = req.blocks[:-extra]
             self.rows.set_blocks(req.slot, req.blocks)  # (the row's table forgets them: padding writes go to scratch)
 
+    def _release(self, req: Request) -> None:
+        """Return ``req``'s blocks (its cached prompt blocks stay cached: ``_prefill``) and its slot."""
+        self.allocator.free(req.blocks)
+        req.blocks = []
+        if req.slot >= 0:
+            self.rows.release(req.slot)
+            req.slot = -1
+
     def _preempt(self, req: Request) -> None:
         """Return ``req``'s blocks and slot and queue it first; what it emitted stays (its tokens, its drafter's
         token-keyed state: a suffix tree). The K/V recomputed later is the same bit for bit (batch-invariant kernels),
         so its output is as if it had never stopped."""
-        self.allocator.free(req.blocks)  # (its cached prompt blocks stay cached: re-admitted, it takes them back)
-        req.blocks, req.block_keys = [], None
-        self.rows.release(req.slot)
-        req.slot = -1
+        self._release(req)  # (re-admitted, it takes its cached prompt blocks back)
+        req.block_keys = None
         req.num_computed = req.draft_len = 0
         if req.params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # (computed again with the prompt)
@@ -408,11 +413,7 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.metrics.finish_time = time.perf_counter()
-        self.allocator.free(req.blocks)  # (its cached prompt blocks stay cached: _prefill)
-        req.blocks = []
-        if req.slot >= 0:
-            self.rows.release(req.slot)
-            req.slot = -1
+        self._release(req)
         if self.drafter is not None:
             self.drafter.finish_request(req.view())
 
