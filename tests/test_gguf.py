@@ -212,7 +212,9 @@ def test_smollm2_greedy_matches_transformers(smollm2):
     """Greedy tokens, float32, from the GGUF loaded directly: ours vs transformers' GGUF loader (dequantized).
 
     transformers checks our tokens teacher-forced, one forward per prompt: its argmax after every prefix of ours is
-    our next token, so its own greedy decoding (stopping at EOS as we do) emits exactly our tokens."""
+    our next token, so its own greedy decoding (stopping at EOS as we do) emits exactly our tokens. A position whose
+    top-2 logits lie within 1e-3 is a coin toss between two float orders of summation: there our token need only be
+    one of the tied pair (teacher forcing keeps every later position comparable)."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
     from spec_engine import LLM, SamplingParams
@@ -223,10 +225,14 @@ def test_smollm2_greedy_matches_transformers(smollm2):
                         use_tqdm=False)  # fmt: skip
     hf = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32,
                                               quantization_config=GgufConfig(dequantize=True)).eval()  # fmt: skip
-    same = 0
+    same = num_ties = 0
     for prompt, out in zip(prompts, outs):
-        ours = out.outputs[0].token_ids
+        ours = torch.tensor(out.outputs[0].token_ids)
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt + ours])).logits[0]  # [T, V]
-        same += logits[len(prompt) - 1 : -1].argmax(-1).tolist() == ours
+            logits = hf(torch.tensor([prompt + ours.tolist()])).logits[0, len(prompt) - 1 : -1]  # [n, V]
+        top2 = logits.topk(2)
+        tied = top2.values[:, 0] - top2.values[:, 1] < 1e-3  # [n]
+        same += bool(torch.where(tied, (top2.indices == ours[:, None]).any(-1), top2.indices[:, 0] == ours).all())
+        num_ties += int(tied.sum())
     assert same == len(CHATS)
+    assert num_ties <= len(CHATS), "too many near-ties: the check would be vacuous"
