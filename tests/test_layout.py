@@ -57,3 +57,14 @@ def test_no_import_cycles():
     graph = import_graph()
     assert "spec_engine.server.app" in graph and "spec_engine.llm" in graph["spec_engine.server.app"]
     assert import_cycles(graph) == []
+
+
+def test_runtime_never_imports_training():
+    """``spec_engine.training`` (the recipes that made the shipped models) imports the runtime, never the reverse: no
+    module outside it imports it, lazily inside a function included (the CLI dispatches no training command)."""
+    graph = import_graph()
+    assert "spec_engine.training.train" in graph["spec_engine.training.train_eagle"]  # the walk sees the package
+    training = "spec_engine.training"
+    inside = {m for m in graph if m == training or m.startswith(training + ".")}
+    offenders = {m: sorted(d for d in deps if d in inside) for m, deps in graph.items() if m not in inside}
+    assert {m: d for m, d in offenders.items() if d} == {}
