@@ -20,6 +20,7 @@ tokenising long prompts run off the event loop, so one huge prompt never stalls 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -28,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -65,6 +67,9 @@ from spec_engine.server.responses import (
     wants_usage,
 )
 from spec_engine.server.tools import ChatAnswers
+
+if TYPE_CHECKING:
+    from spec_engine.llm import LLM
 
 log = logging.getLogger("spec_engine.server")
 
@@ -508,11 +513,10 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
                           **kwargs)  # fmt: skip
 
 
-def serve(args) -> int:
-    """``specdec serve``: build the LLM from the model arguments and run uvicorn until interrupted."""
+def serve(args: argparse.Namespace, build_llm: Callable[[argparse.Namespace], LLM]) -> int:
+    """``specdec serve``: build the LLM from the model arguments with ``build_llm`` (the CLI's builder, which owns
+    the model options) and run uvicorn until interrupted."""
     import uvicorn
-
-    from spec_engine.llm import build_llm
 
     template = args.chat_template
     if template is not None and (Path(template).is_file() or "{" not in template):  # a file, else Jinja text
