@@ -13,6 +13,7 @@ from spec_engine.chat_template import ChatTemplate
 from spec_engine.config import DTYPES, parse_speculative_config
 from spec_engine.drafters.factory import DrafterFactory
 from spec_engine.engine import Engine, EngineConfig
+from spec_engine.inputs import InputProcessor
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
@@ -20,10 +21,8 @@ from spec_engine.request import Request
 from spec_engine.sampling import (
     SamplingParams,
     output_text,
-    sequence_params,
     stop_search_start,
     visible_text,
-    with_token_ids,
 )
 from spec_engine.structured import Grammars
 from spec_engine.zoo import shipped_drafter
@@ -220,6 +219,7 @@ class LLM:
         else:
             self.target = load_model(model, dtype=torch_dtype, device=device, quantization=quantization)
         self.tokenizer = load_tokenizer(model)
+        self.inputs = InputProcessor(self.tokenizer, self.model_dir)
         self.served_by = None  # the AsyncEngine stepping this engine in its thread, if any (generate then refuses)
         self._chat_template: ChatTemplate | None = None
         cfg = self.target.config
@@ -273,17 +273,12 @@ class LLM:
             self.target.close()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(f"{self.model_dir} has no tokenizer: pass {{'prompt_token_ids': [...]}} instead")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.inputs.encode(text, add_special_tokens)
 
     def encode_words(self, text: str) -> list[int]:
         """Text's tokens with no special tokens around them: ``bad_words`` and ``guided_choice`` strings as token ids
-        (``sampling.with_token_ids``; here, in ``AsyncEngine`` and in the server)."""
-        if self.tokenizer is None:
-            raise ValueError(f"{self.model_dir} has no tokenizer: give bad_words_token_ids / guided_choice_token_ids "
-                             "instead of strings")  # fmt: skip
-        return self.encode(text, add_special_tokens=False)
+        (``InputProcessor.encode_words``)."""
+        return self.inputs.encode_words(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` ("" without a tokenizer); special tokens left out unless ``skip_special_tokens`` is
@@ -357,15 +352,6 @@ class LLM:
             out.prompt = text
         return outs
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.encode(prompt)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), (list, tuple)):
-            return None, list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
-            return prompt["prompt"], self.encode(prompt["prompt"])
-        raise ValueError("each prompt must be a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
-
     def generate(
         self,
         prompts,
@@ -388,13 +374,12 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        parsed = [self._prompt_ids(p) for p in prompts]
+        parsed = [self.inputs.prompt(p) for p in prompts]
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-        params = [with_token_ids(p, self.encode_words) for p in params]
-        # each prompt's n sequences, one engine request each
-        sequences = [[sequence_params(p, i) for i in range(p.n)] for p in params]
+        params = [self.inputs.word_ids(p) for p in params]
+        sequences = [self.inputs.sequences(p) for p in params]  # each prompt's n sequences, one engine request each
         for seqs in sequences:  # the prompt's logprobs are the first sequence's: the others take its K/V from the cache
             for later in seqs[1:]:
                 later.prompt_logprobs = None

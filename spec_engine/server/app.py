@@ -39,8 +39,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from spec_engine.sampling import GRAMMAR_GUIDES, SamplingParams, sequence_params, truncate_prompt, with_token_ids
-from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
+from spec_engine.inputs import tokenize
+from spec_engine.sampling import SamplingParams, truncate_prompt
+from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream
 from spec_engine.server.http_guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_REQUEST_TIMEOUT, guarded_protocol
 from spec_engine.server.logprobs import (
     chat_content_logprobs,
@@ -214,10 +215,8 @@ def create_app(
                 bad_words=req.bad_words or None,
                 **req.guides_asked(),
             )
-            for name in ("bad_words", "guided_choice", *GRAMMAR_GUIDES):
-                if getattr(params, name) and llm.tokenizer is None:
-                    raise ValueError(f"{name} needs a tokenizer; this model has none")
-            return with_token_ids(params, llm.encode_words)
+            llm.inputs.require_tokenizer(params)
+            return llm.inputs.word_ids(params)
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
             named = req.guide_field(field)  # (the field the client named a guide by, in the message too)
@@ -252,7 +251,7 @@ def create_app(
     admitting = [0]  # choices promised to requests still adding them (not yet in engine.num_in_flight)
 
     async def start(ids: list[int], params: SamplingParams, req) -> list[RequestStream]:
-        """One engine request per choice (``params.n``; each sequence's seed as ``LLM.generate`` derives it), all
+        """One engine request per choice (``params.n``: ``InputProcessor.sequences``, as ``LLM.generate``), all
         admitted or none: a choice refused aborts those already added. The n slots are taken at once, before the
         first await, so concurrent requests never pass ``max_pending`` together."""
         if params.n > max_pending:  # (no retry would admit it)
@@ -264,10 +263,10 @@ def create_app(
         admitting[0] += params.n
         streams, promised = [], params.n
         try:
-            for i in range(params.n):
+            for sequence in llm.inputs.sequences(params):
                 promised -= 1  # add_request counts it in flight before its first await: no window between
                 admitting[0] -= 1
-                streams.append(await engine.add_request(ids, sequence_params(params, i)))
+                streams.append(await engine.add_request(ids, sequence))
         except BaseException as e:
             for stream in streams:
                 await stream.aclose()
