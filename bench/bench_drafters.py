@@ -76,7 +76,7 @@ TREES = ((2, 1), (2, 1, 1))  # static trees (children per depth) for the head: 5
 LONG_LENGTHS = (64, 256, 1000, 2000)
 CONCURRENT = 8
 
-# Written for this benchmark; none of them is in spec_engine/zoo/data/eagle_prompts.jsonl.
+# Written for this benchmark; none of them is in spec_engine/training/data/eagle_prompts.jsonl.
 CHAT = [
     "What are three good habits for staying focused while working from home?",
     "Explain the difference between weather and climate in simple terms.",

@@ -2,7 +2,6 @@
 
     python bench/bench_e2e.py [--quick] [--model DIR --draft DIR] [--max-tokens N] [--threads N] [--out DIR]
     python -m bench.bench_e2e [same flags]
-    specdec bench [same flags]   (from a source checkout)
 
 Glossary:
     mode      one engine configuration: ``none`` (no speculation), ``chainG`` (draft chain of depth G),
@@ -86,7 +85,7 @@ def _tree_name(tree: list[int]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="target HF directory (default: the embedded default target)")
     ap.add_argument("--draft", help="draft HF directory (default: the embedded default draft)")
     ap.add_argument("--quick", action="store_true", help="a subset that runs in a few minutes")
@@ -99,8 +98,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-profile", action="store_true", help="skip the profile of one speculative step")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    if argv and argv[0] == "--":  # ``specdec bench -- --quick`` passes the separator through
-        argv = argv[1:]
     return ap.parse_args(argv)
 
 
@@ -282,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "loadavg_at_end": os.getloadavg(),
-        "command": " ".join(["specdec bench"] + (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join(["python -m bench.bench_e2e"] + (argv if argv is not None else sys.argv[1:])),
         "target": str(target_dir),
         "draft": str(draft_dir),
         "dtype": args.dtype,

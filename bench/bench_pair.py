@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 from spec_engine.models import load_model  # noqa: E402
-from spec_engine.zoo.train import EOS, corpus_files, perplexity  # noqa: E402
+from spec_engine.training.train import EOS, corpus_files, perplexity  # noqa: E402
 
 CONTEXTS = (256, 1024, 2048)
 DEMO_PROMPTS = ("def fibonacci(n):", "import os", "class Stack:", "def read_csv(path):", "for i in range(10):")

@@ -23,8 +23,7 @@ if __package__ in (None, ""):  # run as a file: the repository root, not bench/,
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import save_same_tokens  # noqa: E402
-from spec_engine.cli import _alternating_tps, add_model_args  # noqa: E402
-from spec_engine.llm import build_llm  # noqa: E402
+from spec_engine.cli import _alternating_tps, add_model_args, build_llm  # noqa: E402
 from spec_engine.sampling import SamplingParams  # noqa: E402
 
 

@@ -131,7 +131,7 @@ def replay_ours(traces: list[dict], use_tree: bool) -> list[dict]:
 
 def functions(count: int, min_chars: int = 300, max_chars: int = 900) -> list[str]:
     """Source of ``count`` top-level functions from the held-out stdlib files, evenly spread."""
-    from spec_engine.zoo.train import corpus_files, parsed_files
+    from spec_engine.training.train import corpus_files, parsed_files
 
     _, held = corpus_files()
     found = []

@@ -37,7 +37,7 @@ from bench.harness import (  # noqa: E402
     time_interleaved,
 )
 from spec_engine import LLM, SamplingParams  # noqa: E402
-from spec_engine.zoo.eagle_data import chatml  # noqa: E402
+from spec_engine.training.eagle_data import chatml  # noqa: E402
 
 
 def humaneval_path() -> Path:

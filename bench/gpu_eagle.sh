@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The SmolLM2 EAGLE-3 head's data and training on a lent GPU, time-boxed, in one command:
 #   MODEL=/path/SmolLM2-135M-Instruct.Q4_1.gguf BUDGET=480 bash bench/gpu_eagle.sh [OUT]
-# 1. data (spec_engine.zoo.eagle_data --device "$DEVICE"): the features of answers made elsewhere, if ANSWERS names
+# 1. data (spec_engine.training.eagle_data --device "$DEVICE"): the features of answers made elsewhere, if ANSWERS names
 #    files of them (eagle_data --save-answers: a CPU's answers travel in ~1 MB), then for each of PASSES (default
 #    "greedy 1 2 3") the target's answers to the prompt set, greedy or sampled at temperature 0.8 with that seed,
 #    until DATA_SHARE of the budget is spent, over PROMPTS in its order (default: the shipped prompt set; a shuffled
 #    copy spreads a short pass over all of its kinds), the sampled passes over SAMPLE_PROMPTS (default PROMPTS);
 #    GREEDY_SECONDS caps the greedy pass, so the passes after it get the rest (a slow greedy pass took the whole
 #    data budget once: bench/RESULTS-log.md, "A GPU fine-tune, not shipped");
-# 2. training (spec_engine.zoo.train_eagle --device "$DEVICE") from the shipped head until EXPORT_SECONDS before the
+# 2. training (spec_engine.training.train_eagle --device "$DEVICE") from the shipped head until EXPORT_SECONDS before the
 #    budget ends, at peak learning rate LR (default 5e-4: a fine-tune; the schedule is fitted to the time box);
 # 3. the export: the head over K = 4096 with held-out agreement at K = 2048 / 4096 / 8192, into OUT/head, with
 #    OUT/report.json, OUT/export.json and OUT/log.txt (copy the head to spec_engine/zoo/models/smollm2-eagle3 and
@@ -24,7 +24,7 @@ EXPORT_SECONDS=${EXPORT_SECONDS:-75}
 DEVICE=${DEVICE:-cuda}
 ANSWERS=${ANSWERS:-}
 PASSES=${PASSES:-greedy 1 2 3}
-PROMPTS=${PROMPTS:-spec_engine/zoo/data/eagle_prompts.jsonl}
+PROMPTS=${PROMPTS:-spec_engine/training/data/eagle_prompts.jsonl}
 SAMPLE_PROMPTS=${SAMPLE_PROMPTS:-$PROMPTS}
 GREEDY_SECONDS=${GREEDY_SECONDS:-}
 LR=${LR:-5e-4}
@@ -59,7 +59,7 @@ dirs=()
 for answers in $ANSWERS; do  # features only: these answers' shards are on the way already, whatever the budget
     dir="$WORK/data/answers-$(basename "$answers")"
     dirs+=("$dir")
-    step "$(atleast "$(left)" 120)" "$PY" -m spec_engine.zoo.eagle_data --target "$MODEL" --out "$dir" \
+    step "$(atleast "$(left)" 120)" "$PY" -m spec_engine.training.eagle_data --target "$MODEL" --out "$dir" \
         --device "$DEVICE" --threads 8 --answers "$answers" "${DATA_ARGS[@]}"
 done
 for pass in $PASSES; do
@@ -76,15 +76,15 @@ for pass in $PASSES; do
         sample=(--temperature 0.8 --seed "$pass")
     fi
     dirs+=("$dir")
-    step $((budget + 60)) "$PY" -m spec_engine.zoo.eagle_data --target "$MODEL" --out "$dir" --device "$DEVICE" \
+    step $((budget + 60)) "$PY" -m spec_engine.training.eagle_data --target "$MODEL" --out "$dir" --device "$DEVICE" \
         --prompts "$prompts" --threads 8 --max-seconds "$budget" "${sample[@]}" "${DATA_ARGS[@]}"
 done
 # training: until EXPORT_SECONDS before the end (its time box counts the data's loading; at least one step), with
 # 30 s for its last evaluation and checkpoint before the step's limit
-step "$(atleast $(($(left) - EXPORT_SECONDS + 15)) 60)" "$PY" -m spec_engine.zoo.train_eagle --layout eagle3 \
+step "$(atleast $(($(left) - EXPORT_SECONDS + 15)) 60)" "$PY" -m spec_engine.training.train_eagle --layout eagle3 \
     --target "$MODEL" --data "${dirs[@]}" --work-dir "$WORK/train" --out "$WORK/head" --device "$DEVICE" \
     --steps 100000 --max-seconds "$(atleast $(($(left) - EXPORT_SECONDS - 15)) 0)" "${TRAIN_ARGS[@]}"
-step "$(atleast "$(left)" 30)" "$PY" -m spec_engine.zoo.train_eagle --layout eagle3 --target "$MODEL" \
+step "$(atleast "$(left)" 30)" "$PY" -m spec_engine.training.train_eagle --layout eagle3 --target "$MODEL" \
     --data "${dirs[@]}" --work-dir "$WORK/train" --export --out "$OUT/head" --device "$DEVICE" "${EXPORT_ARGS[@]}"
 cp "$WORK/train/report.json" "$WORK/train/export.json" "$OUT/" 2>/dev/null
 echo "== [$SECONDS s] done" | tee -a "$LOG"

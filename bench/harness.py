@@ -103,7 +103,7 @@ def _evenly(items: list, n: int) -> list:
 
 def _code_files(num_held: int, num_numpy: int) -> list[tuple[str, str]]:
     """(name, text): evenly spaced held-out stdlib files of the zoo's split, then numpy's own sources."""
-    from spec_engine.zoo.train import corpus_files
+    from spec_engine.training.train import corpus_files
 
     _, held = corpus_files()
     held = [p for p in held if p.stat().st_size > 6000]

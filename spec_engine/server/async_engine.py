@@ -34,29 +34,9 @@ from spec_engine.sampling import (
     stop_search_start,
     truncate_prompt,
     visible_text,
-    with_token_ids,
 )
 
 log = logging.getLogger("spec_engine.server")
-
-# Texts at least this long are tokenised in a worker thread with ``encode_batch``, which releases the GIL (``encode``
-# holds it: a megabyte prompt froze the event loop for as long as it took to encode; off the loop, it does not).
-LONG_TEXT = 8192
-
-
-async def tokenize(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    """The token ids of ``text`` (an HF ``tokenizers.Tokenizer``), off the event loop when the text is long.
-
-    Raises ``ValueError`` for text that is not valid Unicode (a lone surrogate, which ``json.loads`` lets through)."""
-    if not text.isascii():
-        try:
-            text.encode()
-        except UnicodeEncodeError:
-            raise ValueError("the text is not valid Unicode: it holds a lone surrogate") from None
-    if len(text) < LONG_TEXT:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-    (encoding,) = await asyncio.to_thread(tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens)
-    return encoding.ids
 
 
 @dataclass
@@ -211,11 +191,9 @@ class AsyncEngine:
         """
         if self._closed:
             raise EngineDeadError("the engine was shut down")
-        if isinstance(prompt, str) and self.llm.tokenizer is None:
-            raise ValueError(f"{self.llm.model_dir} has no tokenizer.json: pass the prompt as token ids")
-        ids = await tokenize(self.llm.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        ids = await self.llm.inputs.prompt_async(prompt)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens)  # (the prompt its usage counts)
-        params = with_token_ids(params, self.llm.encode_words)  # bad_words, guided_choice: strings to token ids
+        params = self.llm.inputs.word_ids(params)  # bad_words, guided_choice: strings to token ids
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()

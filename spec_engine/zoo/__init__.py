@@ -1,4 +1,4 @@
-"""The embedded default model pair, trained by ``python -m spec_engine.zoo.train``."""
+"""The embedded default model pair, trained by ``python -m spec_engine.training.train``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ def default_model_paths() -> tuple[str, str]:
     target, draft = MODELS_DIR / "target", MODELS_DIR / "draft"
     for d in (target, draft):
         if not (d / "config.json").is_file():
-            raise FileNotFoundError(f"the default model pair is missing ({d}); run: python -m spec_engine.zoo.train")
+            raise FileNotFoundError(
+                f"the default model pair is missing ({d}); run: python -m spec_engine.training.train"
+            )
     return str(target), str(draft)
 
 

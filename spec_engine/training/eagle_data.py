@@ -1,7 +1,7 @@
 """The training data of an EAGLE-3 head: the target's own answers to a prompt set, with its features.
 
-    python -m spec_engine.zoo.eagle_data --target /tmp/smol/hf --out runs/eagle3/data
-    python -m spec_engine.zoo.eagle_data --target smollm2 --out DIR --temperature 0.8 --seed 1 --device cuda
+    python -m spec_engine.training.eagle_data --target /tmp/smol/hf --out runs/eagle3/data
+    python -m spec_engine.training.eagle_data --target smollm2 --out DIR --temperature 0.8 --seed 1 --device cuda
 
 Each batch of ``--batch`` prompts (ChatML-rendered with the target's default system prompt) is answered by our engine
 (``LLM.generate``, ``--max-tokens``; greedy, or sampled at ``--temperature`` for more varied contexts), then the
@@ -27,10 +27,10 @@ lent briefly): ``--save-answers FILE`` writes the shards of ``--out`` without fe
 ~0.5 bytes a token), and ``--answers FILE`` takes those answers instead of generating them (one shard per shard of
 the file, their temperatures kept) and runs only the feature pass:
 
-    python -m spec_engine.zoo.eagle_data --out runs/eagle3/data --save-answers greedy.answers.xz
-    python -m spec_engine.zoo.eagle_data --target smollm2 --device cuda --answers greedy.answers.xz --out DIR
+    python -m spec_engine.training.eagle_data --out runs/eagle3/data --save-answers greedy.answers.xz
+    python -m spec_engine.training.eagle_data --target smollm2 --device cuda --answers greedy.answers.xz --out DIR
 
-The trainer (``spec_engine.zoo.train_eagle --layout eagle3``) reads the shards back through this module too
+The trainer (``spec_engine.training.train_eagle --layout eagle3``) reads the shards back through this module too
 (``ShardSet``: the splits by prompt id, ``collate``: a padded batch, ``token_frequencies``: the ranking the draft
 vocabulary is cut from), so the shard format is written and read in one place.
 """
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from spec_engine.drafters.eagle import eagle3_target_layers
-from spec_engine.zoo.train import refuse_counts_below_one
+from spec_engine.training.train import refuse_counts_below_one
 
 SAMPLE_KEYS = ("ids", "offsets", "prompt_lens", "tokens")  # a shard's samples, less their features and labels
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -275,7 +275,7 @@ def token_frequencies(data: ShardSet, target_dir: Path, vocab_size: int, smoke: 
     import random
 
     from spec_engine.llm import load_tokenizer
-    from spec_engine.zoo.train import corpus_files
+    from spec_engine.training.train import corpus_files
 
     def norm(c):
         return c.double() / max(1, int(c.sum()))

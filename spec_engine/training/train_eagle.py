@@ -1,17 +1,17 @@
 """Train an EAGLE head (EAGLE-1/2 layout: ``fc`` + one decoder layer; or EAGLE-3) for any target we load.
 
-    python -m spec_engine.zoo.train_eagle --target spec_engine/zoo/models/target --out spec_engine/zoo/models/eagle
-    python -m spec_engine.zoo.train_eagle --target DIR --out DIR --smoke       # a few steps, for tests
-    python -m spec_engine.zoo.train_eagle --layout eagle3 --target /tmp/smol/hf --data runs/eagle3/data \
+    python -m spec_engine.training.train_eagle --target spec_engine/zoo/models/target --out spec_engine/zoo/models/eagle
+    python -m spec_engine.training.train_eagle --target DIR --out DIR --smoke       # a few steps, for tests
+    python -m spec_engine.training.train_eagle --layout eagle3 --target /tmp/smol/hf --data runs/eagle3/data \
         --work-dir runs/eagle3/train --out spec_engine/zoo/models/smollm2-eagle3   # the shipped SmolLM2 head
-    python -m spec_engine.zoo.train_eagle --layout eagle3 --target DIR --out DIR --smoke
+    python -m spec_engine.training.train_eagle --layout eagle3 --target DIR --out DIR --smoke
 
 The EAGLE-3 recipe (``--layout eagle3``, see the section below ``agreement``) trains on the target's own greedy
-answers with their features dumped by ``spec_engine.zoo.eagle_data``; what follows describes the EAGLE-1/2 recipe,
+answers with their features dumped by ``spec_engine.training.eagle_data``; what follows describes the EAGLE-1/2 recipe,
 whose TTT the EAGLE-3 one shares.
 
 Features come from the target itself, computed on the fly (no feature dump): its final hidden states (RMS-normed, the
-input of its lm_head, the same tensor the engine hands the head) over the corpus of ``spec_engine.zoo.train`` (the
+input of its lm_head, the same tensor the engine hands the head) over the corpus of ``spec_engine.training.train`` (the
 standard library's ``*.py`` files, site-packages excluded, the held-out bucket excluded).
 
 Loss, per entry p (token x_p with the feature f_{p-1}; see ``spec_engine.drafters.eagle``):
@@ -43,8 +43,8 @@ from tqdm import tqdm
 
 from spec_engine.drafters.eagle import EagleHead, eagle3_target_layers, save_eagle_head
 from spec_engine.models import ModelConfig, load_model
-from spec_engine.zoo.eagle_data import ShardSet, collate, stream_samples, token_frequencies
-from spec_engine.zoo.train import (
+from spec_engine.training.eagle_data import ShardSet, collate, stream_samples, token_frequencies
+from spec_engine.training.train import (
     Recipe,
     _run_stage,
     claim_work_dir,
@@ -146,7 +146,7 @@ def agreement(head: EagleHead, target, stream: torch.Tensor, seq_len: int, steps
 #
 # The head reads fc(cat of the residual streams entering its target layers) and drafts over a reduced vocabulary of
 # the K tokens the target emits most (FR-Spec's ranking over its own answers; EAGLE-3's d2t). Data: the shards of
-# ``spec_engine.zoo.eagle_data`` (prompt + the target's greedy answer, the target layers' streams dumped at
+# ``spec_engine.training.eagle_data`` (prompt + the target's greedy answer, the target layers' streams dumped at
 # generation), or, without ``--data`` (the smoke path), the corpus stream with the streams computed on the fly.
 # The loss is the cross-entropy of the head's draft-vocabulary logits against the target's greedy next token, on
 # the answer tokens whose target token is in the draft vocabulary; lm_head and the final norm start as the target's
@@ -322,8 +322,8 @@ def main_eagle3(args, target, tcfg, eos, deadline: float | None = None) -> dict:
         data.reload()
         print(f"data: {len(data.train)} train samples ({data.tokens('train')} answer tokens), {len(data.held)} held")
         if not data.train:  # (before the vocabulary is cut from them and kept)
-            raise ValueError(f"--data {' '.join(map(str, args.data))}: no answers there (spec_engine.zoo.eagle_data "
-                             "writes them)")  # fmt: skip
+            raise ValueError(f"--data {' '.join(map(str, args.data))}: no answers there "
+                             "(spec_engine.training.eagle_data writes them)")  # fmt: skip
         if not data.held:
             print("no held-out answers (the split keeps greedy answers only): agreement is not measured")
         if data.width not in (None, len(layers) * tcfg.hidden_size):
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
         type=Path,
         nargs="+",
         default=None,
-        help="eagle3: the shards' directories of spec_engine.zoo.eagle_data (greedy, sampled)",
+        help="eagle3: the shards' directories of spec_engine.training.eagle_data (greedy, sampled)",
     )
     ap.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: K, the draft vocabulary's size")
     ap.add_argument("--eval-every", type=int, default=200, help="eagle3: held-out agreement every N steps")

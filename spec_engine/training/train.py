@@ -1,7 +1,7 @@
 """Train the embedded default pair: a byte-level BPE, a Llama target, and a draft distilled from the target.
 
-    python -m spec_engine.zoo.train                 # full recipe (about 65 minutes on 2 quiet cores), resumable
-    python -m spec_engine.zoo.train --smoke         # a few steps on tiny configs, for tests
+    python -m spec_engine.training.train                 # full recipe (about 65 minutes on 2 quiet cores), resumable
+    python -m spec_engine.training.train --smoke         # a few steps on tiny configs, for tests
 
 Stages, each checkpointed under ``--work-dir`` so a killed run resumes where it stopped:
 
@@ -36,9 +36,10 @@ from tqdm import tqdm
 
 from spec_engine.drafters.draft_model import write_draft_vocab
 from spec_engine.models import LlamaForCausalLM, ModelConfig, save_model
+from spec_engine.zoo import MODELS_DIR
 
 EOS = "<|endoftext|>"
-DEFAULT_OUT = Path(__file__).parent / "models"
+DEFAULT_OUT = MODELS_DIR  # the shipped pair's folder
 
 TARGET_CONFIG = dict(hidden_size=320, intermediate_size=864, num_hidden_layers=8, num_attention_heads=5,
                      num_key_value_heads=1)  # fmt: skip
