@@ -6,7 +6,7 @@
 A server's chat request without ``max_tokens`` may run to the end of the context, so its room is the context less
 its prompt (``spec_engine/server/app.py``). The requests (bench_drafters.py's chat questions, greedy, each ending at
 its EOS) run in one ``generate`` call on a cache of ``--kv-mib`` MiB. Reported: the wall time, output tok/s, the most
-requests running at once, the preemptions (``Engine._make_room``), and the tokens, checked against the same requests
+requests running at once, the preemptions (``Scheduler.make_room``), and the tokens, checked against the same requests
 on a cache that holds them all. An engine that reserved every block a request could need at admission runs
 cache / context requests at a time; one that takes blocks as requests grow runs as many as their tokens fit.
 Writes ``--out``/kv_pressure.json.

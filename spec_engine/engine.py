@@ -1,15 +1,13 @@
-"""The engine: a scheduler around one decode call per step (the loop of docs/ARCHITECTURE.md): schedule -> run ->
-commit.
+"""The engine: one step is schedule -> run -> commit (the loop of docs/ARCHITECTURE.md).
 
 Each ``Engine.step()``:
-1. gives each running request the KV blocks its next decode call may write, preempting the newest requests where
-   none are left (``_make_room``), then admits waiting requests while batch slots and KV blocks allow;
-2. runs one prefill chunk for the requests still reading their prompt (so a long prompt never stalls decoding);
-3. runs one decode call for every decoding request: it chooses each row's depth (fixed, or the adaptive
-   controller's) and how many steps the call may run, the ``StepRunner`` (spec_engine/runner.py) runs them (the
-   regular step, or a native call of several: a plain or a spec chain) and returns a ``StepResult`` that ``_apply``
-   commits (tokens, lengths, metrics, the adaptive controller's evidence);
-4. retires finished requests at once, returning their blocks.
+1. the ``Scheduler`` (spec_engine/scheduler.py) gives the running requests their next call's KV blocks, preempting
+   the newest where none are left, and admits waiting requests while batch slots and blocks allow;
+2. one prefill chunk runs for the requests still reading their prompt (so a long prompt never stalls decoding);
+3. one decode call runs for every decoding request: each row's depth (fixed, or the adaptive controller's) and how
+   many steps the call may run are chosen here, the ``StepRunner`` (spec_engine/runner.py) runs them and returns a
+   ``StepResult`` that ``_apply`` commits (tokens, lengths, metrics, the adaptive controller's evidence);
+4. finished requests retire at once, returning their blocks.
 
 A request's own state and its per-slot rows live in spec_engine/request.py.
 
@@ -28,7 +26,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from spec_engine.adaptive import AdaptiveController, chain_step_costs, priced_plan
@@ -36,12 +33,12 @@ from spec_engine.drafters.base import Drafter, DraftPlan
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache
 from spec_engine.models import Target
 from spec_engine.request import Request, RequestRows, StepOutput
-from spec_engine.runner import StepResult, StepRunner, token_logprobs
-from spec_engine.sampling import SamplingParams, stop_string_end, truncate_prompt
+from spec_engine.runner import StepRunner
+from spec_engine.sampling import SamplingParams, truncate_prompt
+from spec_engine.scheduler import Schedule, Scheduler
+from spec_engine.step import REGULAR, StepPlan, StepResult
 from spec_engine.structured import Grammars
 from spec_engine.threads import ThreadTuner
-from spec_engine.transfer import to_device
-from spec_engine.tree import causal_mask
 
 log = logging.getLogger("spec_engine.engine")
 
@@ -58,12 +55,12 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The engine's knobs. The defaults are the engine's own choice; tests and benchmarks pass others
-    (``LLM(..., engine_config=EngineConfig(plain_chain=1))``) instead of patching module globals.
+    """The engine's knobs, fixed at construction (``Engine.reconfigure`` replaces them whole). The defaults are the
+    engine's own choice; tests and benchmarks pass others (``LLM(..., engine_config=EngineConfig(plain_chain=1))``).
 
-    plain_chain : plain steps (greedy and coupled sampled rows) per native chain (``Engine._plain_chain_len``); 1 turns
+    plain_chain : plain steps (greedy and coupled sampled rows) per native chain (``StepRunner.plan``); 1 turns
         chains off.
-    spec_chain_steps : greedy speculative steps per native call (``Engine._spec_chain_steps``); 0 turns it off.
+    spec_chain_steps : greedy speculative steps per native call (``StepRunner.plan``); 0 turns it off.
     unsure_chain_steps : the same while the adaptive controller is unsure of a row (``AdaptiveController.unsure``).
     native_tree_step : a regular step of greedy rows (trees drafted in Python: suffix speculations, static trees)
         verifies in one native call (``tree_step``) on a native target; False: the target pass, ``verify_tree`` and
@@ -71,8 +68,8 @@ class EngineConfig:
     couple_unseeded : unseeded sampled requests (``invariant`` unset) sample through the position-keyed coupling
         (``spec_engine/coupling.py``) rather than by rejection sampling. None: where the native calls sample coupled
         rows (a native target on the CPU with an EAGLE-3 head's chains and ``spec_chain_steps`` > 0, or with no
-        drafter and ``plain_chain`` > 1: ``StepRunner.samples_natively``), which ran them 1.2-1.3x faster than
-        rejection sampling's regular steps at about its acceptance (bench/RESULTS.md, "Sampled rows in the native
+        drafter and ``plain_chain`` > 1: ``StepRunner.samples_natively``), which ran them faster than rejection
+        sampling's regular steps at about its acceptance (bench/RESULTS-log.md, "Sampled rows in the native
         steps"); elsewhere rejection sampling, which accepts a little more.
     """
 
@@ -115,7 +112,6 @@ class Engine:
             raise ValueError("the target's vocabulary cannot be restricted (restrict_vocab is for drafts): its logits "
                              "are the output")  # fmt: skip
         self.target, self.kv, self.allocator, self.drafter = target, kv, allocator, drafter
-        self.config = config or EngineConfig()  # replaceable between generate calls: a step reads it as it starts
         self.device = kv.data.device
         self.gamma = num_speculative_tokens if drafter is not None else 0
         self.max_model_len = max_model_len
@@ -125,8 +121,6 @@ class Engine:
         self.detokenize = detokenize  # (token ids, skip special tokens) -> text (the tokenizer's): stop strings need it
         self.grammars = grammars  # guided_json / guided_regex / guided_grammar compile against the tokenizer
         self.vocab_size = target.config.vocab_size
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.rows = RequestRows(max_num_seqs, allocator.blocks_for(max_model_len + self.max_tree_nodes()))
         self._ids = itertools.count()
         self._keys = itertools.count()
@@ -147,19 +141,43 @@ class Engine:
         # neither (a probe is one call, up to 16 native steps on the other count: they filled the controller's price
         # table for their width and kept that depth mispriced for the rest of a run; bench/RESULTS.md)
         self._thread_probe = False
+        self.last_plan: StepPlan | None = None  # the last decode call's, as it ran
         self.runner = StepRunner(target, kv, drafter, self.rows, block_size=allocator.block_size,
                                  max_tree_nodes=self.max_tree_nodes(), prefill_chunk=prefill_chunk)  # fmt: skip
-        cfg = self.config  # (the native calls that sample: spec chains, or with no drafter plain chains)
-        native = self.runner.samples_natively and (
-            cfg.spec_chain_steps > 0 if drafter is not None else cfg.plain_chain > 1
-        )
-        self.couple_unseeded = native if cfg.couple_unseeded is None else cfg.couple_unseeded
         self.controller = None
         if adaptive and drafter is not None:
             tree = drafter.tree
             self.controller = AdaptiveController(self.gamma, drafter.nodes_for_depth,
                                                  tree=tree is not None and not tree.is_chain,
                                                  cache_lag=self._cache_lag, sized=drafter.sizes_trees)  # fmt: skip
+        follows = drafter is not None and drafter.keeps_cache and self.controller is None
+        self.scheduler = Scheduler(allocator, self.rows, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
+                                   max_tree_nodes=self.max_tree_nodes(), call_tokens=0,
+                                   draft_follows_prefill=follows)  # fmt: skip
+        self.reconfigure(config or EngineConfig())
+
+    def reconfigure(self, config: EngineConfig) -> None:
+        """Take ``config`` from the next step on, with everything derived from it (between ``generate`` calls)."""
+        self._config = config
+        # the native calls that sample: spec chains, or with no drafter plain chains
+        native = self.runner.samples_natively and (
+            config.spec_chain_steps > 0 if self.drafter is not None else config.plain_chain > 1
+        )
+        self.couple_unseeded = native if config.couple_unseeded is None else config.couple_unseeded
+        self.scheduler.call_tokens = max(config.plain_chain, config.spec_chain_steps * (self.deepest + 1))
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's knobs, fixed between ``reconfigure`` calls (everything derived from them is derived there)."""
+        return self._config
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
 
     def metrics(self) -> dict:
         """A snapshot of the engine's counters (copies: safe to read from another thread)."""
@@ -180,27 +198,6 @@ class Engine:
         if self.drafter is None:
             return 1
         return max(self.drafter.nodes_for_depth(self.gamma), self.drafter.max_nodes)
-
-    def tokens_to_hold(self, req: Request, whole_call: bool = False) -> int:
-        """KV rows ``req`` needs for its next step: its tokens (after a preemption its output's too) and the step's
-        tree (which can run past max_tokens); with ``whole_call``, for a whole decode call: the most tokens one call
-        can emit (a native chain's), never more than the request can."""
-        emitted = 0
-        if whole_call:
-            cfg = self.config
-            call = max(cfg.plain_chain, cfg.spec_chain_steps * (self.deepest + 1))
-            emitted = min(req.tokens_left, call)
-        return req.num_tokens + emitted + self.max_tree_nodes()
-
-    def _steps_that_fit(self, reqs: list[Request], gamma: int, steps: int) -> int:
-        """At most ``steps`` native steps at depth ``gamma``: those whose K/V every row's blocks hold
-        (``StepRunner``'s reach: the tokens emitted, at most a row's tokens left, then the last step's tree)."""
-        nodes = self.max_tree_nodes()
-        for r in reqs:
-            room = len(r.blocks) * self.allocator.block_size - r.num_tokens - nodes
-            if room < r.tokens_left:  # (a call ends as a row's tokens run out: room for them all is room enough)
-                steps = min(steps, max(room, 0) // (gamma + 1))
-        return steps
 
     def _cache_lag(self, req: Request) -> int:
         return self.runner.cache_lag(req)
@@ -269,151 +266,25 @@ class Engine:
         if params.guided:
             req.grammar = self.grammars.state(params)
         req.metrics.arrival_time = time.perf_counter()
-        self.waiting.append(req)
+        self.scheduler.add(req)
         return req
 
     def abort(self, request_id: str) -> None:
-        for req in list(self.waiting):
-            if req.request_id == request_id:
-                self.waiting.remove(req)
-                if req.metrics.num_preemptions:  # it ran: its drafter may keep something for it (no blocks now)
-                    self._finish(req, "abort")
-                else:
-                    req.finish_reason = "abort"
-                    req.metrics.finish_time = time.perf_counter()  # (it holds no blocks yet)
-        for req in self.running:
-            if req.request_id == request_id:
+        for req in self.scheduler.abort(request_id):
+            if req.slot >= 0 or req.metrics.num_preemptions:  # it ran: its drafter may keep something for it
                 self._finish(req, "abort")
-        self.running = [r for r in self.running if not r.finished]
+            else:
+                req.finish_reason = "abort"
+                req.metrics.finish_time = time.perf_counter()  # (it never held blocks)
+        self.scheduler.retire_finished()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admit(self) -> None:
-        held = []  # requests that wait a step for prompt blocks a running prefill computes (their places kept)
-        spare = len(self.running)  # a block each is left free (as vLLM leaves a watermark of blocks): one admitted
-        # now is not preempted as soon as the others grow
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if req.block_keys is None:  # (the last token is the first step's root: never in a cached block)
-                req.block_keys = self.allocator.keys(req.history[: req.num_tokens - 1])
-            # a request asking for its prompt's logprobs computes every position: it takes nothing from the cache
-            # (its own blocks are cached for the requests after it)
-            lookup = [] if req.params.prompt_logprobs is not None else req.block_keys
-            if lookup and self._awaits_shared_prefill(req):
-                held.append(self.waiting.popleft())
-                continue
-            if not self.allocator.can_allocate(self.tokens_to_hold(req), lookup, spare):
-                break  # first come, first served: it waits for blocks to return
-            req.blocks, cached = self.allocator.allocate(self.tokens_to_hold(req), lookup)
-            # a cached prefix (prefix caching) is computed: its K/V, an EAGLE head's features and, where the drafter
-            # sees every prompt chunk (a fixed depth: _prefill), the draft cache came with its blocks; the adaptive
-            # controller's drafter catches up from the start when it first drafts the request
-            req.num_computed = cached * self.allocator.block_size
-            if not req.metrics.num_preemptions:  # (a resumed request's hits are its own blocks: no prompt spared)
-                req.metrics.num_cached_tokens = req.num_computed
-                self.stats["num_cached_tokens"] += req.num_computed
-            if self.drafter is not None and self.drafter.keeps_cache and self.controller is None:
-                req.draft_len = req.num_computed
-            req.slot = self.rows.admit(req)
-            self.running.append(self.waiting.popleft())
-            spare += 1
-        self.waiting.extendleft(reversed(held))
-
-    def _make_room(self) -> bool:
-        """Give each running request, oldest first, the blocks of its next step (``tokens_to_hold``), and whether
-        some request was preempted for them. Where none are left, the newer requests first return the blocks
-        ``_top_up`` gave them beyond their next step (they hold no K/V yet); then the newest running requests are
-        preempted (vLLM's preemption by recompute): their blocks return, and they go back to the head of the queue
-        with their output, to be prefilled again, prompt and output, when blocks allow. The oldest request always fits
-        alone (``check_request``), so every request finishes."""
-        i, preempted = 0, False
-        while i < len(self.running):
-            req = self.running[i]
-            missing = self._missing_blocks(req)
-            for newer in reversed(self.running[i + 1 :]):
-                if missing <= self.allocator.num_free:
-                    break
-                self._shrink(newer)
-            while missing > self.allocator.num_free and self.running[-1] is not req:
-                self._preempt(self.running.pop())
-                preempted = True
-            if missing > self.allocator.num_free:
-                self._preempt(self.running.pop())  # itself, the newest left
-                return True
-            self._grow(req, missing)
-            i += 1
-        return preempted
-
-    def _top_up(self) -> None:
-        """After admission, give the running requests that decode this step, oldest first, the blocks of a whole
-        native call where free blocks allow, a block each left free as admission left it (``_decode`` cuts a call to
-        the steps the blocks hold)."""
-        for req in self.running:
-            if req.num_tokens - 1 - req.num_computed > self.prefill_chunk:  # (still prefilling after this step)
-                continue
-            spare = self.allocator.num_free - len(self.running)
-            self._grow(req, min(self._missing_blocks(req, whole_call=True), spare))
-
-    def _missing_blocks(self, req: Request, whole_call: bool = False) -> int:
-        return self.allocator.blocks_for(self.tokens_to_hold(req, whole_call)) - len(req.blocks)
-
-    def _grow(self, req: Request, n: int) -> None:
-        if n > 0:
-            req.blocks += self.allocator.take(n)
-            self.rows.set_blocks(req.slot, req.blocks)
-
-    def _shrink(self, req: Request) -> None:
-        """Return the blocks ``req`` holds beyond its next step's (never cached: no K/V was written to them)."""
-        extra = -self._missing_blocks(req)
-        if extra > 0:
-            self.allocator.free(req.blocks[-extra:])
-            req.blocks = req.blocks[:-extra]
-            self.rows.set_blocks(req.slot, req.blocks)  # (the row's table forgets them: padding writes go to scratch)
-
-    def _release(self, req: Request) -> None:
-        """Return ``req``'s blocks (its cached prompt blocks stay cached: ``_prefill``) and its slot."""
-        self.allocator.free(req.blocks)
-        req.blocks = []
-        if req.slot >= 0:
-            self.rows.release(req.slot)
-            req.slot = -1
-
-    def _preempt(self, req: Request) -> None:
-        """Return ``req``'s blocks and slot and queue it first; what it emitted stays (its tokens, its drafter's
-        token-keyed state: a suffix tree). The K/V recomputed later is the same bit for bit (batch-invariant kernels),
-        so its output is as if it had never stopped."""
-        self._release(req)  # (re-admitted, it takes its cached prompt blocks back)
-        req.block_keys = None
-        req.num_computed = req.draft_len = 0
-        if req.params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]  # (computed again with the prompt)
-        req.metrics.num_preemptions += 1
-        self.stats["num_preemptions"] += 1
-        self.waiting.appendleft(req)
-
-    def _awaits_shared_prefill(self, req: Request) -> bool:
-        """Whether ``req`` waits a step rather than compute its prompt's next blocks beside a running request whose
-        prefill computes the same ones (prefix caching; the blocks are cached as each chunk completes them): where
-        at least half of the chunk it would compute now is such blocks. A burst of requests with one long shared
-        prefix (a system prompt) then computes it once, and takes it from the cache as it is computed."""
-        keys = req.block_keys
-        hits = self.allocator.num_hits(keys)
-        if hits == len(keys):
-            return False
-        shared = hits  # keys[hits:shared]: blocks a running prefill will compute (chained keys: a shared run)
-        for r in self.running:
-            if r.prefilling and len(r.block_keys) > hits and r.block_keys[hits] == keys[hits]:
-                common = min(len(keys), len(r.block_keys))
-                shared = max(shared, next((j for j in range(hits, common) if keys[j] != r.block_keys[j]), common))
-        block_size = self.allocator.block_size
-        chunk = min(self.prefill_chunk, req.num_tokens - 1 - hits * block_size)
-        return shared > hits and 2 * (shared - hits) * block_size >= chunk
-
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.metrics.finish_time = time.perf_counter()
-        self._release(req)
+        self.scheduler.release(req)
         if self.drafter is not None:
             self.drafter.finish_request(req.view())
 
@@ -422,15 +293,21 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One iteration: admit, one prefill chunk, one speculative step. A request whose rows make the step fail
         is found by re-running the rows one at a time and finished with reason "error"; the others go on."""
-        if not self._make_room():  # (a request preempted now is not readmitted at once, its K/V thrown away)
-            self._admit()
-        self._top_up()
+        self._record(self.scheduler.schedule())
         outputs = self._isolated(self._prefill, [r for r in self.running if r.prefilling])
         decoding = [r for r in self.running if not r.prefilling]
         with self._decode_threads(bool(decoding)):
             outputs += self._isolated(self._decode, decoding)
-        self.running = [r for r in self.running if not r.finished]
+        self.scheduler.retire_finished()
         return outputs
+
+    def _record(self, schedule: Schedule) -> None:
+        """Count what the scheduler did: preemptions, and the prompt tokens a new request took from the cache."""
+        self.stats["num_preemptions"] += len(schedule.preempted)
+        for req in schedule.admitted:
+            if not req.metrics.num_preemptions:  # (a resumed request's hits are its own blocks: no prompt spared)
+                req.metrics.num_cached_tokens = req.num_computed
+                self.stats["num_cached_tokens"] += req.num_computed
 
     @contextlib.contextmanager
     def _decode_threads(self, active: bool):
@@ -486,60 +363,23 @@ class Engine:
         self._finish(req, "error")
         return StepOutput(req, [], True)
 
-    @torch.inference_mode()
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
-        counts = [min(r.num_tokens - 1 - r.num_computed, self.prefill_chunk) for r in reqs]
-        # rows are padded to the widest chunk: a padded slot's position stays inside the RoPE table (a short last
-        # chunk beside a long one, near the end of the context); past the row's blocks its K/V lands in scratch
-        room = self.max_model_len + self.max_tree_nodes()
-        T = min(max(counts), min(room - r.num_computed for r in reqs))
-        counts = [min(n, T) for n in counts]
-        tokens = np.zeros((len(reqs), T), dtype=np.int64)  # [B, T], ragged rows padded at the end
-        for b, (r, n) in enumerate(zip(reqs, counts)):
-            tokens[b, :n] = r.history[r.num_computed : r.num_computed + n]
-        starts = [r.num_computed for r in reqs]
-        seqlens_h = torch.tensor(starts, dtype=torch.int32)  # [B]
-        tokens, seqlens, table = to_device(
-            self.device, torch.from_numpy(tokens), seqlens_h, self.runner.block_table(reqs, max(starts) + T)
-        )
-        positions = seqlens.long()[:, None] + torch.arange(T, device=self.device)  # [B, T]
-        mask = causal_mask(len(reqs), T, self.device)
-        hidden, features = self.runner.target_pass(tokens, positions, self.kv.data, seqlens, mask, table)
-        scored = {}  # (a preempted request's chunk can run past its prompt, into its output)
-        for b, (r, n) in enumerate(zip(reqs, counts)):
-            m = min(n, len(r.prompt_token_ids) - 1 - r.num_computed)
-            if r.params.prompt_logprobs is not None and m > 0:
-                scored[b] = self._prompt_logprobs(r, hidden[b, :m], m)
-        # With a fixed depth every request is drafted: the drafter sees the prompt now. The adaptive controller may
-        # never draft a request (batch 16 on CPU, a useless draft), so there the draft cache is filled by catch-up
-        # when it first does, a cost the controller weighs against the evidence; a drafter that reads the target's
-        # features keeps them now (they exist only in this pass) and runs on them at that catch-up.
-        eager = self.drafter is not None and self.drafter.keeps_cache and self.controller is None
-        if eager:
-            self.drafter.prefill(tokens, positions, seqlens, mask, table, features)
-        elif features is not None:
-            self.drafter.store_features(positions, table, features)
-        now = time.perf_counter()
-        for b, (r, n) in enumerate(zip(reqs, counts)):  # committed only now: a failed chunk runs again (_isolated)
-            r.prompt_logprobs += scored.get(b, [])
+        """One prompt chunk per row (``StepRunner.prefill``), committed only now: a failed chunk runs again
+        (``_isolated``)."""
+        eager = self.scheduler.draft_follows_prefill
+        chunk = self.runner.prefill(reqs, room=self.max_model_len + self.max_tree_nodes(), draft=eager)
+        now, block_size = time.perf_counter(), self.allocator.block_size
+        for r, n, scored in zip(reqs, chunk.counts, chunk.prompt_logprobs):
+            r.prompt_logprobs += scored
             r.num_computed += n
             if eager:
                 r.draft_len = r.num_computed
             # its full blocks of prompt K/V are final: later requests may take them (prefix caching), this one's
             # still running
-            self.allocator.cache(r.blocks, r.block_keys[: r.num_computed // self.allocator.block_size])
+            self.allocator.cache(r.blocks, r.block_keys[: r.num_computed // block_size])
             if not r.prefilling and r.metrics.decode_start is None:  # (not again after a preemption)
                 r.metrics.decode_start = now
         return []
-
-    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, n: int) -> list[dict[int, float]]:
-        """The ``Request.prompt_logprobs`` entries of the prompt tokens after a prefill chunk's ``n`` positions
-        (``hidden`` [n, H]: each position's final hidden state predicts the next prompt token)."""
-        start = req.num_computed
-        nxt = req.prompt_token_ids[start + 1 : start + n + 1]  # (the chunk ends before the last prompt token)
-        targets = to_device(self.device, torch.tensor(nxt, dtype=torch.int64))[0]  # [n]
-        rows = token_logprobs(self.target.logits(hidden), targets, req.params.prompt_logprobs)
-        return [req.logprobs_entry(t, row, req.params.prompt_logprobs) for t, row in zip(nxt, rows)]
 
     @torch.inference_mode()
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
@@ -547,8 +387,8 @@ class Engine:
             if r.metrics.decode_start is None:
                 r.metrics.decode_start = time.perf_counter()
         gammas = self.choose_gammas(reqs)
-        plan = self._plan(reqs, gammas)
-        gammas, suffix_rows = plan.gammas, plan.suffix_rows
+        drafts = self._draft_plan(reqs, gammas)
+        gammas, suffix_rows = drafts.gammas, drafts.suffix_rows
         # the step's shape for the thread tuner: costs compare within a depth, a prompt's catch-up apart
         self._step_kind = (max(gammas), any(g and self._cache_lag(r) > 1 for r, g in zip(reqs, gammas)))
         # steps per native call: none while a request waits for a slot (it is admitted at the next step). A plain
@@ -566,15 +406,17 @@ class Engine:
             max_steps = min(max_steps, self.controller.plain_probe_steps(len(reqs)))
         if self._thread_probe:  # the thread tuner's probe of the other thread count: a probe's steps, not a chain's
             max_steps = min(max_steps, self.threads.probe_call_steps())
-        max_steps = self._steps_that_fit(reqs, max(gammas), max_steps)  # (where blocks ran short: _top_up)
+        max_steps = self.scheduler.steps_that_fit(reqs, max(gammas), max_steps)  # (where blocks ran short)
         logprobs = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
-        result = self.runner.run(reqs, gammas, suffix_rows, self._stop_tensor(reqs), max_steps=max_steps,
-                                 full_steps=full_steps, stop_on_reject=unsure, native_verify=cfg.native_tree_step,
-                                 logprobs=logprobs)  # fmt: skip
-        if not result.full_steps:
+        plan = self.runner.plan(reqs, gammas, suffix_rows, max_steps=max_steps, full_steps=full_steps,
+                                stop_on_reject=unsure, native_verify=cfg.native_tree_step,
+                                logprobs=logprobs)  # fmt: skip
+        result = self.runner.run(reqs, plan, gammas, suffix_rows, self._stop_tensor(reqs))
+        self.last_plan = result.plan
+        if result.plan.path == REGULAR:
             self.stats["num_regular_steps"] += 1
-        if plan.expected is not None:
-            self._observe_scores(reqs, plan, result)
+        if drafts.expected is not None:
+            self._observe_scores(reqs, drafts, result)
         return self._apply(reqs, result)
 
     @staticmethod
@@ -587,7 +429,7 @@ class Engine:
             if plan.suffix_rows is not None and plan.suffix_rows[b] and plan.expected[b] > 0 and not sure:
                 req.score_trust.observe(plan.expected[b] / req.score_trust.value, result.counts[0][b] - 1)
 
-    def _plan(self, reqs: list[Request], gammas: list[int]) -> DraftPlan:
+    def _draft_plan(self, reqs: list[Request], gammas: list[int]) -> DraftPlan:
         """The drafter's revision of the step's depths (``Drafter.plan``: a suffix drafter drops the rows nothing
         matches, a hybrid picks suffix or model per row), given the controller's expected accepted drafted tokens
         of the model drafter at each row's depth."""
@@ -626,7 +468,7 @@ class Engine:
         outputs = []
         for b, req in enumerate(reqs):
             counts = [step[b] for step in result.counts]
-            new, stopped = self._truncate(req, result.tokens[b])
+            new, stopped = req.cut_at_stop(result.tokens[b], self.detokenize)
             kept, emitted = 1, counts[0]  # the steps whose tokens the row keeps (its first, at least)
             while kept < S and emitted < len(new):
                 emitted += counts[kept]
@@ -692,15 +534,3 @@ class Engine:
         """int64 [S]: every stop id of the rows that the model can emit (a native chain ends at any of them)."""
         stops = {t for r in reqs for t in r.stop_ids if 0 <= t < self.vocab_size}
         return torch.tensor(sorted(stops), dtype=torch.int64)
-
-    def _truncate(self, req: Request, toks: list[int]) -> tuple[list[int], bool]:
-        """Cut the emitted tokens at a stop token (kept, as vLLM does for EOS), at the token whose text completes a
-        stop string (kept; the text ends before the string: ``visible_text``) or at max_tokens: what decoding one
-        token a step would have emitted; and whether it stopped."""
-        stops = req.stop_ids
-        toks = toks[: req.tokens_left]
-        completes = stop_string_end(req.params, req.output_token_ids, toks, self.detokenize, req.prompt_token_ids)
-        for i, t in enumerate(toks):
-            if t in stops or i + 1 == completes:
-                return toks[: i + 1], True
-        return toks, False

@@ -44,7 +44,7 @@ class PagedKVCache:
 
 class BlockAllocator:
     """Free-list of KV blocks. A request takes the blocks of its prompt and its first step at admission and more as
-    it grows (``take``); where none are left the engine preempts a request (``Engine._make_room``).
+    it grows (``take``); where none are left the engine preempts a request (``Scheduler.make_room``).
 
     With ``prefix_caching`` (vLLM's automatic prefix caching), a request's full blocks of prompt tokens (after a
     preemption, of the output its prefill computes again too) are cached as its prefill completes them (``cache``),

@@ -144,7 +144,7 @@ class LLM:
         ``DEFAULT_MAX_MODEL_LEN`` (4096: KV memory for ``max_num_seqs`` full requests).
     max_num_seqs : requests decoded together.
     kv_cache_memory : bytes for the KV caches of both models. Requests take blocks as they grow; where none are left
-        the newest are preempted and resumed later with the same output (``Engine._make_room``).
+        the newest are preempted and resumed later with the same output (``Scheduler.make_room``).
     enable_prefix_caching : keep requests' full blocks of prompt K/V (as their prefill completes them), so a request
         whose prompt starts with the same tokens (a chat's history, a system prompt, a request served again)
         computes only the rest (vLLM's automatic prefix caching; ``spec_engine.kv_cache.BlockAllocator``). Cached

@@ -13,7 +13,7 @@ import torch
 from spec_engine.adaptive import RowState
 from spec_engine.drafters.base import RowView
 from spec_engine.kv_cache import SCRATCH_BLOCK
-from spec_engine.sampling import SamplingParams
+from spec_engine.sampling import SamplingParams, stop_string_end
 from spec_engine.structured import MAX_FORCED_DRAFT, GrammarState
 
 
@@ -155,6 +155,17 @@ class Request:
                 and not self.params.include_stop_str_in_output):  # fmt: skip
             return ids[:-1]
         return ids
+
+    def cut_at_stop(self, toks: list[int], detokenize) -> tuple[list[int], bool]:
+        """Cut tokens a decode call emitted at a stop token (kept, as vLLM does for EOS), at the token whose text
+        completes a stop string (kept; the text ends before the string: ``visible_text``) or at max_tokens: what
+        decoding one token a step would have emitted; and whether it stopped. ``detokenize``: the engine's."""
+        toks = toks[: self.tokens_left]
+        completes = stop_string_end(self.params, self.output_token_ids, toks, detokenize, self.prompt_token_ids)
+        for i, t in enumerate(toks):
+            if t in self.stop_ids or i + 1 == completes:
+                return toks[: i + 1], True
+        return toks, False
 
     @property
     def tokens_left(self) -> int:

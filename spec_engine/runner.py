@@ -8,7 +8,7 @@ changed as one ``StepResult`` for ``Engine._apply`` to commit:
   target's features), of greedy rows and coupled sampled ones;
 - a spec chain: up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chains (a
   head's static trees too) in one C++ call (``spec_chain``); with a head's chains, coupled sampled rows too
-  (``_samples_natively``: the position-keyed coupling's tokens, as the regular step draws them);
+  (``_greedy_or_coupled``: the position-keyed coupling's tokens, as the regular step draws them);
 - the regular step (``_spec_step``): draft, the target's pass over the tree, ``verify_tree``, compaction, in
   Python-driven ops: any tree, other sampled rows, a hybrid's suffix rows, any device; where every row is greedy with a
   deterministic tree and the target runs natively, the pass, verification and compaction are one native call
@@ -20,8 +20,8 @@ the draft has not seen, before the root).
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,10 +29,13 @@ import torch
 from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.logits_processors import process_logits_
+from spec_engine.logprobs import step_logprobs, token_logprobs
 from spec_engine.models import Target
-from spec_engine.request import Request, RequestRows, TokenLogprobs
+from spec_engine.request import Request, RequestRows
 from spec_engine.sampling import SEED_MASK
+from spec_engine.step import PLAIN_CHAIN, REGULAR, SPEC_CHAIN, PrefillChunk, StepPlan, StepResult
 from spec_engine.transfer import to_device
+from spec_engine.tree import causal_mask
 from spec_kernels import PAD_NODE, VerifyResult, verify_tree
 from spec_kernels.decoder_layers import (
     SPEC_CHAIN_MAX_NODES,
@@ -47,41 +50,12 @@ from spec_kernels.rng import mix_key
 INT63_MASK = (1 << 63) - 1  # a request seed (any 64-bit int) as a non-negative int64 noise seed
 
 
-@dataclass
-class StepResult:
-    """What one decode call did, for ``Engine._apply`` to commit once: the regular step (one step), a plain chain
-    (K one-token steps in one native call) or a spec chain (several drafted steps in one native call).
-
-    ``tokens[b]``: every token row b emitted in the call, in order (each step's accepted path and its recovered or
-    bonus token). Per step s the call ran: ``gammas[s]`` [B] each row's depth (0: undrafted), ``counts[s]`` [B] the
-    tokens each row emitted in it, ``times[s]`` (draft seconds, whole step seconds) as measured. ``draft_lens`` [B]:
-    the drafter caches' lengths after the call (what ``Drafter.commit`` returns; None: unchanged). A native call's own
-    work (inputs, dispatch, committing) is spread over ``full_steps`` steps from ``start`` (``chain_step_costs``; 0:
-    the times are final). ``learned`` [S][B]: the depths the controller learns acceptance from (None: ``gammas``; a
-    hybrid's suffix rows say nothing of its model drafter; nor do a suffix drafter's), ``widths[s]``: the tokens step s
-    verified in its target pass (B * T, T the step's widest tree; None: the depths' trees, ``nodes_for_depth``).
-    ``logprobs[b]`` (the regular step, when asked): per token of ``tokens[b]``, its ``TokenLogprobs`` under the target's
-    distribution at its parent node.
-    """
-
-    gammas: list[list[int]]
-    tokens: list[list[int]]
-    counts: list[list[int]]
-    times: list[list[float]]
-    draft_lens: list[int] | None = None
-    start: float = 0.0
-    full_steps: int = 0
-    learned: list[list[int]] | None = None
-    widths: list[int] | None = None
-    logprobs: list[list[TokenLogprobs]] | None = None
-
-
 def _noise_seeds(reqs: list[Request]) -> torch.Tensor:
     """[B] int64: each row's coupling noise seed, its request seed as a non-negative int64."""
     return torch.tensor([r.seed & INT63_MASK for r in reqs], dtype=torch.int64)
 
 
-def _samples_natively(reqs: list[Request]) -> bool:
+def _greedy_or_coupled(reqs: list[Request]) -> bool:
     """Whether the native calls can sample these rows: each greedy, or coupled (``Request.coupled``: its tokens the
     position-keyed coupling's, as the regular step draws them, top-k, top-p and min-p included)."""
     return all(r.params.greedy or r.coupled for r in reqs)
@@ -91,51 +65,6 @@ def _native(model, cache: PagedKVCache | None) -> NativeModel | NativeHead | Non
     """``model``'s native handle where its cache is in the handle's dtype, else None."""
     native = getattr(model, "native", None)
     return native if native is not None and cache is not None and cache.data.dtype == native.dtype else None
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[TokenLogprobs]:
-    """Per row of ``logits`` [N, V]: ``tokens`` [N]'s log-probability and the ``k`` most likely tokens' (one host read),
-    log-softmax in float32. Ties go to the lower id: a step reads the batch's largest k and each request keeps the
-    first of them, which are then its own top k whatever its neighbours ask (``topk`` picks among ties by k)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
-    chosen = lp.gather(-1, tokens[:, None])[:, 0]  # [N]
-    ids = _top_ids(lp, k)  # [N, k]
-    both = torch.cat((chosen[:, None], lp.gather(-1, ids)), dim=1).tolist()  # [N, 1 + k]
-    return [TokenLogprobs(row[0], top, row[1:]) for row, top in zip(both, ids.tolist())]
-
-
-def _top_ids(lp: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` largest entries' ids of each row of ``lp`` [N, V], in order of (value descending, id ascending):
-    every one above the k-th value, then the lowest ids of those equal to it. [N, k] int64."""
-    N, V = lp.shape
-    if k == 0:
-        return torch.empty(N, 0, dtype=torch.int64, device=lp.device)
-    top = lp.topk(min(k + 1, V), dim=-1)  # [N, k + 1]: the one past the k-th tells a tie across the boundary
-    ids = top.indices[:, :k]  # [N, k]: the right set unless a tie crosses the boundary
-    if k < V:
-        kth = top.values[:, k - 1 : k]  # [N, 1]
-        crossing = (top.values[:, k:] == kth)[:, 0]  # [N]
-        if bool(crossing.any()):  # those rows take the lowest ids of the tie, in one pass over V each
-            z, at = lp[crossing], kth[crossing]  # [n, V], [n, 1]
-            above, tied = z > at, z == at
-            room = k - above.sum(-1, keepdim=True)  # [n, 1]: the places left to the tie
-            keep = above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= room))  # [n, V]: k a row
-            ids = ids.clone()
-            ids[crossing] = keep.nonzero()[:, 1].view(-1, k)
-    ids = ids.sort(dim=-1).values  # [N, k]
-    order = lp.gather(-1, ids).sort(dim=-1, descending=True, stable=True).indices  # [N, k]
-    return ids.gather(-1, order)
-
-
-def _logprobs(logits: torch.Tensor, result: VerifyResult, num_accepted: list[int], k: int) -> list[list[TokenLogprobs]]:
-    """Each row's emitted tokens' log-probabilities (``StepResult.logprobs``) from the verify pass's logits
-    [B, T, V]: token j of row b is drawn from the distribution at its path's node j (the root's, then each accepted
-    draft's); ``num_accepted`` [B] the tokens each row emitted (host)."""
-    B, T = result.output_tokens.shape
-    nodes = result.accepted_nodes.clamp(min=0)  # [B, T]: padding past num_accepted reads the root, then is dropped
-    at = logits[torch.arange(B, device=logits.device)[:, None], nodes]  # [B, T, V]
-    rows = token_logprobs(at.flatten(0, 1), result.output_tokens.clamp(min=0).flatten(), k)  # [B * T]
-    return [rows[b * T : b * T + n] for b, n in enumerate(num_accepted)]
 
 
 class StepRunner:
@@ -165,36 +94,92 @@ class StepRunner:
         # the native calls sample coupled rows: a head's chains and its target's plain steps (spec_chain), and a
         # target's plain steps where nothing drafts (plain_steps)
         tree = drafter.tree if drafter is not None else None
-        chains = tree is None or tree.is_chain
-        head_chains = isinstance(self.native_draft, NativeHead) and chains
-        self.samples_natively = self.native_target is not None and (drafter is None or head_chains)
+        self.head_chains = isinstance(self.native_draft, NativeHead) and (tree is None or tree.is_chain)
+        self.samples_natively = self.native_target is not None and (drafter is None or self.head_chains)
 
     def cache_lag(self, req: Request) -> int:
         """Tokens before ``req``'s root that its draft cache has not seen (0 for a drafter without a cache)."""
         return req.num_computed - req.draft_len if self.drafter is not None and self.drafter.keeps_cache else 0
 
-    def run(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None, stops: torch.Tensor, *,
-            max_steps: int, full_steps: int, stop_on_reject: bool = False, native_verify: bool = True,
-            logprobs: int | None = None) -> StepResult:  # fmt: skip
-        """One decode call for ``reqs`` at depths ``gammas`` [B] (0: undrafted): up to ``max_steps`` steps in one
-        native call where it can run them (0: the regular step), else the regular step. ``stops`` [S] every stop id
-        of the rows (a native call ends at any of them); ``full_steps`` the steps of a full call, over which the
-        call's own work is priced (``StepResult.full_steps``); ``stop_on_reject``: a speculative call ends at a
-        step where some row accepted nothing (an unsure controller re-decides the depth). ``native_verify``: the
-        regular step of greedy rows verifies in one native call where it can (``_native_verify``). ``logprobs``: the
-        regular step returns each emitted token's log-probabilities and this many alternatives' (``StepResult``;
-        the native calls return none, nor do they run logits processors: a call with such rows is the regular step)."""
-        processed = reqs if any(r.processes_logits for r in reqs) else None
-        if logprobs is not None or processed is not None:
-            max_steps, native_verify = 0, False
-        result = None
+    @torch.inference_mode()
+    def prefill(self, reqs: list[Request], *, room: int, draft: bool) -> PrefillChunk:
+        """One chunk of each row's prompt (at most ``prefill_chunk`` tokens; none past position ``room``) through the
+        target, writing its K/V. ``draft``: the drafter's cache sees the chunk too (a fixed depth drafts every
+        request); else a drafter that reads the target's features keeps them (they exist only in this pass) and its
+        cache catches up when the adaptive controller first drafts the row, a cost the controller weighs."""
+        counts = [min(r.num_tokens - 1 - r.num_computed, self.prefill_chunk) for r in reqs]
+        # rows are padded to the widest chunk: a padded slot's position stays inside the RoPE table (a short last
+        # chunk beside a long one, near the end of the context); past the row's blocks its K/V lands in scratch
+        T = min(max(counts), min(room - r.num_computed for r in reqs))
+        counts = [min(n, T) for n in counts]
+        tokens = np.zeros((len(reqs), T), dtype=np.int64)  # [B, T], ragged rows padded at the end
+        for b, (r, n) in enumerate(zip(reqs, counts)):
+            tokens[b, :n] = r.history[r.num_computed : r.num_computed + n]
+        starts = [r.num_computed for r in reqs]
+        seqlens_h = torch.tensor(starts, dtype=torch.int32)  # [B]
+        tokens, seqlens, table = to_device(
+            self.device, torch.from_numpy(tokens), seqlens_h, self.block_table(reqs, max(starts) + T)
+        )
+        positions = seqlens.long()[:, None] + torch.arange(T, device=self.device)  # [B, T]
+        mask = causal_mask(len(reqs), T, self.device)
+        hidden, features = self.target_pass(tokens, positions, self.kv.data, seqlens, mask, table)
+        scored = [[] for _ in reqs]  # (a preempted request's chunk can run past its prompt, into its output)
+        for b, (r, n) in enumerate(zip(reqs, counts)):
+            m = min(n, len(r.prompt_token_ids) - 1 - r.num_computed)
+            if r.params.prompt_logprobs is not None and m > 0:
+                scored[b] = self._prompt_logprobs(r, hidden[b, :m], m)
+        if draft:
+            self.drafter.prefill(tokens, positions, seqlens, mask, table, features)
+        elif features is not None:
+            self.drafter.store_features(positions, table, features)
+        return PrefillChunk(counts, scored)
+
+    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, n: int) -> list[dict[int, float]]:
+        """The ``Request.prompt_logprobs`` entries of the prompt tokens after a prefill chunk's ``n`` positions
+        (``hidden`` [n, H]: each position's final hidden state predicts the next prompt token)."""
+        start = req.num_computed
+        nxt = req.prompt_token_ids[start + 1 : start + n + 1]  # (the chunk ends before the last prompt token)
+        targets = to_device(self.device, torch.tensor(nxt, dtype=torch.int64))[0]  # [n]
+        rows = token_logprobs(self.target.logits(hidden), targets, req.params.prompt_logprobs)
+        return [req.logprobs_entry(t, row, req.params.prompt_logprobs) for t, row in zip(nxt, rows)]
+
+    def plan(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None, *, max_steps: int,
+             full_steps: int, stop_on_reject: bool = False, native_verify: bool = True,
+             logprobs: int | None = None) -> StepPlan:  # fmt: skip
+        """The path and length of one decode call for ``reqs`` at depths ``gammas`` [B] (0: undrafted), the one place
+        that decides it: up to ``max_steps`` steps in one native call where it can run them (0: the regular step),
+        else the regular step. ``full_steps``, ``stop_on_reject``: as ``StepPlan``'s; ``native_verify``: the regular
+        step of greedy rows may verify in one native call; ``logprobs``: the call returns each emitted token's
+        log-probabilities and this many alternatives' (only the regular step does, as it alone runs logits
+        processors)."""
+        regular = StepPlan(REGULAR, logprobs=logprobs, native_verify=native_verify and self.native_tree is not None
+                           and all(r.params.greedy for r in reqs))  # fmt: skip
+        if logprobs is not None or any(r.processes_logits for r in reqs):
+            return dataclasses.replace(regular, native_verify=False)
         if max_steps and max(gammas) == 0:
             K = self._plain_chain_len(reqs, max_steps)
-            result = self._plain_chain(reqs, K, stops, full_steps) if K else None
+            if K:
+                return dataclasses.replace(regular, path=PLAIN_CHAIN, steps=K, full_steps=full_steps)
         elif max_steps and not any(suffix_rows or ()) and self._spec_chain_fits(reqs, gammas):
-            result = self._spec_chain(reqs, gammas[0], max_steps, stops, full_steps, stop_on_reject)
+            return dataclasses.replace(regular, path=SPEC_CHAIN, steps=max_steps, gamma=gammas[0],
+                                       full_steps=full_steps, stop_on_reject=stop_on_reject)  # fmt: skip
+        return regular
+
+    def run(self, reqs: list[Request], plan: StepPlan, gammas: list[int], suffix_rows: list[bool] | None,
+            stops: torch.Tensor) -> StepResult:  # fmt: skip
+        """One decode call as ``plan`` says (``StepRunner.plan``). ``stops`` [S] every stop id of the rows (a native
+        call ends at any of them). A native call whose first step's logits are not finite commits nothing; the
+        regular step then decodes it (and sanitises or raises)."""
+        result = None
+        if plan.path == PLAIN_CHAIN:
+            result = self._plain_chain(reqs, plan.steps, stops, plan.full_steps)
+        elif plan.path == SPEC_CHAIN:
+            result = self._spec_chain(reqs, plan.gamma, plan.steps, stops, plan.full_steps, plan.stop_on_reject)
         if result is None:
-            result = self._regular_step(reqs, gammas, suffix_rows, native_verify, logprobs, processed)
+            plan = dataclasses.replace(plan, path=REGULAR, steps=1, full_steps=0, stop_on_reject=False)
+            processed = reqs if any(r.processes_logits for r in reqs) else None
+            result = self._regular_step(reqs, gammas, suffix_rows, plan.native_verify, plan.logprobs, processed)
+        result.plan = plan
         return result
 
     def _plain_chain_len(self, reqs: list[Request], max_steps: int) -> int:
@@ -202,7 +187,7 @@ class StepRunner:
 
         Multi-step decoding (vLLM's ``num_scheduler_steps``): with no drafter or none this step (a drafter that reads
         the target's features must see every step, so only a native head, whose features the call stores) and all
-        rows greedy or coupled (``_samples_natively``), the target runs up to ``max_steps``
+        rows greedy or coupled (``_greedy_or_coupled``), the target runs up to ``max_steps``
         forwards in one C++ call, so the step's Python and dispatch, comparable to a small model's whole forward, is
         paid once per chain. Same forwards, same kernels, same tokens (tests/test_native_steps.py); the call ends at a
         row's stop token, so a long chain wastes no forward at a request's end. A chain of one (a row's last token)
@@ -210,7 +195,7 @@ class StepRunner:
         head_target = self.drafter is not None and self.drafter.needs_hidden
         if self.native_target is None or (head_target and not isinstance(self.native_draft, NativeHead)):
             return 0
-        if not _samples_natively(reqs):  # (coupled sampled rows: spec_chain at depth 0 and plain_steps sample them)
+        if not _greedy_or_coupled(reqs):  # (coupled sampled rows: spec_chain at depth 0 and plain_steps sample them)
             return 0
         cap = self.drafter.plain_chain_cap if self.drafter is not None else None
         return min(max_steps, cap or max_steps, min(r.tokens_left for r in reqs))
@@ -258,11 +243,8 @@ class StepRunner:
             return False
         if any(x != g for x in gammas) or self.drafter.nodes_for_depth(g) > SPEC_CHAIN_MAX_NODES:
             return False
-        if not all(r.params.greedy for r in reqs):  # sampled rows: coupled, drafted by a head's chains
-            tree = self.drafter.tree
-            chains = tree is None or tree.is_chain
-            if not (_samples_natively(reqs) and isinstance(self.native_draft, NativeHead) and chains):
-                return False
+        if not all(r.params.greedy for r in reqs) and not (self.head_chains and _greedy_or_coupled(reqs)):
+            return False  # (sampled rows: coupled, drafted by a head's chains)
         lags = [self.cache_lag(r) for r in reqs]
         # (a ragged catch-up pads rows past their roots: at most g slots, which the step overwrites)
         return max(lags) <= self.prefill_chunk and max(lags) - min(lags) <= g and min(r.tokens_left for r in reqs) > g
@@ -387,7 +369,7 @@ class StepRunner:
         else:
             result, features, logits = self._verify(batch, draft, sampling, processed, raw=logprobs is not None)
         out_tokens, num_accepted = self._read_step(result)  # the step's one host sync (and logprobs' one more)
-        lps = _logprobs(logits, result, num_accepted, logprobs) if logprobs is not None else None
+        lps = step_logprobs(logits, result, num_accepted, logprobs) if logprobs is not None else None
         draft_lens = [r.draft_len for r in batch.rows]
         if features is not None:  # a drafter that reads the target's features keeps every row's, drafted or not
             draft_lens = self.drafter.commit(batch, result, num_accepted, features)
@@ -405,7 +387,7 @@ class StepRunner:
         row is greedy with a deterministic tree and the target runs natively (a drafter that reads the target's
         features: the streams of its ``target_layers``, which the call returns); else None, as also where the call
         leaves a row to the regular path (``_verify``)."""
-        if self.native_tree is None or draft.draft_probs is not None or not all(r.greedy for r in batch.rows):
+        if draft.draft_probs is not None:  # (the plan allowed it for greedy rows: here the tree is deterministic too)
             return None
         return tree_step(self.native_tree, draft.tokens, draft.parents, batch.seqlens, self.kv.data,
                          batch.block_table, capture=self.tree_capture)  # fmt: skip

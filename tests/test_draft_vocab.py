@@ -42,7 +42,7 @@ def pair(tmp_path_factory):
 
 
 def generate(llm: LLM, params: SamplingParams, steps: int) -> list:
-    llm.engine.config = EngineConfig(spec_chain_steps=steps)
+    llm.engine.reconfigure(EngineConfig(spec_chain_steps=steps))
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 
 

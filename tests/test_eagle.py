@@ -350,7 +350,7 @@ def test_native_eagle3_chains_match_plain(models, plain_greedy, tmp_path, spec):
 @pytest.mark.parametrize("spec", [{"num_speculative_tokens": 4}, {"num_speculative_tokens": 3, "tree": [2, 1, 1]},
                                   {}], ids=["chain4", "t211", "adaptive"])  # fmt: skip
 def test_preempted_requests_keep_their_tokens_under_a_native_head(models, tmp_path, monkeypatch, spec):
-    """Requests preempted for KV blocks (``Engine._make_room``) are prefilled again, prompt and output: the head's
+    """Requests preempted for KV blocks (``Scheduler.make_room``) are prefilled again, prompt and output: the head's
     features and cache are rebuilt from those of the target's pass, and greedy and seeded (coupled) tokens are those
     of a cache that holds every request."""
     import spec_engine.llm as llm_mod

@@ -105,12 +105,12 @@ def test_a_planted_off_by_one_is_caught(pair, monkeypatch):
     import spec_engine.runner as runner
 
     target, _ = pair
-    real = runner._logprobs
+    real = runner.step_logprobs
 
     def shifted(logits, result, num_accepted, k):
         return real(torch.roll(logits, -1, dims=1), result, num_accepted, k)
 
-    monkeypatch.setattr(runner, "_logprobs", shifted)
+    monkeypatch.setattr(runner, "step_logprobs", shifted)
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(target),
               "num_speculative_tokens": 3}, max_model_len=128, dtype="float32")  # fmt: skip
     out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=12, logprobs=K), use_tqdm=False)
@@ -151,7 +151,7 @@ def test_prompt_logprobs_are_hfs_across_prefill_chunks_and_skip_the_prefix_cache
 def test_a_failed_prefill_chunk_run_again_scores_each_prompt_token_once(pair, monkeypatch):
     """A batched prefill chunk that fails for one row runs again row by row (the engine's isolation): the rows that
     had scored their chunk before the failure must not keep that chunk's prompt logprobs twice."""
-    from spec_engine.engine import Engine
+    from spec_engine.runner import StepRunner
 
     target, _ = pair
     llm = LLM(str(target), max_model_len=128, dtype="float32", prefill_chunk=16, block_size=16)
@@ -159,7 +159,7 @@ def test_a_failed_prefill_chunk_run_again_scores_each_prompt_token_once(pair, mo
     b = [95] + [(3 * i + 2) % 96 for i in range(39)]
     params = SamplingParams(max_tokens=2, prompt_logprobs=1)
     alone = llm.generate({"prompt_token_ids": a}, params, use_tqdm=False)[0].prompt_logprobs
-    real, failed = Engine._prompt_logprobs, []
+    real, failed = StepRunner._prompt_logprobs, []
 
     def once(self, req, hidden, n):  # b's second chunk fails the first time it is scored
         if req.prompt_token_ids[0] == 95 and req.num_computed >= 16 and not failed:
@@ -167,7 +167,7 @@ def test_a_failed_prefill_chunk_run_again_scores_each_prompt_token_once(pair, mo
             raise RuntimeError("a planted failure")
         return real(self, req, hidden, n)
 
-    monkeypatch.setattr(Engine, "_prompt_logprobs", once)
+    monkeypatch.setattr(StepRunner, "_prompt_logprobs", once)
     outs = llm.generate([{"prompt_token_ids": a}, {"prompt_token_ids": b}], params, use_tqdm=False)
     assert failed and outs[0].prompt_logprobs == alone and len(outs[1].prompt_logprobs) == len(b)
 
@@ -199,7 +199,7 @@ def test_cumulative_logprob_sums_the_tokens_logprobs(pair):
 def test_a_requests_alternatives_do_not_depend_on_the_largest_k_of_its_batch():
     """A step reads every row's alternatives with the batch's largest k; a request keeps the first k of them. Ties
     (common in bf16 logits) go to the lower id, so those first k are the request's top k whatever the batch asks."""
-    from spec_engine.runner import token_logprobs
+    from spec_engine.logprobs import token_logprobs
 
     torch.manual_seed(0)
     logits = torch.randn(3, 500).to(torch.bfloat16).float()  # [N, V]

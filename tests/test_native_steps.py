@@ -31,7 +31,7 @@ def draft(target, tmp_path_factory):
 
 
 def run(llm: LLM, params: SamplingParams, chain: int) -> list:
-    llm.engine.config = EngineConfig(plain_chain=chain)
+    llm.engine.reconfigure(EngineConfig(plain_chain=chain))
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 
 
@@ -96,7 +96,7 @@ def test_a_chain_spends_no_forward_past_a_stop_token(target, monkeypatch):
         return out
 
     monkeypatch.setattr(runner_mod, "plain_steps", spy)
-    llm.engine.config = EngineConfig(plain_chain=16)
+    llm.engine.reconfigure(EngineConfig(plain_chain=16))
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == a[: a.index(stop) + 1] and got[0].outputs[0].finish_reason == "stop"
     assert got[1].outputs[0].token_ids == b  # the other row, all 30 of its tokens
@@ -172,7 +172,7 @@ STEP_METRICS = ("num_steps", "num_drafted", "num_accepted", "accepted_length_his
 
 
 def run_spec(llm: LLM, params: SamplingParams, steps: int) -> list:
-    llm.engine.config = EngineConfig(spec_chain_steps=steps)
+    llm.engine.reconfigure(EngineConfig(spec_chain_steps=steps))
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 
 
@@ -238,7 +238,7 @@ def test_a_fixed_depths_last_tokens_take_no_regular_step(target, draft, max_toke
     assert got.outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert llm.engine.stats["num_regular_steps"] == 0 and got.metrics["num_drafted"] > 0
     assert max(llm.engine.gamma_history) == 3 and min(llm.engine.gamma_history) < 3  # the tail drafted less
-    llm.engine.config = EngineConfig(spec_chain_steps=0)  # the counter counts: without native calls, every step
+    llm.engine.reconfigure(EngineConfig(spec_chain_steps=0))  # the counter counts: without native calls, every step
     llm.generate(prompt, params, use_tqdm=False)
     assert llm.engine.stats["num_regular_steps"] >= max_tokens // 4
 
@@ -428,7 +428,7 @@ def test_native_catch_up_drafts_what_the_regular_catch_up_drafts(target, draft, 
 
 
 def run_spec_prompts(llm: LLM, prompts: list, params: SamplingParams, steps: int) -> list:
-    llm.engine.config = EngineConfig(spec_chain_steps=steps)
+    llm.engine.reconfigure(EngineConfig(spec_chain_steps=steps))
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
