@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spec_kernels.linear import linear
+from spec_kernels.linear import linear, native_path
 from spec_kernels.linear import native_path as linear_native_path
 from spec_kernels.reference import linear_ref
 
@@ -281,15 +281,18 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.skipif(not {"amx_bf16", "amx_tile", "avx512_bf16"} <= _cpu_flags(), reason="no AMX-BF16 on this CPU")
 @pytest.mark.skipif("SPECDEC_CPU_ISA" in os.environ, reason="the vector paths are capped in this process")
 def test_amx_path_taken():
-    """On a CPU with AMX-BF16 the bfloat16 kernel runs on the tiles: its sums (each a running sum over k blocks) differ
-    in some bits from the AVX-512 path's (lanes, then a tree), run in a process capped at AVX-512. Were the tiles
-    refused (no OS permission, a wrong CPUID bit), the two would be bitwise equal."""
+    """On a CPU with AMX-BF16 the bfloat16 kernel runs on the tiles: the process chose them (``native_path``; were they
+    refused, by the OS or a wrong CPUID bit, it would name an AVX-512 path), and their sums are not vdpbf16ps's (which
+    rounds each pair's sum inside the instruction: about one output in 10^4 apart). The widening path can sum as the
+    tiles do, bit for bit (seen on a KVM Xeon), so it cannot tell them apart."""
+    assert native_path(torch.bfloat16, 1536)[0] == "amx"
     gen = torch.Generator().manual_seed(0)
-    x, w, b = _inputs(16, 1536, 576, torch.bfloat16, True, gen)
+    x, w, b = _inputs(64, 1536, 3072, torch.bfloat16, True, gen)
     ours = linear(x, w, b, backend="native")
-    avx512 = _native_linear_in_process(x, w, b, {"SPECDEC_CPU_ISA": "avx512"})
-    _assert_close_to_ref(avx512, x, w, b)
-    assert not torch.equal(ours, avx512), "the default path summed exactly as AVX-512 does: AMX tiles not used"
+    dot = _native_linear_in_process(x, w, b, {"SPECDEC_CPU_ISA": "avx512", "SPECDEC_BF16_LINEAR": "dot"})
+    _assert_close_to_ref(ours, x, w, b)
+    _assert_close_to_ref(dot, x, w, b)
+    assert not torch.equal(ours, dot), "the default path summed exactly as the dot products do: AMX tiles not used"
 
 
 @pytest.mark.skipif("avx512_bf16" not in _cpu_flags(), reason="no AVX512-BF16 on this CPU")
