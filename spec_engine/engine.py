@@ -30,11 +30,12 @@ import torch
 
 from spec_engine.adaptive import AdaptiveController, chain_step_costs, priced_plan
 from spec_engine.drafters.base import Drafter, DraftPlan
+from spec_engine.inputs import RequestLimits
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache
 from spec_engine.models import Target
 from spec_engine.request import Request, RequestRows, StepOutput
 from spec_engine.runner import StepRunner
-from spec_engine.sampling import SamplingParams, truncate_prompt
+from spec_engine.sampling import SamplingParams
 from spec_engine.scheduler import Schedule, Scheduler
 from spec_engine.step import REGULAR, StepPlan, StepResult
 from spec_engine.structured import Grammars
@@ -43,14 +44,6 @@ from spec_engine.threads import ThreadTuner
 log = logging.getLogger("spec_engine.engine")
 
 GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
-
-
-class RequestError(ValueError):
-    """A request that can never run (``Engine.check_request``); ``param`` names the field at fault, or None."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -122,6 +115,8 @@ class Engine:
         self.grammars = grammars  # guided_json / guided_regex / guided_grammar compile against the tokenizer
         self.vocab_size = target.config.vocab_size
         self.rows = RequestRows(max_num_seqs, allocator.blocks_for(max_model_len + self.max_tree_nodes()))
+        self.limits = RequestLimits(self.vocab_size, max_model_len, self.eos_token_ids, grammars=grammars,
+                                    reads_text=detokenize is not None, fits=self._fits_in_cache)  # fmt: skip
         self._ids = itertools.count()
         self._keys = itertools.count()
         # num_regular_steps: decode steps taken by the regular (Python) step, not a native call; num_retried_steps:
@@ -199,60 +194,17 @@ class Engine:
             return 1
         return max(self.drafter.nodes_for_depth(self.gamma), self.drafter.max_nodes)
 
+    def _fits_in_cache(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` (prompt + max_tokens) fits the KV cache alone, with a step's tree."""
+        return self.allocator.blocks_for(num_tokens + self.max_tree_nodes()) <= self.allocator.num_blocks - 1
+
     def _cache_lag(self, req: Request) -> int:
         return self.runner.cache_lag(req)
 
     def check_request(self, ids: list[int], params: SamplingParams) -> list[int]:
-        """Raise ValueError for a request that can never run; nothing is queued. Returns the prompt it checked: as
-        ``truncate_prompt_tokens`` cuts it."""
-        params.validate()
-        ids = truncate_prompt(ids, params.truncate_prompt_tokens)
-        if params.n != 1:
-            raise RequestError(f"the engine runs one sequence a request, not {params.n} (LLM.generate expands n)", "n")
-        if params.stop and self.detokenize is None:
-            raise RequestError("stop strings need a tokenizer to read the output; this model has none", "stop")
-        if not ids:
-            raise RequestError("the prompt is empty: give at least one token", "prompt")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
-            raise RequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", "prompt")
-        bad_ids = [t for seq in params.bad_words_token_ids or () for t in seq]
-        choice_ids = [t for seq in params.guided_choice_token_ids or () for t in seq]
-        for name, named in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
-                            ("bad_words", bad_ids), ("guided_choice", choice_ids)):  # fmt: skip
-            if named and max(named) >= self.vocab_size:  # (SamplingParams checked them to be ints >= 0)
-                raise RequestError(f"{name} must name token ids in [0, {self.vocab_size})", name)
-        for name in ("bad_words", "guided_choice"):
-            if getattr(params, name) and getattr(params, f"{name}_token_ids") is None:
-                raise RequestError(f"{name} need their token ids (LLM.generate and the server fill them in with the "
-                                   f"tokenizer; the engine has none): pass {name}_token_ids", name)  # fmt: skip
-        guide = "guided_choice" if choice_ids else params.guided and params.guided[0]
-        if params.guided and self.grammars is None:
-            raise RequestError(f"{guide} needs the model's tokenizer; this model has none", guide)
-        if guide and not any(0 <= t < self.vocab_size for t in self._stop_ids(params)):
-            raise RequestError(f"{guide} ends at a stop token, and this request has none (the model names no EOS): "
-                               "pass stop_token_ids", guide)  # fmt: skip
-        if params.guided:
-            try:
-                self.grammars.check(params)
-            except ValueError as e:
-                raise RequestError(str(e), guide) from None
-        if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= self._stop_ids(params):
-            raise RequestError("allowed_token_ids are all stop tokens, which min_tokens holds back: nothing could be "
-                               "emitted", "allowed_token_ids")  # fmt: skip
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
-                f"({self.max_model_len})",
-                "max_tokens",
-            )
-        if (
-            self.allocator.blocks_for(len(ids) + params.max_tokens + self.max_tree_nodes())
-            > self.allocator.num_blocks - 1
-        ):
-            raise RequestError(
-                "this request needs more KV blocks than the whole cache holds; raise the KV budget", "max_tokens"
-            )
-        return ids
+        """Raise ``RequestError`` (a ValueError) for a request that can never run; nothing is queued. Returns the
+        prompt it checked: as ``truncate_prompt_tokens`` cuts it (``RequestLimits.check``)."""
+        return self.limits.check(ids, params)
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -262,7 +214,7 @@ class Engine:
         # through the coupling: as the request asks (a seed, or invariant), or unseeded where this engine chooses it
         coupled = params.coupled or (self.couple_unseeded and not params.greedy and params.invariant is None)
         req = Request(request_id or str(next(self._ids)), ids, params, seed, key=next(self._keys),
-                      stop_ids=self._stop_ids(params), coupled=coupled)  # fmt: skip
+                      stop_ids=self.limits.stop_ids(params), coupled=coupled)  # fmt: skip
         if params.guided:
             req.grammar = self.grammars.state(params)
         req.metrics.arrival_time = time.perf_counter()
@@ -523,12 +475,6 @@ class Engine:
                                             [result.counts[s][b] for b in rows], *costs[s], timed=timed,
                                             width=widths[s])  # fmt: skip
         return outputs
-
-    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        """The tokens that end a request (``Request.stop_ids``): its stop_token_ids, and the EOS ids unless it
-        ignores EOS."""
-        stops = set(params.stop_token_ids or [])
-        return frozenset(stops if params.ignore_eos else stops | self.eos_token_ids)
 
     def _stop_tensor(self, reqs: list[Request]) -> torch.Tensor:
         """int64 [S]: every stop id of the rows that the model can emit (a native chain ends at any of them)."""

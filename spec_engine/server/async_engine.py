@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from spec_engine.engine import RequestError
+from spec_engine.inputs import RequestError
 from spec_engine.request import Request, StepOutput
 from spec_engine.sampling import (
     REPLACEMENT_CHAR,
