@@ -1,5 +1,5 @@
 """``linear``: ``F.linear`` for the small-M shapes of decoding (M = 1) and verification (M = T <= 64) on CPU, and a
-batch-invariant GEMM on CUDA (``spec_kernels.linear_triton``).
+batch-invariant GEMM on CUDA (``spec_kernels.linear.triton``).
 
 Glossary: M is the number of rows of x (``prod(x.shape[:-1])``), N the output features (rows of ``weight [N, K]``),
 K the reduction length.
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from spec_kernels._backend import on_device_path, resolve_backend, triton_available
-from spec_kernels.linear_triton import CONFIGS as TRITON_CONFIGS
-from spec_kernels.linear_triton import linear_triton
+from spec_kernels.linear.triton import CONFIGS as TRITON_CONFIGS
+from spec_kernels.linear.triton import linear_triton
 from spec_kernels.quant_linear import QuantizedWeight, quant_linear
 from spec_kernels.reference import linear_ref
 
