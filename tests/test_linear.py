@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from spec_kernels.linear import linear
 from spec_kernels.linear import native_path as linear_native_path
-from spec_kernels.reference import linear_ref
+from spec_kernels.linear.ref import linear_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 # Slack on top of 2x torch's own error. Measured over test_matches_reference's cases: err(kernel) - 2 * err(torch) is

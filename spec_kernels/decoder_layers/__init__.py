@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from spec_kernels._backend import resolve_backend
+from spec_kernels.decoder_layers.ref import LAYER_FIELDS, decoder_layer_loop, decoder_layers_ref
 from spec_kernels.linear import linear
-from spec_kernels.reference import LAYER_FIELDS, QuantizedWeight, VerifyResult, decoder_layer_loop, decoder_layers_ref
 from spec_kernels.tree_attention import plan_tree_attention, tree_attention
+from spec_kernels.types import QuantizedWeight, VerifyResult
 
 _EMPTY = torch.empty(0)  # stands for a missing optional weight in the C++ op's list (its schema has no holes)
 
@@ -197,7 +198,7 @@ def decoder_layers(
     ----------
     hidden : the token embeddings, float32 or bfloat16 for the native backend (the residual stream, norms, RoPE and
         softmax run in float32 inside it; matmuls and the cache in the model's dtype).
-    weights : ``len(LAYER_FIELDS)`` tensors per layer in the order of ``spec_kernels.reference.LAYER_FIELDS``:
+    weights : ``len(LAYER_FIELDS)`` tensors per layer in the order of ``spec_kernels.decoder_layers.ref.LAYER_FIELDS``:
         input norm ``[H]``, qkv ``[(Hq + 2 Hkv) D, H]``, qkv bias ``[(Hq + 2 Hkv) D]`` or None, o ``[H, Hq D]``,
         post-attention norm ``[H]``, gate_up ``[2 I, H]`` (gate rows first), down ``[H, I]``, q_norm and k_norm
         ``[D]`` or None. The four matrices may be ``QuantizedWeight`` (GGUF blocks, ``spec_kernels.quant_linear``):

@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from spec_kernels._backend import on_device_path, resolve_backend, triton_available
+from spec_kernels.linear.ref import linear_ref
 from spec_kernels.linear.triton import CONFIGS as TRITON_CONFIGS
 from spec_kernels.linear.triton import linear_triton
-from spec_kernels.quant_linear import QuantizedWeight, quant_linear
-from spec_kernels.reference import linear_ref
+from spec_kernels.quant_linear import quant_linear
+from spec_kernels.types import QuantizedWeight
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 # backend=None takes the native kernel up to this M: every M in both dtypes, which makes every forward and every
@@ -121,7 +122,7 @@ def linear(
     weight : Tensor or QuantizedWeight
         ``[N, K]``, same dtype as x, contiguous (row-major: the kernel streams each row once). Pass the model's
         ``nn.Linear.weight`` as it is; fused projections are one concatenated ``[N1 + N2, K]`` weight. A
-        :class:`~spec_kernels.quant_linear.QuantizedWeight` (GGUF blocks) runs :func:`quant_linear` instead.
+        :class:`~spec_kernels.types.QuantizedWeight` (GGUF blocks) runs :func:`quant_linear` instead.
     bias : Tensor, optional
         ``[N]``, same dtype as x.
     backend : {None, "native", "torch"}

@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 
 from spec_kernels._backend import on_device_path, resolve_backend, triton_available
-from spec_kernels.reference import (
+from spec_kernels.quant_linear.ref import quant_linear_ref
+from spec_kernels.types import (
     QUANT_BLOCK,
     QUANT_BLOCK_BYTES,
     QUANT_TYPES,
     QuantizedWeight,
     dequantize_ref,
-    quant_linear_ref,
     quant_type_name,
 )
 
