@@ -25,7 +25,7 @@ carry a draft and filters (bench/RESULTS.md), so it exits 1; the quick set guard
   epilogue (IS_SPLIT, paged and contiguous) and T = 1, plain decoding. Head dims 80 and 128 compile to the same
   kernel (D is a runtime argument, both divisible by 16): duplicates are compiled once.
 - ``_combine_splits_kernel``: output dtype x BLOCK_D at 2 and 64 splits (BLOCK_S is 64 at both: duplicates).
-- ``_linear_kernel`` (``spec_kernels.linear_triton``, CUDA's batch-invariant linear): dtype x bias, one tile
+- ``_linear_kernel`` (``spec_kernels.linear.triton``, CUDA's batch-invariant linear): dtype x bias, one tile
   configuration each.
 - ``_verify_tree_kernel``: logits dtype x draft (none / iid / without replacement) x HAS_FILTERS x BLOCK_V 128 and
   1024 (V = 111 and 32000: the smallest common tile and the cap) x HAS_COUPLING (the in-kernel Gumbel noise).
@@ -65,7 +65,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 # The package attributes spec_kernels.tree_attention / .verify_tree are the functions; these are the Triton modules.
 TA = importlib.import_module("spec_kernels.tree_attention.triton")
 VT = importlib.import_module("spec_kernels.verify_tree.triton")
-LT = importlib.import_module("spec_kernels.linear_triton")
+LT = importlib.import_module("spec_kernels.linear.triton")
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}  # Triton targets sm_90a for capability 90 (wgmma needs the 'a' features)
 OUT = Path(__file__).resolve().parent / "out" / "aot_compile.json"

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from spec_kernels.compact_kv import compact_kv_
-from spec_kernels.reference import PAD_NODE, compact_kv_ref
+from spec_kernels.compact_kv.ref import compact_kv_ref
+from spec_kernels.types import PAD_NODE
 
 NUM_PLANES = 2 * 32
 ROW = (8, 128)  # Hkv, D: 1024 elements per row

@@ -9,7 +9,7 @@ unfused. The two contenders are interleaved rep by rep so a noisy shared machine
 
 The machine is shared: medians carry other processes' noise, p20 is closer to the quiet figure. With two threads on a
 loaded machine, whole stretches of forwards wait a scheduler slice per call for the second thread (both contenders;
-see spec_kernels/linear.py): --threads 1 gives the steadier comparison.
+see spec_kernels/linear/cpu.py): --threads 1 gives the steadier comparison.
 
 Usage: python bench/bench_linear.py [--quick] [--threads N]. Results go to bench/out/bench_linear.json.
 """

@@ -1,4 +1,4 @@
-"""CUDA's linear: the batch-invariant Triton kernel (``spec_kernels.linear_triton``, what ``linear`` takes on CUDA)
+"""CUDA's linear: the batch-invariant Triton kernel (``spec_kernels.linear.triton``, what ``linear`` takes on CUDA)
 against ``F.linear`` (cuBLAS), per matrix and M, on a GPU:
 
     python bench/bench_linear_gpu.py [--dtype bfloat16] [--reps 200]
@@ -23,7 +23,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from spec_kernels.linear_triton import linear_triton  # noqa: E402
+from spec_kernels.linear.triton import linear_triton  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "smollm2 qkv": (960, 576),

@@ -27,7 +27,8 @@ import torch
 
 from spec_kernels.linear import linear
 from spec_kernels.quant_linear import quant_linear
-from spec_kernels.reference import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref, quant_linear_ref
+from spec_kernels.quant_linear.ref import quant_linear_ref
+from spec_kernels.types import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref
 
 HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
 LAYER = [("qkv", 960, HIDDEN), ("o", HIDDEN, HIDDEN), ("gate_up", 2 * INTER, HIDDEN), ("down", HIDDEN, INTER)]

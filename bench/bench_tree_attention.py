@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spec_kernels.reference import tree_attention_ref
 from spec_kernels.tree_attention import plan_tree_attention, tree_attention
+from spec_kernels.tree_attention.ref import tree_attention_ref
 
 HQ, HKV, D = 32, 8, 128
 FULL = list(itertools.product([1, 8, 32], [512, 4096], [1, 8, 32, 64]))

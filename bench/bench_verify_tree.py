@@ -24,9 +24,9 @@ from functools import partial
 import torch
 
 from spec_kernels._sampling import RowParams, keep_threshold
-from spec_kernels.reference import verify_tree_ref
 from spec_kernels.rng import position_gumbel
 from spec_kernels.verify_tree import verify_tree
+from spec_kernels.verify_tree.ref import verify_tree_ref
 
 
 def _wall(fn, reps: int) -> tuple[float, float, float]:

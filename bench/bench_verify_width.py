@@ -17,8 +17,8 @@ Two parts, each with 2 threads (torch.set_num_threads):
 
 The machine is shared: rounds interleave every config so load drift hits all alike; medians carry the noise. With
 more runnable threads than cores, a two-thread call can wait a scheduler slice for its second thread (milliseconds,
-see spec_kernels/linear.py), so wall-clock figures of a loaded machine mean little. ``--clock cpu --threads 1`` times
-the calling thread's CPU time instead (time.thread_time): what the code costs when it runs, nearly blind to other
+see spec_kernels/linear/cpu.py), so wall-clock figures of a loaded machine mean little. ``--clock cpu --threads 1``
+times the calling thread's CPU time instead (time.thread_time): what the code costs when it runs, nearly blind to other
 processes (not to their share of DRAM bandwidth and L3). To compare two builds of the kernel, run this script from
 each checkout alternately (each with its own SPECDEC_CACHE).
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from spec_kernels.compact_kv import compact_kv_
-from spec_kernels.reference import PAD_NODE, compact_kv_ref
+from spec_kernels.compact_kv.ref import compact_kv_ref
+from spec_kernels.types import PAD_NODE
 
 # a CUDA parametrisation: `pytest -m cuda` (bench/gpu.sh) selects it; skipped where there is no GPU
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spec_kernels.decoder_layers import decoder_layers
-from spec_kernels.reference import LAYER_FIELDS, decoder_layers_ref
+from spec_kernels.decoder_layers.ref import LAYER_FIELDS, decoder_layers_ref
 
 # (Hq, Hkv, D, bias, qk_norm): Llama GQA, Qwen2 (bias), Qwen3 (q/k norm), D = 80 (a masked tail in every dot), MHA,
 # D = 12 (not a whole number of 8-lane vectors: the attention's tail paths)

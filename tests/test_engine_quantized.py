@@ -20,7 +20,7 @@ from tiny_models import make_model, make_noisy_copy  # noqa: E402
 
 from spec_engine import LLM, SamplingParams  # noqa: E402
 from spec_engine.models import load_model  # noqa: E402
-from spec_kernels.reference import QuantizedWeight  # noqa: E402
+from spec_kernels.types import QuantizedWeight  # noqa: E402
 
 # (layer matrices' type, per-name overrides): SmolLM2's layout (Q4_1 layers, Q8_0 embedding, tied), each block
 # type alone, and a q/k/v group of mixed types (fused dense: the kernel takes one format per matrix).

@@ -25,7 +25,7 @@ from spec_engine.models.gguf import (
     read_gguf_raw,
 )
 from spec_engine.models.loader import build_model
-from spec_kernels.reference import dequantize_ref
+from spec_kernels.types import dequantize_ref
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 # max |logit - the float32 checkpoint's| on the tiny model below (logits up to ~2.5; 4-bit blocks of N(0, 0.08)

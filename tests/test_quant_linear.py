@@ -22,7 +22,8 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 from spec_kernels.linear import linear  # noqa: E402
 from spec_kernels.quant_linear import QuantizedWeight, quant_linear, quant_type_name  # noqa: E402
-from spec_kernels.reference import dequantize_ref, quant_linear_ref  # noqa: E402
+from spec_kernels.quant_linear.ref import quant_linear_ref  # noqa: E402
+from spec_kernels.types import dequantize_ref  # noqa: E402
 
 QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
 DTYPES = [torch.float32, torch.bfloat16]

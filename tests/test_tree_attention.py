@@ -17,7 +17,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from spec_kernels.reference import tree_attention_ref  # noqa: E402
+from spec_kernels.tree_attention.ref import tree_attention_ref  # noqa: E402
 
 ta = importlib.import_module("spec_kernels.tree_attention")  # the module; the package re-exports the function
 ta_cpu = importlib.import_module("spec_kernels.tree_attention.cpu")

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 from spec_kernels._ext import load_ext  # noqa: E402
 from spec_kernels._sampling import RowParams, keep_threshold, keep_threshold_ref, transform_probs  # noqa: E402
-from spec_kernels.reference import _transform_row_ref  # noqa: E402
+from spec_kernels.verify_tree.ref import _transform_row_ref  # noqa: E402
 
 vt = importlib.import_module("spec_kernels.verify_tree")
 vt_cpu = importlib.import_module("spec_kernels.verify_tree.cpu")

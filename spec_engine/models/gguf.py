@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from spec_engine.models.config import ModelConfig
-from spec_kernels.reference import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref
+from spec_kernels.types import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref
 
 log = logging.getLogger("spec_engine.models.gguf")
 

@@ -34,8 +34,9 @@ from spec_kernels.decoder_layers import (
     draft_chain,
     native_model,
 )
-from spec_kernels.reference import QuantizedWeight, rms_norm_ref
-from spec_kernels.reference import rope_ref as apply_rope
+from spec_kernels.decoder_layers.ref import rms_norm_ref
+from spec_kernels.decoder_layers.ref import rope_ref as apply_rope
+from spec_kernels.types import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -126,7 +127,7 @@ def _fuse_rows(linears, bias: bool = False) -> torch.Tensor:
 
 
 def _layer_fields(layer: DecoderLayer) -> list[torch.Tensor | None]:
-    """One fused layer's tensors in the order of ``spec_kernels.reference.LAYER_FIELDS``."""
+    """One fused layer's tensors in the order of ``spec_kernels.decoder_layers.ref.LAYER_FIELDS``."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
     return [

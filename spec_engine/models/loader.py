@@ -75,7 +75,7 @@ def load_gguf_quantized(path: Path, *, dtype: torch.dtype, device: str) -> Llama
     (drafters and lookups read it). The kernels are CPU ones: on another device the weights are dequantized to
     ``dtype`` at load, and a warning says so."""
     from spec_engine.models.gguf import read_gguf_raw
-    from spec_kernels.reference import QuantizedWeight
+    from spec_kernels.types import QuantizedWeight
 
     cfg, raw = read_gguf_raw(path)
     if torch.device(device).type != "cpu":

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from spec_engine.models.config import ModelConfig, rope_inv_freq
 from spec_kernels import linear, plan_tree_attention, tree_attention
-from spec_kernels.reference import decoder_layer_loop
+from spec_kernels.decoder_layers.ref import decoder_layer_loop
 
 
 class AllReduce(Protocol):
@@ -122,9 +122,10 @@ class ShardedLlama:
     """One rank's shard of a Llama-family target: the engine's forward over this rank's heads, intermediate columns,
     vocabulary rows and KV-cache shard, with the all-reduces of Megatron's layer inside.
 
-    The layer loop is ``spec_kernels.reference.decoder_layer_loop`` (the CUDA / meta path of ``decoder_layers``) with
-    a ``linear`` that all-reduces the row-parallel outputs (o and down). Shapes as ``LlamaForCausalLM.forward``,
-    with Hq and Hkv this rank's; ``logits`` returns this rank's vocabulary slice [..., vocab_per_rank].
+    The layer loop is ``spec_kernels.decoder_layers.ref.decoder_layer_loop`` (the CUDA / meta path of
+    ``decoder_layers``) with a ``linear`` that all-reduces the row-parallel outputs (o and down). Shapes as
+    ``LlamaForCausalLM.forward``, with Hq and Hkv this rank's; ``logits`` returns this rank's vocabulary slice
+    [..., vocab_per_rank].
     """
 
     def __init__(self, model_dir: str | Path, cfg: ModelConfig, plan: ShardPlan, comm: AllReduce, dtype, device):

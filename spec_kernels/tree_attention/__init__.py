@@ -12,7 +12,7 @@ Three implementations sit behind one public function (dispatch happens once, in 
 per backend:
 - ``"native"`` (CPU, ``cpu.py``): one ``F.scaled_dot_product_attention`` call over a boolean mask built once per call.
 - ``"triton"`` (``triton.py``): a flash-attention kernel, registered as ``spec_kernels::tree_attention_triton``.
-- ``"torch"``: ``tree_attention_ref`` (spec_kernels/reference.py), the readable spec.
+- ``"torch"``: ``tree_attention_ref`` (spec_kernels/tree_attention/ref.py), the readable spec.
 This module holds the public op, its input checks and the dispatch.
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from spec_kernels._backend import host_value_checks, resolve_backend
-from spec_kernels.reference import tree_attention_ref
 from spec_kernels.tree_attention.cpu import TreeAttentionPlan, _native_plan, _native_tree_attention
+from spec_kernels.tree_attention.ref import tree_attention_ref
 from spec_kernels.tree_attention.triton import DevicePlan, _device_plan, _tree_attention_triton
 
 MAX_HEAD_DIM = 256

@@ -14,7 +14,7 @@ Glossary:
     transform   HF-order temperature / top-k / top-p / min-p; exact definitions in spec_kernels/_sampling.py.
 
 Backends (dispatch in :func:`verify_tree` only, here; one module each):
-    "torch"   verify_tree_ref (spec_kernels/reference.py): python loops, float64.
+    "torch"   verify_tree_ref (spec_kernels/verify_tree/ref.py): python loops, float64.
     "native"  the CPU path (``cpu.py``): every sequence walks in lockstep, one tree level per step, and reads only
               the logits rows of the nodes it visits: one transform pass per visited node plus one pass per
               rejected sibling (draft_probs only), plus one inverse-CDF pass for the final token.
@@ -35,7 +35,7 @@ import torch
 
 from spec_kernels._backend import resolve_backend
 from spec_kernels._sampling import check_coupling_args, check_seed, check_verify_tree_args, filters_given
-from spec_kernels.reference import PAD_NODE, VerifyResult, verify_tree_ref
+from spec_kernels.types import PAD_NODE, VerifyResult
 from spec_kernels.verify_tree.cpu import (
     _all_greedy_plain,
     _perturbed,
@@ -43,6 +43,7 @@ from spec_kernels.verify_tree.cpu import (
     _verify_root_greedy,
     _verify_tree_native,
 )
+from spec_kernels.verify_tree.ref import verify_tree_ref
 from spec_kernels.verify_tree.triton import _philox_keys
 
 __all__ = ["PAD_NODE", "VerifyResult", "verify_tree", "verify_tree_ref"]

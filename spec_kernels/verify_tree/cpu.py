@@ -15,8 +15,8 @@ from spec_kernels._sampling import (
     scaled_logits,
     transform_probs,
 )
-from spec_kernels.reference import PAD_NODE, VerifyResult
 from spec_kernels.rng import gumbel, noise_keys, row_uniforms
+from spec_kernels.types import PAD_NODE, VerifyResult
 
 
 def _argmax_rows(z: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ import torch
 
 from spec_kernels._backend import triton_available
 from spec_kernels._sampling import RESIDUAL_EPS
-from spec_kernels.reference import PAD_NODE
 from spec_kernels.rng import GOLDEN
+from spec_kernels.types import PAD_NODE
 
 PHILOX_KEY_MOD = 2**31 - 1  # a prime: keys s + b*c (c != 0 mod it) are distinct for every row b of a batch
 

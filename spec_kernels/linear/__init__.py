@@ -1,23 +1,12 @@
 """``linear``: ``F.linear`` for the small-M shapes of decoding (M = 1) and verification (M = T <= 64) on CPU, and a
-batch-invariant GEMM on CUDA (``spec_kernels.linear_triton``).
+batch-invariant GEMM on CUDA (``spec_kernels.linear.triton``).
 
 Glossary: M is the number of rows of x (``prod(x.shape[:-1])``), N the output features (rows of ``weight [N, K]``),
 K the reduction length.
 
-The native backend is a C++ kernel (``csrc/linear_cpu.cpp``, ``torch.ops.spec_kernels.linear``; AVX-512 fp32 and
-AVX512-BF16) built on first use by :mod:`spec_kernels._ext`. On this 2-core CPU, per matrix of the default pair, it
-is faster than ``F.linear`` in both dtypes at M = 4-16; in fp32 at M = 1 it is slower on a small matrix (the [64, 192] v
-projection: more fixed cost than MKL's gemv) and faster on a large one (lm_head) (bench/bench_linear.py;
-bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)"). It is batch-invariant: each output element is
-reduced in one fixed order whatever M is, so ``linear(x)[i]`` is bitwise ``linear(x[i:i+1])[0]``, and a tree node's
-logits in a T-token verify pass equal plain decoding's bit for bit.
-
-Threads: the kernel uses ``torch.get_num_threads()`` OpenMP threads (a second one only for calls with enough work
-to repay the hand-off). On a machine with more runnable threads than cores, any two-thread OpenMP region (this
-kernel's, torch's own ops') can wait a scheduler slice for its second thread: the default target's fp32 matmuls at
-M=1 ran two orders of magnitude slower during busy stretches, where one thread throughout stayed within a few times
-its quiet speed (bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)"; spec_engine/threads.py
-chooses). Results never depend on the thread count.
+The native CPU kernel (its speed, its threads) is ``spec_kernels.linear.cpu``; the Triton GEMM is
+``spec_kernels.linear.triton``. Both are batch-invariant: each output element is reduced in one fixed order
+whatever M is, so ``linear(x)[i]`` is bitwise ``linear(x[i:i+1])[0]``.
 """
 
 from __future__ import annotations
@@ -26,32 +15,21 @@ import torch
 import torch.nn.functional as F
 
 from spec_kernels._backend import on_device_path, resolve_backend, triton_available
-from spec_kernels.linear_triton import CONFIGS as TRITON_CONFIGS
-from spec_kernels.linear_triton import linear_triton
-from spec_kernels.quant_linear import QuantizedWeight, quant_linear
-from spec_kernels.reference import linear_ref
+from spec_kernels.linear.cpu import NATIVE_DTYPES, _native_op, native_path
+from spec_kernels.linear.ref import linear_ref
+from spec_kernels.linear.triton import CONFIGS as TRITON_CONFIGS
+from spec_kernels.linear.triton import linear_triton
+from spec_kernels.quant_linear import quant_linear
+from spec_kernels.types import QuantizedWeight
 
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+__all__ = ["linear", "native_path"]
+
 # backend=None takes the native kernel up to this M: every M in both dtypes, which makes every forward and every
 # logits call batch-invariant (a row's result never depends on how many rows share the call), prefill included; the
 # engine's seeded and greedy requests rely on it in any batch. float32 is also faster than F.linear at every M (one
 # layer's four matmuls of the default target, 2 threads, up to M = 512); bfloat16 costs more than torch's GEMM past
 # ~64 rows, which only prefill chunks reach (bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)").
 MAX_NATIVE_ROWS = {torch.float32: 1 << 62, torch.bfloat16: 1 << 62}
-
-_op = None  # the extension's direct entry of spec_kernels::linear, once loaded (skips torch.ops' boxed dispatch)
-
-
-def _native_op():
-    """The native op: torch.ops' entry while torch.compile traces (it sees the custom op), the direct one otherwise."""
-    global _op
-    if torch.compiler.is_compiling():
-        return torch.ops.spec_kernels.linear.default
-    if _op is None:
-        from spec_kernels._ext import load_ext
-
-        _op = load_ext().linear
-    return _op
 
 
 def _native_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -121,7 +99,7 @@ def linear(
     weight : Tensor or QuantizedWeight
         ``[N, K]``, same dtype as x, contiguous (row-major: the kernel streams each row once). Pass the model's
         ``nn.Linear.weight`` as it is; fused projections are one concatenated ``[N1 + N2, K]`` weight. A
-        :class:`~spec_kernels.quant_linear.QuantizedWeight` (GGUF blocks) runs :func:`quant_linear` instead.
+        :class:`~spec_kernels.types.QuantizedWeight` (GGUF blocks) runs :func:`quant_linear` instead.
     bias : Tensor, optional
         ``[N]``, same dtype as x.
     backend : {None, "native", "torch"}
@@ -170,17 +148,3 @@ def linear(
         return linear_ref(x, weight, bias)
     _check_native(x, weight, bias)
     return _native_op()(x, weight, bias)
-
-
-def native_path(dtype: torch.dtype = torch.bfloat16, k: int = 576) -> tuple[str, float]:
-    """The native kernel's path on this CPU for ``dtype`` weights of reduction length ``k`` (chosen once per process),
-    and vdpbf16ps's time over the float32 FMAs' for as many instructions, as this process measured it (0.0 without
-    AVX512-BF16): ``("amx" | "avx512-widen" | "avx512-dot" | "avx512" | "avx2" | "scalar", ratio)``. Benchmarks
-    print it beside their figures. Builds the extension on first use."""
-    if dtype not in NATIVE_DTYPES:
-        raise ValueError(f"native_path: dtype must be one of {NATIVE_DTYPES}, got {dtype}")
-    from spec_kernels._ext import load_ext
-
-    load_ext()
-    path, ratio = torch.ops.spec_kernels.linear_path(dtype is torch.bfloat16, int(k))
-    return path, ratio

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from spec_kernels._backend import debug_checks, on_device_path, resolve_backend
-from spec_kernels.reference import compact_kv_ref
+from spec_kernels.compact_kv.ref import compact_kv_ref
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 

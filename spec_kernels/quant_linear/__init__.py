@@ -17,14 +17,13 @@ from __future__ import annotations
 import torch
 
 from spec_kernels._backend import on_device_path, resolve_backend, triton_available
-from spec_kernels.linear_triton import linear_triton
-from spec_kernels.reference import (
+from spec_kernels.quant_linear.ref import quant_linear_ref
+from spec_kernels.types import (
     QUANT_BLOCK,
     QUANT_BLOCK_BYTES,
     QUANT_TYPES,
     QuantizedWeight,
     dequantize_ref,
-    quant_linear_ref,
     quant_type_name,
 )
 
@@ -74,7 +73,7 @@ def quant_linear(
         ``[N]`` in x's dtype.
     backend : {None, "native", "torch"}
         None: the native kernel on CPU float32 / bfloat16 x; on CUDA (and meta) the blocks dequantized to float32
-        and the batch-invariant Triton GEMM (``spec_kernels.linear_triton``); :func:`quant_linear_ref` otherwise.
+        and the batch-invariant Triton GEMM (``spec_kernels.linear.triton``); :func:`quant_linear_ref` otherwise.
         "native": the C++ kernel or a clear error. "torch": the reference (dequantize in float32, ``F.linear``, cast
         to x's dtype).
 
@@ -103,6 +102,10 @@ def quant_linear(
     native_fits = x.is_cpu and weight.is_cpu and x.dtype in NATIVE_DTYPES and weight.is_contiguous()
     if backend is None and on_device_path(x.device) and triton_available():
         # CUDA: the blocks dequantized to float32 and the batch-invariant Triton GEMM (cuBLAS picks its kernel by M)
+        # imported here: spec_kernels.linear imports this package (it routes a QuantizedWeight here), and importing
+        # linear.triton runs linear/__init__.py first
+        from spec_kernels.linear.triton import linear_triton
+
         w = dequantize_ref(weight, name)  # [N, K]
         return linear_triton(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
     if backend is None:
