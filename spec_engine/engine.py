@@ -43,7 +43,7 @@ from spec_engine.threads import ThreadTuner
 
 log = logging.getLogger("spec_engine.engine")
 
-GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history kept
+GAMMA_HISTORY_LEN = 4096  # steps of Engine.gamma_history (and calls of Engine.plan_history) kept
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class Engine:
         # neither (a probe is one call, up to 16 native steps on the other count: they filled the controller's price
         # table for their width and kept that depth mispriced for the rest of a run; bench/RESULTS.md)
         self._thread_probe = False
-        self.last_plan: StepPlan | None = None  # the last decode call's, as it ran
+        self.plan_history: deque[StepPlan] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode call, as it ran
         self.runner = StepRunner(target, kv, drafter, self.rows, block_size=allocator.block_size,
                                  max_tree_nodes=self.max_tree_nodes(), prefill_chunk=prefill_chunk)  # fmt: skip
         self.controller = None
@@ -364,7 +364,7 @@ class Engine:
                                 stop_on_reject=unsure, native_verify=cfg.native_tree_step,
                                 logprobs=logprobs)  # fmt: skip
         result = self.runner.run(reqs, plan, gammas, suffix_rows, self._stop_tensor(reqs))
-        self.last_plan = result.plan
+        self.plan_history.append(result.plan)
         if result.plan.path == REGULAR:
             self.stats["num_regular_steps"] += 1
         if drafts.expected is not None:

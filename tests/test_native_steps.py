@@ -16,6 +16,7 @@ import spec_engine.runner as runner_mod
 from spec_engine import LLM, SamplingParams
 from spec_engine.adaptive import chain_step_costs
 from spec_engine.engine import EngineConfig
+from spec_engine.step import PLAIN_CHAIN, SPEC_CHAIN
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77], list(range(10, 40))]
 
@@ -35,16 +36,9 @@ def run(llm: LLM, params: SamplingParams, chain: int) -> list:
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 
 
-def spy_chains(llm: LLM, monkeypatch) -> list[int]:
-    """The length of every native chain the target runs."""
-    calls, real = [], runner_mod.plain_steps
-
-    def spy(*args, **kw):
-        calls.append(kw["steps"])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(runner_mod, "plain_steps", spy)
-    return calls
+def plain_chains(llm: LLM) -> list[int]:
+    """The planned length of every native plain chain the engine ran (``Engine.plan_history``)."""
+    return [p.steps for p in llm.engine.plan_history if p.path == PLAIN_CHAIN]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -52,8 +46,9 @@ def test_chain_emits_the_tokens_of_one_token_steps(target, dtype, monkeypatch):
     llm = LLM(str(target), dtype=dtype)
     params = SamplingParams(max_tokens=37, ignore_eos=True)  # not a multiple of the chain: the last one is shorter
     ref = run(llm, params, 1)
-    chains = spy_chains(llm, monkeypatch)
+    llm.engine.plan_history.clear()
     got = run(llm, params, 8)
+    chains = plain_chains(llm)
     assert chains and max(chains) == 8 and min(chains) < 8  # the chains ran, the last one cut to max_tokens
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -110,8 +105,9 @@ def test_waiting_requests_take_one_token_steps(target, monkeypatch):
     llm = LLM(str(target), max_num_seqs=2)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     ref = run(llm, params, 1)
-    chains = spy_chains(llm, monkeypatch)
+    llm.engine.plan_history.clear()
     got = run(llm, params, 8)
+    chains = plain_chains(llm)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert chains  # once the queue is empty, the last rows chain
 
@@ -124,15 +120,15 @@ def test_coupled_sampled_rows_chain_with_one_token_steps_tokens(target, monkeypa
     llm = LLM(str(target))
     seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, **filters)
     ref = run(llm, seeded, 1)
-    chains = spy_chains(llm, monkeypatch)
+    llm.engine.plan_history.clear()
     got = run(llm, seeded, 16)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
-    assert chains and max(chains) > 1
+    assert plain_chains(llm) and max(plain_chains(llm)) > 1
     assert llm.engine.couple_unseeded and llm.engine.add_request([1, 2], SamplingParams(temperature=0.8)).coupled
     llm.engine.abort(llm.engine.waiting[-1].request_id)
-    chains.clear()
+    llm.engine.plan_history.clear()
     run(llm, SamplingParams(max_tokens=12, temperature=0.8, seed=3, invariant=False, ignore_eos=True), 16)
-    assert chains == []
+    assert plain_chains(llm) == [] and llm.engine.plan_history
 
 
 def test_planted_bug_chain_at_the_wrong_positions_is_caught(target, monkeypatch):
@@ -158,8 +154,9 @@ def test_non_finite_logits_take_the_regular_step(target, monkeypatch):
         llm.target.lm_head.weight[7].fill_(float("nan"))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     ref = run(llm, params, 1)
-    chains = spy_chains(llm, monkeypatch)
+    llm.engine.plan_history.clear()
     got = run(llm, params, 8)
+    chains = plain_chains(llm)
     assert chains  # the chain ran, found the NaN and stepped aside
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -445,7 +442,6 @@ def test_the_controllers_plain_probe_runs_as_long_as_measuring_needs(target, dra
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft)})
     ctl = llm.engine.controller
     monkeypatch.setattr(ctl, "plain_cost", lambda B: plain_step)
-    chains = spy_chains(llm, monkeypatch)
     expected = llm.engine.config.plain_chain if plain_step < 0.001 else PLAIN_PROBE_MIN_STEPS
     for probe in (False, True):
         choices = iter([[1], [0], [0]])
@@ -456,9 +452,10 @@ def test_the_controllers_plain_probe_runs_as_long_as_measuring_needs(target, dra
             return gammas
 
         monkeypatch.setattr(ctl, "choose", choose)
-        chains.clear()
+        llm.engine.plan_history.clear()
         llm.generate([{"prompt_token_ids": list(range(10, 40))}], SamplingParams(max_tokens=30, ignore_eos=True),
                      use_tqdm=False)  # fmt: skip
+        chains = plain_chains(llm)
         assert chains[0] == (expected if probe else llm.engine.config.plain_chain), chains
 
 
@@ -479,16 +476,10 @@ def test_an_unsure_controller_re_decides_every_few_steps(target, monkeypatch):
     later ones up to spec_chain_steps: at one 16-step call per choice, a perfect draft's first choice (depth 1, from
     the recent requests' rate) ran 16 steps at depth 1 before the controller could go deeper."""
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(target)})  # a perfect draft
-    calls, real = [], runner_mod.spec_chain
     ctl = llm.engine.controller
-
-    def spy(*args, **kw):
-        calls.append((kw["max_steps"], kw["stop_on_reject"]))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(runner_mod, "spec_chain", spy)
     monkeypatch.setattr(ctl, "plain_cost", lambda B: 1.0)  # plain decoding priced high: every step drafts
     llm.generate([{"prompt_token_ids": PROMPTS[3]}], SamplingParams(max_tokens=120, ignore_eos=True), use_tqdm=False)
+    calls = [(p.steps, p.stop_on_reject) for p in llm.engine.plan_history if p.path == SPEC_CHAIN]
     unsure = [steps for steps, stop in calls if stop]
     sure = [steps for steps, stop in calls if not stop]
     assert unsure and max(unsure) == llm.engine.config.unsure_chain_steps
