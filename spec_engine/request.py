@@ -113,7 +113,7 @@ class Request:
     slot: int = -1  # this request's row in the engine's RequestRows while it runs
     score_trust: ScoreTrust = field(default_factory=ScoreTrust)  # what its suffix speculations kept (RowView)
     key: int = 0  # the engine's own name for it, never reused (request ids are the caller's): RowView.key
-    stop_ids: frozenset[int] = frozenset()  # the tokens that end it (Engine._stop_ids: stop_token_ids, EOS)
+    stop_ids: frozenset[int] = frozenset()  # the tokens that end it (RequestLimits.stop_ids: stop_token_ids, EOS)
     grammar: GrammarState | None = None  # its guided_json / guided_regex / guided_grammar, following the output
     block_keys: list[bytes] | None = None  # its prefix-cache keys (BlockAllocator.keys) of the tokens its prefill
     # computes: its prompt's, computed at its first admission; after a preemption its output's too
@@ -176,7 +176,7 @@ class Request:
     def processes_logits(self) -> bool:
         """Whether a logits processor changes this request's logits from its next token on: ``min_tokens`` only until
         that many tokens are out (past them it holds nothing back, and the request takes the native calls as one
-        without it does: ``StepRunner.run``)."""
+        without it does: ``StepRunner.plan``)."""
         p = self.params
         return p.processes_logits_past_min_tokens or p.min_tokens > len(self.output_token_ids)
 

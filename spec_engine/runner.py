@@ -1,8 +1,8 @@
-"""The step runner: how one decode call runs (``StepRunner.run``), the "run" of schedule -> run -> commit.
+"""The step runner: prefill chunks and decode calls, the "run" of schedule -> run -> commit.
 
-The scheduler (``Engine``) chooses the rows, their depths and how many steps a call may run; the runner runs them,
-natively where it can (decided once, when it is built) and as the regular step otherwise, and returns what
-changed as one ``StepResult`` for ``Engine._apply`` to commit:
+The engine chooses the rows, their depths and at most how many steps a call may run; ``StepRunner.plan`` decides
+the call's path and steps (one ``StepPlan``: the only place that decides it), ``StepRunner.run`` runs it and returns
+what changed as one ``StepResult`` for ``Engine._apply`` to commit (``StepRunner.prefill``: one ``PrefillChunk``):
 
 - a plain chain: K plain steps in one C++ call (``plain_steps``; ``spec_chain`` at depth 0 where a head reads the
   target's features), of greedy rows and coupled sampled ones;
