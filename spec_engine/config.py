@@ -20,7 +20,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": "auto", "eagle": "auto", "ngram
 ADAPTIVE_MAX_DEPTH = 8  # the deepest chain "auto" may draft; a static tree caps it at its own depth
 # ... for an EAGLE head's chains (alone or in the hybrid): its acceptance falls with depth past the steps its
 # training-time test unrolled, which the controller's one acceptance rate per row does not see, and its deep steps
-# cost more than they keep (bench/RESULTS.md, "The adaptive head's maximum depth")
+# cost more than they keep (bench/RESULTS-log.md, "The adaptive head's maximum depth")
 EAGLE_ADAPTIVE_MAX_DEPTH = 4
 # suffix speculations under "auto": the most nodes a row's tree may have (a repeated passage is accepted whole, so
 # deeper than a model's chains; the adaptive controller still picks each row's cap from what the rows accepted)
