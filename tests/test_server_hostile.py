@@ -332,7 +332,7 @@ def test_logprobs_responses_are_built_off_the_event_loop(server, monkeypatch):
 # --- isolation: a planted engine fault fails one request only ----------------------------------------------------
 
 
-def test_a_faulty_request_fails_alone(server, monkeypatch):
+def test_a_faulty_request_fails_alone(server, monkeypatch, request):
     """``verify_tree`` raises for any tree whose root is the POISON token (planted): the request whose prompt ends
     in it gets 500 (or an SSE error event then [DONE]); the three decoding beside it finish with the tokens they get
     alone, and nothing leaks."""
@@ -361,9 +361,8 @@ def test_a_faulty_request_fails_alone(server, monkeypatch):
     # the fault sits in the regular step's verify: steps in one native call (no verify_tree) and greedy trees'
     # one-call verification are turned off; they fail under the same per-request isolation (Engine._isolated wraps
     # the whole decode)
-    monkeypatch.setattr(
-        engine.engine, "config", EngineConfig(plain_chain=1, spec_chain_steps=0, native_tree_step=False)
-    )
+    request.addfinalizer(lambda config=engine.engine.config: engine.engine.reconfigure(config))
+    engine.engine.reconfigure(EngineConfig(plain_chain=1, spec_chain_steps=0, native_tree_step=False))
 
     def post(ids, stream=False):
         body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "stream": stream}
