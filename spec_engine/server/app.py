@@ -5,13 +5,14 @@ chunk format, a final usage chunk where ``stream_options.include_usage`` asks, t
 /v1/models, GET /health, GET /metrics (Prometheus), and vLLM's POST /tokenize (a prompt's or a chat's token ids, as
 the completions or chat API makes them), POST /detokenize and GET /version.
 
-Limits: bodies over ``max_body_bytes`` get 413 (checked on Content-Length and while reading); a body not received
-in full within ``request_timeout`` seconds of its head gets 408; JSON nested deeper than ``requests.MAX_JSON_DEPTH`` or holding
-invalid Unicode (a lone surrogate) gets 400; more than ``max_pending`` requests in flight get 429 with
-``Retry-After: 1`` (below that bound, requests beyond the engine's ``max_num_seqs`` wait in its FIFO queue). Every
-error is 4xx/5xx with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``, and the server keeps serving;
-408, 413 and every 5xx also close the connection (``Connection: close``), and every one is counted in
-``specdec_http_requests_total``. The HTTP layer under the app (``http_guard``) adds its own limits on request heads.
+Limits: bodies over ``max_body_bytes`` get 413 (checked on Content-Length and while reading); a body not received in
+full within ``request_timeout`` seconds of its head gets 408; JSON nested deeper than ``MAX_JSON_DEPTH`` (in
+``requests``) or holding invalid Unicode (a lone surrogate) gets 400; more than ``max_pending`` requests in flight
+get 429 with ``Retry-After: 1`` (below that bound, requests beyond the engine's ``max_num_seqs`` wait in its FIFO
+queue). Every error is 4xx/5xx with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``, and the
+server keeps serving; 408, 413 and every 5xx also close the connection (``Connection: close``), and every one is
+counted in ``specdec_http_requests_total``. The HTTP layer under the app (``http_guard``) adds its own limits on
+request heads.
 
 Isolation: a request whose engine row fails (the engine finishes it with reason "error") gets 500, or an SSE error
 event then ``[DONE]`` when streaming; the requests decoding beside it are not touched. Parsing, the chat template and
