@@ -75,7 +75,7 @@ def pad_heads(src: Path, dst: Path, multiple: int) -> Path:
 
 
 class CommTimer:
-    """Seconds rank 0 spends inside the group's collectives (wraps one ``_Comm``'s methods)."""
+    """Seconds rank 0 spends inside the group's collectives (wraps one ``Comm``'s methods)."""
 
     def __init__(self, comm):
         self.seconds, self.calls = 0.0, 0

@@ -483,22 +483,6 @@ class AdaptiveController:
             self._catch_up_tokens = 0  # the choice's first step caught up (a native call observes several)
 
 
-def chain_step_costs(times: list[list[float]], wall: float, steps: int) -> list[tuple[float, float]]:
-    """(draft, whole step) seconds of each step a native call ran, as the adaptive controller prices them: ``times``
-    the call's native [draft, step] seconds per step run, ``wall`` the call's wall time, ``steps`` the steps of a
-    full call (``EngineConfig.spec_chain_steps``; ``plain_chain`` for plain chains).
-
-    Each step carries a share of the call's own work (inputs, dispatch, committing) as a full call would spread it:
-    the controller compares drafting and plain decoding as they run when it commits to one (16-step speculative
-    calls, 16-step plain chains). Charged to the steps run instead, the short calls of exploring priced both wrong: a
-    one-step probe call (its Python comparable to the step itself) made drafting look far dearer than full calls
-    cost, and the 4-step plain probe chains between drafted steps (dearer per token than a full chain) made drafts
-    at alpha 0.45 look faster than plain decoding at depth 2 (bench/RESULTS-log.md, "Native steps without ATen" and
-    "Figures moved from code comments (2026-11-26)")."""
-    share = max(wall - sum(t[1] for t in times), 0.0) / max(steps, 1)
-    return [(t[0], t[1] + share) for t in times]
-
-
 def priced_plan(plan: DraftPlan, pays: Callable[[int, float], bool]) -> DraftPlan:
     """A plan whose trees the drafter sized (``DraftPlan.nodes``), cut until its step pays: the step runs every row
     padded to the widest tree (B * T tokens), so the widest rows go undrafted (the least promising first among

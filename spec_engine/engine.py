@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_engine.adaptive import AdaptiveController, chain_step_costs, priced_plan
+from spec_engine.adaptive import AdaptiveController, priced_plan
 from spec_engine.drafters.base import Drafter, DraftPlan
+from spec_engine.estimates import chain_step_costs
 from spec_engine.inputs import RequestLimits
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache
 from spec_engine.models import Target

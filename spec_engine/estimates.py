@@ -1,5 +1,6 @@
 """Online estimates the adaptive controller (spec_engine/adaptive.py) plans with: each request's acceptance, the
-step's costs and the verify widths' prices, each updated once per step from what the step measured (no forward pass).
+step's costs and the verify widths' prices, each updated once per step from what the step measured (no forward pass),
+and how a native call's measured seconds are split into the steps it ran (``chain_step_costs``).
 
 Glossary:
     alpha_j     probability that a drafted path survives depth j, given it survived depth j-1 (a chain has one alpha:
@@ -216,3 +217,19 @@ class WidthTable:
             return line
         f = (width - below) / (above - below)
         return min(line, (1.0 - f) * known[below] + f * known[above])
+
+
+def chain_step_costs(times: list[list[float]], wall: float, steps: int) -> list[tuple[float, float]]:
+    """(draft, whole step) seconds of each step a native call ran, as the adaptive controller prices them: ``times``
+    the call's native [draft, step] seconds per step run, ``wall`` the call's wall time, ``steps`` the steps of a
+    full call (``EngineConfig.spec_chain_steps``; ``plain_chain`` for plain chains).
+
+    Each step carries a share of the call's own work (inputs, dispatch, committing) as a full call would spread it:
+    the controller compares drafting and plain decoding as they run when it commits to one (16-step speculative
+    calls, 16-step plain chains). Charged to the steps run instead, the short calls of exploring priced both wrong: a
+    one-step probe call (its Python comparable to the step itself) made drafting look far dearer than full calls
+    cost, and the 4-step plain probe chains between drafted steps (dearer per token than a full chain) made drafts
+    at alpha 0.45 look faster than plain decoding at depth 2 (bench/RESULTS-log.md, "Native steps without ATen" and
+    "Figures moved from code comments (2026-11-26)")."""
+    share = max(wall - sum(t[1] for t in times), 0.0) / max(steps, 1)
+    return [(t[0], t[1] + share) for t in times]

@@ -208,7 +208,7 @@ class LLM:
         if tensor_parallel_size > 1 and gguf_path_or_none(model) is not None:
             raise ValueError("tensor_parallel_size > 1 reads HF safetensors shards; a GGUF file loads on one device")
         model_method = spec["model_method"] if spec else None
-        if tensor_parallel_size > 1:  # rank 0's shard plus N - 1 worker processes (spec_engine/distributed.py)
+        if tensor_parallel_size > 1:  # rank 0's shard plus N - 1 worker processes (spec_engine/distributed/)
             if quantization is not None:
                 raise ValueError("quantization='gguf' runs on one process: not supported with tensor_parallel_size > 1")
             if model_method == "eagle":

@@ -26,7 +26,8 @@ from spec_engine import LLM, SamplingParams
 from spec_engine.drafters.eagle import EagleDrafter, EagleHead, load_eagle_head, save_eagle_head
 from spec_engine.models import ModelConfig, load_model
 from spec_engine.models.llama import cache_slots
-from spec_engine.training.train_eagle import head_config, init_head, ttt_loss
+from spec_engine.training.eagle_loss import ttt_loss
+from spec_engine.training.train_eagle import head_config, init_head
 from spec_engine.tree import causal_mask
 from spec_kernels.decoder_layers import NativeHead, eagle3_draft, plain_steps, spec_chain
 

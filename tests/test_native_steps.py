@@ -14,8 +14,8 @@ from tiny_models import make_model, make_noisy_copy
 
 import spec_engine.runner as runner_mod
 from spec_engine import LLM, SamplingParams
-from spec_engine.adaptive import chain_step_costs
 from spec_engine.engine import EngineConfig
+from spec_engine.estimates import chain_step_costs
 from spec_engine.step import PLAIN_CHAIN, SPEC_CHAIN
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77], list(range(10, 40))]

@@ -29,7 +29,8 @@ import spec_engine.runner
 from bench.load_server import run_soak
 from spec_engine import LLM, SamplingParams
 from spec_engine.engine import EngineConfig
-from spec_engine.server.app import MAX_JSON_DEPTH, create_app
+from spec_engine.server.app import create_app
+from spec_engine.server.requests import MAX_JSON_DEPTH
 
 CONTEXT = 512
 REQUEST_TIMEOUT = 1.0  # seconds; small so that the stall tests end fast

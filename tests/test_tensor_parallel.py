@@ -1,4 +1,4 @@
-"""Tensor parallelism (spec_engine/distributed.py) on CPU: 2 ranks over gloo, tiny random HF checkpoints.
+"""Tensor parallelism (spec_engine/distributed/) on CPU: 2 ranks over gloo, tiny random HF checkpoints.
 
 TP=2 runs the layer loop of torch ops with two all-reduces per layer; TP=1 runs the native one-call forward. The two
 differ in summation order (the all-reduce adds two partial sums), so hidden states agree to ~1e-6, not bitwise; in
@@ -22,7 +22,7 @@ import torch
 from tiny_models import make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
-from spec_engine.distributed import _pack_bits, _unpack_bits
+from spec_engine.distributed.comm import pack_bits, unpack_bits
 from spec_engine.models import load_model
 from spec_engine.models.config import ModelConfig
 from spec_engine.models.sharded import ShardedLlama, shard_plan
@@ -364,7 +364,7 @@ def test_shard_reads_its_slices_of_the_checkpoint(models):
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 5, 5), (3, 16, 16), (1, 64, 64)])
 def test_tree_mask_bits_round_trip(shape):
     mask = torch.rand(shape) < 0.5
-    assert torch.equal(_unpack_bits(_pack_bits(mask), shape), mask)
+    assert torch.equal(unpack_bits(pack_bits(mask), shape), mask)
 
 
 def test_cli_generate_tensor_parallel(models, tmp_path, capsys):

@@ -1,6 +1,6 @@
-"""One rank's shard of a Llama-family target for tensor parallelism (spec_engine/distributed.py runs the ranks):
+"""One rank's shard of a Llama-family target for tensor parallelism (spec_engine/distributed/ runs the ranks):
 Megatron's split of the model (``shard_plan``), the checkpoint slices a rank reads (``Checkpoint``), and the shard's
-forward (``ShardedLlama``). Glossary: spec_engine/distributed.py.
+forward (``ShardedLlama``). Glossary: spec_engine/distributed/__init__.py.
 """
 
 from __future__ import annotations

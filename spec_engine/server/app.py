@@ -5,13 +5,14 @@ chunk format, a final usage chunk where ``stream_options.include_usage`` asks, t
 /v1/models, GET /health, GET /metrics (Prometheus), and vLLM's POST /tokenize (a prompt's or a chat's token ids, as
 the completions or chat API makes them), POST /detokenize and GET /version.
 
-Limits: bodies over ``max_body_bytes`` get 413 (checked on Content-Length and while reading); a body not received
-in full within ``request_timeout`` seconds of its head gets 408; JSON nested deeper than ``MAX_JSON_DEPTH`` or holding
-invalid Unicode (a lone surrogate) gets 400; more than ``max_pending`` requests in flight get 429 with
-``Retry-After: 1`` (below that bound, requests beyond the engine's ``max_num_seqs`` wait in its FIFO queue). Every
-error is 4xx/5xx with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``, and the server keeps serving;
-408, 413 and every 5xx also close the connection (``Connection: close``), and every one is counted in
-``specdec_http_requests_total``. The HTTP layer under the app (``http_guard``) adds its own limits on request heads.
+Limits: bodies over ``max_body_bytes`` get 413 (checked on Content-Length and while reading); a body not received in
+full within ``request_timeout`` seconds of its head gets 408; JSON nested deeper than ``MAX_JSON_DEPTH`` (in
+``requests``) or holding invalid Unicode (a lone surrogate) gets 400; more than ``max_pending`` requests in flight
+get 429 with ``Retry-After: 1`` (below that bound, requests beyond the engine's ``max_num_seqs`` wait in its FIFO
+queue). Every error is 4xx/5xx with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``, and the
+server keeps serving; 408, 413 and every 5xx also close the connection (``Connection: close``), and every one is
+counted in ``specdec_http_requests_total``. The HTTP layer under the app (``http_guard``) adds its own limits on
+request heads.
 
 Isolation: a request whose engine row fails (the engine finishes it with reason "error") gets 500, or an SSE error
 event then ``[DONE]`` when streaming; the requests decoding beside it are not touched. Parsing, the chat template and
@@ -24,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -35,9 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from spec_engine.inputs import tokenize
 from spec_engine.sampling import SamplingParams, truncate_prompt
@@ -54,11 +52,10 @@ from spec_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    SamplingRequest,
     TokenizeRequest,
-    error_param,
     template_inputs,
 )
+from spec_engine.server.requests import read_body_bytes, sampling_params, validate
 from spec_engine.server.responses import (
     APIError,
     collect_choices,
@@ -75,7 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("spec_engine.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-MAX_JSON_DEPTH = 64  # an OpenAI body nests 4 deep (messages[i].content[j].text); 200,000 '[' hit RecursionError
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions", "/tokenize": "tokenize",
              "/detokenize": "detokenize"}  # metric labels  # fmt: skip
 
@@ -138,90 +134,9 @@ def create_app(
     # --- helpers -------------------------------------------------------------------------------------------------
 
     async def read_body(request: Request, model_cls):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
-        body = bytearray()
-        try:
-            async with asyncio.timeout(request_timeout):
-                async for chunk in request.stream():
-                    body += chunk
-                    if len(body) > max_body_bytes:
-                        raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
-        except TimeoutError:
-            msg = f"the request body did not arrive within {request_timeout:g} s"
-            raise APIError(408, msg, code="request_timeout") from None
-        except ClientDisconnect:
-            raise APIError(499, "client closed the request", code="client_closed_request") from None
+        body = await read_body_bytes(request, max_body_bytes, request_timeout)
         # a 1 MB body takes milliseconds to parse and check: not on the event loop
-        return await asyncio.to_thread(validate, bytes(body), model_cls)
-
-    def validate(body: bytes, model_cls):
-        data = _parse_json(body)
-        try:
-            req = model_cls.model_validate(data)
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = error_param(err["loc"])
-            msg = err["msg"].removeprefix("Value error, ")
-            raise APIError(400, f"{param}: {msg}" if param else msg, param=param, code=err["type"]) from None
-        if isinstance(req, SamplingRequest):
-            unsupported = req.unsupported_field()
-            if unsupported is not None:
-                raise APIError(400, f"'{unsupported}' is not supported by this server", param=unsupported)
-            if req.stream_options is not None and not req.stream:  # (as OpenAI answers it)
-                raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if req.model is not None and req.model != served_model_name:
-            raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{served_model_name}'",
-                           param="model", code="model_not_found")  # fmt: skip
-        return req
-
-    def sampling_params(req, prompt_len: int, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
-        room = llm.max_model_len - prompt_len
-        if room < 1:
-            msg = f"the prompt has {prompt_len} tokens: no room for output in the context of {llm.max_model_len}"
-            raise APIError(400, msg, param="prompt", code="context_length_exceeded")
-        if max_tokens is not None and max_tokens > room:
-            msg = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) is past the context ({llm.max_model_len})"
-            raise APIError(400, msg, param="max_tokens", code="context_length_exceeded")
-        bias = None
-        if req.logit_bias is not None:
-            if not all(k.isascii() and k.isdigit() and len(k) <= 19 and str(int(k)) == k for k in req.logit_bias):
-                raise APIError(400, "logit_bias keys must be token ids as decimal strings ('42')", param="logit_bias")
-            bias = {int(k): v for k, v in req.logit_bias.items()}
-        try:
-            params = SamplingParams(
-                max_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_k=max(req.top_k or 0, 0),
-                top_p=1.0 if req.top_p is None else req.top_p,
-                min_p=req.min_p or 0.0,
-                seed=req.seed,
-                stop_token_ids=req.stop_token_ids,
-                ignore_eos=req.ignore_eos,
-                stop=req.stop,
-                n=1 if req.n is None else req.n,
-                logprobs=req.logprobs_asked(),
-                prompt_logprobs=req.prompt_logprobs_asked(),
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=bias,
-                min_tokens=req.min_tokens or 0,
-                allowed_token_ids=req.allowed_token_ids,
-                include_stop_str_in_output=bool(req.include_stop_str_in_output),
-                skip_special_tokens=req.skip_special_tokens,
-                truncate_prompt_tokens=req.truncate_prompt_tokens,
-                bad_words=req.bad_words or None,
-                **req.guides_asked(),
-            )
-            llm.inputs.require_tokenizer(params)
-            return llm.inputs.word_ids(params)
-        except ValueError as e:  # "top_p must be ...": the message starts with the field's name
-            field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
-            named = req.guide_field(field)  # (the field the client named a guide by, in the message too)
-            message = str(e) if named == field else f"{named}: {str(e).replace(field, 'its guide', 1)}"
-            raise APIError(400, message, param=named if named in type(req).model_fields else None) from None
+        return await asyncio.to_thread(validate, body, model_cls, served_model_name)
 
     @functools.lru_cache(maxsize=1 << 16)
     def token_text(token_id: int) -> tuple[str, bytes]:
@@ -311,7 +226,7 @@ def create_app(
             special = req.add_special_tokens is not False
             encoded = await encode(req.prompt, special) if isinstance(req.prompt, str) else req.prompt
             ids = truncate_prompt(encoded, req.truncate_prompt_tokens)
-            params = sampling_params(req, len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+            params = sampling_params(llm, req, len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
             streams = await start(ids, params, req)
             head = {"id": f"cmpl-{streams[0].request_id}", "object": "text_completion", "created": int(time.time()),
                     "model": served_model_name}  # fmt: skip
@@ -360,7 +275,7 @@ def create_app(
             ids = await encode_chat(req, *req.template_inputs())
             ids = truncate_prompt(ids, req.truncate_prompt_tokens)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            params = sampling_params(req, len(ids), max_tokens, llm.max_model_len)
+            params = sampling_params(llm, req, len(ids), max_tokens, llm.max_model_len)
             if tool_choice != "none" and llm.engine.grammars is not None:  # the tools' schema, said as theirs
                 try:
                     await asyncio.to_thread(llm.engine.grammars.check, params)
@@ -465,36 +380,6 @@ def _version() -> str:
         return package_version("specdec")
     except PackageNotFoundError:  # (run from a source tree that was never installed)
         return "unknown"
-
-
-def _parse_json(body: bytes):
-    """The body as a JSON object; 400 for bad JSON, nesting past ``MAX_JSON_DEPTH``, or a lone surrogate (which
-    json accepts, as a \\ud800 escape or as raw bytes, and which no tokenizer or UTF-8 encoder takes)."""
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise APIError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the JSON body must be an object", code="invalid_json")
-    todo = [(data, 1)]
-    while todo:
-        value, depth = todo.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise APIError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            for s in (key, item):
-                if isinstance(s, str) and not s.isascii():
-                    try:
-                        s.encode()
-                    except UnicodeEncodeError:
-                        msg = "invalid Unicode in a string: a lone surrogate"
-                        raise APIError(400, msg, code="invalid_json") from None
-            if isinstance(item, (dict, list)):
-                todo.append((item, depth + 1))
-    return data
 
 
 # --- the CLI entry point -----------------------------------------------------------------------------------------
