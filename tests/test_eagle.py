@@ -23,7 +23,8 @@ from test_engine_sampling import PROMPT, chi2_pvalue, exact_joint
 from tiny_models import make_model
 
 from spec_engine import LLM, SamplingParams
-from spec_engine.drafters.eagle import EagleDrafter, EagleHead, load_eagle_head, save_eagle_head
+from spec_engine.drafters.eagle import EagleDrafter, EagleHead
+from spec_engine.drafters.eagle_checkpoint import load_eagle_head, save_eagle_head
 from spec_engine.models import ModelConfig, load_model
 from spec_engine.models.llama import cache_slots
 from spec_engine.training.eagle_loss import ttt_loss

@@ -14,7 +14,8 @@ import torch
 
 from spec_engine.drafters.base import Drafter
 from spec_engine.drafters.draft_model import DraftModelDrafter, read_draft_vocab
-from spec_engine.drafters.eagle import EagleDrafter, load_eagle_head
+from spec_engine.drafters.eagle import EagleDrafter
+from spec_engine.drafters.eagle_checkpoint import load_eagle_head
 from spec_engine.drafters.hybrid import HybridDrafter
 from spec_engine.drafters.ngram import NGRAM_MAX_N, NgramDrafter
 from spec_engine.drafters.suffix import SuffixDrafter

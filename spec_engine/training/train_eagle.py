@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from spec_engine.drafters.eagle import EagleHead, eagle3_target_layers, save_eagle_head
+from spec_engine.drafters.eagle import EagleHead, eagle3_target_layers
+from spec_engine.drafters.eagle_checkpoint import save_eagle_head
 from spec_engine.models import ModelConfig, load_model
 from spec_engine.training.eagle_data import ShardSet, collate, stream_samples, token_frequencies
 from spec_engine.training.eagle_loss import agreement, eagle3_agreement, eagle3_ttt_loss, ttt_loss
