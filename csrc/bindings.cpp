@@ -290,7 +290,7 @@ namespace {
 // linear(x, weight, bias_or_None) -> Tensor: spec_kernels::linear called through the dispatcher's unboxed path.
 // torch.ops' boxed call from Python costs ~1.7x a plain binding's; a forward makes 57 of them.
 // Going through the dispatcher (not linear_cpu directly) keeps fake tensors, dispatch modes and the Meta kernel
-// working. spec_kernels/linear.py uses torch.ops instead while torch.compile traces.
+// working. spec_kernels/linear/cpu.py uses torch.ops instead while torch.compile traces.
 PyObject* py_linear(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 3 && THPVariable_Check(args[0]) && THPVariable_Check(args[1]) &&
