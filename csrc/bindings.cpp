@@ -46,35 +46,25 @@ at::Tensor quant_linear_meta(const at::Tensor& x, const at::Tensor& weight, int6
                              const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights,
                                                       const at::Tensor& final_norm, at::Tensor kv_cache,
-                                                      const at::Tensor& cache_seqlens, const at::Tensor& rope,
-                                                      const at::Tensor& tree_mask,
-                                                      const c10::optional<at::Tensor>& block_table, int64_t num_heads,
-                                                      double eps, at::IntArrayRef capture);
+                                                      const OptTensorList& inputs, int64_t num_heads, double eps,
+                                                      at::IntArrayRef capture);
 at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_ptr<NativeModel>& model,
                            at::Tensor kv_cache, const at::Tensor& cache_seqlens,
                            const c10::optional<at::Tensor>& block_table, int64_t gamma, bool strict);
 at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache,
                             const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
-                            int64_t steps, const c10::optional<at::Tensor>& stop_ids,
-                            const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& noise_seeds,
-                            const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
-                            const c10::optional<at::Tensor>& min_p);
+                            int64_t steps, const c10::optional<at::Tensor>& stop_ids, const OptTensorList& sampling);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
-    const at::Tensor& catch_up, const at::Tensor& catch_up_lens, const at::Tensor& seqlens,
-    const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv,
-    const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
-    const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
-    const c10::optional<at::Tensor>& d_features, at::IntArrayRef tree, const c10::optional<at::Tensor>& temperature,
-    const c10::optional<at::Tensor>& noise_seeds, const c10::optional<at::Tensor>& top_k,
-    const c10::optional<at::Tensor>& top_p, const c10::optional<at::Tensor>& min_p);
+    const c10::intrusive_ptr<NativeModel>& target_model, const c10::intrusive_ptr<NativeModel>& draft_model,
+    at::TensorList caches, const OptTensorList& inputs, const OptTensorList& sampling, at::IntArrayRef knobs,
+    at::IntArrayRef tree);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_step_cpu(
     const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& seqlens,
     const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
     at::IntArrayRef capture);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
-    const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last, const at::Tensor& feature_cache,
-    const c10::intrusive_ptr<NativeModel>& head, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
-    int64_t gamma, const c10::optional<at::Tensor>& inv_temp, const c10::optional<at::Tensor>& noise);
+    at::TensorList entries, const at::Tensor& feature_cache, const c10::intrusive_ptr<NativeModel>& head,
+    at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table, int64_t gamma, const OptTensorList& draws);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents);
 at::Tensor rng_uniform_cpu(const at::Tensor& keys, int64_t n);
@@ -86,10 +76,8 @@ at::Tensor keep_threshold_meta(const at::Tensor& z, const at::Tensor& top_k, con
                                const at::Tensor& min_p);
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
                                                        const at::Tensor& final_norm, at::Tensor kv_cache,
-                                                       const at::Tensor& cache_seqlens, const at::Tensor& rope,
-                                                       const at::Tensor& tree_mask,
-                                                       const c10::optional<at::Tensor>& block_table,
-                                                       int64_t num_heads, double eps, at::IntArrayRef capture);
+                                                       const OptTensorList& inputs, int64_t num_heads, double eps,
+                                                       at::IntArrayRef capture);
 
 namespace {
 
@@ -207,9 +195,8 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def("linear_path(bool bf16, int k) -> (str, float)", &specdec::linear_path);  // no tensors: one kernel
   m.def("quant_linear(Tensor x, Tensor weight, int qtype, Tensor? bias=None) -> Tensor");
   m.def(
-      "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!) kv_cache, Tensor cache_seqlens, "
-      "Tensor rope, Tensor tree_mask, Tensor? block_table, int num_heads, float eps, int[] capture=[]) -> (Tensor, "
-      "Tensor)");
+      "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!) kv_cache, Tensor?[] inputs, "
+      "int num_heads, float eps, int[] capture=[]) -> (Tensor, Tensor)");  // inputs: csrc/decoder_layers_cpu.cpp
   m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor, Tensor, Tensor)");
   m.def("rng_uniform(Tensor keys, int n) -> Tensor");  // csrc/rng_cpu.cpp
   m.def("rng_gumbel(Tensor keys, int n) -> Tensor");
@@ -224,24 +211,18 @@ TORCH_LIBRARY(spec_kernels, m) {
       "Tensor cache_seqlens, Tensor? block_table, int gamma, bool strict=False) -> Tensor");
   m.def(
       "plain_steps(Tensor roots, __torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, "
-      "Tensor cache_seqlens, Tensor? block_table, int steps, Tensor? stop_ids=None, Tensor? temperature=None, "
-      "Tensor? noise_seeds=None, Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) -> Tensor");
+      "Tensor cache_seqlens, Tensor? block_table, int steps, Tensor? stop_ids, Tensor?[] sampling) -> Tensor");
   m.def(
-      "spec_chain(Tensor catch_up, Tensor catch_up_lens, Tensor seqlens, "
-      "__torch__.torch.classes.spec_kernels.NativeModel target, Tensor(a!) t_kv, "
-      "__torch__.torch.classes.spec_kernels.NativeModel draft, Tensor(b!) d_kv, Tensor? block_table, Tensor budget, "
-      "Tensor stop_ids, int gamma, int max_steps, bool stop_on_reject=False, Tensor(c!)? d_features=None, "
-      "int[] tree=[], Tensor? temperature=None, Tensor? noise_seeds=None, Tensor? top_k=None, Tensor? top_p=None, "
-      "Tensor? min_p=None) -> "
-      "(Tensor, Tensor, Tensor, Tensor)");
+      "spec_chain(__torch__.torch.classes.spec_kernels.NativeModel target, "
+      "__torch__.torch.classes.spec_kernels.NativeModel draft, Tensor(a!)[] caches, Tensor?[] inputs, "
+      "Tensor?[] sampling, int[] knobs, int[] tree=[]) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "tree_step(Tensor tokens, Tensor parents, Tensor seqlens, "
       "__torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, Tensor? block_table, "
       "int[] capture=[]) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "eagle3_draft(Tensor tokens, Tensor start, Tensor last, Tensor feature_cache, "
-      "__torch__.torch.classes.spec_kernels.NativeModel head, Tensor(a!) kv_cache, Tensor? block_table, int gamma, "
-      "Tensor? inv_temp=None, Tensor? noise=None) -> (Tensor, Tensor, Tensor)");
+      "eagle3_draft(Tensor[] entries, Tensor feature_cache, __torch__.torch.classes.spec_kernels.NativeModel head, "
+      "Tensor(a!) kv_cache, Tensor? block_table, int gamma, Tensor?[] draws) -> (Tensor, Tensor, Tensor)");
   // suffix decoding's tree (csrc/suffix_tree_cpu.cpp): torch.classes.spec_kernels.SuffixTree(max_depth)
   m.class_<specdec::SuffixTree>("SuffixTree")
       .def(torch::init<int64_t>())
@@ -290,7 +271,7 @@ namespace {
 // linear(x, weight, bias_or_None) -> Tensor: spec_kernels::linear called through the dispatcher's unboxed path.
 // torch.ops' boxed call from Python costs ~1.7x a plain binding's; a forward makes 57 of them.
 // Going through the dispatcher (not linear_cpu directly) keeps fake tensors, dispatch modes and the Meta kernel
-// working. spec_kernels/linear.py uses torch.ops instead while torch.compile traces.
+// working. spec_kernels/linear/cpu.py uses torch.ops instead while torch.compile traces.
 PyObject* py_linear(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 3 && THPVariable_Check(args[0]) && THPVariable_Check(args[1]) &&

@@ -28,16 +28,34 @@
 #include "native_model.h"
 
 namespace specdec {
+namespace {
 
+// One call's inputs beside the model's tensors and the cache: the op's Tensor?[] inputs, in this order.
+struct LayerInputs {
+  at::Tensor cache_seqlens;                 // [B]
+  at::Tensor rope;                          // [2, B, T, D]
+  at::Tensor tree_mask;                     // [B, T, T]
+  c10::optional<at::Tensor> block_table;    // [B, max_blocks], or None: a contiguous cache
+};
+
+LayerInputs layer_inputs(const OptTensorList& inputs) {
+  TORCH_CHECK_VALUE(inputs.size() == 4, "decoder_layers: inputs must be [cache_seqlens, rope, tree_mask, ",
+                    "block_table], got ", inputs.size(), " entries");
+  const c10::optional<at::Tensor> seqlens = inputs.get(0), rope = inputs.get(1), mask = inputs.get(2);
+  TORCH_CHECK_VALUE(seqlens.has_value() && rope.has_value() && mask.has_value(),
+                    "decoder_layers: cache_seqlens, rope and tree_mask are required, got None");
+  return {*seqlens, *rope, *mask, inputs.get(3)};
+}
+
+}  // namespace
 
 // Returns (out [B, T, H], features [B, T, len(capture) * H]): the final-normed hidden states, and the residual
 // streams entering the layers in `capture` (in its order; empty when it is).
 std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights_list,
                                                       const at::Tensor& final_norm, at::Tensor kv_cache,
-                                                      const at::Tensor& cache_seqlens, const at::Tensor& rope,
-                                                      const at::Tensor& tree_mask,
-                                                      const c10::optional<at::Tensor>& block_table, int64_t num_heads,
-                                                      double eps, at::IntArrayRef capture) {
+                                                      const OptTensorList& inputs, int64_t num_heads, double eps,
+                                                      at::IntArrayRef capture) {
+  const auto [cache_seqlens, rope, tree_mask, block_table] = layer_inputs(inputs);
   const std::vector<at::Tensor> weights = present(weights_list);
   const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
                               num_heads, capture);
@@ -65,10 +83,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights_list,
                                                        const at::Tensor& final_norm, at::Tensor kv_cache,
-                                                       const at::Tensor& cache_seqlens, const at::Tensor& rope,
-                                                       const at::Tensor& tree_mask,
-                                                       const c10::optional<at::Tensor>& block_table,
-                                                       int64_t num_heads, double eps, at::IntArrayRef capture) {
+                                                       const OptTensorList& inputs, int64_t num_heads, double eps,
+                                                       at::IntArrayRef capture) {
+  const auto [cache_seqlens, rope, tree_mask, block_table] = layer_inputs(inputs);
   const std::vector<at::Tensor> weights = present(weights_list);
   const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
                               num_heads, capture);

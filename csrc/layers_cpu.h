@@ -8,7 +8,7 @@
 namespace specdec {
 namespace {
 
-// The weights of one layer as the Python side passes them (spec_kernels/decoder_layers.py: LAYER_FIELDS), in order.
+// The weights of one layer as the Python side passes them (spec_kernels/decoder_layers/ref.py: LAYER_FIELDS), in order.
 enum LayerField : int {
   kInputNorm = 0,  // [H]
   kQkv,            // [(Hq + 2 Hkv) D, H]

@@ -4,6 +4,7 @@
 // once there, and handed to every call as one argument instead of its tensors one by one.
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_to_copy.h>
 #include <c10/util/Exception.h>
@@ -14,6 +15,10 @@
 #include <vector>
 
 namespace specdec {
+
+// A native op's Tensor?[] argument: a small group of one call's inputs (its sampling, its per-row inputs), in the
+// order the op's comment gives; absent entries are None.
+using OptTensorList = c10::List<c10::optional<at::Tensor>>;
 
 // A block table as the CPU kernels read it: int32, contiguous. Ids an int32 cannot hold are refused, not wrapped
 // (2^32 + k read as block k would be another sequence's blocks).

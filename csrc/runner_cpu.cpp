@@ -65,10 +65,30 @@ ChainRunner<T> runner_of(const char* op, const NativeModel& m, const at::Tensor&
 
 using OptTensor = c10::optional<at::Tensor>;
 
-// A native call's sampled rows (Sampling, csrc/runner_cpu.h), checked: temperature [B] float32 and noise_seeds [B]
-// int64 together (none: every row greedy); top_k [B] int64, top_p and min_p [B] float32 together, with them.
-Sampling sampling_of(const char* op, int64_t B, const OptTensor& temperature, const OptTensor& noise_seeds,
-                     const OptTensor& top_k, const OptTensor& top_p, const OptTensor& min_p) {
+// The entries of a native call's Tensor?[] argument `arg`, which holds `fields` (their names, for the error): n of
+// them, or none where `empty_ok`.
+std::vector<OptTensor> entries_of(const char* op, const char* arg, const OptTensorList& list, size_t n,
+                                  const char* fields, bool empty_ok = false) {
+  TORCH_CHECK_VALUE(list.size() == n || (empty_ok && list.size() == 0), op, ": ", arg, " must be [", fields, "]",
+                    empty_ok ? " or []" : "", ", got ", list.size(), " entries");
+  std::vector<OptTensor> out;
+  for (size_t i = 0; i < list.size(); ++i) out.push_back(list.get(i));
+  return out;
+}
+
+at::Tensor required(const char* op, const OptTensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.has_value(), op, ": ", name, " is required, got None");
+  return *t;
+}
+
+// A native call's sampled rows (Sampling, csrc/runner_cpu.h) from its `sampling` argument [temperature, noise_seeds,
+// top_k, top_p, min_p] ([]: every row greedy), checked: temperature [B] float32 and noise_seeds [B] int64 together
+// (none: every row greedy); top_k [B] int64, top_p and min_p [B] float32 together, with them.
+Sampling sampling_of(const char* op, int64_t B, const OptTensorList& sampling) {
+  std::vector<OptTensor> e =
+      entries_of(op, "sampling", sampling, 5, "temperature, noise_seeds, top_k, top_p, min_p", true);
+  e.resize(5);
+  const OptTensor &temperature = e[0], &noise_seeds = e[1], &top_k = e[2], &top_p = e[3], &min_p = e[4];
   Sampling s;
   TORCH_CHECK_VALUE(temperature.has_value() == noise_seeds.has_value(), op, ": temperature and noise_seeds go together");
   TORCH_CHECK_VALUE(top_k.has_value() == top_p.has_value() && top_p.has_value() == min_p.has_value() &&
@@ -156,10 +176,7 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_p
 // way, which sanitises or raises).
 at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache,
                             const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
-                            int64_t steps, const c10::optional<at::Tensor>& stop_ids,
-                            const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& noise_seeds,
-                            const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
-                            const c10::optional<at::Tensor>& min_p) {
+                            int64_t steps, const c10::optional<at::Tensor>& stop_ids, const OptTensorList& sampling) {
   const NativeModel& m = *model;
   TORCH_CHECK_VALUE(roots.dim() == 1 && roots.device().is_cpu(), "plain_steps: roots must be [B] on CPU, got ",
                     roots.sizes());
@@ -178,7 +195,7 @@ at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Nat
   ChainRows rows{B, 0, steps, false, {}, std::vector<int64_t>(B, 1), {}, std::vector<int64_t>(B, steps), {}, 1};
   rows.catch_up.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + B);
   rows.L.assign(seqlens.data_ptr<int64_t>(), seqlens.data_ptr<int64_t>() + B);
-  rows.sampling = sampling_of("plain_steps", B, temperature, noise_seeds, top_k, top_p, min_p);
+  rows.sampling = sampling_of("plain_steps", B, sampling);
   if (stop_ids.has_value()) {
     const at::Tensor s = stop_ids->to(at::kLong).contiguous();
     rows.stops.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
@@ -213,12 +230,18 @@ at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Nat
 // for gamma = 0; a sampled chain's logits at each level [B, gamma, K] float32, [0] otherwise). Why: driven from
 // Python, a head step is dozens of small torch ops (two norms, a cat, the layer, a 49152-wide scatter of the draft
 // logits) whose dispatch cost more than the head's weights.
+// `entries` is [tokens, start, last]; `draws` [inv_temp, noise] for a sampled chain, [] for a greedy one.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
-    const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last, const at::Tensor& feature_cache,
-    const c10::intrusive_ptr<NativeModel>& head, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
-    int64_t gamma, const c10::optional<at::Tensor>& inv_temp, const c10::optional<at::Tensor>& noise) {
+    at::TensorList entries, const at::Tensor& feature_cache, const c10::intrusive_ptr<NativeModel>& head,
+    at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table, int64_t gamma, const OptTensorList& draws) {
   const NativeModel& m = *head;
   TORCH_CHECK_VALUE(m.is_head(), "eagle3_draft: the model must be an EAGLE-3 head (NativeModel.set_head)");
+  TORCH_CHECK_VALUE(entries.size() == 3, "eagle3_draft: entries must be [tokens, start, last], got ", entries.size(),
+                    " tensors");
+  const at::Tensor &tokens = entries[0], &start = entries[1], &last = entries[2];
+  std::vector<OptTensor> sampled = entries_of("eagle3_draft", "draws", draws, 2, "inv_temp, noise", true);
+  sampled.resize(2);
+  const OptTensor &inv_temp = sampled[0], &noise = sampled[1];
   TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.device().is_cpu(), "eagle3_draft: tokens must be [B, T] on CPU, got ",
                     tokens.sizes());
   const int64_t B = tokens.size(0), T_ = tokens.size(1), H = m.final_norm.size(0);
@@ -299,16 +322,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 // Returns (steps [B, max_steps, gamma + 2] int64: per step the count n of emitted tokens then the tokens, -1
 // padded, n = 0 for steps not run; catch_up_out [B, P'] and catch_up_lens_out [B]: the rows' new catch-ups; times
 // [max_steps, 2] float64: per step the draft's and the whole step's seconds).
+//
+// The op's arguments, grouped: caches [t_kv, d_kv] (and a head's d_features); inputs [catch_up, catch_up_lens,
+// seqlens, budget, stop_ids, block_table (or None)]; sampling as sampling_of reads it; knobs [gamma, max_steps,
+// stop_on_reject]; tree.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
-    const at::Tensor& catch_up, const at::Tensor& catch_up_lens, const at::Tensor& seqlens,
-    const c10::intrusive_ptr<NativeModel>& target_model, at::Tensor t_kv,
-    const c10::intrusive_ptr<NativeModel>& draft_model, at::Tensor d_kv, const c10::optional<at::Tensor>& block_table,
-    const at::Tensor& budget, const at::Tensor& stop_ids, int64_t gamma, int64_t max_steps, bool stop_on_reject,
-    const c10::optional<at::Tensor>& d_features, at::IntArrayRef tree, const c10::optional<at::Tensor>& temperature,
-    const c10::optional<at::Tensor>& noise_seeds, const c10::optional<at::Tensor>& top_k,
-    const c10::optional<at::Tensor>& top_p, const c10::optional<at::Tensor>& min_p) {
+    const c10::intrusive_ptr<NativeModel>& target_model, const c10::intrusive_ptr<NativeModel>& draft_model,
+    at::TensorList caches, const OptTensorList& inputs, const OptTensorList& sampling, at::IntArrayRef knobs,
+    at::IntArrayRef tree) {
   const NativeModel& t = *target_model;
   const NativeModel& d = *draft_model;
+  TORCH_CHECK_VALUE(caches.size() == 2 || caches.size() == 3, "spec_chain: caches must be [t_kv, d_kv] or [t_kv, ",
+                    "d_kv, d_features], got ", caches.size(), " tensors");
+  at::Tensor t_kv = caches[0], d_kv = caches[1];
+  const OptTensor d_features = caches.size() == 3 ? OptTensor(caches[2]) : c10::nullopt;
+  const std::vector<OptTensor> in = entries_of("spec_chain", "inputs", inputs, 6,
+                                               "catch_up, catch_up_lens, seqlens, budget, stop_ids, block_table");
+  const at::Tensor catch_up = required("spec_chain", in[0], "catch_up"),
+                   catch_up_lens = required("spec_chain", in[1], "catch_up_lens"),
+                   seqlens = required("spec_chain", in[2], "seqlens"), budget = required("spec_chain", in[3], "budget"),
+                   stop_ids = required("spec_chain", in[4], "stop_ids");
+  const OptTensor& block_table = in[5];
+  TORCH_CHECK_VALUE(knobs.size() == 3, "spec_chain: knobs must be [gamma, max_steps, stop_on_reject], got ", knobs);
+  const int64_t gamma = knobs[0], max_steps = knobs[1];
+  const bool stop_on_reject = knobs[2] != 0;
   TORCH_CHECK_VALUE(catch_up.dim() == 2 && catch_up.size(1) >= 1, "spec_chain: catch_up must be [B, P], got ",
                     catch_up.sizes());
   const int64_t B = catch_up.size(0), P = catch_up.size(1);
@@ -343,7 +380,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
                  std::vector<int64_t>(B), {}, P};
   rows.tree = TreeShape(tree.empty() ? std::vector<int64_t>(gamma, 1) : tree.vec());
   TORCH_CHECK_VALUE(head || rows.tree.is_chain(), "spec_chain: a draft model drafts chains (trees: an EAGLE-3 head)");
-  rows.sampling = sampling_of("spec_chain", B, temperature, noise_seeds, top_k, top_p, min_p);
+  rows.sampling = sampling_of("spec_chain", B, sampling);
   TORCH_CHECK_VALUE(!rows.sampling.any() || gamma == 0 || (head && rows.tree.is_chain()),
                     "spec_chain: sampled rows draft an EAGLE-3 head's chains (a draft model and trees: the regular "
                     "step)");

@@ -367,7 +367,9 @@ def test_native_models_are_checked_once_and_roles_kept(target, draft):
     with pytest.raises((ValueError, RuntimeError), match="cannot be restricted|target"):
         plain_steps(zero, restricted, eng.drafter.kv.data.new_zeros(kv.shape), zero, steps=1)
     with pytest.raises((ValueError, RuntimeError), match="must be an EAGLE-3 head"):
-        torch.ops.spec_kernels.eagle3_draft(zero[:, None], zero, zero, torch.zeros(1, 1, 16, 8), t.handle, kv, None, 1)
+        torch.ops.spec_kernels.eagle3_draft(
+            [zero[:, None], zero, zero], torch.zeros(1, 1, 16, 8), t.handle, kv, None, 1, []
+        )
 
 
 def test_spec_chain_catches_up_a_prompt_natively(target, draft, monkeypatch):

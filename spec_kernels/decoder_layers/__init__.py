@@ -138,8 +138,9 @@ def decoder_layers(
     load_ext()
     if flat is None:  # backend="native" asked for tensors it does not take: the C++ op says which
         flat = [_op_tensor(w) for w in weights]
+    inputs = [cache_seqlens, rope, tree_mask, block_table]  # LayerInputs in csrc/decoder_layers_cpu.cpp
     out, features = torch.ops.spec_kernels.decoder_layers(
-        hidden, flat, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps, layers or []
+        hidden, flat, final_norm, kv_cache, inputs, num_heads, eps, layers or []
     )
     return out if layers is None else (out, features)
 

@@ -196,9 +196,17 @@ def plain_steps(
     takes them (the position-keyed coupling's tokens)."""
     if model.vocab_map is not None:
         raise ValueError("plain_steps: the model's vocabulary cannot be restricted (its logits decide the output)")
+    sampling = row_sampling(temperature, noise_seeds, top_k, top_p, min_p)
     return _native_ops().plain_steps(roots, model.handle, model.check_cache(kv_cache), cache_seqlens,
-                                      block_table, steps, stop_ids, temperature, noise_seeds, top_k, top_p,
-                                      min_p)  # fmt: skip
+                                      block_table, steps, stop_ids, sampling)  # fmt: skip
+
+
+def row_sampling(temperature=None, noise_seeds=None, top_k=None, top_p=None, min_p=None) -> list:
+    """A native call's sampled rows as its ops take them (``Tensor?[] sampling``, read by ``sampling_of`` in
+    csrc/runner_cpu.cpp into its ``Sampling``): ``[temperature, noise_seeds, top_k, top_p, min_p]``, each ``[B]`` or
+    None; the empty list where every row is greedy."""
+    fields = [temperature, noise_seeds, top_k, top_p, min_p]
+    return [] if all(t is None for t in fields) else fields
 
 
 SPEC_CHAIN_MAX_NODES = 1024  # the widest tree spec_chain takes (kMaxTreeNodes in csrc/runner_cpu.cpp)
@@ -233,11 +241,11 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
     if head and draft_features is None:
         raise ValueError("spec_chain: an EAGLE-3 head needs its feature cache (draft_features)")
     model = draft.model if head else draft
-    return _native_ops().spec_chain(catch_up, catch_up_lens, seqlens, target.handle,
-                                    target.check_cache(target_kv), draft.handle, model.check_cache(draft_kv),
-                                    block_table, budget, stop_ids, gamma, max_steps, stop_on_reject,
-                                    draft_features if head else None, list(tree), temperature,
-                                    noise_seeds, top_k, top_p, min_p)  # fmt: skip
+    caches = [target.check_cache(target_kv), model.check_cache(draft_kv)] + ([draft_features] if head else [])
+    inputs = [catch_up, catch_up_lens, seqlens, budget, stop_ids, block_table]  # ChainInputs in csrc/runner_cpu.cpp
+    sampling = row_sampling(temperature, noise_seeds, top_k, top_p, min_p)
+    return _native_ops().spec_chain(target.handle, draft.handle, caches, inputs, sampling,
+                                    [gamma, max_steps, int(stop_on_reject)], list(tree))  # fmt: skip
 
 
 def tree_step(
@@ -292,6 +300,6 @@ def eagle3_draft(
     outputs ``[B, T, H]``, the stand-ins for their features; the chain ``[B, gamma]`` int64; a sampled chain's logits
     at each level ``[B, gamma, K]`` float32, empty otherwise).
     """
-    return _native_ops().eagle3_draft(tokens, start, last, feature_cache, head.handle,
-                                      head.model.check_cache(kv_cache), block_table, gamma, inv_temp,
-                                      noise)  # fmt: skip
+    draws = [] if inv_temp is None and noise is None else [inv_temp, noise]  # HeadDraws in csrc/runner_cpu.cpp
+    return _native_ops().eagle3_draft([tokens, start, last], feature_cache, head.handle,
+                                      head.model.check_cache(kv_cache), block_table, gamma, draws)  # fmt: skip
