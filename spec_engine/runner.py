@@ -176,7 +176,8 @@ class StepRunner:
         elif plan.path == SPEC_CHAIN:
             result = self._spec_chain(reqs, plan.gamma, plan.steps, stops, plan.full_steps, plan.stop_on_reject)
         if result is None:
-            plan = dataclasses.replace(plan, path=REGULAR, steps=1, full_steps=0, stop_on_reject=False)
+            plan = dataclasses.replace(plan, path=REGULAR, steps=1, full_steps=0, stop_on_reject=False,
+                                       fallback_from=plan.path if plan.path != REGULAR else None)  # fmt: skip
             processed = reqs if any(r.processes_logits for r in reqs) else None
             result = self._regular_step(reqs, gammas, suffix_rows, plan.native_verify, plan.logprobs, processed)
         result.plan = plan

@@ -23,7 +23,8 @@ class StepPlan:
     runs 1); ``gamma``: a spec chain's depth; ``full_steps``: the steps of a full call, over which a native call's own
     work is priced (``chain_step_costs``); ``native_verify``: a regular step of greedy rows with a deterministic tree
     verifies in one native call (``tree_step``); ``logprobs``: the regular step returns the emitted tokens'
-    log-probabilities with this many alternatives (the native calls return none).
+    log-probabilities with this many alternatives (the native calls return none). ``fallback_from``: on a REGULAR
+    plan as it ran, the native path that was planned and stepped aside (its first step's logits not finite).
     """
 
     path: str
@@ -33,6 +34,7 @@ class StepPlan:
     stop_on_reject: bool = False
     native_verify: bool = False
     logprobs: int | None = None
+    fallback_from: str | None = None
 
 
 @dataclass

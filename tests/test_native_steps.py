@@ -156,8 +156,7 @@ def test_non_finite_logits_take_the_regular_step(target, monkeypatch):
     ref = run(llm, params, 1)
     llm.engine.plan_history.clear()
     got = run(llm, params, 8)
-    chains = plain_chains(llm)
-    assert chains  # the chain ran, found the NaN and stepped aside
+    assert any(p.fallback_from == PLAIN_CHAIN for p in llm.engine.plan_history)  # the chain met the NaN, stepped aside
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
