@@ -5,10 +5,13 @@ one run.
     python bench/bench_ab.py --before ../wt-before [--after .] [--model smollm2|embedded] [--rounds 5]
 
 One worker process per (tree, mode) loads its engine once (its tree first on the import path, its own extension
-build cache); each round then runs every worker's requests in turn, the order rotating from round to round, so load
-drifts reach both trees alike. Per (model, mode): each tree's median tok/s over the rounds (p20-p80), the ratio
-after / before, and whether every request's tokens were the same in both trees (greedy). Exits 1 on differing
-tokens. The machine's CPU is printed with the figures.
+build cache), one after another; each round then runs every worker's requests in turn, the order rotating from round
+to round, so load drifts reach both trees alike. Speculation is the model's drafter alone (SmolLM2: its EAGLE-3
+head): a suffix tree would answer the rounds after the first from memory.
+
+Per (model, mode): each tree's median tok/s over the rounds (p20-p80), the ratio after / before, and whether every
+request's tokens were the same in both trees (greedy). Exits 1 on differing tokens. The machine's CPU is printed
+with the figures.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
+# run as a file: the repository root, not bench/, heads the import path; a worker imports its own tree (PYTHONPATH)
+if __package__ in (None, "") and "--worker" not in sys.argv:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REQUESTS = [  # everyday coding and chat requests, none tuned for
@@ -42,10 +46,12 @@ def worker(model: str, mode: str, max_tokens: int) -> None:
         llm = LLM(model=target, speculative_config=spec)
         prompts = [{"prompt_token_ids": llm.tokenizer.encode(text).ids} for text in REQUESTS]
     else:
-        llm = LLM(model=model, speculative_config={"method": "hybrid"} if mode == "spec" else None)
+        # the head alone: a suffix tree would answer a request it has served before from memory, every round after
+        llm = LLM(model=model, speculative_config={"method": "eagle"} if mode == "spec" else None)
         prompts = [{"prompt_token_ids": llm.render_chat([{"role": "user", "content": t}])[1]} for t in REQUESTS]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm: the extension, the caches
+    print(json.dumps({"ready": True}), flush=True)
     for _ in sys.stdin:
         start = time.perf_counter()
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # batch 1, one after another
@@ -78,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--worker", m, mode, "--max-tokens", str(args.max_tokens)]
         procs[m, mode, t] = subprocess.Popen(cmd, cwd=trees[t], env=env, stdin=subprocess.PIPE,
                                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+        # one at a time: a worker's build or load would keep the cores busy while another warms up, and its thread
+        # tuner would start on one thread
+        json.loads(procs[m, mode, t].stdout.readline())
     runs = {k: [] for k in keys}
     for r in range(args.rounds + 1):  # round 0 warms every worker (thread tuner, caches) and is not counted
         for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
