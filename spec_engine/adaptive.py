@@ -241,7 +241,7 @@ class AdaptiveController:
 
     def unsure(self, reqs: Sequence) -> bool:
         """Whether some row has judged fewer than ``SURE_TRIALS`` drafted tokens: a native call of several steps
-        (``Engine._spec_chain``) then ends at the first step where a row accepted nothing, so a new request's guess
+        (``StepRunner._spec_chain``) then ends at the first step where a row accepted nothing, so a new request's guess
         (the recent requests' rate) costs one step when its draft turns out useless. Past that the call keeps its
         depth through rejections: ending it there paid the per-call work at almost every step at alpha ~0.4, more
         than the steps a stale depth wastes. A probe is unsure too: it is one trial of a row that was off, and a 16-step

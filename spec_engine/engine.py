@@ -146,10 +146,10 @@ class Engine:
             self.controller = AdaptiveController(self.gamma, drafter.nodes_for_depth,
                                                  tree=tree is not None and not tree.is_chain,
                                                  cache_lag=self._cache_lag, sized=drafter.sizes_trees)  # fmt: skip
-        follows = drafter is not None and drafter.keeps_cache and self.controller is None
+        draft_follows_prefill = drafter is not None and drafter.keeps_cache and self.controller is None
         self.scheduler = Scheduler(allocator, self.rows, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
                                    max_tree_nodes=self.max_tree_nodes(), call_tokens=0,
-                                   draft_follows_prefill=follows)  # fmt: skip
+                                   draft_follows_prefill=draft_follows_prefill)  # fmt: skip
         self.reconfigure(config or EngineConfig())
 
     def reconfigure(self, config: EngineConfig) -> None:
@@ -373,14 +373,14 @@ class Engine:
         return self._apply(reqs, result)
 
     @staticmethod
-    def _observe_scores(reqs: list[Request], plan: DraftPlan, result: StepResult) -> None:
+    def _observe_scores(reqs: list[Request], drafts: DraftPlan, result: StepResult) -> None:
         """Each row drafted with a suffix speculation (a hybrid's suffix rows; every drafted row of a suffix
         drafter) tells its request's score trust what the speculation kept: its raw score (the plan's expected
         tokens, which the drafter scaled by the trust) against the drafts accepted (such steps are regular: one)."""
         for b, req in enumerate(reqs):
-            sure = plan.sure is not None and plan.sure[b]  # (a grammar's forced chain: no suffix match)
-            if plan.suffix_rows is not None and plan.suffix_rows[b] and plan.expected[b] > 0 and not sure:
-                req.score_trust.observe(plan.expected[b] / req.score_trust.value, result.counts[0][b] - 1)
+            sure = drafts.sure is not None and drafts.sure[b]  # (a grammar's forced chain: no suffix match)
+            if drafts.suffix_rows is not None and drafts.suffix_rows[b] and drafts.expected[b] > 0 and not sure:
+                req.score_trust.observe(drafts.expected[b] / req.score_trust.value, result.counts[0][b] - 1)
 
     def _draft_plan(self, reqs: list[Request], gammas: list[int]) -> DraftPlan:
         """The drafter's revision of the step's depths (``Drafter.plan``: a suffix drafter drops the rows nothing

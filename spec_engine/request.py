@@ -84,7 +84,7 @@ class ScoreTrust:
 
 class TokenLogprobs(NamedTuple):
     """One emitted (or prompt) token's log-probability under the target and the ``k`` most likely tokens' (their ids
-    and log-probabilities, in rank order), as a step reads them (``spec_engine.runner.token_logprobs``)."""
+    and log-probabilities, in rank order), as a step reads them (``spec_engine.logprobs.token_logprobs``)."""
 
     logprob: float
     top_ids: list[int]

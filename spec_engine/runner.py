@@ -176,7 +176,7 @@ class StepRunner:
         elif plan.path == SPEC_CHAIN:
             result = self._spec_chain(reqs, plan.gamma, plan.steps, stops, plan.full_steps, plan.stop_on_reject)
         if result is None:
-            plan = dataclasses.replace(plan, path=REGULAR, steps=1, full_steps=0, stop_on_reject=False,
+            plan = dataclasses.replace(plan, path=REGULAR, steps=1, gamma=0, full_steps=0, stop_on_reject=False,
                                        fallback_from=plan.path if plan.path != REGULAR else None)  # fmt: skip
             processed = reqs if any(r.processes_logits for r in reqs) else None
             result = self._regular_step(reqs, gammas, suffix_rows, plan.native_verify, plan.logprobs, processed)
@@ -299,7 +299,7 @@ class StepRunner:
         return sampling
 
     def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None,
-                      native_verify: bool = True, logprobs: int | None = None,
+                      native_verify: bool = False, logprobs: int | None = None,
                       processed: list[Request] | None = None) -> StepResult:  # fmt: skip
         """One step driven from Python: ``_spec_step`` on the step's inputs (``processed``: ``reqs`` where a row's
         logits are processed)."""
@@ -348,7 +348,7 @@ class StepRunner:
                           dev.pop("noise_seeds", None), suffix_rows)  # fmt: skip
         return batch, dev
 
-    def _spec_step(self, batch: StepBatch, sampling: dict, native_verify: bool = True, logprobs: int | None = None,
+    def _spec_step(self, batch: StepBatch, sampling: dict, native_verify: bool = False, logprobs: int | None = None,
                    processed: list[Request] | None = None,
                    ) -> tuple[list[list[int]], list[int], list[int], int, list | None]:  # fmt: skip
         """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches.
@@ -384,10 +384,10 @@ class StepRunner:
         return out_tokens, num_accepted, draft_lens, draft.tokens.numel(), lps
 
     def _native_verify(self, batch: StepBatch, draft: Draft) -> tuple[VerifyResult, torch.Tensor | None] | None:
-        """The step's target pass, greedy verification and compaction in one native call (``tree_step``) where every
-        row is greedy with a deterministic tree and the target runs natively (a drafter that reads the target's
-        features: the streams of its ``target_layers``, which the call returns); else None, as also where the call
-        leaves a row to the regular path (``_verify``)."""
+        """The step's target pass, greedy verification and compaction in one native call (``tree_step``), for a plan
+        that allows it (``StepPlan.native_verify``: every row greedy, the target native) and a deterministic tree (a
+        drafter that reads the target's features: the streams of its ``target_layers``, which the call returns);
+        else None, as also where the call leaves a row to the regular path (``_verify``)."""
         if draft.draft_probs is not None:  # (the plan allowed it for greedy rows: here the tree is deterministic too)
             return None
         return tree_step(self.native_tree, draft.tokens, draft.parents, batch.seqlens, self.kv.data,

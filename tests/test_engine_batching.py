@@ -516,7 +516,7 @@ def _row(max_tokens=10**6):
 
 
 def test_a_native_call_stops_at_a_reject_only_while_the_request_is_new():
-    """Engine._spec_chain ends a call at the first rejection while a row has judged fewer than SURE_TRIALS drafted
+    """StepRunner._spec_chain ends a call at the first rejection while a row has judged fewer than SURE_TRIALS drafted
     tokens (a new request's guessed rate costs one step if its draft is useless), or is being probed; after that
     it keeps its depth."""
     from spec_engine.adaptive import SURE_TRIALS

@@ -213,6 +213,6 @@ class Drafter(ABC):
 
     @property
     def native(self) -> NativeModel | NativeHead | None:
-        """The draft model or EAGLE-3 head as the engine's native speculative chains take it (``Engine._spec_chain``),
-        when this drafter proposes greedy chains from it on its own cache ``kv``; else None."""
+        """The draft model or EAGLE-3 head as the native speculative chains take it (``StepRunner._spec_chain``), when
+        this drafter proposes greedy chains from it on its own cache ``kv``; else None."""
         return None

@@ -242,7 +242,7 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
         raise ValueError("spec_chain: an EAGLE-3 head needs its feature cache (draft_features)")
     model = draft.model if head else draft
     caches = [target.check_cache(target_kv), model.check_cache(draft_kv)] + ([draft_features] if head else [])
-    inputs = [catch_up, catch_up_lens, seqlens, budget, stop_ids, block_table]  # ChainInputs in csrc/runner_cpu.cpp
+    inputs = [catch_up, catch_up_lens, seqlens, budget, stop_ids, block_table]  # spec_chain_cpu's inputs, in its order
     sampling = row_sampling(temperature, noise_seeds, top_k, top_p, min_p)
     return _native_ops().spec_chain(target.handle, draft.handle, caches, inputs, sampling,
                                     [gamma, max_steps, int(stop_on_reject)], list(tree))  # fmt: skip
@@ -300,6 +300,6 @@ def eagle3_draft(
     outputs ``[B, T, H]``, the stand-ins for their features; the chain ``[B, gamma]`` int64; a sampled chain's logits
     at each level ``[B, gamma, K]`` float32, empty otherwise).
     """
-    draws = [] if inv_temp is None and noise is None else [inv_temp, noise]  # HeadDraws in csrc/runner_cpu.cpp
+    draws = [] if inv_temp is None and noise is None else [inv_temp, noise]  # eagle3_draft_cpu's draws, in its order
     return _native_ops().eagle3_draft([tokens, start, last], feature_cache, head.handle,
                                       head.model.check_cache(kv_cache), block_table, gamma, draws)  # fmt: skip
