@@ -109,8 +109,6 @@ class Engine:
         self.device = kv.data.device
         self.gamma = num_speculative_tokens if drafter is not None else 0
         self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.prefill_chunk = prefill_chunk
         self.eos_token_ids = set(eos_token_ids or [])
         self.detokenize = detokenize  # (token ids, skip special tokens) -> text (the tokenizer's): stop strings need it
         self.grammars = grammars  # guided_json / guided_regex / guided_grammar compile against the tokenizer
