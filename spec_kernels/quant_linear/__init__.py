@@ -18,14 +18,7 @@ import torch
 
 from spec_kernels._backend import on_device_path, resolve_backend, triton_available
 from spec_kernels.quant_linear.ref import quant_linear_ref
-from spec_kernels.types import (
-    QUANT_BLOCK,
-    QUANT_BLOCK_BYTES,
-    QUANT_TYPES,
-    QuantizedWeight,
-    dequantize_ref,
-    quant_type_name,
-)
+from spec_kernels.types import QUANT_FORMATS, QuantizedWeight, dequantize_ref, quant_row_bytes, quant_type_name
 
 __all__ = ["QuantizedWeight", "quant_linear", "quant_linear_ref", "quant_type_name"]
 
@@ -37,15 +30,17 @@ def _check(x: torch.Tensor, weight: torch.Tensor, qtype: str, bias: torch.Tensor
     if x.dim() < 1:
         raise ValueError("quant_linear: x must be [..., K], got a 0-d tensor")
     k = x.shape[-1]
-    if k == 0 or k % QUANT_BLOCK:
-        raise ValueError(f"quant_linear: K = {k} is not a positive multiple of the 32-weight block")
+    try:
+        row_bytes = quant_row_bytes(qtype, k)
+    except ValueError as e:  # K not a multiple of the type's block, which the message names
+        raise ValueError(f"quant_linear: {e}") from None
     if weight.dtype != torch.uint8:
         raise TypeError(f"quant_linear: weight must be uint8 GGUF blocks, got {weight.dtype}")
-    row_bytes = k // QUANT_BLOCK * QUANT_BLOCK_BYTES[qtype]
+    f = QUANT_FORMATS[qtype]
     if weight.dim() != 2 or weight.shape[1] != row_bytes:
         raise ValueError(
-            f"quant_linear: {qtype} weight must be [N, {row_bytes}] (K / 32 blocks of {QUANT_BLOCK_BYTES[qtype]} "
-            f"bytes) for K = {k}, got shape {tuple(weight.shape)}"
+            f"quant_linear: {qtype} weight must be [N, {row_bytes}] (K / {f.block_weights} blocks of "
+            f"{f.block_bytes} bytes) for K = {k}, got shape {tuple(weight.shape)}"
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"quant_linear: bias must be [N] with N = {weight.shape[0]}, got {tuple(bias.shape)}")
@@ -120,4 +115,4 @@ def quant_linear(
     from spec_kernels._ext import load_ext
 
     load_ext()
-    return torch.ops.spec_kernels.quant_linear(x, weight, QUANT_TYPES[name], bias)
+    return torch.ops.spec_kernels.quant_linear(x, weight, QUANT_FORMATS[name].type_id, bias)
