@@ -48,26 +48,22 @@ namespace {
 
 #include "quant_blocks_cpu.h"  // the block formats' decoders: scalar, AVX2, AVX-512 (uses the targets above)
 
-// What one call computes: x [M, K] float32 with row stride ldx (a bfloat16 x widened), W [N, row_bytes], out [M, N].
-template <typename T>
+// What one thread computes: x [M, K] float32 with row stride ldx (a bfloat16 x widened) times W [N, row_bytes], the
+// float32 sums of weight rows n0 .. n0 + ldo - 1 into sums [M, ldo]. The bias and the output's one rounding come after
+// (finish), so the tiles, the bulk of the code, are built once per format whatever the output dtype.
 struct QuantArgs {
   const float* x;
   int64_t ldx;
   const uint8_t* w;
-  const T* bias;  // [N] or nullptr
-  T* out;
-  int64_t M, N, K, row_bytes;
+  float* sums;
+  int64_t n0, ldo;
+  int64_t M, K, row_bytes;
 };
+
+inline void store(const QuantArgs& a, int64_t m, int64_t n, float sum) { a.sums[m * a.ldo + n - a.n0] = sum; }
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-
-// One finished sum: the bias last (fp32), then one rounding to the output dtype (linear's store).
-template <typename T>
-inline void store(const QuantArgs<T>& a, int64_t m, int64_t n, float sum) {
-  if (a.bias != nullptr) sum += to_float(a.bias[n]);
-  a.out[m * a.N + n] = static_cast<T>(sum);
-}
 
 // Rows of W handed to a thread at a time (and the panel's height): linear's row block, so the panel path's linear
 // calls tile as linear would.
@@ -119,8 +115,8 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* out) {
 // Panel path: 16 rows dequantized, then linear's float32 kernel (one thread's share: part 0 of 1).
 // ---------------------------------------------------------------------------------------------------------------
 
-template <QuantType Q, typename T>
-void rows_panel(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end) {
+template <QuantType Q>
+void rows_panel(const QuantArgs& a, int64_t n_begin, int64_t n_end) {
   thread_local std::vector<float> panel, sums;  // [16, K], [M, 16]
   panel.resize(static_cast<size_t>(kRowBlock * a.K));
   sums.resize(static_cast<size_t>(a.M * kRowBlock));
@@ -141,8 +137,8 @@ void rows_panel(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end) {
 // reduce8), its weights dequantized from the block in registers.
 // ---------------------------------------------------------------------------------------------------------------
 
-template <QuantType Q, int NB, int MB, typename T>
-SPECDEC_QAVX2 void tile_avx2(const QuantArgs<T>& a, int64_t n0, int64_t m0, bool prefetch) {
+template <QuantType Q, int NB, int MB>
+SPECDEC_QAVX2 void tile_avx2(const QuantArgs& a, int64_t n0, int64_t m0, bool prefetch) {
   static_assert(NB * MB <= 8, "a tile holds at most 8 accumulators");
   constexpr int64_t kStep = NB * kBlockBytes<Q>;  // bytes of W one block (or super-block) step reads
   __m256 acc[8];
@@ -186,16 +182,16 @@ SPECDEC_QAVX2 void tile_avx2(const QuantArgs<T>& a, int64_t n0, int64_t m0, bool
   }
 }
 
-template <QuantType Q, int NB, int MB, typename T>
-SPECDEC_QAVX2 void span_avx2(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t m0) {
+template <QuantType Q, int NB, int MB>
+SPECDEC_QAVX2 void span_avx2(const QuantArgs& a, int64_t n_begin, int64_t n_end, int64_t m0) {
   int64_t n = n_begin;
   for (; n + NB <= n_end; n += NB) tile_avx2<Q, NB, MB>(a, n, m0, true);
   for (; n < n_end; ++n) tile_avx2<Q, 1, MB>(a, n, m0, false);
 }
 
 // Tiles of NB rows x the M (<= 8) rows of x from m0: 8 accumulators, as many weight rows as they leave room for.
-template <QuantType Q, typename T>
-void rows_avx2(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t m0, int64_t M) {
+template <QuantType Q>
+void rows_avx2(const QuantArgs& a, int64_t n_begin, int64_t n_end, int64_t m0, int64_t M) {
   switch (M) {
     case 1:  // 4 rows, not 8: 8 accumulators plus a block's 4 weight vectors and its scales spill the 16 registers
       return span_avx2<Q, 4, 1>(a, n_begin, n_end, m0);
@@ -218,8 +214,8 @@ void rows_avx2(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t m0
 
 // 9 to 16 rows of x: per weight row, x rows 0-7 then the rest, the row read from memory once (from L1 the second
 // time) and dequantized twice.
-template <QuantType Q, typename T>
-SPECDEC_QAVX2 void rows_two_chunks_avx2(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end) {
+template <QuantType Q>
+SPECDEC_QAVX2 void rows_two_chunks_avx2(const QuantArgs& a, int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     tile_avx2<Q, 1, 8>(a, n, 0, true);
     switch (a.M - 8) {
@@ -256,8 +252,8 @@ SPECDEC_QAVX2 void rows_two_chunks_avx2(const QuantArgs<T>& a, int64_t n_begin, 
 // sum lands in lane 4 (j % 4) + j / 4).
 // ---------------------------------------------------------------------------------------------------------------
 
-template <QuantType Q, int NB, int MB, typename T>
-SPECDEC_QAVX512 void tile_avx512(const QuantArgs<T>& a, int64_t n0, int64_t m0, bool prefetch) {
+template <QuantType Q, int NB, int MB>
+SPECDEC_QAVX512 void tile_avx512(const QuantArgs& a, int64_t n0, int64_t m0, bool prefetch) {
   static_assert(NB * MB <= 16, "a tile holds at most 16 accumulators");
   constexpr int64_t kStep = NB * kBlockBytes<Q>;
   __m512 acc[16];
@@ -301,15 +297,15 @@ SPECDEC_QAVX512 void tile_avx512(const QuantArgs<T>& a, int64_t n0, int64_t m0, 
   }
 }
 
-template <QuantType Q, int NB, int MB, typename T>
-SPECDEC_QAVX512 void span_avx512(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t m0) {
+template <QuantType Q, int NB, int MB>
+SPECDEC_QAVX512 void span_avx512(const QuantArgs& a, int64_t n_begin, int64_t n_end, int64_t m0) {
   int64_t n = n_begin;
   for (; n + NB <= n_end; n += NB) tile_avx512<Q, NB, MB>(a, n, m0, true);
   for (; n < n_end; ++n) tile_avx512<Q, 1, MB>(a, n, m0, false);
 }
 
-template <QuantType Q, typename T>
-void rows_avx512(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t m0, int64_t M) {
+template <QuantType Q>
+void rows_avx512(const QuantArgs& a, int64_t n_begin, int64_t n_end, int64_t m0, int64_t M) {
   switch (M) {
     case 1:
       return span_avx512<Q, 16, 1>(a, n_begin, n_end, m0);
@@ -330,8 +326,8 @@ void rows_avx512(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t 
   }
 }
 
-template <QuantType Q, typename T>
-SPECDEC_QAVX512 void rows_two_chunks_avx512(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end) {
+template <QuantType Q>
+SPECDEC_QAVX512 void rows_two_chunks_avx512(const QuantArgs& a, int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     tile_avx512<Q, 1, 8>(a, n, 0, true);
     switch (a.M - 8) {
@@ -371,18 +367,18 @@ SPECDEC_QAVX512 void rows_two_chunks_avx512(const QuantArgs<T>& a, int64_t n_beg
 constexpr int64_t kFusedChunk = 8;
 constexpr int64_t kMaxFusedRows = 16;
 
-template <QuantType Q, typename T>
-void rows(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end) {
+template <QuantType Q>
+void rows(const QuantArgs& a, int64_t n_begin, int64_t n_end) {
 #if SPECDEC_CPU_X86
   const bool avx512 = fused_path() == Fused::kAvx512;
   if (fused_path() != Fused::kNone && a.M <= kFusedChunk) {
-    return avx512 ? rows_avx512<Q, T>(a, n_begin, n_end, 0, a.M) : rows_avx2<Q, T>(a, n_begin, n_end, 0, a.M);
+    return avx512 ? rows_avx512<Q>(a, n_begin, n_end, 0, a.M) : rows_avx2<Q>(a, n_begin, n_end, 0, a.M);
   }
   if (fused_path() != Fused::kNone && a.M <= kMaxFusedRows) {
-    return avx512 ? rows_two_chunks_avx512<Q, T>(a, n_begin, n_end) : rows_two_chunks_avx2<Q, T>(a, n_begin, n_end);
+    return avx512 ? rows_two_chunks_avx512<Q>(a, n_begin, n_end) : rows_two_chunks_avx2<Q>(a, n_begin, n_end);
   }
 #endif
-  rows_panel<Q, T>(a, n_begin, n_end);
+  rows_panel<Q>(a, n_begin, n_end);
 }
 
 constexpr const char* kTakenTypes =
@@ -425,8 +421,18 @@ void run_rows(const T* x, const uint8_t* w, int64_t qtype, const T* bias, T* out
     }
     xf = widened.data(), ldxf = K;
   }
-  const QuantArgs<T> a{xf, ldxf, w, bias, out, M, N, K, quant_row_bytes(qtype, K)};
-  with_qtype(qtype, [&](auto q) { rows<decltype(q)::value, T>(a, n_begin, n_end); });
+  thread_local std::vector<float> sums;  // [M, n_end - n_begin]
+  sums.resize(static_cast<size_t>(M * (n_end - n_begin)));
+  const QuantArgs a{xf, ldxf, w, sums.data(), n_begin, n_end - n_begin, M, K, quant_row_bytes(qtype, K)};
+  with_qtype(qtype, [&](auto q) { rows<decltype(q)::value>(a, n_begin, n_end); });
+  // linear's store: the bias last (fp32), then one rounding to the output dtype
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      float sum = sums[m * a.ldo + n - n_begin];
+      if (bias != nullptr) sum += to_float(bias[n]);
+      out[m * N + n] = static_cast<T>(sum);
+    }
+  }
 }
 
 template <typename T>
