@@ -35,8 +35,8 @@
 #pragma once
 
 // ---------------------------------------------------------------------------------------------------------------
-// Per-sub-block scales of the K-quants, decoded once per super-block and row (scalar: a few dozen operations per
-// 256 weights, against the quants' per-weight vector work).
+// The K-quants' scales, decoded once per super-block and row (the vector paths' decoders are below: at M = 1 a
+// scalar decode of 8-16 scales costs about as much as the quants' own vector work).
 // ---------------------------------------------------------------------------------------------------------------
 
 template <QuantType Q>
@@ -45,12 +45,21 @@ constexpr int64_t kSubBlocks = quant_format(static_cast<int64_t>(Q)).block_weigh
 template <QuantType Q>
 constexpr int64_t kBlockBytes = quant_format(static_cast<int64_t>(Q)).block_bytes;
 
-// A K-quant super-block's group scales: w = scale[g] * q + shift[g] for the 16 weights of group g (shift 0 where the
-// format has no minimum; Q4_K / Q5_K repeat a sub-block's pair over its two groups).
+// A K-quant super-block's scales: w = scale[i] * q + shift[i] (no shift where the format has no minimum), i the
+// group of 16 weights, or for Q4_K / Q5_K the sub-block of 32 (scale_index).
 struct KScales {
   float scale[16];
   float shift[16];
 };
+
+template <QuantType Q>
+constexpr bool kPerSubBlock = Q == QuantType::kQ4_K || Q == QuantType::kQ5_K;
+
+// Where KScales holds the scale of sub-block s's elements from e on (e a multiple of 8).
+template <QuantType Q>
+constexpr int scale_index(int s, int e) {
+  return kPerSubBlock<Q> ? s : 2 * s + e / 16;
+}
 // The 32-weight types keep their scales in each block: nothing to decode ahead.
 struct NoScales {};
 template <QuantType Q>
@@ -100,8 +109,8 @@ inline void load_scales(const uint8_t* sb, KScales& k) {
     for (int s = 0; s < 8; ++s) {
       int scale, min;
       k4_scale_min(sb + 4, s, scale, min);
-      k.scale[2 * s] = k.scale[2 * s + 1] = d * static_cast<float>(scale);
-      k.shift[2 * s] = k.shift[2 * s + 1] = -(dmin * static_cast<float>(min));
+      k.scale[s] = d * static_cast<float>(scale);
+      k.shift[s] = -(dmin * static_cast<float>(min));
     }
   } else {
     static_assert(Q == QuantType::kQ6_K, "a K-quant");
@@ -151,7 +160,7 @@ inline void dequant_scalar(const uint8_t* row, int64_t b, const ScalesOf<Q>& k, 
     const uint8_t* sb = row + b / 8 * kBlockBytes<Q>;
     const int s = static_cast<int>(b % 8);
     for (int e = 0; e < 32; ++e) {
-      const int g = 2 * s + e / 16;
+      const int g = scale_index<Q>(s, e);
       const float q = static_cast<float>(k_quant<Q>(sb, s, e));
       w[e] = kHasShift<Q> ? k.scale[g] * q + k.shift[g] : k.scale[g] * q;
     }
@@ -182,10 +191,84 @@ inline void dequant_scalar(const uint8_t* row, int64_t b, const ScalesOf<Q>& k, 
 // AVX2: sub-block b as 4 x 8 lanes, w[i] holding elements 8 i .. 8 i + 7.
 // ---------------------------------------------------------------------------------------------------------------
 
-// 8 bytes from p as int32 lanes, then (v >> shift) & mask.
+// load_scales with F16C conversions and 4-16 scales per instruction: the same values (the products are exact, and a
+// minimum's negation flips the sign bit, as the scalar `-` does).
+SPECDEC_QAVX2 inline float fp16_f16c(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return _cvtsh_ss(v);
+}
+
+SPECDEC_QAVX2 inline __m128i bytes4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(v));
+}
+
+SPECDEC_QAVX2 inline __m256i bytes8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <QuantType Q>
+SPECDEC_QAVX2 inline void load_scales_avx2(const uint8_t* sb, KScales& k) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  if constexpr (Q == QuantType::kQ2_K) {
+    const __m256 d = _mm256_set1_ps(fp16_f16c(sb + 80)), dmin = _mm256_set1_ps(fp16_f16c(sb + 82));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = bytes8(sb + 8 * h);
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+      const __m256 mn = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+      _mm256_storeu_ps(k.scale + 8 * h, _mm256_mul_ps(d, sc));
+      _mm256_storeu_ps(k.shift + 8 * h, _mm256_xor_ps(_mm256_mul_ps(dmin, mn), sign));
+    }
+  } else if constexpr (Q == QuantType::kQ3_K) {
+    // groups 0-7: the low nibbles of bytes 0-7, their high bits from bytes 8-11 at bits 0 (g < 4) and 2; groups 8-15:
+    // the high nibbles, high bits at 4 and 6 (k3_scale)
+    const __m256 d = _mm256_set1_ps(fp16_f16c(sb + 108));
+    const __m256i low = bytes8(sb + 96), high = _mm256_broadcastsi128_si256(bytes4(sb + 104));
+    const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
+    const __m256i h0 = _mm256_and_si256(_mm256_srlv_epi32(high, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), three);
+    const __m256i h1 = _mm256_and_si256(_mm256_srlv_epi32(high, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), three);
+    const __m256i l0 = _mm256_and_si256(low, _mm256_set1_epi32(15)), l1 = _mm256_srli_epi32(low, 4);
+    const __m256i s0 = _mm256_sub_epi32(_mm256_or_si256(l0, _mm256_slli_epi32(h0, 4)), bias);
+    const __m256i s1 = _mm256_sub_epi32(_mm256_or_si256(l1, _mm256_slli_epi32(h1, 4)), bias);
+    _mm256_storeu_ps(k.scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(s0)));
+    _mm256_storeu_ps(k.scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(s1)));
+  } else if constexpr (Q == QuantType::kQ4_K || Q == QuantType::kQ5_K) {
+    // sub-blocks 0-3 from the low 6 bits of bytes 0-3 (scales) and 4-7 (minima); 4-7 from bytes 8-11's nibbles
+    // under those bytes' top 2 bits (k4_scale_min)
+    const __m128 d = _mm_set1_ps(fp16_f16c(sb)), dmin = _mm_set1_ps(fp16_f16c(sb + 2));
+    const __m128i lo = bytes4(sb + 4), mid = bytes4(sb + 8), hi = bytes4(sb + 12);
+    const __m128i six = _mm_set1_epi32(63), four = _mm_set1_epi32(15);
+    const __m128i sc_hi = _mm_or_si128(_mm_and_si128(hi, four), _mm_slli_epi32(_mm_srli_epi32(lo, 6), 4));
+    const __m128i mn_hi = _mm_or_si128(_mm_srli_epi32(hi, 4), _mm_slli_epi32(_mm_srli_epi32(mid, 6), 4));
+    const __m128 neg = _mm_set1_ps(-0.f);
+    _mm_storeu_ps(k.scale, _mm_mul_ps(d, _mm_cvtepi32_ps(_mm_and_si128(lo, six))));
+    _mm_storeu_ps(k.scale + 4, _mm_mul_ps(d, _mm_cvtepi32_ps(sc_hi)));
+    _mm_storeu_ps(k.shift, _mm_xor_ps(_mm_mul_ps(dmin, _mm_cvtepi32_ps(_mm_and_si128(mid, six))), neg));
+    _mm_storeu_ps(k.shift + 4, _mm_xor_ps(_mm_mul_ps(dmin, _mm_cvtepi32_ps(mn_hi)), neg));
+  } else {
+    static_assert(Q == QuantType::kQ6_K, "a K-quant");
+    const __m256 d = _mm256_set1_ps(fp16_f16c(sb + 208));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 192 + 8 * h)));
+      _mm256_storeu_ps(k.scale + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+    }
+  }
+}
+
+template <QuantType Q>
+SPECDEC_QAVX2 inline void load_scales_avx2(const uint8_t*, NoScales&) {}
+
+template <QuantType Q>
+SPECDEC_QAVX2 inline void load_row_scales_avx2(const uint8_t* row, int64_t b, ScalesOf<Q>& k) {
+  load_scales_avx2<Q>(row + b / kSubBlocks<Q> * kBlockBytes<Q>, k);
+}
+
+// 8 bytes from p as int32 lanes, then (v >> shift) & mask (a shift by a vector: one instruction, by a count two).
 SPECDEC_QAVX2 inline __m256i field8(const uint8_t* p, int shift, int mask) {
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask));
+  const __m256i v = _mm256_srlv_epi32(bytes8(p), _mm256_set1_epi32(shift));
+  return _mm256_and_si256(v, _mm256_set1_epi32(mask));
 }
 
 // Elements e0 .. e0 + 7 of K-quant sub-block s as int32 lanes (k_quant's values).
@@ -262,9 +345,9 @@ SPECDEC_QAVX2 inline void dequant_avx2(const uint8_t* row, int64_t b, const Scal
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const __m256 q = _mm256_cvtepi32_ps(k_quant8<Q>(sb, s, 8 * i));
-      const __m256 scale = _mm256_broadcast_ss(&k.scale[2 * s + i / 2]);
-      w[i] = kHasShift<Q> ? _mm256_fmadd_ps(scale, q, _mm256_broadcast_ss(&k.shift[2 * s + i / 2]))
-                          : _mm256_mul_ps(scale, q);
+      const int j = scale_index<Q>(s, 8 * i);
+      const __m256 scale = _mm256_broadcast_ss(&k.scale[j]);
+      w[i] = kHasShift<Q> ? _mm256_fmadd_ps(scale, q, _mm256_broadcast_ss(&k.shift[j])) : _mm256_mul_ps(scale, q);
     }
   } else {
     block_avx2<Q>(row + b * kBlockBytes<Q>, w);
@@ -277,7 +360,7 @@ SPECDEC_QAVX2 inline void dequant_avx2(const uint8_t* row, int64_t b, const Scal
 
 SPECDEC_QAVX512 inline __m512i field16(const uint8_t* p, int shift, int mask) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask));
+  return _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift)), _mm512_set1_epi32(mask));
 }
 
 template <QuantType Q>
@@ -348,8 +431,9 @@ SPECDEC_QAVX512 inline void dequant_avx512(const uint8_t* row, int64_t b, const 
 #pragma GCC unroll 2
     for (int i = 0; i < 2; ++i) {
       const __m512 q = _mm512_cvtepi32_ps(k_quant16<Q>(sb, s, 16 * i));
-      const __m512 scale = _mm512_set1_ps(k.scale[2 * s + i]);
-      w[i] = kHasShift<Q> ? _mm512_fmadd_ps(scale, q, _mm512_set1_ps(k.shift[2 * s + i])) : _mm512_mul_ps(scale, q);
+      const int j = scale_index<Q>(s, 16 * i);
+      const __m512 scale = _mm512_set1_ps(k.scale[j]);
+      w[i] = kHasShift<Q> ? _mm512_fmadd_ps(scale, q, _mm512_set1_ps(k.shift[j])) : _mm512_mul_ps(scale, q);
     }
   } else {
     block_avx512<Q>(row + b * kBlockBytes<Q>, w);

@@ -74,7 +74,7 @@ template <QuantType Q>
 SPECDEC_QAVX2 void dequant_row_avx2(const uint8_t* row, int64_t blocks, float* out) {
   ScalesOf<Q> k;
   for (int64_t b = 0; b < blocks; ++b) {
-    if (b % kSubBlocks<Q> == 0) load_row_scales<Q>(row, b, k);
+    if (b % kSubBlocks<Q> == 0) load_row_scales_avx2<Q>(row, b, k);
     __m256 w[4];
     dequant_avx2<Q>(row, b, k, w);
 #pragma GCC unroll 4
@@ -157,7 +157,7 @@ SPECDEC_QAVX2 void tile_avx2(const QuantArgs& a, int64_t n0, int64_t m0, bool pr
     }
     if (b % kSubBlocks<Q> == 0) {
 #pragma GCC unroll 8
-      for (int nb = 0; nb < NB; ++nb) load_row_scales<Q>(w + nb * a.row_bytes, b, scales[nb]);
+      for (int nb = 0; nb < NB; ++nb) load_row_scales_avx2<Q>(w + nb * a.row_bytes, b, scales[nb]);
     }
     const float* x = a.x + m0 * a.ldx + b * 32;
 #pragma GCC unroll 8
@@ -271,7 +271,7 @@ SPECDEC_QAVX512 void tile_avx512(const QuantArgs& a, int64_t n0, int64_t m0, boo
     }
     if (b % kSubBlocks<Q> == 0) {
 #pragma GCC unroll 16
-      for (int nb = 0; nb < NB; ++nb) load_row_scales<Q>(w + nb * a.row_bytes, b, scales[nb]);
+      for (int nb = 0; nb < NB; ++nb) load_row_scales_avx2<Q>(w + nb * a.row_bytes, b, scales[nb]);
     }
     const float* x = a.x + m0 * a.ldx + b * 32;
 #pragma GCC unroll 16

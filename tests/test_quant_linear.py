@@ -208,6 +208,8 @@ def test_dispatch_and_quantized_weight():
     device = quant_linear(x.to("meta", torch.bfloat16), blocks.to("meta"), "Q4_1")
     assert device.shape == (3, 40) and device.device.type == "meta" and device.dtype == torch.bfloat16
     assert dequantize_ref(blocks.to("meta"), "Q4_1").device.type == "meta"
+    k_blocks = torch.zeros(40, 2 * 144, dtype=torch.uint8, device="meta")  # Q4_K [40, 512]
+    assert quant_linear(torch.randn(3, 512, device="meta"), k_blocks, "Q4_K").shape == (3, 40)
 
 
 @pytest.mark.cuda
