@@ -363,19 +363,24 @@ SPECDEC_QAVX512 inline __m512i field16(const uint8_t* p, int shift, int mask) {
   return _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift)), _mm512_set1_epi32(mask));
 }
 
+// Bit s of 16 bytes from p, one per lane, as a mask register: Q3_K's and Q5_K's single high bits, with no shifts.
+SPECDEC_QAVX512 inline __mmask16 bit16(const uint8_t* p, int s) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm_test_epi8_mask(v, _mm_set1_epi8(static_cast<char>(1 << s)));
+}
+
 template <QuantType Q>
 SPECDEC_QAVX512 inline __m512i k_quant16(const uint8_t* sb, int s, int e0) {
   if constexpr (Q == QuantType::kQ2_K) {
     return field16(sb + 16 + 32 * (s / 4) + e0, 2 * (s % 4), 3);
   } else if constexpr (Q == QuantType::kQ3_K) {
     const __m512i low = field16(sb + 32 + 32 * (s / 4) + e0, 2 * (s % 4), 3);
-    const __m512i high = _mm512_slli_epi32(field16(sb + e0, s, 1), 2);
-    return _mm512_sub_epi32(_mm512_add_epi32(low, high), _mm512_set1_epi32(4));
+    return _mm512_mask_sub_epi32(low, _knot_mask16(bit16(sb + e0, s)), low, _mm512_set1_epi32(4));  // clear: -4
   } else if constexpr (Q == QuantType::kQ4_K) {
     return field16(sb + 16 + 32 * (s / 2) + e0, 4 * (s % 2), 15);
   } else if constexpr (Q == QuantType::kQ5_K) {
-    const __m512i high = _mm512_slli_epi32(field16(sb + 16 + e0, s, 1), 4);
-    return _mm512_or_si512(field16(sb + 48 + 32 * (s / 2) + e0, 4 * (s % 2), 15), high);
+    const __m512i low = field16(sb + 48 + 32 * (s / 2) + e0, 4 * (s % 2), 15);
+    return _mm512_mask_add_epi32(low, bit16(sb + 16 + e0, s), low, _mm512_set1_epi32(16));
   } else {
     const __m512i low = field16(sb + 64 * (s / 4) + 32 * (s % 2) + e0, 4 * ((s / 2) % 2), 15);
     const __m512i high = _mm512_slli_epi32(field16(sb + 128 + 32 * (s / 4) + e0, 2 * (s % 4), 3), 4);
@@ -399,16 +404,13 @@ SPECDEC_QAVX512 inline void block_avx512(const uint8_t* blk, __m512* w) {
     const uint8_t* qs = blk + 2 + (kMin ? 2 : 0) + (kFive ? 4 : 0);
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
     __m512i q[2] = {_mm512_and_si512(bytes, _mm512_set1_epi32(15)), _mm512_srli_epi32(bytes, 4)};
-    if constexpr (kFive) {
+    if constexpr (kFive) {  // qh's bits 16 i .. 16 i + 15 are half i's fifth bits: a mask register, no shifts
       uint32_t bits;
       std::memcpy(&bits, blk + 2 + (kMin ? 2 : 0), 4);
-      const __m512i qh = _mm512_set1_epi32(static_cast<int>(bits));
-      const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #pragma GCC unroll 2
       for (int i = 0; i < 2; ++i) {
-        const __m512i bit = _mm512_and_si512(_mm512_srlv_epi32(qh, _mm512_add_epi32(lane, _mm512_set1_epi32(16 * i))),
-                                             _mm512_set1_epi32(1));
-        q[i] = _mm512_or_si512(q[i], _mm512_slli_epi32(bit, 4));
+        const __mmask16 high = static_cast<__mmask16>(bits >> (16 * i));
+        q[i] = _mm512_mask_add_epi32(q[i], high, q[i], _mm512_set1_epi32(16));
       }
     }
     if constexpr (kMin) {

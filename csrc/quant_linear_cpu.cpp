@@ -13,9 +13,9 @@
 // model dequantized at load. A bfloat16 x is widened to float32 first and each output rounded once.
 //
 // Two ways to get there, chosen by M:
-// - *fused* (M <= 16): each block of a tile's weight rows is dequantized into registers once per 8 rows of x and
+// - *fused* (M <= 16): each sub-block of a tile's weight rows is dequantized into registers once per 8 rows of x and
 //   FMA'd against them, with the accumulators linear's tile would hold. Decoding streams the weights once per call at
-//   0.56-1.06 bytes per weight instead of bf16's 2: this path is the speed of the whole kernel.
+//   0.33-1.06 bytes per weight instead of bf16's 2: this path is the speed of the whole kernel.
 // - *panel* (larger M, and CPUs without AVX2 + F16C): 16 rows dequantized into an L2-resident float32 panel, then
 //   linear's own float32 kernel on it. The dequantization is paid once per weight whatever M is.
 #include <ATen/Parallel.h>
