@@ -60,6 +60,7 @@ template <QuantType Q>
 constexpr int scale_index(int s, int e) {
   return kPerSubBlock<Q> ? s : 2 * s + e / 16;
 }
+
 // The 32-weight types keep their scales in each block: nothing to decode ahead.
 struct NoScales {};
 template <QuantType Q>
