@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,7 +102,14 @@ def auto_dtype(device: str) -> str:
     pair, 2 threads: faster than float32, plain and speculative, because bf16 halves the bytes every step streams
     and target + draft then fit in the L3 cache; bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)"),
     float32 elsewhere. CUDA: bfloat16 where the GPU has it, float16 otherwise. Other devices (meta): float32. Greedy
-    tokens are those of the chosen dtype; pass ``dtype="float32"`` for float32's."""
+    tokens are those of the chosen dtype; pass ``dtype="float32"`` for float32's. ``$SPECDEC_AUTO_DTYPE`` (one of
+    ``DTYPES``), where set, is what "auto" means on every device: a process, or a test session, that must match
+    float32 references without naming the dtype in each call."""
+    chosen = os.environ.get("SPECDEC_AUTO_DTYPE")
+    if chosen:
+        if chosen not in DTYPES:
+            raise ValueError(f"SPECDEC_AUTO_DTYPE must be one of {list(DTYPES)}, got {chosen!r}")
+        return chosen
     kind = torch.device(device).type  # ("cuda:1" is a CUDA device too)
     if kind == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"

@@ -189,7 +189,7 @@ def tree_attention(
     if backend == "native":
         return _native_tree_attention(q, k_cache, v_cache, plan, scale)
     return _tree_attention_triton(
-        q, k_cache, v_cache, plan.seqlens, plan.tree_keys, plan.tree_lens, plan.tile_shared, plan.tile_lens,
+        q, k_cache, v_cache, plan.cache_seqlens, plan.tree_keys, plan.tree_lens, plan.tile_shared, plan.tile_lens,
         plan.block_table, scale, 0,
     )  # fmt: skip
 

@@ -94,15 +94,14 @@ def _native_plan(
     block_table: torch.Tensor | None,
     group: int,
     ragged: str = "auto",
+    max_batched_elements: int = BATCH_RAGGED_ELEMENTS,
 ) -> TreeAttentionPlan:
     """Equal lengths: one batched SDPA call over ``L + T`` keys. Ragged lengths: one batched call over
     ``max(L_b) + T`` keys (the slots past each row's ``L_b + T`` masked), or one call per sequence over its own
     keys. The batched call wastes work on padding and the loop pays a call per sequence, so ``ragged="auto"``
-    batches while the padded K is small (``BATCH_RAGGED_ELEMENTS``); past that the gathered K/V leave the CPU
-    caches and the batched call loses even when nearly full. Measured on this 2-core machine, 1 thread, paged,
-    fp32 (batched vs looped, ms): Hq/Hkv=5/1 D=64 B=16 L_b in [100, 250) T=1: 0.5 vs 2.3; B=64 L_b in [10, 250)
-    T=5: 7.9 vs 10.8 (1.0e6 elements); Hq/Hkv=16/4 D=64 B=16 L_b in [200, 500) T=4: 5.9 vs 5.1 (2.1e6);
-    Hq/Hkv=32/8 D=128 B=32 L_b in [256, 512) T=1: 107 vs 25.
+    batches while the padded K holds at most ``max_batched_elements`` elements (B * (max L_b + T) * Hkv * D); past
+    that the gathered K/V leave the CPU caches and the batched call loses even when nearly full (the timings behind
+    ``BATCH_RAGGED_ELEMENTS``: bench/RESULTS-log.md, "Ragged batches in the native tree attention").
     """
     B, T = tree_mask.shape[:2]
     lengths = cache_seqlens.tolist()
@@ -110,7 +109,7 @@ def _native_plan(
     shape = tuple(k_cache.shape)
     equal = len(set(lengths)) <= 1
     if not equal and ragged == "auto":
-        ragged = "batched" if B * num_keys * shape[-2] * shape[-1] <= BATCH_RAGGED_ELEMENTS else "loop"
+        ragged = "batched" if B * num_keys * shape[-2] * shape[-1] <= max_batched_elements else "loop"
     if equal or ragged == "batched":
         calls = (_plan_call(shape, block_table, slice(0, B), cache_seqlens, tree_mask, group, num_keys, equal),)
     else:

@@ -257,7 +257,7 @@ class DevicePlan:
     length check. A forward's layers share one (``plan_tree_attention``), so each layer's call is one allocation
     and one kernel launch (two with flash-decoding splits); without a plan every call makes its own.
 
-    Shapes: seqlens ``[B]`` int32; tree_keys ``[B, T, T]`` int32 (row t: the nodes t sees, in node order, then
+    Shapes: cache_seqlens ``[B]`` int32; tree_keys ``[B, T, T]`` int32 (row t: the nodes t sees, in node order, then
     padding); tree_lens ``[B, T]`` int32 (how many it sees); tile_shared / tile_lens ``[B, tiles]`` int32 (whether
     a kernel tile's nodes each see the tree's first nodes in order, so that they walk one sequence together, and the
     longest of their sequences' tree parts; tiles of ``_tiling``'s nodes_per_tile); block_table ``[B, max_blocks]``
@@ -268,7 +268,7 @@ class DevicePlan:
     group: int  # query heads per KV head (the tiling depends on it)
     cache_shape: tuple[int, ...]  # the k_cache shape it was built for
     paged: bool
-    seqlens: torch.Tensor
+    cache_seqlens: torch.Tensor
     tree_keys: torch.Tensor
     tree_lens: torch.Tensor
     tile_shared: torch.Tensor
@@ -369,7 +369,7 @@ def _launch_tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor,
     tree_keys: torch.Tensor,
     tree_lens: torch.Tensor,
     tile_shared: torch.Tensor,
@@ -378,7 +378,7 @@ def _launch_tree_attention(
     softmax_scale: float,
     num_splits: int,
 ) -> torch.Tensor:
-    """seqlens ``[B]``, tree_keys ``[B, T, T]``, tree_lens ``[B, T]``, tile_shared / tile_lens ``[B, tiles]`` and
+    """cache_seqlens ``[B]``, tree_keys ``[B, T, T]``, tree_lens ``[B, T]``, tile_shared / tile_lens ``[B, tiles]`` and
     block_table ``[B, max_blocks]`` (or None), all int32, as a ``DevicePlan`` holds them."""
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -395,7 +395,7 @@ def _launch_tree_attention(
     if has_block_table:
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
-        block_table = seqlens  # unused: a valid pointer for the HAS_BLOCK_TABLE=False specialisation
+        block_table = cache_seqlens  # unused: a valid pointer for the HAS_BLOCK_TABLE=False specialisation
         capacity = k_cache.shape[1]
 
     block_m, block_n, block_d, num_warps, npt, row_blocks = _tiling(q.dtype, group, D)
@@ -410,11 +410,11 @@ def _launch_tree_attention(
         o_part = torch.empty((num_splits, B, T, Hq, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((num_splits, B, T, Hq), dtype=torch.float32, device=q.device)
     else:
-        o_part, lse = out.unsqueeze(0), seqlens  # lse unused without splits
+        o_part, lse = out.unsqueeze(0), cache_seqlens  # lse unused without splits
 
     grid = (num_tiles * row_blocks, B * Hkv, num_splits)
     _tree_attention_kernel[grid](
-        q, k_cache, v_cache, o_part, lse, seqlens, tree_keys, tree_lens, tile_shared, tile_lens, block_table,
+        q, k_cache, v_cache, o_part, lse, cache_seqlens, tree_keys, tree_lens, tile_shared, tile_lens, block_table,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -443,7 +443,7 @@ def _tree_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor,
     tree_keys: torch.Tensor,
     tree_lens: torch.Tensor,
     tile_shared: torch.Tensor,
@@ -455,12 +455,12 @@ def _tree_attention_triton(
     """The Triton path as a custom op, on a ``DevicePlan``'s tensors; ``num_splits <= 0`` lets the launcher choose
     (splits of SPLIT_LEN positions)."""
     return _launch_tree_attention(
-        q, k_cache, v_cache, seqlens, tree_keys, tree_lens, tile_shared, tile_lens, block_table, softmax_scale,
+        q, k_cache, v_cache, cache_seqlens, tree_keys, tree_lens, tile_shared, tile_lens, block_table, softmax_scale,
         num_splits,
     )  # fmt: skip
 
 
 @_tree_attention_triton.register_fake
-def _(q, k_cache, v_cache, seqlens, tree_keys, tree_lens, tile_shared, tile_lens, block_table, softmax_scale,
+def _(q, k_cache, v_cache, cache_seqlens, tree_keys, tree_lens, tile_shared, tile_lens, block_table, softmax_scale,
       num_splits):  # fmt: skip
     return torch.empty_like(q, memory_format=torch.contiguous_format)
