@@ -5,6 +5,7 @@ chosen type. No downloads."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -44,6 +45,28 @@ def gguf_name(hf: str) -> str:
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf's ``LlamaModel.permute``, written out here independently of the loader's inverse."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(cfg: dict, rope: dict) -> np.ndarray:
+    """convert_hf_to_gguf's ``rope_freqs.weight`` for Llama 3's RoPE scaling, [head_dim // 2] float32: 1 where the
+    wavelength is short, ``factor`` where it is long, the smoothed divisor between. (The converter reads
+    original_max_position_embeddings from the top level, defaulting to Llama 3's 8192; ours is rope's own, which HF
+    uses, so that a tiny test context means what it says.)"""
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def stored(w: np.ndarray, qtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
@@ -97,6 +120,9 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
         w.add_add_bos_token(tokenizer.get("add_bos", False))
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg, rope))
     for name, t in state.items():
         t = t.astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

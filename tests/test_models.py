@@ -46,9 +46,13 @@ def test_config_defaults_and_spellings():
     assert ModelConfig.from_dict(hf_config(model_type="qwen3")).qk_norm
 
 
-def test_a_sliding_window_caps_the_context():
-    cfg = ModelConfig.from_dict(hf_config(model_type="mistral", sliding_window=128))
-    assert cfg.max_position_embeddings == 128
+def test_a_sliding_window_caps_the_context(caplog):
+    """Windowed attention is not implemented: a window shorter than the context caps it, and a warning says so."""
+    with caplog.at_level("WARNING", logger="spec_engine.models"):
+        cfg = ModelConfig.from_dict(hf_config(model_type="mistral", sliding_window=128))
+    assert cfg.max_position_embeddings == cfg.sliding_window == 128
+    assert "window of 128 positions) is not implemented; the context is capped to 128" in caplog.text
+    assert ModelConfig.from_dict(hf_config(model_type="mistral", sliding_window=None)).max_position_embeddings == 256
     off = ModelConfig.from_dict(hf_config(model_type="qwen2", sliding_window=128, use_sliding_window=False))
     assert off.max_position_embeddings == 256
 

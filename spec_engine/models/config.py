@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+log = logging.getLogger("spec_engine.models")
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# A rope_type of ours, not HF's: the frequencies divided by per-dimension factors (``factors``, head_dim / 2 of them),
+# as llama.cpp's converter stores Llama 3's scaling (the ``rope_freqs.weight`` tensor of a GGUF file)
+FREQ_FACTORS = "freq_factors"
 
 
 @dataclass
@@ -30,6 +36,9 @@ class ModelConfig:
     rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    # the attention window that capped max_position_embeddings (windowed attention is not implemented: within the
+    # window it is full attention), None where none did
+    sliding_window: int | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
@@ -56,7 +65,9 @@ class ModelConfig:
             _positive_int(cfg, key, required=True)
         for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
             _positive_int(cfg, key)
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        # (Qwen's configs carry a window they do not use unless use_sliding_window says so; the others use theirs)
+        uses_window = cfg.get("use_sliding_window", model_type not in ("qwen2", "qwen3"))
+        sliding = cfg.get("sliding_window") if uses_window else None
         num_heads = cfg["num_attention_heads"]
         eos = token_ids(cfg.get("eos_token_id"), "eos_token_id")
         out = cls(
@@ -79,7 +90,10 @@ class ModelConfig:
         )
         if sliding is not None and sliding < out.max_position_embeddings:
             # Attention past the window would differ from HF; cap the context instead of silently diverging.
-            out.max_position_embeddings = int(sliding)
+            log.warning("%s: sliding-window attention (a window of %d positions) is not implemented; the context is "
+                        "capped to %d positions, within which it equals full attention (the model declares %d)",
+                        model_type, sliding, sliding, out.max_position_embeddings)  # fmt: skip
+            out.max_position_embeddings = out.sliding_window = int(sliding)
         if out.num_attention_heads % out.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         return out
@@ -132,9 +146,13 @@ def _rope_parameters(cfg: dict) -> dict:
         params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     llama3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    needs = {"default": (), "linear": ("factor",), "llama3": llama3}
+    needs = {"default": (), "linear": ("factor",), "llama3": llama3, FREQ_FACTORS: ()}
     if params["rope_type"] not in needs:
         raise ValueError(f"unsupported rope_type {params['rope_type']!r}; supported: default, linear, llama3")
+    if params["rope_type"] == FREQ_FACTORS:
+        factors = params.get("factors")
+        if not (isinstance(factors, list) and factors and all(isinstance(f, float) and f > 0 for f in factors)):
+            raise ValueError(f"rope_type {FREQ_FACTORS!r} needs a list of positive float factors, got {factors!r}")
     for key in ("rope_theta", *needs[params["rope_type"]]):
         value = params.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -143,8 +161,16 @@ def _rope_parameters(cfg: dict) -> dict:
 
 
 def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32 (as HF computes them), with linear or llama3 scaling."""
+    """Inverse frequencies [head_dim // 2] in float32 (as HF computes them), with linear or llama3 scaling, or divided
+    by a GGUF file's per-dimension factors (``FREQ_FACTORS``, as llama.cpp applies them)."""
     inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope["rope_type"] == FREQ_FACTORS:
+        factors = torch.tensor(rope["factors"], dtype=torch.float32)  # [head_dim // 2]
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"RoPE frequency factors: {factors.numel()} given, head_dim {head_dim} takes {head_dim // 2}"
+            )
+        return inv_freq / factors
     if rope["rope_type"] == "linear":
         return inv_freq / rope["factor"]
     if rope["rope_type"] == "llama3":

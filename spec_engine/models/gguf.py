@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spec_engine.models.config import ModelConfig
+from spec_engine.models.config import FREQ_FACTORS, ModelConfig
 from spec_kernels.types import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref
 
 log = logging.getLogger("spec_engine.models.gguf")
@@ -55,6 +55,7 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+ROPE_FREQS = "rope_freqs.weight"  # a config tensor (the RoPE frequencies' divisors), read into ModelConfig.rope
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
 
@@ -166,8 +167,6 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         raise ValueError(
             f"{f.path}: unsupported GGUF architecture {arch!r}; specdec reads {', '.join(GGUF_ARCHITECTURES)}"
         )
-    if "rope_freqs.weight" in f.tensors:
-        raise ValueError(f"{f.path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported")
 
     def key(name, default=None):
         return f.get(f"{arch}.{name}", default)
@@ -198,6 +197,11 @@ def _gguf_config(f: GGUFFile, arch: str, key, need) -> ModelConfig:
         rope = {**rope, "rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ValueError(f"{f.path}: unsupported RoPE scaling {scaling!r}; supported: none, linear")
+    if ROPE_FREQS in f.tensors:  # Llama 3's scaling, as the converter stores it: the frequencies' divisors
+        if rope["rope_type"] != "default":
+            raise ValueError(f"{f.path}: {ROPE_FREQS} together with {scaling} RoPE scaling is not supported")
+        factors = np.asarray(f.tensors[ROPE_FREQS].data, dtype=np.float32).reshape(-1)  # [head_dim // 2]
+        rope = {**rope, "rope_type": FREQ_FACTORS, "factors": [float(x) for x in factors]}
     eos = [f.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     hf = {
         "model_type": GGUF_ARCHITECTURES[arch][0],
@@ -271,6 +275,8 @@ def read_gguf_raw(path: str | Path) -> tuple[ModelConfig, dict[str, RawTensor]]:
     permute = GGUF_ARCHITECTURES[f.get("general.architecture")][1]
     out: dict[str, RawTensor] = {}
     for name, t in f.tensors.items():
+        if name == ROPE_FREQS:
+            continue
         hf = _hf_name(name)
         if hf is None:
             raise ValueError(f"{f.path}: unexpected tensor {name!r} for architecture {cfg.model_type}")

@@ -1,0 +1,131 @@
+"""Model families against HF transformers, from HF directories and from GGUF files written here as llama.cpp's
+converter writes them: float32 logits within a tight tolerance, greedy tokens equal to HF ``generate`` (stopping at
+the first near-tie, as tests/test_engine_greedy.py does), and speculative greedy output equal to plain decoding's.
+
+Each family is a small random-weight model built by transformers from a config given here (norm weights noised, so
+that a norm's offset or fold is tested too)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_files import write_gguf
+from tiny_models import make_model, make_noisy_copy
+
+from spec_engine import LLM, SamplingParams
+from spec_engine.models import load_model
+
+# family -> (tiny_models arch, config overrides, the GGUF architecture llama.cpp's converter writes)
+FAMILIES = {
+    "llama3": ("llama3_rope", {}, "llama"),
+    "mistral": ("mistral", {"sliding_window": 256}, "llama"),  # (the window caps the context: 256 of 512 positions)
+}
+# max |logit - HF's| in float32 (logits of a few units); measured ~1e-6, the bound leaves room for summation order
+LOGIT_TOL = 1e-4
+PROMPT = [5, 17, 3, 60, 42, 7, 5, 17, 3, 11, 2, 90]
+MAX_TOKENS = 20
+
+
+@functools.cache
+def _family_dirs(family: str, root: Path) -> tuple[Path, Path, Path]:
+    """(target HF directory, its GGUF file, a noisy copy to draft with)."""
+    arch, over, gguf_arch = FAMILIES[family]
+    target = make_model(root / family / "target", arch, logit_scale=4.0, norm_noise=0.2, **over)
+    draft = make_noisy_copy(target, root / family / "draft", noise=0.1)
+    return target, write_gguf(root / family / "target.gguf", target, "F32", arch=gguf_arch), draft
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return lambda family: _family_dirs(family, root)
+
+
+def hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def engine_logits(model, ids: list[int], split: int) -> torch.Tensor:
+    """Our logits [T, V] of ``ids`` through the engine's forward over a KV cache: a prefill of ``split`` tokens,
+    then one token at a time (the decode path reads the prefix from the cache)."""
+    cfg = model.config
+    model.fuse(max_positions=64)
+    kv = torch.zeros(cfg.num_hidden_layers, 2, 1, 64, cfg.num_key_value_heads, cfg.head_dim)
+    tokens = torch.tensor([ids])  # [1, T]
+    out = []
+    for start, end in [(0, split), *((t, t + 1) for t in range(split, len(ids)))]:
+        n = end - start
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None]  # [1, n, n]
+        hidden = model(tokens[:, start:end], torch.arange(start, end)[None], kv,
+                       torch.tensor([start], dtype=torch.int32), mask)  # fmt: skip
+        out.append(model.logits(hidden)[0])
+    return torch.cat(out)  # [T, V]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_match_transformers(family_dirs, family, source):
+    target, gguf_file, _ = family_dirs(family)
+    with torch.no_grad():
+        want = hf_model(target)(torch.tensor([PROMPT])).logits[0]  # [T, V]
+        ours = load_model(target if source == "hf" else gguf_file, dtype=torch.float32)
+        got = engine_logits(ours, PROMPT, split=7)
+    err = (got - want).abs().max().item()
+    assert err <= LOGIT_TOL, f"{family}/{source}: max |logit error| {err}"
+
+
+@functools.cache
+def hf_greedy(model_dir: Path, prompt: tuple[int, ...], n: int) -> tuple[list[int], int]:
+    """HF's greedy tokens and how many of them are trustworthy (top-2 margin >= 1e-3)."""
+    out = hf_model(model_dir).generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                       output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    for i, scores in enumerate(out.scores):
+        top2 = scores[0].float().topk(2).values
+        if top2[0] - top2[1] < 1e-3:
+            return tokens, i + 1  # the near-tie itself may go either way; everything after depends on it
+    return tokens, n
+
+
+SPECS = {"plain": None, "chain": {"method": "draft_model", "num_speculative_tokens": 3},
+         "tree": {"method": "draft_model", "num_speculative_tokens": 2, "tree": [2, 2]}}  # fmt: skip
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_matches_transformers_and_speculation_matches_plain(family_dirs, family, source):
+    target, gguf_file, draft = family_dirs(family)
+    model = target if source == "hf" else gguf_file
+    ref, trusted = hf_greedy(target, tuple(PROMPT), MAX_TOKENS)
+    assert trusted > MAX_TOKENS // 2, "too many near-ties: the check would be vacuous"
+    tokens = {}
+    for name, spec in SPECS.items():
+        spec = spec and dict(spec, model=str(draft))
+        llm = LLM(str(model), speculative_config=spec, dtype="float32", max_model_len=128)
+        out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)[0]
+        tokens[name] = out.outputs[0].token_ids
+        if spec is not None:
+            assert out.metrics["num_accepted"] > 0, f"{family}/{name}: speculation accepted nothing"
+    assert tokens["plain"][: trusted - 1] == ref[: trusted - 1], f"{family}/{source}: diverges from HF greedy"
+    assert tokens["chain"] == tokens["plain"] and tokens["tree"] == tokens["plain"]
+
+
+def test_llama3_gguf_scales_the_frequencies_as_hf_and_the_native_path_reads_them(family_dirs):
+    """The converter stores Llama 3's scaling as per-dimension divisors (rope_freqs.weight): they give HF's scaled
+    frequencies, and the native C++ layers (which read RoPE from the model's cos/sin table) get that table."""
+    from spec_engine.models import ModelConfig
+    from spec_engine.models.config import FREQ_FACTORS, rope_inv_freq
+
+    target, gguf_file, _ = family_dirs("llama3")
+    ours, hf = load_model(gguf_file).config, ModelConfig.from_dir(target)
+    assert ours.rope["rope_type"] == FREQ_FACTORS and hf.rope["rope_type"] == "llama3"
+    want = rope_inv_freq(hf.rope, hf.head_dim)  # [D/2]
+    assert not torch.equal(want, rope_inv_freq({**hf.rope, "rope_type": "default"}, hf.head_dim))  # scaling binds
+    torch.testing.assert_close(rope_inv_freq(ours.rope, ours.head_dim), want, rtol=1e-6, atol=0)
+    model = load_model(gguf_file).fuse(max_positions=64)
+    assert model.native is not None and model.native.rope_table is model.rope_table
