@@ -32,6 +32,8 @@ LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3's fused matrices
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 
 
@@ -107,6 +109,9 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
     if arch == "qwen3":  # its heads are not hidden / heads wide
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
+    if arch == "phi3":
+        w.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+        w.add_sliding_window(cfg.get("sliding_window") or 0)  # (0: none)
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer is not None:
         w.add_tokenizer_model("gpt2")

@@ -22,6 +22,7 @@ from spec_engine.models import load_model
 FAMILIES = {
     "llama3": ("llama3_rope", {}, "llama"),
     "mistral": ("mistral", {"sliding_window": 256}, "llama"),  # (the window caps the context: 256 of 512 positions)
+    "phi3": ("phi3", {"sliding_window": 300}, "phi3"),  # fused qkv_proj and gate_up_proj
 }
 # max |logit - HF's| in float32 (logits of a few units); measured ~1e-6, the bound leaves room for summation order
 LOGIT_TOL = 1e-4
@@ -129,3 +130,65 @@ def test_llama3_gguf_scales_the_frequencies_as_hf_and_the_native_path_reads_them
     torch.testing.assert_close(rope_inv_freq(ours.rope, ours.head_dim), want, rtol=1e-6, atol=0)
     model = load_model(gguf_file).fuse(max_positions=64)
     assert model.native is not None and model.native.rope_table is model.rope_table
+
+
+def test_phi3_quantized_blocks_split_as_stored(family_dirs, tmp_path):
+    """A Phi-3 file's fused q/k/v and gate/up blocks, kept quantized (quantization="gguf"), split by rows into the
+    same blocks: the quantized model's logits are the dequantized one's bit for bit (float32)."""
+    from spec_engine.models.gguf import read_gguf_raw
+    from spec_kernels.types import QuantizedWeight
+
+    target, _, _ = family_dirs("phi3")
+    path = write_gguf(tmp_path / "q8.gguf", target, "Q8_0", arch="phi3")
+    cfg, raw = read_gguf_raw(path)
+    q = raw["model.layers.0.self_attn.q_proj.weight"]
+    assert q.type_name == "Q8_0" and q.shape == (cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
+    quant, dense = load_model(path, quantization="gguf"), load_model(path)
+    quant.fuse(max_positions=64)
+    assert isinstance(quant.layer_weights[1], QuantizedWeight) and isinstance(quant.layer_weights[5], QuantizedWeight)
+    with torch.no_grad():
+        assert torch.equal(engine_logits(quant, PROMPT, split=7), engine_logits(dense, PROMPT, split=7))
+
+
+def _write_bare(path: Path, arch: str, extra_tensors=(), **meta) -> Path:
+    """A GGUF file of architecture ``arch`` with a few hyper-parameters and an embedding (no layers)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in dict(block_count=1, embedding_length=32, feed_forward_length=64, head_count=4, **meta).items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    for name in extra_tensors:
+        w.add_tensor(name, np.ones(4, np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+def test_what_is_not_taken_is_named(tmp_path):
+    """An architecture or model_type we do not take, and the Phi-3 variants we do not run, are ValueErrors that say
+    so (and, for the families, what we take)."""
+    from spec_engine.models import ModelConfig
+
+    with pytest.raises(ValueError, match=r"architecture 'falcon'.*llama, qwen2, qwen3, phi3"):
+        load_model(_write_bare(tmp_path / "falcon.gguf", "falcon"))
+    with pytest.raises(ValueError, match="LongRoPE"):
+        load_model(
+            _write_bare(tmp_path / "long.gguf", "phi3", ["rope_factors_long.weight", "rope_factors_short.weight"])
+        )
+    with pytest.raises(ValueError, match="partial rotary"):
+        load_model(_write_bare(tmp_path / "partial.gguf", "phi3", rope_dimension_count=4))
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    with pytest.raises(ValueError, match=r"model_type='gpt_neox'.*llama, mistral, qwen2, qwen3, phi3"):
+        ModelConfig.from_dict(dict(base, model_type="gpt_neox"))
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}
+    with pytest.raises(ValueError, match="unsupported rope_type 'longrope'; supported: default, linear, llama3"):
+        ModelConfig.from_dict(dict(base, model_type="phi3", rope_parameters=longrope))
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        ModelConfig.from_dict(
+            dict(base, model_type="phi3", rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5})
+        )
+    from spec_engine.models.sharded import shard_plan
+
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 runs llama, mistral, qwen2, qwen3.*'phi3'"):
+        shard_plan(ModelConfig.from_dict(dict(base, model_type="phi3")), 2, 0)

@@ -29,6 +29,7 @@ ARCHS = {
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     # a window longer than max_position_embeddings' 512 never binds; test_families sets a shorter one
     "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=4096),
+    "phi3": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=2, pad_token_id=None),
 }
 
 

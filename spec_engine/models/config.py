@@ -12,7 +12,7 @@ import torch
 
 log = logging.getLogger("spec_engine.models")
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # A rope_type of ours, not HF's: the frequencies divided by per-dimension factors (``factors``, head_dim / 2 of them),
 # as llama.cpp's converter stores Llama 3's scaling (the ``rope_freqs.weight`` tensor of a GGUF file)
 FREQ_FACTORS = "freq_factors"
@@ -61,6 +61,9 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act={cfg['hidden_act']!r}; only SwiGLU ('silu') models are supported")
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias (biases on the MLP's projections) is not supported")
+        partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial!r} (RoPE on part of each head) is not supported")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             _positive_int(cfg, key, required=True)
         for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):

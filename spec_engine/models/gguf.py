@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from spec_engine.models.config import ModelConfig
+from spec_engine.models.families import split_fused
 from spec_engine.models.gguf_arch import GGUF_ARCHITECTURES, ROPE_FREQS, gguf_config, hf_name
 from spec_kernels.types import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref
 
@@ -176,16 +177,16 @@ def read_gguf_raw(path: str | Path) -> tuple[ModelConfig, dict[str, RawTensor]]:
     """
     f = open_gguf(path)
     cfg = gguf_config(f)
-    permute = GGUF_ARCHITECTURES[f.get("general.architecture")][1]
+    arch = f.get("general.architecture")
     out: dict[str, RawTensor] = {}
     for name, t in f.tensors.items():
         if name == ROPE_FREQS:
             continue
-        hf = hf_name(name)
+        hf = hf_name(arch, name)
         if hf is None:
-            raise ValueError(f"{f.path}: unexpected tensor {name!r} for architecture {cfg.model_type}")
-        out[hf] = _raw(f, t, cfg, permute)
-    return cfg, out
+            raise ValueError(f"{f.path}: unexpected tensor {name!r} for architecture {arch}")
+        out[hf] = _raw(f, t, cfg, GGUF_ARCHITECTURES[arch].permuted_qk)
+    return cfg, split_fused(cfg, out)
 
 
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -3,20 +3,26 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from spec_engine.models.config import FREQ_FACTORS, ModelConfig
 
-if TYPE_CHECKING:
-    from spec_engine.models.gguf import GGUFFile
 
-# GGUF general.architecture -> (our model_type, whether llama.cpp permuted the Q/K rows when converting)
-GGUF_ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
+@dataclass(frozen=True)
+class GGUFArch:
+    """What a GGUF ``general.architecture`` means here: our ``model_type``; whether llama.cpp permuted the Q/K rows
+    when converting (its Llama RoPE rotates interleaved pairs); its per-layer tensor names that differ from
+    ``LAYER_NAMES``."""
+
+    model_type: str
+    permuted_qk: bool = False
+    layer_names: dict[str, str] = field(default_factory=dict)
+
 
 # llama.cpp's per-layer tensor names -> HF's (prefix "model.layers.N.")
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
@@ -32,13 +38,21 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Phi-3 keeps HF's fused q/k/v and gate/up matrices (split at load: spec_engine.models.families.split_fused)
+_PHI3_NAMES = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArch("llama", permuted_qk=True),
+    "qwen2": GGUFArch("qwen2"),
+    "qwen3": GGUFArch("qwen3"),
+    "phi3": GGUFArch("phi3", layer_names=_PHI3_NAMES),
+}
 ROPE_FREQS = "rope_freqs.weight"  # a config tensor (the RoPE frequencies' divisors), read into ModelConfig.rope
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
 
 
-def gguf_config(f: GGUFFile) -> ModelConfig:
-    """Our ``ModelConfig`` from the file's metadata; ValueError for an architecture we do not run."""
+def gguf_config(f) -> ModelConfig:
+    """Our ``ModelConfig`` from a parsed ``GGUFFile``'s metadata; ValueError for an architecture we do not run."""
     arch = f.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -60,7 +74,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         raise ValueError(e if str(f.path) in str(e) else f"{f.path}: {e}") from None
 
 
-def _gguf_config(f: GGUFFile, arch: str, key, need) -> ModelConfig:
+def _gguf_config(f, arch: str, key, need) -> ModelConfig:
     num_heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
     tokens = f.get("tokenizer.ggml.tokens")
@@ -81,7 +95,7 @@ def _gguf_config(f: GGUFFile, arch: str, key, need) -> ModelConfig:
         rope = {**rope, "rope_type": FREQ_FACTORS, "factors": [float(x) for x in factors]}
     eos = [f.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     hf = {
-        "model_type": GGUF_ARCHITECTURES[arch][0],
+        "model_type": GGUF_ARCHITECTURES[arch].model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
@@ -99,14 +113,30 @@ def _gguf_config(f: GGUFFile, arch: str, key, need) -> ModelConfig:
     }
     if arch == "qwen2":  # Qwen2 always has q/k/v biases; the config says so for ModelConfig's sake
         hf["attention_bias"] = True
+    if arch == "phi3":
+        _phi3_config(f, hf, key)
     return ModelConfig.from_dict(hf)
 
 
-def hf_name(name: str) -> str | None:
-    """The HF name of a llama.cpp tensor name, or None for a name we do not know."""
+def hf_name(arch: str, name: str) -> str | None:
+    """The HF name of architecture ``arch``'s llama.cpp tensor ``name``, or None for a name we do not know."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    layer_names = {**LAYER_NAMES, **GGUF_ARCHITECTURES[arch].layer_names}
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     return None
+
+
+def _phi3_config(f, hf: dict, key) -> None:
+    """Phi-3's window (0: none, as the converter writes it) into ``hf``; ValueError for its variants we do not run:
+    LongRoPE (the long / short factor tensors) and partial rotary dimensions."""
+    if "rope_factors_long.weight" in f.tensors:
+        raise ValueError(f"{f.path}: Phi-3's LongRoPE scaling (rope_factors_long / rope_factors_short) is not "
+                         "supported; supported: the default RoPE, linear scaling, Llama 3's")  # fmt: skip
+    full = hf["hidden_size"] // hf["num_attention_heads"]
+    if int(key("rope.dimension_count", full)) != full:
+        raise ValueError(f"{f.path}: partial rotary embeddings (rope.dimension_count < {full}) are not supported")
+    hf["sliding_window"] = int(key("attention.sliding_window", 0)) or None
+    hf.pop("use_sliding_window")

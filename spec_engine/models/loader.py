@@ -12,6 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from spec_engine.models.config import ModelConfig, rope_inv_freq
+from spec_engine.models.families import hf_state
 from spec_engine.models.llama import LlamaForCausalLM
 
 
@@ -65,7 +66,7 @@ def load_model(
             state.update(load_file(str(path)))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"corrupt weight file {path}: {e}") from e
-    return build_model(cfg, state, dtype=dtype, device=device, source=model_dir)
+    return build_model(cfg, hf_state(cfg, state), dtype=dtype, device=device, source=model_dir)
 
 
 def load_gguf_quantized(path: Path, *, dtype: torch.dtype, device: str) -> LlamaForCausalLM:

@@ -1,0 +1,59 @@
+"""What a model family's checkpoint holds beyond the Llama layout, turned into that layout at load.
+
+- **Fused matrices** (Phi-3, in its HF checkpoints and its GGUF files alike): q/k/v as one ``qkv_proj`` and gate/up
+  as one ``gate_up_proj``. They are split by rows into the separate HF names the model has; rows are independent, so
+  a quantized matrix splits into the blocks of its row ranges, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from spec_engine.models.config import ModelConfig
+
+# a fused matrix's HF suffix -> the suffixes of its parts, in row order
+FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def _part_rows(cfg: ModelConfig, fused: str) -> tuple[int, ...]:
+    if fused.startswith("self_attn"):
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        return cfg.num_attention_heads * cfg.head_dim, kv, kv
+    return cfg.intermediate_size, cfg.intermediate_size
+
+
+def _rows(t, start: int, stop: int):
+    """Rows ``start:stop`` of a tensor or of a GGUF ``RawTensor`` (whose ``data`` rows are its output rows, as
+    floats or as each row's blocks)."""
+    if isinstance(t, torch.Tensor):
+        return t[start:stop]
+    return dataclasses.replace(t, data=t.data[start:stop], shape=(stop - start, *t.shape[1:]))
+
+
+def split_fused(cfg: ModelConfig, state: dict) -> dict:
+    """``state`` (HF name -> tensor or ``RawTensor``) with every fused matrix replaced by its parts; ValueError for
+    a fused matrix whose rows do not add up to its parts'."""
+    out = {}
+    for name, t in state.items():
+        suffix = next((s for s in FUSED if name.endswith(s)), None)
+        if suffix is None:
+            out[name] = t
+            continue
+        sizes = _part_rows(cfg, suffix)
+        if t.shape[0] != sum(sizes):
+            raise ValueError(f"{name} has {t.shape[0]} rows; its parts {FUSED[suffix]} take {sum(sizes)}")
+        prefix, start = name.removesuffix(suffix), 0
+        for part, n in zip(FUSED[suffix], sizes):
+            out[prefix + part] = _rows(t, start, start + n)
+            start += n
+    return out
+
+
+def hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An HF checkpoint's tensors in the layout our model holds (see the module docstring)."""
+    return split_fused(cfg, state)
