@@ -37,11 +37,21 @@ LAYER_NAMES = {
 }
 
 
-def gguf_name(hf: str) -> str:
+# Gemma 2 / 3: the norm after attention, and the MLP's input and output norms
+GEMMA_LAYER_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+GEMMA_ARCHS = ("gemma2", "gemma3")
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in GGUF_NAMES:
         return GGUF_NAMES[hf]
     _, _, i, rest = hf.split(".", 3)
-    return f"blk.{i}.{LAYER_NAMES[rest]}"
+    names = {**LAYER_NAMES, **(GEMMA_LAYER_NAMES if arch in GEMMA_ARCHS else {})}
+    return f"blk.{i}.{names[rest]}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -103,12 +113,21 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
+    params = cfg.get("rope_parameters") or {}
+    params = params.get("full_attention", params)  # (Gemma 3's are per layer type: the global layers' base)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or params.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     if arch == "qwen3":  # its heads are not hidden / heads wide
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
+    if arch in GEMMA_ARCHS:  # (llama.cpp fixes which layers slide, the local base and the query scale)
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_sliding_window(cfg["sliding_window"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key) is not None:
+                getattr(w, f"add_{key}")(cfg[key])
     if arch == "phi3":
         w.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
         w.add_sliding_window(cfg.get("sliding_window") or 0)  # (0: none)
@@ -132,9 +151,11 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
         t = t.astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = llama_cpp_permute(t, heads if "q_proj" in name else kv_heads)
+        if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+            t = t + np.float32(1.0)  # the converter stores Gemma's norm multipliers 1 + w
         kind = (type_of or {}).get(name, qtype) if t.ndim == 2 else "F32"
         data, raw = stored(t, kind)
-        w.add_tensor(gguf_name(name), data, raw_dtype=raw)
+        w.add_tensor(gguf_name(name, arch), data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

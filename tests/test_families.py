@@ -17,12 +17,15 @@ from tiny_models import make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
 from spec_engine.models import load_model
+from spec_engine.step import REGULAR
 
 # family -> (tiny_models arch, config overrides, the GGUF architecture llama.cpp's converter writes)
 FAMILIES = {
     "llama3": ("llama3_rope", {}, "llama"),
     "mistral": ("mistral", {"sliding_window": 256}, "llama"),  # (the window caps the context: 256 of 512 positions)
     "phi3": ("phi3", {"sliding_window": 300}, "phi3"),  # fused qkv_proj and gate_up_proj
+    "gemma2": ("gemma2", {}, "gemma2"),  # [sliding, full] layers, a window of 8 positions, soft-capping
+    "gemma3": ("gemma3", {"layers": 6}, "gemma3"),  # 5 sliding layers (local RoPE base), then a global one
 }
 # max |logit - HF's| in float32 (logits of a few units); measured ~1e-6, the bound leaves room for summation order
 LOGIT_TOL = 1e-4
@@ -104,7 +107,7 @@ def test_greedy_matches_transformers_and_speculation_matches_plain(family_dirs, 
     model = target if source == "hf" else gguf_file
     ref, trusted = hf_greedy(target, tuple(PROMPT), MAX_TOKENS)
     assert trusted > MAX_TOKENS // 2, "too many near-ties: the check would be vacuous"
-    tokens = {}
+    tokens, paths = {}, set()
     for name, spec in SPECS.items():
         spec = spec and dict(spec, model=str(draft))
         llm = LLM(str(model), speculative_config=spec, dtype="float32", max_model_len=128)
@@ -112,6 +115,15 @@ def test_greedy_matches_transformers_and_speculation_matches_plain(family_dirs, 
         tokens[name] = out.outputs[0].token_ids
         if spec is not None:
             assert out.metrics["num_accepted"] > 0, f"{family}/{name}: speculation accepted nothing"
+        paths |= {(p.path, p.native_verify) for p in llm.engine.plan_history}
+        runner = llm.engine.runner
+        native = (runner.native_target, runner.native_draft, runner.native_tree)
+        # Gemma's layer is not the native layers': the planner never picks a native path for it
+        assert all(n is None for n in native) if llm.target.config.is_gemma else runner.native_target is not None
+    if family.startswith("gemma"):
+        assert paths == {(REGULAR, False)}, paths
+    else:
+        assert any(path != REGULAR or verify for path, verify in paths), paths  # the native paths ran
     assert tokens["plain"][: trusted - 1] == ref[: trusted - 1], f"{family}/{source}: diverges from HF greedy"
     assert tokens["chain"] == tokens["plain"] and tokens["tree"] == tokens["plain"]
 
@@ -132,14 +144,16 @@ def test_llama3_gguf_scales_the_frequencies_as_hf_and_the_native_path_reads_them
     assert model.native is not None and model.native.rope_table is model.rope_table
 
 
-def test_phi3_quantized_blocks_split_as_stored(family_dirs, tmp_path):
-    """A Phi-3 file's fused q/k/v and gate/up blocks, kept quantized (quantization="gguf"), split by rows into the
-    same blocks: the quantized model's logits are the dequantized one's bit for bit (float32)."""
+@pytest.mark.parametrize("family", ["phi3", "gemma2"])
+def test_quantized_blocks_kept(family_dirs, tmp_path, family):
+    """quantization="gguf" keeps the file's blocks: Phi-3's fused q/k/v and gate/up split by rows into the same
+    blocks, its quantized model's logits the dequantized one's bit for bit (float32, the native layers); Gemma's
+    Python layers multiply the blocks through ``linear`` (to float32 rounding) and keep its norms in float32."""
     from spec_engine.models.gguf import read_gguf_raw
     from spec_kernels.types import QuantizedWeight
 
-    target, _, _ = family_dirs("phi3")
-    path = write_gguf(tmp_path / "q8.gguf", target, "Q8_0", arch="phi3")
+    target, _, _ = family_dirs(family)
+    path = write_gguf(tmp_path / "q8.gguf", target, "Q8_0", arch=FAMILIES[family][2])
     cfg, raw = read_gguf_raw(path)
     q = raw["model.layers.0.self_attn.q_proj.weight"]
     assert q.type_name == "Q8_0" and q.shape == (cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
@@ -147,7 +161,13 @@ def test_phi3_quantized_blocks_split_as_stored(family_dirs, tmp_path):
     quant.fuse(max_positions=64)
     assert isinstance(quant.layer_weights[1], QuantizedWeight) and isinstance(quant.layer_weights[5], QuantizedWeight)
     with torch.no_grad():
-        assert torch.equal(engine_logits(quant, PROMPT, split=7), engine_logits(dense, PROMPT, split=7))
+        got, want = engine_logits(quant, PROMPT, split=7), engine_logits(dense, PROMPT, split=7)
+    if family == "phi3":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        half = load_model(path, quantization="gguf", dtype=torch.bfloat16)
+        assert half.model.norm.weight.dtype == torch.float32 and half.lm_head.weight.dtype == torch.bfloat16
 
 
 def _write_bare(path: Path, arch: str, extra_tensors=(), **meta) -> Path:
@@ -188,7 +208,50 @@ def test_what_is_not_taken_is_named(tmp_path):
         ModelConfig.from_dict(
             dict(base, model_type="phi3", rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5})
         )
+    gemma = dict(base, model_type="gemma2", sliding_window=8)
+    with pytest.raises(ValueError, match="hidden_act='silu' for gemma2"):
+        ModelConfig.from_dict(dict(gemma, hidden_activation="silu"))
+    with pytest.raises(ValueError, match="layer_types must list"):
+        ModelConfig.from_dict(dict(gemma, layer_types=["full_attention", "global"]))
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_dict(dict(gemma, model_type="gemma3_text", use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match=r"model_type='gemma3'.*gemma2, gemma3_text"):  # (the multimodal wrapper)
+        ModelConfig.from_dict(dict(gemma, model_type="gemma3"))
     from spec_engine.models.sharded import shard_plan
 
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 runs llama, mistral, qwen2, qwen3.*'phi3'"):
         shard_plan(ModelConfig.from_dict(dict(base, model_type="phi3")), 2, 0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_speculation_equals_plain_decoding_in_bfloat16(family_dirs, family):
+    """The engine's contract in a 16-bit dtype, where only batch-invariant kernels keep it (Gemma's regular steps
+    attend through tree_attention's native path, which reduces 16-bit inputs in float64)."""
+    target, _, draft = family_dirs(family)
+    prompts = [{"prompt_token_ids": p} for p in (PROMPT, [1, 2, 3, 4, 1, 2], [77])]
+    specs = [None, {"method": "ngram", "num_speculative_tokens": 4}, *(dict(s, model=str(draft)) for s in
+             (SPECS["chain"], SPECS["tree"]))]  # fmt: skip
+    tokens = []
+    for spec in specs:
+        llm = LLM(str(target), speculative_config=spec, dtype="bfloat16", max_model_len=128)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=32), use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+    assert all(t == tokens[0] for t in tokens[1:]), family
+
+
+def test_gemma_holds_its_norms_folded_in_float32(family_dirs, tmp_path):
+    """Gemma's norms hold 1 + w in float32, whatever the run dtype (HF adds the 1 in float32: the fold is exact),
+    from an HF directory (folded at load) and a GGUF file (folded by the converter) alike; saving refuses."""
+    from safetensors.torch import load_file
+
+    from spec_engine.models import save_model
+
+    target, gguf_file, _ = family_dirs("gemma3")
+    w = load_file(str(target / "model.safetensors"))["model.layers.0.self_attn.q_norm.weight"]
+    for source in (target, gguf_file):
+        model = load_model(source, dtype=torch.bfloat16)
+        held = model.model.layers[0].self_attn.q_norm.weight
+        assert held.dtype == torch.float32 and torch.equal(held, w.float() + 1.0)
+        assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="folded"):
+        save_model(model, {}, tmp_path / "out")

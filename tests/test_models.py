@@ -62,7 +62,7 @@ def test_a_sliding_window_caps_the_context(caplog):
     [
         ({"model_type": "gpt2"}, "unsupported architecture"),
         ({"model_type": None}, "unsupported architecture"),
-        ({"hidden_act": "gelu"}, "only SwiGLU"),
+        ({"hidden_act": "gelu"}, "unsupported hidden_act='gelu' for llama; SwiGLU"),
         ({"num_key_value_heads": 4}, "multiple of num_key_value_heads"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_type 'yarn'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs a positive low_freq_factor"),

@@ -30,6 +30,26 @@ ARCHS = {
     # a window longer than max_position_embeddings' 512 never binds; test_families sets a shorter one
     "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=4096),
     "phi3": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=2, pad_token_id=None),
+    # small caps and window, so that they bind on a tiny random model; query_pre_attn_scalar = head_dim, as llama.cpp
+    # assumes for any Gemma but the 27B ones
+    "gemma2": dict(
+        model_type="gemma2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=0.5,
+        final_logit_softcapping=5.0,
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+    ),
 }
 
 

@@ -12,7 +12,11 @@ import torch
 
 log = logging.getLogger("spec_engine.models")
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# Gemma 2 and Gemma 3's text model: the Llama layer plus norms after attention and after the MLP, (1 + w) norms,
+# scaled embeddings, GELU-tanh, soft-capping, sliding-window layers (spec_engine.models.gemma)
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_TYPES)
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 # A rope_type of ours, not HF's: the frequencies divided by per-dimension factors (``factors``, head_dim / 2 of them),
 # as llama.cpp's converter stores Llama 3's scaling (the ``rope_freqs.weight`` tensor of a GGUF file)
 FREQ_FACTORS = "freq_factors"
@@ -36,9 +40,22 @@ class ModelConfig:
     rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
-    # the attention window that capped max_position_embeddings (windowed attention is not implemented: within the
-    # window it is full attention), None where none did
+    # HF's sliding_window: the attention window of the layers ``layer_types`` marks SLIDING. Where layer_types is None
+    # (the Llama layout, whose native layers attend without a window) it capped max_position_embeddings instead,
+    # within which windowed attention is full attention
     sliding_window: int | None = None
+    # Gemma (GEMMA_TYPES) alone: each layer's SLIDING or FULL; the SLIDING layers' RoPE (Gemma 3's local base);
+    # the MLP's activation; q scaled by query_pre_attn_scalar ** -0.5; soft-capped attention scores and logits
+    layer_types: list[str] | None = None
+    rope_local: dict | None = None
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.model_type in GEMMA_TYPES
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
@@ -57,8 +74,11 @@ class ModelConfig:
         if model_type not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(SUPPORTED_ARCHITECTURES)
             raise ValueError(f"unsupported architecture model_type={model_type!r}; specdec supports {supported}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act={cfg['hidden_act']!r}; only SwiGLU ('silu') models are supported")
+        gemma = model_type in GEMMA_TYPES
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise ValueError(f"unsupported hidden_act={act!r} for {model_type}; SwiGLU ('silu') models are supported, "
+                             "and Gemma's GELU-tanh ('gelu_pytorch_tanh')")  # fmt: skip
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias (biases on the MLP's projections) is not supported")
         partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
@@ -71,6 +91,8 @@ class ModelConfig:
         # (Qwen's configs carry a window they do not use unless use_sliding_window says so; the others use theirs)
         uses_window = cfg.get("use_sliding_window", model_type not in ("qwen2", "qwen3"))
         sliding = cfg.get("sliding_window") if uses_window else None
+        if sliding is not None:
+            _positive_int(cfg, "sliding_window")
         num_heads = cfg["num_attention_heads"]
         eos = token_ids(cfg.get("eos_token_id"), "eos_token_id")
         out = cls(
@@ -84,14 +106,17 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             rope=_rope_parameters(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
+            hidden_act=act,
         )
-        if sliding is not None and sliding < out.max_position_embeddings:
+        if gemma:
+            _gemma_fields(out, cfg, sliding)
+        elif sliding is not None and sliding < out.max_position_embeddings:
             # Attention past the window would differ from HF; cap the context instead of silently diverging.
             log.warning("%s: sliding-window attention (a window of %d positions) is not implemented; the context is "
                         "capped to %d positions, within which it equals full attention (the model declares %d)",
@@ -127,6 +152,37 @@ class ModelConfig:
         return out
 
 
+def _gemma_fields(out: ModelConfig, cfg: dict, sliding: int | None) -> None:
+    """Gemma's fields of ``out`` from its HF config ``cfg`` (see ``ModelConfig``): the layer types (HF's default
+    pattern where the config lists none: every 2nd layer full in Gemma 2, every 6th in Gemma 3), the local RoPE
+    (transformers 5's per-layer-type rope_parameters, or rope_local_base_freq), the scalars."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (Gemma 3's encoder variant) is not supported")
+    n = out.num_hidden_layers
+    pattern = (
+        2 if out.model_type == "gemma2" else cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern", 6)
+    )
+    types = cfg.get("layer_types") or [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
+    if len(types) != n or not set(types) <= {SLIDING, FULL}:
+        raise ValueError(f"layer_types must list {SLIDING!r} or {FULL!r} for each of the {n} layers, got {types!r}")
+    if SLIDING in types and sliding is None:
+        raise ValueError(f"layer_types has {SLIDING!r} layers but sliding_window is not set")
+    out.layer_types, out.sliding_window = list(types), sliding
+    params = cfg.get("rope_parameters") or {}
+    if SLIDING in params:
+        out.rope_local = _rope_parameters({"rope_parameters": params[SLIDING]})
+    elif out.model_type == "gemma3_text":
+        out.rope_local = {"rope_type": "default", "rope_theta": float(cfg.get("rope_local_base_freq", 10000.0))}
+    else:
+        out.rope_local = out.rope
+    out.query_pre_attn_scalar = float(cfg.get("query_pre_attn_scalar") or out.head_dim)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"{key} must be a positive number or null, got {value!r}")
+        setattr(out, key, None if value is None else float(value))
+
+
 def token_ids(value, name: str) -> list[int]:
     """A config's token id field (one id, a list, or null) as a list; ValueError for anything else."""
     ids = [] if value is None else [value] if isinstance(value, int) else value
@@ -144,6 +200,8 @@ def _positive_int(cfg: dict, key: str, required: bool = False) -> None:
 def _rope_parameters(cfg: dict) -> dict:
     """Normalise the two HF spellings: ``rope_parameters`` (transformers 5) and ``rope_theta`` + ``rope_scaling``."""
     params = dict(cfg.get("rope_parameters") or {})
+    if FULL in params:  # per layer type (transformers 5's Gemma 3): the full-attention layers' (_gemma_fields)
+        params = dict(params[FULL])
     if not params:
         params = dict(cfg.get("rope_scaling") or {})
         params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))

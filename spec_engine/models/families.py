@@ -1,8 +1,10 @@
-"""What a model family's checkpoint holds beyond the Llama layout, turned into that layout at load.
+"""Each model family's class, and what its checkpoint holds beyond our model's layout, turned into it at load.
 
 - **Fused matrices** (Phi-3, in its HF checkpoints and its GGUF files alike): q/k/v as one ``qkv_proj`` and gate/up
   as one ``gate_up_proj``. They are split by rows into the separate HF names the model has; rows are independent, so
   a quantized matrix splits into the blocks of its row ranges, bit for bit.
+- **Gemma's norms** hold ``w`` in HF checkpoints and ``1 + w`` in llama.cpp's files (its converter adds the 1); the
+  model holds ``1 + w`` in float32 (``spec_engine.models.gemma``), so an HF checkpoint's are folded here.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import dataclasses
 import torch
 
 from spec_engine.models.config import ModelConfig
+from spec_engine.models.gemma import GemmaForCausalLM
+from spec_engine.models.llama import LlamaForCausalLM
 
 # a fused matrix's HF suffix -> the suffixes of its parts, in row order
 FUSED = {
@@ -54,6 +58,20 @@ def split_fused(cfg: ModelConfig, state: dict) -> dict:
     return out
 
 
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
+    """The module class of ``cfg``'s family."""
+    return GemmaForCausalLM if cfg.is_gemma else LlamaForCausalLM
+
+
+def weight_dtype(cfg: ModelConfig, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype our model holds checkpoint tensor ``name`` in when it runs in ``dtype``: float32 for Gemma's norms
+    (their ``1 + w`` would round in 16 bits), else ``dtype``."""
+    return torch.float32 if cfg.is_gemma and name.endswith("norm.weight") else dtype
+
+
 def hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """An HF checkpoint's tensors in the layout our model holds (see the module docstring)."""
-    return split_fused(cfg, state)
+    state = split_fused(cfg, state)
+    if cfg.is_gemma:  # in float32, as HF's own (1.0 + self.weight.float())
+        state = {n: t.float() + 1.0 if n.endswith("norm.weight") else t for n, t in state.items()}
+    return state

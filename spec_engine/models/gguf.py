@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from spec_engine.models.config import ModelConfig
-from spec_engine.models.families import split_fused
+from spec_engine.models.families import split_fused, weight_dtype
 from spec_engine.models.gguf_arch import GGUF_ARCHITECTURES, ROPE_FREQS, gguf_config, hf_name
 from spec_kernels.types import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref
 
@@ -192,7 +192,7 @@ def read_gguf_raw(path: str | Path) -> tuple[ModelConfig, dict[str, RawTensor]]:
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and the HF state dict of a GGUF checkpoint, every tensor dequantized to ``dtype``."""
     cfg, raw = read_gguf_raw(path)
-    return cfg, {name: r.dequantize(dtype) for name, r in raw.items()}
+    return cfg, {name: r.dequantize(weight_dtype(cfg, name, dtype)) for name, r in raw.items()}
 
 
 # --- the tokenizer ------------------------------------------------------------------------------------------------

@@ -40,12 +40,25 @@ LAYER_NAMES = {
 }
 # Phi-3 keeps HF's fused q/k/v and gate/up matrices (split at load: spec_engine.models.families.split_fused)
 _PHI3_NAMES = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# Gemma's norm after attention, before and after the MLP (its ffn_norm is the MLP's input norm, as in Llama)
+_GEMMA_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 GGUF_ARCHITECTURES = {
     "llama": GGUFArch("llama", permuted_qk=True),
     "qwen2": GGUFArch("qwen2"),
     "qwen3": GGUFArch("qwen3"),
     "phi3": GGUFArch("phi3", layer_names=_PHI3_NAMES),
+    "gemma2": GGUFArch("gemma2", layer_names=_GEMMA_NAMES),
+    "gemma3": GGUFArch("gemma3_text", layer_names=_GEMMA_NAMES),
 }
+# llama.cpp's fixed Gemma facts, which the converter does not write: every n-th layer attends globally (n = 2, 6),
+# Gemma 3's local layers rotate with base 10000 (unless the file says), and the 27B models (46, 62 layers) scale
+# queries by (hidden / heads) ** -0.5 rather than head_dim ** -0.5
+_GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 ROPE_FREQS = "rope_freqs.weight"  # a config tensor (the RoPE frequencies' divisors), read into ModelConfig.rope
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
@@ -115,6 +128,8 @@ def _gguf_config(f, arch: str, key, need) -> ModelConfig:
         hf["attention_bias"] = True
     if arch == "phi3":
         _phi3_config(f, hf, key)
+    if arch in _GEMMA_FULL_EVERY:
+        _gemma_config(arch, hf, key)
     return ModelConfig.from_dict(hf)
 
 
@@ -140,3 +155,22 @@ def _phi3_config(f, hf: dict, key) -> None:
         raise ValueError(f"{f.path}: partial rotary embeddings (rope.dimension_count < {full}) are not supported")
     hf["sliding_window"] = int(key("attention.sliding_window", 0)) or None
     hf.pop("use_sliding_window")
+
+
+def _gemma_config(arch: str, hf: dict, key) -> None:
+    """Gemma 2 / 3's fields into ``hf`` (an HF config dict), as llama.cpp reads the file (``_GEMMA_FULL_EVERY``)."""
+    n = hf["num_hidden_layers"]
+    every = int(key("attention.sliding_window_pattern", _GEMMA_FULL_EVERY[arch]))
+    window = key("attention.sliding_window")
+    hf.pop("use_sliding_window")
+    hf["sliding_window"] = None if window is None else int(window)
+    hf["layer_types"] = ["full_attention" if window is None or (i + 1) % every == 0 else "sliding_attention"
+                         for i in range(n)]  # fmt: skip
+    wide = n == _GEMMA_27B_LAYERS[arch]
+    scale = hf["hidden_size"] // hf["num_attention_heads"] if wide else hf["head_dim"]
+    hf["query_pre_attn_scalar"] = float(scale)
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = key(name)
+        hf[name] = None if value is None else float(value)
+    if arch == "gemma3":
+        hf["rope_local_base_freq"] = float(key("rope.freq_base_swa", 10000.0))
