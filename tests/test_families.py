@@ -255,3 +255,26 @@ def test_gemma_holds_its_norms_folded_in_float32(family_dirs, tmp_path):
         assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="folded"):
         save_model(model, {}, tmp_path / "out")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_steps_are_device_true(family_dirs, family, monkeypatch):
+    """Gemma's Python steps on the simulated GPU (every model tensor on meta; see tests/test_simulated_cuda.py): a
+    prefill and speculative tree steps run with the step's one device read and nothing on the host."""
+    from test_simulated_cuda import PlantedReads
+
+    from spec_engine.engine import Engine
+    from spec_engine.runner import StepRunner
+
+    target, _, draft = family_dirs(family)
+    spec = dict(SPECS["tree"], model=str(draft))
+    llm = LLM(str(target), speculative_config=spec, device="meta", max_model_len=64, prefill_chunk=8)
+    reads = PlantedReads(llm.engine.gamma + 1)
+    monkeypatch.setattr(StepRunner, "_read_step", staticmethod(reads))
+    monkeypatch.setattr(Engine, "_fail", lambda self, req, error: (_ for _ in ()).throw(error))  # no isolation
+    reqs = [llm.engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in (PROMPT, [3])]
+    while llm.engine.has_unfinished():
+        before = reads.calls
+        llm.engine.step()
+        assert reads.calls - before <= 1
+    assert all(r.finish_reason == "length" for r in reqs) and reads.calls > 0
