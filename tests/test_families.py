@@ -215,7 +215,7 @@ def test_what_is_not_taken_is_named(tmp_path):
         ModelConfig.from_dict(dict(gemma, layer_types=["full_attention", "global"]))
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         ModelConfig.from_dict(dict(gemma, model_type="gemma3_text", use_bidirectional_attention=True))
-    with pytest.raises(ValueError, match=r"model_type='gemma3'.*gemma2, gemma3_text"):  # (the multimodal wrapper)
+    with pytest.raises(ValueError, match="gemma3 .image-text. config.json needs its text_config"):
         ModelConfig.from_dict(dict(gemma, model_type="gemma3"))
     from spec_engine.models.sharded import shard_plan
 
@@ -278,3 +278,36 @@ def test_gemma_steps_are_device_true(family_dirs, family, monkeypatch):
         llm.engine.step()
         assert reads.calls - before <= 1
     assert all(r.finish_reason == "length" for r in reqs) and reads.calls > 0
+
+
+def test_gemma3_image_text_checkpoint_runs_its_text_model(tmp_path):
+    """Gemma 3's image-text checkpoints (model_type gemma3, the text model under language_model.): our model is its
+    text model, whose logits on a text prompt are HF's (the vision tower is not read)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=100, sliding_window=8, query_pre_attn_scalar=16,
+                layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    hf = Gemma3ForConditionalGeneration(
+        Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            image_token_index=99,
+            boi_token_index=97,
+            eoi_token_index=98,
+        )
+    )
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2 if p.dim() == 1 else 0.08)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    assert ours.config.model_type == "gemma3_text" and ours.config.layer_types == text["layer_types"]
+    with torch.no_grad():
+        want = hf.eval()(torch.tensor([PROMPT])).logits[0]  # [T, V]
+        got = engine_logits(ours, PROMPT, split=7)
+    assert (got - want).abs().max().item() <= LOGIT_TOL

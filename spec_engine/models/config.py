@@ -15,7 +15,9 @@ log = logging.getLogger("spec_engine.models")
 # Gemma 2 and Gemma 3's text model: the Llama layer plus norms after attention and after the MLP, (1 + w) norms,
 # scaled embeddings, GELU-tanh, soft-capping, sliding-window layers (spec_engine.models.gemma)
 GEMMA_TYPES = ("gemma2", "gemma3_text")
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_TYPES)
+# Gemma 3's image-text checkpoints (Gemma3ForConditionalGeneration): their text model is read, the vision tower left
+GEMMA3_MULTIMODAL = "gemma3"
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_TYPES, GEMMA3_MULTIMODAL)
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 # A rope_type of ours, not HF's: the frequencies divided by per-dimension factors (``factors``, head_dim / 2 of them),
 # as llama.cpp's converter stores Llama 3's scaling (the ``rope_freqs.weight`` tensor of a GGUF file)
@@ -74,6 +76,12 @@ class ModelConfig:
         if model_type not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(SUPPORTED_ARCHITECTURES)
             raise ValueError(f"unsupported architecture model_type={model_type!r}; specdec supports {supported}")
+        if model_type == GEMMA3_MULTIMODAL:
+            if not isinstance(cfg.get("text_config"), dict):
+                raise ValueError("a gemma3 (image-text) config.json needs its text_config")
+            ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg}
+            cfg = {**cfg["text_config"], **ids, "model_type": "gemma3_text"}
+            model_type = "gemma3_text"
         gemma = model_type in GEMMA_TYPES
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
         if act != ("gelu_pytorch_tanh" if gemma else "silu"):

@@ -3,6 +3,7 @@
 - **Fused matrices** (Phi-3, in its HF checkpoints and its GGUF files alike): q/k/v as one ``qkv_proj`` and gate/up
   as one ``gate_up_proj``. They are split by rows into the separate HF names the model has; rows are independent, so
   a quantized matrix splits into the blocks of its row ranges, bit for bit.
+- **Gemma 3's image-text checkpoints** keep the text model under ``language_model.``: read without the vision tower.
 - **Gemma's norms** hold ``w`` in HF checkpoints and ``1 + w`` in llama.cpp's files (its converter adds the 1); the
   model holds ``1 + w`` in float32 (``spec_engine.models.gemma``), so an HF checkpoint's are folded here.
 """
@@ -69,8 +70,16 @@ def weight_dtype(cfg: ModelConfig, name: str, dtype: torch.dtype) -> torch.dtype
     return torch.float32 if cfg.is_gemma and name.endswith("norm.weight") else dtype
 
 
+# Gemma 3's image-text checkpoints: its text model's prefix, and the vision parts left unread
+_TEXT_MODEL_PREFIX = "language_model."
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
 def hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An HF checkpoint's tensors in the layout our model holds (see the module docstring)."""
+    """An HF checkpoint's tensors in the layout our model holds (see the module docstring); an image-text Gemma 3
+    checkpoint's text model alone."""
+    if cfg.is_gemma and any(n.startswith(_TEXT_MODEL_PREFIX) for n in state):
+        state = {n.removeprefix(_TEXT_MODEL_PREFIX): t for n, t in state.items() if not n.startswith(_VISION_PREFIXES)}
     state = split_fused(cfg, state)
     if cfg.is_gemma:  # in float32, as HF's own (1.0 + self.weight.float())
         state = {n: t.float() + 1.0 if n.endswith("norm.weight") else t for n, t in state.items()}
