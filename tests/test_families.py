@@ -21,7 +21,10 @@ from spec_engine.step import REGULAR
 
 # family -> (tiny_models arch, config overrides, the GGUF architecture llama.cpp's converter writes)
 FAMILIES = {
+    "llama": ("llama_gqa", {}, "llama"),
     "llama3": ("llama3_rope", {}, "llama"),
+    "qwen2": ("qwen2_tied", {}, "qwen2"),  # q/k/v biases, tied embeddings
+    "qwen3": ("qwen3", {}, "qwen3"),  # q/k norms
     "mistral": ("mistral", {"sliding_window": 256}, "llama"),  # (the window caps the context: 256 of 512 positions)
     "phi3": ("phi3", {"sliding_window": 300}, "phi3"),  # fused qkv_proj and gate_up_proj
     "gemma2": ("gemma2", {}, "gemma2"),  # [sliding, full] layers, a window of 8 positions, soft-capping
