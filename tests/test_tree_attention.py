@@ -313,6 +313,12 @@ def test_triton_split_prefix(dtype, paged):
                                                        plan.tile_shared, plan.tile_lens, plan.block_table, 16**-0.5,
                                                        3)  # fmt: skip
     check_against_fp64(out, q, k, v, seqlens, mask, table)
+    # a window leaves the early splits with nothing to see (their log-sum-exp -inf, merged with weight 0)
+    variant = {"softcap": 4.0, "window": 9}
+    out = torch.ops.spec_kernels.tree_attention_triton(q, k, v, plan.seqlens, plan.tree_keys, plan.tree_lens,
+                                                       plan.tile_shared, plan.tile_lens, plan.block_table, 16**-0.5,
+                                                       3, *variant.values())  # fmt: skip
+    check_against_fp64(out, q, k, v, seqlens, mask, table, **variant)
 
 
 @INTERPRETER
