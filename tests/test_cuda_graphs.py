@@ -1,0 +1,217 @@
+"""The captured target forward (spec_engine/cuda_graphs.py), proven on the CPU: bucket choice, padding, the copies
+into the static inputs, padding rows that write the scratch block only, and steps whose tokens, logits and caches are
+the eager path's bitwise. ``ReplayGraph`` stands in for ``torch.cuda.CUDAGraph`` (a replay runs the captured
+function again on the same static tensors); the meta engine runs the captured path up to its one host read; dynamo
+finds no graph break in the captured function (nor in the verify and compaction after it, given device seeds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_simulated_cuda import PlantedReads
+from tiny_models import make_model, make_noisy_copy
+
+from spec_engine import LLM, SamplingParams
+from spec_engine.cuda_graphs import BATCH_BUCKETS, CapturedForward, ReplayGraph, batch_bucket, captured_forward
+from spec_engine.engine import Engine, EngineConfig
+from spec_engine.kv_cache import SCRATCH_BLOCK
+from spec_engine.runner import StepRunner
+from spec_kernels import compact_kv_, verify_tree
+
+# the regular (Python-driven) step on the CPU: the native multi-step calls and tree_step off
+REGULAR = dict(plain_chain=1, spec_chain_steps=0, native_tree_step=False)
+PROMPTS = [{"prompt_token_ids": p} for p in ([5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77])]
+# rows finish at different steps: the batch shrinks (4-row bucket, then 2, then 1) and stale rows become padding
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 13, 7)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from test_eagle import write_published_head
+
+    root = tmp_path_factory.mktemp("graphs")
+    target = make_model(root / "target", "llama_gqa", logit_scale=4.0)
+    return target, make_noisy_copy(target, root / "draft", noise=0.05), write_published_head(root / "head", "eagle3")
+
+
+def spec_of(name: str, draft, head) -> dict | None:
+    return {
+        "none": None,
+        "chain": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+        "tree": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "tree": [2, 2, 1]},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3},  # (fixed: "auto" prices steps by their time)
+        "eagle3": {"method": "eagle", "model": str(head), "num_speculative_tokens": 3},
+    }[name]
+
+
+def test_batch_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 8, 9, 17, 256)] == [1, 2, 4, 8, 8, 16, 24, 256]
+    assert batch_bucket(257) is None and list(BATCH_BUCKETS) == sorted(set(BATCH_BUCKETS))
+    graphs = CapturedForward(None, "cpu", table_width=4, max_rows=16, max_width=5, graph=ReplayGraph, max_graphs=2)
+    assert graphs.max_tokens == 16 * 5
+    assert graphs.bucket(3, 5) == (4, 5) and graphs.bucket(16, 5) == (16, 5) and graphs.bucket(16, 6) is None
+    graphs.buckets = {(1, 1): None, (4, 5): None}  # the cap: a new shape runs eagerly, captured ones still replay
+    assert graphs.bucket(2, 1) is None and graphs.bucket(3, 5) == (4, 5)
+
+
+def test_captured_forward_is_cpu_free_unless_named():
+    assert captured_forward(None, torch.device("cpu"), table_width=4, max_rows=4, max_width=1) is None
+    assert captured_forward(None, torch.device("meta"), table_width=4, max_rows=4, max_width=1) is None
+    with pytest.raises(ValueError, match="unknown graph mechanism"):
+        captured_forward(None, torch.device("cpu"), table_width=4, max_rows=4, max_width=1, mechanism="nope")
+
+
+def test_padding_rows_see_length_zero_and_scratch_blocks():
+    """A step of 3 rows after one of 4 in the same bucket: row 3 (the earlier step's real row) becomes padding, length
+    0 and every block the scratch block, so its K/V cannot land in a request's blocks."""
+    seen = []
+
+    def forward(tokens, positions, seqlens, tree_mask, block_table):  # records what the captured function reads
+        seen.append((tokens.clone(), seqlens.clone(), block_table.clone()))
+        B, T = tokens.shape
+        return (tokens[..., None] * 1.0 + positions[..., None]).expand(B, T, 3).float(), None
+
+    graphs = CapturedForward(forward, "cpu", table_width=6, max_rows=4, max_width=2, graph=ReplayGraph)
+
+    def step(B):
+        tokens = torch.arange(B * 2).view(B, 2) + 10
+        positions = torch.arange(B)[:, None] * 5 + torch.arange(2)
+        seqlens = torch.arange(B, dtype=torch.int32) * 5 + 1
+        table = torch.arange(B * 3, dtype=torch.int32).view(B, 3) + 1  # 3 of the 6 columns; ids 1.. (0: scratch)
+        logits, features = graphs(tokens, positions, seqlens, torch.ones(B, 2, 2, dtype=torch.bool).tril(), table)
+        assert features is None and logits.shape == (B, 2, 3)
+        assert torch.equal(logits, forward(tokens, positions, seqlens, None, table)[0])  # (records one more)
+        return table
+
+    step(4)
+    table = step(3)
+    assert list(graphs.buckets) == [(4, 2)] and graphs.num_replays == 2
+    tokens, seqlens, block_table = seen[-2]  # the second replay's inputs
+    assert seqlens.tolist() == [1, 6, 11, 0]
+    assert torch.equal(block_table[:3, :3], table) and (block_table[:3, 3:] == SCRATCH_BLOCK).all()
+    assert (block_table[3:] == SCRATCH_BLOCK).all()
+    assert seen[0][1].tolist() == [0, 0, 0, 0] and (seen[0][2] == SCRATCH_BLOCK).all()  # the warm-up: padding only
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["none", "chain", "tree", "ngram", "eagle3"])
+def test_captured_steps_equal_eager_steps(models, name, dtype):
+    """Replayed buckets give the eager path's tokens and caches bitwise (the scratch block aside), in both dtypes:
+    the forward is batch-invariant, so padded buckets and the full-width block table change no real row."""
+    spec = spec_of(name, *models[1:])
+    runs = []
+    for eager in (True, False):
+        config = EngineConfig(**REGULAR, enforce_eager=eager, graph_mechanism=None if eager else "replay")
+        llm = LLM(str(models[0]), speculative_config=spec, dtype=dtype, engine_config=config, max_model_len=128)
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        caches = [llm.engine.kv.data[:, :, SCRATCH_BLOCK + 1 :].clone()]  # [layers, 2, blocks - 1, ...]
+        drafter = llm.engine.drafter
+        if drafter is not None and drafter.keeps_cache:
+            caches.append(drafter.kv.data[:, :, SCRATCH_BLOCK + 1 :].clone())
+        runs.append(([o.outputs[0].token_ids for o in outs], caches, llm.engine.runner.graphs))
+    (want, want_caches, none), (got, got_caches, graphs) = runs
+    assert none is None and graphs.num_replays > 0 and any(rows == 4 for rows, _ in graphs.buckets)  # 3 rows: 4
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+    if name in ("chain", "tree", "eagle3"):
+        assert any(width > 1 for _, width in graphs.buckets)  # verified trees replayed too
+
+
+def test_enforce_eager_changes_nothing_on_cpu(models):
+    assert LLM(str(models[0]), max_model_len=64).engine.runner.graphs is None  # CPU: no mechanism, no graphs
+    llm = LLM(
+        str(models[0]), max_model_len=64, enforce_eager=True, engine_config=EngineConfig(graph_mechanism="replay")
+    )
+    assert llm.engine.config.enforce_eager and llm.engine.runner.graphs is None
+    llm.engine.reconfigure(EngineConfig(**REGULAR, graph_mechanism="replay"))
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    llm.engine.reconfigure(EngineConfig(**REGULAR, graph_mechanism="replay", unsure_chain_steps=2))
+    assert llm.engine.runner.graphs is graphs  # the same choice keeps the buckets captured so far
+
+
+@pytest.mark.parametrize("name", ["none", "tree", "ngram"])
+def test_meta_engine_runs_the_captured_path(models, name, monkeypatch):
+    """The captured path is device-true: on meta (our simulated GPU) whole engine steps replay buckets, copying their
+    inputs into the static tensors, with one host read per step (planted)."""
+    spec = spec_of(name, *models[1:])
+    llm = LLM(str(models[0]), speculative_config=spec, device="meta", max_model_len=128, prefill_chunk=16,
+              engine_config=EngineConfig(graph_mechanism="replay"))  # fmt: skip
+    engine = llm.engine
+    reads = PlantedReads(engine.gamma + 1)
+    monkeypatch.setattr(StepRunner, "_read_step", staticmethod(reads))
+    monkeypatch.setattr(Engine, "_fail", lambda self, req, error: (_ for _ in ()).throw(error))
+    for prompt, params in zip(PROMPTS, PARAMS):
+        engine.add_request(prompt["prompt_token_ids"], params)
+    steps = 0
+    while engine.has_unfinished() and steps < 100:
+        before = reads.calls
+        engine.step()
+        assert reads.calls - before <= 1
+        steps += 1
+    graphs = engine.runner.graphs
+    assert not engine.has_unfinished() and graphs.num_replays == reads.calls > 0
+    assert graphs.logits.device.type == "meta"
+
+
+def _bucket_inputs(llm: LLM, rows: int, width: int):
+    """A bucket's static inputs on the model's device, as ``CapturedForward`` makes them."""
+    width_w = llm.engine.rows.block_table.shape[1]
+    graphs = captured_forward(llm.engine.runner.target_logits, llm.engine.device, mechanism="replay",
+                              table_width=width_w, max_rows=rows, max_width=width)  # fmt: skip
+    bucket = graphs._capture(rows, width)
+    return graphs, (bucket.tokens, bucket.positions, bucket.seqlens, bucket.tree_mask, bucket.block_table)
+
+
+@pytest.mark.parametrize(("device", "name"), [("cpu", "none"), ("cpu", "eagle3"), ("meta", "none")])
+def test_the_captured_function_has_no_graph_break(models, device, name):
+    """What a bucket captures, traced by dynamo: one graph, no break (a break is Python between ops, which a replay
+    would skip). On meta it is the CUDA path (torch ops around the Triton kernels), on CPU the native one (with an
+    EAGLE-3 head, its features too; a head does not build on meta)."""
+    llm = LLM(str(models[0]), speculative_config=spec_of(name, *models[1:]), device=device, max_model_len=64)
+    graphs, inputs = _bucket_inputs(llm, 2, 3)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(graphs.forward)(*inputs)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_the_verify_and_compaction_after_it_have_no_graph_break(models):
+    """The rest of a speculative step on the device path (meta): the pass, ``verify_tree`` with per-row device seeds
+    and the cache's compaction trace as one graph, so a later capture can take the whole step. (Given no seeds,
+    verify_tree draws one on the host: a break.)"""
+    llm = LLM(str(models[0]), device="meta", max_model_len=64)
+    graphs, inputs = _bucket_inputs(llm, 2, 3)
+    tokens, _, seqlens, _, table = inputs
+    parents = torch.tensor([-1, 0, 1], device="meta").repeat(2, 1)
+    planes = llm.engine.kv.planes
+
+    def step(*inputs):
+        logits, _ = graphs.forward(*inputs)
+        B = logits.shape[0]
+        zeros = torch.zeros(B, device=logits.device)
+        result = verify_tree(logits, tokens, parents, temperature=zeros, seed=torch.zeros_like(tokens[:, 0]))
+        compact_kv_(planes, seqlens, result.accepted_nodes, result.num_accepted, block_table=table)
+        return result.output_tokens, result.num_accepted, zeros
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(*inputs)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_the_traced_forward_gives_the_eager_logits(models):
+    """``torch.compile(fullgraph=True)`` of the captured function on the CPU, through AOT autograd's functional graph
+    (inductor's own compile takes half a minute here: bench/gpu_decode.py times it on the device), gives the eager
+    logits and writes the same cache; the custom ops' fake kernels carry it."""
+    llm = LLM(str(models[0]), max_model_len=64)
+    graphs, inputs = _bucket_inputs(llm, 2, 3)
+    tokens, positions, seqlens, mask, table = inputs
+    tokens.copy_(torch.tensor([[5, 17, 3], [1, 2, 3]]))
+    table[:, 0] = torch.tensor([1, 2])  # (rows that share the scratch block race on its slots: padding rows do)
+    kv = llm.engine.kv.data
+    kv.zero_()  # (the capture's warm-up wrote the scratch block)
+    want, _ = graphs.forward(*inputs)
+    cache = kv.clone()
+    kv.zero_()
+    torch._dynamo.reset()
+    got, _ = torch.compile(graphs.forward, fullgraph=True, dynamic=False, backend="aot_eager")(*inputs)
+    assert torch.equal(got, want) and torch.equal(kv, cache)
