@@ -93,22 +93,32 @@ def test_padding_rows_see_length_zero_and_scratch_blocks():
     assert seen[0][1].tolist() == [0, 0, 0, 0] and (seen[0][2] == SCRATCH_BLOCK).all()  # the warm-up: padding only
 
 
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+SEEDED = [SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True) for n in (20, 13, 7)]
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["none", "chain", "tree", "ngram", "eagle3"])
-def test_captured_steps_equal_eager_steps(models, name, dtype):
-    """Replayed buckets give the eager path's tokens and caches bitwise (the scratch block aside), in both dtypes:
-    the forward is batch-invariant, so padded buckets and the full-width block table change no real row."""
+def test_captured_steps_equal_eager_steps(models, name, dtype, where):
+    """Replayed buckets give the eager path's tokens and caches bitwise (the scratch block aside), greedy and seeded,
+    in both dtypes: the forward is batch-invariant, so padded buckets and the full-width block table change no real
+    row. On CUDA (bench/gpu.sh runs ``pytest -m cuda``) with real CUDA graphs; on the CPU with the stand-in."""
     spec = spec_of(name, *models[1:])
     runs = []
     for eager in (True, False):
-        config = EngineConfig(**REGULAR, enforce_eager=eager, graph_mechanism=None if eager else "replay")
-        llm = LLM(str(models[0]), speculative_config=spec, dtype=dtype, engine_config=config, max_model_len=128)
-        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        mechanism = None if eager or where == "cuda" else "replay"
+        config = EngineConfig(**REGULAR, enforce_eager=eager, graph_mechanism=mechanism)
+        llm = LLM(str(models[0]), speculative_config=spec, device=where, dtype=dtype, engine_config=config,
+                  max_model_len=128)  # fmt: skip
+        outs = [
+            o.outputs[0].token_ids for params in (PARAMS, SEEDED) for o in llm.generate(PROMPTS, params, use_tqdm=False)
+        ]
         caches = [llm.engine.kv.data[:, :, SCRATCH_BLOCK + 1 :].clone()]  # [layers, 2, blocks - 1, ...]
         drafter = llm.engine.drafter
         if drafter is not None and drafter.keeps_cache:
             caches.append(drafter.kv.data[:, :, SCRATCH_BLOCK + 1 :].clone())
-        runs.append(([o.outputs[0].token_ids for o in outs], caches, llm.engine.runner.graphs))
+        runs.append((outs, caches, llm.engine.runner.graphs))
     (want, want_caches, none), (got, got_caches, graphs) = runs
     assert none is None and graphs.num_replays > 0 and any(rows == 4 for rows, _ in graphs.buckets)  # 3 rows: 4
     assert got == want
