@@ -1,5 +1,5 @@
 """Kernel launches (CUDA) or ATen ops (CPU) per decode step, counted with the torch profiler: plain and speculative
-steps, eager and with the target's forward captured (spec_engine/cuda_graphs.py).
+steps, eager and with the forwards captured (spec_engine/cuda_graphs.py).
 
     python bench/count_launches.py [--model DIR] [--device cpu|cuda] [--dtype bfloat16] [--steps 8] [--json OUT]
 
@@ -45,15 +45,16 @@ def _is_op(name: str) -> bool:
 def count_step_ops(llm: LLM, steps: int) -> dict:
     """Profile ``steps`` decode steps of one greedy request (prefill and bucket captures before, unprofiled)."""
     engine = llm.engine
-    engine.add_request(PROMPT[0]["prompt_token_ids"], SamplingParams(max_tokens=steps * 20 + 40, ignore_eos=True))
+    req = engine.add_request(PROMPT[0]["prompt_token_ids"], SamplingParams(max_tokens=(steps + 4) * 17,
+                                                                            ignore_eos=True))  # fmt: skip
     for _ in range(4):  # the prefill and the first decode steps (captures, Triton compiles)
         engine.step()
-    graphs = engine.runner.graphs
     replays = []
-    if graphs is not None:  # a region around each replay, to tell the captured ops from the rest
-        for bucket in graphs.buckets.values():
+    drafter_graphs = engine.drafter.graphs if engine.drafter is not None else None
+    for graphs in (engine.runner.graphs, drafter_graphs):  # a region around each replay: captured ops apart
+        for bucket in graphs.buckets.values() if graphs is not None else ():
             replays.append((bucket.graph, bucket.graph.replay))
-            bucket.graph.replay = lambda g=bucket.graph, real=bucket.graph.replay: _in_region(real)
+            bucket.graph.replay = lambda real=bucket.graph.replay: _in_region(real)
     cuda = llm.engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -63,8 +64,7 @@ def count_step_ops(llm: LLM, steps: int) -> dict:
             torch.cuda.synchronize()
     for graph, real in replays:
         graph.replay = real
-    while engine.has_unfinished():
-        engine.step()
+    engine.abort(req.request_id)
     ran = steps  # (one decode call a step: the regular step)
     ops = in_graph = launches = kernels = 0
     for evt in prof.events():

@@ -1,4 +1,5 @@
-"""The target's forward captured per bucket and replayed (CUDA graphs, as vLLM's and SGLang's graph runners).
+"""A model's forward captured per bucket and replayed (CUDA graphs, as vLLM's and SGLang's graph runners): the
+target's pass of the regular step, and a draft model's forwards while it drafts.
 
 Glossary:
 - *bucket* ``(rows, width)``: a captured shape. ``rows`` is a batch size from ``BATCH_BUCKETS`` (a step of B rows
@@ -8,8 +9,9 @@ Glossary:
   tree mask, block table); a step copies its inputs into their first B rows before a replay.
 - *padding rows*: rows B .. rows - 1 of a bucket. Their cache length is 0 and their block-table row is all
   ``SCRATCH_BLOCK``, so their K/V land in the scratch block, which no request owns and nothing reads.
-- *outputs*: logits ``[tokens, V]`` float32 and the drafter's features, shared by every bucket (the captured
-  forward ends by copying into their first rows * width rows): memory is the largest bucket's, not the sum.
+- *outputs*: what the forward returns (the target's logits ``[B, T, V]`` float32 and a drafter's features, a draft
+  model's hidden states), one buffer each shared by every bucket (the captured forward ends by copying into their
+  first rows * width rows): memory is the largest bucket's, not the sum.
 
 Why: a small model's eager forward on a GPU is launch-bound (hundreds of small kernels per step, each a few
 microseconds of host work); one graph replay launches them all at once. The captured function is the eager one
@@ -48,8 +50,8 @@ MAX_CAPTURE_TOKENS = 512
 MAX_GRAPHS = 64  # buckets captured at most; a step of another shape then runs eagerly
 
 # forward(tokens [B, T], positions [B, T], seqlens [B], tree_mask [B, T, T], block_table [B, W])
-#   -> (logits [B, T, V] float32, features [B, T, F] | None)
-Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+#   -> a tuple of [B, T, ...] tensors or None (the target's: logits [B, T, V] float32, features [B, T, F] | None)
+Forward = Callable[..., tuple[torch.Tensor | None, ...]]
 
 
 class Graph(Protocol):
@@ -72,7 +74,7 @@ class CudaGraph:
 
     def capture(self, fn: Callable[[], None]) -> None:
         pool = CudaGraph._pools.setdefault(self.device, torch.cuda.graph_pool_handle())
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             fn()
 
     def replay(self) -> None:
@@ -148,8 +150,8 @@ class _Bucket:
 
 
 class CapturedForward:
-    """The target's forward with logits, replayed from a captured graph where a step's shape fits a bucket, else run
-    eagerly; called as ``forward`` is (``Forward``). Buckets are captured when first met, with a log line.
+    """``forward``, replayed from a captured graph where a call's shape fits a bucket, else run eagerly; called as
+    ``forward`` is (``Forward``). Buckets are captured when first met, with a log line.
 
     ``forward``: the eager function (the one captured); ``table_width``: the block table's full width W (a bucket's
     table is that wide, so one graph serves every context length); ``max_rows``: the most rows a step has;
@@ -162,27 +164,26 @@ class CapturedForward:
         self.forward, self.device, self.table_width = forward, torch.device(device), table_width
         self.graph_type, self.max_graphs = graph, max_graphs
         top = batch_bucket(max_rows) or BATCH_BUCKETS[-1]
-        self.max_tokens = min(max_tokens, top * max_width)
+        self.max_width, self.max_tokens = max_width, min(max_tokens, top * max_width)
         self.buckets: dict[tuple[int, int], _Bucket] = {}
-        self.logits: torch.Tensor | None = None  # [max_tokens, V] float32, shared by every bucket
-        self.features: torch.Tensor | None = None  # [max_tokens, F], for a drafter that reads the target's
+        self.outputs: list[torch.Tensor | None] | None = None  # [max_tokens, ...] each, shared by every bucket
         self.num_replays = 0
         self.disabled = False  # a capture failed: every step runs eagerly from then on
 
     def bucket(self, num_rows: int, width: int) -> tuple[int, int] | None:
         """The bucket a step of ``num_rows`` rows verifying ``width`` tokens each replays (None: it runs eagerly)."""
         rows = batch_bucket(num_rows)
-        if self.disabled or rows is None or rows * width > self.max_tokens:
+        if self.disabled or rows is None or width > self.max_width or rows * width > self.max_tokens:
             return None
         if (rows, width) not in self.buckets and len(self.buckets) >= self.max_graphs:
             return None
         return rows, width
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, seqlens: torch.Tensor, tree_mask: torch.Tensor,
-                 block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+                 block_table: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
         """``forward``'s result for these inputs (tokens [B, T], positions [B, T], seqlens [B], tree_mask [B, T, T],
-        block_table [B, W'] with W' <= W): logits [B, T, V] and features [B, T, F] or None, as views of the shared
-        outputs where a bucket replays (valid until the next replay)."""
+        block_table [B, W'] with W' <= W): where a bucket replays, views [B, T, ...] of the shared outputs (valid
+        until the next replay)."""
         B, T = tokens.shape
         key = self.bucket(B, T)
         if key is None:
@@ -194,9 +195,7 @@ class CapturedForward:
         bucket.graph.replay()
         self.num_replays += 1
         rows = key[0]
-        logits = self.logits[: rows * T].view(rows, T, -1)[:B]  # [B, T, V]
-        features = None if self.features is None else self.features[: rows * T].view(rows, T, -1)[:B]
-        return logits, features
+        return tuple(None if out is None else out[: rows * T].view(rows, T, -1)[:B] for out in self.outputs)
 
     def _load(self, bucket: _Bucket, B, tokens, positions, seqlens, tree_mask, block_table) -> None:
         """The step's inputs into the bucket's first B rows; rows B.. become padding (length 0, scratch blocks)."""
@@ -222,19 +221,17 @@ class CapturedForward:
         )
 
         def body() -> None:
-            logits, features = self.forward(bucket.tokens, bucket.positions, bucket.seqlens, bucket.tree_mask,
-                                            bucket.block_table)  # fmt: skip
-            self.logits[: rows * width].copy_(logits.flatten(0, 1))
-            if features is not None:
-                self.features[: rows * width].copy_(features.flatten(0, 1))
+            results = self.forward(bucket.tokens, bucket.positions, bucket.seqlens, bucket.tree_mask,
+                                   bucket.block_table)  # fmt: skip
+            for out, result in zip(self.outputs, results):
+                if out is not None:
+                    out[: rows * width].copy_(result.flatten(0, 1))
 
         try:
-            logits, features = self.forward(bucket.tokens, bucket.positions, bucket.seqlens, bucket.tree_mask,
-                                            bucket.block_table)  # fmt: skip  # the warm-up: padding rows only
-            if self.logits is None:
-                self.logits = logits.new_empty(self.max_tokens, logits.shape[-1])
-                if features is not None:
-                    self.features = features.new_empty(self.max_tokens, features.shape[-1])
+            results = self.forward(bucket.tokens, bucket.positions, bucket.seqlens, bucket.tree_mask,
+                                   bucket.block_table)  # fmt: skip  # the warm-up: padding rows only
+            if self.outputs is None:
+                self.outputs = [None if r is None else r.new_empty(self.max_tokens, r.shape[-1]) for r in results]
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             bucket.graph = self.graph_type(dev)

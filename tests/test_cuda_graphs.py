@@ -49,7 +49,7 @@ def test_batch_buckets():
     assert batch_bucket(257) is None and list(BATCH_BUCKETS) == sorted(set(BATCH_BUCKETS))
     graphs = CapturedForward(None, "cpu", table_width=4, max_rows=16, max_width=5, graph=ReplayGraph, max_graphs=2)
     assert graphs.max_tokens == 16 * 5
-    assert graphs.bucket(3, 5) == (4, 5) and graphs.bucket(16, 5) == (16, 5) and graphs.bucket(16, 6) is None
+    assert graphs.bucket(3, 5) == (4, 5) and graphs.bucket(16, 5) == (16, 5) and graphs.bucket(1, 6) is None
     graphs.buckets = {(1, 1): None, (4, 5): None}  # the cap: a new shape runs eagerly, captured ones still replay
     assert graphs.bucket(2, 1) is None and graphs.bucket(3, 5) == (4, 5)
 
@@ -101,9 +101,10 @@ SEEDED = [SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=3, ignor
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["none", "chain", "tree", "ngram", "eagle3"])
 def test_captured_steps_equal_eager_steps(models, name, dtype, where):
-    """Replayed buckets give the eager path's tokens and caches bitwise (the scratch block aside), greedy and seeded,
-    in both dtypes: the forward is batch-invariant, so padded buckets and the full-width block table change no real
-    row. On CUDA (bench/gpu.sh runs ``pytest -m cuda``) with real CUDA graphs; on the CPU with the stand-in."""
+    """Replayed buckets (the target's pass, a draft model's forwards) give the eager path's tokens and caches bitwise
+    (the scratch block aside), greedy and seeded, in both dtypes: the forward is batch-invariant, so padded buckets
+    and the full-width block table change no real row. On CUDA (bench/gpu.sh runs ``pytest -m cuda``) with real CUDA
+    graphs; on the CPU with the stand-in."""
     spec = spec_of(name, *models[1:])
     runs = []
     for eager in (True, False):
@@ -118,13 +119,15 @@ def test_captured_steps_equal_eager_steps(models, name, dtype, where):
         drafter = llm.engine.drafter
         if drafter is not None and drafter.keeps_cache:
             caches.append(drafter.kv.data[:, :, SCRATCH_BLOCK + 1 :].clone())
-        runs.append((outs, caches, llm.engine.runner.graphs))
-    (want, want_caches, none), (got, got_caches, graphs) = runs
+        runs.append((outs, caches, llm.engine.runner.graphs, getattr(drafter, "graphs", None)))
+    (want, want_caches, none, _), (got, got_caches, graphs, draft_graphs) = runs
     assert none is None and graphs.num_replays > 0 and any(rows == 4 for rows, _ in graphs.buckets)  # 3 rows: 4
     assert got == want
     assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
     if name in ("chain", "tree", "eagle3"):
         assert any(width > 1 for _, width in graphs.buckets)  # verified trees replayed too
+    if name in ("chain", "tree"):  # the draft model's forwards (catch-ups, a tree's levels) replayed too
+        assert draft_graphs.num_replays > 0 and (name == "chain" or any(w > 1 for _, w in draft_graphs.buckets))
 
 
 def test_enforce_eager_changes_nothing_on_cpu(models):
@@ -161,7 +164,7 @@ def test_meta_engine_runs_the_captured_path(models, name, monkeypatch):
         steps += 1
     graphs = engine.runner.graphs
     assert not engine.has_unfinished() and graphs.num_replays == reads.calls > 0
-    assert graphs.logits.device.type == "meta"
+    assert graphs.outputs[0].device.type == "meta"
 
 
 def _bucket_inputs(llm: LLM, rows: int, width: int):

@@ -279,6 +279,10 @@ class EagleDrafter(DraftModelDrafter):
         None for EAGLE-2's dynamic tree, whose parents are chosen each step."""
         return None if self.dynamic_topk is not None else self.model.native
 
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,
+                   max_rows: int) -> None:  # fmt: skip
+        """Eager for now: a head's forward reads its parents' outputs and the feature cache (not yet captured)."""
+
     def _store(self, hidden: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> None:
         """The target's hidden states [B, T, F] at ``positions`` [B, T] into the feature cache."""
         blocks, offsets = cache_slots(positions, self.features.shape[2], block_table)
