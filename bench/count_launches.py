@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
+from spec_engine.cuda_graphs import MECHANISMS  # noqa: E402
 from spec_engine.engine import EngineConfig  # noqa: E402
 from spec_engine.runner import StepRunner  # noqa: E402
 
@@ -49,21 +50,20 @@ def count_step_ops(llm: LLM, steps: int) -> dict:
                                                                             ignore_eos=True))  # fmt: skip
     for _ in range(4):  # the prefill and the first decode steps (captures, Triton compiles)
         engine.step()
-    replays = []
-    drafter_graphs = engine.drafter.graphs if engine.drafter is not None else None
-    for graphs in (engine.runner.graphs, drafter_graphs):  # a region around each replay: captured ops apart
-        for bucket in graphs.buckets.values() if graphs is not None else ():
-            replays.append((bucket.graph, bucket.graph.replay))
-            bucket.graph.replay = lambda real=bucket.graph.replay: _in_region(real)
+    patched = {cls: cls.replay for cls in MECHANISMS.values() if "replay" in vars(cls)}
+    for cls, real in patched.items():  # a region around every replay (either model's): captured ops apart
+        cls.replay = lambda self, real=real: _in_region(lambda: real(self))
     cuda = llm.engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-    for graph, real in replays:
-        graph.replay = real
+    try:
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        for cls, real in patched.items():
+            cls.replay = real
     engine.abort(req.request_id)
     ran = steps  # (one decode call a step: the regular step)
     ops = in_graph = launches = kernels = 0

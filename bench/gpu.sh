@@ -11,8 +11,8 @@
 # 5. the rest of the CUDA tests, the AOT compile table's quick set and the op benchmarks, as time allows.
 # Every step runs under one global deadline (BUDGET seconds from the start; a step is given what is left and skipped
 # under 20 s). Logs, the JSON and summary.txt go to $OUT when it is set (the device tool brings back 8 files: the
-# logs come as one gpu_logs.tar.gz), else to bench/out/gpu. Exit status 1 if a step failed or timed out, 0 otherwise
-# (a Triton spill the AOT table reports is a warning). --dry-run runs steps 2 and 4 on the CPU with tiny models and
+# logs come as one gpu_logs.tar.gz), else to bench/out/gpu. Exit status 1 if a step failed (a step cut at the
+# deadline shows rc 124 in the summary and is not a failure; a Triton spill the AOT table reports is a warning). --dry-run runs steps 2 and 4 on the CPU with tiny models and
 # the graph stand-in (the script's logic, no GPU). PYTHON picks the interpreter (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +38,7 @@ run() {  # name, command...: log each step under what is left of the budget; kee
     start=$SECONDS
     timeout "$left" "$@" 2>&1 | tee "$LOGS/$name.log"
     rc=${PIPESTATUS[0]}
-    [ "$rc" -eq 0 ] || status=1
+    [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || status=1  # (124: cut at the deadline, reported, not a failure)
     summary+=$(printf '%-16s rc %-4s %5ss' "$name" "$rc" $((SECONDS - start)))$'\n'
 }
 finish() {  # the summary, the decode figures and one archive of the logs under $DEST
@@ -63,9 +63,9 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_dev
 XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")  # spreads the Triton compiles over the cores
 # The extension first, in one process (the tests' workers would otherwise queue on its build lock).
 run ext_build "$PY" -c "from spec_kernels._ext import load_ext; m = load_ext(); print('extension', m.__name__)"
-# the decode figures get what is left but ~150 s (the captured path's tests and the mechanisms after them)
+# the decode figures get what is left but ~120 s (the captured path's tests and the mechanisms after them)
 run gpu_decode "$PY" bench/gpu_decode.py ${MODEL:+--model "$MODEL"} --out "$LOGS" --sections "$DECODE_SECTIONS" \
-    --deadline-s $((DEADLINE - SECONDS - 150))
+    --deadline-s $((DEADLINE - SECONDS - 120))
 run graph_tests "$PY" -m pytest -q -m cuda $XDIST -p no:cacheprovider tests/test_cuda_graphs.py \
     tests/test_simulated_cuda.py
 run mechanisms "$PY" bench/gpu_decode.py ${MODEL:+--model "$MODEL"} --out "$LOGS/mechanisms" --sections mechanisms \

@@ -237,8 +237,8 @@ def mechanisms(bench: Bench) -> None:
 
 
 # name -> (the section, the seconds it is expected to take on the device)
-SECTIONS = {"decode": (decode, 90), "parity": (parity, 60), "launches": (launches, 40), "speedup": (speedup, 60),
-            "mechanisms": (mechanisms, 120)}  # fmt: skip
+SECTIONS = {"decode": (decode, 60), "parity": (parity, 45), "launches": (launches, 30), "speedup": (speedup, 45),
+            "mechanisms": (mechanisms, 150)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,16 +1,17 @@
 """A model's forward captured per bucket and replayed (CUDA graphs, as vLLM's and SGLang's graph runners): the
-target's pass of the regular step, and a draft model's forwards while it drafts.
+target's pass of the regular step, and a drafter's forwards while it drafts (a draft model's, an EAGLE head's).
 
 Glossary:
 - *bucket* ``(rows, width)``: a captured shape. ``rows`` is a batch size from ``BATCH_BUCKETS`` (a step of B rows
   takes the smallest bucket with ``rows >= B``); ``width`` is the verify width T itself (a plain step's 1, a chain's
   depth + 1, a tree's nodes), so a step's rows are never padded along T.
 - *static inputs*: per bucket, persistent tensors the captured forward reads (token ids, positions, cache lengths,
-  tree mask, block table); a step copies its inputs into their first B rows before a replay.
+  tree mask, block table, and extras such as an EAGLE head's parent outputs); a step copies its inputs into their
+  first B rows before a replay.
 - *padding rows*: rows B .. rows - 1 of a bucket. Their cache length is 0 and their block-table row is all
   ``SCRATCH_BLOCK``, so their K/V land in the scratch block, which no request owns and nothing reads.
-- *outputs*: what the forward returns (the target's logits ``[B, T, V]`` float32 and a drafter's features, a draft
-  model's hidden states), one buffer each shared by every bucket (the captured forward ends by copying into their
+- *outputs*: what the forward returns (the target's logits ``[B, T, V]`` float32 and the features a drafter reads,
+  a drafter's hidden states), one buffer each shared by every bucket (the captured forward ends by copying into their
   first rows * width rows): memory is the largest bucket's, not the sum.
 
 Why: a small model's eager forward on a GPU is launch-bound (hundreds of small kernels per step, each a few
@@ -49,7 +50,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, *range(16, 257, 8))
 MAX_CAPTURE_TOKENS = 512
 MAX_GRAPHS = 64  # buckets captured at most; a step of another shape then runs eagerly
 
-# forward(tokens [B, T], positions [B, T], seqlens [B], tree_mask [B, T, T], block_table [B, W])
+# forward(tokens [B, T], positions [B, T], seqlens [B], tree_mask [B, T, T], block_table [B, W], *extras [B, T, ...])
 #   -> a tuple of [B, T, ...] tensors or None (the target's: logits [B, T, V] float32, features [B, T, F] | None)
 Forward = Callable[..., tuple[torch.Tensor | None, ...]]
 
@@ -139,13 +140,14 @@ def batch_bucket(num_rows: int) -> int | None:
 @dataclass
 class _Bucket:
     """One bucket's static inputs and graph. Shapes: tokens, positions [rows, T] int64; seqlens [rows] int32;
-    tree_mask [rows, T, T] bool; block_table [rows, W] int32."""
+    tree_mask [rows, T, T] bool; block_table [rows, W] int32; extras [rows, T, ...] (a head's parent features)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     seqlens: torch.Tensor
     tree_mask: torch.Tensor
     block_table: torch.Tensor
+    extras: tuple[torch.Tensor, ...] = ()
     graph: Graph | None = None
 
 
@@ -180,25 +182,27 @@ class CapturedForward:
         return rows, width
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, seqlens: torch.Tensor, tree_mask: torch.Tensor,
-                 block_table: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+                 block_table: torch.Tensor, *extras: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
         """``forward``'s result for these inputs (tokens [B, T], positions [B, T], seqlens [B], tree_mask [B, T, T],
-        block_table [B, W'] with W' <= W): where a bucket replays, views [B, T, ...] of the shared outputs (valid
-        until the next replay)."""
+        block_table [B, W'] with W' <= W, extras [B, T, ...]): where a bucket replays, views [B, T, ...] of the
+        shared outputs (valid until the next replay). A call site passes the same kinds of extras every time."""
         B, T = tokens.shape
         key = self.bucket(B, T)
         if key is None:
-            return self.forward(tokens, positions, seqlens, tree_mask, block_table)
-        bucket = self.buckets.get(key) or self._capture(*key)
+            return self.forward(tokens, positions, seqlens, tree_mask, block_table, *extras)
+        bucket = self.buckets.get(key) or self._capture(*key, extras)
         if bucket is None:
-            return self.forward(tokens, positions, seqlens, tree_mask, block_table)
-        self._load(bucket, B, tokens, positions, seqlens, tree_mask, block_table)
+            return self.forward(tokens, positions, seqlens, tree_mask, block_table, *extras)
+        self._load(bucket, B, tokens, positions, seqlens, tree_mask, block_table, extras)
         bucket.graph.replay()
         self.num_replays += 1
         rows = key[0]
         return tuple(None if out is None else out[: rows * T].view(rows, T, -1)[:B] for out in self.outputs)
 
-    def _load(self, bucket: _Bucket, B, tokens, positions, seqlens, tree_mask, block_table) -> None:
+    def _load(self, bucket: _Bucket, B, tokens, positions, seqlens, tree_mask, block_table, extras) -> None:
         """The step's inputs into the bucket's first B rows; rows B.. become padding (length 0, scratch blocks)."""
+        for static, given in zip(bucket.extras, extras):
+            static[:B].copy_(given)
         bucket.tokens[:B].copy_(tokens)
         bucket.positions[:B].copy_(positions)
         bucket.tree_mask[:B].copy_(tree_mask)
@@ -207,9 +211,10 @@ class CapturedForward:
         bucket.block_table.fill_(SCRATCH_BLOCK)
         bucket.block_table[:B, : block_table.shape[1]].copy_(block_table)
 
-    def _capture(self, rows: int, width: int) -> _Bucket | None:
-        """A bucket's static inputs (all padding), one eager warm-up run on them (Triton compiles, allocations),
-        then its capture. A capture that fails turns graphs off (logged once); the step then runs eagerly."""
+    def _capture(self, rows: int, width: int, extras: tuple[torch.Tensor, ...] = ()) -> _Bucket | None:
+        """A bucket's static inputs (all padding; ``extras`` give their kinds: zeros of their dtype and trailing
+        shape), one eager warm-up run on them (Triton compiles, allocations), then its capture. A capture that fails
+        turns graphs off (logged once); the step then runs eagerly."""
         start = time.perf_counter()
         dev = self.device
         bucket = _Bucket(
@@ -218,18 +223,19 @@ class CapturedForward:
             seqlens=torch.zeros(rows, dtype=torch.int32, device=dev),
             tree_mask=torch.ones(width, width, dtype=torch.bool, device=dev).tril().repeat(rows, 1, 1),
             block_table=torch.full((rows, self.table_width), SCRATCH_BLOCK, dtype=torch.int32, device=dev),
+            extras=tuple(e.new_zeros(rows, width, *e.shape[2:]) for e in extras),
         )
 
         def body() -> None:
             results = self.forward(bucket.tokens, bucket.positions, bucket.seqlens, bucket.tree_mask,
-                                   bucket.block_table)  # fmt: skip
+                                   bucket.block_table, *bucket.extras)  # fmt: skip
             for out, result in zip(self.outputs, results):
                 if out is not None:
                     out[: rows * width].copy_(result.flatten(0, 1))
 
         try:
             results = self.forward(bucket.tokens, bucket.positions, bucket.seqlens, bucket.tree_mask,
-                                   bucket.block_table)  # fmt: skip  # the warm-up: padding rows only
+                                   bucket.block_table, *bucket.extras)  # fmt: skip  # the warm-up: padding only
             if self.outputs is None:
                 self.outputs = [None if r is None else r.new_empty(self.max_tokens, r.shape[-1]) for r in results]
             if dev.type == "cuda":

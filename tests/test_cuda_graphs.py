@@ -31,16 +31,21 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("graphs")
     target = make_model(root / "target", "llama_gqa", logit_scale=4.0)
-    return target, make_noisy_copy(target, root / "draft", noise=0.05), write_published_head(root / "head", "eagle3")
+    heads = {layout: write_published_head(root / layout, layout) for layout in ("eagle3", "eagle")}
+    return target, make_noisy_copy(target, root / "draft", noise=0.05), heads
 
 
-def spec_of(name: str, draft, head) -> dict | None:
+def spec_of(name: str, draft, heads) -> dict | None:
     return {
         "none": None,
         "chain": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
         "tree": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "tree": [2, 2, 1]},
         "ngram": {"method": "ngram", "num_speculative_tokens": 3},  # (fixed: "auto" prices steps by their time)
-        "eagle3": {"method": "eagle", "model": str(head), "num_speculative_tokens": 3},
+        "eagle3": {"method": "eagle", "model": str(heads["eagle3"]), "num_speculative_tokens": 3},
+        # a head's static tree: its nodes' forwards read their parents' outputs (node_graphs), on the CPU too
+        "eagle3_tree": {"method": "eagle", "model": str(heads["eagle3"]), "num_speculative_tokens": 2, "tree": [2, 2]},
+        # an EAGLE-1 head has no native path: its catch-ups read the feature cache in Python (graphs)
+        "eagle1": {"method": "eagle", "model": str(heads["eagle"]), "num_speculative_tokens": 3},
     }[name]
 
 
@@ -99,7 +104,7 @@ SEEDED = [SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=3, ignor
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["none", "chain", "tree", "ngram", "eagle3"])
+@pytest.mark.parametrize("name", ["none", "chain", "tree", "ngram", "eagle3", "eagle3_tree", "eagle1"])
 def test_captured_steps_equal_eager_steps(models, name, dtype, where):
     """Replayed buckets (the target's pass, a draft model's forwards) give the eager path's tokens and caches bitwise
     (the scratch block aside), greedy and seeded, in both dtypes: the forward is batch-invariant, so padded buckets
@@ -119,15 +124,20 @@ def test_captured_steps_equal_eager_steps(models, name, dtype, where):
         drafter = llm.engine.drafter
         if drafter is not None and drafter.keeps_cache:
             caches.append(drafter.kv.data[:, :, SCRATCH_BLOCK + 1 :].clone())
-        runs.append((outs, caches, llm.engine.runner.graphs, getattr(drafter, "graphs", None)))
-    (want, want_caches, none, _), (got, got_caches, graphs, draft_graphs) = runs
+        if drafter is not None and drafter.needs_hidden:
+            caches.append(drafter.features[:, SCRATCH_BLOCK + 1 :].clone())  # [1, blocks - 1, block_size, H]
+        drafted = [getattr(drafter, name, None) for name in ("graphs", "node_graphs")]
+        runs.append((outs, caches, llm.engine.runner.graphs, drafted))
+    (want, want_caches, none, _), (got, got_caches, graphs, (draft_graphs, node_graphs)) = runs
     assert none is None and graphs.num_replays > 0 and any(rows == 4 for rows, _ in graphs.buckets)  # 3 rows: 4
     assert got == want
     assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
     if name in ("chain", "tree", "eagle3"):
         assert any(width > 1 for _, width in graphs.buckets)  # verified trees replayed too
-    if name in ("chain", "tree"):  # the draft model's forwards (catch-ups, a tree's levels) replayed too
-        assert draft_graphs.num_replays > 0 and (name == "chain" or any(w > 1 for _, w in draft_graphs.buckets))
+    if name in ("chain", "tree", "eagle1"):  # the drafter's forwards (catch-ups, a tree's levels) replayed too
+        assert draft_graphs.num_replays > 0 and (name != "tree" or any(w > 1 for _, w in draft_graphs.buckets))
+    if name in ("eagle3_tree", "eagle1"):  # a head's nodes on their parents' outputs
+        assert node_graphs.num_replays > 0
 
 
 def test_enforce_eager_changes_nothing_on_cpu(models):
