@@ -97,13 +97,14 @@ def _in_region(replay) -> None:
         replay()
 
 
-def rows(model: str, draft: str | None, device: str, dtype: str, steps: int) -> list[dict]:
-    """Plain and speculative (a draft model's chains at depth 3: verify width 4), each eager and captured."""
+def rows(model: str, draft: str | None, device: str, dtype: str, steps: int, method: str = "draft_model") -> list[dict]:
+    """Plain and speculative (``method``'s chains at depth 3: verify width 4; "draft_model" and "eagle" read
+    ``draft``), each eager and captured."""
     mechanism = None if device == "cuda" else "replay"
     out = []
     specs = {"plain": None}
-    if draft:
-        specs["speculative"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    if draft or method == "ngram":
+        specs["speculative"] = {"method": method, "num_speculative_tokens": 3} | ({"model": draft} if draft else {})
     for name, spec in specs.items():
         for eager in (True, False):
             config = EngineConfig(plain_chain=1, spec_chain_steps=0, native_tree_step=False, enforce_eager=eager,
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="target directory (default: the embedded target)")
     ap.add_argument("--draft", default=None, help="draft directory (default: the embedded draft with the embedded "
                     "target; none otherwise)")  # fmt: skip
+    ap.add_argument("--method", default="draft_model", choices=["draft_model", "eagle", "ngram"],
+                    help="the speculative rows' drafter")  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=8)
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = default_model_paths()
     model = args.model or target
     draft = args.draft or (draft if args.model is None else None)
-    out = rows(model, draft, args.device, args.dtype, args.steps)
+    out = rows(model, None if args.method == "ngram" else draft, args.device, args.dtype, args.steps, args.method)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "rows": out}, indent=1))
     return 0

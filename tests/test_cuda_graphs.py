@@ -102,6 +102,24 @@ CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reas
 SEEDED = [SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True) for n in (20, 13, 7)]
 
 
+def test_a_failed_capture_turns_graphs_off(caplog):
+    """A capture that raises (e.g. a host read under SPECDEC_DEBUG_CHECKS=1) is logged once; that step and every
+    later one run eagerly, with the eager result."""
+
+    class Refuses(ReplayGraph):
+        def capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    def forward(tokens, positions, seqlens, tree_mask, block_table):
+        return tokens[..., None].float(), None
+
+    graphs = CapturedForward(forward, "cpu", table_width=2, max_rows=2, max_width=1, graph=Refuses)
+    inputs = (torch.tensor([[4]]), torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
+              torch.ones(1, 1, 1, dtype=torch.bool), torch.ones(1, 1, dtype=torch.int32))  # fmt: skip
+    assert graphs(*inputs)[0].tolist() == [[[4.0]]] and graphs.disabled and not graphs.buckets
+    assert graphs.bucket(1, 1) is None and "every step runs eagerly" in caplog.text
+
+
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["none", "chain", "tree", "ngram", "eagle3", "eagle3_tree", "eagle1"])
