@@ -42,6 +42,14 @@ run() {  # name, command...: log each step under what is left of the budget; kee
     summary+=$(printf '%-16s rc %-4s %5ss' "$name" "$rc" $((SECONDS - start)))$'\n'
 }
 finish() {  # the summary, the decode figures and one archive of the logs under $DEST
+    if [ -f "$LOGS/gpu_decode.json" ]; then  # the figures again, last, where the caller reads the output's tail
+        echo "== gpu_decode rows"
+        "$PY" -c "import json, sys
+for f in sys.argv[1:]:
+    for row in json.load(open(f))['rows']:
+        print('   ' + ' | '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in row.items()))" \
+            "$LOGS/gpu_decode.json" $(ls "$LOGS"/mechanisms/gpu_decode.json 2>/dev/null) | tee "$LOGS/rows.txt"
+    fi
     echo "== summary (rc 124: the step ran into the deadline)"
     printf '%s' "$summary" | tee "$LOGS/summary.txt"
     cp "$LOGS/summary.txt" "$DEST/summary.txt"
