@@ -261,7 +261,7 @@ class LLM:
         drafter = drafts.build(num_blocks, block_size)
         load_ext()  # compact_kv_'s extension: compiled (once per machine) here, not inside the first timed step
         config = engine_config or EngineConfig()
-        if enforce_eager or tensor_parallel_size > 1:  # (a sharded forward broadcasts its inputs from the host)
+        if enforce_eager:
             config = dataclasses.replace(config, enforce_eager=True)
         self.engine = Engine(
             self.target, kv, self.allocator, drafter,

@@ -103,6 +103,7 @@ class StepRunner:
     def use_graphs(self, enforce_eager: bool, mechanism: str | None = None) -> None:
         """The regular step's target pass replayed from graphs per bucket (spec_engine/cuda_graphs.py: on CUDA, or
         by ``mechanism``), or always eager; buckets captured earlier are kept while the choice stands."""
+        enforce_eager = enforce_eager or not self.target.capturable  # (tensor parallelism: a host broadcast a call)
         if enforce_eager or self.graphs is None or mechanism != self._graph_mechanism:
             rows, width = self.rows.block_table.shape
             self.graphs = None if enforce_eager else captured_forward(

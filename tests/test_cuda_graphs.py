@@ -169,6 +169,9 @@ def test_enforce_eager_changes_nothing_on_cpu(models):
     assert graphs is not None
     llm.engine.reconfigure(EngineConfig(**REGULAR, graph_mechanism="replay", unsure_chain_steps=2))
     assert llm.engine.runner.graphs is graphs  # the same choice keeps the buckets captured so far
+    llm.target.capturable = False  # (a tensor-parallel target: each call broadcasts its inputs from the host)
+    llm.engine.reconfigure(EngineConfig(**REGULAR, graph_mechanism="replay"))
+    assert llm.engine.runner.graphs is None
 
 
 @pytest.mark.parametrize("name", ["none", "tree", "ngram"])
