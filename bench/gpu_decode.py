@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -221,6 +222,9 @@ def speedup(bench: Bench) -> None:
 
 def mechanisms(bench: Bench) -> None:
     params = SamplingParams(max_tokens=bench.tokens, ignore_eos=True)
+    for knob in ("recompile_limit", "cache_size_limit"):  # (every bucket's body is one code object to dynamo)
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
     names = ["replay"] if bench.args.dry_run else ["cuda_graph", "compile_graph", "reduce_overhead"]
     engines = {}
     for name in names:  # a compile that fails is that row's failure, not the section's
@@ -250,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, run in this order")
     ap.add_argument("--dry-run", action="store_true", help="every section on the CPU, tiny models, stand-in graphs")
     args = ap.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s %(message)s", level=logging.WARNING)
+    logging.getLogger("spec_engine.cuda_graphs").setLevel(logging.INFO)  # a line per captured bucket
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_decode: no CUDA device (--dry-run runs the script's logic on the CPU)", file=sys.stderr)
         return 2

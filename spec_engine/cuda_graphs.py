@@ -88,13 +88,11 @@ class ReplayGraph:
 
     def __init__(self, device: torch.device):
         self.fn: Callable[[], None] | None = None
-        self.replays = 0
 
     def capture(self, fn: Callable[[], None]) -> None:
         self.fn = fn
 
     def replay(self) -> None:
-        self.replays += 1
         self.fn()
 
 
@@ -157,13 +155,13 @@ class CapturedForward:
 
     ``forward``: the eager function (the one captured); ``table_width``: the block table's full width W (a bucket's
     table is that wide, so one graph serves every context length); ``max_rows``: the most rows a step has;
-    ``max_width``: the widest verify; ``graph``: the mechanism (``MECHANISMS``).
+    ``max_width``: the widest call; ``graph``: the mechanism (``MECHANISMS``); ``name``: what the log lines call it.
     """
 
     def __init__(self, forward: Forward, device: torch.device, *, table_width: int, max_rows: int, max_width: int,
-                 graph: type = CudaGraph, max_tokens: int = MAX_CAPTURE_TOKENS,
-                 max_graphs: int = MAX_GRAPHS):  # fmt: skip
-        self.forward, self.device, self.table_width = forward, torch.device(device), table_width
+                 graph: type = CudaGraph, max_tokens: int = MAX_CAPTURE_TOKENS, max_graphs: int = MAX_GRAPHS,
+                 name: str = "forward"):  # fmt: skip
+        self.forward, self.device, self.table_width, self.name = forward, torch.device(device), table_width, name
         self.graph_type, self.max_graphs = graph, max_graphs
         top = batch_bucket(max_rows) or BATCH_BUCKETS[-1]
         self.max_width, self.max_tokens = max_width, min(max_tokens, top * max_width)
@@ -244,17 +242,17 @@ class CapturedForward:
             bucket.graph.capture(body)
         except Exception as error:  # (e.g. SPECDEC_DEBUG_CHECKS=1 reads device values, which a capture forbids)
             self.disabled = True
-            log.warning("CUDA graph capture of bucket (%d rows, width %d) failed; every step runs eagerly: %s",
-                        rows, width, error)  # fmt: skip
+            log.warning("capture of the %s for %d rows x width %d failed; it runs eagerly from now on: %s",
+                        self.name, rows, width, error)  # fmt: skip
             return None
         self.buckets[(rows, width)] = bucket
-        log.info("captured the target's forward for %d rows x width %d in %.2f s (%d buckets)", rows, width,
+        log.info("captured the %s for %d rows x width %d in %.2f s (%d buckets)", self.name, rows, width,
                  time.perf_counter() - start, len(self.buckets))  # fmt: skip
         return bucket
 
 
 def captured_forward(forward: Forward, device: torch.device, *, table_width: int, max_rows: int, max_width: int,
-                     mechanism: str | None = None) -> CapturedForward | None:  # fmt: skip
+                     mechanism: str | None = None, name: str = "forward") -> CapturedForward | None:  # fmt: skip
     """The captured forward for a model on ``device``: CUDA graphs on CUDA (``mechanism`` picks another of
     ``MECHANISMS``, e.g. "replay" to run the captured path on CPU or meta in tests); None elsewhere (a CPU runs its
     native multi-step calls, which graphs would not help)."""
@@ -266,4 +264,4 @@ def captured_forward(forward: Forward, device: torch.device, *, table_width: int
     if mechanism not in MECHANISMS:
         raise ValueError(f"unknown graph mechanism {mechanism!r}; one of {sorted(MECHANISMS)}")
     return CapturedForward(forward, device, table_width=table_width, max_rows=max_rows, max_width=max_width,
-                           graph=MECHANISMS[mechanism])  # fmt: skip
+                           graph=MECHANISMS[mechanism], name=name)  # fmt: skip

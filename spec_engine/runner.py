@@ -108,7 +108,7 @@ class StepRunner:
             rows, width = self.rows.block_table.shape
             self.graphs = None if enforce_eager else captured_forward(
                 self.target_logits, self.device, table_width=width, max_rows=rows, max_width=self.max_tree_nodes,
-                mechanism=mechanism)  # fmt: skip
+                mechanism=mechanism, name="target's pass")  # fmt: skip
             if self.drafter is not None:  # (a draft model's forwards too; drafters without one ignore it)
                 self.drafter.use_graphs(enforce_eager, mechanism, table_width=width, max_rows=rows)
         self._graph_mechanism = mechanism

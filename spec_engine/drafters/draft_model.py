@@ -118,7 +118,7 @@ class DraftModelDrafter(Drafter):
         width = max(CATCH_UP_SLACK + 1, self.max_nodes)
         self.graphs = None if enforce_eager else captured_forward(
             self._hidden, self.device, table_width=table_width, max_rows=max_rows, max_width=width,
-            mechanism=mechanism)  # fmt: skip
+            mechanism=mechanism, name="drafter's forward")  # fmt: skip
 
     def _hidden(self, tokens, positions, seqlens, mask, block_table) -> tuple[torch.Tensor]:
         """The draft model's forward on its cache: (hidden states [B, T, H],), what ``graphs`` captures."""

@@ -289,7 +289,8 @@ class EagleDrafter(DraftModelDrafter):
         super().use_graphs(enforce_eager, mechanism, table_width=table_width, max_rows=max_rows)
         self.node_graphs = None if enforce_eager else captured_forward(
             self._node_hidden, self.device, table_width=table_width, max_rows=max_rows,
-            max_width=max(CATCH_UP_SLACK + 1, self.max_nodes), mechanism=mechanism)  # fmt: skip
+            max_width=max(CATCH_UP_SLACK + 1, self.max_nodes), mechanism=mechanism,
+            name="head's tree nodes")  # fmt: skip
 
     def _store(self, hidden: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> None:
         """The target's hidden states [B, T, F] at ``positions`` [B, T] into the feature cache."""
