@@ -147,6 +147,8 @@ class _Bucket:
     block_table: torch.Tensor
     extras: tuple[torch.Tensor, ...] = ()
     graph: Graph | None = None
+    # the rows and table columns the last call wrote (the rest is padding: length 0, scratch blocks)
+    written: tuple[int, int] = (0, 0)
 
 
 class CapturedForward:
@@ -201,13 +203,19 @@ class CapturedForward:
         """The step's inputs into the bucket's first B rows; rows B.. become padding (length 0, scratch blocks)."""
         for static, given in zip(bucket.extras, extras):
             static[:B].copy_(given)
+        W = block_table.shape[1]
+        rows, width = bucket.written
+        if rows > B:  # a larger call's rows are left there: their blocks are real requests'
+            bucket.seqlens[B:rows].zero_()
+            bucket.block_table[B:rows].fill_(SCRATCH_BLOCK)
+        if width > W:  # (a wider table's columns past this one's: blocks of real requests too)
+            bucket.block_table[:B, W:width].fill_(SCRATCH_BLOCK)
+        bucket.written = (B, W)
         bucket.tokens[:B].copy_(tokens)
         bucket.positions[:B].copy_(positions)
         bucket.tree_mask[:B].copy_(tree_mask)
         bucket.seqlens[:B].copy_(seqlens)
-        bucket.seqlens[B:].zero_()  # (a larger step's rows may be left there: their blocks are real requests')
-        bucket.block_table.fill_(SCRATCH_BLOCK)
-        bucket.block_table[:B, : block_table.shape[1]].copy_(block_table)
+        bucket.block_table[:B, :W].copy_(block_table)
 
     def _capture(self, rows: int, width: int, extras: tuple[torch.Tensor, ...] = ()) -> _Bucket | None:
         """A bucket's static inputs (all padding; ``extras`` give their kinds: zeros of their dtype and trailing

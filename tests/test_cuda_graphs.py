@@ -67,8 +67,9 @@ def test_captured_forward_is_cpu_free_unless_named():
 
 
 def test_padding_rows_see_length_zero_and_scratch_blocks():
-    """A step of 3 rows after one of 4 in the same bucket: row 3 (the earlier step's real row) becomes padding, length
-    0 and every block the scratch block, so its K/V cannot land in a request's blocks."""
+    """A step of 3 rows after one of 4 in the same bucket, its block table narrower: row 3 (the earlier step's real
+    row) becomes padding, length 0 and every block the scratch block, and the earlier table's wider columns scratch,
+    so no K/V can land in a request's blocks; then a wider step again."""
     seen = []
 
     def forward(tokens, positions, seqlens, tree_mask, block_table):  # records what the captured function reads
@@ -78,23 +79,26 @@ def test_padding_rows_see_length_zero_and_scratch_blocks():
 
     graphs = CapturedForward(forward, "cpu", table_width=6, max_rows=4, max_width=2, graph=ReplayGraph)
 
-    def step(B):
+    def step(B, W):
         tokens = torch.arange(B * 2).view(B, 2) + 10
         positions = torch.arange(B)[:, None] * 5 + torch.arange(2)
         seqlens = torch.arange(B, dtype=torch.int32) * 5 + 1
-        table = torch.arange(B * 3, dtype=torch.int32).view(B, 3) + 1  # 3 of the 6 columns; ids 1.. (0: scratch)
+        table = torch.arange(B * W, dtype=torch.int32).view(B, W) + 1  # W of the 6 columns; ids 1.. (0: scratch)
         logits, features = graphs(tokens, positions, seqlens, torch.ones(B, 2, 2, dtype=torch.bool).tril(), table)
         assert features is None and logits.shape == (B, 2, 3)
         assert torch.equal(logits, forward(tokens, positions, seqlens, None, table)[0])  # (records one more)
         return table
 
-    step(4)
-    table = step(3)
+    step(4, 4)
+    table = step(3, 2)
     assert list(graphs.buckets) == [(4, 2)] and graphs.num_replays == 2
     tokens, seqlens, block_table = seen[-2]  # the second replay's inputs
     assert seqlens.tolist() == [1, 6, 11, 0]
-    assert torch.equal(block_table[:3, :3], table) and (block_table[:3, 3:] == SCRATCH_BLOCK).all()
+    assert torch.equal(block_table[:3, :2], table) and (block_table[:3, 2:] == SCRATCH_BLOCK).all()
     assert (block_table[3:] == SCRATCH_BLOCK).all()
+    table = step(4, 5)
+    block_table = seen[-2][2]
+    assert torch.equal(block_table[:, :5], table) and (block_table[:, 5:] == SCRATCH_BLOCK).all()
     assert seen[0][1].tolist() == [0, 0, 0, 0] and (seen[0][2] == SCRATCH_BLOCK).all()  # the warm-up: padding only
 
 
