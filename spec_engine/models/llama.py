@@ -159,6 +159,8 @@ class LlamaForCausalLM(nn.Module):
     The KV cache of one model is a single tensor ``[layers, 2, B, S, Hkv, D]`` (see ``spec_engine.kv_cache``).
     """
 
+    capturable = True  # the forward runs on the device alone: CUDA graphs may capture it (``Target.capturable``)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
