@@ -100,10 +100,10 @@ def _capture(module, names: tuple[str, ...], launch) -> list[tuple[str, tuple, d
     return [call for r in recorders.values() for call in r.calls]
 
 
-def _plan_tensors(k, seqlens, mask, table) -> tuple:
+def _plan_tensors(k, cache_seqlens, mask, table) -> tuple:
     """The Triton launcher's int32 inputs, as a forward's plan holds them."""
-    p = TA._device_plan(k, seqlens, mask, table, HQ // HKV)
-    return p.seqlens, p.tree_keys, p.tree_lens, p.tile_shared, p.tile_lens, p.block_table
+    p = TA._device_plan(k, cache_seqlens, mask, table, HQ // HKV)
+    return p.cache_seqlens, p.tree_keys, p.tree_lens, p.tile_shared, p.tile_lens, p.block_table
 
 
 def _tree_attention_launches(dtype_name: str, D: int, paged: bool, rows: str, split: bool):
@@ -116,13 +116,13 @@ def _tree_attention_launches(dtype_name: str, D: int, paged: bool, rows: str, sp
         table = torch.zeros(B, max_blocks, dtype=torch.int32)
     else:
         k, table = torch.empty(B, L + T, HKV, D, dtype=dtype), None
-    seqlens = torch.full((B,), L, dtype=torch.int32)
+    cache_seqlens = torch.full((B,), L, dtype=torch.int32)
     mask = torch.ones(B, T, T, dtype=torch.bool).tril()
     num_splits = 8 if split else 1
     return _capture(
         TA,
         ("_tree_attention_kernel", "_combine_splits_kernel"),
-        lambda: TA._launch_tree_attention(q, k, k, *_plan_tensors(k, seqlens, mask, table), D**-0.5, num_splits),
+        lambda: TA._launch_tree_attention(q, k, k, *_plan_tensors(k, cache_seqlens, mask, table), D**-0.5, num_splits),
     )
 
 

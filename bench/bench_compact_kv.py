@@ -93,7 +93,7 @@ def run(device: str, quick: bool) -> list[dict]:
     rows = []
     for batch, dtype, reverse in configs:
         accepted, num_accepted = _paths(batch, gen, reverse)
-        seqlens = torch.randint(0, 32, (batch,), generator=gen, dtype=torch.int64).to(torch.int32)  # [B]
+        cache_seqlens = torch.randint(0, 32, (batch,), generator=gen, dtype=torch.int64).to(torch.int32)  # [B]
         capacity = 32 + NUM_NODES
         cache = torch.randn(NUM_PLANES, batch, capacity, *ROW, device=device).to(dtype)  # [N, B, S, Hkv, D]
         steps = torch.arange(NUM_NODES)
@@ -102,7 +102,7 @@ def run(device: str, quick: bool) -> list[dict]:
         nbytes = 2 * moved * NUM_PLANES * row_bytes  # read + write of the rows that really move
         src = torch.randn(nbytes // 2 // cache.element_size(), device=device).to(dtype)
         dst = torch.empty_like(src)
-        args = (cache, seqlens.to(device), accepted.to(device), num_accepted.to(device))
+        args = (cache, cache_seqlens.to(device), accepted.to(device), num_accepted.to(device))
         fns = {
             "native": lambda a=args: compact_kv_(*a),
             "ref": lambda a=args: compact_kv_ref(*a),

@@ -45,12 +45,12 @@ def make_case(model, L: int, T: int):
     blocks = (L + T) // BLOCK + 1
     kv = torch.randn(cfg.num_hidden_layers, 2, blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim).to(dtype)
     table = torch.arange(blocks, dtype=torch.int32)[None]  # [1, blocks]
-    seqlens = torch.tensor([L], dtype=torch.int32)
-    positions = seqlens.long()[:, None] + torch.arange(T)  # [1, T]
+    cache_seqlens = torch.tensor([L], dtype=torch.int32)
+    positions = cache_seqlens.long()[:, None] + torch.arange(T)  # [1, T]
     hidden = model.model.embed_tokens(torch.randint(0, cfg.vocab_size, (1, T)))  # [1, T, H]
     rope = model._rope(positions, dtype)  # [2, 1, T, D]
     mask = torch.ones(1, T, T, dtype=torch.bool).tril()
-    args = (hidden, model.layer_weights, model.model.norm.weight, kv, seqlens, rope, mask)
+    args = (hidden, model.layer_weights, model.model.norm.weight, kv, cache_seqlens, rope, mask)
     kw = dict(num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=table)
     mats = [w for i, w in enumerate(model.layer_weights) if i % 9 in (1, 3, 5, 6)]  # qkv, o, gate_up, down
     xs = {w.shape[1]: torch.randn(T, w.shape[1]).to(dtype) for w in mats}

@@ -65,7 +65,7 @@ def head_step(drafter, ctx: int):
     table = (torch.arange(-(-(ctx + 1) // kv.data.shape[3])) + 1).int()[None].to(dev)  # [1, W]
     tokens = torch.zeros(1, 1, dtype=torch.int64, device=dev)
     feats = torch.randn(1, 1, drafter.features.shape[-1], device=dev).to(drafter.features.dtype)
-    seqlens = torch.full((1,), ctx, dtype=torch.int32, device=dev)
+    cache_seqlens = torch.full((1,), ctx, dtype=torch.int32, device=dev)
     positions = torch.full((1, 1), ctx, device=dev)
     mask = causal_mask(1, 1, dev)
     native, root = drafter.model.native, torch.zeros(1, dtype=torch.int64, device=dev)
@@ -73,9 +73,9 @@ def head_step(drafter, ctx: int):
     @torch.inference_mode()
     def once():
         if native is not None:
-            eagle3_draft(native, tokens, seqlens, root, drafter.features, kv.data, gamma=1, block_table=table)
+            eagle3_draft(native, tokens, cache_seqlens, root, drafter.features, kv.data, gamma=1, block_table=table)
         else:
-            drafter.model.logits(drafter.model(tokens, feats, positions, kv.data, seqlens, mask, table))
+            drafter.model.logits(drafter.model(tokens, feats, positions, kv.data, cache_seqlens, mask, table))
 
     return once
 

@@ -61,15 +61,15 @@ def make_inputs(B: int, L: int, T: int, dtype: torch.dtype, device: torch.device
     q = torch.randn(B, T, HQ, D, dtype=dtype, device=device)
     k = torch.randn(B, L + T, HKV, D, dtype=dtype, device=device)
     v = torch.randn(B, L + T, HKV, D, dtype=dtype, device=device)
-    seqlens = torch.full((B,), L, dtype=torch.int32, device=device)
+    cache_seqlens = torch.full((B,), L, dtype=torch.int32, device=device)
     parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, T)])  # a binary tree of T nodes
     mask = torch.eye(T, dtype=torch.bool)
     for i in range(1, T):
         mask[i] |= mask[parents[i]]
-    return q, k, v, seqlens, mask.expand(B, T, T).contiguous().to(device)
+    return q, k, v, cache_seqlens, mask.expand(B, T, T).contiguous().to(device)
 
 
-def dense_sdpa(q, k, v, seqlens, tree_mask):
+def dense_sdpa(q, k, v, cache_seqlens, tree_mask):
     """The unfused baseline's inputs: K/V repeated to Hq heads, a [B, 1, T, L+T] mask."""
     B, T = q.shape[:2]
     L = k.shape[1] - T
@@ -106,13 +106,14 @@ def main() -> None:
     print(header)
     rows = []
     for B, L, T in QUICK if args.quick else FULL:
-        q, k, v, seqlens, mask = make_inputs(B, L, T, dtype, device)
+        q, k, v, cache_seqlens, mask = make_inputs(B, L, T, dtype, device)
         bytes_read = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size()  # K/V + q in, output out
-        op = timeit(lambda: tree_attention(q, k, v, seqlens, mask), device, args.reps)  # noqa: B023
-        plan = plan_tree_attention(k, seqlens, mask, num_q_heads=HQ)
-        planned = timeit(lambda: tree_attention(q, k, v, seqlens, mask, plan=plan), device, args.reps)  # noqa: B023
-        ref = None if args.no_ref else timeit(lambda: tree_attention_ref(q, k, v, seqlens, mask), device, args.reps)  # noqa: B023
-        sdpa = timeit(dense_sdpa(q, k, v, seqlens, mask), device, args.reps)
+        op = timeit(lambda: tree_attention(q, k, v, cache_seqlens, mask), device, args.reps)  # noqa: B023
+        plan = plan_tree_attention(k, cache_seqlens, mask, num_q_heads=HQ)
+        planned = timeit(lambda: tree_attention(q, k, v, cache_seqlens, mask, plan=plan), device, args.reps)  # noqa: B023
+        ref_call = lambda: tree_attention_ref(q, k, v, cache_seqlens, mask)  # noqa: B023, E731
+        ref = None if args.no_ref else timeit(ref_call, device, args.reps)
+        sdpa = timeit(dense_sdpa(q, k, v, cache_seqlens, mask), device, args.reps)
         gbs = bytes_read / op[0] / 1e6
         floor_ms = bytes_read / bandwidth / 1e6
 

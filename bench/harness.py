@@ -256,13 +256,13 @@ def forward_step(model, kv, batch: int, ctx: int, T: int):
     table = (torch.arange(batch * per_row) % (num_blocks - 1) + 1).view(batch, per_row).int().to(dev)  # [B, W]
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (batch, T), generator=gen).to(dev)  # [B, T]
-    seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)  # [B]
+    cache_seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)  # [B]
     positions = ctx + torch.arange(T, device=dev).expand(batch, T)  # [B, T]
     mask = causal_mask(batch, T, dev)
 
     @torch.inference_mode()
     def once():
-        hidden = model(tokens, positions, kv.data, seqlens, mask, table)  # [B, T, H]
+        hidden = model(tokens, positions, kv.data, cache_seqlens, mask, table)  # [B, T, H]
         if model.vocab_map is None:
             model.logits(hidden)
         else:  # a draft's reduced vocabulary: its K rows, as a drafted level computes them (no scatter to V)

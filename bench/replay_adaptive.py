@@ -205,12 +205,12 @@ def replay(ctl, rec: dict, max_tokens: int, costs: Costs, fixed: int = 0, noise=
     c, n, L0 = costs, answer_len(rec, max_tokens), rec["prompt_len"]
     jitter = noise or (lambda: 1.0)
     req = SimpleNamespace(spec_state=None, params=SimpleNamespace(max_tokens=max_tokens), output_token_ids=[],
-                          num_computed=L0 - 1, draft_len=0,
+                          cache_seqlen=L0 - 1, draft_len=0,
                           metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
     total, pos = 0.0, 0
     if fixed:  # a fixed depth prefills the draft with the prompt
-        total += c.catch_up_call + c.catch_up_token * req.num_computed
-        req.draft_len = req.num_computed
+        total += c.catch_up_call + c.catch_up_token * req.cache_seqlen
+        req.draft_len = req.cache_seqlen
     while pos < n:
         left = max_tokens - pos
         G = min(fixed, left - 1) if fixed else ctl.choose([req])[0]
@@ -222,14 +222,14 @@ def replay(ctl, rec: dict, max_tokens: int, costs: Costs, fixed: int = 0, noise=
             if not fixed:
                 per_step = c.plain_call / ENGINE.plain_chain + sum(steps) / K
                 ctl.observe([req], [0], [1], 0.0, per_step * jitter() / 1e3, steps=K)
-            pos, req.num_computed, total = pos + K, req.num_computed + K, total + c.plain_call + sum(steps)
+            pos, req.cache_seqlen, total = pos + K, req.cache_seqlen + K, total + c.plain_call + sum(steps)
             req.output_token_ids.extend([0] * K)
             continue
         unsure = not fixed and ctl.unsure([req])
         limit = ENGINE.unsure_chain_steps if unsure else ENGINE.spec_chain_steps
         total += c.spec_call
         for _ in range(max(min(limit, (max_tokens - pos) // (G + 1)), 1)):
-            lag = req.num_computed - req.draft_len
+            lag = req.cache_seqlen - req.draft_len
             k = accepted(rec, pos, G, n) + 1
             t_draft = c.draft(G) + (c.catch_up_call + c.catch_up_token * lag if lag > 1 else 0.0)
             t = c.target(G, L0 + pos) + t_draft
@@ -238,16 +238,16 @@ def replay(ctl, rec: dict, max_tokens: int, costs: Costs, fixed: int = 0, noise=
                 ctl.observe(
                     [req], [G], [k], t_draft * seen / 1e3, (t + c.spec_call / ENGINE.spec_chain_steps) * seen / 1e3
                 )
-            pos, req.num_computed, total = pos + k, req.num_computed + k, total + t
+            pos, req.cache_seqlen, total = pos + k, req.cache_seqlen + k, total + t
             req.output_token_ids.extend([0] * k)
-            req.draft_len = req.num_computed - (k == G + 1)  # a full chain leaves its last draft to catch up
+            req.draft_len = req.cache_seqlen - (k == G + 1)  # a full chain leaves its last draft to catch up
             if pos >= n or (unsure and k == 1):
                 break
     return total
 
 
 def controller():
-    ctl = adaptive.AdaptiveController(CHAIN, lambda g: g + 1, cache_lag=lambda r: r.num_computed - r.draft_len)
+    ctl = adaptive.AdaptiveController(CHAIN, lambda g: g + 1, cache_lag=lambda r: r.cache_seqlen - r.draft_len)
     ctl._cold = False  # the engine's first step pays one-time costs; a replay has none
     return ctl
 

@@ -12,7 +12,7 @@ template <typename T>
 struct Problem {
   int64_t B, T_, H, Hq, Hkv, D, I, num_layers;
   float eps, scale;
-  const int64_t* seqlens;      // [B] (converted to int64)
+  const int64_t* cache_seqlens;      // [B] (converted to int64)
   const bool* tree_mask;       // [B, T, T]
   const int32_t* block_table;  // [B, max_blocks] or nullptr (contiguous: block b, block_size = S)
   int64_t max_blocks, block_size, num_blocks;
@@ -41,7 +41,7 @@ struct Problem {
 template <typename T>
 void position_rows(const Problem<T>& p, std::vector<int64_t>& rows, std::vector<int64_t>& cu) {
   cu.assign(p.B + 1, 0);
-  for (int64_t b = 0; b < p.B; ++b) cu[b + 1] = cu[b] + p.seqlens[b] + p.T_;
+  for (int64_t b = 0; b < p.B; ++b) cu[b + 1] = cu[b] + p.cache_seqlens[b] + p.T_;
   rows.resize(cu[p.B]);
   for (int64_t b = 0; b < p.B; ++b) {
     int64_t* out = rows.data() + cu[b];
@@ -60,7 +60,7 @@ void position_rows(const Problem<T>& p, std::vector<int64_t>& rows, std::vector<
 // mask hides are not in the list.
 template <typename T>
 void key_rows(const Problem<T>& p, const int64_t* positions, int64_t b, int64_t t, std::vector<int64_t>& rows) {
-  const int64_t L = p.seqlens[b];
+  const int64_t L = p.cache_seqlens[b];
   const bool* mask = p.tree_mask + (b * p.T_ + t) * p.T_;  // [T]
   rows.assign(positions, positions + L);
   for (int64_t j = 0; j < p.T_; ++j) {

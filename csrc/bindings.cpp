@@ -59,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     at::TensorList caches, const OptTensorList& inputs, const OptTensorList& sampling, at::IntArrayRef knobs,
     at::IntArrayRef tree);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_step_cpu(
-    const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& seqlens,
+    const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& cache_seqlens,
     const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
     at::IntArrayRef capture);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
@@ -141,7 +141,7 @@ void compact_kv_cuda_entry(at::Tensor cache, const at::Tensor& cache_seqlens, co
   // Values (an index past the cache, a bad block id) are not checked here: that would cost a host sync per step.
   // The kernel skips such rows instead; the CPU path and spec_kernels.compact_kv_ on CPU tensors raise.
   // .contiguous() is free for the usual contiguous inputs; int32 and int64 are both read as they are.
-  const at::Tensor seqlens = cache_seqlens.contiguous();  // [B]
+  const at::Tensor cache_seqlens_c = cache_seqlens.contiguous();  // [B]
   const at::Tensor nodes = accepted_nodes.contiguous();   // [B, T]
   const at::Tensor counts = num_accepted.contiguous();    // [B]
   at::Tensor table;                                       // [B, max_blocks]
@@ -150,14 +150,14 @@ void compact_kv_cuda_entry(at::Tensor cache, const at::Tensor& cache_seqlens, co
   const int64_t elem = cache.element_size();
   CompactKvParams p{};
   p.cache = cache.data_ptr();
-  p.cache_seqlens = seqlens.data_ptr();
+  p.cache_seqlens = cache_seqlens_c.data_ptr();
   p.accepted_nodes = nodes.data_ptr();
   p.num_accepted = counts.data_ptr();
-  p.seqlens_int64 = seqlens.scalar_type() == at::kLong;
+  p.cache_seqlens_int64 = cache_seqlens_c.scalar_type() == at::kLong;
   p.accepted_int64 = nodes.scalar_type() == at::kLong;
   p.num_accepted_int64 = counts.scalar_type() == at::kLong;
   p.num_planes = cache.size(0);
-  p.batch = seqlens.size(0);
+  p.batch = cache_seqlens_c.size(0);
   p.max_nodes = nodes.size(1);
   p.accepted_stride = nodes.stride(0);
   p.row_bytes = elem;
@@ -217,7 +217,7 @@ TORCH_LIBRARY(spec_kernels, m) {
       "__torch__.torch.classes.spec_kernels.NativeModel draft, Tensor(a!)[] caches, Tensor?[] inputs, "
       "Tensor?[] sampling, int[] knobs, int[] tree=[]) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "tree_step(Tensor tokens, Tensor parents, Tensor seqlens, "
+      "tree_step(Tensor tokens, Tensor parents, Tensor cache_seqlens, "
       "__torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, Tensor? block_table, "
       "int[] capture=[]) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(

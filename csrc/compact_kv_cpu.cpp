@@ -120,14 +120,14 @@ void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, co
     lay.capacity = cache.size(2);
   }
 
-  const int64_t* seqlens = cache_seqlens.data_ptr<int64_t>();
+  const int64_t* L = cache_seqlens.data_ptr<int64_t>();
   const int64_t* nodes = accepted_nodes.data_ptr<int64_t>();  // [B, T]
   const int64_t* counts = num_accepted.data_ptr<int64_t>();
 
   std::vector<Plan> plans(batch, Plan::kNothing);
   int64_t rows_moved = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t base = seqlens[b];
+    const int64_t base = L[b];
     const int64_t num = counts[b];
     TORCH_CHECK_VALUE(base >= 0, "compact_kv_: cache_seqlens[", b, "] = ", base, " is negative");
     TORCH_CHECK_VALUE(num >= 0 && num <= max_nodes, "compact_kv_: num_accepted[", b, "] = ", num,
@@ -170,7 +170,7 @@ void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, co
     const int64_t* path = nodes + b * max_nodes;
     for (int64_t t = 0; t < counts[b]; ++t) {
       if (path[t] == t) continue;
-      const unsigned char* src = lay.row(n, b, seqlens[b] + path[t]);
+      const unsigned char* src = lay.row(n, b, L[b] + path[t]);
       for (int64_t off = 0; off < lay.row_bytes; off += 64) __builtin_prefetch(src + off, 0, 3);
     }
   };
@@ -182,7 +182,7 @@ void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, co
       const int64_t b = task % batch;
       if (task + 1 < end) prefetch_sources(task + 1);
       if (plans[b] == Plan::kNothing) continue;
-      const int64_t base = seqlens[b];
+      const int64_t base = L[b];
       const int64_t num = counts[b];
       const int64_t* path = nodes + b * max_nodes;
       if (plans[b] == Plan::kDirect) {

@@ -41,10 +41,10 @@ struct LayerInputs {
 LayerInputs layer_inputs(const OptTensorList& inputs) {
   TORCH_CHECK_VALUE(inputs.size() == 4, "decoder_layers: inputs must be [cache_seqlens, rope, tree_mask, ",
                     "block_table], got ", inputs.size(), " entries");
-  const c10::optional<at::Tensor> seqlens = inputs.get(0), rope = inputs.get(1), mask = inputs.get(2);
-  TORCH_CHECK_VALUE(seqlens.has_value() && rope.has_value() && mask.has_value(),
+  const c10::optional<at::Tensor> cache_seqlens = inputs.get(0), rope = inputs.get(1), mask = inputs.get(2);
+  TORCH_CHECK_VALUE(cache_seqlens.has_value() && rope.has_value() && mask.has_value(),
                     "decoder_layers: cache_seqlens, rope and tree_mask are required, got None");
-  return {*seqlens, *rope, *mask, inputs.get(3)};
+  return {*cache_seqlens, *rope, *mask, inputs.get(3)};
 }
 
 }  // namespace
@@ -60,8 +60,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
   const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
                               num_heads, capture);
   TORCH_CHECK_VALUE(hidden.device().is_cpu(), "decoder_layers: the native kernel runs on CPU, got ", hidden.device());
-  const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]
-  const at::Tensor mask = tree_mask.contiguous();                        // [B, T, T]
+  const at::Tensor cache_seqlens_long = cache_seqlens.to(at::kLong).contiguous();  // [B]
+  const at::Tensor mask = tree_mask.contiguous();  // [B, T, T]
   const at::Tensor cos_sin = rope.contiguous();                          // [2, B, T, D]
   const at::Tensor input = hidden.contiguous();                          // [B, T, H]
   at::Tensor table;                                                      // [B, max_blocks]
@@ -72,11 +72,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
   if (out.numel() == 0) return {out, features};
   const std::vector<int64_t> layers(capture.begin(), capture.end());
   if (hidden.scalar_type() == at::kFloat) {
-    forward<float>(d, input, weights, final_norm.contiguous(), kv_cache, seqlens, mask, cos_sin, table, eps, layers,
-                   out, features);
+    forward<float>(d, input, weights, final_norm.contiguous(), kv_cache, cache_seqlens_long, mask, cos_sin, table, eps,
+                   layers, out, features);
   } else {
-    forward<c10::BFloat16>(d, input, weights, final_norm.contiguous(), kv_cache, seqlens, mask, cos_sin, table, eps,
-                           layers, out, features);
+    forward<c10::BFloat16>(d, input, weights, final_norm.contiguous(), kv_cache, cache_seqlens_long, mask, cos_sin,
+                           table, eps, layers, out, features);
   }
   return {out, features};
 }

@@ -91,7 +91,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
   // Each worker's key list and scores, sized here: nothing inside the team may allocate (an exception cannot leave
   // it).
   int64_t max_keys = 0;
-  for (int64_t b = 0; b < p.B; ++b) max_keys = std::max(max_keys, p.seqlens[b] + p.T_);
+  for (int64_t b = 0; b < p.B; ++b) max_keys = std::max(max_keys, p.cache_seqlens[b] + p.T_);
   std::vector<int64_t> positions, cu_positions;  // [sum_b (L_b + T)], [B + 1]
   position_rows(p, positions, cu_positions);
   const int64_t max_workers = team_size();
@@ -145,7 +145,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         rope_head(head, p.cos + m * D, p.sin + m * D, D);
         if (hd < Hq) continue;
         const int64_t b = m / p.T_, t = m % p.T_;
-        const int64_t dst = p.row_offset(b, p.seqlens[b] + t) + (hd - Hq) * D;
+        const int64_t dst = p.row_offset(b, p.cache_seqlens[b] + t) + (hd - Hq) * D;
         for (int64_t i = 0; i < D; ++i) k_plane[dst + i] = static_cast<T>(head[i]);
         std::copy(row + (Hkv + hd) * D, row + (Hkv + hd + 1) * D, v_plane + dst);  // V head hd - Hq
       }
@@ -329,10 +329,11 @@ template <typename T>
 void check_positions(const Problem<T>& p, int64_t B, int64_t T_) {
   const int64_t capacity = p.block_table != nullptr ? p.max_blocks * p.block_size : p.block_size;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK_VALUE(p.seqlens[b] >= 0 && p.seqlens[b] + T_ <= capacity, "decoder_layers: sequence ", b,
-                      " has L_b = ", p.seqlens[b], " and T = ", T_, " but its cache holds ", capacity, " positions");
+    TORCH_CHECK_VALUE(p.cache_seqlens[b] >= 0 && p.cache_seqlens[b] + T_ <= capacity, "decoder_layers: sequence ",
+                      b, " has L_b = ", p.cache_seqlens[b], " and T = ", T_, " but its cache holds ", capacity,
+                      " positions");
     if (p.block_table != nullptr) {
-      const int64_t used = (p.seqlens[b] + T_ + p.block_size - 1) / p.block_size;
+      const int64_t used = (p.cache_seqlens[b] + T_ + p.block_size - 1) / p.block_size;
       for (int64_t i = 0; i < used; ++i) {
         const int32_t block = p.block_table[b * p.max_blocks + i];
         TORCH_CHECK_VALUE(block >= 0 && block < p.num_blocks, "decoder_layers: block_table[", b, ", ", i, "] = ",
@@ -345,14 +346,15 @@ void check_positions(const Problem<T>& p, int64_t B, int64_t T_) {
 // Checks the values (positions and block ids; free on CPU), runs the layers and the final norm into out [B, T, H].
 template <typename T>
 void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tensor>& weights,
-             const at::Tensor& final_norm, at::Tensor& kv_cache, const at::Tensor& seqlens, const at::Tensor& mask,
+             const at::Tensor& final_norm, at::Tensor& kv_cache, const at::Tensor& cache_seqlens,
+             const at::Tensor& mask,
              const at::Tensor& cos_sin, const at::Tensor& table, double eps, const std::vector<int64_t>& capture,
              at::Tensor& out, at::Tensor& features) {
   Problem<T> p{};
   p.B = d.B, p.T_ = d.T, p.H = d.H, p.Hq = d.Hq, p.Hkv = d.Hkv, p.D = d.D, p.I = d.I, p.num_layers = d.num_layers;
   p.eps = static_cast<float>(eps);
   p.scale = 1.f / std::sqrt(static_cast<float>(d.D));
-  p.seqlens = seqlens.data_ptr<int64_t>();
+  p.cache_seqlens = cache_seqlens.data_ptr<int64_t>();
   p.tree_mask = mask.data_ptr<bool>();
   p.num_blocks = kv_cache.size(2);
   p.block_size = kv_cache.size(3);

@@ -148,13 +148,13 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_p
   TORCH_CHECK_VALUE(!m.is_head(), "draft_chain: an EAGLE-3 head drafts with eagle3_draft");
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
                     "draft_chain: cache_seqlens must be [B] = [", B, "]");
-  const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
-  const int64_t max_pos = B > 0 ? seqlens.max().item<int64_t>() + gamma : 0;
+  const at::Tensor cache_seqlens_long = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
+  const int64_t max_pos = B > 0 ? cache_seqlens_long.max().item<int64_t>() + gamma : 0;
   TORCH_CHECK_VALUE(max_pos <= m.rope_table.size(1), "draft_chain: positions up to ", max_pos,
                     " need a longer RoPE table than ", m.rope_table.size(1));
-  at::Tensor tokens = at::empty({B, gamma}, seqlens.options());  // [B, gamma]
+  at::Tensor tokens = at::empty({B, gamma}, cache_seqlens_long.options());  // [B, gamma]
   const at::Tensor logits = root_logits.contiguous();             // [B, V], read row by row
-  const int64_t* L = seqlens.data_ptr<int64_t>();
+  const int64_t* L = cache_seqlens_long.data_ptr<int64_t>();
   const at::Tensor table = table_of(block_table);
   with_dtype(m.rope_table.scalar_type(), [&](auto type) {
     ChainRunner<decltype(type)> draft = runner_of<decltype(type)>("draft_chain", m, kv_cache, table, B);
@@ -192,10 +192,10 @@ at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Nat
   TORCH_CHECK_VALUE(!m.restricted() && !m.is_head(),
                     "plain_steps: a target's own model (its logits decide the output), not a draft's or a head");
   const at::Tensor ids = roots.to(at::kLong).contiguous();              // [B]
-  const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
+  const at::Tensor cache_seqlens_long = cache_seqlens.to(at::kLong).contiguous();  // [B]: the roots' positions L_b
   ChainRows rows{B, 0, steps, false, {}, std::vector<int64_t>(B, 1), {}, std::vector<int64_t>(B, steps), {}, 1};
   rows.catch_up.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + B);
-  rows.L.assign(seqlens.data_ptr<int64_t>(), seqlens.data_ptr<int64_t>() + B);
+  rows.L.assign(cache_seqlens_long.data_ptr<int64_t>(), cache_seqlens_long.data_ptr<int64_t>() + B);
   rows.sampling = sampling_of("plain_steps", B, sampling);
   if (stop_ids.has_value()) {
     const at::Tensor s = stop_ids->to(at::kLong).contiguous();
@@ -211,7 +211,7 @@ at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Nat
   });
   int64_t ran = 0;
   while (ran < steps && B > 0 && out[ran * 2] > 0) ++ran;  // every row runs every step
-  at::Tensor tokens = at::empty({B, ran}, seqlens.options());  // [B, K']
+  at::Tensor tokens = at::empty({B, ran}, cache_seqlens_long.options());  // [B, K']
   int64_t* tok = tokens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t s = 0; s < ran; ++s) tok[b * ran + s] = out[(b * steps + s) * 2 + 1];
@@ -310,10 +310,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 // head's features still stored: the plain decoding of a head's target.
 //
 // catch_up [B, P] int64: per row the tokens at positions D_b .. L_b (the draft cache's lag, then the root), padded
-// at the end; catch_up_lens [B]: their counts (>= 1); seqlens [B]: L_b; budget [B]: tokens the row may still emit
-// (a step starts only if every row has gamma + 1 of them left); stop_ids [S]: a step that emits one of them for any
-// row is the last, and so is one where some row accepted no draft when ``stop_on_reject`` (an adaptive controller
-// re-decides the depth after it). A step whose visited target logits are not finite (a NaN, or a non-finite
+// at the end; catch_up_lens [B]: their counts (>= 1); cache_seqlens [B]: L_b; tokens_left [B]: tokens the row may
+// still emit (a step starts only if every row has gamma + 1 of them left); stop_ids [S]: a step that emits one of
+// them for any row is the last, and so is one where some row accepted no draft when ``stop_on_reject`` (an adaptive
+// controller re-decides gamma after it). A step whose visited target logits are not finite (a NaN, or a non-finite
 // maximum) is dropped and ends the call: the engine's regular step decodes it (and sanitises or raises).
 //
 // The draft is a model, or an EAGLE-3 head (NativeModel.set_head: its fc over the target layers it reads; its
@@ -325,8 +325,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 // [max_steps, 2] float64: per step the draft's and the whole step's seconds).
 //
 // The op's arguments, grouped: caches [t_kv, d_kv] (and a head's d_features); inputs [catch_up, catch_up_lens,
-// seqlens, budget, stop_ids, block_table (or None)]; sampling as sampling_of reads it; knobs [gamma, max_steps,
-// stop_on_reject]; tree.
+// cache_seqlens, tokens_left, stop_ids, block_table (or None)]; sampling as sampling_of reads it; knobs [gamma,
+// max_steps, stop_on_reject]; tree.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& target_model, const c10::intrusive_ptr<NativeModel>& draft_model,
     at::TensorList caches, const OptTensorList& inputs, const OptTensorList& sampling, at::IntArrayRef knobs,
@@ -337,11 +337,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
                     "d_kv, d_features], got ", caches.size(), " tensors");
   at::Tensor t_kv = caches[0], d_kv = caches[1];
   const OptTensor d_features = caches.size() == 3 ? OptTensor(caches[2]) : c10::nullopt;
-  const std::vector<OptTensor> in = entries_of("spec_chain", "inputs", inputs, 6,
-                                               "catch_up, catch_up_lens, seqlens, budget, stop_ids, block_table");
+  const std::vector<OptTensor> in = entries_of(
+      "spec_chain", "inputs", inputs, 6, "catch_up, catch_up_lens, cache_seqlens, tokens_left, stop_ids, block_table");
   const at::Tensor catch_up = required("spec_chain", in[0], "catch_up"),
                    catch_up_lens = required("spec_chain", in[1], "catch_up_lens"),
-                   seqlens = required("spec_chain", in[2], "seqlens"), budget = required("spec_chain", in[3], "budget"),
+                   cache_seqlens = required("spec_chain", in[2], "cache_seqlens"),
+                   tokens_left = required("spec_chain", in[3], "tokens_left"),
                    stop_ids = required("spec_chain", in[4], "stop_ids");
   const OptTensor& block_table = in[5];
   TORCH_CHECK_VALUE(knobs.size() == 3, "spec_chain: knobs must be [gamma, max_steps, stop_on_reject], got ", knobs);
@@ -352,7 +353,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   const int64_t B = catch_up.size(0), P = catch_up.size(1);
   TORCH_CHECK_VALUE(gamma >= 0 && max_steps >= 1, "spec_chain: gamma must be >= 0 and max_steps >= 1, got ", gamma,
                     " and ", max_steps);
-  for (const at::Tensor* t : {&catch_up_lens, &seqlens, &budget}) {
+  for (const at::Tensor* t : {&catch_up_lens, &cache_seqlens, &tokens_left}) {
     TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == B, "spec_chain: per-row inputs must be [B] = [", B, "]");
   }
   TORCH_CHECK_VALUE(!t.restricted() && !t.is_head(),
@@ -391,12 +392,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   }
   const at::Tensor tokens = catch_up.to(at::kLong).contiguous();  // [B, P]
   rows.catch_up.assign(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + B * P);
-  const at::Tensor lens = catch_up_lens.to(at::kLong).contiguous(), L = seqlens.to(at::kLong).contiguous(),
-                   room = budget.to(at::kLong).contiguous(), stops = stop_ids.to(at::kLong).contiguous();
+  const at::Tensor lens = catch_up_lens.to(at::kLong).contiguous(), L = cache_seqlens.to(at::kLong).contiguous(),
+                   left = tokens_left.to(at::kLong).contiguous(), stops = stop_ids.to(at::kLong).contiguous();
   for (int64_t b = 0; b < B; ++b) {
     rows.catch_up_len[b] = lens.data_ptr<int64_t>()[b];
     rows.L[b] = L.data_ptr<int64_t>()[b];
-    rows.room[b] = room.data_ptr<int64_t>()[b];
+    rows.tokens_left[b] = left.data_ptr<int64_t>()[b];
     TORCH_CHECK_VALUE(rows.catch_up_len[b] >= 1 && rows.catch_up_len[b] <= P && rows.L[b] >= rows.catch_up_len[b] - 1,
                       "spec_chain: row ", b, " has catch_up_lens ", rows.catch_up_len[b], " and L_b ", rows.L[b]);
   }
@@ -432,13 +433,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
 // One greedy speculative step over trees drafted elsewhere (a suffix speculation, a static tree, a hybrid's rows):
 // the target's pass over every node, greedy::walk, and the accepted paths' K/V compacted to L_b .. (every plane),
 // in one call, as the regular step's target pass, verify_tree and compact_kv_ do. tokens and parents [B, T] int64
-// (verify_tree's; node 0 the root); seqlens [B] = L_b; `capture`: the layers whose input streams the step returns
+// (verify_tree's; node 0 the root); cache_seqlens [B] = L_b; `capture`: the layers whose input streams the step returns
 // (an EAGLE-3 head's features). Returns (accepted_nodes [B, T], output_tokens [B, T], num_accepted [B], features
 // [B, T, C * H] in the model's dtype, [0] without capture). Where some row's num_accepted is < 1 (a visited node's
 // maximum not finite: 0; a malformed tree: -1, no forward run) nothing is compacted: the caller's regular path
 // redoes the step (and sanitises or raises).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_step_cpu(
-    const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& seqlens,
+    const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& cache_seqlens,
     const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
     at::IntArrayRef capture) {
   const NativeModel& m = *model;
@@ -450,11 +451,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_step_cpu(
                       "tree_step: tokens and parents must be int64 [B, T] = [", B, ", ", T, "] on CPU, got ",
                       t->sizes(), " ", t->scalar_type());
   }
-  TORCH_CHECK_VALUE(T >= 1 && seqlens.dim() == 1 && seqlens.size(0) == B,
-                    "tree_step: a tree has its root (T >= 1) and seqlens is [B] = [", B, "], got T = ", T, " and ",
-                    seqlens.sizes());
+  TORCH_CHECK_VALUE(T >= 1 && cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B,
+                    "tree_step: a tree has its root (T >= 1) and cache_seqlens is [B] = [", B, "], got T = ", T, " and ",
+                    cache_seqlens.sizes());
   TORCH_CHECK_VALUE(!m.restricted() && !m.is_head(), "tree_step: the target is a whole model (its logits decide)");
-  const at::Tensor tok = tokens.contiguous(), par = parents.contiguous(), L = seqlens.to(at::kLong).contiguous();
+  const at::Tensor tok = tokens.contiguous(), par = parents.contiguous(), L = cache_seqlens.to(at::kLong).contiguous();
   const at::TensorOptions longs = tokens.options();
   at::Tensor accepted = at::full({B, T}, -1, longs), output = at::full({B, T}, -1, longs);
   at::Tensor counts = at::empty({B}, longs), features = at::empty({0}, longs.dtype(m.rope_table.scalar_type()));

@@ -164,7 +164,7 @@ class ChainRunner {
     cos_sin_.resize(2 * M * D);
     out_.resize(M * H);
     if (with_logits) logits_.resize(M * vocab());
-    seqlens_.assign(start, start + B);
+    cache_seqlens_.assign(start, start + B);
     if (mask_size_ < M * T_) mask_.reset(new bool[M * T_]), mask_size_ = M * T_;
     const T* emb = embed_qtype_ == 0 ? embed_.data_ptr<T>() : nullptr;
     const uint8_t* emb_blocks = embed_qtype_ != 0 ? embed_.data_ptr<uint8_t>() : nullptr;
@@ -194,7 +194,7 @@ class ChainRunner {
       p.capture = capture_.data(), p.num_capture = num_capture(), p.features = captured_.data();
     }
     p.B = B, p.T_ = T_;
-    p.seqlens = seqlens_.data();
+    p.cache_seqlens = cache_seqlens_.data();
     p.tree_mask = mask_.get();
     p.cos = cos_sin_.data();
     p.sin = p.cos + M * D;
@@ -243,7 +243,7 @@ class ChainRunner {
   Problem<T> p_{};
   std::vector<float> h_;  // the residual stream in float32
   std::vector<T> cos_sin_, out_, logits_;
-  std::vector<int64_t> seqlens_;
+  std::vector<int64_t> cache_seqlens_;
   std::unique_ptr<bool[]> mask_;
   int64_t mask_size_ = 0;
 };
@@ -379,7 +379,7 @@ struct Sampling {
 struct ChainRows {
   int64_t B, gamma, max_steps;
   bool stop_on_reject;
-  std::vector<int64_t> catch_up, catch_up_len, L, room, stops;
+  std::vector<int64_t> catch_up, catch_up_len, L, tokens_left, stops;
   int64_t ld;
   TreeShape tree;
   Sampling sampling;
@@ -524,7 +524,7 @@ void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, const a
   const c10::optional<at::Tensor> paged = table.defined() ? c10::optional<at::Tensor>(table) : c10::nullopt;
   for (int64_t s = 0; s < max_steps; ++s) {
     bool fits = true;
-    for (int64_t b = 0; b < B; ++b) fits = fits && r.room[b] >= gamma + 1;
+    for (int64_t b = 0; b < B; ++b) fits = fits && r.tokens_left[b] >= gamma + 1;
     if (!fits) break;
     const auto start = std::chrono::steady_clock::now();
     // 1. the draft catches up on its lag, then the root (the catch-up's last token), and drafts its tree (gamma 0: a
@@ -565,7 +565,7 @@ void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, const a
         stopped = stopped || is_stop(emitted[b][i]);
       }
       r.L[b] += n;
-      r.room[b] -= n;
+      r.tokens_left[b] -= n;
       stopped = stopped || (r.stop_on_reject && n == 1);
     }
     const auto end = std::chrono::steady_clock::now();

@@ -1,19 +1,20 @@
-"""Adaptive speculation: pick each row's tree depth every step to maximise expected emitted tokens per second.
+"""Adaptive speculation: pick each row's gamma (its tree's depth) every step to maximise expected emitted tokens per
+second.
 
 Glossary:
     alpha_b,j   probability that row b's drafted path survives depth j, given it survived depth j-1 (a chain has
                 one alpha per row: the geometric model of docs/ARCHITECTURE.md)
-    E_b(g)      expected tokens row b emits from one step drafted at depth g: 1 + sum_{d<=g} prod_{j<=d} alpha_b,j,
-                which for a chain is (1 - alpha^(g+1)) / (1 - alpha)
-    G           the step's depth: the deepest row. Every row then pays for T = nodes_for_depth(G) target tokens,
+    E_b(gamma)  expected tokens row b emits from one step drafted at gamma: 1 + sum_{d<=gamma} prod_{j<=d} alpha_b,j,
+                which for a chain is (1 - alpha^(gamma+1)) / (1 - alpha)
+    G           the step's gamma: the deepest row's. Every row then pays for T = nodes_for_gamma(G) target tokens,
                 because the target pass is dense [B, T]
     B_d         rows drafted this step; the engine runs the drafter on those rows only
 
-Each step the controller scans G in 0..max_depth and, for each G, the number k of rows drafted (the k rows that
+Each step the controller scans G in 0..max_gamma and, for each G, the number k of rows drafted (the k rows that
 gain most), and keeps the pair maximising
     (sum of E over the k drafted rows + the B - k undrafted rows) / (t_draft(G, k) + t_target(B * T(G))).
-G = 0 turns the drafter off for the step: plain decoding. The scan is (max_depth + 1) * (B + 1) numbers: ~1e3 at
-max_depth 16 and B 64, a small fraction of a step in Python, and no forward pass.
+G = 0 turns the drafter off for the step: plain decoding. The scan is (max_gamma + 1) * (B + 1) numbers: ~1e3 at
+max_gamma 16 and B 64, a small fraction of a step in Python, and no forward pass.
 
 Estimates, all online and free (spec_engine/estimates.py: the acceptance counts with forgetting and the optimism
 bonus, the cost fits, the verify widths' table), fed by the controller:
@@ -126,32 +127,32 @@ class AdaptiveController:
 
     Parameters
     ----------
-    max_depth : the deepest tree allowed (``"auto"``: 8 for a draft model's chains, 4 for an EAGLE head's; a static
+    max_gamma : the deepest tree allowed (``"auto"``: 8 for a draft model's chains, 4 for an EAGLE head's; a static
         tree's own depth).
-    nodes_for_depth : T of a row drafted at depth g (``Drafter.nodes_for_depth``).
+    nodes_for_gamma : T of a row drafted at depth gamma (``Drafter.nodes_for_gamma``).
     tree : the drafts are trees (wider than chains): track acceptance per depth, and count the draft model's
         forward over all the nodes above the deepest level (a chain runs one new node per forward).
-    cache_lag : tokens a row's draft cache must catch up on before it is drafted (``num_computed - draft_len``).
+    cache_lag : tokens a row's draft cache must catch up on before it is drafted (``cache_seqlen - draft_len``).
     sized : the drafter shapes each row's tree itself (``Drafter.sizes_trees``: suffix speculation, whose depths are
-        budgets of nodes): every row is offered ``max_depth``, the drafter drops the rows nothing matches and the
+        budgets of nodes): every row is offered ``max_gamma``, the drafter drops the rows nothing matches and the
         engine the rows whose step does not pay (``step_pays``); the controller measures the costs and runs the plain
         probes, and learns no acceptance (such rows come with depth 0 to ``observe``).
     """
 
-    def __init__(self, max_depth: int, nodes_for_depth: Callable[[int], int], *, tree: bool = False,
+    def __init__(self, max_gamma: int, nodes_for_gamma: Callable[[int], int], *, tree: bool = False,
                  cache_lag: Callable[[object], int] = lambda req: 0, sized: bool = False):  # fmt: skip
-        self.max_depth = max_depth
+        self.max_gamma = max_gamma
         self.tree, self.sized = tree, sized
         self.cache_lag = cache_lag
-        self.nodes = [nodes_for_depth(g) for g in range(max_depth + 1)]  # [D+1]: T at depth g
-        # tokens per row of the draft forwards at depth g: the root, then (trees) the nodes of the levels above
+        self.nodes = [nodes_for_gamma(gamma) for gamma in range(max_gamma + 1)]  # [D+1]: T at depth gamma
+        # tokens per row of the draft forwards at depth gamma: the root, then (trees) the nodes of the levels above
         self.draft_tokens = [0.0]  # [D+1]
-        for g in range(max_depth):
-            self.draft_tokens.append(self.draft_tokens[-1] + (max(self.nodes[g] - 1, 1) if tree else 1))
+        for gamma in range(max_gamma):
+            self.draft_tokens.append(self.draft_tokens[-1] + (max(self.nodes[gamma] - 1, 1) if tree else 1))
         self.target_cost = LinearCost(TARGET_PER_TOKEN_PRIOR * TOKENS_REF)
         self.target_widths = WidthTable()  # measured passes per verify width, on top of the line (target_time)
         self.draft_cost = LinearCost(DRAFT_PER_TOKEN_PRIOR * TOKENS_REF)
-        self.population = AcceptanceEstimate(max_depth, per_depth=False, decay=POPULATION_DECAY)
+        self.population = AcceptanceEstimate(max_gamma, per_depth=False, decay=POPULATION_DECAY)
         self.plain_probe = False  # the last choice was the plain probe (see choose)
         self.num_steps = 0  # steps observed
         self._next_probe = 0  # the step at or after which undrafted rows' probes are next considered
@@ -169,7 +170,7 @@ class AdaptiveController:
 
     def state(self, req) -> RowState:
         if req.spec_state is None:
-            acceptance = AcceptanceEstimate(self.max_depth, self.tree, prior=self.population.alpha)
+            acceptance = AcceptanceEstimate(self.max_gamma, self.tree, prior=self.population.alpha)
             # the last drafted row's interval, but due within the request's first half: short requests that inherit
             # a long interval were never probed, and after a few hard ones speculation stayed off for good
             interval = min(self.probe_interval, max(PROBE_INTERVAL, req.params.max_tokens // 2))
@@ -181,7 +182,7 @@ class AdaptiveController:
         the plain step measured while drafting wins rather than a choice not to draft."""
         self.plain_probe = False
         self._memo.clear()  # (prices hold within one choice: the fits may have been set since)
-        B, D = len(reqs), self.max_depth
+        B, D = len(reqs), self.max_gamma
         states = [self.state(r) for r in reqs]
         if self.sized:  # the largest budget, but a plain probe now and then: the rate step_pays must beat
             plain = self._plain_probe_due(bool(self.target_cost.num_observed))
@@ -319,7 +320,7 @@ class AdaptiveController:
     def _scan(self, E: list[list[float]], plain_rate: float) -> tuple[int, int, float]:
         """The (G, k) with the best predicted tokens/s and that rate; (0, 0, plain_rate) if none beats
         ``plain_rate``. E ``[B][D+1]``."""
-        B, D = len(E), self.max_depth
+        B, D = len(E), self.max_gamma
         best_rate, best_G, best_k = plain_rate, 0, 0
         cheapest = self.target_time(B * self.nodes[1]) + self.draft_cost.predict(1.0, 0.0)
         if (B + sum(row[D] - 1.0 for row in E)) / max(cheapest, 1e-9) <= best_rate:
@@ -353,7 +354,7 @@ class AdaptiveController:
         what_if = list(E)
         for b in due:
             cap = max(reqs[b].params.max_tokens - len(reqs[b].output_token_ids), 1)
-            what_if[b] = [max(e, g) for e, g in zip(E[b], geometric_tokens(PROBE_ALPHA, self.max_depth, cap))]
+            what_if[b] = [max(e, x) for e, x in zip(E[b], geometric_tokens(PROBE_ALPHA, self.max_gamma, cap))]
         found_G, _, good_rate = self._scan(what_if, plain_rate)
         if found_G == 0:
             return
@@ -413,14 +414,14 @@ class AdaptiveController:
     def _commit_choice(self, reqs: Sequence, states: list[RowState], gammas: list[int]) -> list[int]:
         # a draft model first feeds each drafted row the tokens its cache lacks (1 after a full chain; the prompt
         # and the undrafted steps' tokens when a row is drafted for the first time or after a stretch without)
-        self._catch_up_tokens = sum(self.cache_lag(r) for r, g in zip(reqs, gammas) if g)
+        self._catch_up_tokens = sum(self.cache_lag(r) for r, gamma in zip(reqs, gammas) if gamma)
         return gammas
 
     def expected_accepted(self, req, gamma: int) -> float:
         """The drafted tokens ``req`` is expected to keep from a step drafted at depth ``gamma``: sum over d <= gamma
         of prod_{j<=d} alpha_j (no optimism bonus), what a hybrid drafter's suffix speculation must beat."""
         cap = max(req.params.max_tokens - len(req.output_token_ids), 1)
-        return self.state(req).acceptance.expected_tokens(cap)[min(gamma, self.max_depth)] - 1.0
+        return self.state(req).acceptance.expected_tokens(cap)[min(gamma, self.max_gamma)] - 1.0
 
     def observe(self, reqs: Sequence, gammas: Sequence[int], num_accepted: Sequence[int], draft_seconds: float,
                 step_seconds: float, steps: int = 1, timed: bool = True, width: int | None = None) -> None:  # fmt: skip
@@ -428,7 +429,7 @@ class AdaptiveController:
         ``steps`` > 1: that many plain steps of ``step_seconds`` each (a native chain's), observed in one call (one
         call per step cost a measurable share of a token: bench/RESULTS-log.md, "Figures moved out of code comments
         (2026-11-25)"). ``timed=False``: the step's acceptance only (a step on the thread count the tuner probes).
-        ``width``: the tokens the step's target pass verified (None: B * nodes_for_depth of the deepest row), wider
+        ``width``: the tokens the step's target pass verified (None: B * nodes_for_gamma of the deepest row), wider
         than the depths say where suffix speculation shaped the trees (its rows come with depth 0 here: they teach
         no acceptance, and such a step with no other drafted row prices its width alone).
 
@@ -438,13 +439,13 @@ class AdaptiveController:
         assert steps == 1 or not any(gammas), "several steps in one call are plain ones"
         self.num_steps += steps
         self._memo.clear()
-        for req, g, n in zip(reqs, gammas, num_accepted):
+        for req, gamma, n in zip(reqs, gammas, num_accepted):
             s = self.state(req)
-            s.steps_undrafted = s.steps_undrafted + steps if g == 0 else 0
-            s.acceptance.update(g, n - 1, steps)
-            if g == 0:
+            s.steps_undrafted = s.steps_undrafted + steps if gamma == 0 else 0
+            s.acceptance.update(gamma, n - 1, steps)
+            if gamma == 0:
                 continue
-            self.population.update(g, n - 1)
+            self.population.update(gamma, n - 1)
             if s.probing:  # the probe's outcome: did the draft's first token survive?
                 s.probing = False
                 hit = float(n > 1)
@@ -464,7 +465,7 @@ class AdaptiveController:
             if steps == 0:
                 return
         B, G = len(reqs), max(gammas)
-        num_drafted = sum(g > 0 for g in gammas)
+        num_drafted = sum(gamma > 0 for gamma in gammas)
         width = B * self.nodes[G] if width is None else width
         if width == B:  # (compared with the line only when priced: plain_cost)
             self._plain_steps = [*self._plain_steps, *[(B, step_seconds)] * steps][-PLAIN_SAMPLES:]
@@ -488,7 +489,7 @@ def priced_plan(plan: DraftPlan, pays: Callable[[int, float], bool]) -> DraftPla
     padded to the widest tree (B * T tokens), so the widest rows go undrafted (the least promising first among
     equals) until ``pays(B * T, tokens expected)`` holds or no row is drafted."""
     B, dropped = len(plan.gammas), set()
-    drafted = {b for b, g in enumerate(plan.gammas) if g}
+    drafted = {b for b, gamma in enumerate(plan.gammas) if gamma}
     while drafted - dropped:
         rows = drafted - dropped
         T = max(plan.nodes[b] for b in rows)

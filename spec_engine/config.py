@@ -17,11 +17,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # "auto": adaptive (spec_engine/adaptive.py)
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"draft_model": "auto", "eagle": "auto", "ngram": "auto", "suffix": "auto",
                                   "hybrid": "auto"}  # fmt: skip
-ADAPTIVE_MAX_DEPTH = 8  # the deepest chain "auto" may draft; a static tree caps it at its own depth
+ADAPTIVE_MAX_GAMMA = 8  # the deepest chain "auto" may draft; a static tree caps it at its own depth
 # ... for an EAGLE head's chains (alone or in the hybrid): its acceptance falls with depth past the steps its
 # training-time test unrolled, which the controller's one acceptance rate per row does not see, and its deep steps
 # cost more than they keep (bench/RESULTS-log.md, "The adaptive head's maximum depth")
-EAGLE_ADAPTIVE_MAX_DEPTH = 4
+EAGLE_ADAPTIVE_MAX_GAMMA = 4
 # suffix speculations under "auto": the most nodes a row's tree may have (a repeated passage is accepted whole, so
 # deeper than a model's chains; the adaptive controller still picks each row's cap from what the rows accepted)
 SUFFIX_ADAPTIVE_MAX_TOKENS = 16
@@ -71,9 +71,9 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
     tree = spec.get("tree")
     hybrid_head = method == "hybrid" and bool(spec.get("model")) and is_eagle_head(spec["model"])
     if adaptive:
-        default = SUFFIX_ADAPTIVE_MAX_TOKENS if method == "suffix" else ADAPTIVE_MAX_DEPTH
+        default = SUFFIX_ADAPTIVE_MAX_TOKENS if method == "suffix" else ADAPTIVE_MAX_GAMMA
         if (method == "eagle" or hybrid_head) and tree is None:  # (chains: a dynamic tree keeps its own choice)
-            default = EAGLE_ADAPTIVE_MAX_DEPTH
+            default = EAGLE_ADAPTIVE_MAX_GAMMA
         gamma = len(tree) if isinstance(tree, (list, tuple)) and tree else default
     most = MAX_SUFFIX_TOKENS if method == "suffix" else 16
     if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= most:

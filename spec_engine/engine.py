@@ -24,7 +24,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -65,6 +65,11 @@ class EngineConfig:
         drafter and ``plain_chain`` > 1: ``StepRunner.samples_natively``), which ran them faster than rejection
         sampling's regular steps at about its acceptance (bench/RESULTS-log.md, "Sampled rows in the native
         steps"); elsewhere rejection sampling, which accepts a little more.
+    enforce_eager : every step's target pass runs eagerly (vLLM's name); False: on CUDA the regular step replays it
+        from a CUDA graph captured per bucket of (rows, verify width) where its shape fits one
+        (spec_engine/cuda_graphs.py). Same tokens and cache either way; nothing changes on CPU and meta.
+    graph_mechanism : None (CUDA graphs on CUDA), or a name of ``spec_engine.cuda_graphs.MECHANISMS``: benchmarks time
+        the compiled ones, tests run "replay" (the captured path on CPU and meta).
     """
 
     plain_chain: int = 16
@@ -72,6 +77,8 @@ class EngineConfig:
     unsure_chain_steps: int = 4
     native_tree_step: bool = True
     couple_unseeded: bool | None = None
+    enforce_eager: bool = False
+    graph_mechanism: str | None = None
 
 
 class Engine:
@@ -123,11 +130,11 @@ class Engine:
         self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0,
                       "num_regular_steps": 0, "num_cached_tokens": 0, "num_retried_steps": 0,
                       "num_preemptions": 0}  # fmt: skip
-        deepest = max(self.gamma, drafter.max_depth if drafter is not None else 0)  # (a hybrid's suffix rows)
+        deepest = max(self.gamma, drafter.max_gamma if drafter is not None else 0)  # (a hybrid's suffix rows)
         self.deepest = deepest
         self.accepted_hist = [0] * (deepest + 1)
         self.gamma_history: deque[int] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode step: the deepest row's depth
-        self.gamma_hist = [0] * (deepest + 1)  # [g] = rows drafted at depth g, over all steps
+        self.gamma_hist = [0] * (deepest + 1)  # [gamma] = rows drafted at depth gamma, over all steps
         self.threads = ThreadTuner() if self.device.type == "cpu" else None  # CPU threads per decode step
         self._step_count = 1  # steps the current decode call ran (a native chain runs several)
         self._step_kind: tuple[int, bool] = (0, False)  # its depth, and whether a draft caught up: the tuner's kind
@@ -141,7 +148,7 @@ class Engine:
         self.controller = None
         if adaptive and drafter is not None:
             tree = drafter.tree
-            self.controller = AdaptiveController(self.gamma, drafter.nodes_for_depth,
+            self.controller = AdaptiveController(self.gamma, drafter.nodes_for_gamma,
                                                  tree=tree is not None and not tree.is_chain,
                                                  cache_lag=self._cache_lag, sized=drafter.sizes_trees)  # fmt: skip
         draft_follows_prefill = drafter is not None and drafter.keeps_cache and self.controller is None
@@ -159,6 +166,7 @@ class Engine:
         )
         self.couple_unseeded = native if config.couple_unseeded is None else config.couple_unseeded
         self.scheduler.call_tokens = max(config.plain_chain, config.spec_chain_steps * (self.deepest + 1))
+        self.runner.use_graphs(config.enforce_eager, config.graph_mechanism)
 
     @property
     def config(self) -> EngineConfig:
@@ -191,7 +199,7 @@ class Engine:
     def max_tree_nodes(self) -> int:
         if self.drafter is None:
             return 1
-        return max(self.drafter.nodes_for_depth(self.gamma), self.drafter.max_nodes)
+        return max(self.drafter.nodes_for_gamma(self.gamma), self.drafter.max_nodes)
 
     def _fits_in_cache(self, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` (prompt + max_tokens) fits the KV cache alone, with a step's tree."""
@@ -257,8 +265,8 @@ class Engine:
         self.stats["num_preemptions"] += len(schedule.preempted)
         for req in schedule.admitted:
             if not req.metrics.num_preemptions:  # (a resumed request's hits are its own blocks: no prompt spared)
-                req.metrics.num_cached_tokens = req.num_computed
-                self.stats["num_cached_tokens"] += req.num_computed
+                req.metrics.num_cached_tokens = req.cache_seqlen
+                self.stats["num_cached_tokens"] += req.cache_seqlen
 
     @contextlib.contextmanager
     def _decode_threads(self, active: bool):
@@ -322,12 +330,12 @@ class Engine:
         now, block_size = time.perf_counter(), self.allocator.block_size
         for r, n, scored in zip(reqs, chunk.counts, chunk.prompt_logprobs):
             r.prompt_logprobs += scored
-            r.num_computed += n
+            r.cache_seqlen += n
             if eager:
-                r.draft_len = r.num_computed
+                r.draft_len = r.cache_seqlen
             # its full blocks of prompt K/V are final: later requests may take them (prefix caching), this one's
             # still running
-            self.allocator.cache(r.blocks, r.block_keys[: r.num_computed // block_size])
+            self.allocator.cache(r.blocks, r.block_keys[: r.cache_seqlen // block_size])
             if not r.prefilling and r.metrics.decode_start is None:  # (not again after a preemption)
                 r.metrics.decode_start = now
         return []
@@ -341,7 +349,7 @@ class Engine:
         drafts = self._draft_plan(reqs, gammas)
         gammas, suffix_rows = drafts.gammas, drafts.suffix_rows
         # the step's shape for the thread tuner: costs compare within a depth, a prompt's catch-up apart
-        self._step_kind = (max(gammas), any(g and self._cache_lag(r) > 1 for r, g in zip(reqs, gammas)))
+        self._step_kind = (max(gammas), any(gamma and self._cache_lag(r) > 1 for r, gamma in zip(reqs, gammas)))
         # steps per native call: none while a request waits for a slot (it is admitted at the next step). A plain
         # call runs a full chain; the controller's plain probe between drafted steps as many as measure the rate
         # drafting must beat (AdaptiveController.plain_probe_steps: a full chain on a small model, a few steps on a
@@ -363,7 +371,7 @@ class Engine:
                                 stop_on_reject=unsure, native_verify=cfg.native_tree_step,
                                 logprobs=logprobs)  # fmt: skip
         result = self.runner.run(reqs, plan, gammas, suffix_rows, self._stop_tensor(reqs))
-        self.plan_history.append(result.plan)
+        self.plan_history.append(replace(result.plan, steps_ran=len(result.gammas)))
         if result.plan.path == REGULAR:
             self.stats["num_regular_steps"] += 1
         if drafts.expected is not None:
@@ -389,7 +397,7 @@ class Engine:
         gains = faster = None
         c = self.controller
         if c is not None:
-            gains = [c.expected_accepted(r, g) for r, g in zip(reqs, gammas)]
+            gains = [c.expected_accepted(r, gamma) for r, gamma in zip(reqs, gammas)]
             if len(reqs) == 1 and c.target_cost.num_observed and c.draft_cost.num_observed:  # (steps priced)
                 model_rate = c.row_rate(reqs[0], 1, gammas[0])
 
@@ -425,25 +433,25 @@ class Engine:
                 emitted += counts[kept]
                 kept += 1
             req.append(new, result.logprobs[b][: len(new)] if result.logprobs is not None else None)
-            req.num_computed += emitted
+            req.cache_seqlen += emitted
             if follows:
-                req.draft_len = req.num_computed
+                req.draft_len = req.cache_seqlen
             elif result.draft_lens is not None:
                 req.draft_len = result.draft_lens[b]
             m = req.metrics
             for s in range(kept):
-                g, n = result.gammas[s][b], counts[s]
+                gamma, n = result.gammas[s][b], counts[s]
                 live[s].append(b)
                 m.num_steps += 1
-                m.num_drafted += g
+                m.num_drafted += gamma
                 m.num_accepted += n - 1
                 m.accepted_hist.extend([0] * (n - len(m.accepted_hist)))
                 m.accepted_hist[n - 1] += 1
-                m.gamma_hist.extend([0] * (g + 1 - len(m.gamma_hist)))
-                m.gamma_hist[g] += 1
-                self.gamma_hist[g] += 1
+                m.gamma_hist.extend([0] * (gamma + 1 - len(m.gamma_hist)))
+                m.gamma_hist[gamma] += 1
+                self.gamma_hist[gamma] += 1
                 self.accepted_hist[n - 1] += 1
-                self.stats["num_drafted"] += g
+                self.stats["num_drafted"] += gamma
                 self.stats["num_accepted"] += n - 1
             self.stats["num_steps"] += kept
             self.stats["num_generated"] += len(new)
@@ -464,7 +472,7 @@ class Engine:
                 costs = chain_step_costs(costs, time.perf_counter() - result.start, result.full_steps)
             learned = result.learned or result.gammas
             widths = result.widths or [None] * ran
-            if not any(any(g) for g in result.gammas[:ran]):  # plain steps, priced alike: observed in one call
+            if not any(map(any, result.gammas[:ran])):  # plain steps, priced alike: observed in one call
                 B = len(reqs)
                 self.controller.observe(reqs, [0] * B, [1] * B, *costs[0], steps=ran, timed=timed)
             else:

@@ -5,12 +5,12 @@ and how a native call's measured seconds are split into the steps it ran (``chai
 Glossary:
     alpha_j     probability that a drafted path survives depth j, given it survived depth j-1 (a chain has one alpha:
                 the geometric model of docs/ARCHITECTURE.md)
-    E(g)        expected tokens emitted from one step drafted at depth g: 1 + sum_{d<=g} prod_{j<=d} alpha_j
+    E(gamma)    expected tokens emitted from one step drafted at gamma: 1 + sum_{d<=gamma} prod_{j<=d} alpha_j
     width       the tokens one target pass verifies: B * T
 
 - acceptance (``AcceptanceEstimate``): per request and depth, exponentially forgotten counts (``DECAY`` per drafted
-  step of the row) of the geometric MLE: alpha = (a + s * alpha_e) / (a + r + s). A step drafted at depth g that
-  accepted k adds one accept at depths 1..k and one reject at depth k+1 (if k < g). A chain pools the depths (which
+  step of the row) of the geometric MLE: alpha = (a + s * alpha_e) / (a + r + s). A step drafted at depth gamma that
+  accepted k adds one accept at depths 1..k and one reject at depth k+1 (if k < gamma). A chain pools the depths (which
   is exactly the geometric MLE); a tree shrinks each depth toward the row's pooled estimate with ``DEPTH_PRIOR``
   pseudo-trials. The prior alpha_e (s = ``PRIOR_STRENGTH`` pseudo-trials) is the request's earlier rate: the same
   counts forgotten slowly (``LONG_DECAY``) less the recent ones, itself shrunk with s pseudo-trials toward alpha_0, the
@@ -62,10 +62,10 @@ TABLE_SAMPLES = 8  # target passes per verify width whose cheapest prices that w
 OUTLIER = 3.0  # a step timed above this multiple of its prediction (preemption, a one-time load) is clipped to it
 
 
-def geometric_tokens(alpha: float, max_depth: int, cap: float) -> list[float]:
-    """``[D + 1]`` E(g) = 1 + alpha + ... + alpha^g for g = 0..D, each capped at ``cap`` tokens."""
+def geometric_tokens(alpha: float, max_gamma: int, cap: float) -> list[float]:
+    """``[D + 1]`` E(gamma) = 1 + alpha + ... + alpha^gamma for gamma = 0..D, each capped at ``cap`` tokens."""
     out, reach, total = [1.0], 1.0, 1.0
-    for _ in range(max_depth):
+    for _ in range(max_gamma):
         reach *= alpha
         total += reach
         out.append(min(total, cap))
@@ -78,11 +78,11 @@ class AcceptanceEstimate:
     Plain floats, not numpy: at these sizes numpy's per-call overhead would cost more than the step it steers.
     """
 
-    def __init__(self, max_depth: int, per_depth: bool, prior: float = 0.5, decay: float = DECAY):
+    def __init__(self, max_gamma: int, per_depth: bool, prior: float = 0.5, decay: float = DECAY):
         self.num_accepts = self.num_rejects = 0.0  # decayed counts over all depths: the pooled (chain) estimate
         self.num_trials = 0  # drafted tokens judged (accepts + rejects), never forgotten: the optimism's sample size
-        self.accepts = [0.0] * max_depth  # [D]: decayed count of steps whose path survived depth j+1 (trees only)
-        self.rejects = [0.0] * max_depth  # [D]: decayed count of steps whose path stopped at depth j+1 (trees only)
+        self.accepts = [0.0] * max_gamma  # [D]: decayed count of steps whose path survived depth j+1 (trees only)
+        self.rejects = [0.0] * max_gamma  # [D]: decayed count of steps whose path stopped at depth j+1 (trees only)
         self.per_depth, self.prior, self.decay = per_depth, prior, decay
         self.long_accepts = self.long_rejects = 0.0  # the pooled counts forgotten at LONG_DECAY (alpha_earlier)
 
@@ -134,7 +134,7 @@ class AcceptanceEstimate:
         return [(a + DEPTH_PRIOR * pooled) / (a + r + DEPTH_PRIOR) for a, r in zip(self.accepts, self.rejects)]
 
     def expected_tokens(self, cap: float, optimistic: bool = False) -> list[float]:
-        """[D + 1] E(g) = 1 + sum_{d<=g} prod_{j<=d} alpha_j for g = 0..D, each capped at ``cap`` tokens."""
+        """[D + 1] E(gamma) = 1 + sum_{d<=gamma} prod_{j<=d} alpha_j for gamma = 0..D, each capped at ``cap`` tokens."""
         out, reach, total = [1.0], 1.0, 1.0
         for a in self.depth_alphas(optimistic):
             reach *= a
@@ -201,7 +201,7 @@ class WidthTable:
 
     def expire(self, before: int) -> None:
         """Forget the widths last measured before step ``before``: a price measured while the machine was busy kept
-        its width from being chosen, hence measured, again, and pinned a perfect draft below max_depth for good."""
+        its width from being chosen, hence measured, again, and pinned a perfect draft below max_gamma for good."""
         for width in [w for w, step in self.seen.items() if step < before]:
             del self.samples[width], self.prices[width], self.seen[width]
 

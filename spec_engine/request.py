@@ -23,7 +23,7 @@ class RequestMetrics:
     num_drafted: int = 0  # tree depth asked per step, summed: the chances to accept
     num_accepted: int = 0  # drafted tokens the target kept
     accepted_hist: list[int] = field(default_factory=list)  # [k] = steps that accepted k drafts
-    gamma_hist: list[int] = field(default_factory=list)  # [g] = steps this request was drafted at depth g
+    gamma_hist: list[int] = field(default_factory=list)  # [gamma] = steps this request was drafted at depth gamma
     alpha_estimate: float | None = None  # the adaptive controller's smoothed acceptance rate (None when fixed)
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -104,7 +104,7 @@ class Request:
     # the same per prompt token where it asks (params.prompt_logprobs), None for the first (nothing precedes it)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
-    num_computed: int = 0  # L: positions whose K/V are committed in the target cache
+    cache_seqlen: int = 0  # L: positions whose K/V are committed in the target cache
     draft_len: int = 0  # the same for the drafter's cache (what its last commit returned)
     finish_reason: str | None = None
     error: str | None = None  # why the engine failed this request (finish_reason "error")
@@ -190,7 +190,7 @@ class Request:
         forced = ()
         if self.grammar is not None and not self.prefilling and not self.finished:
             forced = self.grammar.forced(tokens[len(self.prompt_token_ids) :], MAX_FORCED_DRAFT)
-        return RowView(tokens, self.num_computed, self.draft_len, self.params.greedy, self.key,
+        return RowView(tokens, self.cache_seqlen, self.draft_len, self.params.greedy, self.key,
                        len(self.prompt_token_ids), self.score_trust.value, self.coupled, forced,
                        max(self.tokens_left - 1, 0))  # fmt: skip
 
@@ -198,7 +198,7 @@ class Request:
     def prefilling(self) -> bool:
         """Whether K/V is still to be computed before its root (the last token): its prompt's, or after a
         preemption its output's too."""
-        return self.num_computed < self.num_tokens - 1
+        return self.cache_seqlen < self.num_tokens - 1
 
     @property
     def finished(self) -> bool:

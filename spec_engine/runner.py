@@ -14,7 +14,7 @@ what changed as one ``StepResult`` for ``Engine._apply`` to commit (``StepRunner
   deterministic tree and the target runs natively, the pass, verification and compaction are one native call
   (``tree_step``: the step every native call runs, once).
 
-Glossary: L_b a row's root position (``num_computed``); lag its draft cache's catch-up (``cache_lag``: the tokens
+Glossary: L_b a row's root position (``cache_seqlen``); lag its draft cache's catch-up (``cache_lag``: the tokens
 the draft has not seen, before the root).
 """
 
@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from spec_engine.cuda_graphs import CapturedForward, captured_forward
 from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.logits_processors import process_logits_
@@ -81,6 +82,7 @@ class StepRunner:
         self.device = kv.data.device
         self.block_size, self.max_tree_nodes, self.prefill_chunk = block_size, max_tree_nodes, prefill_chunk
         self.step_times = (0.0, 0.0)  # the last regular step's (draft, whole step) seconds
+        self.spec_chain_max_nodes = SPEC_CHAIN_MAX_NODES  # the widest tree a spec chain takes; wider: regular steps
         # the native step ops (several greedy steps in one C++ call), decided once: the models' handles where their
         # caches are in their dtype (a CPU model in float32 or bfloat16: spec_kernels.decoder_layers.native_model)
         self.native_target = _native(target, kv)
@@ -96,10 +98,25 @@ class StepRunner:
         tree = drafter.tree if drafter is not None else None
         self.head_chains = isinstance(self.native_draft, NativeHead) and (tree is None or tree.is_chain)
         self.samples_natively = self.native_target is not None and (drafter is None or self.head_chains)
+        self.graphs: CapturedForward | None = None  # the regular step's captured target pass (use_graphs)
+        self._graph_mechanism: str | None = None
+
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None) -> None:
+        """The regular step's target pass replayed from graphs per bucket (spec_engine/cuda_graphs.py: on CUDA, or
+        by ``mechanism``), or always eager; buckets captured earlier are kept while the choice stands."""
+        enforce_eager = enforce_eager or not self.target.capturable  # (tensor parallelism: a host broadcast a call)
+        if enforce_eager or self.graphs is None or mechanism != self._graph_mechanism:
+            rows, width = self.rows.block_table.shape
+            self.graphs = None if enforce_eager else captured_forward(
+                self.target_logits, self.device, table_width=width, max_rows=rows, max_width=self.max_tree_nodes,
+                mechanism=mechanism, name="target's pass")  # fmt: skip
+            if self.drafter is not None:  # (a draft model's forwards too; drafters without one ignore it)
+                self.drafter.use_graphs(enforce_eager, mechanism, table_width=width, max_rows=rows)
+        self._graph_mechanism = mechanism
 
     def cache_lag(self, req: Request) -> int:
         """Tokens before ``req``'s root that its draft cache has not seen (0 for a drafter without a cache)."""
-        return req.num_computed - req.draft_len if self.drafter is not None and self.drafter.keeps_cache else 0
+        return req.cache_seqlen - req.draft_len if self.drafter is not None and self.drafter.keeps_cache else 0
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Request], *, room: int, draft: bool) -> PrefillChunk:
@@ -107,29 +124,29 @@ class StepRunner:
         target, writing its K/V. ``draft``: the drafter's cache sees the chunk too (a fixed depth drafts every
         request); else a drafter that reads the target's features keeps them (they exist only in this pass) and its
         cache catches up when the adaptive controller first drafts the row, a cost the controller weighs."""
-        counts = [min(r.num_tokens - 1 - r.num_computed, self.prefill_chunk) for r in reqs]
+        counts = [min(r.num_tokens - 1 - r.cache_seqlen, self.prefill_chunk) for r in reqs]
         # rows are padded to the widest chunk: a padded slot's position stays inside the RoPE table (a short last
         # chunk beside a long one, near the end of the context); past the row's blocks its K/V lands in scratch
-        T = min(max(counts), min(room - r.num_computed for r in reqs))
+        T = min(max(counts), min(room - r.cache_seqlen for r in reqs))
         counts = [min(n, T) for n in counts]
         tokens = np.zeros((len(reqs), T), dtype=np.int64)  # [B, T], ragged rows padded at the end
         for b, (r, n) in enumerate(zip(reqs, counts)):
-            tokens[b, :n] = r.history[r.num_computed : r.num_computed + n]
-        starts = [r.num_computed for r in reqs]
+            tokens[b, :n] = r.history[r.cache_seqlen : r.cache_seqlen + n]
+        starts = [r.cache_seqlen for r in reqs]
         seqlens_h = torch.tensor(starts, dtype=torch.int32)  # [B]
-        tokens, seqlens, table = to_device(
+        tokens, cache_seqlens, table = to_device(
             self.device, torch.from_numpy(tokens), seqlens_h, self.block_table(reqs, max(starts) + T)
         )
-        positions = seqlens.long()[:, None] + torch.arange(T, device=self.device)  # [B, T]
+        positions = cache_seqlens.long()[:, None] + torch.arange(T, device=self.device)  # [B, T]
         mask = causal_mask(len(reqs), T, self.device)
-        hidden, features = self.target_pass(tokens, positions, self.kv.data, seqlens, mask, table)
+        hidden, features = self.target_pass(tokens, positions, self.kv.data, cache_seqlens, mask, table)
         scored = [[] for _ in reqs]  # (a preempted request's chunk can run past its prompt, into its output)
         for b, (r, n) in enumerate(zip(reqs, counts)):
-            m = min(n, len(r.prompt_token_ids) - 1 - r.num_computed)
+            m = min(n, len(r.prompt_token_ids) - 1 - r.cache_seqlen)
             if r.params.prompt_logprobs is not None and m > 0:
                 scored[b] = self._prompt_logprobs(r, hidden[b, :m], m)
         if draft:
-            self.drafter.prefill(tokens, positions, seqlens, mask, table, features)
+            self.drafter.prefill(tokens, positions, cache_seqlens, mask, table, features)
         elif features is not None:
             self.drafter.store_features(positions, table, features)
         return PrefillChunk(counts, scored)
@@ -137,7 +154,7 @@ class StepRunner:
     def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, n: int) -> list[dict[int, float]]:
         """The ``Request.prompt_logprobs`` entries of the prompt tokens after a prefill chunk's ``n`` positions
         (``hidden`` [n, H]: each position's final hidden state predicts the next prompt token)."""
-        start = req.num_computed
+        start = req.cache_seqlen
         nxt = req.prompt_token_ids[start + 1 : start + n + 1]  # (the chunk ends before the last prompt token)
         targets = to_device(self.device, torch.tensor(nxt, dtype=torch.int64))[0]  # [n]
         rows = token_logprobs(self.target.logits(hidden), targets, req.params.prompt_logprobs)
@@ -208,21 +225,21 @@ class StepRunner:
         request's end, and before a step where some row's logits are not finite. None, with nothing committed, where
         the first step's are not (the regular step then decodes it and sanitises or raises)."""
         start = time.perf_counter()
-        lengths = [r.num_computed for r in reqs]
-        seqlens = torch.tensor(lengths, dtype=torch.int32)  # [B]: the roots' positions L_b
+        lengths = [r.cache_seqlen for r in reqs]
+        cache_seqlens = torch.tensor(lengths, dtype=torch.int32)  # [B]: the roots' positions L_b
         roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64)  # [B]
         table = self.block_table(reqs, max(lengths) + K)  # [B, W]: up to position L_b + K - 1
         forwards = time.perf_counter()
         if self.drafter is not None and self.drafter.needs_hidden:  # a head's target: the steps store its features
             B = len(reqs)
             steps, _, _, _ = spec_chain(
-                self.native_target, self.native_draft, roots[:, None], torch.ones(B, dtype=torch.int64), seqlens,
+                self.native_target, self.native_draft, roots[:, None], torch.ones(B, dtype=torch.int64), cache_seqlens,
                 self.kv.data, self.drafter.kv.data, table, torch.tensor([r.tokens_left for r in reqs]), stops,
                 gamma=0, max_steps=K, draft_features=self.drafter.features, **self._sampling(reqs),
             )  # fmt: skip  # [B, K, 2]: per step 1 (0 where not run) then the token
             tokens = steps[:, : int((steps[0, :, 0] > 0).sum()), 1]  # [B, K' <= K]
         else:
-            tokens = plain_steps(roots, self.native_target, self.kv.data, seqlens, steps=K, block_table=table,
+            tokens = plain_steps(roots, self.native_target, self.kv.data, cache_seqlens, steps=K, block_table=table,
                                   stop_ids=stops, **self._sampling(reqs))  # fmt: skip  # [B, K' <= K]
         forwards = time.perf_counter() - forwards
         if tokens.shape[1] == 0:
@@ -235,24 +252,25 @@ class StepRunner:
     def _spec_chain_fits(self, reqs: list[Request], gammas: list[int]) -> bool:
         """Whether a native call can run the rows' speculative steps: a draft model proposing chains or a native head
         proposing chains or static trees, for greedy rows (a head's chains: coupled sampled rows too), all at one
-        depth g, the draft caches' lags (their catch-up: a prompt and the tokens decoded before a row's first drafted
-        step, under the adaptive controller) at most a prefill chunk and within g of each other, and every row with
-        g + 1 tokens of its max_tokens left (the C++ checks before each step: a call near the end of a request is not
-        cut to the steps that fit at full acceptance)."""
-        g = gammas[0]
+        gamma, the draft caches' lags (their catch-up: a prompt and the tokens decoded before a row's first drafted
+        step, under the adaptive controller) at most a prefill chunk and within gamma of each other, and every row
+        with gamma + 1 tokens of its max_tokens left (the C++ checks before each step: a call near the end of a
+        request is not cut to the steps that fit at full acceptance)."""
+        gamma = gammas[0]
         if self.native_target is None or self.native_draft is None:
             return False
-        if any(x != g for x in gammas) or self.drafter.nodes_for_depth(g) > SPEC_CHAIN_MAX_NODES:
+        if any(x != gamma for x in gammas) or self.drafter.nodes_for_gamma(gamma) > self.spec_chain_max_nodes:
             return False
         if not all(r.params.greedy for r in reqs) and not (self.head_chains and _greedy_or_coupled(reqs)):
             return False  # (sampled rows: coupled, drafted by a head's chains)
         lags = [self.cache_lag(r) for r in reqs]
-        # (a ragged catch-up pads rows past their roots: at most g slots, which the step overwrites)
-        return max(lags) <= self.prefill_chunk and max(lags) - min(lags) <= g and min(r.tokens_left for r in reqs) > g
+        # (a ragged catch-up pads rows past their roots: at most gamma slots, which the step overwrites)
+        tokens_left = min(r.tokens_left for r in reqs)
+        return max(lags) <= self.prefill_chunk and max(lags) - min(lags) <= gamma and tokens_left > gamma
 
-    def _spec_chain(self, reqs: list[Request], g: int, max_steps: int, stops: torch.Tensor, full_steps: int,
+    def _spec_chain(self, reqs: list[Request], gamma: int, max_steps: int, stops: torch.Tensor, full_steps: int,
                     stop_on_reject: bool) -> StepResult | None:  # fmt: skip
-        """Up to ``max_steps`` speculative steps at depth ``g`` in one ``spec_chain`` call, as a
+        """Up to ``max_steps`` speculative steps at depth ``gamma`` in one ``spec_chain`` call, as a
         ``StepResult`` (``_apply`` commits it as it commits the regular step's). None, with nothing committed, where
         the first step's target logits were not finite."""
         start = time.perf_counter()
@@ -261,20 +279,20 @@ class StepRunner:
         catch_up = np.zeros((B, max(lags) + 1), dtype=np.int64)  # [B, P]: each draft cache's lag, then the root
         for b, (r, lag) in enumerate(zip(reqs, lags)):
             catch_up[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
-        lengths = [r.num_computed for r in reqs]
+        lengths = [r.cache_seqlen for r in reqs]
         tree = self.drafter.tree
-        branching = () if tree is None or tree.is_chain else tree.branching[:g]  # (a head's static tree, cut at g)
+        branching = () if tree is None or tree.is_chain else tree.branching[:gamma]  # (a head's static tree, cut)
         # positions a row may write past L_b: its emitted tokens, then the last step's tree
-        reach = min(max_steps * (g + 1), max(r.tokens_left for r in reqs)) + self.drafter.nodes_for_depth(g)
+        reach = min(max_steps * (gamma + 1), max(r.tokens_left for r in reqs)) + self.drafter.nodes_for_gamma(gamma)
         table = self.block_table(reqs, max(lengths) + reach + 2)  # [B, W]
         result = spec_chain(
             self.native_target, self.native_draft, torch.from_numpy(catch_up),
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
             torch.tensor([r.tokens_left for r in reqs]),
-            stops, gamma=g, max_steps=max_steps, stop_on_reject=stop_on_reject,
+            stops, gamma=gamma, max_steps=max_steps, stop_on_reject=stop_on_reject,
             draft_features=self.drafter.features, tree=branching, **self._sampling(reqs),
         )  # fmt: skip
-        steps, _, catch_up_lens, times = result  # [B, S, g + 2], [B, 2], [B], [S, 2]
+        steps, _, catch_up_lens, times = result  # [B, S, gamma + 2], [B, 2], [B], [S, 2]
         steps, catch_up_lens, times = steps.tolist(), catch_up_lens.tolist(), times.tolist()
         ran = next((s for s in range(max_steps) if steps[0][s][0] == 0), max_steps)  # every row runs every step
         if ran == 0:
@@ -282,8 +300,8 @@ class StepRunner:
         counts = [[steps[b][s][0] for b in range(B)] for s in range(ran)]  # [S][B]
         tokens = [[t for s in range(ran) for t in steps[b][s][1 : 1 + steps[b][s][0]]] for b in range(B)]  # [B][n]
         # the draft cache lags by its catch-up's tokens before the root (its lag) behind the rows' new L_b
-        draft_lens = [r.num_computed + len(t) - (n - 1) for r, t, n in zip(reqs, tokens, catch_up_lens)]
-        return StepResult([[g] * B] * ran, tokens, counts, times[:ran], draft_lens, start=start,
+        draft_lens = [r.cache_seqlen + len(t) - (n - 1) for r, t, n in zip(reqs, tokens, catch_up_lens)]
+        return StepResult([[gamma] * B] * ran, tokens, counts, times[:ran], draft_lens, start=start,
                           full_steps=full_steps)  # fmt: skip
 
     def _sampling(self, reqs: list[Request]) -> dict:
@@ -308,7 +326,7 @@ class StepRunner:
                                                                            processed)  # fmt: skip
         # suffix rows (a hybrid's, a suffix drafter's) teach the controller nothing of a model drafter's acceptance;
         # their pass, as wide as the drafter shaped it, prices that width
-        learned = gammas if suffix_rows is None else [0 if s else g for g, s in zip(gammas, suffix_rows)]
+        learned = gammas if suffix_rows is None else [0 if s else gamma for gamma, s in zip(gammas, suffix_rows)]
         return StepResult([gammas], [t[:n] for t, n in zip(out_tokens, num_accepted)], [num_accepted],
                           [list(self.step_times)], draft_lens, learned=[learned], widths=[width],
                           logprobs=lps)  # fmt: skip
@@ -318,13 +336,13 @@ class StepRunner:
         """The step's inputs, gathered from the host rows and sent to the device together."""
         # the drafter runs on the drafted rows only; an undrafted row's lag (its whole prompt, under the adaptive
         # controller) must not widen every plain step's block table
-        lag = max((self.cache_lag(r) for r, g in zip(reqs, gammas) if g), default=0)
-        lengths = [r.num_computed for r in reqs]
+        lag = max((self.cache_lag(r) for r, gamma in zip(reqs, gammas) if gamma), default=0)
+        lengths = [r.cache_seqlen for r in reqs]
         slots = [r.slot for r in reqs]
         # per-row seeds from (request seed, position): a request samples the same alone or in any batch
         seeds = [(r.seed * 1_000_003 + L) & SEED_MASK for r, L in zip(reqs, lengths)]
         host = {
-            "seqlens": torch.tensor(lengths, dtype=torch.int32),  # [B]
+            "cache_seqlens": torch.tensor(lengths, dtype=torch.int32),  # [B]
             "roots": torch.tensor([r.last_token for r in reqs], dtype=torch.int64),  # [B]
             "block_table": self.block_table(reqs, max(lengths) + self.max_tree_nodes + lag + 1),  # [B, W]
             "temperature": self.rows.temperature[slots],  # [B]
@@ -343,7 +361,7 @@ class StepRunner:
                 "noise_seeds": _noise_seeds(reqs),
             }
         dev = dict(zip(host, to_device(self.device, *host.values())))
-        batch = StepBatch([r.view() for r in reqs], dev.pop("seqlens"), dev.pop("roots"), dev.pop("block_table"),
+        batch = StepBatch([r.view() for r in reqs], dev.pop("cache_seqlens"), dev.pop("roots"), dev.pop("block_table"),
                           dev["temperature"], dev.pop("keys"), gammas, dev.pop("coupled", None),
                           dev.pop("noise_seeds", None), suffix_rows)  # fmt: skip
         return batch, dev
@@ -358,7 +376,7 @@ class StepRunner:
         with ``logprobs`` alternatives each where asked: ``StepResult.logprobs``, else None). ``processed``: the
         step's requests where some row's logits are processed (``spec_engine.logits_processors``)."""
         start = time.perf_counter()
-        rows = [b for b, g in enumerate(batch.gammas) if g > 0] if self.drafter is not None else []
+        rows = [b for b, gamma in enumerate(batch.gammas) if gamma > 0] if self.drafter is not None else []
         partial = 0 < len(rows) < batch.size  # some rows drafted, not all: the drafter runs on a sub-batch
         index = to_device(self.device, torch.tensor(rows, dtype=torch.int64))[0] if partial else None  # [B_d]
         draft = self._propose(batch, rows, index)  # tokens/parents [B, T], draft_probs [B, T, V] | None
@@ -390,7 +408,7 @@ class StepRunner:
         else None, as also where the call leaves a row to the regular path (``_verify``)."""
         if draft.draft_probs is not None:  # (the plan allowed it for greedy rows: here the tree is deterministic too)
             return None
-        return tree_step(self.native_tree, draft.tokens, draft.parents, batch.seqlens, self.kv.data,
+        return tree_step(self.native_tree, draft.tokens, draft.parents, batch.cache_seqlens, self.kv.data,
                          batch.block_table, capture=self.tree_capture)  # fmt: skip
 
     def _verify(self, batch: StepBatch, draft: Draft, sampling: dict,
@@ -399,10 +417,9 @@ class StepRunner:
         """The regular step's target pass over the tree, ``verify_tree`` and the target cache's compaction: the
         result, the features of a drafter that reads the target's (else None) and the pass's logits [B, T, V] (as
         the target gave them where ``raw``, even where ``processed``'s logits processors changed those verified)."""
-        positions = batch.seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
-        hidden, features = self.target_pass(draft.tokens, positions, self.kv.data, batch.seqlens, draft.tree_mask,
-                                             batch.block_table)  # fmt: skip
-        logits = self.target.logits(hidden)  # [B, T, V]
+        positions = batch.cache_seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
+        forward = self.target_logits if self.graphs is None else self.graphs  # (a captured bucket, or eager)
+        logits, features = forward(draft.tokens, positions, batch.cache_seqlens, draft.tree_mask, batch.block_table)
         given = logits
         if processed is not None:
             logits = process_logits_(logits.clone() if raw else logits, draft.tokens, draft.parents, processed)
@@ -417,8 +434,16 @@ class StepRunner:
             **sampling,
         )
         if draft.tokens.shape[1] > 1:  # a lone root's path is itself: nothing to move
-            self.kv.compact_(batch.seqlens, result.accepted_nodes, result.num_accepted, block_table=batch.block_table)
+            self.kv.compact_(
+                batch.cache_seqlens, result.accepted_nodes, result.num_accepted, block_table=batch.block_table
+            )
         return result, features, given
+
+    def target_logits(self, tokens, positions, cache_seqlens, tree_mask, block_table):  # fmt: skip
+        """The regular step's target pass over tokens [B, T]: logits [B, T, V] float32, and the features [B, T, F]
+        of a drafter that reads the target's (else None). What ``graphs`` captures."""
+        hidden, features = self.target_pass(tokens, positions, self.kv.data, cache_seqlens, tree_mask, block_table)
+        return self.target.logits(hidden), features
 
     def target_pass(self, *args) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's forward (``LlamaForCausalLM.forward``'s arguments): its final hidden states [B, T, H] and,

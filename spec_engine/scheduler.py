@@ -101,9 +101,9 @@ class Scheduler:
             # a cached prefix (prefix caching) is computed: its K/V, an EAGLE head's features and, where the drafter
             # sees every prompt chunk, the draft cache came with its blocks; the adaptive controller's drafter catches
             # up from the start when it first drafts the request
-            req.num_computed = cached * self.allocator.block_size
+            req.cache_seqlen = cached * self.allocator.block_size
             if self.draft_follows_prefill:
-                req.draft_len = req.num_computed
+                req.draft_len = req.cache_seqlen
             req.slot = self.rows.admit(req)
             self.running.append(self.waiting.popleft())
             admitted.append(req)
@@ -137,7 +137,7 @@ class Scheduler:
         """Give the running requests that decode this step, oldest first, the blocks of a whole native call where
         free blocks allow, a block each left free as admission left it."""
         for req in self.running:
-            if req.num_tokens - 1 - req.num_computed > self.prefill_chunk:  # (still prefilling after this step)
+            if req.num_tokens - 1 - req.cache_seqlen > self.prefill_chunk:  # (still prefilling after this step)
                 continue
             spare = self.allocator.num_free - len(self.running)
             self._grow(req, min(self._missing_blocks(req, whole_call=True), spare))
@@ -183,7 +183,7 @@ class Scheduler:
         so its output is as if it had never stopped."""
         self.release(req)  # (re-admitted, it takes its cached prompt blocks back)
         req.block_keys = None
-        req.num_computed = req.draft_len = 0
+        req.cache_seqlen = req.draft_len = 0
         if req.params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # (computed again with the prompt)
         req.metrics.num_preemptions += 1

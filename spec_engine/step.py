@@ -25,6 +25,7 @@ class StepPlan:
     verifies in one native call (``tree_step``); ``logprobs``: the regular step returns the emitted tokens'
     log-probabilities with this many alternatives (the native calls return none). ``fallback_from``: on a REGULAR
     plan as it ran, the native path that was planned and stepped aside (its first step's logits not finite).
+    ``steps_ran``: on a plan as it ran (``Engine.plan_history``), the steps the call ran (None before it runs).
     """
 
     path: str
@@ -35,6 +36,7 @@ class StepPlan:
     native_verify: bool = False
     logprobs: int | None = None
     fallback_from: str | None = None
+    steps_ran: int | None = None
 
 
 @dataclass
@@ -58,7 +60,7 @@ class StepResult:
     work (inputs, dispatch, committing) is spread over ``full_steps`` steps from ``start`` (``chain_step_costs``; 0:
     the times are final). ``learned`` [S][B]: the depths the controller learns acceptance from (None: ``gammas``; a
     hybrid's suffix rows say nothing of its model drafter; nor do a suffix drafter's), ``widths[s]``: the tokens step s
-    verified in its target pass (B * T, T the step's widest tree; None: the depths' trees, ``nodes_for_depth``).
+    verified in its target pass (B * T, T the step's widest tree; None: the depths' trees, ``nodes_for_gamma``).
     ``logprobs[b]`` (the regular step, when asked): per token of ``tokens[b]``, its ``TokenLogprobs`` under the target's
     distribution at its parent node. ``plan``: the call's ``StepPlan`` as it ran (REGULAR where a planned native call
     found its first step's logits not finite).

@@ -19,17 +19,11 @@ def _seed():
     yield
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _float32_unless_asked():
-    """LLM's dtype="auto" picks bfloat16 on CPUs with AVX512-BF16; the tests compare against float32 references (HF,
-    exact distributions), so here it resolves to float32 (session-wide: module fixtures build LLMs too). Tests of
-    other dtypes name them (tests/test_engine_api.py tests "auto" itself). SPECDEC_TEST_DTYPE overrides it."""
-    import spec_engine.llm
-
-    dtype = os.environ.get("SPECDEC_TEST_DTYPE", "float32")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(spec_engine.llm, "auto_dtype", lambda device: dtype)
-        yield
+# LLM's dtype="auto" picks bfloat16 on CPUs with AVX512-BF16; the tests compare against float32 references (HF,
+# exact distributions), so here "auto" means float32 ($SPECDEC_AUTO_DTYPE, llm.auto_dtype's own switch; the CLI's and
+# the server's subprocesses inherit it). Tests of other dtypes name them (tests/test_engine_api.py tests "auto"
+# itself). SPECDEC_TEST_DTYPE overrides it.
+os.environ["SPECDEC_AUTO_DTYPE"] = os.environ.get("SPECDEC_TEST_DTYPE", "float32")
 
 
 def _fixed_order_dot(self, a, b, d, input_precision, max_num_imprecise_acc):

@@ -1,6 +1,6 @@
 """spec_engine/adaptive.py at its edges, with costs injected (never the wall clock): clocks that fail (NaN, inf, a
-clock that stands still or runs back), machines that stall, batches of 1 and 64, max_depth 1 and 16, and the
-design's two ends: a perfect draft reaches max_depth and a useless one is turned off."""
+clock that stands still or runs back), machines that stall, batches of 1 and 64, max_gamma 1 and 16, and the
+design's two ends: a perfect draft reaches max_gamma and a useless one is turned off."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def run(ctl: AdaptiveController, reqs: list, accepted, num_steps: int, clock=lam
         if not live:
             break
         gammas = ctl.choose(live)
-        assert all(isinstance(g, int) and 0 <= g <= ctl.max_depth for g in gammas), gammas
+        assert all(isinstance(g, int) and 0 <= g <= ctl.max_gamma for g in gammas), gammas
         counts = [accepted(s, g) + 1 for g in gammas]
         ctl.observe(live, gammas, counts, *clock(s, *seconds(len(live), max(gammas), sum(g > 0 for g in gammas))))
         for r, n in zip(live, counts):
@@ -93,8 +93,8 @@ def test_a_perfect_draft_drafts_again_after_the_machine_stalled(B, slower, depth
 
 @pytest.mark.parametrize("B", [1, 64])
 @pytest.mark.parametrize("D", [1, 16])
-def test_a_perfect_draft_reaches_max_depth(B, D):
-    """alpha -> 1 for hundreds of steps (no 1 / (1 - alpha) blows up), at every max_depth and batch."""
+def test_a_perfect_draft_reaches_max_gamma(B, D):
+    """alpha -> 1 for hundreds of steps (no 1 / (1 - alpha) blows up), at every max_gamma and batch."""
     deepest = run(AdaptiveController(D, lambda g: g + 1), [request() for _ in range(B)], perfect, 300)
     assert deepest[-20:].count(D) >= 17
 

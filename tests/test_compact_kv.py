@@ -51,7 +51,7 @@ def _random_path(num_nodes: int, gen: torch.Generator) -> list[int]:
 
 def _make_inputs(
     paths: list[list[int]],
-    seqlens: list[int],
+    cache_seqlens: list[int],
     num_nodes: int,
     num_planes: int,
     capacity: int,
@@ -66,7 +66,7 @@ def _make_inputs(
     for b, path in enumerate(paths):
         accepted[b, : len(path)] = torch.tensor(path)
     num_accepted = torch.tensor([len(p) for p in paths], dtype=torch.int64)  # [B]
-    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32)  # [B]
+    cache_seqlens = torch.tensor(cache_seqlens, dtype=torch.int32)  # [B]
     if block_size is None:
         cache = _random_cache((num_planes, batch, capacity, *row), dtype, gen)  # [N, B, S, *row]
         return cache, cache_seqlens, accepted, num_accepted, None
@@ -110,11 +110,11 @@ def _naive(cache, cache_seqlens, accepted, num_accepted, block_table=None) -> to
 def test_ref_matches_naive_loop(block_size):
     gen = torch.Generator().manual_seed(0)
     paths = [[0, 1, 3, 4], [0, 2], [0], [0, 1, 2]]
-    cache, seqlens, accepted, num, table = _make_inputs(
+    cache, cache_seqlens, accepted, num, table = _make_inputs(
         paths, [5, 0, 9, 2], 6, 2, 16, (2, 3), torch.float32, gen, block_size
     )
-    expected = _naive(cache, seqlens, accepted, num, table)
-    compact_kv_ref(cache, seqlens, accepted, num, block_table=table)
+    expected = _naive(cache, cache_seqlens, accepted, num, table)
+    compact_kv_ref(cache, cache_seqlens, accepted, num, block_table=table)
     assert torch.equal(_bits(cache), _bits(expected))
 
 
@@ -126,8 +126,8 @@ def test_random_trees(dtype, row, block_size, device):
     gen = torch.Generator().manual_seed(hash((str(dtype), row, block_size)) % 2**31)
     num_nodes, batch = 8, 5
     paths = [_random_path(num_nodes, gen) for _ in range(batch)]
-    seqlens = torch.randint(0, 9, (batch,), generator=gen).tolist()
-    inputs = _make_inputs(paths, seqlens, num_nodes, 4, 17, row, dtype, gen, block_size)
+    cache_seqlens = torch.randint(0, 9, (batch,), generator=gen).tolist()
+    inputs = _make_inputs(paths, cache_seqlens, num_nodes, 4, 17, row, dtype, gen, block_size)
     _check_against_ref(*inputs, device)
 
 
@@ -158,9 +158,9 @@ def test_overlapping_paths(case, block_size, device):
 def test_nothing_moves(paths, block_size, device):
     gen = torch.Generator().manual_seed(2)
     inputs = _make_inputs(paths, [3, 6], 4, 2, 12, (4, 8), torch.bfloat16, gen, block_size)
-    cache, seqlens, accepted, num, table = inputs
+    cache, cache_seqlens, accepted, num, table = inputs
     original = cache.clone()
-    result = _check_against_ref(cache, seqlens, accepted, num, table, device)
+    result = _check_against_ref(cache, cache_seqlens, accepted, num, table, device)
     assert torch.equal(_bits(result), _bits(original))
 
 
@@ -170,9 +170,9 @@ def test_paged_path_crosses_blocks(dtype, device):
     gen = torch.Generator().manual_seed(3)
     # block_size 4, L = 3 and 6: sources at slots 4..10 and destinations at 3..8 straddle block boundaries.
     paths = [[0, 2, 5, 7], [0, 1, 2, 4, 5]]
-    cache, seqlens, accepted, num, table = _make_inputs(paths, [3, 6], 8, 2, 16, (2, 8), dtype, gen, 4)
+    cache, cache_seqlens, accepted, num, table = _make_inputs(paths, [3, 6], 8, 2, 16, (2, 8), dtype, gen, 4)
     original = cache.clone()
-    result = _check_against_ref(cache, seqlens, accepted, num, table, device)
+    result = _check_against_ref(cache, cache_seqlens, accepted, num, table, device)
     touched = torch.zeros(cache.shape[1], dtype=torch.bool)
     touched[table.flatten().long()] = True
     assert torch.equal(_bits(result[:, ~touched]), _bits(original[:, ~touched]))  # spare blocks untouched
@@ -191,8 +191,8 @@ def test_all_planes_of_a_model(batch, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_int32_indices_and_seqlens_at_the_end(device):
     gen = torch.Generator().manual_seed(5)
-    cache, seqlens, accepted, num, _ = _make_inputs([[0, 2, 3]], [12], 4, 2, 16, (8,), torch.float32, gen)
-    _check_against_ref(cache, seqlens, accepted.int(), num.int(), None, device)  # last slot S-1 = 12 + 3
+    cache, cache_seqlens, accepted, num, _ = _make_inputs([[0, 2, 3]], [12], 4, 2, 16, (8,), torch.float32, gen)
+    _check_against_ref(cache, cache_seqlens, accepted.int(), num.int(), None, device)  # last slot S-1 = 12 + 3
 
 
 def _valid_inputs():
@@ -201,7 +201,7 @@ def _valid_inputs():
 
 
 def _bad_inputs(kind: str):
-    cache, seqlens, accepted, num, _ = _valid_inputs()
+    cache, cache_seqlens, accepted, num, _ = _valid_inputs()
     table = None
     if kind == "batch_size":
         accepted = torch.cat([accepted, accepted[:1]])
@@ -217,14 +217,14 @@ def _bad_inputs(kind: str):
         cache = cache.view(2, 5, 4, 4)
         table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)
     elif kind == "device":
-        seqlens = seqlens.to("meta")
+        cache_seqlens = cache_seqlens.to("meta")
     elif kind == "rank":
         cache = cache[0, 0]
     elif kind == "non_contiguous":
         cache = cache.transpose(2, 3)
     elif kind == "padding_inside_path":
         accepted[1, 1] = PAD_NODE
-    return cache, seqlens, accepted, num, table
+    return cache, cache_seqlens, accepted, num, table
 
 
 BAD = {
@@ -243,10 +243,10 @@ BAD = {
 @pytest.mark.parametrize("backend", ["native", "torch"])
 @pytest.mark.parametrize("kind", BAD)
 def test_bad_inputs_raise(kind, backend):
-    cache, seqlens, accepted, num, table = _bad_inputs(kind)
+    cache, cache_seqlens, accepted, num, table = _bad_inputs(kind)
     error, match = BAD[kind]
     with pytest.raises(error, match=match):
-        compact_kv_(cache, seqlens, accepted, num, block_table=table, backend=backend)
+        compact_kv_(cache, cache_seqlens, accepted, num, block_table=table, backend=backend)
 
 
 @pytest.mark.parametrize("kind", BAD)
@@ -255,33 +255,33 @@ def test_cpp_checks_raise(kind):
     from spec_kernels._ext import load_ext
 
     load_ext()
-    cache, seqlens, accepted, num, table = _bad_inputs(kind)
+    cache, cache_seqlens, accepted, num, table = _bad_inputs(kind)
     error, match = BAD[kind]
     with pytest.raises(error, match=match):
-        torch.ops.spec_kernels.compact_kv_(cache, seqlens, accepted, num, table)
+        torch.ops.spec_kernels.compact_kv_(cache, cache_seqlens, accepted, num, table)
 
 
 def test_meta_kernel_checks_shapes_only():
     from spec_kernels._ext import load_ext
 
     load_ext()
-    cache, seqlens, accepted, num = (t.to("meta") for t in _valid_inputs()[:4])
-    compact_kv_(cache, seqlens, accepted, num)
+    cache, cache_seqlens, accepted, num = (t.to("meta") for t in _valid_inputs()[:4])
+    compact_kv_(cache, cache_seqlens, accepted, num)
     with pytest.raises(ValueError, match="batch"):
-        torch.ops.spec_kernels.compact_kv_(cache, seqlens[:1], accepted, num, None)
+        torch.ops.spec_kernels.compact_kv_(cache, cache_seqlens[:1], accepted, num, None)
 
 
 def test_backend_choices():
-    cache, seqlens, accepted, num, _ = _valid_inputs()
+    cache, cache_seqlens, accepted, num, _ = _valid_inputs()
     with pytest.raises(ValueError, match="no Triton backend"):
-        compact_kv_(cache, seqlens, accepted, num, backend="triton")
+        compact_kv_(cache, cache_seqlens, accepted, num, backend="triton")
     with pytest.raises(ValueError, match="unknown backend"):
-        compact_kv_(cache, seqlens, accepted, num, backend="cuda")
+        compact_kv_(cache, cache_seqlens, accepted, num, backend="cuda")
     expected = cache.clone()
-    compact_kv_(expected, seqlens, accepted, num, backend="torch")
+    compact_kv_(expected, cache_seqlens, accepted, num, backend="torch")
     for backend in (None, "native"):
         got = cache.clone()
-        compact_kv_(got, seqlens, accepted, num, backend=backend)
+        compact_kv_(got, cache_seqlens, accepted, num, backend=backend)
         assert torch.equal(_bits(got), _bits(expected))
     assert not torch.equal(_bits(expected), _bits(cache))
 

@@ -53,12 +53,12 @@ def rope_rows(positions, D):
     return torch.stack((emb.cos(), emb.sin()))  # [2, B, T, D]
 
 
-def make_problem(Hq, Hkv, D, seqlens, T, *, paged, mask="tree", seed=1):
-    """Inputs for B = len(seqlens) sequences with a random prefix already in the cache."""
+def make_problem(Hq, Hkv, D, cache_seqlens, T, *, paged, mask="tree", seed=1):
+    """Inputs for B = len(cache_seqlens) sequences with a random prefix already in the cache."""
     g = torch.Generator().manual_seed(seed)
-    B = len(seqlens)
-    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32)
-    capacity = max(seqlens) + T
+    B = len(cache_seqlens)
+    cache_seqlens = torch.tensor(cache_seqlens, dtype=torch.int32)
+    capacity = max(cache_seqlens) + T
     if paged:
         block_size = 8
         per_seq = -(-capacity // block_size)
@@ -85,11 +85,11 @@ def make_problem(Hq, Hkv, D, seqlens, T, *, paged, mask="tree", seed=1):
     return hidden, kv, cache_seqlens, rope_rows(positions, D), tree_mask, block_table
 
 
-def run(backend, weights, final_norm, hidden, kv, seqlens, rope, mask, table, Hq, dtype=torch.float32):
+def run(backend, weights, final_norm, hidden, kv, cache_seqlens, rope, mask, table, Hq, dtype=torch.float32):
     cast = [None if w is None else w.to(dtype) for w in weights]
     kv = kv.to(dtype).clone()
     out = (decoder_layers_ref if backend == "ref" else decoder_layers)(
-        hidden.to(dtype), cast, final_norm.to(dtype), kv, seqlens, rope.to(dtype), mask,
+        hidden.to(dtype), cast, final_norm.to(dtype), kv, cache_seqlens, rope.to(dtype), mask,
         num_heads=Hq, eps=EPS, block_table=table, **({} if backend == "ref" else {"backend": backend}),
     )  # fmt: skip
     return out, kv
@@ -98,16 +98,16 @@ def run(backend, weights, final_norm, hidden, kv, seqlens, rope, mask, table, Hq
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize(
-    "seqlens, T, mask", [([5], 1, "tree"), ([0, 9, 3], 5, "tree"), ([2], 26, "causal"), ([0], 4, "causal")]
+    "cache_seqlens, T, mask", [([5], 1, "tree"), ([0, 9, 3], 5, "tree"), ([2], 26, "causal"), ([0], 4, "causal")]
 )
-def test_native_matches_float64_reference(name, paged, seqlens, T, mask):
+def test_native_matches_float64_reference(name, paged, cache_seqlens, T, mask):
     Hq, Hkv, D, bias, qk_norm = CONFIGS[name]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
-    problem = make_problem(Hq, Hkv, D, seqlens, T, paged=paged, mask=mask)
+    problem = make_problem(Hq, Hkv, D, cache_seqlens, T, paged=paged, mask=mask)
     exact, exact_kv = run("ref", weights, final_norm, *problem, Hq, dtype=torch.float64)
     ref32, ref32_kv = run("ref", weights, final_norm, *problem, Hq)
     native, native_kv = run("native", weights, final_norm, *problem, Hq)
-    assert native.dtype == torch.float32 and native.shape == (len(seqlens), T, H)
+    assert native.dtype == torch.float32 and native.shape == (len(cache_seqlens), T, H)
     # measured tolerance: the native error within 2x the same-dtype torch error, plus a small floor
     err_torch = (ref32.double() - exact).abs().max().item()
     err_native = (native.double() - exact).abs().max().item()
@@ -119,13 +119,13 @@ def test_native_matches_float64_reference(name, paged, seqlens, T, mask):
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "qwen3_qk_norm", "d80_group5"])
-@pytest.mark.parametrize("seqlens, T, mask", [([0, 9, 3], 5, "tree"), ([2], 26, "causal")])
-def test_native_bfloat16_matches_float64_reference(name, seqlens, T, mask):
+@pytest.mark.parametrize("cache_seqlens, T, mask", [([0, 9, 3], 5, "tree"), ([2], 26, "causal")])
+def test_native_bfloat16_matches_float64_reference(name, cache_seqlens, T, mask):
     """bfloat16 weights, activations and cache; the native op keeps its residual stream in float32, so it is at
     least as close to the exact result as torch's bfloat16 loop."""
     Hq, Hkv, D, bias, qk_norm = CONFIGS[name]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
-    problem = make_problem(Hq, Hkv, D, seqlens, T, paged=True, mask=mask)
+    problem = make_problem(Hq, Hkv, D, cache_seqlens, T, paged=True, mask=mask)
     rounded = [None if w is None else w.bfloat16().double() for w in weights]  # the exact result of bf16 weights
     hidden, kv, *rest = problem
     exact, _ = run("ref", rounded, final_norm.bfloat16(), hidden.bfloat16(), kv.bfloat16(), *rest, Hq,
@@ -142,23 +142,25 @@ def test_planted_bug_is_caught():
     """The tolerance above is tight enough to see a real mistake: a RoPE at the wrong position moves the output."""
     Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
-    hidden, kv, seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [0, 9, 3], 5, paged=True)
-    exact, _ = run("ref", weights, final_norm, hidden, kv, seqlens, rope, mask, table, Hq, dtype=torch.float64)
-    ref32, _ = run("ref", weights, final_norm, hidden, kv, seqlens, rope, mask, table, Hq)
-    wrong_rope = rope_rows(seqlens.long()[:, None] + torch.arange(5) + 1, D)
-    buggy, _ = run("native", weights, final_norm, hidden, kv, seqlens, wrong_rope, mask, table, Hq)
+    hidden, kv, cache_seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [0, 9, 3], 5, paged=True)
+    exact, _ = run("ref", weights, final_norm, hidden, kv, cache_seqlens, rope, mask, table, Hq, dtype=torch.float64)
+    ref32, _ = run("ref", weights, final_norm, hidden, kv, cache_seqlens, rope, mask, table, Hq)
+    wrong_rope = rope_rows(cache_seqlens.long()[:, None] + torch.arange(5) + 1, D)
+    buggy, _ = run("native", weights, final_norm, hidden, kv, cache_seqlens, wrong_rope, mask, table, Hq)
     err_torch = (ref32.double() - exact).abs().max().item()
     assert (buggy.double() - exact).abs().max().item() > 2 * err_torch + 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name, seqlens, T", [("d80_group5", [7, 2, 11], 4), ("llama_gqa", [20], 1), ("mha", [3], 26)])
-def test_any_thread_count_gives_the_same_bits(name, seqlens, T, dtype):
+@pytest.mark.parametrize(
+    "name, cache_seqlens, T", [("d80_group5", [7, 2, 11], 4), ("llama_gqa", [20], 1), ("mha", [3], 26)]
+)
+def test_any_thread_count_gives_the_same_bits(name, cache_seqlens, T, dtype):
     """The stack splits each stage across its threads (matmul rows, attention heads, rows of h): 1, 2 or 3 threads
     (more than this CPU's cores: uneven shares, a descheduled worker) write the same outputs and cache, bit for bit."""
     Hq, Hkv, D, bias, qk_norm = CONFIGS[name]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
-    problem = make_problem(Hq, Hkv, D, seqlens, T, paged=True, mask="tree")
+    problem = make_problem(Hq, Hkv, D, cache_seqlens, T, paged=True, mask="tree")
     threads = torch.get_num_threads()
     try:
         results = []
@@ -180,17 +182,17 @@ def test_tree_nodes_equal_plain_decoding_bitwise(paged, dtype):
     Hq, Hkv, D, bias, qk_norm = CONFIGS["d80_group5"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
     T = 4
-    hidden, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [7, 2, 11], T, paged=paged, mask="causal")
+    hidden, kv, cache_seqlens, _, _, table = make_problem(Hq, Hkv, D, [7, 2, 11], T, paged=paged, mask="causal")
     chain = torch.ones(T, T, dtype=torch.bool).tril().expand(3, T, T).clone()
-    positions = seqlens.long()[:, None] + torch.arange(T)
+    positions = cache_seqlens.long()[:, None] + torch.arange(T)
     weights = [None if w is None else w.to(dtype) for w in weights]
     final_norm, hidden, kv = final_norm.to(dtype), hidden.to(dtype), kv.to(dtype)
-    together, _ = run("native", weights, final_norm, hidden, kv, seqlens, rope_rows(positions, D), chain, table, Hq,
-                      dtype=dtype)  # fmt: skip
+    rope = rope_rows(positions, D)
+    together, _ = run("native", weights, final_norm, hidden, kv, cache_seqlens, rope, chain, table, Hq, dtype=dtype)
 
     one_by_one = kv.clone()
     for t in range(T):  # plain decoding: one token per step, the cache growing by one
-        step_lens = seqlens + t
+        step_lens = cache_seqlens + t
         rope = rope_rows(positions[:, t : t + 1], D).to(dtype)
         one_mask = torch.ones(3, 1, 1, dtype=torch.bool)
         out = decoder_layers(hidden[:, t : t + 1], weights, final_norm, one_by_one, step_lens, rope, one_mask,
@@ -199,8 +201,9 @@ def test_tree_nodes_equal_plain_decoding_bitwise(paged, dtype):
 
     b = 1  # alone instead of in the batch
     alone, _ = run(
-        "native", weights, final_norm, hidden[b : b + 1], kv if paged else kv[:, :, b : b + 1], seqlens[b : b + 1],
-        rope_rows(positions[b : b + 1], D), chain[b : b + 1], None if table is None else table[b : b + 1], Hq, dtype,
+        "native", weights, final_norm, hidden[b : b + 1], kv if paged else kv[:, :, b : b + 1],
+        cache_seqlens[b : b + 1], rope_rows(positions[b : b + 1], D), chain[b : b + 1],
+        None if table is None else table[b : b + 1], Hq, dtype,
     )  # fmt: skip
     assert torch.equal(alone[0], together[b])
 
@@ -208,27 +211,29 @@ def test_tree_nodes_equal_plain_decoding_bitwise(paged, dtype):
 def test_errors_are_clear():
     Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
-    hidden, kv, seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [3, 4], 2, paged=True)
+    hidden, kv, cache_seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [3, 4], 2, paged=True)
     kwargs = dict(num_heads=Hq, eps=EPS, block_table=table)
     with pytest.raises(ValueError, match="positions"):
-        decoder_layers(hidden, weights, final_norm, kv, seqlens + 100, rope, mask, **kwargs)
+        decoder_layers(hidden, weights, final_norm, kv, cache_seqlens + 100, rope, mask, **kwargs)
     bad_table = table.clone()
     bad_table[0, 0] = 10**6
     with pytest.raises(ValueError, match="not a block"):
-        decoder_layers(hidden, weights, final_norm, kv, seqlens, rope, mask, **{**kwargs, "block_table": bad_table})
+        decoder_layers(
+            hidden, weights, final_norm, kv, cache_seqlens, rope, mask, **{**kwargs, "block_table": bad_table}
+        )
     with pytest.raises(ValueError, match="tensors per layer"):
-        decoder_layers(hidden, weights[:-1], final_norm, kv, seqlens, rope, mask, **kwargs)
+        decoder_layers(hidden, weights[:-1], final_norm, kv, cache_seqlens, rope, mask, **kwargs)
     with pytest.raises(ValueError, match="qkv"):
         transposed = [w.t().contiguous() if w is weights[1] else w for w in weights]
-        decoder_layers(hidden, transposed, final_norm, kv, seqlens, rope, mask, **kwargs)
+        decoder_layers(hidden, transposed, final_norm, kv, cache_seqlens, rope, mask, **kwargs)
     with pytest.raises(ValueError, match="rope"):
-        decoder_layers(hidden, weights, final_norm, kv, seqlens, rope[:, :, :1], mask, **kwargs)
+        decoder_layers(hidden, weights, final_norm, kv, cache_seqlens, rope[:, :, :1], mask, **kwargs)
     with pytest.raises(ValueError, match="num_heads"):
-        decoder_layers(hidden, weights, final_norm, kv, seqlens, rope, mask, **{**kwargs, "num_heads": 3})
+        decoder_layers(hidden, weights, final_norm, kv, cache_seqlens, rope, mask, **{**kwargs, "num_heads": 3})
     with pytest.raises(ValueError, match="no Triton backend"):
-        decoder_layers(hidden, weights, final_norm, kv, seqlens, rope, mask, **kwargs, backend="triton")
+        decoder_layers(hidden, weights, final_norm, kv, cache_seqlens, rope, mask, **kwargs, backend="triton")
     with pytest.raises(TypeError, match="float32"):
-        decoder_layers(hidden.double(), weights, final_norm, kv, seqlens, rope, mask, **kwargs, backend="native")
+        decoder_layers(hidden.double(), weights, final_norm, kv, cache_seqlens, rope, mask, **kwargs, backend="native")
 
 
 @pytest.mark.parametrize("backend, dtype", [("torch", torch.float32), ("native", torch.float32), (None, torch.float16)])
@@ -236,9 +241,9 @@ def test_empty_batch(backend, dtype):
     """B = 0 gives [0, T, H] on every path: the reference, the C++ op and the torch-op loop (float16 on CPU)."""
     Hq, Hkv, D, bias, qk_norm = CONFIGS["llama_gqa"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
-    hidden, kv, seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [3], 2, paged=True)
+    hidden, kv, cache_seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [3], 2, paged=True)
     weights = [None if w is None else w.to(dtype) for w in weights]
-    empty = (hidden[:0].to(dtype), kv.to(dtype), seqlens[:0], rope[:, :0].to(dtype), mask[:0])
+    empty = (hidden[:0].to(dtype), kv.to(dtype), cache_seqlens[:0], rope[:, :0].to(dtype), mask[:0])
     out = decoder_layers(empty[0], weights, final_norm.to(dtype), *empty[1:], num_heads=Hq, eps=EPS,
                          block_table=table[:0], backend=backend)  # fmt: skip
     assert out.shape == (0, 2, H) and out.dtype == dtype
@@ -249,8 +254,8 @@ def test_meta_takes_the_device_path_and_native_refuses_it():
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
     problem = make_problem(Hq, Hkv, D, [3, 4], 2, paged=True)
     meta = lambda t: None if t is None else t.to("meta")  # noqa: E731
-    hidden, kv, seqlens, rope, mask, table = map(meta, problem)
-    args = (hidden, [meta(w) for w in weights], meta(final_norm), kv, seqlens, rope, mask)
+    hidden, kv, cache_seqlens, rope, mask, table = map(meta, problem)
+    args = (hidden, [meta(w) for w in weights], meta(final_norm), kv, cache_seqlens, rope, mask)
     out = decoder_layers(*args, num_heads=Hq, eps=EPS, block_table=table)
     assert out.device.type == "meta" and out.shape == hidden.shape
     with pytest.raises(RuntimeError, match="CPU path"):
@@ -263,7 +268,7 @@ def test_tree_path_equals_plain_decoding_bitwise():
     Hq, Hkv, D, bias, qk_norm = CONFIGS["d80_group5"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
     T, parents = 5, [-1, 0, 0, 1, 2]
-    hidden, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [6], T, paged=True, mask="causal")
+    hidden, kv, cache_seqlens, _, _, table = make_problem(Hq, Hkv, D, [6], T, paged=True, mask="causal")
     mask = torch.zeros(1, T, T, dtype=torch.bool)
     depth = [0] * T
     for i in range(T):
@@ -272,13 +277,13 @@ def test_tree_path_equals_plain_decoding_bitwise():
             mask[0, i, j] = True
             j = parents[j]
         depth[i] = 0 if parents[i] < 0 else depth[parents[i]] + 1
-    positions = seqlens.long()[:, None] + torch.tensor(depth)
-    tree, _ = run("native", weights, final_norm, hidden, kv, seqlens, rope_rows(positions, D), mask, table, Hq)
+    positions = cache_seqlens.long()[:, None] + torch.tensor(depth)
+    tree, _ = run("native", weights, final_norm, hidden, kv, cache_seqlens, rope_rows(positions, D), mask, table, Hq)
     plain = kv.clone()
     for step, node in enumerate([0, 2, 4]):
-        rope = rope_rows(seqlens.long()[:, None] + step, D)
+        rope = rope_rows(cache_seqlens.long()[:, None] + step, D)
         alone = torch.ones(1, 1, 1, dtype=torch.bool)
-        out = decoder_layers(hidden[:, node : node + 1], weights, final_norm, plain, seqlens + step, rope, alone,
+        out = decoder_layers(hidden[:, node : node + 1], weights, final_norm, plain, cache_seqlens + step, rope, alone,
                              num_heads=Hq, eps=EPS, block_table=table)  # fmt: skip
         assert torch.equal(out[0, 0], tree[0, node]), node
 
@@ -289,16 +294,20 @@ def test_capture_returns_the_streams_entering_layers(backend):
     layer 0's is the input itself; the final hidden states are those of a call without capture, bit for bit."""
     Hq, Hkv, D, bias, qk_norm = CONFIGS["qwen2_bias"]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
-    hidden, kv, seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [3, 0], 4, paged=True)
+    hidden, kv, cache_seqlens, rope, mask, table = make_problem(Hq, Hkv, D, [3, 0], 4, paged=True)
     kw = dict(num_heads=Hq, eps=EPS, block_table=table, backend=backend)
-    plain = decoder_layers(hidden, weights, final_norm, kv.clone(), seqlens, rope, mask, **kw)
-    out, feats = decoder_layers(hidden, weights, final_norm, kv.clone(), seqlens, rope, mask, capture=[1, 0], **kw)
+    plain = decoder_layers(hidden, weights, final_norm, kv.clone(), cache_seqlens, rope, mask, **kw)
+    out, feats = decoder_layers(
+        hidden, weights, final_norm, kv.clone(), cache_seqlens, rope, mask, capture=[1, 0], **kw
+    )
     assert torch.equal(out, plain) and feats.shape == (2, 4, 2 * H)
     assert torch.equal(feats[..., H:], hidden)  # layer 0's input
-    _, after_first = decoder_layers(hidden, weights, final_norm, kv.clone(), seqlens, rope, mask, capture=[1], **kw)
+    _, after_first = decoder_layers(
+        hidden, weights, final_norm, kv.clone(), cache_seqlens, rope, mask, capture=[1], **kw
+    )
     assert torch.equal(after_first, feats[..., :H]) and not torch.equal(after_first, hidden)
     with pytest.raises(ValueError, match="capture"):
-        decoder_layers(hidden, weights, final_norm, kv.clone(), seqlens, rope, mask, capture=[LAYERS], **kw)
+        decoder_layers(hidden, weights, final_norm, kv.clone(), cache_seqlens, rope, mask, capture=[LAYERS], **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -314,24 +323,24 @@ def test_draft_chain_equals_level_by_level(dtype):
     g = torch.Generator().manual_seed(3)
     V, gamma = 97, 5
     embed, lm_head = (torch.randn(V, H, generator=g) * 0.5).to(dtype), (torch.randn(V, H, generator=g)).to(dtype)
-    _, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [4, 0, 9], gamma, paged=True)
+    _, kv, cache_seqlens, _, _, table = make_problem(Hq, Hkv, D, [4, 0, 9], gamma, paged=True)
     kv = kv.to(dtype)
-    table_len = int(seqlens.max()) + gamma + 1
+    table_len = int(cache_seqlens.max()) + gamma + 1
     rope_table = rope_rows(torch.arange(table_len)[None], D)[:, 0].to(dtype)  # [2, P, D]
     root_logits = torch.randn(3, V, generator=g)
     kw = dict(num_heads=Hq, eps=EPS, block_table=table)
     native_kv = kv.clone()
     model = NativeModel(embed, LayerWeights(weights), final_norm.to(dtype), lm_head, rope_table, Hq, EPS)
-    chain = draft_chain(root_logits, model, native_kv, seqlens, gamma=gamma, block_table=table)
+    chain = draft_chain(root_logits, model, native_kv, cache_seqlens, gamma=gamma, block_table=table)
     loop_kv, logits, expected = kv.clone(), root_logits, []
     for d in range(1, gamma + 1):
         tok = logits.float().argmax(-1)  # [B]
         expected.append(tok)
         if d == gamma:
             break
-        rope, alone = rope_table[:, seqlens.long() + d][:, :, None], torch.ones(3, 1, 1, dtype=torch.bool)
-        hidden = decoder_layers(embed[tok][:, None], weights, final_norm.to(dtype), loop_kv, seqlens + d, rope, alone,
-                                **kw)  # fmt: skip
+        rope, alone = rope_table[:, cache_seqlens.long() + d][:, :, None], torch.ones(3, 1, 1, dtype=torch.bool)
+        hidden = decoder_layers(embed[tok][:, None], weights, final_norm.to(dtype), loop_kv, cache_seqlens + d, rope,
+                                alone, **kw)  # fmt: skip
         logits = linear(hidden[:, 0], lm_head)
     assert torch.equal(chain, torch.stack(expected, dim=1))
     assert torch.equal(native_kv, loop_kv)
@@ -351,19 +360,19 @@ def test_plain_steps_equal_one_token_steps(dtype):
     g = torch.Generator().manual_seed(4)
     V, steps = 97, 4
     embed, lm_head = (torch.randn(V, H, generator=g) * 0.5).to(dtype), torch.randn(V, H, generator=g).to(dtype)
-    _, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [4, 0, 9], steps, paged=True)
+    _, kv, cache_seqlens, _, _, table = make_problem(Hq, Hkv, D, [4, 0, 9], steps, paged=True)
     kv = kv.to(dtype)
-    rope_table = rope_rows(torch.arange(int(seqlens.max()) + steps + 1)[None], D)[:, 0].to(dtype)  # [2, P, D]
+    rope_table = rope_rows(torch.arange(int(cache_seqlens.max()) + steps + 1)[None], D)[:, 0].to(dtype)  # [2, P, D]
     roots = torch.tensor([5, 60, 2])
     kw = dict(num_heads=Hq, eps=EPS, block_table=table)
     native_kv = kv.clone()
     model = NativeModel(embed, LayerWeights(weights), final_norm, lm_head, rope_table, Hq, EPS)
     run = dict(steps=steps, block_table=table)
-    got = plain_steps(roots, model, native_kv, seqlens, **run)
+    got = plain_steps(roots, model, native_kv, cache_seqlens, **run)
     loop_kv, tok, expected = kv.clone(), roots, []
     for d in range(steps):
-        rope, alone = rope_table[:, seqlens.long() + d][:, :, None], torch.ones(3, 1, 1, dtype=torch.bool)
-        hidden = decoder_layers(embed[tok][:, None], weights, final_norm, loop_kv, seqlens + d, rope, alone, **kw)
+        rope, alone = rope_table[:, cache_seqlens.long() + d][:, :, None], torch.ones(3, 1, 1, dtype=torch.bool)
+        hidden = decoder_layers(embed[tok][:, None], weights, final_norm, loop_kv, cache_seqlens + d, rope, alone, **kw)
         tok = linear(hidden[:, 0], lm_head).float().argmax(-1)  # [B]
         expected.append(tok)
     assert torch.equal(got, torch.stack(expected, dim=1))
@@ -373,18 +382,18 @@ def test_plain_steps_equal_one_token_steps(dtype):
     full = got.tolist()
     stop = full[2][1]  # row 2's second token
     first = min(row.index(stop) for row in full if stop in row)
-    cut = plain_steps(roots, model, kv.clone(), seqlens, stop_ids=torch.tensor([V + 5, stop]), **run)
+    cut = plain_steps(roots, model, kv.clone(), cache_seqlens, stop_ids=torch.tensor([V + 5, stop]), **run)
     assert first <= 1 and torch.equal(cut, got[:, : first + 1])
-    never = plain_steps(roots, model, kv.clone(), seqlens, stop_ids=torch.tensor([V + 5]), **run)
+    never = plain_steps(roots, model, kv.clone(), cache_seqlens, stop_ids=torch.tensor([V + 5]), **run)
     assert torch.equal(never, got)
 
     broken = lm_head.clone()
     broken[7] = float("nan")  # every row's logits hold a NaN: no step runs
     broken_model = NativeModel(embed, model.layers, final_norm, broken, rope_table, Hq, EPS)
-    bad = plain_steps(roots, broken_model, kv.clone(), seqlens, **run)
+    bad = plain_steps(roots, broken_model, kv.clone(), cache_seqlens, **run)
     assert bad.shape == (3, 0)
     with pytest.raises(ValueError, match="token 97 is not an id"):
-        plain_steps(torch.tensor([97, 0, 0]), model, kv.clone(), seqlens, **run)
+        plain_steps(torch.tensor([97, 0, 0]), model, kv.clone(), cache_seqlens, **run)
 
 
 def _first_max(row: list[float], strict: bool) -> int:
@@ -422,9 +431,9 @@ def test_greedy_argmax_on_hard_rows(dtype, strict):
         rows[7][0], rows[7][V - 1] = nan, 60.0
         logits = torch.tensor(rows, dtype=torch.float32).to(dtype)  # [8, V]
         embed = torch.randn(V, H, generator=gen).to(dtype)
-        _, kv, seqlens, _, _, table = make_problem(Hq, Hkv, D, [3] * 8, 2, paged=True)
+        _, kv, cache_seqlens, _, _, table = make_problem(Hq, Hkv, D, [3] * 8, 2, paged=True)
         rope_table = rope_rows(torch.arange(8)[None], D)[:, 0].to(dtype)
         model = NativeModel(embed, LayerWeights(weights), final_norm, embed, rope_table, Hq, EPS)
-        got = draft_chain(logits, model, kv.to(dtype), seqlens, gamma=1, block_table=table, strict=strict)
+        got = draft_chain(logits, model, kv.to(dtype), cache_seqlens, gamma=1, block_table=table, strict=strict)
         want = [_first_max(r, strict) for r in logits.float().tolist()]
         assert got[:, 0].tolist() == want, (V, got[:, 0].tolist(), want)

@@ -404,21 +404,19 @@ def test_eagle3_trees_run_natively_as_the_regular_step(models, plain_greedy, tmp
     assert runs[0] == runs[1] == runs[2]
 
 
-def test_a_tree_wider_than_the_native_calls_take_runs_regular_steps(models, plain_greedy, tmp_path, monkeypatch):
+def test_a_tree_wider_than_the_native_calls_take_runs_regular_steps(models, plain_greedy, tmp_path):
     """A static tree of more nodes than spec_chain takes (SPEC_CHAIN_MAX_NODES, 1,024; the config allows 64 leaves at
     16 levels: 1,025 nodes) decodes on the regular step instead of failing the request: here the cap lowered to 8
     under an 11-node tree."""
-    from spec_engine import runner as runner_module
+    from spec_engine.step import SPEC_CHAIN
 
-    monkeypatch.setattr(runner_module, "SPEC_CHAIN_MAX_NODES", 8)
-    calls = []
-    real = runner_module.spec_chain
-    monkeypatch.setattr(runner_module, "spec_chain", lambda *a, **k: calls.append(k["gamma"]) or real(*a, **k))
     target, _ = models
     spec = {"method": "eagle", "model": str(write_published_head(tmp_path / "eagle3", "eagle3")),
             "num_speculative_tokens": 3, "tree": [2, 2, 1]}  # fmt: skip
     llm = LLM(str(target), speculative_config=spec, max_model_len=128)
+    llm.engine.runner.spec_chain_max_nodes = 8
     assert _generate(llm, SamplingParams(max_tokens=24)) == plain_greedy
+    calls = [p.gamma for p in llm.engine.plan_history if p.path == SPEC_CHAIN]
     # (a row's last steps draft shallower trees, of 7 and 3 nodes: those still run natively)
     assert llm.engine.stats["num_drafted"] > 0 and 3 not in calls, "no native call may run the 11-node tree"
 
@@ -1048,18 +1046,18 @@ def test_smollm2_head_native_steps_draft_as_the_regular_step(smollm2_head):
 
 
 def test_adaptive_eagle_chains_stop_at_their_own_depth(models):
-    """``"auto"`` caps an EAGLE head's chains at EAGLE_ADAPTIVE_MAX_DEPTH, alone and in the hybrid; a draft model's
-    chains and an EAGLE-2 dynamic tree keep ADAPTIVE_MAX_DEPTH, and a fixed depth is the user's."""
-    from spec_engine.config import ADAPTIVE_MAX_DEPTH, EAGLE_ADAPTIVE_MAX_DEPTH, parse_speculative_config
+    """``"auto"`` caps an EAGLE head's chains at EAGLE_ADAPTIVE_MAX_GAMMA, alone and in the hybrid; a draft model's
+    chains and an EAGLE-2 dynamic tree keep ADAPTIVE_MAX_GAMMA, and a fixed depth is the user's."""
+    from spec_engine.config import ADAPTIVE_MAX_GAMMA, EAGLE_ADAPTIVE_MAX_GAMMA, parse_speculative_config
 
     _, head = models
-    assert EAGLE_ADAPTIVE_MAX_DEPTH < ADAPTIVE_MAX_DEPTH
+    assert EAGLE_ADAPTIVE_MAX_GAMMA < ADAPTIVE_MAX_GAMMA
     for method in ("eagle", "hybrid"):
         spec = parse_speculative_config({"method": method, "model": str(head)})
-        assert spec["adaptive"] and spec["num_speculative_tokens"] == EAGLE_ADAPTIVE_MAX_DEPTH, method
+        assert spec["adaptive"] and spec["num_speculative_tokens"] == EAGLE_ADAPTIVE_MAX_GAMMA, method
     dynamic = parse_speculative_config({"method": "eagle", "model": str(head), "tree": "dynamic"})
-    assert dynamic["num_speculative_tokens"] == ADAPTIVE_MAX_DEPTH
+    assert dynamic["num_speculative_tokens"] == ADAPTIVE_MAX_GAMMA
     fixed = parse_speculative_config({"method": "eagle", "model": str(head), "num_speculative_tokens": 6})
     assert not fixed["adaptive"] and fixed["num_speculative_tokens"] == 6
     llm = _llm(models, {})
-    assert llm.engine.gamma == EAGLE_ADAPTIVE_MAX_DEPTH
+    assert llm.engine.gamma == EAGLE_ADAPTIVE_MAX_GAMMA

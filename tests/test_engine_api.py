@@ -9,7 +9,7 @@ import torch
 from tiny_models import make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
-from spec_engine.llm import auto_dtype as REAL_AUTO_DTYPE  # before conftest patches it for the other tests
+from spec_engine.llm import auto_dtype
 
 PROMPT = {"prompt_token_ids": [3, 1, 4, 1, 5, 9, 2, 6]}
 
@@ -204,13 +204,21 @@ def test_default_kv_budget_fits_max_num_seqs_full_requests(dirs, spec, max_num_s
     assert engine.allocator.num_used == 0
 
 
-def test_auto_dtype_is_the_fastest_for_the_device(dirs):
+def test_auto_dtype_is_the_fastest_for_the_device(dirs, monkeypatch):
     """dtype="auto" (the default) is bfloat16 on CPUs whose flags give the native bf16 kernels their vector path,
-    float32 elsewhere (and on meta); the LLM reports what it chose, and greedy speculation stays exact in it."""
+    float32 elsewhere (and on meta); $SPECDEC_AUTO_DTYPE overrides it (conftest sets float32); the LLM reports what it
+    chose, and greedy speculation stays exact in it."""
     from spec_kernels._backend import cpu_supports_native_bf16
 
-    assert REAL_AUTO_DTYPE("cpu") == ("bfloat16" if cpu_supports_native_bf16() else "float32")
-    assert REAL_AUTO_DTYPE("meta") == "float32"
+    assert auto_dtype("cpu") == auto_dtype("meta") == "float32"  # the session's $SPECDEC_AUTO_DTYPE
+    monkeypatch.setenv("SPECDEC_AUTO_DTYPE", "float16")
+    assert auto_dtype("cpu") == "float16"
+    monkeypatch.setenv("SPECDEC_AUTO_DTYPE", "int8")
+    with pytest.raises(ValueError, match="SPECDEC_AUTO_DTYPE must be one of"):
+        auto_dtype("cpu")
+    monkeypatch.delenv("SPECDEC_AUTO_DTYPE")
+    assert auto_dtype("cpu") == ("bfloat16" if cpu_supports_native_bf16() else "float32")
+    assert auto_dtype("meta") == "float32"
     target, draft, _ = map(str, dirs)
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
     plain, fast = LLM(target, dtype="bfloat16"), LLM(target, spec, dtype="bfloat16")

@@ -15,7 +15,7 @@ from tiny_models import make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
 from spec_engine.adaptive import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AdaptiveController
-from spec_engine.config import ADAPTIVE_MAX_DEPTH, parse_speculative_config
+from spec_engine.config import ADAPTIVE_MAX_GAMMA, parse_speculative_config
 from spec_engine.estimates import AcceptanceEstimate
 
 PROMPTS = [[5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77], [9] * 20, [30, 31], [4, 8, 15, 16, 23, 42],
@@ -275,13 +275,13 @@ def _adaptive(models, draft):
     of the machine running the test (a loaded CI machine once timed one step slow and switched a perfect draft off)."""
     llm = LLM(models["target"], speculative_config={"model": models[draft]}, max_model_len=128)
     engine, ctl = llm.engine, llm.engine.controller
-    assert ctl is not None and engine.gamma == ADAPTIVE_MAX_DEPTH
+    assert ctl is not None and engine.gamma == ADAPTIVE_MAX_GAMMA
     observe = ctl.observe
 
     def observe_modelled_costs(reqs, gammas, num_accepted, draft_seconds, step_seconds, steps=1, timed=True,
                                width=None):  # fmt: skip
         G = max(gammas)
-        width = len(reqs) * engine.drafter.nodes_for_depth(G) if width is None else width
+        width = len(reqs) * engine.drafter.nodes_for_gamma(G) if width is None else width
         t_draft = 2e-3 * G
         t_target = 10e-3 + 0.1e-3 * width
         observe(reqs, gammas, num_accepted, t_draft, t_draft + t_target, steps, timed, width)
@@ -295,7 +295,7 @@ def test_adaptive_useless_draft_falls_to_zero(models):
     out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=60, ignore_eos=True),
                        use_tqdm=False)[0]  # fmt: skip
     history = list(llm.engine.gamma_history)
-    assert history[0] == ADAPTIVE_MAX_DEPTH  # optimistic until the costs are measured
+    assert history[0] == ADAPTIVE_MAX_GAMMA  # optimistic until the costs are measured
     later = history[4:]
     assert max(later) <= 1 and later.count(0) >= 0.9 * len(later), history  # off, bar rare depth-1 probes
     assert out.metrics["alpha_estimate"] < 0.3
@@ -308,14 +308,14 @@ def test_adaptive_good_draft_raises_gamma(models):
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], SamplingParams(max_tokens=60, ignore_eos=True),
                         use_tqdm=False)  # fmt: skip
     history = list(llm.engine.gamma_history)
-    assert np.median(history[:-2]) >= ADAPTIVE_MAX_DEPTH - 2, history  # the last steps need fewer tokens
+    assert np.median(history[:-2]) >= ADAPTIVE_MAX_GAMMA - 2, history  # the last steps need fewer tokens
     assert all(o.metrics["alpha_estimate"] > 0.9 for o in outs)
     assert outs[0].outputs[0].token_ids == _generate(_llm(models), [PROMPTS[0]], [SamplingParams(max_tokens=60)])[0]
 
 
 def test_parse_speculative_config_auto():
     auto = parse_speculative_config({"model": "d"})
-    assert auto["adaptive"] and auto["num_speculative_tokens"] == ADAPTIVE_MAX_DEPTH
+    assert auto["adaptive"] and auto["num_speculative_tokens"] == ADAPTIVE_MAX_GAMMA
     assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": "auto"})["adaptive"]
     tree = parse_speculative_config({"model": "d", "tree": [3, 2, 1]})
     assert tree["adaptive"] and tree["num_speculative_tokens"] == 3
@@ -351,7 +351,7 @@ def test_controller_decision_with_known_costs(alpha, expected):
     ctl.draft_cost.theta, ctl.draft_cost.num_observed = np.array([1e-3, 0.0]), 1
     reqs = [
         SimpleNamespace(
-            spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[], num_computed=0, draft_len=0
+            spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[], cache_seqlen=0, draft_len=0
         )
     ]
     ctl.population.prior = alpha
@@ -360,7 +360,7 @@ def test_controller_decision_with_known_costs(alpha, expected):
     assert ctl.choose(reqs) == [expected]
     # a request that keeps failing next to one that accepts everything: it alone stops being drafted
     good, bad = (SimpleNamespace(spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[],
-                                 num_computed=0, draft_len=0) for _ in range(2))  # fmt: skip
+                                 cache_seqlen=0, draft_len=0) for _ in range(2))  # fmt: skip
     ctl.population.prior = 0.98
     for _ in range(10):
         ctl.state(good).acceptance.update(8, 8)
@@ -377,7 +377,7 @@ def test_optimism_keeps_a_row_drafting_until_the_evidence_is_real():
     ctl.target_cost.theta, ctl.target_cost.num_observed = (10e-3, 1.6e-3), 1
     ctl.draft_cost.theta, ctl.draft_cost.num_observed = (2e-3, 0.0), 1  # depth 1 pays off from alpha ~0.2
     req = SimpleNamespace(spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[],
-                          num_computed=0, draft_len=0)  # fmt: skip
+                          cache_seqlen=0, draft_len=0)  # fmt: skip
     ctl.num_steps = 1  # not a probe step
     acceptance = ctl.state(req).acceptance
     for _ in range(2):
@@ -402,7 +402,7 @@ def test_margin_grows_with_the_batch():
 
     def rows(n):
         reqs = [SimpleNamespace(spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[],
-                                num_computed=0, draft_len=0) for _ in range(n)]  # fmt: skip
+                                cache_seqlen=0, draft_len=0) for _ in range(n)]  # fmt: skip
         for r in reqs:
             ctl.state(r).acceptance.num_trials = 10**6  # alpha known: no optimism bonus
         return reqs
@@ -425,7 +425,7 @@ def test_probes_only_where_a_good_draft_could_pay():
 
     def due_rows(n, alpha):
         reqs = [SimpleNamespace(spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[],
-                                num_computed=0, draft_len=0) for _ in range(n)]  # fmt: skip
+                                cache_seqlen=0, draft_len=0) for _ in range(n)]  # fmt: skip
         for r in reqs:
             ctl.population.prior = alpha
             state = ctl.state(r)
@@ -439,16 +439,14 @@ def test_probes_only_where_a_good_draft_could_pay():
     assert ctl.choose(due_rows(1, 0.02)) == [1]
 
 
-def test_long_draft_lag_catches_up_in_chunks(models, monkeypatch):
+def test_long_draft_lag_catches_up_in_chunks(models):
     """Rows undrafted for 30 steps catch their draft cache up 4 tokens per forward; the draft is the target's
     function, so every drafted token is accepted only if the cache was fed the right tokens at the right slots."""
-    import spec_engine.drafters.draft_model as draft_model
-
-    monkeypatch.setattr(draft_model, "CATCH_UP_CHUNK", 4)
     prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[6]]
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     reference = _generate(_llm(models, None, max_num_seqs=3), prompts, [params] * 3)
     llm = _llm(models, "same", gamma=3, max_num_seqs=3)
+    llm.engine.drafter.catch_up_chunk = 4
     undrafted = {"0": 30, "1": 7, "2": 0}  # steps before each request is first drafted: lags 30, 7 and 1
     llm.engine.choose_gammas = lambda reqs: [0 if r.metrics.num_steps < undrafted[r.request_id] else 3 for r in reqs]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -492,7 +490,7 @@ def test_the_rate_to_beat_is_measured_plain_steps():
 
     ctl = AdaptiveController(8, lambda g: g + 1)
     req = SimpleNamespace(spec_state=None, params=SamplingParams(max_tokens=10**6), output_token_ids=[],
-                          num_computed=0, draft_len=0, metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
+                          cache_seqlen=0, draft_len=0, metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
     plain, fixed = 4e-3, 3e-3  # a plain step; what any drafted step adds besides its tokens
     gammas = []
     for _ in range(3 * PLAIN_PROBE_INTERVAL):
@@ -512,7 +510,7 @@ def _row(max_tokens=10**6):
     from types import SimpleNamespace
 
     return SimpleNamespace(spec_state=None, params=SamplingParams(max_tokens=max_tokens), output_token_ids=[],
-                           num_computed=0, draft_len=0, metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
+                           cache_seqlen=0, draft_len=0, metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
 
 
 def test_a_native_call_stops_at_a_reject_only_while_the_request_is_new():

@@ -21,7 +21,7 @@ PROMPTS = [*REPETITIVE, "The quick brown fox jumps over"]  # the last one is not
 
 
 class FakeSuffix:
-    max_depth, max_nodes, min_score, plain_chain_cap = 12, 13, 1.0, 8
+    max_gamma, max_nodes, min_score, plain_chain_cap = 12, 13, 1.0, 8
 
     def __init__(self, scores):
         self.scores = iter(scores)
@@ -31,11 +31,11 @@ class FakeSuffix:
 
 
 class FakeModel:
-    max_depth, max_nodes, tree, kv, keeps_cache, needs_hidden, target_layers = 4, 5, None, None, True, False, None
+    max_gamma, max_nodes, tree, kv, keeps_cache, needs_hidden, target_layers = 4, 5, None, None, True, False, None
     features = None
 
-    def nodes_for_depth(self, depth):
-        return depth + 1
+    def nodes_for_gamma(self, gamma):
+        return gamma + 1
 
 
 def test_plan_compares_expected_accepted_tokens():

@@ -29,10 +29,13 @@ def test_compact_kv_refuses_a_node_whose_slot_overflows_and_block_ids_past_int32
 @pytest.mark.parametrize("backend", ["triton", None])
 def test_tree_attention_refuses_block_ids_outside_the_cache(bad, backend):
     q, k, v = torch.randn(2, 3, 4, 8), torch.randn(5, 4, 2, 8), torch.randn(5, 4, 2, 8)  # 5 blocks of 4 slots
-    seqlens, mask = torch.tensor([2, 4], dtype=torch.int32), torch.ones(3, 3, dtype=torch.bool).tril().expand(2, 3, 3)
+    cache_seqlens, mask = (
+        torch.tensor([2, 4], dtype=torch.int32),
+        torch.ones(3, 3, dtype=torch.bool).tril().expand(2, 3, 3),
+    )
     table = torch.tensor([[0, 1], [2, bad]], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"block_table holds ids outside \[0, num_blocks = 5\)"):
-        tree_attention(q, k, v, seqlens, mask.clone(), block_table=table, backend=backend)
+        tree_attention(q, k, v, cache_seqlens, mask.clone(), block_table=table, backend=backend)
 
 
 def test_verify_greedy_refuses_an_empty_tree():

@@ -59,7 +59,7 @@ def test_tree_attention_on_meta(dtype, paged, backend):
     plan = plan_tree_attention(
         a["k_cache"], a["cache_seqlens"], a["tree_mask"], num_q_heads=HQ, block_table=a["block_table"], backend=backend
     )
-    assert plan.seqlens.device == META and plan.tree_keys.device == META  # the Triton path's plan, on the device
+    assert plan.cache_seqlens.device == META and plan.tree_keys.device == META  # the Triton path's plan, on the device
     for shared in (None, plan):
         out = tree_attention(
             a["q"], a["k_cache"], a["v_cache"], a["cache_seqlens"], a["tree_mask"], block_table=a["block_table"],
@@ -137,10 +137,10 @@ def _compact_inputs(paged: bool, device=META) -> tuple[tuple, dict]:
         table = {"block_table": torch.empty(B, MAX_BLOCKS, dtype=torch.int32, device=device)}
     else:
         cache, table = torch.empty(planes, B, S, HKV, D, device=device), {}
-    seqlens = torch.empty(B, dtype=torch.int32, device=device)
+    cache_seqlens = torch.empty(B, dtype=torch.int32, device=device)
     accepted = torch.empty(B, T, dtype=torch.int64, device=device)
     num = torch.empty(B, dtype=torch.int64, device=device)
-    return (cache, seqlens, accepted, num), table
+    return (cache, cache_seqlens, accepted, num), table
 
 
 @pytest.mark.parametrize("backend", [None, "native"])
@@ -177,9 +177,9 @@ def test_two_devices_raise():
     with pytest.raises(ValueError, match="positions is on cpu"):
         verify_tree(logits, tokens, parents, noise_seeds=seeds, positions=torch.zeros(B, T, dtype=torch.int64))
 
-    (cache, seqlens, accepted, num), _ = _compact_inputs(False)
+    (cache, cache_seqlens, accepted, num), _ = _compact_inputs(False)
     with pytest.raises(ValueError, match="one device"):
-        compact_kv_(cache, seqlens, accepted, torch.zeros(B, dtype=torch.int64))
+        compact_kv_(cache, cache_seqlens, accepted, torch.zeros(B, dtype=torch.int64))
 
 
 def test_queued_value_checks_fire(monkeypatch):

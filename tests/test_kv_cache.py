@@ -130,12 +130,12 @@ def test_compact_moves_every_plane_along_the_block_table():
     kv = PagedKVCache(cfg, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu")
     kv.data.copy_(torch.randn(kv.data.shape, generator=torch.Generator().manual_seed(0)))
     table = torch.tensor([[3, 5, 1], [2, 4, 0]], dtype=torch.int32)  # [B, W]; row 1 pads with scratch
-    seqlens = torch.tensor([3, 2], dtype=torch.int32)  # [B]: row 0's tree starts at slot 3, the end of block 3
+    cache_seqlens = torch.tensor([3, 2], dtype=torch.int32)  # [B]: row 0's tree starts at slot 3, the end of block 3
     accepted = torch.tensor([[0, 2, 3, PAD_NODE], [0, 1, PAD_NODE, PAD_NODE]])  # [B, T]
     num = torch.tensor([3, 2], dtype=torch.int32)  # [B]
     expected = kv.planes.clone()
-    compact_kv_ref(expected, seqlens, accepted, num, block_table=table)
-    kv.compact_(seqlens, accepted, num, block_table=table)
+    compact_kv_ref(expected, cache_seqlens, accepted, num, block_table=table)
+    kv.compact_(cache_seqlens, accepted, num, block_table=table)
     assert torch.equal(kv.planes, expected)
     assert not torch.equal(expected, kv.data.flatten(0, 1).roll(1, 0))  # (the check is not vacuous)
 

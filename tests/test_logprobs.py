@@ -162,7 +162,7 @@ def test_a_failed_prefill_chunk_run_again_scores_each_prompt_token_once(pair, mo
     real, failed = StepRunner._prompt_logprobs, []
 
     def once(self, req, hidden, n):  # b's second chunk fails the first time it is scored
-        if req.prompt_token_ids[0] == 95 and req.num_computed >= 16 and not failed:
+        if req.prompt_token_ids[0] == 95 and req.cache_seqlen >= 16 and not failed:
             failed.append(True)
             raise RuntimeError("a planted failure")
         return real(self, req, hidden, n)

@@ -83,16 +83,9 @@ def test_a_chain_spends_no_forward_past_a_stop_token(target, monkeypatch):
     stop = next(t for i, t in enumerate(a) if i >= 3 and a.index(t) == i)
     first = min(a.index(stop), b.index(stop) if stop in b else 30)  # where the first call must end
     params = [SamplingParams(max_tokens=30, stop_token_ids=[stop])] + [SamplingParams(max_tokens=30, ignore_eos=True)]
-    real, runs = runner_mod.plain_steps, []
-
-    def spy(*args, **kw):
-        out = real(*args, **kw)
-        runs.append((kw["steps"], out.shape[1]))  # (steps asked, steps run)
-        return out
-
-    monkeypatch.setattr(runner_mod, "plain_steps", spy)
     llm.engine.reconfigure(EngineConfig(plain_chain=16))
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    runs = [(p.steps, p.steps_ran) for p in llm.engine.plan_history if p.path == PLAIN_CHAIN]  # (asked, run)
     assert got[0].outputs[0].token_ids == a[: a.index(stop) + 1] and got[0].outputs[0].finish_reason == "stop"
     assert got[1].outputs[0].token_ids == b  # the other row, all 30 of its tokens
     assert first < 15 and runs[0] == (16, first + 1)  # the call ended at the stop, not 16 forwards in
@@ -138,8 +131,8 @@ def test_planted_bug_chain_at_the_wrong_positions_is_caught(target, monkeypatch)
     ref = run(llm, params, 1)
     real = runner_mod.plain_steps
 
-    def shifted(roots, model, kv, seqlens, **kw):
-        return real(roots, model, kv, seqlens + 1, **kw)
+    def shifted(roots, model, kv, cache_seqlens, **kw):
+        return real(roots, model, kv, cache_seqlens + 1, **kw)
 
     monkeypatch.setattr(runner_mod, "plain_steps", shifted)
     got = run(llm, params, 8)
@@ -172,17 +165,13 @@ def run_spec(llm: LLM, params: SamplingParams, steps: int) -> list:
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 
 
-def spy_spec_chains(monkeypatch) -> list[int]:
-    """The steps every native speculative call ran."""
-    calls, real = [], runner_mod.spec_chain
-
-    def spy(*args, **kw):
-        out = real(*args, **kw)
-        calls.append(int((out[0][0, :, 0] > 0).sum()) if out is not None else 0)
-        return out
-
-    monkeypatch.setattr(runner_mod, "spec_chain", spy)
-    return calls
+def spec_chain_steps(llm: LLM, params: SamplingParams, steps: int) -> tuple[list, list[int]]:
+    """``run_spec``'s outputs, and the steps each native speculative call it planned ran (0: a call that stepped
+    aside to the regular step, its first step's logits not finite)."""
+    llm.engine.plan_history.clear()
+    outputs = run_spec(llm, params, steps)
+    planned = [p for p in llm.engine.plan_history if SPEC_CHAIN in (p.path, p.fallback_from)]
+    return outputs, [p.steps_ran if p.path == SPEC_CHAIN else 0 for p in planned]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -192,8 +181,7 @@ def test_spec_chain_runs_the_regular_steps(target, draft, dtype, monkeypatch):
     llm = LLM(str(target), speculative_config=spec, dtype=dtype)
     params = SamplingParams(max_tokens=41, ignore_eos=True)
     ref = run_spec(llm, params, 0)
-    calls = spy_spec_chains(monkeypatch)
-    got = run_spec(llm, params, 4)
+    got, calls = spec_chain_steps(llm, params, 4)
     assert calls and max(calls) == 4  # the native calls ran, several steps each
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -210,8 +198,7 @@ def test_spec_chain_adaptive_and_stops(target, draft, monkeypatch):
     stop = free[1].outputs[0].token_ids[17]
     params = SamplingParams(max_tokens=30, stop_token_ids=[stop, 2**63 - 1])  # an id no model emits is ignored
     ref = run(plain, params, 1)
-    calls = spy_spec_chains(monkeypatch)
-    got = run_spec(llm, params, 4)
+    got, calls = spec_chain_steps(llm, params, 4)
     assert calls
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -247,8 +234,8 @@ def test_spec_chain_planted_bug_is_caught(target, draft, monkeypatch):
     ref = run_spec(llm, params, 0)
     real = runner_mod.spec_chain
 
-    def shifted(t, d, catch_up, catch_up_lens, seqlens, *args, **kw):
-        return real(t, d, catch_up, catch_up_lens, seqlens + 1, *args, **kw)
+    def shifted(t, d, catch_up, catch_up_lens, cache_seqlens, *args, **kw):
+        return real(t, d, catch_up, catch_up_lens, cache_seqlens + 1, *args, **kw)
 
     monkeypatch.setattr(runner_mod, "spec_chain", shifted)
     got = run_spec(llm, params, 4)
@@ -262,8 +249,7 @@ def test_spec_chain_non_finite_logits_take_the_regular_step(target, draft, monke
         llm.target.lm_head.weight[7].fill_(float("nan"))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     ref = run_spec(llm, params, 0)
-    calls = spy_spec_chains(monkeypatch)
-    got = run_spec(llm, params, 4)
+    got, calls = spec_chain_steps(llm, params, 4)
     assert calls and max(calls) == 0  # every call found the NaN and committed nothing
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -498,16 +484,13 @@ def test_a_bfloat16_draft_under_a_float32_target(target, draft, monkeypatch):
     plain = LLM(str(target), dtype="float32").generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                                                        use_tqdm=False)  # fmt: skip
     ref = run_spec(llm, params, 0)
-    calls = spy_spec_chains(monkeypatch)
-    got = run_spec(llm, params, 4)
+    got, calls = spec_chain_steps(llm, params, 4)
     assert calls and max(calls) == 4  # native calls ran with a float32 target and a bfloat16 draft
     for a, b, c in zip(got, ref, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
         assert {k: a.metrics[k] for k in STEP_METRICS} == {k: b.metrics[k] for k in STEP_METRICS}
-    import spec_engine.llm as llm_mod
-
     for fastest, expected in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):  # (tests pin "auto")
-        monkeypatch.setattr(llm_mod, "auto_dtype", lambda device, fastest=fastest: fastest)
+        monkeypatch.setenv("SPECDEC_AUTO_DTYPE", fastest)
         default = LLM(str(target), speculative_config={**spec, "draft_dtype": None}, dtype="float32")
         assert default.engine.drafter.kv.data.dtype == expected and default.engine.kv.data.dtype == torch.float32
     with pytest.raises(ValueError, match="draft_dtype must be one of"):
@@ -623,8 +606,8 @@ def test_tree_step_planted_bug_is_caught(target, monkeypatch):
     plain = LLM(str(target)).generate(prompts, params, use_tqdm=False)
     real = runner_mod.tree_step
 
-    def shifted(native, tokens, parents, seqlens, *args, **kw):
-        return real(native, tokens, parents, seqlens + 1, *args, **kw)
+    def shifted(native, tokens, parents, cache_seqlens, *args, **kw):
+        return real(native, tokens, parents, cache_seqlens + 1, *args, **kw)
 
     monkeypatch.setattr(runner_mod, "tree_step", shifted)
     got = llm.generate(prompts, params, use_tqdm=False)

@@ -8,6 +8,7 @@ from tiny_models import make_model
 
 import spec_engine.runner as runner_mod
 from spec_engine import LLM, SamplingParams
+from spec_engine.step import PLAIN_CHAIN
 from spec_engine.threads import FIRST_INTERVAL, INTERVAL, MAX_INTERVAL, PROBE_STEPS, ThreadTuner
 
 
@@ -128,18 +129,12 @@ def test_a_probes_native_calls_run_its_first_steps_then_the_rest(target, monkeyp
 
     torch.set_num_threads(2)
     llm = LLM(str(target))
-    lengths, real = [], runner_mod.plain_steps
-
-    def spy(*args, **kw):
-        lengths.append(kw["steps"])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(runner_mod, "plain_steps", spy)
     tuner = llm.engine.threads
     tuner.probing, tuner.interval = PROBE_STEPS, 10**9  # a probe starts now; no other comes
     tuner.times = {False: {(0, False): [1.0] * PROBE_STEPS}, True: {}}  # the probe is never slower: it runs whole
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+    lengths = [p.steps for p in llm.engine.plan_history if p.path == PLAIN_CHAIN]
     assert lengths[:3] == [LOSS_STEPS, PROBE_STEPS - LOSS_STEPS, llm.engine.config.plain_chain], lengths
     assert torch.get_num_threads() == 2
 

@@ -20,7 +20,6 @@ if not torch.cuda.is_available():
 from spec_kernels.tree_attention.ref import tree_attention_ref  # noqa: E402
 
 ta = importlib.import_module("spec_kernels.tree_attention")  # the module; the package re-exports the function
-ta_cpu = importlib.import_module("spec_kernels.tree_attention.cpu")
 ta_triton = importlib.import_module("spec_kernels.tree_attention.triton")
 tree_attention = ta.tree_attention
 
@@ -66,7 +65,7 @@ def causal_mask(B: int, T: int) -> torch.Tensor:
 
 
 def make_inputs(
-    seqlens: list[int],
+    cache_seqlens: list[int],
     T: int,
     Hq: int,
     Hkv: int,
@@ -80,16 +79,16 @@ def make_inputs(
     """Random q and cache. Slots past ``L_b + T`` hold large garbage, so reading them would show. With
     ``block_size``, the cache is paged through a shuffled block table holding the same logical contents."""
     gen = torch.Generator().manual_seed(seed)
-    B = len(seqlens)
-    S = max(seqlens) + T + 5
+    B = len(cache_seqlens)
+    S = max(cache_seqlens) + T + 5
     q = torch.randn(B, T, Hq, D, generator=gen).to(dtype)
     k = torch.randn(B, S, Hkv, D, generator=gen)
     v = torch.randn(B, S, Hkv, D, generator=gen)
-    for b, length in enumerate(seqlens):
+    for b, length in enumerate(cache_seqlens):
         k[b, length + T :] = 1e3
         v[b, length + T :] = 1e3
     k, v = k.to(dtype), v.to(dtype)
-    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32)
+    cache_seqlens = torch.tensor(cache_seqlens, dtype=torch.int32)
     if mask is None:
         mask = random_tree_mask(B, T, gen)
     if block_size is None:
@@ -108,13 +107,15 @@ def make_inputs(
     return q, k_paged, v_paged, cache_seqlens, mask, block_table
 
 
-def check_against_fp64(out: torch.Tensor, q, k, v, cache_seqlens, mask, block_table, scale=None) -> None:
+def check_against_fp64(out: torch.Tensor, q, k, v, cache_seqlens, mask, block_table, scale=None, **variant) -> None:
     """Measured tolerances (docs/ARCHITECTURE.md): ``err(out) <= 2 * err(same-dtype torch) + ATOL``, errors vs a
-    float64 reference."""
+    float64 reference. ``variant``: softcap / window, as the op takes them."""
     exact = tree_attention_ref(
-        q.double(), k.double(), v.double(), cache_seqlens, mask, block_table=block_table, softmax_scale=scale
-    )
-    same_dtype = tree_attention_ref(q, k, v, cache_seqlens, mask, block_table=block_table, softmax_scale=scale)
+        q.double(), k.double(), v.double(), cache_seqlens, mask, block_table=block_table, softmax_scale=scale,
+        **variant,
+    )  # fmt: skip
+    same_dtype = tree_attention_ref(q, k, v, cache_seqlens, mask, block_table=block_table, softmax_scale=scale,
+                                    **variant)  # fmt: skip
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.isfinite(out).all()
     err = (out.double() - exact).abs().max().item()
@@ -152,11 +153,11 @@ def test_empty_prefix(dtype):
 @pytest.mark.parametrize("paged", [False, True])
 def test_t1_is_decode_attention(dtype, paged):
     """T=1 is plain decode attention over the prefix plus the new token (SDPA on repeated K/V)."""
-    q, k, v, seqlens, mask, table = make_inputs([5, 64, 33], 1, 8, 2, 80, dtype, block_size=8 if paged else None)
-    out = tree_attention(q, k, v, seqlens, mask, block_table=table)
-    check_against_fp64(out, q, k, v, seqlens, mask, table)
+    q, k, v, cache_seqlens, mask, table = make_inputs([5, 64, 33], 1, 8, 2, 80, dtype, block_size=8 if paged else None)
+    out = tree_attention(q, k, v, cache_seqlens, mask, block_table=table)
+    check_against_fp64(out, q, k, v, cache_seqlens, mask, table)
     dense = make_inputs([5, 64, 33], 1, 8, 2, 80, dtype)  # same seed: the same logical contents, contiguous
-    for b, length in enumerate(seqlens.tolist()):
+    for b, length in enumerate(cache_seqlens.tolist()):
         keys = dense[1][b, : length + 1].double().repeat_interleave(4, dim=1).transpose(0, 1)  # [Hq, L+1, D]
         values = dense[2][b, : length + 1].double().repeat_interleave(4, dim=1).transpose(0, 1)
         expected = F.scaled_dot_product_attention(q[b].double().transpose(0, 1), keys, values)  # [Hq, 1, D]
@@ -178,26 +179,63 @@ def test_softmax_scale():
 BACKENDS = ["torch", "native", pytest.param("triton", marks=INTERPRETER)]
 
 
+VARIANTS = [{"softcap": 2.0}, {"window": 7}, {"window": 1}, {"softcap": 5.0, "window": 20}]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+@pytest.mark.parametrize("paged", [False, True])
+def test_softcap_and_window(backend, dtype, variant, paged):
+    """Gemma's attention: soft-capped scores and a sliding window, on trees over ragged prefixes (a window shorter
+    than the prefix, and one reaching into it), on every backend."""
+    inputs = make_inputs([30, 4, 0], 6, 4, 2, 24, dtype, block_size=8 if paged else None, seed=11)
+    out = tree_attention(*inputs[:5], block_table=inputs[5], backend=backend, **variant)
+    check_against_fp64(out, *inputs, **variant)
+
+
+def test_softcap_and_window_mean_what_they_say():
+    """The reference's semantics, against HF's: a window of 1 sees only the node itself; a window past every
+    position, or a cap far above every score, changes nothing; a node at L_b + depth sees prefix positions
+    > L_b + depth - window; the cap is tanh's."""
+    q, k, v, cache_seqlens, mask, _ = make_inputs([12, 5], 5, 4, 2, 16, torch.float64, seed=3)
+    plain = tree_attention_ref(q, k, v, cache_seqlens, mask)
+    assert torch.equal(tree_attention_ref(q, k, v, cache_seqlens, mask, window=100), plain)
+    torch.testing.assert_close(tree_attention_ref(q, k, v, cache_seqlens, mask, softcap=1e6), plain)
+    alone = tree_attention_ref(q, k, v, cache_seqlens, mask, window=1)  # [B, T, Hq, D]
+    for b, L in enumerate(cache_seqlens.tolist()):
+        torch.testing.assert_close(alone[b], v[b, L : L + 5].repeat_interleave(2, dim=1))
+    # row 0 of sequence 0 (the root, depth 0, at position 12) with window 3 sees positions 10, 11 and itself
+    keys = torch.tensor([10, 11, 12])
+    scores = torch.einsum("hd,shd->hs", q[0, 0], k[0, keys].repeat_interleave(2, dim=1)) * 16**-0.5
+    want = torch.einsum("hs,shd->hd", torch.softmax(torch.tanh(scores / 0.5) * 0.5, -1),
+                        v[0, keys].repeat_interleave(2, dim=1))  # fmt: skip
+    torch.testing.assert_close(tree_attention_ref(q, k, v, cache_seqlens, mask, window=3, softcap=0.5)[0, 0], want)
+    for bad in ({"softcap": 0.0}, {"window": 0}, {"window": 2.5}):
+        with pytest.raises(ValueError, match="softcap|window"):
+            tree_attention(q.float(), k.float(), v.float(), cache_seqlens, mask, **bad)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_padding_rows_no_nan(backend):
     """Padding rows see only themselves; a row that sees nothing (L_b = 0, empty mask row) gives zeros."""
-    q, k, v, seqlens, mask, _ = make_inputs([0, 12], 4, 4, 2, 16, torch.float32, seed=5)
+    q, k, v, cache_seqlens, mask, _ = make_inputs([0, 12], 4, 4, 2, 16, torch.float32, seed=5)
     mask[:, 2:] = torch.eye(4, dtype=torch.bool)[2:]  # padding rows: diagonal only
     mask[0, 3] = False  # sees nothing at all
-    out = tree_attention(q, k, v, seqlens, mask, backend=backend)
+    out = tree_attention(q, k, v, cache_seqlens, mask, backend=backend)
     assert torch.isfinite(out).all()
     assert (out[0, 3] == 0).all()
-    check_against_fp64(out, q, k, v, seqlens, mask, None)
+    check_against_fp64(out, q, k, v, cache_seqlens, mask, None)
     # a diagonal-only row with L_b = 0 is exactly its own value vector
     torch.testing.assert_close(out[0, 2], v[0, 2].repeat_interleave(2, dim=0))
 
 
 @pytest.mark.parametrize("ragged", ["auto", "batched", "loop"])
 def test_stale_nan_slots_are_not_read(ragged):
-    q, k, v, seqlens, mask, _ = make_inputs([3, 30], 4, 4, 2, 16, torch.float32, seed=6)
+    q, k, v, cache_seqlens, mask, _ = make_inputs([3, 30], 4, 4, 2, 16, torch.float32, seed=6)
     k[0, 3 + 4 :] = float("nan")
     v[0, 3 + 4 :] = float("nan")
-    plan = ta._native_plan(k, seqlens, mask, None, 2, ragged)
+    plan = ta._native_plan(k, cache_seqlens, mask, None, 2, ragged)
     assert torch.isfinite(ta._native_tree_attention(q, k, v, plan, 0.25)).all()
 
 
@@ -206,18 +244,19 @@ def test_stale_nan_slots_are_not_read(ragged):
 def test_native_ragged_batched_and_looped_agree(dtype, paged):
     """Ragged lengths: one padded SDPA call and one call per sequence both match the fp64 reference."""
     inputs = make_inputs([0, 5, 61, 33], 6, 6, 2, 48, dtype, block_size=8 if paged else None, seed=11)
-    q, k, v, seqlens, mask, table = inputs
+    q, k, v, cache_seqlens, mask, table = inputs
     for ragged in ("batched", "loop"):
-        plan = ta._native_plan(k, seqlens, mask, table, 3, ragged)
+        plan = ta._native_plan(k, cache_seqlens, mask, table, 3, ragged)
         assert len(plan.calls) == (1 if ragged == "batched" else 4)
         check_against_fp64(ta._native_tree_attention(q, k, v, plan, 48**-0.5), *inputs)
 
 
-def test_native_ragged_auto_picks_by_padded_size(monkeypatch):
-    q, k, v, seqlens, mask, _ = make_inputs([4, 20, 9], 2, 4, 2, 16, torch.float32, seed=12)
-    assert [c.seqs for c in ta._native_plan(k, seqlens, mask, None, 2).calls] == [slice(0, 3)]  # one batched call
-    monkeypatch.setattr(ta_cpu, "BATCH_RAGGED_ELEMENTS", 3 * 22 * 2 * 16 - 1)  # the padded K no longer fits
-    assert [c.seqs for c in ta._native_plan(k, seqlens, mask, None, 2).calls] == [slice(b, b + 1) for b in range(3)]
+def test_native_ragged_auto_picks_by_padded_size():
+    q, k, v, cache_seqlens, mask, _ = make_inputs([4, 20, 9], 2, 4, 2, 16, torch.float32, seed=12)
+    assert [c.seqs for c in ta._native_plan(k, cache_seqlens, mask, None, 2).calls] == [slice(0, 3)]  # one batched call
+    padded = 3 * 22 * 2 * 16  # B * (max L_b + T) * Hkv * D
+    calls = ta._native_plan(k, cache_seqlens, mask, None, 2, max_batched_elements=padded - 1).calls  # no longer fits
+    assert [c.seqs for c in calls] == [slice(b, b + 1) for b in range(3)]
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -225,28 +264,28 @@ def test_plan_shared_across_calls(paged):
     """One plan serves every call with the same lengths, mask and table (two "layers" with different q, K, V)."""
     layers = [make_inputs([0, 17, 40], 5, 4, 2, 32, torch.float32, block_size=8 if paged else None, seed=s)
               for s in (20, 21)]  # fmt: skip
-    seqlens, mask, table = layers[0][3:]
-    plan = ta.plan_tree_attention(layers[0][1], seqlens, mask, num_q_heads=4, block_table=table)
+    cache_seqlens, mask, table = layers[0][3:]
+    plan = ta.plan_tree_attention(layers[0][1], cache_seqlens, mask, num_q_heads=4, block_table=table)
     assert isinstance(plan, ta.TreeAttentionPlan)
     for q, k, v, *_ in layers:
-        out = tree_attention(q, k, v, seqlens, mask, block_table=table, plan=plan)
-        torch.testing.assert_close(out, tree_attention(q, k, v, seqlens, mask, block_table=table), rtol=0, atol=0)
-        check_against_fp64(out, q, k, v, seqlens, mask, table)
+        out = tree_attention(q, k, v, cache_seqlens, mask, block_table=table, plan=plan)
+        torch.testing.assert_close(out, tree_attention(q, k, v, cache_seqlens, mask, block_table=table), rtol=0, atol=0)
+        check_against_fp64(out, q, k, v, cache_seqlens, mask, table)
     q, k, v = layers[0][:3]
     with pytest.raises(ValueError, match="plan was made for another path or other shapes"):
-        tree_attention(q[:, :4], k, v, seqlens, mask[:, :4, :4], block_table=table, plan=plan)
+        tree_attention(q[:, :4], k, v, cache_seqlens, mask[:, :4, :4], block_table=table, plan=plan)
     with pytest.raises(ValueError, match="takes the triton path"):  # a native plan handed to the Triton path
-        tree_attention(q, k, v, seqlens, mask, block_table=table, plan=plan, backend="triton")
-    assert ta.plan_tree_attention(k, seqlens, mask, num_q_heads=4, block_table=table, backend="torch") is None
+        tree_attention(q, k, v, cache_seqlens, mask, block_table=table, plan=plan, backend="triton")
+    assert ta.plan_tree_attention(k, cache_seqlens, mask, num_q_heads=4, block_table=table, backend="torch") is None
     with pytest.raises(ValueError, match="block_table too short|cache too short"):
-        ta.plan_tree_attention(k, seqlens + 10**6, mask, num_q_heads=4, block_table=table)
+        ta.plan_tree_attention(k, cache_seqlens + 10**6, mask, num_q_heads=4, block_table=table)
 
 
 # --- Triton kernel ----------------------------------------------------------------------------------------------
 
 
 TRITON_CASES = [
-    # (seqlens, T, D, block_size)
+    # (cache_seqlens, T, D, block_size)
     ([0, 40], 6, 16, None),
     ([17, 3], 1, 24, None),
     ([33, 0], 5, 24, 8),
@@ -258,8 +297,8 @@ TRITON_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", TRITON_CASES, ids=str)
 def test_triton_interpreter(dtype, case):
-    seqlens, T, D, block_size = case
-    inputs = make_inputs(seqlens, T, 4, 2, D, dtype, block_size=block_size, seed=T + D)
+    cache_seqlens, T, D, block_size = case
+    inputs = make_inputs(cache_seqlens, T, 4, 2, D, dtype, block_size=block_size, seed=T + D)
     check_against_fp64(tree_attention(*inputs[:5], block_table=inputs[5], backend="triton"), *inputs)
 
 
@@ -268,12 +307,18 @@ def test_triton_interpreter(dtype, case):
 @pytest.mark.parametrize("paged", [False, True])
 def test_triton_split_prefix(dtype, paged):
     """Flash-decoding: 3 prefix splits (one empty for the short sequence) merged by log-sum-exp."""
-    q, k, v, seqlens, mask, table = make_inputs([70, 2], 3, 8, 2, 16, dtype, block_size=16 if paged else None)
-    plan = ta_triton._device_plan(k, seqlens, mask, table, 4)
-    out = torch.ops.spec_kernels.tree_attention_triton(q, k, v, plan.seqlens, plan.tree_keys, plan.tree_lens,
+    q, k, v, cache_seqlens, mask, table = make_inputs([70, 2], 3, 8, 2, 16, dtype, block_size=16 if paged else None)
+    plan = ta_triton._device_plan(k, cache_seqlens, mask, table, 4)
+    out = torch.ops.spec_kernels.tree_attention_triton(q, k, v, plan.cache_seqlens, plan.tree_keys, plan.tree_lens,
                                                        plan.tile_shared, plan.tile_lens, plan.block_table, 16**-0.5,
                                                        3)  # fmt: skip
-    check_against_fp64(out, q, k, v, seqlens, mask, table)
+    check_against_fp64(out, q, k, v, cache_seqlens, mask, table)
+    # a window leaves the early splits with nothing to see (their log-sum-exp -inf, merged with weight 0)
+    variant = {"softcap": 4.0, "window": 9}
+    out = torch.ops.spec_kernels.tree_attention_triton(q, k, v, plan.cache_seqlens, plan.tree_keys, plan.tree_lens,
+                                                       plan.tile_shared, plan.tile_lens, plan.block_table, 16**-0.5,
+                                                       3, *variant.values())  # fmt: skip
+    check_against_fp64(out, q, k, v, cache_seqlens, mask, table, **variant)
 
 
 @INTERPRETER
@@ -290,33 +335,46 @@ def test_triton_plan_shared_across_calls(paged):
     the same result as an unplanned call."""
     layers = [make_inputs([0, 17, 40], 5, 4, 2, 32, torch.float32, block_size=8 if paged else None, seed=s)
               for s in (22, 23)]  # fmt: skip
-    seqlens, mask, table = layers[0][3:]
-    plan = ta.plan_tree_attention(layers[0][1], seqlens, mask, num_q_heads=4, block_table=table, backend="triton")
+    cache_seqlens, mask, table = layers[0][3:]
+    plan = ta.plan_tree_attention(layers[0][1], cache_seqlens, mask, num_q_heads=4, block_table=table, backend="triton")
     assert isinstance(plan, ta.DevicePlan) and plan.tree_keys.dtype == torch.int32
     for q, k, v, *_ in layers:
-        out = tree_attention(q, k, v, seqlens, mask, block_table=table, plan=plan, backend="triton")
-        unplanned = tree_attention(q, k, v, seqlens, mask, block_table=table, backend="triton")
+        out = tree_attention(q, k, v, cache_seqlens, mask, block_table=table, plan=plan, backend="triton")
+        unplanned = tree_attention(q, k, v, cache_seqlens, mask, block_table=table, backend="triton")
         torch.testing.assert_close(out, unplanned, rtol=0, atol=0)
-        check_against_fp64(out, q, k, v, seqlens, mask, table)
+        check_against_fp64(out, q, k, v, cache_seqlens, mask, table)
     q, k, v = layers[0][:3]
     with pytest.raises(ValueError, match="plan was made for another path or other shapes"):
-        tree_attention(q[:, :4], k, v, seqlens, mask[:, :4, :4], block_table=table, plan=plan, backend="triton")
+        tree_attention(q[:, :4], k, v, cache_seqlens, mask[:, :4, :4], block_table=table, plan=plan, backend="triton")
 
 
-def _lone_token_outputs(q, k, v, seqlens, mask) -> torch.Tensor:
+def _lone_token_outputs(q, k, v, cache_seqlens, mask, backend="triton", **variant) -> torch.Tensor:
     """Plain decoding's view of each tree node: a 1-node call (batch of one) over a cache holding the node's own
     sequence (the prefix, then the tree nodes it sees in node order, itself last)."""
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
-        L = int(seqlens[b])
+        L = int(cache_seqlens[b])
         for t in range(q.shape[1]):
             keys = torch.cat([torch.arange(L), L + torch.nonzero(mask[b, t]).flatten()])
             out[b, t] = tree_attention(
                 q[b : b + 1, t : t + 1], k[b : b + 1, keys], v[b : b + 1, keys],
                 torch.tensor([len(keys) - 1], dtype=torch.int32), torch.ones(1, 1, 1, dtype=torch.bool),
-                backend="triton",
+                backend=backend, **variant,
             )[0, 0]  # fmt: skip
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", [{}, {"window": 6}, {"softcap": 3.0}], ids=str)
+def test_native_16bit_tree_nodes_equal_lone_tokens_bitwise(dtype, variant):
+    """Batch invariance of the native path in 16-bit dtypes (where greedy speculation must equal plain decoding):
+    reduced in float64, every tree node's output is bit for bit a lone token's at the same position, whatever T and
+    the batch, windowed and soft-capped too."""
+    q, k, v, cache_seqlens, mask, _ = make_inputs([37, 130, 0], 9, 6, 2, 32, dtype, seed=5)
+    mask[1] = causal_mask(1, 9)[0]
+    verify = tree_attention(q, k, v, cache_seqlens, mask, backend="native", **variant)
+    check_against_fp64(verify, q, k, v, cache_seqlens, mask, None, **variant)
+    assert torch.equal(verify, _lone_token_outputs(q, k, v, cache_seqlens, mask, "native", **variant))
 
 
 @INTERPRETER
@@ -332,23 +390,23 @@ def test_triton_tree_nodes_equal_lone_tokens_bitwise(dtype, kind, monkeypatch):
     lengths that follow the capacity, as flash-decoding's usually do) is caught in float32."""
     monkeypatch.setattr(ta_triton, "SPLIT_LEN", 64)
     monkeypatch.setattr(ta_triton, "MAX_SPLITS", 2)
-    q, k, v, seqlens, mask, _ = make_inputs([37, 130, 0], 9, 6, 2, 32, dtype, seed=5)
+    q, k, v, cache_seqlens, mask, _ = make_inputs([37, 130, 0], 9, 6, 2, 32, dtype, seed=5)
     if kind != "trees":
         mask[1] = causal_mask(1, 9)[0]
     if kind == "causal":
         mask[:] = causal_mask(3, 9)
-    plan = ta_triton._device_plan(k, seqlens, mask, None, 3)
+    plan = ta_triton._device_plan(k, cache_seqlens, mask, None, 3)
     assert plan.tile_shared[1].all() == (kind != "trees") and plan.tile_shared.all() == (kind == "causal")
-    verify = tree_attention(q, k, v, seqlens, mask, backend="triton")
-    check_against_fp64(verify, q, k, v, seqlens, mask, None)
-    assert torch.equal(verify, _lone_token_outputs(q, k, v, seqlens, mask))
+    verify = tree_attention(q, k, v, cache_seqlens, mask, backend="triton")
+    check_against_fp64(verify, q, k, v, cache_seqlens, mask, None)
+    assert torch.equal(verify, _lone_token_outputs(q, k, v, cache_seqlens, mask))
 
     if dtype != torch.float32:
         return  # a case this small rounds the planted bug's fp32 differences away in bfloat16 outputs
     # planted: split lengths of 1 or 2 tiles by the capacity's parity (flash-decoding usually splits by capacity)
     monkeypatch.setattr(ta_triton, "_split_len", lambda capacity, block_n, n: block_n * (1 + capacity % 2))
-    planted = tree_attention(q, k, v, seqlens, mask, backend="triton")
-    assert not torch.equal(planted, _lone_token_outputs(q, k, v, seqlens, mask))
+    planted = tree_attention(q, k, v, cache_seqlens, mask, backend="triton")
+    assert not torch.equal(planted, _lone_token_outputs(q, k, v, cache_seqlens, mask))
 
 
 @INTERPRETER
@@ -437,8 +495,8 @@ def _valid():
     ],
 )
 def test_bad_input(mutate, error, match):
-    q, k, v, seqlens, mask, _ = _valid()
-    args = {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": seqlens, "tree_mask": mask}
+    q, k, v, cache_seqlens, mask, _ = _valid()
+    args = {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": cache_seqlens, "tree_mask": mask}
     args = mutate(args)
     if "block_table" in args and args["block_table"] is not None and args["block_table"].dtype == torch.int32:
         # paged layout: a cache of 4 blocks of 4 slots, too few for L_b + T through a 1-block table
@@ -448,13 +506,13 @@ def test_bad_input(mutate, error, match):
 
 
 def test_head_dim_too_large():
-    q, k, v, seqlens, mask, _ = make_inputs([2], 1, 2, 1, 272, torch.float32)
+    q, k, v, cache_seqlens, mask, _ = make_inputs([2], 1, 2, 1, 272, torch.float32)
     with pytest.raises(ValueError, match="exceeds"):
-        tree_attention(q, k, v, seqlens, mask)
+        tree_attention(q, k, v, cache_seqlens, mask)
 
 
 def test_triton_needs_interpreter_on_cpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    q, k, v, seqlens, mask, _ = _valid()
+    q, k, v, cache_seqlens, mask, _ = _valid()
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        tree_attention(q, k, v, seqlens, mask, backend="triton")
+        tree_attention(q, k, v, cache_seqlens, mask, backend="triton")

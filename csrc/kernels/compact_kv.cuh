@@ -29,7 +29,7 @@ struct CompactKvParams {
   const void* accepted_nodes;  // [B, T], row stride accepted_stride
   const void* num_accepted;    // [B], contiguous
   const void* block_table;     // [B, max_blocks], row stride block_table_stride; nullptr for a contiguous cache
-  bool seqlens_int64;
+  bool cache_seqlens_int64;
   bool accepted_int64;
   bool num_accepted_int64;
   bool block_table_int64;
@@ -88,7 +88,7 @@ __global__ void compact_kv_kernel(const CompactKvParams p) {
 
   int64_t num = load_index(p.num_accepted, p.num_accepted_int64, b);
   num = num < 0 ? 0 : (num > p.max_nodes ? p.max_nodes : num);
-  const int64_t base = load_index(p.cache_seqlens, p.seqlens_int64, b);
+  const int64_t base = load_index(p.cache_seqlens, p.cache_seqlens_int64, b);
   const int64_t path = b * p.accepted_stride;  // offset of this sequence's accepted_nodes row
   unsigned char* plane = static_cast<unsigned char*>(p.cache) + n * p.plane_stride;
   const int64_t byte_off = col * static_cast<int64_t>(sizeof(Vec));

@@ -127,10 +127,10 @@ class Reader:
 def compaction_parts(pending) -> tuple[dict[int, int], list[torch.Tensor]]:
     if pending is None:
         return {}, []
-    seqlens, accepted, num_accepted, table = pending
+    cache_seqlens, accepted, num_accepted, table = pending
     B, T = accepted.shape
     W = NO_TABLE if table is None else table.shape[1]
-    parts = [seqlens, accepted, num_accepted] + ([] if table is None else [table])
+    parts = [cache_seqlens, accepted, num_accepted] + ([] if table is None else [table])
     return {4: B, 5: T, 6: W}, parts
 
 
@@ -138,9 +138,9 @@ def read_compaction(header: list[int], r: Reader):
     B, T, W = header[4:7]
     if B == 0:
         return None
-    seqlens, accepted, num_accepted = r.take(B).int(), r.take(B, T), r.take(B)
+    cache_seqlens, accepted, num_accepted = r.take(B).int(), r.take(B, T), r.take(B)
     table = None if W == NO_TABLE else r.take(B, W).int()
-    return seqlens, accepted, num_accepted, table
+    return cache_seqlens, accepted, num_accepted, table
 
 
 def send_command(comm: Comm, msg: torch.Tensor) -> None:

@@ -85,14 +85,14 @@ def serve_rank(model_dir, comm: Comm, dtype: torch.dtype) -> None:
             kv = PagedKVCache(shard_config(cfg, plan), header[8], header[9], dtype, comm.device)
         elif cmd == FORWARD:
             B, T, W = header[1:4]
-            ids, positions, seqlens = r.take(B, T), r.take(B, T), r.take(B).int()
+            ids, positions, cache_seqlens = r.take(B, T), r.take(B, T), r.take(B).int()
             table = None if W == NO_TABLE else r.take(B, W).int()
             mask = unpack_bits(r.take(-(-B * T * T // 64)), (B, T, T))
             pending = read_compaction(header, r)
             if pending is not None:
                 seqlens_p, accepted, num_accepted, table_p = pending
                 compact_kv_(kv.planes, seqlens_p, accepted, num_accepted, block_table=table_p)
-            hidden = shard.forward(ids, positions, kv.data, seqlens, mask, table)
+            hidden = shard.forward(ids, positions, kv.data, cache_seqlens, mask, table)
         elif cmd in (LOGITS, LOGITS_OF):
             rows = hidden  # LOGITS: the last forward's, which stay for the next LOGITS (TPTarget.logits)
             if cmd == LOGITS_OF:

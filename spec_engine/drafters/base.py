@@ -26,7 +26,7 @@ class RowView:
     """What a drafter may read of one request (host values; never written).
 
     ``token_ids`` is a read-only view of the request's tokens, prompt then output, ending with the root:
-    ``len(token_ids) == num_computed + 1`` in a decode step; its first ``num_prompt_tokens`` are the prompt.
+    ``len(token_ids) == cache_seqlen + 1`` in a decode step; its first ``num_prompt_tokens`` are the prompt.
     ``draft_len`` is the length of the drafter's own cache for this request, as its last ``commit`` (or prefill) left
     it. ``key`` names the request for as long as the engine lives (never reused): a drafter's per-request cache
     entries are keyed by it. ``score_trust``: how far this request's suffix speculations kept what their scores
@@ -39,7 +39,7 @@ class RowView:
     """
 
     token_ids: np.ndarray
-    num_computed: int
+    cache_seqlen: int
     draft_len: int
     greedy: bool
     key: int = 0
@@ -55,7 +55,7 @@ class StepBatch:
     """What the engine tells a drafter about the sequences of one step (B rows). Tensors are on the model's device.
 
     Shapes:
-        seqlens: [B] int32, L_b: committed positions of the target cache
+        cache_seqlens: [B] int32, L_b: committed positions of the target cache
         roots: [B] int64, the last emitted token of each row (not yet in any cache)
         block_table: [B, max_blocks] int32, shared by the target and draft caches
         temperature: [B] float32 (0 = greedy)
@@ -67,7 +67,7 @@ class StepBatch:
     """
 
     rows: list[RowView]
-    seqlens: torch.Tensor
+    cache_seqlens: torch.Tensor
     roots: torch.Tensor
     block_table: torch.Tensor
     temperature: torch.Tensor
@@ -97,7 +97,7 @@ class StepBatch:
         coupled = None if self.coupled is None else self.coupled[index]
         noise_seeds = None if self.noise_seeds is None else self.noise_seeds[index]
         suffix_rows = None if self.suffix_rows is None else [self.suffix_rows[b] for b in rows]
-        return StepBatch([self.rows[b] for b in rows], self.seqlens[index], self.roots[index],
+        return StepBatch([self.rows[b] for b in rows], self.cache_seqlens[index], self.roots[index],
                          self.block_table[index], self.temperature[index], self.keys[index],
                          [self.gammas[b] for b in rows], coupled, noise_seeds, suffix_rows)  # fmt: skip
 
@@ -155,8 +155,8 @@ class Drafter(ABC):
     """Proposes trees. Drafters with a KV cache (``keeps_cache``) keep it in step with the target's through
     ``prefill``/``commit``."""
 
-    max_depth: int  # the deepest tree this drafter proposes
-    max_nodes: int  # T for a row drafted at max_depth
+    max_gamma: int  # the deepest tree this drafter proposes
+    max_nodes: int  # T for a row drafted at max_gamma
     keeps_cache: bool = False  # True: commit returns the new lengths of the drafter's own cache
     tree = None  # the StaticTree a tree drafter proposes (None: chains); the adaptive controller plans by depth
     # Drafters that read the target's features (EAGLE heads): ``prefill`` sees every prompt chunk (adaptive or not)
@@ -174,6 +174,7 @@ class Drafter(ABC):
     # the target's features by position [1, num_blocks, block_size, H] on the caches' blocks, where the drafter reads
     # them (``needs_hidden``): the engine's native speculative steps write it
     features: torch.Tensor | None = None
+    graphs = None  # the CapturedForward its model's forwards replay from (``use_graphs``); None: eager
 
     def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None,
              faster: Callable[[int, int, float], bool] | None = None) -> DraftPlan:  # fmt: skip
@@ -188,7 +189,7 @@ class Drafter(ABC):
         """Request ``row.key`` is retired (``row``: its final tokens, the last step's included): drop what this
         drafter keeps for it alone."""
 
-    def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:  # noqa: B027
+    def prefill(self, input_ids, positions, cache_seqlens, mask, block_table, hidden=None) -> None:  # noqa: B027
         """See the same prompt chunk the target prefilled. Shapes as ``LlamaForCausalLM.forward``; ``hidden``
         [B, T, F] for drafters that need the target's features, else None."""
 
@@ -207,9 +208,15 @@ class Drafter(ABC):
         [B, T, F] the target's features at every node, for drafters that need them."""
         return None
 
-    def nodes_for_depth(self, depth: int) -> int:
-        """T of a tree of the given depth (for KV reservations and cost models)."""
-        return depth + 1
+    def nodes_for_gamma(self, gamma: int) -> int:
+        """T of a tree of depth ``gamma`` (for KV reservations and cost models)."""
+        return gamma + 1
+
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,  # noqa: B027
+                   max_rows: int) -> None:  # fmt: skip
+        """Replay this drafter's forwards from graphs captured per bucket, as the target's pass
+        (spec_engine/cuda_graphs.py; ``table_width``, ``max_rows``: the engine's block table), or run them eagerly
+        (``enforce_eager``); drafters with no model forward to capture ignore it."""
 
     @property
     def native(self) -> NativeModel | NativeHead | None:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from spec_engine.coupling import position_gumbel
+from spec_engine.cuda_graphs import CapturedForward, captured_forward
 from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.models import LlamaForCausalLM
@@ -82,6 +83,7 @@ def read_draft_vocab(draft_dir: str | Path, vocab_size: int, size: int | None) -
 
 class DraftModelDrafter(Drafter):
     keeps_cache = True
+    graphs: CapturedForward | None = None
 
     def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, tree: StaticTree,
                  draft_sampling: str = "without_replacement"):  # fmt: skip
@@ -89,7 +91,8 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
         self.model, self.kv, self.tree, self.draft_sampling = model, kv, tree, draft_sampling
         self.device = kv.data.device
-        self.max_depth = tree.depth
+        self.max_gamma = tree.depth
+        self.catch_up_chunk = CATCH_UP_CHUNK  # tokens per catch-up forward of a long-lagging row
         self.max_nodes = tree.num_nodes
         self._parents = tree.parents()  # [T_max] host
         node_depth = torch.cat([torch.full((n,), d) for d, n in enumerate(tree.level_sizes)])  # [T_max] host
@@ -106,31 +109,44 @@ class DraftModelDrafter(Drafter):
     def native(self) -> NativeModel | NativeHead | None:
         return self.model.native if self.tree.is_chain else None
 
-    def nodes_for_depth(self, depth: int) -> int:
-        return sum(self.tree.level_sizes[: depth + 1])
+    def nodes_for_gamma(self, gamma: int) -> int:
+        return sum(self.tree.level_sizes[: gamma + 1])
 
-    def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:
-        self._forward_prefix(input_ids, positions, seqlens, mask, block_table)
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,
+                   max_rows: int) -> None:  # fmt: skip
+        """The draft model's forwards up to a short catch-up's width or a tree's nodes (each level's, a catch-up's
+        last) replayed from graphs per bucket, as the target's pass; prompt chunks and long catch-ups run eagerly."""
+        width = max(CATCH_UP_SLACK + 1, self.max_nodes)
+        self.graphs = None if enforce_eager else captured_forward(
+            self._hidden, self.device, table_width=table_width, max_rows=max_rows, max_width=width,
+            mechanism=mechanism, name="drafter's forward")  # fmt: skip
 
-    def _forward_prefix(self, tokens, positions, seqlens, mask, block_table) -> torch.Tensor:
-        """Tokens [B, T] of the sequences themselves (prompt, catch-up), a causal chunk at ``positions`` = seqlens
+    def _hidden(self, tokens, positions, cache_seqlens, mask, block_table) -> tuple[torch.Tensor]:
+        """The draft model's forward on its cache: (hidden states [B, T, H],), what ``graphs`` captures."""
+        return (self.model(tokens, positions, self.kv.data, cache_seqlens, mask, block_table),)
+
+    def prefill(self, input_ids, positions, cache_seqlens, mask, block_table, hidden=None) -> None:
+        self._forward_prefix(input_ids, positions, cache_seqlens, mask, block_table)
+
+    def _forward_prefix(self, tokens, positions, cache_seqlens, mask, block_table) -> torch.Tensor:
+        """Tokens [B, T] of the sequences themselves (prompt, catch-up), a causal chunk at ``positions`` = cache_seqlens
         + t: their hidden states."""
-        return self.model(tokens, positions, self.kv.data, seqlens, mask, block_table)
+        return (self.graphs or self._hidden)(tokens, positions, cache_seqlens, mask, block_table)[0]
 
-    def _forward_nodes(self, tokens, nodes, sub, positions, seqlens, mask, block_table) -> torch.Tensor:
+    def _forward_nodes(self, tokens, nodes, sub, positions, cache_seqlens, mask, block_table) -> torch.Tensor:
         """Tree nodes ``tokens[:, sub]``: their hidden states [B, n, H]. ``nodes`` [B, T, H] holds every node's
         hidden state computed so far (an EAGLE head reads its parents'; a draft model needs none)."""
-        return self.model(tokens[:, sub], positions, self.kv.data, seqlens, mask, block_table)
+        return (self.graphs or self._hidden)(tokens[:, sub], positions, cache_seqlens, mask, block_table)[0]
 
     def _tree_shape(self, gammas: list[int]) -> list[torch.Tensor]:
         """(parents [B, T], tree_mask [B, T, T], depths [B, T]) on the device for rows drafted at ``gammas``: the
         static tree cut at each row's depth (nodes past it are padding), built on the host once per pattern."""
         key = tuple(gammas)
         if key not in self._shapes:
-            T = self.nodes_for_depth(max(gammas))
+            T = self.nodes_for_gamma(max(gammas))
             parents = self._parents[:T].repeat(len(gammas), 1)  # [B, T]
-            for b, g in enumerate(gammas):
-                parents[b, self.nodes_for_depth(g) :] = PAD_NODE
+            for b, gamma in enumerate(gammas):
+                parents[b, self.nodes_for_gamma(gamma) :] = PAD_NODE
             mask, depths = tree_mask_and_depths(parents)
             if len(self._shapes) >= MAX_SHAPES:
                 self._shapes.clear()
@@ -151,17 +167,17 @@ class DraftModelDrafter(Drafter):
         tokens then its root, padded at the end), their first positions [B] int32 and the roots' indices [B] int64.
 
         A row that lags by more than ``CATCH_UP_SLACK`` tokens (its prompt, under the adaptive controller, or the
-        tokens of a stretch it was left undrafted) is fed first, ``CATCH_UP_CHUNK`` at a time and only on the rows
-        that lag that much: no forward is wider than ``CATCH_UP_CHUNK`` tokens, and the other rows are not padded
+        tokens of a stretch it was left undrafted) is fed first, ``catch_up_chunk`` at a time and only on the rows
+        that lag that much: no forward is wider than ``catch_up_chunk`` tokens, and the other rows are not padded
         to the longest lag. The last forward feeds every row its few remaining tokens and its root. Token ids and
         lengths come from the host views; only the block table rows are gathered on the device."""
         rows, dev = batch.rows, self.device
         cached = [r.draft_len for r in rows]  # this step's progress: the engine stores commit's lengths
         while True:
-            long = [b for b, r in enumerate(rows) if r.num_computed - cached[b] > CATCH_UP_SLACK]
+            long = [b for b, r in enumerate(rows) if r.cache_seqlen - cached[b] > CATCH_UP_SLACK]
             if not long:
                 break
-            counts = [min(rows[b].num_computed - cached[b], CATCH_UP_CHUNK) for b in long]
+            counts = [min(rows[b].cache_seqlen - cached[b], self.catch_up_chunk) for b in long]
             n = max(counts)
             table = self.model.rope_table  # [2, P, D]: a padded slot's position stays inside it (ragged rows)
             if table is not None:
@@ -177,7 +193,7 @@ class DraftModelDrafter(Drafter):
             self._forward_prefix(tokens, positions, start, causal_mask(len(long), n, dev), batch.block_table[index])
             for b, count in zip(long, counts):
                 cached[b] += count
-        lags = [r.num_computed - c for r, c in zip(rows, cached)]
+        lags = [r.cache_seqlen - c for r, c in zip(rows, cached)]
         tokens = np.zeros((batch.size, max(lags) + 1), dtype=np.int64)  # [B, T], padded at the end
         for b, (r, lag) in enumerate(zip(rows, lags)):
             tokens[b, : lag + 1] = r.token_ids[len(r.token_ids) - 1 - lag :]
@@ -185,9 +201,9 @@ class DraftModelDrafter(Drafter):
                          torch.tensor(lags, dtype=torch.int64))  # fmt: skip
 
     def propose(self, batch: StepBatch) -> Draft:
-        depth = max(batch.gammas)
-        T = self.nodes_for_depth(depth)
-        B, L, dev = batch.size, batch.seqlens, self.device
+        gamma = max(batch.gammas)
+        T = self.nodes_for_gamma(gamma)
+        B, L, dev = batch.size, batch.cache_seqlens, self.device
         parents, tree_mask, depths = self._tree_shape(batch.gammas)
         levels = self.tree.level_slices
         all_greedy = all(r.greedy for r in batch.rows)  # host-known: no random draws at all
@@ -199,7 +215,7 @@ class DraftModelDrafter(Drafter):
         logits = self.model.logits(root)[:, None]  # [B, 1, V]: q logits of level 0
         if all_greedy and self.tree.is_chain and batch.coupled is None:
             # the whole chain in one native call: a level costs its weights, not a Python round of op dispatch
-            chain = self.model.draft_chain(logits[:, 0], self.kv.data, L, depth, batch.block_table)  # [B, depth]
+            chain = self.model.draft_chain(logits[:, 0], self.kv.data, L, gamma, batch.block_table)  # [B, gamma]
             if chain is not None:
                 tokens[:, 1:] = chain
                 return Draft(tokens, parents, tree_mask, depths, None, "iid")
@@ -208,7 +224,7 @@ class DraftModelDrafter(Drafter):
         # [B, T, V] draft distributions; an all-greedy batch needs none: its children are the top-b of the logits
         # (softmax keeps their order) and verify_tree ignores q on greedy rows (it then takes its one-call walk)
         q = None if all_greedy else torch.zeros(B, T, logits.shape[-1], device=dev)
-        for d in range(1, depth + 1):
+        for d in range(1, gamma + 1):
             parent_level, level, b = levels[d - 1], levels[d], self.tree.branching[d - 1]
             q_parent = logits if q is None else torch.softmax(logits / temp, dim=-1)  # [B, n_parent, V]
             if q is not None:
@@ -220,7 +236,7 @@ class DraftModelDrafter(Drafter):
                 q_parent, b, greedy, batch.keys + d, batch.coupled, noise, batch.free_draws
             )  # [B, n, b]
             tokens[:, level] = children.flatten(1)
-            if d == depth:
+            if d == gamma:
                 break
             if self.tree.is_chain:  # a chain's earlier nodes are all ancestors: keep them as prefix, run one node
                 sub, mask, sub_depths = slice(d, d + 1), torch.ones(B, 1, 1, dtype=torch.bool, device=dev), d
@@ -265,9 +281,9 @@ class DraftModelDrafter(Drafter):
         return torch.where(greedy[:, None, None], children, draws)
 
     def commit(self, batch: StepBatch, result: VerifyResult, num_accepted: list[int], hidden=None) -> list[int]:
-        compact_kv_(self.kv.planes, batch.seqlens, result.accepted_nodes, result.num_accepted,
+        compact_kv_(self.kv.planes, batch.cache_seqlens, result.accepted_nodes, result.num_accepted,
                     block_table=batch.block_table)  # fmt: skip
         # The deepest level drawn (max of the gammas) never ran through the draft model: a path that ends there
         # leaves the cache one token short, fed by the next step's catch-up.
-        depth = max(batch.gammas)
-        return [r.num_computed + n - (n - 1 >= depth) for r, n in zip(batch.rows, num_accepted)]
+        gamma = max(batch.gammas)
+        return [r.cache_seqlen + n - (n - 1 >= gamma) for r, n in zip(batch.rows, num_accepted)]

@@ -30,8 +30,9 @@ import dataclasses
 import torch
 from torch import nn
 
+from spec_engine.cuda_graphs import CapturedForward, captured_forward
 from spec_engine.drafters.base import Draft, StepBatch
-from spec_engine.drafters.draft_model import DraftModelDrafter
+from spec_engine.drafters.draft_model import CATCH_UP_SLACK, DraftModelDrafter
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.models import LlamaForCausalLM, ModelConfig
 from spec_engine.models.config import rope_inv_freq
@@ -261,6 +262,7 @@ class EagleDrafter(DraftModelDrafter):
     """
 
     needs_hidden = True
+    node_graphs: CapturedForward | None = None
 
     def __init__(self, head: EagleHead, kv: PagedKVCache, features: torch.Tensor, tree: StaticTree,
                  draft_sampling: str = "without_replacement", dynamic: bool = False):  # fmt: skip
@@ -279,32 +281,53 @@ class EagleDrafter(DraftModelDrafter):
         None for EAGLE-2's dynamic tree, whose parents are chosen each step."""
         return None if self.dynamic_topk is not None else self.model.native
 
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,
+                   max_rows: int) -> None:  # fmt: skip
+        """The head's forwards replayed from graphs per bucket, as a draft model's: ``graphs`` the entries that read
+        the feature cache (a short catch-up's), ``node_graphs`` the tree nodes that read their parents' outputs (an
+        input of the capture). On the CPU an EAGLE-3 head's native calls stay as they are."""
+        super().use_graphs(enforce_eager, mechanism, table_width=table_width, max_rows=max_rows)
+        self.node_graphs = None if enforce_eager else captured_forward(
+            self._node_hidden, self.device, table_width=table_width, max_rows=max_rows,
+            max_width=max(CATCH_UP_SLACK + 1, self.max_nodes), mechanism=mechanism,
+            name="head's tree nodes")  # fmt: skip
+
     def _store(self, hidden: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> None:
         """The target's hidden states [B, T, F] at ``positions`` [B, T] into the feature cache."""
         blocks, offsets = cache_slots(positions, self.features.shape[2], block_table)
         self.features[0, blocks, offsets] = self.model.features(hidden)
 
-    def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:
+    def prefill(self, input_ids, positions, cache_seqlens, mask, block_table, hidden=None) -> None:
         self._store(hidden, positions, block_table)
-        self._forward_prefix(input_ids, positions, seqlens, mask, block_table)
+        self._forward_prefix(input_ids, positions, cache_seqlens, mask, block_table)
 
     def store_features(self, positions, block_table, hidden) -> None:
         self._store(hidden, positions, block_table)
 
-    def _forward_prefix(self, tokens, positions, seqlens, mask, block_table) -> torch.Tensor:
+    def _forward_prefix(self, tokens, positions, cache_seqlens, mask, block_table) -> torch.Tensor:
         native = self.model.native
         if native is not None:  # the head's layer in one call, each entry's feature read from the cache there
-            last = torch.zeros_like(seqlens, dtype=torch.int64)  # [B]: no chain follows
-            return eagle3_draft(native, tokens, seqlens, last, self.features, self.kv.data, gamma=0,
+            last = torch.zeros_like(cache_seqlens, dtype=torch.int64)  # [B]: no chain follows
+            return eagle3_draft(native, tokens, cache_seqlens, last, self.features, self.kv.data, gamma=0,
                                 block_table=block_table)[0]  # fmt: skip
+        return (self.graphs or self._hidden)(tokens, positions, cache_seqlens, mask, block_table)[0]
+
+    def _hidden(self, tokens, positions, cache_seqlens, mask, block_table) -> tuple[torch.Tensor]:
+        """Entries of the sequences themselves, each reading the feature cache at the position before it: (the
+        head's outputs [B, T, H],), what ``graphs`` captures."""
         before = positions - 1  # [B, T]: entry p reads the feature of p - 1 (zeros before the first token)
         blocks, offsets = cache_slots(before.clamp(min=0), self.features.shape[2], block_table)
         feats = self.features[0, blocks, offsets] * (before >= 0)[..., None]  # [B, T, H]
-        return self.model(tokens, feats, positions, self.kv.data, seqlens, mask, block_table)
+        return (self.model(tokens, feats, positions, self.kv.data, cache_seqlens, mask, block_table),)
 
-    def _forward_nodes(self, tokens, nodes, sub, positions, seqlens, mask, block_table) -> torch.Tensor:
+    def _forward_nodes(self, tokens, nodes, sub, positions, cache_seqlens, mask, block_table) -> torch.Tensor:
         feats = nodes[:, self._node_parents[sub]]  # [B, n, H]: the parents' outputs stand in for their features
-        return self.model(tokens[:, sub], feats, positions, self.kv.data, seqlens, mask, block_table)
+        forward = self.node_graphs or self._node_hidden
+        return forward(tokens[:, sub], positions, cache_seqlens, mask, block_table, feats)[0]
+
+    def _node_hidden(self, tokens, positions, cache_seqlens, mask, block_table, feats) -> tuple[torch.Tensor]:
+        """Tree nodes [B, n] on their parents' outputs ``feats`` [B, n, H]: (outputs [B, n, H],), ``node_graphs``'."""
+        return (self.model(tokens, feats, positions, self.kv.data, cache_seqlens, mask, block_table),)
 
     def propose(self, batch: StepBatch) -> Draft:
         if self.dynamic_topk is not None:
@@ -316,32 +339,33 @@ class EagleDrafter(DraftModelDrafter):
         if native is None or not self.tree.is_chain or not (greedy and batch.coupled is None or sampled):
             return super().propose(batch)
         # the catch-up's last forward and the whole chain in one native call
-        depth = max(batch.gammas)
+        gamma = max(batch.gammas)
         tokens, start, lags = self._catch_up_entries(batch)
-        draws = self._chain_noise(batch, depth) if sampled else {}
-        _, chain, logits = eagle3_draft(native, tokens, start, lags, self.features, self.kv.data, gamma=depth,
+        draws = self._chain_noise(batch, gamma) if sampled else {}
+        _, chain, logits = eagle3_draft(native, tokens, start, lags, self.features, self.kv.data, gamma=gamma,
                                         block_table=batch.block_table, **draws)  # fmt: skip
         parents, tree_mask, depths = self._tree_shape(batch.gammas)
-        tokens = torch.cat((batch.roots[:, None], chain), dim=1)  # [B, depth + 1]
+        tokens = torch.cat((batch.roots[:, None], chain), dim=1)  # [B, gamma + 1]
         if not sampled:
             return Draft(tokens, parents, tree_mask, depths, None, "iid")
         # q: node d - 1's draft distribution, softmax(logits / temperature) over the draft vocabulary
         temp = batch.draft_temperature[:, None, None]  # [B, 1, 1]
-        q = torch.zeros(batch.size, depth + 1, self.model.vocab_size, device=self.device)  # [B, T, V]
-        q[:, :depth, self._draft_ids] = torch.softmax(logits / temp, dim=-1)
+        q = torch.zeros(batch.size, gamma + 1, self.model.vocab_size, device=self.device)  # [B, T, V]
+        q[:, :gamma, self._draft_ids] = torch.softmax(logits / temp, dim=-1)
         return Draft(tokens, parents, tree_mask, depths, q, self.draft_sampling)
 
-    def _chain_noise(self, batch: StepBatch, depth: int) -> dict:
+    def _chain_noise(self, batch: StepBatch, gamma: int) -> dict:
         """``eagle3_draft``'s sampling inputs for a chain of ``depth``: inv_temp [B] (0 on greedy rows) and noise
-        [B, depth, K], each level's Gumbel noise at the draft vocabulary's ids, the same draws as the level-by-level
+        [B, gamma, K], each level's Gumbel noise at the draft vocabulary's ids, the same draws as the level-by-level
         path's (``DraftModelDrafter._draw_children``): a row's own stream keyed by ``keys + d``, or on coupled rows
         the coupling's noise at the parent's position L_b + d - 1."""
         V, ids, free = self.model.vocab_size, self._draft_ids, batch.free_draws
         levels = []
-        for d in range(1, depth + 1):
+        for d in range(1, gamma + 1):
             noise = rng.gumbel(batch.keys + d, (1, V))[:, 0, ids] if free else None  # [B, K]
             if batch.coupled is not None:
-                coupled = position_gumbel(batch.noise_seeds, batch.seqlens.long()[:, None] + (d - 1), V)[:, 0, ids]
+                positions = batch.cache_seqlens.long()[:, None] + (d - 1)  # [B, 1]
+                coupled = position_gumbel(batch.noise_seeds, positions, V)[:, 0, ids]  # [B, K]
                 noise = coupled if noise is None else torch.where(batch.coupled[:, None], coupled, noise)
             levels.append(noise)
         inv_temp = torch.where(batch.temperature == 0, 0.0, 1.0 / batch.draft_temperature.clamp(min=1e-30))
@@ -353,9 +377,9 @@ class EagleDrafter(DraftModelDrafter):
         per level, their depths, each row's padding) is fixed and host-known; which parent each node hangs from is
         chosen on the device, and the mask follows from it there. The children are the head's most likely tokens,
         not draws, so every row verifies them as point-mass proposals: lossless whatever tree was chosen."""
-        depth, k = max(batch.gammas), self.dynamic_topk
-        T = self.nodes_for_depth(depth)
-        B, L, dev = batch.size, batch.seqlens, self.device
+        gamma, k = max(batch.gammas), self.dynamic_topk
+        T = self.nodes_for_gamma(gamma)
+        B, L, dev = batch.size, batch.cache_seqlens, self.device
         static_parents, _, depths = self._tree_shape(batch.gammas)  # [B, T]: padding and depths per row
         eye = torch.eye(T, dtype=torch.bool, device=dev)  # [T, T]
         tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)  # [B, T]
@@ -369,7 +393,7 @@ class EagleDrafter(DraftModelDrafter):
         nodes[:, 0] = root
         logits = self.model.logits(root)[:, None]  # [B, 1, V]
         levels = self.tree.level_slices
-        for d in range(1, depth + 1):
+        for d in range(1, gamma + 1):
             parent_level, level = levels[d - 1], levels[d]
             log_q = torch.log_softmax(logits, dim=-1) + scores[:, parent_level, None]  # [B, n_parent, V]
             top = log_q.topk(k, dim=-1)  # each parent's k best children: [B, n_parent, k]
@@ -378,7 +402,7 @@ class EagleDrafter(DraftModelDrafter):
             parents[:, level] = parent_level.start + best.indices // k
             scores[:, level] = best.values
             mask[:, level] = mask[rows, parents[:, level]] | eye[level]  # the parent's ancestors and itself
-            if d == depth:
+            if d == gamma:
                 break
             sub = slice(1, level.stop)  # levels 1..d, re-rooted at node 1 (the root's entry is cached at L)
             feats = nodes[rows, parents[:, sub]]  # [B, n, H]: the parents' outputs
@@ -396,8 +420,10 @@ class EagleDrafter(DraftModelDrafter):
         """Every row (drafted or not): the nodes' features in, the accepted path's kept. A drafted row's head cache
         ends after its root's entry; an undrafted row's is unchanged (the catch-up feeds it later)."""
         T = hidden.shape[1]
-        self._store(hidden, batch.seqlens.long()[:, None] + torch.arange(T, device=self.device), batch.block_table)
+        self._store(
+            hidden, batch.cache_seqlens.long()[:, None] + torch.arange(T, device=self.device), batch.block_table
+        )
         if T > 1:
-            compact_kv_(self.features, batch.seqlens, result.accepted_nodes, result.num_accepted,
+            compact_kv_(self.features, batch.cache_seqlens, result.accepted_nodes, result.num_accepted,
                         block_table=batch.block_table)  # fmt: skip
-        return [r.num_computed + 1 if g else r.draft_len for r, g in zip(batch.rows, batch.gammas)]
+        return [r.cache_seqlen + 1 if gamma else r.draft_len for r, gamma in zip(batch.rows, batch.gammas)]

@@ -3,9 +3,9 @@ the model drafter (a draft model or an EAGLE head), the model drafter elsewhere.
 
 The comparison starts from expected accepted drafted tokens. The suffix side's is its speculation's score (the sum
 of its nodes' estimated probabilities, ``spec_engine.drafters.suffix_ref``) times what such scores kept on the request
-(``RowView.score_trust``); the model side's is the adaptive controller's
-estimate at the depth it chose for the row, sum_{d<=g} prod_{j<=d} alpha_j (``AdaptiveController.expected_accepted``,
-handed over as ``gains``: 0 where it chose not to draft), or, without the controller, sum_{d<=g} FIXED_ALPHA^d.
+(``RowView.score_trust``); the model side's is the adaptive controller's estimate at the gamma it chose for the
+row, sum_{d<=gamma} prod_{j<=d} alpha_j (``AdaptiveController.expected_accepted``, handed over as ``gains``: 0 where
+it chose not to draft), or, without the controller, sum_{d<=gamma} FIXED_ALPHA^d.
 Where the controller prices steps (batch 1), the two are compared as rates, tokens per second, each step at its
 measured price (``faster``): on a CPU a wide suffix tree's verify costs r(T) of a token, several where r climbs
 (bench/RESULTS-log.md, "the hybrid's choice as a rate"), so more tokens can be slower than the model's chain.
@@ -42,13 +42,13 @@ class HybridDrafter(Drafter):
     """``model`` (a ``DraftModelDrafter`` or ``EagleDrafter``) and ``suffix`` (a ``SuffixDrafter``), chosen per row.
 
     ``num_speculative_tokens`` (the engine's depth) is the model drafter's; the suffix speculation's nodes are capped
-    by ``suffix.max_depth``."""
+    by ``suffix.max_gamma``."""
 
     plans = True
 
     def __init__(self, model: Drafter, suffix: SuffixDrafter):
         self.model, self.suffix = model, suffix
-        self.max_depth = max(model.max_depth, suffix.max_depth)
+        self.max_gamma = max(model.max_gamma, suffix.max_gamma)
         self.max_nodes = max(model.max_nodes, suffix.max_nodes)
         self.tree = model.tree
         self.kv = model.kv  # the model drafter's cache: native chains write it on steps without suffix rows
@@ -58,15 +58,23 @@ class HybridDrafter(Drafter):
         self.target_layers = model.target_layers
         self.plain_chain_cap = suffix.plain_chain_cap
 
-    def nodes_for_depth(self, depth: int) -> int:
-        return self.model.nodes_for_depth(depth)  # (the adaptive controller prices the model drafter's trees)
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,
+                   max_rows: int) -> None:  # fmt: skip
+        self.model.use_graphs(enforce_eager, mechanism, table_width=table_width, max_rows=max_rows)
+
+    @property
+    def graphs(self):
+        return self.model.graphs
+
+    def nodes_for_gamma(self, gamma: int) -> int:
+        return self.model.nodes_for_gamma(gamma)  # (the adaptive controller prices the model drafter's trees)
 
     @property
     def native(self) -> NativeModel | NativeHead | None:
         return self.model.native  # (the engine runs native chains only on steps without suffix rows)
 
-    def prefill(self, input_ids, positions, seqlens, mask, block_table, hidden=None) -> None:
-        self.model.prefill(input_ids, positions, seqlens, mask, block_table, hidden)
+    def prefill(self, input_ids, positions, cache_seqlens, mask, block_table, hidden=None) -> None:
+        self.model.prefill(input_ids, positions, cache_seqlens, mask, block_table, hidden)
 
     def store_features(self, positions, block_table, hidden) -> None:
         self.model.store_features(positions, block_table, hidden)
@@ -77,7 +85,7 @@ class HybridDrafter(Drafter):
 
     def _budget(self, row: RowView) -> int:
         """A row's suffix speculation's nodes: the suffix drafter's most, or the drafted tokens the row can keep."""
-        return min(self.suffix.max_depth, row.draft_room)
+        return min(self.suffix.max_gamma, row.draft_room)
 
     def _speculate(self, row: RowView) -> SuffixDraft:
         # sampled rows: chains (see the module docstring); greedy rows: the suffix drafter's own choice
@@ -86,7 +94,7 @@ class HybridDrafter(Drafter):
     def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None,
              faster=None) -> DraftPlan:  # fmt: skip
         if gains is None:
-            gains = [sum(FIXED_ALPHA**d for d in range(1, g + 1)) for g in gammas]
+            gains = [sum(FIXED_ALPHA**d for d in range(1, gamma + 1)) for gamma in gammas]
         drafts = [self._speculate(r) for r in rows]
         scores = [trusted_score(d, r) for d, r in zip(drafts, rows)]
         # where steps are priced, the faster step in tokens per second (a wide suffix tree costs r(T) of a token:
@@ -94,10 +102,10 @@ class HybridDrafter(Drafter):
         beats = [faster(b, len(d.tokens) + 1, 1.0 + s) if faster is not None else s > gain
                  for b, (d, s, gain) in enumerate(zip(drafts, scores, gains))]  # fmt: skip
         suffix_rows = [(s >= self.suffix.min_score or d.sure) and s > 0 and x for s, d, x in zip(scores, drafts, beats)]
-        out = [self._budget(r) if s else g for s, g, r in zip(suffix_rows, gammas, rows)]
-        nodes = [len(d.tokens) + 1 if s else self.model.nodes_for_depth(g) if g else 1
-                 for d, s, g in zip(drafts, suffix_rows, gammas)]  # fmt: skip
-        expected = [x if s else gain if g else 0.0 for x, s, g, gain in zip(scores, suffix_rows, gammas, gains)]
+        out = [self._budget(r) if s else gamma for s, gamma, r in zip(suffix_rows, gammas, rows)]
+        nodes = [len(d.tokens) + 1 if s else self.model.nodes_for_gamma(gamma) if gamma else 1
+                 for d, s, gamma in zip(drafts, suffix_rows, gammas)]  # fmt: skip
+        expected = [x if s else gain if gamma else 0.0 for x, s, gamma, gain in zip(scores, suffix_rows, gammas, gains)]
         return DraftPlan(out, suffix_rows, nodes, expected, [d.sure and s for d, s in zip(drafts, suffix_rows)])
 
     def propose(self, batch: StepBatch) -> Draft:
@@ -136,7 +144,7 @@ class HybridDrafter(Drafter):
         """The model drafter's commit over its own rows; a suffix row's draft cache is unchanged (it lags)."""
         flags = batch.suffix_rows or [False] * batch.size
         if self.model.needs_hidden:  # every row's features, suffix rows as undrafted ones
-            gammas = [0 if s else g for s, g in zip(flags, batch.gammas)]
+            gammas = [0 if s else gamma for s, gamma in zip(flags, batch.gammas)]
             return self.model.commit(_with_gammas(batch, gammas), result, num_accepted, hidden)
         lens = [r.draft_len for r in batch.rows]
         rows = [b for b, s in enumerate(flags) if not s]
@@ -162,5 +170,5 @@ def one_hot_proposals(probs: torch.Tensor, drafts: list[SuffixDraft]) -> None:
 
 
 def _with_gammas(batch: StepBatch, gammas: list[int]) -> StepBatch:
-    return StepBatch(batch.rows, batch.seqlens, batch.roots, batch.block_table, batch.temperature, batch.keys,
+    return StepBatch(batch.rows, batch.cache_seqlens, batch.roots, batch.block_table, batch.temperature, batch.keys,
                      gammas, batch.coupled, batch.noise_seeds, batch.suffix_rows)  # fmt: skip

@@ -34,7 +34,7 @@ class NgramDrafter(Drafter):
     their shapes go to the device in one copy per dtype."""
 
     def __init__(self, num_speculative_tokens: int, max_n: int = NGRAM_MAX_N, min_n: int = 1, device="cpu"):
-        self.max_depth = num_speculative_tokens
+        self.max_gamma = num_speculative_tokens
         self.max_nodes = num_speculative_tokens + 1
         self.max_n, self.min_n = max_n, min_n
         self.device = torch.device(device)

@@ -94,7 +94,7 @@ class SuffixDrafter(Drafter):
                  max_spec_factor: float = MAX_SPEC_FACTOR, min_token_prob: float = MIN_TOKEN_PROB,
                  max_cached_requests: int = MAX_CACHED_REQUESTS, tree: bool = True, min_score: float = MIN_SCORE,
                  device="cpu", make_tree=NativeSuffixTree):  # fmt: skip
-        self.max_depth = num_speculative_tokens
+        self.max_gamma = num_speculative_tokens
         self.max_nodes = num_speculative_tokens + 1
         self.max_spec_factor, self.min_token_prob, self.use_tree = max_spec_factor, min_token_prob, tree
         self.min_score = min_score

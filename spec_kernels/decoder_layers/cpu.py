@@ -212,9 +212,9 @@ def row_sampling(temperature=None, noise_seeds=None, top_k=None, top_p=None, min
 SPEC_CHAIN_MAX_NODES = 1024  # the widest tree spec_chain takes (kMaxTreeNodes in csrc/runner_cpu.cpp)
 
 
-def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, catch_up_lens, seqlens, target_kv,
-               draft_kv, block_table, budget, stop_ids, *, gamma: int, max_steps: int, stop_on_reject: bool = False,
-               draft_features: torch.Tensor | None = None, tree: Sequence[int] = (),
+def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, catch_up_lens, cache_seqlens,
+               target_kv, draft_kv, block_table, tokens_left, stop_ids, *, gamma: int, max_steps: int,
+               stop_on_reject: bool = False, draft_features: torch.Tensor | None = None, tree: Sequence[int] = (),
                temperature: torch.Tensor | None = None, noise_seeds: torch.Tensor | None = None,
                top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
                min_p: torch.Tensor | None = None):  # fmt: skip
@@ -223,8 +223,8 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
     ``[1, num_blocks, block_size, H]`` (on the caches' blocks), and each step writes the accepted positions' there.
     ``gamma`` 0: plain steps, the draft idle (a head's features still written).
 
-    catch_up ``[B, P]`` the tokens each row's draft cache lacks (its lag) then its root, catch_up_lens / seqlens
-    (L_b) / budget ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``: per step the count n of
+    catch_up ``[B, P]`` the tokens each row's draft cache lacks (its lag) then its root, catch_up_lens / cache_seqlens
+    (L_b) / tokens_left ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``: per step the count n of
     emitted tokens then the tokens; the rows' new catch_up ``[B, P']`` and catch_up_lens ``[B]``; times
     ``[max_steps, 2]``: per step the draft's and the whole step's seconds). ``stop_on_reject``: a step where some row
     accepted no draft is the call's last (an adaptive controller then re-decides the depth). ``tree`` (a head's):
@@ -242,14 +242,21 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
         raise ValueError("spec_chain: an EAGLE-3 head needs its feature cache (draft_features)")
     model = draft.model if head else draft
     caches = [target.check_cache(target_kv), model.check_cache(draft_kv)] + ([draft_features] if head else [])
-    inputs = [catch_up, catch_up_lens, seqlens, budget, stop_ids, block_table]  # spec_chain_cpu's inputs, in its order
+    inputs = [
+        catch_up,
+        catch_up_lens,
+        cache_seqlens,
+        tokens_left,
+        stop_ids,
+        block_table,
+    ]  # spec_chain_cpu's inputs, in its order
     sampling = row_sampling(temperature, noise_seeds, top_k, top_p, min_p)
     return _native_ops().spec_chain(target.handle, draft.handle, caches, inputs, sampling,
                                     [gamma, max_steps, int(stop_on_reject)], list(tree))  # fmt: skip
 
 
 def tree_step(
-    target: NativeModel, tokens, parents, seqlens, kv_cache, block_table=None, *, capture: Sequence[int] = ()
+    target: NativeModel, tokens, parents, cache_seqlens, kv_cache, block_table=None, *, capture: Sequence[int] = ()
 ) -> tuple[VerifyResult, torch.Tensor | None] | None:
     """One greedy speculative step over trees drafted elsewhere, in one native call (``tree_step_cpu`` in
     csrc/runner_cpu.cpp): the target's pass over every node (slot L_b + t, position L_b + its depth, seeing the prefix
@@ -257,15 +264,15 @@ def tree_step(
     K/V compacted to L_b .. in every plane: what the regular step's target pass, ``verify_tree`` and ``compact_kv_``
     do for greedy rows, the same tokens and cache.
 
-    tokens, parents ``[B, T]`` int64 (``verify_tree``'s), seqlens ``[B]`` = L_b; ``capture``: the layers whose input
-    streams come back too (an EAGLE-3 head's features, ``LlamaForCausalLM.forward_features``). Returns
+    tokens, parents ``[B, T]`` int64 (``verify_tree``'s), cache_seqlens ``[B]`` = L_b; ``capture``: the layers whose
+    input streams come back too (an EAGLE-3 head's features, ``LlamaForCausalLM.forward_features``). Returns
     (``VerifyResult``, features ``[B, T, len(capture) * H]`` or None), or None, with nothing compacted, where some row
     needs the regular path (a visited node's logits not finite, which it sanitises; a malformed tree, for which it
     raises): it redoes the step, overwriting the slots this call wrote."""
     if target.vocab_map is not None:
         raise ValueError("tree_step: the target's vocabulary cannot be restricted (its logits decide the output)")
     accepted, output, counts, features = _native_ops().tree_step(
-        tokens, parents, seqlens, target.handle, target.check_cache(kv_cache), block_table, list(capture)
+        tokens, parents, cache_seqlens, target.handle, target.check_cache(kv_cache), block_table, list(capture)
     )  # [B, T], [B, T], [B], [B, T, F] | [0]
     if counts.numel() and int(counts.min()) < 1:
         return None

@@ -1,0 +1,255 @@
+"""Speed at real sizes, on synthetic weights: us against llama.cpp on GGUF files in the shapes of Llama-3.2-1B and
+Llama-3.1-8B.
+
+Each shape is written once as a random-weight F16 GGUF (``gguf``'s writer, tensor by tensor, so an 8B file never sits
+in memory), with SmolLM2's tokenizer (copied from its GGUF, so the vocabulary is real: 49,152 tokens instead of
+Llama 3's 128,256), then ``llama-quantize`` makes the other types (Q8_0, Q4_K_M, ...). On each file, rounds interleave
+us and llama.cpp (``llama-bench``, 2 threads):
+
+- ``decode``: plain greedy decoding tok/s after a ``CTX``-token context (ours: one engine forward + logits per token
+  on the paged cache, ``bench.harness.forward_step`` at T = 1; llama.cpp: ``tg`` at depth ``CTX``);
+- ``prefill``: a 512-token prompt's forward, tok/s (``pp512``);
+- ``r(T)``: a T-token forward over the ``CTX``-token context over a 1-token one, T = 1, 2, 4, 8, 16 (llama.cpp: ``pp
+  T`` at depth ``CTX``, one ubatch);
+- ``control``: our T = 1 forward timed twice per round; its ratio is the run's noise;
+- ``rss_gib``: our process's resident memory with the model and a ``max_model_len``-token KV cache loaded.
+
+Usage: python bench/bench_sizes.py --llama-cpp DIR [--shapes 1b,8b] [--types F16,Q8_0,Q4_K_M] [--dir /tmp/sizes]
+[--rounds 3] [--quick]. Writes bench/out/bench_sizes.json and prints one markdown table per file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
+
+from bench.harness import forward_step  # noqa: E402
+from bench.llama_cpp import binary, forward_sampler  # noqa: E402
+
+# Llama-3.2-1B and Llama-3.1-8B (their config.json), with SmolLM2's vocabulary; 1b ties its embeddings as the real one
+SHAPES = {
+    "1b": dict(hidden=2048, ffn=8192, layers=16, heads=32, kv_heads=8, tied=True),
+    "8b": dict(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, tied=False),
+    "tiny": dict(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, tied=True),  # the script's own check (--quick)
+}
+WIDTHS = (1, 2, 4, 8, 16)
+CTX = 256
+PREFILL = 512
+THREADS = 2
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int = 0) -> None:
+    """A llama-architecture F16 GGUF of ``shape`` with N(0, 0.02) weights and unit norms, written tensor by tensor."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(tokenizer_gguf))
+    tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8")
+              for i in reader.fields["tokenizer.ggml.tokens"].data]  # fmt: skip
+    vocab, H, F, L = len(tokens), shape["hidden"], shape["ffn"], shape["layers"]
+    head_dim = H // shape["heads"]
+    tensors = [("token_embd.weight", (vocab, H)), ("output_norm.weight", (H,))]
+    tensors += [] if shape["tied"] else [("output.weight", (vocab, H))]
+    for i in range(L):
+        p = f"blk.{i}."
+        kv = shape["kv_heads"] * head_dim
+        dims = {"attn_norm": (H,), "ffn_norm": (H,), "attn_q": (H, H), "attn_k": (kv, H), "attn_v": (kv, H),
+                "attn_output": (H, H), "ffn_gate": (F, H), "ffn_up": (F, H), "ffn_down": (H, F)}  # fmt: skip
+        tensors += [(f"{p}{name}.weight", d) for name, d in dims.items()]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"random-llama-{path.stem}")
+    w.add_context_length(8192)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(F)
+    w.add_block_count(L)
+    w.add_head_count(shape["heads"])
+    w.add_head_count_kv(shape["kv_heads"])
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for name, field in reader.fields.items():  # the tokenizer, as SmolLM2's file holds it
+        if name.startswith("tokenizer."):
+            value = field.contents()
+            w.add_key_value(name, value, field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
+                            else None)  # fmt: skip
+    for name, dims in tensors:
+        dtype = np.float32 if name.endswith("norm.weight") else np.float16
+        nbytes = int(np.prod(dims)) * np.dtype(dtype).itemsize
+        w.add_tensor_info(name, dims, np.dtype(dtype), nbytes)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, dims in tensors:
+        if name.endswith("norm.weight"):
+            data = np.ones(dims, dtype=np.float32)
+        else:
+            data = (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
+        w.write_tensor_data(data)
+    w.close()
+
+
+def make_files(out_dir: Path, shape_name: str, types: list[str], quantize: Path | None, tokenizer: Path) -> dict:
+    """{type: path} for ``shape_name``: the F16 file written once, each other type quantized from it once."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f16 = out_dir / f"{shape_name}.F16.gguf"
+    if not f16.is_file():
+        print(f"writing {f16} ...", flush=True)
+        write_random_gguf(f16.with_suffix(".tmp"), SHAPES[shape_name], tokenizer)
+        f16.with_suffix(".tmp").rename(f16)
+    files = {}
+    for t in types:
+        path = out_dir / f"{shape_name}.{t}.gguf"
+        if t != "F16" and not path.is_file():
+            if quantize is None:
+                raise SystemExit(f"{t} needs llama-quantize (--llama-cpp DIR)")
+            print(f"llama-quantize {t} ...", flush=True)
+            part = path.with_name(path.stem + ".part.gguf").resolve()  # (absolute: llama-quantize reads an output
+            # name that starts with a digit, "1b.Q4_K_M.gguf", as a numeric type)
+            subprocess.run([str(quantize), "--allow-requantize", str(f16.resolve()), str(part), t], check=True,
+                           capture_output=True)  # fmt: skip
+            part.rename(path)
+        files[t] = path
+    return files
+
+
+def rss_gib() -> float:
+    """This process's resident memory (VmRSS), GiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def ours(path: Path, qtype: str, rounds: int):
+    """Our engine on ``path``: samplers of ms per forward keyed like llama.cpp's, and the resident memory."""
+    from spec_engine.llm import LLM
+
+    quant = None if qtype in FLOAT_TYPES else "gguf"
+    llm = LLM(model=str(path), dtype="bfloat16", quantization=quant, max_num_seqs=1, max_model_len=1024)
+    eng = llm.engine
+    fns = {f"T{t}": forward_step(eng.target, eng.kv, 1, CTX, t) for t in WIDTHS}
+    fns["prefill"] = forward_step(eng.target, eng.kv, 1, 0, PREFILL)
+    for fn in fns.values():
+        fn()  # warm-up: lazy builds, first-call allocations
+
+    def timed(fn):
+        def sample() -> list[float]:
+            start = time.perf_counter()
+            fn()
+            return [1e3 * (time.perf_counter() - start)]
+
+        return sample
+
+    samplers = {k: timed(fn) for k, fn in fns.items()}
+    samplers["control"] = timed(fns["T1"])
+    return llm, samplers, rss_gib()
+
+
+def theirs(llama_bench: Path, path: Path, reps: int) -> dict:
+    """llama-bench samplers of ms per forward, keyed as ``ours``."""
+    samplers = {f"T{t}": forward_sampler(llama_bench, path, THREADS, t, CTX, reps) for t in WIDTHS}
+    samplers["prefill"] = forward_sampler(llama_bench, path, THREADS, PREFILL, 0, reps)
+    return samplers
+
+
+def run_file(path: Path, qtype: str, llama_bench: Path | None, rounds: int) -> dict:
+    """Rounds alternating us and llama.cpp on one file; the medians, tok/s and r(T)."""
+    torch.set_num_threads(THREADS)
+    llm, mine, rss = ours(path, qtype, rounds)
+    peer = theirs(llama_bench, path, 1) if llama_bench is not None else {}
+    samples = {("ours", k): [] for k in mine} | {("llama.cpp", k): [] for k in peer}
+    for r in range(rounds):
+        for k, fn in mine.items():
+            samples[("ours", k)] += fn()
+        for k, fn in peer.items():
+            samples[("llama.cpp", k)] += fn()
+        print(f"  round {r + 1}/{rounds}", flush=True)
+    del llm
+    gc.collect()
+    med = {key: statistics.median(v) if v else None for key, v in samples.items()}
+    result = {"type": qtype, "file_gib": path.stat().st_size / 2**30, "rss_gib": rss}
+    for who in ("ours", "llama.cpp"):
+        ms = {k: med.get((who, k)) for k in [f"T{t}" for t in WIDTHS] + ["prefill", "control"]}
+        if ms["T1"] is None:
+            continue
+        result[who] = {
+            "decode_tok_s": 1e3 / ms["T1"],
+            "prefill_tok_s": PREFILL * 1e3 / ms["prefill"] if ms["prefill"] else None,
+            "r": {t: ms[f"T{t}"] / ms["T1"] for t in WIDTHS},
+            "ms": ms,
+        }
+    if "llama.cpp" in result:
+        result["ours_over_llama_cpp"] = {
+            "decode": result["ours"]["decode_tok_s"] / result["llama.cpp"]["decode_tok_s"],
+            "prefill": result["ours"]["prefill_tok_s"] / result["llama.cpp"]["prefill_tok_s"],
+            "control": result["ours"]["ms"]["T1"] / result["ours"]["ms"]["control"],
+        }
+    return result
+
+
+def markdown(name: str, res: dict) -> str:
+    rows = [f"### {name} {res['type']} ({res['file_gib']:.2f} GiB file; ours resident {res['rss_gib']:.2f} GiB)", "",
+            "| | decode tok/s | prefill 512 tok/s | " + " | ".join(f"r({t})" for t in WIDTHS) + " |",
+            "|---" * (3 + len(WIDTHS)) + "|"]  # fmt: skip
+    for who in ("ours", "llama.cpp"):
+        if who in res:
+            x = res[who]
+            pre = f"{x['prefill_tok_s']:.1f}" if x["prefill_tok_s"] else "-"
+            rows.append(f"| {who} | {x['decode_tok_s']:.2f} | {pre} | " + " | ".join(f"{x['r'][t]:.2f}" for t in WIDTHS)
+                        + " |")  # fmt: skip
+    if "ours_over_llama_cpp" in res:
+        q = res["ours_over_llama_cpp"]
+        rows.append(f"| ours / llama.cpp | {q['decode']:.2f}x | {q['prefill']:.2f}x | control {q['control']:.3f} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-cpp", type=Path, help="llama.cpp source or install dir (bench/llama_cpp.md)")
+    parser.add_argument("--shapes", default="1b", help="comma-separated: 1b, 8b (tiny: the script's own check)")
+    parser.add_argument("--types", default="F16,Q8_0,Q4_K_M", help="GGUF types (llama-quantize's names)")
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/specdec-sizes"), help="where the files are kept")
+    parser.add_argument("--tokenizer", type=Path, help="a GGUF whose tokenizer to copy (default: SmolLM2's, pulled)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="the tiny shape, F16 only, one round")
+    parser.add_argument("--out", type=Path, default=Path("bench/out/bench_sizes.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes, args.types, args.rounds = "tiny", "F16", 1
+    if args.tokenizer is None:
+        from spec_engine.zoo.pull import pull
+
+        args.tokenizer = Path(pull("smollm2"))
+    quantize = binary(args.llama_cpp, "llama-quantize")
+    llama_bench = binary(args.llama_cpp, "llama-bench")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())  # fmt: skip
+    report = {"cpu": cpu, "threads": THREADS, "ctx": CTX, "torch": torch.__version__, "files": {}}
+    for shape in args.shapes.split(","):
+        files = make_files(args.dir, shape, args.types.split(","), quantize, args.tokenizer)
+        for qtype, path in files.items():
+            print(f"== {shape} {qtype}", flush=True)
+            res = run_file(path, qtype, llama_bench, args.rounds)
+            report["files"][f"{shape}.{qtype}"] = res
+            print(markdown(shape, res), flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1))  # after each file: a long run keeps what it measured
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
