@@ -1,15 +1,17 @@
 """Benchmark of spec_kernels.quant_linear (GGUF blocks multiplied as stored) against bfloat16 ``linear`` on the same
 matrices dequantized, and against the reference (dequantize in torch, then F.linear).
 
-Shapes are SmolLM2-135M's: per layer the fused qkv [960, 576], o [576, 576], fused gate_up [3072, 576] and down
-[576, 1536] in Q4_1, and the tied lm_head [49152, 576] in Q8_0, at M = 1 (decode) and 2, 4, 8, 16 (verify). A
-*matrix* row times one matrix alone, warm (the small ones stay in L2/L3 between calls). A *forward* row times a whole
-forward's matmuls back to back, 30 layers' own weights plus the lm_head (96 MB of blocks, 270 MB in bfloat16: both
-stream from DRAM, as decoding does); the roofline column is GB/s of weight bytes read. Contenders are interleaved rep
-by rep so a noisy shared machine hits them alike.
+Shapes are SmolLM2-135M's by default: per layer the fused qkv [960, 576], o [576, 576], fused gate_up [3072, 576]
+and down [576, 1536] in Q4_1, and the tied lm_head [49152, 576] in Q8_0, at M = 1 (decode) and 2, 4, 8, 16 (verify).
+``--qtype`` / ``--head-qtype`` pick the layers' and the head's formats (any of ``QUANT_FORMATS``); the K-quants need
+rows of whole 256-weight super-blocks, which SmolLM2's 576 are not: ``--shape llama-1b`` takes Llama-3.2-1B's
+(hidden 2048, 16 layers). A *matrix* row times one matrix alone, warm (the small ones stay in L2/L3 between calls). A
+*forward* row times a whole forward's matmuls back to back, every layer's own weights plus the lm_head (SmolLM2: 96 MB
+of blocks, 270 MB in bfloat16: both stream from DRAM, as decoding does); the roofline column is GB/s of weight bytes
+read. Contenders are interleaved rep by rep so a noisy shared machine hits them alike.
 
-Usage: python -m bench.bench_quant_linear [--quick] [--threads N] [--cpu-time]. Results go to
-bench/out/bench_quant_linear.json.
+Usage: python -m bench.bench_quant_linear [--quick] [--threads N] [--cpu-time] [--qtype Q4_K] [--head-qtype Q6_K]
+[--shape smollm2|llama-1b]. Results go to bench/out/bench_quant_linear.json.
 """
 
 from __future__ import annotations
@@ -28,20 +30,26 @@ import torch
 from spec_kernels.linear import linear
 from spec_kernels.quant_linear import quant_linear
 from spec_kernels.quant_linear.ref import quant_linear_ref
-from spec_kernels.types import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref
+from spec_kernels.types import QUANT_FORMATS, dequantize_ref, quant_row_bytes
 
-HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
-LAYER = [("qkv", 960, HIDDEN), ("o", HIDDEN, HIDDEN), ("gate_up", 2 * INTER, HIDDEN), ("down", HIDDEN, INTER)]
-LAYER_QTYPE, HEAD_QTYPE = "Q4_1", "Q8_0"
+# name -> (hidden, intermediate, layers, vocab, qkv rows)
+SHAPES = {"smollm2": (576, 1536, 30, 49152, 960), "llama-1b": (2048, 8192, 16, 128256, 3072)}
+
+
+def _layer(shape: str) -> list[tuple[str, int, int]]:
+    hidden, inter, _, _, qkv = SHAPES[shape]
+    return [("qkv", qkv, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
 
 
 def _blocks(n: int, k: int, qtype: str, rng: np.random.Generator) -> torch.Tensor:
-    """Random GGUF blocks [N, K / 32 * bytes] with scales ~ 1/(8 sqrt K) (gguf's quantizer is too slow for 96 MB)."""
-    num = n * k // QUANT_BLOCK
-    raw = rng.integers(0, 256, size=(num, QUANT_BLOCK_BYTES[qtype]), dtype=np.uint8)
-    raw[:, 0:2] = np.full((num, 1), 1 / (8 * k**0.5), dtype=np.float16).view(np.uint8)
-    if qtype == "Q4_1":
-        raw[:, 2:4] = np.full((num, 1), -1 / k**0.5, dtype=np.float16).view(np.uint8)
+    """Random GGUF blocks [N, row_bytes] with fp16 scales ~ 1/(8 sqrt K) (gguf's quantizer is too slow for 96 MB and
+    has none for the K-quants); a minimum (m, dmin) of -8 times that."""
+    f = QUANT_FORMATS[qtype]
+    num = n * k // f.block_weights
+    raw = rng.integers(0, 256, size=(num, f.block_bytes), dtype=np.uint8)
+    for i, off in enumerate(f.fp16_offsets):
+        value = (1 if i == 0 else -8) / (8 * k**0.5 * f.block_weights / 32)
+        raw[:, off : off + 2] = np.full((num, 1), value, dtype=np.float16).view(np.uint8)
     return torch.from_numpy(raw.reshape(n, -1))
 
 
@@ -72,10 +80,11 @@ def _line(label: str, results: dict[str, dict[str, float]]) -> str:
     return f"{label} | " + " | ".join(parts)
 
 
-def bench_matrices(rows: list[int], reps: int, rng: np.random.Generator) -> list[dict]:
+def bench_matrices(rows: list[int], reps: int, rng: np.random.Generator, qtypes: tuple[str, str], shape: str):
     out = []
-    for name, n, k in [*LAYER, ("lm_head", VOCAB, HIDDEN)]:
-        qtype = HEAD_QTYPE if name == "lm_head" else LAYER_QTYPE
+    hidden, vocab = SHAPES[shape][0], SHAPES[shape][3]
+    for name, n, k in [*_layer(shape), ("lm_head", vocab, hidden)]:
+        qtype = qtypes[1] if name == "lm_head" else qtypes[0]
         blocks = _blocks(n, k, qtype, rng)
         w16 = dequantize_ref(blocks, qtype).bfloat16()  # [N, K]
         for num_rows in rows:
@@ -95,19 +104,21 @@ def bench_matrices(rows: list[int], reps: int, rng: np.random.Generator) -> list
     return out
 
 
-def bench_forwards(rows: list[int], reps: int, rng: np.random.Generator) -> list[dict]:
-    weights = [(_blocks(n, k, LAYER_QTYPE, rng), LAYER_QTYPE) for _ in range(LAYERS) for _, n, k in LAYER]
-    weights.append((_blocks(VOCAB, HIDDEN, HEAD_QTYPE, rng), HEAD_QTYPE))
+def bench_forwards(rows: list[int], reps: int, rng: np.random.Generator, qtypes: tuple[str, str], shape: str):
+    hidden, inter, layers, vocab, _ = SHAPES[shape]
+    weights = [(_blocks(n, k, qtypes[0], rng), qtypes[0]) for _ in range(layers) for _, n, k in _layer(shape)]
+    weights.append((_blocks(vocab, hidden, qtypes[1], rng), qtypes[1]))
     dense = [dequantize_ref(b, q).bfloat16() for b, q in weights]
+    width = {(q, quant_row_bytes(q, k)): k for q in qtypes for k in (hidden, inter)}  # a matrix's K by its row bytes
     quant_bytes = sum(b.numel() for b, _ in weights)
     dense_bytes = sum(w.numel() * 2 for w in dense)
     out = []
     for num_rows in rows:
-        xs = {k: torch.randn(num_rows, k).bfloat16() for k in (HIDDEN, INTER)}
+        xs = {k: torch.randn(num_rows, k).bfloat16() for k in (hidden, inter)}
 
         def quant(xs=xs):
             for b, q in weights:
-                quant_linear(xs[b.shape[1] // QUANT_BLOCK_BYTES[q] * QUANT_BLOCK], b, q, backend="native")
+                quant_linear(xs[width[q, b.shape[1]]], b, q, backend="native")
 
         def bf16(xs=xs):
             for w in dense:
@@ -130,7 +141,16 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="time calls by this thread's CPU time (one thread): on a loaded machine wall-clock counts "
                         "other processes' time slices")  # fmt: skip
+    parser.add_argument("--qtype", choices=list(QUANT_FORMATS), default="Q4_1", help="the layers' format")
+    parser.add_argument("--head-qtype", choices=list(QUANT_FORMATS), default="Q8_0", help="the lm_head's format")
+    parser.add_argument("--shape", choices=list(SHAPES), default="smollm2", help="the model's matrices")
     args = parser.parse_args()
+    hidden, inter = SHAPES[args.shape][:2]
+    for q in (args.qtype, args.head_qtype):
+        block = QUANT_FORMATS[q].block_weights
+        if hidden % block or inter % block:
+            parser.error(f"{q}'s {block}-weight blocks do not tile {args.shape}'s rows ({hidden}, {inter}): "
+                         "pass --shape llama-1b")  # fmt: skip
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.cpu_time:
@@ -141,8 +161,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = [1, 2, 4, 8, 16]
     load_before = os.getloadavg()
-    forwards = bench_forwards(rows, 5 if args.quick else 20, rng)
-    matrices = bench_matrices(rows, 20 if args.quick else 100, rng)
+    qtypes = (args.qtype, args.head_qtype)
+    forwards = bench_forwards(rows, 5 if args.quick else 20, rng, qtypes, args.shape)
+    matrices = bench_matrices(rows, 20 if args.quick else 100, rng, qtypes, args.shape)
     out = Path(__file__).resolve().parent / "out" / "bench_quant_linear.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -150,6 +171,8 @@ def main() -> None:
         "processor": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "shape": args.shape,
+        "qtypes": {"layers": args.qtype, "lm_head": args.head_qtype},
         "clock": "thread CPU time" if args.cpu_time else "wall",
         "loadavg_before_after": [load_before, os.getloadavg()],
         "note": "wall-clock on a shared machine: other processes add noise; compare the interleaved pairs",

@@ -220,20 +220,26 @@ void rope_head(float* x, const T* cos, const T* sin, int64_t D) {
   }
 }
 
-// A matrix of the model [N, K]: dense in the model's dtype (qtype 0), or GGUF blocks as the file stores them (uint8
-// [N, K / 32 * block bytes], csrc/quant_linear_cpu.h; qtype its ggml type id, told by the block size).
+// A matrix of the model [N, K]: dense in the model's dtype (qtype 0), or GGUF blocks as the file stores them
+// (csrc/quant_linear_cpu.h; qtype its ggml type id, told by the blocks' shape: qtype_of).
 struct Weight {
   const void* data = nullptr;
   int64_t qtype = 0;
 };
 
-// The GGUF type of a uint8 matrix of K inputs by its width (Q4_0 18, Q4_1 20, Q8_0 34 bytes per 32 inputs); 0 for a
-// dense matrix; -1 for a width no type has.
+// The GGUF type of a uint8 matrix of K inputs, told by its blocks: uint8 [N, K / block_weights, block_bytes]
+// (QuantizedWeight.blocks: every type has its own pair), or [N, row_bytes] for the 32-weight types (whose widths
+// differ; a Q4_K row is as wide as a Q4_0 one); 0 for a dense matrix; -1 for a shape no type has.
 int64_t qtype_of(const at::Tensor& w, int64_t K) {
   if (w.scalar_type() != at::kByte) return 0;
-  if (w.dim() != 2 || K <= 0 || K % kQuantBlock != 0) return -1;
-  for (const QuantType q : {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ8_0}) {
-    if (w.size(1) == K / kQuantBlock * quant_block_bytes(static_cast<int64_t>(q))) return static_cast<int64_t>(q);
+  for (const QuantType q : {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ5_0, QuantType::kQ5_1, QuantType::kQ8_0,
+                            QuantType::kQ2_K, QuantType::kQ3_K, QuantType::kQ4_K, QuantType::kQ5_K, QuantType::kQ6_K}) {
+    const int64_t id = static_cast<int64_t>(q);
+    const QuantFormat f = quant_format(id);
+    if (quant_row_bytes(id, K) == 0) continue;
+    const bool blocks = w.dim() == 3 && w.size(1) == K / f.block_weights && w.size(2) == f.block_bytes;
+    const bool row = w.dim() == 2 && f.block_weights == kQuantBlock && w.size(1) == quant_row_bytes(id, K);
+    if (blocks || row) return id;
   }
   return -1;
 }

@@ -203,9 +203,10 @@ void check_vector(const at::Tensor& t, int64_t n, const char* name, int64_t laye
 
 void check_matrix(const at::Tensor& t, int64_t rows, int64_t cols, const char* name, int64_t layer) {
   const bool blocks = t.scalar_type() == at::kByte;
-  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && (blocks ? qtype_of(t, cols) > 0 : t.size(1) == cols),
-                    "decoder_layers: layer ", layer, " ", name, " must be [", rows, ", ", cols, "]",
-                    blocks ? " as GGUF blocks (uint8 [N, K / 32 * 18, 20 or 34 bytes])" : "", ", got ", t.sizes());
+  const bool fits = blocks ? qtype_of(t, cols) > 0 : t.dim() == 2 && t.size(1) == cols;
+  TORCH_CHECK_VALUE(t.dim() >= 1 && t.size(0) == rows && fits, "decoder_layers: layer ", layer, " ", name, " must be [",
+                    rows, ", ", cols, "]", blocks ? " as GGUF blocks (uint8 [N, K / block_weights, block_bytes])" : "",
+                    ", got ", t.sizes());
 }
 
 struct Dims {
@@ -249,7 +250,7 @@ Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, con
                         kFieldNames[f], " must be contiguous and on ", device);
     }
     TORCH_CHECK_VALUE(w[kQNorm].defined() == w[kKNorm].defined(), "decoder_layers: q_norm and k_norm go together");
-    if (l == 0) d.I = w[kGateUp].dim() == 2 ? w[kGateUp].size(0) / 2 : 0;
+    if (l == 0) d.I = w[kGateUp].dim() >= 2 ? w[kGateUp].size(0) / 2 : 0;  // dense [2 I, H] or blocks [2 I, ., .]
     const int64_t qkv_width = (d.Hq + 2 * d.Hkv) * d.D;
     check_vector(w[kInputNorm], d.H, "input norm", l);
     check_matrix(w[kQkv], qkv_width, qkv_in > 0 && l == 0 ? qkv_in : d.H, "qkv", l);

@@ -1,14 +1,10 @@
-// Small-M linear on GGUF-quantized weights as stored (out = x @ dequant(W)^T + bias) on CPU: Q8_0, Q4_0 and Q4_1
-// blocks dequantized in registers and multiplied in float32 by AVX-512 or AVX2 FMAs.
+// Small-M linear on GGUF-quantized weights as stored (out = x @ dequant(W)^T + bias) on CPU: Q8_0, Q4_0, Q4_1, Q5_0,
+// Q5_1 and the K-quants Q2_K .. Q6_K, dequantized in registers and multiplied in float32 by AVX-512 or AVX2 FMAs.
 //
-// Glossary: M rows of x, N output features (rows of W), K the reduction length, a multiple of 32. A *block* is 32
-// consecutive weights of one row as GGUF stores them:
-//   Q8_0 (34 bytes): fp16 d, 32 int8 q;               w = q * d
-//   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles;     w = d * (q - 8)
-//   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes;        w = d * q + m
-// where byte j of the nibbles holds element j (low nibble) and element j + 16 (high nibble). These are
-// gguf.quants.dequantize's float32 values exactly: d * q is exact in float32 (an fp16 d has 11 significant bits, q at
-// most 8), so Q4_1's one FMA rounds exactly where gguf's multiply-then-add does, and FMA contraction changes nothing.
+// Glossary: M rows of x, N output features (rows of W), K the reduction length, a multiple of the format's block (32
+// weights, 256 for a K-quant super-block). The loops walk a row in *sub-blocks* of 32 weights; a K-quant's scales are
+// decoded once per super-block and row. csrc/quant_blocks_cpu.h draws each layout and decodes it, to exactly
+// gguf.quants.dequantize's float32 values (its header says why FMAs change nothing).
 //
 // The contract: quant_linear(x, W) is linear(x, dequant(W)) of csrc/linear_cpu.cpp in float32, bit for bit, on every
 // path: the same float32 weights, the same accumulator lanes summing the same k in the same order, the same lane
@@ -17,9 +13,9 @@
 // model dequantized at load. A bfloat16 x is widened to float32 first and each output rounded once.
 //
 // Two ways to get there, chosen by M:
-// - *fused* (M <= 16): each block of a tile's weight rows is dequantized into registers once per 8 rows of x and
+// - *fused* (M <= 16): each sub-block of a tile's weight rows is dequantized into registers once per 8 rows of x and
 //   FMA'd against them, with the accumulators linear's tile would hold. Decoding streams the weights once per call at
-//   0.56-1.06 bytes per weight instead of bf16's 2: this path is the speed of the whole kernel.
+//   0.33-1.06 bytes per weight instead of bf16's 2: this path is the speed of the whole kernel.
 // - *panel* (larger M, and CPUs without AVX2 + F16C): 16 rows dequantized into an L2-resident float32 panel, then
 //   linear's own float32 kernel on it. The dequantization is paid once per weight whatever M is.
 #include <ATen/Parallel.h>
@@ -48,150 +44,43 @@
 
 namespace specdec {
 
-int64_t quant_block_bytes(int64_t qtype) {
-  switch (static_cast<QuantType>(qtype)) {
-    case QuantType::kQ4_0:
-      return 18;
-    case QuantType::kQ4_1:
-      return 20;
-    case QuantType::kQ8_0:
-      return 34;
-  }
-  return 0;
-}
-
 namespace {
 
-constexpr int64_t block_bytes(QuantType q) {
-  return q == QuantType::kQ4_0 ? 18 : q == QuantType::kQ4_1 ? 20 : 34;
-}
+#include "quant_blocks_cpu.h"  // the block formats' decoders: scalar, AVX2, AVX-512 (uses the targets above)
 
-// What one call computes: x [M, K] float32 with row stride ldx (a bfloat16 x widened), W [N, row_bytes], out [M, N].
-template <typename T>
+// What one thread computes: x [M, K] float32 with row stride ldx (a bfloat16 x widened) times W [N, row_bytes], the
+// float32 sums of weight rows n0 .. n0 + ldo - 1 into sums [M, ldo]. The bias and the output's one rounding come after
+// (finish), so the tiles, the bulk of the code, are built once per format whatever the output dtype.
 struct QuantArgs {
   const float* x;
   int64_t ldx;
   const uint8_t* w;
-  const T* bias;  // [N] or nullptr
-  T* out;
-  int64_t M, N, K, row_bytes;
+  float* sums;
+  int64_t n0, ldo;
+  int64_t M, K, row_bytes;
 };
+
+inline void store(const QuantArgs& a, int64_t m, int64_t n, float sum) { a.sums[m * a.ldo + n - a.n0] = sum; }
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-
-// One finished sum: the bias last (fp32), then one rounding to the output dtype (linear's store).
-template <typename T>
-inline void store(const QuantArgs<T>& a, int64_t m, int64_t n, float sum) {
-  if (a.bias != nullptr) sum += to_float(a.bias[n]);
-  a.out[m * a.N + n] = static_cast<T>(sum);
-}
-
-inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
 
 // Rows of W handed to a thread at a time (and the panel's height): linear's row block, so the panel path's linear
 // calls tile as linear would.
 constexpr int64_t kRowBlock = 16;
 
-// ---------------------------------------------------------------------------------------------------------------
-// Dequantization: the scalar block, the row (vector where the CPU has it; the same values).
-// ---------------------------------------------------------------------------------------------------------------
-
-template <QuantType Q>
-inline void dequant_block_scalar(const uint8_t* blk, float* w) {
-  const float d = c10::detail::fp16_ieee_to_fp32_value(load_u16(blk));
-  if constexpr (Q == QuantType::kQ8_0) {
-    for (int i = 0; i < 32; ++i) w[i] = static_cast<float>(static_cast<int8_t>(blk[2 + i])) * d;
-  } else if constexpr (Q == QuantType::kQ4_0) {
-    for (int j = 0; j < 16; ++j) {
-      w[j] = d * static_cast<float>((blk[2 + j] & 15) - 8);
-      w[j + 16] = d * static_cast<float>((blk[2 + j] >> 4) - 8);
-    }
-  } else {
-    const float m = c10::detail::fp16_ieee_to_fp32_value(load_u16(blk + 2));
-    for (int j = 0; j < 16; ++j) {
-      w[j] = d * static_cast<float>(blk[4 + j] & 15) + m;
-      w[j + 16] = d * static_cast<float>(blk[4 + j] >> 4) + m;
-    }
-  }
-}
-
 #if SPECDEC_CPU_X86
-
-// One block as 4 x 8 lanes: w[i] holds elements 8i .. 8i + 7.
-template <QuantType Q>
-SPECDEC_QAVX2 inline void dequant_avx2(const uint8_t* blk, __m256* w) {
-  // d (and Q4_1's m) from one conversion of the block's first 8 bytes: 4 instructions for both scales, not 8
-  const __m128 scales = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk)));
-  const __m256 d = _mm256_broadcastss_ps(scales);
-  if constexpr (Q == QuantType::kQ8_0) {
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
-      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
-    }
-  } else {
-    const uint8_t* qs = blk + (Q == QuantType::kQ4_1 ? 4 : 2);
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));      // bytes 0-7
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));  // 8-15
-    const __m256i nibble = _mm256_set1_epi32(15);
-    __m256i q[4] = {_mm256_and_si256(b0, nibble), _mm256_and_si256(b1, nibble), _mm256_srli_epi32(b0, 4),
-                    _mm256_srli_epi32(b1, 4)};
-    if constexpr (Q == QuantType::kQ4_0) {
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(8))));
-      }
-    } else {
-      const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(scales));
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[i]), m);
-    }
-  }
-}
-
-// One block as 2 x 16 lanes: w[i] holds elements 16i .. 16i + 15.
-template <QuantType Q>
-SPECDEC_QAVX512 inline void dequant_avx512(const uint8_t* blk, __m512* w) {
-  const __m128 scales = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk)));
-  const __m512 d = _mm512_broadcastss_ps(scales);
-  if constexpr (Q == QuantType::kQ8_0) {
-#pragma GCC unroll 2
-    for (int i = 0; i < 2; ++i) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * i));
-      w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
-    }
-  } else {
-    const uint8_t* qs = blk + (Q == QuantType::kQ4_1 ? 4 : 2);
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-    __m512i q[2] = {_mm512_and_si512(bytes, _mm512_set1_epi32(15)), _mm512_srli_epi32(bytes, 4)};
-    if constexpr (Q == QuantType::kQ4_0) {
-#pragma GCC unroll 2
-      for (int i = 0; i < 2; ++i) {
-        w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q[i], _mm512_set1_epi32(8))));
-      }
-    } else {
-      const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(scales));
-#pragma GCC unroll 2
-      for (int i = 0; i < 2; ++i) w[i] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q[i]), m);
-    }
-  }
-}
-
 template <QuantType Q>
 SPECDEC_QAVX2 void dequant_row_avx2(const uint8_t* row, int64_t blocks, float* out) {
+  ScalesOf<Q> k;
   for (int64_t b = 0; b < blocks; ++b) {
+    if (b % kSubBlocks<Q> == 0) load_row_scales_avx2<Q>(row, b, k);
     __m256 w[4];
-    dequant_avx2<Q>(row + b * block_bytes(Q), w);
+    dequant_avx2<Q>(row, b, k, w);
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * 32 + 8 * i, w[i]);
   }
 }
-
 #endif  // SPECDEC_CPU_X86
 
 // How this process multiplies (chosen once: the fused paths must sum in linear's float32 order, so they follow its
@@ -215,15 +104,19 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* out) {
 #if SPECDEC_CPU_X86
   if (fused_path() != Fused::kNone) return dequant_row_avx2<Q>(row, blocks, out);
 #endif
-  for (int64_t b = 0; b < blocks; ++b) dequant_block_scalar<Q>(row + b * block_bytes(Q), out + b * 32);
+  ScalesOf<Q> k;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b % kSubBlocks<Q> == 0) load_row_scales<Q>(row, b, k);
+    dequant_scalar<Q>(row, b, k, out + b * 32);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Panel path: 16 rows dequantized, then linear's float32 kernel (one thread's share: part 0 of 1).
 // ---------------------------------------------------------------------------------------------------------------
 
-template <QuantType Q, typename T>
-void rows_panel(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end) {
+template <QuantType Q>
+void rows_panel(const QuantArgs& a, int64_t n_begin, int64_t n_end) {
   thread_local std::vector<float> panel, sums;  // [16, K], [M, 16]
   panel.resize(static_cast<size_t>(kRowBlock * a.K));
   sums.resize(static_cast<size_t>(a.M * kRowBlock));
@@ -244,10 +137,10 @@ void rows_panel(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end) {
 // reduce8), its weights dequantized from the block in registers.
 // ---------------------------------------------------------------------------------------------------------------
 
-template <QuantType Q, int NB, int MB, typename T>
-SPECDEC_QAVX2 void tile_avx2(const QuantArgs<T>& a, int64_t n0, int64_t m0, bool prefetch) {
+template <QuantType Q, int NB, int MB>
+SPECDEC_QAVX2 void tile_avx2(const QuantArgs& a, int64_t n0, int64_t m0, bool prefetch) {
   static_assert(NB * MB <= 8, "a tile holds at most 8 accumulators");
-  constexpr int64_t kStep = NB * block_bytes(Q);  // bytes of W one block step reads
+  constexpr int64_t kStep = NB * kBlockBytes<Q>;  // bytes of W one block (or super-block) step reads
   __m256 acc[8];
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
@@ -255,17 +148,22 @@ SPECDEC_QAVX2 void tile_avx2(const QuantArgs<T>& a, int64_t n0, int64_t m0, bool
   // the next tile's rows (contiguous after these), pulled in at this tile's pace
   const char* next = prefetch ? reinterpret_cast<const char*>(w + NB * a.row_bytes) : nullptr;
   const int64_t blocks = a.K / 32;
+  ScalesOf<Q> scales[NB];  // a K-quant super-block's, per weight row
   for (int64_t b = 0; b < blocks; ++b) {
-    if (next != nullptr) {
+    if (next != nullptr && b % kSubBlocks<Q> == 0) {
 #pragma GCC unroll 8
       for (int64_t off = 0; off < kStep; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
       next += kStep;
+    }
+    if (b % kSubBlocks<Q> == 0) {
+#pragma GCC unroll 8
+      for (int nb = 0; nb < NB; ++nb) load_row_scales_avx2<Q>(w + nb * a.row_bytes, b, scales[nb]);
     }
     const float* x = a.x + m0 * a.ldx + b * 32;
 #pragma GCC unroll 8
     for (int nb = 0; nb < NB; ++nb) {
       __m256 wv[4];
-      dequant_avx2<Q>(w + nb * a.row_bytes + b * block_bytes(Q), wv);
+      dequant_avx2<Q>(w + nb * a.row_bytes, b, scales[nb], wv);
 #pragma GCC unroll 8
       for (int mb = 0; mb < MB; ++mb) {
         const float* xr = x + mb * a.ldx;
@@ -284,16 +182,16 @@ SPECDEC_QAVX2 void tile_avx2(const QuantArgs<T>& a, int64_t n0, int64_t m0, bool
   }
 }
 
-template <QuantType Q, int NB, int MB, typename T>
-SPECDEC_QAVX2 void span_avx2(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t m0) {
+template <QuantType Q, int NB, int MB>
+SPECDEC_QAVX2 void span_avx2(const QuantArgs& a, int64_t n_begin, int64_t n_end, int64_t m0) {
   int64_t n = n_begin;
   for (; n + NB <= n_end; n += NB) tile_avx2<Q, NB, MB>(a, n, m0, true);
   for (; n < n_end; ++n) tile_avx2<Q, 1, MB>(a, n, m0, false);
 }
 
 // Tiles of NB rows x the M (<= 8) rows of x from m0: 8 accumulators, as many weight rows as they leave room for.
-template <QuantType Q, typename T>
-void rows_avx2(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t m0, int64_t M) {
+template <QuantType Q>
+void rows_avx2(const QuantArgs& a, int64_t n_begin, int64_t n_end, int64_t m0, int64_t M) {
   switch (M) {
     case 1:  // 4 rows, not 8: 8 accumulators plus a block's 4 weight vectors and its scales spill the 16 registers
       return span_avx2<Q, 4, 1>(a, n_begin, n_end, m0);
@@ -316,8 +214,8 @@ void rows_avx2(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t m0
 
 // 9 to 16 rows of x: per weight row, x rows 0-7 then the rest, the row read from memory once (from L1 the second
 // time) and dequantized twice.
-template <QuantType Q, typename T>
-SPECDEC_QAVX2 void rows_two_chunks_avx2(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end) {
+template <QuantType Q>
+SPECDEC_QAVX2 void rows_two_chunks_avx2(const QuantArgs& a, int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     tile_avx2<Q, 1, 8>(a, n, 0, true);
     switch (a.M - 8) {
@@ -354,27 +252,32 @@ SPECDEC_QAVX2 void rows_two_chunks_avx2(const QuantArgs<T>& a, int64_t n_begin, 
 // sum lands in lane 4 (j % 4) + j / 4).
 // ---------------------------------------------------------------------------------------------------------------
 
-template <QuantType Q, int NB, int MB, typename T>
-SPECDEC_QAVX512 void tile_avx512(const QuantArgs<T>& a, int64_t n0, int64_t m0, bool prefetch) {
+template <QuantType Q, int NB, int MB>
+SPECDEC_QAVX512 void tile_avx512(const QuantArgs& a, int64_t n0, int64_t m0, bool prefetch) {
   static_assert(NB * MB <= 16, "a tile holds at most 16 accumulators");
-  constexpr int64_t kStep = NB * block_bytes(Q);
+  constexpr int64_t kStep = NB * kBlockBytes<Q>;
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
   const uint8_t* w = a.w + n0 * a.row_bytes;
   const char* next = prefetch ? reinterpret_cast<const char*>(w + NB * a.row_bytes) : nullptr;
   const int64_t blocks = a.K / 32;
+  ScalesOf<Q> scales[NB];  // a K-quant super-block's, per weight row
   for (int64_t b = 0; b < blocks; ++b) {
-    if (next != nullptr) {
+    if (next != nullptr && b % kSubBlocks<Q> == 0) {
 #pragma GCC unroll 16
       for (int64_t off = 0; off < kStep; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
       next += kStep;
+    }
+    if (b % kSubBlocks<Q> == 0) {
+#pragma GCC unroll 16
+      for (int nb = 0; nb < NB; ++nb) load_row_scales_avx2<Q>(w + nb * a.row_bytes, b, scales[nb]);
     }
     const float* x = a.x + m0 * a.ldx + b * 32;
 #pragma GCC unroll 16
     for (int nb = 0; nb < NB; ++nb) {
       __m512 wv[2];
-      dequant_avx512<Q>(w + nb * a.row_bytes + b * block_bytes(Q), wv);
+      dequant_avx512<Q>(w + nb * a.row_bytes, b, scales[nb], wv);
 #pragma GCC unroll 8
       for (int mb = 0; mb < MB; ++mb) {
         const float* xr = x + mb * a.ldx;
@@ -394,15 +297,15 @@ SPECDEC_QAVX512 void tile_avx512(const QuantArgs<T>& a, int64_t n0, int64_t m0, 
   }
 }
 
-template <QuantType Q, int NB, int MB, typename T>
-SPECDEC_QAVX512 void span_avx512(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t m0) {
+template <QuantType Q, int NB, int MB>
+SPECDEC_QAVX512 void span_avx512(const QuantArgs& a, int64_t n_begin, int64_t n_end, int64_t m0) {
   int64_t n = n_begin;
   for (; n + NB <= n_end; n += NB) tile_avx512<Q, NB, MB>(a, n, m0, true);
   for (; n < n_end; ++n) tile_avx512<Q, 1, MB>(a, n, m0, false);
 }
 
-template <QuantType Q, typename T>
-void rows_avx512(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t m0, int64_t M) {
+template <QuantType Q>
+void rows_avx512(const QuantArgs& a, int64_t n_begin, int64_t n_end, int64_t m0, int64_t M) {
   switch (M) {
     case 1:
       return span_avx512<Q, 16, 1>(a, n_begin, n_end, m0);
@@ -423,8 +326,8 @@ void rows_avx512(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end, int64_t 
   }
 }
 
-template <QuantType Q, typename T>
-SPECDEC_QAVX512 void rows_two_chunks_avx512(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end) {
+template <QuantType Q>
+SPECDEC_QAVX512 void rows_two_chunks_avx512(const QuantArgs& a, int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     tile_avx512<Q, 1, 8>(a, n, 0, true);
     switch (a.M - 8) {
@@ -464,31 +367,42 @@ SPECDEC_QAVX512 void rows_two_chunks_avx512(const QuantArgs<T>& a, int64_t n_beg
 constexpr int64_t kFusedChunk = 8;
 constexpr int64_t kMaxFusedRows = 16;
 
-template <QuantType Q, typename T>
-void rows(const QuantArgs<T>& a, int64_t n_begin, int64_t n_end) {
+template <QuantType Q>
+void rows(const QuantArgs& a, int64_t n_begin, int64_t n_end) {
 #if SPECDEC_CPU_X86
   const bool avx512 = fused_path() == Fused::kAvx512;
   if (fused_path() != Fused::kNone && a.M <= kFusedChunk) {
-    return avx512 ? rows_avx512<Q, T>(a, n_begin, n_end, 0, a.M) : rows_avx2<Q, T>(a, n_begin, n_end, 0, a.M);
+    return avx512 ? rows_avx512<Q>(a, n_begin, n_end, 0, a.M) : rows_avx2<Q>(a, n_begin, n_end, 0, a.M);
   }
   if (fused_path() != Fused::kNone && a.M <= kMaxFusedRows) {
-    return avx512 ? rows_two_chunks_avx512<Q, T>(a, n_begin, n_end) : rows_two_chunks_avx2<Q, T>(a, n_begin, n_end);
+    return avx512 ? rows_two_chunks_avx512<Q>(a, n_begin, n_end) : rows_two_chunks_avx2<Q>(a, n_begin, n_end);
   }
 #endif
-  rows_panel<Q, T>(a, n_begin, n_end);
+  rows_panel<Q>(a, n_begin, n_end);
 }
+
+constexpr const char* kTakenTypes =
+    "Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), Q6_K (14)";
 
 template <typename F>
 void with_qtype(int64_t qtype, F&& f) {
+#define SPECDEC_QTYPE_CASE(q) \
+  case QuantType::q:          \
+    return f(std::integral_constant<QuantType, QuantType::q>{});
   switch (static_cast<QuantType>(qtype)) {
-    case QuantType::kQ4_0:
-      return f(std::integral_constant<QuantType, QuantType::kQ4_0>{});
-    case QuantType::kQ4_1:
-      return f(std::integral_constant<QuantType, QuantType::kQ4_1>{});
-    case QuantType::kQ8_0:
-      return f(std::integral_constant<QuantType, QuantType::kQ8_0>{});
+    SPECDEC_QTYPE_CASE(kQ4_0)
+    SPECDEC_QTYPE_CASE(kQ4_1)
+    SPECDEC_QTYPE_CASE(kQ5_0)
+    SPECDEC_QTYPE_CASE(kQ5_1)
+    SPECDEC_QTYPE_CASE(kQ8_0)
+    SPECDEC_QTYPE_CASE(kQ2_K)
+    SPECDEC_QTYPE_CASE(kQ3_K)
+    SPECDEC_QTYPE_CASE(kQ4_K)
+    SPECDEC_QTYPE_CASE(kQ5_K)
+    SPECDEC_QTYPE_CASE(kQ6_K)
   }
-  TORCH_CHECK_VALUE(false, "quant_linear: unsupported GGML type id ", qtype, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+#undef SPECDEC_QTYPE_CASE
+  TORCH_CHECK_VALUE(false, "quant_linear: unsupported GGML type id ", qtype, "; the kernel reads ", kTakenTypes);
 }
 
 // Weight rows [n_begin, n_end) of x (T) @ W: a bfloat16 x widened into this thread's buffer first.
@@ -507,8 +421,18 @@ void run_rows(const T* x, const uint8_t* w, int64_t qtype, const T* bias, T* out
     }
     xf = widened.data(), ldxf = K;
   }
-  const QuantArgs<T> a{xf, ldxf, w, bias, out, M, N, K, K / 32 * quant_block_bytes(qtype)};
-  with_qtype(qtype, [&](auto q) { rows<decltype(q)::value, T>(a, n_begin, n_end); });
+  thread_local std::vector<float> sums;  // [M, n_end - n_begin]
+  sums.resize(static_cast<size_t>(M * (n_end - n_begin)));
+  const QuantArgs a{xf, ldxf, w, sums.data(), n_begin, n_end - n_begin, M, K, quant_row_bytes(qtype, K)};
+  with_qtype(qtype, [&](auto q) { rows<decltype(q)::value>(a, n_begin, n_end); });
+  // linear's store: the bias last (fp32), then one rounding to the output dtype
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      float sum = sums[m * a.ldo + n - n_begin];
+      if (bias != nullptr) sum += to_float(bias[n]);
+      out[m * N + n] = static_cast<T>(sum);
+    }
+  }
 }
 
 template <typename T>
@@ -517,7 +441,7 @@ void run(const T* x, const uint8_t* w, int64_t qtype, const T* bias, T* out, int
   const int64_t num_blocks = (N + kRowBlock - 1) / kRowBlock;
   // Threads for calls with >= ~1 us of one-thread work (linear's rule): a block's work is the larger of its
   // streaming time (~20 bytes/ns from DRAM) and its FMA time (~100 GFLOP/s on one core with the dequantization).
-  const double block_bytes_ = static_cast<double>(kRowBlock * (K / 32) * quant_block_bytes(qtype));
+  const double block_bytes_ = static_cast<double>(kRowBlock * quant_row_bytes(qtype, K));
   const double block_flops = 2.0 * static_cast<double>(M * kRowBlock * K);
   const double block_us = std::max(block_bytes_ / 20e3, block_flops / 100e3);
   const int64_t grain = static_cast<int64_t>(1.0 / std::max(block_us, 1e-3)) + 1;
@@ -537,19 +461,20 @@ void run_part(const T* x, const uint8_t* w, int64_t qtype, const T* bias, T* out
 
 // Checks that need no values: shared by the CPU and Meta kernels. ValueError / TypeError in Python.
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias) {
-  const int64_t bytes = quant_block_bytes(qtype);
-  TORCH_CHECK_VALUE(bytes > 0, "quant_linear: unsupported GGML type id ", qtype,
-                    "; the kernel reads Q4_0 (2), Q4_1 (3) and Q8_0 (8)");
+  const QuantFormat f = quant_format(qtype);
+  TORCH_CHECK_VALUE(f.block_weights > 0, "quant_linear: unsupported GGML type id ", qtype, "; the kernel reads ",
+                    kTakenTypes);
   TORCH_CHECK_VALUE(x.dim() >= 1, "quant_linear: x must be [..., K], got a 0-d tensor");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                    "quant_linear: x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte, "quant_linear: weight must be uint8 GGUF blocks, got ",
                    weight.scalar_type());
   const int64_t K = x.size(-1);
-  TORCH_CHECK_VALUE(K > 0 && K % kQuantBlock == 0, "quant_linear: K = ", K,
-                    " is not a positive multiple of the 32-weight block");
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == K / kQuantBlock * bytes, "quant_linear: weight must be [N, ",
-                    K / kQuantBlock * bytes, "] (K / 32 blocks of ", bytes, " bytes) for K = ", K, ", got shape ",
+  TORCH_CHECK_VALUE(K > 0 && K % f.block_weights == 0, "quant_linear: K = ", K, " is not a positive multiple of ",
+                    "GGML type ", qtype, "'s ", f.block_weights, "-weight block");
+  const int64_t row_bytes = quant_row_bytes(qtype, K);
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == row_bytes, "quant_linear: weight must be [N, ", row_bytes,
+                    "] (K / ", f.block_weights, " blocks of ", f.block_bytes, " bytes) for K = ", K, ", got shape ",
                     weight.sizes());
   TORCH_CHECK_VALUE(weight.is_contiguous(), "quant_linear: weight must be contiguous, got strides ", weight.strides());
   TORCH_CHECK_VALUE(weight.device() == x.device(), "quant_linear: weight is on ", weight.device(), " but x is on ",
@@ -594,7 +519,7 @@ void quant_linear_bf16_part(const c10::BFloat16* x, const uint8_t* weight, int64
 }
 
 void quant_dequant_row_f32(const uint8_t* weight, int64_t qtype, int64_t row_blocks, int64_t row, float* out) {
-  const int64_t row_bytes = row_blocks * quant_block_bytes(qtype);
+  const int64_t row_bytes = quant_row_bytes(qtype, row_blocks * kQuantBlock);
   with_qtype(qtype, [&](auto q) { dequant_row<decltype(q)::value>(weight + row * row_bytes, row_blocks, out); });
 }
 

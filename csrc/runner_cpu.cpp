@@ -20,7 +20,8 @@ NativeModel::NativeModel(at::Tensor embed_, std::vector<at::Tensor> weights_, at
       weights(std::move(weights_)),
       num_heads(num_heads_),
       eps(eps_) {
-  TORCH_CHECK_VALUE(embed.dim() == 2 && lm_head.dim() == 2 && final_norm.dim() == 1,
+  // a quantized embed / lm_head may be GGUF blocks [V, H / block_weights, block_bytes] (layer_ops_cpu.h's qtype_of)
+  TORCH_CHECK_VALUE(embed.dim() >= 2 && lm_head.dim() >= 2 && final_norm.dim() == 1,
                     "NativeModel: embed [V, H], lm_head [K, H] and final_norm [H] expected, got ", embed.sizes(), ", ",
                     lm_head.sizes(), " and ", final_norm.sizes());
   TORCH_CHECK_VALUE(rope_table.dim() == 3 && rope_table.size(0) == 2,

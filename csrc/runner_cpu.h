@@ -54,8 +54,9 @@ class ChainRunner {
     TORCH_CHECK_VALUE(norm.dim() == 1, op, ": the final norm must be [H], got ", norm.sizes());
     const int64_t H = norm.size(0);
     embed_qtype_ = qtype_of(embed, H), head_qtype_ = qtype_of(lm_head, H);
-    TORCH_CHECK_VALUE(embed.dim() == 2 && lm_head.dim() == 2 && embed_qtype_ >= 0 && head_qtype_ >= 0 &&
-                          (embed_qtype_ > 0 || embed.size(1) == H) && (head_qtype_ > 0 || lm_head.size(1) == H),
+    const bool dense_fits = (embed_qtype_ > 0 || (embed.dim() == 2 && embed.size(1) == H)) &&
+                            (head_qtype_ > 0 || (lm_head.dim() == 2 && lm_head.size(1) == H));
+    TORCH_CHECK_VALUE(embed_qtype_ >= 0 && head_qtype_ >= 0 && dense_fits,
                       op, ": embed [V, H] and lm_head [V, H] must have the final norm's H = ", H,
                       " (dense, or as GGUF blocks), got ", embed.sizes(), " and ", lm_head.sizes());
     const at::ScalarType dtype = rope.scalar_type();

@@ -1,5 +1,6 @@
 """GGUF checkpoints: tiny files written here in every supported type give the logits of the checkpoint they came
-from; config and tokenizer come from the metadata; unsupported files fail clearly. Real-model tests run on
+from (the K-quants, which gguf-py cannot quantize, as a file of random blocks that runs as stored exactly as
+dequantized); config and tokenizer come from the metadata; unsupported files fail clearly. Real-model tests run on
 SmolLM2-135M-Instruct when ``pull("smollm2")`` works (else they are skipped with one line saying why)."""
 
 from __future__ import annotations
@@ -8,13 +9,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 import gguf
+import gguf_files
 import numpy as np
 import pytest
 import torch
 from gguf_files import chatml_tokenizer, dequantized, tokenizer_metadata, write_gguf
 from safetensors.numpy import load_file
+from test_quant_linear import random_blocks
 from tiny_models import make_model
 
+from spec_engine import LLM, SamplingParams
 from spec_engine.models import ModelConfig, load_model
 from spec_engine.models.gguf import (
     GGUF_ARCHITECTURES,
@@ -25,13 +29,15 @@ from spec_engine.models.gguf import (
     read_gguf_raw,
 )
 from spec_engine.models.loader import build_model
-from spec_kernels.types import dequantize_ref
+from spec_kernels.types import QUANT_FORMATS, QuantizedWeight, dequantize_ref
 
-TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 # max |logit - the float32 checkpoint's| on the tiny model below (logits up to ~2.5; 4-bit blocks of N(0, 0.08)
-# weights move them a lot), worst of 3 seeds: F16 2.8e-3, BF16 1.4e-2, Q8_0 5.9e-2, Q4_0 0.78, Q4_1 0.67; the bounds
-# leave ~2x. The exact check is the other: the file's own dequantized weights give its logits bit for bit.
-QUANT_LOGIT_TOL = {"F32": 0.0, "F16": 6e-3, "BF16": 3e-2, "Q8_0": 0.12, "Q4_0": 1.5, "Q4_1": 1.3}
+# weights move them a lot), worst of 3 seeds: F16 2.8e-3, BF16 1.4e-2, Q8_0 5.9e-2, Q4_0 0.78, Q4_1 0.67, Q5_0 0.41,
+# Q5_1 0.32; the bounds leave ~2x. The exact check is the other: the file's own dequantized weights give its logits
+# bit for bit.
+QUANT_LOGIT_TOL = {"F32": 0.0, "F16": 6e-3, "BF16": 3e-2, "Q8_0": 0.12, "Q4_0": 1.5, "Q4_1": 1.3, "Q5_0": 0.8,
+                   "Q5_1": 0.65}  # fmt: skip
 
 TEST_STRINGS = [
     "<|im_start|>user\nHi!<|im_end|>\n",
@@ -92,14 +98,14 @@ def test_qwen_architectures(tmp_path, arch, hf_arch):
     assert torch.equal(model.forward_train(ids), _reference(hf, "Q8_0").forward_train(ids))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_raw_blocks(hf_dir, tmp_path, qtype):
     """read_gguf_raw keeps quantized weights as their blocks, rows in HF's order (Q/K un-permuted)."""
     cfg, raw = read_gguf_raw(write_gguf(tmp_path / "m.gguf", hf_dir, qtype))
     weights = load_file(str(hf_dir / "model.safetensors"))
     q = raw["model.layers.1.self_attn.q_proj.weight"]
     n, k = weights["model.layers.1.self_attn.q_proj.weight"].shape
-    per_block = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[qtype]
+    per_block = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[qtype]
     assert (q.type_name, q.shape, q.data.dtype, tuple(q.data.shape)) == (qtype, (n, k), torch.uint8,
                                                                           (n, k // 32 * per_block))  # fmt: skip
     for name, r in raw.items():
@@ -108,7 +114,7 @@ def test_raw_blocks(hf_dir, tmp_path, qtype):
     assert raw["model.norm.weight"].type_name == "F32" and cfg.num_hidden_layers == 2
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_dequantize_ref_is_gguf_bit_for_bit(qtype):
     w = (torch.randn(7, 96) * torch.logspace(-3, 1, 7)[:, None]).numpy()  # rows of very different scales
     t = gguf.GGMLQuantizationType[qtype]
@@ -128,10 +134,131 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(hf_dir, tmp_path):
-    path = write_gguf(tmp_path / "m.gguf", hf_dir, "Q8_0", type_of={"model.layers.0.mlp.up_proj.weight": "Q5_0"})
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*Q5_0.*Q4_1"):
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, "Q8_0", type_of={"model.layers.0.mlp.up_proj.weight": "MXFP4"})
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*MXFP4.*Q4_1.*Q6_K"):
         load_model(path)
-    assert "Q5_0" not in SUPPORTED_TYPES
+    assert "MXFP4" not in SUPPORTED_TYPES and "Q4_K" in SUPPORTED_TYPES
+
+
+# --- K-quants: a file of random blocks ----------------------------------------------------------------------------
+
+# llama.cpp's _M mixes put most matrices in Q4_K (or Q5_0 where rows are not 256 wide) and some in Q6_K; this one
+# holds every type the kernels read beyond the first three, including a q/k/v group of mixed types (run fused dense)
+# and same-type groups (fused blocks).
+KQUANT_MIX = {
+    "model.embed_tokens.weight": "Q4_K",
+    "lm_head.weight": "Q6_K",
+    "model.layers.0.self_attn.q_proj.weight": "Q4_K",
+    "model.layers.0.self_attn.k_proj.weight": "Q4_K",
+    "model.layers.0.self_attn.v_proj.weight": "Q6_K",
+    "model.layers.0.self_attn.o_proj.weight": "Q5_K",
+    "model.layers.0.mlp.gate_proj.weight": "Q3_K",
+    "model.layers.0.mlp.up_proj.weight": "Q3_K",
+    "model.layers.0.mlp.down_proj.weight": "Q2_K",
+    "model.layers.1.self_attn.q_proj.weight": "Q5_0",
+    "model.layers.1.self_attn.k_proj.weight": "Q5_0",
+    "model.layers.1.self_attn.v_proj.weight": "Q5_0",
+    "model.layers.1.self_attn.o_proj.weight": "Q5_1",
+    "model.layers.1.mlp.gate_proj.weight": "Q4_K",
+    "model.layers.1.mlp.up_proj.weight": "Q4_K",
+    "model.layers.1.mlp.down_proj.weight": "Q6_K",
+}
+WEIGHT_STD = 0.08  # the tiny models' init (tiny_models.make_model)
+
+
+def model_blocks(w: np.ndarray, qtype: str) -> np.ndarray:
+    """Random blocks of ``w``'s shape in ``qtype`` (the values of ``w`` are not used), their fp16 scales set so the
+    weights have about ``WEIGHT_STD``'s spread: every quant and sub-block scale random, as in test_quant_linear."""
+    n, k = w.shape
+    blocks = random_blocks(n, k, qtype, seed=n * 1000 + k)  # [N, row_bytes]
+    per_block = blocks.view(-1, QUANT_FORMATS[qtype].block_bytes)
+    ones = per_block.clone()
+    for off in QUANT_FORMATS[qtype].fp16_offsets:
+        ones[:, off : off + 2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    scale = WEIGHT_STD / dequantize_ref(ones.view(n, -1), qtype).std().item()
+    for off in QUANT_FORMATS[qtype].fp16_offsets:
+        value = per_block[:, off : off + 2].contiguous().view(torch.float16).float()
+        spread = scale * (0.5 + value.abs() / (value.abs().max() + 1e-30) / 2) * value.sign()  # in [0.5, 1] x scale
+        per_block[:, off : off + 2] = spread.half().view(torch.uint8)
+    return blocks.numpy()
+
+
+@pytest.fixture(scope="module")
+def kquant_file(tmp_path_factory) -> Path:
+    """A 256-wide Llama (rows of whole super-blocks) written as the K-quant mix, norms in F32."""
+    d = tmp_path_factory.mktemp("kquant")
+    hf = make_model(d / "hf", "llama_gqa", vocab_size=96, hidden=256, layers=2, logit_scale=4.0)
+    original = gguf_files.stored
+
+    def stored(w: np.ndarray, qtype: str):
+        if qtype not in QUANT_FORMATS or qtype in ("Q8_0", "Q4_0", "Q4_1"):
+            return original(w, qtype)
+        return model_blocks(w, qtype), gguf.GGMLQuantizationType[qtype]
+
+    gguf_files.stored = stored  # write_gguf's writer, with raw blocks where gguf-py has no quantizer
+    try:
+        return write_gguf(d / "mix.gguf", hf, "Q4_K", type_of=KQUANT_MIX)
+    finally:
+        gguf_files.stored = original
+
+
+def test_kquant_blocks_read_as_stored(kquant_file):
+    """read_gguf_raw keeps each tensor's type and bytes; their dequantization is gguf's, bit for bit."""
+    reader = gguf.GGUFReader(str(kquant_file))
+    stored = {t.name: t for t in reader.tensors}
+    _, raw = read_gguf_raw(kquant_file)
+    for name, qtype in KQUANT_MIX.items():
+        r, t = raw[name], stored[gguf_files.gguf_name(name)]
+        assert r.type_name == qtype == t.tensor_type.name, name
+        want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(r.shape)
+        got = r.dequantize().numpy()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):  # the loader un-permuted the rows: permute them back
+            got = gguf_files.llama_cpp_permute(got, 4 if "q_proj" in name else 2)
+        assert np.array_equal(got.view(np.int32), want.view(np.int32)), name
+        assert torch.isfinite(r.dequantize()).all() and 0.02 < float(r.dequantize().std()) < 0.3, name
+
+
+def _greedy(llm: LLM, prompts: list, max_tokens: int = 20) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_kquant_file_runs_as_stored(kquant_file):
+    """quantization="gguf" keeps the K-quant blocks and, in float32, gives the greedy tokens and logits of the same
+    file dequantized at load, bit for bit (the kernel is linear on the dequantized weights)."""
+    prompts = [{"prompt_token_ids": [5, 9, 13, 5, 9, 13, 5, 9]}, {"prompt_token_ids": [40, 41, 42, 7, 7, 7, 7]}]
+    quant = LLM(str(kquant_file), dtype="float32", quantization="gguf")
+    dense = LLM(str(kquant_file), dtype="float32")
+    kept = {n: b.qtype for n, b in quant.target.quantized.items()}
+    assert kept == KQUANT_MIX
+    fields = quant.target.layer_weights
+    assert isinstance(fields[1], torch.Tensor)  # layer 0's q/k/v of mixed types: fused dense
+    assert all(isinstance(w, QuantizedWeight) for w in fields[5:7])  # layer 0's gate_up (Q3_K), down (Q2_K)
+    assert quant.engine.runner.native_target is not None  # the native steps run the blocks as stored
+    tokens = _greedy(quant, prompts)
+    assert tokens == _greedy(dense, prompts)
+    assert len({t for row in tokens for t in row}) > 3  # not one token repeated: the check sees the weights
+    ids = torch.tensor([[5, 9, 13, 5, 9, 13, 70, 2]])
+    assert torch.equal(_prefill_logits(quant.target, ids), _prefill_logits(dense.target, ids))
+
+
+def test_kquant_speculation_is_plain_decoding(kquant_file):
+    """bfloat16 on the K-quant blocks: n-gram speculation emits plain decoding's tokens."""
+    prompts = [{"prompt_token_ids": [5, 9, 13, 5, 9, 13, 5, 9, 13]}]
+    plain = _greedy(LLM(str(kquant_file), dtype="bfloat16", quantization="gguf"), prompts, 32)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    spec = LLM(str(kquant_file), dtype="bfloat16", quantization="gguf", speculative_config=ngram)
+    assert _greedy(spec, prompts, 32) == plain
+
+
+def _prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [T, V] of one causal prefill of ids [1, T] on an empty contiguous cache."""
+    cfg, T = model.config, ids.shape[1]
+    cache = torch.zeros(cfg.num_hidden_layers, 2, 1, T + 8, cfg.num_key_value_heads, cfg.head_dim,
+                        dtype=model.model.norm.weight.dtype)  # fmt: skip
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None]  # [1, T, T]
+    hidden = model(ids, torch.arange(T)[None], cache, torch.zeros(1, dtype=torch.int32), mask)
+    return model.logits(hidden)[0]
 
 
 def test_not_a_gguf_file(tmp_path):

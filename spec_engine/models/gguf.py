@@ -3,10 +3,11 @@
 Glossary:
 
 - **GGUF**: one file holding metadata (key -> value: the config, the tokenizer, the chat template) and tensors, each
-  in a **ggml type**: a float type (F32, F16, BF16) or a block-quantized one. A block holds 32 consecutive weights of
-  one row: Q8_0 = fp16 scale d + 32 int8 (34 bytes, w = d * q); Q4_0 = d + 16 bytes of 4-bit q (18 bytes,
-  w = d * (q - 8)); Q4_1 = d + fp16 minimum m + 16 bytes (20 bytes, w = d * q + m). In a 4-bit block, weight j < 16
-  is the low nibble of byte j and weight j + 16 its high nibble.
+  in a **ggml type**: a float type (F32, F16, BF16) or a block-quantized one. A block holds consecutive weights of
+  one row: 32 for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (an fp16 scale d, for the _1 types an fp16 minimum m, then the quants;
+  Q4_0: 18 bytes, w = d * (q - 8)), 256 for the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks with small
+  integer scales per 16 or 32 weights). llama.cpp's _S/_M/_L files mix these types per tensor.
+  ``spec_kernels.types.QUANT_FORMATS`` holds each type's sizes; csrc/quant_blocks_cpu.h draws the layouts.
 - **Q/K permutation**: llama.cpp's converter reorders the rows of q_proj and k_proj in each head from HF's
   "half-split" RoPE layout (x[:D/2], x[D/2:]) to interleaved pairs (x0, x1), ... We undo it at load, so the
   weights are HF's and the model runs HF's rotary embedding.
@@ -31,12 +32,12 @@ import torch
 from spec_engine.models.config import ModelConfig
 from spec_engine.models.families import split_fused, weight_dtype
 from spec_engine.models.gguf_arch import GGUF_ARCHITECTURES, ROPE_FREQS, gguf_config, hf_name
-from spec_kernels.types import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref
+from spec_kernels.types import QUANT_FORMATS, dequantize_ref
 
 log = logging.getLogger("spec_engine.models.gguf")
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
-SUPPORTED_TYPES = FLOAT_TYPES + tuple(QUANT_BLOCK_BYTES)
+SUPPORTED_TYPES = FLOAT_TYPES + tuple(QUANT_FORMATS)
 
 
 @dataclass
@@ -45,11 +46,11 @@ class RawTensor:
 
     Attributes
     ----------
-    data : quantized types: ``torch.uint8 [N, K // 32 * bytes_per_block]``, row n holding the blocks of output
-        feature n in input order (Q8_0: 34 bytes per block, Q4_0: 18, Q4_1: 20; the layout of the module
-        docstring); float types: the stored dtype (float32, float16, bfloat16) in the logical shape.
+    data : quantized types: ``torch.uint8 [N, K // block_weights * block_bytes]``, row n holding the blocks of output
+        feature n in input order (``QUANT_FORMATS``: Q8_0 34 bytes per 32 weights, Q4_K 144 per 256, ...); float
+        types: the stored dtype (float32, float16, bfloat16) in the logical shape.
         q_proj / k_proj rows are already un-permuted (HF's order), whatever the type.
-    type_name : the ggml type: "F32", "F16", "BF16", "Q8_0", "Q4_0" or "Q4_1".
+    type_name : the ggml type: "F32", "F16", "BF16" or a key of ``QUANT_FORMATS`` ("Q8_0", "Q4_K", ...).
     shape : the logical shape in torch order, ``(N, K)`` for a weight (N output features, K inputs).
     """
 
@@ -59,7 +60,7 @@ class RawTensor:
 
     @property
     def quantized(self) -> bool:
-        return self.type_name in QUANT_BLOCK_BYTES
+        return self.type_name in QUANT_FORMATS
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights in ``dtype``, computed in float32 exactly as ``gguf.quants.dequantize``. Shape: ``shape``."""
@@ -148,10 +149,13 @@ def _raw(f: GGUFFile, t, cfg: ModelConfig, permute: bool) -> RawTensor:
             f"{', '.join(SUPPORTED_TYPES)} (requantize, e.g. llama-quantize --allow-requantize IN OUT Q8_0)"
         )
     arr = np.asarray(t.data)
-    if type_name in QUANT_BLOCK_BYTES:
-        if len(shape) != 2 or shape[1] % QUANT_BLOCK:
-            raise ValueError(f"{f.path}: quantized tensor {t.name} of shape {shape}: rows of 32-weight blocks expected")
-        data = torch.from_numpy(arr.copy()).reshape(shape[0], -1)  # [N, K // 32 * bytes_per_block]
+    if type_name in QUANT_FORMATS:
+        block = QUANT_FORMATS[type_name].block_weights
+        if len(shape) != 2 or shape[1] % block:
+            raise ValueError(
+                f"{f.path}: {type_name} tensor {t.name} of shape {shape}: rows of {block}-weight blocks expected"
+            )
+        data = torch.from_numpy(arr.copy()).reshape(shape[0], -1)  # [N, K // block_weights * block_bytes]
     elif type_name == "BF16":
         data = torch.from_numpy(arr.view(np.uint16).copy()).view(torch.bfloat16).reshape(shape)
     else:
@@ -169,9 +173,9 @@ def read_gguf_raw(path: str | Path) -> tuple[ModelConfig, dict[str, RawTensor]]:
     -------
     config : ``ModelConfig`` from the metadata.
     tensors : HF name (``model.layers.0.self_attn.q_proj.weight``, ...) -> ``RawTensor``. A quantized 2-D weight
-        stays as its blocks: ``data`` is ``torch.uint8 [N, K // 32 * bytes_per_block]`` (Q8_0: 34, Q4_0: 18,
-        Q4_1: 20 bytes per block), ``shape == (N, K)``, ``type_name`` its ggml type; q_proj / k_proj rows are
-        already in HF's order. ``lm_head.weight`` is absent when the embeddings are tied.
+        stays as its blocks: ``data`` is ``torch.uint8 [N, K // block_weights * block_bytes]`` (``QUANT_FORMATS``),
+        ``shape == (N, K)``, ``type_name`` its ggml type; q_proj / k_proj rows are already in HF's order.
+        ``lm_head.weight`` is absent when the embeddings are tied.
 
     Raises ValueError for an unsupported architecture, a tensor of an unsupported type, or an unknown tensor name.
     """

@@ -45,11 +45,11 @@ class LayerWeights(list):
 
 
 def _op_tensor(w: torch.Tensor | QuantizedWeight | None) -> torch.Tensor:
-    """What the C++ ops take for a weight: the tensor, a quantized matrix's uint8 blocks (the op tells the format by
-    the block size), an empty tensor for a missing optional one."""
+    """What the C++ ops take for a weight: the tensor, a quantized matrix's uint8 blocks ``[N, K / block_weights,
+    block_bytes]`` (the op tells the format by that shape), an empty tensor for a missing optional one."""
     if w is None:
         return _EMPTY
-    return w.data if isinstance(w, QuantizedWeight) else w
+    return w.blocks if isinstance(w, QuantizedWeight) else w
 
 
 def _native_ops():

@@ -1,15 +1,18 @@
-"""``quant_linear``: ``linear`` on GGUF-quantized weights as the file stores them (Q8_0, Q4_0, Q4_1 blocks).
+"""``quant_linear``: ``linear`` on GGUF-quantized weights as the file stores them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
+the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (so every tensor of llama.cpp's _S/_M/_L mixes but its float ones).
 
-Glossary: a *block* is 32 consecutive weights of one row of ``W [N, K]``, stored as a float16 scale ``d`` (and, for
-Q4_1, a float16 minimum ``m``) plus 32 quants: Q8_0 int8 (``w = q * d``, 34 bytes), Q4_0 nibbles (``w = d * (q -
-8)``, 18 bytes), Q4_1 nibbles (``w = d * q + m``, 20 bytes). A quantized matrix is ``uint8 [N, K / 32 * block
-bytes]``, the file's bytes unchanged; *qtype* names its format ("Q8_0", "Q4_0", "Q4_1" or ggml's type id).
+Glossary: a *block* is a run of consecutive weights of one row of ``W [N, K]`` with its scales: 32 weights for the
+first five (a float16 scale ``d``, for the _1 types a float16 minimum ``m``, then the quants: Q4_0 nibbles,
+``w = d * (q - 8)``, 18 bytes), 256 for a K-quant *super-block* (float16 ``d`` (and ``dmin``) times small integer
+scales per 16 or 32 weights; Q4_K 144 bytes, ``w = d sc q - dmin mn``). ``spec_kernels.types.QUANT_FORMATS`` holds
+each type's sizes and csrc/quant_blocks_cpu.h draws the layouts. A quantized matrix is ``uint8 [N, K / block_weights *
+block_bytes]``, the file's bytes unchanged; *qtype* names its format ("Q4_K" or ggml's type id).
 
-The native backend (``csrc/quant_linear_cpu.cpp``) dequantizes each block in registers and multiplies in float32 with
-``linear``'s own tiles and summation order, so ``quant_linear(x, W)`` is bitwise ``linear(x, dequantize(W))`` in
-float32 (a bfloat16 x is widened, each output rounded once): batch-invariant like ``linear``, and a float32 model on
-its quantized weights gives the logits of the same model dequantized at load. Decoding reads 0.56 (Q4_1: 20 bytes per
-32 weights) or 1.06 (Q8_0) bytes per weight where bfloat16 reads 2.
+The native backend (``csrc/quant_linear_cpu.cpp``) dequantizes each 32-weight sub-block in registers and multiplies in
+float32 with ``linear``'s own tiles and summation order, so ``quant_linear(x, W)`` is bitwise ``linear(x,
+dequantize(W))`` in float32 (a bfloat16 x is widened, each output rounded once): batch-invariant like ``linear``, and a
+float32 model on its quantized weights gives the logits of the same model dequantized at load. Decoding reads 0.33
+(Q2_K: 84 bytes per 256 weights) to 1.06 (Q8_0) bytes per weight where bfloat16 reads 2 (Q4_K 0.56, Q6_K 0.82).
 """
 
 from __future__ import annotations
@@ -18,14 +21,7 @@ import torch
 
 from spec_kernels._backend import on_device_path, resolve_backend, triton_available
 from spec_kernels.quant_linear.ref import quant_linear_ref
-from spec_kernels.types import (
-    QUANT_BLOCK,
-    QUANT_BLOCK_BYTES,
-    QUANT_TYPES,
-    QuantizedWeight,
-    dequantize_ref,
-    quant_type_name,
-)
+from spec_kernels.types import QUANT_FORMATS, QuantizedWeight, dequantize_ref, quant_row_bytes, quant_type_name
 
 __all__ = ["QuantizedWeight", "quant_linear", "quant_linear_ref", "quant_type_name"]
 
@@ -37,15 +33,17 @@ def _check(x: torch.Tensor, weight: torch.Tensor, qtype: str, bias: torch.Tensor
     if x.dim() < 1:
         raise ValueError("quant_linear: x must be [..., K], got a 0-d tensor")
     k = x.shape[-1]
-    if k == 0 or k % QUANT_BLOCK:
-        raise ValueError(f"quant_linear: K = {k} is not a positive multiple of the 32-weight block")
+    try:
+        row_bytes = quant_row_bytes(qtype, k)
+    except ValueError as e:  # K not a multiple of the type's block, which the message names
+        raise ValueError(f"quant_linear: {e}") from None
     if weight.dtype != torch.uint8:
         raise TypeError(f"quant_linear: weight must be uint8 GGUF blocks, got {weight.dtype}")
-    row_bytes = k // QUANT_BLOCK * QUANT_BLOCK_BYTES[qtype]
+    f = QUANT_FORMATS[qtype]
     if weight.dim() != 2 or weight.shape[1] != row_bytes:
         raise ValueError(
-            f"quant_linear: {qtype} weight must be [N, {row_bytes}] (K / 32 blocks of {QUANT_BLOCK_BYTES[qtype]} "
-            f"bytes) for K = {k}, got shape {tuple(weight.shape)}"
+            f"quant_linear: {qtype} weight must be [N, {row_bytes}] (K / {f.block_weights} blocks of "
+            f"{f.block_bytes} bytes) for K = {k}, got shape {tuple(weight.shape)}"
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"quant_linear: bias must be [N] with N = {weight.shape[0]}, got {tuple(bias.shape)}")
@@ -64,11 +62,13 @@ def quant_linear(
     Parameters
     ----------
     x : Tensor
-        ``[..., K]``, K a multiple of 32; float32 or bfloat16 for the native kernel.
+        ``[..., K]``, K a multiple of the format's block (32, or 256 for a K-quant); float32 or bfloat16 for the
+        native kernel.
     weight : Tensor
-        uint8 ``[N, K / 32 * block_bytes]``: the file's blocks, row by row, contiguous.
+        uint8 ``[N, K / block_weights * block_bytes]``: the file's blocks, row by row, contiguous.
     qtype : str or int
-        "Q8_0", "Q4_0", "Q4_1", or ggml's type id (``gguf.GGMLQuantizationType``).
+        A key of ``QUANT_FORMATS`` ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
+        or ggml's type id (``gguf.GGMLQuantizationType``).
     bias : Tensor, optional
         ``[N]`` in x's dtype.
     backend : {None, "native", "torch"}
@@ -85,13 +85,13 @@ def quant_linear(
     Raises
     ------
     ValueError, TypeError
-        An unsupported qtype, K not a multiple of 32, a weight whose width is not K's blocks, a bias of the wrong
+        An unsupported qtype, K not a multiple of its block, a weight whose width is not K's blocks, a bias of the wrong
         shape; with backend="native", a non-CPU tensor or a dtype other than float32 / bfloat16.
 
     Shapes
     ------
     - x: ``[..., K]`` (M = prod of the leading dims)
-    - weight: ``[N, K / 32 * block_bytes]`` uint8
+    - weight: ``[N, K / block_weights * block_bytes]`` uint8
     - bias: ``[N]``
     - out: ``[..., N]``
     """
@@ -120,4 +120,4 @@ def quant_linear(
     from spec_kernels._ext import load_ext
 
     load_ext()
-    return torch.ops.spec_kernels.quant_linear(x, weight, QUANT_TYPES[name], bias)
+    return torch.ops.spec_kernels.quant_linear(x, weight, QUANT_FORMATS[name].type_id, bias)
