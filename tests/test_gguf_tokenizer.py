@@ -15,7 +15,7 @@ import pytest
 from gguf_files import chatml_tokenizer, tokenizer_metadata
 from tokenizers import Tokenizer, pre_tokenizers
 
-from spec_engine.models.gguf import gguf_tokenizer
+from spec_engine.models.gguf_tokenizer import gguf_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TRICKY = [
@@ -223,7 +223,7 @@ def test_default_pre_tokenizer_is_llama_cpps_regex_list(tmp_path, caplog, pre):
     """A file whose pre-tokenizer is ``default``, or that has none, splits text by llama.cpp's default regex list, not
     by GPT-2's regex; the missing key is warned about, as llama.cpp warns."""
     meta = tokenizer_metadata(chatml_tokenizer(SPECIALS, digits_apart=False), SPECIALS)
-    with caplog.at_level(logging.WARNING, logger="spec_engine.models.gguf"):
+    with caplog.at_level(logging.WARNING, logger="spec_engine.models.gguf_tokenizer"):
         ours = gguf_tokenizer(_tokenizer_file(tmp_path / "t.gguf", {**meta, "pre": pre}))
     assert ("tokenizer.ggml.pre" in caplog.text) == (pre is None)
     assert _pieces(ours, DEFAULT_TEXT) == DEFAULT_PIECES
