@@ -15,9 +15,20 @@ from pathlib import Path
 
 import gguf
 import pytest
-from gguf_files import SPM_CONTROL, SPM_USER_DEFINED, add_tokenizer, chatml_tokenizer, spm_metadata, tokenizer_metadata
+from gguf_files import (
+    SPM_CONTROL,
+    SPM_USER_DEFINED,
+    add_tokenizer,
+    chatml_tokenizer,
+    spm_metadata,
+    tokenizer_metadata,
+    write_gguf,
+)
+from tiny_models import make_model
 from tokenizers import Tokenizer, pre_tokenizers
 
+from spec_engine import LLM, SamplingParams
+from spec_engine.cli import main
 from spec_engine.models.gguf_tokenizer import gguf_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -356,6 +367,35 @@ def test_unsupported_tokenizer_model_is_named(tmp_path):
     meta = {**spm_metadata(), "model": "t5"}
     with pytest.raises(ValueError, match=r"tokenizer model 't5'.*'gpt2' \(byte-level BPE\).*'llama' \(SentencePiece\)"):
         gguf_tokenizer(_spm_file(tmp_path / "t.gguf", meta, "t5"))
+
+
+# --- end to end: a tiny random-weight Llama whose GGUF file carries a SentencePiece tokenizer ----------------------
+
+# TinyLlama's chat shape, on this vocabulary's control tokens
+SPM_CHAT = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_spm_gguf_runs_through_llm_chat_and_the_cli(tmp_path, capsys):
+    meta = spm_metadata()
+    hf = make_model(tmp_path / "hf", "llama_gqa", vocab_size=len(meta["tokens"]))
+    path = write_gguf(tmp_path / "m.gguf", hf, tokenizer=meta, chat_template=SPM_CHAT)
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
+    out = llm.generate(["hello world"], greedy, use_tqdm=False)[0]
+    assert out.prompt_token_ids == gguf_tokenizer(path).encode("hello world").ids
+    assert out.prompt_token_ids[0] == meta["bos"] and len(out.outputs[0].token_ids) == 5
+    chat = llm.chat([{"role": "user", "content": "hello server"}], greedy, use_tqdm=False)[0]
+    assert chat.prompt == "<s><|user|>\nhello server<|end|>\n<|assistant|>\n"
+    assert chat.prompt_token_ids[:2] == [meta["bos"], meta["tokens"].index("<|user|>")]
+    assert chat.prompt_token_ids.count(meta["bos"]) == 1  # the template's; encoding adds no other
+    assert len(chat.outputs[0].token_ids) == 5
+    for flag, text in (("--prompt", "hello world"), ("--chat", "hello server")):
+        argv = ["generate", "--model", str(path), flag, text, "--max-tokens", "4", "--dtype", "float32"]
+        assert main(argv) == 0
+        assert "\n[specdec] " in capsys.readouterr().out
 
 
 # --- Llama 2's vocabulary (32000 tokens) against llama.cpp's own test vectors --------------------------------------
