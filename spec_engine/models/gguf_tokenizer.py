@@ -10,12 +10,17 @@ Glossary:
     false), then llama.cpp's SPM tokenizer merges: of all adjacent pairs whose joined text is a token, the pair
     making the token of highest **score** (``tokenizer.ggml.scores``) joins first (equal scores: the leftmost),
     until none is left. A character no token covers is spelled as its UTF-8 bytes, the tokens "<0x00>".."<0xFF>"
-    (**byte fallback**). The file has no merges list: ``sentencepiece_merges`` derives one from the scores.
+    (**byte fallback**). llama.cpp reads no merges list for it (an older file's ``tokenizer.ggml.merges`` is
+    ignored): ``sentencepiece_merges`` derives one from the scores.
 - **token type** (``tokenizer.ggml.token_type``): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 - **added tokens**: the control, unknown and user-defined tokens. llama.cpp matches them whole in the raw text before
   tokenizing what lies between them, as ``tokenizers`` does with added tokens; control and unknown ones are special
   (``skip_special_tokens`` drops them from decoded text). In SentencePiece, the text after an added token gets the
   "▁" prefix again, as the text at the start does.
+
+Where we do not follow llama.cpp: special tokens' text always encodes as the special token (llama.cpp's
+``parse_special`` is a caller's choice); Phi-3's right-stripping of special tokens, which llama.cpp keys on the
+model's name, is not done; a SentencePiece file without BOS / EOS ids gets none (llama.cpp assumes 1 and 2).
 """
 
 from __future__ import annotations
@@ -167,7 +172,8 @@ def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[list[st
     tokens, ranked by the score of the token the two make, highest first (SentencePiece BPE's order, as
     transformers' SentencePieceExtractor ranks them). BPE then joins, of the pairs it sees, the one of best rank,
     which is the one llama.cpp joins. Equal scores rank the lower token id first (llama.cpp takes the leftmost
-    pair; no ranking can say that, and real vocabularies score their normal tokens apart).
+    pair; no ranking can say that, and real vocabularies score their normal tokens apart). transformers ranks a
+    Gemma file's merges by token id alone; llama.cpp, and we, by score.
 
     Shapes: ``tokens``, ``scores`` [num_tokens] -> [num_merges] pairs ``[left, right]``.
     """
