@@ -266,9 +266,12 @@ SPM_CORPUS_WORDS = ["hello", " hello", "the", " theme", " these", " three", "fib
 SPM_PIECES = [*SPM_CONTROL, *SPM_USER_DEFINED, "<s>", "</s>", " the", "hello", " ", "  ", "\n", "12", "é", "🙂"]
 
 
-def _spm_file(path: Path, meta: dict, arch: str) -> Path:
-    """A GGUF file holding only ``meta``'s tokenizer metadata, under ``arch`` (which picks transformers' builder)."""
+def _spm_file(path: Path, meta: dict, arch: str, name: str | None = None) -> Path:
+    """A GGUF file holding only ``meta``'s tokenizer metadata, under ``arch`` (which picks transformers' builder) and
+    ``general.name`` ``name`` (absent where None)."""
     w = gguf.GGUFWriter(str(path), arch)
+    if name is not None:
+        w.add_name(name)
     add_tokenizer(w, meta)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return path
@@ -361,6 +364,18 @@ def test_spm_space_prefix_is_llama_cpps(tmp_path, gemma, text, pieces):
     ``llama_tokenize`` gives for this vocabulary)."""
     tok = gguf_tokenizer(_spm_file(tmp_path / "t.gguf", spm_metadata(gemma), "llama"))
     assert [tok.id_to_token(i) for i in tok.encode(text).ids] == pieces
+
+
+@pytest.mark.parametrize("name, pieces", [
+    ("Phi-3-mini-4k-instruct", ["<s>", "<|user|>", "▁hello", "<|end|>", "<|assistant|>", "<s>", "▁", "▁x"]),
+    ("TinyLlama", ["<s>", "<|user|>", "▁", "<0x0A>", "he", "llo", "<|end|>", "▁", "<0x0A>", "<|assistant|>", "▁",
+                   "<0x0A>", "<s>", "▁", "▁x"]),
+])  # fmt: skip
+def test_phi3_added_tokens_take_the_whitespace_after_them(tmp_path, name, pieces):
+    """llama.cpp (keyed on ``general.name``) and Phi-3's tokenizer.json strip the whitespace after an added token, but
+    after ``<s>``, ``<unk>`` and ``<|endoftext|>`` (these pieces are what llama.cpp's ``llama_tokenize`` gives)."""
+    tok = gguf_tokenizer(_spm_file(tmp_path / "t.gguf", spm_metadata(), "phi3", name))
+    assert [tok.id_to_token(i) for i in tok.encode("<|user|>\nhello<|end|>\n<|assistant|>\n<s> x").ids] == pieces
 
 
 def test_unsupported_tokenizer_model_is_named(tmp_path):

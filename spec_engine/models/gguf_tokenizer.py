@@ -19,8 +19,8 @@ Glossary:
   "▁" prefix again, as the text at the start does.
 
 Where we do not follow llama.cpp: special tokens' text always encodes as the special token (llama.cpp's
-``parse_special`` is a caller's choice); Phi-3's right-stripping of special tokens, which llama.cpp keys on the
-model's name, is not done; a SentencePiece file without BOS / EOS ids gets none (llama.cpp assumes 1 and 2).
+``parse_special`` is a caller's choice); a SentencePiece file without BOS / EOS ids gets none (llama.cpp assumes 1
+and 2); Phi-3's added tokens strip Unicode whitespace after them, llama.cpp's only C's ``isspace``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ SPACE = "\u2581"  # SentencePiece's "▁", a space in a token's text
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL = 1, 2, 3
 TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNUSED, TOKEN_TYPE_BYTE = 4, 5, 6
 SUPPORTED_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
+_PHI3_UNSTRIPPED = ("<unk>", "<s>", "<|endoftext|>")  # llama.cpp's exceptions to Phi-3's right-stripped tokens
 
 # tokenizer.ggml.pre -> the regexes llama.cpp splits text with before byte-level BPE (llama-vocab.cpp's
 # llm_tokenizer_bpe), applied in turn: each cuts every piece the one before left into its matches and the text between
@@ -128,7 +129,7 @@ def _byte_level(f: GGUFFile, tokens: list[str], types: list[int]) -> dict:
         )
     merges = [m.split(" ", 1) for m in f.get("tokenizer.ggml.merges", [])]
     return {
-        "added_tokens": _added_tokens(tokens, types, special=(TOKEN_TYPE_CONTROL,)),
+        "added_tokens": _added_tokens(f, tokens, types, special=(TOKEN_TYPE_CONTROL,)),
         "normalizer": {"type": "NFC"} if pre == "qwen2" else None,
         "pre_tokenizer": _pre_tokenizer(pre),
         "post_processor": _post_processor(f, tokens, add_bos=pre in _LLAMA3_PRES),
@@ -148,7 +149,7 @@ def _sentencepiece(f: GGUFFile, tokens: list[str], types: list[int]) -> dict:
     strip = {"type": "Strip", "content": " ", "start": 1, "stop": 0}  # the prefix space, once, at the very start
     unk = f.get("tokenizer.ggml.unknown_token_id")
     return {
-        "added_tokens": _added_tokens(tokens, types, special=(TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)),
+        "added_tokens": _added_tokens(f, tokens, types, special=(TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)),
         # (a normalizer, not a pre-tokenizer: it runs on each stretch of text between added tokens, so each gets its
         # "▁", llama.cpp's is_prev_special; and text that starts with spaces keeps them all: "  a" is "▁▁▁a")
         "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE}] * prefix + [escape]},
@@ -203,16 +204,18 @@ def _bpe(tokens: list[str], merges: list, ignore_merges: bool) -> dict:
     }
 
 
-def _added_tokens(tokens: list[str], types: list[int], special: tuple[int, ...]) -> list[dict]:
+def _added_tokens(f: GGUFFile, tokens: list[str], types: list[int], special: tuple[int, ...]) -> list[dict]:
     """The tokens matched whole before the model sees the text: those of a type in ``special`` as special tokens,
-    user-defined ones as plain added tokens."""
+    user-defined ones as plain added tokens. In a Phi-3 file (by ``general.name``, as llama.cpp tells), each takes
+    the whitespace after it (``rstrip``, as Phi-3's tokenizer.json), but ``_PHI3_UNSTRIPPED``."""
+    phi3 = any(name in str(f.get("general.name", "")).lower() for name in ("phi-3", "phi3"))
     return [
         {
             "id": i,
             "content": tok,
             "single_word": False,
             "lstrip": False,
-            "rstrip": False,
+            "rstrip": phi3 and tok not in _PHI3_UNSTRIPPED,
             "normalized": False,
             "special": ty in special,
         }  # fmt: skip
