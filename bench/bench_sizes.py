@@ -117,9 +117,11 @@ def make_files(out_dir: Path, shape_name: str, types: list[str], quantize: Path 
             if quantize is None:
                 raise SystemExit(f"{t} needs llama-quantize (--llama-cpp DIR)")
             print(f"llama-quantize {t} ...", flush=True)
-            subprocess.run([str(quantize), "--allow-requantize", str(f16), str(path.with_suffix(".tmp")), t],
-                           check=True, capture_output=True)  # fmt: skip
-            path.with_suffix(".tmp").rename(path)
+            part = path.with_name(path.stem + ".part.gguf").resolve()  # (absolute: llama-quantize reads an output
+            # name that starts with a digit, "1b.Q4_K_M.gguf", as a numeric type)
+            subprocess.run([str(quantize), "--allow-requantize", str(f16.resolve()), str(part), t], check=True,
+                           capture_output=True)  # fmt: skip
+            part.rename(path)
         files[t] = path
     return files
 

@@ -50,6 +50,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["gguf"],
                    help="gguf: keep a .gguf model's quantized weights as stored (native CPU kernels) instead of "
                    "dequantizing them to --dtype")  # fmt: skip
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step's target pass eagerly (default on CUDA: replayed from CUDA graphs captured "
+                   "per batch size and verify width; no effect on CPU)")  # fmt: skip
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt in full (default: a prompt that starts with an earlier one's full "
                    "32-token blocks takes their cached K/V; --compare always times uncached requests)")  # fmt: skip
@@ -183,7 +186,7 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: boo
     return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-               enable_prefix_caching=caching)  # fmt: skip
+               enable_prefix_caching=caching, enforce_eager=getattr(args, "enforce_eager", False))  # fmt: skip
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -65,6 +65,11 @@ class EngineConfig:
         drafter and ``plain_chain`` > 1: ``StepRunner.samples_natively``), which ran them faster than rejection
         sampling's regular steps at about its acceptance (bench/RESULTS-log.md, "Sampled rows in the native
         steps"); elsewhere rejection sampling, which accepts a little more.
+    enforce_eager : every step's target pass runs eagerly (vLLM's name); False: on CUDA the regular step replays it
+        from a CUDA graph captured per bucket of (rows, verify width) where its shape fits one
+        (spec_engine/cuda_graphs.py). Same tokens and cache either way; nothing changes on CPU and meta.
+    graph_mechanism : None (CUDA graphs on CUDA), or a name of ``spec_engine.cuda_graphs.MECHANISMS``: benchmarks time
+        the compiled ones, tests run "replay" (the captured path on CPU and meta).
     """
 
     plain_chain: int = 16
@@ -72,6 +77,8 @@ class EngineConfig:
     unsure_chain_steps: int = 4
     native_tree_step: bool = True
     couple_unseeded: bool | None = None
+    enforce_eager: bool = False
+    graph_mechanism: str | None = None
 
 
 class Engine:
@@ -159,6 +166,7 @@ class Engine:
         )
         self.couple_unseeded = native if config.couple_unseeded is None else config.couple_unseeded
         self.scheduler.call_tokens = max(config.plain_chain, config.spec_chain_steps * (self.deepest + 1))
+        self.runner.use_graphs(config.enforce_eager, config.graph_mechanism)
 
     @property
     def config(self) -> EngineConfig:

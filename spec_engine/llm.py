@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -161,6 +162,10 @@ class LLM:
         worker processes are spawned (one per CUDA device, or CPU ranks over gloo); the drafter and verification run
         here, on rank 0. ``close()`` stops the workers. ValueError when the heads or MLP width do not divide.
     engine_config : the engine's knobs (``spec_engine.engine.EngineConfig``; native chain lengths); None: defaults.
+    enforce_eager : run every step's target pass eagerly (vLLM's name and default, False): on CUDA the regular step
+        otherwise replays it from a CUDA graph captured per bucket of (rows, verify width), captured when first met
+        (``spec_engine.cuda_graphs``); same tokens and cache either way. On CPU and meta it changes nothing (a CPU runs
+        its native multi-step calls); tensor parallelism always runs eagerly (its forward broadcasts from the host).
     quantization : None, or ``"gguf"`` (vLLM's name): keep a GGUF file's quantized matrices (Q8_0, Q4_0, Q4_1) as
         stored and multiply them with the native CPU kernels (``spec_kernels.quant_linear``); norms and activations
         in ``dtype``. Greedy output in float32 is that of the same file dequantized at load. ValueError for a model
@@ -183,6 +188,7 @@ class LLM:
         engine_config: EngineConfig | None = None,
         quantization: str | None = None,
         enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
     ):
         sizes = {
             "tensor_parallel_size": tensor_parallel_size,
@@ -262,11 +268,14 @@ class LLM:
             kv = PagedKVCache(cfg, num_blocks, block_size, torch_dtype, device)
         drafter = drafts.build(num_blocks, block_size)
         load_ext()  # compact_kv_'s extension: compiled (once per machine) here, not inside the first timed step
+        config = engine_config or EngineConfig()
+        if enforce_eager:
+            config = dataclasses.replace(config, enforce_eager=True)
         self.engine = Engine(
             self.target, kv, self.allocator, drafter,
             num_speculative_tokens=gamma, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             prefill_chunk=prefill_chunk, eos_token_ids=cfg.eos_token_id, adaptive=bool(spec and spec["adaptive"]),
-            config=engine_config, detokenize=self.decode if self.tokenizer is not None else None,
+            config=config, detokenize=self.decode if self.tokenizer is not None else None,
             grammars=Grammars(self.tokenizer, cfg.vocab_size, cfg.eos_token_id) if self.tokenizer is not None else None,
         )  # fmt: skip
 

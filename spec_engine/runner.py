@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from spec_engine.cuda_graphs import CapturedForward, captured_forward
 from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.logits_processors import process_logits_
@@ -97,6 +98,21 @@ class StepRunner:
         tree = drafter.tree if drafter is not None else None
         self.head_chains = isinstance(self.native_draft, NativeHead) and (tree is None or tree.is_chain)
         self.samples_natively = self.native_target is not None and (drafter is None or self.head_chains)
+        self.graphs: CapturedForward | None = None  # the regular step's captured target pass (use_graphs)
+        self._graph_mechanism: str | None = None
+
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None) -> None:
+        """The regular step's target pass replayed from graphs per bucket (spec_engine/cuda_graphs.py: on CUDA, or
+        by ``mechanism``), or always eager; buckets captured earlier are kept while the choice stands."""
+        enforce_eager = enforce_eager or not self.target.capturable  # (tensor parallelism: a host broadcast a call)
+        if enforce_eager or self.graphs is None or mechanism != self._graph_mechanism:
+            rows, width = self.rows.block_table.shape
+            self.graphs = None if enforce_eager else captured_forward(
+                self.target_logits, self.device, table_width=width, max_rows=rows, max_width=self.max_tree_nodes,
+                mechanism=mechanism, name="target's pass")  # fmt: skip
+            if self.drafter is not None:  # (a draft model's forwards too; drafters without one ignore it)
+                self.drafter.use_graphs(enforce_eager, mechanism, table_width=width, max_rows=rows)
+        self._graph_mechanism = mechanism
 
     def cache_lag(self, req: Request) -> int:
         """Tokens before ``req``'s root that its draft cache has not seen (0 for a drafter without a cache)."""
@@ -402,9 +418,8 @@ class StepRunner:
         result, the features of a drafter that reads the target's (else None) and the pass's logits [B, T, V] (as
         the target gave them where ``raw``, even where ``processed``'s logits processors changed those verified)."""
         positions = batch.cache_seqlens.long()[:, None] + draft.depths  # [B, T]: L_b + depth
-        hidden, features = self.target_pass(draft.tokens, positions, self.kv.data, batch.cache_seqlens, draft.tree_mask,
-                                             batch.block_table)  # fmt: skip
-        logits = self.target.logits(hidden)  # [B, T, V]
+        forward = self.target_logits if self.graphs is None else self.graphs  # (a captured bucket, or eager)
+        logits, features = forward(draft.tokens, positions, batch.cache_seqlens, draft.tree_mask, batch.block_table)
         given = logits
         if processed is not None:
             logits = process_logits_(logits.clone() if raw else logits, draft.tokens, draft.parents, processed)
@@ -423,6 +438,12 @@ class StepRunner:
                 batch.cache_seqlens, result.accepted_nodes, result.num_accepted, block_table=batch.block_table
             )
         return result, features, given
+
+    def target_logits(self, tokens, positions, cache_seqlens, tree_mask, block_table):  # fmt: skip
+        """The regular step's target pass over tokens [B, T]: logits [B, T, V] float32, and the features [B, T, F]
+        of a drafter that reads the target's (else None). What ``graphs`` captures."""
+        hidden, features = self.target_pass(tokens, positions, self.kv.data, cache_seqlens, tree_mask, block_table)
+        return self.target.logits(hidden), features
 
     def target_pass(self, *args) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's forward (``LlamaForCausalLM.forward``'s arguments): its final hidden states [B, T, H] and,

@@ -5,6 +5,7 @@ chosen type. No downloads."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -31,19 +32,53 @@ LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3's fused matrices
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 
 
-def gguf_name(hf: str) -> str:
+# Gemma 2 / 3: the norm after attention, and the MLP's input and output norms
+GEMMA_LAYER_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+GEMMA_ARCHS = ("gemma2", "gemma3")
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in GGUF_NAMES:
         return GGUF_NAMES[hf]
     _, _, i, rest = hf.split(".", 3)
-    return f"blk.{i}.{LAYER_NAMES[rest]}"
+    names = {**LAYER_NAMES, **(GEMMA_LAYER_NAMES if arch in GEMMA_ARCHS else {})}
+    return f"blk.{i}.{names[rest]}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf's ``LlamaModel.permute``, written out here independently of the loader's inverse."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(cfg: dict, rope: dict) -> np.ndarray:
+    """convert_hf_to_gguf's ``rope_freqs.weight`` for Llama 3's RoPE scaling, [head_dim // 2] float32: 1 where the
+    wavelength is short, ``factor`` where it is long, the smoothed divisor between. (The converter reads
+    original_max_position_embeddings from the top level, defaulting to Llama 3's 8192; ours is rope's own, which HF
+    uses, so that a tiny test context means what it says.)"""
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def stored(w: np.ndarray, qtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
@@ -78,24 +113,41 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
+    params = cfg.get("rope_parameters") or {}
+    params = params.get("full_attention", params)  # (Gemma 3's are per layer type: the global layers' base)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or params.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     if arch == "qwen3":  # its heads are not hidden / heads wide
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
+    if arch in GEMMA_ARCHS:  # (llama.cpp fixes which layers slide, the local base and the query scale)
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_sliding_window(cfg["sliding_window"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key) is not None:
+                getattr(w, f"add_{key}")(cfg[key])
+    if arch == "phi3":
+        w.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+        w.add_sliding_window(cfg.get("sliding_window") or 0)  # (0: none)
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer is not None:
         add_tokenizer(w, tokenizer)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg, rope))
     for name, t in state.items():
         t = t.astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = llama_cpp_permute(t, heads if "q_proj" in name else kv_heads)
+        if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+            t = t + np.float32(1.0)  # the converter stores Gemma's norm multipliers 1 + w
         kind = (type_of or {}).get(name, qtype) if t.ndim == 2 else "F32"
         data, raw = stored(t, kind)
-        w.add_tensor(gguf_name(name), data, raw_dtype=raw)
+        w.add_tensor(gguf_name(name, arch), data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

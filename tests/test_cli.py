@@ -95,6 +95,20 @@ def test_draft_dtype_is_passed_and_checked(pair, monkeypatch, capsys):
     assert "--draft is the drafter" in capsys.readouterr().err
 
 
+def test_enforce_eager_reaches_the_engine(pair, monkeypatch):
+    """--enforce-eager (vLLM's flag, generate and serve) reaches EngineConfig.enforce_eager; left out, the engine may
+    replay CUDA graphs (on a CPU it has none either way)."""
+    import spec_engine.cli as cli
+
+    target, _ = pair
+    argv = ["generate", "--prompt", "x", "--model", str(target), "--max-tokens", "2", "--method", "none"]
+    built, real = [], cli.build_llm
+    monkeypatch.setattr(cli, "build_llm", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+    assert main(argv) == 0 and main(argv + ["--enforce-eager"]) == 0
+    assert [b.engine.config.enforce_eager for b in built] == [False, True]
+    assert all(b.engine.runner.graphs is None for b in built)
+
+
 def test_compare_prints_the_medians_whose_ratio_is_the_speedup(monkeypatch, capsys):
     """--compare runs the two engines in alternating rounds (which goes first alternates) and reports each engine's
     median tok/s; the speedup is their ratio, so the printed figures and the speedup agree. Injected clock: each run

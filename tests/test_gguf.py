@@ -117,12 +117,12 @@ def test_dequantize_ref_is_gguf_bit_for_bit(qtype):
 
 
 def test_unsupported_architecture(tmp_path):
-    path = tmp_path / "phi.gguf"
-    w = gguf.GGUFWriter(str(path), "phi3")
+    path = tmp_path / "phi2.gguf"
+    w = gguf.GGUFWriter(str(path), "phi2")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(ValueError, match=r"architecture 'phi3'.*llama"):
+    with pytest.raises(ValueError, match=r"architecture 'phi2'.*llama"):
         load_model(path)
     assert "llama" in GGUF_ARCHITECTURES
 

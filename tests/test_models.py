@@ -46,9 +46,13 @@ def test_config_defaults_and_spellings():
     assert ModelConfig.from_dict(hf_config(model_type="qwen3")).qk_norm
 
 
-def test_a_sliding_window_caps_the_context():
-    cfg = ModelConfig.from_dict(hf_config(model_type="mistral", sliding_window=128))
-    assert cfg.max_position_embeddings == 128
+def test_a_sliding_window_caps_the_context(caplog):
+    """Windowed attention is not implemented: a window shorter than the context caps it, and a warning says so."""
+    with caplog.at_level("WARNING", logger="spec_engine.models"):
+        cfg = ModelConfig.from_dict(hf_config(model_type="mistral", sliding_window=128))
+    assert cfg.max_position_embeddings == cfg.sliding_window == 128
+    assert "window of 128 positions) is not implemented; the context is capped to 128" in caplog.text
+    assert ModelConfig.from_dict(hf_config(model_type="mistral", sliding_window=None)).max_position_embeddings == 256
     off = ModelConfig.from_dict(hf_config(model_type="qwen2", sliding_window=128, use_sliding_window=False))
     assert off.max_position_embeddings == 256
 
@@ -58,7 +62,7 @@ def test_a_sliding_window_caps_the_context():
     [
         ({"model_type": "gpt2"}, "unsupported architecture"),
         ({"model_type": None}, "unsupported architecture"),
-        ({"hidden_act": "gelu"}, "only SwiGLU"),
+        ({"hidden_act": "gelu"}, "unsupported hidden_act='gelu' for llama; SwiGLU"),
         ({"num_key_value_heads": 4}, "multiple of num_key_value_heads"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_type 'yarn'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs a positive low_freq_factor"),

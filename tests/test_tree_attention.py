@@ -107,13 +107,15 @@ def make_inputs(
     return q, k_paged, v_paged, cache_seqlens, mask, block_table
 
 
-def check_against_fp64(out: torch.Tensor, q, k, v, cache_seqlens, mask, block_table, scale=None) -> None:
+def check_against_fp64(out: torch.Tensor, q, k, v, cache_seqlens, mask, block_table, scale=None, **variant) -> None:
     """Measured tolerances (docs/ARCHITECTURE.md): ``err(out) <= 2 * err(same-dtype torch) + ATOL``, errors vs a
-    float64 reference."""
+    float64 reference. ``variant``: softcap / window, as the op takes them."""
     exact = tree_attention_ref(
-        q.double(), k.double(), v.double(), cache_seqlens, mask, block_table=block_table, softmax_scale=scale
-    )
-    same_dtype = tree_attention_ref(q, k, v, cache_seqlens, mask, block_table=block_table, softmax_scale=scale)
+        q.double(), k.double(), v.double(), cache_seqlens, mask, block_table=block_table, softmax_scale=scale,
+        **variant,
+    )  # fmt: skip
+    same_dtype = tree_attention_ref(q, k, v, cache_seqlens, mask, block_table=block_table, softmax_scale=scale,
+                                    **variant)  # fmt: skip
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.isfinite(out).all()
     err = (out.double() - exact).abs().max().item()
@@ -175,6 +177,43 @@ def test_softmax_scale():
 
 
 BACKENDS = ["torch", "native", pytest.param("triton", marks=INTERPRETER)]
+
+
+VARIANTS = [{"softcap": 2.0}, {"window": 7}, {"window": 1}, {"softcap": 5.0, "window": 20}]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+@pytest.mark.parametrize("paged", [False, True])
+def test_softcap_and_window(backend, dtype, variant, paged):
+    """Gemma's attention: soft-capped scores and a sliding window, on trees over ragged prefixes (a window shorter
+    than the prefix, and one reaching into it), on every backend."""
+    inputs = make_inputs([30, 4, 0], 6, 4, 2, 24, dtype, block_size=8 if paged else None, seed=11)
+    out = tree_attention(*inputs[:5], block_table=inputs[5], backend=backend, **variant)
+    check_against_fp64(out, *inputs, **variant)
+
+
+def test_softcap_and_window_mean_what_they_say():
+    """The reference's semantics, against HF's: a window of 1 sees only the node itself; a window past every
+    position, or a cap far above every score, changes nothing; a node at L_b + depth sees prefix positions
+    > L_b + depth - window; the cap is tanh's."""
+    q, k, v, cache_seqlens, mask, _ = make_inputs([12, 5], 5, 4, 2, 16, torch.float64, seed=3)
+    plain = tree_attention_ref(q, k, v, cache_seqlens, mask)
+    assert torch.equal(tree_attention_ref(q, k, v, cache_seqlens, mask, window=100), plain)
+    torch.testing.assert_close(tree_attention_ref(q, k, v, cache_seqlens, mask, softcap=1e6), plain)
+    alone = tree_attention_ref(q, k, v, cache_seqlens, mask, window=1)  # [B, T, Hq, D]
+    for b, L in enumerate(cache_seqlens.tolist()):
+        torch.testing.assert_close(alone[b], v[b, L : L + 5].repeat_interleave(2, dim=1))
+    # row 0 of sequence 0 (the root, depth 0, at position 12) with window 3 sees positions 10, 11 and itself
+    keys = torch.tensor([10, 11, 12])
+    scores = torch.einsum("hd,shd->hs", q[0, 0], k[0, keys].repeat_interleave(2, dim=1)) * 16**-0.5
+    want = torch.einsum("hs,shd->hd", torch.softmax(torch.tanh(scores / 0.5) * 0.5, -1),
+                        v[0, keys].repeat_interleave(2, dim=1))  # fmt: skip
+    torch.testing.assert_close(tree_attention_ref(q, k, v, cache_seqlens, mask, window=3, softcap=0.5)[0, 0], want)
+    for bad in ({"softcap": 0.0}, {"window": 0}, {"window": 2.5}):
+        with pytest.raises(ValueError, match="softcap|window"):
+            tree_attention(q.float(), k.float(), v.float(), cache_seqlens, mask, **bad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -274,6 +313,12 @@ def test_triton_split_prefix(dtype, paged):
                                                        plan.tile_shared, plan.tile_lens, plan.block_table, 16**-0.5,
                                                        3)  # fmt: skip
     check_against_fp64(out, q, k, v, cache_seqlens, mask, table)
+    # a window leaves the early splits with nothing to see (their log-sum-exp -inf, merged with weight 0)
+    variant = {"softcap": 4.0, "window": 9}
+    out = torch.ops.spec_kernels.tree_attention_triton(q, k, v, plan.cache_seqlens, plan.tree_keys, plan.tree_lens,
+                                                       plan.tile_shared, plan.tile_lens, plan.block_table, 16**-0.5,
+                                                       3, *variant.values())  # fmt: skip
+    check_against_fp64(out, q, k, v, cache_seqlens, mask, table, **variant)
 
 
 @INTERPRETER
@@ -303,7 +348,7 @@ def test_triton_plan_shared_across_calls(paged):
         tree_attention(q[:, :4], k, v, cache_seqlens, mask[:, :4, :4], block_table=table, plan=plan, backend="triton")
 
 
-def _lone_token_outputs(q, k, v, cache_seqlens, mask) -> torch.Tensor:
+def _lone_token_outputs(q, k, v, cache_seqlens, mask, backend="triton", **variant) -> torch.Tensor:
     """Plain decoding's view of each tree node: a 1-node call (batch of one) over a cache holding the node's own
     sequence (the prefix, then the tree nodes it sees in node order, itself last)."""
     out = torch.empty_like(q)
@@ -314,9 +359,22 @@ def _lone_token_outputs(q, k, v, cache_seqlens, mask) -> torch.Tensor:
             out[b, t] = tree_attention(
                 q[b : b + 1, t : t + 1], k[b : b + 1, keys], v[b : b + 1, keys],
                 torch.tensor([len(keys) - 1], dtype=torch.int32), torch.ones(1, 1, 1, dtype=torch.bool),
-                backend="triton",
+                backend=backend, **variant,
             )[0, 0]  # fmt: skip
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", [{}, {"window": 6}, {"softcap": 3.0}], ids=str)
+def test_native_16bit_tree_nodes_equal_lone_tokens_bitwise(dtype, variant):
+    """Batch invariance of the native path in 16-bit dtypes (where greedy speculation must equal plain decoding):
+    reduced in float64, every tree node's output is bit for bit a lone token's at the same position, whatever T and
+    the batch, windowed and soft-capped too."""
+    q, k, v, cache_seqlens, mask, _ = make_inputs([37, 130, 0], 9, 6, 2, 32, dtype, seed=5)
+    mask[1] = causal_mask(1, 9)[0]
+    verify = tree_attention(q, k, v, cache_seqlens, mask, backend="native", **variant)
+    check_against_fp64(verify, q, k, v, cache_seqlens, mask, None, **variant)
+    assert torch.equal(verify, _lone_token_outputs(q, k, v, cache_seqlens, mask, "native", **variant))
 
 
 @INTERPRETER

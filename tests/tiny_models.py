@@ -27,24 +27,49 @@ ARCHS = {
     ),
     "qwen2_tied": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # a window longer than max_position_embeddings' 512 never binds; test_families sets a shorter one
+    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=4096),
+    "phi3": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=2, pad_token_id=None),
+    # small caps and window, so that they bind on a tiny random model; query_pre_attn_scalar = head_dim, as llama.cpp
+    # assumes for any Gemma but the 27B ones
+    "gemma2": dict(
+        model_type="gemma2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=0.5,
+        final_logit_softcapping=5.0,
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+    ),
 }
 
 
 def hf_config(arch: str, vocab_size: int, hidden: int, layers: int, **over):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoConfig
 
     spec = dict(ARCHS[arch])
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[spec.pop("model_type")]
+    model_type = spec.pop("model_type")
     kw = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, vocab_size=vocab_size,
               max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
     kw.update(spec)
     kw.update(over)
-    return cls(**kw)
+    return AutoConfig.for_model(model_type, **kw)
 
 
 def make_model(path: Path, arch: str, *, vocab_size: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0,
-               logit_scale: float = 1.0, tokenizer_config: dict | None = None, **over) -> Path:  # fmt: skip
-    """A random HF checkpoint. ``logit_scale`` sharpens the output distribution (random inits are near uniform).
+               logit_scale: float = 1.0, norm_noise: float = 0.0, tokenizer_config: dict | None = None,
+               **over) -> Path:  # fmt: skip
+    """A random HF checkpoint. ``logit_scale`` sharpens the output distribution (random inits are near uniform);
+    ``norm_noise`` adds N(0, norm_noise) to every norm weight (HF initialises them all alike).
 
     ``over`` overrides config fields (e.g. ``max_position_embeddings=256``); ``tokenizer_config`` is written as
     ``tokenizer_config.json`` (e.g. ``{"chat_template": ...}``). The same arguments give the same weights.
@@ -57,6 +82,8 @@ def make_model(path: Path, arch: str, *, vocab_size: int = 96, hidden: int = 64,
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif norm_noise:
+                p.add_(torch.randn_like(p) * norm_noise)
         model.get_output_embeddings().weight.mul_(logit_scale)
     model.save_pretrained(path)
     if tokenizer_config is not None:

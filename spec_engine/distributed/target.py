@@ -69,6 +69,8 @@ class TPTarget:
     # None: the engine's native chains (several plain or speculative steps in one C++ call) need the whole model in
     # this process; under tensor parallelism every step is a regular one
     native = None
+    # a call packs its inputs on the host and broadcasts them to the workers: no CUDA graph can hold that
+    capturable = False
 
     # the engine's model interface -----------------------------------------------------------------------------
 

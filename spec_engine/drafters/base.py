@@ -174,6 +174,7 @@ class Drafter(ABC):
     # the target's features by position [1, num_blocks, block_size, H] on the caches' blocks, where the drafter reads
     # them (``needs_hidden``): the engine's native speculative steps write it
     features: torch.Tensor | None = None
+    graphs = None  # the CapturedForward its model's forwards replay from (``use_graphs``); None: eager
 
     def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None,
              faster: Callable[[int, int, float], bool] | None = None) -> DraftPlan:  # fmt: skip
@@ -210,6 +211,12 @@ class Drafter(ABC):
     def nodes_for_gamma(self, gamma: int) -> int:
         """T of a tree of depth ``gamma`` (for KV reservations and cost models)."""
         return gamma + 1
+
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,  # noqa: B027
+                   max_rows: int) -> None:  # fmt: skip
+        """Replay this drafter's forwards from graphs captured per bucket, as the target's pass
+        (spec_engine/cuda_graphs.py; ``table_width``, ``max_rows``: the engine's block table), or run them eagerly
+        (``enforce_eager``); drafters with no model forward to capture ignore it."""
 
     @property
     def native(self) -> NativeModel | NativeHead | None:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from spec_engine.coupling import position_gumbel
+from spec_engine.cuda_graphs import CapturedForward, captured_forward
 from spec_engine.drafters.base import Draft, Drafter, StepBatch
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.models import LlamaForCausalLM
@@ -82,6 +83,7 @@ def read_draft_vocab(draft_dir: str | Path, vocab_size: int, size: int | None) -
 
 class DraftModelDrafter(Drafter):
     keeps_cache = True
+    graphs: CapturedForward | None = None
 
     def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, tree: StaticTree,
                  draft_sampling: str = "without_replacement"):  # fmt: skip
@@ -110,18 +112,31 @@ class DraftModelDrafter(Drafter):
     def nodes_for_gamma(self, gamma: int) -> int:
         return sum(self.tree.level_sizes[: gamma + 1])
 
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,
+                   max_rows: int) -> None:  # fmt: skip
+        """The draft model's forwards up to a short catch-up's width or a tree's nodes (each level's, a catch-up's
+        last) replayed from graphs per bucket, as the target's pass; prompt chunks and long catch-ups run eagerly."""
+        width = max(CATCH_UP_SLACK + 1, self.max_nodes)
+        self.graphs = None if enforce_eager else captured_forward(
+            self._hidden, self.device, table_width=table_width, max_rows=max_rows, max_width=width,
+            mechanism=mechanism, name="drafter's forward")  # fmt: skip
+
+    def _hidden(self, tokens, positions, cache_seqlens, mask, block_table) -> tuple[torch.Tensor]:
+        """The draft model's forward on its cache: (hidden states [B, T, H],), what ``graphs`` captures."""
+        return (self.model(tokens, positions, self.kv.data, cache_seqlens, mask, block_table),)
+
     def prefill(self, input_ids, positions, cache_seqlens, mask, block_table, hidden=None) -> None:
         self._forward_prefix(input_ids, positions, cache_seqlens, mask, block_table)
 
     def _forward_prefix(self, tokens, positions, cache_seqlens, mask, block_table) -> torch.Tensor:
         """Tokens [B, T] of the sequences themselves (prompt, catch-up), a causal chunk at ``positions`` = cache_seqlens
         + t: their hidden states."""
-        return self.model(tokens, positions, self.kv.data, cache_seqlens, mask, block_table)
+        return (self.graphs or self._hidden)(tokens, positions, cache_seqlens, mask, block_table)[0]
 
     def _forward_nodes(self, tokens, nodes, sub, positions, cache_seqlens, mask, block_table) -> torch.Tensor:
         """Tree nodes ``tokens[:, sub]``: their hidden states [B, n, H]. ``nodes`` [B, T, H] holds every node's
         hidden state computed so far (an EAGLE head reads its parents'; a draft model needs none)."""
-        return self.model(tokens[:, sub], positions, self.kv.data, cache_seqlens, mask, block_table)
+        return (self.graphs or self._hidden)(tokens[:, sub], positions, cache_seqlens, mask, block_table)[0]
 
     def _tree_shape(self, gammas: list[int]) -> list[torch.Tensor]:
         """(parents [B, T], tree_mask [B, T, T], depths [B, T]) on the device for rows drafted at ``gammas``: the

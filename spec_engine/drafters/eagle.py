@@ -30,8 +30,9 @@ import dataclasses
 import torch
 from torch import nn
 
+from spec_engine.cuda_graphs import CapturedForward, captured_forward
 from spec_engine.drafters.base import Draft, StepBatch
-from spec_engine.drafters.draft_model import DraftModelDrafter
+from spec_engine.drafters.draft_model import CATCH_UP_SLACK, DraftModelDrafter
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.models import LlamaForCausalLM, ModelConfig
 from spec_engine.models.config import rope_inv_freq
@@ -261,6 +262,7 @@ class EagleDrafter(DraftModelDrafter):
     """
 
     needs_hidden = True
+    node_graphs: CapturedForward | None = None
 
     def __init__(self, head: EagleHead, kv: PagedKVCache, features: torch.Tensor, tree: StaticTree,
                  draft_sampling: str = "without_replacement", dynamic: bool = False):  # fmt: skip
@@ -278,6 +280,17 @@ class EagleDrafter(DraftModelDrafter):
         """The handle of the engine's native steps (``spec_chain``): an EAGLE-3 head's chains and static trees alike;
         None for EAGLE-2's dynamic tree, whose parents are chosen each step."""
         return None if self.dynamic_topk is not None else self.model.native
+
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,
+                   max_rows: int) -> None:  # fmt: skip
+        """The head's forwards replayed from graphs per bucket, as a draft model's: ``graphs`` the entries that read
+        the feature cache (a short catch-up's), ``node_graphs`` the tree nodes that read their parents' outputs (an
+        input of the capture). On the CPU an EAGLE-3 head's native calls stay as they are."""
+        super().use_graphs(enforce_eager, mechanism, table_width=table_width, max_rows=max_rows)
+        self.node_graphs = None if enforce_eager else captured_forward(
+            self._node_hidden, self.device, table_width=table_width, max_rows=max_rows,
+            max_width=max(CATCH_UP_SLACK + 1, self.max_nodes), mechanism=mechanism,
+            name="head's tree nodes")  # fmt: skip
 
     def _store(self, hidden: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> None:
         """The target's hidden states [B, T, F] at ``positions`` [B, T] into the feature cache."""
@@ -297,14 +310,24 @@ class EagleDrafter(DraftModelDrafter):
             last = torch.zeros_like(cache_seqlens, dtype=torch.int64)  # [B]: no chain follows
             return eagle3_draft(native, tokens, cache_seqlens, last, self.features, self.kv.data, gamma=0,
                                 block_table=block_table)[0]  # fmt: skip
+        return (self.graphs or self._hidden)(tokens, positions, cache_seqlens, mask, block_table)[0]
+
+    def _hidden(self, tokens, positions, cache_seqlens, mask, block_table) -> tuple[torch.Tensor]:
+        """Entries of the sequences themselves, each reading the feature cache at the position before it: (the
+        head's outputs [B, T, H],), what ``graphs`` captures."""
         before = positions - 1  # [B, T]: entry p reads the feature of p - 1 (zeros before the first token)
         blocks, offsets = cache_slots(before.clamp(min=0), self.features.shape[2], block_table)
         feats = self.features[0, blocks, offsets] * (before >= 0)[..., None]  # [B, T, H]
-        return self.model(tokens, feats, positions, self.kv.data, cache_seqlens, mask, block_table)
+        return (self.model(tokens, feats, positions, self.kv.data, cache_seqlens, mask, block_table),)
 
     def _forward_nodes(self, tokens, nodes, sub, positions, cache_seqlens, mask, block_table) -> torch.Tensor:
         feats = nodes[:, self._node_parents[sub]]  # [B, n, H]: the parents' outputs stand in for their features
-        return self.model(tokens[:, sub], feats, positions, self.kv.data, cache_seqlens, mask, block_table)
+        forward = self.node_graphs or self._node_hidden
+        return forward(tokens[:, sub], positions, cache_seqlens, mask, block_table, feats)[0]
+
+    def _node_hidden(self, tokens, positions, cache_seqlens, mask, block_table, feats) -> tuple[torch.Tensor]:
+        """Tree nodes [B, n] on their parents' outputs ``feats`` [B, n, H]: (outputs [B, n, H],), ``node_graphs``'."""
+        return (self.model(tokens, feats, positions, self.kv.data, cache_seqlens, mask, block_table),)
 
     def propose(self, batch: StepBatch) -> Draft:
         if self.dynamic_topk is not None:

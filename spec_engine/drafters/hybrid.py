@@ -58,6 +58,14 @@ class HybridDrafter(Drafter):
         self.target_layers = model.target_layers
         self.plain_chain_cap = suffix.plain_chain_cap
 
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,
+                   max_rows: int) -> None:  # fmt: skip
+        self.model.use_graphs(enforce_eager, mechanism, table_width=table_width, max_rows=max_rows)
+
+    @property
+    def graphs(self):
+        return self.model.graphs
+
     def nodes_for_gamma(self, gamma: int) -> int:
         return self.model.nodes_for_gamma(gamma)  # (the adaptive controller prices the model drafter's trees)
 

@@ -1,4 +1,5 @@
-"""Llama-family models (Llama, Mistral, Qwen2, Qwen3) loaded from HF directories."""
+"""The model families (Llama, Mistral, Qwen2, Qwen3, Phi-3 on the Llama layer; Gemma 2 and 3 on their own) loaded from
+HF directories and GGUF files."""
 
 from spec_engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from spec_engine.models.llama import LlamaForCausalLM

@@ -29,34 +29,14 @@ import numpy as np
 import torch
 
 from spec_engine.models.config import ModelConfig
+from spec_engine.models.families import split_fused, weight_dtype
+from spec_engine.models.gguf_arch import GGUF_ARCHITECTURES, ROPE_FREQS, gguf_config, hf_name
 from spec_kernels.types import QUANT_BLOCK, QUANT_BLOCK_BYTES, dequantize_ref
 
 log = logging.getLogger("spec_engine.models.gguf")
 
-# GGUF general.architecture -> (our model_type, whether llama.cpp permuted the Q/K rows when converting)
-GGUF_ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = FLOAT_TYPES + tuple(QUANT_BLOCK_BYTES)
-
-# llama.cpp's per-layer tensor names -> HF's (prefix "model.layers.N.")
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}  # fmt: skip
 
 
 @dataclass
@@ -159,77 +139,6 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def gguf_config(f: GGUFFile) -> ModelConfig:
-    """Our ``ModelConfig`` from the file's metadata; ValueError for an architecture we do not run."""
-    arch = f.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{f.path}: unsupported GGUF architecture {arch!r}; specdec reads {', '.join(GGUF_ARCHITECTURES)}"
-        )
-    if "rope_freqs.weight" in f.tensors:
-        raise ValueError(f"{f.path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported")
-
-    def key(name, default=None):
-        return f.get(f"{arch}.{name}", default)
-
-    def need(name):
-        value = key(name)
-        if value is None:
-            raise ValueError(f"{f.path}: the metadata lacks {arch}.{name}")
-        return value
-
-    try:
-        return _gguf_config(f, arch, key, need)
-    except (TypeError, ValueError) as e:  # (a value of the wrong type: int() of a string, a list...)
-        raise ValueError(e if str(f.path) in str(e) else f"{f.path}: {e}") from None
-
-
-def _gguf_config(f: GGUFFile, arch: str, key, need) -> ModelConfig:
-    num_heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    tokens = f.get("tokenizer.ggml.tokens")
-    vocab = key("vocab_size") or (len(tokens) if tokens else None)
-    if vocab is None:
-        vocab = int(f.tensors["token_embd.weight"].shape[-1])
-    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // num_heads
-    rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
-    scaling = key("rope.scaling.type")
-    if scaling == "linear":
-        rope = {**rope, "rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
-    elif scaling not in (None, "none"):
-        raise ValueError(f"{f.path}: unsupported RoPE scaling {scaling!r}; supported: none, linear")
-    eos = [f.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-    hf = {
-        "model_type": GGUF_ARCHITECTURES[arch][0],
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", num_heads)),
-        "head_dim": int(head_dim),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(key("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in f.tensors,
-        "rope_parameters": rope,
-        "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": list(dict.fromkeys(int(e) for e in eos if e is not None)),
-        "use_sliding_window": False,
-    }
-    if arch == "qwen2":  # Qwen2 always has q/k/v biases; the config says so for ModelConfig's sake
-        hf["attention_bias"] = True
-    return ModelConfig.from_dict(hf)
-
-
-def _hf_name(name: str) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return None
-
-
 def _raw(f: GGUFFile, t, cfg: ModelConfig, permute: bool) -> RawTensor:
     type_name = t.tensor_type.name
     shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
@@ -268,20 +177,22 @@ def read_gguf_raw(path: str | Path) -> tuple[ModelConfig, dict[str, RawTensor]]:
     """
     f = open_gguf(path)
     cfg = gguf_config(f)
-    permute = GGUF_ARCHITECTURES[f.get("general.architecture")][1]
+    arch = f.get("general.architecture")
     out: dict[str, RawTensor] = {}
     for name, t in f.tensors.items():
-        hf = _hf_name(name)
+        if name == ROPE_FREQS:
+            continue
+        hf = hf_name(arch, name)
         if hf is None:
-            raise ValueError(f"{f.path}: unexpected tensor {name!r} for architecture {cfg.model_type}")
-        out[hf] = _raw(f, t, cfg, permute)
-    return cfg, out
+            raise ValueError(f"{f.path}: unexpected tensor {name!r} for architecture {arch}")
+        out[hf] = _raw(f, t, cfg, GGUF_ARCHITECTURES[arch].permuted_qk)
+    return cfg, split_fused(cfg, out)
 
 
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and the HF state dict of a GGUF checkpoint, every tensor dequantized to ``dtype``."""
     cfg, raw = read_gguf_raw(path)
-    return cfg, {name: r.dequantize(dtype) for name, r in raw.items()}
+    return cfg, {name: r.dequantize(weight_dtype(cfg, name, dtype)) for name, r in raw.items()}
 
 
 def gguf_path_or_none(model: str | Path) -> Path | None:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain torch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3 once its fused matrices are split) in plain torch.
 
 Parameter names match HF transformers, so HF checkpoints load as they are and our own checkpoints load in HF.
 Two forward paths share every weight:
@@ -159,6 +159,8 @@ class LlamaForCausalLM(nn.Module):
     The KV cache of one model is a single tensor ``[layers, 2, B, S, Hkv, D]`` (see ``spec_engine.kv_cache``).
     """
 
+    capturable = True  # the forward runs on the device alone: CUDA graphs may capture it (``Target.capturable``)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -277,8 +279,15 @@ class LlamaForCausalLM(nn.Module):
         self._build_native()
         return self
 
-    def _rope_from_freqs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq.float()  # [..., D/2]
+    def reset_rope(self) -> None:
+        """The RoPE inverse frequencies from the config (buffers are not in a checkpoint: a model built on meta and
+        then loaded needs them made)."""
+        self.inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)
+
+    def _rope_from_freqs(self, positions: torch.Tensor, dtype: torch.dtype,
+                         inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq  # [D/2]
+        freqs = positions.float()[..., None] * inv_freq.float()  # [..., D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [..., D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -11,7 +11,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from spec_engine.models.config import ModelConfig, rope_inv_freq
+from spec_engine.models.config import ModelConfig
+from spec_engine.models.families import hf_state, model_class, weight_dtype
 from spec_engine.models.llama import LlamaForCausalLM
 
 
@@ -65,7 +66,7 @@ def load_model(
             state.update(load_file(str(path)))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"corrupt weight file {path}: {e}") from e
-    return build_model(cfg, state, dtype=dtype, device=device, source=model_dir)
+    return build_model(cfg, hf_state(cfg, state), dtype=dtype, device=device, source=model_dir)
 
 
 def load_gguf_quantized(path: Path, *, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
@@ -84,12 +85,12 @@ def load_gguf_quantized(path: Path, *, dtype: torch.dtype, device: str) -> Llama
             f"{str(dtype).removeprefix('torch.')} for {device}",
             stacklevel=3,
         )
-        return build_model(cfg, {n: r.dequantize(dtype) for n, r in raw.items()}, dtype=dtype, device=device,
-                           source=path)  # fmt: skip
+        return build_model(cfg, {n: r.dequantize(weight_dtype(cfg, n, dtype)) for n, r in raw.items()}, dtype=dtype,
+                           device=device, source=path)  # fmt: skip
     blocks = {n: QuantizedWeight(r.data, r.type_name, r.shape) for n, r in raw.items() if r.quantized}
     nan = torch.full((), float("nan"), dtype=dtype)
-    state = {n: nan.expand(r.shape) if n in blocks and n != "model.embed_tokens.weight" else r.dequantize(dtype)
-             for n, r in raw.items()}  # fmt: skip
+    state = {n: nan.expand(r.shape) if n in blocks and n != "model.embed_tokens.weight"
+             else r.dequantize(weight_dtype(cfg, n, dtype)) for n, r in raw.items()}  # fmt: skip
     model = build_model(cfg, state, dtype=dtype, device=device, source=path)
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in blocks:
         blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
@@ -103,7 +104,7 @@ def build_model(
     """The model of ``cfg`` holding the HF-named weights of ``state`` (in ``dtype``), checking every name and shape;
     ``source`` names the checkpoint in errors."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = dict(model.state_dict())
@@ -123,17 +124,20 @@ def build_model(
             raise ValueError(
                 f"weight {name}: checkpoint shape {tuple(state[name].shape)} != expected {tuple(tensor.shape)}"
             )
-    model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=False, assign=True)
+    model.load_state_dict({k: state[k].to(weight_dtype(cfg, k, dtype)) for k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)  # built on meta above; buffers are not in the file
+    model.reset_rope()  # built on meta above; buffers are not in the file
     return model.to(device).eval().requires_grad_(False)
 
 
 def save_model(
     model: LlamaForCausalLM, config: dict, out_dir: str | Path, *, dtype: torch.dtype = torch.float16
 ) -> None:
-    """Write an HF-format directory: config.json, model.safetensors (in ``dtype``) and generation_config.json."""
+    """Write an HF-format directory: config.json, model.safetensors (in ``dtype``) and generation_config.json.
+    ValueError for a Gemma model, whose norms hold ``1 + w`` where HF's hold ``w`` (spec_engine.models.gemma)."""
+    if model.config.is_gemma:
+        raise ValueError("save_model writes HF's layout; a Gemma model holds its norms folded (1 + w): not saved")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}

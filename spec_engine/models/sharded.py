@@ -45,6 +45,10 @@ class ShardPlan:
         return self.kv_heads[1] - self.kv_heads[0]
 
 
+# the families whose HF checkpoints this reads slices of by name (the Llama layer, q/k/v and gate/up apart)
+SHARDED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def shard_plan(cfg: ModelConfig, world: int, rank: int) -> ShardPlan:
     """Megatron's split of ``cfg`` over ``world`` ranks. KV heads are split when there are at least ``world`` of
     them and replicated otherwise (each rank keeps the one its query heads read).
@@ -52,6 +56,9 @@ def shard_plan(cfg: ModelConfig, world: int, rank: int) -> ShardPlan:
     Raises ValueError when the heads or the MLP width do not divide."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {world!r}")
+    if world > 1 and cfg.model_type not in SHARDED_FAMILIES:
+        raise ValueError(f"tensor_parallel_size > 1 runs {', '.join(SHARDED_FAMILIES)} (separate q/k/v and gate/up "
+                         f"matrices, Llama's layer); not model_type {cfg.model_type!r}")  # fmt: skip
     Hq, Hkv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     if Hq % world:
         raise ValueError(

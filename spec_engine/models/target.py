@@ -20,6 +20,8 @@ class Target(Protocol):
     # the native step ops' handle, built by ``fuse`` (None: every step is a regular one, e.g. under tensor
     # parallelism or off the CPU)
     native: NativeModel | None
+    # its forward runs on the device alone, so CUDA graphs may capture it (spec_engine/cuda_graphs.py)
+    capturable: bool
 
     def fuse(self, max_positions: int | None = None) -> Target:
         """Prepare the lean inference path (fused matrices, a RoPE table for positions below ``max_positions``)."""

@@ -10,7 +10,8 @@ Glossary:
 
 Three implementations sit behind one public function (dispatch happens once, in ``tree_attention``), one module
 per backend:
-- ``"native"`` (CPU, ``cpu.py``): one ``F.scaled_dot_product_attention`` call over a boolean mask built once per call.
+- ``"native"`` (CPU, ``cpu.py``): one ``F.scaled_dot_product_attention`` call over a boolean mask built once per call
+  (float32; 16-bit inputs and soft-capping take matmul, softmax, matmul, 16-bit ones reduced in float64).
 - ``"triton"`` (``triton.py``): a flash-attention kernel, registered as ``spec_kernels::tree_attention_triton``.
 - ``"torch"``: ``tree_attention_ref`` (spec_kernels/tree_attention/ref.py), the readable spec.
 This module holds the public op, its input checks and the dispatch.
@@ -122,6 +123,13 @@ def _check_inputs(
                 raise ValueError(f"{ids_ok}: {lo} .. {hi}")
 
 
+def _check_variant(softcap: float | None, window: int | None) -> None:
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"tree_attention: softcap must be None or a positive number, got {softcap!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"tree_attention: window must be None or a positive int, got {window!r}")
+
+
 # --- public op --------------------------------------------------------------------------------------------------
 
 
@@ -134,6 +142,8 @@ def tree_attention(
     *,
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
     backend: str | None = None,
     plan: TreeAttentionPlan | DevicePlan | None = None,
 ) -> torch.Tensor:
@@ -154,6 +164,11 @@ def tree_attention(
     block_table : int32, or None for a contiguous cache. Logical position p of sequence b lives in block
         ``block_table[b, p // block_size]`` at offset ``p % block_size``.
     softmax_scale : defaults to ``D ** -0.5``.
+    softcap : None, or a positive cap: scaled scores become ``softcap * tanh(score / softcap)`` before the softmax
+        (Gemma 2's attention-logit soft-capping).
+    window : None, or a positive number of positions (sliding-window attention, HF's ``sliding_window``): a node
+        at logical position ``p = L_b + depth`` (depth: the nodes its mask row allows, less one) sees only positions
+        ``> p - window``, prefix and ancestors alike (an ancestor at ``L_b`` plus its depth).
     backend : None (Triton on CUDA and meta tensors, native SDPA path on CPU), "torch" (the reference), "triton",
         "native". On CUDA the call never syncs with the host (see ``_check_inputs`` for the one value check); on meta
         tensors it takes the same path and the custom op returns a fake output.
@@ -169,11 +184,13 @@ def tree_attention(
     kind = {"native": TreeAttentionPlan, "triton": DevicePlan}.get(backend)
     planned = plan is not None and kind is not None  # the plan made the length check: no second one
     _check_inputs(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, check_lengths=not planned)
+    _check_variant(softcap, window)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if backend == "torch":
         return tree_attention_ref(
-            q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, softmax_scale=scale
-        )
+            q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, softmax_scale=scale,
+            softcap=softcap, window=window,
+        )  # fmt: skip
     if backend == "native" and q.device.type != "cpu":
         raise RuntimeError(f"tree_attention: backend='native' is the CPU path; got {q.device.type} tensors")
     group = q.shape[2] // k_cache.shape[2]
@@ -187,10 +204,10 @@ def tree_attention(
             f"this call takes the {backend} path"
         )
     if backend == "native":
-        return _native_tree_attention(q, k_cache, v_cache, plan, scale)
+        return _native_tree_attention(q, k_cache, v_cache, plan, scale, softcap, window)
     return _tree_attention_triton(
         q, k_cache, v_cache, plan.cache_seqlens, plan.tree_keys, plan.tree_lens, plan.tile_shared, plan.tile_lens,
-        plan.block_table, scale, 0,
+        plan.block_table, scale, 0, softcap or 0.0, window or 0,
     )  # fmt: skip
 
 

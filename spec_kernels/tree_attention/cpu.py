@@ -1,5 +1,5 @@
-"""tree_attention's native CPU path: torch SDPA over the prefix and each node's ancestors, planned once per
-forward (``TreeAttentionPlan``) and shared by its layers' calls."""
+"""tree_attention's native CPU path: torch SDPA (float32; 16-bit inputs reduce in float64) over the prefix and each
+node's ancestors, planned once per forward (``TreeAttentionPlan``) and shared by its layers' calls."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ class _SdpaCall:
 
     Shapes: key_rows ``[n, num_keys]`` int64 rows of the cache flattened to ``[rows, Hkv, D]`` (None: the
     contiguous cache's own view ``cache[seqs, :num_keys]``); row_mask ``[n, 1, T*group, num_keys]`` bool (None:
-    every row sees every key); sees_nothing ``[n, T]`` bool (None: no row is empty).
+    every row sees every key); sees_nothing ``[n, T]`` bool (None: no row is empty); distance ``[n, T, num_keys]``
+    int64: each node's logical position less each key's (a tree key at ``L_b`` plus its depth), for a window.
     """
 
     seqs: slice
@@ -25,6 +26,7 @@ class _SdpaCall:
     key_rows: torch.Tensor | None
     row_mask: torch.Tensor | None
     sees_nothing: torch.Tensor | None
+    distance: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,16 @@ def _key_rows(
     return block_table[seqs].long().gather(1, pos // rows_per_block) * rows_per_block + pos % rows_per_block
 
 
+def _distance(cache_seqlens: torch.Tensor, tree_mask: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[B, T, num_keys]``: node t's logical position (``L_b`` plus its depth) less key k's (k below ``L_b``: k;
+    tree slot ``L_b + j``: ``L_b`` plus node j's depth; slots past the tree are masked anyway)."""
+    T = tree_mask.shape[1]
+    depth = tree_mask.sum(dim=-1) - 1  # [B, T]
+    rel = torch.arange(num_keys, device=tree_mask.device) - cache_seqlens.long()[:, None]  # [B, num_keys]
+    key_depth = torch.gather(depth, 1, rel.clamp(0, max(T - 1, 0)))  # [B, num_keys]
+    return depth[:, :, None] - torch.where(rel < 0, rel, key_depth)[:, None, :]
+
+
 def _plan_call(cache_shape, block_table, seqs, cache_seqlens, tree_mask, group, num_keys, equal) -> _SdpaCall:
     lengths, mask = cache_seqlens[seqs], tree_mask[seqs]
     allowed = _attention_mask(lengths, mask, num_keys)  # [n, T, num_keys]
@@ -84,6 +96,7 @@ def _plan_call(cache_shape, block_table, seqs, cache_seqlens, tree_mask, group, 
         key_rows=None if view else _key_rows(cache_shape, block_table, seqs, cache_seqlens, mask.shape[1], num_keys),
         row_mask=None if bool(allowed.all()) else allowed.repeat_interleave(group, dim=1)[:, None],
         sees_nothing=None if bool(sees.all()) else ~sees,
+        distance=_distance(lengths, mask, num_keys),
     )
 
 
@@ -118,9 +131,11 @@ def _native_plan(
     return TreeAttentionPlan(B, T, group, shape, block_table is not None, calls)
 
 
-def _sdpa_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, call: _SdpaCall, scale: float):
+def _sdpa_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, call: _SdpaCall, scale: float,
+               softcap: float | None = None, window: int | None = None):  # fmt: skip
     """q ``[n, T, Hq, D]`` -> ``[n, T, Hq, D]``. GQA folds each group into the query rows (``[n, Hkv, T*group,
-    D]``), so K/V are never repeated."""
+    D]``), so K/V are never repeated. A window narrows the plan's mask. float32 takes SDPA, unless a softcap (which
+    SDPA lacks): then, and for 16-bit inputs, matmul, softcap, masked softmax and matmul."""
     n, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     group = Hq // Hkv
@@ -131,9 +146,25 @@ def _sdpa_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ca
         rows = call.key_rows.flatten()
         k, v = (c.flatten(0, 1).index_select(0, rows).view(n, call.num_keys, Hkv, D) for c in (k_cache, v_cache))
     rows_q = q.reshape(n, T, Hkv, group, D).permute(0, 2, 1, 3, 4).reshape(n, Hkv, T * group, D)
-    out = F.scaled_dot_product_attention(
-        rows_q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=call.row_mask, scale=scale
-    )  # [n, Hkv, T*group, D]
+    mask = call.row_mask
+    if window is not None:
+        near = (call.distance < window).repeat_interleave(group, dim=1)[:, None]  # [n, 1, T*group, num_keys]
+        mask = near if mask is None else mask & near
+    if softcap is None and q.dtype == torch.float32:
+        out = F.scaled_dot_product_attention(
+            rows_q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+        )  # [n, Hkv, T*group, D]
+    else:
+        # 16-bit inputs reduce in float64: their products are exact there and the sums round back to q's dtype alike
+        # whatever order the BLAS picks for a call's T rows, so a tree node's output is a lone token's (SDPA's 16-bit
+        # kernels' were not: greedy speculation parted from plain decoding, DESIGN's batch invariance)
+        acc = torch.float32 if q.dtype == torch.float32 else torch.float64
+        scores = rows_q.to(acc) @ k.to(acc).permute(0, 2, 3, 1) * scale  # [n, Hkv, T*group, num_keys]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = (torch.softmax(scores, dim=-1) @ v.to(acc).transpose(1, 2)).to(q.dtype)  # [n, Hkv, T*group, D]
     out = out.view(n, Hkv, T, group, D).permute(0, 2, 1, 3, 4).reshape(n, T, Hq, D)
     if call.sees_nothing is not None:
         out = out.masked_fill(call.sees_nothing[:, :, None, None], 0.0)
@@ -141,10 +172,12 @@ def _sdpa_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ca
 
 
 def _native_tree_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TreeAttentionPlan, scale: float
-) -> torch.Tensor:
-    """CPU path: torch SDPA (fp32 accumulation for fp16/bf16, so no upcast) over keys ``0 .. L_b+T-1``, as the
-    plan lays the calls out. Row folding with a bool mask beat ``enable_gqa=True`` and matmul-softmax-matmul at B=8
-    L=512 T=8 (bench/RESULTS-log.md, "Figures moved out of code comments (2026-11-25)")."""
-    outs = [_sdpa_call(q[call.seqs], k_cache, v_cache, call, scale) for call in plan.calls]
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TreeAttentionPlan, scale: float,
+    softcap: float | None = None, window: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """CPU path: torch SDPA over keys ``0 .. L_b+T-1`` in float32 (matmul, softmax, matmul reduced in float64 for
+    16-bit inputs, or with a softcap: ``_sdpa_call``), as the plan lays the calls out. Row folding with a bool mask
+    beat ``enable_gqa=True`` and matmul-softmax-matmul at B=8 L=512 T=8 in float32 (bench/RESULTS-log.md, "Figures
+    moved out of code comments (2026-11-25)")."""
+    outs = [_sdpa_call(q[call.seqs], k_cache, v_cache, call, scale, softcap, window) for call in plan.calls]
     return outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, T, Hq, D]

@@ -28,12 +28,17 @@ def tree_attention_ref(
     *,
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Every tree node attends to the whole committed prefix plus the tree nodes its mask allows.
 
     Softmax runs in float32 (float64 inputs stay float64, which makes this the tests' exact reference). A row that
-    sees nothing (L_b = 0 and an all-False mask row) outputs zeros rather than NaN.
+    sees nothing (L_b = 0 and an all-False mask row) outputs zeros rather than NaN. ``softcap``: scores become
+    ``softcap * tanh(scores / softcap)`` (after the scale). ``window``: a node at logical position p (``L_b`` plus
+    its depth, the ancestors it sees less one) sees only positions ``> p - window``, a tree node at ``L_b`` plus its
+    own depth.
     """
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -46,8 +51,14 @@ def tree_attention_ref(
         k = _gather_kv(k_cache, b, L + T, block_table).to(compute_dtype).repeat_interleave(group, dim=1)
         v = _gather_kv(v_cache, b, L + T, block_table).to(compute_dtype).repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,shd->hts", q[b].to(compute_dtype), k) * scale  # [Hq, T, L+T]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         prefix = torch.ones(T, L, dtype=torch.bool, device=q.device)
         allowed = torch.cat([prefix, tree_mask[b]], dim=1)  # [T, L+T]
+        if window is not None:
+            depth = tree_mask[b].sum(dim=-1) - 1  # [T]
+            key_pos = torch.cat([torch.arange(L, device=q.device), L + depth])  # [L+T]
+            allowed = allowed & (L + depth[:, None] - key_pos[None, :] < window)
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
         out[b] = torch.einsum("hts,shd->thd", probs, v).to(q.dtype)  # [T, Hq, D]

@@ -47,9 +47,11 @@ if triton_available():
         key_ok,
         allowed,
         qk_scale,
+        softcap,
         D,
         UPCAST_DOT: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
     ):
         """One online-softmax step over a K/V tile of keys ``key_ok`` [BLOCK_N]; scores outside ``allowed``
         [BLOCK_M, BLOCK_N] are dropped. (Narrowing the loads to keys some row may see took a reduction across rows
@@ -61,6 +63,8 @@ if triton_available():
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if HAS_SOFTCAP:  # qk_scale is the plain scale here: cap, then log2 units (tanh(x) = 2 sigmoid(2x) - 1)
+            qk = softcap * (2.0 * tl.sigmoid(2.0 * qk / softcap) - 1.0) * 1.4426950408889634
         qk = tl.where(allowed, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -105,6 +109,8 @@ if triton_available():
         block_size,
         split_len,
         qk_scale,
+        softcap,
+        window,
         GROUP: tl.constexpr,
         NODES_PER_TILE: tl.constexpr,
         ROW_BLOCKS: tl.constexpr,
@@ -115,6 +121,8 @@ if triton_available():
         IS_SPLIT: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
     ):
         # grid: (tiles * ROW_BLOCKS, B * Hkv, splits). A tile's rows are (tree node, query head of this KV head)
         # pairs: NODES_PER_TILE consecutive nodes of GROUP rows each (or, for a group wider than BLOCK_M, one node in
@@ -192,9 +200,11 @@ if triton_available():
             )  # fmt: skip
             walking = row_ok & (shared | (node == walker) | (i < num_prefix))
             allowed = walking[:, None] & key_ok[None, :] & (pos[None, :] < row_len[:, None])
+            if HAS_WINDOW:  # a row's query sits at row_len - 1 of its own sequence
+                allowed = allowed & (pos[None, :] >= row_len[:, None] - window)
             m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, key_ok, allowed, qk_scale, D, UPCAST_DOT,
-                INPUT_PRECISION,
+                q, m_i, l_i, acc, k_ptr, v_ptr, k_offs, v_offs, offs_d, key_ok, allowed, qk_scale, softcap, D,
+                UPCAST_DOT, INPUT_PRECISION, HAS_SOFTCAP,
             )  # fmt: skip
 
         # A row that saw nothing (empty split, or L_b = 0 with an all-False mask row) has l_i = 0: write zeros.
@@ -377,8 +387,11 @@ def _launch_tree_attention(
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
-    """cache_seqlens ``[B]``, tree_keys ``[B, T, T]``, tree_lens ``[B, T]``, tile_shared / tile_lens ``[B, tiles]`` and
+    """``softcap`` and ``window`` as ``tree_attention``'s, 0 for none. cache_seqlens ``[B]``, tree_keys ``[B, T, T]``,
+    tree_lens ``[B, T]``, tile_shared / tile_lens ``[B, tiles]`` and
     block_table ``[B, max_blocks]`` (or None), all int32, as a ``DevicePlan`` holds them."""
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -421,13 +434,14 @@ def _launch_tree_attention(
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         block_table.stride(0),
         T, num_tiles, D, Hkv, k_cache.shape[1], split_len,
-        softmax_scale * math.log2(math.e),
+        softmax_scale if softcap else softmax_scale * math.log2(math.e), softcap, window,
         GROUP=group, NODES_PER_TILE=npt, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_BLOCK_TABLE=has_block_table, IS_SPLIT=is_split,
         # bf16 tl.dot multiplies raw bit patterns under the Triton 3.9 interpreter (triton-lang/triton#11584).
         UPCAST_DOT=triton_interpret() and q.dtype == torch.bfloat16,
         # fp32 inputs get a true fp32 dot: TF32 would be ~1e-3 off, worse than torch's fp32 attention.
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SOFTCAP=softcap > 0, HAS_WINDOW=window > 0,
         num_warps=num_warps,
     )  # fmt: skip
     if is_split:
@@ -451,16 +465,18 @@ def _tree_attention_triton(
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """The Triton path as a custom op, on a ``DevicePlan``'s tensors; ``num_splits <= 0`` lets the launcher choose
-    (splits of SPLIT_LEN positions)."""
+    (splits of SPLIT_LEN positions); ``softcap`` and ``window`` 0 for none."""
     return _launch_tree_attention(
         q, k_cache, v_cache, cache_seqlens, tree_keys, tree_lens, tile_shared, tile_lens, block_table, softmax_scale,
-        num_splits,
+        num_splits, softcap, window,
     )  # fmt: skip
 
 
 @_tree_attention_triton.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, tree_keys, tree_lens, tile_shared, tile_lens, block_table, softmax_scale,
-      num_splits):  # fmt: skip
+      num_splits, softcap=0.0, window=0):  # fmt: skip
     return torch.empty_like(q, memory_format=torch.contiguous_format)
