@@ -393,17 +393,19 @@ SPM_CHAT = (
 )
 
 
-def test_spm_gguf_runs_through_llm_chat_and_the_cli(tmp_path, capsys):
-    meta = spm_metadata()
-    hf = make_model(tmp_path / "hf", "llama_gqa", vocab_size=len(meta["tokens"]))
-    path = write_gguf(tmp_path / "m.gguf", hf, tokenizer=meta, chat_template=SPM_CHAT)
+@pytest.mark.parametrize("family, arch", [("llama_gqa", "llama"), ("gemma2", "gemma2")])
+def test_spm_gguf_runs_through_llm_chat_and_the_cli(tmp_path, capsys, family, arch):
+    """Llama 2's shape of vocabulary in a Llama file, Gemma's (no space prefix) in a Gemma 2 file."""
+    meta = spm_metadata(gemma=arch == "gemma2")
+    hf = make_model(tmp_path / "hf", family, vocab_size=len(meta["tokens"]))
+    path = write_gguf(tmp_path / "m.gguf", hf, arch=arch, tokenizer=meta, chat_template=SPM_CHAT)
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
     out = llm.generate(["hello world"], greedy, use_tqdm=False)[0]
     assert out.prompt_token_ids == gguf_tokenizer(path).encode("hello world").ids
     assert out.prompt_token_ids[0] == meta["bos"] and len(out.outputs[0].token_ids) == 5
     chat = llm.chat([{"role": "user", "content": "hello server"}], greedy, use_tqdm=False)[0]
-    assert chat.prompt == "<s><|user|>\nhello server<|end|>\n<|assistant|>\n"
+    assert chat.prompt == meta["tokens"][meta["bos"]] + "<|user|>\nhello server<|end|>\n<|assistant|>\n"
     assert chat.prompt_token_ids[:2] == [meta["bos"], meta["tokens"].index("<|user|>")]
     assert chat.prompt_token_ids.count(meta["bos"]) == 1  # the template's; encoding adds no other
     assert len(chat.outputs[0].token_ids) == 5
