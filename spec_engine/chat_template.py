@@ -149,7 +149,8 @@ def _parsed_tool_calls(messages: list[dict]) -> list[dict]:
 def _model_templates(model: Path) -> tuple[dict[str, str], dict[str, str]]:
     """({name: template source}, special token texts) of an HF directory or a GGUF file: its named templates, or its
     one template as "default"; {} where it has none."""
-    from spec_engine.models.gguf import gguf_chat_template, gguf_path_or_none, gguf_special_tokens
+    from spec_engine.models.gguf import gguf_path_or_none
+    from spec_engine.models.gguf_tokenizer import gguf_chat_template, gguf_special_tokens
 
     if gguf_path_or_none(model) is not None:
         source = gguf_chat_template(model)

@@ -65,7 +65,7 @@ def load_tokenizer(model: str | Path):
     metadata); None when the model has none."""
     from tokenizers import Tokenizer
 
-    from spec_engine.models.gguf import gguf_tokenizer
+    from spec_engine.models.gguf_tokenizer import gguf_tokenizer
 
     if gguf_path_or_none(model) is not None:
         return gguf_tokenizer(model)

@@ -101,7 +101,7 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
                chat_template: str | None = None, type_of: dict | None = None) -> Path:  # fmt: skip
     """The HF checkpoint in ``hf_dir`` as a GGUF file; 2-D weights in ``qtype`` (``type_of``: per HF name overrides).
 
-    ``tokenizer``: ``{"tokens", "types", "merges", "pre", "bos", "eos", "add_bos"}`` metadata (see ``gguf_tokenizer``).
+    ``tokenizer``: the metadata ``add_tokenizer`` writes.
     """
     cfg = json.loads((hf_dir / "config.json").read_text())
     state = load_file(str(hf_dir / "model.safetensors"))
@@ -133,15 +133,7 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
         w.add_sliding_window(cfg.get("sliding_window") or 0)  # (0: none)
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer is not None:
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(tokenizer.get("pre", "gpt-2"))
-        w.add_token_list(tokenizer["tokens"])
-        w.add_token_types(tokenizer["types"])
-        w.add_token_merges(tokenizer["merges"])
-        for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id)):
-            if tokenizer.get(key) is not None:
-                add(tokenizer[key])
-        w.add_add_bos_token(tokenizer.get("add_bos", False))
+        add_tokenizer(w, tokenizer)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -161,6 +153,26 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str = "F32", *, arch: str = "lla
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def add_tokenizer(w: gguf.GGUFWriter, tokenizer: dict) -> None:
+    """``tokenizer.ggml.*`` metadata, as llama.cpp's converter writes it. ``tokenizer``: ``{"tokens", "types", "bos",
+    "eos", "add_bos"}`` and, for byte-level BPE (``"model"`` absent or ``"gpt2"``), ``{"merges", "pre"}``; for
+    SentencePiece (``"model": "llama"``), ``{"scores", "unk", "add_space_prefix"}`` (absent or None: no key)."""
+    model = tokenizer.get("model", "gpt2")
+    w.add_tokenizer_model(model)
+    w.add_token_list(tokenizer["tokens"])
+    w.add_token_types(tokenizer["types"])
+    if model == "gpt2":
+        w.add_tokenizer_pre(tokenizer.get("pre", "gpt-2"))
+        w.add_token_merges(tokenizer["merges"])
+    else:
+        w.add_token_scores(tokenizer["scores"])
+    for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unk", w.add_unk_token_id),
+                     ("add_space_prefix", w.add_add_space_prefix)):  # fmt: skip
+        if tokenizer.get(key) is not None:
+            add(tokenizer[key])
+    w.add_add_bos_token(tokenizer.get("add_bos", False))
 
 
 def tokenizer_metadata(tok, specials: list[str], pre: str = "gpt-2") -> dict:
@@ -192,3 +204,47 @@ def chatml_tokenizer(specials: list[str], digits_apart: bool = True, vocab_size:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tok.train_from_iterator(corpus * 4, trainer)
     return tok
+
+
+# SentencePiece's "▁" (a space in a token's text) and llama.cpp's token types
+SPACE = "\u2581"
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPM_CONTROL = ["<|user|>", "<|assistant|>", "<|end|>"]
+SPM_USER_DEFINED = ["<tool>", "[[", "]]"]
+SPM_CORPUS = [
+    "the quick brown fox jumps over the lazy dog. ",
+    "hello world, hello server, hello client. the theme of these three is there. ",
+    "speculative decoding drafts tokens and the target verifies them in one pass. ",
+    "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2) ",
+    "numbers 12345 and 2024, x = 3.14; naive cafe deja vu, Ελληνικά. ",
+]
+
+
+def spm_metadata(gemma: bool = False, vocab_size: int = 240) -> dict:
+    """A SentencePiece vocabulary as llama.cpp's converter writes Llama 2's, or Gemma's (``gemma``: its first five
+    tokens, no space prefix), for ``add_tokenizer``: the unknown and control tokens, ``SPM_CONTROL``, the 256 byte
+    tokens ``<0x00>``..``<0xFF>``, then pieces best-scored first: the pieces a BPE trained here (on "▁"-prefixed
+    words, as SentencePiece's BPE) made, scored -1, -2, ... in the order it made them, then its single characters
+    below those; last ``SPM_USER_DEFINED`` and an unused token. No character of "\n", CJK or emoji is a piece: they
+    encode as bytes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="always", split=True)
+    tok.train_from_iterator(SPM_CORPUS * 4, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    made = list(dict.fromkeys(left + right for left, right in model["merges"]))
+    chars = sorted((t for t in model["vocab"] if len(t) == 1), key=model["vocab"].get)
+    first = {"<pad>": CONTROL, "<eos>": CONTROL, "<bos>": CONTROL, "<unk>": UNKNOWN, "<mask>": CONTROL} if gemma else {
+        "<unk>": UNKNOWN, "<s>": CONTROL, "</s>": CONTROL}  # fmt: skip
+    tokens = [*first, *SPM_CONTROL, *(f"<0x{b:02X}>" for b in range(256))]
+    types = [*first.values(), *[CONTROL] * len(SPM_CONTROL), *[BYTE] * 256]
+    scores = [0.0] * len(tokens)
+    for rank, piece in enumerate(made + chars):
+        tokens.append(piece), types.append(NORMAL), scores.append(-1.0 - rank)
+    for piece, ty in [*((p, USER_DEFINED) for p in SPM_USER_DEFINED), ("<unused0>", UNUSED)]:
+        tokens.append(piece), types.append(ty), scores.append(-1000.0)  # (the converter's score for both)
+    ends = ["<bos>", "<eos>", "<unk>"] if gemma else ["<s>", "</s>", "<unk>"]
+    ids = {name: tokens.index(text) for name, text in zip(["bos", "eos", "unk"], ends)}
+    return {"model": "llama", "tokens": tokens, "types": types, "scores": scores, **ids, "add_bos": True,
+            "add_space_prefix": False if gemma else None}  # fmt: skip

@@ -24,10 +24,10 @@ from spec_engine.models.gguf import (
     GGUF_ARCHITECTURES,
     SUPPORTED_TYPES,
     gguf_config,
-    gguf_tokenizer,
     open_gguf,
     read_gguf_raw,
 )
+from spec_engine.models.gguf_tokenizer import gguf_tokenizer
 from spec_engine.models.loader import build_model
 from spec_kernels.types import QUANT_FORMATS, QuantizedWeight, dequantize_ref
 

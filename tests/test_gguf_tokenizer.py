@@ -1,21 +1,35 @@
 """``gguf_tokenizer`` against references: transformers' own reading of SmolLM2's GGUF file (encode and decode of tricky
 and random text, decode of arbitrary ids), and tokenizer.json files shaped as a model's own for the pre-tokenizers
-llama.cpp names (their defaults where a key is missing are llama.cpp's). Real-model tests are skipped with one line
-when ``pull("smollm2")`` does not work."""
+llama.cpp names (their defaults where a key is missing are llama.cpp's). SentencePiece files (written here, with a
+vocabulary trained here) against transformers' reading of them, and Llama 2's vocabulary against llama.cpp's own test
+vectors where ``$LLAMA_CPP_DIR`` has them. Real-model tests are skipped with one line when ``pull("smollm2")`` does
+not work."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 from pathlib import Path
 
 import gguf
 import pytest
-from gguf_files import chatml_tokenizer, tokenizer_metadata
+from gguf_files import (
+    SPM_CONTROL,
+    SPM_USER_DEFINED,
+    add_tokenizer,
+    chatml_tokenizer,
+    spm_metadata,
+    tokenizer_metadata,
+    write_gguf,
+)
+from tiny_models import make_model
 from tokenizers import Tokenizer, pre_tokenizers
 
-from spec_engine.models.gguf import gguf_tokenizer
+from spec_engine import LLM, SamplingParams
+from spec_engine.cli import main
+from spec_engine.models.gguf_tokenizer import gguf_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TRICKY = [
@@ -223,10 +237,196 @@ def test_default_pre_tokenizer_is_llama_cpps_regex_list(tmp_path, caplog, pre):
     """A file whose pre-tokenizer is ``default``, or that has none, splits text by llama.cpp's default regex list, not
     by GPT-2's regex; the missing key is warned about, as llama.cpp warns."""
     meta = tokenizer_metadata(chatml_tokenizer(SPECIALS, digits_apart=False), SPECIALS)
-    with caplog.at_level(logging.WARNING, logger="spec_engine.models.gguf"):
+    with caplog.at_level(logging.WARNING, logger="spec_engine.models.gguf_tokenizer"):
         ours = gguf_tokenizer(_tokenizer_file(tmp_path / "t.gguf", {**meta, "pre": pre}))
     assert ("tokenizer.ggml.pre" in caplog.text) == (pre is None)
     assert _pieces(ours, DEFAULT_TEXT) == DEFAULT_PIECES
     gpt2 = gguf_tokenizer(_tokenizer_file(tmp_path / "gpt2.gguf", {**meta, "pre": "gpt-2"}))
     assert _pieces(gpt2, DEFAULT_TEXT) == GPT2_PIECES
     assert ours.decode(ours.encode(DEFAULT_TEXT).ids) == DEFAULT_TEXT
+
+
+# --- SentencePiece (tokenizer.ggml.model "llama"), against transformers' reading of the same file -----------------
+
+SPM_TEXTS = [
+    "hello world",
+    " hello",
+    "  hello  world  ",
+    "trailing   ",
+    "the theme\nof these\n\nthree\tis there\r\n",
+    "numbers 12345 and 2024, x = 3.14; 0",
+    "naïve café déjà vu Ελληνικά ελληνικά",
+    "<s>the</s> <unk>hello",
+    "<|user|>\nhello server<|end|>\n<|assistant|>\n",
+    "x<|end|>y <|user|>  <|end|>",
+    "<tool>fib(n)[[2]] ]] [[ <unused0>",
+    *TRICKY,
+]
+SPM_CORPUS_WORDS = ["hello", " hello", "the", " theme", " these", " three", "fib(n", "12345", " cafe", "ελληνικά"]
+SPM_PIECES = [*SPM_CONTROL, *SPM_USER_DEFINED, "<s>", "</s>", " the", "hello", " ", "  ", "\n", "12", "é", "🙂"]
+
+
+def _spm_file(path: Path, meta: dict, arch: str, name: str | None = None) -> Path:
+    """A GGUF file holding only ``meta``'s tokenizer metadata, under ``arch`` (which picks transformers' builder) and
+    ``general.name`` ``name`` (absent where None)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    if name is not None:
+        w.add_name(name)
+    add_tokenizer(w, meta)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma"])
+def spm_tokenizers(request, tmp_path_factory):
+    """(ours, transformers', the metadata) for a SentencePiece file as Llama 2's (a "▁" before the text) or as
+    Gemma's (``add_space_prefix`` false). transformers picks its builder by architecture: for "llama" it puts the "▁"
+    before the text with Metaspace(prepend_scheme="first"), which llama.cpp does not do (it puts one before text that
+    already starts with a space, and after every added token: test_spm_space_prefix_is_llama_cpps); its "phi3"
+    builder does as llama.cpp and as Llama 2's own tokenizer.json (Prepend + Replace), so the reference reads the
+    file as "phi3". Its Gemma builder ranks merges by token id, not score: this vocabulary scores in id order."""
+    gemma = request.param == "gemma"
+    meta = spm_metadata(gemma)
+    path = _spm_file(tmp_path_factory.mktemp("spm") / "t.gguf", meta, "gemma2" if gemma else "phi3")
+    from transformers import AutoTokenizer
+
+    return gguf_tokenizer(path), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), meta
+
+
+def _spm_random_texts(rng: random.Random, n: int) -> list[str]:
+    pick = [lambda: rng.choice(ALPHABET), lambda: rng.choice(SPM_PIECES), lambda: rng.choice(SPM_CORPUS_WORDS)]
+    return ["".join(rng.choice(pick)() for _ in range(rng.randint(1, 20))) for _ in range(n)]
+
+
+def _spm_cases(tok: Tokenizer) -> tuple[list[str], list[list[int]]]:
+    """Texts: ``SPM_TEXTS`` and random ones; id sequences: UTF-8 cut in byte tokens, specials among them, random."""
+    rng = random.Random(0)
+    byte = [tok.token_to_id(f"<0x{b:02X}>") for b in "中🙂é".encode()]
+    num_tokens = tok.get_vocab_size()
+    cut = [byte[:k] for k in range(1, len(byte) + 1)] + [byte[1:], byte[:2] + [tok.token_to_id("<|end|>")] + byte[2:]]
+    draw = [lambda: rng.randrange(num_tokens), lambda: rng.choice(byte), lambda: rng.randrange(6)]
+    ids = [[rng.choice(draw)() for _ in range(rng.randint(0, 12))] for _ in range(200)]
+    return SPM_TEXTS + _spm_random_texts(rng, 300), cut + ids
+
+
+def test_spm_matches_transformers(spm_tokenizers):
+    ours, ref, _ = spm_tokenizers
+    assert ours.get_vocab_size() == len(ref)
+    assert _mismatches(ours, ref, *_spm_cases(ours)) == []
+
+
+def test_spm_round_trips(spm_tokenizers):
+    """Text without added tokens decodes back to itself (bytes outside the vocabulary through byte tokens); BOS is
+    added and skipped."""
+    ours, _, meta = spm_tokenizers
+    texts, _ = _spm_cases(ours)
+    for text in texts:
+        if not any(t in text for t in [*SPM_CONTROL, *SPM_USER_DEFINED, "<s>", "</s>", "<unk>", "<bos>", "<eos>"]):
+            ids = ours.encode(text).ids
+            assert ids[0] == meta["bos"] and ours.decode(ids) == text, text
+    pieces = {ours.id_to_token(i) for i in ours.encode("🙂 🚀", add_special_tokens=False).ids}
+    assert {p for p in pieces if not p.startswith("<0x")} == {"▁"}
+
+
+def _rank_by_left_score(spec: dict, meta: dict) -> None:
+    score = dict(zip(meta["tokens"], meta["scores"]))
+    spec["model"]["merges"] = sorted(spec["model"]["merges"], key=lambda m: -score[m[0]])
+
+
+def _no_space_prefix(spec: dict, meta: dict) -> None:
+    spec["normalizer"]["normalizers"] = spec["normalizer"]["normalizers"][-1:]  # (Gemma's: Replace alone)
+    spec["decoder"]["decoders"] = spec["decoder"]["decoders"][:3]
+
+
+def _user_defined_not_added(spec: dict, meta: dict) -> None:
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in SPM_USER_DEFINED]
+
+
+@pytest.mark.parametrize("plant", [_rank_by_left_score, _no_space_prefix, _user_defined_not_added])
+def test_spm_comparison_catches_a_planted_bug(spm_tokenizers, plant):
+    ours, ref, meta = spm_tokenizers
+    if plant is _no_space_prefix and meta["add_space_prefix"] is False:
+        pytest.skip("Gemma's tokenizer has no space prefix to lose")
+    spec = json.loads(ours.to_str())
+    plant(spec, meta)
+    assert _mismatches(Tokenizer.from_str(json.dumps(spec)), ref, *_spm_cases(ours))
+
+
+@pytest.mark.parametrize("gemma, text, pieces", [
+    (False, "  hello", ["<s>", "▁", "▁", "▁hello"]),
+    (False, "<|user|>hello<|end|> hello", ["<s>", "<|user|>", "▁hello", "<|end|>", "▁", "▁hello"]),
+    (False, "<tool>hello", ["<s>", "<tool>", "▁hello"]),
+    (True, " hello<|end|>hello", ["<bos>", "▁hello", "<|end|>", "he", "llo"]),
+])  # fmt: skip
+def test_spm_space_prefix_is_llama_cpps(tmp_path, gemma, text, pieces):
+    """llama.cpp puts one "▁" before the text and after every added token (``is_prev_special``), however many
+    spaces the text starts with, unless ``add_space_prefix`` is false (these pieces are what llama.cpp's
+    ``llama_tokenize`` gives for this vocabulary)."""
+    tok = gguf_tokenizer(_spm_file(tmp_path / "t.gguf", spm_metadata(gemma), "llama"))
+    assert [tok.id_to_token(i) for i in tok.encode(text).ids] == pieces
+
+
+@pytest.mark.parametrize("name, pieces", [
+    ("Phi-3-mini-4k-instruct", ["<s>", "<|user|>", "▁hello", "<|end|>", "<|assistant|>", "<s>", "▁", "▁x"]),
+    ("TinyLlama", ["<s>", "<|user|>", "▁", "<0x0A>", "he", "llo", "<|end|>", "▁", "<0x0A>", "<|assistant|>", "▁",
+                   "<0x0A>", "<s>", "▁", "▁x"]),
+])  # fmt: skip
+def test_phi3_added_tokens_take_the_whitespace_after_them(tmp_path, name, pieces):
+    """llama.cpp (keyed on ``general.name``) and Phi-3's tokenizer.json strip the whitespace after an added token, but
+    after ``<s>``, ``<unk>`` and ``<|endoftext|>`` (these pieces are what llama.cpp's ``llama_tokenize`` gives)."""
+    tok = gguf_tokenizer(_spm_file(tmp_path / "t.gguf", spm_metadata(), "phi3", name))
+    assert [tok.id_to_token(i) for i in tok.encode("<|user|>\nhello<|end|>\n<|assistant|>\n<s> x").ids] == pieces
+
+
+def test_unsupported_tokenizer_model_is_named(tmp_path):
+    meta = {**spm_metadata(), "model": "t5"}
+    with pytest.raises(ValueError, match=r"tokenizer model 't5'.*'gpt2' \(byte-level BPE\).*'llama' \(SentencePiece\)"):
+        gguf_tokenizer(_spm_file(tmp_path / "t.gguf", meta, "t5"))
+
+
+# --- end to end: a tiny random-weight Llama whose GGUF file carries a SentencePiece tokenizer ----------------------
+
+# TinyLlama's chat shape, on this vocabulary's control tokens
+SPM_CHAT = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("family, arch", [("llama_gqa", "llama"), ("gemma2", "gemma2")])
+def test_spm_gguf_runs_through_llm_chat_and_the_cli(tmp_path, capsys, family, arch):
+    """Llama 2's shape of vocabulary in a Llama file, Gemma's (no space prefix) in a Gemma 2 file."""
+    meta = spm_metadata(gemma=arch == "gemma2")
+    hf = make_model(tmp_path / "hf", family, vocab_size=len(meta["tokens"]))
+    path = write_gguf(tmp_path / "m.gguf", hf, arch=arch, tokenizer=meta, chat_template=SPM_CHAT)
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
+    out = llm.generate(["hello world"], greedy, use_tqdm=False)[0]
+    assert out.prompt_token_ids == gguf_tokenizer(path).encode("hello world").ids
+    assert out.prompt_token_ids[0] == meta["bos"] and len(out.outputs[0].token_ids) == 5
+    chat = llm.chat([{"role": "user", "content": "hello server"}], greedy, use_tqdm=False)[0]
+    assert chat.prompt == meta["tokens"][meta["bos"]] + "<|user|>\nhello server<|end|>\n<|assistant|>\n"
+    assert chat.prompt_token_ids[:2] == [meta["bos"], meta["tokens"].index("<|user|>")]
+    assert chat.prompt_token_ids.count(meta["bos"]) == 1  # the template's; encoding adds no other
+    assert len(chat.outputs[0].token_ids) == 5
+    for flag, text in (("--prompt", "hello world"), ("--chat", "hello server")):
+        argv = ["generate", "--model", str(path), flag, text, "--max-tokens", "4", "--dtype", "float32"]
+        assert main(argv) == 0
+        assert "\n[specdec] " in capsys.readouterr().out
+
+
+# --- Llama 2's vocabulary (32000 tokens) against llama.cpp's own test vectors --------------------------------------
+
+
+def test_llama2_vocabulary_matches_llama_cpps_test_vectors():
+    """llama.cpp's tests/test-tokenizer-0 inputs and ids for ``models/ggml-vocab-llama-spm.gguf`` (Llama 2's
+    vocabulary, tokenized without BOS), read from ``$LLAMA_CPP_DIR`` (a llama.cpp checkout); skipped without one."""
+    root = Path(os.environ.get("LLAMA_CPP_DIR", "")) / "models"
+    path = root / "ggml-vocab-llama-spm.gguf"
+    if not os.environ.get("LLAMA_CPP_DIR") or not path.is_file():
+        pytest.skip("no $LLAMA_CPP_DIR/models/ggml-vocab-llama-spm.gguf (set LLAMA_CPP_DIR to a llama.cpp checkout)")
+    texts = path.with_suffix(".gguf.inp").read_text().split("\n__ggml_vocab_test__\n")[:-1]
+    ids = [[int(i) for i in line.split()] for line in path.with_suffix(".gguf.out").read_text().splitlines()]
+    assert len(texts) == len(ids) > 40
+    tok = gguf_tokenizer(path)
+    assert [tok.encode(text, add_special_tokens=False).ids for text in texts] == ids

@@ -1,5 +1,6 @@
 """The model families of GGUF files: llama.cpp's architecture names, metadata keys and tensor names, read into our
-``ModelConfig`` and HF tensor names. (The file format, its types and the tokenizer: ``spec_engine.models.gguf``.)"""
+``ModelConfig`` and HF tensor names. (The file format and its types: ``spec_engine.models.gguf``; the tokenizer:
+``spec_engine.models.gguf_tokenizer``.)"""
 
 from __future__ import annotations
 
