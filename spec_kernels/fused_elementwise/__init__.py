@@ -64,8 +64,8 @@ def add_rms_norm(
 
     Returns
     -------
-    (out, h) : ``[..., N]`` each. The Triton kernel sums each row's squares tile by tile in column order, in float32:
-    row i is bitwise the 1-row call's, whatever M (and equal to the reference within float32 rounding of the sum).
+    (out, h) : ``[..., N]`` each. The Triton kernel sums each row's squares in float32, per lane tile by tile, then
+    across lanes: row i is bitwise the 1-row call's, whatever M (the reference's within float32 rounding of the sum).
 
     Shapes
     ------

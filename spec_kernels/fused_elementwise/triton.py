@@ -6,8 +6,8 @@ torch op of the layer is a small kernel (the norm's casts, mean and scale; the r
 cat, products and sum; SiLU and the product with up). Each kernel here is one launch for what was several.
 
 Batch invariance: one program per row (a token's hidden state, its heads), so rows never share a reduction. The
-norm reduces its row tile by tile in column order, the tile fixed by the row length alone (``row_tile``); nothing
-depends on the number of rows, so row i of any call is bitwise the 1-row call's.
+norm sums its row's squares per column lane tile by tile, then across the lanes, the tile fixed by the row length
+alone (``row_tile``); nothing depends on the number of rows, so row i of any call is bitwise the 1-row call's.
 
 Rounding: float32 arithmetic, rounded to the model's dtype exactly where the references' torch ops round (the sum
 ``x + residual``, the normed row before the weight, each product of RoPE), so outputs match the references bit for
@@ -36,41 +36,41 @@ if triton_available():
     @triton.jit
     def _round(x, dtype: tl.constexpr, EMULATE_BF16_RNE: tl.constexpr):
         """float32 x rounded to ``dtype`` to nearest even, kept in float32."""
-        if EMULATE_BF16_RNE and dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-        else:
-            return x.to(dtype).to(tl.float32)
+        if EMULATE_BF16_RNE:
+            if dtype == tl.bfloat16:
+                bits = x.to(tl.uint32, bitcast=True)
+                bits = bits + 0x7FFF + ((bits >> 16) & 1)
+                return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+        return x.to(dtype).to(tl.float32)
 
     @triton.jit
     def _add_rms_norm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, N, eps, stride_x, stride_res, stride_out, stride_h,
         HAS_RESIDUAL: tl.constexpr, TILE: tl.constexpr, EMULATE_BF16_RNE: tl.constexpr,
     ):  # fmt: skip
-        # grid: (rows,). Pass 1: h = x + residual (stored), the sum of h^2 tile by tile; pass 2: h again (recomputed,
-        # not re-read: no barrier between another thread's store and this load), normed, times the weight.
+        # grid: (rows,). Pass 1: h = x + residual (stored), h^2 summed per column lane tile by tile, then across the
+        # lanes; pass 2: h again (recomputed, not re-read: no barrier between another thread's store and this load),
+        # normed, times the weight.
         row = tl.program_id(0).to(tl.int64)
-        h_dtype: tl.constexpr = x_ptr.dtype.element_ty
-        sum_sq = 0.0
+        acc = tl.zeros([TILE], dtype=tl.float32)
         for n0 in range(0, N, TILE):
             offs = n0 + tl.arange(0, TILE)
             ok = offs < N
             h = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(res_ptr + row * stride_res + offs, mask=ok, other=0.0).to(tl.float32)
-                h = _round(h + r, h_dtype, EMULATE_BF16_RNE)
-                tl.store(h_ptr + row * stride_h + offs, h.to(h_dtype), mask=ok)
-            sum_sq += tl.sum(h * h, axis=0)
-        rstd = 1.0 / tl.sqrt(sum_sq / N + eps)
+                h = _round(h + r, x_ptr.dtype.element_ty, EMULATE_BF16_RNE)
+                tl.store(h_ptr + row * stride_h + offs, h.to(x_ptr.dtype.element_ty), mask=ok)
+            acc += h * h
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
         for n0 in range(0, N, TILE):
             offs = n0 + tl.arange(0, TILE)
             ok = offs < N
             h = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(res_ptr + row * stride_res + offs, mask=ok, other=0.0).to(tl.float32)
-                h = _round(h + r, h_dtype, EMULATE_BF16_RNE)
-            normed = _round(h * rstd, h_dtype, EMULATE_BF16_RNE)
+                h = _round(h + r, x_ptr.dtype.element_ty, EMULATE_BF16_RNE)
+            normed = _round(h * rstd, x_ptr.dtype.element_ty, EMULATE_BF16_RNE)
             w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
             out = _round(normed * w, out_ptr.dtype.element_ty, EMULATE_BF16_RNE)
             tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
@@ -82,26 +82,25 @@ if triton_available():
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < N
-        dtype: tl.constexpr = out_ptr.dtype.element_ty
         gate = tl.load(gu_ptr + row * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + row * stride_gu + N + offs, mask=ok, other=0.0).to(tl.float32)
-        silu = _round(gate / (1.0 + tl.exp(-gate)), dtype, EMULATE_BF16_RNE)
-        tl.store(out_ptr + row * stride_out + offs, _round(silu * up, dtype, EMULATE_BF16_RNE).to(dtype), mask=ok)
+        silu = _round(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty, EMULATE_BF16_RNE)
+        out = _round(silu * up, out_ptr.dtype.element_ty, EMULATE_BF16_RNE)
+        tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _rope_heads(src_ptr, dst_ptr, row, stride_src, stride_src_h, stride_dst, num_heads, cos, sin, offs_d, partner,
                     sign, D, BLOCK_H: tl.constexpr, EMULATE_BF16_RNE: tl.constexpr):  # fmt: skip
         """One token's heads [num_heads, D]: x * cos + rotate_half(x) * sin, each product and the sum rounded."""
-        dtype: tl.constexpr = dst_ptr.dtype.element_ty
         offs_h = tl.arange(0, BLOCK_H)[:, None]
         ok = (offs_h < num_heads) & (offs_d < D)
         src = src_ptr + row * stride_src + offs_h * stride_src_h
         x = tl.load(src + offs_d, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
         rotated = sign * tl.load(src + partner, mask=ok, other=0.0).to(tl.float32)
-        a = _round(x * cos, dtype, EMULATE_BF16_RNE)
-        b = _round(rotated * sin, dtype, EMULATE_BF16_RNE)
-        out = _round(a + b, dtype, EMULATE_BF16_RNE)
-        tl.store(dst_ptr + row * stride_dst + offs_h * D + offs_d, out.to(dtype), mask=ok)
+        a = _round(x * cos, dst_ptr.dtype.element_ty, EMULATE_BF16_RNE)
+        b = _round(rotated * sin, dst_ptr.dtype.element_ty, EMULATE_BF16_RNE)
+        out = _round(a + b, dst_ptr.dtype.element_ty, EMULATE_BF16_RNE)
+        tl.store(dst_ptr + row * stride_dst + offs_h * D + offs_d, out.to(dst_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _rope_qk_kernel(
