@@ -27,6 +27,8 @@ carry a draft and filters (bench/RESULTS.md), so it exits 1; the quick set guard
 - ``_combine_splits_kernel``: output dtype x BLOCK_D at 2 and 64 splits (BLOCK_S is 64 at both: duplicates).
 - ``_linear_kernel`` (``spec_kernels.linear.triton``, CUDA's batch-invariant linear): dtype x bias, one tile
   configuration each.
+- ``_add_rms_norm_kernel``, ``_silu_mul_kernel``, ``_rope_qk_kernel`` (``spec_kernels.fused_elementwise.triton``):
+  dtype x the layer shapes of SmolLM2-135M, Llama-3-8B and Qwen2.5-7B (``LAYER_SHAPES``).
 - ``_verify_tree_kernel``: logits dtype x draft (none / iid / without replacement) x HAS_FILTERS x BLOCK_V 128 and
   1024 (V = 111 and 32000: the smallest common tile and the cap) x HAS_COUPLING (the in-kernel Gumbel noise).
 
@@ -66,6 +68,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 TA = importlib.import_module("spec_kernels.tree_attention.triton")
 VT = importlib.import_module("spec_kernels.verify_tree.triton")
 LT = importlib.import_module("spec_kernels.linear.triton")
+FE = importlib.import_module("spec_kernels.fused_elementwise.triton")
 
 ARCHS = {"sm_80": 80, "sm_90a": 90}  # Triton targets sm_90a for capability 90 (wgmma needs the 'a' features)
 OUT = Path(__file__).resolve().parent / "out" / "aot_compile.json"
@@ -75,6 +78,11 @@ HQ, HKV = 32, 8  # GQA group 4, as the Llama-family models the engine serves
 HEAD_DIMS = (64, 80, 128, 256)
 ROW_SHAPES = {"T4": 4, "T8": 8, "T16": 16}  # T * 4 rows: BLOCK_M 16, 32, 64 (fp32: 16, 32, 32)
 VOCABS = (111, 32000)  # BLOCK_V 128 and 1024, the smallest common tile and the largest
+# (hidden, intermediate, Hq, Hkv, D) for the fused elementwise kernels: SmolLM2-135M (group 3, D 64), Llama-3-8B
+# (group 4, D 128), Qwen2.5-7B (group 7)
+LAYER_SHAPES = {"smollm2": (576, 1536, 9, 3, 64), "llama3-8b": (4096, 14336, 32, 8, 128),
+                "qwen2.5-7b": (3584, 18944, 28, 4, 128)}  # fmt: skip
+FUSED_KERNELS = ("_add_rms_norm_kernel", "_silu_mul_kernel", "_rope_qk_kernel")
 
 
 class _Recorder:
@@ -171,6 +179,24 @@ def _linear_launches(dtype_name: str, bias: bool):
     return _capture(LT, ("_linear_kernel",), lambda: LT.launch_linear(x, w, b))
 
 
+def _fused_launches(dtype_name: str, shape: str):
+    dtype = DTYPES[dtype_name]
+    H, inter, Hq, Hkv, D = LAYER_SHAPES[shape]
+    x, w = torch.empty(5, H, dtype=dtype), torch.empty(H, dtype=dtype)
+    q, k, rope = (
+        torch.empty(1, 5, Hq, D, dtype=dtype),
+        torch.empty(1, 5, Hkv, D, dtype=dtype),
+        torch.empty(1, 5, D, dtype=dtype),
+    )
+
+    def launch():
+        FE.launch_add_rms_norm(x, x, w, 1e-5)
+        FE.launch_silu_mul(torch.empty(5, 2 * inter, dtype=dtype))
+        FE.launch_rope_qk(q, k, rope, rope)
+
+    return _capture(FE, FUSED_KERNELS, launch)
+
+
 def configurations(quick: bool) -> list[tuple[str, str, tuple]]:
     """(kernel, config, captured launch) for every configuration; the captured launch is (kernel, args, kwargs).
 
@@ -196,6 +222,9 @@ def configurations(quick: bool) -> list[tuple[str, str, tuple]]:
     for dt, bias in itertools.product(QUICK_DTYPES if quick else DTYPES, (False,) if quick else (False, True)):
         for call in _linear_launches(dt, bias):
             out.append((call[0], f"{dt}{' bias' if bias else ''}", call))
+    for dt, shape in itertools.product(QUICK_DTYPES if quick else DTYPES, LAYER_SHAPES):
+        for call in _fused_launches(dt, shape):
+            out.append((call[0], f"{dt} {shape}", call))
     verify = itertools.product(DTYPES, ("none", "iid", "without_replacement"), (False, True), VOCABS, (False, True))
     if quick:  # the heaviest variants: a draft and every filter, the widest tile; with the coupling's noise
         verify = [("fp32", "without_replacement", True, VOCABS[-1], False), ("bf16", "iid", True, VOCABS[-1], False),
@@ -214,7 +243,7 @@ def _constexpr_summary(kwargs: dict) -> str:
 
 def _specialise(kernel_name: str, args: tuple, kwargs: dict, arch: int):
     """What ``kernel[grid](*args, **kwargs)`` would compile on a GPU of ``arch``: Triton's own binder and packer."""
-    module = next(m for m in (TA, VT, LT) if hasattr(m, kernel_name))
+    module = next(m for m in (TA, VT, LT, FE) if hasattr(m, kernel_name))
     fn = getattr(module, kernel_name)
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
@@ -290,10 +319,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a representative subset (CI)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--kernels", default=None, help="comma-separated kernel names: compile only these")
     cli = parser.parse_args()
 
     start = time.perf_counter()
     configs = configurations(cli.quick)
+    if cli.kernels:
+        configs = [c for c in configs if c[0] in cli.kernels.split(",")]
     jobs, seen, dupes = [], {}, []
     for kernel_name, cfg, (_, args, kwargs) in configs:
         for arch_name, arch in ARCHS.items():

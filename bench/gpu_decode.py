@@ -3,13 +3,14 @@
     python bench/gpu_decode.py [--model DIR_OR_GGUF] [--out DIR] [--deadline-s 330] [--dry-run]
 
 1. ``decode``: plain decoding, batch 1, SmolLM2-135M's shape (``--model``, else random weights of its shape written
-   here: a call cannot carry its 270 MB), tok/s eager against the captured forward (CUDA graphs), bf16 and fp32,
-   interleaved rounds; the same tokens on both paths.
+   here: a call cannot carry its 270 MB), tok/s eager with the unfused elementwise ops (``SPECDEC_FUSED_ELEMENTWISE=0``:
+   the torch ops), eager with the fused kernels (``spec_kernels.fused_elementwise``) and the captured forward (CUDA
+   graphs, fused), bf16 and fp32, interleaved rounds; the same tokens eager and captured.
 2. ``parity``: bf16 greedy speculative output against plain decoding's, 5 requests: on the SmolLM2-shaped model with
    the shipped EAGLE-3 head at depth 3 and n-gram chains (verify widths 4 and 5), and on the embedded pair with its
    draft model (drafts that are accepted, so paths are compacted).
-3. ``launches``: ATen ops, host launch calls and kernels per plain and speculative step, eager and captured
-   (bench/count_launches.py).
+3. ``launches``: ATen ops, host launch calls and kernels per plain and speculative step, eager (unfused and fused)
+   and captured (bench/count_launches.py).
 4. ``speedup``: the embedded pair in bf16, the captured path: plain, draft model and hybrid (the default) tok/s and
    their ratios, plus plain eager (the old path), interleaved rounds.
 5. ``mechanisms``: where time remains, the other graph mechanisms (``spec_engine.cuda_graphs.MECHANISMS``: inductor
@@ -24,8 +25,10 @@ stand-in for graphs (the script's own check; tests/test_gpu_decode.py runs it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -101,13 +104,15 @@ class Bench:
     def left(self) -> float:
         return self.args.deadline_s - (time.perf_counter() - self.start)
 
-    def llm(self, model: str, dtype: str, graphs: bool | str = True, spec: dict | None = None) -> LLM:
-        """``graphs``: True (the default mechanism), False (eager) or a mechanism's name."""
+    def llm(self, model: str, dtype: str, graphs: bool | str = True, spec: dict | None = None,
+            max_num_seqs: int = 8) -> LLM:  # fmt: skip
+        """``graphs``: True (the default mechanism), False (eager) or a mechanism's name. Batch-1 sections pass
+        ``max_num_seqs=1``: one start-up bucket per width (a compiled mechanism compiles each)."""
         mechanism = graphs if isinstance(graphs, str) else self.mechanism
         config = EngineConfig(**REGULAR, enforce_eager=graphs is False, graph_mechanism=None if graphs is False
                               else mechanism)  # fmt: skip
         return LLM(model, speculative_config=spec, device=self.device, dtype=dtype, engine_config=config,
-                   max_model_len=1024, max_num_seqs=8)  # fmt: skip
+                   max_model_len=1024, max_num_seqs=max_num_seqs)  # fmt: skip
 
     def section(self, name: str, need_s: float, fn) -> None:
         """Run ``fn`` if ``need_s`` seconds remain; log and count a failure, then go on."""
@@ -140,17 +145,38 @@ def _tps(llm: LLM, prompts, params: SamplingParams) -> tuple[float, list[list[in
     return sum(map(len, tokens)) / seconds, tokens
 
 
+UNFUSED = "eager_unfused"  # an engine of this name runs with the unfused elementwise ops (``unfused_elementwise``)
+
+
+@contextlib.contextmanager
+def unfused_elementwise(on: bool = True):
+    """The device layer loop's elementwise work as the torch ops, not the fused kernels, while in the block
+    (``SPECDEC_FUSED_ELEMENTWISE=0``, read at each forward)."""
+    before = os.environ.get("SPECDEC_FUSED_ELEMENTWISE")
+    if on:
+        os.environ["SPECDEC_FUSED_ELEMENTWISE"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SPECDEC_FUSED_ELEMENTWISE", None)
+        else:
+            os.environ["SPECDEC_FUSED_ELEMENTWISE"] = before
+
+
 def interleaved(bench: Bench, engines: dict[str, LLM], prompts, params) -> dict[str, tuple[float, list]]:
     """Median tok/s per engine over ``bench.rounds`` rounds, the order rotating each round, after one warm-up run
-    each (captures, compiles); and each engine's tokens."""
-    for llm in engines.values():
-        _tps(llm, prompts[:1], params)
+    each (captures, compiles); and each engine's tokens. The engine named ``UNFUSED`` runs unfused."""
+    for name, llm in engines.items():
+        with unfused_elementwise(name == UNFUSED):
+            _tps(llm, prompts[:1], params)
     runs: dict[str, list[float]] = {k: [] for k in engines}
     tokens = {}
     names = list(engines)
     for r in range(bench.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            tps, tokens[name] = _tps(engines[name], prompts, params)
+            with unfused_elementwise(name == UNFUSED):
+                tps, tokens[name] = _tps(engines[name], prompts, params)
             runs[name].append(tps)
     return {k: (statistics.median(v), tokens[k]) for k, v in runs.items()}
 
@@ -159,12 +185,16 @@ def decode(bench: Bench) -> None:
     params = SamplingParams(max_tokens=bench.tokens, ignore_eos=True)
     prompts = bench.id_prompts[:1]
     for dtype in ("bfloat16", "float32"):
-        engines = {"eager": bench.llm(bench.model, dtype, graphs=False), "graphs": bench.llm(bench.model, dtype)}
+        engines = {UNFUSED: bench.llm(bench.model, dtype, graphs=False, max_num_seqs=1),
+                   "eager": bench.llm(bench.model, dtype, graphs=False, max_num_seqs=1),
+                   "graphs": bench.llm(bench.model, dtype, max_num_seqs=1)}  # fmt: skip
         got = interleaved(bench, engines, prompts, params)
         graphs = engines["graphs"].engine.runner.graphs
-        bench.add({"section": "decode", "dtype": dtype, "eager_tps": got["eager"][0], "graphs_tps": got["graphs"][0],
+        bench.add({"section": "decode", "dtype": dtype, "unfused_tps": got[UNFUSED][0], "eager_tps": got["eager"][0],
+                   "graphs_tps": got["graphs"][0], "fused_speedup": got["eager"][0] / got[UNFUSED][0],
                    "speedup": got["graphs"][0] / got["eager"][0], "same_tokens": got["eager"][1] == got["graphs"][1],
-                   "replays": graphs.num_replays, "graphs_off": graphs.disabled})  # fmt: skip
+                   "same_unfused": got[UNFUSED][1] == got["eager"][1], "replays": graphs.num_replays,
+                   "graphs_off": graphs.disabled})  # fmt: skip
         if got["eager"][1] != got["graphs"][1]:
             bench.failures.append(f"decode {dtype}: captured tokens differ from eager")
         del engines
@@ -199,9 +229,11 @@ def launches(bench: Bench) -> None:
     for step, spec in specs.items():
         if step == "speculative" and spec is None:
             spec = {"method": "ngram", "num_speculative_tokens": 3}
-        for graphs in (False, True):
-            row = count_step_ops(bench.llm(bench.model, "bfloat16", graphs=graphs, spec=spec), 8)
-            bench.add({"section": "launches", "step": step, "path": "graphs" if graphs else "eager", **row})
+        for path in (UNFUSED, "eager", "graphs"):
+            llm = bench.llm(bench.model, "bfloat16", graphs=path == "graphs", spec=spec, max_num_seqs=1)
+            with unfused_elementwise(path == UNFUSED):
+                row = count_step_ops(llm, 8)
+            bench.add({"section": "launches", "step": step, "path": path, **row})
 
 
 def speedup(bench: Bench) -> None:
@@ -229,7 +261,7 @@ def mechanisms(bench: Bench) -> None:
     engines = {}
     for name in names:  # a compile that fails is that row's failure, not the section's
         try:
-            engines[name] = bench.llm(bench.model, "bfloat16", graphs=name)
+            engines[name] = bench.llm(bench.model, "bfloat16", graphs=name, max_num_seqs=1)
             _tps(engines[name], bench.id_prompts[:1], params)
         except Exception:
             traceback.print_exc()
@@ -241,7 +273,7 @@ def mechanisms(bench: Bench) -> None:
 
 
 # name -> (the section, the seconds it is expected to take on the device)
-SECTIONS = {"decode": (decode, 60), "parity": (parity, 45), "launches": (launches, 30), "speedup": (speedup, 45),
+SECTIONS = {"decode": (decode, 90), "parity": (parity, 50), "launches": (launches, 40), "speedup": (speedup, 45),
             "mechanisms": (mechanisms, 150)}  # fmt: skip
 
 

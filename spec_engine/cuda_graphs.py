@@ -10,6 +10,10 @@ Glossary:
   first B rows before a replay.
 - *padding rows*: rows B .. rows - 1 of a bucket. Their cache length is 0 and their block-table row is all
   ``SCRATCH_BLOCK``, so their K/V land in the scratch block, which no request owns and nothing reads.
+- *start-up buckets*: the target's buckets captured once when the engine is built (``capture_startup``), before
+  the first request, so that no step's time includes a capture (the adaptive controller prices depths by step
+  times): batch 1 at each verify width the engine can choose, then the larger batch buckets up to ``max_num_seqs``,
+  at most ``MAX_STARTUP_GRAPHS``. Other shapes are captured when first met.
 - *outputs*: what the forward returns (the target's logits ``[B, T, V]`` float32 and the features a drafter reads,
   a drafter's hidden states), one buffer each shared by every bucket (the captured forward ends by copying into their
   first rows * width rows): memory is the largest bucket's, not the sum.
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +53,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, *range(16, 257, 8))
 # a bucket's rows * width at most: steps wider than this (prefill-sized) are compute-bound, a graph saves them little
 MAX_CAPTURE_TOKENS = 512
 MAX_GRAPHS = 64  # buckets captured at most; a step of another shape then runs eagerly
+# buckets of the target's pass captured at start-up at most (the rest when first met): bounds the start-up's time (a
+# warm-up forward and a capture each) and its graph memory, as vLLM's capture sizes do
+MAX_STARTUP_GRAPHS = 12
 
 # forward(tokens [B, T], positions [B, T], cache_seqlens [B], tree_mask [B, T, T], block_table [B, W],
 #         *extras [B, T, ...])
@@ -154,7 +161,8 @@ class _Bucket:
 
 class CapturedForward:
     """``forward``, replayed from a captured graph where a call's shape fits a bucket, else run eagerly; called as
-    ``forward`` is (``Forward``). Buckets are captured when first met, with a log line.
+    ``forward`` is (``Forward``). Buckets are captured at start-up (``capture_startup``) or
+    when first met, with a log line each.
 
     ``forward``: the eager function (the one captured); ``table_width``: the block table's full width W (a bucket's
     table is that wide, so one graph serves every context length); ``max_rows``: the most rows a step has;
@@ -166,8 +174,8 @@ class CapturedForward:
                  name: str = "forward"):  # fmt: skip
         self.forward, self.device, self.table_width, self.name = forward, torch.device(device), table_width, name
         self.graph_type, self.max_graphs = graph, max_graphs
-        top = batch_bucket(max_rows) or BATCH_BUCKETS[-1]
-        self.max_width, self.max_tokens = max_width, min(max_tokens, top * max_width)
+        self.max_rows = batch_bucket(max_rows) or BATCH_BUCKETS[-1]  # the largest batch bucket a step can meet
+        self.max_width, self.max_tokens = max_width, min(max_tokens, self.max_rows * max_width)
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.outputs: list[torch.Tensor | None] | None = None  # [max_tokens, ...] each, shared by every bucket
         self.num_replays = 0
@@ -181,6 +189,21 @@ class CapturedForward:
         if (rows, width) not in self.buckets and len(self.buckets) >= self.max_graphs:
             return None
         return rows, width
+
+    def capture_startup(self, widths: Sequence[int], limit: int | None = None) -> None:
+        """Capture now the buckets a step is likeliest to meet (``widths`` likeliest first): batch 1 at each width,
+        then each larger batch bucket up to ``max_rows`` at each, skipping what ``bucket`` would not replay; at most
+        ``limit`` (default ``MAX_STARTUP_GRAPHS``), with a log line per bucket and one for the whole."""
+        limit = MAX_STARTUP_GRAPHS if limit is None else limit
+        keys = [(rows, w) for rows in BATCH_BUCKETS if rows <= self.max_rows for w in dict.fromkeys(widths)]
+        keys = [key for key in keys if key not in self.buckets and self.bucket(*key) == key][:limit]
+        start = time.perf_counter()
+        for rows, width in keys:
+            if self._capture(rows, width) is None:  # (a failed capture turned graphs off: logged there)
+                return
+        if keys:
+            log.info("captured %d buckets of the %s at start-up in %.2f s", len(keys), self.name,
+                     time.perf_counter() - start)  # fmt: skip
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache_seqlens: torch.Tensor,
                  tree_mask: torch.Tensor, block_table: torch.Tensor,
@@ -263,10 +286,12 @@ class CapturedForward:
 
 
 def captured_forward(forward: Forward, device: torch.device, *, table_width: int, max_rows: int, max_width: int,
-                     mechanism: str | None = None, name: str = "forward") -> CapturedForward | None:  # fmt: skip
+                     mechanism: str | None = None, name: str = "forward",
+                     startup_widths: Sequence[int] = ()) -> CapturedForward | None:  # fmt: skip
     """The captured forward for a model on ``device``: CUDA graphs on CUDA (``mechanism`` picks another of
     ``MECHANISMS``, e.g. "replay" to run the captured path on CPU or meta in tests); None elsewhere (a CPU runs its
-    native multi-step calls, which graphs would not help)."""
+    native multi-step calls, which graphs would not help). With ``startup_widths``, its start-up buckets at those
+    verify widths are captured before it is returned (``CapturedForward.capture_startup``)."""
     device = torch.device(device)
     if mechanism is None:
         if device.type != "cuda":
@@ -274,5 +299,7 @@ def captured_forward(forward: Forward, device: torch.device, *, table_width: int
         mechanism = "cuda_graph"
     if mechanism not in MECHANISMS:
         raise ValueError(f"unknown graph mechanism {mechanism!r}; one of {sorted(MECHANISMS)}")
-    return CapturedForward(forward, device, table_width=table_width, max_rows=max_rows, max_width=max_width,
-                           graph=MECHANISMS[mechanism], name=name)  # fmt: skip
+    captured = CapturedForward(forward, device, table_width=table_width, max_rows=max_rows, max_width=max_width,
+                               graph=MECHANISMS[mechanism], name=name)  # fmt: skip
+    captured.capture_startup(startup_widths)
+    return captured

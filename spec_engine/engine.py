@@ -166,7 +166,7 @@ class Engine:
         )
         self.couple_unseeded = native if config.couple_unseeded is None else config.couple_unseeded
         self.scheduler.call_tokens = max(config.plain_chain, config.spec_chain_steps * (self.deepest + 1))
-        self.runner.use_graphs(config.enforce_eager, config.graph_mechanism)
+        self.runner.use_graphs(config.enforce_eager, config.graph_mechanism, self.verify_widths())
 
     @property
     def config(self) -> EngineConfig:
@@ -195,6 +195,13 @@ class Engine:
         }
 
     # --- requests --------------------------------------------------------------------------------------------
+
+    def verify_widths(self) -> tuple[int, ...]:
+        """The verify widths a regular step can meet, likeliest first: a plain step's 1, the tree at the configured
+        depth, then each shallower one (the adaptive controller's other choices)."""
+        if self.drafter is None:
+            return (1,)
+        return (1, *(self.drafter.nodes_for_gamma(g) for g in range(self.gamma, 0, -1)))
 
     def max_tree_nodes(self) -> int:
         if self.drafter is None:

@@ -101,15 +101,15 @@ class StepRunner:
         self.graphs: CapturedForward | None = None  # the regular step's captured target pass (use_graphs)
         self._graph_mechanism: str | None = None
 
-    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None) -> None:
-        """The regular step's target pass replayed from graphs per bucket (spec_engine/cuda_graphs.py: on CUDA, or
-        by ``mechanism``), or always eager; buckets captured earlier are kept while the choice stands."""
+    def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, widths: tuple[int, ...] = ()) -> None:
+        """The regular step's target pass replayed from graphs per bucket (spec_engine/cuda_graphs.py: on CUDA, or by
+        ``mechanism``; start-up buckets at verify ``widths`` captured now), or eager; kept while the choice stands."""
         enforce_eager = enforce_eager or not self.target.capturable  # (tensor parallelism: a host broadcast a call)
         if enforce_eager or self.graphs is None or mechanism != self._graph_mechanism:
             rows, width = self.rows.block_table.shape
             self.graphs = None if enforce_eager else captured_forward(
                 self.target_logits, self.device, table_width=width, max_rows=rows, max_width=self.max_tree_nodes,
-                mechanism=mechanism, name="target's pass")  # fmt: skip
+                mechanism=mechanism, name="target's pass", startup_widths=widths)  # fmt: skip
             if self.drafter is not None:  # (a draft model's forwards too; drafters without one ignore it)
                 self.drafter.use_graphs(enforce_eager, mechanism, table_width=width, max_rows=rows)
         self._graph_mechanism = mechanism

@@ -11,7 +11,7 @@ import torch
 from test_simulated_cuda import PlantedReads
 from tiny_models import make_model, make_noisy_copy
 
-from spec_engine import LLM, SamplingParams
+from spec_engine import LLM, SamplingParams, cuda_graphs
 from spec_engine.cuda_graphs import BATCH_BUCKETS, CapturedForward, ReplayGraph, batch_bucket, captured_forward
 from spec_engine.engine import Engine, EngineConfig
 from spec_engine.kv_cache import SCRATCH_BLOCK
@@ -176,6 +176,37 @@ def test_enforce_eager_changes_nothing_on_cpu(models):
     llm.target.capturable = False  # (a tensor-parallel target: each call broadcasts its inputs from the host)
     llm.engine.reconfigure(EngineConfig(**REGULAR, graph_mechanism="replay"))
     assert llm.engine.runner.graphs is None
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_startup_captures_the_common_buckets(models, device):
+    """Built with graphs on, the engine captures the target's buckets for batch 1, 2 and 4 (max_num_seqs 3) at the
+    plain width and each tree width the controller can choose, before any request; on the CPU the first steps then
+    replay them and capture nothing."""
+    spec = spec_of("chain", *models[1:])  # depth 3: verify widths 4, 3, 2 and a plain step's 1
+    config = EngineConfig(**REGULAR, graph_mechanism="replay")
+    llm = LLM(str(models[0]), speculative_config=spec, device=device, max_model_len=128, max_num_seqs=3,
+              engine_config=config)  # fmt: skip
+    graphs = llm.engine.runner.graphs
+    assert llm.engine.verify_widths() == (1, 4, 3, 2)
+    assert list(graphs.buckets) == [(rows, w) for rows in (1, 2, 4) for w in (1, 4, 3, 2)]
+    assert graphs.num_replays == 0 and all(rows * w <= graphs.max_tokens for rows, w in graphs.buckets)
+    llm.engine.reconfigure(config)  # the same choice: nothing captured again
+    assert llm.engine.runner.graphs is graphs and len(graphs.buckets) == 12
+    if device == "cpu":
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+        assert graphs.num_replays > 0 and len(graphs.buckets) == 12
+
+
+def test_startup_captures_are_capped(models, monkeypatch):
+    """At most MAX_STARTUP_GRAPHS buckets at start-up, batch 1 first; plain decoding has the one width."""
+    monkeypatch.setattr(cuda_graphs, "MAX_STARTUP_GRAPHS", 3)
+    llm = LLM(str(models[0]), max_model_len=64, max_num_seqs=64, engine_config=EngineConfig(**REGULAR,
+              graph_mechanism="replay"))  # fmt: skip
+    assert llm.engine.verify_widths() == (1,) and list(llm.engine.runner.graphs.buckets) == [(1, 1), (2, 1), (4, 1)]
+    config = EngineConfig(graph_mechanism="replay")
+    llm = LLM(str(models[0]), max_model_len=64, enforce_eager=True, engine_config=config)
+    assert llm.engine.runner.graphs is None  # eager: nothing captured
 
 
 @pytest.mark.parametrize("name", ["none", "tree", "ngram"])

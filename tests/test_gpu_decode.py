@@ -15,8 +15,10 @@ def test_the_dry_run_writes_its_rows(tmp_path, capsys):
     decode = [r for r in summary["rows"] if r["section"] == "decode"]
     assert [r["dtype"] for r in decode] == ["bfloat16", "float32"]
     assert all(r["same_tokens"] and r["replays"] > 0 and not r["graphs_off"] for r in decode)
+    assert all(r["unfused_tps"] > 0 and r["fused_speedup"] > 0 for r in decode)  # (the CPU's eager path: native)
     launches = {(r["step"], r["path"]): r for r in summary["rows"] if r["section"] == "launches"}
     assert launches[("plain", "eager")]["in_graph"] == 0 < launches[("plain", "graphs")]["in_graph"]
+    assert launches[("plain", "eager_unfused")]["in_graph"] == 0
     assert "gpu_decode summary" in capsys.readouterr().out
 
 

@@ -29,7 +29,7 @@ from spec_engine.models.config import SLIDING, ModelConfig, rope_inv_freq
 from spec_engine.models.llama import LlamaForCausalLM, RMSNorm, cache_slots
 from spec_kernels import linear
 from spec_kernels.decoder_layers.ref import LAYER_FIELDS
-from spec_kernels.decoder_layers.ref import rope_ref as apply_rope
+from spec_kernels.fused_elementwise import rope_qk
 from spec_kernels.tree_attention import plan_tree_attention, tree_attention
 
 
@@ -109,7 +109,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         embed = self.model.embed_tokens(input_ids)  # [B, T, H]
         h = embed * torch.tensor(cfg.hidden_size**0.5).to(embed.dtype)
-        ropes = {kind: self._rope_of(kind, positions, h.dtype).unsqueeze(3) for kind in set(cfg.layer_types)}
+        ropes = {kind: self._rope_of(kind, positions, h.dtype) for kind in set(cfg.layer_types)}  # [2, B, T, D] each
         pos = cache_seqlens.long()[:, None] + torch.arange(T, device=h.device)  # [B, T]: the cache slots written
         blocks, offsets = cache_slots(pos, kv_cache.shape[3], block_table)
         plan = plan_tree_attention(kv_cache[0, 0], cache_seqlens, tree_mask, num_q_heads=Hq, block_table=block_table)
@@ -124,8 +124,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             q, k, v = q.reshape(B, T, Hq, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
             if cfg.qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            cos, sin = ropes[kind]  # [B, T, 1, D] each
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rope_qk(q, k, *ropes[kind])  # (one kernel on CUDA)
             kv_cache[i, 0, blocks, offsets] = k
             kv_cache[i, 1, blocks, offsets] = v
             out = tree_attention(q, kv_cache[i, 0], kv_cache[i, 1], cache_seqlens, tree_mask, block_table=block_table,

@@ -34,8 +34,8 @@ from spec_kernels.decoder_layers import (
     draft_chain,
     native_model,
 )
-from spec_kernels.decoder_layers.ref import rms_norm_ref
-from spec_kernels.decoder_layers.ref import rope_ref as apply_rope
+from spec_kernels.fused_elementwise.ref import rms_norm_ref
+from spec_kernels.fused_elementwise.ref import rope_ref as apply_rope
 from spec_kernels.types import QuantizedWeight
 
 

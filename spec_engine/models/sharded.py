@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from spec_engine.models.config import ModelConfig, rope_inv_freq
 from spec_kernels import linear, plan_tree_attention, tree_attention
 from spec_kernels.decoder_layers.ref import decoder_layer_loop
+from spec_kernels.fused_elementwise import layer_ops
 
 
 class AllReduce(Protocol):
@@ -205,7 +206,7 @@ class ShardedLlama:
 
         return decoder_layer_loop(
             h, self.weights, self.final_norm, kv_cache, cache_seqlens, self._rope(positions, h.dtype), tree_mask,
-            block_table, self.plan.num_q_heads, self.config.rms_norm_eps, self._linear, attend,
+            block_table, self.plan.num_q_heads, self.config.rms_norm_eps, self._linear, attend, None, layer_ops(),
         )  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ the four matmuls of a layer, and plain loops over rows for RMSNorm, RoPE, the KV
 It is batch-invariant like ``linear``: a tree node's hidden state is bitwise plain decoding's of the same tokens.
 
 On CUDA and meta tensors the same computation runs as torch ops around the fast kernels (``linear``,
-``tree_attention``); ``decoder_layers_ref`` is that loop over the references.
+``tree_attention``, ``fused_elementwise``'s norms, RoPE and SiLU); ``decoder_layers_ref`` is that loop over the
+references.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from spec_kernels.decoder_layers.cpu import (
     tree_step,
 )
 from spec_kernels.decoder_layers.ref import LAYER_FIELDS, decoder_layer_loop, decoder_layers_ref
+from spec_kernels.fused_elementwise import layer_ops
 from spec_kernels.linear import linear
 from spec_kernels.tree_attention import plan_tree_attention, tree_attention
 
@@ -148,7 +150,8 @@ def decoder_layers(
 def _device_layers(
     hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps, capture=None
 ):
-    """The loop of torch ops with the fast kernels: CUDA, meta, and dtypes the C++ op does not take."""
+    """The loop of torch ops with the fast kernels (the matmul, the attention, the fused elementwise ops): CUDA, meta,
+    and dtypes the C++ op does not take."""
     plan = plan_tree_attention(kv_cache[0, 0], cache_seqlens, tree_mask, num_q_heads=num_heads, block_table=block_table)
 
     def attend(q, k_cache, v_cache):
@@ -156,5 +159,5 @@ def _device_layers(
 
     return decoder_layer_loop(
         hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps,
-        linear, attend, capture,
+        linear, attend, capture, layer_ops(),
     )  # fmt: skip

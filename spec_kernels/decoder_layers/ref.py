@@ -1,6 +1,6 @@
 """``decoder_layers_ref``: the readable spec of ``decoder_layers``, with its exact signature; and the layer loop
-itself (``decoder_layer_loop``, ``rms_norm_ref``, ``rope_ref``), which the device path and the models run too, with
-their own matmul and attention.
+itself (``decoder_layer_loop``), which the device path and the sharded model run too, with their own matmul, attention
+and elementwise ops (``spec_kernels.fused_elementwise``).
 
 Clarity beats speed here: tests and benchmarks compare against it, and ``backend="torch"`` runs it (the CPU
 fallback of last resort).
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from spec_kernels.fused_elementwise.ref import REFERENCE_OPS, ElementwiseOps
 from spec_kernels.linear.ref import linear_ref
 from spec_kernels.tree_attention.ref import tree_attention_ref
 
@@ -17,29 +18,18 @@ from spec_kernels.tree_attention.ref import tree_attention_ref
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm")
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: float32 statistics (fp16/bf16 variance underflows on long rows), then the weight in x's dtype."""
-    normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return weight * normed
-
-
-def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x ``[B, T, H, D]``; cos, sin ``[B, T, 1, D]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def decoder_layer_loop(
     hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps, linear, attend,
-    capture=None,
+    capture=None, ops: ElementwiseOps = REFERENCE_OPS,
 ):  # fmt: skip
-    """The body of ``decoder_layers`` in torch ops, with the matmul (``linear(x, w, b)``) and the attention
-    (``attend(q, k_cache, v_cache)``) given: the reference passes its references, the device path its kernels."""
+    """The body of ``decoder_layers`` in torch ops, with the matmul (``linear(x, w, b)``), the attention
+    (``attend(q, k_cache, v_cache)``) and the elementwise work (``ops``) given: the reference passes its references,
+    the device path its kernels. Each block's output joins the residual stream in the norm that follows it
+    (``ops.add_rms_norm``): the same sums, in the same dtype, as adding it first."""
     B, T, _ = hidden.shape
     Hkv, D = kv_cache.shape[-2:]
     sizes = (num_heads * D, Hkv * D, Hkv * D)
-    cos, sin = rope.unsqueeze(3)  # 2 x [B, T, 1, D]
+    cos, sin = rope  # [B, T, D] each
     pos = cache_seqlens.long()[:, None] + torch.arange(T, device=hidden.device)  # [B, T]
     block_size = kv_cache.shape[3]
     if block_table is None:
@@ -47,24 +37,24 @@ def decoder_layer_loop(
     else:
         blocks = block_table.long().gather(1, pos // block_size)  # [B, T]
     offsets = pos % block_size  # [B, T]
-    h = hidden
+    h, delta = None, hidden  # the residual stream, and the block output not yet added to it
     streams = {}  # the residual stream entering each captured layer
     for i in range(len(weights) // len(LAYER_FIELDS)):
+        w = dict(zip(LAYER_FIELDS, weights[i * len(LAYER_FIELDS) : (i + 1) * len(LAYER_FIELDS)]))
+        x, h = ops.add_rms_norm(delta, h, w["input_norm"], eps)  # [B, T, H] each
         if capture is not None and i in capture:
             streams[i] = h
-        w = dict(zip(LAYER_FIELDS, weights[i * len(LAYER_FIELDS) : (i + 1) * len(LAYER_FIELDS)]))
-        q, k, v = linear(rms_norm_ref(h, w["input_norm"], eps), w["qkv"], w["qkv_bias"]).split(sizes, dim=-1)
+        q, k, v = linear(x, w["qkv"], w["qkv_bias"]).split(sizes, dim=-1)
         q, k, v = q.reshape(B, T, num_heads, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         if w["q_norm"] is not None:
-            q, k = rms_norm_ref(q, w["q_norm"], eps), rms_norm_ref(k, w["k_norm"], eps)
-        q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+            q, k = ops.add_rms_norm(q, None, w["q_norm"], eps)[0], ops.add_rms_norm(k, None, w["k_norm"], eps)[0]
+        q, k = ops.rope_qk(q, k, cos, sin)
         kv_cache[i, 0, blocks, offsets] = k  # [B, T, Hkv, D] at positions L_b + t
         kv_cache[i, 1, blocks, offsets] = v
         out = attend(q, kv_cache[i, 0], kv_cache[i, 1])  # [B, T, Hq, D]
-        h = h + linear(out.flatten(2), w["o"], None)  # [B, T, Hq * D] (reshape(B, T, -1) fails at B = 0)
-        gate, up = linear(rms_norm_ref(h, w["post_norm"], eps), w["gate_up"], None).chunk(2, dim=-1)
-        h = h + linear(torch.nn.functional.silu(gate) * up, w["down"], None)
-    out = rms_norm_ref(h, final_norm, eps)
+        x, h = ops.add_rms_norm(linear(out.flatten(2), w["o"], None), h, w["post_norm"], eps)  # (flatten: B may be 0)
+        delta = linear(ops.silu_mul(linear(x, w["gate_up"], None)), w["down"], None)  # [B, T, H]
+    out, h = ops.add_rms_norm(delta, h, final_norm, eps)
     if capture is None:
         return out
     return out, torch.cat([streams[i] for i in capture], dim=-1) if capture else h.new_empty(B, T, 0)
