@@ -216,16 +216,16 @@ def test_layer_loop_with_fused_kernels(dtype, qk_norm):
     exact in bf16, within rounding in fp32) and hidden states within the dtype's rounding; the loop's layer-0 input
     norm takes the embeddings with no residual."""
     gen = torch.Generator().manual_seed(5)
-    hidden, weights, final_norm, kv_cache, seqlens, rope, mask, table, hq = _layer_inputs(dtype, qk_norm, gen)
+    hidden, weights, final_norm, kv_cache, cache_seqlens, rope, mask, table, hq = _layer_inputs(dtype, qk_norm, gen)
     triton_ops = ElementwiseOps(*(functools.partial(op, backend="triton") for op in DEVICE_OPS))
 
     def run(ops):
         cache = kv_cache.clone()
 
         def attend(q, k_cache, v_cache):
-            return tree_attention_ref(q, k_cache, v_cache, seqlens, mask, block_table=table)
+            return tree_attention_ref(q, k_cache, v_cache, cache_seqlens, mask, block_table=table)
 
-        out = decoder_layer_loop(hidden, weights, final_norm, cache, seqlens, rope, mask, table, hq, EPS, linear_ref,
+        out = decoder_layer_loop(hidden, weights, final_norm, cache, cache_seqlens, rope, mask, table, hq, EPS, linear_ref,
                                  attend, None, ops)  # fmt: skip
         return out, cache
 
