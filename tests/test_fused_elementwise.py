@@ -225,8 +225,8 @@ def test_layer_loop_with_fused_kernels(dtype, qk_norm):
         def attend(q, k_cache, v_cache):
             return tree_attention_ref(q, k_cache, v_cache, cache_seqlens, mask, block_table=table)
 
-        out = decoder_layer_loop(hidden, weights, final_norm, cache, cache_seqlens, rope, mask, table, hq, EPS, linear_ref,
-                                 attend, None, ops)  # fmt: skip
+        out = decoder_layer_loop(hidden, weights, final_norm, cache, cache_seqlens, rope, mask, table, hq, EPS,
+                                 linear_ref, attend, None, ops)  # fmt: skip
         return out, cache
 
     want, want_cache = run(REFERENCE_OPS)
