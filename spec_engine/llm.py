@@ -163,13 +163,15 @@ class LLM:
         here, on rank 0. ``close()`` stops the workers. ValueError when the heads or MLP width do not divide.
     engine_config : the engine's knobs (``spec_engine.engine.EngineConfig``; native chain lengths); None: defaults.
     enforce_eager : run every step's target pass eagerly (vLLM's name and default, False): on CUDA the regular step
-        otherwise replays it from a CUDA graph captured per bucket of (rows, verify width), captured when first met
-        (``spec_engine.cuda_graphs``); same tokens and cache either way. On CPU and meta it changes nothing (a CPU runs
-        its native multi-step calls); tensor parallelism always runs eagerly (its forward broadcasts from the host).
-    quantization : None, or ``"gguf"`` (vLLM's name): keep a GGUF file's quantized matrices (Q8_0, Q4_0, Q4_1) as
-        stored and multiply them with the native CPU kernels (``spec_kernels.quant_linear``); norms and activations
-        in ``dtype``. Greedy output in float32 is that of the same file dequantized at load. ValueError for a model
-        that is not a GGUF file; on a non-CPU device the weights are dequantized at load, with a warning.
+        otherwise replays it from a CUDA graph captured per bucket of (rows, verify width): the common buckets at
+        start-up, the others when first met (``spec_engine.cuda_graphs``); same tokens and cache either way. On CPU
+        and meta it changes nothing (a CPU runs its native multi-step calls); tensor parallelism always runs eagerly
+        (its forward broadcasts from the host).
+    quantization : None, or ``"gguf"`` (vLLM's name): keep a GGUF file's quantized matrices (Q8_0, Q4_0, Q4_1, Q5_0,
+        Q5_1, Q2_K-Q6_K) as stored and multiply them with the native CPU kernels (``spec_kernels.quant_linear``);
+        norms and activations in ``dtype``. Greedy output in float32 is that of the same file dequantized at load.
+        ValueError for a model that is not a GGUF file; on a non-CPU device the weights are dequantized at load,
+        with a warning.
     """
 
     def __init__(
