@@ -46,6 +46,7 @@ SHAPES = {
 }
 WIDTHS = (1, 2, 4, 8, 16)
 CTX = 256
+REPS = 3  # timed calls of ours per width and round, after one untimed (llama-bench warms up and repeats likewise)
 PREFILL = 512
 THREADS = 2
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -146,23 +147,29 @@ def ours(path: Path, qtype: str, rounds: int):
     for fn in fns.values():
         fn()  # warm-up: lazy builds, first-call allocations
 
-    def timed(fn):
+    def timed(fn, reps: int, warm: bool = True):
         def sample() -> list[float]:
-            start = time.perf_counter()
-            fn()
-            return [1e3 * (time.perf_counter() - start)]
+            if warm:  # untimed: the first call after llama.cpp's process ran finds cold caches
+                fn()
+            out = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                fn()
+                out.append(1e3 * (time.perf_counter() - start))
+            return out
 
         return sample
 
-    samplers = {k: timed(fn) for k, fn in fns.items()}
-    samplers["control"] = timed(fns["T1"])
+    samplers = {k: timed(fn, REPS) for k, fn in fns.items() if k != "prefill"}
+    samplers["prefill"] = timed(fns["prefill"], 1, warm=False)  # (compute-bound: a cold cache costs it little)
+    samplers["control"] = timed(fns["T1"], REPS)
     return llm, samplers, rss_gib()
 
 
 def theirs(llama_bench: Path, path: Path, reps: int) -> dict:
     """llama-bench samplers of ms per forward, keyed as ``ours``."""
     samplers = {f"T{t}": forward_sampler(llama_bench, path, THREADS, t, CTX, reps) for t in WIDTHS}
-    samplers["prefill"] = forward_sampler(llama_bench, path, THREADS, PREFILL, 0, reps)
+    samplers["prefill"] = forward_sampler(llama_bench, path, THREADS, PREFILL, 0, 1)
     return samplers
 
 
@@ -170,7 +177,7 @@ def run_file(path: Path, qtype: str, llama_bench: Path | None, rounds: int) -> d
     """Rounds alternating us and llama.cpp on one file; the medians, tok/s and r(T)."""
     torch.set_num_threads(THREADS)
     llm, mine, rss = ours(path, qtype, rounds)
-    peer = theirs(llama_bench, path, 1) if llama_bench is not None else {}
+    peer = theirs(llama_bench, path, REPS) if llama_bench is not None else {}
     samples = {("ours", k): [] for k in mine} | {("llama.cpp", k): [] for k in peer}
     for r in range(rounds):
         for k, fn in mine.items():
