@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-from bench.harness import forward_step  # noqa: E402
+from bench.harness import cpu_name, forward_step  # noqa: E402
 from bench.llama_cpp import binary, forward_sampler  # noqa: E402
 
 # Llama-3.2-1B and Llama-3.1-8B (their config.json), with SmolLM2's vocabulary; 1b ties its embeddings as the real one
@@ -243,9 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tokenizer = Path(pull("smollm2"))
     quantize = binary(args.llama_cpp, "llama-quantize")
     llama_bench = binary(args.llama_cpp, "llama-bench")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())  # fmt: skip
-    report = {"cpu": cpu, "threads": THREADS, "ctx": CTX, "torch": torch.__version__, "files": {}}
+    report = {"cpu": cpu_name(), "threads": THREADS, "ctx": CTX, "torch": torch.__version__, "files": {}}
     for shape in args.shapes.split(","):
         files = make_files(args.dir, shape, args.types.split(","), quantize, args.tokenizer)
         for qtype, path in files.items():
