@@ -200,11 +200,12 @@ def end_to_end(model: str, configs: dict, prompts: list[list[int]], max_tokens: 
     return result
 
 
-def run_peer(traces: list[dict], python: str) -> dict | None:
+def run_peer(traces: list[dict], python: str) -> dict | None:  # the peer sees KNOBS as they are here
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "traces.json", Path(tmp) / "arctic.json"
         src.write_text(json.dumps(traces))
-        done = subprocess.run([python, __file__, "--peer", str(src), str(dst)], capture_output=True, text=True)
+        cmd = [python, __file__, "--peer", str(src), str(dst), "--max-tree-depth", str(KNOBS["max_tree_depth"])]
+        done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"arctic-inference peer failed:\n{done.stderr[-2000:]}", file=sys.stderr)
             return None
@@ -225,6 +226,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--arctic-python", default="/tmp/arctic-venv/bin/python")
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--traces", default=None, help="replay these traces (a traces.json this bench wrote)")
+    ap.add_argument(
+        "--max-tree-depth",
+        type=int,
+        default=KNOBS["max_tree_depth"],
+        help="the trees' depth on both sides (vLLM's default: 24; the engine's: 32)",
+    )
     ap.add_argument("--peer", nargs=2, metavar=("TRACES", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
@@ -234,6 +241,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    KNOBS["max_tree_depth"] = args.max_tree_depth
     if args.peer:  # arctic-inference's interpreter: the replay only
         traces = json.loads(Path(args.peer[0]).read_text())
         out = {mode: replay_arctic(traces, mode == "tree") for mode in ("tree", "chain")}

@@ -138,7 +138,7 @@ class LLM:
         ``{"method": "suffix", ...}``: suffix decoding (``spec_engine.drafters.suffix``), model-free speculation trees
         from the request's own prompt and output and from earlier requests' outputs; ``num_speculative_tokens`` caps
         a row's tree nodes ("auto": up to 16, the adaptive controller choosing each row's cap); vLLM's knobs
-        ``suffix_decoding_max_tree_depth`` (24), ``suffix_decoding_max_spec_factor`` (1.0),
+        ``suffix_decoding_max_tree_depth`` (32; vLLM's 24), ``suffix_decoding_max_spec_factor`` (1.0),
         ``suffix_decoding_min_token_prob`` (0.1), ``suffix_decoding_max_cached_requests`` (1000 here; -1
         unbounded), and ours: ``suffix_decoding_use_tree_spec`` (True: trees; False: chains),
         ``suffix_decoding_min_score`` (1.0: the least expected accepted tokens worth drafting).

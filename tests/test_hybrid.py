@@ -118,9 +118,11 @@ def test_greedy_parity_on_the_default_pair(model, gamma):
 
 def test_min_tokens_drafts_as_much_once_the_minimum_is_out():
     """``min_tokens`` holds the stop tokens back until that many tokens are out and nothing after: past the minimum a
-    request takes the native calls as one without it does, so it drafts and accepts as much (before, it ran every step
-    as the regular one, 22 regular steps against 5 here, on other call boundaries and prices), with plain decoding's
-    tokens. (Before the minimum every drafted node is verified under the mask: tests/test_logits_processors.py.)"""
+    request takes the native calls as one without it does, so it accepts as much (before, it ran every step as the
+    regular one, 22 regular steps against 5 here, on other call boundaries and prices), with plain decoding's tokens.
+    Its first call is a regular step, so its calls end elsewhere, and a suffix match (which the global tree's
+    anchors make from a request's first step) may draft other nodes there: the counts agree within a tenth, not
+    exactly. (Before the minimum every drafted node is verified under the mask: tests/test_logits_processors.py.)"""
     target, _ = default_model_paths()
     spec = {"method": "hybrid", "num_speculative_tokens": 3}  # a fixed depth: no choice reads the clock
 
@@ -134,7 +136,8 @@ def test_min_tokens_drafts_as_much_once_the_minimum_is_out():
     tokens, counts, regular = run(spec, 0)
     held_tokens, held_counts, held_regular = run(spec, 4)
     assert held_tokens == plain == tokens
-    assert sum(a for _, a in counts) > 0 and held_counts == counts
+    accepted, held_accepted = sum(a for _, a in counts), sum(a for _, a in held_counts)
+    assert accepted > 0 and abs(held_accepted - accepted) <= 0.1 * accepted, (held_counts, counts)
     assert held_regular <= regular + 1  # (the first call, before the minimum, is a regular step)
 
 

@@ -151,24 +151,27 @@ def test_speculation_invariants(seed):
 
 @pytest.mark.parametrize("make_tree", list(TREES.values()), ids=list(TREES))
 def test_global_tree_keeps_the_last_requests(make_tree):
-    """The global tree holds the outputs of the last max_cached_requests requests (active ones included), oldest
-    evicted first, and a finished request's own tree is dropped."""
+    """The global tree holds the outputs of the last max_cached_requests requests (active ones included), each behind
+    its prompt's last max_depth - 1 tokens, oldest evicted first, and a finished request's own tree is dropped."""
     cache = SuffixCache(max_depth=6, max_cached_requests=3, make_tree=make_tree)
-    prompt = np.array([1, 2, 3])
+    prompt = np.array([9, 8, 7, 6, 5, 4, 1, 2, 3])  # its anchor: the last 5 tokens
     for key in range(10):
         output = [100 + key, 200 + key, 300 + key]  # one unique trigram per request
         tokens = np.concatenate([prompt, output])
-        cache.update(key, tokens[:4], num_prompt_tokens=3)
-        cache.update(key, tokens, num_prompt_tokens=3)
+        cache.update(key, tokens[:10], num_prompt_tokens=9)
+        cache.update(key, tokens, num_prompt_tokens=9)
         cache.finish(key)
         assert len(cache.cached_requests) <= 3 and cache.active_requests == []
     assert cache.cached_requests == [7, 8, 9]
     assert cache.global_tree.num_seqs == 3
     for key in range(10):
         expected = 1 if key >= 7 else 0
-        assert cache.global_tree.frequency([100 + key, 200 + key, 300 + key]) == expected
-    assert cache.global_tree.frequency([1, 2, 3]) == 0  # prompts stay in their requests' own trees
-    assert cache.global_tree.num_nodes() == 3 * 6  # three unique outputs of 3 tokens: 3 + 2 + 1 nodes each
+        assert cache.global_tree.frequency([1, 2, 3, 100 + key, 200 + key, 300 + key]) == expected
+    assert cache.global_tree.frequency([5, 4, 1, 2, 3]) == 3  # each cached request's anchor, once
+    assert cache.global_tree.frequency([6, 5]) == 0  # the rest of the prompts stay in their requests' own trees
+    # the anchor's 5 suffixes are shared (5 + 4 + 3 + 2 + 1 nodes); run on into an output, up to 6 tokens long, they
+    # add 1 + 2 + 3 + 3 + 3 nodes of their own, and the output's own suffixes 3 + 2 + 1
+    assert cache.global_tree.num_nodes() == 15 + 3 * (12 + 6)
 
 
 @pytest.mark.parametrize("make_tree", list(TREES.values()), ids=list(TREES))
@@ -196,13 +199,37 @@ def test_the_engine_hands_a_finished_requests_last_tokens_to_suffix_decoding():
         assert llm.engine.drafter.cache.global_tree.frequency(out[-4:]) >= 1, out
 
 
-def test_global_tree_serves_a_repeated_request():
-    cache = SuffixCache(max_depth=8, max_cached_requests=10)
-    cache.update(0, np.array([5, 6, 7, 8, 9, 10, 11]), num_prompt_tokens=2)
-    cache.finish(0)
-    cache.update(1, np.array([5, 6, 7]), num_prompt_tokens=2)  # the same request again, one token in
-    draft = cache.speculate(1, np.array([5, 6, 7]), 4, 4.0, 0.1)
-    assert draft.tokens == [8, 9, 10, 11]
+@pytest.mark.parametrize("make_tree", list(TREES.values()), ids=list(TREES))
+def test_global_tree_serves_a_repeated_request_from_its_first_step(make_tree):
+    """A request served again is drafted its answer at its first step, from a match in its anchor. An output indexed
+    without its anchor would match nothing there, and one token at the second step. The trie's strings are at most
+    max_depth tokens, match and draft together, and max_spec_factor 1 drafts at most one node per matched token: the
+    longest draft is max_depth / 2."""
+    cache = SuffixCache(max_depth=8, max_cached_requests=10, make_tree=make_tree)
+    prompt, answer = [20, 21, 22, 23, 24, 25, 26, 27, 28], [30, 31, 32, 33, 34, 35, 36, 37]
+    cache.update(0, np.array(prompt + answer[:1]), num_prompt_tokens=9)
+    cache.finish(0, np.array(prompt + answer), num_prompt_tokens=9)
+    cache.update(1, np.array(prompt), num_prompt_tokens=9)  # the same request again, nothing emitted yet
+    draft = cache.speculate(1, np.array(prompt), 6, 1.0, 0.1)
+    assert draft.tokens == answer[:4] and draft.match_len == 4
+    cache.update(2, np.array([40, 41, 42]), num_prompt_tokens=3)  # another request's context matches no anchor
+    assert cache.speculate(2, np.array([40, 41, 42]), 6, 1.0, 0.1).tokens == []
+
+
+def test_a_request_served_again_is_drafted_whole_from_its_first_step():
+    """Through the engine, at a fixed depth of 16 nodes (no choice reads the clock): the second time, every step
+    drafts up to the 16-node budget and keeps it (17 tokens a step), from the first; without the anchors the drafts
+    grow from one token over the first steps (13 steps). The prompt is longer than 16 tokens: a short anchor matches,
+    and so drafts, less."""
+    from spec_engine import LLM, SamplingParams, default_model_paths
+
+    spec = {"method": "suffix", "num_speculative_tokens": 16}
+    llm = LLM(default_model_paths()[0], speculative_config=spec, max_model_len=256)
+    params = SamplingParams(max_tokens=68, temperature=0.0, ignore_eos=True)
+    prompt = "Once upon a time there was a small town by the sea where every morning the fishermen went out to"
+    first, again = (llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2))
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.metrics["num_steps"] <= 68 // 17 + 1, again.metrics  # (one step may branch where the answer repeats)
 
 
 # --- the drafter in the engine ------------------------------------------------------------------------------------

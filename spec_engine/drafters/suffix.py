@@ -26,10 +26,12 @@ from spec_engine.tree import tree_mask_and_depths
 from spec_kernels import PAD_NODE
 from spec_kernels._ext import load_ext
 
-# vLLM's defaults (SpeculativeConfig's suffix_decoding_* fields), except the global tree's bound: ours is a trie
-# without path compression (about max_depth nodes per distinct output token), so 10000 cached requests could hold
-# gigabytes; 1000 requests of 500 tokens at depth 24 are ~0.6 GB
-MAX_TREE_DEPTH = 24
+# vLLM's defaults (SpeculativeConfig's suffix_decoding_* fields), except two. The global tree's bound: ours is a
+# trie without path compression (about max_depth nodes per distinct output token), so 10000 cached requests could
+# hold gigabytes. The depth (vLLM's 24): a match and the draft below it share the trie's max_depth tokens, and a
+# draft has at most max_spec_factor nodes per matched token, so a repeat is drafted at most max_depth / 2 tokens a
+# step; 32 lets it fill the 16 nodes of "auto" (bench/RESULTS.md, "Suffix decoding"), for a third more nodes
+MAX_TREE_DEPTH = 32
 MAX_SPEC_FACTOR = 1.0
 MIN_TOKEN_PROB = 0.1
 MAX_CACHED_REQUESTS = 1000

@@ -192,13 +192,17 @@ class SuffixCache:
 
     Each active request has its own tree over its prompt and output; the global tree holds the outputs of the last
     ``max_cached_requests`` requests (active ones included: a request's output joins it as it is emitted), evicting
-    whole requests oldest first (0: no global tree; -1: unbounded). A speculation takes whichever tree's best draft
-    scores higher (ties: the request's own). ``make_tree(max_depth)`` builds a tree: ``SuffixTreeRef`` or the C++
+    whole requests oldest first (0: no global tree; -1: unbounded). Each output is indexed behind its prompt's last
+    ``max_depth - 1`` tokens (its *anchor*): a request served again then matches its answer at its first step, where
+    an output alone is matched only by what the request already emitted, and its drafts grow from one token
+    (``max_spec_factor`` nodes per matched token) over the first steps. A speculation takes whichever tree's best
+    draft scores higher (ties: the request's own). ``make_tree(max_depth)`` builds a tree: ``SuffixTreeRef`` or the C++
     one (``spec_engine.drafters.suffix.native_tree``), which share this interface.
     """
 
     def __init__(self, max_depth: int, max_cached_requests: int, make_tree=SuffixTreeRef):
         self.max_depth, self.max_cached_requests, self.make_tree = max_depth, max_cached_requests, make_tree
+        self.anchor = max_depth - 1  # the prompt's last tokens indexed before its output in the global tree
         self.global_tree = make_tree(max_depth) if max_cached_requests != 0 else None
         self._local: dict[int, object] = {}  # request key -> its tree
         self._indexed: dict[int, int] = {}  # request key -> tokens of its history already in its trees
@@ -224,9 +228,7 @@ class SuffixCache:
         if start >= len(token_ids):
             return
         self._local[key].extend(0, token_ids[start:])
-        output_start = max(start, num_prompt_tokens)
-        if key in self._cached and output_start < len(token_ids):
-            self.global_tree.extend(key, token_ids[output_start:])
+        self._index_globally(key, token_ids, start, num_prompt_tokens)
         self._indexed[key] = len(token_ids)
 
     def finish(self, key: int, token_ids: np.ndarray | None = None, num_prompt_tokens: int = 0) -> None:
@@ -234,10 +236,14 @@ class SuffixCache:
         final history) the tokens its last step emitted too (no speculation after them indexed them)."""
         self._local.pop(key, None)
         start = self._indexed.pop(key, None)
-        if token_ids is not None and start is not None and key in self._cached:
-            output_start = max(start, num_prompt_tokens)
-            if output_start < len(token_ids):
-                self.global_tree.extend(key, token_ids[output_start:])
+        if token_ids is not None and start is not None:
+            self._index_globally(key, token_ids, start, num_prompt_tokens)
+
+    def _index_globally(self, key: int, token_ids: np.ndarray, start: int, num_prompt_tokens: int) -> None:
+        """The global tree's share of ``token_ids[start:]``: the output and the anchor before it."""
+        first = max(start, num_prompt_tokens - self.anchor, 0)
+        if key in self._cached and first < len(token_ids):
+            self.global_tree.extend(key, token_ids[first:])
 
     def speculate(self, key: int, context: np.ndarray, max_tokens: int, max_spec_factor: float,
                   min_token_prob: float, tree: bool = True) -> SuffixDraft:  # fmt: skip
