@@ -10,7 +10,7 @@ import functools
 
 import pytest
 import torch
-from tiny_models import make_model, make_noisy_copy
+from tiny_models import hf_trusted_greedy, make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
 
@@ -35,19 +35,9 @@ def pair(request, tmp_path_factory):
 
 @functools.cache
 def hf_greedy(model_dir, prompt: tuple[int, ...], n: int) -> tuple[list[int], int]:
-    """HF's greedy tokens and how many of them are trustworthy (top-2 margin >= 1e-3)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([list(prompt)])
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    for i, scores in enumerate(out.scores):
-        top2 = scores[0].float().topk(2).values
-        if top2[0] - top2[1] < 1e-3:
-            return tokens, i + 1  # the near-tie itself may go either way; everything after depends on it
-    return tokens, n
+    return hf_trusted_greedy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompt, n)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

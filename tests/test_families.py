@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf_files import write_gguf
-from tiny_models import make_model, make_noisy_copy
+from tiny_models import hf_trusted_greedy, make_model, make_noisy_copy
 
 from spec_engine import LLM, SamplingParams
 from spec_engine.models import load_model
@@ -88,15 +88,7 @@ def test_logits_match_transformers(family_dirs, family, source):
 
 @functools.cache
 def hf_greedy(model_dir: Path, prompt: tuple[int, ...], n: int) -> tuple[list[int], int]:
-    """HF's greedy tokens and how many of them are trustworthy (top-2 margin >= 1e-3)."""
-    out = hf_model(model_dir).generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                       output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    for i, scores in enumerate(out.scores):
-        top2 = scores[0].float().topk(2).values
-        if top2[0] - top2[1] < 1e-3:
-            return tokens, i + 1  # the near-tie itself may go either way; everything after depends on it
-    return tokens, n
+    return hf_trusted_greedy(hf_model(model_dir), prompt, n)
 
 
 SPECS = {"plain": None, "chain": {"method": "draft_model", "num_speculative_tokens": 3},

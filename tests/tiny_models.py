@@ -132,6 +132,23 @@ CORPUS = [
 ]
 
 
+NEAR_TIE = 1e-3  # a top-2 logit margin below this is a coin toss between two float orders of summation
+
+
+def hf_trusted_greedy(model, prompt: tuple[int, ...], n: int) -> tuple[list[int], int]:
+    """HF ``model``'s greedy tokens after ``prompt`` and how many of them are trustworthy: up to and including the
+    first near-tie (top-2 margin below ``NEAR_TIE``), which may go either way, and on which everything after it
+    depends."""
+    out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    for i, scores in enumerate(out.scores):
+        top2 = scores[0].float().topk(2).values
+        if top2[0] - top2[1] < NEAR_TIE:
+            return tokens, i + 1
+    return tokens, n
+
+
 def make_tokenizer(path: str | Path, vocab_size: int = 300, corpus: list[str] | None = None):
     """Train a byte-level BPE on ``corpus`` and save it as ``path/tokenizer.json``; returns the ``Tokenizer``.
 
