@@ -20,7 +20,8 @@ Sets (bf16, batch 1 unless said, greedy unless ``--temperature``, requests stop 
   HumanEval requests, against our best HumanEval row.
 
 Contenders: plain decoding (the control every ratio divides by), the shipped EAGLE-3 head adaptive (the default
-depth), at fixed depths 1-4 and as two small static trees, suffix decoding and the hybrid (the CLI's default).
+depth), at fixed depths 1-4, as two small static trees and as EAGLE-2's dynamic trees (``--dynamic``), suffix decoding
+and the hybrid (the CLI's default).
 Speedup = median over requests of (contender tok/s / plain tok/s), both timed within seconds of each other
 (``round_robin``); "decode" the same ratio of generation alone (from the prompt's last prefill chunk to the last
 token), which leaves out the prompt processing speculation cannot speed up and so compares with the bound. Each
@@ -162,7 +163,9 @@ def verify_costs(llm: LLM, ctx: int, sizes: list[int], reps: int) -> dict[int, f
     return {T: ms[T] / ms[1] for T in sizes}
 
 
-def row(run: Run, plain: Run, r: dict[int, float], c: float | None) -> dict:
+def row(run: Run, plain: Run, r: dict[int, float], c: float | None, tree: tuple[int, int] | None = None) -> dict:
+    """One contender's figures; ``tree``: a dynamic tree's (depth, nodes verified), whose bound is its measured tau
+    over the price of a step, r(nodes) + depth * c."""
     alpha = run.accepted / run.drafted if run.drafted else None
     alpha_hat = run.accepted / run.tried if run.tried and run.gamma_cap else None  # fixed depths only
     out = {"name": run.name, "speedup": paired_ratio(run, plain),
@@ -174,6 +177,9 @@ def row(run: Run, plain: Run, r: dict[int, float], c: float | None) -> dict:
     if g and alpha_hat is not None and c is not None and g + 1 in r:
         E = expected_tokens(alpha_hat, g)
         out |= {"gamma": g, "E": E, "r": r[g + 1], "c": c, "bound": E / (r[g + 1] + g * c)}
+    if tree and out["tau"] and c is not None and tree[1] in r:
+        g, T = tree
+        out |= {"gamma": g, "E": out["tau"], "r": r[T], "c": c, "bound": out["tau"] / (r[T] + g * c)}
     return out
 
 
@@ -216,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"))
     ap.add_argument("--trees", default=";".join(",".join(map(str, t)) for t in TREES),
                     help="the eagle-t rows' static trees, children per depth, ';'-separated")  # fmt: skip
+    ap.add_argument(
+        "--dynamic",
+        default="",
+        help="eagle-k rows: EAGLE-2 dynamic trees, k nodes per level x depth, ';'-separated (e.g. '3x4')",
+    )
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample the humaneval and chat sets at this temperature, each request seeded (the coupling: "
                     "every row's tokens are plain decoding's)")  # fmt: skip
@@ -232,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         trees = []
     if not trees or any(b < 1 for t in trees for b in t):
         ap.error(f"--trees takes positive children per depth, e.g. '2,1;3,1,1', got {args.trees!r}")
+    try:
+        dynamic = [tuple(int(n) for n in d.split("x")) for d in args.dynamic.split(";") if d]
+    except ValueError:
+        dynamic = [()]
+    if any(len(d) != 2 or min(d) < 1 for d in dynamic):
+        ap.error(f"--dynamic takes k x depth per tree, e.g. '3x4;4x4', got {args.dynamic!r}")
     sets = args.sets.split(",")
     if "second" in sets and "edit" not in sets:  # the second pass serves what the first left in the global tree
         print("--sets second: the edit set runs first (its pass fills the global suffix tree)")
@@ -242,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(sets) - set(SETS):
         ap.error(f"unknown sets {sorted(unknown)}; choose from {', '.join(SETS)}")
     rows = ["eagle-auto", *(f"eagle-g{g}" for g in CHAINS), *("eagle-t" + "".join(map(str, t)) for t in trees),
-            "suffix", "hybrid"]  # fmt: skip
+            *(f"eagle-k{k}x{g}" for k, g in dynamic), "suffix", "hybrid"]  # fmt: skip
     if args.rows and (unknown := set(args.rows.split(",")) - set(rows)):
         ap.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(rows)}")
     if "humaneval" in sets and not humaneval_path().is_file():  # (before a dozen engines load)
@@ -258,11 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"eagle-auto": eagle, **{f"eagle-g{g}": eagle | {"num_speculative_tokens": g} for g in CHAINS},
                **{"eagle-t" + "".join(map(str, t)): eagle | {"num_speculative_tokens": len(t), "tree": list(t)}
                   for t in trees},
+               **{f"eagle-k{k}x{g}": eagle | {"num_speculative_tokens": g, "tree": "dynamic", "eagle_topk": k}
+                  for k, g in dynamic},
                "suffix": {"method": "suffix"}, "hybrid": {"method": "hybrid"} | ({"model": args.head} if args.head
                                                                                   else {})}  # fmt: skip
     llms = {name: LLM(args.model, speculative_config=spec, **kw) for name, spec in tqdm(engines.items(), desc="load")}
     head_dir = llms["eagle-auto"].speculative_config["model"]
     gammas = {f"eagle-g{g}": g for g in CHAINS}
+    dynamic_shapes = {f"eagle-k{k}x{g}": (g, 1 + k * g) for k, g in dynamic}  # (depth, nodes verified)
 
     def contenders(names: list[str], kind=ChatContender) -> list[Contender]:
         if kind is ChatContender and args.temperature > 0:
@@ -279,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f"seeded sampling at temperature {args.temperature:g}, top_p {args.top_p:g}" if args.temperature
              else "greedy"))  # fmt: skip
     ctx = 256
-    r = verify_costs(plain, ctx, [1, 2, 3, 4, 5, 8, 16], args.reps)
+    r = verify_costs(plain, ctx, sorted({1, 2, 3, 4, 5, 8, 16} | {T for _, T in dynamic_shapes.values()}), args.reps)
     ms = time_interleaved({"target": forward_step(plain.engine.target, plain.engine.kv, 1, ctx, 1),
                            "head": head_step(llms["eagle-g1"].engine.drafter, ctx)}, args.reps)  # fmt: skip
     c = ms["head"] / ms["target"]
@@ -291,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     every = [n for n in engines if not args.rows or n in args.rows.split(",")]
 
     def report(name: str, runs: list[Run], title: str) -> list[dict]:
-        rows = [row(x, runs[0], r, c) for x in runs[1:]]
+        rows = [row(x, runs[0], r, c, dynamic_shapes.get(x.name)) for x in runs[1:]]
         print_rows(title, rows)
         result["sets"][name] = rows
         return rows
