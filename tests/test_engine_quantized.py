@@ -65,6 +65,27 @@ def test_float32_is_the_dequantized_model(gguf_files, name):
     assert torch.equal(_logits(model, ids), _logits(dense.target, ids))
 
 
+def test_a_quantized_model_keeps_one_copy_of_its_blocks(gguf_files):
+    """The fused q/k/v and gate/up blocks are the only copies: each projection's entry is a view of its rows (two
+    copies had doubled an 8B file's resident memory), and rebuilding the native handle copies nothing. The file's
+    pages are let go once read, and read back unchanged."""
+    from spec_engine.models.gguf import open_gguf, read_gguf_raw
+
+    model = load_model(gguf_files["Q8_0"], quantization="gguf")
+    model.fuse(max_positions=64)
+    qkv, gate_up = model.layer_weights[1], model.layer_weights[5]
+    for fused, names in ((qkv, ("q", "k", "v")), (gate_up, ("gate", "up"))):
+        for n in names:
+            part = model.quantized[f"model.layers.0.{'self_attn' if n in 'qkv' else 'mlp'}.{n}_proj.weight"].data
+            assert part.untyped_storage().data_ptr() == fused.data.untyped_storage().data_ptr()
+    model.restrict_vocab(None)  # rebuilds the native handle
+    assert model.layer_weights[1].data.untyped_storage().data_ptr() == qkv.data.untyped_storage().data_ptr()
+    first = read_gguf_raw(gguf_files["Q8_0"])[1]  # (its pages released: open_gguf's parse stays cached)
+    assert open_gguf(gguf_files["Q8_0"]).reader is not None
+    again = read_gguf_raw(gguf_files["Q8_0"])[1]
+    assert all(torch.equal(first[n].data, again[n].data) for n in first)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_speculation_is_plain_decoding(gguf_files, hf_dir, tmp_path, dtype):
     """Lossless on the quantized weights: n-gram and draft-model speculation emit plain decoding's tokens."""

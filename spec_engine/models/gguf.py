@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,14 @@ class GGUFFile:
         value = self.metadata.get(key)
         return default if value is None else value
 
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident memory once its tensors are copied out: the parse stays
+        cached (``open_gguf``), and the mapping with it, so every page read stayed resident beside its copy, twice
+        a quantized model's size. A later read pages them back in from the file."""
+        mapped = getattr(self.reader.data, "_mmap", None)  # (numpy's memmap keeps its mmap.mmap there)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
+
 
 @functools.lru_cache(maxsize=2)
 def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
@@ -190,6 +199,7 @@ def read_gguf_raw(path: str | Path) -> tuple[ModelConfig, dict[str, RawTensor]]:
         if hf is None:
             raise ValueError(f"{f.path}: unexpected tensor {name!r} for architecture {arch}")
         out[hf] = _raw(f, t, cfg, GGUF_ARCHITECTURES[arch].permuted_qk)
+    f.release_pages()
     return cfg, split_fused(cfg, out)
 
 

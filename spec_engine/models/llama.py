@@ -21,6 +21,9 @@ refuses. The embedding also keeps a dense copy in the run dtype: drafters (EAGLE
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -220,10 +223,34 @@ class LlamaForCausalLM(nn.Module):
         are independent), else dense in the run dtype (a format the others do not share is dequantized)."""
         blocks = [self.quantized.get(n) for n in names]
         if all(b is not None for b in blocks) and len({b.qtype for b in blocks}) == 1:
-            return blocks[0] if len(blocks) == 1 else QuantizedWeight.cat(blocks)
+            return blocks[0] if len(blocks) == 1 else self._fused_blocks(names, blocks)
         dtype = self.model.norm.weight.dtype
         parts = [self.get_parameter(n).detach() if b is None else b.dequantize(dtype) for b, n in zip(blocks, names)]
         return torch.cat(parts)
+
+    def _fused_blocks(self, names: list[str], blocks: list[QuantizedWeight]) -> QuantizedWeight:
+        """The row concatenation of ``blocks``, whose entries in ``quantized`` become views of its rows (as
+        ``_fuse_rows`` does for dense matrices): the fused copy is the only one kept, where two copies of q/k/v and
+        gate/up had doubled a quantized model's resident memory. Blocks that already are adjacent rows of one tensor
+        (a rebuild of the native handle) are that tensor's rows, not a new copy."""
+        first = blocks[0].data  # [N_0, row_bytes]
+        rows, row_bytes, storage = sum(b.shape[0] for b in blocks), first.shape[1], first.untyped_storage()
+        starts = itertools.accumulate([b.shape[0] for b in blocks[:-1]], initial=0)  # each part's first row
+        adjacent = all(
+            b.data.is_contiguous()
+            and b.data.untyped_storage().data_ptr() == storage.data_ptr()
+            and b.data.storage_offset() == first.storage_offset() + r * row_bytes
+            for b, r in zip(blocks, starts)
+        )
+        if adjacent:
+            data = first.new_empty(0).set_(storage, first.storage_offset(), (rows, row_bytes))
+            return dataclasses.replace(blocks[0], data=data, shape=(rows, blocks[0].shape[1]))
+        fused = QuantizedWeight.cat(blocks)
+        start = 0
+        for name, b in zip(names, blocks):
+            self.quantized[name] = dataclasses.replace(b, data=fused.data[start : start + b.shape[0]])
+            start += b.shape[0]
+        return fused
 
     def _quantized_fields(self, i: int) -> list[torch.Tensor | QuantizedWeight | None]:
         """Layer i's tensors in the order of ``LAYER_FIELDS``, its matrices from ``_matrix`` (a quantized model's
