@@ -96,7 +96,8 @@ class StepRunner:
         # the native calls sample coupled rows: a head's chains and its target's plain steps (spec_chain), and a
         # target's plain steps where nothing drafts (plain_steps)
         tree = drafter.tree if drafter is not None else None
-        self.head_chains = isinstance(self.native_draft, NativeHead) and (tree is None or tree.is_chain)
+        chains = tree is None or tree.is_chain and not tree.topk  # (a dynamic tree of one node a level is no chain)
+        self.head_chains = isinstance(self.native_draft, NativeHead) and chains
         self.samples_natively = self.native_target is not None and (drafter is None or self.head_chains)
         self.graphs: CapturedForward | None = None  # the regular step's captured target pass (use_graphs)
         self._graph_mechanism: str | None = None
@@ -281,7 +282,7 @@ class StepRunner:
             catch_up[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
         lengths = [r.cache_seqlen for r in reqs]
         tree = self.drafter.tree
-        branching = () if tree is None or tree.is_chain else tree.branching[:gamma]  # (a head's static tree, cut)
+        branching, topk = tree.native_shape(gamma) if tree is not None else ((), 0)  # (a head's tree, cut)
         # positions a row may write past L_b: its emitted tokens, then the last step's tree
         reach = min(max_steps * (gamma + 1), max(r.tokens_left for r in reqs)) + self.drafter.nodes_for_gamma(gamma)
         table = self.block_table(reqs, max(lengths) + reach + 2)  # [B, W]
@@ -290,7 +291,7 @@ class StepRunner:
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
             torch.tensor([r.tokens_left for r in reqs]),
             stops, gamma=gamma, max_steps=max_steps, stop_on_reject=stop_on_reject,
-            draft_features=self.drafter.features, tree=branching, **self._sampling(reqs),
+            draft_features=self.drafter.features, tree=branching, topk=topk, **self._sampling(reqs),
         )  # fmt: skip
         steps, _, catch_up_lens, times = result  # [B, S, gamma + 2], [B, 2], [B], [S, 2]
         steps, catch_up_lens, times = steps.tolist(), catch_up_lens.tolist(), times.tolist()
