@@ -108,6 +108,23 @@ class HeadDraft {
     }
   }
 
+  // Each row's root (entry last[b] of the entries just run, T per row, the first at start[b]) as node 0 of a tree of
+  // N nodes: its raw output into nodes_ [B, N, H] (the nodes' raw outputs), node 1's slot R_b + 1 into pos_, the
+  // nodes' target ids tree_tok_ [B, N] cleared. Returns the roots' draft logits [B, V].
+  const T* tree_roots(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, int64_t N) {
+    const int64_t H = head_.hidden_size();
+    nodes_.resize(B * N * H);
+    normed_.resize(B * H), pos_.resize(B);
+    tree_tok_.assign(B * N, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t m = b * T_ + last[b];
+      std::copy(raw + m * H, raw + (m + 1) * H, nodes_.begin() + b * N * H);
+      std::copy(head_.normed() + m * H, head_.normed() + (m + 1) * H, normed_.begin() + b * H);
+      pos_[b] = start[b] + last[b] + 1;
+    }
+    return head_.logits(normed_.data(), B);
+  }
+
   // From each row's root (entry last[b] of the entries just run, T per row, the first at start[b]), the nodes 1 ..
   // N - 1 of `tree` into out [B, N - 1]: the children of a node are the branching[d] most likely tokens of its draft
   // logits (the first index of the maximum when one; ties to the lower id), level by level. Below the last level,
@@ -116,16 +133,7 @@ class HeadDraft {
   void tree(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, const TreeShape& tree,
             int64_t* out) {
     const int64_t H = head_.hidden_size(), V = head_.vocab(), N = tree.nodes();
-    nodes_.resize(B * N * H);  // [B, N, H]: each node's raw output (the root's from the entries)
-    normed_.resize(B * H), pos_.resize(B);
-    tree_tok_.assign(B * N, 0);  // [B, N]: the nodes' target ids
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t m = b * T_ + last[b];
-      std::copy(raw + m * H, raw + (m + 1) * H, nodes_.begin() + b * N * H);
-      std::copy(head_.normed() + m * H, head_.normed() + (m + 1) * H, normed_.begin() + b * H);
-      pos_[b] = start[b] + last[b] + 1;  // node 1's slot
-    }
-    const T* logits = head_.logits(normed_.data(), B);  // [B, n_level, V] with level 0's one node
+    const T* logits = tree_roots(raw, B, T_, start, last, N);  // [B, n_level, V] with level 0's one node
     for (int64_t d = 0; d < tree.depth(); ++d) {
       const int64_t first = tree.levels[d], n_level = tree.levels[d + 1] - first, kids = tree.branching[d];
       for (int64_t b = 0; b < B; ++b) {
@@ -177,18 +185,10 @@ class HeadDraft {
   void dynamic_tree(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, int64_t gamma,
                     int64_t k, int64_t* out, int64_t* parents) {
     const int64_t H = head_.hidden_size(), V = head_.vocab(), N = 1 + k * gamma;
-    nodes_.resize(B * N * H);  // [B, N, H]: each node's raw output (the root's from the entries)
-    normed_.resize(B * H), pos_.resize(B), path_.resize(V);
-    tree_tok_.assign(B * N, 0);  // [B, N]: the nodes' target ids
+    path_.resize(V);
     score_.assign(B * N, 0.0f);  // [B, N]: the nodes' path scores
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t m = b * T_ + last[b];
-      std::copy(raw + m * H, raw + (m + 1) * H, nodes_.begin() + b * N * H);
-      std::copy(head_.normed() + m * H, head_.normed() + (m + 1) * H, normed_.begin() + b * H);
-      pos_[b] = start[b] + last[b] + 1;  // node 1's slot
-      parents[b * N] = -1;
-    }
-    const T* logits = head_.logits(normed_.data(), B);  // [B, n_parent, V] with level 0's one node
+    for (int64_t b = 0; b < B; ++b) parents[b * N] = -1;
+    const T* logits = tree_roots(raw, B, T_, start, last, N);  // [B, n_parent, V] with level 0's one node
     for (int64_t d = 1; d <= gamma; ++d) {
       const int64_t n_parent = d == 1 ? 1 : k, first = d == 1 ? 0 : 1 + (d - 2) * k, level = 1 + (d - 1) * k;
       for (int64_t b = 0; b < B; ++b) {
