@@ -7,7 +7,7 @@ what changed as one ``StepResult`` for ``Engine._apply`` to commit (``StepRunner
 - a plain chain: K plain steps in one C++ call (``plain_steps``; ``spec_chain`` at depth 0 where a head reads the
   target's features), of greedy rows and coupled sampled ones;
 - a spec chain: up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chains (a
-  head's static trees too) in one C++ call (``spec_chain``); with a head's chains, coupled sampled rows too
+  head's static and dynamic trees too) in one C++ call (``spec_chain``); with a head's chains, coupled sampled rows too
   (``_greedy_or_coupled``: the position-keyed coupling's tokens, as the regular step draws them);
 - the regular step (``_spec_step``): draft, the target's pass over the tree, ``verify_tree``, compaction, in
   Python-driven ops: any tree, other sampled rows, a hybrid's suffix rows, any device; where every row is greedy with a
@@ -252,7 +252,7 @@ class StepRunner:
 
     def _spec_chain_fits(self, reqs: list[Request], gammas: list[int]) -> bool:
         """Whether a native call can run the rows' speculative steps: a draft model proposing chains or a native head
-        proposing chains or static trees, for greedy rows (a head's chains: coupled sampled rows too), all at one
+        proposing chains or trees (static, dynamic), for greedy rows (a head's chains: coupled sampled rows too), at one
         gamma, the draft caches' lags (their catch-up: a prompt and the tokens decoded before a row's first drafted
         step, under the adaptive controller) at most a prefill chunk and within gamma of each other, and every row
         with gamma + 1 tokens of its max_tokens left (the C++ checks before each step: a call near the end of a

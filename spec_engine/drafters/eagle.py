@@ -281,8 +281,9 @@ class EagleDrafter(DraftModelDrafter):
     the sequence, and its parent node's output when it is a drafted node. An EAGLE-3 head on the CPU runs natively
     (``EagleHead.native``): every causal chunk it is fed (prefill, catch-up) as one ``eagle3_draft`` call, and a
     chain step, its catch-up's last forward and the whole chain, as one more (sampled rows too: their Gumbel noise
-    drawn here, the draws made there); the engine's native greedy speculative steps (``spec_chain``) run its chains
-    whole, the feature cache written there.
+    drawn here, the draws made there); the engine's native greedy speculative steps (``spec_chain``) run its chains,
+    static trees and EAGLE-2 dynamic trees whole, the feature cache written there; a regular step's dynamic tree is
+    one more ``eagle3_draft`` call (``_propose_dynamic``).
 
     Caches: the head's KV ``kv`` [1, 2, num_blocks, block_size, Hkv, D] and the feature cache ``features``
     [1, num_blocks, block_size, H], both on the target's block table. ``commit`` writes every node's feature and
