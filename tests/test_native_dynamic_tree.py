@@ -36,7 +36,7 @@ def pair(tmp_path_factory):
     return str(target), str(write_published_head(root / "head", "eagle3", vocab=VOCAB, draft_vocab=DRAFT_VOCAB))
 
 
-def _llm(pair, dtype: str, *, topk: int | None, gamma: int = 3, steps: int = 16) -> LLM:
+def _llm(pair, dtype: str, *, topk: int | None, gamma: int | str = 3, steps: int = 16) -> LLM:
     target, head = pair
     spec = None
     if topk is not None:
@@ -48,7 +48,7 @@ def _llm(pair, dtype: str, *, topk: int | None, gamma: int = 3, steps: int = 16)
             "eagle_topk": topk,
         }
     return LLM(target, speculative_config=spec, dtype=dtype, max_model_len=128,
-               engine_config=EngineConfig(spec_chain_steps=steps))  # fmt: skip
+               engine_config=EngineConfig(spec_chain_steps=steps, unsure_chain_steps=min(steps, 4)))  # fmt: skip
 
 
 def _run(llm: LLM, params, monkeypatch, drafts: list | None = None, python: bool = False) -> dict:
@@ -130,6 +130,8 @@ def test_native_dynamic_trees_match_the_python_tree_path(pair, monkeypatch, dtyp
     assert steps[SPEC_CHAIN] > steps[REGULAR], f"the native steps must have run the trees: {steps}"
     assert all(p.path != SPEC_CHAIN for p in reference["plans"] + regular["plans"])
     assert sum(n for n, _ in regular["accepted"]) > 0 and len(regular_drafts) > 10
+    # rows near their max_tokens draft shallower trees, padded in a step's deepest: the padding is compared too
+    assert any(((d.parents[:, 1:] < 0).any(1) & (d.parents[:, 1:] >= 0).any(1)).any() for d in regular_drafts)
     # below level 1, node i of the shape's numbering hangs from node i - k: the trees chose others
     assert any(
         ((d.parents != torch.arange(d.parents.shape[1]) - topk) & (d.parents >= 1)).any() for d in regular_drafts
@@ -154,6 +156,18 @@ def test_seeded_rows_draft_dynamic_trees_natively_on_the_regular_step(pair, monk
     assert native["tokens"] == reference["tokens"] == plain
     assert all(p.path != SPEC_CHAIN for p in native["plans"]) and len(native_drafts) > 10
     assert _same_drafts(native_drafts, reference_drafts)
+
+
+@pytest.mark.parametrize("steps", [16, 0])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adaptive_dynamic_trees_keep_plain_tokens(pair, monkeypatch, dtype, steps):
+    """Under the adaptive controller (its depths per row and step), native calls or regular steps: plain decoding's
+    tokens."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = _run(_llm(pair, dtype, topk=None), params, monkeypatch)["tokens"]
+    llm = _llm(pair, dtype, topk=3, gamma="auto", steps=steps)
+    assert _run(llm, params, monkeypatch)["tokens"] == plain
+    assert llm.engine.stats["num_drafted"] > 0
 
 
 def test_a_planted_bug_in_the_reference_is_caught(pair, monkeypatch):
