@@ -327,8 +327,9 @@ class HeadDraft {
 
   // A dynamic tree's scores (dynamic_level's rule): the path scores out [V] of one node's children, its own score
   // plus each draft token's log q under its logits z [V], in float32: log q = (z - max z) - lse, lse the log of the
-  // sum of exp(z - max z) taken in float64 and rounded to float32 (so neither the sum's order nor exp's last bit
-  // reaches a score, where the two sides' differ); a NaN is -inf.
+  // sum of exp(z - max z) taken in float64 and rounded to float32 (the two sides sum in other orders with other exps,
+  // which part in a double's last bits: rounded, those reach a score only where lse lies that close to a float32
+  // rounding boundary); a NaN is -inf.
   static void path_scores(const T* z, int64_t V, float base, float* out) {
     float top = -std::numeric_limits<float>::infinity();
     bool nan = false;

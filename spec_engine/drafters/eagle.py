@@ -250,8 +250,9 @@ def dynamic_level(logits: torch.Tensor, parent_scores: torch.Tensor, k: int) -> 
     one rule the native steps mirror bit for bit (``HeadDraft::dynamic_tree``, csrc/head_draft_cpu.h).
 
     A child's path score is its parent's plus its token's log q, in float32: log q = (z - max z) - lse, lse the log of
-    the sum of exp(z - max z) taken in float64 and rounded to float32 (so neither side's summation order nor its exp's
-    last bit reaches a score); a NaN score is -inf. Ties go to the lower parent, then the lower token id: stable sorts,
+    the sum of exp(z - max z) taken in float64 and rounded to float32 (the two sides sum in other orders with other
+    exps, which part in a double's last bits: rounded, those reach a score only where lse lies that close to a float32
+    rounding boundary); a NaN score is -inf. Ties go to the lower parent, then the lower token id: stable sorts,
     as ``topk`` leaves the order of equals undefined.
 
     Shapes: logits [B, n, V] float32 (the n nodes' draft logits), parent_scores [B, n]; returns (path scores, parent
