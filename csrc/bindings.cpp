@@ -57,14 +57,15 @@ at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Nat
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& target_model, const c10::intrusive_ptr<NativeModel>& draft_model,
     at::TensorList caches, const OptTensorList& inputs, const OptTensorList& sampling, at::IntArrayRef knobs,
-    at::IntArrayRef tree);
+    at::IntArrayRef tree, int64_t topk);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_step_cpu(
     const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& cache_seqlens,
     const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table,
     at::IntArrayRef capture);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
     at::TensorList entries, const at::Tensor& feature_cache, const c10::intrusive_ptr<NativeModel>& head,
-    at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table, int64_t gamma, const OptTensorList& draws);
+    at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table, int64_t gamma, const OptTensorList& draws,
+    int64_t topk);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                                                  const at::Tensor& parents);
 at::Tensor rng_uniform_cpu(const at::Tensor& keys, int64_t n);
@@ -215,14 +216,14 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def(
       "spec_chain(__torch__.torch.classes.spec_kernels.NativeModel target, "
       "__torch__.torch.classes.spec_kernels.NativeModel draft, Tensor(a!)[] caches, Tensor?[] inputs, "
-      "Tensor?[] sampling, int[] knobs, int[] tree=[]) -> (Tensor, Tensor, Tensor, Tensor)");
+      "Tensor?[] sampling, int[] knobs, int[] tree=[], int topk=0) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "tree_step(Tensor tokens, Tensor parents, Tensor cache_seqlens, "
       "__torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, Tensor? block_table, "
       "int[] capture=[]) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "eagle3_draft(Tensor[] entries, Tensor feature_cache, __torch__.torch.classes.spec_kernels.NativeModel head, "
-      "Tensor(a!) kv_cache, Tensor? block_table, int gamma, Tensor?[] draws) -> (Tensor, Tensor, Tensor)");
+      "Tensor(a!) kv_cache, Tensor? block_table, int gamma, Tensor?[] draws, int topk=0) -> (Tensor, Tensor, Tensor)");
   // suffix decoding's tree (csrc/suffix_tree_cpu.cpp): torch.classes.spec_kernels.SuffixTree(max_depth)
   m.class_<specdec::SuffixTree>("SuffixTree")
       .def(torch::init<int64_t>())

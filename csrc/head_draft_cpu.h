@@ -108,6 +108,23 @@ class HeadDraft {
     }
   }
 
+  // Each row's root (entry last[b] of the entries just run, T per row, the first at start[b]) as node 0 of a tree of
+  // N nodes: its raw output into nodes_ [B, N, H] (the nodes' raw outputs), node 1's slot R_b + 1 into pos_, the
+  // nodes' target ids tree_tok_ [B, N] cleared. Returns the roots' draft logits [B, V].
+  const T* tree_roots(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, int64_t N) {
+    const int64_t H = head_.hidden_size();
+    nodes_.resize(B * N * H);
+    normed_.resize(B * H), pos_.resize(B);
+    tree_tok_.assign(B * N, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t m = b * T_ + last[b];
+      std::copy(raw + m * H, raw + (m + 1) * H, nodes_.begin() + b * N * H);
+      std::copy(head_.normed() + m * H, head_.normed() + (m + 1) * H, normed_.begin() + b * H);
+      pos_[b] = start[b] + last[b] + 1;
+    }
+    return head_.logits(normed_.data(), B);
+  }
+
   // From each row's root (entry last[b] of the entries just run, T per row, the first at start[b]), the nodes 1 ..
   // N - 1 of `tree` into out [B, N - 1]: the children of a node are the branching[d] most likely tokens of its draft
   // logits (the first index of the maximum when one; ties to the lower id), level by level. Below the last level,
@@ -116,16 +133,7 @@ class HeadDraft {
   void tree(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, const TreeShape& tree,
             int64_t* out) {
     const int64_t H = head_.hidden_size(), V = head_.vocab(), N = tree.nodes();
-    nodes_.resize(B * N * H);  // [B, N, H]: each node's raw output (the root's from the entries)
-    normed_.resize(B * H), pos_.resize(B);
-    tree_tok_.assign(B * N, 0);  // [B, N]: the nodes' target ids
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t m = b * T_ + last[b];
-      std::copy(raw + m * H, raw + (m + 1) * H, nodes_.begin() + b * N * H);
-      std::copy(head_.normed() + m * H, head_.normed() + (m + 1) * H, normed_.begin() + b * H);
-      pos_[b] = start[b] + last[b] + 1;  // node 1's slot
-    }
-    const T* logits = head_.logits(normed_.data(), B);  // [B, n_level, V] with level 0's one node
+    const T* logits = tree_roots(raw, B, T_, start, last, N);  // [B, n_level, V] with level 0's one node
     for (int64_t d = 0; d < tree.depth(); ++d) {
       const int64_t first = tree.levels[d], n_level = tree.levels[d + 1] - first, kids = tree.branching[d];
       for (int64_t b = 0; b < B; ++b) {
@@ -168,12 +176,77 @@ class HeadDraft {
     }
   }
 
-  void propose(const ChainRows& r, int64_t* drafts) {
+  // EAGLE-2's dynamic tree from each row's root (entry last[b] of the entries just run, T per row, the first at
+  // start[b]): gamma levels of k nodes, their target ids into out [B, N - 1] and their parents into parents [B, N]
+  // (N = 1 + k gamma; the root's -1). Level d keeps the k best children of level d - 1's nodes by path score, the
+  // rule of spec_engine/drafters/eagle.py's dynamic_level, mirrored bit for bit (path_scores, better): each node's
+  // k best children, then the level's k best of those, best first. Below the last level, levels 1 .. d run together
+  // re-rooted at slot R_b + 1 as HeadDraft::tree runs them, with each row's mask from its chosen parents.
+  void dynamic_tree(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, int64_t gamma,
+                    int64_t k, int64_t* out, int64_t* parents) {
+    const int64_t H = head_.hidden_size(), V = head_.vocab(), N = 1 + k * gamma;
+    path_.resize(V);
+    score_.assign(B * N, 0.0f);  // [B, N]: the nodes' path scores
+    for (int64_t b = 0; b < B; ++b) parents[b * N] = -1;
+    const T* logits = tree_roots(raw, B, T_, start, last, N);  // [B, n_parent, V] with level 0's one node
+    for (int64_t d = 1; d <= gamma; ++d) {
+      const int64_t n_parent = d == 1 ? 1 : k, first = d == 1 ? 0 : 1 + (d - 2) * k, level = 1 + (d - 1) * k;
+      for (int64_t b = 0; b < B; ++b) {
+        cand_score_.clear(), cand_tok_.clear();  // [n_parent * k]: each parent's k best children, parent by parent
+        for (int64_t i = 0; i < n_parent; ++i) {
+          path_scores(logits + (b * n_parent + i) * V, V, score_[b * N + first + i], path_.data());
+          best_children(path_.data(), V, k);
+          for (int64_t c = 0; c < k; ++c) cand_score_.push_back(path_[best_[c]]), cand_tok_.push_back(best_[c]);
+        }
+        order_.resize(n_parent * k);
+        for (int64_t c = 0; c < n_parent * k; ++c) order_[c] = c;
+        std::partial_sort(order_.begin(), order_.begin() + k, order_.end(),
+                          [&](int64_t x, int64_t y) { return better(cand_score_[x], x, cand_score_[y], y); });
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t c = order_[j], node = b * N + level + j;
+          tree_tok_[node] = id(cand_tok_[c]);
+          parents[node] = first + c / k;
+          score_[node] = cand_score_[c];
+        }
+      }
+      if (d == gamma) break;
+      const int64_t n = d * k;  // levels 1 .. d: nodes 1 .. n
+      sub_tok_.resize(B * n), sub_depth_.resize(B * n), sub_parent_.resize(n), feats_.resize(B * n * H);
+      if (mask_size_ < B * n * n) mask_.reset(new bool[B * n * n]), mask_size_ = B * n * n;
+      bool* mask = mask_.get();  // [B, n, n]: each row's re-rooted mask, from its parents
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t parent = parents[b * N + i + 1], m = b * n + i;
+          sub_parent_[i] = parent - 1;  // (the root's children: -1)
+          sub_tok_[m] = tree_tok_[b * N + i + 1];
+          const T* src = nodes_.data() + (b * N + parent) * H;  // the parent's raw output
+          std::copy(src, src + H, feats_.begin() + m * H);
+        }
+        ancestor_mask(sub_parent_.data(), n, mask + b * n * n, sub_depth_.data() + b * n);
+      }
+      const T* h = head_.forward_head_tree(sub_tok_.data(), B, n, pos_.data(), sub_depth_.data(), mask,
+                                           feats_.data());  // [B * n, H]
+      level_.resize(B * k * H);  // [B * k, H]: level d's normed outputs
+      for (int64_t b = 0; b < B; ++b) {
+        std::copy(h + b * n * H, h + (b + 1) * n * H, nodes_.begin() + (b * N + 1) * H);
+        const T* normed = head_.normed() + (b * n + n - k) * H;
+        std::copy(normed, normed + k * H, level_.begin() + b * k * H);
+      }
+      logits = head_.logits(level_.data(), B * k);  // [B, k, V]
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy(tree_tok_.begin() + b * N + 1, tree_tok_.begin() + (b + 1) * N, out + b * (N - 1));
+    }
+  }
+
+  void propose(const ChainRows& r, int64_t* drafts, int64_t* parents) {
     const int64_t B = r.B, width = *std::max_element(r.catch_up_len.begin(), r.catch_up_len.end());
     start_.resize(B), last_.resize(B);
     for (int64_t b = 0; b < B; ++b) start_[b] = r.L[b] - r.catch_up_len[b] + 1, last_[b] = r.catch_up_len[b] - 1;
     const T* raw = entries(r.catch_up.data(), r.ld, B, width, start_.data());
-    if (r.sampling.any()) {  // (chains only: spec_chain_cpu refuses sampled rows' trees)
+    if (r.tree.dynamic()) {  // (greedy rows only: spec_chain_cpu refuses sampled rows' trees)
+      dynamic_tree(raw, B, width, start_.data(), last_.data(), r.gamma, r.tree.topk, drafts, parents);
+    } else if (r.sampling.any()) {  // (chains only: spec_chain_cpu refuses sampled rows' trees)
       const ChainDraws draws = coupled_draws(r);
       chain(raw, B, width, start_.data(), last_.data(), r.gamma, drafts, &draws);
     } else if (r.tree.is_chain()) {
@@ -250,6 +323,47 @@ class HeadDraft {
   int64_t max_blocks_;
   const int64_t* id_of_;
   at::Tensor fc_;
+  int64_t id(int64_t draft_token) const { return id_of_ != nullptr ? id_of_[draft_token] : draft_token; }
+
+  // A dynamic tree's scores (dynamic_level's rule): the path scores out [V] of one node's children, its own score
+  // plus each draft token's log q under its logits z [V], in float32: log q = (z - max z) - lse, lse the log of the
+  // sum of exp(z - max z) taken in float64 and rounded to float32 (the two sides sum in other orders with other exps,
+  // which part in a double's last bits: rounded, those reach a score only where lse lies that close to a float32
+  // rounding boundary); a NaN is -inf.
+  static void path_scores(const T* z, int64_t V, float base, float* out) {
+    float top = -std::numeric_limits<float>::infinity();
+    bool nan = false;
+    for (int64_t j = 0; j < V; ++j) {
+      const float v = static_cast<float>(z[j]);
+      nan = nan || v != v;
+      top = v > top ? v : top;
+    }
+    double sum = 0.0;
+    for (int64_t j = 0; j < V; ++j) {
+      out[j] = static_cast<float>(z[j]) - top;
+      sum += std::exp(static_cast<double>(out[j]));
+    }
+    const float lse = static_cast<float>(std::log(sum));
+    for (int64_t j = 0; j < V; ++j) {
+      const float s = base + (out[j] - lse);
+      out[j] = nan || s != s ? -std::numeric_limits<float>::infinity() : s;  // (a NaN max: torch's amax is NaN)
+    }
+  }
+
+  // Whether candidate (sa, a) ranks before (sb, b) in a dynamic tree: the higher score, on a tie the lower index (a
+  // stable sort's order: the lower parent, then the lower id).
+  static bool better(float sa, int64_t a, float sb, int64_t b) { return sa != sb ? sa > sb : a < b; }
+
+  // best_[0 .. k - 1]: the k best draft tokens by path score (scores [V], no NaN), ties to the lower target id
+  void best_children(const float* scores, int64_t V, int64_t k) {
+    order_.resize(V);
+    for (int64_t v = 0; v < V; ++v) order_[v] = v;
+    std::partial_sort(order_.begin(), order_.begin() + k, order_.end(), [&](int64_t a, int64_t b) {
+      return better(scores[a], id(a), scores[b], id(b));
+    });
+    best_.assign(order_.begin(), order_.begin() + k);
+  }
+
   // best_[0 .. k - 1]: the k largest of z [V] (NaN never, ties to the lower id; k = 1: greedy::argmax's choice)
   void top_k(const T* z, int64_t V, int64_t k) {
     best_.resize(k);
@@ -271,6 +385,8 @@ class HeadDraft {
   std::vector<float> inv_temp_, noise_;  // coupled_draws': [B] and [B, gamma, K]
   std::vector<T> feats_, prev_, normed_, nodes_, level_;
   std::vector<int64_t> start_, last_, ids_, pos_, tree_tok_, sub_tok_, sub_depth_, best_, order_;
+  std::vector<float> score_, path_, cand_score_;  // a dynamic tree's: [B, N], [V], [n_parent * k]
+  std::vector<int64_t> cand_tok_, sub_parent_;
   std::unique_ptr<bool[]> mask_;
   int64_t mask_size_ = 0;
 };

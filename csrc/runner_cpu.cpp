@@ -122,6 +122,22 @@ Sampling sampling_of(const char* op, int64_t B, const OptTensorList& sampling) {
   return s;
 }
 
+// The branching of a step's draft: `tree`, a chain where it is empty, or with `topk` k > 0 the dynamic tree's shape
+// (k, 1, ..., 1) of gamma levels (`tree` empty or that), k at most the draft vocabulary's K.
+std::vector<int64_t> shape_of(const char* op, at::IntArrayRef tree, int64_t gamma, int64_t topk, int64_t K) {
+  std::vector<int64_t> shape = tree.empty() ? std::vector<int64_t>(gamma, 1) : tree.vec();
+  TORCH_CHECK_VALUE(topk >= 0 && topk <= K, op, ": topk (the nodes a level of a dynamic tree keeps) must be in [0, ",
+                    K, "] (the draft vocabulary), got ", topk);
+  if (topk == 0 || gamma == 0) return shape;
+  std::vector<int64_t> dynamic(gamma, 1);
+  dynamic[0] = topk;
+  TORCH_CHECK_VALUE(tree.empty() || shape == dynamic, op, ": a dynamic tree of topk ", topk, " and gamma ", gamma,
+                    " has the shape ", at::IntArrayRef(dynamic), ", got tree ", tree);
+  TORCH_CHECK_VALUE(1 + topk * gamma <= kMaxTreeNodes, op, ": a tree of at most ", kMaxTreeNodes, " nodes, got ",
+                    1 + topk * gamma, " (topk ", topk, ", gamma ", gamma, ")");
+  return dynamic;
+}
+
 }  // namespace
 
 // A greedy draft chain in one call: from the roots' draft logits [B, V], gamma tokens per row, each the argmax of
@@ -231,10 +247,14 @@ at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Nat
 // for gamma = 0; a sampled chain's logits at each level [B, gamma, K] float32, [0] otherwise). Why: driven from
 // Python, a head step is dozens of small torch ops (two norms, a cat, the layer, a 49152-wide scatter of the draft
 // logits) whose dispatch cost more than the head's weights.
-// `entries` is [tokens, start, last]; `draws` [inv_temp, noise] for a sampled chain, [] for a greedy one.
+// `entries` is [tokens, start, last]; `draws` [inv_temp, noise] for a sampled chain, [] for a greedy one. `topk` k >
+// 0 drafts EAGLE-2's dynamic tree instead of the chain (HeadDraft::dynamic_tree, greedy, no draws): gamma levels of k
+// nodes, the second result its tokens [B, k gamma] (nodes 1 ..), the third its parents [B, 1 + k gamma] (the root's
+// -1), as spec_chain's dynamic trees draft them.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
     at::TensorList entries, const at::Tensor& feature_cache, const c10::intrusive_ptr<NativeModel>& head,
-    at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table, int64_t gamma, const OptTensorList& draws) {
+    at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table, int64_t gamma, const OptTensorList& draws,
+    int64_t topk) {
   const NativeModel& m = *head;
   TORCH_CHECK_VALUE(m.is_head(), "eagle3_draft: the model must be an EAGLE-3 head (NativeModel.set_head)");
   TORCH_CHECK_VALUE(entries.size() == 3, "eagle3_draft: entries must be [tokens, start, last], got ", entries.size(),
@@ -260,9 +280,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
     TORCH_CHECK_VALUE(S[b] >= 0 && R[b] >= 0 && R[b] < T_, "eagle3_draft: row ", b, " has start ", S[b],
                       " and last ", R[b], " (must lie in [0, ", T_, "))");
   }
-  at::Tensor out = at::empty({B, T_, H}, m.rope_table.options());  // [B, T, H]
-  at::Tensor chain = at::empty({B, gamma}, ids.options());          // [B, gamma]
   const int64_t K = m.lm_head.size(0);                               // the draft vocabulary
+  shape_of("eagle3_draft", {}, gamma, topk, K);
+  TORCH_CHECK_VALUE(topk == 0 || !noise.has_value(), "eagle3_draft: a dynamic tree (topk > 0) is greedy: no draws");
+  at::Tensor out = at::empty({B, T_, H}, m.rope_table.options());         // [B, T, H]
+  at::Tensor chain = at::empty({B, gamma * std::max<int64_t>(topk, 1)}, ids.options());  // [B, gamma] or [B, k gamma]
   TORCH_CHECK_VALUE(inv_temp.has_value() == noise.has_value(), "eagle3_draft: inv_temp and noise go together");
   at::Tensor temps, gumbel, logits;
   if (noise.has_value()) {
@@ -275,6 +297,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
                       noise->sizes(), " ", noise->scalar_type());
     temps = inv_temp->contiguous(), gumbel = noise->contiguous();
     logits = at::empty({B, gamma, K}, gumbel.options());  // [B, gamma, K]
+  } else if (topk > 0) {
+    logits = at::full({B, 1 + topk * gamma}, -1, ids.options());  // [B, 1 + k gamma]: the dynamic tree's parents
   } else {
     logits = at::empty({0}, m.rope_table.options().dtype(at::kFloat));
   }
@@ -285,9 +309,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
     HeadDraft<T> draft(model, feature_cache, table, m.vocab_ids());
     const T* raw = draft.entries(ids.data_ptr<int64_t>(), T_, B, T_, S);  // [B * T, H]
     std::copy(raw, raw + B * T_ * H, out.data_ptr<T>());
-    ChainDraws draws{temps.defined() ? temps.data_ptr<float>() : nullptr,
-                     gumbel.defined() ? gumbel.data_ptr<float>() : nullptr, logits.data_ptr<float>()};
-    if (gamma > 0) draft.chain(raw, B, T_, S, R, gamma, chain.data_ptr<int64_t>(), gumbel.defined() ? &draws : nullptr);
+    if (gamma > 0 && topk > 0) {
+      draft.dynamic_tree(raw, B, T_, S, R, gamma, topk, chain.data_ptr<int64_t>(), logits.data_ptr<int64_t>());
+    } else if (gamma > 0) {
+      ChainDraws draws{temps.defined() ? temps.data_ptr<float>() : nullptr,
+                       gumbel.defined() ? gumbel.data_ptr<float>() : nullptr, logits.data_ptr<float>()};
+      draft.chain(raw, B, T_, S, R, gamma, chain.data_ptr<int64_t>(), gumbel.defined() ? &draws : nullptr);
+    }
   });
   return {out, chain, logits};
 }
@@ -301,7 +329,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 // ``tree`` (an EAGLE-3 head's only; empty: a chain): the static tree with tree[d] children for each node at depth d
 // (gamma levels, breadth-first as spec_engine/tree.py's StaticTree), its children the head's top tree[d] tokens
 // (HeadDraft::tree); the target runs every node (slot L_b + t, position L_b + its depth) and the accepted path's
-// K/V are compacted to L_b .. (the head's cache keeps only the root's entry, as for chains). ``temperature`` and
+// K/V are compacted to L_b .. (the head's cache keeps only the root's entry, as for chains). ``topk`` k > 0 (a
+// head's, greedy rows): EAGLE-2's dynamic tree, k nodes a level (the shape tree = (k, 1, ..., 1), or empty), each
+// level the k best children of the level above by path score, parents chosen per row and step
+// (HeadDraft::dynamic_tree); the target's pass, the walk and the compaction as for static trees. ``temperature`` and
 // ``noise_seeds`` [B] (optional, together): rows at a temperature > 0 are sampled through the position-keyed coupling
 // (Sampling in csrc/runner_cpu.h: the regular step's coupled rows, the same tokens), with a head's chains or none
 // (gamma 0); greedy rows are 0.
@@ -326,11 +357,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 //
 // The op's arguments, grouped: caches [t_kv, d_kv] (and a head's d_features); inputs [catch_up, catch_up_lens,
 // cache_seqlens, tokens_left, stop_ids, block_table (or None)]; sampling as sampling_of reads it; knobs [gamma,
-// max_steps, stop_on_reject]; tree.
+// max_steps, stop_on_reject]; the draft's shape: tree, topk.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& target_model, const c10::intrusive_ptr<NativeModel>& draft_model,
     at::TensorList caches, const OptTensorList& inputs, const OptTensorList& sampling, at::IntArrayRef knobs,
-    at::IntArrayRef tree) {
+    at::IntArrayRef tree, int64_t topk) {
   const NativeModel& t = *target_model;
   const NativeModel& d = *draft_model;
   TORCH_CHECK_VALUE(caches.size() == 2 || caches.size() == 3, "spec_chain: caches must be [t_kv, d_kv] or [t_kv, ",
@@ -380,10 +411,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   }
   ChainRows rows{B, gamma, max_steps, stop_on_reject, {}, std::vector<int64_t>(B), std::vector<int64_t>(B),
                  std::vector<int64_t>(B), {}, P};
-  rows.tree = TreeShape(tree.empty() ? std::vector<int64_t>(gamma, 1) : tree.vec());
-  TORCH_CHECK_VALUE(head || rows.tree.is_chain(), "spec_chain: a draft model drafts chains (trees: an EAGLE-3 head)");
+  rows.tree = TreeShape(shape_of("spec_chain", tree, gamma, topk, d.lm_head.size(0)), topk);
+  TORCH_CHECK_VALUE(head || (rows.tree.is_chain() && topk == 0),
+                    "spec_chain: a draft model drafts chains (trees: an EAGLE-3 head)");
   rows.sampling = sampling_of("spec_chain", B, sampling);
-  TORCH_CHECK_VALUE(!rows.sampling.any() || gamma == 0 || (head && rows.tree.is_chain()),
+  TORCH_CHECK_VALUE(!rows.sampling.any() || gamma == 0 || (head && rows.tree.is_chain() && topk == 0),
                     "spec_chain: sampled rows draft an EAGLE-3 head's chains (a draft model and trees: the regular "
                     "step)");
   for (const int64_t children : rows.tree.branching) {

@@ -319,13 +319,16 @@ inline void ancestor_mask(const int64_t* parents, int64_t T, bool* mask, int64_t
 // them: parents [T] (-1 for the root), depths [T], and levels [depth + 2] (level d is nodes levels[d] ..
 // levels[d + 1] - 1). A head drafts level d + 1 from levels 1 .. d + 1 re-rooted (HeadDraft::tree): their mask
 // [n, n] and depths [n] (node 1 + i as entry i, at depth - 1; n = levels[d + 2] - 1) are sub_masks[d] and
-// sub_depths[d], fixed by the shape.
+// sub_depths[d], fixed by the shape. `topk` k > 0: EAGLE-2's dynamic tree, of the shape (k, 1, ..., 1) (k nodes per
+// level), whose parents the head chooses per row and step (HeadDraft::dynamic_tree); `parents` is then only the
+// shape's numbering, and the masks follow from each row's chosen parents.
 struct TreeShape {
   std::vector<int64_t> branching, parents{-1}, depths{0}, levels{0, 1};
   std::vector<std::vector<bool>> sub_masks;
   std::vector<std::vector<int64_t>> sub_depths;
+  int64_t topk = 0;
 
-  explicit TreeShape(std::vector<int64_t> children = {}) : branching(std::move(children)) {
+  explicit TreeShape(std::vector<int64_t> children = {}, int64_t k = 0) : branching(std::move(children)), topk(k) {
     for (size_t d = 0; d < branching.size(); ++d) {
       for (int64_t p = levels[d]; p < levels[d + 1]; ++p) {
         for (int64_t c = 0; c < branching[d]; ++c) {
@@ -348,6 +351,7 @@ struct TreeShape {
   int64_t nodes() const { return static_cast<int64_t>(parents.size()); }
   int64_t depth() const { return static_cast<int64_t>(branching.size()); }
   bool is_chain() const { return nodes() == depth() + 1; }
+  bool dynamic() const { return topk > 0; }
 };
 
 // The coupled rows of a native call (spec_chain's temperature and noise_seeds; empty: every row greedy). Row b at
@@ -400,14 +404,15 @@ struct ChainRows {
   }
 };
 
-// A draft's side of a step, for run_spec_chain: propose(r, drafts) fills the nodes 1 .. T - 1 of r.tree [B, T - 1]
-// (gamma >= 1; a chain: [B, gamma]); commit(r, emitted, drafts, path, target) sets the rows' next catch-ups after a
-// drafted step (path [B, T]: the nodes each row accepted, -1 padded); plain(r, emitted, path, target) is what the
-// draft keeps of a plain step (gamma 0), whose catch-ups the loop extends itself.
+// A draft's side of a step, for run_spec_chain: propose(r, drafts, parents) fills the nodes 1 .. T - 1 of r.tree
+// [B, T - 1] (gamma >= 1; a chain: [B, gamma]), and a dynamic tree's (r.tree.dynamic()) parents [B, T] too;
+// commit(r, emitted, drafts, path, target) sets the rows' next catch-ups after a drafted step (path [B, T]: the nodes
+// each row accepted, -1 padded); plain(r, emitted, path, target) is what the draft keeps of a plain step (gamma 0),
+// whose catch-ups the loop extends itself.
 
 // No draft: the target's plain steps (gamma 0 only: propose and commit are never called).
 struct NoDraft {
-  void propose(const ChainRows&, int64_t*) {}
+  void propose(const ChainRows&, int64_t*, int64_t*) {}
   template <typename TT>
   void commit(ChainRows&, const std::vector<std::vector<int64_t>>&, const int64_t*, const int64_t*,
               const ChainRunner<TT>&) {}
@@ -423,7 +428,7 @@ class ModelDraft {
  public:
   ModelDraft(ChainRunner<TD>& model, const int64_t* id_of) : model_(model), id_of_(id_of) {}
 
-  void propose(const ChainRows& r, int64_t* drafts) {
+  void propose(const ChainRows& r, int64_t* drafts, int64_t*) {
     const int64_t B = r.B, H = model_.hidden_size();
     const int64_t width = *std::max_element(r.catch_up_len.begin(), r.catch_up_len.end());
     start_.resize(B);
@@ -509,8 +514,8 @@ void run_tree_step(ChainRunner<T>& target, const int64_t* tokens, const int64_t*
 
 // The steps of spec_chain_cpu into steps [B, S, gamma + 2] and times [S, 2]; leaves the rows' catch-ups in `r`.
 // `draft`: a ModelDraft or a HeadDraft (whose commit reads the target's captured streams); its drafts are r.tree's
-// nodes, and where that is not a chain the accepted paths' K/V are compacted to L_b .. in `kv` (the target's cache,
-// [2, layers, blocks, block_size, ...], on `table`) after each step.
+// nodes (a dynamic tree's parents its own), and where that is not a chain the accepted paths' K/V are compacted to
+// L_b .. in `kv` (the target's cache, [2, layers, blocks, block_size, ...], on `table`) after each step.
 template <typename TT, typename Draft>
 void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, const at::Tensor& kv,
                     const at::Tensor& table, int64_t* out, double* secs) {
@@ -528,9 +533,9 @@ void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, const a
     if (!fits) break;
     const auto start = std::chrono::steady_clock::now();
     // 1. the draft catches up on its lag, then the root (the catch-up's last token), and drafts its tree (gamma 0: a
-    // plain step, the draft idle)
+    // plain step, the draft idle; a dynamic tree: with each row's parents)
     for (int64_t b = 0; b < B; ++b) tokens[b * T] = r.catch_up[b * r.ld + r.catch_up_len[b] - 1];
-    if (gamma > 0) draft.propose(r, drafts.data());
+    if (gamma > 0) draft.propose(r, drafts.data(), parents.data());
     const auto drafted = std::chrono::steady_clock::now();
     // 2. the target runs the root and the drafts, and greedy acceptance keeps the longest path of drafts equal to
     // its argmax, then its own next token; a tree's accepted path is compacted to L_b .. (a chain's is in place)

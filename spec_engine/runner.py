@@ -7,7 +7,7 @@ what changed as one ``StepResult`` for ``Engine._apply`` to commit (``StepRunner
 - a plain chain: K plain steps in one C++ call (``plain_steps``; ``spec_chain`` at depth 0 where a head reads the
   target's features), of greedy rows and coupled sampled ones;
 - a spec chain: up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chains (a
-  head's static trees too) in one C++ call (``spec_chain``); with a head's chains, coupled sampled rows too
+  head's static and dynamic trees too) in one C++ call (``spec_chain``); with a head's chains, coupled sampled rows too
   (``_greedy_or_coupled``: the position-keyed coupling's tokens, as the regular step draws them);
 - the regular step (``_spec_step``): draft, the target's pass over the tree, ``verify_tree``, compaction, in
   Python-driven ops: any tree, other sampled rows, a hybrid's suffix rows, any device; where every row is greedy with a
@@ -96,7 +96,8 @@ class StepRunner:
         # the native calls sample coupled rows: a head's chains and its target's plain steps (spec_chain), and a
         # target's plain steps where nothing drafts (plain_steps)
         tree = drafter.tree if drafter is not None else None
-        self.head_chains = isinstance(self.native_draft, NativeHead) and (tree is None or tree.is_chain)
+        chains = tree is None or tree.is_chain and not tree.topk  # (a dynamic tree of one node a level is no chain)
+        self.head_chains = isinstance(self.native_draft, NativeHead) and chains
         self.samples_natively = self.native_target is not None and (drafter is None or self.head_chains)
         self.graphs: CapturedForward | None = None  # the regular step's captured target pass (use_graphs)
         self._graph_mechanism: str | None = None
@@ -251,7 +252,7 @@ class StepRunner:
 
     def _spec_chain_fits(self, reqs: list[Request], gammas: list[int]) -> bool:
         """Whether a native call can run the rows' speculative steps: a draft model proposing chains or a native head
-        proposing chains or static trees, for greedy rows (a head's chains: coupled sampled rows too), all at one
+        proposing chains or trees (static, dynamic), for greedy rows (a head's chains: coupled sampled rows too), at one
         gamma, the draft caches' lags (their catch-up: a prompt and the tokens decoded before a row's first drafted
         step, under the adaptive controller) at most a prefill chunk and within gamma of each other, and every row
         with gamma + 1 tokens of its max_tokens left (the C++ checks before each step: a call near the end of a
@@ -281,7 +282,7 @@ class StepRunner:
             catch_up[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
         lengths = [r.cache_seqlen for r in reqs]
         tree = self.drafter.tree
-        branching = () if tree is None or tree.is_chain else tree.branching[:gamma]  # (a head's static tree, cut)
+        branching, topk = tree.native_shape(gamma) if tree is not None else ((), 0)  # (a head's tree, cut)
         # positions a row may write past L_b: its emitted tokens, then the last step's tree
         reach = min(max_steps * (gamma + 1), max(r.tokens_left for r in reqs)) + self.drafter.nodes_for_gamma(gamma)
         table = self.block_table(reqs, max(lengths) + reach + 2)  # [B, W]
@@ -290,7 +291,7 @@ class StepRunner:
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
             torch.tensor([r.tokens_left for r in reqs]),
             stops, gamma=gamma, max_steps=max_steps, stop_on_reject=stop_on_reject,
-            draft_features=self.drafter.features, tree=branching, **self._sampling(reqs),
+            draft_features=self.drafter.features, tree=branching, topk=topk, **self._sampling(reqs),
         )  # fmt: skip
         steps, _, catch_up_lens, times = result  # [B, S, gamma + 2], [B, 2], [B], [S, 2]
         steps, catch_up_lens, times = steps.tolist(), catch_up_lens.tolist(), times.tolist()

@@ -17,10 +17,13 @@ from spec_kernels import PAD_NODE
 class StaticTree:
     """A tree shape fixed for every step: ``branching[d]`` children for each node at depth d.
 
-    Nodes are numbered breadth-first, so each depth is one contiguous range ``level_slices[d]``.
+    Nodes are numbered breadth-first, so each depth is one contiguous range ``level_slices[d]``. ``topk`` k: EAGLE-2's
+    dynamic tree, of the shape (k, 1, ..., 1): k nodes per level, whose parents the drafter chooses per row and step
+    (``parents`` is then only the numbering); None: a static tree.
     """
 
     branching: tuple[int, ...]
+    topk: int | None = None
 
     def __post_init__(self):
         if not self.branching or any(int(b) < 1 for b in self.branching):
@@ -52,6 +55,11 @@ class StaticTree:
             out.append(slice(start, start + n))
             start += n
         return out
+
+    def native_shape(self, gamma: int) -> tuple[tuple[int, ...], int]:
+        """The shape ``spec_chain`` takes at depth ``gamma``: (its ``tree``, the branching cut to gamma levels, empty
+        for a static chain; its ``topk``, the dynamic tree's k, else 0)."""
+        return (() if self.is_chain and not self.topk else self.branching[:gamma]), self.topk or 0
 
     def parents(self) -> torch.Tensor:
         """[T] int64, breadth-first: the children of level-d node j are consecutive."""

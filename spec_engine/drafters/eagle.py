@@ -245,6 +245,36 @@ def _linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
     return m(x) if torch.is_grad_enabled() else linear(x, m.weight, m.bias)
 
 
+def dynamic_level(logits: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """One level of EAGLE-2's dynamic tree: the k best children of a level's n nodes, best first, by path score. The
+    one rule the native steps mirror bit for bit (``HeadDraft::dynamic_tree``, csrc/head_draft_cpu.h).
+
+    A child's path score is its parent's plus its token's log q, in float32: log q = (z - max z) - lse, lse the log of
+    the sum of exp(z - max z) taken in float64 and rounded to float32 (the two sides sum in other orders with other
+    exps, which part in a double's last bits: rounded, those reach a score only where lse lies that close to a float32
+    rounding boundary); a NaN score is -inf. Ties go to the lower parent, then the lower token id: stable sorts,
+    as ``topk`` leaves the order of equals undefined.
+
+    Shapes: logits [B, n, V] float32 (the n nodes' draft logits), parent_scores [B, n]; returns (path scores, parent
+    index among the n, token id), each [B, k].
+    """
+    shifted = logits - logits.amax(-1, keepdim=True)  # [B, n, V]
+    lse = shifted.double().exp().sum(-1, keepdim=True).log().float()  # [B, n, 1]
+    scores = parent_scores[..., None] + (shifted - lse)
+    scores = scores.masked_fill(scores.isnan(), float("-inf"))
+    values, ids = scores.sort(dim=-1, descending=True, stable=True)
+    values, ids = values[..., :k].flatten(1), ids[..., :k].flatten(1)  # [B, n * k]: each node's k best children
+    best, index = values.sort(dim=-1, descending=True, stable=True)
+    best, index = best[:, :k], index[:, :k]  # [B, k]: the level's k best
+    return best, index // k, ids.gather(1, index)
+
+
+def _mask_level(mask: torch.Tensor, parents: torch.Tensor, level: slice, eye: torch.Tensor) -> None:
+    """A dynamic tree's mask [B, T, T] at one level's nodes, in place: each sees its parent's ancestors and itself."""
+    rows = torch.arange(mask.shape[0], device=mask.device)[:, None]  # [B, 1]
+    mask[:, level] = mask[rows, parents[:, level]] | eye[level]
+
+
 class EagleDrafter(DraftModelDrafter):
     """Chains and static trees from an EAGLE head, level by level as the draft model (``DraftModelDrafter``: the
     same tree shapes, children draws and verification modes), with the head's features in place of a model's own
@@ -252,8 +282,9 @@ class EagleDrafter(DraftModelDrafter):
     the sequence, and its parent node's output when it is a drafted node. An EAGLE-3 head on the CPU runs natively
     (``EagleHead.native``): every causal chunk it is fed (prefill, catch-up) as one ``eagle3_draft`` call, and a
     chain step, its catch-up's last forward and the whole chain, as one more (sampled rows too: their Gumbel noise
-    drawn here, the draws made there); the engine's native greedy speculative steps (``spec_chain``) run its chains
-    whole, the feature cache written there.
+    drawn here, the draws made there); the engine's native greedy speculative steps (``spec_chain``) run its chains,
+    static trees and EAGLE-2 dynamic trees whole, the feature cache written there; a regular step's dynamic tree is
+    one more ``eagle3_draft`` call (``_propose_dynamic``).
 
     Caches: the head's KV ``kv`` [1, 2, num_blocks, block_size, Hkv, D] and the feature cache ``features``
     [1, num_blocks, block_size, H], both on the target's block table. ``commit`` writes every node's feature and
@@ -265,10 +296,10 @@ class EagleDrafter(DraftModelDrafter):
     node_graphs: CapturedForward | None = None
 
     def __init__(self, head: EagleHead, kv: PagedKVCache, features: torch.Tensor, tree: StaticTree,
-                 draft_sampling: str = "without_replacement", dynamic: bool = False):  # fmt: skip
+                 draft_sampling: str = "without_replacement"):  # fmt: skip
         super().__init__(head, kv, tree, draft_sampling)
         # EAGLE-2's dynamic tree has the shape of the static tree (k, 1, 1, ...): k nodes per level below the root
-        self.dynamic_topk = tree.branching[0] if dynamic else None
+        self.dynamic_topk = tree.topk
         self.features = features
         if head.layout == "eagle3":  # [K]: the draft vocabulary's target ids
             self._draft_ids = head.d2t + torch.arange(head.draft_vocab_size, device=head.d2t.device)
@@ -277,9 +308,12 @@ class EagleDrafter(DraftModelDrafter):
 
     @property
     def native(self) -> NativeHead | None:
-        """The handle of the engine's native steps (``spec_chain``): an EAGLE-3 head's chains and static trees alike;
-        None for EAGLE-2's dynamic tree, whose parents are chosen each step."""
-        return None if self.dynamic_topk is not None else self.model.native
+        """The handle of the engine's native steps (``spec_chain``): an EAGLE-3 head's chains, static trees and
+        EAGLE-2's dynamic tree alike (None for a dynamic tree wider than the draft vocabulary: only the Python path,
+        over the target's whole vocabulary, takes it)."""
+        if self.dynamic_topk is not None and self.dynamic_topk > self.model.draft_vocab_size:
+            return None
+        return self.model.native
 
     def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,
                    max_rows: int) -> None:  # fmt: skip
@@ -373,15 +407,37 @@ class EagleDrafter(DraftModelDrafter):
 
     def _propose_dynamic(self, batch: StepBatch) -> Draft:
         """EAGLE-2's dynamic tree under a fixed node budget: level d keeps the k nodes of highest cumulative log q
-        among the k best children of each of level d - 1's k nodes (level 1: the root's k best). The shape (k nodes
-        per level, their depths, each row's padding) is fixed and host-known; which parent each node hangs from is
-        chosen on the device, and the mask follows from it there. The children are the head's most likely tokens,
-        not draws, so every row verifies them as point-mass proposals: lossless whatever tree was chosen."""
+        among the k best children of each of level d - 1's k nodes (level 1: the root's k best; ``dynamic_level``).
+        The shape (k nodes per level, their depths, each row's padding) is fixed and host-known; which parent each
+        node hangs from is chosen on the device, and the mask follows from it there. The children are the head's most
+        likely tokens, not draws, so every row verifies them as point-mass proposals: lossless whatever tree was
+        chosen. A native head (``native``) drafts the whole tree in one ``eagle3_draft`` call, by the same rule as
+        ``_dynamic_levels``, the reference, level by level here."""
         gamma, k = max(batch.gammas), self.dynamic_topk
         T = self.nodes_for_gamma(gamma)
-        B, L, dev = batch.size, batch.cache_seqlens, self.device
         static_parents, _, depths = self._tree_shape(batch.gammas)  # [B, T]: padding and depths per row
-        eye = torch.eye(T, dtype=torch.bool, device=dev)  # [T, T]
+        eye = torch.eye(T, dtype=torch.bool, device=self.device)  # [T, T]
+        if self.native is not None:
+            entries, start, lags = self._catch_up_entries(batch)
+            _, nodes, parents = eagle3_draft(self.native, entries, start, lags, self.features, self.kv.data,
+                                             gamma=gamma, block_table=batch.block_table, topk=k)  # fmt: skip
+            tokens = torch.cat((batch.roots[:, None], nodes), dim=1)  # [B, T]
+            mask = eye.repeat(batch.size, 1, 1)  # [B, T, T]
+            for level in self.tree.level_slices[1 : gamma + 1]:
+                _mask_level(mask, parents, level, eye)
+        else:
+            tokens, parents, mask = self._dynamic_levels(batch, gamma, k, depths, eye)
+        pad = static_parents == PAD_NODE  # rows drafted shallower than the deepest: their extra nodes are padding
+        pad[:, 0] = False
+        parents = parents.masked_fill(pad, PAD_NODE)
+        mask = torch.where(pad[..., None], eye, mask)
+        return Draft(tokens, parents, mask, depths, None, "iid")
+
+    def _dynamic_levels(self, batch: StepBatch, gamma: int, k: int, depths: torch.Tensor, eye: torch.Tensor):
+        """The dynamic tree level by level (torch ops; the reference of the native ``eagle3_draft``'s): tokens and
+        parents [B, T], the mask [B, T, T]."""
+        T = eye.shape[0]
+        B, L, dev = batch.size, batch.cache_seqlens, self.device
         tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)  # [B, T]
         tokens[:, 0] = batch.roots
         parents = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)  # [B, T]
@@ -395,13 +451,11 @@ class EagleDrafter(DraftModelDrafter):
         levels = self.tree.level_slices
         for d in range(1, gamma + 1):
             parent_level, level = levels[d - 1], levels[d]
-            log_q = torch.log_softmax(logits, dim=-1) + scores[:, parent_level, None]  # [B, n_parent, V]
-            top = log_q.topk(k, dim=-1)  # each parent's k best children: [B, n_parent, k]
-            best = top.values.flatten(1).topk(k, dim=-1)  # the level's k best: [B, k]
-            tokens[:, level] = top.indices.flatten(1).gather(1, best.indices)
-            parents[:, level] = parent_level.start + best.indices // k
-            scores[:, level] = best.values
-            mask[:, level] = mask[rows, parents[:, level]] | eye[level]  # the parent's ancestors and itself
+            best, parent, token = dynamic_level(logits, scores[:, parent_level], k)  # [B, k] each
+            tokens[:, level] = token
+            parents[:, level] = parent_level.start + parent
+            scores[:, level] = best
+            _mask_level(mask, parents, level, eye)
             if d == gamma:
                 break
             sub = slice(1, level.stop)  # levels 1..d, re-rooted at node 1 (the root's entry is cached at L)
@@ -410,11 +464,7 @@ class EagleDrafter(DraftModelDrafter):
                                 mask[:, sub, sub], batch.block_table)  # fmt: skip
             nodes[:, sub] = hidden
             logits = self.model.logits(hidden[:, level.start - 1 :])  # [B, k, V]
-        pad = static_parents == PAD_NODE  # rows drafted shallower than the deepest: their extra nodes are padding
-        pad[:, 0] = False
-        parents = parents.masked_fill(pad, PAD_NODE)
-        mask = torch.where(pad[..., None], eye, mask)
-        return Draft(tokens, parents, mask, depths, None, "iid")
+        return tokens, parents, mask
 
     def commit(self, batch: StepBatch, result: VerifyResult, num_accepted: list[int], hidden=None) -> list[int]:
         """Every row (drafted or not): the nodes' features in, the accepted path's kept. A drafted row's head cache

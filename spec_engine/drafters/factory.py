@@ -54,7 +54,10 @@ class DrafterFactory:
             # EAGLE-2's dynamic tree has a fixed shape, k nodes per level, whose parents the drafter picks each step
             dynamic = spec.get("tree") == "dynamic"
             branching = (spec.get("eagle_topk", DEFAULT_EAGLE_TOPK),) if dynamic else tuple(spec.get("tree") or ())
-            self.tree = StaticTree(branching + (1,) * (self.gamma - len(branching))) if branching else chain(self.gamma)
+            topk = branching[0] if dynamic else None
+            self.tree = (
+                StaticTree(branching + (1,) * (self.gamma - len(branching)), topk) if branching else chain(self.gamma)
+            )
             widest = max(self.tree.branching)
             if self.head is not None and not dynamic and widest > self.head.draft_vocab_size:
                 # as a draft model's reduced vocabulary (_load_draft_model): b children drawn without replacement
@@ -85,7 +88,7 @@ class DrafterFactory:
             head_kv = PagedKVCache(self.head.config, num_blocks, block_size, self.dtype, device)
             features = torch.zeros(1, num_blocks, block_size, self.head.config.hidden_size, dtype=self.dtype,
                                    device=device)  # fmt: skip
-            drafter = EagleDrafter(self.head, head_kv, features, self.tree, sampling, spec.get("tree") == "dynamic")
+            drafter = EagleDrafter(self.head, head_kv, features, self.tree, sampling)
         elif self.draft_model is not None:
             draft_kv = PagedKVCache(self.draft_model.config, num_blocks, block_size, self.draft_dtype, device)
             drafter = DraftModelDrafter(self.draft_model, draft_kv, self.tree, sampling)

@@ -215,7 +215,7 @@ SPEC_CHAIN_MAX_NODES = 1024  # the widest tree spec_chain takes (kMaxTreeNodes i
 def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, catch_up_lens, cache_seqlens,
                target_kv, draft_kv, block_table, tokens_left, stop_ids, *, gamma: int, max_steps: int,
                stop_on_reject: bool = False, draft_features: torch.Tensor | None = None, tree: Sequence[int] = (),
-               temperature: torch.Tensor | None = None, noise_seeds: torch.Tensor | None = None,
+               topk: int = 0, temperature: torch.Tensor | None = None, noise_seeds: torch.Tensor | None = None,
                top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
                min_p: torch.Tensor | None = None):  # fmt: skip
     """Up to ``max_steps`` speculative steps of a draft model's or an EAGLE-3 head's chain in one native call
@@ -229,7 +229,9 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
     ``[max_steps, 2]``: per step the draft's and the whole step's seconds). ``stop_on_reject``: a step where some row
     accepted no draft is the call's last (an adaptive controller then re-decides the depth). ``tree`` (a head's):
     the static tree with ``tree[d]`` children per node at depth d (``gamma`` levels; empty: a chain), its children
-    the head's most likely tokens, the accepted paths compacted in the target's cache after each step.
+    the head's most likely tokens, the accepted paths compacted in the target's cache after each step. ``topk`` k > 0
+    (a head's, greedy rows): EAGLE-2's dynamic tree of k nodes a level (``tree`` its shape (k, 1, ..., 1) or empty),
+    each level's parents chosen per row and step by path score (``spec_engine.drafters.eagle.dynamic_level``'s rule).
     ``temperature`` float32 and ``noise_seeds`` int64 ``[B]`` (together): the rows at a temperature > 0 are sampled
     through the position-keyed coupling (``spec_engine.coupling``: the regular step's coupled rows, the same tokens),
     drafted by a head's chains or not at all (``gamma`` 0). ``top_k`` int64, ``top_p`` and ``min_p`` float32 ``[B]``
@@ -252,7 +254,7 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
     ]  # spec_chain_cpu's inputs, in its order
     sampling = row_sampling(temperature, noise_seeds, top_k, top_p, min_p)
     return _native_ops().spec_chain(target.handle, draft.handle, caches, inputs, sampling,
-                                    [gamma, max_steps, int(stop_on_reject)], list(tree))  # fmt: skip
+                                    [gamma, max_steps, int(stop_on_reject)], list(tree), topk)  # fmt: skip
 
 
 def tree_step(
@@ -291,6 +293,7 @@ def eagle3_draft(
     block_table: torch.Tensor | None = None,
     inv_temp: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
+    topk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An EAGLE-3 head's entries and greedy (or sampled) chain in one native call (see ``eagle3_draft_cpu``).
 
@@ -305,8 +308,11 @@ def eagle3_draft(
     Shapes: tokens ``[B, T]``; start, last ``[B]``; feature_cache ``[1, num_blocks, block_size, H]`` and kv_cache
     ``[1, 2, num_blocks, block_size, Hkv, D]`` on ``block_table`` ``[B, max_blocks]``. Returns (the entries' raw
     outputs ``[B, T, H]``, the stand-ins for their features; the chain ``[B, gamma]`` int64; a sampled chain's logits
-    at each level ``[B, gamma, K]`` float32, empty otherwise).
+    at each level ``[B, gamma, K]`` float32, empty otherwise). ``topk`` k > 0 (greedy, no draws) drafts EAGLE-2's
+    dynamic tree instead, as ``spec_chain`` does (``spec_engine.drafters.eagle.dynamic_level``'s rule): then the
+    second result is its nodes' tokens ``[B, k * gamma]`` (nodes 1 ..) and the third their parents
+    ``[B, 1 + k * gamma]`` int64 (the root's -1).
     """
     draws = [] if inv_temp is None and noise is None else [inv_temp, noise]  # eagle3_draft_cpu's draws, in its order
     return _native_ops().eagle3_draft([tokens, start, last], feature_cache, head.handle,
-                                      head.model.check_cache(kv_cache), block_table, gamma, draws)  # fmt: skip
+                                      head.model.check_cache(kv_cache), block_table, gamma, draws, topk)  # fmt: skip
