@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dynamic",
         default="",
-        help="eagle-k rows: EAGLE-2 dynamic trees, k nodes per level x depth, ';'-separated (e.g. '3x4')",
+        help="eagle-k rows: EAGLE-2 dynamic trees, k nodes per level x depth ('auto': the adaptive depth), "
+        "';'-separated (e.g. '3x4;3xauto')",
     )
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample the humaneval and chat sets at this temperature, each request seeded (the coupling: "
@@ -244,11 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     if not trees or any(b < 1 for t in trees for b in t):
         ap.error(f"--trees takes positive children per depth, e.g. '2,1;3,1,1', got {args.trees!r}")
     try:
-        dynamic = [tuple(int(n) for n in d.split("x")) for d in args.dynamic.split(";") if d]
+        dynamic = [tuple(0 if n == "auto" else int(n) for n in d.split("x")) for d in args.dynamic.split(";") if d]
     except ValueError:
         dynamic = [()]
-    if any(len(d) != 2 or min(d) < 1 for d in dynamic):
-        ap.error(f"--dynamic takes k x depth per tree, e.g. '3x4;4x4', got {args.dynamic!r}")
+    if any(len(d) != 2 or d[0] < 1 or d[1] < 0 for d in dynamic):
+        ap.error(f"--dynamic takes k x depth (or auto) per tree, e.g. '3x4;4xauto', got {args.dynamic!r}")
     sets = args.sets.split(",")
     if "second" in sets and "edit" not in sets:  # the second pass serves what the first left in the global tree
         print("--sets second: the edit set runs first (its pass fills the global suffix tree)")
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(sets) - set(SETS):
         ap.error(f"unknown sets {sorted(unknown)}; choose from {', '.join(SETS)}")
     rows = ["eagle-auto", *(f"eagle-g{g}" for g in CHAINS), *("eagle-t" + "".join(map(str, t)) for t in trees),
-            *(f"eagle-k{k}x{g}" for k, g in dynamic), "suffix", "hybrid"]  # fmt: skip
+            *(f"eagle-k{k}x{g or 'auto'}" for k, g in dynamic), "suffix", "hybrid"]  # fmt: skip
     if args.rows and (unknown := set(args.rows.split(",")) - set(rows)):
         ap.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(rows)}")
     if "humaneval" in sets and not humaneval_path().is_file():  # (before a dozen engines load)
@@ -275,14 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"eagle-auto": eagle, **{f"eagle-g{g}": eagle | {"num_speculative_tokens": g} for g in CHAINS},
                **{"eagle-t" + "".join(map(str, t)): eagle | {"num_speculative_tokens": len(t), "tree": list(t)}
                   for t in trees},
-               **{f"eagle-k{k}x{g}": eagle | {"num_speculative_tokens": g, "tree": "dynamic", "eagle_topk": k}
-                  for k, g in dynamic},
+               **{f"eagle-k{k}x{g or 'auto'}": eagle | {"num_speculative_tokens": g or "auto", "tree": "dynamic",
+                                                         "eagle_topk": k} for k, g in dynamic},
                "suffix": {"method": "suffix"}, "hybrid": {"method": "hybrid"} | ({"model": args.head} if args.head
                                                                                   else {})}  # fmt: skip
     llms = {name: LLM(args.model, speculative_config=spec, **kw) for name, spec in tqdm(engines.items(), desc="load")}
     head_dir = llms["eagle-auto"].speculative_config["model"]
     gammas = {f"eagle-g{g}": g for g in CHAINS}
-    dynamic_shapes = {f"eagle-k{k}x{g}": (g, 1 + k * g) for k, g in dynamic}  # (depth, nodes verified)
+    dynamic_shapes = {f"eagle-k{k}x{g}": (g, 1 + k * g) for k, g in dynamic if g}  # (depth, nodes verified)
 
     def contenders(names: list[str], kind=ChatContender) -> list[Contender]:
         if kind is ChatContender and args.temperature > 0:
