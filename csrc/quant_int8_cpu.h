@@ -236,6 +236,32 @@ struct Panel {
   }
 };
 
+// F16C's fp16 conversion as a function object, so the decoders inline it into the vector paths.
+struct F16c {
+  SPECDEC_QAVX2 float operator()(const uint8_t* p) const { return fp16_f16c(p); }
+};
+
+// Row i's scales for every block: one call per block, except Q4_K / Q5_K's, whose sub-block scales load_scales_avx2
+// decodes 8 at a time (its scale and shift are a and c: the same exact products).
+template <QuantType Q, int NB>
+SPECDEC_QAVX2 void fill_scales(const uint8_t* row, int64_t blocks, int i, Panel<NB>& p) {
+  if constexpr (kPerSubBlock<Q>) {
+    for (int64_t b = 0; b < blocks; b += 8) {
+      KScales k;
+      load_scales_avx2<Q>(row + b / 8 * kBlockBytes<Q>, k);
+      for (int s = 0; s < 8; ++s) p.a[(b + s) * NB + i] = k.scale[s], p.c[(b + s) * NB + i] = k.shift[s];
+    }
+  } else {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const BlockScales k = int_scales<Q>(row, b, F16c{});
+      p.a[b * NB + i] = k.a, p.c[b * NB + i] = k.c;
+      if constexpr (kGroupScales<Q>) {
+        for (int h = 0; h < 2; ++h) p.sc[(b * 2 + h) * NB + i] = k.sc[h], p.mn[(b * 2 + h) * NB + i] = k.mn[h];
+      }
+    }
+  }
+}
+
 // Rows n0 .. n0 + rows - 1 (rows <= NB; the rest zero) into the panel; `flip` adds 128 to every quant (VNNI multiplies
 // unsigned bytes by signed ones: sum((q + 128) xq) - 128 sum(xq)).
 template <QuantType Q, int NB>
@@ -256,10 +282,12 @@ SPECDEC_QAVX2 void fill_panel(const QuantArgs& a, int64_t n0, int64_t rows, bool
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.q.data() + ((b * 8 + j) * NB + 8 * h) * 4), t[j]);
       }
     }
-    for (int i = 0; i < NB; ++i) {
-      const BlockScales k = i < rows ? int_scales<Q>(a.w + (n0 + i) * a.row_bytes, b, fp16_f16c) : BlockScales{};
-      p.a[b * NB + i] = k.a, p.c[b * NB + i] = k.c;
-      for (int h = 0; h < 2; ++h) p.sc[(b * 2 + h) * NB + i] = k.sc[h], p.mn[(b * 2 + h) * NB + i] = k.mn[h];
+  }
+  for (int i = 0; i < NB; ++i) {
+    if (i < rows) {
+      fill_scales<Q, NB>(a.w + (n0 + i) * a.row_bytes, blocks, i, p);
+    } else {
+      for (int64_t b = 0; b < blocks; ++b) p.a[b * NB + i] = p.c[b * NB + i] = 0.f;
     }
   }
 }
@@ -299,10 +327,13 @@ SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t 
       __m256 u = rounded(_mm256_mul_ps(_mm256_loadu_ps(p.a.data() + b * 8), _mm256_cvtepi32_ps(I)));
       if constexpr (kIntMin<Q>) {
         const int32_t* xs = x.x->xs.data() + m * (a.K / 16) + 2 * b;
-        const __m256i m0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn.data() + b * 16));
-        const __m256i m1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn.data() + b * 16 + 8));
-        const __m256i S = _mm256_add_epi32(_mm256_mullo_epi32(m0, _mm256_set1_epi32(xs[0])),
-                                           _mm256_mullo_epi32(m1, _mm256_set1_epi32(xs[1])));
+        __m256i S = _mm256_set1_epi32(xs[0] + xs[1]);
+        if constexpr (kGroupScales<Q>) {  // Q2_K's per-16 minima
+          const __m256i m0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn.data() + b * 16));
+          const __m256i m1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn.data() + b * 16 + 8));
+          S = _mm256_add_epi32(_mm256_mullo_epi32(m0, _mm256_set1_epi32(xs[0])),
+                               _mm256_mullo_epi32(m1, _mm256_set1_epi32(xs[1])));
+        }
         u = _mm256_add_ps(u, rounded(_mm256_mul_ps(_mm256_loadu_ps(p.c.data() + b * 8), _mm256_cvtepi32_ps(S))));
       }
       acc = _mm256_add_ps(acc, rounded(_mm256_mul_ps(_mm256_set1_ps(x.x->dx[m * blocks + b]), u)));
@@ -324,55 +355,86 @@ void int8_rows_avx2(const Int8Args& x, int64_t n_begin, int64_t n_end) {
   }
 }
 
-// AVX512-VNNI: 16 rows per vector; vpdpbusd sums four (q + 128) xq products per dword, 128 xs taken off after.
-template <QuantType Q>
-SPECDEC_QVNNI void int8_tile_vnni(const Int8Args& x, const Panel<16>& p, int64_t n0, int64_t rows) {
+// AVX512-VNNI: 16 weight rows per vector, MB x rows per pass (each panel vector loaded once for them); vpdpbusd sums
+// four (q + 128) xq products per dword, and 128 xs is taken off after.
+template <QuantType Q, int MB>
+SPECDEC_QVNNI void int8_tile_vnni(const Int8Args& x, const Panel<16>& p, int64_t n0, int64_t rows, int64_t m0) {
   const QuantArgs& a = *x.a;
   const int64_t blocks = a.K / 32;
-  for (int64_t m = 0; m < a.M; ++m) {
-    __m512 acc = _mm512_setzero_ps();
-    const int32_t* xs_row = x.x->xs.data() + m * (a.K / 16);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int8_t* xq = x.x->xq.data() + m * a.K + b * 32;
-      const int32_t* xs = xs_row + 2 * b;
-      __m512i half[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  __m512 acc[MB];
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i half[MB][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < MB; ++r) half[r][0] = half[r][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m512i w = _mm512_loadu_si512(p.q.data() + (b * 8 + j) * 64);
-        half[j / 4] = _mm512_dpbusd_epi32(half[j / 4], w, _mm512_set1_epi32(dword_at(xq + 4 * j)));
+    for (int j = 0; j < 8; ++j) {
+      const __m512i w = _mm512_loadu_si512(p.q.data() + (b * 8 + j) * 64);
+#pragma GCC unroll 4
+      for (int r = 0; r < MB; ++r) {
+        const int8_t* xq = x.x->xq.data() + (m0 + r) * a.K + b * 32;
+        half[r][j / 4] = _mm512_dpbusd_epi32(half[r][j / 4], w, _mm512_set1_epi32(dword_at(xq + 4 * j)));
       }
+    }
+    const __m512 scale = _mm512_loadu_ps(p.a.data() + b * 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < MB; ++r) {
+      const int32_t* xs = x.x->xs.data() + (m0 + r) * (a.K / 16) + 2 * b;
       __m512i I;
       if constexpr (kGroupScales<Q>) {
-        const __m512i h0 = _mm512_sub_epi32(half[0], _mm512_set1_epi32(128 * xs[0]));
-        const __m512i h1 = _mm512_sub_epi32(half[1], _mm512_set1_epi32(128 * xs[1]));
+        const __m512i h0 = _mm512_sub_epi32(half[r][0], _mm512_set1_epi32(128 * xs[0]));
+        const __m512i h1 = _mm512_sub_epi32(half[r][1], _mm512_set1_epi32(128 * xs[1]));
         I = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_loadu_si512(p.sc.data() + b * 32), h0),
                              _mm512_mullo_epi32(_mm512_loadu_si512(p.sc.data() + b * 32 + 16), h1));
       } else {
-        I = _mm512_sub_epi32(_mm512_add_epi32(half[0], half[1]), _mm512_set1_epi32(128 * (xs[0] + xs[1])));
+        I = _mm512_sub_epi32(_mm512_add_epi32(half[r][0], half[r][1]), _mm512_set1_epi32(128 * (xs[0] + xs[1])));
       }
-      __m512 u = rounded(_mm512_mul_ps(_mm512_loadu_ps(p.a.data() + b * 16), _mm512_cvtepi32_ps(I)));
+      __m512 u = rounded(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(I)));
       if constexpr (kIntMin<Q>) {
-        const __m512i S = _mm512_add_epi32(
-            _mm512_mullo_epi32(_mm512_loadu_si512(p.mn.data() + b * 32), _mm512_set1_epi32(xs[0])),
-            _mm512_mullo_epi32(_mm512_loadu_si512(p.mn.data() + b * 32 + 16), _mm512_set1_epi32(xs[1])));
+        __m512i S = _mm512_set1_epi32(xs[0] + xs[1]);
+        if constexpr (kGroupScales<Q>) {  // Q2_K's per-16 minima
+          S = _mm512_add_epi32(
+              _mm512_mullo_epi32(_mm512_loadu_si512(p.mn.data() + b * 32), _mm512_set1_epi32(xs[0])),
+              _mm512_mullo_epi32(_mm512_loadu_si512(p.mn.data() + b * 32 + 16), _mm512_set1_epi32(xs[1])));
+        }
         u = _mm512_add_ps(u, rounded(_mm512_mul_ps(_mm512_loadu_ps(p.c.data() + b * 16), _mm512_cvtepi32_ps(S))));
       }
-      acc = _mm512_add_ps(acc, rounded(_mm512_mul_ps(_mm512_set1_ps(x.x->dx[m * blocks + b]), u)));
+      acc[r] = _mm512_add_ps(acc[r], rounded(_mm512_mul_ps(_mm512_set1_ps(x.x->dx[(m0 + r) * blocks + b]), u)));
     }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; ++r) {
     alignas(64) float out[16];
-    _mm512_store_ps(out, acc);
-    for (int64_t i = 0; i < rows; ++i) store(a, m, n0 + i, out[i]);
+    _mm512_store_ps(out, acc[r]);
+    for (int64_t i = 0; i < rows; ++i) store(a, m0 + r, n0 + i, out[i]);
   }
 }
 
 template <QuantType Q>
 void int8_rows_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
+  constexpr int64_t kRows = 4;  // x rows per pass: 4 x 3 accumulators plus the panel vector fit the 32 registers
   thread_local Panel<16> p;
   p.resize(x.a->K / 32);
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
     const int64_t rows = std::min<int64_t>(16, n_end - n0);
     fill_panel<Q, 16>(*x.a, n0, rows, true, p);
-    int8_tile_vnni<Q>(x, p, n0, rows);
+    for (int64_t m0 = 0; m0 < x.a->M; m0 += kRows) {
+      switch (std::min(kRows, x.a->M - m0)) {
+        case 1:
+          int8_tile_vnni<Q, 1>(x, p, n0, rows, m0);
+          break;
+        case 2:
+          int8_tile_vnni<Q, 2>(x, p, n0, rows, m0);
+          break;
+        case 3:
+          int8_tile_vnni<Q, 3>(x, p, n0, rows, m0);
+          break;
+        default:
+          int8_tile_vnni<Q, 4>(x, p, n0, rows, m0);
+          break;
+      }
+    }
   }
 }
 
