@@ -267,7 +267,12 @@ SPECDEC_QAVX2 void fill_scales(const uint8_t* row, int64_t blocks, int i, Panel<
 template <QuantType Q, int NB>
 SPECDEC_QAVX2 void fill_panel(const QuantArgs& a, int64_t n0, int64_t rows, bool flip, Panel<NB>& p) {
   const int64_t blocks = a.K / 32;
+  // The next tile's rows (contiguous after these) pulled in at this tile's pace: NB rows read a block at a time are NB
+  // streams, more than the hardware prefetchers follow (without this, M = 1 waited on DRAM in the quants' loads).
+  const char* next = reinterpret_cast<const char*>(a.w + (n0 + NB) * a.row_bytes);
+  const int64_t step = NB * a.row_bytes / blocks;  // bytes of the next tile per block
   for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t off = 0; off < step; off += 64) _mm_prefetch(next + b * step + off, _MM_HINT_T0);
     for (int h = 0; h < NB / 8; ++h) {
       __m256i r[8], t[8];
 #pragma GCC unroll 8
