@@ -59,12 +59,16 @@ def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
     return model.logits(hidden)[0].float()
 
 
-def evaluate(path: str, dtype: torch.dtype, windows: list[torch.Tensor]) -> dict:
+def evaluate(path: str, dtype: torch.dtype, windows: list[torch.Tensor], control: bool) -> dict:
+    """The two modes' agreement and perplexities; ``control``: also the float path in ``dtype`` against float32 (how
+    much a dtype alone moves the top-1, for scale)."""
     models = {
         m: load_model(path, dtype=dtype, quantization="gguf", quant_activations=m).fuse() for m in ("float", "int8")
     }
+    if control:
+        models["float32"] = load_model(path, dtype=torch.float32, quantization="gguf").fuse()
     nll = {m: 0.0 for m in models}
-    agree = total = 0
+    agree = agree_control = total = 0
     max_diff = 0.0
     for ids in windows:
         logits = {m: logits_of(model, ids) for m, model in models.items()}  # [T, V] each
@@ -72,13 +76,16 @@ def evaluate(path: str, dtype: torch.dtype, windows: list[torch.Tensor]) -> dict
         for m, lg in logits.items():
             nll[m] += torch.nn.functional.cross_entropy(lg[:-1], targets, reduction="sum").item()
         agree += (logits["float"].argmax(-1) == logits["int8"].argmax(-1)).sum().item()
+        if control:
+            agree_control += (logits["float"].argmax(-1) == logits["float32"].argmax(-1)).sum().item()
         total += ids.shape[1]
         max_diff = max(max_diff, (logits["float"] - logits["int8"]).abs().max().item())
     predicted = sum(ids.shape[1] - 1 for ids in windows)
     types = sorted({w.qtype for w in models["int8"].quantized.values()})
     return {"file": Path(path).name, "types": types, "positions": total, "top1_agreement": agree / total,
             "ppl_float": torch.tensor(nll["float"] / predicted).exp().item(),
-            "ppl_int8": torch.tensor(nll["int8"] / predicted).exp().item(), "max_abs_logit_diff": max_diff}  # fmt: skip
+            "ppl_int8": torch.tensor(nll["int8"] / predicted).exp().item(), "max_abs_logit_diff": max_diff,
+            "control_top1_float_vs_float32": agree_control / total if control else None}  # fmt: skip
 
 
 def main() -> None:
@@ -87,6 +94,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--windows", type=int, default=6, help="stdlib windows, after the paragraph")
     ap.add_argument("--window", type=int, default=512, help="tokens per window")
+    ap.add_argument("--control", action="store_true", help="also the float path's top-1 agreement with float32")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     windows = held_out_ids(load_tokenizer(args.files[0]), args.window, args.windows)
@@ -95,10 +103,12 @@ def main() -> None:
           f" {args.dtype})")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for path in args.files:
-        r = evaluate(path, dtype, windows)
+        r = evaluate(path, dtype, windows, args.control)
         rows.append(r)
         print(f"| {r['file']} | {', '.join(r['types'])} | {r['positions']} | {r['top1_agreement']:.4f} | "
-              f"{r['ppl_float']:.3f} | {r['ppl_int8']:.3f} | {r['max_abs_logit_diff']:.3f} |", flush=True)  # fmt: skip
+              f"{r['ppl_float']:.3f} | {r['ppl_int8']:.3f} | {r['max_abs_logit_diff']:.3f} |"
+              + (f" control: float vs float32 top-1 {r['control_top1_float_vs_float32']:.4f}" if args.control else ""),
+              flush=True)  # fmt: skip
     out = Path(__file__).resolve().parent / "out" / "eval_int8.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": cpu_name(), "dtype": args.dtype, "window": args.window, "windows": len(windows)}

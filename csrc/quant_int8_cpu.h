@@ -255,8 +255,9 @@ SPECDEC_QAVX2 void fill_scales(const uint8_t* row, int64_t blocks, int i, Panel<
     for (int64_t b = 0; b < blocks; ++b) {
       const BlockScales k = int_scales<Q>(row, b, F16c{});
       p.a[b * NB + i] = k.a, p.c[b * NB + i] = k.c;
-      if constexpr (kGroupScales<Q>) {
-        for (int h = 0; h < 2; ++h) p.sc[(b * 2 + h) * NB + i] = k.sc[h], p.mn[(b * 2 + h) * NB + i] = k.mn[h];
+      for (int h = 0; h < 2 && kGroupScales<Q>; ++h) {
+        p.sc[(b * 2 + h) * NB + i] = k.sc[h];
+        if constexpr (kIntMin<Q>) p.mn[(b * 2 + h) * NB + i] = k.mn[h];  // Q2_K's minima factors
       }
     }
   }
