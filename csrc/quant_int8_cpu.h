@@ -168,35 +168,60 @@ void int8_rows_scalar(const Int8Args& p, int64_t n_begin, int64_t n_end) {
 
 #define SPECDEC_QVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
-// Block b's quants as 32 signed bytes, by vector for the common formats (the scalar decoder elsewhere: the same
-// integers).
+// 32 bytes from p, each (v >> shift) & mask: one 16-bit shift serves every byte, the mask dropping what crossed in.
+SPECDEC_QAVX2 inline __m256i field32(const uint8_t* p, int shift, int mask) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+
+// The 32 bits of Q5_0 / Q5_1's qh as bytes 0 or 16 (element i's fifth bit is bit i): llama.cpp's bytes_from_bits_32.
+SPECDEC_QAVX2 inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                0x0303030303030303));  // byte i: byte i / 8 of bits
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                        _mm256_set1_epi64x(-1));  // all ones where bit i % 8 is set
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+// Block b's quants as 32 signed bytes (int_quants' integers).
 template <QuantType Q>
 SPECDEC_QAVX2 inline __m256i int_quants_avx2(const uint8_t* row, int64_t b) {
-  const __m256i low4 = _mm256_set1_epi8(15);
   if constexpr (Q == QuantType::kQ8_0) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlockBytes<Q> + 2));
-  } else if constexpr (Q == QuantType::kQ4_0 || Q == QuantType::kQ4_1) {
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlockBytes<Q> + kBlockBytes<Q> - 16));
+  } else if constexpr (kSubBlocks<Q> == 1) {  // Q4_0, Q4_1, Q5_0, Q5_1
+    const uint8_t* blk = row + b * kBlockBytes<Q>;
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBlockBytes<Q> - 16));
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs);  // elements 0-15 low nibbles, 16-31 high
-    const __m256i v = _mm256_and_si256(both, low4);
-    return Q == QuantType::kQ4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v;
-  } else if constexpr (Q == QuantType::kQ4_K) {
-    const uint8_t* sb = row + b / 8 * kBlockBytes<Q>;
-    const int s = static_cast<int>(b % 8);
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * (s / 2)));
-    return _mm256_and_si256(_mm256_srli_epi16(v, 4 * (s % 2)), low4);
-  } else if constexpr (Q == QuantType::kQ6_K) {
-    const uint8_t* sb = row + b / 8 * kBlockBytes<Q>;
-    const int s = static_cast<int>(b % 8);
-    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * (s / 4) + 32 * (s % 2)));
-    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * (s / 4)));
-    const __m256i l = _mm256_and_si256(_mm256_srli_epi16(lo, 4 * ((s / 2) % 2)), low4);
-    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * (s % 4)), _mm256_set1_epi8(3));
-    return _mm256_sub_epi8(_mm256_or_si256(l, _mm256_slli_epi16(h, 4)), _mm256_set1_epi8(32));
+    __m256i v = _mm256_and_si256(both, _mm256_set1_epi8(15));
+    constexpr bool kMin = Q == QuantType::kQ4_1 || Q == QuantType::kQ5_1;
+    if constexpr (Q == QuantType::kQ5_0 || Q == QuantType::kQ5_1) {
+      v = _mm256_or_si256(v, fifth_bits(blk + (kMin ? 4 : 2)));
+    }
+    constexpr int kOffset = kMin ? 0 : (Q == QuantType::kQ5_0 ? 16 : 8);
+    return kOffset != 0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(kOffset)) : v;
   } else {
-    alignas(32) int8_t q[32];
-    int_quants<Q>(row, b, q);
-    return _mm256_load_si256(reinterpret_cast<const __m256i*>(q));
+    const uint8_t* sb = row + b / 8 * kBlockBytes<Q>;
+    const int s = static_cast<int>(b % 8);
+    if constexpr (Q == QuantType::kQ2_K) {
+      return field32(sb + 16 + 32 * (s / 4), 2 * (s % 4), 3);
+    } else if constexpr (Q == QuantType::kQ3_K) {  // a clear high bit subtracts 4
+      const __m256i high = _mm256_slli_epi16(field32(sb, s, 1), 2);
+      return _mm256_sub_epi8(_mm256_add_epi8(field32(sb + 32 + 32 * (s / 4), 2 * (s % 4), 3), high),
+                             _mm256_set1_epi8(4));
+    } else if constexpr (Q == QuantType::kQ4_K) {
+      return field32(sb + 16 + 32 * (s / 2), 4 * (s % 2), 15);
+    } else if constexpr (Q == QuantType::kQ5_K) {
+      const __m256i high = _mm256_slli_epi16(field32(sb + 16, s, 1), 4);
+      return _mm256_or_si256(field32(sb + 48 + 32 * (s / 2), 4 * (s % 2), 15), high);
+    } else {
+      static_assert(Q == QuantType::kQ6_K, "a K-quant");
+      const __m256i low = field32(sb + 64 * (s / 4) + 32 * (s % 2), 4 * ((s / 2) % 2), 15);
+      const __m256i high = _mm256_slli_epi16(field32(sb + 128 + 32 * (s / 4), 2 * (s % 4), 3), 4);
+      return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+    }
   }
 }
 
