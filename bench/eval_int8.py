@@ -8,8 +8,11 @@ prefill on an empty cache. Files: GGUF paths, e.g. SmolLM2-135M-Instruct requant
 (``--allow-requantize``) to Q8_0, Q4_0, Q4_K_M (SmolLM2's 576-wide rows are not whole 256-weight super-blocks, so its
 Q4_K_M holds Q4_K / Q6_K only in the 1536-wide down projections, Q5_0 / Q8_0 elsewhere) and Q6_K.
 
-Usage: python bench/eval_int8.py FILE.gguf [FILE.gguf ...] [--dtype float32|bfloat16] [--windows 6] [--window 512].
-Writes bench/out/eval_int8.json, labelled with the CPU.
+``--speed``: also each mode's forward time at T = 1, 4, 16 new tokens over a 256-token context (the engine's forward
+and logits on its paged cache, ``bench.harness.forward_step``), modes interleaved rep by rep; r(T) = ms(T) / ms(1).
+
+Usage: python bench/eval_int8.py FILE.gguf [FILE.gguf ...] [--dtype float32|bfloat16] [--windows 6] [--window 512]
+[--control] [--speed]. Writes bench/out/eval_int8.json, labelled with the CPU.
 """
 
 from __future__ import annotations
@@ -88,6 +91,30 @@ def evaluate(path: str, dtype: torch.dtype, windows: list[torch.Tensor], control
             "control_top1_float_vs_float32": agree_control / total if control else None}  # fmt: skip
 
 
+def forward_times(path: str, dtype: str, reps: int = 7) -> dict:
+    """Median ms per forward at T = 1, 4, 16 over a 256-token context, per mode, interleaved."""
+    import statistics
+    import time
+
+    from bench.harness import forward_step
+    from spec_engine.llm import LLM
+
+    fns = {}
+    for mode in ("float", "int8"):
+        eng = LLM(model=path, dtype=dtype, quantization="gguf", quant_activations=mode, max_num_seqs=1,
+                  max_model_len=512).engine  # fmt: skip
+        fns |= {(mode, t): forward_step(eng.target, eng.kv, 1, 256, t) for t in (1, 4, 16)}
+    times: dict = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(1e3 * (time.perf_counter() - start))
+    return {f"{mode}_T{t}_ms": statistics.median(v) for (mode, t), v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+", help="GGUF files (one model, several quantizations)")
@@ -95,6 +122,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=6, help="stdlib windows, after the paragraph")
     ap.add_argument("--window", type=int, default=512, help="tokens per window")
     ap.add_argument("--control", action="store_true", help="also the float path's top-1 agreement with float32")
+    ap.add_argument("--speed", action="store_true", help="also each mode's forward ms at T = 1, 4, 16")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     windows = held_out_ids(load_tokenizer(args.files[0]), args.window, args.windows)
@@ -104,11 +132,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for path in args.files:
         r = evaluate(path, dtype, windows, args.control)
-        rows.append(r)
         print(f"| {r['file']} | {', '.join(r['types'])} | {r['positions']} | {r['top1_agreement']:.4f} | "
               f"{r['ppl_float']:.3f} | {r['ppl_int8']:.3f} | {r['max_abs_logit_diff']:.3f} |"
               + (f" control: float vs float32 top-1 {r['control_top1_float_vs_float32']:.4f}" if args.control else ""),
               flush=True)  # fmt: skip
+        if args.speed:
+            r |= forward_times(path, args.dtype)
+            print("  forward ms T=1/4/16: " + "; ".join(
+                f"{m} {r[f'{m}_T1_ms']:.1f} / {r[f'{m}_T4_ms']:.1f} / {r[f'{m}_T16_ms']:.1f} (r(16) "
+                f"{r[f'{m}_T16_ms'] / r[f'{m}_T1_ms']:.2f})" for m in ("float", "int8")), flush=True)  # fmt: skip
+        rows.append(r)
     out = Path(__file__).resolve().parent / "out" / "eval_int8.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": cpu_name(), "dtype": args.dtype, "window": args.window, "windows": len(windows)}
