@@ -270,19 +270,25 @@ struct F16c {
 // decodes 8 at a time (its scale and shift are a and c: the same exact products).
 template <QuantType Q, int NB>
 SPECDEC_QAVX2 void fill_scales(const uint8_t* row, int64_t blocks, int i, Panel<NB>& p) {
+  // raw pointers: a store through the vectors' own would make the compiler reload them after every store
+  float* const pa = p.a.data();
+  float* const pc = p.c.data();
+  int32_t* const psc = p.sc.data();
+  int32_t* const pmn = p.mn.data();
   if constexpr (kPerSubBlock<Q>) {
     for (int64_t b = 0; b < blocks; b += 8) {
       KScales k;
       load_scales_avx2<Q>(row + b / 8 * kBlockBytes<Q>, k);
-      for (int s = 0; s < 8; ++s) p.a[(b + s) * NB + i] = k.scale[s], p.c[(b + s) * NB + i] = k.shift[s];
+      for (int s = 0; s < 8; ++s) pa[(b + s) * NB + i] = k.scale[s], pc[(b + s) * NB + i] = k.shift[s];
     }
   } else {
     for (int64_t b = 0; b < blocks; ++b) {
       const BlockScales k = int_scales<Q>(row, b, F16c{});
-      p.a[b * NB + i] = k.a, p.c[b * NB + i] = k.c;
+      pa[b * NB + i] = k.a;
+      if constexpr (kIntMin<Q>) pc[b * NB + i] = k.c;
       for (int h = 0; h < 2 && kGroupScales<Q>; ++h) {
-        p.sc[(b * 2 + h) * NB + i] = k.sc[h];
-        if constexpr (kIntMin<Q>) p.mn[(b * 2 + h) * NB + i] = k.mn[h];  // Q2_K's minima factors
+        psc[(b * 2 + h) * NB + i] = k.sc[h];
+        if constexpr (kIntMin<Q>) pmn[(b * 2 + h) * NB + i] = k.mn[h];  // Q2_K's minima factors
       }
     }
   }
@@ -297,6 +303,9 @@ SPECDEC_QAVX2 void fill_panel(const QuantArgs& a, int64_t n0, int64_t rows, bool
   // streams, more than the hardware prefetchers follow (without this, M = 1 waited on DRAM in the quants' loads).
   const char* next = reinterpret_cast<const char*>(a.w + (n0 + NB) * a.row_bytes);
   const int64_t step = NB * a.row_bytes / blocks;  // bytes of the next tile per block
+  const uint8_t* const w = a.w;
+  const int64_t row_bytes = a.row_bytes;
+  int8_t* const q = p.q.data();
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t off = 0; off < step; off += 64) _mm_prefetch(next + b * step + off, _MM_HINT_T0);
     for (int h = 0; h < NB / 8; ++h) {
@@ -304,19 +313,19 @@ SPECDEC_QAVX2 void fill_panel(const QuantArgs& a, int64_t n0, int64_t rows, bool
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) {
         const int64_t n = n0 + 8 * h + i;
-        r[i] = n < n0 + rows ? int_quants_avx2<Q>(a.w + n * a.row_bytes, b) : _mm256_setzero_si256();
+        r[i] = n < n0 + rows ? int_quants_avx2<Q>(w + n * row_bytes, b) : _mm256_setzero_si256();
         if (flip) r[i] = _mm256_xor_si256(r[i], _mm256_set1_epi8(static_cast<char>(0x80)));
       }
       transpose8x8(r, t);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.q.data() + ((b * 8 + j) * NB + 8 * h) * 4), t[j]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + ((b * 8 + j) * NB + 8 * h) * 4), t[j]);
       }
     }
   }
   for (int i = 0; i < NB; ++i) {
     if (i < rows) {
-      fill_scales<Q, NB>(a.w + (n0 + i) * a.row_bytes, blocks, i, p);
+      fill_scales<Q, NB>(w + (n0 + i) * row_bytes, blocks, i, p);
     } else {
       for (int64_t b = 0; b < blocks; ++b) p.a[b * NB + i] = p.c[b * NB + i] = 0.f;
     }
