@@ -166,29 +166,30 @@ def gguf_file(hf_dir, tmp_path_factory) -> Path:
                       type_of={"model.embed_tokens.weight": "Q8_0"})  # fmt: skip
 
 
-def _tokens(llm: LLM, max_tokens: int = 40) -> list[list[int]]:
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs]
+def _tokens(llm: LLM, max_tokens: int = 40, seed: int | None = None) -> list[list[int]]:
+    temperature = 0.0 if seed is None else 0.8
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_speculation_is_plain_decoding(gguf_file, hf_dir, tmp_path, dtype):
-    """Lossless in int8 mode: n-gram and draft-model speculation emit plain decoding's tokens on the same weights."""
+    """Lossless in int8 mode: n-gram and draft-model speculation emit plain decoding's tokens on the same weights,
+    greedy and seeded (a seeded request's tokens are a function of prompt, parameters and seed)."""
     path = str(gguf_file)
-    llm = LLM(path, dtype=dtype, quantization="gguf", quant_activations="int8")
+
+    def int8_llm(spec=None):
+        return LLM(path, dtype=dtype, quantization="gguf", quant_activations="int8", speculative_config=spec)
+
+    llm = int8_llm()
     assert all(w.activations == "int8" for w in llm.target.quantized.values())
     assert llm.engine.runner.native_target is not None  # the native chains run the int8 blocks
-    plain = _tokens(llm)
-    ngram = {"method": "ngram", "num_speculative_tokens": 3}
-    assert (
-        _tokens(LLM(path, dtype=dtype, quantization="gguf", quant_activations="int8", speculative_config=ngram))
-        == plain
-    )
+    plain, seeded = _tokens(llm), _tokens(llm, seed=7)
+    ngram = int8_llm({"method": "ngram", "num_speculative_tokens": 3})
+    assert _tokens(ngram) == plain and _tokens(ngram, seed=7) == seeded
     draft = make_noisy_copy(hf_dir, tmp_path / "draft", noise=0.3)
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
-    assert (
-        _tokens(LLM(path, dtype=dtype, quantization="gguf", quant_activations="int8", speculative_config=spec)) == plain
-    )
+    model = int8_llm({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    assert _tokens(model) == plain and _tokens(model, seed=7) == seeded
 
 
 def test_the_switch_reaches_the_kernels(gguf_file):

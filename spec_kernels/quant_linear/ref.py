@@ -48,8 +48,8 @@ def int_blocks(weight: torch.Tensor, qtype: str) -> IntBlocks:
     n = weight.shape[0]
     b = weight.reshape(-1, f.block_bytes)  # [R, block_bytes]
     num = b.shape[0]
-    ones = torch.ones(num * f.block_weights // INT8_BLOCK, 2, dtype=torch.long)
-    zero = torch.zeros(num * f.block_weights // INT8_BLOCK)
+    ones = torch.ones(num * f.block_weights // INT8_BLOCK, 2, dtype=torch.long, device=weight.device)
+    zero = torch.zeros(num * f.block_weights // INT8_BLOCK, device=weight.device)
     sc = mn = ones
     c = zero
     if qtype == "Q8_0":
@@ -110,7 +110,7 @@ def _quant_linear_int8(x: torch.Tensor, weight: torch.Tensor, qtype: str) -> tor
     dots = (halves * w.sc.double()).sum(-1)  # [M, N, nb] I: exact integers
     sums = (xq.reshape(-1, 1, nb, 2, 16).double().sum(-1) * w.mn.double()).sum(-1)  # [M, N, nb] S
     has_min = qtype in INT8_MIN_TYPES
-    acc = torch.zeros(x.shape[0], weight.shape[0])  # [M, N]
+    acc = torch.zeros(x.shape[0], weight.shape[0], device=x.device)  # [M, N]
     for b in range(nb):
         u = w.a[:, b] * dots[:, :, b].float()
         if has_min:
