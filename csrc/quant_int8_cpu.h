@@ -119,7 +119,7 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, Int
 // Keeps a product from being fused with the add after it: GCC contracts a * b + c into an FMA inside the vector
 // paths' FMA targets (and on CPUs whose baseline has FMA), which would round once where the reference rounds twice.
 template <typename V>
-inline V rounded(V v) {
+__attribute__((always_inline)) inline V rounded(V v) {  // inlined: a vector V is passed in its caller's registers
 #if defined(__GNUC__) && SPECDEC_CPU_X86
   __asm__("" : "+v"(v));
 #elif defined(__GNUC__)
