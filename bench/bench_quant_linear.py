@@ -10,8 +10,12 @@ rows of whole 256-weight super-blocks, which SmolLM2's 576 are not: ``--shape ll
 of blocks, 270 MB in bfloat16: both stream from DRAM, as decoding does); the roofline column is GB/s of weight bytes
 read. Contenders are interleaved rep by rep so a noisy shared machine hits them alike.
 
+``--int8 Q8_0,Q4_K,Q6_K`` times only the two numeric modes against each other instead: float activations vs int8 ones
+(``activations="int8"``), one [N, K] matrix per format (``--int8-shape``, default Llama-3.2-1B's gate/up rows: N =
+8192, K = 2048) at M = 1, 5, 16, bfloat16 x, interleaved; results go to bench/out/bench_quant_linear_int8.json.
+
 Usage: python -m bench.bench_quant_linear [--quick] [--threads N] [--cpu-time] [--qtype Q4_K] [--head-qtype Q6_K]
-[--shape smollm2|llama-1b]. Results go to bench/out/bench_quant_linear.json.
+[--shape smollm2|llama-1b] [--int8 TYPES [--int8-shape N,K]]. Results go to bench/out/bench_quant_linear.json.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.harness import cpu_name
 from spec_kernels.linear import linear
 from spec_kernels.quant_linear import quant_linear
 from spec_kernels.quant_linear.ref import quant_linear_ref
@@ -134,6 +139,23 @@ def bench_forwards(rows: list[int], reps: int, rng: np.random.Generator, qtypes:
     return out
 
 
+def bench_int8(qtypes: list[str], reps: int, rng: np.random.Generator, n: int, k: int) -> list[dict]:
+    """float vs int8 activations on one matrix per format, M = 1, 5, 16."""
+    out = []
+    for qtype in qtypes:
+        blocks = _blocks(n, k, qtype, rng)
+        for num_rows in (1, 5, 16):
+            x = torch.randn(num_rows, k).bfloat16()  # [M, K]
+            fns = {mode: lambda x=x, b=blocks, q=qtype, mode=mode: quant_linear(x, b, q, activations=mode)
+                   for mode in ("float", "int8")}  # fmt: skip
+            results = {c: _summary(t, blocks.numel()) for c, t in _time(fns, reps).items()}
+            speedup = results["float"]["median_us"] / results["int8"]["median_us"]
+            print(_line(f"{qtype} [{n}, {k}] M={num_rows:2d} int8 {speedup:4.2f}x", results), flush=True)
+            out.append({"qtype": qtype, "N": n, "K": k, "M": num_rows, "int8_speedup": speedup}
+                       | {f"{c}_{m}": v for c, r in results.items() for m, v in r.items()})  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute)")
@@ -144,6 +166,8 @@ def main() -> None:
     parser.add_argument("--qtype", choices=list(QUANT_FORMATS), default="Q4_1", help="the layers' format")
     parser.add_argument("--head-qtype", choices=list(QUANT_FORMATS), default="Q8_0", help="the lm_head's format")
     parser.add_argument("--shape", choices=list(SHAPES), default="smollm2", help="the model's matrices")
+    parser.add_argument("--int8", default=None, help="comma-separated formats: float vs int8 activations only")
+    parser.add_argument("--int8-shape", default="8192,2048", help="N,K of --int8's matrix")
     args = parser.parse_args()
     hidden, inter = SHAPES[args.shape][:2]
     for q in (args.qtype, args.head_qtype):
@@ -161,6 +185,16 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = [1, 2, 4, 8, 16]
     load_before = os.getloadavg()
+    if args.int8:
+        n, k = (int(v) for v in args.int8_shape.split(","))
+        print(f"# {cpu_name()}, {torch.get_num_threads()} threads, load average {load_before[0]:.1f}", flush=True)
+        rows_int8 = bench_int8(args.int8.split(","), 5 if args.quick else 30, rng, n, k)
+        meta = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "clock": "thread CPU time" if args.cpu_time
+                else "wall", "loadavg_before_after": [load_before, os.getloadavg()]}  # fmt: skip
+        out = Path(__file__).resolve().parent / "out" / "bench_quant_linear_int8.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "rows": rows_int8}, indent=2))
+        return print(f"saved {out}")
     qtypes = (args.qtype, args.head_qtype)
     forwards = bench_forwards(rows, 5 if args.quick else 20, rng, qtypes, args.shape)
     matrices = bench_matrices(rows, 20 if args.quick else 100, rng, qtypes, args.shape)

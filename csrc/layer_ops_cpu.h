@@ -227,11 +227,13 @@ struct Weight {
   int64_t qtype = 0;
 };
 
-// The GGUF type of a uint8 matrix of K inputs, told by its blocks: uint8 [N, K / block_weights, block_bytes]
+// The GGUF type of a uint8 (or int8: csrc/quant_linear_cpu.h's kInt8Activations) matrix of K inputs, told by its
+// blocks: [N, K / block_weights, block_bytes]
 // (QuantizedWeight.blocks: every type has its own pair), or [N, row_bytes] for the 32-weight types (whose widths
 // differ; a Q4_K row is as wide as a Q4_0 one); 0 for a dense matrix; -1 for a shape no type has.
 int64_t qtype_of(const at::Tensor& w, int64_t K) {
-  if (w.scalar_type() != at::kByte) return 0;
+  if (w.scalar_type() != at::kByte && w.scalar_type() != at::kChar) return 0;
+  const int64_t mode = w.scalar_type() == at::kChar ? kInt8Activations : 0;  // int8 blocks: 8-bit activations
   for (const QuantType q : {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ5_0, QuantType::kQ5_1, QuantType::kQ8_0,
                             QuantType::kQ2_K, QuantType::kQ3_K, QuantType::kQ4_K, QuantType::kQ5_K, QuantType::kQ6_K}) {
     const int64_t id = static_cast<int64_t>(q);
@@ -239,7 +241,7 @@ int64_t qtype_of(const at::Tensor& w, int64_t K) {
     if (quant_row_bytes(id, K) == 0) continue;
     const bool blocks = w.dim() == 3 && w.size(1) == K / f.block_weights && w.size(2) == f.block_bytes;
     const bool row = w.dim() == 2 && f.block_weights == kQuantBlock && w.size(1) == quant_row_bytes(id, K);
-    if (blocks || row) return id;
+    if (blocks || row) return id + mode;
   }
   return -1;
 }

@@ -202,7 +202,7 @@ void check_vector(const at::Tensor& t, int64_t n, const char* name, int64_t laye
 }
 
 void check_matrix(const at::Tensor& t, int64_t rows, int64_t cols, const char* name, int64_t layer) {
-  const bool blocks = t.scalar_type() == at::kByte;
+  const bool blocks = t.scalar_type() == at::kByte || t.scalar_type() == at::kChar;
   const bool fits = blocks ? qtype_of(t, cols) > 0 : t.dim() == 2 && t.size(1) == cols;
   TORCH_CHECK_VALUE(t.dim() >= 1 && t.size(0) == rows && fits, "decoder_layers: layer ", layer, " ", name, " must be [",
                     rows, ", ", cols, "]", blocks ? " as GGUF blocks (uint8 [N, K / block_weights, block_bytes])" : "",
@@ -243,7 +243,8 @@ Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, con
         continue;
       }
       const bool matrix = f == kQkv || f == kO || f == kGateUp || f == kDown;  // these may be GGUF blocks (uint8)
-      TORCH_CHECK_TYPE(w[f].scalar_type() == dtype || (matrix && w[f].scalar_type() == at::kByte),
+      const bool blocks = w[f].scalar_type() == at::kByte || w[f].scalar_type() == at::kChar;
+      TORCH_CHECK_TYPE(w[f].scalar_type() == dtype || (matrix && blocks),
                        "decoder_layers: layer ", l, " ", kFieldNames[f], " must be ", dtype, " like hidden",
                        matrix ? " (or uint8 GGUF blocks)" : "", ", got ", w[f].scalar_type());
       TORCH_CHECK_VALUE(w[f].device() == device && w[f].is_contiguous(), "decoder_layers: layer ", l, " ",

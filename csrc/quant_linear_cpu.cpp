@@ -27,6 +27,7 @@
 #include <c10/util/Optional.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -61,6 +62,8 @@ struct QuantArgs {
 };
 
 inline void store(const QuantArgs& a, int64_t m, int64_t n, float sum) { a.sums[m * a.ldo + n - a.n0] = sum; }
+
+#include "quant_int8_cpu.h"  // the 8-bit activation path (uses QuantArgs and store)
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -389,7 +392,7 @@ void with_qtype(int64_t qtype, F&& f) {
 #define SPECDEC_QTYPE_CASE(q) \
   case QuantType::q:          \
     return f(std::integral_constant<QuantType, QuantType::q>{});
-  switch (static_cast<QuantType>(qtype)) {
+  switch (static_cast<QuantType>(ggml_type(qtype))) {
     SPECDEC_QTYPE_CASE(kQ4_0)
     SPECDEC_QTYPE_CASE(kQ4_1)
     SPECDEC_QTYPE_CASE(kQ5_0)
@@ -424,7 +427,14 @@ void run_rows(const T* x, const uint8_t* w, int64_t qtype, const T* bias, T* out
   thread_local std::vector<float> sums;  // [M, n_end - n_begin]
   sums.resize(static_cast<size_t>(M * (n_end - n_begin)));
   const QuantArgs a{xf, ldxf, w, sums.data(), n_begin, n_end - n_begin, M, K, quant_row_bytes(qtype, K)};
-  with_qtype(qtype, [&](auto q) { rows<decltype(q)::value>(a, n_begin, n_end); });
+  if (int8_activations(qtype)) {
+    thread_local Int8Rows xq;  // each thread quantizes x itself: M K work against the M N K of its share
+    quantize_rows(xf, ldxf, M, K, xq);
+    const Int8Args ia{&xq, &a};
+    with_qtype(qtype, [&](auto q) { int8_rows<decltype(q)::value>(ia, n_begin, n_end); });
+  } else {
+    with_qtype(qtype, [&](auto q) { rows<decltype(q)::value>(a, n_begin, n_end); });
+  }
   // linear's store: the bias last (fp32), then one rounding to the output dtype
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = n_begin; n < n_end; ++n) {
@@ -467,8 +477,9 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, 
   TORCH_CHECK_VALUE(x.dim() >= 1, "quant_linear: x must be [..., K], got a 0-d tensor");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                    "quant_linear: x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte, "quant_linear: weight must be uint8 GGUF blocks, got ",
-                   weight.scalar_type());
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte || weight.scalar_type() == at::kChar,
+                   "quant_linear: weight must be GGUF blocks, uint8 (float activations) or int8 (8-bit activations), "
+                   "got ", weight.scalar_type());
   const int64_t K = x.size(-1);
   TORCH_CHECK_VALUE(K > 0 && K % f.block_weights == 0, "quant_linear: K = ", K, " is not a positive multiple of ",
                     "GGML type ", qtype, "'s ", f.block_weights, "-weight block");
@@ -542,7 +553,8 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64
   at::Tensor rows = x.reshape({M, K});  // [M, K] with unit inner stride
   if (rows.stride(1) != 1) rows = rows.contiguous();
   at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const uint8_t* w = static_cast<const uint8_t*>(weight.data_ptr());
+  if (weight.scalar_type() == at::kChar && !int8_activations(qtype)) qtype += kInt8Activations;
   if (x.scalar_type() == at::kFloat) {
     run<float>(rows.data_ptr<float>(), w, qtype, b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), M,
                N, K, rows.stride(0));

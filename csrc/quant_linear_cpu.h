@@ -25,6 +25,14 @@ enum class QuantType : int64_t {
   kQ6_K = 14,
 };
 
+// The numeric mode rides on the type id: ggml's id multiplies float activations (quant_linear as linear on the
+// dequantized matrix); the id plus kInt8Activations quantizes them to int8 blocks first and multiplies integers
+// (csrc/quant_int8_cpu.h). A matrix passed as int8 rather than uint8 blocks asks for the second (qtype_of).
+constexpr int64_t kInt8Activations = 256;
+
+constexpr bool int8_activations(int64_t qtype) { return qtype >= kInt8Activations; }
+constexpr int64_t ggml_type(int64_t qtype) { return int8_activations(qtype) ? qtype - kInt8Activations : qtype; }
+
 // The kernels' unit of a row: 32 weights, a block of the 32-weight types or an eighth of a K-quant super-block.
 constexpr int64_t kQuantBlock = 32;
 
@@ -32,10 +40,10 @@ struct QuantFormat {
   int64_t block_weights, block_bytes;
 };
 
-// One block of ggml type id `qtype`; {0, 0} for an id the kernel does not read. spec_kernels/types.py's
+// One block of ggml type id `qtype` (either mode); {0, 0} for an id the kernel does not read. spec_kernels/types.py's
 // QUANT_FORMATS holds the same facts.
 constexpr QuantFormat quant_format(int64_t qtype) {
-  switch (static_cast<QuantType>(qtype)) {
+  switch (static_cast<QuantType>(ggml_type(qtype))) {
     case QuantType::kQ4_0:
       return {32, 18};
     case QuantType::kQ4_1:
@@ -68,6 +76,7 @@ constexpr int64_t quant_row_bytes(int64_t qtype, int64_t K) {
 
 // out [M, N] = x [M, K] (row stride ldx) @ dequant(weight [N, quant_row_bytes(qtype, K)])^T + bias [N] (or nullptr),
 // in float32 sums; bfloat16 x is widened to float32 and each output rounded once. K is a multiple of qtype's block.
+// With kInt8Activations in qtype, x's blocks are quantized to int8 first and the sums are integer dot products.
 void quant_linear_f32(const float* x, const uint8_t* weight, int64_t qtype, const float* bias, float* out, int64_t M,
                       int64_t N, int64_t K, int64_t ldx);
 void quant_linear_bf16(const c10::BFloat16* x, const uint8_t* weight, int64_t qtype, const c10::BFloat16* bias,

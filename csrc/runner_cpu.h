@@ -167,7 +167,7 @@ class ChainRunner {
     cache_seqlens_.assign(start, start + B);
     if (mask_size_ < M * T_) mask_.reset(new bool[M * T_]), mask_size_ = M * T_;
     const T* emb = embed_qtype_ == 0 ? embed_.data_ptr<T>() : nullptr;
-    const uint8_t* emb_blocks = embed_qtype_ != 0 ? embed_.data_ptr<uint8_t>() : nullptr;
+    const uint8_t* emb_blocks = embed_qtype_ != 0 ? static_cast<const uint8_t*>(embed_.data_ptr()) : nullptr;
     row_.resize(H);
     const T* cos = rope_.data_ptr<T>();
     const T* sin = cos + P * D;

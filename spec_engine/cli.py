@@ -50,6 +50,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["gguf"],
                    help="gguf: keep a .gguf model's quantized weights as stored (native CPU kernels) instead of "
                    "dequantizing them to --dtype")  # fmt: skip
+    # spec_kernels.types.QUANT_ACTIVATIONS, not imported: the parser stays free of torch
+    g.add_argument("--quant-activations", default=None, choices=["float", "int8"],
+                   help="with --quantization gguf: float (the default) multiplies the blocks by float "
+                   "activations, int8 quantizes them to int8 per 32 weights and multiplies integers")  # fmt: skip
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step's target pass eagerly (default on CUDA: replayed from CUDA graphs captured "
                    "per batch size and verify width; no effect on CPU)")  # fmt: skip
@@ -186,6 +190,7 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: boo
     return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+               quant_activations=args.quant_activations,
                enable_prefix_caching=caching, enforce_eager=getattr(args, "enforce_eager", False))  # fmt: skip
 
 

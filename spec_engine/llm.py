@@ -172,6 +172,10 @@ class LLM:
         norms and activations in ``dtype``. Greedy output in float32 is that of the same file dequantized at load.
         ValueError for a model that is not a GGUF file; on a non-CPU device the weights are dequantized at load,
         with a warning.
+    quant_activations : how quantized weights multiply (``quantization="gguf"`` only): ``"float"`` (None, the default:
+        float32 products, the dequantized model's logits) or ``"int8"`` (llama.cpp's way: activations quantized
+        to int8 per 32 weights, integer dot products; faster at verify widths, logits near the float path's).
+        Speculation stays lossless in either mode. ValueError for another value.
     """
 
     def __init__(
@@ -189,6 +193,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         engine_config: EngineConfig | None = None,
         quantization: str | None = None,
+        quant_activations: str | None = None,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
     ):
@@ -225,7 +230,7 @@ class LLM:
             raise ValueError("tensor_parallel_size > 1 reads HF safetensors shards; a GGUF file loads on one device")
         model_method = spec["model_method"] if spec else None
         if tensor_parallel_size > 1:  # rank 0's shard plus N - 1 worker processes (spec_engine/distributed/)
-            if quantization is not None:
+            if quantization is not None or quant_activations is not None:
                 raise ValueError("quantization='gguf' runs on one process: not supported with tensor_parallel_size > 1")
             if model_method == "eagle":
                 raise ValueError("EAGLE heads read the target's features: not supported with tensor_parallel_size > 1")
@@ -233,7 +238,8 @@ class LLM:
 
             self.target = launch(model, tensor_parallel_size, dtype=torch_dtype, device=device)
         else:
-            self.target = load_model(model, dtype=torch_dtype, device=device, quantization=quantization)
+            self.target = load_model(model, dtype=torch_dtype, device=device, quantization=quantization,
+                                     quant_activations=quant_activations)  # fmt: skip
         self.tokenizer = load_tokenizer(model)
         self.inputs = InputProcessor(self.tokenizer, self.model_dir)
         self.served_by = None  # the AsyncEngine stepping this engine in its thread, if any (generate then refuses)

@@ -48,6 +48,15 @@ QUANT_FORMATS = {
     "Q6_K": QuantFormat(14, 256, 210, (208,)),
 }
 _TYPE_NAMES = {f.type_id: name for name, f in QUANT_FORMATS.items()}
+# How a quantized matrix multiplies its activations: "float" (as linear on the dequantized matrix) or "int8" (x in
+# int8 blocks and integer dot products, llama.cpp's way: spec_kernels/quant_linear/ref.py).
+QUANT_ACTIVATIONS = ("float", "int8")
+
+
+def check_activations(activations: str) -> str:
+    if activations not in QUANT_ACTIVATIONS:
+        raise ValueError(f"quant activations must be one of {QUANT_ACTIVATIONS}, got {activations!r}")
+    return activations
 
 
 def quant_row_bytes(qtype: str, k: int) -> int:
@@ -163,13 +172,16 @@ class QuantizedWeight:
     """A weight matrix ``[N, K]`` kept as GGUF blocks: ``data`` uint8 ``[N, K / block_weights * block_bytes]``.
 
     Rows are independent, so fused projections (q/k/v, gate/up) are the row concatenation of their blocks
-    (:meth:`cat`). ``linear(x, qw)`` dispatches here."""
+    (:meth:`cat`). ``linear(x, qw)`` dispatches here. ``activations``: the numeric mode its products run in
+    (``QUANT_ACTIVATIONS``)."""
 
     data: torch.Tensor
     qtype: str
     shape: tuple[int, int]
+    activations: str = "float"
 
     def __post_init__(self) -> None:
+        check_activations(self.activations)
         qtype = quant_type_name(self.qtype)
         object.__setattr__(self, "qtype", qtype)
         num_rows, k = self.shape
@@ -186,9 +198,11 @@ class QuantizedWeight:
     @property
     def blocks(self) -> torch.Tensor:
         """``data`` viewed as ``[N, K / block_weights, block_bytes]``: what the native model ops take, which tell the
-        format by its block (a Q4_K row is as wide as a Q4_0 row of the same K, but its blocks are not)."""
+        format by its block (a Q4_K row is as wide as a Q4_0 row of the same K, but its blocks are not) and the
+        numeric mode by its dtype (uint8: float activations, int8: 8-bit ones; csrc/quant_linear_cpu.h)."""
         f = QUANT_FORMATS[self.qtype]
-        return self.data.view(self.shape[0], self.shape[1] // f.block_weights, f.block_bytes)
+        blocks = self.data.view(self.shape[0], self.shape[1] // f.block_weights, f.block_bytes)
+        return blocks.view(torch.int8) if self.activations == "int8" else blocks
 
     @property
     def device(self) -> torch.device:
@@ -205,9 +219,9 @@ class QuantizedWeight:
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Row concatenation of matrices of one format and K."""
-        qtype, k = parts[0].qtype, parts[0].shape[1]
-        if any(p.qtype != qtype or p.shape[1] != k for p in parts):
-            raise ValueError("QuantizedWeight.cat: the parts must share qtype and K")
+        """Row concatenation of matrices of one format, K and numeric mode."""
+        qtype, k, mode = parts[0].qtype, parts[0].shape[1], parts[0].activations
+        if any(p.qtype != qtype or p.shape[1] != k or p.activations != mode for p in parts):
+            raise ValueError("QuantizedWeight.cat: the parts must share qtype, K and activations")
         data = torch.cat([p.data for p in parts]).contiguous()
-        return QuantizedWeight(data, qtype, (sum(p.shape[0] for p in parts), k))
+        return QuantizedWeight(data, qtype, (sum(p.shape[0] for p in parts), k), mode)

@@ -299,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
         blocks = self.quantized.get("lm_head.weight")
         if blocks is not None:
             picked = blocks.data[self.vocab_map].contiguous()  # [K, row_bytes]
-            self.head_blocks = QuantizedWeight(picked, blocks.qtype, (ids.numel(), blocks.shape[1]))
+            self.head_blocks = QuantizedWeight(picked, blocks.qtype, (ids.numel(), blocks.shape[1]), blocks.activations)
             self.head_weight = self.head_blocks.dequantize(self.lm_head.weight.dtype)  # [K, H]
         else:
             self.head_weight = self.lm_head.weight.detach()[self.vocab_map].contiguous()  # [K, H]

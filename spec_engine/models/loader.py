@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from spec_engine.models.config import ModelConfig
 from spec_engine.models.families import hf_state, model_class, weight_dtype
 from spec_engine.models.llama import LlamaForCausalLM
+from spec_kernels.types import check_activations
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -31,17 +32,29 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 QUANTIZATIONS = ("gguf",)  # LLM(quantization=...): vLLM's name for a GGUF file's weights kept as stored
+# LLM(quant_activations=...)'s default: the float path (measured in bench/RESULTS.md, "8-bit activations")
+DEFAULT_QUANT_ACTIVATIONS = "float"
 
 
 def load_model(
-    model: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", quantization: str | None = None
+    model: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    quantization: str | None = None,
+    quant_activations: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from an HF directory (``config.json`` + safetensors) or a GGUF file (``*.gguf``, weights
     dequantized to ``dtype``), checking every name and shape. ``quantization="gguf"`` keeps a GGUF file's quantized
-    matrices as stored (``load_gguf_quantized``)."""
+    matrices as stored (``load_gguf_quantized``), multiplied in the numeric mode ``quant_activations``
+    (``spec_kernels.types.QUANT_ACTIVATIONS``: "float" or "int8"; None: ``DEFAULT_QUANT_ACTIVATIONS``)."""
     from spec_engine.models.gguf import gguf_path_or_none, read_gguf
 
     gguf_file = gguf_path_or_none(model)
+    if quant_activations is not None and quantization is None:
+        raise ValueError(
+            f"quant_activations={quant_activations!r} sets how quantized weights multiply: it needs quantization='gguf'"
+        )
     if quantization is not None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
@@ -50,7 +63,8 @@ def load_model(
                 f"quantization='gguf' keeps a GGUF file's quantized weights, but {model} is not a GGUF file; "
                 "leave quantization unset for HF checkpoints"
             )
-        return load_gguf_quantized(gguf_file, dtype=dtype, device=device)
+        activations = check_activations(quant_activations or DEFAULT_QUANT_ACTIVATIONS)
+        return load_gguf_quantized(gguf_file, dtype=dtype, device=device, activations=activations)
     if gguf_file is not None:
         cfg, state = read_gguf(gguf_file, dtype)
         return build_model(cfg, state, dtype=dtype, device=device, source=gguf_file)
@@ -69,7 +83,7 @@ def load_model(
     return build_model(cfg, hf_state(cfg, state), dtype=dtype, device=device, source=model_dir)
 
 
-def load_gguf_quantized(path: Path, *, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+def load_gguf_quantized(path: Path, *, dtype: torch.dtype, device: str, activations: str = "float") -> LlamaForCausalLM:
     """A GGUF checkpoint with its quantized matrices kept as the file stores them (``LlamaForCausalLM.quantized``),
     run by the native quantized kernels; norms and float tensors in ``dtype``. The modules' parameters of quantized
     names are NaN placeholders (a stride-0 view, no memory), except the embedding, kept dense in ``dtype`` too
@@ -87,7 +101,7 @@ def load_gguf_quantized(path: Path, *, dtype: torch.dtype, device: str) -> Llama
         )
         return build_model(cfg, {n: r.dequantize(weight_dtype(cfg, n, dtype)) for n, r in raw.items()}, dtype=dtype,
                            device=device, source=path)  # fmt: skip
-    blocks = {n: QuantizedWeight(r.data, r.type_name, r.shape) for n, r in raw.items() if r.quantized}
+    blocks = {n: QuantizedWeight(r.data, r.type_name, r.shape, activations) for n, r in raw.items() if r.quantized}
     nan = torch.full((), float("nan"), dtype=dtype)
     state = {n: nan.expand(r.shape) if n in blocks and n != "model.embed_tokens.weight"
              else r.dequantize(weight_dtype(cfg, n, dtype)) for n, r in raw.items()}  # fmt: skip

@@ -128,7 +128,7 @@ def linear(
     - out: ``[..., N]``
     """
     if isinstance(weight, QuantizedWeight):
-        return quant_linear(x, weight.data, weight.qtype, bias=bias, backend=backend)
+        return quant_linear(x, weight.data, weight.qtype, bias=bias, activations=weight.activations, backend=backend)
     if backend is None:
         if _native_fits(x, weight, bias):
             return _native_op()(x, weight, bias)

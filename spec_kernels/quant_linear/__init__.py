@@ -13,6 +13,11 @@ float32 with ``linear``'s own tiles and summation order, so ``quant_linear(x, W)
 dequantize(W))`` in float32 (a bfloat16 x is widened, each output rounded once): batch-invariant like ``linear``, and a
 float32 model on its quantized weights gives the logits of the same model dequantized at load. Decoding reads 0.33
 (Q2_K: 84 bytes per 256 weights) to 1.06 (Q8_0) bytes per weight where bfloat16 reads 2 (Q4_K 0.56, Q6_K 0.82).
+
+``activations="int8"`` is the second numeric mode, llama.cpp's: x quantized per row and 32-weight block to int8 with
+a float scale, integer dot products (AVX2 maddubs, AVX512-VNNI vpdpbusd; csrc/quant_int8_cpu.h), a float32 epilogue
+per block. Its spec is ``quant_linear_ref(..., activations="int8")``; every path gives those bits, and a row's result
+depends on that row alone (batch-invariant), but not the float mode's values.
 """
 
 from __future__ import annotations
@@ -21,7 +26,14 @@ import torch
 
 from spec_kernels._backend import on_device_path, resolve_backend, triton_available
 from spec_kernels.quant_linear.ref import quant_linear_ref
-from spec_kernels.types import QUANT_FORMATS, QuantizedWeight, dequantize_ref, quant_row_bytes, quant_type_name
+from spec_kernels.types import (
+    QUANT_FORMATS,
+    QuantizedWeight,
+    check_activations,
+    dequantize_ref,
+    quant_row_bytes,
+    quant_type_name,
+)
 
 __all__ = ["QuantizedWeight", "quant_linear", "quant_linear_ref", "quant_type_name"]
 
@@ -55,6 +67,7 @@ def quant_linear(
     qtype: str | int,
     *,
     bias: torch.Tensor | None = None,
+    activations: str = "float",
     backend: str | None = None,
 ) -> torch.Tensor:
     """``x @ dequantize(weight).T + bias`` with the weight read as stored GGUF blocks.
@@ -71,6 +84,9 @@ def quant_linear(
         or ggml's type id (``gguf.GGMLQuantizationType``).
     bias : Tensor, optional
         ``[N]`` in x's dtype.
+    activations : {"float", "int8"}
+        The numeric mode: float32 products with the dequantized weights, or x in int8 blocks and integer dot
+        products (``quant_linear_ref`` defines both).
     backend : {None, "native", "torch"}
         None: the native kernel on CPU float32 / bfloat16 x; on CUDA (and meta) the blocks dequantized to float32
         and the batch-invariant Triton GEMM (``spec_kernels.linear.triton``); :func:`quant_linear_ref` otherwise.
@@ -85,8 +101,9 @@ def quant_linear(
     Raises
     ------
     ValueError, TypeError
-        An unsupported qtype, K not a multiple of its block, a weight whose width is not K's blocks, a bias of the wrong
-        shape; with backend="native", a non-CPU tensor or a dtype other than float32 / bfloat16.
+        An unknown ``activations``, an unsupported qtype, K not a multiple of its block, a weight whose width is not
+        K's blocks, a bias of the wrong shape; with backend="native", a non-CPU tensor or a dtype other than float32
+        / bfloat16.
 
     Shapes
     ------
@@ -95,12 +112,13 @@ def quant_linear(
     - bias: ``[N]``
     - out: ``[..., N]``
     """
+    check_activations(activations)
     name = quant_type_name(qtype)
     _check(x, weight, name, bias)
     if backend == "triton":
         raise ValueError("quant_linear: there is no Triton backend (a C++ CPU kernel); use None, 'native' or 'torch'")
     native_fits = x.is_cpu and weight.is_cpu and x.dtype in NATIVE_DTYPES and weight.is_contiguous()
-    if backend is None and on_device_path(x.device) and triton_available():
+    if backend is None and on_device_path(x.device) and triton_available() and activations == "float":
         # CUDA: the blocks dequantized to float32 and the batch-invariant Triton GEMM (cuBLAS picks its kernel by M)
         # imported here: spec_kernels.linear imports this package (it routes a QuantizedWeight here), and importing
         # linear.triton runs linear/__init__.py first
@@ -112,7 +130,7 @@ def quant_linear(
         backend = "native" if native_fits else "torch"
     backend = resolve_backend("quant_linear", backend, x.device, has_triton=False)
     if backend == "torch":
-        return quant_linear_ref(x, weight, name, bias=bias)
+        return quant_linear_ref(x, weight, name, bias=bias, activations=activations)
     if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)):
         raise ValueError(f"quant_linear: backend='native' is a CPU kernel but x is on {x.device}; use 'torch'")
     if x.dtype not in NATIVE_DTYPES:
@@ -120,4 +138,5 @@ def quant_linear(
     from spec_kernels._ext import load_ext
 
     load_ext()
-    return torch.ops.spec_kernels.quant_linear(x, weight, QUANT_FORMATS[name].type_id, bias)
+    blocks = weight.view(torch.int8) if activations == "int8" else weight.view(torch.uint8)  # the dtype is the mode
+    return torch.ops.spec_kernels.quant_linear(x, blocks, QUANT_FORMATS[name].type_id, bias)

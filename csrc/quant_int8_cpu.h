@@ -1,0 +1,538 @@
+// The 8-bit activation path of quant_linear: x quantized per row and 32-weight block to int8 with one float scale
+// (llama.cpp's Q8_0: d = amax / 127, q = round(x / d)), integer dot products with the weight blocks' quants, then a
+// float epilogue per block. A section of csrc/quant_linear_cpu.cpp kept in its own file: included there inside its
+// anonymous namespace, after csrc/quant_blocks_cpu.h (whose decoders of scales and quants it reuses).
+//
+// Glossary: a weight block b of row n is read as integers: quants q[32] (signed, the format's offset removed), group
+// scales sc[2] and group minima mn[2] (one per 16 weights; 1 where the format has none), and float scales a (its d,
+// or d times a K-quant's sub-block scale) and c (its minimum's factor; 0 where it has none). An x block is xq[32],
+// its scale dx and its two 16-element sums xs[2]. Then, per output (m, n), with every float operation rounded once:
+//   I = sc0 * sum(q xq over elements 0-15) + sc1 * sum(over 16-31)          (int32, exact)
+//   S = mn0 * xs0 + mn1 * xs1                                                (int32, exact; formats with a minimum)
+//   u = a * float(I); u = u + c * float(S); acc = acc + dx * u               (float32, blocks in order)
+// out = acc (+ bias last, as the float path). |I| and |S| stay below 2^24 for every format, so float(I) is exact.
+// The integers are exact whatever the order, and every path (scalar, AVX2, AVX512-VNNI) runs the epilogue as written,
+// one output per lane: the paths agree bit for bit, and a row's result depends on that row only (batch-invariant).
+// spec_kernels/quant_linear/ref.py's quant_linear_ref(activations="int8") is the same arithmetic in torch.
+#pragma once
+
+// Formats read as integers: all but none. Q2_K / Q3_K / Q6_K carry per-16 group scales (Q2_K its minima too).
+template <QuantType Q>
+constexpr bool kGroupScales = Q == QuantType::kQ2_K || Q == QuantType::kQ3_K || Q == QuantType::kQ6_K;
+template <QuantType Q>
+constexpr bool kIntMin = Q == QuantType::kQ4_1 || Q == QuantType::kQ5_1 || Q == QuantType::kQ2_K ||
+                         Q == QuantType::kQ4_K || Q == QuantType::kQ5_K;
+
+// The float scales and integer group factors of block b of `row`; `half` converts an fp16 field (scalar or F16C:
+// the same values).
+struct BlockScales {
+  float a, c;
+  int32_t sc[2], mn[2];
+};
+
+template <QuantType Q, typename Half>
+inline BlockScales int_scales(const uint8_t* row, int64_t b, Half half) {
+  BlockScales k{0.f, 0.f, {1, 1}, {1, 1}};
+  if constexpr (kSubBlocks<Q> == 1) {
+    const uint8_t* blk = row + b * kBlockBytes<Q>;
+    k.a = half(blk);
+    if constexpr (kIntMin<Q>) k.c = half(blk + 2);
+  } else {
+    const uint8_t* sb = row + b / 8 * kBlockBytes<Q>;
+    const int s = static_cast<int>(b % 8);
+    if constexpr (Q == QuantType::kQ2_K) {
+      k.a = half(sb + 80), k.c = -half(sb + 82);
+      for (int h = 0; h < 2; ++h) k.sc[h] = sb[2 * s + h] & 15, k.mn[h] = sb[2 * s + h] >> 4;
+    } else if constexpr (Q == QuantType::kQ3_K) {
+      k.a = half(sb + 108);
+      for (int h = 0; h < 2; ++h) k.sc[h] = k3_scale(sb + 96, 2 * s + h);
+    } else if constexpr (Q == QuantType::kQ4_K || Q == QuantType::kQ5_K) {
+      int scale, min;
+      k4_scale_min(sb + 4, s, scale, min);
+      k.a = half(sb) * static_cast<float>(scale);  // exact: an fp16 times a 6-bit integer
+      k.c = -(half(sb + 2) * static_cast<float>(min));
+    } else {
+      static_assert(Q == QuantType::kQ6_K, "a K-quant");
+      k.a = half(sb + 208);
+      for (int h = 0; h < 2; ++h) k.sc[h] = static_cast<int8_t>(sb[192 + 2 * s + h]);
+    }
+  }
+  return k;
+}
+
+// Block b's 32 quants as signed integers (the value the weight is a multiple of, before a minimum).
+template <QuantType Q>
+inline void int_quants(const uint8_t* row, int64_t b, int8_t* q) {
+  if constexpr (kSubBlocks<Q> > 1) {
+    const uint8_t* sb = row + b / 8 * kBlockBytes<Q>;
+    for (int e = 0; e < 32; ++e) q[e] = static_cast<int8_t>(k_quant<Q>(sb, static_cast<int>(b % 8), e));
+  } else if constexpr (Q == QuantType::kQ8_0) {
+    std::memcpy(q, row + b * kBlockBytes<Q> + 2, 32);
+  } else {
+    const uint8_t* blk = row + b * kBlockBytes<Q>;
+    constexpr bool kMin = Q == QuantType::kQ4_1 || Q == QuantType::kQ5_1;
+    constexpr bool kFive = Q == QuantType::kQ5_0 || Q == QuantType::kQ5_1;
+    const uint8_t* qs = blk + 2 + (kMin ? 2 : 0) + (kFive ? 4 : 0);
+    uint32_t qh = 0;
+    if constexpr (kFive) std::memcpy(&qh, blk + 2 + (kMin ? 2 : 0), 4);
+    constexpr int kOffset = kMin ? 0 : (kFive ? 16 : 8);
+    for (int i = 0; i < 32; ++i) {
+      const int v = ((qs[i % 16] >> (4 * (i / 16))) & 15) | static_cast<int>(((qh >> i) & 1) << 4);
+      q[i] = static_cast<int8_t>(v - kOffset);
+    }
+  }
+}
+
+// x [M, K] (row stride ldx) as int8 blocks: xq [M, K], dx [M, K / 32], xs [M, K / 16] (each 16 elements' sum).
+struct Int8Rows {
+  std::vector<int8_t> xq;
+  std::vector<float> dx;
+  std::vector<int32_t> xs;
+};
+
+// nearbyint rounds half to even, as torch.round does in the reference; the clamp only guards rounding noise in
+// amax * (1 / d).
+inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, Int8Rows& r) {
+  r.xq.resize(static_cast<size_t>(M * K));
+  r.dx.resize(static_cast<size_t>(M * K / 32));
+  r.xs.resize(static_cast<size_t>(M * K / 16));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* v = x + m * ldx + b * 32;
+      float amax = 0.f;
+      for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(v[e]));
+      const float d = amax / 127.f;
+      const float inv = d != 0.f ? 1.f / d : 0.f;
+      int8_t* q = r.xq.data() + m * K + b * 32;
+      int32_t sums[2] = {0, 0};
+      for (int e = 0; e < 32; ++e) {
+        const float s = std::min(std::max(v[e] * inv, -127.f), 127.f);
+        q[e] = static_cast<int8_t>(static_cast<int>(std::nearbyint(s)));
+        sums[e / 16] += q[e];
+      }
+      r.dx[m * (K / 32) + b] = d;
+      r.xs[m * (K / 16) + 2 * b] = sums[0], r.xs[m * (K / 16) + 2 * b + 1] = sums[1];
+    }
+  }
+}
+
+// Keeps a product from being fused with the add after it: GCC contracts a * b + c into an FMA inside the vector
+// paths' FMA targets (and on CPUs whose baseline has FMA), which would round once where the reference rounds twice.
+template <typename V>
+__attribute__((always_inline)) inline V rounded(V v) {  // inlined: a vector V is passed in its caller's registers
+#if defined(__GNUC__) && SPECDEC_CPU_X86
+  __asm__("" : "+v"(v));
+#elif defined(__GNUC__)
+  __asm__("" : "+g"(v));
+#endif
+  return v;
+}
+
+// What one thread computes: the int8 x and the float sums of weight rows [n_begin, n_end) into a.sums.
+struct Int8Args {
+  const Int8Rows* x;
+  const QuantArgs* a;
+};
+
+template <QuantType Q>
+void int8_rows_scalar(const Int8Args& p, int64_t n_begin, int64_t n_end) {
+  const QuantArgs& a = *p.a;
+  const int64_t blocks = a.K / 32;
+  thread_local std::vector<float> acc;  // [M]
+  acc.resize(static_cast<size_t>(a.M));
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = a.w + n * a.row_bytes;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      int8_t q[32];
+      int_quants<Q>(row, b, q);
+      const BlockScales k = int_scales<Q>(row, b, fp16_at);
+      for (int64_t m = 0; m < a.M; ++m) {
+        const int8_t* xq = p.x->xq.data() + m * a.K + b * 32;
+        int32_t half[2] = {0, 0};
+        for (int e = 0; e < 32; ++e) half[e / 16] += static_cast<int32_t>(q[e]) * xq[e];
+        const int32_t I = k.sc[0] * half[0] + k.sc[1] * half[1];
+        float u = rounded(k.a * static_cast<float>(I));
+        if constexpr (kIntMin<Q>) {
+          const int32_t* xs = p.x->xs.data() + m * (a.K / 16) + 2 * b;
+          u = u + rounded(k.c * static_cast<float>(k.mn[0] * xs[0] + k.mn[1] * xs[1]));
+        }
+        acc[m] = acc[m] + rounded(p.x->dx[m * blocks + b] * u);
+      }
+    }
+    for (int64_t m = 0; m < a.M; ++m) store(a, m, n, acc[m]);
+  }
+}
+
+#if SPECDEC_CPU_X86
+
+#define SPECDEC_QVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+
+// 32 bytes from p, each (v >> shift) & mask: one 16-bit shift serves every byte, the mask dropping what crossed in.
+SPECDEC_QAVX2 inline __m256i field32(const uint8_t* p, int shift, int mask) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+
+// The 32 bits of Q5_0 / Q5_1's qh as bytes 0 or 16 (element i's fifth bit is bit i): llama.cpp's bytes_from_bits_32.
+SPECDEC_QAVX2 inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                0x0303030303030303));  // byte i: byte i / 8 of bits
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                        _mm256_set1_epi64x(-1));  // all ones where bit i % 8 is set
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+// Block b's quants as 32 signed bytes (int_quants' integers).
+template <QuantType Q>
+SPECDEC_QAVX2 inline __m256i int_quants_avx2(const uint8_t* row, int64_t b) {
+  if constexpr (Q == QuantType::kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlockBytes<Q> + 2));
+  } else if constexpr (kSubBlocks<Q> == 1) {  // Q4_0, Q4_1, Q5_0, Q5_1
+    const uint8_t* blk = row + b * kBlockBytes<Q>;
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBlockBytes<Q> - 16));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs);  // elements 0-15 low nibbles, 16-31 high
+    __m256i v = _mm256_and_si256(both, _mm256_set1_epi8(15));
+    constexpr bool kMin = Q == QuantType::kQ4_1 || Q == QuantType::kQ5_1;
+    if constexpr (Q == QuantType::kQ5_0 || Q == QuantType::kQ5_1) {
+      v = _mm256_or_si256(v, fifth_bits(blk + (kMin ? 4 : 2)));
+    }
+    constexpr int kOffset = kMin ? 0 : (Q == QuantType::kQ5_0 ? 16 : 8);
+    return kOffset != 0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(kOffset)) : v;
+  } else {
+    const uint8_t* sb = row + b / 8 * kBlockBytes<Q>;
+    const int s = static_cast<int>(b % 8);
+    if constexpr (Q == QuantType::kQ2_K) {
+      return field32(sb + 16 + 32 * (s / 4), 2 * (s % 4), 3);
+    } else if constexpr (Q == QuantType::kQ3_K) {  // a clear high bit subtracts 4
+      const __m256i high = _mm256_slli_epi16(field32(sb, s, 1), 2);
+      return _mm256_sub_epi8(_mm256_add_epi8(field32(sb + 32 + 32 * (s / 4), 2 * (s % 4), 3), high),
+                             _mm256_set1_epi8(4));
+    } else if constexpr (Q == QuantType::kQ4_K) {
+      return field32(sb + 16 + 32 * (s / 2), 4 * (s % 2), 15);
+    } else if constexpr (Q == QuantType::kQ5_K) {
+      const __m256i high = _mm256_slli_epi16(field32(sb + 16, s, 1), 4);
+      return _mm256_or_si256(field32(sb + 48 + 32 * (s / 2), 4 * (s % 2), 15), high);
+    } else {
+      static_assert(Q == QuantType::kQ6_K, "a K-quant");
+      const __m256i low = field32(sb + 64 * (s / 4) + 32 * (s % 2), 4 * ((s / 2) % 2), 15);
+      const __m256i high = _mm256_slli_epi16(field32(sb + 128 + 32 * (s / 4), 2 * (s % 4), 3), 4);
+      return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+    }
+  }
+}
+
+// 8 rows of 8 dwords -> 8 vectors, vector j holding dword j (elements 4j .. 4j + 3) of rows 0-7.
+SPECDEC_QAVX2 inline void transpose8x8(const __m256i* r, __m256i* t) {
+  __m256i a[8], c[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    a[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {  // rows 4i .. 4i + 3: dwords (0|4), (1|5), (2|6), (3|7)
+    c[4 * i] = _mm256_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    c[4 * i + 1] = _mm256_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    c[4 * i + 2] = _mm256_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    c[4 * i + 3] = _mm256_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm256_permute2x128_si256(c[j], c[4 + j], 0x20);
+    t[j + 4] = _mm256_permute2x128_si256(c[j], c[4 + j], 0x31);
+  }
+}
+
+// A tile of NB (8 or 16) weight rows decoded once for every x row: per block, 8 vectors of NB dwords (vector j:
+// elements 4j .. 4j + 3 of each row; VNNI's operand order), and the rows' scales side by side.
+template <int NB>
+struct Panel {
+  std::vector<int8_t> q;  // [blocks, 8, NB, 4]
+  std::vector<float> a, c;  // [blocks, NB]
+  std::vector<int32_t> sc, mn;  // [blocks, 2, NB]
+  void resize(int64_t blocks) {
+    q.resize(static_cast<size_t>(blocks * 32 * NB));
+    a.resize(static_cast<size_t>(blocks * NB)), c.resize(a.size());
+    sc.resize(static_cast<size_t>(blocks * 2 * NB)), mn.resize(sc.size());
+  }
+};
+
+// F16C's fp16 conversion as a function object, so the decoders inline it into the vector paths.
+struct F16c {
+  SPECDEC_QAVX2 float operator()(const uint8_t* p) const { return fp16_f16c(p); }
+};
+
+// Row i's scales for every block: one call per block, except Q4_K / Q5_K's, whose sub-block scales load_scales_avx2
+// decodes 8 at a time (its scale and shift are a and c: the same exact products).
+template <QuantType Q, int NB>
+SPECDEC_QAVX2 void fill_scales(const uint8_t* row, int64_t blocks, int i, Panel<NB>& p) {
+  // raw pointers: a store through the vectors' own would make the compiler reload them after every store
+  float* const pa = p.a.data();
+  float* const pc = p.c.data();
+  int32_t* const psc = p.sc.data();
+  int32_t* const pmn = p.mn.data();
+  if constexpr (kPerSubBlock<Q>) {
+    for (int64_t b = 0; b < blocks; b += 8) {
+      KScales k;
+      load_scales_avx2<Q>(row + b / 8 * kBlockBytes<Q>, k);
+      for (int s = 0; s < 8; ++s) pa[(b + s) * NB + i] = k.scale[s], pc[(b + s) * NB + i] = k.shift[s];
+    }
+  } else {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const BlockScales k = int_scales<Q>(row, b, F16c{});
+      pa[b * NB + i] = k.a;
+      if constexpr (kIntMin<Q>) pc[b * NB + i] = k.c;
+      for (int h = 0; h < 2 && kGroupScales<Q>; ++h) {
+        psc[(b * 2 + h) * NB + i] = k.sc[h];
+        if constexpr (kIntMin<Q>) pmn[(b * 2 + h) * NB + i] = k.mn[h];  // Q2_K's minima factors
+      }
+    }
+  }
+}
+
+// The quants of rows n0 .. n0 + rows - 1 (rows <= NB; the rest zero) into the panel; `flip` adds 128 to every quant
+// (VNNI multiplies unsigned bytes by signed ones: sum((q + 128) xq) - 128 sum(xq)).
+template <QuantType Q, int NB>
+SPECDEC_QAVX2 void fill_panel(const QuantArgs& a, int64_t n0, int64_t rows, bool flip, Panel<NB>& p) {
+  const int64_t blocks = a.K / 32;
+  // The next tile's rows (contiguous after these) pulled in at this tile's pace: NB rows read a block at a time are NB
+  // streams, more than the hardware prefetchers follow (without this, M = 1 waited on DRAM in the quants' loads).
+  const char* next = reinterpret_cast<const char*>(a.w + (n0 + NB) * a.row_bytes);
+  const int64_t step = NB * a.row_bytes / blocks;  // bytes of the next tile per block
+  const uint8_t* const w = a.w;
+  const int64_t row_bytes = a.row_bytes;
+  int8_t* const q = p.q.data();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t off = 0; off < step; off += 64) _mm_prefetch(next + b * step + off, _MM_HINT_T0);
+    for (int h = 0; h < NB / 8; ++h) {
+      __m256i r[8], t[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const int64_t n = n0 + 8 * h + i;
+        r[i] = n < n0 + rows ? int_quants_avx2<Q>(w + n * row_bytes, b) : _mm256_setzero_si256();
+        if (flip) r[i] = _mm256_xor_si256(r[i], _mm256_set1_epi8(static_cast<char>(0x80)));
+      }
+      transpose8x8(r, t);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + ((b * 8 + j) * NB + 8 * h) * 4), t[j]);
+      }
+    }
+  }
+}
+
+// The scales of rows n0 .. n0 + rows - 1 into the panel, row by row (the rest zero).
+template <QuantType Q, int NB>
+SPECDEC_QAVX2 void fill_panel_scales(const QuantArgs& a, int64_t n0, int64_t rows, Panel<NB>& p) {
+  const int64_t blocks = a.K / 32;
+  for (int i = 0; i < NB; ++i) {
+    if (i < rows) {
+      fill_scales<Q, NB>(a.w + (n0 + i) * a.row_bytes, blocks, i, p);
+    } else {
+      for (int64_t b = 0; b < blocks; ++b) p.a[b * NB + i] = p.c[b * NB + i] = 0.f;
+    }
+  }
+}
+
+inline int32_t dword_at(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// AVX2: the signed quants times xq by maddubs on |q| and xq carrying q's sign, then madd into dword sums per row.
+template <QuantType Q>
+SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t n0, int64_t rows) {
+  const QuantArgs& a = *x.a;
+  const int64_t blocks = a.K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t m = 0; m < a.M; ++m) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* xq = x.x->xq.data() + m * a.K + b * 32;
+      __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q.data() + (b * 8 + j) * 32));
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(dword_at(xq + 4 * j)), w);
+        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), xs), ones);
+        half[j / 4] = _mm256_add_epi32(half[j / 4], d);
+      }
+      __m256i I;
+      if constexpr (kGroupScales<Q>) {
+        const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sc.data() + b * 16));
+        const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sc.data() + b * 16 + 8));
+        I = _mm256_add_epi32(_mm256_mullo_epi32(s0, half[0]), _mm256_mullo_epi32(s1, half[1]));
+      } else {
+        I = _mm256_add_epi32(half[0], half[1]);
+      }
+      __m256 u = rounded(_mm256_mul_ps(_mm256_loadu_ps(p.a.data() + b * 8), _mm256_cvtepi32_ps(I)));
+      if constexpr (kIntMin<Q>) {
+        const int32_t* xs = x.x->xs.data() + m * (a.K / 16) + 2 * b;
+        __m256i S = _mm256_set1_epi32(xs[0] + xs[1]);
+        if constexpr (kGroupScales<Q>) {  // Q2_K's per-16 minima
+          const __m256i m0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn.data() + b * 16));
+          const __m256i m1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn.data() + b * 16 + 8));
+          S = _mm256_add_epi32(_mm256_mullo_epi32(m0, _mm256_set1_epi32(xs[0])),
+                               _mm256_mullo_epi32(m1, _mm256_set1_epi32(xs[1])));
+        }
+        u = _mm256_add_ps(u, rounded(_mm256_mul_ps(_mm256_loadu_ps(p.c.data() + b * 8), _mm256_cvtepi32_ps(S))));
+      }
+      acc = _mm256_add_ps(acc, rounded(_mm256_mul_ps(_mm256_set1_ps(x.x->dx[m * blocks + b]), u)));
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc);
+    for (int64_t i = 0; i < rows; ++i) store(a, m, n0 + i, out[i]);
+  }
+}
+
+template <QuantType Q>
+void int8_rows_avx2(const Int8Args& x, int64_t n_begin, int64_t n_end) {
+  thread_local Panel<8> p;
+  p.resize(x.a->K / 32);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += 8) {
+    const int64_t rows = std::min<int64_t>(8, n_end - n0);
+    fill_panel<Q, 8>(*x.a, n0, rows, false, p);
+    fill_panel_scales<Q, 8>(*x.a, n0, rows, p);
+    int8_tile_avx2<Q>(x, p, n0, rows);
+  }
+}
+
+// The 32-weight formats' d (and m) of 16 rows at once: one gather of each row's block's first 4 bytes (at M = 1 the
+// per-row conversions and stores were the panel's largest cost). The same conversion as F16C's scalar one.
+template <QuantType Q>
+SPECDEC_QVNNI void gather_scales(const QuantArgs& a, int64_t n0, int64_t rows, Panel<16>& p) {
+  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);  // the rest read nothing and stay zero
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int>(a.row_bytes)));
+  const uint8_t* const base = a.w + n0 * a.row_bytes;
+  float* const pa = p.a.data();
+  float* const pc = p.c.data();
+  for (int64_t b = 0; b < a.K / 32; ++b) {
+    const __m512i v =
+        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, base + b * kBlockBytes<Q>, 1);
+    _mm512_storeu_ps(pa + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));  // d: each dword's low half
+    if constexpr (kIntMin<Q>) {
+      _mm512_storeu_ps(pc + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));  // m
+    }
+  }
+}
+
+// AVX512-VNNI: 16 weight rows per vector, MB x rows per pass (each panel vector loaded once for them); vpdpbusd sums
+// four (q + 128) xq products per dword, and 128 xs is taken off after.
+template <QuantType Q, int MB>
+SPECDEC_QVNNI void int8_tile_vnni(const Int8Args& x, const Panel<16>& p, int64_t n0, int64_t rows, int64_t m0) {
+  const QuantArgs& a = *x.a;
+  const int64_t blocks = a.K / 32;
+  __m512 acc[MB];
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i half[MB][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < MB; ++r) half[r][0] = half[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i w = _mm512_loadu_si512(p.q.data() + (b * 8 + j) * 64);
+#pragma GCC unroll 4
+      for (int r = 0; r < MB; ++r) {
+        const int8_t* xq = x.x->xq.data() + (m0 + r) * a.K + b * 32;
+        half[r][j / 4] = _mm512_dpbusd_epi32(half[r][j / 4], w, _mm512_set1_epi32(dword_at(xq + 4 * j)));
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(p.a.data() + b * 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < MB; ++r) {
+      const int32_t* xs = x.x->xs.data() + (m0 + r) * (a.K / 16) + 2 * b;
+      __m512i I;
+      if constexpr (kGroupScales<Q>) {
+        const __m512i h0 = _mm512_sub_epi32(half[r][0], _mm512_set1_epi32(128 * xs[0]));
+        const __m512i h1 = _mm512_sub_epi32(half[r][1], _mm512_set1_epi32(128 * xs[1]));
+        I = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_loadu_si512(p.sc.data() + b * 32), h0),
+                             _mm512_mullo_epi32(_mm512_loadu_si512(p.sc.data() + b * 32 + 16), h1));
+      } else {
+        I = _mm512_sub_epi32(_mm512_add_epi32(half[r][0], half[r][1]), _mm512_set1_epi32(128 * (xs[0] + xs[1])));
+      }
+      __m512 u = rounded(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(I)));
+      if constexpr (kIntMin<Q>) {
+        __m512i S = _mm512_set1_epi32(xs[0] + xs[1]);
+        if constexpr (kGroupScales<Q>) {  // Q2_K's per-16 minima
+          S = _mm512_add_epi32(
+              _mm512_mullo_epi32(_mm512_loadu_si512(p.mn.data() + b * 32), _mm512_set1_epi32(xs[0])),
+              _mm512_mullo_epi32(_mm512_loadu_si512(p.mn.data() + b * 32 + 16), _mm512_set1_epi32(xs[1])));
+        }
+        u = _mm512_add_ps(u, rounded(_mm512_mul_ps(_mm512_loadu_ps(p.c.data() + b * 16), _mm512_cvtepi32_ps(S))));
+      }
+      acc[r] = _mm512_add_ps(acc[r], rounded(_mm512_mul_ps(_mm512_set1_ps(x.x->dx[(m0 + r) * blocks + b]), u)));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; ++r) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, acc[r]);
+    for (int64_t i = 0; i < rows; ++i) store(a, m0 + r, n0 + i, out[i]);
+  }
+}
+
+template <QuantType Q>
+void int8_rows_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
+  constexpr int64_t kRows = 4;  // x rows per pass: 4 x 3 accumulators plus the panel vector fit the 32 registers
+  thread_local Panel<16> p;
+  p.resize(x.a->K / 32);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, n_end - n0);
+    fill_panel<Q, 16>(*x.a, n0, rows, true, p);
+    if constexpr (kSubBlocks<Q> == 1) {
+      gather_scales<Q>(*x.a, n0, rows, p);
+    } else {
+      fill_panel_scales<Q, 16>(*x.a, n0, rows, p);
+    }
+    for (int64_t m0 = 0; m0 < x.a->M; m0 += kRows) {
+      switch (std::min(kRows, x.a->M - m0)) {
+        case 1:
+          int8_tile_vnni<Q, 1>(x, p, n0, rows, m0);
+          break;
+        case 2:
+          int8_tile_vnni<Q, 2>(x, p, n0, rows, m0);
+          break;
+        case 3:
+          int8_tile_vnni<Q, 3>(x, p, n0, rows, m0);
+          break;
+        default:
+          int8_tile_vnni<Q, 4>(x, p, n0, rows, m0);
+          break;
+      }
+    }
+  }
+}
+
+#endif  // SPECDEC_CPU_X86
+
+// How this process multiplies int8 blocks (chosen once, under SPECDEC_CPU_ISA's cap like the float paths): VNNI where
+// AVX-512 has it (Intel from Cascade Lake, AMD Zen 4), AVX2 elsewhere (AVX-512 without VNNI too), else scalar.
+enum class Int8Path { kScalar, kAvx2, kVnni };
+
+inline Int8Path int8_path() {
+  static const Int8Path path = [] {
+#if SPECDEC_CPU_X86
+    if (!__builtin_cpu_supports("f16c")) return Int8Path::kScalar;
+    if (simd::cpu_isa() == simd::Isa::kAvx512 && __builtin_cpu_supports("avx512vnni")) return Int8Path::kVnni;
+    if (simd::cpu_isa() >= simd::Isa::kAvx2) return Int8Path::kAvx2;
+#endif
+    return Int8Path::kScalar;
+  }();
+  return path;
+}
+
+template <QuantType Q>
+void int8_rows(const Int8Args& x, int64_t n_begin, int64_t n_end) {
+#if SPECDEC_CPU_X86
+  if (int8_path() == Int8Path::kVnni) return int8_rows_vnni<Q>(x, n_begin, n_end);
+  if (int8_path() == Int8Path::kAvx2) return int8_rows_avx2<Q>(x, n_begin, n_end);
+#endif
+  int8_rows_scalar<Q>(x, n_begin, n_end);
+}

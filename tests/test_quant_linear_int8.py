@@ -1,0 +1,224 @@
+"""Tests of quant_linear's 8-bit activation path (``activations="int8"``): x quantized per row and 32 weights to int8,
+integer dot products with the GGUF blocks, a float32 epilogue per block (csrc/quant_int8_cpu.h).
+
+The contract is exact: every native path (AVX512-VNNI, AVX2, scalar; SPECDEC_CPU_ISA picks one per process) gives
+``quant_linear_ref(..., activations="int8")`` bit for bit, a row's result depends on that row alone, and a model in
+this mode speculates losslessly. Its distance from the float path is measured (STYLE.md 7) against torch on the same
+int8 activations.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf_files import write_gguf  # noqa: E402
+from test_quant_linear import ALL_QTYPES, _x, random_blocks, same_bits  # noqa: E402
+from tiny_models import make_model, make_noisy_copy  # noqa: E402
+
+import spec_kernels.quant_linear.ref as ref_module  # noqa: E402
+from spec_engine import LLM, SamplingParams  # noqa: E402
+from spec_engine.models import load_model  # noqa: E402
+from spec_kernels.linear import linear  # noqa: E402
+from spec_kernels.quant_linear import QuantizedWeight, quant_linear  # noqa: E402
+from spec_kernels.quant_linear.ref import quant_linear_ref, quantize_activations  # noqa: E402
+from spec_kernels.types import QUANT_FORMATS, dequantize_ref  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+ROWS = [1, 5, 16, 17, 64]
+# Slack on top of 2x torch's error on the same int8 activations (float32 sums of ~1e2 terms of O(1): ~1e-5).
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _shapes(qtype: str) -> list[tuple[int, int]]:
+    """[K, N]: a K of blocks not a multiple of 8 (or one super-block, and three), N past every tile's tail."""
+    if QUANT_FORMATS[qtype].block_weights == 32:
+        return [(96, 37), (1536, 16), (32, 5)]
+    return [(256, 37), (768, 21)]
+
+
+def _int8(x, blocks, qtype, **kw):
+    return quant_linear(x, blocks, qtype, activations="int8", backend="native", **kw)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("qtype", ALL_QTYPES)
+def test_matches_the_reference(qtype, threads):
+    """Bit for bit the reference's integer math, every row count, one thread or two, with and without a bias."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k, n in _shapes(qtype):
+            blocks = random_blocks(n, k, qtype, k + n)
+            bias = _x(1, n, torch.float32, 3)[0]
+            for num_rows in ROWS:
+                x = _x(num_rows, k, torch.float32, num_rows)
+                for b in (None, bias):
+                    out = _int8(x, blocks, qtype, bias=b)  # [M, N]
+                    want = quant_linear_ref(x, blocks, qtype, bias=b, activations="int8")
+                    assert same_bits(out, want), f"K={k} N={n} M={num_rows} bias={b is not None}"
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q2_K"])
+def test_bfloat16_and_leading_dims(qtype):
+    """A bfloat16 x is widened first and each output rounded once: the reference's float32 result, rounded."""
+    k = 512
+    blocks = random_blocks(19, k, qtype, 5)
+    x = _x(6, k, torch.bfloat16, 6).reshape(2, 3, k)
+    out = _int8(x, blocks, qtype)
+    assert out.shape == (2, 3, 19) and out.dtype == torch.bfloat16
+    assert torch.equal(out, quant_linear_ref(x, blocks, qtype, activations="int8"))
+
+
+@pytest.mark.parametrize("qtype", ALL_QTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariant(qtype, dtype):
+    """Row i alone, in any prefix batch, beside other rows: the same bits (each row's int8 blocks are its own)."""
+    k = 192 if QUANT_FORMATS[qtype].block_weights == 32 else 512
+    blocks = random_blocks(45, k, qtype, 1)
+    x = _x(64, k, dtype, 2)
+    full = _int8(x[:17], blocks, qtype)  # [17, N]
+    for i in range(17):
+        assert torch.equal(_int8(x[i : i + 1], blocks, qtype)[0], full[i]), f"row {i}"
+    for num_rows in (2, 5, 9, 16):
+        assert torch.equal(_int8(x[:num_rows], blocks, qtype), full[:num_rows])
+    assert torch.equal(_int8(x, blocks, qtype)[:17], full), "M = 64"
+    others = torch.cat([x[:3], _x(5, k, dtype, 3)])
+    assert torch.equal(_int8(others, blocks, qtype)[:3], full[:3])
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_close_to_the_float_path(qtype):
+    """Against float64 x @ W: the int8 path's error is at most 2x torch's on the same int8 activations (float64 on
+    xq * dx) plus ATOL: only the activations' rounding moves it. The float path stays far closer."""
+    k, n = 1024, 64
+    blocks = random_blocks(n, k, qtype, 11)
+    w = dequantize_ref(blocks, qtype).double()  # [N, K]
+    x = _x(9, k, torch.float32, 12)
+    exact = x.double() @ w.T  # [M, N]
+    xq, dx = quantize_activations(x)
+    torch_int8 = (xq.double() * dx.double()[..., None]).reshape(x.shape) @ w.T
+    err = (_int8(x, blocks, qtype).double() - exact).abs().max().item()
+    err_torch = (torch_int8 - exact).abs().max().item()
+    assert err <= 2 * err_torch + ATOL[torch.float32], (err, err_torch)
+    err_float = (quant_linear(x, blocks, qtype, backend="native").double() - exact).abs().max().item()
+    assert err_float < err / 100, (err_float, err)
+
+
+def test_a_wrong_block_scale_is_caught(monkeypatch):
+    """The bit-equality check fails for a reference (or kernel) that reads one block's scale from the wrong place:
+    here block 1's a takes block 0's in every row."""
+    qtype, k = "Q4_K", 512
+    blocks = random_blocks(20, k, qtype, 9)
+    x = _x(5, k, torch.float32, 10)
+    native = _int8(x, blocks, qtype)
+    assert same_bits(native, quant_linear_ref(x, blocks, qtype, activations="int8"))
+    true_blocks = ref_module.int_blocks
+
+    def planted(weight, qt):
+        b = true_blocks(weight, qt)
+        a = b.a.clone()
+        a[:, 1] = a[:, 0]
+        return b._replace(a=a)
+
+    monkeypatch.setattr(ref_module, "int_blocks", planted)
+    assert not same_bits(native, quant_linear_ref(x, blocks, qtype, activations="int8"))
+
+
+def test_errors():
+    blocks = random_blocks(4, 64, "Q8_0", 0)
+    x = _x(2, 64, torch.float32, 0)
+    with pytest.raises(ValueError, match="activations must be one of"):
+        quant_linear(x, blocks, "Q8_0", activations="int4")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        quant_linear_ref(x, blocks, "Q8_0", activations="fp8")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        QuantizedWeight(blocks, "Q8_0", (4, 64), activations="INT8")
+    qw = QuantizedWeight(blocks, "Q8_0", (4, 64), activations="int8")
+    assert qw.blocks.dtype == torch.int8  # what the native model ops take: the dtype carries the mode
+    assert torch.equal(linear(x, qw), _int8(x, blocks, "Q8_0"))
+    with pytest.raises(ValueError, match="share qtype, K and activations"):
+        QuantizedWeight.cat([qw, QuantizedWeight(blocks, "Q8_0", (4, 64))])
+
+
+# --- a model in int8 mode --------------------------------------------------------------------------------------------
+
+PROMPTS = [{"prompt_token_ids": [5, 9, 13, 5, 9, 13, 5, 9]}, {"prompt_token_ids": [40, 41, 42, 43, 7, 7, 7, 7, 7]}]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama_gqa", vocab_size=96, hidden=64, layers=2,
+                      logit_scale=4.0, tie_word_embeddings=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gguf_file(hf_dir, tmp_path_factory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "q4_1.gguf", hf_dir, "Q4_1",
+                      type_of={"model.embed_tokens.weight": "Q8_0"})  # fmt: skip
+
+
+def _tokens(llm: LLM, max_tokens: int = 40, seed: int | None = None) -> list[list[int]]:
+    temperature = 0.0 if seed is None else 0.8
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculation_is_plain_decoding(gguf_file, hf_dir, tmp_path, dtype):
+    """Lossless in int8 mode: n-gram and draft-model speculation emit plain decoding's tokens on the same weights,
+    greedy and seeded (a seeded request's tokens are a function of prompt, parameters and seed)."""
+    path = str(gguf_file)
+
+    def int8_llm(spec=None):
+        return LLM(path, dtype=dtype, quantization="gguf", quant_activations="int8", speculative_config=spec)
+
+    llm = int8_llm()
+    assert all(w.activations == "int8" for w in llm.target.quantized.values())
+    assert llm.engine.runner.native_target is not None  # the native chains run the int8 blocks
+    plain, seeded = _tokens(llm), _tokens(llm, seed=7)
+    ngram = int8_llm({"method": "ngram", "num_speculative_tokens": 3})
+    assert _tokens(ngram) == plain and _tokens(ngram, seed=7) == seeded
+    draft = make_noisy_copy(hf_dir, tmp_path / "draft", noise=0.3)
+    model = int8_llm({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    assert _tokens(model) == plain and _tokens(model, seed=7) == seeded
+
+
+def test_the_switch_reaches_the_kernels(gguf_file):
+    """int8 mode's native forward runs the integer path: its logits differ from the float mode's, by little."""
+    ids = torch.tensor([[5, 9, 13, 5, 9, 13, 70, 2]])
+    from test_engine_quantized import _logits
+
+    logits = {m: _logits(load_model(gguf_file, quantization="gguf", quant_activations=m).fuse(), ids)
+              for m in ("float", "int8")}  # fmt: skip
+    assert not torch.equal(logits["float"], logits["int8"])
+    scale = logits["float"].abs().max()
+    assert (logits["float"] - logits["int8"]).abs().max() < 0.05 * scale
+
+
+def test_switch_errors(hf_dir, gguf_file):
+    with pytest.raises(ValueError, match="activations must be one of"):
+        LLM(str(gguf_file), quantization="gguf", quant_activations="int4")
+    with pytest.raises(ValueError, match="needs quantization='gguf'"):
+        LLM(str(hf_dir), quant_activations="int8")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_narrower_cpu_paths(isa):
+    """SPECDEC_CPU_ISA caps the paths (chosen once per process): the AVX2 kernel (Zen 3, AVX-512 without VNNI) and the
+    scalar one must pass this file too, in a process of their own."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "SPECDEC_CPU_ISA": isa}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_quant_linear_int8.py",
+           "-k", "not narrower_cpu_paths"]  # fmt: skip
+    result = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout.splitlines()[-1], result.stdout[-500:]
