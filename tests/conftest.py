@@ -84,3 +84,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory):
+    """A tiny Llama (GQA, tied embeddings) HF directory: the quantized-weights tests write their GGUF files from it."""
+    from tiny_models import make_model
+
+    return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama_gqa", vocab_size=96, hidden=64, layers=2,
+                      logit_scale=4.0, tie_word_embeddings=True)  # fmt: skip

@@ -16,7 +16,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 from gguf_files import write_gguf  # noqa: E402
-from tiny_models import make_model, make_noisy_copy  # noqa: E402
+from tiny_models import make_noisy_copy  # noqa: E402
 
 from spec_engine import LLM, SamplingParams  # noqa: E402
 from spec_engine.models import load_model  # noqa: E402
@@ -34,15 +34,10 @@ PROMPTS = [{"prompt_token_ids": [5, 9, 13, 5, 9, 13, 5, 9]}, {"prompt_token_ids"
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama_gqa", vocab_size=96, hidden=64, layers=2,
-                      logit_scale=4.0, tie_word_embeddings=True)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def gguf_files(hf_dir, tmp_path_factory) -> dict[str, Path]:
+def gguf_files(tied_llama_dir, tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("gguf")
-    return {name: write_gguf(d / f"{name}.gguf", hf_dir, qtype, type_of=over) for name, (qtype, over) in FILES.items()}
+    return {name: write_gguf(d / f"{name}.gguf", tied_llama_dir, qtype, type_of=over)
+            for name, (qtype, over) in FILES.items()}  # fmt: skip
 
 
 def _tokens(llm: LLM, max_tokens: int = 24) -> list[list[int]]:
@@ -87,20 +82,20 @@ def test_a_quantized_model_keeps_one_copy_of_its_blocks(gguf_files):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_speculation_is_plain_decoding(gguf_files, hf_dir, tmp_path, dtype):
+def test_speculation_is_plain_decoding(gguf_files, tied_llama_dir, tmp_path, dtype):
     """Lossless on the quantized weights: n-gram and draft-model speculation emit plain decoding's tokens."""
     path = str(gguf_files["Q4_1"])
     plain = _tokens(LLM(path, dtype=dtype, quantization="gguf"), 40)
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
     assert _tokens(LLM(path, dtype=dtype, quantization="gguf", speculative_config=ngram), 40) == plain
-    draft = make_noisy_copy(hf_dir, tmp_path / "draft", noise=0.3)
+    draft = make_noisy_copy(tied_llama_dir, tmp_path / "draft", noise=0.3)
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     assert _tokens(LLM(path, dtype=dtype, quantization="gguf", speculative_config=spec), 40) == plain
 
 
-def test_errors(hf_dir, gguf_files):
+def test_errors(tied_llama_dir, gguf_files):
     with pytest.raises(ValueError, match="not a GGUF file"):
-        LLM(str(hf_dir), quantization="gguf")
+        LLM(str(tied_llama_dir), quantization="gguf")
     with pytest.raises(ValueError, match="quantization must be"):
         load_model(gguf_files["Q8_0"], quantization="awq")
     model = load_model(gguf_files["Q8_0"], quantization="gguf")

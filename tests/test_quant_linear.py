@@ -279,9 +279,15 @@ def test_fake_tensor():
 def test_narrower_cpu_paths(isa):
     """SPECDEC_CPU_ISA caps the vector paths (chosen once per process): this file must pass on each, in a process of
     its own. On a CPU without AVX-512 the avx2 run repeats the suite's own path."""
+    assert_passes_under_cpu_isa("tests/test_quant_linear.py", isa)
+
+
+def assert_passes_under_cpu_isa(test_file: str, isa: str) -> None:
+    """``test_file`` (all but its narrower_cpu_paths tests) passes in a process of its own whose vector paths
+    ``SPECDEC_CPU_ISA`` caps at ``isa``."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "SPECDEC_CPU_ISA": isa}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_quant_linear.py",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file,
            "-k", "not narrower_cpu_paths"]  # fmt: skip
     result = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

@@ -9,9 +9,6 @@ int8 activations.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +16,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 from gguf_files import write_gguf  # noqa: E402
-from test_quant_linear import ALL_QTYPES, _x, random_blocks, same_bits  # noqa: E402
-from tiny_models import make_model, make_noisy_copy  # noqa: E402
+from test_engine_quantized import PROMPTS  # noqa: E402
+from test_quant_linear import ALL_QTYPES, _x, assert_passes_under_cpu_isa, random_blocks, same_bits  # noqa: E402
+from tiny_models import make_noisy_copy  # noqa: E402
 
 import spec_kernels.quant_linear.ref as ref_module  # noqa: E402
 from spec_engine import LLM, SamplingParams  # noqa: E402
@@ -151,18 +149,10 @@ def test_errors():
 
 # --- a model in int8 mode --------------------------------------------------------------------------------------------
 
-PROMPTS = [{"prompt_token_ids": [5, 9, 13, 5, 9, 13, 5, 9]}, {"prompt_token_ids": [40, 41, 42, 43, 7, 7, 7, 7, 7]}]
-
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama_gqa", vocab_size=96, hidden=64, layers=2,
-                      logit_scale=4.0, tie_word_embeddings=True)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def gguf_file(hf_dir, tmp_path_factory) -> Path:
-    return write_gguf(tmp_path_factory.mktemp("gguf") / "q4_1.gguf", hf_dir, "Q4_1",
+def gguf_file(tied_llama_dir, tmp_path_factory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "q4_1.gguf", tied_llama_dir, "Q4_1",
                       type_of={"model.embed_tokens.weight": "Q8_0"})  # fmt: skip
 
 
@@ -173,7 +163,7 @@ def _tokens(llm: LLM, max_tokens: int = 40, seed: int | None = None) -> list[lis
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_speculation_is_plain_decoding(gguf_file, hf_dir, tmp_path, dtype):
+def test_speculation_is_plain_decoding(gguf_file, tied_llama_dir, tmp_path, dtype):
     """Lossless in int8 mode: n-gram and draft-model speculation emit plain decoding's tokens on the same weights,
     greedy and seeded (a seeded request's tokens are a function of prompt, parameters and seed)."""
     path = str(gguf_file)
@@ -187,7 +177,7 @@ def test_speculation_is_plain_decoding(gguf_file, hf_dir, tmp_path, dtype):
     plain, seeded = _tokens(llm), _tokens(llm, seed=7)
     ngram = int8_llm({"method": "ngram", "num_speculative_tokens": 3})
     assert _tokens(ngram) == plain and _tokens(ngram, seed=7) == seeded
-    draft = make_noisy_copy(hf_dir, tmp_path / "draft", noise=0.3)
+    draft = make_noisy_copy(tied_llama_dir, tmp_path / "draft", noise=0.3)
     model = int8_llm({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
     assert _tokens(model) == plain and _tokens(model, seed=7) == seeded
 
@@ -204,21 +194,15 @@ def test_the_switch_reaches_the_kernels(gguf_file):
     assert (logits["float"] - logits["int8"]).abs().max() < 0.05 * scale
 
 
-def test_switch_errors(hf_dir, gguf_file):
+def test_switch_errors(tied_llama_dir, gguf_file):
     with pytest.raises(ValueError, match="activations must be one of"):
         LLM(str(gguf_file), quantization="gguf", quant_activations="int4")
     with pytest.raises(ValueError, match="needs quantization='gguf'"):
-        LLM(str(hf_dir), quant_activations="int8")
+        LLM(str(tied_llama_dir), quant_activations="int8")
 
 
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
 def test_narrower_cpu_paths(isa):
     """SPECDEC_CPU_ISA caps the paths (chosen once per process): the AVX2 kernel (Zen 3, AVX-512 without VNNI) and the
     scalar one must pass this file too, in a process of their own."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "SPECDEC_CPU_ISA": isa}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_quant_linear_int8.py",
-           "-k", "not narrower_cpu_paths"]  # fmt: skip
-    result = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout.splitlines()[-1], result.stdout[-500:]
+    assert_passes_under_cpu_isa("tests/test_quant_linear_int8.py", isa)
