@@ -192,6 +192,7 @@ class Engine:
             "last_step_depth": self.gamma_history[-1] if self.gamma_history else 0,
             "num_speculative_tokens": self.gamma,
             "adaptive": self.controller is not None,
+            "decode_steps_on_one_thread": self.threads.steps_on_one if self.threads is not None else 0,
         }
 
     # --- requests --------------------------------------------------------------------------------------------

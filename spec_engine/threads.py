@@ -65,6 +65,7 @@ class ThreadTuner:
         self.probe_slow = True  # every step of the running probe so far was slower than MIN_GAIN x the current choice
         # per choice and kind, the last PROBE_STEPS costs; the probed choice's windows hold the running probe only
         self.times: dict[bool, dict[object, list[float]]] = {False: {}, True: {}}
+        self.steps_on_one = 0  # decode steps run on one thread, probes included (a benchmark reports their share)
 
     def single_for_step(self) -> bool:
         """Whether the coming decode step runs on one thread."""
@@ -78,7 +79,9 @@ class ThreadTuner:
 
     def after_step(self, seconds: float, kind: object = None, steps: int = 1) -> None:
         """One decode call ran ``steps`` steps of ``kind`` at ``seconds`` per step."""
-        window = self.times[self.single_for_step()].setdefault(kind, [])
+        single = self.single_for_step()
+        self.steps_on_one += steps if single else 0
+        window = self.times[single].setdefault(kind, [])
         window.append(seconds)
         del window[:-PROBE_STEPS]
         ours = self.times[self.single].get(kind, [])

@@ -31,6 +31,14 @@ def test_a_quiet_machine_keeps_all_threads_and_probes_ever_less():
     # probes at FIRST_INTERVAL, then INTERVAL, 2x, 4x ... apart, each lost after 2 steps: a few steps in a thousand
     assert 0 < probes <= 2 * (2 + (MAX_INTERVAL // INTERVAL).bit_length())
     assert tuner.interval == MAX_INTERVAL
+    assert tuner.steps_on_one == probes  # the count a benchmark reports: here the probes' steps alone
+
+
+def test_steps_on_one_thread_counts_a_native_calls_steps():
+    tuner = ThreadTuner()
+    chosen = run(tuner, 40, cost_many=50.0, cost_one=1.0, per_call=4)  # busy cores: one thread from the probe on
+    assert tuner.single and 0 < sum(chosen) < 40
+    assert tuner.steps_on_one == 4 * sum(chosen)  # steps, not calls
 
 
 def test_busy_cores_switch_to_one_thread_within_one_probe_and_back_when_they_free_up():
