@@ -138,20 +138,34 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* out) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Panel path: 16 rows dequantized, then linear's float32 kernel (one thread's share: part 0 of 1).
+// Panel path: 16 rows dequantized, then linear's float32 kernel (one thread's share: part 0 of 1), x taken in chunks
+// of rows that stay in L2 across the weight blocks.
 // ---------------------------------------------------------------------------------------------------------------
+
+// Bytes of float32 x one chunk holds: linear's AVX-512 float32 tiles stream every x row once per 4 weight rows, so a
+// prompt's whole chunk (M K floats, megabytes) read from L3 that often starves the FMAs; a chunk this size stays in L2
+// beside the 16-row panel, and each weight block is dequantized once per chunk instead of once per call (linear is
+// batch-invariant: a row's sums do not depend on which rows share its call).
+constexpr int64_t kXChunkBytes = int64_t{1} << 20;
+constexpr int64_t kMinChunkRows = 32;
 
 template <QuantType Q>
 void rows_panel(const QuantArgs& a, int64_t n_begin, int64_t n_end) {
-  thread_local std::vector<float> panel, sums;  // [16, K], [M, 16]
+  const int64_t chunk = std::max(kMinChunkRows, kXChunkBytes / (a.K * 4) / kRowBlock * kRowBlock);
+  thread_local std::vector<float> panel, sums;  // [16, K], [chunk, 16]
   panel.resize(static_cast<size_t>(kRowBlock * a.K));
-  sums.resize(static_cast<size_t>(a.M * kRowBlock));
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += kRowBlock) {
-    const int64_t rows = std::min(kRowBlock, n_end - n0);
-    for (int64_t r = 0; r < rows; ++r) dequant_row<Q>(a.w + (n0 + r) * a.row_bytes, a.K / 32, panel.data() + r * a.K);
-    linear_f32_part(a.x, panel.data(), nullptr, sums.data(), a.M, rows, a.K, a.ldx, 0, 1);
-    for (int64_t m = 0; m < a.M; ++m) {
-      for (int64_t r = 0; r < rows; ++r) store(a, m, n0 + r, sums[m * rows + r]);
+  sums.resize(static_cast<size_t>(std::min(a.M, chunk) * kRowBlock));
+  for (int64_t m0 = 0; m0 < a.M; m0 += chunk) {
+    const int64_t count = std::min(chunk, a.M - m0);
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, n_end - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        dequant_row<Q>(a.w + (n0 + r) * a.row_bytes, a.K / 32, panel.data() + r * a.K);
+      }
+      linear_f32_part(a.x + m0 * a.ldx, panel.data(), nullptr, sums.data(), count, rows, a.K, a.ldx, 0, 1);
+      for (int64_t m = 0; m < count; ++m) {
+        for (int64_t r = 0; r < rows; ++r) store(a, m0 + m, n0 + r, sums[m * rows + r]);
+      }
     }
   }
 }

@@ -213,12 +213,16 @@ def test_verify_and_prompt_rows_are_batch_invariant(qtype):
     """bfloat16 x (the engine's dtype) at a verify pass's and a prompt chunk's row counts, on whichever path this
     process takes (tiles or the float path): every prefix of the rows gives the same bits as the whole call, on one
     thread too, N with a tail past every 16-row block, and each result close to float64; a decoder that swapped two
-    sub-block scales would miss the tolerance."""
-    k, n = 512, 200
+    sub-block scales would miss the tolerance. On the float path 300 rows of K = 2048 take the panel path in three
+    chunks of x rows, and are linear's bits."""
+    k, n = 2048, 200
     blocks = random_blocks(n, k, qtype, 11)
     x = _x(300, k, torch.bfloat16, 12)
     full = quant_linear(x, blocks, qtype, backend="native")  # [300, N]
     assert_close_to_float64(full, x, blocks, qtype)
+    if not on_tiles(qtype, torch.bfloat16):
+        exact = linear(x.float(), dequantize_ref(blocks, qtype), backend="native").to(torch.bfloat16)
+        assert torch.equal(full, exact)
     for num_rows in (1, 2, 5, 8, 9, 16, 17, 33):
         assert torch.equal(quant_linear(x[:num_rows], blocks, qtype, backend="native"), full[:num_rows]), num_rows
     assert torch.equal(quant_linear(x[290:], blocks, qtype, backend="native"), full[290:]), "rows apart from the rest"
