@@ -17,17 +17,9 @@
 //
 // Tiles: 0-3 sums (16 weight rows each), 4 the packed x block, 5-7 weight blocks (5 again for the fourth).
 
-struct TileConfig {  // the ldtilecfg layout (palette 1)
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Every tile 64 bytes wide; the sums and weight tiles `weight_rows` tall (16, or N's tail).
 SPECDEC_AMX inline void configure_tiles(int weight_rows) {
-  TileConfig c;
+  amx::TileConfig c;
   for (int t = 0; t < 8; ++t) {
     c.colsb[t] = 64;
     c.rows[t] = static_cast<uint8_t>(t == 4 ? 16 : weight_rows);
@@ -35,25 +27,11 @@ SPECDEC_AMX inline void configure_tiles(int weight_rows) {
   _tile_loadconfig(&c);
 }
 
-constexpr int64_t kXBlock = 16 * 16;  // dwords in one packed x block: 16 k pairs x 16 x rows
+using amx::kXBlock;
 
-// x [M, K] -> packed [ceil(M / 16)][K / 32] blocks, each 16 k-pair rows of 16 x rows (zeros past M).
+// x [M, K] -> packed [ceil(M / 16)][K / 32] blocks (amx::pack_x_pairs).
 SPECDEC_AMX void pack_x_amx(const LinearArgs<c10::BFloat16>& a, uint32_t* packed) {
-  const int64_t kblocks = a.K / 32;
-  for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
-    for (int64_t kb = 0; kb < kblocks; ++kb) {
-      __m512 r[16];
-#pragma GCC unroll 16
-      for (int c = 0; c < 16; ++c) {  // x row m0 + c's 32 elements as 16 dwords
-        r[c] = m0 + c < a.M ? _mm512_loadu_ps(reinterpret_cast<const float*>(a.x + (m0 + c) * a.ldx + kb * 32))
-                            : _mm512_setzero_ps();
-      }
-      simd::transpose16(r);
-      float* block = reinterpret_cast<float*>(packed + (m0 / 16 * kblocks + kb) * kXBlock);
-#pragma GCC unroll 16
-      for (int p = 0; p < 16; ++p) _mm512_storeu_ps(block + p * 16, r[p]);
-    }
-  }
+  amx::pack_x_pairs(reinterpret_cast<const uint16_t*>(a.x), a.ldx, a.M, a.K, packed);
 }
 
 // Stores sum tile `sums` [16 weight rows][16 x rows] (fp32, row-major) as out rows m0.. (bias last, then bf16).

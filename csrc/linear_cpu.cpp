@@ -38,6 +38,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_cpu.h"
 #include "cpu_simd.h"
 
 #define SPECDEC_LINEAR_X86 SPECDEC_CPU_X86

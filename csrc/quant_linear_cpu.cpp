@@ -27,12 +27,15 @@
 #include <c10/util/Optional.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "amx_cpu.h"
 #include "cpu_simd.h"
 #include "linear_cpu.h"
 #include "quant_linear_cpu.h"
@@ -64,6 +67,26 @@ struct QuantArgs {
 inline void store(const QuantArgs& a, int64_t m, int64_t n, float sum) { a.sums[m * a.ldo + n - a.n0] = sum; }
 
 #include "quant_int8_cpu.h"  // the 8-bit activation path (uses QuantArgs and store)
+#if SPECDEC_CPU_AMX
+#include "quant_amx_cpu.h"  // rows_amx_groups: the K-quants' bfloat16 path on AMX tiles (uses QuantArgs)
+#endif
+
+// Whether bfloat16 x times K-quant `qtype` (float activations) runs on AMX tiles: where the bfloat16 linear does and
+// SPECDEC_QUANT_TILES=1 asks for it, chosen once per process for every M. Off by default: the tiles make a verify pass
+// or a prompt's chunk several times cheaper, but one decoding row costs more than on the float path (its panel of
+// quants and per-group epilogue serve 16 x rows; bench/RESULTS.md).
+bool quant_tiles(int64_t qtype) {
+#if SPECDEC_CPU_AMX
+  static const bool on = [] {
+    const char* v = std::getenv("SPECDEC_QUANT_TILES");
+    return v != nullptr && std::strcmp(v, "1") == 0 && simd::cpu_has_amx_bf16();
+  }();
+  return on && !int8_activations(qtype) && quant_format(qtype).block_weights == 256;
+#else
+  (void)qtype;
+  return false;
+#endif
+}
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -115,20 +138,34 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* out) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Panel path: 16 rows dequantized, then linear's float32 kernel (one thread's share: part 0 of 1).
+// Panel path: 16 rows dequantized, then linear's float32 kernel (one thread's share: part 0 of 1), x taken in chunks
+// of rows that stay in L2 across the weight blocks.
 // ---------------------------------------------------------------------------------------------------------------
+
+// Bytes of float32 x one chunk holds: linear's AVX-512 float32 tiles stream every x row once per 4 weight rows, so a
+// prompt's whole chunk (M K floats, megabytes) read from L3 that often starves the FMAs; a chunk this size stays in L2
+// beside the 16-row panel, and each weight block is dequantized once per chunk instead of once per call (linear is
+// batch-invariant: a row's sums do not depend on which rows share its call).
+constexpr int64_t kXChunkBytes = int64_t{1} << 20;
+constexpr int64_t kMinChunkRows = 32;
 
 template <QuantType Q>
 void rows_panel(const QuantArgs& a, int64_t n_begin, int64_t n_end) {
-  thread_local std::vector<float> panel, sums;  // [16, K], [M, 16]
+  const int64_t chunk = std::max(kMinChunkRows, kXChunkBytes / (a.K * 4) / kRowBlock * kRowBlock);
+  thread_local std::vector<float> panel, sums;  // [16, K], [chunk, 16]
   panel.resize(static_cast<size_t>(kRowBlock * a.K));
-  sums.resize(static_cast<size_t>(a.M * kRowBlock));
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += kRowBlock) {
-    const int64_t rows = std::min(kRowBlock, n_end - n0);
-    for (int64_t r = 0; r < rows; ++r) dequant_row<Q>(a.w + (n0 + r) * a.row_bytes, a.K / 32, panel.data() + r * a.K);
-    linear_f32_part(a.x, panel.data(), nullptr, sums.data(), a.M, rows, a.K, a.ldx, 0, 1);
-    for (int64_t m = 0; m < a.M; ++m) {
-      for (int64_t r = 0; r < rows; ++r) store(a, m, n0 + r, sums[m * rows + r]);
+  sums.resize(static_cast<size_t>(std::min(a.M, chunk) * kRowBlock));
+  for (int64_t m0 = 0; m0 < a.M; m0 += chunk) {
+    const int64_t count = std::min(chunk, a.M - m0);
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, n_end - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        dequant_row<Q>(a.w + (n0 + r) * a.row_bytes, a.K / 32, panel.data() + r * a.K);
+      }
+      linear_f32_part(a.x + m0 * a.ldx, panel.data(), nullptr, sums.data(), count, rows, a.K, a.ldx, 0, 1);
+      for (int64_t m = 0; m < count; ++m) {
+        for (int64_t r = 0; r < rows; ++r) store(a, m0 + m, n0 + r, sums[m * rows + r]);
+      }
     }
   }
 }
@@ -412,11 +449,13 @@ void with_qtype(int64_t qtype, F&& f) {
 template <typename T>
 void run_rows(const T* x, const uint8_t* w, int64_t qtype, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
               int64_t ldx, int64_t n_begin, int64_t n_end) {
-  const float* xf;
-  int64_t ldxf;
-  if constexpr (std::is_same_v<T, float>) {
-    xf = x, ldxf = ldx;
-  } else {
+  constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
+  const bool tiles = kBf16 && quant_tiles(qtype);
+  const float* xf = nullptr;
+  int64_t ldxf = ldx;
+  if constexpr (!kBf16) {
+    xf = x;
+  } else if (!tiles) {
     thread_local std::vector<float> widened;  // [M, K]
     widened.resize(static_cast<size_t>(M * K));
     for (int64_t m = 0; m < M; ++m) {
@@ -427,7 +466,14 @@ void run_rows(const T* x, const uint8_t* w, int64_t qtype, const T* bias, T* out
   thread_local std::vector<float> sums;  // [M, n_end - n_begin]
   sums.resize(static_cast<size_t>(M * (n_end - n_begin)));
   const QuantArgs a{xf, ldxf, w, sums.data(), n_begin, n_end - n_begin, M, K, quant_row_bytes(qtype, K)};
-  if (int8_activations(qtype)) {
+  if (tiles) {
+#if SPECDEC_CPU_AMX
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(x);
+    with_qtype(qtype, [&](auto q) {
+      if constexpr (kSubBlocks<decltype(q)::value> > 1) rows_amx_groups<decltype(q)::value>(a, bits, ldx, n_begin, n_end);
+    });
+#endif
+  } else if (int8_activations(qtype)) {
     thread_local Int8Rows xq;  // each thread quantizes x itself: M K work against the M N K of its share
     quantize_rows(xf, ldxf, M, K, xq);
     const Int8Args ia{&xq, &a};

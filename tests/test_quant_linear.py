@@ -4,7 +4,9 @@ type; gguf-py only dequantizes the K-quants).
 
 The kernel's contract is exact: in float32 it is ``linear`` on the dequantized weights bit for bit (so batch-invariant
 like it), and its dequantization is gguf.quants.dequantize's. Against the float64 reference the tolerance is measured
-(STYLE.md 7): err(kernel) <= 2 * err(torch, same dtype) + ATOL[dtype].
+(STYLE.md 7): err(kernel) <= 2 * err(torch, same dtype) + ATOL[dtype]. With ``SPECDEC_QUANT_TILES=1`` on a CPU with
+AMX, bfloat16 x times a K-quant runs on tiles instead, which sums each group's products before its scale: there it is
+held to that tolerance and to batch invariance, not to linear's bits (test_narrower_cpu_paths runs this file so).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 from spec_kernels.linear import linear  # noqa: E402
+from spec_kernels.linear.cpu import native_path  # noqa: E402
 from spec_kernels.quant_linear import QuantizedWeight, quant_linear, quant_type_name  # noqa: E402
 from spec_kernels.quant_linear.ref import quant_linear_ref  # noqa: E402
 from spec_kernels.types import QUANT_FORMATS, dequantize_ref  # noqa: E402
@@ -68,6 +71,22 @@ def gguf_dequantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit (signed zeros apart, NaN payloads alike), not merely ==."""
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def on_tiles(qtype: str, dtype: torch.dtype) -> bool:
+    """Whether this process multiplies bfloat16 x by K-quant blocks on AMX tiles (SPECDEC_QUANT_TILES=1 with AMX)."""
+    if dtype is not torch.bfloat16 or QUANT_FORMATS[qtype].block_weights != 256:
+        return False
+    return os.environ.get("SPECDEC_QUANT_TILES") == "1" and native_path(torch.bfloat16)[0] == "amx"
+
+
+def assert_close_to_float64(out, x, blocks, qtype, bias=None) -> None:
+    """err(kernel) <= 2 err(torch, same dtype) + ATOL against float64 on the dequantized weights."""
+    w = dequantize_ref(blocks, qtype).double()
+    ref64 = F.linear(x.double(), w, None if bias is None else bias.double())
+    err_kernel = (out.double() - ref64).abs().max().item()
+    err_torch = (quant_linear_ref(x, blocks, qtype, bias=bias).double() - ref64).abs().max().item()
+    assert err_kernel <= 2 * err_torch + ATOL[out.dtype], f"kernel {err_kernel:.3g} vs torch {err_torch:.3g}"
 
 
 def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -158,6 +177,9 @@ def test_new_types_are_linear_on_dequantized_weights(qtype, dtype, num_rows):
         x = _x(num_rows, k, dtype, num_rows)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype) if num_rows % 2 else None
         out = quant_linear(x, blocks, qtype, bias=bias, backend="native")  # [M, N]
+        if on_tiles(qtype, dtype):
+            assert_close_to_float64(out, x, blocks, qtype, bias)
+            continue
         w = dequantize_ref(blocks, qtype)  # [N, K]
         exact = linear(x.float(), w, None if bias is None else bias.float(), backend="native").to(dtype)
         assert torch.equal(out, exact), f"K = {k}"
@@ -184,6 +206,36 @@ def test_batch_invariant(qtype, dtype):
         assert torch.equal(quant_linear(x[:16], blocks, qtype, backend="native"), full), "one thread"
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_K", "Q2_K", "Q3_K"])
+def test_verify_and_prompt_rows_are_batch_invariant(qtype):
+    """bfloat16 x (the engine's dtype) at a verify pass's and a prompt chunk's row counts, on whichever path this
+    process takes (tiles or the float path): every prefix of the rows gives the same bits as the whole call, on one
+    thread too, N with a tail past every 16-row block, and each result close to float64; a decoder that swapped two
+    sub-block scales would miss the tolerance. On the float path 300 rows of K = 2048 take the panel path in three
+    chunks of x rows, and are linear's bits."""
+    k, n = 2048, 200
+    blocks = random_blocks(n, k, qtype, 11)
+    x = _x(300, k, torch.bfloat16, 12)
+    full = quant_linear(x, blocks, qtype, backend="native")  # [300, N]
+    assert_close_to_float64(full, x, blocks, qtype)
+    if not on_tiles(qtype, torch.bfloat16):
+        exact = linear(x.float(), dequantize_ref(blocks, qtype), backend="native").to(torch.bfloat16)
+        assert torch.equal(full, exact)
+    for num_rows in (1, 2, 5, 8, 9, 16, 17, 33):
+        assert torch.equal(quant_linear(x[:num_rows], blocks, qtype, backend="native"), full[:num_rows]), num_rows
+    assert torch.equal(quant_linear(x[290:], blocks, qtype, backend="native"), full[290:]), "rows apart from the rest"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(quant_linear(x[:17], blocks, qtype, backend="native"), full[:17]), "one thread"
+    finally:
+        torch.set_num_threads(threads)
+    if qtype in ("Q4_K", "Q6_K", "Q2_K"):
+        planted = quant_linear(x[:17], _swap_scales(blocks, qtype), qtype, backend="native")
+        with pytest.raises(AssertionError):
+            assert_close_to_float64(planted, x[:17], blocks, qtype)
 
 
 def test_dispatch_and_quantized_weight():
@@ -275,18 +327,22 @@ def test_fake_tensor():
     torch.library.opcheck(torch.ops.spec_kernels.quant_linear.default, (x, blocks, 8, None), test_utils=checks)
 
 
-@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["avx2", "scalar", "tiles"])
 def test_narrower_cpu_paths(isa):
     """SPECDEC_CPU_ISA caps the vector paths (chosen once per process): this file must pass on each, in a process of
-    its own. On a CPU without AVX-512 the avx2 run repeats the suite's own path."""
-    assert_passes_under_cpu_isa("tests/test_quant_linear.py", isa)
+    its own. On a CPU without AVX-512 the avx2 run repeats the suite's own path. "tiles" is the opt-in AMX path of
+    the K-quants (SPECDEC_QUANT_TILES=1; the float path again on a CPU without AMX)."""
+    if isa == "tiles":
+        assert_passes_under_cpu_isa("tests/test_quant_linear.py", "", {"SPECDEC_QUANT_TILES": "1"})
+    else:
+        assert_passes_under_cpu_isa("tests/test_quant_linear.py", isa)
 
 
-def assert_passes_under_cpu_isa(test_file: str, isa: str) -> None:
+def assert_passes_under_cpu_isa(test_file: str, isa: str, env_extra: dict | None = None) -> None:
     """``test_file`` (all but its narrower_cpu_paths tests) passes in a process of its own whose vector paths
-    ``SPECDEC_CPU_ISA`` caps at ``isa``."""
+    ``SPECDEC_CPU_ISA`` caps at ``isa`` (no cap: ""), with ``env_extra`` set."""
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "SPECDEC_CPU_ISA": isa}
+    env = {**os.environ, "SPECDEC_CPU_ISA": isa, **(env_extra or {})}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file,
            "-k", "not narrower_cpu_paths"]  # fmt: skip
     result = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
