@@ -148,6 +148,7 @@ class AdaptiveController:
         self.width = max(self.widths)  # the last choice's (the widest until costs are measured: optimistic)
         self.shapes = {k: shape_tables(k, max_gamma, nodes_for_gamma, tree) for k in self.widths}  # k -> (T, draft)
         self.rescue = {k: RescueRate() for k in self.widths if k > 1}  # h_k, pooled over rows
+        self.shapes_run: dict[tuple[int, int], int] = {}  # (width, depth) -> drafted steps observed (a counter)
         self.target_cost = LinearCost(TARGET_PER_TOKEN_PRIOR * TOKENS_REF)
         self.target_widths = WidthTable()  # measured passes per verify width, on top of the line (target_time)
         self.draft_cost = LinearCost(DRAFT_PER_TOKEN_PRIOR * TOKENS_REF)
@@ -169,8 +170,7 @@ class AdaptiveController:
 
     @property
     def nodes(self) -> list[int]:
-        """[D+1] T of a row drafted at depth gamma, at the last choice's width."""
-        return self.shapes[self.width][0]
+        return self.shapes[self.width][0]  # [D+1] T of a row drafted at depth gamma, at the last choice's width
 
     @property
     def draft_tokens(self) -> list[float]:
@@ -448,6 +448,8 @@ class AdaptiveController:
         probe (after a few hard requests, speculation stayed off for every later short one)."""
         assert steps == 1 or not any(gammas), "several steps in one call are plain ones"
         self.num_steps += steps
+        if any(gammas):
+            self.shapes_run[self.width, max(gammas)] = self.shapes_run.get((self.width, max(gammas)), 0) + 1
         self._memo.clear()
         for b, (req, gamma, n) in enumerate(zip(reqs, gammas, num_accepted)):
             s = self.state(req)
