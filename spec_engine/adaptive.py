@@ -142,7 +142,7 @@ class AdaptiveController:
                  cache_lag: Callable[[object], int] = lambda req: 0, sized: bool = False,
                  widths: dict[int, int] | None = None):  # fmt: skip
         self.max_gamma = max_gamma
-        self.tree, self.sized = tree, sized
+        self.tree, self.sized = tree or bool(widths), sized  # (widths: per depth, a head's acceptance falls with it)
         self.cache_lag = cache_lag
         self.widths = widths or {0: max_gamma}
         self.width = max(self.widths)  # the last choice's (the widest until costs are measured: optimistic)
