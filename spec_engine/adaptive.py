@@ -145,7 +145,7 @@ class AdaptiveController:
         self.tree, self.sized = tree or bool(widths), sized  # (widths: per depth, a head's acceptance falls with it)
         self.cache_lag = cache_lag
         self.widths = widths or {0: max_gamma}
-        self.width = min(self.widths)  # the last choice's (a chain until costs are measured: a tree's verify may cost)
+        self.width = max(self.widths)  # the last choice's (the widest until costs are measured: see choose)
         self.shapes = {k: shape_tables(k, max_gamma, nodes_for_gamma, tree) for k in self.widths}  # k -> (T, draft)
         self.rescue = {k: RescueRate() for k in self.widths if k > 1}  # h_k, pooled over rows
         self.shapes_run: dict[tuple[int, int], int] = {}  # (width, depth) -> drafted steps observed (a counter)
@@ -203,7 +203,7 @@ class AdaptiveController:
         # a dynamic tree is greedy rows' (sampled rows draft chains, whose draft distributions their acceptance uses)
         widths = self.widths if 0 in self.widths or all(r.params.greedy for r in reqs) else {1: self.widths[1]}
         if not (self.target_cost.num_observed and self.draft_cost.num_observed):
-            self.width = min(widths)
+            self.width = max(widths)  # the widest tree, whose measured pass bounds the chords to the untried widths
             return self._commit_choice(reqs, states, [widths[self.width]] * B)  # optimistic until costs are measured
         caps = [max(r.params.max_tokens - len(r.output_token_ids), 1) for r in reqs]  # later tokens are worth nothing
         # the rate to beat: plain decoding's, raised by the margin
