@@ -87,8 +87,8 @@ def test_a_step_of_padded_trees_is_cut_until_it_pays():
     """Every row of a step is padded to its widest tree: with modelled costs (a pass of B * T tokens costs
     1 + 0.1 * B * T, a plain step 1 + 0.1 * B) the widest rows go undrafted until the step's expected tokens per
     second beat plain decoding's; a step that pays is left alone, and one that cannot pays nothing."""
-    from spec_engine.tree_pricing import priced_plan
     from spec_engine.drafters.base import DraftPlan
+    from spec_engine.tree_pricing import priced_plan
 
     def pays(width, tokens, B=4):
         return tokens / (1 + 0.1 * width) > B / (1 + 0.1 * B)
