@@ -204,6 +204,8 @@ def print_rows(title: str, rows: list[dict]) -> None:
               f"{fmt(r['tokens_per_s'], '.1f'):>7} {fmt(r['plain_tokens_per_s'], '.1f'):>7} {fmt(r['alpha']):>5} "
               f"{fmt(r['alpha_hat']):>5} {fmt(r['tau']):>5} {fmt(r.get('bound')):>5}  "
               f"{'same' if r['same'] else 'DIFFERENT'}")  # fmt: skip
+        if r.get("shapes"):
+            print(f"{'':<14} drafted steps by width x depth: " + ", ".join(f"{k} {n}" for k, n in r["shapes"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         help="eagle-k rows: EAGLE-2 dynamic trees, k nodes per level x depth ('auto': the adaptive depth), "
         "';'-separated (e.g. '3x4;3xauto')",
     )
+    ap.add_argument("--auto-topk", type=int, default=3, help="the *-kauto rows (tree='auto': a chain or a dynamic "
+                    "tree of this k, the adaptive controller's choice per step)")  # fmt: skip
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample the humaneval and chat sets at this temperature, each request seeded (the coupling: "
                     "every row's tokens are plain decoding's)")  # fmt: skip
@@ -260,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(sets) - set(SETS):
         ap.error(f"unknown sets {sorted(unknown)}; choose from {', '.join(SETS)}")
     rows = ["eagle-auto", *(f"eagle-g{g}" for g in CHAINS), *("eagle-t" + "".join(map(str, t)) for t in trees),
-            *(f"eagle-k{k}x{g or 'auto'}" for k, g in dynamic), "suffix", "hybrid"]  # fmt: skip
+            *(f"eagle-k{k}x{g or 'auto'}" for k, g in dynamic), "eagle-kauto", "suffix", "hybrid",
+            "hybrid-kauto"]  # fmt: skip
     if args.rows and (unknown := set(args.rows.split(",")) - set(rows)):
         ap.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(rows)}")
     if "humaneval" in sets and not humaneval_path().is_file():  # (before a dozen engines load)
@@ -278,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
                   for t in trees},
                **{f"eagle-k{k}x{g or 'auto'}": eagle | {"num_speculative_tokens": g or "auto", "tree": "dynamic",
                                                          "eagle_topk": k} for k, g in dynamic},
+               "eagle-kauto": eagle | {"tree": "auto", "eagle_topk": args.auto_topk},
                "suffix": {"method": "suffix"}, "hybrid": {"method": "hybrid"} | ({"model": args.head} if args.head
-                                                                                  else {})}  # fmt: skip
+                                                                                  else {}),
+               "hybrid-kauto": {"method": "hybrid", "tree": "auto", "eagle_topk": args.auto_topk}
+               | ({"model": args.head} if args.head else {})}  # fmt: skip
     llms = {name: LLM(args.model, speculative_config=spec, **kw) for name, spec in tqdm(engines.items(), desc="load")}
     head_dir = llms["eagle-auto"].speculative_config["model"]
     gammas = {f"eagle-g{g}": g for g in CHAINS}
@@ -313,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(name: str, runs: list[Run], title: str) -> list[dict]:
         rows = [row(x, runs[0], r, c, dynamic_shapes.get(x.name)) for x in runs[1:]]
+        for out in rows:  # tree="auto": the (width, depth) of the drafted steps, as the controller chose them
+            ctl = llms[out["name"]].engine.controller
+            if ctl is not None and len(ctl.widths) > 1:
+                out["shapes"] = {f"{w}x{g}": n for (w, g), n in sorted(ctl.shapes_run.items())}
+                ctl.shapes_run.clear()
         print_rows(title, rows)
         result["sets"][name] = rows
         return rows

@@ -54,7 +54,7 @@ at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_p
 at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<NativeModel>& model, at::Tensor kv_cache,
                             const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
                             int64_t steps, const c10::optional<at::Tensor>& stop_ids, const OptTensorList& sampling);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& target_model, const c10::intrusive_ptr<NativeModel>& draft_model,
     at::TensorList caches, const OptTensorList& inputs, const OptTensorList& sampling, at::IntArrayRef knobs,
     at::IntArrayRef tree, int64_t topk);
@@ -216,7 +216,7 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def(
       "spec_chain(__torch__.torch.classes.spec_kernels.NativeModel target, "
       "__torch__.torch.classes.spec_kernels.NativeModel draft, Tensor(a!)[] caches, Tensor?[] inputs, "
-      "Tensor?[] sampling, int[] knobs, int[] tree=[], int topk=0) -> (Tensor, Tensor, Tensor, Tensor)");
+      "Tensor?[] sampling, int[] knobs, int[] tree=[], int topk=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "tree_step(Tensor tokens, Tensor parents, Tensor cache_seqlens, "
       "__torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, Tensor? block_table, "

@@ -353,12 +353,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 //
 // Returns (steps [B, max_steps, gamma + 2] int64: per step the count n of emitted tokens then the tokens, -1
 // padded, n = 0 for steps not run; catch_up_out [B, P'] and catch_up_lens_out [B]: the rows' new catch-ups; times
-// [max_steps, 2] float64: per step the draft's and the whole step's seconds).
+// [max_steps, 2] float64: per step the draft's and the whole step's seconds; ranks [B, max_steps, gamma + 1] int64:
+// per step the accepted path's ranks (path_ranks in csrc/runner_cpu.h), what a chain of its depth would have kept).
 //
 // The op's arguments, grouped: caches [t_kv, d_kv] (and a head's d_features); inputs [catch_up, catch_up_lens,
 // cache_seqlens, tokens_left, stop_ids, block_table (or None)]; sampling as sampling_of reads it; knobs [gamma,
 // max_steps, stop_on_reject]; the draft's shape: tree, topk.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
     const c10::intrusive_ptr<NativeModel>& target_model, const c10::intrusive_ptr<NativeModel>& draft_model,
     at::TensorList caches, const OptTensorList& inputs, const OptTensorList& sampling, at::IntArrayRef knobs,
     at::IntArrayRef tree, int64_t topk) {
@@ -438,7 +439,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
   at::Tensor steps = at::full({B, max_steps, gamma + 2}, -1, longs);  // [B, S, gamma + 2]
   steps.select(2, 0).zero_();
   at::Tensor times = at::zeros({max_steps, 2}, longs.dtype(at::kDouble));  // [S, 2]
+  at::Tensor ranks = at::full({B, max_steps, gamma + 1}, kPathLeaf, longs);  // [B, S, gamma + 1]
   int64_t* out = steps.data_ptr<int64_t>();
+  int64_t* path_ranks_out = ranks.data_ptr<int64_t>();
   double* secs = times.data_ptr<double>();
   const at::Tensor table = table_of(block_table);
   with_dtype(t.rope_table.scalar_type(), [&](auto target_type) {
@@ -448,18 +451,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chain_cpu(
       target.capture(d.capture);
       ChainRunner<TT> model = runner_of<TT>("spec_chain", d, d_kv, table, B);
       HeadDraft<TT> draft(model, *d_features, table, d.vocab_ids(), d.fc);
-      return run_spec_chain(target, draft, rows, t_kv, table, out, secs);
+      return run_spec_chain(target, draft, rows, t_kv, table, out, secs, path_ranks_out);
     }
     with_dtype(d.rope_table.scalar_type(), [&](auto draft_type) {  // a draft may be narrower than its target
       ChainRunner<decltype(draft_type)> model = runner_of<decltype(draft_type)>("spec_chain", d, d_kv, table, B);
       ModelDraft<decltype(draft_type)> draft(model, d.vocab_ids());
-      run_spec_chain(target, draft, rows, t_kv, table, out, secs);
+      run_spec_chain(target, draft, rows, t_kv, table, out, secs, path_ranks_out);
     });
   });
   // [B, P']: the rows' catch-ups (the input's when no step ran)
   at::Tensor next_catch_up = at::empty({B, rows.ld}, longs);
   std::copy(rows.catch_up.begin(), rows.catch_up.end(), next_catch_up.data_ptr<int64_t>());
-  return {steps, next_catch_up, at::tensor(rows.catch_up_len, longs), times};
+  return {steps, next_catch_up, at::tensor(rows.catch_up_len, longs), times, ranks};
 }
 
 // One greedy speculative step over trees drafted elsewhere (a suffix speculation, a static tree, a hybrid's rows):

@@ -298,6 +298,26 @@ void with_dtype(at::ScalarType dtype, F&& f) {
 }
 
 
+// The accepted path's ranks (spec_engine/tree.py's path_ranks, the rule the adaptive controller's width choice
+// reads): rank [n] for a path of n nodes (root first, `path`), rank[i] the rank of node path[i + 1] among its
+// siblings (0: its parent's first child, the draft's likeliest: a static tree numbers siblings best first, and a
+// dynamic level keeps each parent's children in score order), then rank[n - 1] kPathRejected where the last node
+// has children (all rejected) or kPathLeaf where it has none (nothing was judged below it).
+constexpr int64_t kPathRejected = -1, kPathLeaf = -2;
+
+inline void path_ranks(const int64_t* parents, int64_t T, const int64_t* path, int64_t n, int64_t* rank) {
+  for (int64_t i = 1; i < n; ++i) {
+    const int64_t node = path[i];
+    int64_t r = 0;
+    for (int64_t j = 1; j < node; ++j) r += parents[j] == parents[node];
+    rank[i - 1] = r;
+  }
+  const int64_t last = path[n - 1];
+  bool children = false;
+  for (int64_t j = last + 1; j < T; ++j) children = children || parents[j] == last;
+  rank[n - 1] = children ? kPathRejected : kPathLeaf;
+}
+
 // One tree's attention mask [T, T] (node t sees itself and its ancestors) and depths [T], from parents [T]
 // (parents[t] < t; -1 for a root and padding, which sees itself only, at depth 0).
 inline void ancestor_mask(const int64_t* parents, int64_t T, bool* mask, int64_t* depths) {
@@ -512,13 +532,14 @@ void run_tree_step(ChainRunner<T>& target, const int64_t* tokens, const int64_t*
   }
 }
 
-// The steps of spec_chain_cpu into steps [B, S, gamma + 2] and times [S, 2]; leaves the rows' catch-ups in `r`.
+// The steps of spec_chain_cpu into steps [B, S, gamma + 2], times [S, 2] and, where `ranks` is not null, each
+// step's accepted path's ranks [B, S, gamma + 1] (path_ranks; kPathLeaf past them); leaves the rows' catch-ups in `r`.
 // `draft`: a ModelDraft or a HeadDraft (whose commit reads the target's captured streams); its drafts are r.tree's
 // nodes (a dynamic tree's parents its own), and where that is not a chain the accepted paths' K/V are compacted to
 // L_b .. in `kv` (the target's cache, [2, layers, blocks, block_size, ...], on `table`) after each step.
 template <typename TT, typename Draft>
 void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, const at::Tensor& kv,
-                    const at::Tensor& table, int64_t* out, double* secs) {
+                    const at::Tensor& table, int64_t* out, double* secs, int64_t* ranks = nullptr) {
   const int64_t B = r.B, gamma = r.gamma, T = r.tree.nodes(), max_steps = r.max_steps;
   if (B == 0) return;
   const auto is_stop = [&](int64_t t) { return std::find(r.stops.begin(), r.stops.end(), t) != r.stops.end(); };
@@ -565,6 +586,9 @@ void run_spec_chain(ChainRunner<TT>& target, Draft& draft, ChainRows& r, const a
       const int64_t n = static_cast<int64_t>(emitted[b].size());
       int64_t* row = out + (b * max_steps + s) * (gamma + 2);
       row[0] = n;
+      if (ranks != nullptr) {
+        path_ranks(parents.data() + b * T, T, path.data() + b * T, n, ranks + (b * max_steps + s) * (gamma + 1));
+      }
       for (int64_t i = 0; i < n; ++i) {
         row[1 + i] = emitted[b][i];
         stopped = stopped || is_stop(emitted[b][i]);

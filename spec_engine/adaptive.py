@@ -82,12 +82,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from spec_engine.estimates import AcceptanceEstimate, LinearCost, WidthTable, geometric_tokens
-
-if TYPE_CHECKING:
-    from spec_engine.drafters.base import DraftPlan
+from spec_engine.estimates import TOKENS_REF, AcceptanceEstimate, LinearCost, WidthTable, geometric_tokens
+from spec_engine.tree_pricing import RescueRate, chain_evidence, scan_depths, shape_tables
 
 POPULATION_DECAY = 0.99  # per drafted row-step: the engine-wide estimate remembers ~100 of them
 PROBE_INTERVAL = 16  # steps between probes of undrafted rows
@@ -95,7 +92,6 @@ MAX_PROBE_INTERVAL = 64
 TARGET_PER_TOKEN_PRIOR = 0.1  # b / a: a verified token's prior cost as a share of a target pass's fixed cost (set
 # from HF eager's verify cost: bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)")
 DRAFT_PER_TOKEN_PRIOR = 0.1  # d / c
-TOKENS_REF = 16.0  # token counts are divided by this so both coefficients of a fit have comparable scales
 PROBE_ALPHA = 0.8  # a due row is probed if a draft this good would be drafted now (see the probes above)
 PROBE_PRIOR = 0.5  # the chance that a probe accepts its draft before any probe was seen (see "priced probes")
 PROBE_PRIOR_STRENGTH = 1.0  # ... worth this many probes (Jeffreys' Beta(1/2, 1/2): see probe_success)
@@ -137,18 +133,22 @@ class AdaptiveController:
         budgets of nodes): every row is offered ``max_gamma``, the drafter drops the rows nothing matches and the
         engine the rows whose step does not pay (``step_pays``); the controller measures the costs and runs the plain
         probes, and learns no acceptance (such rows come with depth 0 to ``observe``).
+    widths : tree width -> its deepest depth, where the controller picks each step's width too (``tree="auto"``: 1 a
+        chain, k EAGLE-2's dynamic tree of k nodes a level; spec_engine/tree_pricing.py); None: the drafter's own
+        trees (width 0) up to ``max_gamma``.
     """
 
     def __init__(self, max_gamma: int, nodes_for_gamma: Callable[[int], int], *, tree: bool = False,
-                 cache_lag: Callable[[object], int] = lambda req: 0, sized: bool = False):  # fmt: skip
+                 cache_lag: Callable[[object], int] = lambda req: 0, sized: bool = False,
+                 widths: dict[int, int] | None = None):  # fmt: skip
         self.max_gamma = max_gamma
-        self.tree, self.sized = tree, sized
+        self.tree, self.sized = tree or bool(widths), sized  # (widths: per depth, a head's acceptance falls with it)
         self.cache_lag = cache_lag
-        self.nodes = [nodes_for_gamma(gamma) for gamma in range(max_gamma + 1)]  # [D+1]: T at depth gamma
-        # tokens per row of the draft forwards at depth gamma: the root, then (trees) the nodes of the levels above
-        self.draft_tokens = [0.0]  # [D+1]
-        for gamma in range(max_gamma):
-            self.draft_tokens.append(self.draft_tokens[-1] + (max(self.nodes[gamma] - 1, 1) if tree else 1))
+        self.widths = widths or {0: max_gamma}
+        self.width = max(self.widths)  # the last choice's (the widest until costs are measured: see choose)
+        self.shapes = {k: shape_tables(k, max_gamma, nodes_for_gamma, tree) for k in self.widths}  # k -> (T, draft)
+        self.rescue = {k: RescueRate() for k in self.widths if k > 1}  # h_k, pooled over rows
+        self.shapes_run: dict[tuple[int, int], int] = {}  # (width, depth) -> drafted steps observed (a counter)
         self.target_cost = LinearCost(TARGET_PER_TOKEN_PRIOR * TOKENS_REF)
         self.target_widths = WidthTable()  # measured passes per verify width, on top of the line (target_time)
         self.draft_cost = LinearCost(DRAFT_PER_TOKEN_PRIOR * TOKENS_REF)
@@ -167,6 +167,19 @@ class AdaptiveController:
         self._memo: dict = {}  # prices computed within one choice (target_time, plain_cost): a choice asks for the
         # same ones ~10 times, and recomputing them from 64 plain samples cost a visible share of plain decoding's
         # time (bench/RESULTS-log.md, "A CPU without AVX-512")
+
+    @property
+    def nodes(self) -> list[int]:
+        return self.shapes[self.width][0]  # [D+1] T of a row drafted at depth gamma, at the last choice's width
+
+    @property
+    def draft_tokens(self) -> list[float]:
+        return self.shapes[self.width][1]  # [D+1] tokens per row of the draft's forwards at depth gamma
+
+    @property
+    def rescue_rate(self) -> float:
+        """h of the last choice's width (0 for chains and the drafter's own trees)."""
+        return self.rescue[self.width].rate if self.width > 1 else 0.0
 
     def state(self, req) -> RowState:
         if req.spec_state is None:
@@ -187,15 +200,22 @@ class AdaptiveController:
         if self.sized:  # the largest budget, but a plain probe now and then: the rate step_pays must beat
             plain = self._plain_probe_due(bool(self.target_cost.num_observed))
             return self._commit_choice(reqs, states, [0 if plain else D] * B)
+        # a dynamic tree is greedy rows' (sampled rows draft chains, whose draft distributions their acceptance uses)
+        widths = self.widths if 0 in self.widths or all(r.params.greedy for r in reqs) else {1: self.widths[1]}
         if not (self.target_cost.num_observed and self.draft_cost.num_observed):
-            return self._commit_choice(reqs, states, [D] * B)  # optimistic until costs are measured
-        # tokens past max_tokens are worth nothing
-        E = [s.acceptance.expected_tokens(max(r.params.max_tokens - len(r.output_token_ids), 1), optimistic=True)
-             for s, r in zip(states, reqs)]  # [B][D+1]  # fmt: skip
+            self.width = max(widths)  # the widest tree, whose measured pass bounds the chords to the untried widths
+            return self._commit_choice(reqs, states, [widths[self.width]] * B)  # optimistic until costs are measured
+        caps = [max(r.params.max_tokens - len(r.output_token_ids), 1) for r in reqs]  # later tokens are worth nothing
         # the rate to beat: plain decoding's, raised by the margin
         margin = MIN_GAIN + TAIL_MARGIN * (1.0 - 1.0 / B)
         plain_rate = margin * B / max(self.plain_cost(B), 1e-9)
-        best_G, best_k, best_rate = self._scan(E, plain_rate)
+        best = None
+        for width in widths:  # each width's best depth and rows, at its own prices
+            self.width = width
+            E = [s.acceptance.expected_tokens(cap, True, self.rescue_rate) for s, cap in zip(states, caps)]  # [B][D+1]
+            found = (*self._scan(E, plain_rate), width, E)
+            best = found if best is None or found[2] > best[2] else best
+        best_G, best_k, best_rate, self.width, E = best
         if self._plain_probe_due(best_G > 0):
             return self._commit_choice(reqs, states, [0] * B)  # a plain step, measured (see plain_cost)
         gammas = [0] * B
@@ -318,23 +338,9 @@ class AdaptiveController:
         return min(modelled * min(max(lowest, 0.2), 5.0), wider)
 
     def _scan(self, E: list[list[float]], plain_rate: float) -> tuple[int, int, float]:
-        """The (G, k) with the best predicted tokens/s and that rate; (0, 0, plain_rate) if none beats
-        ``plain_rate``. E ``[B][D+1]``."""
-        B, D = len(E), self.max_gamma
-        best_rate, best_G, best_k = plain_rate, 0, 0
-        cheapest = self.target_time(B * self.nodes[1]) + self.draft_cost.predict(1.0, 0.0)
-        if (B + sum(row[D] - 1.0 for row in E)) / max(cheapest, 1e-9) <= best_rate:
-            return 0, 0, plain_rate  # not even every row at full depth for the cost of depth 1 beats plain decoding
-        for G in range(1, D + 1):
-            t_fixed = self.target_time(B * self.nodes[G]) + self.draft_cost.predict(G, 0.0)
-            t_per_row = self.draft_cost.predict(0.0, self.draft_tokens[G] / TOKENS_REF)
-            gain = float(B)
-            for k, e in enumerate(sorted((row[G] - 1.0 for row in E), reverse=True), start=1):  # best rows first
-                gain += e
-                rate = gain / max(t_fixed + k * t_per_row, 1e-9)
-                if rate > best_rate:
-                    best_rate, best_G, best_k = rate, G, k
-        return best_G, best_k, best_rate
+        """``scan_depths`` at the last choice's width, up to its deepest depth. E ``[B][D+1]``."""
+        nodes = self.nodes[: self.widths[self.width] + 1]
+        return scan_depths(E, plain_rate, nodes, self.draft_tokens, self.target_time, self.draft_cost)
 
     def _probe(self, reqs, states: list[RowState], E: list[list[float]], gammas: list[int], G: int,
                plain_rate: float) -> None:  # fmt: skip
@@ -384,7 +390,7 @@ class AdaptiveController:
 
     def _row_rate(self, state: RowState, req, B: int, G: int) -> float:
         cap = max(req.params.max_tokens - len(req.output_token_ids), 1)
-        e = state.acceptance.expected_tokens(cap)[G]
+        e = state.acceptance.expected_tokens(cap, rescue=self.rescue_rate)[G]
         t = self.target_time(B * self.nodes[G]) + self.draft_cost.predict(G, self.draft_tokens[G] / TOKENS_REF)
         return (B - 1 + e) / max(t, 1e-9)
 
@@ -421,31 +427,41 @@ class AdaptiveController:
         """The drafted tokens ``req`` is expected to keep from a step drafted at depth ``gamma``: sum over d <= gamma
         of prod_{j<=d} alpha_j (no optimism bonus), what a hybrid drafter's suffix speculation must beat."""
         cap = max(req.params.max_tokens - len(req.output_token_ids), 1)
-        return self.state(req).acceptance.expected_tokens(cap)[min(gamma, self.max_gamma)] - 1.0
+        expected = self.state(req).acceptance.expected_tokens(cap, rescue=self.rescue_rate)
+        return expected[min(gamma, self.max_gamma)] - 1.0
 
     def observe(self, reqs: Sequence, gammas: Sequence[int], num_accepted: Sequence[int], draft_seconds: float,
-                step_seconds: float, steps: int = 1, timed: bool = True, width: int | None = None) -> None:  # fmt: skip
+                step_seconds: float, steps: int = 1, timed: bool = True, width: int | None = None,
+                ranks: Sequence[list[int] | None] | None = None) -> None:  # fmt: skip
         """Learn from one step: ``num_accepted`` as verify_tree's (the root included), the step's wall times.
         ``steps`` > 1: that many plain steps of ``step_seconds`` each (a native chain's), observed in one call (one
         call per step cost a measurable share of a token: bench/RESULTS-log.md, "Figures moved out of code comments
         (2026-11-25)"). ``timed=False``: the step's acceptance only (a step on the thread count the tuner probes).
         ``width``: the tokens the step's target pass verified (None: B * nodes_for_gamma of the deepest row), wider
         than the depths say where suffix speculation shaped the trees (its rows come with depth 0 here: they teach
-        no acceptance, and such a step with no other drafted row prices its width alone).
+        no acceptance, and such a step with no other drafted row prices its width alone). ``ranks`` [B]: each row's
+        accepted path's ranks (``spec_engine.tree.path_ranks``) on a step of width > 1 (None: a chain's or the
+        drafter's own trees): the row's chain acceptance learns what a chain would have kept, h_k the rescues.
 
         Steps are counted here, not per ``choose``: a native call runs several steps on one choice (up to 16 plain
         steps per chain), and a count of choices made undrafted requests of 64 tokens wait longer than their life for a
         probe (after a few hard requests, speculation stayed off for every later short one)."""
         assert steps == 1 or not any(gammas), "several steps in one call are plain ones"
         self.num_steps += steps
+        if any(gammas):
+            self.shapes_run[self.width, max(gammas)] = self.shapes_run.get((self.width, max(gammas)), 0) + 1
         self._memo.clear()
-        for req, gamma, n in zip(reqs, gammas, num_accepted):
+        for b, (req, gamma, n) in enumerate(zip(reqs, gammas, num_accepted)):
             s = self.state(req)
             s.steps_undrafted = s.steps_undrafted + steps if gamma == 0 else 0
-            s.acceptance.update(gamma, n - 1, steps)
+            rank = ranks[b] if ranks is not None and gamma else None
+            kept, judged = (n - 1, gamma) if rank is None else chain_evidence(rank)  # (what a chain would have kept)
+            s.acceptance.update(judged, kept, steps)
             if gamma == 0:
                 continue
-            self.population.update(gamma, n - 1)
+            if rank is not None and self.width > 1:
+                self.rescue[self.width].observe(rank, gamma)
+            self.population.update(judged, kept)
             if s.probing:  # the probe's outcome: did the draft's first token survive?
                 s.probing = False
                 hit = float(n > 1)
@@ -482,18 +498,3 @@ class AdaptiveController:
             tokens = num_drafted * self.draft_tokens[G] + self._catch_up_tokens
             self.draft_cost.observe(G, tokens / TOKENS_REF, draft_seconds)
             self._catch_up_tokens = 0  # the choice's first step caught up (a native call observes several)
-
-
-def priced_plan(plan: DraftPlan, pays: Callable[[int, float], bool]) -> DraftPlan:
-    """A plan whose trees the drafter sized (``DraftPlan.nodes``), cut until its step pays: the step runs every row
-    padded to the widest tree (B * T tokens), so the widest rows go undrafted (the least promising first among
-    equals) until ``pays(B * T, tokens expected)`` holds or no row is drafted."""
-    B, dropped = len(plan.gammas), set()
-    drafted = {b for b, gamma in enumerate(plan.gammas) if gamma}
-    while drafted - dropped:
-        rows = drafted - dropped
-        T = max(plan.nodes[b] for b in rows)
-        if pays(B * T, B + sum(plan.expected[b] for b in rows)):
-            break
-        dropped.add(max(rows, key=lambda b: (plan.nodes[b], -plan.expected[b])))
-    return plan.without(dropped) if dropped else plan

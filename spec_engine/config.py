@@ -44,8 +44,9 @@ SUFFIX_KEYS = {
 def parse_speculative_config(spec: dict | None) -> dict | None:
     """``LLM(speculative_config=...)`` checked, defaults filled in: the dict given plus "method", "model_method"
     (the drafter with weights: "draft_model", "eagle", or None where none is named yet or the method has none),
-    "num_speculative_tokens" (an int: "auto"'s cap), "adaptive" and "suffix" (``_parse_suffix_keys``). None: no
-    speculation. ValueError names the key at fault."""
+    "num_speculative_tokens" (an int: "auto"'s cap), "adaptive", "suffix" (``_parse_suffix_keys``) and "widths"
+    (tree="auto": {1: the chains' deepest, eagle_topk: the dynamic trees'}, the widths the adaptive controller picks
+    from each step; else None). None: no speculation. ValueError names the key at fault."""
     if spec is None:
         return None
     if not isinstance(spec, dict):
@@ -64,11 +65,14 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
             if key in spec:
                 raise ValueError(f"speculative_config.{key} needs a drafter with weights (method 'draft_model', "
                                  f"'eagle' or 'hybrid'), not {method!r}")  # fmt: skip
-    if "eagle_topk" in spec and spec.get("tree") != "dynamic":
-        raise ValueError("eagle_topk (nodes a level of EAGLE-2's dynamic tree) needs tree='dynamic'")
+    tree = spec.get("tree")
+    if "eagle_topk" in spec and tree not in ("dynamic", "auto"):
+        raise ValueError("eagle_topk (nodes a level of EAGLE-2's dynamic tree) needs tree='dynamic' or 'auto'")
     gamma = spec.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[method])
     adaptive = gamma == "auto"
-    tree = spec.get("tree")
+    if tree == "auto" and not adaptive:
+        raise ValueError("tree='auto' (the adaptive controller picks a chain or EAGLE-2's dynamic tree each step) "
+                         f"needs num_speculative_tokens='auto', got {gamma!r}")  # fmt: skip
     hybrid_head = method == "hybrid" and bool(spec.get("model")) and is_eagle_head(spec["model"])
     if adaptive:
         default = SUFFIX_ADAPTIVE_MAX_TOKENS if method == "suffix" else ADAPTIVE_MAX_GAMMA
@@ -78,12 +82,16 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
     most = MAX_SUFFIX_TOKENS if method == "suffix" else 16
     if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= most:
         raise ValueError(f"num_speculative_tokens must be 'auto' or an int in [1, {most}], got {gamma!r}")
-    if tree == "dynamic":
+    widths = None
+    if tree in ("dynamic", "auto"):
         if method not in ("eagle", "hybrid"):
-            raise ValueError("tree='dynamic' (EAGLE-2's dynamic tree) needs method='eagle'")
+            raise ValueError(f"tree={tree!r} (EAGLE-2's dynamic tree) needs method='eagle' or 'hybrid' (an EAGLE head)")
         topk = spec.get("eagle_topk", DEFAULT_EAGLE_TOPK)
-        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= 16:
-            raise ValueError(f"eagle_topk must be an int in [1, 16], got {topk!r}")
+        least = 2 if tree == "auto" else 1  # (auto's width 1 is the chain)
+        if isinstance(topk, bool) or not isinstance(topk, int) or not least <= topk <= 16:
+            raise ValueError(f"eagle_topk must be an int in [{least}, 16], got {topk!r}")
+        if tree == "auto":  # the chains' deepest as an EAGLE head's chains alone (EAGLE_ADAPTIVE_MAX_GAMMA's reason)
+            widths = {1: min(EAGLE_ADAPTIVE_MAX_GAMMA, gamma), topk: gamma}
     elif tree is not None:
         if method not in WEIGHTED_METHODS:
             raise ValueError("a static 'tree' needs method='draft_model', 'eagle' or 'hybrid'")
@@ -118,16 +126,16 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
             raise ValueError(f"min_n ({spec.get('min_n', 1)}) exceeds max_n ({spec.get('max_n', NGRAM_MAX_N)})")
     if method in WEIGHTED_METHODS and not spec.get("model"):  # LLM fills in the shipped drafter
         return {**spec, "method": method, "model_method": None, "num_speculative_tokens": gamma,
-                "adaptive": adaptive, "suffix": suffix}  # fmt: skip
+                "adaptive": adaptive, "suffix": suffix, "widths": widths}  # fmt: skip
     model_method = method
     if method == "hybrid":
         model_method = "eagle" if hybrid_head else "draft_model"
-        if tree == "dynamic" and model_method != "eagle":
-            raise ValueError("tree='dynamic' (EAGLE-2's dynamic tree) needs an EAGLE head")
+        if tree in ("dynamic", "auto") and model_method != "eagle":
+            raise ValueError(f"tree={tree!r} (EAGLE-2's dynamic tree) needs an EAGLE head, not a draft model")
         if (vocab is not None or draft_dtype is not None) and model_method != "draft_model":
             raise ValueError("draft_vocab_size and draft_dtype need a draft model, not an EAGLE head")
     return {**spec, "method": method, "model_method": model_method, "num_speculative_tokens": gamma,
-            "adaptive": adaptive, "suffix": suffix}  # fmt: skip
+            "adaptive": adaptive, "suffix": suffix, "widths": widths}  # fmt: skip
 
 
 def _parse_suffix_keys(spec: dict, method: str) -> dict | None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from spec_engine.adaptive import AdaptiveController, priced_plan
+from spec_engine.adaptive import AdaptiveController
 from spec_engine.drafters.base import Drafter, DraftPlan
 from spec_engine.estimates import chain_step_costs
 from spec_engine.inputs import RequestLimits
@@ -41,6 +41,7 @@ from spec_engine.scheduler import Schedule, Scheduler
 from spec_engine.step import REGULAR, StepPlan, StepResult
 from spec_engine.structured import Grammars
 from spec_engine.threads import ThreadTuner
+from spec_engine.tree_pricing import priced_plan
 
 log = logging.getLogger("spec_engine.engine")
 
@@ -150,7 +151,8 @@ class Engine:
             tree = drafter.tree
             self.controller = AdaptiveController(self.gamma, drafter.nodes_for_gamma,
                                                  tree=tree is not None and not tree.is_chain,
-                                                 cache_lag=self._cache_lag, sized=drafter.sizes_trees)  # fmt: skip
+                                                 cache_lag=self._cache_lag, sized=drafter.sizes_trees,
+                                                 widths=drafter.widths)  # fmt: skip
         draft_follows_prefill = drafter is not None and drafter.keeps_cache and self.controller is None
         self.scheduler = Scheduler(allocator, self.rows, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
                                    max_tree_nodes=self.max_tree_nodes(), call_tokens=0,
@@ -376,8 +378,8 @@ class Engine:
         max_steps = self.scheduler.steps_that_fit(reqs, max(gammas), max_steps)  # (where blocks ran short)
         logprobs = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
         plan = self.runner.plan(reqs, gammas, suffix_rows, max_steps=max_steps, full_steps=full_steps,
-                                stop_on_reject=unsure, native_verify=cfg.native_tree_step,
-                                logprobs=logprobs)  # fmt: skip
+                                stop_on_reject=unsure, native_verify=cfg.native_tree_step, logprobs=logprobs,
+                                width=self.controller.width if self.controller is not None else 0)  # fmt: skip
         result = self.runner.run(reqs, plan, gammas, suffix_rows, self._stop_tensor(reqs))
         self.plan_history.append(replace(result.plan, steps_ran=len(result.gammas)))
         if result.plan.path == REGULAR:
@@ -486,9 +488,10 @@ class Engine:
             else:
                 for s in range(ran):
                     rows = live[s]
+                    ranks = [result.ranks[s][b] for b in rows] if result.ranks is not None else None
                     self.controller.observe([reqs[b] for b in rows], [learned[s][b] for b in rows],
                                             [result.counts[s][b] for b in rows], *costs[s], timed=timed,
-                                            width=widths[s])  # fmt: skip
+                                            width=widths[s], ranks=ranks)  # fmt: skip
         return outputs
 
     def _stop_tensor(self, reqs: list[Request]) -> torch.Tensor:

@@ -59,6 +59,7 @@ OPTIMISM = 0.5  # standard errors added to alpha when planning (see "optimism" a
 OPTIMISM_PSEUDO_TRIALS = 16.0  # the evidence a new request's prior is worth to the optimism bonus
 COST_FORGET = 0.97  # per observed step: the cost fits remember ~30 steps (batch size and context drift)
 TABLE_SAMPLES = 8  # target passes per verify width whose cheapest prices that width (WidthTable)
+TOKENS_REF = 16.0  # token counts are divided by this so both coefficients of a fit have comparable scales
 OUTLIER = 3.0  # a step timed above this multiple of its prediction (preemption, a one-time load) is clipped to it
 
 
@@ -133,11 +134,13 @@ class AcceptanceEstimate:
             return [pooled] * len(self.accepts)
         return [(a + DEPTH_PRIOR * pooled) / (a + r + DEPTH_PRIOR) for a, r in zip(self.accepts, self.rejects)]
 
-    def expected_tokens(self, cap: float, optimistic: bool = False) -> list[float]:
-        """[D + 1] E(gamma) = 1 + sum_{d<=gamma} prod_{j<=d} alpha_j for gamma = 0..D, each capped at ``cap`` tokens."""
+    def expected_tokens(self, cap: float, optimistic: bool = False, rescue: float = 0.0) -> list[float]:
+        """[D + 1] E(gamma) = 1 + sum_{d<=gamma} prod_{j<=d} alpha_j for gamma = 0..D, each capped at ``cap`` tokens.
+        ``rescue``: a wider tree's rescue rate h, each level then kept at alpha_j + (1 - alpha_j) * h
+        (spec_engine/tree_pricing.py)."""
         out, reach, total = [1.0], 1.0, 1.0
         for a in self.depth_alphas(optimistic):
-            reach *= a
+            reach *= a + (1.0 - a) * rescue
             total += reach
             out.append(min(total, cap))
         return out

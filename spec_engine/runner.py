@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from spec_engine.cuda_graphs import CapturedForward, captured_forward
-from spec_engine.drafters.base import Draft, Drafter, StepBatch
+from spec_engine.drafters.base import Draft, Drafter, StepBatch, propose_rows
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.logits_processors import process_logits_
 from spec_engine.logprobs import step_logprobs, token_logprobs
@@ -36,8 +36,8 @@ from spec_engine.request import Request, RequestRows
 from spec_engine.sampling import SEED_MASK
 from spec_engine.step import PLAIN_CHAIN, REGULAR, SPEC_CHAIN, PrefillChunk, StepPlan, StepResult
 from spec_engine.transfer import to_device
-from spec_engine.tree import causal_mask
-from spec_kernels import PAD_NODE, VerifyResult, verify_tree
+from spec_engine.tree import causal_mask, path_ranks
+from spec_kernels import VerifyResult, verify_tree
 from spec_kernels.decoder_layers import (
     SPEC_CHAIN_MAX_NODES,
     NativeHead,
@@ -163,22 +163,22 @@ class StepRunner:
 
     def plan(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None, *, max_steps: int,
              full_steps: int, stop_on_reject: bool = False, native_verify: bool = True,
-             logprobs: int | None = None) -> StepPlan:  # fmt: skip
+             logprobs: int | None = None, width: int = 0) -> StepPlan:  # fmt: skip
         """The path and length of one decode call for ``reqs`` at depths ``gammas`` [B] (0: undrafted), the one place
         that decides it: up to ``max_steps`` steps in one native call where it can run them (0: the regular step),
         else the regular step. ``full_steps``, ``stop_on_reject``: as ``StepPlan``'s; ``native_verify``: the regular
         step of greedy rows may verify in one native call; ``logprobs``: the call returns each emitted token's
         log-probabilities and this many alternatives' (only the regular step does, as it alone runs logits
-        processors)."""
+        processors); ``width``: the drafted steps' tree width (``StepPlan.width``)."""
         regular = StepPlan(REGULAR, logprobs=logprobs, native_verify=native_verify and self.native_tree is not None
-                           and all(r.params.greedy for r in reqs))  # fmt: skip
+                           and all(r.params.greedy for r in reqs), width=width)  # fmt: skip
         if logprobs is not None or any(r.processes_logits for r in reqs):
             return dataclasses.replace(regular, native_verify=False)
         if max_steps and max(gammas) == 0:
             K = self._plain_chain_len(reqs, max_steps)
             if K:
                 return dataclasses.replace(regular, path=PLAIN_CHAIN, steps=K, full_steps=full_steps)
-        elif max_steps and not any(suffix_rows or ()) and self._spec_chain_fits(reqs, gammas):
+        elif max_steps and not any(suffix_rows or ()) and self._spec_chain_fits(reqs, gammas, width):
             return dataclasses.replace(regular, path=SPEC_CHAIN, steps=max_steps, gamma=gammas[0],
                                        full_steps=full_steps, stop_on_reject=stop_on_reject)  # fmt: skip
         return regular
@@ -192,12 +192,12 @@ class StepRunner:
         if plan.path == PLAIN_CHAIN:
             result = self._plain_chain(reqs, plan.steps, stops, plan.full_steps)
         elif plan.path == SPEC_CHAIN:
-            result = self._spec_chain(reqs, plan.gamma, plan.steps, stops, plan.full_steps, plan.stop_on_reject)
+            result = self._spec_chain(reqs, plan, stops)
         if result is None:
             plan = dataclasses.replace(plan, path=REGULAR, steps=1, gamma=0, full_steps=0, stop_on_reject=False,
                                        fallback_from=plan.path if plan.path != REGULAR else None)  # fmt: skip
             processed = reqs if any(r.processes_logits for r in reqs) else None
-            result = self._regular_step(reqs, gammas, suffix_rows, plan.native_verify, plan.logprobs, processed)
+            result = self._regular_step(reqs, gammas, suffix_rows, plan, processed)
         result.plan = plan
         return result
 
@@ -233,7 +233,7 @@ class StepRunner:
         forwards = time.perf_counter()
         if self.drafter is not None and self.drafter.needs_hidden:  # a head's target: the steps store its features
             B = len(reqs)
-            steps, _, _, _ = spec_chain(
+            steps, _, _, _, _ = spec_chain(
                 self.native_target, self.native_draft, roots[:, None], torch.ones(B, dtype=torch.int64), cache_seqlens,
                 self.kv.data, self.drafter.kv.data, table, torch.tensor([r.tokens_left for r in reqs]), stops,
                 gamma=0, max_steps=K, draft_features=self.drafter.features, **self._sampling(reqs),
@@ -250,7 +250,7 @@ class StepRunner:
         return StepResult([[0] * B] * K, tokens.tolist(), [[1] * B] * K, [[0.0, forwards / K]] * K, start=start,
                           full_steps=full_steps)  # fmt: skip
 
-    def _spec_chain_fits(self, reqs: list[Request], gammas: list[int]) -> bool:
+    def _spec_chain_fits(self, reqs: list[Request], gammas: list[int], width: int) -> bool:
         """Whether a native call can run the rows' speculative steps: a draft model proposing chains or a native head
         proposing chains or trees (static, dynamic), for greedy rows (a head's chains: coupled sampled rows too), at one
         gamma, the draft caches' lags (their catch-up: a prompt and the tokens decoded before a row's first drafted
@@ -260,7 +260,9 @@ class StepRunner:
         gamma = gammas[0]
         if self.native_target is None or self.native_draft is None:
             return False
-        if any(x != gamma for x in gammas) or self.drafter.nodes_for_gamma(gamma) > self.spec_chain_max_nodes:
+        tree = self.drafter.tree_for(width)
+        nodes = tree.nodes(gamma) if tree is not None else self.drafter.nodes_for_gamma(gamma)
+        if any(x != gamma for x in gammas) or nodes > self.spec_chain_max_nodes:
             return False
         if not all(r.params.greedy for r in reqs) and not (self.head_chains and _greedy_or_coupled(reqs)):
             return False  # (sampled rows: coupled, drafted by a head's chains)
@@ -269,31 +271,32 @@ class StepRunner:
         tokens_left = min(r.tokens_left for r in reqs)
         return max(lags) <= self.prefill_chunk and max(lags) - min(lags) <= gamma and tokens_left > gamma
 
-    def _spec_chain(self, reqs: list[Request], gamma: int, max_steps: int, stops: torch.Tensor, full_steps: int,
-                    stop_on_reject: bool) -> StepResult | None:  # fmt: skip
-        """Up to ``max_steps`` speculative steps at depth ``gamma`` in one ``spec_chain`` call, as a
+    def _spec_chain(self, reqs: list[Request], plan: StepPlan, stops: torch.Tensor) -> StepResult | None:
+        """Up to ``plan.steps`` speculative steps at depth ``plan.gamma`` in one ``spec_chain`` call, as a
         ``StepResult`` (``_apply`` commits it as it commits the regular step's). None, with nothing committed, where
         the first step's target logits were not finite."""
         start = time.perf_counter()
+        gamma, max_steps = plan.gamma, plan.steps
         B = len(reqs)
         lags = [self.cache_lag(r) for r in reqs]
         catch_up = np.zeros((B, max(lags) + 1), dtype=np.int64)  # [B, P]: each draft cache's lag, then the root
         for b, (r, lag) in enumerate(zip(reqs, lags)):
             catch_up[b, : lag + 1] = r.history[r.num_tokens - 1 - lag : r.num_tokens]
         lengths = [r.cache_seqlen for r in reqs]
-        tree = self.drafter.tree
+        tree = self.drafter.tree_for(plan.width)
         branching, topk = tree.native_shape(gamma) if tree is not None else ((), 0)  # (a head's tree, cut)
         # positions a row may write past L_b: its emitted tokens, then the last step's tree
-        reach = min(max_steps * (gamma + 1), max(r.tokens_left for r in reqs)) + self.drafter.nodes_for_gamma(gamma)
+        nodes = tree.nodes(gamma) if tree is not None else self.drafter.nodes_for_gamma(gamma)
+        reach = min(max_steps * (gamma + 1), max(r.tokens_left for r in reqs)) + nodes
         table = self.block_table(reqs, max(lengths) + reach + 2)  # [B, W]
         result = spec_chain(
             self.native_target, self.native_draft, torch.from_numpy(catch_up),
             torch.tensor([lag + 1 for lag in lags]), torch.tensor(lengths), self.kv.data, self.drafter.kv.data, table,
             torch.tensor([r.tokens_left for r in reqs]),
-            stops, gamma=gamma, max_steps=max_steps, stop_on_reject=stop_on_reject,
+            stops, gamma=gamma, max_steps=max_steps, stop_on_reject=plan.stop_on_reject,
             draft_features=self.drafter.features, tree=branching, topk=topk, **self._sampling(reqs),
         )  # fmt: skip
-        steps, _, catch_up_lens, times = result  # [B, S, gamma + 2], [B, 2], [B], [S, 2]
+        steps, _, catch_up_lens, times, ranks = result  # [B, S, gamma + 2], [B, 2], [B], [S, 2], [B, S, gamma + 1]
         steps, catch_up_lens, times = steps.tolist(), catch_up_lens.tolist(), times.tolist()
         ran = next((s for s in range(max_steps) if steps[0][s][0] == 0), max_steps)  # every row runs every step
         if ran == 0:
@@ -302,8 +305,11 @@ class StepRunner:
         tokens = [[t for s in range(ran) for t in steps[b][s][1 : 1 + steps[b][s][0]]] for b in range(B)]  # [B][n]
         # the draft cache lags by its catch-up's tokens before the root (its lag) behind the rows' new L_b
         draft_lens = [r.cache_seqlen + len(t) - (n - 1) for r, t, n in zip(reqs, tokens, catch_up_lens)]
+        # a tree's accepted paths' ranks: what a chain would have kept (the controller's width choice)
+        ranks = [[row[:n] for row, n in zip(r, c)] for r, c in zip(ranks.transpose(0, 1).tolist(), counts)] \
+            if plan.width > 1 else None  # fmt: skip
         return StepResult([[gamma] * B] * ran, tokens, counts, times[:ran], draft_lens, start=start,
-                          full_steps=full_steps)  # fmt: skip
+                          full_steps=plan.full_steps, ranks=ranks)  # fmt: skip
 
     def _sampling(self, reqs: list[Request]) -> dict:
         """A native call's sampling inputs: each row's temperature [B] float32 (0: greedy) and noise seed [B] int64,
@@ -317,23 +323,22 @@ class StepRunner:
             sampling.update(top_k=self.rows.top_k[slots], top_p=self.rows.top_p[slots], min_p=self.rows.min_p[slots])
         return sampling
 
-    def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None,
-                      native_verify: bool = False, logprobs: int | None = None,
+    def _regular_step(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None, plan: StepPlan,
                       processed: list[Request] | None = None) -> StepResult:  # fmt: skip
         """One step driven from Python: ``_spec_step`` on the step's inputs (``processed``: ``reqs`` where a row's
         logits are processed)."""
-        batch, sampling = self.step_inputs(reqs, gammas, suffix_rows)
-        out_tokens, num_accepted, draft_lens, width, lps = self._spec_step(batch, sampling, native_verify, logprobs,
-                                                                           processed)  # fmt: skip
+        batch, sampling = self.step_inputs(reqs, gammas, suffix_rows, plan.width)
+        out_tokens, num_accepted, draft_lens, width, lps, ranks = self._spec_step(batch, sampling, plan.native_verify,
+                                                                                  plan.logprobs, processed)  # fmt: skip
         # suffix rows (a hybrid's, a suffix drafter's) teach the controller nothing of a model drafter's acceptance;
         # their pass, as wide as the drafter shaped it, prices that width
         learned = gammas if suffix_rows is None else [0 if s else gamma for gamma, s in zip(gammas, suffix_rows)]
         return StepResult([gammas], [t[:n] for t, n in zip(out_tokens, num_accepted)], [num_accepted],
                           [list(self.step_times)], draft_lens, learned=[learned], widths=[width],
-                          logprobs=lps)  # fmt: skip
+                          logprobs=lps, ranks=ranks and [ranks])  # fmt: skip
 
-    def step_inputs(self, reqs: list[Request], gammas: list[int],
-                     suffix_rows: list[bool] | None = None) -> tuple[StepBatch, dict]:  # fmt: skip
+    def step_inputs(self, reqs: list[Request], gammas: list[int], suffix_rows: list[bool] | None = None,
+                    width: int = 0) -> tuple[StepBatch, dict]:  # fmt: skip
         """The step's inputs, gathered from the host rows and sent to the device together."""
         # the drafter runs on the drafted rows only; an undrafted row's lag (its whole prompt, under the adaptive
         # controller) must not widen every plain step's block table
@@ -364,23 +369,24 @@ class StepRunner:
         dev = dict(zip(host, to_device(self.device, *host.values())))
         batch = StepBatch([r.view() for r in reqs], dev.pop("cache_seqlens"), dev.pop("roots"), dev.pop("block_table"),
                           dev["temperature"], dev.pop("keys"), gammas, dev.pop("coupled", None),
-                          dev.pop("noise_seeds", None), suffix_rows)  # fmt: skip
+                          dev.pop("noise_seeds", None), suffix_rows, width)  # fmt: skip
         return batch, dev
 
     def _spec_step(self, batch: StepBatch, sampling: dict, native_verify: bool = False, logprobs: int | None = None,
                    processed: list[Request] | None = None,
-                   ) -> tuple[list[list[int]], list[int], list[int], int, list | None]:  # fmt: skip
+                   ) -> tuple[list[list[int]], list[int], list[int], int, list | None, list | None]:  # fmt: skip
         """One speculative step over B rows: draft, verify the whole tree in one target pass, compact the caches.
 
         Returns the host's (emitted tokens [B][T], num_accepted [B], the draft cache's new lengths [B] where the
         drafter keeps a cache, the tokens the target pass verified: B * T, the emitted tokens' log-probabilities
-        with ``logprobs`` alternatives each where asked: ``StepResult.logprobs``, else None). ``processed``: the
+        with ``logprobs`` alternatives each where asked: ``StepResult.logprobs``, else None; a tree of width > 1's
+        accepted paths' ranks [B][n], ``StepResult.ranks``' step, else None). ``processed``: the
         step's requests where some row's logits are processed (``spec_engine.logits_processors``)."""
         start = time.perf_counter()
         rows = [b for b, gamma in enumerate(batch.gammas) if gamma > 0] if self.drafter is not None else []
         partial = 0 < len(rows) < batch.size  # some rows drafted, not all: the drafter runs on a sub-batch
         index = to_device(self.device, torch.tensor(rows, dtype=torch.int64))[0] if partial else None  # [B_d]
-        draft = self._propose(batch, rows, index)  # tokens/parents [B, T], draft_probs [B, T, V] | None
+        draft = propose_rows(self.drafter, batch, rows, index)  # tokens/parents [B, T], draft_probs [B, T, V] | None
         drafted = time.perf_counter()
         verified = self._native_verify(batch, draft) if native_verify else None
         logits = None
@@ -400,7 +406,11 @@ class StepRunner:
             for b, n in zip(rows, new_lens or []):
                 draft_lens[b] = n
         self.step_times = (drafted - start, time.perf_counter() - start)
-        return out_tokens, num_accepted, draft_lens, draft.tokens.numel(), lps
+        ranks = None
+        if batch.width > 1:  # (one more read, of trees only)
+            paths, parents = result.accepted_nodes.tolist(), draft.parents.tolist()
+            ranks = [path_ranks(p, path[:n]) for p, path, n in zip(parents, paths, num_accepted)]
+        return out_tokens, num_accepted, draft_lens, draft.tokens.numel(), lps, ranks
 
     def _native_verify(self, batch: StepBatch, draft: Draft) -> tuple[VerifyResult, torch.Tensor | None] | None:
         """The step's target pass, greedy verification and compaction in one native call (``tree_step``), for a plan
@@ -462,34 +472,6 @@ class StepRunner:
         """The step's one device -> host read: emitted tokens [B][T] and their counts [B], in one copy."""
         both = torch.cat([result.output_tokens, result.num_accepted[:, None]], dim=1).tolist()  # [B, T + 1]
         return [row[:-1] for row in both], [row[-1] for row in both]
-
-    def _propose(self, batch: StepBatch, rows: list[int], index: torch.Tensor) -> Draft:
-        """The drafter's trees for ``rows`` (depth > 0), run on those rows only; every other row is its root alone.
-
-        ``index`` is ``rows`` on the device (None unless only some rows are drafted)."""
-        if rows and len(rows) == batch.size:
-            return self.drafter.propose(batch)
-        B, dev = batch.size, self.device
-        if not rows:
-            return Draft(batch.roots[:, None], torch.full((B, 1), PAD_NODE, dtype=torch.int64, device=dev),
-                         torch.ones(B, 1, 1, dtype=torch.bool, device=dev),
-                         torch.zeros(B, 1, dtype=torch.int64, device=dev))  # fmt: skip
-        sub = self.drafter.propose(batch.select(rows, index))  # [B_d, T]
-        T = sub.tokens.shape[1]
-        tokens = sub.tokens.new_zeros(B, T)  # [B, T]
-        tokens[:, 0] = batch.roots
-        tokens[index] = sub.tokens
-        parents = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)  # undrafted rows: all padding
-        parents[index] = sub.parents
-        mask = torch.eye(T, dtype=torch.bool, device=dev).expand(B, T, T).clone()  # [B, T, T]: padding sees itself
-        mask[index] = sub.tree_mask
-        depths = torch.zeros(B, T, dtype=torch.int64, device=dev)
-        depths[index] = sub.depths
-        probs = None
-        if sub.draft_probs is not None:
-            probs = sub.draft_probs.new_zeros(B, T, sub.draft_probs.shape[-1])  # [B, T, V]
-            probs[index] = sub.draft_probs
-        return Draft(tokens, parents, mask, depths, probs, sub.draft_sampling)
 
     def block_table(self, reqs: list[Request], max_pos: int) -> torch.Tensor:
         """[B, W] int32 host rows covering positions < max_pos (padding is the scratch block)."""

@@ -26,6 +26,8 @@ class StepPlan:
     log-probabilities with this many alternatives (the native calls return none). ``fallback_from``: on a REGULAR
     plan as it ran, the native path that was planned and stepped aside (its first step's logits not finite).
     ``steps_ran``: on a plan as it ran (``Engine.plan_history``), the steps the call ran (None before it runs).
+    ``width``: the drafted steps' tree width where the adaptive controller chooses it (``tree="auto"``: 1 a chain,
+    k EAGLE-2's dynamic tree of k nodes a level; ``Drafter.tree_for``); 0: the drafter's own tree.
     """
 
     path: str
@@ -37,6 +39,7 @@ class StepPlan:
     logprobs: int | None = None
     fallback_from: str | None = None
     steps_ran: int | None = None
+    width: int = 0
 
 
 @dataclass
@@ -62,7 +65,9 @@ class StepResult:
     hybrid's suffix rows say nothing of its model drafter; nor do a suffix drafter's), ``widths[s]``: the tokens step s
     verified in its target pass (B * T, T the step's widest tree; None: the depths' trees, ``nodes_for_gamma``).
     ``logprobs[b]`` (the regular step, when asked): per token of ``tokens[b]``, its ``TokenLogprobs`` under the target's
-    distribution at its parent node. ``plan``: the call's ``StepPlan`` as it ran (REGULAR where a planned native call
+    distribution at its parent node. ``ranks[s][b]`` (steps of width > 1 only): row b's accepted path's ranks in
+    step s (``spec_engine.tree.path_ranks``), what a chain would have kept (the adaptive controller's evidence).
+    ``plan``: the call's ``StepPlan`` as it ran (REGULAR where a planned native call
     found its first step's logits not finite).
     """
 
@@ -76,4 +81,5 @@ class StepResult:
     learned: list[list[int]] | None = None
     widths: list[int] | None = None
     logprobs: list[list[TokenLogprobs]] | None = None
+    ranks: list[list[list[int]]] | None = None
     plan: StepPlan | None = None

@@ -1,7 +1,8 @@
 """Token-tree shapes: static trees from children-per-depth, masks and depths from ``parents``.
 
 Glossary: node 0 is the root (the last emitted token); ``parents[b, i] < i`` for real nodes, ``PAD_NODE`` (-1) for
-the root and for padding. A chain is the tree ``[1] * gamma``.
+the root and for padding. A chain is the tree ``[1] * gamma``. A node's rank is its place among its siblings, 0 for
+its parent's likeliest child: the node a chain of the same draft would have drafted there.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from spec_kernels import PAD_NODE
+
+# the last entry of ``path_ranks``: how the accepted path ended (csrc/runner_cpu.h's kPathRejected, kPathLeaf)
+PATH_REJECTED = -1  # at a node with children, all rejected
+PATH_LEAF = -2  # at a node without children: nothing below it was judged
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,10 @@ class StaticTree:
             start += n
         return out
 
+    def nodes(self, gamma: int) -> int:
+        """T of the tree cut at depth ``gamma``."""
+        return sum(self.level_sizes[: gamma + 1])
+
     def native_shape(self, gamma: int) -> tuple[tuple[int, ...], int]:
         """The shape ``spec_chain`` takes at depth ``gamma``: (its ``tree``, the branching cut to gamma levels, empty
         for a static chain; its ``topk``, the dynamic tree's k, else 0)."""
@@ -72,6 +81,21 @@ class StaticTree:
 
 def chain(gamma: int) -> StaticTree:
     return StaticTree((1,) * gamma)
+
+
+def dynamic_tree(topk: int, gamma: int) -> StaticTree:
+    """EAGLE-2's dynamic tree of ``topk`` nodes a level, ``gamma`` levels deep: 1 + topk * gamma nodes."""
+    return StaticTree((topk,) + (1,) * (gamma - 1), topk)
+
+
+def path_ranks(parents: list[int], path: list[int]) -> list[int]:
+    """The accepted path's ranks, the rule ``spec_chain`` applies natively (csrc/runner_cpu.h): ``parents`` [T] one
+    row's tree (siblings numbered likeliest first: a static tree's children, a dynamic level's by score), ``path``
+    [n] its accepted nodes from the root. Entry i < n - 1 is the rank of node path[i + 1]; entry n - 1 is
+    ``PATH_REJECTED`` where the last node has children (all rejected), ``PATH_LEAF`` where it has none."""
+    ranks = [sum(p == parents[node] for p in parents[1:node]) for node in path[1:]]
+    last = path[-1]
+    return [*ranks, PATH_REJECTED if last in parents[last + 1 :] else PATH_LEAF]
 
 
 def tree_mask_and_depths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -639,9 +639,9 @@ def test_plain_native_steps_store_a_heads_features(models, tmp_path, dtype):
     roots, zero = torch.tensor([5, 60]), torch.zeros(B, dtype=torch.int64)
     features = head.features.new_zeros(1, B, P, head.features.shape[-1])  # [1, B, P, H]
     d_kv = cache(head.kv.data)
-    steps, catch_up, _, _ = spec_chain(eng.runner.native_target, eng.runner.native_draft, roots[:, None], zero + 1,
-                                       zero, cache(eng.kv.data), d_kv, None, zero + 100, zero[:0], gamma=0,
-                                       max_steps=K, draft_features=features)  # fmt: skip
+    steps, catch_up, _, _, _ = spec_chain(eng.runner.native_target, eng.runner.native_draft, roots[:, None],
+                                          zero + 1, zero, cache(eng.kv.data), d_kv, None, zero + 100, zero[:0],
+                                          gamma=0, max_steps=K, draft_features=features)  # fmt: skip
     tokens = steps[:, :, 1]  # [B, K]
     assert torch.equal(tokens, plain_steps(roots, eng.runner.native_target, cache(eng.kv.data), zero, steps=K))
     assert not d_kv.any() and catch_up.shape == (B, K + 1)  # the head did not run: its catch-up holds every token

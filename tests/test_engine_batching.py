@@ -279,12 +279,12 @@ def _adaptive(models, draft):
     observe = ctl.observe
 
     def observe_modelled_costs(reqs, gammas, num_accepted, draft_seconds, step_seconds, steps=1, timed=True,
-                               width=None):  # fmt: skip
+                               width=None, ranks=None):  # fmt: skip
         G = max(gammas)
         width = len(reqs) * engine.drafter.nodes_for_gamma(G) if width is None else width
         t_draft = 2e-3 * G
         t_target = 10e-3 + 0.1e-3 * width
-        observe(reqs, gammas, num_accepted, t_draft, t_draft + t_target, steps, timed, width)
+        observe(reqs, gammas, num_accepted, t_draft, t_draft + t_target, steps, timed, width, ranks)
 
     ctl.observe = observe_modelled_costs
     return llm

@@ -32,7 +32,7 @@ class FakeSuffix:
 
 class FakeModel:
     max_gamma, max_nodes, tree, kv, keeps_cache, needs_hidden, target_layers = 4, 5, None, None, True, False, None
-    features = None
+    features = widths = None
 
     def nodes_for_gamma(self, gamma):
         return gamma + 1
@@ -87,8 +87,8 @@ def test_a_step_of_padded_trees_is_cut_until_it_pays():
     """Every row of a step is padded to its widest tree: with modelled costs (a pass of B * T tokens costs
     1 + 0.1 * B * T, a plain step 1 + 0.1 * B) the widest rows go undrafted until the step's expected tokens per
     second beat plain decoding's; a step that pays is left alone, and one that cannot pays nothing."""
-    from spec_engine.adaptive import priced_plan
     from spec_engine.drafters.base import DraftPlan
+    from spec_engine.tree_pricing import priced_plan
 
     def pays(width, tokens, B=4):
         return tokens / (1 + 0.1 * width) > B / (1 + 0.1 * B)

@@ -273,9 +273,9 @@ def test_spec_chain_at_depth_zero_is_plain_decoding(target, draft):
     kv_plain, kv_spec, d_kv = cache(eng.kv.data), cache(eng.kv.data), cache(eng.drafter.kv.data)
     target_model, draft_model = eng.runner.native_target, eng.runner.native_draft
     want = plain_steps(roots, target_model, kv_plain, zero, steps=K)  # [B, K]
-    steps, catch_up, catch_up_lens, _ = spec_chain(target_model, draft_model, roots[:, None], zero + 1, zero,
-                                                   kv_spec, d_kv, None, zero + 100, zero[:0], gamma=0,
-                                                   max_steps=K)  # fmt: skip
+    steps, catch_up, catch_up_lens, _, _ = spec_chain(target_model, draft_model, roots[:, None], zero + 1, zero,
+                                                      kv_spec, d_kv, None, zero + 100, zero[:0], gamma=0,
+                                                      max_steps=K)  # fmt: skip
     assert steps.shape == (B, K, 2) and bool((steps[:, :, 0] == 1).all())
     assert torch.equal(steps[:, :, 1], want)
     assert torch.equal(kv_spec, kv_plain) and not d_kv.any()

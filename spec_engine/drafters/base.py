@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from spec_engine.kv_cache import PagedKVCache
-from spec_kernels import VerifyResult
+from spec_kernels import PAD_NODE, VerifyResult
 from spec_kernels.decoder_layers import NativeHead, NativeModel
 
 
@@ -63,7 +63,9 @@ class StepBatch:
         coupled: [B] bool, rows sampled through the position-keyed coupling (``spec_engine.coupling``), or None
             when no row is; noise_seeds: [B] int64, their noise seeds (None likewise)
     ``rows`` are the requests' read-only views; ``gammas`` the tree depth each row asks for (0 = no drafting);
-    ``suffix_rows`` the rows a hybrid drafter serves with its suffix speculation this step (None: no such rows).
+    ``suffix_rows`` the rows a hybrid drafter serves with its suffix speculation this step (None: no such rows);
+    ``width`` the step's tree width where the adaptive controller chooses it (``Drafter.tree_for``; 0: the drafter's
+    own tree).
     """
 
     rows: list[RowView]
@@ -76,6 +78,7 @@ class StepBatch:
     coupled: torch.Tensor | None = None
     noise_seeds: torch.Tensor | None = None
     suffix_rows: list[bool] | None = None
+    width: int = 0
 
     @property
     def size(self) -> int:
@@ -99,7 +102,7 @@ class StepBatch:
         suffix_rows = None if self.suffix_rows is None else [self.suffix_rows[b] for b in rows]
         return StepBatch([self.rows[b] for b in rows], self.cache_seqlens[index], self.roots[index],
                          self.block_table[index], self.temperature[index], self.keys[index],
-                         [self.gammas[b] for b in rows], coupled, noise_seeds, suffix_rows)  # fmt: skip
+                         [self.gammas[b] for b in rows], coupled, noise_seeds, suffix_rows, self.width)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,13 @@ class Drafter(ABC):
     # them (``needs_hidden``): the engine's native speculative steps write it
     features: torch.Tensor | None = None
     graphs = None  # the CapturedForward its model's forwards replay from (``use_graphs``); None: eager
+    # tree width -> the deepest depth at it, where the adaptive controller chooses each step's width (``tree="auto"``:
+    # 1 a chain, k EAGLE-2's dynamic tree of k nodes a level); None: the drafter's own tree, every step
+    widths: dict[int, int] | None = None
+
+    def tree_for(self, width: int):
+        """The StaticTree of a step of ``width`` (``StepBatch.width``, ``StepPlan.width``; 0: ``tree``)."""
+        return self.tree
 
     def plan(self, rows: list[RowView], gammas: list[int], gains: list[float] | None = None,
              faster: Callable[[int, int, float], bool] | None = None) -> DraftPlan:  # fmt: skip
@@ -223,3 +233,32 @@ class Drafter(ABC):
         """The draft model or EAGLE-3 head as the native speculative chains take it (``StepRunner._spec_chain``), when
         this drafter proposes greedy chains from it on its own cache ``kv``; else None."""
         return None
+
+
+def propose_rows(drafter: Drafter, batch: StepBatch, rows: list[int], index: torch.Tensor | None) -> Draft:
+    """The drafter's trees for ``rows`` (depth > 0), run on those rows only; every other row is its root alone.
+
+    ``index`` is ``rows`` on the device (None unless only some rows are drafted)."""
+    if rows and len(rows) == batch.size:
+        return drafter.propose(batch)
+    B, dev = batch.size, batch.roots.device
+    if not rows:
+        return Draft(batch.roots[:, None], torch.full((B, 1), PAD_NODE, dtype=torch.int64, device=dev),
+                     torch.ones(B, 1, 1, dtype=torch.bool, device=dev),
+                     torch.zeros(B, 1, dtype=torch.int64, device=dev))  # fmt: skip
+    sub = drafter.propose(batch.select(rows, index))  # [B_d, T]
+    T = sub.tokens.shape[1]
+    tokens = sub.tokens.new_zeros(B, T)  # [B, T]
+    tokens[:, 0] = batch.roots
+    tokens[index] = sub.tokens
+    parents = torch.full((B, T), PAD_NODE, dtype=torch.int64, device=dev)  # undrafted rows: all padding
+    parents[index] = sub.parents
+    mask = torch.eye(T, dtype=torch.bool, device=dev).expand(B, T, T).clone()  # [B, T, T]: padding sees itself
+    mask[index] = sub.tree_mask
+    depths = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    depths[index] = sub.depths
+    probs = None
+    if sub.draft_probs is not None:
+        probs = sub.draft_probs.new_zeros(B, T, sub.draft_probs.shape[-1])  # [B, T, V]
+        probs[index] = sub.draft_probs
+    return Draft(tokens, parents, mask, depths, probs, sub.draft_sampling)

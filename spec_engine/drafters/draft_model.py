@@ -103,7 +103,7 @@ class DraftModelDrafter(Drafter):
             sub = (self._parents[1 : level.stop] - 1).clamp(min=PAD_NODE)[None]  # [1, n]
             mask = tree_mask_and_depths(sub)[0]  # [1, n, n]
             self._levels.append(to_device(self.device, mask, node_depth[1 : level.stop]))
-        self._shapes: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self._shapes: dict[tuple, list[torch.Tensor]] = {}  # (gammas..., tree) -> its shapes
 
     @property
     def native(self) -> NativeModel | NativeHead | None:
@@ -138,15 +138,17 @@ class DraftModelDrafter(Drafter):
         hidden state computed so far (an EAGLE head reads its parents'; a draft model needs none)."""
         return (self.graphs or self._hidden)(tokens[:, sub], positions, cache_seqlens, mask, block_table)[0]
 
-    def _tree_shape(self, gammas: list[int]) -> list[torch.Tensor]:
+    def _tree_shape(self, gammas: list[int], tree: StaticTree | None = None) -> list[torch.Tensor]:
         """(parents [B, T], tree_mask [B, T, T], depths [B, T]) on the device for rows drafted at ``gammas``: the
-        static tree cut at each row's depth (nodes past it are padding), built on the host once per pattern."""
-        key = tuple(gammas)
+        static tree (``tree``, else the drafter's own) cut at each row's depth (nodes past it are padding), built on
+        the host once per pattern."""
+        tree = tree or self.tree
+        key = (*gammas, tree)
         if key not in self._shapes:
-            T = self.nodes_for_gamma(max(gammas))
-            parents = self._parents[:T].repeat(len(gammas), 1)  # [B, T]
+            T = tree.nodes(max(gammas))
+            parents = tree.parents()[:T].repeat(len(gammas), 1)  # [B, T]
             for b, gamma in enumerate(gammas):
-                parents[b, self.nodes_for_gamma(gamma) :] = PAD_NODE
+                parents[b, tree.nodes(gamma) :] = PAD_NODE
             mask, depths = tree_mask_and_depths(parents)
             if len(self._shapes) >= MAX_SHAPES:
                 self._shapes.clear()

@@ -47,7 +47,7 @@ from spec_engine.models.llama import (
     cached_attention,
 )
 from spec_engine.transfer import to_device
-from spec_engine.tree import StaticTree
+from spec_engine.tree import StaticTree, dynamic_tree
 from spec_kernels import PAD_NODE, VerifyResult, compact_kv_, linear, rng
 from spec_kernels.decoder_layers import LayerWeights, NativeHead, decoder_layers, eagle3_draft, native_model
 from spec_kernels.rng import position_gumbel
@@ -296,15 +296,23 @@ class EagleDrafter(DraftModelDrafter):
     node_graphs: CapturedForward | None = None
 
     def __init__(self, head: EagleHead, kv: PagedKVCache, features: torch.Tensor, tree: StaticTree,
-                 draft_sampling: str = "without_replacement"):  # fmt: skip
+                 draft_sampling: str = "without_replacement", widths: dict[int, int] | None = None):  # fmt: skip
         super().__init__(head, kv, tree, draft_sampling)
         # EAGLE-2's dynamic tree has the shape of the static tree (k, 1, 1, ...): k nodes per level below the root
         self.dynamic_topk = tree.topk
+        # tree="auto" (``widths`` {1: chains' deepest, k: trees'}): ``tree`` the chain, ``wide`` the dynamic tree of k
+        # a level, each step's chosen by the adaptive controller (``StepBatch.width``)
+        self.widths = widths
+        self.wide = dynamic_tree(max(widths), tree.depth) if widths else None
+        self.max_nodes = max(self.max_nodes, self.wide.num_nodes if self.wide else 0)
         self.features = features
         if head.layout == "eagle3":  # [K]: the draft vocabulary's target ids
             self._draft_ids = head.d2t + torch.arange(head.draft_vocab_size, device=head.d2t.device)
         self.target_layers = head.target_layers
         self._node_parents = to_device(self.device, self._parents.clamp(min=0))[0]  # [T_max]: node -> parent node
+
+    def tree_for(self, width: int) -> StaticTree:
+        return self.wide if width > 1 else self.tree
 
     @property
     def native(self) -> NativeHead | None:
@@ -364,7 +372,7 @@ class EagleDrafter(DraftModelDrafter):
         return (self.model(tokens, feats, positions, self.kv.data, cache_seqlens, mask, block_table),)
 
     def propose(self, batch: StepBatch) -> Draft:
-        if self.dynamic_topk is not None:
+        if self.dynamic_topk is not None or batch.width > 1:
             return self._propose_dynamic(batch)
         native = self.model.native
         greedy = all(r.greedy for r in batch.rows)
@@ -413,9 +421,10 @@ class EagleDrafter(DraftModelDrafter):
         likely tokens, not draws, so every row verifies them as point-mass proposals: lossless whatever tree was
         chosen. A native head (``native``) drafts the whole tree in one ``eagle3_draft`` call, by the same rule as
         ``_dynamic_levels``, the reference, level by level here."""
-        gamma, k = max(batch.gammas), self.dynamic_topk
-        T = self.nodes_for_gamma(gamma)
-        static_parents, _, depths = self._tree_shape(batch.gammas)  # [B, T]: padding and depths per row
+        tree = self.tree_for(batch.width)
+        gamma, k = max(batch.gammas), tree.topk
+        T = tree.nodes(gamma)
+        static_parents, _, depths = self._tree_shape(batch.gammas, tree)  # [B, T]: padding and depths per row
         eye = torch.eye(T, dtype=torch.bool, device=self.device)  # [T, T]
         if self.native is not None:
             entries, start, lags = self._catch_up_entries(batch)
@@ -423,17 +432,17 @@ class EagleDrafter(DraftModelDrafter):
                                              gamma=gamma, block_table=batch.block_table, topk=k)  # fmt: skip
             tokens = torch.cat((batch.roots[:, None], nodes), dim=1)  # [B, T]
             mask = eye.repeat(batch.size, 1, 1)  # [B, T, T]
-            for level in self.tree.level_slices[1 : gamma + 1]:
+            for level in tree.level_slices[1 : gamma + 1]:
                 _mask_level(mask, parents, level, eye)
         else:
-            tokens, parents, mask = self._dynamic_levels(batch, gamma, k, depths, eye)
+            tokens, parents, mask = self._dynamic_levels(batch, tree, gamma, depths, eye)
         pad = static_parents == PAD_NODE  # rows drafted shallower than the deepest: their extra nodes are padding
         pad[:, 0] = False
         parents = parents.masked_fill(pad, PAD_NODE)
         mask = torch.where(pad[..., None], eye, mask)
         return Draft(tokens, parents, mask, depths, None, "iid")
 
-    def _dynamic_levels(self, batch: StepBatch, gamma: int, k: int, depths: torch.Tensor, eye: torch.Tensor):
+    def _dynamic_levels(self, batch: StepBatch, tree: StaticTree, gamma: int, depths: torch.Tensor, eye: torch.Tensor):
         """The dynamic tree level by level (torch ops; the reference of the native ``eagle3_draft``'s): tokens and
         parents [B, T], the mask [B, T, T]."""
         T = eye.shape[0]
@@ -448,7 +457,7 @@ class EagleDrafter(DraftModelDrafter):
         nodes = root.new_empty(B, T, root.shape[-1])  # [B, T, H]: each node's output
         nodes[:, 0] = root
         logits = self.model.logits(root)[:, None]  # [B, 1, V]
-        levels = self.tree.level_slices
+        levels, k = tree.level_slices, tree.topk
         for d in range(1, gamma + 1):
             parent_level, level = levels[d - 1], levels[d]
             best, parent, token = dynamic_level(logits, scores[:, parent_level], k)  # [B, k] each

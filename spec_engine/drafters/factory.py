@@ -50,21 +50,25 @@ class DrafterFactory:
         if model_method == "draft_model":
             self.draft_model = _load_draft_model(spec, target.config, target_dir, draft_dtype, device)
         self.tree = None
+        self.widths = spec.get("widths") if spec else None  # tree="auto": the widths the controller picks from
         if model_method is not None:
             # EAGLE-2's dynamic tree has a fixed shape, k nodes per level, whose parents the drafter picks each step
             dynamic = spec.get("tree") == "dynamic"
-            branching = (spec.get("eagle_topk", DEFAULT_EAGLE_TOPK),) if dynamic else tuple(spec.get("tree") or ())
+            static = spec.get("tree") if isinstance(spec.get("tree"), (list, tuple)) else ()  # ("auto": a chain)
+            branching = (spec.get("eagle_topk", DEFAULT_EAGLE_TOPK),) if dynamic else tuple(static)
             topk = branching[0] if dynamic else None
             self.tree = (
                 StaticTree(branching + (1,) * (self.gamma - len(branching)), topk) if branching else chain(self.gamma)
             )
-            widest = max(self.tree.branching)
-            if self.head is not None and not dynamic and widest > self.head.draft_vocab_size:
+            widest = max(self.tree.branching) if self.widths is None else max(self.widths)
+            if self.head is not None and (not dynamic or self.widths) and widest > self.head.draft_vocab_size:
                 # as a draft model's reduced vocabulary (_load_draft_model): b children drawn without replacement
                 # need b ids with q > 0, or some are drawn with q = 0 and verified as if q proposed them
                 raise ValueError(f"the EAGLE head's draft vocabulary of {self.head.draft_vocab_size} ids is narrower "
                                  f"than the tree's widest level ({widest} children)")  # fmt: skip
         self.max_tree_nodes = self.tree.num_nodes if self.tree else self.gamma + 1
+        if self.widths:  # tree="auto": its widest is the dynamic tree
+            self.max_tree_nodes = max(self.max_tree_nodes, 1 + max(self.widths) * self.gamma)
         if method == "hybrid":  # a suffix row's tree may be wider than the model's
             self.max_tree_nodes = max(self.max_tree_nodes, spec["suffix"]["suffix_decoding_max_spec_tokens"] + 1)
         self.caches: list[tuple[ModelConfig, torch.dtype]] = []
@@ -88,7 +92,7 @@ class DrafterFactory:
             head_kv = PagedKVCache(self.head.config, num_blocks, block_size, self.dtype, device)
             features = torch.zeros(1, num_blocks, block_size, self.head.config.hidden_size, dtype=self.dtype,
                                    device=device)  # fmt: skip
-            drafter = EagleDrafter(self.head, head_kv, features, self.tree, sampling)
+            drafter = EagleDrafter(self.head, head_kv, features, self.tree, sampling, self.widths)
         elif self.draft_model is not None:
             draft_kv = PagedKVCache(self.draft_model.config, num_blocks, block_size, self.draft_dtype, device)
             drafter = DraftModelDrafter(self.draft_model, draft_kv, self.tree, sampling)

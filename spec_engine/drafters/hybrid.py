@@ -57,6 +57,10 @@ class HybridDrafter(Drafter):
         self.needs_hidden = model.needs_hidden
         self.target_layers = model.target_layers
         self.plain_chain_cap = suffix.plain_chain_cap
+        self.widths = model.widths  # (the controller's width choice is the model drafter's: a head's trees)
+
+    def tree_for(self, width: int):
+        return self.model.tree_for(width)
 
     def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,
                    max_rows: int) -> None:  # fmt: skip
@@ -171,4 +175,4 @@ def one_hot_proposals(probs: torch.Tensor, drafts: list[SuffixDraft]) -> None:
 
 def _with_gammas(batch: StepBatch, gammas: list[int]) -> StepBatch:
     return StepBatch(batch.rows, batch.cache_seqlens, batch.roots, batch.block_table, batch.temperature, batch.keys,
-                     gammas, batch.coupled, batch.noise_seeds, batch.suffix_rows)  # fmt: skip
+                     gammas, batch.coupled, batch.noise_seeds, batch.suffix_rows, batch.width)  # fmt: skip

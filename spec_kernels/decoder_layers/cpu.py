@@ -226,8 +226,10 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
     catch_up ``[B, P]`` the tokens each row's draft cache lacks (its lag) then its root, catch_up_lens / cache_seqlens
     (L_b) / tokens_left ``[B]``, stop_ids ``[S]``. Returns (steps ``[B, max_steps, gamma + 2]``: per step the count n of
     emitted tokens then the tokens; the rows' new catch_up ``[B, P']`` and catch_up_lens ``[B]``; times
-    ``[max_steps, 2]``: per step the draft's and the whole step's seconds). ``stop_on_reject``: a step where some row
-    accepted no draft is the call's last (an adaptive controller then re-decides the depth). ``tree`` (a head's):
+    ``[max_steps, 2]``: per step the draft's and the whole step's seconds; ranks ``[B, max_steps, gamma + 1]``: per
+    step the accepted path's ranks, ``spec_engine.tree.path_ranks``'s, what a chain would have kept).
+    ``stop_on_reject``: a step where some row accepted no draft is the call's last (an adaptive controller then
+    re-decides the depth). ``tree`` (a head's):
     the static tree with ``tree[d]`` children per node at depth d (``gamma`` levels; empty: a chain), its children
     the head's most likely tokens, the accepted paths compacted in the target's cache after each step. ``topk`` k > 0
     (a head's, greedy rows): EAGLE-2's dynamic tree of k nodes a level (``tree`` its shape (k, 1, ..., 1) or empty),
