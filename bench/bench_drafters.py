@@ -319,14 +319,30 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": machine, "head": head_dir, "c": c, "r": r, "sets": {}}
     every = [n for n in engines if not args.rows or n in args.rows.split(",")]
 
+    seen = {}  # engine name -> (decode steps, of them on one thread) at the last report
+
+    def one_thread_share(name: str) -> float:
+        """The share of the engine's decode steps since the last report that its thread tuner ran on one thread (a
+        stretch there on a busy moment slows that row alone, and its ratios with it)."""
+        m = (plain if name == "plain" else llms[name]).engine.metrics()
+        now = (m["num_steps"], m["decode_steps_on_one_thread"])
+        steps, single = (a - b for a, b in zip(now, seen.get(name, (0, 0))))
+        seen[name] = now
+        return single / steps if steps else 0.0
+
     def report(name: str, runs: list[Run], title: str) -> list[dict]:
         rows = [row(x, runs[0], r, c, dynamic_shapes.get(x.name)) for x in runs[1:]]
+        shares = {x.name: one_thread_share(x.name) for x in runs if x.name in llms or x.name == "plain"}
+        for out in rows:
+            out["one_thread_steps"] = shares.get(out["name"])
         for out in rows:  # tree="auto": the (width, depth) of the drafted steps, as the controller chose them
             ctl = llms[out["name"]].engine.controller
             if ctl is not None and len(ctl.widths) > 1:
                 out["shapes"] = {f"{w}x{g}": n for (w, g), n in sorted(ctl.shapes_run.items())}
                 ctl.shapes_run.clear()
         print_rows(title, rows)
+        print("decode steps on one thread (the thread tuner's choice): "
+              + ", ".join(f"{n} {v:.0%}" for n, v in shares.items()))  # fmt: skip
         result["sets"][name] = rows
         return rows
 
