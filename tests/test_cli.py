@@ -214,6 +214,27 @@ def test_drafter_flags_without_a_drafter_are_refused(capsys):
     assert "--tree must be comma-separated ints" in capsys.readouterr().err
 
 
+def test_tree_auto_and_eagle_topk_reach_the_controller(pair, monkeypatch, capsys):
+    """--tree auto --eagle-topk K (the embedded EAGLE head): the controller picks between a chain and K-wide dynamic
+    trees each step; on a draft model, or with an int depth, the flags are refused cleanly (exit 2)."""
+    import spec_engine.cli as cli
+
+    built, real = [], cli.build_llm
+    monkeypatch.setattr(cli, "build_llm", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+    argv = ["generate", "--prompt", "def fib(n):", "--max-tokens", "4", "--dtype", "float32", "--method", "eagle"]
+    assert main(argv + ["--tree", "auto", "--eagle-topk", "3"]) == 0
+    assert sorted(built[-1].engine.controller.widths) == [1, 3]
+    assert main(argv + ["--tree", "dynamic", "--eagle-topk", "2", "-k", "3"]) == 0
+    assert built[-1].speculative_config["tree"] == "dynamic" and built[-1].speculative_config["eagle_topk"] == 2
+    capsys.readouterr()
+    assert main(argv + ["--tree", "auto", "-k", "3"]) == 2
+    assert "needs num_speculative_tokens='auto'" in capsys.readouterr().err
+    target, draft = pair
+    assert main(["generate", "--prompt", "x", "--model", str(target), "--draft", str(draft), "--method", "draft_model",
+                 "--tree", "auto"]) == 2  # fmt: skip
+    assert "needs method='eagle' or 'hybrid'" in capsys.readouterr().err
+
+
 def test_compare_exits_1_where_the_tokens_differ(pair, monkeypatch, capsys):
     """--compare's tokens differing from plain decoding's (greedy: the contract broken; planted here in the plain
     engine's answer) exit 1 and say so in the JSON, so no script takes the speedup for a pass."""
