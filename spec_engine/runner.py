@@ -260,9 +260,7 @@ class StepRunner:
         gamma = gammas[0]
         if self.native_target is None or self.native_draft is None:
             return False
-        tree = self.drafter.tree_for(width)
-        nodes = tree.nodes(gamma) if tree is not None else self.drafter.nodes_for_gamma(gamma)
-        if any(x != gamma for x in gammas) or nodes > self.spec_chain_max_nodes:
+        if any(x != gamma for x in gammas) or self.drafter.nodes_for_gamma(gamma, width) > self.spec_chain_max_nodes:
             return False
         if not all(r.params.greedy for r in reqs) and not (self.head_chains and _greedy_or_coupled(reqs)):
             return False  # (sampled rows: coupled, drafted by a head's chains)
@@ -286,8 +284,9 @@ class StepRunner:
         tree = self.drafter.tree_for(plan.width)
         branching, topk = tree.native_shape(gamma) if tree is not None else ((), 0)  # (a head's tree, cut)
         # positions a row may write past L_b: its emitted tokens, then the last step's tree
-        nodes = tree.nodes(gamma) if tree is not None else self.drafter.nodes_for_gamma(gamma)
-        reach = min(max_steps * (gamma + 1), max(r.tokens_left for r in reqs)) + nodes
+        reach = min(max_steps * (gamma + 1), max(r.tokens_left for r in reqs)) + self.drafter.nodes_for_gamma(
+            gamma, plan.width
+        )
         table = self.block_table(reqs, max(lengths) + reach + 2)  # [B, W]
         result = spec_chain(
             self.native_target, self.native_draft, torch.from_numpy(catch_up),

@@ -218,9 +218,11 @@ class Drafter(ABC):
         [B, T, F] the target's features at every node, for drafters that need them."""
         return None
 
-    def nodes_for_gamma(self, gamma: int) -> int:
-        """T of a tree of depth ``gamma`` (for KV reservations and cost models)."""
-        return gamma + 1
+    def nodes_for_gamma(self, gamma: int, width: int = 0) -> int:
+        """T of a tree of depth ``gamma`` at ``width`` (``tree_for``; a chain where the drafter has no tree), for KV
+        reservations, cost models and the native calls."""
+        tree = self.tree_for(width)
+        return tree.nodes(gamma) if tree is not None else gamma + 1
 
     def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,  # noqa: B027
                    max_rows: int) -> None:  # fmt: skip

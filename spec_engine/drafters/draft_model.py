@@ -109,9 +109,6 @@ class DraftModelDrafter(Drafter):
     def native(self) -> NativeModel | NativeHead | None:
         return self.model.native if self.tree.is_chain else None
 
-    def nodes_for_gamma(self, gamma: int) -> int:
-        return sum(self.tree.level_sizes[: gamma + 1])
-
     def use_graphs(self, enforce_eager: bool, mechanism: str | None = None, *, table_width: int,
                    max_rows: int) -> None:  # fmt: skip
         """The draft model's forwards up to a short catch-up's width or a tree's nodes (each level's, a catch-up's

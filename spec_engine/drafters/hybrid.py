@@ -70,9 +70,6 @@ class HybridDrafter(Drafter):
     def graphs(self):
         return self.model.graphs
 
-    def nodes_for_gamma(self, gamma: int) -> int:
-        return self.model.nodes_for_gamma(gamma)  # (the adaptive controller prices the model drafter's trees)
-
     @property
     def native(self) -> NativeModel | NativeHead | None:
         return self.model.native  # (the engine runs native chains only on steps without suffix rows)
