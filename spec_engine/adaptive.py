@@ -38,7 +38,7 @@ bonus, the cost fits, the verify widths' table), fed by the controller:
   steps where they take many); native steps are priced per step, their draft and target parts apart
   (bench/RESULTS.md, "what moved them"). The mirror: while nothing drafts, one row is drafted every
   ``PLAIN_PROBE_INTERVAL`` steps (``_price_probe``), and a verify width not measured for as long is priced by the
-  line again (``WidthTable.expire``): prices measured on a busy machine otherwise kept a perfect draft off for good.
+  line again (``WidthTable.expire``): prices measured on a busy machine otherwise kept a draft that pays off for good.
 
 Margin: a step drafts only if it promises ``MIN_GAIN + TAIL_MARGIN * (1 - 1/B)`` times plain decoding's rate
 (1.02 at batch 1, 1.19 at 16). The model prices one step; it does not see what speculation costs around it: the
@@ -225,21 +225,28 @@ class AdaptiveController:
                 gammas[b] = best_G
         self._probe(reqs, states, E, gammas, best_G, plain_rate)
         if not any(gammas) and self.num_steps - self._drafted_at >= PLAIN_PROBE_INTERVAL:
-            self._price_probe(reqs, states, E, gammas)
+            self._price_probe(reqs, E, gammas, plain_rate)
         return self._commit_choice(reqs, states, gammas)
 
-    def _price_probe(self, reqs: Sequence, states: list[RowState], E: list[list[float]], gammas: list[int]) -> None:
+    def _price_probe(self, reqs: Sequence, E: list[list[float]], gammas: list[int], plain_rate: float) -> None:
         """Draft one row at the depth the prices favour, though it loses to plain decoding: the plain probe's mirror.
         Drafting is priced only from drafted steps, so prices measured on a busy machine (50 steps at 10x) outlived
-        it, and a perfect draft stayed off for good. Only a row whose drafts are good (alpha >= ``PROBE_ALPHA``): one
-        that is off for its drafts (a useless head) would pay its catch-up for nothing, every interval. Of those, the
-        row whose draft cache lags least: its catch-up is the price."""
-        good = [b for b, s in enumerate(states) if s.acceptance.alpha >= PROBE_ALPHA]
+        it, and a draft that pays stayed off for good. Only a row whose drafts would pay at a verify's floor price
+        (a useless head's would pay its catch-up for nothing, every interval; a bar of alpha >= ``PROBE_ALPHA`` kept
+        chat's, alpha ~0.5, off for good), and of those the row whose draft cache lags least: its catch-up is the
+        price."""
+        plain = self.plain_cost(len(reqs))  # the floor: no pass over more tokens costs less than a plain step
+
+        def pays(b: int) -> bool:  # were every row like b
+            return any(len(reqs) * E[b][G] / max(plain + self.draft_cost.predict(G, len(reqs) * self.draft_tokens[G]
+                       / TOKENS_REF), 1e-9) > plain_rate for G in range(1, self.widths[self.width] + 1))  # fmt: skip
+
+        good = [b for b in range(len(reqs)) if pays(b)]
         if not good:
             return
         G = self._scan(E, 0.0)[0]
         b = min(good, key=lambda b: (self.cache_lag(reqs[b]), -E[b][G]))
-        gammas[b], states[b].probing = G, True
+        gammas[b], self.state(reqs[b]).probing = G, True
         self._drafted_at = self.num_steps
 
     def _plain_probe_due(self, drafting: bool) -> bool:
@@ -289,12 +296,10 @@ class AdaptiveController:
 
     def plain_probe_steps(self, B: int) -> int:
         """Steps of the plain probe at batch B (the engine caps them at a full chain): about PLAIN_PROBE_SECONDS of
-        plain decoding, at least PLAIN_PROBE_MIN_STEPS. Where a step is a fraction of a millisecond, the chain's
-        own work and the first steps after drafted ones (colder caches) made short probe chains read dearer per
-        step than a full chain, and weak drafts looked as if they paid (bench/RESULTS-log.md, "A CPU without
-        AVX-512"): such a model's probe stays a full chain. Where a step streams a real model's weights from
-        memory those are a small share of it, and a full chain of them cost a single request on a fresh engine a
-        sizeable share of its time (its first probe; bench/RESULTS-log.md, "The plain probe's length")."""
+        plain decoding, at least PLAIN_PROBE_MIN_STEPS. Sub-millisecond steps keep a full chain (short chains read
+        dearer per step, and weak drafts looked as if they paid: bench/RESULTS-log.md, "A CPU without AVX-512");
+        a real model's full chain cost a fresh engine's single request a sizeable share of its time (RESULTS-log,
+        "The plain probe's length")."""
         return max(PLAIN_PROBE_MIN_STEPS, math.ceil(PLAIN_PROBE_SECONDS / max(self.plain_cost(B), 1e-9)))
 
     def _plain_min(self) -> dict[int, float]:
@@ -345,12 +350,10 @@ class AdaptiveController:
     def _probe(self, reqs, states: list[RowState], E: list[list[float]], gammas: list[int], G: int,
                plain_rate: float) -> None:  # fmt: skip
         """Draft once the undrafted rows whose probe is due, so a request whose text turned predictable recovers.
-
         Only where that could matter: if the scan would not draft even with the due rows' drafts as good as
         ``PROBE_ALPHA``, the rows are off for the cost, not for their drafts, and new evidence changes nothing.
         (At batch 16 on this CPU, probes of good rows were a steady share of row-steps, each with a draft catch-up:
-        bench/RESULTS-log.md, "Why we fall short".)
-        And only where it pays in expectation (``gain_pays``)."""
+        bench/RESULTS-log.md, "Why we fall short".) And only where it pays in expectation (``gain_pays``)."""
         if self.num_steps < self._next_probe:
             return
         self._next_probe = self.num_steps + PROBE_INTERVAL
@@ -371,13 +374,10 @@ class AdaptiveController:
 
     @property
     def probe_success(self) -> float:
-        """The chance that a probe accepts its draft: the recent probes' rate, ``PROBE_PRIOR`` before any.
-
-        The prior is worth one probe (Jeffreys' Beta(1/2, 1/2)), not two (the uniform Beta(1, 1)): under the uniform
-        one, a useless head's rate fell as 1/(n + 2) and ~14 of its probes missed in a row before the catch-up over a
-        256-token prompt stopped paying, one per request at ~4% of each 64-token request (bench/RESULTS-log.md, "A
-        useless head's probes, and where the end-to-end speedup goes"); now it falls as 1/(2n + 2) (before decay),
-        and a draft that finds hits weighs them as before."""
+        """The chance that a probe accepts its draft: the recent probes' rate, ``PROBE_PRIOR`` before any. The prior
+        is worth one probe (Jeffreys' Beta(1/2, 1/2)), not two: under the uniform Beta(1, 1) a useless head's rate fell
+        as 1/(n + 2), and ~14 probes missed in a row before a 256-token prompt's catch-up stopped paying, ~4% of each
+        64-token request (bench/RESULTS-log.md, "A useless head's probes, and where the end-to-end speedup goes")."""
         hits = self._probe_hits + PROBE_PRIOR_STRENGTH * PROBE_PRIOR
         return hits / (self._probe_hits + self._probe_misses + PROBE_PRIOR_STRENGTH)
 

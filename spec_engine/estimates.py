@@ -51,6 +51,8 @@ Glossary:
 
 from __future__ import annotations
 
+import math
+
 DECAY = 0.9  # per drafted step of a row: a half-life of ~6.6 steps, so a request adapts within ~10 steps
 PRIOR_STRENGTH = 2.0  # pseudo-trials of each prior: alpha_0's in the earlier rate, the earlier rate's in alpha
 LONG_DECAY = 0.99  # per drafted step of a row: the counts of the earlier rate remember ~100 steps (see acceptance)
@@ -210,16 +212,18 @@ class WidthTable:
 
     def predict(self, width: int, line: float, anchors: dict[int, float] | None = None) -> float:
         """``anchors``: other measured passes (plain steps: width B) that bound the chords where no drafted width
-        was measured."""
+        was measured. Never above a wider width's price: a pass over fewer tokens costs no more, and a narrow width
+        priced on a busy spell, above the wider ones measured since, kept the depths between off."""
+        wider = min((t for x, t in self.prices.items() if x > width), default=math.inf)
         if width in self.prices:
-            return self.prices[width]
+            return min(self.prices[width], wider)
         known = {**(anchors or {}), **self.prices}
         below = max((x for x in known if x < width), default=None)
         above = min((x for x in known if x > width), default=None)
         if below is None or above is None:
-            return line
+            return min(line, wider)
         f = (width - below) / (above - below)
-        return min(line, (1.0 - f) * known[below] + f * known[above])
+        return min(line, (1.0 - f) * known[below] + f * known[above], wider)
 
 
 def chain_step_costs(times: list[list[float]], wall: float, steps: int) -> list[tuple[float, float]]:

@@ -99,6 +99,29 @@ def test_a_perfect_draft_reaches_max_gamma(B, D):
     assert deepest[-20:].count(D) >= 17
 
 
+@pytest.mark.parametrize("slower", [3.0, 10.0])
+def test_a_middling_draft_drafts_again_after_the_machine_stalled(slower):
+    """The stall of the test above with a chat-like draft (alpha 0.5, where depth 2-3 pays about 1.4x on these
+    costs): the price probe re-measured drafting only for drafts as good as PROBE_ALPHA, so this one stayed off for
+    good (a run of chat requests drafted almost nothing on a shared Xeon). It is probed because its drafts pay at a
+    verify's floor price, a plain step's."""
+    rng, seconds = random.Random(0), flat_widths(0.1, 1.02)
+
+    def accepted(step: int, depth: int) -> int:
+        k = 0
+        while k < depth and rng.random() < 0.5:
+            k += 1
+        return k
+
+    def busy(s: int, draft: float, whole: float) -> tuple[float, float]:
+        return (slower * draft, slower * whole) if 10 <= s < 60 else (draft, whole)
+
+    ctl = AdaptiveController(4, lambda g: g + 1)
+    deepest = run(ctl, [request()], accepted, 1500, busy, seconds=seconds)
+    assert 0 in deepest[10:300]  # (the stall turned it off)
+    assert sum(d > 0 for d in deepest[-200:]) >= 190
+
+
 def test_a_useless_draft_buys_no_price_probes():
     """The price probe drafts a row while nothing has drafted for an interval, to re-measure drafting's prices; a
     row that is off for its drafts (accepting nothing), not for the prices, would pay its catch-up (a whole prompt,

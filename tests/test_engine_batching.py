@@ -715,6 +715,8 @@ def test_measured_verify_widths_correct_a_convex_cost_line():
         table.observe(5, t)
     assert table.predict(5, line=0.1) == 0.9
     assert table.predict(3, line=0.7) == 0.7  # no measured neighbour on both sides: the line
+    table.observe(3, 1.5)  # a narrower width priced on a busy spell: never above the wider one measured since
+    assert table.predict(3, line=0.7) == 0.9 and table.predict(4, line=2.0, anchors={3: 1.5}) == 0.9
 
 
 def test_a_lagging_draft_cache_is_caught_up_only_where_the_evidence_pays_for_it():
