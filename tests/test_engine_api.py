@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -82,6 +83,32 @@ def test_vocab_mismatch_is_refused_at_load(dirs):
     target, _, other = dirs
     with pytest.raises(ValueError, match="vocab"):
         LLM(str(target), speculative_config={"method": "draft_model", "model": str(other)})
+
+
+def test_a_draft_with_other_token_texts_is_refused_at_load(dirs, tmp_path):
+    """Two tokenizers of the same size (Llama 2's and Mistral's both hold 32000 tokens) whose ids name other texts:
+    the draft's ids would mean other tokens to the target (lossless, but nearly never accepted). Refused, naming
+    the first id that differs, for HF directories and GGUF files alike; the same tokenizer in either form loads."""
+    from gguf_files import tokenizer_metadata, write_gguf
+    from tiny_models import CORPUS, make_tokenizer
+
+    target, draft = (shutil.copytree(d, tmp_path / d.name) for d in dirs[:2])  # (the module's dirs have none)
+    same = make_tokenizer(target, 300)
+    other = make_tokenizer(tmp_path / "other_tok", 300, corpus=[t[::-1] for t in CORPUS])
+    assert other.get_vocab_size() == same.get_vocab_size()
+    meta = lambda tok: {**tokenizer_metadata(tok, []), "bos": 0, "eos": 1}  # noqa: E731
+    files = {name: write_gguf(tmp_path / f"{name}.gguf", draft, tokenizer=meta(tok))
+             for name, tok in (("same", same), ("other", other))}  # fmt: skip
+    (draft / "tokenizer.json").write_text((tmp_path / "other_tok" / "tokenizer.json").read_text())
+    for d in (draft, files["other"]):
+        with pytest.raises(ValueError, match=r"draft's tokenizer .* differs from the target's .*: token \d+ is"):
+            LLM(str(target), speculative_config={"method": "draft_model", "model": str(d)}, max_model_len=64)
+    target_file = write_gguf(tmp_path / "target.gguf", target, tokenizer=meta(same))
+    with pytest.raises(ValueError, match="differs from the target's"):
+        LLM(str(target_file), speculative_config={"method": "draft_model", "model": str(draft)}, max_model_len=64)
+    (draft / "tokenizer.json").write_text((target / "tokenizer.json").read_text())
+    for t, d in ((target, files["same"]), (target_file, draft), (target_file, files["same"])):
+        LLM(str(t), speculative_config={"method": "draft_model", "model": str(d)}, max_model_len=64)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ and dtypes join the target's in the block plan; and only then is the drafter bui
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from spec_engine.drafters.ngram import NGRAM_MAX_N, NgramDrafter
 from spec_engine.drafters.suffix import SuffixDrafter
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.models import ModelConfig, load_model
+from spec_engine.models.gguf_tokenizer import token_texts
 from spec_engine.tree import StaticTree, chain
 from spec_engine.zoo.pull import resolve_model
 
@@ -123,9 +123,7 @@ def _load_draft_model(spec: dict, target_cfg: ModelConfig, target_dir: Path, dty
     if draft_model.config.vocab_size != target_cfg.vocab_size:
         raise ValueError(f"draft vocab ({draft_model.config.vocab_size}) != target vocab ({target_cfg.vocab_size}): "
                          "the draft model must share the target's tokenizer")  # fmt: skip
-    t, d = target_dir / "tokenizer.json", Path(spec["model"]) / "tokenizer.json"
-    if t.is_file() and d.is_file() and json.loads(t.read_text()).get("model") != json.loads(d.read_text()).get("model"):
-        raise ValueError(f"the draft tokenizer ({d}) differs from the target's ({t})")
+    _check_same_tokens(resolve_model(spec["model"]), target_dir)
     ids = read_draft_vocab(spec["model"], target_cfg.vocab_size, spec.get("draft_vocab_size"))
     widest = max(spec.get("tree") or [1]) if isinstance(spec.get("tree"), (list, tuple)) else 1
     if ids is not None and len(ids) < widest:  # b children drawn without replacement need b ids with q > 0
@@ -134,3 +132,18 @@ def _load_draft_model(spec: dict, target_cfg: ModelConfig, target_dir: Path, dty
     if ids is not None:
         draft_model.restrict_vocab(ids)
     return draft_model
+
+
+def _check_same_tokens(draft: str | Path, target: str | Path) -> None:
+    """ValueError where the draft's token ids name other texts than the target's (GGUF files and HF directories
+    alike; a tokenizer one of them lacks is not checked): such a draft proposes ids that mean something else to the
+    target, lossless but nearly never accepted. Ids only one of them has (a vocabulary padded further) are not
+    compared."""
+    d, t = token_texts(draft), token_texts(target)
+    if d is None or t is None:
+        return
+    diff = next((i for i, (a, b) in enumerate(zip(d, t)) if a != b), None)
+    if diff is not None:
+        raise ValueError(f"the draft's tokenizer ({draft}) differs from the target's ({target}): token {diff} is "
+                         f"{d[diff]!r} in the draft, {t[diff]!r} in the target; a draft model must share the "
+                         "target's tokenizer")  # fmt: skip

@@ -261,6 +261,29 @@ def gguf_special_tokens(path: str | Path) -> dict[str, str]:
     return out
 
 
+def token_texts(model: str | Path) -> list[str] | None:
+    """Each token id's text, from a GGUF file's ``tokenizer.ggml.tokens`` or an HF directory's ``tokenizer.json``
+    (its added tokens included); None where the model carries no tokenizer. Two models whose drafts and verifies
+    exchange token ids must agree on these, whatever their merges (which only decide how text is cut)."""
+    from tokenizers import Tokenizer
+
+    from spec_engine.models.gguf import gguf_path_or_none
+
+    if gguf_path_or_none(model) is not None:
+        return open_gguf(model).get("tokenizer.ggml.tokens")
+    path = Path(model) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)  # {text: id}
+    except Exception as e:  # tokenizers raises its own Exception subclass on bad JSON
+        raise ValueError(f"corrupt tokenizer {path}: {e}") from e
+    texts = [""] * (max(vocab.values(), default=-1) + 1)
+    for text, i in vocab.items():
+        texts[i] = text
+    return texts
+
+
 def gguf_chat_template(path: str | Path) -> str | None:
     """The file's ``tokenizer.chat_template`` (a Jinja source), or None."""
     return open_gguf(path).get("tokenizer.chat_template")
@@ -273,4 +296,5 @@ __all__ = [
     "gguf_special_tokens",
     "gguf_tokenizer",
     "sentencepiece_merges",
+    "token_texts",
 ]
