@@ -14,8 +14,8 @@ Sets (bf16, batch 1 unless said, greedy unless ``--temperature``, requests stop 
   pass's answers.
 - ``long``: a useless head (the shipped head's shapes, random weights) against plain decoding on held-out code
   prompts of 64-2000 tokens, 64 tokens each: the never-slower rule.
-- ``concurrent``: 8 chat requests in one ``generate`` call: summed throughput (suffix and hybrid engines of their
-  own with no global tree, so no repeat is served an earlier answer).
+- ``concurrent``: 8 chat requests (``--concurrent``) in one ``generate`` call: summed throughput (suffix and hybrid
+  engines of their own with no global tree, so no repeat is served an earlier answer).
 - ``lookup``: llama.cpp's model-free speculation (``llama-lookup``, an F16 copy of the same tensors) on the
   HumanEval requests, against our best HumanEval row.
 
@@ -236,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="sample the humaneval and chat sets at this temperature, each request seeded (the coupling: "
                     "every row's tokens are plain decoding's)")  # fmt: skip
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the sampled requests' top_p")
+    ap.add_argument("--concurrent", type=int, default=CONCURRENT,
+                    help=f"the concurrent set's chat requests in one generate call (1-{len(CHAT)})")  # fmt: skip
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
+    if not 1 <= args.concurrent <= len(CHAT):
+        ap.error(f"--concurrent must be in [1, {len(CHAT)}], got {args.concurrent}")
     if not (0.0 <= args.temperature <= 2.0):
         ap.error(f"--temperature must be in [0, 2], got {args.temperature}")
     if not (0.0 < args.top_p <= 1.0) or (args.top_p < 1.0 and not args.temperature):
@@ -398,10 +402,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("suffix", "hybrid"):
             spec = engines[name] | {"suffix_decoding_max_cached_requests": 0}
             llms[name + "-fresh"] = LLM(args.model, speculative_config=spec, **kw)
-        chat = [Prompt(f"chat{i}", chat_ids(plain, q)) for i, q in enumerate(CHAT[:CONCURRENT])]
+        chat = [Prompt(f"chat{i}", chat_ids(plain, q)) for i, q in enumerate(CHAT[: args.concurrent])]
         runs = timed_set("concurrent", contenders([n + "-fresh" for n in ("suffix", "hybrid")]),
-                         [(list(range(CONCURRENT)), chat)], args.max_tokens, repeats=3)  # fmt: skip
-        report("concurrent", runs, f"{CONCURRENT} chat requests in one generate call (summed tok/s, best of 3)")
+                         [(list(range(args.concurrent)), chat)], args.max_tokens, repeats=3)  # fmt: skip
+        report("concurrent", runs, f"{args.concurrent} chat requests in one generate call (summed tok/s, best of 3)")
     if "lookup" in sets:
         binary = llama_cpp.binary(args.llama_cpp, "llama-lookup")
         quantize = llama_cpp.binary(args.llama_cpp, "llama-quantize")
