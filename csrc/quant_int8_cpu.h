@@ -512,6 +512,8 @@ void int8_rows_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
 
 #endif  // SPECDEC_CPU_X86
 
+#include "quant_int8_rows_cpu.h"  // the row-wise kernel for a few x rows (decoding), and x's AVX2 quantizer
+
 // How this process multiplies int8 blocks (chosen once, under SPECDEC_CPU_ISA's cap like the float paths): VNNI where
 // AVX-512 has it (Intel from Cascade Lake, AMD Zen 4), AVX2 elsewhere (AVX-512 without VNNI too), else scalar.
 enum class Int8Path { kScalar, kAvx2, kVnni };
@@ -528,10 +530,25 @@ inline Int8Path int8_path() {
   return path;
 }
 
+// x [M, K] as int8 blocks, by the widest quantizer (they give the same bits).
+inline void quantize_int8(const float* x, int64_t ldx, int64_t M, int64_t K, Int8Rows& r) {
+#if SPECDEC_CPU_X86
+  if (int8_path() != Int8Path::kScalar) return quantize_rows_avx2(x, ldx, M, K, r);
+#endif
+  quantize_rows(x, ldx, M, K, r);
+}
+
+// Every path gives the same bits (the header's note), so the choice may depend on M without breaking batch
+// invariance: decoding's few rows take the row-wise kernel where the format has one.
 template <QuantType Q>
 void int8_rows(const Int8Args& x, int64_t n_begin, int64_t n_end) {
 #if SPECDEC_CPU_X86
-  if (int8_path() == Int8Path::kVnni) return int8_rows_vnni<Q>(x, n_begin, n_end);
+  if (int8_path() == Int8Path::kVnni) {
+    if constexpr (kRowWise<Q>) {
+      if (x.a->M <= kRowWiseRows) return int8_rowwise_vnni<Q>(x, n_begin, n_end);
+    }
+    return int8_rows_vnni<Q>(x, n_begin, n_end);
+  }
   if (int8_path() == Int8Path::kAvx2) return int8_rows_avx2<Q>(x, n_begin, n_end);
 #endif
   int8_rows_scalar<Q>(x, n_begin, n_end);
