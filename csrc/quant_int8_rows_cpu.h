@@ -1,7 +1,8 @@
 // The 8-bit activation path for a few rows of x (decoding, AVX512-VNNI): each weight row's quants are read straight
 // from its blocks, two rows to a 512-bit vector, and dotted with x's int8 block by vpdpbusd; each row's lanes are then
 // summed per 16 weights, and the epilogue of csrc/quant_int8_cpu.h runs on 16 rows at once. A section of
-// csrc/quant_linear_cpu.cpp, included after csrc/quant_int8_cpu.h (whose scales, x blocks and epilogue it shares).
+// csrc/quant_linear_cpu.cpp, included by csrc/quant_int8_cpu.h (whose scales, x blocks and epilogue it shares) before
+// its VNNI panel, which takes the K-quants' scales from the gathers below.
 //
 // Why not the panel: int8_rows_vnni transposes 16 rows' quants into VNNI's operand order once for every x row. With
 // many x rows that is paid once; with one it is most of the work (a transpose, a store and a load per quant vector,
@@ -107,7 +108,7 @@ struct Scales16 {
   __m512i sc[16];
 };
 
-// Pair i holds rows kPairRow(i) and kPairRow(i) + 4, so that lane_sums' dwords come out as rows 0-15 in order.
+// Pair i holds rows pair_row(i) and pair_row(i) + 4, so that lane_sums' dwords come out as rows 0-15 in order.
 constexpr int pair_row(int i) { return i + 4 * (i / 4); }
 
 // Row offsets for the gathers: lane r reads row r.
@@ -160,6 +161,28 @@ SPECDEC_QVNNI_INLINE void gather_k_scales(const uint8_t* p, __mmask16 live, __m5
       const __m512i g = gather16(live, offsets, p + 192 + 4 * j);
 #pragma GCC unroll 4
       for (int e = 0; e < 4; ++e) k.sc[4 * j + e] = _mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 8 * e), 24);
+    }
+  }
+}
+
+// The panel's scales of a K-quant read row-wise (Q4_K, Q5_K, Q6_K), 16 rows per gather instead of row by row.
+template <QuantType Q>
+SPECDEC_QVNNI void gather_panel_scales(const QuantArgs& a, int64_t n0, int64_t rows, Panel<16>& p) {
+  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512i offsets = row_offsets(a.row_bytes);
+  const uint8_t* const base = a.w + n0 * a.row_bytes;
+  for (int64_t sb = 0; sb < a.K / 256; ++sb) {
+    Scales16 k;
+    gather_k_scales<Q>(base + sb * kBlockBytes<Q>, live, offsets, k);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      const int64_t b = 8 * sb + s;
+      _mm512_storeu_ps(p.a.data() + b * 16, k.a[s]);
+      if constexpr (kIntMin<Q>) _mm512_storeu_ps(p.c.data() + b * 16, k.c[s]);
+      if constexpr (kGroupScales<Q>) {
+        _mm512_storeu_si512(p.sc.data() + b * 32, k.sc[2 * s]);
+        _mm512_storeu_si512(p.sc.data() + b * 32 + 16, k.sc[2 * s + 1]);
+      }
     }
   }
 }
