@@ -124,28 +124,28 @@ SPECDEC_QVNNI_INLINE __m512i gather16(__mmask16 live, __m512i offsets, const uin
 SPECDEC_QVNNI_INLINE __m512 half_low(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
 
 // The scales of 16 rows' super-block at p: int_scales' values (a = d sc and c = -(dmin mn) exact products, Q6_K's
-// signed group scales), decoded 16 rows at a time from 4-5 gathers of each row's scale bytes.
+// signed group scales), decoded 16 rows at a time from a few gathers of each row's scale bytes.
 template <QuantType Q>
 SPECDEC_QVNNI_INLINE void gather_k_scales(const uint8_t* p, __mmask16 live, __m512i offsets, Scales16& k) {
   if constexpr (Q == QuantType::kQ4_K || Q == QuantType::kQ5_K) {  // k4_scale_min's bit fields, 16 rows per lane
     const __m512i g0 = gather16(live, offsets, p), g1 = gather16(live, offsets, p + 4);
     const __m512i g2 = gather16(live, offsets, p + 8), g3 = gather16(live, offsets, p + 12);
     const __m512 d = half_low(g0), dmin = half_low(_mm512_srli_epi32(g0, 16));
-    const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3);
+    const __m512i bits6 = _mm512_set1_epi32(63), bits4 = _mm512_set1_epi32(15), bits2 = _mm512_set1_epi32(3);
     const __m512i sign = _mm512_set1_epi32(INT32_MIN);  // -(...): the sign bit flipped, as the scalar minus does
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       const int t = 8 * (s % 4);
       __m512i scale, min;
       if (s < 4) {
-        scale = _mm512_and_si512(_mm512_srli_epi32(g1, t), six);
-        min = _mm512_and_si512(_mm512_srli_epi32(g2, t), six);
+        scale = _mm512_and_si512(_mm512_srli_epi32(g1, t), bits6);
+        min = _mm512_and_si512(_mm512_srli_epi32(g2, t), bits6);
       } else {
         const __m512i low = _mm512_srli_epi32(g3, t);
-        scale = _mm512_or_si512(_mm512_and_si512(low, four),
-                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g1, t + 6), two), 4));
-        min = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(low, 4), four),
-                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g2, t + 6), two), 4));
+        scale = _mm512_or_si512(_mm512_and_si512(low, bits4),
+                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g1, t + 6), bits2), 4));
+        min = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(low, 4), bits4),
+                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g2, t + 6), bits2), 4));
       }
       k.a[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale));
       k.c[s] = _mm512_castsi512_ps(
