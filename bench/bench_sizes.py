@@ -14,8 +14,12 @@ us and llama.cpp (``llama-bench``, 2 threads):
 - ``control``: our T = 1 forward timed twice per round; its ratio is the run's noise;
 - ``rss_gib``: our process's resident memory with the model and a ``max_model_len``-token KV cache loaded.
 
+``--quant-activations float,int8`` runs our engine on a quantized file in each numeric mode (``quant_activations``),
+one model per mode, interleaved with each other and llama.cpp in every round (rows ``ours`` and ``ours int8``).
+
 Usage: python bench/bench_sizes.py --llama-cpp DIR [--shapes 1b,8b] [--types F16,Q8_0,Q4_K_M] [--dir /tmp/sizes]
-[--rounds 3] [--quick]. Writes bench/out/bench_sizes.json and prints one markdown table per file.
+[--rounds 3] [--quick] [--quant-activations float,int8]. Writes bench/out/bench_sizes.json and prints one markdown
+table per file.
 """
 
 from __future__ import annotations
@@ -134,12 +138,14 @@ def rss_gib() -> float:
     return float("nan")
 
 
-def ours(path: Path, qtype: str, rounds: int):
-    """Our engine on ``path``: samplers of ms per forward keyed like llama.cpp's, and the resident memory."""
+def ours(path: Path, qtype: str, rounds: int, activations: str = "float"):
+    """Our engine on ``path`` (quantized weights: in ``activations`` mode): samplers of ms per forward keyed like
+    llama.cpp's, and the resident memory."""
     from spec_engine.llm import LLM
 
     quant = None if qtype in FLOAT_TYPES else "gguf"
-    llm = LLM(model=str(path), dtype="bfloat16", quantization=quant, max_num_seqs=1, max_model_len=1024)
+    kw = {} if quant is None else {"quant_activations": activations}
+    llm = LLM(model=str(path), dtype="bfloat16", quantization=quant, max_num_seqs=1, max_model_len=1024, **kw)
     eng = llm.engine
     fns = {f"T{t}": forward_step(eng.target, eng.kv, 1, CTX, t) for t in WIDTHS}
     fns["prefill"] = forward_step(eng.target, eng.kv, 1, 0, PREFILL)
@@ -172,23 +178,33 @@ def theirs(llama_bench: Path, path: Path, reps: int) -> dict:
     return samplers
 
 
-def run_file(path: Path, qtype: str, llama_bench: Path | None, rounds: int) -> dict:
-    """Rounds alternating us and llama.cpp on one file; the medians, tok/s and r(T)."""
+def _who(activations: str) -> str:
+    return "ours" if activations == "float" else f"ours {activations}"
+
+
+def run_file(path: Path, qtype: str, llama_bench: Path | None, rounds: int, modes: tuple[str, ...] = ("float",)):
+    """Rounds alternating us (in each numeric mode of ``modes``; a float file: once) and llama.cpp on one file; the
+    medians, tok/s and r(T)."""
     torch.set_num_threads(THREADS)
-    llm, mine, rss = ours(path, qtype, rounds)
-    peer = theirs(llama_bench, path, REPS) if llama_bench is not None else {}
-    samples = {("ours", k): [] for k in mine} | {("llama.cpp", k): [] for k in peer}
+    if qtype in FLOAT_TYPES:
+        modes = ("float",)
+    contenders, models, rss = {}, [], float("nan")
+    for mode in modes:
+        llm, contenders[_who(mode)], rss = ours(path, qtype, rounds, mode)
+        models.append(llm)
+    if llama_bench is not None:
+        contenders["llama.cpp"] = theirs(llama_bench, path, REPS)
+    samples = {(who, k): [] for who, fns in contenders.items() for k in fns}
     for r in range(rounds):
-        for k, fn in mine.items():
-            samples[("ours", k)] += fn()
-        for k, fn in peer.items():
-            samples[("llama.cpp", k)] += fn()
+        for who, fns in contenders.items():
+            for k, fn in fns.items():
+                samples[(who, k)] += fn()
         print(f"  round {r + 1}/{rounds}", flush=True)
-    del llm
+    del llm, models
     gc.collect()
     med = {key: statistics.median(v) if v else None for key, v in samples.items()}
-    result = {"type": qtype, "file_gib": path.stat().st_size / 2**30, "rss_gib": rss}
-    for who in ("ours", "llama.cpp"):
+    result = {"type": qtype, "file_gib": path.stat().st_size / 2**30, "rss_gib": rss}  # (the last model loaded)
+    for who in contenders:
         ms = {k: med.get((who, k)) for k in [f"T{t}" for t in WIDTHS] + ["prefill", "control"]}
         if ms["T1"] is None:
             continue
@@ -198,28 +214,37 @@ def run_file(path: Path, qtype: str, llama_bench: Path | None, rounds: int) -> d
             "r": {t: ms[f"T{t}"] / ms["T1"] for t in WIDTHS},
             "ms": ms,
         }
-    if "llama.cpp" in result:
-        result["ours_over_llama_cpp"] = {
-            "decode": result["ours"]["decode_tok_s"] / result["llama.cpp"]["decode_tok_s"],
-            "prefill": result["ours"]["prefill_tok_s"] / result["llama.cpp"]["prefill_tok_s"],
-            "control": result["ours"]["ms"]["T1"] / result["ours"]["ms"]["control"],
-        }
+    for who in _ours(result):
+        if "llama.cpp" in result:
+            result[f"{who.replace(' ', '_')}_over_llama_cpp"] = {
+                "decode": result[who]["decode_tok_s"] / result["llama.cpp"]["decode_tok_s"],
+                "prefill": result[who]["prefill_tok_s"] / result["llama.cpp"]["prefill_tok_s"],
+                "control": result[who]["ms"]["T1"] / result[who]["ms"]["control"],
+            }
     return result
+
+
+def _ours(res: dict) -> list[str]:
+    """Our rows of a result: ``ours`` and ``ours <mode>``."""
+    return [k for k in res if k.startswith("ours") and not k.endswith("_over_llama_cpp")]
 
 
 def markdown(name: str, res: dict) -> str:
     rows = [f"### {name} {res['type']} ({res['file_gib']:.2f} GiB file; ours resident {res['rss_gib']:.2f} GiB)", "",
             "| | decode tok/s | prefill 512 tok/s | " + " | ".join(f"r({t})" for t in WIDTHS) + " |",
             "|---" * (3 + len(WIDTHS)) + "|"]  # fmt: skip
-    for who in ("ours", "llama.cpp"):
+    for who in [*_ours(res), "llama.cpp"]:
         if who in res:
             x = res[who]
             pre = f"{x['prefill_tok_s']:.1f}" if x["prefill_tok_s"] else "-"
             rows.append(f"| {who} | {x['decode_tok_s']:.2f} | {pre} | " + " | ".join(f"{x['r'][t]:.2f}" for t in WIDTHS)
                         + " |")  # fmt: skip
-    if "ours_over_llama_cpp" in res:
-        q = res["ours_over_llama_cpp"]
-        rows.append(f"| ours / llama.cpp | {q['decode']:.2f}x | {q['prefill']:.2f}x | control {q['control']:.3f} |")
+    for who in _ours(res):
+        q = res.get(f"{who.replace(' ', '_')}_over_llama_cpp")
+        if q is not None:
+            rows.append(
+                f"| {who} / llama.cpp | {q['decode']:.2f}x | {q['prefill']:.2f}x | control {q['control']:.3f} |"
+            )
     return "\n".join(rows)
 
 
@@ -233,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the tiny shape, F16 only, one round")
     parser.add_argument("--out", type=Path, default=Path("bench/out/bench_sizes.json"))
+    parser.add_argument("--quant-activations", default="float",
+                        help="comma-separated numeric modes of ours on quantized files: float, int8")  # fmt: skip
     args = parser.parse_args(argv)
+    modes = tuple(args.quant_activations.split(","))
+    if not modes or any(m not in ("float", "int8") for m in modes):
+        parser.error(f"--quant-activations takes float and/or int8, got {args.quant_activations!r}")
     if args.quick:
         args.shapes, args.types, args.rounds = "tiny", "F16", 1
     if args.tokenizer is None:
@@ -247,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         files = make_files(args.dir, shape, args.types.split(","), quantize, args.tokenizer)
         for qtype, path in files.items():
             print(f"== {shape} {qtype}", flush=True)
-            res = run_file(path, qtype, llama_bench, args.rounds)
+            res = run_file(path, qtype, llama_bench, args.rounds, modes)
             report["files"][f"{shape}.{qtype}"] = res
             print(markdown(shape, res), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)

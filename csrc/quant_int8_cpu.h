@@ -344,6 +344,35 @@ inline int32_t dword_at(const int8_t* p) {
   return v;
 }
 
+// The AVX2 epilogue of block b for x row m on 8 weight rows (lane i: row i), from the integer sums of each row's
+// elements 0-15 (half0) and 16-31 (half1) and the panel's scales; shared by the panel's tile and the row-wise kernel.
+template <QuantType Q>
+SPECDEC_QAVX2 inline __m256 int8_epilogue_avx2(const Int8Args& x, const Panel<8>& p, int64_t m, int64_t b,
+                                               __m256i half0, __m256i half1, __m256 acc) {
+  const QuantArgs& a = *x.a;
+  __m256i I;
+  if constexpr (kGroupScales<Q>) {
+    const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sc.data() + b * 16));
+    const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sc.data() + b * 16 + 8));
+    I = _mm256_add_epi32(_mm256_mullo_epi32(s0, half0), _mm256_mullo_epi32(s1, half1));
+  } else {
+    I = _mm256_add_epi32(half0, half1);
+  }
+  __m256 u = rounded(_mm256_mul_ps(_mm256_loadu_ps(p.a.data() + b * 8), _mm256_cvtepi32_ps(I)));
+  if constexpr (kIntMin<Q>) {
+    const int32_t* xs = x.x->xs.data() + m * (a.K / 16) + 2 * b;
+    __m256i S = _mm256_set1_epi32(xs[0] + xs[1]);
+    if constexpr (kGroupScales<Q>) {  // Q2_K's per-16 minima
+      const __m256i m0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn.data() + b * 16));
+      const __m256i m1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn.data() + b * 16 + 8));
+      S = _mm256_add_epi32(_mm256_mullo_epi32(m0, _mm256_set1_epi32(xs[0])),
+                           _mm256_mullo_epi32(m1, _mm256_set1_epi32(xs[1])));
+    }
+    u = _mm256_add_ps(u, rounded(_mm256_mul_ps(_mm256_loadu_ps(p.c.data() + b * 8), _mm256_cvtepi32_ps(S))));
+  }
+  return _mm256_add_ps(acc, rounded(_mm256_mul_ps(_mm256_set1_ps(x.x->dx[m * (a.K / 32) + b]), u)));
+}
+
 // AVX2: the signed quants times xq by maddubs on |q| and xq carrying q's sign, then madd into dword sums per row.
 template <QuantType Q>
 SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t n0, int64_t rows) {
@@ -362,32 +391,50 @@ SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t 
         const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), xs), ones);
         half[j / 4] = _mm256_add_epi32(half[j / 4], d);
       }
-      __m256i I;
-      if constexpr (kGroupScales<Q>) {
-        const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sc.data() + b * 16));
-        const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sc.data() + b * 16 + 8));
-        I = _mm256_add_epi32(_mm256_mullo_epi32(s0, half[0]), _mm256_mullo_epi32(s1, half[1]));
-      } else {
-        I = _mm256_add_epi32(half[0], half[1]);
-      }
-      __m256 u = rounded(_mm256_mul_ps(_mm256_loadu_ps(p.a.data() + b * 8), _mm256_cvtepi32_ps(I)));
-      if constexpr (kIntMin<Q>) {
-        const int32_t* xs = x.x->xs.data() + m * (a.K / 16) + 2 * b;
-        __m256i S = _mm256_set1_epi32(xs[0] + xs[1]);
-        if constexpr (kGroupScales<Q>) {  // Q2_K's per-16 minima
-          const __m256i m0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn.data() + b * 16));
-          const __m256i m1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn.data() + b * 16 + 8));
-          S = _mm256_add_epi32(_mm256_mullo_epi32(m0, _mm256_set1_epi32(xs[0])),
-                               _mm256_mullo_epi32(m1, _mm256_set1_epi32(xs[1])));
-        }
-        u = _mm256_add_ps(u, rounded(_mm256_mul_ps(_mm256_loadu_ps(p.c.data() + b * 8), _mm256_cvtepi32_ps(S))));
-      }
-      acc = _mm256_add_ps(acc, rounded(_mm256_mul_ps(_mm256_set1_ps(x.x->dx[m * blocks + b]), u)));
+      acc = int8_epilogue_avx2<Q>(x, p, m, b, half[0], half[1], acc);
     }
     alignas(32) float out[8];
     _mm256_store_ps(out, acc);
     for (int64_t i = 0; i < rows; ++i) store(a, m, n0 + i, out[i]);
   }
+}
+
+// AVX2 at M = 1 (decoding): each of 8 weight rows' quants dotted with x's block in place, one row per vector, then
+// each row's two 128-bit lanes (its halves) summed by a transpose of the 8 vectors; the panel's scales and epilogue.
+// The panel's transpose is what one x row cannot pay back (csrc/quant_int8_rows_cpu.h says more); with two x rows
+// the panel's shared decoding costs as much as this kernel's, so it stays there.
+template <QuantType Q>
+SPECDEC_QAVX2 void int8_row_avx2(const Int8Args& x, const Panel<8>& p, int64_t n0, int64_t rows) {
+  const QuantArgs& a = *x.a;
+  const uint8_t* row[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) row[i] = a.w + (n0 + std::min<int64_t>(i, rows - 1)) * a.row_bytes;  // dead: a copy
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.K / 32; ++b) {
+    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x->xq.data() + b * 32));
+    __m256i d[8], s[4], t[2];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m256i q = int_quants_avx2<Q>(row[i], b);
+      d[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xq, q)), ones);
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {  // lane sums: dword j of t[k / 2]'s lane L is vector 4 (k / 2) + j's lane L
+      s[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(d[2 * k], d[2 * k + 1]),
+                              _mm256_unpackhi_epi32(d[2 * k], d[2 * k + 1]));
+    }
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) {
+      t[k] = _mm256_add_epi32(_mm256_unpacklo_epi64(s[2 * k], s[2 * k + 1]),
+                              _mm256_unpackhi_epi64(s[2 * k], s[2 * k + 1]));
+    }
+    acc = int8_epilogue_avx2<Q>(x, p, 0, b, _mm256_permute2x128_si256(t[0], t[1], 0x20),
+                                _mm256_permute2x128_si256(t[0], t[1], 0x31), acc);
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, acc);
+  for (int64_t i = 0; i < rows; ++i) store(a, 0, n0 + i, out[i]);
 }
 
 template <QuantType Q>
@@ -396,11 +443,17 @@ void int8_rows_avx2(const Int8Args& x, int64_t n_begin, int64_t n_end) {
   p.resize(x.a->K / 32);
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 8) {
     const int64_t rows = std::min<int64_t>(8, n_end - n0);
-    fill_panel<Q, 8>(*x.a, n0, rows, false, p);
     fill_panel_scales<Q, 8>(*x.a, n0, rows, p);
-    int8_tile_avx2<Q>(x, p, n0, rows);
+    if (x.a->M == 1) {
+      int8_row_avx2<Q>(x, p, n0, rows);
+    } else {
+      fill_panel<Q, 8>(*x.a, n0, rows, false, p);
+      int8_tile_avx2<Q>(x, p, n0, rows);
+    }
   }
 }
+
+#include "quant_int8_rows_cpu.h"  // the VNNI row-wise kernel for a few x rows, its scale gathers, x's AVX2 quantizer
 
 // The 32-weight formats' d (and m) of 16 rows at once: one gather of each row's block's first 4 bytes (at M = 1 the
 // per-row conversions and stores were the panel's largest cost). The same conversion as F16C's scalar one.
@@ -488,6 +541,8 @@ void int8_rows_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
     fill_panel<Q, 16>(*x.a, n0, rows, true, p);
     if constexpr (kSubBlocks<Q> == 1) {
       gather_scales<Q>(*x.a, n0, rows, p);
+    } else if constexpr (kRowWise<Q>) {
+      gather_panel_scales<Q>(*x.a, n0, rows, p);
     } else {
       fill_panel_scales<Q, 16>(*x.a, n0, rows, p);
     }
@@ -528,10 +583,25 @@ inline Int8Path int8_path() {
   return path;
 }
 
+// x [M, K] as int8 blocks, by the widest quantizer (they give the same bits).
+inline void quantize_int8(const float* x, int64_t ldx, int64_t M, int64_t K, Int8Rows& r) {
+#if SPECDEC_CPU_X86
+  if (int8_path() != Int8Path::kScalar) return quantize_rows_avx2(x, ldx, M, K, r);
+#endif
+  quantize_rows(x, ldx, M, K, r);
+}
+
+// Every path gives the same bits (the header's note), so the choice may depend on M without breaking batch
+// invariance: decoding's few rows take the row-wise kernel where the format has one.
 template <QuantType Q>
 void int8_rows(const Int8Args& x, int64_t n_begin, int64_t n_end) {
 #if SPECDEC_CPU_X86
-  if (int8_path() == Int8Path::kVnni) return int8_rows_vnni<Q>(x, n_begin, n_end);
+  if (int8_path() == Int8Path::kVnni) {
+    if constexpr (kRowWise<Q>) {
+      if (x.a->M <= kRowWiseRows) return int8_rowwise_vnni<Q>(x, n_begin, n_end);
+    }
+    return int8_rows_vnni<Q>(x, n_begin, n_end);
+  }
   if (int8_path() == Int8Path::kAvx2) return int8_rows_avx2<Q>(x, n_begin, n_end);
 #endif
   int8_rows_scalar<Q>(x, n_begin, n_end);

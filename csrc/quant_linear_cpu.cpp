@@ -475,7 +475,7 @@ void run_rows(const T* x, const uint8_t* w, int64_t qtype, const T* bias, T* out
 #endif
   } else if (int8_activations(qtype)) {
     thread_local Int8Rows xq;  // each thread quantizes x itself: M K work against the M N K of its share
-    quantize_rows(xf, ldxf, M, K, xq);
+    quantize_int8(xf, ldxf, M, K, xq);
     const Int8Args ia{&xq, &a};
     with_qtype(qtype, [&](auto q) { int8_rows<decltype(q)::value>(ia, n_begin, n_end); });
   } else {

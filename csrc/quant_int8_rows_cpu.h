@@ -1,0 +1,367 @@
+// The 8-bit activation path for a few rows of x (decoding, AVX512-VNNI): each weight row's quants are read straight
+// from its blocks, two rows to a 512-bit vector, and dotted with x's int8 block by vpdpbusd; each row's lanes are then
+// summed per 16 weights, and the epilogue of csrc/quant_int8_cpu.h runs on 16 rows at once. A section of
+// csrc/quant_linear_cpu.cpp, included by csrc/quant_int8_cpu.h (whose scales, x blocks and epilogue it shares) before
+// its VNNI panel, which takes the K-quants' scales from the gathers below.
+//
+// Why not the panel: int8_rows_vnni transposes 16 rows' quants into VNNI's operand order once for every x row. With
+// many x rows that is paid once; with one it is most of the work (a transpose, a store and a load per quant vector,
+// against one vpdpbusd). Here a row's 32 quants meet x's 32 int8 values in place, and the per-row sums cost a few
+// shuffles per 16 rows and block.
+//
+// Why it gives the panel's bits (the spec's): a block's I and S are exact integers whatever order the products are
+// summed in, and the float epilogue is the panel's, operation for operation, one output per lane, blocks in order.
+//
+// Glossary: a *pair* is one vector holding two weight rows' 32 quants of the same block, each made an unsigned byte
+// (vpdpbusd multiplies unsigned bytes by signed ones) by adding kUnsignedOffset, taken off after as offset times the
+// x block's sum. Its 128-bit lanes hold 16 quants each: [A 0-15, A 16-31, B 0-15, B 16-31] (rows A and B), or
+// [A 0-15, B 0-15, A 16-31, B 16-31] for the nibble formats (kSplitHalves), whose byte j holds elements j and j + 16.
+#pragma once
+
+#if SPECDEC_CPU_X86
+
+// Formats read row-wise: those of llama.cpp's Q4_K_M .. Q8_0 files. Q2_K / Q3_K keep the panel at every M.
+template <QuantType Q>
+constexpr bool kRowWise = Q != QuantType::kQ2_K && Q != QuantType::kQ3_K;
+
+template <QuantType Q>
+constexpr int kUnsignedOffset = Q == QuantType::kQ8_0   ? 128
+                                : Q == QuantType::kQ4_0 ? 8
+                                : Q == QuantType::kQ5_0 ? 16
+                                : Q == QuantType::kQ6_K ? 32
+                                                        : 0;
+
+template <QuantType Q>
+constexpr bool kSplitHalves = kSubBlocks<Q> == 1 && Q != QuantType::kQ8_0;
+
+#define SPECDEC_QVNNI_INLINE SPECDEC_QVNNI __attribute__((always_inline)) inline
+
+// 32 bytes at p (the low half) and 32 at p + stride (the high half).
+SPECDEC_QVNNI_INLINE __m512i pair32(const uint8_t* p, int64_t stride) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + stride));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+template <int Shift, int Mask>
+SPECDEC_QVNNI_INLINE __m512i pair_field(const uint8_t* p, int64_t stride) {
+  const __m512i v = Shift == 0 ? pair32(p, stride) : _mm512_srli_epi16(pair32(p, stride), Shift);
+  return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(Mask)));
+}
+
+// The quants of sub-block S of the super-block at p (K-quants), or of the block at p, for the rows at p and
+// p + stride, as unsigned bytes in the pair's order (int_quants' integers plus kUnsignedOffset).
+template <QuantType Q, int S>
+SPECDEC_QVNNI_INLINE __m512i pair_quants(const uint8_t* p, int64_t stride) {
+  if constexpr (Q == QuantType::kQ8_0) {
+    return _mm512_xor_si512(pair32(p + 2, stride), _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else if constexpr (kSubBlocks<Q> == 1) {  // Q4_0, Q4_1, Q5_0, Q5_1
+    constexpr int64_t kQs = kBlockBytes<Q> - 16;
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kQs));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride + kQs));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(both), _mm256_srli_epi16(both, 4), 1);
+    __m512i q = _mm512_and_si512(v, _mm512_set1_epi8(15));
+    if constexpr (Q == QuantType::kQ5_0 || Q == QuantType::kQ5_1) {  // element i's fifth bit is bit i of qh
+      constexpr int64_t kQh = Q == QuantType::kQ5_1 ? 4 : 2;
+      uint32_t ha, hb;
+      std::memcpy(&ha, p + kQh, 4);
+      std::memcpy(&hb, p + stride + kQh, 4);
+      const __mmask64 high = (uint64_t{ha} & 0xffff) | (uint64_t{hb} & 0xffff) << 16 | uint64_t{ha >> 16} << 32 |
+                             uint64_t{hb >> 16} << 48;
+      q = _mm512_mask_add_epi8(q, high, q, _mm512_set1_epi8(16));
+    }
+    return q;
+  } else if constexpr (Q == QuantType::kQ4_K) {
+    return pair_field<4 * (S % 2), 15>(p + 16 + 32 * (S / 2), stride);
+  } else if constexpr (Q == QuantType::kQ5_K) {
+    const __m512i low = pair_field<4 * (S % 2), 15>(p + 48 + 32 * (S / 2), stride);
+    const __mmask64 high = _mm512_test_epi8_mask(pair32(p + 16, stride), _mm512_set1_epi8(static_cast<char>(1 << S)));
+    return _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(16));
+  } else {
+    static_assert(Q == QuantType::kQ6_K, "a format read row-wise");
+    const __m512i low = pair_field<4 * ((S / 2) % 2), 15>(p + 64 * (S / 4) + 32 * (S % 2), stride);
+    const __m512i high = pair_field<2 * (S % 4), 3>(p + 128 + 32 * (S / 4), stride);
+    return _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+  }
+}
+
+// 8 vectors of 16 dwords -> each 128-bit lane's sum: lane L of vector j lands in dword j % 4 of lane L of out[j / 4].
+SPECDEC_QVNNI_INLINE void lane_sums(const __m512i* d, __m512i* out) {
+  __m512i s[4];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    s[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2 * k], d[2 * k + 1]),
+                            _mm512_unpackhi_epi32(d[2 * k], d[2 * k + 1]));
+  }
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {
+    out[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(s[2 * k], s[2 * k + 1]),
+                              _mm512_unpackhi_epi64(s[2 * k], s[2 * k + 1]));
+  }
+}
+
+// The float scales a, c and (Q6_K) the group scales of 16 rows' super-block or block, [sub-block or group][row]. Dead
+// rows (past the matrix's end) read nothing and hold zeros.
+struct Scales16 {
+  __m512 a[8], c[8];
+  __m512i sc[16];
+};
+
+// Pair i holds rows pair_row(i) and pair_row(i) + 4, so that lane_sums' dwords come out as rows 0-15 in order.
+constexpr int pair_row(int i) { return i + 4 * (i / 4); }
+
+// Row offsets for the gathers: lane r reads row r.
+SPECDEC_QVNNI_INLINE __m512i row_offsets(int64_t row_bytes) {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(static_cast<int>(row_bytes)));
+}
+
+SPECDEC_QVNNI_INLINE __m512i gather16(__mmask16 live, __m512i offsets, const uint8_t* p) {
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, p, 1);
+}
+
+SPECDEC_QVNNI_INLINE __m512 half_low(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+
+// The scales of 16 rows' super-block at p: int_scales' values (a = d sc and c = -(dmin mn) exact products, Q6_K's
+// signed group scales), decoded 16 rows at a time from a few gathers of each row's scale bytes.
+template <QuantType Q>
+SPECDEC_QVNNI_INLINE void gather_k_scales(const uint8_t* p, __mmask16 live, __m512i offsets, Scales16& k) {
+  if constexpr (Q == QuantType::kQ4_K || Q == QuantType::kQ5_K) {  // k4_scale_min's bit fields, 16 rows per lane
+    const __m512i g0 = gather16(live, offsets, p), g1 = gather16(live, offsets, p + 4);
+    const __m512i g2 = gather16(live, offsets, p + 8), g3 = gather16(live, offsets, p + 12);
+    const __m512 d = half_low(g0), dmin = half_low(_mm512_srli_epi32(g0, 16));
+    const __m512i bits6 = _mm512_set1_epi32(63), bits4 = _mm512_set1_epi32(15), bits2 = _mm512_set1_epi32(3);
+    const __m512i sign = _mm512_set1_epi32(INT32_MIN);  // -(...): the sign bit flipped, as the scalar minus does
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      const int t = 8 * (s % 4);
+      __m512i scale, min;
+      if (s < 4) {
+        scale = _mm512_and_si512(_mm512_srli_epi32(g1, t), bits6);
+        min = _mm512_and_si512(_mm512_srli_epi32(g2, t), bits6);
+      } else {
+        const __m512i low = _mm512_srli_epi32(g3, t);
+        scale = _mm512_or_si512(_mm512_and_si512(low, bits4),
+                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g1, t + 6), bits2), 4));
+        min = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(low, 4), bits4),
+                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g2, t + 6), bits2), 4));
+      }
+      k.a[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale));
+      k.c[s] = _mm512_castsi512_ps(
+          _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(min))), sign));
+    }
+  } else {
+    static_assert(Q == QuantType::kQ6_K, "a format read row-wise");
+    const __m512 d = half_low(_mm512_srli_epi32(gather16(live, offsets, p + 206), 16));  // d: bytes 208-209
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) k.a[s] = d;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i g = gather16(live, offsets, p + 192 + 4 * j);
+#pragma GCC unroll 4
+      for (int e = 0; e < 4; ++e) k.sc[4 * j + e] = _mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 8 * e), 24);
+    }
+  }
+}
+
+// The panel's scales of a K-quant read row-wise (Q4_K, Q5_K, Q6_K), 16 rows per gather instead of row by row.
+template <QuantType Q>
+SPECDEC_QVNNI void gather_panel_scales(const QuantArgs& a, int64_t n0, int64_t rows, Panel<16>& p) {
+  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512i offsets = row_offsets(a.row_bytes);
+  const uint8_t* const base = a.w + n0 * a.row_bytes;
+  for (int64_t sb = 0; sb < a.K / 256; ++sb) {
+    Scales16 k;
+    gather_k_scales<Q>(base + sb * kBlockBytes<Q>, live, offsets, k);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      const int64_t b = 8 * sb + s;
+      _mm512_storeu_ps(p.a.data() + b * 16, k.a[s]);
+      if constexpr (kIntMin<Q>) _mm512_storeu_ps(p.c.data() + b * 16, k.c[s]);
+      if constexpr (kGroupScales<Q>) {
+        _mm512_storeu_si512(p.sc.data() + b * 32, k.sc[2 * s]);
+        _mm512_storeu_si512(p.sc.data() + b * 32 + 16, k.sc[2 * s + 1]);
+      }
+    }
+  }
+}
+
+// What one block step reads: the 8 pairs' row pointers (at the block or super-block) and second rows' distances.
+struct PairRows {
+  const uint8_t* p[8];
+  int64_t stride[8];
+};
+
+// One block (sub-block S of a K-quant super-block) of 16 rows times MB x rows from m0, b the block's index in the
+// row: the pairs' dots, their per-row sums, then the panel's epilogue (int8_tile_vnni) into acc.
+template <QuantType Q, int S, int MB>
+SPECDEC_QVNNI_INLINE void rows16_block(const Int8Args& x, const PairRows& pr, int64_t off, int64_t b, int64_t m0,
+                                       const Scales16& k, __m512* acc) {
+  const QuantArgs& a = *x.a;
+  __m512i q[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) q[i] = pair_quants<Q, S>(pr.p[i] + off, pr.stride[i]);
+  constexpr int kS = kSubBlocks<Q> == 1 ? 0 : S;
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; ++r) {
+    const int8_t* xq = x.x->xq.data() + (m0 + r) * a.K + b * 32;
+    __m512i xb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+    if constexpr (kSplitHalves<Q>) xb = _mm512_shuffle_i64x2(xb, xb, 0x50);  // [0-15, 0-15, 16-31, 16-31]
+    __m512i d[8], sums[2];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) d[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[i], xb);
+    lane_sums(d, sums);
+    // rows 0-15 of each half: lanes (A, B) of pairs 0-3, then of pairs 4-7
+    const __m512i h0 = _mm512_shuffle_i32x4(sums[0], sums[1], kSplitHalves<Q> ? 0x44 : 0x88);
+    const __m512i h1 = _mm512_shuffle_i32x4(sums[0], sums[1], kSplitHalves<Q> ? 0xee : 0xdd);
+    const int32_t* xs = x.x->xs.data() + (m0 + r) * (a.K / 16) + 2 * b;
+    constexpr int kOff = kUnsignedOffset<Q>;
+    __m512i I;
+    if constexpr (kGroupScales<Q>) {
+      I = _mm512_add_epi32(_mm512_mullo_epi32(k.sc[2 * kS], _mm512_sub_epi32(h0, _mm512_set1_epi32(kOff * xs[0]))),
+                           _mm512_mullo_epi32(k.sc[2 * kS + 1], _mm512_sub_epi32(h1, _mm512_set1_epi32(kOff * xs[1]))));
+    } else {
+      I = _mm512_sub_epi32(_mm512_add_epi32(h0, h1), _mm512_set1_epi32(kOff * (xs[0] + xs[1])));
+    }
+    __m512 u = rounded(_mm512_mul_ps(k.a[kS], _mm512_cvtepi32_ps(I)));
+    if constexpr (kIntMin<Q>) {
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_set1_epi32(xs[0] + xs[1]));  // S: every row-wise format's mn is 1
+      u = _mm512_add_ps(u, rounded(_mm512_mul_ps(k.c[kS], sum)));
+    }
+    acc[r] = _mm512_add_ps(acc[r], rounded(_mm512_mul_ps(_mm512_set1_ps(x.x->dx[(m0 + r) * (a.K / 32) + b]), u)));
+  }
+}
+
+// Rows n0 .. n0 + rows - 1 (rows <= 16) times x rows m0 .. m0 + MB - 1.
+template <QuantType Q, int MB>
+SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int64_t m0) {
+  const QuantArgs& a = *x.a;
+  const int64_t blocks = a.K / 32;
+  const uint8_t* const base = a.w + n0 * a.row_bytes;
+  PairRows pr;
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // a dead row reads the last live one (its lanes are never stored)
+    const int64_t r0 = std::min<int64_t>(pair_row(i), rows - 1), r1 = std::min<int64_t>(pair_row(i) + 4, rows - 1);
+    pr.p[i] = base + r0 * a.row_bytes, pr.stride[i] = (r1 - r0) * a.row_bytes;
+  }
+  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512i offsets = row_offsets(a.row_bytes);
+  // the next tile's rows (contiguous after these), pulled in at this tile's pace: 16 streams are more than the
+  // hardware prefetchers follow
+  const char* next = reinterpret_cast<const char*>(base + 16 * a.row_bytes);
+  const int64_t step = 16 * kBlockBytes<Q>;  // bytes of the next tile per block or super-block
+  const bool prefetch = rows == 16;
+  __m512 acc[MB];
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; ++r) acc[r] = _mm512_setzero_ps();
+  Scales16 k;
+  if constexpr (kSubBlocks<Q> == 1) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (prefetch) {
+        for (int64_t o = 0; o < step; o += 64) _mm_prefetch(next + b * step + o, _MM_HINT_T0);
+      }
+      const __m512i v = gather16(live, offsets, base + b * kBlockBytes<Q>);  // d (and m): gather_scales' values
+      k.a[0] = half_low(v);
+      if constexpr (kIntMin<Q>) k.c[0] = half_low(_mm512_srli_epi32(v, 16));
+      rows16_block<Q, 0, MB>(x, pr, b * kBlockBytes<Q>, b, m0, k, acc);
+    }
+  } else {
+    for (int64_t sb = 0; sb < blocks / 8; ++sb) {
+      if (prefetch) {
+        for (int64_t o = 0; o < step; o += 64) _mm_prefetch(next + sb * step + o, _MM_HINT_T0);
+      }
+      const int64_t off = sb * kBlockBytes<Q>;
+      gather_k_scales<Q>(base + off, live, offsets, k);
+      rows16_block<Q, 0, MB>(x, pr, off, 8 * sb, m0, k, acc);
+      rows16_block<Q, 1, MB>(x, pr, off, 8 * sb + 1, m0, k, acc);
+      rows16_block<Q, 2, MB>(x, pr, off, 8 * sb + 2, m0, k, acc);
+      rows16_block<Q, 3, MB>(x, pr, off, 8 * sb + 3, m0, k, acc);
+      rows16_block<Q, 4, MB>(x, pr, off, 8 * sb + 4, m0, k, acc);
+      rows16_block<Q, 5, MB>(x, pr, off, 8 * sb + 5, m0, k, acc);
+      rows16_block<Q, 6, MB>(x, pr, off, 8 * sb + 6, m0, k, acc);
+      rows16_block<Q, 7, MB>(x, pr, off, 8 * sb + 7, m0, k, acc);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; ++r) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, acc[r]);
+    for (int64_t i = 0; i < rows; ++i) store(a, m0 + r, n0 + i, out[i]);
+  }
+}
+
+// Up to this many x rows take the row-wise kernel, all in one pass over the weights; past it the panel's transpose,
+// paid once for every x row, costs less than a row's dots and sums per x row (bench/RESULTS.md).
+constexpr int64_t kRowWiseRows = 4;
+
+template <QuantType Q>
+void int8_rowwise_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, n_end - n0);
+    switch (x.a->M) {  // 1 .. kRowWiseRows
+      case 1:
+        rows16_vnni<Q, 1>(x, n0, rows, 0);
+        break;
+      case 2:
+        rows16_vnni<Q, 2>(x, n0, rows, 0);
+        break;
+      case 3:
+        rows16_vnni<Q, 3>(x, n0, rows, 0);
+        break;
+      default:
+        rows16_vnni<Q, 4>(x, n0, rows, 0);
+        break;
+    }
+  }
+}
+
+// quantize_rows with AVX2: the same operations lane by lane (a max is exact, the division and the product round
+// once, cvtps rounds half to even as nearbyint does), so the same bits. The max and clamp keep their operands in
+// std::max / std::min's order, and a NaN's quant is zeroed as the scalar cast leaves it, so even a NaN in x agrees.
+SPECDEC_QAVX2 void quantize_rows_avx2(const float* x, int64_t ldx, int64_t M, int64_t K, Int8Rows& r) {
+  r.xq.resize(static_cast<size_t>(M * K));
+  r.dx.resize(static_cast<size_t>(M * K / 32));
+  r.xs.resize(static_cast<size_t>(M * K / 16));
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* v = x + m * ldx + b * 32;
+      __m256 f[4], amax = _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        f[i] = _mm256_loadu_ps(v + 8 * i);
+        amax = _mm256_max_ps(_mm256_and_ps(f[i], magnitude), amax);
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+      const float d = _mm_cvtss_f32(h) / 127.f;
+      const __m256 inv = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+      __m256i q[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256 s = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(f[i], inv)));
+        q[i] = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(s, s, _CMP_UNORD_Q)), _mm256_cvtps_epi32(s));
+      }
+      // int32 -> int8 (no value saturates): the packs interleave 128-bit lanes, the permutation puts them back
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.xq.data() + m * K + b * 32),
+                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      r.dx[m * (K / 32) + b] = d;
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const __m256i s8 = _mm256_add_epi32(q[2 * half], q[2 * half + 1]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        r.xs[m * (K / 16) + 2 * b + half] = _mm_cvtsi128_si32(s4);
+      }
+    }
+  }
+}
+
+#undef SPECDEC_QVNNI_INLINE
+
+#endif  // SPECDEC_CPU_X86
