@@ -28,11 +28,12 @@ struct ChainDraws {
     return best;
   }
 
-  // out [V]: a level's perturbed logits z * scale + g, the floats argmax compares (a dynamic tree ranks them)
+  // out [V]: a level's perturbed logits back in the logits' units, (z * scale + g) / scale = z + t g: argmax's order,
+  // and a dynamic tree's path scores on the head's error in logit units, as a greedy row's (t to 0: its own)
   template <typename T>
   void perturb(const T* row_logits, int64_t level, float scale, int64_t V, float* out) const {
     const float* g = noise + level * V;
-    for (int64_t k = 0; k < V; ++k) out[k] = static_cast<float>(row_logits[k]) * scale + g[k];
+    for (int64_t k = 0; k < V; ++k) out[k] = (static_cast<float>(row_logits[k]) * scale + g[k]) / scale;
   }
 };
 
@@ -189,9 +190,9 @@ class HeadDraft {
   // rule of spec_engine/drafters/dynamic_tree.py's dynamic_level, mirrored bit for bit (path_scores, better): each
   // node's k best children, then the level's k best of those, best first. Below the last level, levels 1 .. d run
   // together re-rooted at slot R_b + 1 as HeadDraft::tree runs them, with each row's mask from its chosen parents.
-  // With `draws` (coupled rows), a row whose inv_temp s is > 0 scores its children on the perturbed logits
-  // z * s + g, g its level's noise (every node of level d sits at the position its children are sampled at, so one
-  // noise per level): Gumbel-top-k, and the coupled walk's path probability if the head were the target.
+  // With `draws` (coupled rows), a row whose inv_temp s = 1 / t is > 0 scores its children on its perturbed logits
+  // z + t g, g its level's noise (every node of level d sits at the position its children are sampled at, so one
+  // noise per level): a Gumbel-top-k, scored as the chance that the coupled walk takes each, were the head the target.
   void dynamic_tree(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, int64_t gamma,
                     int64_t k, int64_t* out, int64_t* parents, const ChainDraws* draws = nullptr) {
     const int64_t H = head_.hidden_size(), V = head_.vocab(), N = 1 + k * gamma;

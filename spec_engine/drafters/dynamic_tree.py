@@ -4,11 +4,13 @@
 Glossary:
     path score  a node's cumulative log-softmax of the logits its children were ranked on, along its path from the
                 root: the head's logits z on a greedy row (the path's log q); on a coupled sampled row the level's
-                perturbed logits z / t + g (``perturbed``)
-    perturbed   z / t + g_p, g_p the position-keyed coupling's noise at the position p the level's children are
-                sampled at (spec_engine/coupling.py): its argmax is the coupled draw, its top-k a Gumbel-top-k draw
-                without replacement, and its softmax, where the head stands in for the target, the chance that the
-                coupled walk takes each child given the noise it will use
+                perturbed logits (``perturbed``)
+    perturbed   z + t g_p = t (z / t + g_p), g_p the position-keyed coupling's noise at the position p the level's
+                children are sampled at (spec_engine/coupling.py): its argmax is the coupled draw, its top-k a
+                Gumbel-top-k draw without replacement, and its softmax, were the head the target up to an error of
+                the greedy rule's scale (logit units), the chance that the coupled walk takes each child given the
+                noise it will use; t to 0 gives the greedy row's rule (softmax of z / t + g, the error scaled by t,
+                ranks the same children and kept a little fewer tokens a step: docs/ENGINE.md, "Tree width")
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ def mask_level(mask: torch.Tensor, parents: torch.Tensor, level: slice, eye: tor
 
 
 def perturbed(logits: torch.Tensor, inv_temp: torch.Tensor, noise: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """A level's logits [B, n, V] with each coupled row's (``inv_temp`` [B] > 0) perturbed, z * inv_temp + g, in
+    """A level's logits [B, n, V] with each coupled row's (``inv_temp`` s [B] > 0) perturbed, (z * s + g) / s, in
     float32 as the native steps compute them; ``noise`` [B, K] the level's Gumbel noise over the draft vocabulary's
     target ids ``ids`` [K] (outside it: -inf, as the head's logits there). Other rows' logits as they are."""
     s = inv_temp[:, None, None]  # [B, 1, 1]
     g = logits.new_full((logits.shape[0], 1, logits.shape[-1]), float("-inf"))  # [B, 1, V]
     g[:, 0, ids] = noise
-    return torch.where(s > 0, logits * s + g, logits)
+    return torch.where(s > 0, (logits * s + g) / s, logits)
