@@ -27,6 +27,14 @@ struct ChainDraws {
     }
     return best;
   }
+
+  // out [V]: a level's perturbed logits back in the logits' units, (z * scale + g) / scale = z + t g: argmax's order,
+  // and a dynamic tree's path scores on the head's error in logit units, as a greedy row's (t to 0: its own)
+  template <typename T>
+  void perturb(const T* row_logits, int64_t level, float scale, int64_t V, float* out) const {
+    const float* g = noise + level * V;
+    for (int64_t k = 0; k < V; ++k) out[k] = (static_cast<float>(row_logits[k]) * scale + g[k]) / scale;
+  }
 };
 
 // An EAGLE-3 head's side of a step (and of the eagle3_draft op): its entries read the target's features from the
@@ -179,13 +187,16 @@ class HeadDraft {
   // EAGLE-2's dynamic tree from each row's root (entry last[b] of the entries just run, T per row, the first at
   // start[b]): gamma levels of k nodes, their target ids into out [B, N - 1] and their parents into parents [B, N]
   // (N = 1 + k gamma; the root's -1). Level d keeps the k best children of level d - 1's nodes by path score, the
-  // rule of spec_engine/drafters/eagle.py's dynamic_level, mirrored bit for bit (path_scores, better): each node's
-  // k best children, then the level's k best of those, best first. Below the last level, levels 1 .. d run together
-  // re-rooted at slot R_b + 1 as HeadDraft::tree runs them, with each row's mask from its chosen parents.
+  // rule of spec_engine/drafters/dynamic_tree.py's dynamic_level, mirrored bit for bit (path_scores, better): each
+  // node's k best children, then the level's k best of those, best first. Below the last level, levels 1 .. d run
+  // together re-rooted at slot R_b + 1 as HeadDraft::tree runs them, with each row's mask from its chosen parents.
+  // With `draws` (coupled rows), a row whose inv_temp s = 1 / t is > 0 scores its children on its perturbed logits
+  // z + t g, g its level's noise (every node of level d sits at the position its children are sampled at, so one
+  // noise per level): a Gumbel-top-k, scored as the chance that the coupled walk takes each, were the head the target.
   void dynamic_tree(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, int64_t gamma,
-                    int64_t k, int64_t* out, int64_t* parents) {
+                    int64_t k, int64_t* out, int64_t* parents, const ChainDraws* draws = nullptr) {
     const int64_t H = head_.hidden_size(), V = head_.vocab(), N = 1 + k * gamma;
-    path_.resize(V);
+    path_.resize(V), perturbed_.resize(V);
     score_.assign(B * N, 0.0f);  // [B, N]: the nodes' path scores
     for (int64_t b = 0; b < B; ++b) parents[b * N] = -1;
     const T* logits = tree_roots(raw, B, T_, start, last, N);  // [B, n_parent, V] with level 0's one node
@@ -193,8 +204,15 @@ class HeadDraft {
       const int64_t n_parent = d == 1 ? 1 : k, first = d == 1 ? 0 : 1 + (d - 2) * k, level = 1 + (d - 1) * k;
       for (int64_t b = 0; b < B; ++b) {
         cand_score_.clear(), cand_tok_.clear();  // [n_parent * k]: each parent's k best children, parent by parent
+        const bool coupled = draws != nullptr && draws->inv_temp[b] > 0.0f;
         for (int64_t i = 0; i < n_parent; ++i) {
-          path_scores(logits + (b * n_parent + i) * V, V, score_[b * N + first + i], path_.data());
+          const T* z = logits + (b * n_parent + i) * V;
+          if (coupled) {
+            draws->perturb(z, b * gamma + d - 1, draws->inv_temp[b], V, perturbed_.data());
+            path_scores(perturbed_.data(), V, score_[b * N + first + i], path_.data());
+          } else {
+            path_scores(z, V, score_[b * N + first + i], path_.data());
+          }
           best_children(path_.data(), V, k);
           for (int64_t c = 0; c < k; ++c) cand_score_.push_back(path_[best_[c]]), cand_tok_.push_back(best_[c]);
         }
@@ -244,9 +262,11 @@ class HeadDraft {
     start_.resize(B), last_.resize(B);
     for (int64_t b = 0; b < B; ++b) start_[b] = r.L[b] - r.catch_up_len[b] + 1, last_[b] = r.catch_up_len[b] - 1;
     const T* raw = entries(r.catch_up.data(), r.ld, B, width, start_.data());
-    if (r.tree.dynamic()) {  // (greedy rows only: spec_chain_cpu refuses sampled rows' trees)
-      dynamic_tree(raw, B, width, start_.data(), last_.data(), r.gamma, r.tree.topk, drafts, parents);
-    } else if (r.sampling.any()) {  // (chains only: spec_chain_cpu refuses sampled rows' trees)
+    if (r.tree.dynamic()) {  // (coupled rows on their level's noise, as their chains)
+      const ChainDraws draws = r.sampling.any() ? coupled_draws(r) : ChainDraws{nullptr, nullptr, nullptr};
+      dynamic_tree(raw, B, width, start_.data(), last_.data(), r.gamma, r.tree.topk, drafts, parents,
+                   draws.inv_temp != nullptr ? &draws : nullptr);
+    } else if (r.sampling.any()) {  // (chains only: spec_chain_cpu refuses sampled rows' static trees)
       const ChainDraws draws = coupled_draws(r);
       chain(raw, B, width, start_.data(), last_.data(), r.gamma, drafts, &draws);
     } else if (r.tree.is_chain()) {
@@ -271,8 +291,9 @@ class HeadDraft {
     }
   }
 
-  // The chain's draws for r's coupled rows (the regular step's _chain_noise): a sampled row's inverse temperature,
-  // and at level d the coupling's noise at its parent's position L_b + d - 1 over the draft vocabulary's target ids.
+  // The draws of r's coupled rows, a chain's or a dynamic tree's (the regular step's _chain_noise): a sampled row's
+  // inverse temperature, and at level d the coupling's noise at its parents' position L_b + d - 1 over the draft
+  // vocabulary's target ids.
   ChainDraws coupled_draws(const ChainRows& r) {
     const int64_t B = r.B, gamma = r.gamma, K = head_.vocab();
     inv_temp_.assign(B, 0.0f);
@@ -330,7 +351,8 @@ class HeadDraft {
   // sum of exp(z - max z) taken in float64 and rounded to float32 (the two sides sum in other orders with other exps,
   // which part in a double's last bits: rounded, those reach a score only where lse lies that close to a float32
   // rounding boundary); a NaN is -inf.
-  static void path_scores(const T* z, int64_t V, float base, float* out) {
+  template <typename Z>
+  static void path_scores(const Z* z, int64_t V, float base, float* out) {
     float top = -std::numeric_limits<float>::infinity();
     bool nan = false;
     for (int64_t j = 0; j < V; ++j) {
@@ -385,7 +407,7 @@ class HeadDraft {
   std::vector<float> inv_temp_, noise_;  // coupled_draws': [B] and [B, gamma, K]
   std::vector<T> feats_, prev_, normed_, nodes_, level_;
   std::vector<int64_t> start_, last_, ids_, pos_, tree_tok_, sub_tok_, sub_depth_, best_, order_;
-  std::vector<float> score_, path_, cand_score_;  // a dynamic tree's: [B, N], [V], [n_parent * k]
+  std::vector<float> score_, path_, perturbed_, cand_score_;  // a dynamic tree's: [B, N], [V], [V], [n_parent * k]
   std::vector<int64_t> cand_tok_, sub_parent_;
   std::unique_ptr<bool[]> mask_;
   int64_t mask_size_ = 0;

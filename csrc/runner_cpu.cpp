@@ -248,9 +248,10 @@ at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Nat
 // Python, a head step is dozens of small torch ops (two norms, a cat, the layer, a 49152-wide scatter of the draft
 // logits) whose dispatch cost more than the head's weights.
 // `entries` is [tokens, start, last]; `draws` [inv_temp, noise] for a sampled chain, [] for a greedy one. `topk` k >
-// 0 drafts EAGLE-2's dynamic tree instead of the chain (HeadDraft::dynamic_tree, greedy, no draws): gamma levels of k
-// nodes, the second result its tokens [B, k gamma] (nodes 1 ..), the third its parents [B, 1 + k gamma] (the root's
-// -1), as spec_chain's dynamic trees draft them.
+// 0 drafts EAGLE-2's dynamic tree instead of the chain (HeadDraft::dynamic_tree; with draws, a sampled row's children
+// ranked on its perturbed logits, the noise of level d at its parents' position): gamma levels of k nodes, the
+// second result its tokens [B, k gamma] (nodes 1 ..), the third its parents [B, 1 + k gamma] (the root's -1), as
+// spec_chain's dynamic trees draft them.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
     at::TensorList entries, const at::Tensor& feature_cache, const c10::intrusive_ptr<NativeModel>& head,
     at::Tensor kv_cache, const c10::optional<at::Tensor>& block_table, int64_t gamma, const OptTensorList& draws,
@@ -282,7 +283,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
   }
   const int64_t K = m.lm_head.size(0);                               // the draft vocabulary
   shape_of("eagle3_draft", {}, gamma, topk, K);
-  TORCH_CHECK_VALUE(topk == 0 || !noise.has_value(), "eagle3_draft: a dynamic tree (topk > 0) is greedy: no draws");
   at::Tensor out = at::empty({B, T_, H}, m.rope_table.options());         // [B, T, H]
   at::Tensor chain = at::empty({B, gamma * std::max<int64_t>(topk, 1)}, ids.options());  // [B, gamma] or [B, k gamma]
   TORCH_CHECK_VALUE(inv_temp.has_value() == noise.has_value(), "eagle3_draft: inv_temp and noise go together");
@@ -296,6 +296,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
                       "eagle3_draft: noise must be [B, gamma, K] = [", B, ", ", gamma, ", ", K, "] float32, got ",
                       noise->sizes(), " ", noise->scalar_type());
     temps = inv_temp->contiguous(), gumbel = noise->contiguous();
+  }
+  if (noise.has_value() && topk == 0) {
     logits = at::empty({B, gamma, K}, gumbel.options());  // [B, gamma, K]
   } else if (topk > 0) {
     logits = at::full({B, 1 + topk * gamma}, -1, ids.options());  // [B, 1 + k gamma]: the dynamic tree's parents
@@ -309,11 +311,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
     HeadDraft<T> draft(model, feature_cache, table, m.vocab_ids());
     const T* raw = draft.entries(ids.data_ptr<int64_t>(), T_, B, T_, S);  // [B * T, H]
     std::copy(raw, raw + B * T_ * H, out.data_ptr<T>());
+    ChainDraws draws{temps.defined() ? temps.data_ptr<float>() : nullptr,
+                     gumbel.defined() ? gumbel.data_ptr<float>() : nullptr,
+                     topk == 0 ? logits.data_ptr<float>() : nullptr};
     if (gamma > 0 && topk > 0) {
-      draft.dynamic_tree(raw, B, T_, S, R, gamma, topk, chain.data_ptr<int64_t>(), logits.data_ptr<int64_t>());
+      draft.dynamic_tree(raw, B, T_, S, R, gamma, topk, chain.data_ptr<int64_t>(), logits.data_ptr<int64_t>(),
+                         gumbel.defined() ? &draws : nullptr);
     } else if (gamma > 0) {
-      ChainDraws draws{temps.defined() ? temps.data_ptr<float>() : nullptr,
-                       gumbel.defined() ? gumbel.data_ptr<float>() : nullptr, logits.data_ptr<float>()};
       draft.chain(raw, B, T_, S, R, gamma, chain.data_ptr<int64_t>(), gumbel.defined() ? &draws : nullptr);
     }
   });
@@ -330,12 +334,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
 // (gamma levels, breadth-first as spec_engine/tree.py's StaticTree), its children the head's top tree[d] tokens
 // (HeadDraft::tree); the target runs every node (slot L_b + t, position L_b + its depth) and the accepted path's
 // K/V are compacted to L_b .. (the head's cache keeps only the root's entry, as for chains). ``topk`` k > 0 (a
-// head's, greedy rows): EAGLE-2's dynamic tree, k nodes a level (the shape tree = (k, 1, ..., 1), or empty), each
+// head's): EAGLE-2's dynamic tree, k nodes a level (the shape tree = (k, 1, ..., 1), or empty), each
 // level the k best children of the level above by path score, parents chosen per row and step
 // (HeadDraft::dynamic_tree); the target's pass, the walk and the compaction as for static trees. ``temperature`` and
 // ``noise_seeds`` [B] (optional, together): rows at a temperature > 0 are sampled through the position-keyed coupling
-// (Sampling in csrc/runner_cpu.h: the regular step's coupled rows, the same tokens), with a head's chains or none
-// (gamma 0); greedy rows are 0.
+// (Sampling in csrc/runner_cpu.h: the regular step's coupled rows, the same tokens), with a head's chains or dynamic
+// trees (each level on its parents' position's noise) or none (gamma 0); greedy rows are 0.
 // The engine's step does the same work in ~10 Python-driven op calls; here it costs its kernels (ChainRunner: no
 // ATen op inside the steps). gamma 0: plain steps, the draft idle (its catch-up grows by each emitted token), a
 // head's features still stored: the plain decoding of a head's target.
@@ -416,9 +420,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_chai
   TORCH_CHECK_VALUE(head || (rows.tree.is_chain() && topk == 0),
                     "spec_chain: a draft model drafts chains (trees: an EAGLE-3 head)");
   rows.sampling = sampling_of("spec_chain", B, sampling);
-  TORCH_CHECK_VALUE(!rows.sampling.any() || gamma == 0 || (head && rows.tree.is_chain() && topk == 0),
-                    "spec_chain: sampled rows draft an EAGLE-3 head's chains (a draft model and trees: the regular "
-                    "step)");
+  TORCH_CHECK_VALUE(!rows.sampling.any() || gamma == 0 || (head && (rows.tree.is_chain() || topk > 0)),
+                    "spec_chain: sampled rows draft an EAGLE-3 head's chains or dynamic trees (a draft model and "
+                    "static trees: the regular step)");
   for (const int64_t children : rows.tree.branching) {
     TORCH_CHECK_VALUE(children <= d.lm_head.size(0), "spec_chain: ", children, " children per node, but the draft ",
                       "vocabulary has ", d.lm_head.size(0), " tokens");

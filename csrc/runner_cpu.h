@@ -378,8 +378,8 @@ struct TreeShape {
 // temperature t_b > 0 is sampled through the position-keyed coupling (spec_engine/coupling.py): at a node at
 // position p the target emits argmax_x (z_x / t_b + g(s_b, p, x)) (rng::perturbed_argmax, verify_tree's coupled
 // sample: an exact draw from softmax(z / t_b)), and a head drafts node d with the same noise at its parent's position
-// over its draft vocabulary (HeadDraft::chain's draws, as the regular step's eagle3_draft call), so the two agree
-// where their perturbed maxima do. A row with top-k, top-p or min-p samples over the entries they keep
+// over its draft vocabulary (HeadDraft::chain's draws, as the regular step's eagle3_draft call; a dynamic tree's level
+// d its Gumbel-top-k), so the two agree where their perturbed maxima do. A row with top-k, top-p or min-p samples over the entries they keep
 // (sampling::filtered_argmax); its head drafts as an unfiltered row's does.
 struct Sampling {
   std::vector<float> temperature;  // [B]: 0 for a greedy row

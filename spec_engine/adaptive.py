@@ -200,8 +200,8 @@ class AdaptiveController:
         if self.sized:  # the largest budget, but a plain probe now and then: the rate step_pays must beat
             plain = self._plain_probe_due(bool(self.target_cost.num_observed))
             return self._commit_choice(reqs, states, [0 if plain else D] * B)
-        # a dynamic tree is greedy rows' (sampled rows draft chains, whose draft distributions their acceptance uses)
-        widths = self.widths if 0 in self.widths or all(r.params.greedy for r in reqs) else {1: self.widths[1]}
+        # a dynamic tree is greedy and coupled rows' (others draft chains, whose draft distributions they verify with)
+        widths = {w: g for w, g in self.widths.items() if w < 2 or all(r.params.greedy or r.coupled for r in reqs)}
         if not (self.target_cost.num_observed and self.draft_cost.num_observed):
             self.width = max(widths)  # the widest tree, whose measured pass bounds the chords to the untried widths
             return self._commit_choice(reqs, states, [widths[self.width]] * B)  # optimistic until costs are measured

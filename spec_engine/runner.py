@@ -7,8 +7,9 @@ what changed as one ``StepResult`` for ``Engine._apply`` to commit (``StepRunner
 - a plain chain: K plain steps in one C++ call (``plain_steps``; ``spec_chain`` at depth 0 where a head reads the
   target's features), of greedy rows and coupled sampled ones;
 - a spec chain: up to ``max_steps`` greedy speculative steps of a draft model's or an EAGLE-3 head's chains (a
-  head's static and dynamic trees too) in one C++ call (``spec_chain``); with a head's chains, coupled sampled rows too
-  (``_greedy_or_coupled``: the position-keyed coupling's tokens, as the regular step draws them);
+  head's static and dynamic trees too) in one C++ call (``spec_chain``); with a head's chains and dynamic trees,
+  coupled sampled rows too (``_greedy_or_coupled``: the position-keyed coupling's tokens, as the regular step draws
+  them);
 - the regular step (``_spec_step``): draft, the target's pass over the tree, ``verify_tree``, compaction, in
   Python-driven ops: any tree, other sampled rows, a hybrid's suffix rows, any device; where every row is greedy with a
   deterministic tree and the target runs natively, the pass, verification and compaction are one native call
@@ -93,12 +94,13 @@ class StepRunner:
         reads = drafter is not None and drafter.needs_hidden
         self.native_tree = None if reads and drafter.target_layers is None else self.native_target
         self.tree_capture = tuple(drafter.target_layers) if reads and self.native_tree is not None else ()
-        # the native calls sample coupled rows: a head's chains and its target's plain steps (spec_chain), and a
-        # target's plain steps where nothing drafts (plain_steps)
+        # the native calls sample coupled rows: a head's chains and dynamic trees (tree="auto"'s widths too: a chain
+        # and a dynamic tree) and its target's plain steps (spec_chain), and a target's plain steps where nothing
+        # drafts (plain_steps); a static tree's children are no draws of the coupling's noise
         tree = drafter.tree if drafter is not None else None
-        chains = tree is None or tree.is_chain and not tree.topk  # (a dynamic tree of one node a level is no chain)
-        self.head_chains = isinstance(self.native_draft, NativeHead) and chains
-        self.samples_natively = self.native_target is not None and (drafter is None or self.head_chains)
+        drafts = tree is None or tree.is_chain or bool(tree.topk)
+        self.head_samples = isinstance(self.native_draft, NativeHead) and drafts
+        self.samples_natively = self.native_target is not None and (drafter is None or self.head_samples)
         self.graphs: CapturedForward | None = None  # the regular step's captured target pass (use_graphs)
         self._graph_mechanism: str | None = None
 
@@ -252,7 +254,8 @@ class StepRunner:
 
     def _spec_chain_fits(self, reqs: list[Request], gammas: list[int], width: int) -> bool:
         """Whether a native call can run the rows' speculative steps: a draft model proposing chains or a native head
-        proposing chains or trees (static, dynamic), for greedy rows (a head's chains: coupled sampled rows too), at one
+        proposing chains or trees (static, dynamic), for greedy rows (a head's chains and dynamic trees: coupled
+        sampled rows too), at one
         gamma, the draft caches' lags (their catch-up: a prompt and the tokens decoded before a row's first drafted
         step, under the adaptive controller) at most a prefill chunk and within gamma of each other, and every row
         with gamma + 1 tokens of its max_tokens left (the C++ checks before each step: a call near the end of a
@@ -262,8 +265,8 @@ class StepRunner:
             return False
         if any(x != gamma for x in gammas) or self.drafter.nodes_for_gamma(gamma, width) > self.spec_chain_max_nodes:
             return False
-        if not all(r.params.greedy for r in reqs) and not (self.head_chains and _greedy_or_coupled(reqs)):
-            return False  # (sampled rows: coupled, drafted by a head's chains)
+        if not all(r.params.greedy for r in reqs) and not (self.head_samples and _greedy_or_coupled(reqs)):
+            return False  # (sampled rows: coupled, drafted by a head's chains or dynamic trees)
         lags = [self.cache_lag(r) for r in reqs]
         # (a ragged catch-up pads rows past their roots: at most gamma slots, which the step overwrites)
         tokens_left = min(r.tokens_left for r in reqs)

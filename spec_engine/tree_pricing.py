@@ -5,7 +5,8 @@ of a plan whose trees the drafter sized itself (``priced_plan``).
 Glossary:
     width k     the step's tree width under ``speculative_config["tree"] = "auto"``: 1 a chain, k > 1 EAGLE-2's
                 dynamic tree of k nodes a level (1 + k * gamma nodes at depth gamma)
-    rank        a drafted node's place among its siblings, 0 for its parent's likeliest child (spec_engine/tree.py)
+    rank        a drafted node's place among its siblings, 0 for its parent's likeliest child (spec_engine/tree.py; a
+                coupled row's by its perturbed logits: the coupled chain's draft, spec_engine/drafters/dynamic_tree.py)
     alpha       a row's chain acceptance: the chance that the likeliest child of the path's node is the target's token
     h_k         the rescue rate of width k: the chance that the level keeps the target's token though the likeliest
                 child is not it (another of the k candidates is, where the tree kept the path's node's other children)

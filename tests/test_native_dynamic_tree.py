@@ -144,17 +144,18 @@ def test_native_dynamic_trees_match_the_python_tree_path(pair, monkeypatch, dtyp
         assert all(map(torch.equal, sum(reference["caches"], []), sum(regular["caches"], [])))
 
 
-def test_seeded_rows_draft_dynamic_trees_natively_on_the_regular_step(pair, monkeypatch):
-    """Sampled rows do not take ``spec_chain``'s trees (it refuses them, as static trees): they run the regular step,
-    whose dynamic trees the native ``eagle3_draft`` drafts, the reference's drafts; the seeded tokens are plain
-    sampling's."""
+def test_seeded_rows_draft_dynamic_trees_natively(pair, monkeypatch):
+    """Seeded (coupled) rows take ``spec_chain``'s dynamic trees, and on the regular step the native ``eagle3_draft``
+    drafts the reference's trees (tests/test_coupled_trees.py: their rule); the seeded tokens are plain sampling's."""
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=s, ignore_eos=True) for s in (3, 4, 5)]
     plain = _run(_llm(pair, "float32", topk=None), params, monkeypatch)["tokens"]
     native_drafts, reference_drafts = [], []
-    native = _run(_llm(pair, "float32", topk=3), params, monkeypatch, native_drafts)
-    reference = _run(_llm(pair, "float32", topk=3), params, monkeypatch, reference_drafts, python=True)
-    assert native["tokens"] == reference["tokens"] == plain
-    assert all(p.path != SPEC_CHAIN for p in native["plans"]) and len(native_drafts) > 10
+    chained = _run(_llm(pair, "float32", topk=3), params, monkeypatch)
+    native = _run(_llm(pair, "float32", topk=3, steps=0), params, monkeypatch, native_drafts)
+    reference = _run(_llm(pair, "float32", topk=3, steps=0), params, monkeypatch, reference_drafts, python=True)
+    assert chained["tokens"] == native["tokens"] == reference["tokens"] == plain
+    assert any(p.path == SPEC_CHAIN for p in chained["plans"]) and len(native_drafts) > 10
+    assert chained["accepted"] == native["accepted"]
     assert _same_drafts(native_drafts, reference_drafts)
 
 
@@ -213,14 +214,14 @@ def test_bad_topk_arguments_raise_clear_errors(pair):
         chain(topk=2, tree=[2, 2])
     with pytest.raises(ValueError, match="a tree of at most 1024 nodes"):
         chain(gamma=128, topk=DRAFT_VOCAB)
-    with pytest.raises(ValueError, match="sampled rows draft an EAGLE-3 head's chains"):
-        chain(topk=1, temperature=torch.ones(B), noise_seeds=one)
+    with pytest.raises(ValueError, match="sampled rows draft an EAGLE-3 head's chains or dynamic trees"):
+        chain(tree=[2, 1], temperature=torch.ones(B), noise_seeds=one)
     with pytest.raises(ValueError, match="a draft model drafts chains"):
         spec_chain(target, target, torch.full((B, 1), 3), one, 4 * one, runner.kv.data, runner.kv.data, table,
                    8 * one, torch.zeros(0, dtype=torch.int64), gamma=2, max_steps=1, topk=2)  # fmt: skip
     tokens, zero = torch.full((B, 1), 3), torch.zeros(B, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"eagle3_draft: topk .* got 9"):
         eagle3_draft(head, tokens, 4 * one, zero, drafter.features, drafter.kv.data, gamma=2, block_table=table, topk=9)
-    with pytest.raises(ValueError, match="a dynamic tree .* is greedy: no draws"):
+    with pytest.raises(ValueError, match=r"noise must be \[B, gamma, K\] = \[1, 2, 8\] float32"):
         eagle3_draft(head, tokens, 4 * one, zero, drafter.features, drafter.kv.data, gamma=2, block_table=table,
-                     topk=2, inv_temp=torch.ones(B), noise=torch.zeros(B, 2, DRAFT_VOCAB))  # fmt: skip
+                     topk=2, inv_temp=torch.ones(B), noise=torch.zeros(B, 3, DRAFT_VOCAB))  # fmt: skip

@@ -33,7 +33,7 @@ ALPHA, RESCUE = 0.7, 0.4  # the simulated row: its chain acceptance, and the tre
 
 
 def request() -> SimpleNamespace:
-    return SimpleNamespace(spec_state=None, params=SimpleNamespace(max_tokens=1 << 20, greedy=True),
+    return SimpleNamespace(spec_state=None, params=SimpleNamespace(max_tokens=1 << 20, greedy=True), coupled=False,
                            output_token_ids=[], metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
 
 
@@ -198,14 +198,17 @@ def test_greedy_tokens_with_the_width_chosen_per_step_are_plain_decodings(pair, 
         assert {p.width for p in out["plans"] if p.gamma or p.path == REGULAR} == {width}
 
 
-def test_sampled_rows_draft_chains():
-    """A dynamic tree is greedy rows' (its nodes point masses): with a sampled row in the batch the controller
-    offers chains only."""
+def test_rejection_sampled_rows_draft_chains_and_coupled_rows_trees():
+    """A dynamic tree is greedy and coupled rows' (its nodes point masses, a coupled row's walked on its perturbed
+    argmax): with a rejection-sampled row in the batch the controller offers chains only; a coupled one takes trees."""
     ctl = AdaptiveController(8, lambda g: g + 1, widths=WIDTHS)
     sampled = request()
     sampled.params.greedy = False
     ctl.choose([request(), sampled])
     assert ctl.width == 1
+    sampled.coupled = True
+    ctl.choose([request(), sampled])
+    assert ctl.width == 4
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ from torch import nn
 from spec_engine.cuda_graphs import CapturedForward, captured_forward
 from spec_engine.drafters.base import Draft, StepBatch
 from spec_engine.drafters.draft_model import CATCH_UP_SLACK, DraftModelDrafter
+from spec_engine.drafters.dynamic_tree import dynamic_level, mask_level, perturbed
 from spec_engine.kv_cache import PagedKVCache
 from spec_engine.models import LlamaForCausalLM, ModelConfig
 from spec_engine.models.config import rope_inv_freq
@@ -245,36 +246,6 @@ def _linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
     return m(x) if torch.is_grad_enabled() else linear(x, m.weight, m.bias)
 
 
-def dynamic_level(logits: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """One level of EAGLE-2's dynamic tree: the k best children of a level's n nodes, best first, by path score. The
-    one rule the native steps mirror bit for bit (``HeadDraft::dynamic_tree``, csrc/head_draft_cpu.h).
-
-    A child's path score is its parent's plus its token's log q, in float32: log q = (z - max z) - lse, lse the log of
-    the sum of exp(z - max z) taken in float64 and rounded to float32 (the two sides sum in other orders with other
-    exps, which part in a double's last bits: rounded, those reach a score only where lse lies that close to a float32
-    rounding boundary); a NaN score is -inf. Ties go to the lower parent, then the lower token id: stable sorts,
-    as ``topk`` leaves the order of equals undefined.
-
-    Shapes: logits [B, n, V] float32 (the n nodes' draft logits), parent_scores [B, n]; returns (path scores, parent
-    index among the n, token id), each [B, k].
-    """
-    shifted = logits - logits.amax(-1, keepdim=True)  # [B, n, V]
-    lse = shifted.double().exp().sum(-1, keepdim=True).log().float()  # [B, n, 1]
-    scores = parent_scores[..., None] + (shifted - lse)
-    scores = scores.masked_fill(scores.isnan(), float("-inf"))
-    values, ids = scores.sort(dim=-1, descending=True, stable=True)
-    values, ids = values[..., :k].flatten(1), ids[..., :k].flatten(1)  # [B, n * k]: each node's k best children
-    best, index = values.sort(dim=-1, descending=True, stable=True)
-    best, index = best[:, :k], index[:, :k]  # [B, k]: the level's k best
-    return best, index // k, ids.gather(1, index)
-
-
-def _mask_level(mask: torch.Tensor, parents: torch.Tensor, level: slice, eye: torch.Tensor) -> None:
-    """A dynamic tree's mask [B, T, T] at one level's nodes, in place: each sees its parent's ancestors and itself."""
-    rows = torch.arange(mask.shape[0], device=mask.device)[:, None]  # [B, 1]
-    mask[:, level] = mask[rows, parents[:, level]] | eye[level]
-
-
 class EagleDrafter(DraftModelDrafter):
     """Chains and static trees from an EAGLE head, level by level as the draft model (``DraftModelDrafter``: the
     same tree shapes, children draws and verification modes), with the head's features in place of a model's own
@@ -306,8 +277,9 @@ class EagleDrafter(DraftModelDrafter):
         self.wide = dynamic_tree(max(widths), tree.depth) if widths else None
         self.max_nodes = max(self.max_nodes, self.wide.num_nodes if self.wide else 0)
         self.features = features
-        if head.layout == "eagle3":  # [K]: the draft vocabulary's target ids
-            self._draft_ids = head.d2t + torch.arange(head.draft_vocab_size, device=head.d2t.device)
+        # [K]: the draft vocabulary's target ids (an EAGLE-1/2 head drafts over the target's whole vocabulary)
+        self._draft_ids = head.d2t + torch.arange(head.draft_vocab_size, device=head.d2t.device) \
+            if head.layout == "eagle3" else torch.arange(head.vocab_size, device=self.device)  # fmt: skip
         self.target_layers = head.target_layers
         self._node_parents = to_device(self.device, self._parents.clamp(min=0))[0]  # [T_max]: node -> parent node
 
@@ -418,9 +390,10 @@ class EagleDrafter(DraftModelDrafter):
         among the k best children of each of level d - 1's k nodes (level 1: the root's k best; ``dynamic_level``).
         The shape (k nodes per level, their depths, each row's padding) is fixed and host-known; which parent each
         node hangs from is chosen on the device, and the mask follows from it there. The children are the head's most
-        likely tokens, not draws, so every row verifies them as point-mass proposals: lossless whatever tree was
-        chosen. A native head (``native``) drafts the whole tree in one ``eagle3_draft`` call, by the same rule as
-        ``_dynamic_levels``, the reference, level by level here."""
+        likely tokens (a coupled row's: on its level's perturbed logits, Gumbel-top-k, ``_tree_noise``), not draws,
+        so every row verifies them as point-mass proposals (a coupled row on its perturbed argmax): lossless whatever
+        tree was chosen. A native head (``native``) drafts the whole tree in one ``eagle3_draft`` call, by the same
+        rule as ``_dynamic_levels``, the reference, level by level here."""
         tree = self.tree_for(batch.width)
         gamma, k = max(batch.gammas), tree.topk
         T = tree.nodes(gamma)
@@ -429,11 +402,12 @@ class EagleDrafter(DraftModelDrafter):
         if self.native is not None:
             entries, start, lags = self._catch_up_entries(batch)
             _, nodes, parents = eagle3_draft(self.native, entries, start, lags, self.features, self.kv.data,
-                                             gamma=gamma, block_table=batch.block_table, topk=k)  # fmt: skip
+                                             gamma=gamma, block_table=batch.block_table, topk=k,
+                                             **self._tree_noise(batch, gamma))  # fmt: skip
             tokens = torch.cat((batch.roots[:, None], nodes), dim=1)  # [B, T]
             mask = eye.repeat(batch.size, 1, 1)  # [B, T, T]
             for level in tree.level_slices[1 : gamma + 1]:
-                _mask_level(mask, parents, level, eye)
+                mask_level(mask, parents, level, eye)
         else:
             tokens, parents, mask = self._dynamic_levels(batch, tree, gamma, depths, eye)
         pad = static_parents == PAD_NODE  # rows drafted shallower than the deepest: their extra nodes are padding
@@ -441,6 +415,15 @@ class EagleDrafter(DraftModelDrafter):
         parents = parents.masked_fill(pad, PAD_NODE)
         mask = torch.where(pad[..., None], eye, mask)
         return Draft(tokens, parents, mask, depths, None, "iid")
+
+    def _tree_noise(self, batch: StepBatch, gamma: int) -> dict:
+        """A dynamic tree's draws: the chain's (``_chain_noise``) on coupled rows, whose children are then ranked on
+        their level's perturbed logits; other rows rank the head's logits (a free draw's children are point masses
+        either way, verified as such)."""
+        if batch.coupled is None:
+            return {}
+        draws = self._chain_noise(batch, gamma)
+        return draws | {"inv_temp": torch.where(batch.coupled, draws["inv_temp"], 0.0).contiguous()}
 
     def _dynamic_levels(self, batch: StepBatch, tree: StaticTree, gamma: int, depths: torch.Tensor, eye: torch.Tensor):
         """The dynamic tree level by level (torch ops; the reference of the native ``eagle3_draft``'s): tokens and
@@ -458,13 +441,16 @@ class EagleDrafter(DraftModelDrafter):
         nodes[:, 0] = root
         logits = self.model.logits(root)[:, None]  # [B, 1, V]
         levels, k = tree.level_slices, tree.topk
+        draws = self._tree_noise(batch, gamma)
         for d in range(1, gamma + 1):
             parent_level, level = levels[d - 1], levels[d]
+            if draws:  # coupled rows: their level's perturbed logits
+                logits = perturbed(logits, draws["inv_temp"], draws["noise"][:, d - 1], self._draft_ids)
             best, parent, token = dynamic_level(logits, scores[:, parent_level], k)  # [B, k] each
             tokens[:, level] = token
             parents[:, level] = parent_level.start + parent
             scores[:, level] = best
-            _mask_level(mask, parents, level, eye)
+            mask_level(mask, parents, level, eye)
             if d == gamma:
                 break
             sub = slice(1, level.stop)  # levels 1..d, re-rooted at node 1 (the root's entry is cached at L)

@@ -232,12 +232,13 @@ def spec_chain(target: NativeModel, draft: NativeModel | NativeHead, catch_up, c
     re-decides the depth). ``tree`` (a head's):
     the static tree with ``tree[d]`` children per node at depth d (``gamma`` levels; empty: a chain), its children
     the head's most likely tokens, the accepted paths compacted in the target's cache after each step. ``topk`` k > 0
-    (a head's, greedy rows): EAGLE-2's dynamic tree of k nodes a level (``tree`` its shape (k, 1, ..., 1) or empty),
-    each level's parents chosen per row and step by path score (``spec_engine.drafters.eagle.dynamic_level``'s rule).
-    ``temperature`` float32 and ``noise_seeds`` int64 ``[B]`` (together): the rows at a temperature > 0 are sampled
-    through the position-keyed coupling (``spec_engine.coupling``: the regular step's coupled rows, the same tokens),
-    drafted by a head's chains or not at all (``gamma`` 0). ``top_k`` int64, ``top_p`` and ``min_p`` float32 ``[B]``
-    (together, with ``temperature``; 0, 1, 0: off): a sampled row's filters (``keep_threshold``, the regular step's).
+    (a head's): EAGLE-2's dynamic tree of k nodes a level (``tree`` its shape (k, 1, ..., 1) or empty), each level's
+    parents chosen per row and step by path score (``spec_engine.drafters.dynamic_tree``'s rule: a sampled row's on
+    its level's perturbed logits). ``temperature`` float32 and ``noise_seeds`` int64 ``[B]`` (together): the rows at a
+    temperature > 0 are sampled through the position-keyed coupling (``spec_engine.coupling``: the regular step's
+    coupled rows, the same tokens), drafted by a head's chains or dynamic trees or not at all (``gamma`` 0).
+    ``top_k`` int64, ``top_p`` and ``min_p`` float32 ``[B]`` (together, with ``temperature``; 0, 1, 0: off): a sampled
+    row's filters (``keep_threshold``, the regular step's).
     """
     if target.vocab_map is not None:
         raise ValueError("spec_chain: the target's vocabulary cannot be restricted (its logits decide the output)")
@@ -310,10 +311,10 @@ def eagle3_draft(
     Shapes: tokens ``[B, T]``; start, last ``[B]``; feature_cache ``[1, num_blocks, block_size, H]`` and kv_cache
     ``[1, 2, num_blocks, block_size, Hkv, D]`` on ``block_table`` ``[B, max_blocks]``. Returns (the entries' raw
     outputs ``[B, T, H]``, the stand-ins for their features; the chain ``[B, gamma]`` int64; a sampled chain's logits
-    at each level ``[B, gamma, K]`` float32, empty otherwise). ``topk`` k > 0 (greedy, no draws) drafts EAGLE-2's
-    dynamic tree instead, as ``spec_chain`` does (``spec_engine.drafters.eagle.dynamic_level``'s rule): then the
-    second result is its nodes' tokens ``[B, k * gamma]`` (nodes 1 ..) and the third their parents
-    ``[B, 1 + k * gamma]`` int64 (the root's -1).
+    at each level ``[B, gamma, K]`` float32, empty otherwise). ``topk`` k > 0 drafts EAGLE-2's dynamic tree instead,
+    as ``spec_chain`` does (``spec_engine.drafters.dynamic_tree``'s rule; with draws, a sampled row's children ranked
+    on its level's perturbed logits): then the second result is its nodes' tokens ``[B, k * gamma]`` (nodes 1 ..)
+    and the third their parents ``[B, 1 + k * gamma]`` int64 (the root's -1).
     """
     draws = [] if inv_temp is None and noise is None else [inv_temp, noise]  # eagle3_draft_cpu's draws, in its order
     return _native_ops().eagle3_draft([tokens, start, last], feature_cache, head.handle,
