@@ -50,20 +50,27 @@ def _mixed(seed: int) -> list[SamplingParams]:
 @pytest.mark.parametrize("steps", [16, 0])
 def test_seeded_rows_on_dynamic_trees_emit_plain_samplings_tokens(pair, monkeypatch, method, steps):  # noqa: F811
     """tree="auto" (the controller's own widths) and width 3 forced, native calls or regular steps: every row's tokens
-    are plain decoding's (the seeded ones plain seeded sampling's), and the native calls ran the coupled rows' trees."""
-    native = []  # per seed: whether a native call ran the trees (a hybrid's suffix rows may take a seed's steps)
+    are plain decoding's (the seeded ones plain seeded sampling's), and the native calls ran the coupled rows' trees
+    (the forced hybrid's suffix side speculates nothing there: which side drafts a row is priced on the clock)."""
+    from spec_engine.drafters.hybrid import HybridDrafter
+    from spec_engine.drafters.suffix_ref import SuffixDraft
+
+    native = []  # per seed: whether a native call ran the trees
     for seed in (1, 2, 3):
         params = _mixed(seed)
         plain = _run(LLM(pair[0], dtype="float32", max_model_len=128), params, monkeypatch)["tokens"]
         assert _run(_auto_llm(pair, method, steps), params, monkeypatch)["tokens"] == plain
         llm = _auto_llm(pair, method, steps)
         _fixed_width(llm, monkeypatch, 3)
+        if method == "hybrid":
+            monkeypatch.setattr(HybridDrafter, "_speculate", lambda self, row: SuffixDraft())
         out = _run(llm, params, monkeypatch)
         assert out["tokens"] == plain
         assert {p.width for p in out["plans"] if p.gamma or p.path == REGULAR} == {3}
         native.append(any(p.path == SPEC_CHAIN for p in out["plans"]))
         assert llm.engine.stats["num_accepted"] > 0
-    assert any(native) == bool(steps), "the native calls must have run the trees"
+        monkeypatch.undo()
+    assert native == [bool(steps)] * 3, "the native calls must have run the trees"
 
 
 def reference_level(logits: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
