@@ -86,10 +86,12 @@ def count_step_ops(llm: LLM, steps: int) -> dict:
     return row
 
 
-def _planted_read(result) -> tuple[list[list[int]], list[int]]:
-    """The meta device's stand-in for the step's one device read: the root's token again, nothing accepted."""
+def _planted_read(result, parents=None) -> tuple[list, list, list, list]:
+    """The meta device's stand-in for the step's one device read: the root's token again, nothing accepted (a tree's
+    path: its root)."""
     B, T = result.output_tokens.shape
-    return [[7] * T for _ in range(B)], [1] * B
+    trees = ([[0] * T] * B, [[-1] * T] * B) if parents is not None else ([], [])
+    return [[7] * T for _ in range(B)], [1] * B, *trees
 
 
 def _in_region(replay) -> None:

@@ -396,7 +396,9 @@ class StepRunner:
             result, features = verified
         else:
             result, features, logits = self._verify(batch, draft, sampling, processed, raw=logprobs is not None)
-        out_tokens, num_accepted = self._read_step(result)  # the step's one host sync (and logprobs' one more)
+        # the step's one host sync (and logprobs' one more); a tree's accepted path and parents ride along (its ranks)
+        trees = batch.width > 1
+        out_tokens, num_accepted, paths, parents = self._read_step(result, draft.parents if trees else None)
         lps = step_logprobs(logits, result, num_accepted, logprobs) if logprobs is not None else None
         draft_lens = [r.draft_len for r in batch.rows]
         if features is not None:  # a drafter that reads the target's features keeps every row's, drafted or not
@@ -408,10 +410,7 @@ class StepRunner:
             for b, n in zip(rows, new_lens or []):
                 draft_lens[b] = n
         self.step_times = (drafted - start, time.perf_counter() - start)
-        ranks = None
-        if batch.width > 1:  # (one more read, of trees only)
-            paths, parents = result.accepted_nodes.tolist(), draft.parents.tolist()
-            ranks = [path_ranks(p, path[:n]) for p, path, n in zip(parents, paths, num_accepted)]
+        ranks = [path_ranks(p, path[:n]) for p, path, n in zip(parents, paths, num_accepted)] if trees else None
         return out_tokens, num_accepted, draft_lens, draft.tokens.numel(), lps, ranks
 
     def _native_verify(self, batch: StepBatch, draft: Draft) -> tuple[VerifyResult, torch.Tensor | None] | None:
@@ -470,10 +469,19 @@ class StepRunner:
         return self.target.forward_features(*args, layers=drafter.target_layers)
 
     @staticmethod
-    def _read_step(result: VerifyResult) -> tuple[list[list[int]], list[int]]:
-        """The step's one device -> host read: emitted tokens [B][T] and their counts [B], in one copy."""
-        both = torch.cat([result.output_tokens, result.num_accepted[:, None]], dim=1).tolist()  # [B, T + 1]
-        return [row[:-1] for row in both], [row[-1] for row in both]
+    def _read_step(result: VerifyResult, parents: torch.Tensor | None = None) -> tuple[list, list, list, list]:
+        """The step's one device -> host read, in one copy: emitted tokens [B][T] and their counts [B]; with a tree's
+        ``parents`` [B, T] (a step the controller priced by width), its accepted nodes [B][T] and those parents
+        ([] each without)."""
+        T = result.output_tokens.shape[1]
+        parts = [result.output_tokens, result.num_accepted[:, None]]
+        if parents is not None:
+            parts += [result.accepted_nodes, parents]
+        rows = torch.cat(parts, dim=1).tolist()  # [B, T + 1 (+ 2T)]
+        tokens, counts = [r[:T] for r in rows], [r[T] for r in rows]
+        if parents is None:
+            return tokens, counts, [], []
+        return tokens, counts, [r[T + 1 : 2 * T + 1] for r in rows], [r[2 * T + 1 :] for r in rows]
 
     def block_table(self, reqs: list[Request], max_pos: int) -> torch.Tensor:
         """[B, W] int32 host rows covering positions < max_pos (padding is the scratch block)."""

@@ -27,9 +27,12 @@ V = 96
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("meta")
+    from test_eagle import write_published_head
+
     return {
         "target": make_model(root / "target", "llama_gqa", layers=2),
         "draft": make_model(root / "draft", "llama_gqa", layers=1, seed=3),
+        "head": write_published_head(root / "head", "eagle3"),
     }
 
 
@@ -40,13 +43,17 @@ class PlantedReads:
         self.calls = 0
         self.max_path = max_path  # the deepest tree's nodes + 1: a path is at most that long
 
-    def __call__(self, result):
+    def __call__(self, result, parents=None):
         assert result.output_tokens.device.type == "meta" and result.num_accepted.device.type == "meta"
         B, T = result.output_tokens.shape
         self.calls += 1
         num_accepted = [1 + (b + self.calls) % min(T, self.max_path) for b in range(B)]  # every path length
         tokens = [[(7 * b + 3 * i + self.calls) % V for i in range(T)] for b in range(B)]
-        return tokens, num_accepted
+        if parents is None:
+            return tokens, num_accepted, [], []
+        assert parents.device.type == "meta" and parents.shape == (B, T)
+        chain = [-1, *range(T - 1)]  # (planted: the first T nodes as a chain, so any path of them is one)
+        return tokens, num_accepted, [list(range(T))] * B, [chain] * B
 
 
 SPECS = {
@@ -57,14 +64,17 @@ SPECS = {
     "deterministic": {"method": "draft_model", "num_speculative_tokens": 2, "draft_sampling": "deterministic"},
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
     "adaptive": {"method": "draft_model"},
+    # EAGLE-2's dynamic trees, and the controller's width per step (a tree step's ranks ride on the one read)
+    "eagle_dynamic": {"method": "eagle", "num_speculative_tokens": 3, "tree": "dynamic", "eagle_topk": 3},
+    "eagle_auto": {"method": "eagle", "tree": "auto", "eagle_topk": 3},
 }
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_engine_steps_are_device_true(models, name, monkeypatch):
     spec = SPECS[name]
-    if spec is not None and spec["method"] == "draft_model":
-        spec = {**spec, "model": str(models["draft"])}
+    if spec is not None and spec["method"] in ("draft_model", "eagle"):
+        spec = {**spec, "model": str(models["draft" if spec["method"] == "draft_model" else "head"])}
     llm = LLM(str(models["target"]), speculative_config=spec, device="meta", max_model_len=128, prefill_chunk=16)
     engine = llm.engine
     assert all(p.device.type == "meta" for p in llm.target.parameters()) and engine.kv.data.device.type == "meta"
@@ -122,7 +132,8 @@ def test_a_device_read_in_a_meta_step_is_caught(models):
 
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-GPU_DRAFTERS = ["chain", "tree", "ngram", "suffix", "hybrid", "eagle3", "eagle3_adaptive"]
+GPU_DRAFTERS = ["chain", "tree", "ngram", "suffix", "hybrid", "eagle3", "eagle3_adaptive", "eagle3_dynamic",
+                "eagle3_auto"]  # fmt: skip
 PROCESSED = dict(logprobs=3, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, logit_bias={5: 2.0})
 GPU_PARAMS = {  # each drafter's tokens must be plain decoding's on the same device, for each of these
     "greedy": SamplingParams(max_tokens=24, ignore_eos=True),
@@ -150,6 +161,8 @@ def gpu_spec(mode: str, draft, head) -> dict:
         "hybrid": {"method": "hybrid", "model": str(draft)},
         "eagle3": {"method": "eagle", "model": str(head), "num_speculative_tokens": 3},
         "eagle3_adaptive": {"method": "eagle", "model": str(head)},
+        "eagle3_dynamic": {"method": "eagle", "model": str(head), "num_speculative_tokens": 3, "tree": "dynamic"},
+        "eagle3_auto": {"method": "eagle", "model": str(head), "tree": "auto", "eagle_topk": 3},
     }[mode]
 
 

@@ -134,6 +134,8 @@ class EagleHead(nn.Module):
     def _native_head(self) -> NativeHead | None:
         """The head as ``eagle3_draft`` takes it, or None where that op cannot run it (not on the CPU, mixed
         dtypes): its lm_head over the draft vocabulary's target ids."""
+        if not self.fc.weight.is_cpu:
+            return None  # (and its draft-to-target map stays on the device, unread)
         cfg = self.config
         embed = self.embed_tokens.weight if "embed_tokens" in self._modules else self.target._embed_weight()
         ids = self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)  # [K]: draft token -> target id
