@@ -19,6 +19,7 @@ from spec_engine.inputs import InputProcessor
 from spec_engine.kv_cache import BlockAllocator, PagedKVCache, kv_bytes_per_token, plan_num_blocks
 from spec_engine.models import load_model
 from spec_engine.models.gguf import gguf_path_or_none
+from spec_engine.models.gguf_tokenizer import load_tokenizer
 from spec_engine.request import Request
 from spec_engine.sampling import (
     SamplingParams,
@@ -58,24 +59,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token, {token: its log-probability, then the alternatives'}; None
     # for the first
     prompt_logprobs: list[dict[int, float] | None] | None = None
-
-
-def load_tokenizer(model: str | Path):
-    """The ``tokenizers.Tokenizer`` of an HF directory (its ``tokenizer.json``) or a GGUF file (built from its
-    metadata); None when the model has none."""
-    from tokenizers import Tokenizer
-
-    from spec_engine.models.gguf_tokenizer import gguf_tokenizer
-
-    if gguf_path_or_none(model) is not None:
-        return gguf_tokenizer(model)
-    path = Path(model) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises its own Exception subclass on bad JSON
-        raise ValueError(f"corrupt tokenizer {path}: {e}") from e
 
 
 def shipped_model(target_config, method: str) -> str:

@@ -261,23 +261,36 @@ def gguf_special_tokens(path: str | Path) -> dict[str, str]:
     return out
 
 
-def token_texts(model: str | Path) -> list[str] | None:
-    """Each token id's text, from a GGUF file's ``tokenizer.ggml.tokens`` or an HF directory's ``tokenizer.json``
-    (its added tokens included); None where the model carries no tokenizer. Two models whose drafts and verifies
-    exchange token ids must agree on these, whatever their merges (which only decide how text is cut)."""
+def load_tokenizer(model: str | Path):
+    """The ``tokenizers.Tokenizer`` of an HF directory (its ``tokenizer.json``) or a GGUF file (built from its
+    metadata); None when the model has none."""
     from tokenizers import Tokenizer
 
     from spec_engine.models.gguf import gguf_path_or_none
 
     if gguf_path_or_none(model) is not None:
-        return open_gguf(model).get("tokenizer.ggml.tokens")
+        return gguf_tokenizer(model)
     path = Path(model) / "tokenizer.json"
     if not path.is_file():
         return None
     try:
-        vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)  # {text: id}
+        return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises its own Exception subclass on bad JSON
         raise ValueError(f"corrupt tokenizer {path}: {e}") from e
+
+
+def token_texts(model: str | Path) -> list[str] | None:
+    """Each token id's text, from a GGUF file's ``tokenizer.ggml.tokens`` (no tokenizer built) or an HF directory's
+    tokenizer (its added tokens included); None where the model carries no tokenizer. Two models whose drafts and
+    verifies exchange token ids must agree on these, whatever their merges (which only decide how text is cut)."""
+    from spec_engine.models.gguf import gguf_path_or_none
+
+    if gguf_path_or_none(model) is not None:
+        return open_gguf(model).get("tokenizer.ggml.tokens")
+    tok = load_tokenizer(model)
+    if tok is None:
+        return None
+    vocab = tok.get_vocab(with_added_tokens=True)  # {text: id}
     texts = [""] * (max(vocab.values(), default=-1) + 1)
     for text, i in vocab.items():
         texts[i] = text
@@ -295,6 +308,7 @@ __all__ = [
     "gguf_chat_template",
     "gguf_special_tokens",
     "gguf_tokenizer",
+    "load_tokenizer",
     "sentencepiece_merges",
     "token_texts",
 ]
