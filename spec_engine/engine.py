@@ -9,10 +9,9 @@ Each ``Engine.step()``:
    ``StepResult`` that ``_apply`` commits (tokens, lengths, metrics, the adaptive controller's evidence);
 4. finished requests retire at once, returning their blocks.
 
-A request's own state and its per-slot rows live in spec_engine/request.py.
-
-A request's prompt is prefilled except its last token, which becomes the first root: the first speculative step
-then produces the first output tokens, so prefill needs no logits and no sampling path of its own.
+A request's own state and its per-slot rows live in spec_engine/request.py. Its prompt is prefilled except its last
+token, which becomes the first root: the first speculative step then produces the first output tokens, so prefill
+needs no logits and no sampling path of its own.
 """
 
 from __future__ import annotations
@@ -124,21 +123,19 @@ class Engine:
         self.rows = RequestRows(max_num_seqs, allocator.blocks_for(max_model_len + self.max_tree_nodes()))
         self.limits = RequestLimits(self.vocab_size, max_model_len, self.eos_token_ids, grammars=grammars,
                                     reads_text=detokenize is not None, fits=self._fits_in_cache)  # fmt: skip
-        self._ids = itertools.count()
-        self._keys = itertools.count()
+        self._ids, self._keys = itertools.count(), itertools.count()
         # num_regular_steps: decode steps taken by the regular (Python) step, not a native call; num_retried_steps:
         # steps whose rows raised together and ran again one by one (Engine._isolated: an engine bug where none fails)
         self.stats = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "num_generated": 0, "num_errors": 0,
                       "num_regular_steps": 0, "num_cached_tokens": 0, "num_retried_steps": 0,
                       "num_preemptions": 0}  # fmt: skip
-        deepest = max(self.gamma, drafter.max_gamma if drafter is not None else 0)  # (a hybrid's suffix rows)
-        self.deepest = deepest
+        self.deepest = deepest = max(self.gamma, drafter.max_gamma if drafter is not None else 0)  # (suffix rows)
         self.accepted_hist = [0] * (deepest + 1)
         self.gamma_history: deque[int] = deque(maxlen=GAMMA_HISTORY_LEN)  # per decode step: the deepest row's depth
         self.gamma_hist = [0] * (deepest + 1)  # [gamma] = rows drafted at depth gamma, over all steps
         self.threads = ThreadTuner() if self.device.type == "cpu" else None  # CPU threads per decode step
         self._step_count = 1  # steps the current decode call ran (a native chain runs several)
-        self._step_kind: tuple[int, bool] = (0, False)  # its depth, and whether a draft caught up: the tuner's kind
+        self._step_kind: tuple = (0, 0, 1, False)  # the tuner's kind of the current decode call (see _decode)
         # the current decode call runs on the thread count the tuner probes, not the one it chose: its costs price
         # neither (a probe is one call, up to 16 native steps on the other count: they filled the controller's price
         # table for their width and kept that depth mispriced for the rest of a run; bench/RESULTS.md)
@@ -358,8 +355,11 @@ class Engine:
         gammas = self.choose_gammas(reqs)
         drafts = self._draft_plan(reqs, gammas)
         gammas, suffix_rows = drafts.gammas, drafts.suffix_rows
-        # the step's shape for the thread tuner: costs compare within a depth, a prompt's catch-up apart
-        self._step_kind = (max(gammas), any(gamma and self._cache_lag(r) > 1 for r, gamma in zip(reqs, gammas)))
+        # the step's shape for the thread tuner, whose costs compare within one: its depth, tree width (tree="auto"
+        # runs chains and trees of one depth), suffix trees' size to a power of two, and whether a prompt caught up
+        lag = any(gamma and self._cache_lag(r) > 1 for r, gamma in zip(reqs, gammas))
+        width = self.controller.width if self.controller is not None else 0
+        self._step_kind = (max(gammas), width, max(drafts.nodes or [1]).bit_length(), lag)
         # steps per native call: none while a request waits for a slot (it is admitted at the next step). A plain
         # call runs a full chain; the controller's plain probe between drafted steps as many as measure the rate
         # drafting must beat (AdaptiveController.plain_probe_steps: a full chain on a small model, a few steps on a
@@ -379,7 +379,7 @@ class Engine:
         logprobs = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
         plan = self.runner.plan(reqs, gammas, suffix_rows, max_steps=max_steps, full_steps=full_steps,
                                 stop_on_reject=unsure, native_verify=cfg.native_tree_step, logprobs=logprobs,
-                                width=self.controller.width if self.controller is not None else 0)  # fmt: skip
+                                width=width)  # fmt: skip
         result = self.runner.run(reqs, plan, gammas, suffix_rows, self._stop_tensor(reqs))
         self.plan_history.append(replace(result.plan, steps_ran=len(result.gammas)))
         if result.plan.path == REGULAR:

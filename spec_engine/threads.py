@@ -50,12 +50,13 @@ class ThreadTuner:
     """Chooses "many" or "one" CPU threads for decode steps by paired probes (see the module doc). It reads no
     clock: the engine times each decode step and feeds ``after_step(seconds, kind, steps)``; tests feed costs.
 
-    ``kind`` names the step's shape (the engine's: its depth, and whether a draft caught up on a prompt). Costs are
-    compared within a kind only: under the adaptive controller a depth-7 step costs far more than a depth-1 step,
-    and windows mixing them read a run of deep steps as cores turning busy and a probe's shallow steps as one thread
-    winning (2 runs in 6 then decoded on one thread, slower than plain decoding for the whole run: bench/RESULTS-log.md,
-    "Adaptive steps, draft vocabulary" and "Figures moved from code comments (2026-11-26)"). A probe whose steps share
-    no kind with the current choice's recent steps decides nothing and is retried soon (``_decide``)."""
+    ``kind`` names the step's shape (the engine's: its depth, its tree's width and size, and whether a draft caught up
+    on a prompt). Costs are compared within a kind only: under the adaptive controller a depth-7 step costs far more
+    than a depth-1 step, and windows mixing them read a run of deep steps as cores turning busy and a probe's shallow
+    steps as one thread winning (2 runs in 6 then decoded on one thread, slower than plain decoding for the whole
+    run: bench/RESULTS-log.md, "Adaptive steps, draft vocabulary" and "Figures moved from code comments
+    (2026-11-26)"); so do a chain and a tree of one depth (tree="auto"). A probe whose steps share no kind with the
+    current choice's recent steps decides nothing and is retried soon (``_decide``)."""
 
     def __init__(self) -> None:
         self.single = False  # the current choice

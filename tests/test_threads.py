@@ -139,7 +139,7 @@ def test_a_probes_native_calls_run_its_first_steps_then_the_rest(target, monkeyp
     llm = LLM(str(target))
     tuner = llm.engine.threads
     tuner.probing, tuner.interval = PROBE_STEPS, 10**9  # a probe starts now; no other comes
-    tuner.times = {False: {(0, False): [1.0] * PROBE_STEPS}, True: {}}  # the probe is never slower: it runs whole
+    tuner.times = {False: {(0, 0, 1, False): [1.0] * PROBE_STEPS}, True: {}}  # the probe is never slower: it runs whole
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
     lengths = [p.steps for p in llm.engine.plan_history if p.path == PLAIN_CHAIN]

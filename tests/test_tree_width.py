@@ -234,3 +234,27 @@ def test_tree_auto_needs_an_eagle_head_not_a_draft_model(pair, tmp_path):  # noq
         parse_speculative_config({"method": "hybrid", "model": target, "tree": "auto"})
     parsed = parse_speculative_config({"method": "eagle", "model": pair[1], "tree": "auto", "eagle_topk": 3})
     assert parsed["widths"] == {1: 4, 3: 8} and parsed["num_speculative_tokens"] == 8
+
+
+def test_the_thread_tuner_compares_a_chain_and_a_tree_of_one_depth_apart(pair, monkeypatch):  # noqa: F811
+    """tree='auto' runs chains and dynamic trees of one depth; a tree verifies 3x the tokens, so the thread tuner's
+    windows must keep them apart: mixed, a probe's chain steps on one thread beat the other choice's tree steps and
+    the engine decoded most of a run on one thread. Steps of width 1 and width 3 at depth 3 come with two kinds."""
+    import torch
+
+    torch.set_num_threads(2)
+    llm = _auto_llm(pair)
+    ctl, tuner, kinds = llm.engine.controller, llm.engine.threads, {}
+    widths = iter([1, 3] * 100)
+
+    def choose(reqs):
+        ctl.width = next(widths)
+        return [3] * len(reqs)
+
+    def after_step(seconds, kind=None, steps=1):
+        kinds.setdefault(ctl.width, set()).add(kind)
+
+    monkeypatch.setattr(ctl, "choose", choose)
+    monkeypatch.setattr(tuner, "after_step", after_step)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert kinds.keys() == {1, 3} and not kinds[1] & kinds[3], kinds
