@@ -40,6 +40,7 @@ void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& cache_seqlens, co
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 std::tuple<std::string, double> linear_path(bool bf16, int64_t k);
+std::string quant_int8_path();
 at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
                             const c10::optional<at::Tensor>& bias);
 at::Tensor quant_linear_meta(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
@@ -195,6 +196,7 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("linear_path(bool bf16, int k) -> (str, float)", &specdec::linear_path);  // no tensors: one kernel
   m.def("quant_linear(Tensor x, Tensor weight, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("quant_int8_path() -> str", &specdec::quant_int8_path);  // no tensors: how int8 blocks multiply here
   m.def(
       "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!) kv_cache, Tensor?[] inputs, "
       "int num_heads, float eps, int[] capture=[]) -> (Tensor, Tensor)");  // inputs: csrc/decoder_layers_cpu.cpp

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -616,6 +617,11 @@ at::Tensor quant_linear_meta(const at::Tensor& x, const at::Tensor& weight, int6
                              const c10::optional<at::Tensor>& bias) {
   check_inputs(x, weight, qtype, bias);
   return at::empty(out_shape(x, weight), x.options());
+}
+
+std::string quant_int8_path() {
+  const Int8Path path = int8_path();
+  return path == Int8Path::kVnni ? "vnni" : path == Int8Path::kAvx2 ? "avx2" : "scalar";
 }
 
 }  // namespace specdec

@@ -152,13 +152,14 @@ class LLM:
         (its forward broadcasts from the host).
     quantization : None, or ``"gguf"`` (vLLM's name): keep a GGUF file's quantized matrices (Q8_0, Q4_0, Q4_1, Q5_0,
         Q5_1, Q2_K-Q6_K) as stored and multiply them with the native CPU kernels (``spec_kernels.quant_linear``);
-        norms and activations in ``dtype``. Greedy output in float32 is that of the same file dequantized at load.
-        ValueError for a model that is not a GGUF file; on a non-CPU device the weights are dequantized at load,
-        with a warning.
-    quant_activations : how quantized weights multiply (``quantization="gguf"`` only): ``"float"`` (None, the default:
-        float32 products, the dequantized model's logits) or ``"int8"`` (llama.cpp's way: activations quantized
-        to int8 per 32 weights, integer dot products; faster at verify widths, logits near the float path's).
-        Speculation stays lossless in either mode. ValueError for another value.
+        norms and activations in ``dtype``. Greedy output in float32 with ``quant_activations="float"`` is that of the
+        same file dequantized at load. ValueError for a model that is not a GGUF file; on a non-CPU device the
+        weights are dequantized at load, with a warning.
+    quant_activations : how quantized weights multiply (``quantization="gguf"`` only): ``"float"`` (float32 products,
+        the dequantized model's logits) or ``"int8"`` (llama.cpp's way: activations quantized to int8 per 32
+        weights, integer dot products; logits near the float path's). None: int8 where the CPU has AVX512-VNNI,
+        float elsewhere (``spec_engine.models.loader.default_quant_activations``, by measurement). Speculation stays
+        lossless in either mode. ValueError for another value.
     """
 
     def __init__(

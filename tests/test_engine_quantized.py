@@ -48,7 +48,7 @@ def _tokens(llm: LLM, max_tokens: int = 24) -> list[list[int]]:
 @pytest.mark.parametrize("name", list(FILES))
 def test_float32_is_the_dequantized_model(gguf_files, name):
     """Same greedy tokens as the file dequantized at load, and the same logits bit for bit (float32)."""
-    quant = LLM(str(gguf_files[name]), dtype="float32", quantization="gguf")
+    quant = LLM(str(gguf_files[name]), dtype="float32", quantization="gguf", quant_activations="float")
     dense = LLM(str(gguf_files[name]), dtype="float32")
     model = quant.target
     fields = model.layer_weights
@@ -101,6 +101,27 @@ def test_errors(tied_llama_dir, gguf_files):
     model = load_model(gguf_files["Q8_0"], quantization="gguf")
     with pytest.raises(NotImplementedError, match="quantization"):
         model.forward_train(torch.tensor([[1, 2, 3]]))
+
+
+def test_the_default_numeric_mode_is_int8_where_the_cpu_has_vnni(gguf_files):
+    """quant_activations=None: 8-bit activations where int8 blocks multiply on AVX512-VNNI, float elsewhere (on AVX2
+    they decoded slower than float: bench/RESULTS.md); the same choice in a process whose kernels are capped at AVX2
+    (SPECDEC_CPU_ISA, as on a CPU without AVX-512) is float."""
+    import os
+    import subprocess
+    import sys
+
+    from spec_engine.models.loader import default_quant_activations
+    from spec_kernels.quant_linear import int8_path
+
+    expected = "int8" if int8_path() == "vnni" else "float"
+    assert default_quant_activations() == expected
+    model = load_model(gguf_files["Q8_0"], quantization="gguf")
+    assert {w.activations for w in model.quantized.values()} == {expected}
+    code = "from spec_engine.models.loader import default_quant_activations as d; print(d())"
+    env = {**os.environ, "SPECDEC_CPU_ISA": "avx2"}
+    capped = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert capped.stdout.split()[-1] == "float"
 
 
 def model_cache(model, length: int = 64) -> torch.Tensor:

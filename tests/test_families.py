@@ -152,7 +152,7 @@ def test_quantized_blocks_kept(family_dirs, tmp_path, family):
     cfg, raw = read_gguf_raw(path)
     q = raw["model.layers.0.self_attn.q_proj.weight"]
     assert q.type_name == "Q8_0" and q.shape == (cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
-    quant, dense = load_model(path, quantization="gguf"), load_model(path)
+    quant, dense = load_model(path, quantization="gguf", quant_activations="float"), load_model(path)
     quant.fuse(max_positions=64)
     assert isinstance(quant.layer_weights[1], QuantizedWeight) and isinstance(quant.layer_weights[5], QuantizedWeight)
     with torch.no_grad():

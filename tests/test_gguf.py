@@ -227,7 +227,7 @@ def test_kquant_file_runs_as_stored(kquant_file):
     """quantization="gguf" keeps the K-quant blocks and, in float32, gives the greedy tokens and logits of the same
     file dequantized at load, bit for bit (the kernel is linear on the dequantized weights)."""
     prompts = [{"prompt_token_ids": [5, 9, 13, 5, 9, 13, 5, 9]}, {"prompt_token_ids": [40, 41, 42, 7, 7, 7, 7]}]
-    quant = LLM(str(kquant_file), dtype="float32", quantization="gguf")
+    quant = LLM(str(kquant_file), dtype="float32", quantization="gguf", quant_activations="float")
     dense = LLM(str(kquant_file), dtype="float32")
     kept = {n: b.qtype for n, b in quant.target.quantized.items()}
     assert kept == KQUANT_MIX

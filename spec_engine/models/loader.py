@@ -32,8 +32,15 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 QUANTIZATIONS = ("gguf",)  # LLM(quantization=...): vLLM's name for a GGUF file's weights kept as stored
-# LLM(quant_activations=...)'s default: the float path (measured in bench/RESULTS.md, "8-bit activations")
-DEFAULT_QUANT_ACTIVATIONS = "float"
+
+
+def default_quant_activations() -> str:
+    """LLM(quant_activations=...)'s default: "int8" where this CPU multiplies int8 blocks with AVX512-VNNI, "float"
+    elsewhere. With VNNI, 8-bit activations (llama.cpp's numerics) decoded a 1B Q4_K_M file at 1.5x the float path
+    and prefilled it at 3x; on AVX2 they decoded at 0.8x float (bench/RESULTS.md, "8-bit activations")."""
+    from spec_kernels.quant_linear import int8_path
+
+    return "int8" if int8_path() == "vnni" else "float"
 
 
 def load_model(
@@ -47,7 +54,7 @@ def load_model(
     """Build the model from an HF directory (``config.json`` + safetensors) or a GGUF file (``*.gguf``, weights
     dequantized to ``dtype``), checking every name and shape. ``quantization="gguf"`` keeps a GGUF file's quantized
     matrices as stored (``load_gguf_quantized``), multiplied in the numeric mode ``quant_activations``
-    (``spec_kernels.types.QUANT_ACTIVATIONS``: "float" or "int8"; None: ``DEFAULT_QUANT_ACTIVATIONS``)."""
+    (``spec_kernels.types.QUANT_ACTIVATIONS``: "float" or "int8"; None: ``default_quant_activations()``)."""
     from spec_engine.models.gguf import gguf_path_or_none, read_gguf
 
     gguf_file = gguf_path_or_none(model)
@@ -63,7 +70,7 @@ def load_model(
                 f"quantization='gguf' keeps a GGUF file's quantized weights, but {model} is not a GGUF file; "
                 "leave quantization unset for HF checkpoints"
             )
-        activations = check_activations(quant_activations or DEFAULT_QUANT_ACTIVATIONS)
+        activations = check_activations(quant_activations or default_quant_activations())
         return load_gguf_quantized(gguf_file, dtype=dtype, device=device, activations=activations)
     if gguf_file is not None:
         cfg, state = read_gguf(gguf_file, dtype)

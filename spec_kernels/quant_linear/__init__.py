@@ -35,7 +35,7 @@ from spec_kernels.types import (
     quant_type_name,
 )
 
-__all__ = ["QuantizedWeight", "quant_linear", "quant_linear_ref", "quant_type_name"]
+__all__ = ["QuantizedWeight", "int8_path", "quant_linear", "quant_linear_ref", "quant_type_name"]
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -59,6 +59,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, qtype: str, bias: torch.Tensor
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"quant_linear: bias must be [N] with N = {weight.shape[0]}, got {tuple(bias.shape)}")
+
+
+def int8_path() -> str:
+    """How this process multiplies int8 blocks (``activations="int8"``; chosen once, under ``SPECDEC_CPU_ISA``'s cap):
+    ``"vnni"`` (AVX512-VNNI), ``"avx2"`` or ``"scalar"``. Builds the extension on first use."""
+    from spec_kernels._ext import load_ext
+
+    load_ext()
+    return torch.ops.spec_kernels.quant_int8_path()
 
 
 def quant_linear(
