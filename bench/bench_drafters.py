@@ -379,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         groups = [([i], [p]) for i, p in enumerate(edits)]
         for name in ("edit", "second"):
             if name in sets:
-                report(name, timed_set(name, contenders([n for n in ("suffix", "hybrid") if n in every]), groups,
-                                       args.edit_max_tokens),
+                rows = [n for n in ("suffix", "hybrid", "control") if n in every]
+                report(name, timed_set(name, contenders(rows), groups, args.edit_max_tokens),
                        f"code edits ({'second pass, ' if name == 'second' else ''}{len(edits)} requests, "
                        f"<= {args.edit_max_tokens} tokens)")  # fmt: skip
     if "long" in sets:
