@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     # every timed request a first one: a cached prompt (prefix caching) would skip the processing it pays (the edits
     # served again, the concurrent set's repeats)
     kw = dict(dtype="bfloat16", max_model_len=4096, kv_cache_memory=512 << 20, enable_prefix_caching=False)
-    # the control loads first and plain decoding last: a process's first engine decoded 1.15x slower than the same
-    # weights loaded later (bench/RESULTS.md, "A process's first engine"), and every contender is a later one
+    # the control loads first and plain decoding last: a process's first engine decoded slower than the same weights
+    # loaded later (bench/RESULTS.md, "A process's first engine"), and every contender is a later one
     first = LLM(args.model, **kw)
     eagle = {"method": "eagle"} | ({"model": args.head} if args.head else {})
     engines = {"eagle-auto": eagle, **{f"eagle-g{g}": eagle | {"num_speculative_tokens": g} for g in CHAINS},

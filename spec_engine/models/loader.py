@@ -36,8 +36,8 @@ QUANTIZATIONS = ("gguf",)  # LLM(quantization=...): vLLM's name for a GGUF file'
 
 def default_quant_activations() -> str:
     """LLM(quant_activations=...)'s default: "int8" where this CPU multiplies int8 blocks with AVX512-VNNI, "float"
-    elsewhere. With VNNI, 8-bit activations (llama.cpp's numerics) decoded a 1B Q4_K_M file at 1.5x the float path
-    and prefilled it at 3x; on AVX2 they decoded at 0.8x float (bench/RESULTS.md, "8-bit activations")."""
+    elsewhere: with VNNI, 8-bit activations (llama.cpp's numerics) decoded and prefilled faster than the float path;
+    capped at AVX2 they decoded slower (bench/RESULTS.md, "8-bit activations")."""
     from spec_kernels.quant_linear import int8_path
 
     return "int8" if int8_path() == "vnni" else "float"
