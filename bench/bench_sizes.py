@@ -9,7 +9,7 @@ us and llama.cpp (``llama-bench``, 2 threads):
 - ``decode``: plain greedy decoding tok/s after a ``CTX``-token context (ours: one engine forward + logits per token
   on the paged cache, ``bench.harness.forward_step`` at T = 1; llama.cpp: ``tg`` at depth ``CTX``);
 - ``prefill``: a 512-token prompt's forward, tok/s (``pp512``);
-- ``r(T)``: a T-token forward over the ``CTX``-token context over a 1-token one, T = 1, 2, 4, 8, 16 (llama.cpp: ``pp
+- ``r(T)``: a T-token forward over the ``CTX``-token context over a 1-token one, T = 1, 2, 4, 5, 8, 16 (llama.cpp: ``pp
   T`` at depth ``CTX``, one ubatch);
 - ``control``: our T = 1 forward timed twice per round; its ratio is the run's noise;
 - ``rss_gib``: our process's resident memory with the model and a ``max_model_len``-token KV cache loaded.
@@ -47,7 +47,7 @@ SHAPES = {
     "8b": dict(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, tied=False),
     "tiny": dict(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, tied=True),  # the script's own check (--quick)
 }
-WIDTHS = (1, 2, 4, 8, 16)
+WIDTHS = (1, 2, 4, 5, 8, 16)
 CTX = 256
 REPS = 3  # timed calls of ours per width and round, after one untimed (llama-bench warms up and repeats likewise)
 PREFILL = 512

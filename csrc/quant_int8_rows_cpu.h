@@ -233,9 +233,36 @@ SPECDEC_QVNNI_INLINE void rows16_block(const Int8Args& x, const PairRows& pr, in
   }
 }
 
-// Rows n0 .. n0 + rows - 1 (rows <= 16) times x rows m0 .. m0 + MB - 1.
+// How far ahead of its reads a tile prefetches, in bytes along each row: a few K-quant super-blocks.
+constexpr int64_t kAheadBytes = 512;
+
+// A tile of 16 weight rows at `tile` (`rows` live), read a block or super-block of `bytes` at a time, now at byte `at`
+// of each row: prefetches the lines of the block kAheadBytes further along each row or, past the rows' end, along
+// the next tile's rows (which follow in memory) where `more` says this thread reads that tile next. Each row is one
+// stream kept ahead at the reads' own pace, on into the next tile: 16 rows read side by side are more streams than
+// the hardware prefetchers follow, and pulling in the next tile in bursts stalls the reads behind the prefetches
+// (bench/RESULTS.md).
+SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes, int64_t at, int64_t bytes,
+                                         int64_t rows, bool more) {
+  int64_t ahead = at + kAheadBytes;
+  if (rows < 16) return;
+  if (ahead >= row_bytes) {
+    if (!more) return;
+    tile += 16 * row_bytes, ahead -= row_bytes;
+  }
+  if (ahead >= row_bytes) return;  // rows shorter than the distance: the hardware's streams keep up
+  const uint8_t* p = tile + ahead;
+  for (int r = 0; r < 16; ++r, p += row_bytes) {
+    const uintptr_t last = reinterpret_cast<uintptr_t>(p) + bytes - 1;
+    for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line <= last; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    }
+  }
+}
+
+// Rows n0 .. n0 + rows - 1 (rows <= 16) times x rows m0 .. m0 + MB - 1; `more`: this thread's next tile follows.
 template <QuantType Q, int MB>
-SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int64_t m0) {
+SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int64_t m0, bool more) {
   const QuantArgs& a = *x.a;
   const int64_t blocks = a.K / 32;
   const uint8_t* const base = a.w + n0 * a.row_bytes;
@@ -247,20 +274,13 @@ SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int6
   }
   const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
   const __m512i offsets = row_offsets(a.row_bytes);
-  // the next tile's rows (contiguous after these), pulled in at this tile's pace: 16 streams are more than the
-  // hardware prefetchers follow
-  const char* next = reinterpret_cast<const char*>(base + 16 * a.row_bytes);
-  const int64_t step = 16 * kBlockBytes<Q>;  // bytes of the next tile per block or super-block
-  const bool prefetch = rows == 16;
   __m512 acc[MB];
 #pragma GCC unroll 4
   for (int r = 0; r < MB; ++r) acc[r] = _mm512_setzero_ps();
   Scales16 k;
   if constexpr (kSubBlocks<Q> == 1) {
     for (int64_t b = 0; b < blocks; ++b) {
-      if (prefetch) {
-        for (int64_t o = 0; o < step; o += 64) _mm_prefetch(next + b * step + o, _MM_HINT_T0);
-      }
+      prefetch_ahead(base, a.row_bytes, b * kBlockBytes<Q>, kBlockBytes<Q>, rows, more);
       const __m512i v = gather16(live, offsets, base + b * kBlockBytes<Q>);  // d (and m): gather_scales' values
       k.a[0] = half_low(v);
       if constexpr (kIntMin<Q>) k.c[0] = half_low(_mm512_srli_epi32(v, 16));
@@ -268,9 +288,7 @@ SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int6
     }
   } else {
     for (int64_t sb = 0; sb < blocks / 8; ++sb) {
-      if (prefetch) {
-        for (int64_t o = 0; o < step; o += 64) _mm_prefetch(next + sb * step + o, _MM_HINT_T0);
-      }
+      prefetch_ahead(base, a.row_bytes, sb * kBlockBytes<Q>, kBlockBytes<Q>, rows, more);
       const int64_t off = sb * kBlockBytes<Q>;
       gather_k_scales<Q>(base + off, live, offsets, k);
       rows16_block<Q, 0, MB>(x, pr, off, 8 * sb, m0, k, acc);
@@ -301,16 +319,16 @@ void int8_rowwise_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
     const int64_t rows = std::min<int64_t>(16, n_end - n0);
     switch (x.a->M) {  // 1 .. kRowWiseRows
       case 1:
-        rows16_vnni<Q, 1>(x, n0, rows, 0);
+        rows16_vnni<Q, 1>(x, n0, rows, 0, n0 + 16 < n_end);
         break;
       case 2:
-        rows16_vnni<Q, 2>(x, n0, rows, 0);
+        rows16_vnni<Q, 2>(x, n0, rows, 0, n0 + 16 < n_end);
         break;
       case 3:
-        rows16_vnni<Q, 3>(x, n0, rows, 0);
+        rows16_vnni<Q, 3>(x, n0, rows, 0, n0 + 16 < n_end);
         break;
       default:
-        rows16_vnni<Q, 4>(x, n0, rows, 0);
+        rows16_vnni<Q, 4>(x, n0, rows, 0, n0 + 16 < n_end);
         break;
     }
   }
