@@ -11,7 +11,7 @@ namespace {
 // The weights of one layer as the Python side passes them (spec_kernels/decoder_layers/ref.py: LAYER_FIELDS), in order.
 enum LayerField : int {
   kInputNorm = 0,  // [H]
-  kQkv,            // [(Hq + 2 Hkv) D, H]
+  kQkv,            // [(Hq + 2 Hkv) D, H], or [(Hq + Hkv) D, H] where kV holds the v rows apart
   kQkvBias,        // [(Hq + 2 Hkv) D] or undefined
   kO,              // [H, Hq D]
   kPostNorm,       // [H]
@@ -19,10 +19,11 @@ enum LayerField : int {
   kDown,           // [H, I]
   kQNorm,          // [D] or undefined (Qwen3)
   kKNorm,          // [D] or undefined
+  kV,              // [Hkv D, H] or undefined: v's rows apart from q/k's (a GGUF file's v in a format of its own)
   kNumFields,
 };
-const char* const kFieldNames[kNumFields] = {"input_norm", "qkv",      "qkv_bias", "o",     "post_norm",
-                                             "gate_up",    "down",     "q_norm",   "k_norm"};
+const char* const kFieldNames[kNumFields] = {"input_norm", "qkv",  "qkv_bias", "o",      "post_norm",
+                                             "gate_up",    "down", "q_norm",   "k_norm", "v"};
 
 
 template <typename T>
@@ -131,15 +132,23 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       const int64_t qkv_k = given ? p.attn_width : H;
       if (!given) rms_norm(h + m_begin * H, H, ptr<T>(wl[kInputNorm]), p.eps, x.data() + m_begin * H, my_rows, H);
       w.sync();
-      linear(w, qkv_in, weight_of(wl[kQkv], qkv_k), ptr<T>(wl[kQkvBias]), qkv.data(), M, qkv_width, qkv_k);
+      // qkv: [M, (Hq + 2 Hkv) D], or with v apart [M, (Hq + Hkv) D] then v's [M, Hkv D] (one stage: no sync between)
+      const bool v_apart = wl[kV].defined();
+      const int64_t qk_width = v_apart ? (Hq + Hkv) * D : qkv_width;
+      const T* bias = ptr<T>(wl[kQkvBias]);
+      linear(w, qkv_in, weight_of(wl[kQkv], qkv_k), bias, qkv.data(), M, qk_width, qkv_k);
+      if (v_apart) {
+        linear(w, qkv_in, weight_of(wl[kV], qkv_k), bias == nullptr ? nullptr : bias + qk_width,
+               qkv.data() + M * qk_width, M, Hkv * D, qkv_k);
+      }
       w.sync();
       // q / k heads one by one (a decode token's 4-6 heads then spread over the workers): float32, norms, RoPE;
       // a KV head's K and V then go to the cache
       const auto [hd_begin, hd_end] = w.share(M * (Hq + Hkv));
       for (int64_t u = hd_begin; u < hd_end; ++u) {
         const int64_t m = u / (Hq + Hkv), hd = u % (Hq + Hkv);
-        const T* row = qkv.data() + m * qkv_width;  // [Hq D | Hkv D | Hkv D]
-        float* head = qk.data() + u * D;            // [D] of qk's row m: [Hq D | Hkv D]
+        const T* row = qkv.data() + m * qk_width;  // [Hq D | Hkv D] (then [Hkv D] of v, where not apart)
+        float* head = qk.data() + u * D;           // [D] of qk's row m: [Hq D | Hkv D]
         for (int64_t i = 0; i < D; ++i) head[i] = to_f(row[hd * D + i]);
         if (wl[kQNorm].defined()) rms_norm(head, D, ptr<T>(wl[hd < Hq ? kQNorm : kKNorm]), p.eps, head, 1, D);
         rope_head(head, p.cos + m * D, p.sin + m * D, D);
@@ -147,7 +156,8 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         const int64_t b = m / p.T_, t = m % p.T_;
         const int64_t dst = p.row_offset(b, p.cache_seqlens[b] + t) + (hd - Hq) * D;
         for (int64_t i = 0; i < D; ++i) k_plane[dst + i] = static_cast<T>(head[i]);
-        std::copy(row + (Hkv + hd) * D, row + (Hkv + hd + 1) * D, v_plane + dst);  // V head hd - Hq
+        const T* v_row = v_apart ? qkv.data() + M * qk_width + m * Hkv * D : row + (Hq + Hkv) * D;  // [Hkv D]
+        std::copy(v_row + (hd - Hq) * D, v_row + (hd - Hq + 1) * D, v_plane + dst);  // V head hd - Hq
       }
       w.sync();
       int64_t keys_of = -1;  // the query row whose keys `keys` holds
@@ -238,11 +248,11 @@ Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, con
     const at::Tensor* w = weights.data() + l * kNumFields;
     for (int f = 0; f < kNumFields; ++f) {
       if (!w[f].defined()) {
-        TORCH_CHECK_VALUE(f == kQkvBias || f == kQNorm || f == kKNorm, "decoder_layers: layer ", l, " ",
+        TORCH_CHECK_VALUE(f == kQkvBias || f == kQNorm || f == kKNorm || f == kV, "decoder_layers: layer ", l, " ",
                           kFieldNames[f], " is missing");
         continue;
       }
-      const bool matrix = f == kQkv || f == kO || f == kGateUp || f == kDown;  // these may be GGUF blocks (uint8)
+      const bool matrix = f == kQkv || f == kO || f == kGateUp || f == kDown || f == kV;  // may be GGUF blocks
       const bool blocks = w[f].scalar_type() == at::kByte || w[f].scalar_type() == at::kChar;
       TORCH_CHECK_TYPE(w[f].scalar_type() == dtype || (matrix && blocks),
                        "decoder_layers: layer ", l, " ", kFieldNames[f], " must be ", dtype, " like hidden",
@@ -254,7 +264,9 @@ Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, con
     if (l == 0) d.I = w[kGateUp].dim() >= 2 ? w[kGateUp].size(0) / 2 : 0;  // dense [2 I, H] or blocks [2 I, ., .]
     const int64_t qkv_width = (d.Hq + 2 * d.Hkv) * d.D;
     check_vector(w[kInputNorm], d.H, "input norm", l);
-    check_matrix(w[kQkv], qkv_width, qkv_in > 0 && l == 0 ? qkv_in : d.H, "qkv", l);
+    const int64_t qkv_k = qkv_in > 0 && l == 0 ? qkv_in : d.H;
+    check_matrix(w[kQkv], w[kV].defined() ? qkv_width - d.Hkv * d.D : qkv_width, qkv_k, "qkv", l);
+    if (w[kV].defined()) check_matrix(w[kV], d.Hkv * d.D, qkv_k, "v", l);
     if (w[kQkvBias].defined()) check_vector(w[kQkvBias], qkv_width, "qkv bias", l);
     check_matrix(w[kO], d.H, d.Hq * d.D, "o", l);
     check_vector(w[kPostNorm], d.H, "post-attention norm", l);

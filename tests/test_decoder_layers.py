@@ -42,7 +42,7 @@ def make_weights(Hq, Hkv, D, bias, qk_norm, seed=0):
             "q_norm": 1 + rnd(D) if qk_norm else None,
             "k_norm": 1 + rnd(D) if qk_norm else None,
         }
-        weights += [layer[f] for f in LAYER_FIELDS]
+        weights += [layer.get(f) for f in LAYER_FIELDS]
     return weights, 1 + rnd(H)
 
 
@@ -149,6 +149,36 @@ def test_planted_bug_is_caught():
     buggy, _ = run("native", weights, final_norm, hidden, kv, cache_seqlens, wrong_rope, mask, table, Hq)
     err_torch = (ref32.double() - exact).abs().max().item()
     assert (buggy.double() - exact).abs().max().item() > 2 * err_torch + 1e-5
+
+
+def v_apart(weights, Hq, Hkv, D, rows_of_v=None):
+    """The same layers with each one's v rows held apart (LAYER_FIELDS' "v", as a GGUF file's v in a format of its
+    own is); ``rows_of_v``: other rows of qkv to pass as v instead (a planted bug)."""
+    n, qkv, v = len(LAYER_FIELDS), LAYER_FIELDS.index("qkv"), LAYER_FIELDS.index("v")
+    apart, qk = list(weights), (Hq + Hkv) * D
+    for i in range(0, len(apart), n):
+        fused = weights[i + qkv]
+        apart[i + qkv], apart[i + v] = fused[:qk].clone(), fused[rows_of_v or slice(qk, None)].clone()
+    return apart
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "d80_group5"])
+@pytest.mark.parametrize("backend", ["ref", "native"])
+def test_v_rows_apart_are_the_same_layers(name, backend):
+    """q/k's rows and v's apart (each with its share of the bias) are the fused q/k/v: both paths stay within the
+    float64 reference's tolerance, K/V included, and v's rows passed in the wrong place do not."""
+    Hq, Hkv, D, bias, qk_norm = CONFIGS[name]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
+    problem = make_problem(Hq, Hkv, D, [0, 9, 3], 5, paged=True)
+    exact, exact_kv = run("ref", weights, final_norm, *problem, Hq, dtype=torch.float64)
+    ref32, ref32_kv = run("ref", weights, final_norm, *problem, Hq)
+    got, got_kv = run(backend, v_apart(weights, Hq, Hkv, D), final_norm, *problem, Hq)
+    assert got.shape == ref32.shape
+    assert (got.double() - exact).abs().max() <= 2 * (ref32.double() - exact).abs().max() + 1e-5
+    assert (got_kv.double() - exact_kv).abs().max() <= 2 * (ref32_kv.double() - exact_kv).abs().max() + 1e-5
+    planted = v_apart(weights, Hq, Hkv, D, rows_of_v=slice(Hq * D, (Hq + Hkv) * D))  # k's rows as v's
+    buggy, _ = run(backend, planted, final_norm, *problem, Hq)
+    assert (buggy.double() - exact).abs().max() > 2 * (ref32.double() - exact).abs().max() + 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,10 +20,11 @@ from tiny_models import make_noisy_copy  # noqa: E402
 
 from spec_engine import LLM, SamplingParams  # noqa: E402
 from spec_engine.models import load_model  # noqa: E402
+from spec_kernels.decoder_layers.ref import LAYER_FIELDS  # noqa: E402
 from spec_kernels.types import QuantizedWeight  # noqa: E402
 
 # (layer matrices' type, per-name overrides): SmolLM2's layout (Q4_1 layers, Q8_0 embedding, tied), each block
-# type alone, and a q/k/v group of mixed types (fused dense: the kernel takes one format per matrix).
+# type alone, and a q/k/v group of mixed types (q and k differ: dense q/k rows, v's blocks apart).
 FILES = {
     "Q4_1": ("Q4_1", {"model.embed_tokens.weight": "Q8_0"}),
     "Q8_0": ("Q8_0", {}),
@@ -53,7 +54,9 @@ def test_float32_is_the_dequantized_model(gguf_files, name):
     model = quant.target
     fields = model.layer_weights
     assert isinstance(fields[5], QuantizedWeight) and isinstance(fields[6], QuantizedWeight)  # gate_up, down
-    assert isinstance(fields[1], torch.Tensor if name == "mixed" else QuantizedWeight)  # qkv
+    assert isinstance(fields[1], torch.Tensor if name == "mixed" else QuantizedWeight)  # qkv (mixed: q/k dense)
+    v = fields[LAYER_FIELDS.index("v")]  # v's rows apart where q/k/v's formats differ, still blocks
+    assert v is None if name != "mixed" else v.qtype == "Q4_1"
     assert quant.engine.runner.native_target is not None  # the native chains run the blocks as stored
     assert _tokens(quant) == _tokens(dense)
     ids = torch.tensor([[5, 9, 13, 5, 9, 13, 70, 2]])

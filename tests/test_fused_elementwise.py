@@ -190,7 +190,7 @@ def _layer_inputs(dtype: torch.dtype, qk_norm: bool, gen: torch.Generator):
         weights += [torch.rand(H, generator=gen) + 0.5, torch.randn((Hq + 2 * Hkv) * D, H, generator=gen) / H**0.5,
                     None, torch.randn(H, Hq * D, generator=gen) / (Hq * D) ** 0.5, torch.rand(H, generator=gen) + 0.5,
                     torch.randn(2 * inter, H, generator=gen) / H**0.5,
-                    torch.randn(H, inter, generator=gen) / inter**0.5, *norms]  # fmt: skip
+                    torch.randn(H, inter, generator=gen) / inter**0.5, *norms, None]  # fmt: skip
     weights = [None if w is None else w.to(dtype) for w in weights]
     kv_cache = (torch.randn(L, 2, 8, 4, Hkv, D, generator=gen)).to(dtype)  # [L, 2, blocks, block_size, Hkv, D]
     block_table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)

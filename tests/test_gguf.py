@@ -29,6 +29,7 @@ from spec_engine.models.gguf import (
 )
 from spec_engine.models.gguf_tokenizer import gguf_tokenizer
 from spec_engine.models.loader import build_model
+from spec_kernels.decoder_layers.ref import LAYER_FIELDS
 from spec_kernels.types import QUANT_FORMATS, QuantizedWeight, dequantize_ref
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -143,8 +144,8 @@ def test_unsupported_tensor_type(hf_dir, tmp_path):
 # --- K-quants: a file of random blocks ----------------------------------------------------------------------------
 
 # llama.cpp's _M mixes put most matrices in Q4_K (or Q5_0 where rows are not 256 wide) and some in Q6_K; this one
-# holds every type the kernels read beyond the first three, including a q/k/v group of mixed types (run fused dense)
-# and same-type groups (fused blocks).
+# holds every type the kernels read beyond the first three, including a q/k/v group of mixed types (q/k's blocks and
+# v's apart) and same-type groups (fused blocks).
 KQUANT_MIX = {
     "model.embed_tokens.weight": "Q4_K",
     "lm_head.weight": "Q6_K",
@@ -232,7 +233,8 @@ def test_kquant_file_runs_as_stored(kquant_file):
     kept = {n: b.qtype for n, b in quant.target.quantized.items()}
     assert kept == KQUANT_MIX
     fields = quant.target.layer_weights
-    assert isinstance(fields[1], torch.Tensor)  # layer 0's q/k/v of mixed types: fused dense
+    v = LAYER_FIELDS.index("v")  # layer 0's q/k (Q4_K) and v (Q6_K) blocks apart, as stored
+    assert (fields[1].qtype, fields[v].qtype) == ("Q4_K", "Q6_K") and fields[len(LAYER_FIELDS) + v] is None
     assert all(isinstance(w, QuantizedWeight) for w in fields[5:7])  # layer 0's gate_up (Q3_K), down (Q2_K)
     assert quant.engine.runner.native_target is not None  # the native steps run the blocks as stored
     tokens = _greedy(quant, prompts)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from spec_engine.models import LlamaForCausalLM, ModelConfig, load_model, save_model
 from spec_engine.models.config import rope_inv_freq
+from spec_kernels.decoder_layers.ref import LAYER_FIELDS
 
 
 def hf_config(**overrides) -> dict:
@@ -215,7 +216,7 @@ def test_fused_weights_are_views_of_one_matrix(model_type):
     if attn.qkv_bias is not None:
         assert attn.v_proj.bias.untyped_storage().data_ptr() == attn.qkv_bias.untyped_storage().data_ptr()
     assert model.rope_table.shape == (2, 32, 8)  # [cos/sin, positions, D]
-    assert len(model.layer_weights) == 2 * 9  # LAYER_FIELDS per layer
+    assert len(model.layer_weights) == 2 * len(LAYER_FIELDS)
 
 
 # --- the target interface -------------------------------------------------------------------------------------

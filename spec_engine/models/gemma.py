@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from spec_engine.models.config import SLIDING, ModelConfig, rope_inv_freq
 from spec_engine.models.llama import LlamaForCausalLM, RMSNorm, cache_slots
 from spec_kernels import linear
-from spec_kernels.decoder_layers.ref import LAYER_FIELDS
+from spec_kernels.decoder_layers.ref import LAYER_FIELDS, qkv_projection
 from spec_kernels.fused_elementwise import rope_qk
 from spec_kernels.tree_attention import plan_tree_attention, tree_attention
 
@@ -119,7 +119,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 streams[i] = h
             w = dict(zip(LAYER_FIELDS, self.layer_weights[i * len(LAYER_FIELDS) : (i + 1) * len(LAYER_FIELDS)]))
             attn, kind = layer.self_attn, cfg.layer_types[i]
-            qkv = linear(layer.input_layernorm(h), w["qkv"], w["qkv_bias"])  # [B, T, (Hq + 2 Hkv) D]
+            qkv = qkv_projection(layer.input_layernorm(h), w, linear)  # [B, T, (Hq + 2 Hkv) D]
             q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
             q, k, v = q.reshape(B, T, Hq, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
             if cfg.qk_norm:

@@ -14,9 +14,10 @@ layer runs 4 matmuls, not 7; RoPE reads a cos/sin table by position. The HF name
 views of the fused rows.
 
 A model loaded with ``quantization="gguf"`` keeps its GGUF-quantized matrices as stored (``quantized``: HF name ->
-``QuantizedWeight``): the engine's path multiplies the blocks (fused by concatenating block rows), and the modules'
-own parameters for those names are NaN placeholders (no memory) that only ``forward_train`` would read, and it
-refuses. The embedding also keeps a dense copy in the run dtype: drafters (EAGLE heads) and lookups read it.
+``QuantizedWeight``): the engine's path multiplies the blocks (fused by concatenating block rows; a v in a format of
+its own stays apart), and the modules' own parameters for those names are NaN placeholders (no memory) that only
+``forward_train`` would read, and it refuses. The embedding also keeps a dense copy in the run dtype: drafters
+(EAGLE heads) and lookups read it.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def _layer_fields(layer: DecoderLayer) -> list[torch.Tensor | None]:
     norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
     return [
         layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
-        layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.down_proj.weight, *norms,
+        layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.down_proj.weight, *norms, None,
     ]  # fmt: skip
 
 
@@ -254,17 +255,22 @@ class LlamaForCausalLM(nn.Module):
 
     def _quantized_fields(self, i: int) -> list[torch.Tensor | QuantizedWeight | None]:
         """Layer i's tensors in the order of ``LAYER_FIELDS``, its matrices from ``_matrix`` (a quantized model's
-        ``fuse``: the modules' placeholders are never concatenated)."""
+        ``fuse``: the modules' placeholders are never concatenated). A quantized v in a format q and k do not share
+        (llama.cpp's Q4_K_M keeps v in Q6_K in half the layers) is held apart as its blocks, not dequantized with
+        them into one dense q/k/v."""
         layer, p = self.model.layers[i], f"model.layers.{i}."
         attn = layer.self_attn
         q, k, v = (f"{p}self_attn.{n}_proj.weight" for n in "qkv")
         bias = None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
         norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+        qtypes = {getattr(self.quantized.get(n), "qtype", None) for n in (q, k, v)}
+        v_apart = v in self.quantized and len(qtypes) > 1
+        qkv = self._matrix([q, k]) if v_apart else self._matrix([q, k, v])
         return [
-            layer.input_layernorm.weight, self._matrix([q, k, v]), bias, self._matrix([f"{p}self_attn.o_proj.weight"]),
+            layer.input_layernorm.weight, qkv, bias, self._matrix([f"{p}self_attn.o_proj.weight"]),
             layer.post_attention_layernorm.weight,
             self._matrix([f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
-            self._matrix([f"{p}mlp.down_proj.weight"]), *norms,
+            self._matrix([f"{p}mlp.down_proj.weight"]), *norms, self._matrix([v]) if v_apart else None,
         ]  # fmt: skip
 
     def _embed_weight(self) -> torch.Tensor | QuantizedWeight:

@@ -173,7 +173,8 @@ class ShardedLlama:
             down = read(m + "down_proj.weight", (H, inter), None, plan.intermediate)  # [H, I/N]
             norms = (read(a + "q_norm.weight", (D,)), read(a + "k_norm.weight", (D,))) if cfg.qk_norm else (None, None)
             self.weights += [read(p + "input_layernorm.weight", (H,)), qkv, bias, o,
-                             read(p + "post_attention_layernorm.weight", (H,)), gate_up, down, *norms]  # fmt: skip
+                             read(p + "post_attention_layernorm.weight", (H,)), gate_up, down,
+                             *norms, None]  # fmt: skip
             self._row_parallel |= {id(o), id(down)}
         self.inv_freq = rope_inv_freq(cfg.rope, D).to(device)
 

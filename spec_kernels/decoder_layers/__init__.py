@@ -92,8 +92,9 @@ def decoder_layers(
     weights : ``len(LAYER_FIELDS)`` tensors per layer in the order of ``spec_kernels.decoder_layers.ref.LAYER_FIELDS``:
         input norm ``[H]``, qkv ``[(Hq + 2 Hkv) D, H]``, qkv bias ``[(Hq + 2 Hkv) D]`` or None, o ``[H, Hq D]``,
         post-attention norm ``[H]``, gate_up ``[2 I, H]`` (gate rows first), down ``[H, I]``, q_norm and k_norm
-        ``[D]`` or None. The four matrices may be ``QuantizedWeight`` (GGUF blocks, ``spec_kernels.quant_linear``):
-        the native path multiplies them as stored, the torch paths through ``linear``.
+        ``[D]`` or None, v ``[Hkv D, H]`` or None (v's rows apart: qkv is then ``[(Hq + Hkv) D, H]``). The
+        matrices may be ``QuantizedWeight`` (GGUF blocks, ``spec_kernels.quant_linear``): the native path multiplies
+        them as stored, the torch paths through ``linear``.
     final_norm : ``[H]``.
     kv_cache : ``[layers, 2, B, S, Hkv, D]``, or paged ``[layers, 2, num_blocks, block_size, Hkv, D]`` with
         ``block_table``; written in place.

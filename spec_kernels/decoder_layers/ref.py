@@ -15,7 +15,19 @@ from spec_kernels.linear.ref import linear_ref
 from spec_kernels.tree_attention.ref import tree_attention_ref
 
 # The tensors of one layer in ``decoder_layers``' flat ``weights`` list, in order (None where a model has none).
-LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm")
+# "v": the v rows held apart from q/k's (a GGUF file's v in another format), "qkv" then holding q's and k's alone.
+LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm", "v")
+
+
+def qkv_projection(x: torch.Tensor, w: dict, linear) -> torch.Tensor:
+    """x's q/k/v projection ``[..., (Hq + 2 Hkv) D]`` from one layer's fields ``w``: ``w["qkv"]`` alone, or where
+    the v rows are held apart (``w["v"]``), q/k's output and then v's, each with its rows of the bias."""
+    bias = w["qkv_bias"]
+    if w["v"] is None:
+        return linear(x, w["qkv"], bias)
+    n = w["qkv"].shape[0]  # (Hq + Hkv) D
+    qk = linear(x, w["qkv"], None if bias is None else bias[:n])
+    return torch.cat([qk, linear(x, w["v"], None if bias is None else bias[n:])], dim=-1)
 
 
 def decoder_layer_loop(
@@ -44,7 +56,7 @@ def decoder_layer_loop(
         x, h = ops.add_rms_norm(delta, h, w["input_norm"], eps)  # [B, T, H] each
         if capture is not None and i in capture:
             streams[i] = h
-        q, k, v = linear(x, w["qkv"], w["qkv_bias"]).split(sizes, dim=-1)
+        q, k, v = qkv_projection(x, w, linear).split(sizes, dim=-1)
         q, k, v = q.reshape(B, T, num_heads, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         if w["q_norm"] is not None:
             q, k = ops.add_rms_norm(q, None, w["q_norm"], eps)[0], ops.add_rms_norm(k, None, w["k_norm"], eps)[0]
