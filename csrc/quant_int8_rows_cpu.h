@@ -236,14 +236,14 @@ SPECDEC_QVNNI_INLINE void rows16_block(const Int8Args& x, const PairRows& pr, in
 // How far ahead of its reads a tile prefetches, in bytes along each row: a few K-quant super-blocks.
 constexpr int64_t kAheadBytes = 512;
 
-// A tile of 16 weight rows at `tile` (`rows` live), read a block or super-block of `bytes` at a time, now at byte `at`
+// A tile of 16 weight rows at `tile` (`rows` live), read a block or super-block of Q at a time, now at byte `at`
 // of each row: prefetches the lines of the block kAheadBytes further along each row or, past the rows' end, along
 // the next tile's rows (which follow in memory) where `more` says this thread reads that tile next. Each row is one
 // stream kept ahead at the reads' own pace, on into the next tile: 16 rows read side by side are more streams than
 // the hardware prefetchers follow, and pulling in the next tile in bursts stalls the reads behind the prefetches
 // (bench/RESULTS.md).
-SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes, int64_t at, int64_t bytes,
-                                         int64_t rows, bool more) {
+template <QuantType Q>
+SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes, int64_t at, int64_t rows, bool more) {
   int64_t ahead = at + kAheadBytes;
   if (rows < 16) return;
   if (ahead >= row_bytes) {
@@ -253,7 +253,7 @@ SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes,
   if (ahead >= row_bytes) return;  // rows shorter than the distance: the hardware's streams keep up
   const uint8_t* p = tile + ahead;
   for (int r = 0; r < 16; ++r, p += row_bytes) {
-    const uintptr_t last = reinterpret_cast<uintptr_t>(p) + bytes - 1;
+    const uintptr_t last = reinterpret_cast<uintptr_t>(p) + kBlockBytes<Q> - 1;
     for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line <= last; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
     }
@@ -280,7 +280,7 @@ SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int6
   Scales16 k;
   if constexpr (kSubBlocks<Q> == 1) {
     for (int64_t b = 0; b < blocks; ++b) {
-      prefetch_ahead(base, a.row_bytes, b * kBlockBytes<Q>, kBlockBytes<Q>, rows, more);
+      prefetch_ahead<Q>(base, a.row_bytes, b * kBlockBytes<Q>, rows, more);
       const __m512i v = gather16(live, offsets, base + b * kBlockBytes<Q>);  // d (and m): gather_scales' values
       k.a[0] = half_low(v);
       if constexpr (kIntMin<Q>) k.c[0] = half_low(_mm512_srli_epi32(v, 16));
@@ -288,7 +288,7 @@ SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int6
     }
   } else {
     for (int64_t sb = 0; sb < blocks / 8; ++sb) {
-      prefetch_ahead(base, a.row_bytes, sb * kBlockBytes<Q>, kBlockBytes<Q>, rows, more);
+      prefetch_ahead<Q>(base, a.row_bytes, sb * kBlockBytes<Q>, rows, more);
       const int64_t off = sb * kBlockBytes<Q>;
       gather_k_scales<Q>(base + off, live, offsets, k);
       rows16_block<Q, 0, MB>(x, pr, off, 8 * sb, m0, k, acc);
@@ -317,18 +317,19 @@ template <QuantType Q>
 void int8_rowwise_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
     const int64_t rows = std::min<int64_t>(16, n_end - n0);
+    const bool more = n0 + 16 < n_end;  // this thread reads the next tile too
     switch (x.a->M) {  // 1 .. kRowWiseRows
       case 1:
-        rows16_vnni<Q, 1>(x, n0, rows, 0, n0 + 16 < n_end);
+        rows16_vnni<Q, 1>(x, n0, rows, 0, more);
         break;
       case 2:
-        rows16_vnni<Q, 2>(x, n0, rows, 0, n0 + 16 < n_end);
+        rows16_vnni<Q, 2>(x, n0, rows, 0, more);
         break;
       case 3:
-        rows16_vnni<Q, 3>(x, n0, rows, 0, n0 + 16 < n_end);
+        rows16_vnni<Q, 3>(x, n0, rows, 0, more);
         break;
       default:
-        rows16_vnni<Q, 4>(x, n0, rows, 0, n0 + 16 < n_end);
+        rows16_vnni<Q, 4>(x, n0, rows, 0, more);
         break;
     }
   }
