@@ -203,7 +203,7 @@ SPECDEC_QVNNI_INLINE void rows16_block(const Int8Args& x, const PairRows& pr, in
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) q[i] = pair_quants<Q, S>(pr.p[i] + off, pr.stride[i]);
   constexpr int kS = kSubBlocks<Q> == 1 ? 0 : S;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MB; ++r) {
     const int8_t* xq = x.x->xq.data() + (m0 + r) * a.K + b * 32;
     __m512i xb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
@@ -275,7 +275,7 @@ SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int6
   const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
   const __m512i offsets = row_offsets(a.row_bytes);
   __m512 acc[MB];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MB; ++r) acc[r] = _mm512_setzero_ps();
   Scales16 k;
   if constexpr (kSubBlocks<Q> == 1) {
@@ -301,7 +301,7 @@ SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int6
       rows16_block<Q, 7, MB>(x, pr, off, 8 * sb + 7, m0, k, acc);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MB; ++r) {
     alignas(64) float out[16];
     _mm512_store_ps(out, acc[r]);
@@ -311,27 +311,21 @@ SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int6
 
 // Up to this many x rows take the row-wise kernel, all in one pass over the weights; past it the panel's transpose,
 // paid once for every x row, costs less than a row's dots and sums per x row (bench/RESULTS.md).
-constexpr int64_t kRowWiseRows = 4;
+constexpr int kRowWiseRows = 8;
+
+// rows16_vnni for the call's M (1 .. kRowWiseRows) x rows: MB counts up to it.
+template <QuantType Q, int MB = 1>
+void rows16_of_m(const Int8Args& x, int64_t n0, int64_t rows, bool more) {
+  if constexpr (MB < kRowWiseRows) {
+    if (x.a->M > MB) return rows16_of_m<Q, MB + 1>(x, n0, rows, more);
+  }
+  rows16_vnni<Q, MB>(x, n0, rows, 0, more);
+}
 
 template <QuantType Q>
 void int8_rowwise_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
-    const int64_t rows = std::min<int64_t>(16, n_end - n0);
-    const bool more = n0 + 16 < n_end;  // this thread reads the next tile too
-    switch (x.a->M) {  // 1 .. kRowWiseRows
-      case 1:
-        rows16_vnni<Q, 1>(x, n0, rows, 0, more);
-        break;
-      case 2:
-        rows16_vnni<Q, 2>(x, n0, rows, 0, more);
-        break;
-      case 3:
-        rows16_vnni<Q, 3>(x, n0, rows, 0, more);
-        break;
-      default:
-        rows16_vnni<Q, 4>(x, n0, rows, 0, more);
-        break;
-    }
+    rows16_of_m<Q>(x, n0, std::min<int64_t>(16, n_end - n0), n0 + 16 < n_end);  // (more: this thread's next tile)
   }
 }
 

@@ -77,7 +77,7 @@ def _decoding_x(m: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("qtype", ALL_QTYPES)
 def test_decoding_rows(qtype, threads):
-    """Up to 4 rows of x take the row-wise kernel where the format has one (AVX512-VNNI), more the panel: every M
+    """Up to 8 rows of x take the row-wise kernel where the format has one (AVX512-VNNI), more the panel: every M
     from 1 to 17 gives the reference's bits, and row i of a 17-row call (the panel) is the 1-row call's on row i (the
     row-wise kernel), bit for bit. K of one block or super-block and of an odd number of them, N past every 16-row
     tile's tail."""
