@@ -1,13 +1,14 @@
-// The 8-bit activation path for a few rows of x (decoding, AVX512-VNNI): each weight row's quants are read straight
-// from its blocks, two rows to a 512-bit vector, and dotted with x's int8 block by vpdpbusd; each row's lanes are then
-// summed per 16 weights, and the epilogue of csrc/quant_int8_cpu.h runs on 16 rows at once. A section of
-// csrc/quant_linear_cpu.cpp, included by csrc/quant_int8_cpu.h (whose scales, x blocks and epilogue it shares) before
-// its VNNI panel, which takes the K-quants' scales from the gathers below.
+// The 8-bit activation path's VNNI kernel for the row-wise formats (those of llama.cpp's Q4_K_M .. Q8_0 files): 16
+// weight rows' quants read straight from their blocks, two rows to a 512-bit vector, turned to vpdpbusd's operand
+// order in registers (a dword of 4 quants per row, 16 rows per vector) and dotted there with every x row's int8
+// block; the epilogue of csrc/quant_int8_cpu.h then runs on 16 rows at once. A section of csrc/quant_linear_cpu.cpp,
+// included by csrc/quant_int8_cpu.h (whose scales, x blocks and epilogue it shares) before its VNNI panel, which takes
+// the K-quants' scales from the gathers below.
 //
-// Why not the panel: int8_rows_vnni transposes 16 rows' quants into VNNI's operand order once for every x row. With
-// many x rows that is paid once; with one it is most of the work (a transpose, a store and a load per quant vector,
-// against one vpdpbusd). Here a row's 32 quants meet x's 32 int8 values in place, and the per-row sums cost a few
-// shuffles per 16 rows and block.
+// Why not the panel (which Q2_K / Q3_K keep, and the others past kRowWiseRows x rows): it transposes 16 rows' quants
+// with AVX2 and stores them, then loads them back for each group of x rows; at a few x rows that transpose was most of
+// the work. Here a block's transpose is 24
+// shuffles on vectors already loaded, and each x row costs its 8 vpdpbusd and the epilogue.
 //
 // Why it gives the panel's bits (the spec's): a block's I and S are exact integers whatever order the products are
 // summed in, and the float epilogue is the panel's, operation for operation, one output per lane, blocks in order.
@@ -101,6 +102,29 @@ SPECDEC_QVNNI_INLINE void lane_sums(const __m512i* d, __m512i* out) {
   }
 }
 
+// The 8 pairs' quants turned to VNNI's operand order in registers: out[j] holds dword j (quants 4j .. 4j + 3) of rows
+// 0-15, lane r row r. Each 128-bit lane of 4 pairs is a 4 x 4 dword transpose (unpacks), then one shuffle per output
+// takes its four lanes (rows 0-3, 4-7 from pairs 0-3; 8-11, 12-15 from pairs 4-7).
+template <QuantType Q>
+SPECDEC_QVNNI_INLINE void pairs_to_columns(const __m512i* q, __m512i* out) {
+  __m512i t[8];
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {  // pairs 4h .. 4h + 3: t[4h + k] lane L = dword k of lane L of each pair
+    const __m512i* p = q + 4 * h;
+    const __m512i lo01 = _mm512_unpacklo_epi32(p[0], p[1]), hi01 = _mm512_unpackhi_epi32(p[0], p[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi32(p[2], p[3]), hi23 = _mm512_unpackhi_epi32(p[2], p[3]);
+    t[4 * h] = _mm512_unpacklo_epi64(lo01, lo23), t[4 * h + 1] = _mm512_unpackhi_epi64(lo01, lo23);
+    t[4 * h + 2] = _mm512_unpacklo_epi64(hi01, hi23), t[4 * h + 3] = _mm512_unpackhi_epi64(hi01, hi23);
+  }
+  // a pair's lanes: [A 0-15, A 16-31, B 0-15, B 16-31], or [A 0-15, B 0-15, A 16-31, B 16-31] (kSplitHalves)
+  constexpr int kLow = kSplitHalves<Q> ? 0x44 : 0x88, kHigh = kSplitHalves<Q> ? 0xee : 0xdd;
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    out[k] = _mm512_shuffle_i32x4(t[k], t[4 + k], kLow);
+    out[4 + k] = _mm512_shuffle_i32x4(t[k], t[4 + k], kHigh);
+  }
+}
+
 // The float scales a, c and (Q6_K) the group scales of 16 rows' super-block or block, [sub-block or group][row]. Dead
 // rows (past the matrix's end) read nothing and hold zeros.
 struct Scales16 {
@@ -108,7 +132,8 @@ struct Scales16 {
   __m512i sc[16];
 };
 
-// Pair i holds rows pair_row(i) and pair_row(i) + 4, so that lane_sums' dwords come out as rows 0-15 in order.
+// Pair i holds rows pair_row(i) and pair_row(i) + 4, so that lane_sums' dwords and pairs_to_columns' lanes come out as
+// rows 0-15 in order.
 constexpr int pair_row(int i) { return i + 4 * (i / 4); }
 
 // Row offsets for the gathers: lane r reads row r.
@@ -194,27 +219,40 @@ struct PairRows {
 };
 
 // One block (sub-block S of a K-quant super-block) of 16 rows times MB x rows from m0, b the block's index in the
-// row: the pairs' dots, their per-row sums, then the panel's epilogue (int8_tile_vnni) into acc.
+// row: each x row's dots with the pairs' columns (or with the pairs, summed per row), then the panel's epilogue
+// (int8_tile_vnni) into acc.
 template <QuantType Q, int S, int MB>
 SPECDEC_QVNNI_INLINE void rows16_block(const Int8Args& x, const PairRows& pr, int64_t off, int64_t b, int64_t m0,
                                        const Scales16& k, __m512* acc) {
   const QuantArgs& a = *x.a;
-  __m512i q[8];
+  // one x row: its dots with the pairs, summed per row after, cost less than turning the pairs into columns first
+  constexpr bool kColumns = MB > 1;
+  __m512i q[8], w[8];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) q[i] = pair_quants<Q, S>(pr.p[i] + off, pr.stride[i]);
+  if constexpr (kColumns) pairs_to_columns<Q>(q, w);
   constexpr int kS = kSubBlocks<Q> == 1 ? 0 : S;
 #pragma GCC unroll 8
   for (int r = 0; r < MB; ++r) {
     const int8_t* xq = x.x->xq.data() + (m0 + r) * a.K + b * 32;
-    __m512i xb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
-    if constexpr (kSplitHalves<Q>) xb = _mm512_shuffle_i64x2(xb, xb, 0x50);  // [0-15, 0-15, 16-31, 16-31]
-    __m512i d[8], sums[2];
+    __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();  // rows 0-15's sums of quants 0-15, 16-31
+    if constexpr (kColumns) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(dword_at(xq + 4 * j)));
+        h1 = _mm512_dpbusd_epi32(h1, w[4 + j], _mm512_set1_epi32(dword_at(xq + 16 + 4 * j)));
+      }
+    } else {
+      __m512i xb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+      if constexpr (kSplitHalves<Q>) xb = _mm512_shuffle_i64x2(xb, xb, 0x50);  // [0-15, 0-15, 16-31, 16-31]
+      __m512i d[8], sums[2];
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) d[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[i], xb);
-    lane_sums(d, sums);
-    // rows 0-15 of each half: lanes (A, B) of pairs 0-3, then of pairs 4-7
-    const __m512i h0 = _mm512_shuffle_i32x4(sums[0], sums[1], kSplitHalves<Q> ? 0x44 : 0x88);
-    const __m512i h1 = _mm512_shuffle_i32x4(sums[0], sums[1], kSplitHalves<Q> ? 0xee : 0xdd);
+      for (int i = 0; i < 8; ++i) d[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[i], xb);
+      lane_sums(d, sums);
+      // rows 0-15 of each half: lanes (A, B) of pairs 0-3, then of pairs 4-7
+      h0 = _mm512_shuffle_i32x4(sums[0], sums[1], kSplitHalves<Q> ? 0x44 : 0x88);
+      h1 = _mm512_shuffle_i32x4(sums[0], sums[1], kSplitHalves<Q> ? 0xee : 0xdd);
+    }
     const int32_t* xs = x.x->xs.data() + (m0 + r) * (a.K / 16) + 2 * b;
     constexpr int kOff = kUnsignedOffset<Q>;
     __m512i I;
@@ -309,23 +347,30 @@ SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int6
   }
 }
 
-// Up to this many x rows take the row-wise kernel, all in one pass over the weights; past it the panel's transpose,
-// paid once for every x row, costs less than a row's dots and sums per x row (bench/RESULTS.md).
-constexpr int kRowWiseRows = 8;
+// x rows per pass over a tile: their accumulators, the pairs and their columns fit the 32 registers. More x rows take
+// further passes over the same tile, read from the cache.
+constexpr int kPassRows = 8;
 
-// rows16_vnni for the call's M (1 .. kRowWiseRows) x rows: MB counts up to it.
+// Up to this many x rows (decoding, a verify, a short prefill chunk) take the row-wise kernel; past it the panel,
+// whose one transpose per tile serves every x row, costs less than a pass's transposes (bench/RESULTS.md).
+constexpr int64_t kRowWiseRows = 32;
+
+// rows16_vnni for x rows m0 .. min(M, m0 + kPassRows) - 1: MB counts up to their number.
 template <QuantType Q, int MB = 1>
-void rows16_of_m(const Int8Args& x, int64_t n0, int64_t rows, bool more) {
-  if constexpr (MB < kRowWiseRows) {
-    if (x.a->M > MB) return rows16_of_m<Q, MB + 1>(x, n0, rows, more);
+void rows16_pass(const Int8Args& x, int64_t n0, int64_t rows, int64_t m0, bool more) {
+  if constexpr (MB < kPassRows) {
+    if (x.a->M - m0 > MB) return rows16_pass<Q, MB + 1>(x, n0, rows, m0, more);
   }
-  rows16_vnni<Q, MB>(x, n0, rows, 0, more);
+  rows16_vnni<Q, MB>(x, n0, rows, m0, more);
 }
 
 template <QuantType Q>
 void int8_rowwise_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
-    rows16_of_m<Q>(x, n0, std::min<int64_t>(16, n_end - n0), n0 + 16 < n_end);  // (more: this thread's next tile)
+    const int64_t rows = std::min<int64_t>(16, n_end - n0);
+    for (int64_t m0 = 0; m0 < x.a->M; m0 += kPassRows) {
+      rows16_pass<Q>(x, n0, rows, m0, n0 + 16 < n_end);  // (more: this thread reads the next tile too)
+    }
   }
 }
 

@@ -77,10 +77,10 @@ def _decoding_x(m: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("qtype", ALL_QTYPES)
 def test_decoding_rows(qtype, threads):
-    """Up to 8 rows of x take the row-wise kernel where the format has one (AVX512-VNNI), more the panel: every M
-    from 1 to 17 gives the reference's bits, and row i of a 17-row call (the panel) is the 1-row call's on row i (the
-    row-wise kernel), bit for bit. K of one block or super-block and of an odd number of them, N past every 16-row
-    tile's tail."""
+    """Up to 32 rows of x take the row-wise kernel where the format has one (AVX512-VNNI), 8 rows a pass over each
+    tile, more the panel: every M from 1 to 17 (passes of 8, 8 and 1) and 32 gives the reference's bits, and row i of
+    a 40-row call (the panel) is the 1-row call's on row i (the row-wise kernel), bit for bit. K of one block or
+    super-block and of an odd number of them, N past every 16-row tile's tail."""
     block = QUANT_FORMATS[qtype].block_weights
     shapes = [(block, 37), (block * 3, 21)] if block == 256 else [(32, 19), (1056, 50)]
     saved = torch.get_num_threads()
@@ -88,14 +88,14 @@ def test_decoding_rows(qtype, threads):
     try:
         for k, n in shapes:
             blocks = random_blocks(n, k, qtype, k + n + 1)
-            x = _decoding_x(17, k, k)
-            full = _int8(x, blocks, qtype)  # [17, N]
-            for num_rows in range(1, 18):
+            x = _decoding_x(40, k, k)
+            full = _int8(x, blocks, qtype)  # [40, N]
+            for num_rows in [*range(1, 18), 32]:
                 out = _int8(x[:num_rows], blocks, qtype)
                 want = quant_linear_ref(x[:num_rows], blocks, qtype, activations="int8")
                 assert same_bits(out, want), f"K={k} N={n} M={num_rows}"
-                assert same_bits(out, full[:num_rows]), f"K={k} N={n} M={num_rows}: a prefix of the 17-row call"
-            for i in range(17):
+                assert same_bits(out, full[:num_rows]), f"K={k} N={n} M={num_rows}: a prefix of the 40-row call"
+            for i in range(40):
                 assert same_bits(_int8(x[i : i + 1], blocks, qtype)[0], full[i]), f"K={k} N={n} row {i}"
     finally:
         torch.set_num_threads(saved)
