@@ -7,8 +7,8 @@
 //
 // Why not the panel (which Q2_K / Q3_K keep, and the others past kRowWiseRows x rows): it transposes 16 rows' quants
 // with AVX2 and stores them, then loads them back for each group of x rows; at a few x rows that transpose was most of
-// the work. Here a block's transpose is 24
-// shuffles on vectors already loaded, and each x row costs its 8 vpdpbusd and the epilogue.
+// the work. Here a block's transpose is 24 shuffles on vectors already loaded, and each x row costs its 8 vpdpbusd
+// and the epilogue; one x row skips the transpose (its dots with the pairs, each row's lanes summed after).
 //
 // Why it gives the panel's bits (the spec's): a block's I and S are exact integers whatever order the products are
 // summed in, and the float epilogue is the panel's, operation for operation, one output per lane, blocks in order.
