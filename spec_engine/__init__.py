@@ -6,6 +6,13 @@ outs = llm.generate(["def fib(n):"], SamplingParams(max_tokens=64))
 """
 
 import importlib
+import os
+
+# A decoding step reads every weight from memory, many rows side by side: on 4 KiB pages that is a TLB miss every few
+# KiB of each stream. PyTorch's CPU allocator backs allocations of 2 MiB and more with huge pages where this is set
+# (THP in "madvise" mode, the common default); it reads it once, at the process's first allocation, so it is set
+# here, before the engine allocates anything (bench/RESULTS.md, "8-bit activations"). Set it to 0 to opt out.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 # Each public name imported on first use (PEP 562): the CLI's start-up imports no torch before its own argument parsing
 # and Ctrl-C handling (`specdec --help` answers at once; a Ctrl-C while torch loads ends in one line, not a traceback).

@@ -350,3 +350,20 @@ def test_the_cli_starts_without_torch():
             "assert not hasattr(spec_engine, 'nope')")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("given, want", [(None, "1"), ("0", "0")])
+def test_weights_ask_for_huge_pages_unless_told_not_to(given, want):
+    """Importing the package sets THP_MEM_ALLOC_ENABLE=1 (PyTorch's CPU allocator then backs large allocations, the
+    weights among them, with huge pages) before anything allocates, and keeps a value the user set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if given is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = given
+    code = "import os, spec_engine; print(os.environ['THP_MEM_ALLOC_ENABLE'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == want
