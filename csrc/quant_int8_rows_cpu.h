@@ -35,6 +35,13 @@ constexpr int kUnsignedOffset = Q == QuantType::kQ8_0   ? 128
 template <QuantType Q>
 constexpr bool kSplitHalves = kSubBlocks<Q> == 1 && Q != QuantType::kQ8_0;
 
+// _mm512_shuffle_i32x4's selectors that take, from two vectors in a pair's lane order (rows 0-7 in the first, 8-15 in
+// the second), the lanes of rows 0-15's quants 0-15 (kFirstHalf) and 16-31 (kSecondHalf).
+template <QuantType Q>
+constexpr int kFirstHalf = kSplitHalves<Q> ? 0x44 : 0x88;
+template <QuantType Q>
+constexpr int kSecondHalf = kSplitHalves<Q> ? 0xee : 0xdd;
+
 #define SPECDEC_QVNNI_INLINE SPECDEC_QVNNI __attribute__((always_inline)) inline
 
 // 32 bytes at p (the low half) and 32 at p + stride (the high half).
@@ -116,12 +123,10 @@ SPECDEC_QVNNI_INLINE void pairs_to_columns(const __m512i* q, __m512i* out) {
     t[4 * h] = _mm512_unpacklo_epi64(lo01, lo23), t[4 * h + 1] = _mm512_unpackhi_epi64(lo01, lo23);
     t[4 * h + 2] = _mm512_unpacklo_epi64(hi01, hi23), t[4 * h + 3] = _mm512_unpackhi_epi64(hi01, hi23);
   }
-  // a pair's lanes: [A 0-15, A 16-31, B 0-15, B 16-31], or [A 0-15, B 0-15, A 16-31, B 16-31] (kSplitHalves)
-  constexpr int kLow = kSplitHalves<Q> ? 0x44 : 0x88, kHigh = kSplitHalves<Q> ? 0xee : 0xdd;
 #pragma GCC unroll 4
   for (int k = 0; k < 4; ++k) {
-    out[k] = _mm512_shuffle_i32x4(t[k], t[4 + k], kLow);
-    out[4 + k] = _mm512_shuffle_i32x4(t[k], t[4 + k], kHigh);
+    out[k] = _mm512_shuffle_i32x4(t[k], t[4 + k], kFirstHalf<Q>);
+    out[4 + k] = _mm512_shuffle_i32x4(t[k], t[4 + k], kSecondHalf<Q>);
   }
 }
 
@@ -250,8 +255,8 @@ SPECDEC_QVNNI_INLINE void rows16_block(const Int8Args& x, const PairRows& pr, in
       for (int i = 0; i < 8; ++i) d[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[i], xb);
       lane_sums(d, sums);
       // rows 0-15 of each half: lanes (A, B) of pairs 0-3, then of pairs 4-7
-      h0 = _mm512_shuffle_i32x4(sums[0], sums[1], kSplitHalves<Q> ? 0x44 : 0x88);
-      h1 = _mm512_shuffle_i32x4(sums[0], sums[1], kSplitHalves<Q> ? 0xee : 0xdd);
+      h0 = _mm512_shuffle_i32x4(sums[0], sums[1], kFirstHalf<Q>);
+      h1 = _mm512_shuffle_i32x4(sums[0], sums[1], kSecondHalf<Q>);
     }
     const int32_t* xs = x.x->xs.data() + (m0 + r) * (a.K / 16) + 2 * b;
     constexpr int kOff = kUnsignedOffset<Q>;
