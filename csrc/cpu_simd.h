@@ -42,7 +42,7 @@ namespace simd {
 enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // Whether SPECDEC_CPU_ISA caps the kernels' paths at `path` ("avx512", "avx2" or "scalar"): tests run every path on
-// one machine. avx512 only turns the bfloat16 linear's AMX tiles off (cpu_has_amx_bf16).
+// one machine. avx512 only turns the AMX tiles off (cpu_has_amx_bf16, cpu_has_amx_int8).
 inline bool capped_at(const char* path) {
   const char* v = std::getenv("SPECDEC_CPU_ISA");
   return v != nullptr && std::strcmp(v, path) == 0;
@@ -88,28 +88,38 @@ inline bool cpu_has_avx512_bf16() {
 #endif
 }
 
-// AMX-BF16 tiles (Intel Sapphire Rapids and later) on top of AVX512-BF16: the bfloat16 linear kernel's widest path.
-// Linux hands a process the tile registers' 8 KB state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), made here
-// once; where the request fails, or SPECDEC_CPU_ISA caps the paths (=avx512 keeps AVX-512 without tiles), the
-// AVX-512 path runs instead.
-inline bool detect_amx_bf16() {
+// AMX tiles (Intel Sapphire Rapids and later): CPUID leaf 7's EDX bit `feature` (22 AMX-BF16, 25 AMX-INT8) beside
+// AMX-TILE (bit 24). Linux hands a process the tile registers' 8 KB state only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM), made here; where the request fails, or SPECDEC_CPU_ISA caps the paths (=avx512 keeps AVX-512
+// without tiles), the AVX-512 paths run instead.
+inline bool detect_amx(int feature) {
 #if SPECDEC_CPU_AMX && defined(__linux__)
-  if (!cpu_has_avx512_bf16()) return false;
-  if (capped_at("avx512")) return false;
+  if (!cpu_has_avx512() || capped_at("avx512")) return false;
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-  const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
-  if (!tile || !bf16) return false;
+  if (((edx >> 24) & 1u) == 0 || ((edx >> feature) & 1u) == 0) return false;
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 #else
+  (void)feature;
   return false;
 #endif
 }
 
+// AMX-BF16 on top of AVX512-BF16: the bfloat16 linear kernel's widest path.
 inline bool cpu_has_amx_bf16() {
-  static const bool ok = detect_amx_bf16();
+  static const bool ok = cpu_has_avx512_bf16() && detect_amx(22);
   return ok;
+}
+
+// AMX-INT8 on top of AVX512-VNNI: the 8-bit activation path's tiles (csrc/quant_int8_amx_cpu.h).
+inline bool cpu_has_amx_int8() {
+#if SPECDEC_CPU_X86
+  static const bool ok = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && detect_amx(25);
+  return ok;
+#else
+  return false;
+#endif
 }
 
 // The scalar paths' dot product: the AVX2 path's order written as plain C++, 8 partial sums (sum l over

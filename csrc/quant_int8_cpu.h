@@ -83,11 +83,13 @@ inline void int_quants(const uint8_t* row, int64_t b, int8_t* q) {
   }
 }
 
-// x [M, K] (row stride ldx) as int8 blocks: xq [M, K], dx [M, K / 32], xs [M, K / 16] (each 16 elements' sum).
+// x [M, K] (row stride ldx) as int8 blocks: xq [M, K], dx [M, K / 32], xs [M, K / 16] (each 16 elements' sum), and
+// sum [M, K / 32] each block's sum as a float (exact: |sum| <= 32 * 127), which the vector epilogues broadcast.
 struct Int8Rows {
   std::vector<int8_t> xq;
   std::vector<float> dx;
   std::vector<int32_t> xs;
+  std::vector<float> sum;
 };
 
 // nearbyint rounds half to even, as torch.round does in the reference; the clamp only guards rounding noise in
@@ -454,6 +456,9 @@ void int8_rows_avx2(const Int8Args& x, int64_t n_begin, int64_t n_end) {
 }
 
 #include "quant_int8_rows_cpu.h"  // the VNNI row-wise kernel for a few x rows, its scale gathers, x's AVX2 quantizer
+#if SPECDEC_CPU_AMX
+#include "quant_int8_amx_cpu.h"  // int8_rowwise_amx: the row-wise formats' AMX-INT8 tiles
+#endif
 
 // The 32-weight formats' d (and m) of 16 rows at once: one gather of each row's block's first 4 bytes (at M = 1 the
 // per-row conversions and stores were the panel's largest cost). The same conversion as F16C's scalar one.
@@ -567,15 +572,18 @@ void int8_rows_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
 
 #endif  // SPECDEC_CPU_X86
 
-// How this process multiplies int8 blocks (chosen once, under SPECDEC_CPU_ISA's cap like the float paths): VNNI where
-// AVX-512 has it (Intel from Cascade Lake, AMD Zen 4), AVX2 elsewhere (AVX-512 without VNNI too), else scalar.
-enum class Int8Path { kScalar, kAvx2, kVnni };
+// How this process multiplies int8 blocks (chosen once, under SPECDEC_CPU_ISA's cap like the float paths): AMX-INT8
+// tiles beside VNNI where the CPU has them (Intel from Sapphire Rapids), VNNI where AVX-512 has it (Intel from Cascade
+// Lake, AMD Zen 4), AVX2 elsewhere (AVX-512 without VNNI too), else scalar.
+enum class Int8Path { kScalar, kAvx2, kVnni, kAmx };
 
 inline Int8Path int8_path() {
   static const Int8Path path = [] {
 #if SPECDEC_CPU_X86
     if (!__builtin_cpu_supports("f16c")) return Int8Path::kScalar;
-    if (simd::cpu_isa() == simd::Isa::kAvx512 && __builtin_cpu_supports("avx512vnni")) return Int8Path::kVnni;
+    if (simd::cpu_isa() == simd::Isa::kAvx512 && __builtin_cpu_supports("avx512vnni")) {
+      return SPECDEC_CPU_AMX && simd::cpu_has_amx_int8() ? Int8Path::kAmx : Int8Path::kVnni;
+    }
     if (simd::cpu_isa() >= simd::Isa::kAvx2) return Int8Path::kAvx2;
 #endif
     return Int8Path::kScalar;
@@ -586,23 +594,36 @@ inline Int8Path int8_path() {
 // x [M, K] as int8 blocks, by the widest quantizer (they give the same bits).
 inline void quantize_int8(const float* x, int64_t ldx, int64_t M, int64_t K, Int8Rows& r) {
 #if SPECDEC_CPU_X86
-  if (int8_path() != Int8Path::kScalar) return quantize_rows_avx2(x, ldx, M, K, r);
-#endif
+  if (int8_path() != Int8Path::kScalar) {
+    quantize_rows_avx2(x, ldx, M, K, r);
+  } else {
+    quantize_rows(x, ldx, M, K, r);
+  }
+#else
   quantize_rows(x, ldx, M, K, r);
+#endif
+  r.sum.resize(static_cast<size_t>(M * K / 32));
+  for (size_t i = 0; i < r.sum.size(); ++i) r.sum[i] = static_cast<float>(r.xs[2 * i] + r.xs[2 * i + 1]);
 }
 
 // Every path gives the same bits (the header's note), so the choice may depend on M without breaking batch
-// invariance: decoding's few rows take the row-wise kernel where the format has one.
+// invariance: decoding's few rows take the row-wise kernel where the format has one; more than one pass of it
+// (kPassRows) the tiles where the CPU has them, whose fixed cost per block a single pass does not pay back
+// (bench/RESULTS.md).
 template <QuantType Q>
 void int8_rows(const Int8Args& x, int64_t n_begin, int64_t n_end) {
 #if SPECDEC_CPU_X86
-  if (int8_path() == Int8Path::kVnni) {
+  const Int8Path path = int8_path();
+  if (path == Int8Path::kVnni || path == Int8Path::kAmx) {
     if constexpr (kRowWise<Q>) {
+#if SPECDEC_CPU_AMX
+      if (path == Int8Path::kAmx && x.a->M > kPassRows) return int8_rowwise_amx<Q>(x, n_begin, n_end);
+#endif
       if (x.a->M <= kRowWiseRows) return int8_rowwise_vnni<Q>(x, n_begin, n_end);
     }
     return int8_rows_vnni<Q>(x, n_begin, n_end);
   }
-  if (int8_path() == Int8Path::kAvx2) return int8_rows_avx2<Q>(x, n_begin, n_end);
+  if (path == Int8Path::kAvx2) return int8_rows_avx2<Q>(x, n_begin, n_end);
 #endif
   int8_rows_scalar<Q>(x, n_begin, n_end);
 }

@@ -217,6 +217,30 @@ SPECDEC_QVNNI void gather_panel_scales(const QuantArgs& a, int64_t n0, int64_t r
   }
 }
 
+// The epilogue (int8_tile_vnni's, operation for operation) of x row m and block b, whose scales are k's entry s,
+// for 16 weight rows (lane r row r): h0, h1 the rows' sums of (q + kUnsignedOffset) xq over quants 0-15 and 16-31
+// (where the format has one scale per block, any split of their total). Returns acc plus the block's term.
+template <QuantType Q>
+SPECDEC_QVNNI_INLINE __m512 rows16_epilogue(const Int8Args& x, __m512i h0, __m512i h1, int64_t m, int64_t b,
+                                            const Scales16& k, int s, __m512 acc) {
+  const int64_t K = x.a->K;
+  const int32_t* xs = x.x->xs.data() + m * (K / 16) + 2 * b;
+  constexpr int kOff = kUnsignedOffset<Q>;
+  __m512i I;
+  if constexpr (kGroupScales<Q>) {
+    I = _mm512_add_epi32(_mm512_mullo_epi32(k.sc[2 * s], _mm512_sub_epi32(h0, _mm512_set1_epi32(kOff * xs[0]))),
+                         _mm512_mullo_epi32(k.sc[2 * s + 1], _mm512_sub_epi32(h1, _mm512_set1_epi32(kOff * xs[1]))));
+  } else {
+    I = _mm512_sub_epi32(_mm512_add_epi32(h0, h1), _mm512_set1_epi32(kOff * (xs[0] + xs[1])));
+  }
+  __m512 u = rounded(_mm512_mul_ps(k.a[s], _mm512_cvtepi32_ps(I)));
+  if constexpr (kIntMin<Q>) {
+    const __m512 sum = _mm512_set1_ps(x.x->sum[m * (K / 32) + b]);  // S: every row-wise format's mn is 1
+    u = _mm512_add_ps(u, rounded(_mm512_mul_ps(k.c[s], sum)));
+  }
+  return _mm512_add_ps(acc, rounded(_mm512_mul_ps(_mm512_set1_ps(x.x->dx[m * (K / 32) + b]), u)));
+}
+
 // What one block step reads: the 8 pairs' row pointers (at the block or super-block) and second rows' distances.
 struct PairRows {
   const uint8_t* p[8];
@@ -258,21 +282,7 @@ SPECDEC_QVNNI_INLINE void rows16_block(const Int8Args& x, const PairRows& pr, in
       h0 = _mm512_shuffle_i32x4(sums[0], sums[1], kFirstHalf<Q>);
       h1 = _mm512_shuffle_i32x4(sums[0], sums[1], kSecondHalf<Q>);
     }
-    const int32_t* xs = x.x->xs.data() + (m0 + r) * (a.K / 16) + 2 * b;
-    constexpr int kOff = kUnsignedOffset<Q>;
-    __m512i I;
-    if constexpr (kGroupScales<Q>) {
-      I = _mm512_add_epi32(_mm512_mullo_epi32(k.sc[2 * kS], _mm512_sub_epi32(h0, _mm512_set1_epi32(kOff * xs[0]))),
-                           _mm512_mullo_epi32(k.sc[2 * kS + 1], _mm512_sub_epi32(h1, _mm512_set1_epi32(kOff * xs[1]))));
-    } else {
-      I = _mm512_sub_epi32(_mm512_add_epi32(h0, h1), _mm512_set1_epi32(kOff * (xs[0] + xs[1])));
-    }
-    __m512 u = rounded(_mm512_mul_ps(k.a[kS], _mm512_cvtepi32_ps(I)));
-    if constexpr (kIntMin<Q>) {
-      const __m512 sum = _mm512_cvtepi32_ps(_mm512_set1_epi32(xs[0] + xs[1]));  // S: every row-wise format's mn is 1
-      u = _mm512_add_ps(u, rounded(_mm512_mul_ps(k.c[kS], sum)));
-    }
-    acc[r] = _mm512_add_ps(acc[r], rounded(_mm512_mul_ps(_mm512_set1_ps(x.x->dx[(m0 + r) * (a.K / 32) + b]), u)));
+    acc[r] = rows16_epilogue<Q>(x, h0, h1, m0 + r, b, k, kS, acc[r]);
   }
 }
 

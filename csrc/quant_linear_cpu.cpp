@@ -621,7 +621,10 @@ at::Tensor quant_linear_meta(const at::Tensor& x, const at::Tensor& weight, int6
 
 std::string quant_int8_path() {
   const Int8Path path = int8_path();
-  return path == Int8Path::kVnni ? "vnni" : path == Int8Path::kAvx2 ? "avx2" : "scalar";
+  return path == Int8Path::kAmx    ? "amx"
+         : path == Int8Path::kVnni ? "vnni"
+         : path == Int8Path::kAvx2 ? "avx2"
+                                   : "scalar";
 }
 
 }  // namespace specdec

@@ -1,14 +1,15 @@
 """Tests of quant_linear's 8-bit activation path (``activations="int8"``): x quantized per row and 32 weights to int8,
 integer dot products with the GGUF blocks, a float32 epilogue per block (csrc/quant_int8_cpu.h).
 
-The contract is exact: every native path (AVX512-VNNI, AVX2, scalar; SPECDEC_CPU_ISA picks one per process) gives
-``quant_linear_ref(..., activations="int8")`` bit for bit, a row's result depends on that row alone, and a model in
-this mode speculates losslessly. Its distance from the float path is measured (STYLE.md 7) against torch on the same
-int8 activations.
+The contract is exact: every native path (AMX-INT8, AVX512-VNNI, AVX2, scalar; SPECDEC_CPU_ISA caps it per
+process) gives ``quant_linear_ref(..., activations="int8")`` bit for bit, a row's result depends on that row alone,
+and a model in this mode speculates losslessly. Its distance from the float path is measured (STYLE.md 7) against
+torch on the same int8 activations.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ import spec_kernels.quant_linear.ref as ref_module  # noqa: E402
 from spec_engine import LLM, SamplingParams  # noqa: E402
 from spec_engine.models import load_model  # noqa: E402
 from spec_kernels.linear import linear  # noqa: E402
-from spec_kernels.quant_linear import QuantizedWeight, quant_linear  # noqa: E402
+from spec_kernels.quant_linear import QuantizedWeight, int8_path, quant_linear  # noqa: E402
 from spec_kernels.quant_linear.ref import quant_linear_ref, quantize_activations  # noqa: E402
 from spec_kernels.types import QUANT_FORMATS, dequantize_ref  # noqa: E402
 
@@ -78,8 +79,9 @@ def _decoding_x(m: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", ALL_QTYPES)
 def test_decoding_rows(qtype, threads):
     """Up to 32 rows of x take the row-wise kernel where the format has one (AVX512-VNNI), 8 rows a pass over each
-    tile, more the panel: every M from 1 to 17 (passes of 8, 8 and 1) and 32 gives the reference's bits, and row i of
-    a 40-row call (the panel) is the 1-row call's on row i (the row-wise kernel), bit for bit. K of one block or
+    tile, more the panel; past 8 rows, the AMX tiles where the CPU has them, 16 rows a pass: every M from 1 to 17
+    (passes of 8, 8 and 1, or one of 16 and one of 1) and 32 gives the reference's bits, and row i of a 40-row call
+    (the panel, or the tiles) is the 1-row call's on row i (the row-wise kernel), bit for bit. K of one block or
     super-block and of an odd number of them, N past every 16-row tile's tail."""
     block = QUANT_FORMATS[qtype].block_weights
     shapes = [(block, 37), (block * 3, 21)] if block == 256 else [(32, 19), (1056, 50)]
@@ -237,8 +239,21 @@ def test_switch_errors(tied_llama_dir, gguf_file):
         LLM(str(tied_llama_dir), quant_activations="int8")
 
 
-@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
 def test_narrower_cpu_paths(isa):
-    """SPECDEC_CPU_ISA caps the paths (chosen once per process): the AVX2 kernel (Zen 3, AVX-512 without VNNI) and the
-    scalar one must pass this file too, in a process of their own."""
+    """SPECDEC_CPU_ISA caps the paths (chosen once per process): VNNI without AMX tiles (where this CPU has them: Zen 4,
+    Intel before Sapphire Rapids), the AVX2 kernel (Zen 3, AVX-512 without VNNI) and the scalar one must pass this
+    file too, in a process of their own."""
+    if isa == "avx512" and int8_path() != "amx":
+        pytest.skip("this process's own path is VNNI (or narrower) already")
     assert_passes_under_cpu_isa("tests/test_quant_linear_int8.py", isa)
+
+
+def test_the_tiles_run_where_the_cpu_has_them():
+    """A CPU with AMX-INT8 (the flag the kernel reads from CPUID, as /proc/cpuinfo lists it) multiplies on tiles."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if "amx_int8" not in flags or "avx512_vnni" not in flags:
+        pytest.skip("no AMX-INT8 here")
+    if os.environ.get("SPECDEC_CPU_ISA"):
+        pytest.skip("the paths are capped in this process")
+    assert int8_path() == "amx"

@@ -63,7 +63,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, qtype: str, bias: torch.Tensor
 
 def int8_path() -> str:
     """How this process multiplies int8 blocks (``activations="int8"``; chosen once, under ``SPECDEC_CPU_ISA``'s cap):
-    ``"vnni"`` (AVX512-VNNI), ``"avx2"`` or ``"scalar"``. Builds the extension on first use."""
+    ``"amx"`` (AMX-INT8 tiles for the row-wise formats past 8 rows, AVX512-VNNI elsewhere), ``"vnni"`` (AVX512-VNNI),
+    ``"avx2"`` or ``"scalar"``. Builds the extension on first use."""
     from spec_kernels._ext import load_ext
 
     load_ext()
