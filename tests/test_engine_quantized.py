@@ -117,8 +117,11 @@ def test_the_default_numeric_mode_is_int8_where_the_cpu_has_vnni(gguf_files):
     from spec_engine.models.loader import default_quant_activations
     from spec_kernels.quant_linear import int8_path
 
-    expected = "int8" if int8_path() == "vnni" else "float"
+    expected = "int8" if int8_path() in ("vnni", "amx") else "float"
     assert default_quant_activations() == expected
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"} <= flags and "SPECDEC_CPU_ISA" not in os.environ:
+        assert expected == "int8", f"a CPU with AVX512-VNNI multiplies int8 blocks on {int8_path()}"
     model = load_model(gguf_files["Q8_0"], quantization="gguf")
     assert {w.activations for w in model.quantized.values()} == {expected}
     code = "from spec_engine.models.loader import default_quant_activations as d; print(d())"
