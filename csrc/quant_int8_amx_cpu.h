@@ -1,4 +1,4 @@
-// The 8-bit activation path's AMX-INT8 kernel for the row-wise formats (csrc/quant_int8_rows_cpu.h): the same pairs
+// The 8-bit activation path's AMX-INT8 kernel, beside the row-wise one (csrc/quant_int8_rows_cpu.h): the same pairs
 // and columns of 16 weight rows, but one tdpbsud makes every x row's block sums at once. A section of
 // csrc/quant_linear_cpu.cpp, included by csrc/quant_int8_cpu.h after the row-wise kernel, whose pieces it uses, and
 // only where the compiler has the AMX intrinsics (SPECDEC_CPU_AMX).

@@ -457,7 +457,7 @@ void int8_rows_avx2(const Int8Args& x, int64_t n_begin, int64_t n_end) {
 
 #include "quant_int8_rows_cpu.h"  // the VNNI row-wise kernel for a few x rows, its scale gathers, x's AVX2 quantizer
 #if SPECDEC_CPU_AMX
-#include "quant_int8_amx_cpu.h"  // int8_rowwise_amx: the row-wise formats' AMX-INT8 tiles
+#include "quant_int8_amx_cpu.h"  // int8_rowwise_amx: AMX-INT8 tiles past one pass of the row-wise kernel
 #endif
 
 // The 32-weight formats' d (and m) of 16 rows at once: one gather of each row's block's first 4 bytes (at M = 1 the
@@ -546,10 +546,8 @@ void int8_rows_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
     fill_panel<Q, 16>(*x.a, n0, rows, true, p);
     if constexpr (kSubBlocks<Q> == 1) {
       gather_scales<Q>(*x.a, n0, rows, p);
-    } else if constexpr (kRowWise<Q>) {
-      gather_panel_scales<Q>(*x.a, n0, rows, p);
     } else {
-      fill_panel_scales<Q, 16>(*x.a, n0, rows, p);
+      gather_panel_scales<Q>(*x.a, n0, rows, p);
     }
     for (int64_t m0 = 0; m0 < x.a->M; m0 += kRows) {
       switch (std::min(kRows, x.a->M - m0)) {
@@ -607,7 +605,7 @@ inline void quantize_int8(const float* x, int64_t ldx, int64_t M, int64_t K, Int
 }
 
 // Every path gives the same bits (the header's note), so the choice may depend on M without breaking batch
-// invariance: decoding's few rows take the row-wise kernel where the format has one; more than one pass of it
+// invariance: decoding's few rows take the row-wise kernel; more than one pass of it
 // (kPassRows) the tiles where the CPU has them, whose fixed cost per block a single pass does not pay back
 // (bench/RESULTS.md).
 template <QuantType Q>
@@ -615,12 +613,10 @@ void int8_rows(const Int8Args& x, int64_t n_begin, int64_t n_end) {
 #if SPECDEC_CPU_X86
   const Int8Path path = int8_path();
   if (path == Int8Path::kVnni || path == Int8Path::kAmx) {
-    if constexpr (kRowWise<Q>) {
 #if SPECDEC_CPU_AMX
-      if (path == Int8Path::kAmx && x.a->M > kPassRows) return int8_rowwise_amx<Q>(x, n_begin, n_end);
+    if (path == Int8Path::kAmx && x.a->M > kPassRows) return int8_rowwise_amx<Q>(x, n_begin, n_end);
 #endif
-      if (x.a->M <= kRowWiseRows) return int8_rowwise_vnni<Q>(x, n_begin, n_end);
-    }
+    if (x.a->M <= kRowWiseRows) return int8_rowwise_vnni<Q>(x, n_begin, n_end);
     return int8_rows_vnni<Q>(x, n_begin, n_end);
   }
   if (path == Int8Path::kAvx2) return int8_rows_avx2<Q>(x, n_begin, n_end);

@@ -1,11 +1,11 @@
-// The 8-bit activation path's VNNI kernel for the row-wise formats (those of llama.cpp's Q4_K_M .. Q8_0 files): 16
-// weight rows' quants read straight from their blocks, two rows to a 512-bit vector, turned to vpdpbusd's operand
-// order in registers (a dword of 4 quants per row, 16 rows per vector) and dotted there with every x row's int8
-// block; the epilogue of csrc/quant_int8_cpu.h then runs on 16 rows at once. A section of csrc/quant_linear_cpu.cpp,
-// included by csrc/quant_int8_cpu.h (whose scales, x blocks and epilogue it shares) before its VNNI panel, which takes
-// the K-quants' scales from the gathers below.
+// The 8-bit activation path's VNNI kernel for a few x rows, every format read row-wise: 16 weight rows' quants read
+// straight from their blocks, two rows to a 512-bit vector, turned to vpdpbusd's operand order in registers (a dword of
+// 4 quants per row, 16 rows per vector) and dotted there with every x row's int8 block; the epilogue of
+// csrc/quant_int8_cpu.h then runs on 16 rows at once. A section of csrc/quant_linear_cpu.cpp, included by
+// csrc/quant_int8_cpu.h (whose scales, x blocks and epilogue it shares) before its VNNI panel, which takes the
+// K-quants' scales from the gathers below.
 //
-// Why not the panel (which Q2_K / Q3_K keep, and the others past kRowWiseRows x rows): it transposes 16 rows' quants
+// Why not the panel (which every format keeps past kRowWiseRows x rows): it transposes 16 rows' quants
 // with AVX2 and stores them, then loads them back for each group of x rows; at a few x rows that transpose was most of
 // the work. Here a block's transpose is 24 shuffles on vectors already loaded, and each x row costs its 8 vpdpbusd
 // and the epilogue; one x row skips the transpose (its dots with the pairs, each row's lanes summed after).
@@ -21,15 +21,12 @@
 
 #if SPECDEC_CPU_X86
 
-// Formats read row-wise: those of llama.cpp's Q4_K_M .. Q8_0 files. Q2_K / Q3_K keep the panel at every M.
-template <QuantType Q>
-constexpr bool kRowWise = Q != QuantType::kQ2_K && Q != QuantType::kQ3_K;
-
 template <QuantType Q>
 constexpr int kUnsignedOffset = Q == QuantType::kQ8_0   ? 128
                                 : Q == QuantType::kQ4_0 ? 8
                                 : Q == QuantType::kQ5_0 ? 16
                                 : Q == QuantType::kQ6_K ? 32
+                                : Q == QuantType::kQ3_K ? 4
                                                         : 0;
 
 template <QuantType Q>
@@ -80,6 +77,12 @@ SPECDEC_QVNNI_INLINE __m512i pair_quants(const uint8_t* p, int64_t stride) {
       q = _mm512_mask_add_epi8(q, high, q, _mm512_set1_epi8(16));
     }
     return q;
+  } else if constexpr (Q == QuantType::kQ2_K) {
+    return pair_field<2 * (S % 4), 3>(p + 16 + 32 * (S / 4), stride);
+  } else if constexpr (Q == QuantType::kQ3_K) {  // the low 2 bits, plus 4 where hmask's bit S is set
+    const __m512i low = pair_field<2 * (S % 4), 3>(p + 32 + 32 * (S / 4), stride);
+    const __mmask64 high = _mm512_test_epi8_mask(pair32(p, stride), _mm512_set1_epi8(static_cast<char>(1 << S)));
+    return _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4));
   } else if constexpr (Q == QuantType::kQ4_K) {
     return pair_field<4 * (S % 2), 15>(p + 16 + 32 * (S / 2), stride);
   } else if constexpr (Q == QuantType::kQ5_K) {
@@ -130,11 +133,11 @@ SPECDEC_QVNNI_INLINE void pairs_to_columns(const __m512i* q, __m512i* out) {
   }
 }
 
-// The float scales a, c and (Q6_K) the group scales of 16 rows' super-block or block, [sub-block or group][row]. Dead
-// rows (past the matrix's end) read nothing and hold zeros.
+// The float scales a, c and (Q2_K, Q3_K, Q6_K) the group scales and (Q2_K) minima of 16 rows' super-block or block,
+// [sub-block or group][row]. Dead rows (past the matrix's end) read nothing and hold zeros.
 struct Scales16 {
   __m512 a[8], c[8];
-  __m512i sc[16];
+  __m512i sc[16], mn[16];
 };
 
 // Pair i holds rows pair_row(i) and pair_row(i) + 4, so that lane_sums' dwords and pairs_to_columns' lanes come out as
@@ -153,8 +156,8 @@ SPECDEC_QVNNI_INLINE __m512i gather16(__mmask16 live, __m512i offsets, const uin
 
 SPECDEC_QVNNI_INLINE __m512 half_low(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
 
-// The scales of 16 rows' super-block at p: int_scales' values (a = d sc and c = -(dmin mn) exact products, Q6_K's
-// signed group scales), decoded 16 rows at a time from a few gathers of each row's scale bytes.
+// The scales of 16 rows' super-block at p: int_scales' values (a = d sc and c = -(dmin mn) exact products; the group
+// scales of Q2_K, Q3_K and Q6_K, Q2_K's minima), decoded 16 rows at a time from a few gathers of each row's bytes.
 template <QuantType Q>
 SPECDEC_QVNNI_INLINE void gather_k_scales(const uint8_t* p, __mmask16 live, __m512i offsets, Scales16& k) {
   if constexpr (Q == QuantType::kQ4_K || Q == QuantType::kQ5_K) {  // k4_scale_min's bit fields, 16 rows per lane
@@ -181,8 +184,38 @@ SPECDEC_QVNNI_INLINE void gather_k_scales(const uint8_t* p, __mmask16 live, __m5
       k.c[s] = _mm512_castsi512_ps(
           _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(min))), sign));
     }
+  } else if constexpr (Q == QuantType::kQ2_K) {  // scales[16]: a group's scale in the low nibble, minimum high
+    const __m512i dm = gather16(live, offsets, p + 80);
+    const __m512 d = half_low(dm);
+    const __m512 c = _mm512_castsi512_ps(  // -dmin: the sign bit flipped, as the scalar minus does
+        _mm512_xor_si512(_mm512_castps_si512(half_low(_mm512_srli_epi32(dm, 16))), _mm512_set1_epi32(INT32_MIN)));
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) k.a[s] = d, k.c[s] = c;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i g = gather16(live, offsets, p + 4 * j);
+#pragma GCC unroll 4
+      for (int e = 0; e < 4; ++e) {
+        const __m512i byte = _mm512_and_si512(_mm512_srli_epi32(g, 8 * e), _mm512_set1_epi32(255));
+        k.sc[4 * j + e] = _mm512_and_si512(byte, _mm512_set1_epi32(15));
+        k.mn[4 * j + e] = _mm512_srli_epi32(byte, 4);
+      }
+    }
+  } else if constexpr (Q == QuantType::kQ3_K) {  // k3_scale's bit fields, 16 rows per lane
+    const __m512 d = half_low(gather16(live, offsets, p + 108));
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) k.a[s] = d;
+    const __m512i low[2] = {gather16(live, offsets, p + 96), gather16(live, offsets, p + 100)};
+    const __m512i high = gather16(live, offsets, p + 104);
+#pragma GCC unroll 16
+    for (int g = 0; g < 16; ++g) {
+      const __m512i l = _mm512_and_si512(_mm512_srli_epi32(low[(g % 8) / 4], 8 * (g % 4) + 4 * (g / 8)),
+                                         _mm512_set1_epi32(15));
+      const __m512i h = _mm512_and_si512(_mm512_srli_epi32(high, 8 * (g % 4) + 2 * (g / 4)), _mm512_set1_epi32(3));
+      k.sc[g] = _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(h, 4)), _mm512_set1_epi32(32));
+    }
   } else {
-    static_assert(Q == QuantType::kQ6_K, "a format read row-wise");
+    static_assert(Q == QuantType::kQ6_K, "a K-quant");
     const __m512 d = half_low(_mm512_srli_epi32(gather16(live, offsets, p + 206), 16));  // d: bytes 208-209
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) k.a[s] = d;
@@ -195,7 +228,7 @@ SPECDEC_QVNNI_INLINE void gather_k_scales(const uint8_t* p, __mmask16 live, __m5
   }
 }
 
-// The panel's scales of a K-quant read row-wise (Q4_K, Q5_K, Q6_K), 16 rows per gather instead of row by row.
+// The panel's scales of a K-quant, 16 rows per gather instead of row by row.
 template <QuantType Q>
 SPECDEC_QVNNI void gather_panel_scales(const QuantArgs& a, int64_t n0, int64_t rows, Panel<16>& p) {
   const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
@@ -212,6 +245,10 @@ SPECDEC_QVNNI void gather_panel_scales(const QuantArgs& a, int64_t n0, int64_t r
       if constexpr (kGroupScales<Q>) {
         _mm512_storeu_si512(p.sc.data() + b * 32, k.sc[2 * s]);
         _mm512_storeu_si512(p.sc.data() + b * 32 + 16, k.sc[2 * s + 1]);
+      }
+      if constexpr (kGroupScales<Q> && kIntMin<Q>) {  // Q2_K
+        _mm512_storeu_si512(p.mn.data() + b * 32, k.mn[2 * s]);
+        _mm512_storeu_si512(p.mn.data() + b * 32 + 16, k.mn[2 * s + 1]);
       }
     }
   }
@@ -234,8 +271,12 @@ SPECDEC_QVNNI_INLINE __m512 rows16_epilogue(const Int8Args& x, __m512i h0, __m51
     I = _mm512_sub_epi32(_mm512_add_epi32(h0, h1), _mm512_set1_epi32(kOff * (xs[0] + xs[1])));
   }
   __m512 u = rounded(_mm512_mul_ps(k.a[s], _mm512_cvtepi32_ps(I)));
-  if constexpr (kIntMin<Q>) {
-    const __m512 sum = _mm512_set1_ps(x.x->sum[m * (K / 32) + b]);  // S: every row-wise format's mn is 1
+  if constexpr (kIntMin<Q> && kGroupScales<Q>) {  // Q2_K: S = mn0 xs0 + mn1 xs1
+    const __m512i S = _mm512_add_epi32(_mm512_mullo_epi32(k.mn[2 * s], _mm512_set1_epi32(xs[0])),
+                                       _mm512_mullo_epi32(k.mn[2 * s + 1], _mm512_set1_epi32(xs[1])));
+    u = _mm512_add_ps(u, rounded(_mm512_mul_ps(k.c[s], _mm512_cvtepi32_ps(S))));
+  } else if constexpr (kIntMin<Q>) {
+    const __m512 sum = _mm512_set1_ps(x.x->sum[m * (K / 32) + b]);  // S: the other formats' mn is 1
     u = _mm512_add_ps(u, rounded(_mm512_mul_ps(k.c[s], sum)));
   }
   return _mm512_add_ps(acc, rounded(_mm512_mul_ps(_mm512_set1_ps(x.x->dx[m * (K / 32) + b]), u)));

@@ -63,7 +63,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, qtype: str, bias: torch.Tensor
 
 def int8_path() -> str:
     """How this process multiplies int8 blocks (``activations="int8"``; chosen once, under ``SPECDEC_CPU_ISA``'s cap):
-    ``"amx"`` (AMX-INT8 tiles for the row-wise formats past 8 rows, AVX512-VNNI elsewhere), ``"vnni"`` (AVX512-VNNI),
+    ``"amx"`` (AMX-INT8 tiles past 8 x rows, AVX512-VNNI below), ``"vnni"`` (AVX512-VNNI),
     ``"avx2"`` or ``"scalar"``. Builds the extension on first use."""
     from spec_kernels._ext import load_ext
 
