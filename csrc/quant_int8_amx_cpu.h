@@ -1,15 +1,16 @@
 // The 8-bit activation path's AMX-INT8 kernel, beside the row-wise one (csrc/quant_int8_rows_cpu.h): the same pairs
-// and columns of 16 weight rows, but one tdpbsud makes every x row's block sums at once. A section of
+// and columns of 16 weight rows, but one tdpbssd makes every x row's block sums at once. A section of
 // csrc/quant_linear_cpu.cpp, included by csrc/quant_int8_cpu.h after the row-wise kernel, whose pieces it uses, and
 // only where the compiler has the AMX intrinsics (SPECDEC_CPU_AMX).
 //
-// Per block: the columns (w[j] dword r = quants 4j .. 4j + 3 of weight row r, unsigned) are exactly the layout of a
-// tdpbsud's second operand, 8 rows of 64 bytes; the first is up to 16 x rows' 32 int8 quants, read in place from the
-// quantized x (row stride K). The result tile holds, for x row m and weight row r, sum(xq (q + kUnsignedOffset)) over
-// the block (over each 16-element group in its own tile where the format has group scales), and the row-wise
-// kernel's epilogue then runs on it, one x row and 16 weight rows at a time.
+// Per block: the columns (w[j] dword r = quants 4j .. 4j + 3 of weight row r), their offset taken off again so that
+// they are int_quants' signed integers, are exactly the layout of a tdpbssd's second operand, 8 rows of 64 bytes; the
+// first is up to 16 x rows' 32 int8 quants, read in place from the quantized x (row stride K). The result tile holds,
+// for x row m and weight row r, sum(xq q) over the block (over each 16-element group in its own tile where the
+// format has group scales), and the row-wise kernel's epilogue then runs on it with no offset, one x row and 16
+// weight rows at a time.
 //
-// Why it gives the spec's bits: the tile's sums are the exact integers vpdpbusd makes, and the epilogue is the same
+// Why it gives the spec's bits: the tile's sums are the exact integers I is made of, and the epilogue is the same
 // code. Why: the row-wise kernel pays 8 vpdpbusd per x row and block, here one instruction serves 16 x rows, leaving
 // the epilogue and the columns' transpose (once per 16 x rows) as the work of a verify pass or a prompt's chunk.
 #pragma once
@@ -19,7 +20,7 @@
 // x rows per tile: a tile's 16 rows.
 constexpr int kTileRows = 16;
 
-// A step is one tdpbsud: a block, or one of its two groups where the format has group scales.
+// A step is one tdpbssd: a block, or one of its two groups where the format has group scales.
 template <QuantType Q>
 constexpr int kGroupsPerBlock = kGroupScales<Q> ? 2 : 1;
 
@@ -43,7 +44,8 @@ struct TileRun {
   alignas(64) int32_t sums[16][kTileRows][16];
 };
 
-// Block S of a super-block (K-quants; else the block at off, stored as block `at`) of the 8 pairs: its columns.
+// Block S of a super-block (K-quants; else the block at off, stored as block `at`) of the 8 pairs: its columns, as
+// signed bytes (tdpbssd multiplies signed by signed, so no offset is taken off per x row after).
 template <QuantType Q, int S>
 SPECDEC_QAMX8 __attribute__((always_inline)) inline void store_columns(const PairRows& pr, int64_t off, int at,
                                                                        TileRun& run) {
@@ -51,8 +53,9 @@ SPECDEC_QAMX8 __attribute__((always_inline)) inline void store_columns(const Pai
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) q[i] = pair_quants<Q, S>(pr.p[i] + off, pr.stride[i]);
   pairs_to_columns<Q>(q, w);
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(kUnsignedOffset<Q>));  // back to int_quants' integers
 #pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) _mm512_store_si512(run.columns[at][j], w[j]);
+  for (int j = 0; j < 8; ++j) _mm512_store_si512(run.columns[at][j], _mm512_sub_epi8(w[j], offset));
 }
 
 // Step `step` on tile set T: x's quants at xq (row stride K) times its columns, the sums out to run.sums[step]. (The
@@ -61,7 +64,7 @@ SPECDEC_QAMX8 __attribute__((always_inline)) inline void store_columns(const Pai
   _tile_loadd(tile_x, xq + step / kG * 32 + step % kG * (32 / kG), K);           \
   _tile_loadd(tile_w, run.columns[step / kG][step % kG * (8 / kG)], 64);          \
   _tile_zero(tile_sums);                                                          \
-  _tile_dpbsud(tile_sums, tile_x, tile_w);                                        \
+  _tile_dpbssd(tile_sums, tile_x, tile_w);                                        \
   _tile_stored(tile_sums, run.sums[step], 64)
 
 template <QuantType Q, int T>
@@ -131,7 +134,7 @@ SPECDEC_QAMX8 void tiles16(const Int8Args& x, int64_t n0, int64_t rows, int64_t 
       for (int r = 0; r < live; ++r) {
         const __m512i h0 = _mm512_load_si512(run.sums[kG * s][r]);
         const __m512i h1 = kG == 2 ? _mm512_load_si512(run.sums[kG * s + 1][r]) : _mm512_setzero_si512();
-        acc[r] = rows16_epilogue<Q>(x, h0, h1, m0 + r, b0 + s, k, s, acc[r]);
+        acc[r] = rows16_epilogue<Q, 0>(x, h0, h1, m0 + r, b0 + s, k, s, acc[r]);
       }
     }
   }

@@ -255,14 +255,13 @@ SPECDEC_QVNNI void gather_panel_scales(const QuantArgs& a, int64_t n0, int64_t r
 }
 
 // The epilogue (int8_tile_vnni's, operation for operation) of x row m and block b, whose scales are k's entry s,
-// for 16 weight rows (lane r row r): h0, h1 the rows' sums of (q + kUnsignedOffset) xq over quants 0-15 and 16-31
-// (where the format has one scale per block, any split of their total). Returns acc plus the block's term.
-template <QuantType Q>
+// for 16 weight rows (lane r row r): h0, h1 the rows' sums of (q + kOff) xq over quants 0-15 and 16-31 (where the
+// format has one scale per block, any split of their total). Returns acc plus the block's term.
+template <QuantType Q, int kOff = kUnsignedOffset<Q>>
 SPECDEC_QVNNI_INLINE __m512 rows16_epilogue(const Int8Args& x, __m512i h0, __m512i h1, int64_t m, int64_t b,
                                             const Scales16& k, int s, __m512 acc) {
   const int64_t K = x.a->K;
   const int32_t* xs = x.x->xs.data() + m * (K / 16) + 2 * b;
-  constexpr int kOff = kUnsignedOffset<Q>;
   __m512i I;
   if constexpr (kGroupScales<Q>) {
     I = _mm512_add_epi32(_mm512_mullo_epi32(k.sc[2 * s], _mm512_sub_epi32(h0, _mm512_set1_epi32(kOff * xs[0]))),
