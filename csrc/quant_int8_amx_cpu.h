@@ -87,15 +87,9 @@ template <QuantType Q>
 SPECDEC_QAMX8 void tiles16(const Int8Args& x, int64_t n0, int64_t rows, int64_t m0, int live, bool more) {
   const QuantArgs& a = *x.a;
   const int64_t blocks = a.K / 32;
-  const uint8_t* const base = a.w + n0 * a.row_bytes;
-  PairRows pr;
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {  // a dead row reads the last live one (its lanes are never stored)
-    const int64_t r0 = std::min<int64_t>(pair_row(i), rows - 1), r1 = std::min<int64_t>(pair_row(i) + 4, rows - 1);
-    pr.p[i] = base + r0 * a.row_bytes, pr.stride[i] = (r1 - r0) * a.row_bytes;
-  }
-  const __mmask16 live_rows = static_cast<__mmask16>((1u << rows) - 1);
-  const __m512i offsets = row_offsets(a.row_bytes);
+  const TileReads t = tile_reads(a, n0, rows);
+  const uint8_t* const base = t.base;
+  const PairRows& pr = t.pr;
   __m512 acc[kTileRows];
   for (int r = 0; r < live; ++r) acc[r] = _mm512_setzero_ps();
   Scales16 k;
@@ -107,15 +101,13 @@ SPECDEC_QAMX8 void tiles16(const Int8Args& x, int64_t n0, int64_t rows, int64_t 
       for (int s = 0; s < n; ++s) {
         const int64_t off = (b0 + s) * kBlockBytes<Q>;
         prefetch_ahead<Q>(base, a.row_bytes, off, rows, more);
-        const __m512i v = gather16(live_rows, offsets, base + off);  // d (and m): gather_scales' values
-        k.a[s] = half_low(v);
-        if constexpr (kIntMin<Q>) k.c[s] = half_low(_mm512_srli_epi32(v, 16));
+        gather_block_scales<Q>(t, off, s, k);
         store_columns<Q, 0>(pr, off, s, run);
       }
     } else {
       const int64_t off = b0 / 8 * kBlockBytes<Q>;
       prefetch_ahead<Q>(base, a.row_bytes, off, rows, more);
-      gather_k_scales<Q>(base + off, live_rows, offsets, k);
+      gather_k_scales<Q>(base + off, t.live, t.offsets, k);
       store_columns<Q, 0>(pr, off, 0, run);
       store_columns<Q, 1>(pr, off, 1, run);
       store_columns<Q, 2>(pr, off, 2, run);

@@ -287,6 +287,37 @@ struct PairRows {
   int64_t stride[8];
 };
 
+// A tile of 16 weight rows from n0 (`rows` live): where it starts, its pairs, and its scale gathers' lanes and
+// offsets.
+struct TileReads {
+  const uint8_t* base;
+  PairRows pr;
+  __mmask16 live;
+  __m512i offsets;
+};
+
+SPECDEC_QVNNI_INLINE TileReads tile_reads(const QuantArgs& a, int64_t n0, int64_t rows) {
+  TileReads t;
+  t.base = a.w + n0 * a.row_bytes;
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // a dead row reads the last live one (its lanes are never stored)
+    const int64_t r0 = std::min<int64_t>(pair_row(i), rows - 1), r1 = std::min<int64_t>(pair_row(i) + 4, rows - 1);
+    t.pr.p[i] = t.base + r0 * a.row_bytes, t.pr.stride[i] = (r1 - r0) * a.row_bytes;
+  }
+  t.live = static_cast<__mmask16>((1u << rows) - 1);
+  t.offsets = row_offsets(a.row_bytes);
+  return t;
+}
+
+// The scales of the block at byte `off` of a tile's rows (a format of one scale per block) into k's entry s: d, and
+// m where the format has a minimum (gather_scales' values).
+template <QuantType Q>
+SPECDEC_QVNNI_INLINE void gather_block_scales(const TileReads& t, int64_t off, int s, Scales16& k) {
+  const __m512i v = gather16(t.live, t.offsets, t.base + off);
+  k.a[s] = half_low(v);
+  if constexpr (kIntMin<Q>) k.c[s] = half_low(_mm512_srli_epi32(v, 16));
+}
+
 // One block (sub-block S of a K-quant super-block) of 16 rows times MB x rows from m0, b the block's index in the
 // row: each x row's dots with the pairs' columns (or with the pairs, summed per row), then the panel's epilogue
 // (int8_tile_vnni) into acc.
@@ -358,15 +389,9 @@ template <QuantType Q, int MB>
 SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int64_t m0, bool more) {
   const QuantArgs& a = *x.a;
   const int64_t blocks = a.K / 32;
-  const uint8_t* const base = a.w + n0 * a.row_bytes;
-  PairRows pr;
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {  // a dead row reads the last live one (its lanes are never stored)
-    const int64_t r0 = std::min<int64_t>(pair_row(i), rows - 1), r1 = std::min<int64_t>(pair_row(i) + 4, rows - 1);
-    pr.p[i] = base + r0 * a.row_bytes, pr.stride[i] = (r1 - r0) * a.row_bytes;
-  }
-  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
-  const __m512i offsets = row_offsets(a.row_bytes);
+  const TileReads t = tile_reads(a, n0, rows);
+  const uint8_t* const base = t.base;
+  const PairRows& pr = t.pr;
   __m512 acc[MB];
 #pragma GCC unroll 8
   for (int r = 0; r < MB; ++r) acc[r] = _mm512_setzero_ps();
@@ -374,16 +399,14 @@ SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int6
   if constexpr (kSubBlocks<Q> == 1) {
     for (int64_t b = 0; b < blocks; ++b) {
       prefetch_ahead<Q>(base, a.row_bytes, b * kBlockBytes<Q>, rows, more);
-      const __m512i v = gather16(live, offsets, base + b * kBlockBytes<Q>);  // d (and m): gather_scales' values
-      k.a[0] = half_low(v);
-      if constexpr (kIntMin<Q>) k.c[0] = half_low(_mm512_srli_epi32(v, 16));
+      gather_block_scales<Q>(t, b * kBlockBytes<Q>, 0, k);
       rows16_block<Q, 0, MB>(x, pr, b * kBlockBytes<Q>, b, m0, k, acc);
     }
   } else {
     for (int64_t sb = 0; sb < blocks / 8; ++sb) {
       prefetch_ahead<Q>(base, a.row_bytes, sb * kBlockBytes<Q>, rows, more);
       const int64_t off = sb * kBlockBytes<Q>;
-      gather_k_scales<Q>(base + off, live, offsets, k);
+      gather_k_scales<Q>(base + off, t.live, t.offsets, k);
       rows16_block<Q, 0, MB>(x, pr, off, 8 * sb, m0, k, acc);
       rows16_block<Q, 1, MB>(x, pr, off, 8 * sb + 1, m0, k, acc);
       rows16_block<Q, 2, MB>(x, pr, off, 8 * sb + 2, m0, k, acc);
