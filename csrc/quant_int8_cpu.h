@@ -460,26 +460,6 @@ void int8_rows_avx2(const Int8Args& x, int64_t n_begin, int64_t n_end) {
 #include "quant_int8_amx_cpu.h"  // int8_rowwise_amx: AMX-INT8 tiles past one pass of the row-wise kernel
 #endif
 
-// The 32-weight formats' d (and m) of 16 rows at once: one gather of each row's block's first 4 bytes (at M = 1 the
-// per-row conversions and stores were the panel's largest cost). The same conversion as F16C's scalar one.
-template <QuantType Q>
-SPECDEC_QVNNI void gather_scales(const QuantArgs& a, int64_t n0, int64_t rows, Panel<16>& p) {
-  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);  // the rest read nothing and stay zero
-  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(static_cast<int>(a.row_bytes)));
-  const uint8_t* const base = a.w + n0 * a.row_bytes;
-  float* const pa = p.a.data();
-  float* const pc = p.c.data();
-  for (int64_t b = 0; b < a.K / 32; ++b) {
-    const __m512i v =
-        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, base + b * kBlockBytes<Q>, 1);
-    _mm512_storeu_ps(pa + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));  // d: each dword's low half
-    if constexpr (kIntMin<Q>) {
-      _mm512_storeu_ps(pc + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));  // m
-    }
-  }
-}
-
 // AVX512-VNNI: 16 weight rows per vector, MB x rows per pass (each panel vector loaded once for them); vpdpbusd sums
 // four (q + 128) xq products per dword, and 128 xs is taken off after.
 template <QuantType Q, int MB>
@@ -544,11 +524,7 @@ void int8_rows_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
     const int64_t rows = std::min<int64_t>(16, n_end - n0);
     fill_panel<Q, 16>(*x.a, n0, rows, true, p);
-    if constexpr (kSubBlocks<Q> == 1) {
-      gather_scales<Q>(*x.a, n0, rows, p);
-    } else {
-      gather_panel_scales<Q>(*x.a, n0, rows, p);
-    }
+    gather_panel_scales<Q>(*x.a, n0, rows, p);
     for (int64_t m0 = 0; m0 < x.a->M; m0 += kRows) {
       switch (std::min(kRows, x.a->M - m0)) {
         case 1:

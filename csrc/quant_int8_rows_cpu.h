@@ -228,32 +228,6 @@ SPECDEC_QVNNI_INLINE void gather_k_scales(const uint8_t* p, __mmask16 live, __m5
   }
 }
 
-// The panel's scales of a K-quant, 16 rows per gather instead of row by row.
-template <QuantType Q>
-SPECDEC_QVNNI void gather_panel_scales(const QuantArgs& a, int64_t n0, int64_t rows, Panel<16>& p) {
-  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
-  const __m512i offsets = row_offsets(a.row_bytes);
-  const uint8_t* const base = a.w + n0 * a.row_bytes;
-  for (int64_t sb = 0; sb < a.K / 256; ++sb) {
-    Scales16 k;
-    gather_k_scales<Q>(base + sb * kBlockBytes<Q>, live, offsets, k);
-#pragma GCC unroll 8
-    for (int s = 0; s < 8; ++s) {
-      const int64_t b = 8 * sb + s;
-      _mm512_storeu_ps(p.a.data() + b * 16, k.a[s]);
-      if constexpr (kIntMin<Q>) _mm512_storeu_ps(p.c.data() + b * 16, k.c[s]);
-      if constexpr (kGroupScales<Q>) {
-        _mm512_storeu_si512(p.sc.data() + b * 32, k.sc[2 * s]);
-        _mm512_storeu_si512(p.sc.data() + b * 32 + 16, k.sc[2 * s + 1]);
-      }
-      if constexpr (kGroupScales<Q> && kIntMin<Q>) {  // Q2_K
-        _mm512_storeu_si512(p.mn.data() + b * 32, k.mn[2 * s]);
-        _mm512_storeu_si512(p.mn.data() + b * 32 + 16, k.mn[2 * s + 1]);
-      }
-    }
-  }
-}
-
 // The epilogue (int8_tile_vnni's, operation for operation) of x row m and block b, whose scales are k's entry s,
 // for 16 weight rows (lane r row r): h0, h1 the rows' sums of (q + kOff) xq over quants 0-15 and 16-31 (where the
 // format has one scale per block, any split of their total). Returns acc plus the block's term.
@@ -310,12 +284,42 @@ SPECDEC_QVNNI_INLINE TileReads tile_reads(const QuantArgs& a, int64_t n0, int64_
 }
 
 // The scales of the block at byte `off` of a tile's rows (a format of one scale per block) into k's entry s: d, and
-// m where the format has a minimum (gather_scales' values).
+// m where the format has a minimum, each converted as F16C's scalar conversion does.
 template <QuantType Q>
 SPECDEC_QVNNI_INLINE void gather_block_scales(const TileReads& t, int64_t off, int s, Scales16& k) {
   const __m512i v = gather16(t.live, t.offsets, t.base + off);
   k.a[s] = half_low(v);
   if constexpr (kIntMin<Q>) k.c[s] = half_low(_mm512_srli_epi32(v, 16));
+}
+
+// The panel's scales of every format, 16 rows per gather instead of row by row (at M = 1 the per-row conversions and
+// stores were the panel's largest cost): a run of 8 blocks at a time, a K-quant's super-block.
+template <QuantType Q>
+SPECDEC_QVNNI void gather_panel_scales(const QuantArgs& a, int64_t n0, int64_t rows, Panel<16>& p) {
+  const TileReads t = tile_reads(a, n0, rows);
+  const int64_t blocks = a.K / 32;
+  Scales16 k;
+  for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, blocks - b0));
+    if constexpr (kSubBlocks<Q> == 1) {
+      for (int s = 0; s < n; ++s) gather_block_scales<Q>(t, (b0 + s) * kBlockBytes<Q>, s, k);
+    } else {
+      gather_k_scales<Q>(t.base + b0 / 8 * kBlockBytes<Q>, t.live, t.offsets, k);
+    }
+    for (int s = 0; s < n; ++s) {
+      const int64_t b = b0 + s;
+      _mm512_storeu_ps(p.a.data() + b * 16, k.a[s]);
+      if constexpr (kIntMin<Q>) _mm512_storeu_ps(p.c.data() + b * 16, k.c[s]);
+      if constexpr (kGroupScales<Q>) {
+        _mm512_storeu_si512(p.sc.data() + b * 32, k.sc[2 * s]);
+        _mm512_storeu_si512(p.sc.data() + b * 32 + 16, k.sc[2 * s + 1]);
+      }
+      if constexpr (kGroupScales<Q> && kIntMin<Q>) {  // Q2_K
+        _mm512_storeu_si512(p.mn.data() + b * 32, k.mn[2 * s]);
+        _mm512_storeu_si512(p.mn.data() + b * 32 + 16, k.mn[2 * s + 1]);
+      }
+    }
+  }
 }
 
 // One block (sub-block S of a K-quant super-block) of 16 rows times MB x rows from m0, b the block's index in the
