@@ -99,22 +99,38 @@ void attend_scalar(const T* k, const T* v, const int64_t* rows, int64_t n, const
 // tree: a key's score does not depend on which keys share its block), the max and the exponentials by vectors, the
 // softmax sum in lanes by list index (index j in lane j % 16, one fixed reduction at the end), and the weighted sum
 // of V rows in list order. Each key's and value's bf16 row is widened once for the G query heads of its KV head.
+// `in_place` (float32 keys only): the first in_place keys are rows k + j * D (j the list index, D a multiple of 16),
+// read where they lie instead of staged (widen_positions made them once for every query row that shares them).
 template <typename T>
 SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G,
-                                  int64_t D, float scale, float* p, float* out) {
+                                  int64_t D, float scale, float* p, float* out, int64_t in_place = 0) {
   const __m512 scale_v = _mm512_set1_ps(scale);
   // bf16 keys are widened once per block of 16 into kf (fp32, D padded to 16 with zeros, as load16's masked tail
   // reads them) for all G heads: the same products and sums as widening them head by head
   const int64_t Dp = (D + 15) / 16 * 16;
   thread_local std::vector<float> widened;
   widened.resize(static_cast<size_t>(16 * Dp));
-  float* kf = widened.data();
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t count = std::min<int64_t>(16, n - j0);
     const __mmask16 live = count == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-    for (int64_t j = 0; j < count; ++j) {
-      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(kf + j * Dp + d, load16(k + rows[j0 + j] + d, D - d));
+    const float* kf = widened.data();
+    if constexpr (std::is_same_v<T, float>) {
+      if (j0 + 16 <= in_place) kf = k + j0 * D;
     }
+    for (int64_t j = 0; kf == widened.data() && j < count; ++j) {
+      const T* row = k + rows[j0 + j];
+      if (j0 + 16 + j < n) _mm_prefetch(reinterpret_cast<const char*>(k + rows[j0 + 16 + j]), _MM_HINT_T0);
+      float* staged = widened.data() + j * Dp;
+      if (D == 64) {  // the common head size: four full vectors, no masks
+#pragma GCC unroll 4
+        for (int64_t d = 0; d < 64; d += 16) _mm512_storeu_ps(staged + d, load16(row + d, 16));
+      } else {
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(staged + d, load16(row + d, D - d));
+      }
+    }
+    // a short last block's missing keys as zeros: every block then runs the same 16 unconditional chains (the dead
+    // lanes are not stored, and no chain mixes into another's lane)
+    if (kf == widened.data()) std::fill(widened.data() + count * Dp, widened.data() + 16 * Dp, 0.f);
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc[16];
 #pragma GCC unroll 16
@@ -123,10 +139,8 @@ SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, i
         const __m512 qv = load16(q + g * D + d, D - d);
 #pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) {
-          if (j < count) {
-            const int slot = 4 * (j % 4) + j / 4;  // reduce16 leaves acc[slot] in lane j
-            acc[slot] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + j * Dp + d), acc[slot]);
-          }
+          const int slot = 4 * (j % 4) + j / 4;  // reduce16 leaves acc[slot] in lane j
+          acc[slot] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + j * Dp + d), acc[slot]);
         }
       }
       _mm512_mask_storeu_ps(p + g * n + j0, live, _mm512_mul_ps(simd::reduce16(acc), scale_v));
@@ -155,6 +169,17 @@ SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, i
   for (int64_t g = 0; g < G; ++g) {
     const float inv = n > 0 ? 1.f / totals[g] : 0.f;  // a row that sees nothing (L_b = 0, all-False mask row): zeros
     for (int64_t i = 0; i < D; ++i) out[g * D + i] *= inv;
+  }
+}
+
+template <typename T>
+SPECDEC_AVX512 void widen_positions_avx512(const T* k, const T* v, const int64_t* rows, int64_t n, int64_t D,
+                                           float* kf, float* vf) {
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t d = 0; d < D; d += 16) {
+      _mm512_storeu_ps(kf + j * D + d, load16(k + rows[j] + d, D - d));
+      _mm512_storeu_ps(vf + j * D + d, load16(v + rows[j] + d, D - d));
+    }
   }
 }
 
@@ -255,15 +280,32 @@ SPECDEC_AVX2 void attend_avx2(const T* k, const T* v, const int64_t* rows, int64
 
 template <typename T>
 void attend(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G, int64_t D, float scale,
-            float* p, float* out) {
+            float* p, float* out, int64_t in_place = 0) {
 #if SPECDEC_DECODER_X86
-  if (cpu_has_avx512()) return attend_avx512(k, v, rows, n, q, G, D, scale, p, out);
+  if (cpu_has_avx512()) return attend_avx512(k, v, rows, n, q, G, D, scale, p, out, in_place);
   if (cpu_has_avx2()) return attend_avx2(k, v, rows, n, q, G, D, scale, p, out);
 #endif
   attend_scalar(k, v, rows, n, q, G, D, scale, p, out);
 }
 
-// out[i] = silu(gate[i]) * up[i] = gate / (1 + e^-gate) * up, for n elements.
+// Whether a worker's attention widens each sequence's keys and values once per KV head (widen_positions) for all the
+// query rows it attends there: on AVX-512, D a multiple of 16, and several query rows (T >= 2: a verify or a prompt
+// chunk) making at least two units per worker and KV head (T * groups of them; one would only copy them twice).
+inline bool widens_once(int64_t D, int64_t T, int64_t groups, int64_t workers) {
+  return cpu_has_avx512() && D % 16 == 0 && T >= 2 && T * groups >= 2 * workers;
+}
+
+// Keys and values of the n positions at `rows` (cache row offsets, already at the KV head) as float32 rows [n, D]
+// in kf and vf: the floats attend_avx512 stages per block of 16, so reading them (attend's in_place) changes no sum.
+template <typename T>
+void widen_positions(const T* k, const T* v, const int64_t* rows, int64_t n, int64_t D, float* kf, float* vf) {
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return widen_positions_avx512(k, v, rows, n, D, kf, vf);
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t i = 0; i < D; ++i) kf[j * D + i] = to_f(k[rows[j] + i]), vf[j * D + i] = to_f(v[rows[j] + i]);
+  }
+}
 
 }  // namespace
 }  // namespace specdec

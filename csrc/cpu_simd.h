@@ -1,7 +1,7 @@
 // SIMD pieces shared by the CPU kernels (csrc/linear_cpu.cpp, csrc/layer_ops_cpu.h, csrc/verify_tree_cpu.cpp):
 // the target attributes that compile a function for AMX, AVX-512 or AVX2 + FMA without global -m flags, transposing
-// lane sums (16-way, 8-way) and 16 x 16 blocks, and vector exps. Callers choose a path once per process (cpu_isa) and keep a scalar one for
-// other CPUs.
+// lane sums (16-way, 8-way) and 16 x 16 blocks, vector exps, and bfloat16 loads and rounding. Callers choose a path
+// once per process (cpu_isa) and keep a scalar one for other CPUs.
 #pragma once
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -296,6 +296,44 @@ SPECDEC_AVX2 inline __m256 load8(const T* p, int64_t count) {
     alignas(16) uint16_t buf[8] = {};
     std::memcpy(buf, p, static_cast<size_t>(count) * 2);
     return widen_bf16(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+  }
+}
+
+// float32 -> bfloat16 bits, rounded as c10::BFloat16's constructor rounds (to nearest even, NaN -> 0x7FC0), so a
+// vector of outputs is bitwise what static_cast<c10::BFloat16> writes one by one (vcvtneps2bf16 would flush
+// denormals): 16 lanes packed into 16 bits each.
+SPECDEC_AVX512 inline __m256i round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// The same rounding for 8 lanes (AVX2), packed into 16 bits each.
+SPECDEC_AVX2 inline __m128i round_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+// The first `count` (<= 8) of 8 float32 lanes stored at p as float32 or bfloat16 (round_bf16): load8's inverse.
+template <typename T>
+SPECDEC_AVX2 inline void store8(T* p, __m256 v, int64_t count) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 2, "float32 or bfloat16");
+  if constexpr (sizeof(T) == 4) {
+    if (count >= 8) return _mm256_storeu_ps(reinterpret_cast<float*>(p), v);
+    alignas(32) float buf[8];
+    _mm256_store_ps(buf, v);
+    std::memcpy(p, buf, static_cast<size_t>(count) * 4);
+  } else {
+    if (count >= 8) return _mm_storeu_si128(reinterpret_cast<__m128i*>(p), round_bf16(v));
+    alignas(16) uint16_t buf[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(buf), round_bf16(v));
+    std::memcpy(p, buf, static_cast<size_t>(count) * 2);
   }
 }
 

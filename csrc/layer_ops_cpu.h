@@ -66,6 +66,35 @@ SPECDEC_AVX512 inline __m512 load16(const T* p, int64_t count) {
   }
 }
 
+// The first `count` (<= 16) of 16 float32 lanes stored at p as float32 or bfloat16 (simd::round_bf16): load16's
+// inverse.
+template <typename T>
+SPECDEC_AVX512 inline void store16(T* p, __m512 v, int64_t count) {
+  const __mmask16 m = count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_mask_storeu_ps(p, m, v);
+  } else {
+    _mm256_mask_storeu_epi16(p, m, simd::round_bf16(v));
+  }
+}
+
+// scale_row (below), 16 and 8 elements at a time.
+template <typename W, typename O>
+SPECDEC_AVX512 void scale_row_avx512(const float* x, float inv, const W* w, O* o, int64_t n) {
+  const __m512 s = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < n; i += 16) {
+    store16(o + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i, n - i), s), load16(w + i, n - i)), n - i);
+  }
+}
+
+template <typename W, typename O>
+SPECDEC_AVX2 void scale_row_avx2(const float* x, float inv, const W* w, O* o, int64_t n) {
+  const __m256 s = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < n; i += 8) {
+    simd::store8(o + i, _mm256_mul_ps(_mm256_mul_ps(simd::load8(x + i, n - i), s), simd::load8(w + i, n - i)), n - i);
+  }
+}
+
 // Lane l sums a[i] * b[i] for i = l, l + 16, ...; then one fixed reduction of the 16 lanes.
 template <typename T>
 SPECDEC_AVX512 float dot_avx512(const float* a, const T* b, int64_t n) {
@@ -196,6 +225,16 @@ inline void axpy(float alpha, const T* x, float* y, int64_t n) {
 // Row-wise pieces.
 // ---------------------------------------------------------------------------------------------------------------
 
+// o[i] = x[i] * inv * w[i] for n elements, rounded once to O: the same two products per element on every path.
+template <typename W, typename O>
+void scale_row(const float* x, float inv, const W* w, O* o, int64_t n) {
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return scale_row_avx512(x, inv, w, o, n);
+  if (cpu_has_avx2()) return scale_row_avx2(x, inv, w, o, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<O>(x[i] * inv * to_f(w[i]));
+}
+
 // out = x / sqrt(mean(x^2) + eps) * w for `rows` rows of n: float32 statistics (x row stride ldx), the result in
 // out's type (contiguous rows). In place when out == x.
 template <typename W, typename O>
@@ -203,8 +242,7 @@ void rms_norm(const float* x, int64_t ldx, const W* w, float eps, O* out, int64_
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * ldx;
     const float inv = 1.f / std::sqrt(dot(xr, xr, n) / static_cast<float>(n) + eps);
-    O* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<O>(xr[i] * inv * to_f(w[i]));
+    scale_row(xr, inv, w, out + r * n, n);
   }
 }
 

@@ -37,27 +37,23 @@ void silu_mul_scalar(const T* gate, const T* up, T* out, int64_t n) {
 #if SPECDEC_DECODER_X86
 template <typename T>
 SPECDEC_AVX512 void silu_mul_avx512(const T* gate, const T* up, T* out, int64_t n) {
-  alignas(64) float buf[16];
   for (int64_t i = 0; i < n; i += 16) {
     const int64_t count = std::min<int64_t>(16, n - i);
     const __m512 g = load16(gate + i, count);
     const __m512 one = _mm512_set1_ps(1.f);
     const __m512 e = simd::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    _mm512_store_ps(buf, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), load16(up + i, count)));
-    for (int64_t j = 0; j < count; ++j) out[i + j] = static_cast<T>(buf[j]);
+    store16(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), load16(up + i, count)), count);
   }
 }
 
 template <typename T>
 SPECDEC_AVX2 void silu_mul_avx2(const T* gate, const T* up, T* out, int64_t n) {
-  alignas(32) float buf[8];
   const __m256 one = _mm256_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 8) {
     const int64_t count = std::min<int64_t>(8, n - i);
     const __m256 g = simd::load8(gate + i, count);
     const __m256 e = simd::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    _mm256_store_ps(buf, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), simd::load8(up + i, count)));
-    for (int64_t j = 0; j < count; ++j) out[i + j] = static_cast<T>(buf[j]);
+    simd::store8(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), simd::load8(up + i, count)), count);
   }
 }
 #endif
@@ -99,6 +95,14 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
   std::vector<std::vector<int64_t>> key_lists(max_workers);
   std::vector<std::vector<float>> score_bufs(max_workers);
   for (int64_t i = 0; i < max_workers; ++i) key_lists[i].reserve(max_keys), score_bufs[i].reserve(G * max_keys);
+  // Each worker's float32 keys and values [max_keys, D] of one sequence's positions at one KV head (widen_positions),
+  // where its query rows there share them: allocated uninitialized here (pages untouched until written).
+  std::vector<std::unique_ptr<float[]>> widened_k(max_workers), widened_v(max_workers);
+  if (p.T_ > 1) {
+    for (int64_t i = 0; i < max_workers; ++i) {
+      widened_k[i].reset(new float[max_keys * D]), widened_v[i].reset(new float[max_keys * D]);
+    }
+  }
 
   run_team([&](const Worker& w) {
     std::vector<int64_t>& keys = key_lists[w.id()];
@@ -115,6 +119,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
     const int64_t groups = rows_units % w.size() == 0 || rows_units >= 4 * w.size() ? 1 : std::min(G, w.size());
     const int64_t per_group = (G + groups - 1) / groups;
     const int64_t num_units = rows_units * groups;
+    const bool widen_once = widens_once(D, p.T_, groups, w.size());
 
     for (int64_t l = 0; l < p.num_layers; ++l) {
       const at::Tensor* wl = weights.data() + l * kNumFields;
@@ -161,16 +166,44 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       }
       w.sync();
       int64_t keys_of = -1;  // the query row whose keys `keys` holds
-      for (int64_t u = w.id(); u < num_units; u += w.size()) {
+      int64_t widened_of = -1;  // with widen_once: the (b, KV head) whose positions widened_k / widened_v hold
+      for (int64_t i = 0; i < num_units; ++i) {
+        // widen_once visits the same units sequence by sequence and KV head by KV head (then row by row): one widening
+        // serves all of a worker's rows there. The order changes no value: each unit's sums are its own.
+        const int64_t u = widen_once ? ((i / (Hkv * p.T_ * groups) * p.T_ + i / groups % p.T_) * Hkv +
+                                        i / (p.T_ * groups) % Hkv) * groups + i % groups
+                                     : i;
+        if (u % w.size() != w.id()) continue;
         const int64_t m = u / (Hkv * groups), kvh = u / groups % Hkv;
         const int64_t h0 = kvh * G + u % groups * per_group, heads = std::min(per_group, (kvh + 1) * G - h0);
         if (heads <= 0) continue;
-        const int64_t b = m / p.T_;
-        if (m != keys_of) key_rows(p, positions.data() + cu_positions[b], b, m % p.T_, keys), keys_of = m;
-        scores.resize(heads * keys.size());
+        const int64_t b = m / p.T_, L = p.cache_seqlens[b];
         float* a = attn_f.data() + (m * Hq + h0) * D;  // [heads, D]
-        attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), static_cast<int64_t>(keys.size()),
-               qk.data() + m * (Hq + Hkv) * D + h0 * D, heads, D, p.scale, scores.data(), a);
+        const float* q = qk.data() + m * (Hq + Hkv) * D + h0 * D;
+        if (widen_once) {
+          float *kf = widened_k[w.id()].get(), *vf = widened_v[w.id()].get();
+          if (b * Hkv + kvh != widened_of) {
+            widen_positions(k_plane + kvh * D, v_plane + kvh * D, positions.data() + cu_positions[b], L + p.T_, D, kf,
+                            vf);
+            widened_of = b * Hkv + kvh;
+          }
+          if (m != keys_of) {  // the same list as key_rows', as row offsets of the widened positions
+            const bool* mask = p.tree_mask + m * p.T_;  // [T]
+            keys.resize(L);
+            for (int64_t j = 0; j < L; ++j) keys[j] = j * D;
+            for (int64_t j = 0; j < p.T_; ++j) {
+              if (mask[j]) keys.push_back((L + j) * D);
+            }
+            keys_of = m;
+          }
+          scores.resize(heads * keys.size());
+          attend(kf, vf, keys.data(), static_cast<int64_t>(keys.size()), q, heads, D, p.scale, scores.data(), a, L);
+        } else {
+          if (m != keys_of) key_rows(p, positions.data() + cu_positions[b], b, m % p.T_, keys), keys_of = m;
+          scores.resize(heads * keys.size());
+          attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), static_cast<int64_t>(keys.size()), q, heads, D,
+                 p.scale, scores.data(), a);
+        }
         std::transform(a, a + heads * D, attn.data() + (m * Hq + h0) * D, [](float v) { return static_cast<T>(v); });
       }
       w.sync();

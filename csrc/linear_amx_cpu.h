@@ -1,6 +1,5 @@
 // The bfloat16 linear's AMX path, a section of csrc/linear_cpu.cpp kept in its own file: included there inside its
-// anonymous namespace, after LinearArgs and the AVX-512 path's to_bf16_bits, and only where the compiler has the AMX
-// intrinsics (SPECDEC_CPU_AMX).
+// anonymous namespace, after LinearArgs, and only where the compiler has the AMX intrinsics (SPECDEC_CPU_AMX).
 #pragma once
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -50,7 +49,7 @@ SPECDEC_AMX void finish_tile_amx(const LinearArgs<c10::BFloat16>& a, const float
   const int64_t count = std::min<int64_t>(16, a.M - m0);
   for (int64_t c = 0; c < count; ++c) {
     const __m512 v = a.bias != nullptr ? _mm512_add_ps(r[c], bias) : r[c];
-    _mm256_mask_storeu_epi16(a.out + (m0 + c) * a.N + n0, rows_mask, to_bf16_bits(v));
+    _mm256_mask_storeu_epi16(a.out + (m0 + c) * a.N + n0, rows_mask, simd::round_bf16(v));
   }
 }
 

@@ -99,17 +99,6 @@ SPECDEC_AVX2 inline void step16(const T* w, int64_t K, const float* x, int64_t l
   }
 }
 
-// fp32 -> bf16 bits in the low 16 bits of each 32-bit lane, rounded as c10::BFloat16's constructor rounds (to nearest
-// even, NaN -> 0x7FC0), so a vector of outputs is bitwise what `store` writes one by one.
-SPECDEC_AVX2 inline __m256i to_bf16_bits8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-}
-
 // A tile's sums (reduce8 per 8 accumulators: lane i = accumulator i, by the same tree for every accumulator), plus the
 // bias (fp32, last), rounded once and stored as each x row's NB outputs: `store`'s arithmetic on 8 outputs at a time
 // (one at a time: a branch on the bias and a scalar rounding per output, 8 per 2 x 4 tile of 36 k steps at K = 576).
@@ -132,9 +121,7 @@ SPECDEC_AVX2 inline void finish_avx2(const LinearArgs<T>& a, const __m256* acc, 
     if constexpr (std::is_same_v<T, float>) {
       _mm256_store_ps(rows + j, sums);
     } else {
-      const __m256i b16 = to_bf16_bits8(sums);
-      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b16), _mm256_extracti128_si256(b16, 1));
-      _mm_store_si128(reinterpret_cast<__m128i*>(rows + j), packed);
+      _mm_store_si128(reinterpret_cast<__m128i*>(rows + j), simd::round_bf16(sums));
     }
   }
 #pragma GCC unroll 8

@@ -106,16 +106,6 @@ constexpr int slot(int nb, int mb) {
   return 4 * ((mb * NB + nb) % 4) + (mb * NB + nb) / 4;
 }
 
-// fp32 -> bf16 bits, rounded to nearest even with NaN -> 0x7FC0: c10::BFloat16's rounding, so outputs match torch's
-// bit for bit given the same fp32 sum (vcvtneps2bf16 would flush denormals).
-SPECDEC_AVX512 inline __m256i to_bf16_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(rounded);
-}
-
 // Sums the tile's accumulators, adds the bias (fp32, last) and stores each x row's NB outputs.
 template <typename T, int NB, int MB>
 SPECDEC_AVX512 inline void finish_tile(const LinearArgs<T>& a, const __m512* acc, int64_t n0, int64_t m0) {
@@ -140,7 +130,7 @@ SPECDEC_AVX512 inline void finish_tile(const LinearArgs<T>& a, const __m512* acc
   if constexpr (std::is_same_v<T, float>) {
     _mm512_store_ps(rows, sums);
   } else {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(rows), to_bf16_bits(sums));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(rows), simd::round_bf16(sums));
   }
 #pragma GCC unroll 4
   for (int mb = 0; mb < MB; ++mb) std::memcpy(a.out + (m0 + mb) * a.N + n0, rows + mb * NB, NB * sizeof(T));
@@ -322,7 +312,7 @@ bool bf16_widens() {
 
 #if SPECDEC_LINEAR_X86
 #if SPECDEC_CPU_AMX
-#include "linear_amx_cpu.h"  // rows_amx: the bfloat16 path on AMX tiles (uses LinearArgs and to_bf16_bits above)
+#include "linear_amx_cpu.h"  // rows_amx: the bfloat16 path on AMX tiles (uses LinearArgs above)
 #endif
 #include "linear_avx2_cpu.h"  // rows_avx2: the AVX2 + FMA path (uses LinearArgs, kRowBlock and kPanelRows above)
 

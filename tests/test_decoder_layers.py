@@ -206,13 +206,18 @@ def test_any_thread_count_gives_the_same_bits(name, cache_seqlens, T, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_tree_nodes_equal_plain_decoding_bitwise(paged, dtype):
+@pytest.mark.parametrize(
+    "name, lengths, T", [("d80_group5", [7, 2, 11], 4), ("mha", [37, 2, 50], 8)], ids=["d80", "widened_once"]
+)
+def test_tree_nodes_equal_plain_decoding_bitwise(paged, dtype, name, lengths, T):
     """A chain verified in one pass gives each node the hidden state plain decoding gives it, bit for bit, and
-    a sequence's rows do not depend on the other sequences of the batch (what greedy speculation relies on)."""
-    Hq, Hkv, D, bias, qk_norm = CONFIGS["d80_group5"]
+    a sequence's rows do not depend on the other sequences of the batch (what greedy speculation relies on).
+    "widened_once": D a multiple of 16 and 8 rows a sequence, so on AVX-512 each worker widens a sequence's keys
+    and values once per KV head for its rows (attention_cpu.h, widens_once) and reads whole blocks of the prefix in
+    place; plain decoding's one row does not."""
+    Hq, Hkv, D, bias, qk_norm = CONFIGS[name]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
-    T = 4
-    hidden, kv, cache_seqlens, _, _, table = make_problem(Hq, Hkv, D, [7, 2, 11], T, paged=paged, mask="causal")
+    hidden, kv, cache_seqlens, _, _, table = make_problem(Hq, Hkv, D, lengths, T, paged=paged, mask="causal")
     chain = torch.ones(T, T, dtype=torch.bool).tril().expand(3, T, T).clone()
     positions = cache_seqlens.long()[:, None] + torch.arange(T)
     weights = [None if w is None else w.to(dtype) for w in weights]

@@ -271,6 +271,31 @@ def test_narrower_cpu_paths(setting):
     assert " passed" in result.stdout.splitlines()[-1], result.stdout[-500:]
 
 
+def test_bfloat16_outputs_round_as_torch_rounds():
+    """A bfloat16 output is its float32 sum rounded to nearest even, as torch converts (NaN: c10::BFloat16's 0x7FC0,
+    where torch's vector conversion writes 0xFFFF): sums whose low 16 bits sit just below, at and just above halfway,
+    each the exact sum of three bfloat16 parts. The rounding is simd::round_bf16, which the layer stack's activation
+    and norms also store through."""
+    gen = torch.Generator().manual_seed(0)
+    high = torch.randint(0x3C00, 0x4400, (48,), generator=gen, dtype=torch.int32) << 16
+    low = torch.tensor([0x7FFF, 0x8000, 0x8001, 0x0000, 0xFFFF, 0x0001], dtype=torch.int32).repeat(8)
+    sign = torch.randint(0, 2, (48,), generator=gen) * 2 - 1
+    sums = (high | low).view(torch.float32) * sign  # [48] float32, exactly
+
+    def truncated(v):  # the top 16 bits: a bfloat16 value, exactly
+        return (v.view(torch.int32) & -65536).view(torch.float32)
+
+    hi = truncated(sums)
+    mid = truncated(sums - hi)
+    lo = sums - hi - mid
+    x = torch.stack([hi, mid, lo], dim=1)  # [48, 3]
+    x = torch.cat([x, torch.tensor([[float("nan"), 0.0, 0.0]])]).to(torch.bfloat16)  # [49, 3]
+    assert torch.equal(x.float().sum(1)[:48], sums)  # the parts are exact
+    out = linear(x, torch.ones(1, 3, dtype=torch.bfloat16))[:, 0]  # [49]
+    assert torch.equal(out[:48].view(torch.int16), sums.to(torch.bfloat16).view(torch.int16))
+    assert int(out[48:].view(torch.int16)) == 0x7FC0
+
+
 def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
