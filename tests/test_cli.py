@@ -189,6 +189,24 @@ def test_serve_options_out_of_range_are_refused_before_loading(flag, value, caps
     assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
 
 
+def test_serve_freezes_what_it_built_before_serving(pair, monkeypatch, capsys):
+    """``specdec serve`` moves the model's and the imports' objects out of the garbage collector's walks
+    (gc.freeze) before it starts serving: a full collection then pauses the steps in flight for the requests'
+    objects only."""
+    import gc
+
+    import uvicorn
+
+    frozen = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: frozen.append(gc.get_freeze_count()))
+    try:
+        assert main(["serve", "--model", str(pair[0]), "--port", "0"]) == 0
+    finally:
+        gc.unfreeze()
+    assert frozen and frozen[0] > 10_000
+    assert "serving" in capsys.readouterr().out
+
+
 def test_max_model_len_is_honoured_up_to_the_models_context(pair):
     """An explicit max_model_len past the 4096 default cap is honoured up to the model's context; past that it is
     refused, not silently cut."""

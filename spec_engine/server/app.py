@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -415,9 +416,14 @@ def serve(args: argparse.Namespace, build_llm: Callable[[argparse.Namespace], LL
                          request_timeout=args.request_timeout, chat_template=template)  # fmt: skip
     except ValueError as e:  # (a template that does not parse)
         raise SystemExit(f"specdec serve: --chat-template: {e}") from None
+    # What exists now lives as long as the server (the model, the imports): frozen out of the collector's reach, a full
+    # collection walks only the requests' objects, not ~300,000 more (a ~0.1 s pause of every step in flight).
+    gc.collect()
+    gc.freeze()
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"[specdec] serving '{name}' at http://{host}:{args.port}/v1 (OpenAI API; /health, /metrics)", flush=True)
     config = uvicorn_config(app, args.host, args.port, max_header_bytes=args.max_header_bytes,
                             log_level=getattr(args, "log_level", "info"))  # fmt: skip
     uvicorn.Server(config).run()
+    gc.unfreeze()  # collectable again at exit (frozen objects left alive then make extension modules report leaks)
     return 0
