@@ -23,7 +23,7 @@ Contenders: plain decoding (the control every ratio divides by), the shipped EAG
 depth), at fixed depths 1-4, as two small static trees and as EAGLE-2's dynamic trees (``--dynamic``), suffix decoding
 and the hybrid (the CLI's default). The ``control`` row is plain decoding again, by the process's first engine (plain
 decoding's own loads after all the others): its speedup is the run's noise and the cost of being a process's first
-engine (bench/RESULTS.md, "A process's first engine").
+engine (bench/RESULTS-log.md, "A process's first engine").
 Speedup = median over requests of (contender tok/s / plain tok/s), both timed within seconds of each other
 (``round_robin``); "decode" the same ratio of generation alone (from the prompt's last prefill chunk to the last
 token), which leaves out the prompt processing speculation cannot speed up and so compares with the bound. Each
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     # served again, the concurrent set's repeats)
     kw = dict(dtype="bfloat16", max_model_len=4096, kv_cache_memory=512 << 20, enable_prefix_caching=False)
     # the control loads first and plain decoding last: a process's first engine decoded slower than the same weights
-    # loaded later (bench/RESULTS.md, "A process's first engine"), and every contender is a later one
+    # loaded later (bench/RESULTS-log.md, "A process's first engine"), and every contender is a later one
     first = LLM(args.model, **kw)
     eagle = {"method": "eagle"} | ({"model": args.head} if args.head else {})
     engines = {"eagle-auto": eagle, **{f"eagle-g{g}": eagle | {"num_speculative_tokens": g} for g in CHAINS},

@@ -53,11 +53,11 @@ void position_rows(const Problem<T>& p, std::vector<int64_t>& rows, std::vector<
   }
 }
 
-// The keys a query row sees, in attention order, as cache row offsets (KV head 0; `positions`: sequence b's part of
-// position_rows' table): the prefix 0 .. L_b - 1, then the tree slots its mask allows. Plain decoding of the same
-// token sees the same list (its ancestors are then committed positions, in the same order), so every sum below runs
-// over the same index sequence in both: the attention of a tree node equals plain decoding's bit for bit. Slots the
-// mask hides are not in the list.
+// The keys a query row sees, in attention order, as row offsets of the sequence's positions (`positions`: sequence
+// b's part of position_rows' table, cache offsets at KV head 0; or widen_positions' rows): the prefix 0 .. L_b - 1,
+// then the tree slots its mask allows. Plain decoding of the same token sees the same list (its ancestors are then
+// committed positions, in the same order), so every sum below runs over the same index sequence in both: the
+// attention of a tree node equals plain decoding's bit for bit. Slots the mask hides are not in the list.
 template <typename T>
 void key_rows(const Problem<T>& p, const int64_t* positions, int64_t b, int64_t t, std::vector<int64_t>& rows) {
   const int64_t L = p.cache_seqlens[b];

@@ -97,11 +97,15 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
   for (int64_t i = 0; i < max_workers; ++i) key_lists[i].reserve(max_keys), score_bufs[i].reserve(G * max_keys);
   // Each worker's float32 keys and values [max_keys, D] of one sequence's positions at one KV head (widen_positions),
   // where its query rows there share them: allocated uninitialized here (pages untouched until written).
+  // widened_rows: position j's row offset there (j D), as key_rows reads a sequence's cache offsets.
   std::vector<std::unique_ptr<float[]>> widened_k(max_workers), widened_v(max_workers);
+  std::vector<int64_t> widened_rows;
   if (p.T_ > 1) {
     for (int64_t i = 0; i < max_workers; ++i) {
       widened_k[i].reset(new float[max_keys * D]), widened_v[i].reset(new float[max_keys * D]);
     }
+    widened_rows.resize(max_keys);
+    for (int64_t j = 0; j < max_keys; ++j) widened_rows[j] = j * D;
   }
 
   run_team([&](const Worker& w) {
@@ -167,12 +171,15 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       w.sync();
       int64_t keys_of = -1;  // the query row whose keys `keys` holds
       int64_t widened_of = -1;  // with widen_once: the (b, KV head) whose positions widened_k / widened_v hold
+      // With widen_once the units are visited sequence by sequence and KV head by KV head (then row by row), so one
+      // widening serves all of a worker's rows there: the same units per worker, and each unit's sums are its own.
+      const auto unit = [&](int64_t i) {
+        if (!widen_once) return i;
+        const int64_t b = i / (Hkv * p.T_ * groups), kvh = i / (p.T_ * groups) % Hkv, t = i / groups % p.T_;
+        return ((b * p.T_ + t) * Hkv + kvh) * groups + i % groups;
+      };
       for (int64_t i = 0; i < num_units; ++i) {
-        // widen_once visits the same units sequence by sequence and KV head by KV head (then row by row): one widening
-        // serves all of a worker's rows there. The order changes no value: each unit's sums are its own.
-        const int64_t u = widen_once ? ((i / (Hkv * p.T_ * groups) * p.T_ + i / groups % p.T_) * Hkv +
-                                        i / (p.T_ * groups) % Hkv) * groups + i % groups
-                                     : i;
+        const int64_t u = unit(i);
         if (u % w.size() != w.id()) continue;
         const int64_t m = u / (Hkv * groups), kvh = u / groups % Hkv;
         const int64_t h0 = kvh * G + u % groups * per_group, heads = std::min(per_group, (kvh + 1) * G - h0);
@@ -180,29 +187,22 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         const int64_t b = m / p.T_, L = p.cache_seqlens[b];
         float* a = attn_f.data() + (m * Hq + h0) * D;  // [heads, D]
         const float* q = qk.data() + m * (Hq + Hkv) * D + h0 * D;
+        float *kf = widened_k[w.id()].get(), *vf = widened_v[w.id()].get();
+        if (widen_once && b * Hkv + kvh != widened_of) {
+          const int64_t* cache_rows = positions.data() + cu_positions[b];
+          widen_positions(k_plane + kvh * D, v_plane + kvh * D, cache_rows, L + p.T_, D, kf, vf);
+          widened_of = b * Hkv + kvh;
+        }
+        if (m != keys_of) {  // the row's keys as offsets into the widened positions, or into the cache
+          key_rows(p, widen_once ? widened_rows.data() : positions.data() + cu_positions[b], b, m % p.T_, keys);
+          keys_of = m;
+        }
+        scores.resize(heads * keys.size());
+        const int64_t n = static_cast<int64_t>(keys.size());
         if (widen_once) {
-          float *kf = widened_k[w.id()].get(), *vf = widened_v[w.id()].get();
-          if (b * Hkv + kvh != widened_of) {
-            widen_positions(k_plane + kvh * D, v_plane + kvh * D, positions.data() + cu_positions[b], L + p.T_, D, kf,
-                            vf);
-            widened_of = b * Hkv + kvh;
-          }
-          if (m != keys_of) {  // the same list as key_rows', as row offsets of the widened positions
-            const bool* mask = p.tree_mask + m * p.T_;  // [T]
-            keys.resize(L);
-            for (int64_t j = 0; j < L; ++j) keys[j] = j * D;
-            for (int64_t j = 0; j < p.T_; ++j) {
-              if (mask[j]) keys.push_back((L + j) * D);
-            }
-            keys_of = m;
-          }
-          scores.resize(heads * keys.size());
-          attend(kf, vf, keys.data(), static_cast<int64_t>(keys.size()), q, heads, D, p.scale, scores.data(), a, L);
+          attend(kf, vf, keys.data(), n, q, heads, D, p.scale, scores.data(), a, L);
         } else {
-          if (m != keys_of) key_rows(p, positions.data() + cu_positions[b], b, m % p.T_, keys), keys_of = m;
-          scores.resize(heads * keys.size());
-          attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), static_cast<int64_t>(keys.size()), q, heads, D,
-                 p.scale, scores.data(), a);
+          attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), n, q, heads, D, p.scale, scores.data(), a);
         }
         std::transform(a, a + heads * D, attn.data() + (m * Hq + h0) * D, [](float v) { return static_cast<T>(v); });
       }
