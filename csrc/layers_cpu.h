@@ -100,7 +100,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
   // widened_rows: position j's row offset there (j D), as key_rows reads a sequence's cache offsets.
   std::vector<std::unique_ptr<float[]>> widened_k(max_workers), widened_v(max_workers);
   std::vector<int64_t> widened_rows;
-  if (p.T_ > 1) {
+  if (widens_once(D, p.T_, 1, 1)) {  // true wherever the team's call below can be
     for (int64_t i = 0; i < max_workers; ++i) {
       widened_k[i].reset(new float[max_keys * D]), widened_v[i].reset(new float[max_keys * D]);
     }
