@@ -133,7 +133,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         if (p.capture[c] != l) continue;
         for (int64_t m = m_begin; m < m_end; ++m) {
           T* dst = p.features + (m * p.num_capture + c) * H;
-          for (int64_t i = 0; i < H; ++i) dst[i] = static_cast<T>(h[m * H + i]);
+          round_row(h + m * H, dst, H);
         }
       }
       const bool given = l == 0 && p.attn_in != nullptr;  // EAGLE-3: the caller built the attention input
@@ -164,7 +164,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         if (hd < Hq) continue;
         const int64_t b = m / p.T_, t = m % p.T_;
         const int64_t dst = p.row_offset(b, p.cache_seqlens[b] + t) + (hd - Hq) * D;
-        for (int64_t i = 0; i < D; ++i) k_plane[dst + i] = static_cast<T>(head[i]);
+        round_row(head, k_plane + dst, D);
         const T* v_row = v_apart ? qkv.data() + M * qk_width + m * Hkv * D : row + (Hq + Hkv) * D;  // [Hkv D]
         std::copy(v_row + (hd - Hq) * D, v_row + (hd - Hq + 1) * D, v_plane + dst);  // V head hd - Hq
       }
@@ -204,7 +204,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         } else {
           attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), n, q, heads, D, p.scale, scores.data(), a);
         }
-        std::transform(a, a + heads * D, attn.data() + (m * Hq + h0) * D, [](float v) { return static_cast<T>(v); });
+        round_row(a, attn.data() + (m * Hq + h0) * D, heads * D);
       }
       w.sync();
       linear(w, attn.data(), weight_of(wl[kO], Hq * D), nullptr, delta.data(), M, H, Hq * D);
