@@ -176,10 +176,8 @@ template <typename T>
 SPECDEC_AVX512 void widen_positions_avx512(const T* k, const T* v, const int64_t* rows, int64_t n, int64_t D,
                                            float* kf, float* vf) {
   for (int64_t j = 0; j < n; ++j) {
-    for (int64_t d = 0; d < D; d += 16) {
-      _mm512_storeu_ps(kf + j * D + d, load16(k + rows[j] + d, D - d));
-      _mm512_storeu_ps(vf + j * D + d, load16(v + rows[j] + d, D - d));
-    }
+    convert_row_avx512(k + rows[j], kf + j * D, D);
+    convert_row_avx512(v + rows[j], vf + j * D, D);
   }
 }
 
@@ -303,7 +301,8 @@ void widen_positions(const T* k, const T* v, const int64_t* rows, int64_t n, int
   if (cpu_has_avx512()) return widen_positions_avx512(k, v, rows, n, D, kf, vf);
 #endif
   for (int64_t j = 0; j < n; ++j) {
-    for (int64_t i = 0; i < D; ++i) kf[j * D + i] = to_f(k[rows[j] + i]), vf[j * D + i] = to_f(v[rows[j] + i]);
+    convert_row(k + rows[j], kf + j * D, D);
+    convert_row(v + rows[j], vf + j * D, D);
   }
 }
 

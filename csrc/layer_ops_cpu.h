@@ -78,7 +78,7 @@ SPECDEC_AVX512 inline void store16(T* p, __m512 v, int64_t count) {
   }
 }
 
-// scale_row and round_row (below), 16 and 8 elements at a time.
+// scale_row and convert_row (below), 16 and 8 elements at a time.
 template <typename W, typename O>
 SPECDEC_AVX512 void scale_row_avx512(const float* x, float inv, const W* w, O* o, int64_t n) {
   const __m512 s = _mm512_set1_ps(inv);
@@ -87,13 +87,13 @@ SPECDEC_AVX512 void scale_row_avx512(const float* x, float inv, const W* w, O* o
   }
 }
 
-template <typename O>
-SPECDEC_AVX512 void round_row_avx512(const float* x, O* o, int64_t n) {
+template <typename I, typename O>
+SPECDEC_AVX512 inline void convert_row_avx512(const I* x, O* o, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) store16(o + i, load16(x + i, n - i), n - i);
 }
 
-template <typename O>
-SPECDEC_AVX2 void round_row_avx2(const float* x, O* o, int64_t n) {
+template <typename I, typename O>
+SPECDEC_AVX2 void convert_row_avx2(const I* x, O* o, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) simd::store8(o + i, simd::load8(x + i, n - i), n - i);
 }
 
@@ -235,14 +235,15 @@ inline void axpy(float alpha, const T* x, float* y, int64_t n) {
 // Row-wise pieces.
 // ---------------------------------------------------------------------------------------------------------------
 
-// o[i] = x[i] rounded to O (bfloat16: c10::BFloat16's rounding on every path), for n elements.
-template <typename O>
-void round_row(const float* x, O* o, int64_t n) {
+// o[i] = x[i] for n elements, float32 or bfloat16 either side: widened exactly, or rounded as c10::BFloat16 rounds,
+// on every path.
+template <typename I, typename O>
+void convert_row(const I* x, O* o, int64_t n) {
 #if SPECDEC_DECODER_X86
-  if (cpu_has_avx512()) return round_row_avx512(x, o, n);
-  if (cpu_has_avx2()) return round_row_avx2(x, o, n);
+  if (cpu_has_avx512()) return convert_row_avx512(x, o, n);
+  if (cpu_has_avx2()) return convert_row_avx2(x, o, n);
 #endif
-  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<O>(x[i]);
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<O>(to_f(x[i]));
 }
 
 // o[i] = x[i] * inv * w[i] for n elements, rounded once to O: the same two products per element on every path.

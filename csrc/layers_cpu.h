@@ -133,7 +133,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         if (p.capture[c] != l) continue;
         for (int64_t m = m_begin; m < m_end; ++m) {
           T* dst = p.features + (m * p.num_capture + c) * H;
-          round_row(h + m * H, dst, H);
+          convert_row(h + m * H, dst, H);
         }
       }
       const bool given = l == 0 && p.attn_in != nullptr;  // EAGLE-3: the caller built the attention input
@@ -158,13 +158,13 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         const int64_t m = u / (Hq + Hkv), hd = u % (Hq + Hkv);
         const T* row = qkv.data() + m * qk_width;  // [Hq D | Hkv D] (then [Hkv D] of v, where not apart)
         float* head = qk.data() + u * D;           // [D] of qk's row m: [Hq D | Hkv D]
-        for (int64_t i = 0; i < D; ++i) head[i] = to_f(row[hd * D + i]);
+        convert_row(row + hd * D, head, D);
         if (wl[kQNorm].defined()) rms_norm(head, D, ptr<T>(wl[hd < Hq ? kQNorm : kKNorm]), p.eps, head, 1, D);
         rope_head(head, p.cos + m * D, p.sin + m * D, D);
         if (hd < Hq) continue;
         const int64_t b = m / p.T_, t = m % p.T_;
         const int64_t dst = p.row_offset(b, p.cache_seqlens[b] + t) + (hd - Hq) * D;
-        round_row(head, k_plane + dst, D);
+        convert_row(head, k_plane + dst, D);
         const T* v_row = v_apart ? qkv.data() + M * qk_width + m * Hkv * D : row + (Hq + Hkv) * D;  // [Hkv D]
         std::copy(v_row + (hd - Hq) * D, v_row + (hd - Hq + 1) * D, v_plane + dst);  // V head hd - Hq
       }
@@ -204,7 +204,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         } else {
           attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), n, q, heads, D, p.scale, scores.data(), a);
         }
-        round_row(a, attn.data() + (m * Hq + h0) * D, heads * D);
+        convert_row(a, attn.data() + (m * Hq + h0) * D, heads * D);
       }
       w.sync();
       linear(w, attn.data(), weight_of(wl[kO], Hq * D), nullptr, delta.data(), M, H, Hq * D);
