@@ -26,6 +26,16 @@ struct Problem {
   // embedding beside the normed feature); nullptr for a model's layers.
   const T* attn_in = nullptr;
   int64_t attn_width = 0;
+  // Gemma's layer (the defaults are Llama's): per layer a sliding window of that many positions (0: none), whose
+  // layers rotate by cos_local / sin_local [B, T, D] where given; depths [B, T] each row's depth in its tree (its
+  // logical position less L_b: what a window counts from); attention scores soft-capped at softcap (0: none); a
+  // GELU-tanh MLP.
+  const int64_t* windows = nullptr;
+  const T* cos_local = nullptr;
+  const T* sin_local = nullptr;
+  const int64_t* depths = nullptr;
+  float softcap = 0.f;
+  bool gelu = false;
 
   // Offset of logical position p of sequence b in one cache plane, in elements, at KV head 0.
   int64_t row_offset(int64_t b, int64_t p) const {
@@ -57,30 +67,42 @@ void position_rows(const Problem<T>& p, std::vector<int64_t>& rows, std::vector<
 // b's part of position_rows' table, cache offsets at KV head 0; or widen_positions' rows): the prefix 0 .. L_b - 1,
 // then the tree slots its mask allows. Plain decoding of the same token sees the same list (its ancestors are then
 // committed positions, in the same order), so every sum below runs over the same index sequence in both: the
-// attention of a tree node equals plain decoding's bit for bit. Slots the mask hides are not in the list.
+// attention of a tree node equals plain decoding's bit for bit. Slots the mask hides are not in the list. With a
+// `window` (> 0; p.depths then set), the row at logical position L_b + depth sees only positions past that less the
+// window, a tree slot at L_b plus its own depth. Returns the first prefix position in the list.
 template <typename T>
-void key_rows(const Problem<T>& p, const int64_t* positions, int64_t b, int64_t t, std::vector<int64_t>& rows) {
+int64_t key_rows(const Problem<T>& p, const int64_t* positions, int64_t b, int64_t t, std::vector<int64_t>& rows,
+                 int64_t window = 0) {
   const int64_t L = p.cache_seqlens[b];
   const bool* mask = p.tree_mask + (b * p.T_ + t) * p.T_;  // [T]
-  rows.assign(positions, positions + L);
+  const int64_t* depth = window > 0 ? p.depths + b * p.T_ : nullptr;  // [T]
+  const int64_t first = window > 0 ? std::max<int64_t>(0, L + depth[t] - window + 1) : 0;  // the first position seen
+  const int64_t start = std::min(first, L);
+  rows.assign(positions + start, positions + L);
   for (int64_t j = 0; j < p.T_; ++j) {
-    if (mask[j]) rows.push_back(positions[L + j]);
+    if (mask[j] && (depth == nullptr || L + depth[j] >= first)) rows.push_back(positions[L + j]);
   }
+  return start;
+}
+
+// Soft-capped scores (Gemma 2): s = cap tanh(s / cap) for n scores, element by element (cap 0: none).
+inline void cap_scores(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
 }
 
 // Attention of G query heads q [G, D] (float32) over the keys at `rows` (n of them) of one KV head of k / v planes
 // (pointers already offset to the head), into out [G, D]. p [G, n] is scratch for the scores and probabilities.
-// Scalar version: sequential sums in key order.
+// The scores are soft-capped (cap_scores) before the softmax. Scalar version: sequential sums in key order.
 template <typename T>
 void attend_scalar(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G, int64_t D,
-                   float scale, float* p, float* out) {
+                   float scale, float softcap, float* p, float* out) {
   for (int64_t g = 0; g < G; ++g) {
     float* s = p + g * n;
+    for (int64_t j = 0; j < n; ++j) s[j] = simd::dot8(q + g * D, k + rows[j], D) * scale;
+    cap_scores(s, n, softcap);
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) {
-      s[j] = simd::dot8(q + g * D, k + rows[j], D) * scale;
-      mx = std::max(mx, s[j]);
-    }
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
     float sum = 0.f;
     for (int64_t j = 0; j < n; ++j) {
       s[j] = std::exp(s[j] - mx);
@@ -103,7 +125,7 @@ void attend_scalar(const T* k, const T* v, const int64_t* rows, int64_t n, const
 // read where they lie instead of staged (widen_positions made them once for every query row that shares them).
 template <typename T>
 SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G,
-                                  int64_t D, float scale, float* p, float* out, int64_t in_place = 0) {
+                                  int64_t D, float scale, float softcap, float* p, float* out, int64_t in_place = 0) {
   const __m512 scale_v = _mm512_set1_ps(scale);
   // bf16 keys are widened once per block of 16 into kf (fp32, D padded to 16 with zeros, as load16's masked tail
   // reads them) for all G heads: the same products and sums as widening them head by head
@@ -146,6 +168,7 @@ SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, i
       _mm512_mask_storeu_ps(p + g * n + j0, live, _mm512_mul_ps(simd::reduce16(acc), scale_v));
     }
   }
+  cap_scores(p, G * n, softcap);
   thread_local std::vector<float> totals;  // [G]: each head's softmax sum
   totals.resize(static_cast<size_t>(G));
   for (int64_t g = 0; g < G; ++g) {
@@ -226,7 +249,7 @@ SPECDEC_AVX2 void weighted_sum_avx2(const float* s, const T* v, const int64_t* r
 // index (index j in lane j % 8).
 template <typename T>
 SPECDEC_AVX2 void attend_avx2(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G,
-                              int64_t D, float scale, float* p, float* out) {
+                              int64_t D, float scale, float softcap, float* p, float* out) {
   const __m256 scale_v = _mm256_set1_ps(scale);
   alignas(32) float block[8];
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
@@ -254,6 +277,7 @@ SPECDEC_AVX2 void attend_avx2(const T* k, const T* v, const int64_t* rows, int64
       std::memcpy(p + g * n + j0, block, static_cast<size_t>(count) * sizeof(float));
     }
   }
+  cap_scores(p, G * n, softcap);
   for (int64_t g = 0; g < G; ++g) {
     float* s = p + g * n;
     float mx = -std::numeric_limits<float>::infinity();
@@ -278,12 +302,12 @@ SPECDEC_AVX2 void attend_avx2(const T* k, const T* v, const int64_t* rows, int64
 
 template <typename T>
 void attend(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G, int64_t D, float scale,
-            float* p, float* out, int64_t in_place = 0) {
+            float softcap, float* p, float* out, int64_t in_place = 0) {
 #if SPECDEC_DECODER_X86
-  if (cpu_has_avx512()) return attend_avx512(k, v, rows, n, q, G, D, scale, p, out, in_place);
-  if (cpu_has_avx2()) return attend_avx2(k, v, rows, n, q, G, D, scale, p, out);
+  if (cpu_has_avx512()) return attend_avx512(k, v, rows, n, q, G, D, scale, softcap, p, out, in_place);
+  if (cpu_has_avx2()) return attend_avx2(k, v, rows, n, q, G, D, scale, softcap, p, out);
 #endif
-  attend_scalar(k, v, rows, n, q, G, D, scale, p, out);
+  attend_scalar(k, v, rows, n, q, G, D, scale, softcap, p, out);
 }
 
 // Whether a worker's attention widens each sequence's keys and values once per KV head (widen_positions) for all the

@@ -48,7 +48,8 @@ at::Tensor quant_linear_meta(const at::Tensor& x, const at::Tensor& weight, int6
 std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights,
                                                       const at::Tensor& final_norm, at::Tensor kv_cache,
                                                       const OptTensorList& inputs, int64_t num_heads, double eps,
-                                                      at::IntArrayRef capture);
+                                                      at::IntArrayRef capture, at::IntArrayRef windows,
+                                                      double softmax_scale, double softcap, c10::string_view activation);
 at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_ptr<NativeModel>& model,
                            at::Tensor kv_cache, const at::Tensor& cache_seqlens,
                            const c10::optional<at::Tensor>& block_table, int64_t gamma, bool strict);
@@ -79,7 +80,8 @@ at::Tensor keep_threshold_meta(const at::Tensor& z, const at::Tensor& top_k, con
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights,
                                                        const at::Tensor& final_norm, at::Tensor kv_cache,
                                                        const OptTensorList& inputs, int64_t num_heads, double eps,
-                                                       at::IntArrayRef capture);
+                                                       at::IntArrayRef capture, at::IntArrayRef windows,
+                                                       double softmax_scale, double softcap, c10::string_view activation);
 
 namespace {
 
@@ -199,7 +201,8 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.def("quant_int8_path() -> str", &specdec::quant_int8_path);  // no tensors: how int8 blocks multiply here
   m.def(
       "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!) kv_cache, Tensor?[] inputs, "
-      "int num_heads, float eps, int[] capture=[]) -> (Tensor, Tensor)");  // inputs: csrc/decoder_layers_cpu.cpp
+      "int num_heads, float eps, int[] capture=[], int[] windows=[], float softmax_scale=0., float softcap=0., "
+      "str activation='silu') -> (Tensor, Tensor)");  // inputs and the variant: csrc/decoder_layers_cpu.cpp
   m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor, Tensor, Tensor)");
   m.def("rng_uniform(Tensor keys, int n) -> Tensor");  // csrc/rng_cpu.cpp
   m.def("rng_gumbel(Tensor keys, int n) -> Tensor");

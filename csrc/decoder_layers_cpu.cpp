@@ -14,7 +14,10 @@
 //                             q, k, v = x @ Wqkv^T (+ b), [q_norm, k_norm], RoPE(q, k) from the given cos / sin
 //                             K/V -> cache at L_b + t;  a = tree attention (prefix + the nodes the mask allows)
 //                             h += a @ Wo^T;  x = rms_norm(h) * w_post;  h += (silu(x Wg^T) * (x Wu^T)) @ Wd^T
-// and at the end h = rms_norm(h) * w_final.
+// and at the end h = rms_norm(h) * w_final. Gemma's variant (Variant in csrc/layers_cpu.h): each block's output
+// normed before it joins h (attn_out_norm, mlp_out_norm), GELU-tanh for SiLU, its query scale, soft-capped scores,
+// and per layer a sliding window (a row at L_b + its depth sees the positions past that less the window) with its own
+// RoPE. A norm's weight may be float32 (Gemma's 1 + w).
 //
 // Batch invariance (greedy speculation relies on it): every value of row (b, t) is computed by the same sequence of
 // float operations whatever B and T are and whatever the other rows hold. Matmuls: the linear kernel's fixed order.
@@ -36,15 +39,40 @@ struct LayerInputs {
   at::Tensor rope;                          // [2, B, T, D]
   at::Tensor tree_mask;                     // [B, T, T]
   c10::optional<at::Tensor> block_table;    // [B, max_blocks], or None: a contiguous cache
+  c10::optional<at::Tensor> rope_local;     // [2, B, T, D]: the windowed layers' RoPE, or None: rope's
 };
 
 LayerInputs layer_inputs(const OptTensorList& inputs) {
-  TORCH_CHECK_VALUE(inputs.size() == 4, "decoder_layers: inputs must be [cache_seqlens, rope, tree_mask, ",
-                    "block_table], got ", inputs.size(), " entries");
+  TORCH_CHECK_VALUE(inputs.size() == 5, "decoder_layers: inputs must be [cache_seqlens, rope, tree_mask, ",
+                    "block_table, rope_local], got ", inputs.size(), " entries");
   const c10::optional<at::Tensor> cache_seqlens = inputs.get(0), rope = inputs.get(1), mask = inputs.get(2);
   TORCH_CHECK_VALUE(cache_seqlens.has_value() && rope.has_value() && mask.has_value(),
                     "decoder_layers: cache_seqlens, rope and tree_mask are required, got None");
-  return {*cache_seqlens, *rope, *mask, inputs.get(3)};
+  return {*cache_seqlens, *rope, *mask, inputs.get(3), inputs.get(4)};
+}
+
+// The variant's arguments checked against the model (Dims) and made one Variant.
+Variant layer_variant(const Dims& d, const LayerInputs& in, at::IntArrayRef windows, double softmax_scale,
+                      double softcap, c10::string_view activation) {
+  TORCH_CHECK_VALUE(windows.empty() || static_cast<int64_t>(windows.size()) == d.num_layers,
+                    "decoder_layers: windows must hold one entry per layer (", d.num_layers, "), got ", windows.size());
+  for (const int64_t w : windows) TORCH_CHECK_VALUE(w >= 0, "decoder_layers: windows must be >= 0, got ", w);
+  TORCH_CHECK_VALUE(softmax_scale >= 0. && softcap >= 0., "decoder_layers: softmax_scale and softcap must be >= 0 ",
+                    "(0: the default), got ", softmax_scale, " and ", softcap);
+  TORCH_CHECK_VALUE(activation == "silu" || activation == "gelu_tanh",
+                    "decoder_layers: activation must be 'silu' or 'gelu_tanh', got '", std::string(activation), "'");
+  Variant v;
+  v.windows.assign(windows.begin(), windows.end());
+  v.softmax_scale = softmax_scale, v.softcap = softcap, v.gelu = activation == "gelu_tanh";
+  if (in.rope_local.has_value()) {
+    const at::Tensor& r = *in.rope_local;
+    TORCH_CHECK_VALUE(r.sizes() == in.rope.sizes() && r.scalar_type() == in.rope.scalar_type() &&
+                          r.device() == in.rope.device(),
+                      "decoder_layers: rope_local must be like rope (", in.rope.sizes(), " ", in.rope.scalar_type(),
+                      "), got ", r.sizes(), " ", r.scalar_type());
+    v.rope_local = r.contiguous();
+  }
+  return v;
 }
 
 }  // namespace
@@ -54,11 +82,15 @@ LayerInputs layer_inputs(const OptTensorList& inputs) {
 std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, at::TensorList weights_list,
                                                       const at::Tensor& final_norm, at::Tensor kv_cache,
                                                       const OptTensorList& inputs, int64_t num_heads, double eps,
-                                                      at::IntArrayRef capture) {
-  const auto [cache_seqlens, rope, tree_mask, block_table] = layer_inputs(inputs);
+                                                      at::IntArrayRef capture, at::IntArrayRef windows,
+                                                      double softmax_scale, double softcap,
+                                                      c10::string_view activation) {
+  const LayerInputs in = layer_inputs(inputs);
+  const auto& [cache_seqlens, rope, tree_mask, block_table, rope_local] = in;
   const std::vector<at::Tensor> weights = present(weights_list);
   const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
                               num_heads, capture);
+  const Variant variant = layer_variant(d, in, windows, softmax_scale, softcap, activation);
   TORCH_CHECK_VALUE(hidden.device().is_cpu(), "decoder_layers: the native kernel runs on CPU, got ", hidden.device());
   const at::Tensor cache_seqlens_long = cache_seqlens.to(at::kLong).contiguous();  // [B]
   const at::Tensor mask = tree_mask.contiguous();  // [B, T, T]
@@ -71,12 +103,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
   at::Tensor features = at::empty({d.B, d.T, static_cast<int64_t>(capture.size()) * d.H}, hidden.options());
   if (out.numel() == 0) return {out, features};
   const std::vector<int64_t> layers(capture.begin(), capture.end());
+  const at::Tensor norm = final_norm.contiguous();  // [H]
   if (hidden.scalar_type() == at::kFloat) {
-    forward<float>(d, input, weights, final_norm.contiguous(), kv_cache, cache_seqlens_long, mask, cos_sin, table, eps,
-                   layers, out, features);
+    forward<float>(d, input, weights, norm, kv_cache, cache_seqlens_long, mask, cos_sin, table, eps, layers, out,
+                   features, variant);
   } else {
-    forward<c10::BFloat16>(d, input, weights, final_norm.contiguous(), kv_cache, cache_seqlens_long, mask, cos_sin,
-                           table, eps, layers, out, features);
+    forward<c10::BFloat16>(d, input, weights, norm, kv_cache, cache_seqlens_long, mask, cos_sin, table, eps, layers,
+                           out, features, variant);
   }
   return {out, features};
 }
@@ -84,11 +117,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights_list,
                                                        const at::Tensor& final_norm, at::Tensor kv_cache,
                                                        const OptTensorList& inputs, int64_t num_heads, double eps,
-                                                       at::IntArrayRef capture) {
-  const auto [cache_seqlens, rope, tree_mask, block_table] = layer_inputs(inputs);
+                                                       at::IntArrayRef capture, at::IntArrayRef windows,
+                                                       double softmax_scale, double softcap,
+                                                       c10::string_view activation) {
+  const LayerInputs in = layer_inputs(inputs);
+  const auto& [cache_seqlens, rope, tree_mask, block_table, rope_local] = in;
   const std::vector<at::Tensor> weights = present(weights_list);
   const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
                               num_heads, capture);
+  layer_variant(d, in, windows, softmax_scale, softcap, activation);
   return {at::empty(hidden.sizes(), hidden.options()),
           at::empty({d.B, d.T, static_cast<int64_t>(capture.size()) * d.H}, hidden.options())};
 }

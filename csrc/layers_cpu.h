@@ -20,10 +20,33 @@ enum LayerField : int {
   kQNorm,          // [D] or undefined (Qwen3)
   kKNorm,          // [D] or undefined
   kV,              // [Hkv D, H] or undefined: v's rows apart from q/k's (a GGUF file's v in a format of its own)
+  kAttnOutNorm,    // [H] or undefined: Gemma's norm of the attention's output, before the residual add
+  kMlpOutNorm,     // [H] or undefined: Gemma's norm of the MLP's output
   kNumFields,
 };
-const char* const kFieldNames[kNumFields] = {"input_norm", "qkv",  "qkv_bias", "o",      "post_norm",
-                                             "gate_up",    "down", "q_norm",   "k_norm", "v"};
+const char* const kFieldNames[kNumFields] = {"input_norm", "qkv",    "qkv_bias", "o", "post_norm",     "gate_up",
+                                             "down",       "q_norm", "k_norm",   "v", "attn_out_norm", "mlp_out_norm"};
+
+// A norm's weight may be float32 under a bfloat16 model (Gemma's 1 + w, which bfloat16 would round): rms_norm reads
+// it in its own dtype, the product rounded once either way.
+template <typename T, typename O>
+void norm_rows(const float* x, int64_t ldx, const at::Tensor& w, float eps, O* out, int64_t rows, int64_t n) {
+  if (w.scalar_type() == at::kFloat) return rms_norm(x, ldx, w.data_ptr<float>(), eps, out, rows, n);
+  rms_norm(x, ldx, w.data_ptr<T>(), eps, out, rows, n);
+}
+
+// gelu_tanh(g) = g / 2 (1 + tanh(c (g + 0.044715 g^3))), c = sqrt(2 / pi); tanh(y) = 1 - 2 / (e^(2y) + 1) (an
+// overflowing e^(2y) gives 1).
+constexpr float kGeluC = 0.7978845608028654f, kGeluA = 0.044715f;
+
+template <typename T>
+void gelu_tanh_mul_scalar(const T* gate, const T* up, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = to_f(gate[i]);
+    const float th = 1.f - 2.f / (std::exp(2.f * kGeluC * (g + kGeluA * g * g * g)) + 1.f);
+    out[i] = static_cast<T>(0.5f * g * (1.f + th) * to_f(up[i]));
+  }
+}
 
 
 template <typename T>
@@ -67,6 +90,47 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
   silu_mul_scalar(gate, up, out, n);
 }
 
+#if SPECDEC_DECODER_X86
+template <typename T>
+SPECDEC_AVX512 void gelu_tanh_mul_avx512(const T* gate, const T* up, T* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), half = _mm512_set1_ps(0.5f);
+  const __m512 c2 = _mm512_set1_ps(2.f * kGeluC), a = _mm512_set1_ps(kGeluA);
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t count = std::min<int64_t>(16, n - i);
+    const __m512 g = load16(gate + i, count);
+    const __m512 y = _mm512_mul_ps(c2, _mm512_add_ps(g, _mm512_mul_ps(a, _mm512_mul_ps(_mm512_mul_ps(g, g), g))));
+    const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(simd::exp16(y), one)));
+    const __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, th));
+    store16(out + i, _mm512_mul_ps(gelu, load16(up + i, count)), count);
+  }
+}
+
+template <typename T>
+SPECDEC_AVX2 void gelu_tanh_mul_avx2(const T* gate, const T* up, T* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
+  const __m256 c2 = _mm256_set1_ps(2.f * kGeluC), a = _mm256_set1_ps(kGeluA);
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t count = std::min<int64_t>(8, n - i);
+    const __m256 g = simd::load8(gate + i, count);
+    const __m256 y = _mm256_mul_ps(c2, _mm256_add_ps(g, _mm256_mul_ps(a, _mm256_mul_ps(_mm256_mul_ps(g, g), g))));
+    const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(simd::exp8(y), one)));
+    const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, th));
+    simd::store8(out + i, _mm256_mul_ps(gelu, simd::load8(up + i, count)), count);
+  }
+}
+#endif
+
+// The MLP's activation times up: SiLU (Llama) or GELU-tanh (Gemma).
+template <typename T>
+void act_mul(bool gelu, const T* gate, const T* up, T* out, int64_t n) {
+  if (!gelu) return silu_mul(gate, up, out, n);
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return gelu_tanh_mul_avx512(gate, up, out, n);
+  if (cpu_has_avx2()) return gelu_tanh_mul_avx2(gate, up, out, n);
+#endif
+  gelu_tanh_mul_scalar(gate, up, out, n);
+}
+
 template <typename T>
 const T* ptr(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
@@ -79,12 +143,16 @@ const T* ptr(const at::Tensor& t) {
 // the fork / join cost dominated the small stages and left the second thread idle through every row-wise piece; the
 // logits as a region of their own cost a few percent of a draft forward.
 template <typename T>
-void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, const T* final_norm, float* h, T* out,
-                const Weight& head = {}, int64_t V = 0, T* logits = nullptr) {
+void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, const at::Tensor& final_norm, float* h,
+                T* out, const Weight& head = {}, int64_t V = 0, T* logits = nullptr) {
   const int64_t M = p.B * p.T_, H = p.H, D = p.D, Hq = p.Hq, Hkv = p.Hkv, I = p.I, G = Hq / Hkv;
   const int64_t qkv_width = (Hq + 2 * Hkv) * D;
   std::vector<T> x(M * std::max(H, I)), qkv(M * qkv_width), attn(M * Hq * D), gate_up(M * 2 * I), delta(M * H);
   std::vector<float> qk(M * (Hq + Hkv) * D), attn_f(M * Hq * D);  // float32 q/k after norms and RoPE; attention
+  // Gemma: a block's output widened for its own norm (kAttnOutNorm, kMlpOutNorm) before it joins h
+  const bool sandwich = weights.size() >= kNumFields &&
+                        (weights[kAttnOutNorm].defined() || weights[kMlpOutNorm].defined());  // (every layer alike)
+  std::vector<float> block_out(sandwich ? M * H : 0);
   // Each worker's key list and scores, sized here: nothing inside the team may allocate (an exception cannot leave
   // it).
   int64_t max_keys = 0;
@@ -124,6 +192,15 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
     const int64_t per_group = (G + groups - 1) / groups;
     const int64_t num_units = rows_units * groups;
     const bool widen_once = widens_once(D, p.T_, groups, w.size());
+    // A block's output (delta, this worker's rows) joins the residual stream: through its own norm where the layer
+    // has one (Gemma's sandwich norms: rounded to T as the block's output is), else as it is.
+    const auto join = [&](const at::Tensor& out_norm) {
+      if (out_norm.defined()) {
+        convert_row(delta.data() + m_begin * H, block_out.data() + m_begin * H, my_rows * H);
+        norm_rows<T>(block_out.data() + m_begin * H, H, out_norm, p.eps, delta.data() + m_begin * H, my_rows, H);
+      }
+      for (int64_t i = m_begin * H; i < m_end * H; ++i) h[i] += to_f(delta[i]);
+    };
 
     for (int64_t l = 0; l < p.num_layers; ++l) {
       const at::Tensor* wl = weights.data() + l * kNumFields;
@@ -139,7 +216,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       const bool given = l == 0 && p.attn_in != nullptr;  // EAGLE-3: the caller built the attention input
       const T* qkv_in = given ? p.attn_in : x.data();
       const int64_t qkv_k = given ? p.attn_width : H;
-      if (!given) rms_norm(h + m_begin * H, H, ptr<T>(wl[kInputNorm]), p.eps, x.data() + m_begin * H, my_rows, H);
+      if (!given) norm_rows<T>(h + m_begin * H, H, wl[kInputNorm], p.eps, x.data() + m_begin * H, my_rows, H);
       w.sync();
       // qkv: [M, (Hq + 2 Hkv) D], or with v apart [M, (Hq + Hkv) D] then v's [M, Hkv D] (one stage: no sync between)
       const bool v_apart = wl[kV].defined();
@@ -153,14 +230,18 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       w.sync();
       // q / k heads one by one (a decode token's 4-6 heads then spread over the workers): float32, norms, RoPE;
       // a KV head's K and V then go to the cache
+      const int64_t window = p.windows != nullptr ? p.windows[l] : 0;  // 0: none
+      const bool local = window > 0 && p.cos_local != nullptr;  // the windowed layers' own RoPE (Gemma 3)
+      const T* cos = local ? p.cos_local : p.cos;
+      const T* sin = local ? p.sin_local : p.sin;
       const auto [hd_begin, hd_end] = w.share(M * (Hq + Hkv));
       for (int64_t u = hd_begin; u < hd_end; ++u) {
         const int64_t m = u / (Hq + Hkv), hd = u % (Hq + Hkv);
         const T* row = qkv.data() + m * qk_width;  // [Hq D | Hkv D] (then [Hkv D] of v, where not apart)
         float* head = qk.data() + u * D;           // [D] of qk's row m: [Hq D | Hkv D]
         convert_row(row + hd * D, head, D);
-        if (wl[kQNorm].defined()) rms_norm(head, D, ptr<T>(wl[hd < Hq ? kQNorm : kKNorm]), p.eps, head, 1, D);
-        rope_head(head, p.cos + m * D, p.sin + m * D, D);
+        if (wl[kQNorm].defined()) norm_rows<T>(head, D, wl[hd < Hq ? kQNorm : kKNorm], p.eps, head, 1, D);
+        rope_head(head, cos + m * D, sin + m * D, D);
         if (hd < Hq) continue;
         const int64_t b = m / p.T_, t = m % p.T_;
         const int64_t dst = p.row_offset(b, p.cache_seqlens[b] + t) + (hd - Hq) * D;
@@ -170,6 +251,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       }
       w.sync();
       int64_t keys_of = -1;  // the query row whose keys `keys` holds
+      int64_t first_key = 0;  // the first prefix position among them (past 0 where a window binds)
       int64_t widened_of = -1;  // with widen_once: the (b, KV head) whose positions widened_k / widened_v hold
       // With widen_once the units are visited sequence by sequence and KV head by KV head (then row by row), so one
       // widening serves all of a worker's rows there: the same units per worker, and each unit's sums are its own.
@@ -190,27 +272,33 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         float *kf = widened_k[w.id()].get(), *vf = widened_v[w.id()].get();
         if (widen_once && b * Hkv + kvh != widened_of) {
           const int64_t* cache_rows = positions.data() + cu_positions[b];
-          widen_positions(k_plane + kvh * D, v_plane + kvh * D, cache_rows, L + p.T_, D, kf, vf);
+          // from the first position any row here sees (a window's: the depth-0 row's), each at its own row j D
+          const int64_t from = window > 0 ? std::max<int64_t>(0, L - window + 1) : 0;
+          widen_positions(k_plane + kvh * D, v_plane + kvh * D, cache_rows + from, L + p.T_ - from, D, kf + from * D,
+                          vf + from * D);
           widened_of = b * Hkv + kvh;
         }
         if (m != keys_of) {  // the row's keys as offsets into the widened positions, or into the cache
-          key_rows(p, widen_once ? widened_rows.data() : positions.data() + cu_positions[b], b, m % p.T_, keys);
+          first_key = key_rows(p, widen_once ? widened_rows.data() : positions.data() + cu_positions[b], b, m % p.T_,
+                               keys, window);
           keys_of = m;
         }
         scores.resize(heads * keys.size());
         const int64_t n = static_cast<int64_t>(keys.size());
         if (widen_once) {
-          attend(kf, vf, keys.data(), n, q, heads, D, p.scale, scores.data(), a, L);
+          // (the whole prefix read in place: its keys are then rows 0 .. L - 1 of the widened ones)
+          attend(kf, vf, keys.data(), n, q, heads, D, p.scale, p.softcap, scores.data(), a, first_key == 0 ? L : 0);
         } else {
-          attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), n, q, heads, D, p.scale, scores.data(), a);
+          attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), n, q, heads, D, p.scale, p.softcap, scores.data(),
+                 a);
         }
         convert_row(a, attn.data() + (m * Hq + h0) * D, heads * D);
       }
       w.sync();
       linear(w, attn.data(), weight_of(wl[kO], Hq * D), nullptr, delta.data(), M, H, Hq * D);
       w.sync();
-      for (int64_t i = m_begin * H; i < m_end * H; ++i) h[i] += to_f(delta[i]);
-      rms_norm(h + m_begin * H, H, ptr<T>(wl[kPostNorm]), p.eps, x.data() + m_begin * H, my_rows, H);
+      join(wl[kAttnOutNorm]);
+      norm_rows<T>(h + m_begin * H, H, wl[kPostNorm], p.eps, x.data() + m_begin * H, my_rows, H);
       w.sync();
       linear(w, x.data(), weight_of(wl[kGateUp], H), nullptr, gate_up.data(), M, 2 * I, H);
       w.sync();
@@ -219,16 +307,16 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       const auto [a_begin, a_end] = w.share(M * I);
       for (int64_t i = a_begin; i < a_end;) {
         const int64_t m = i / I, c = i % I, n = std::min(a_end - i, I - c);
-        silu_mul(gate_up.data() + m * 2 * I + c, gate_up.data() + m * 2 * I + I + c, x.data() + i, n);
+        act_mul(p.gelu, gate_up.data() + m * 2 * I + c, gate_up.data() + m * 2 * I + I + c, x.data() + i, n);
         i += n;
       }
       w.sync();
       linear(w, x.data(), weight_of(wl[kDown], I), nullptr, delta.data(), M, H, I);
       w.sync();
       // the residual add, then (next layer or the end) the norm of the same rows: no sync between
-      for (int64_t i = m_begin * H; i < m_end * H; ++i) h[i] += to_f(delta[i]);
+      join(wl[kMlpOutNorm]);
     }
-    rms_norm(h + m_begin * H, H, final_norm, p.eps, out + m_begin * H, my_rows, H);
+    norm_rows<T>(h + m_begin * H, H, final_norm, p.eps, out + m_begin * H, my_rows, H);
     if (head.data == nullptr) return;
     w.sync();
     linear(w, out, head, nullptr, logits, M, V, H);  // the same row blocks as the logits kernel's own split
@@ -281,15 +369,18 @@ Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, con
     const at::Tensor* w = weights.data() + l * kNumFields;
     for (int f = 0; f < kNumFields; ++f) {
       if (!w[f].defined()) {
-        TORCH_CHECK_VALUE(f == kQkvBias || f == kQNorm || f == kKNorm || f == kV, "decoder_layers: layer ", l, " ",
-                          kFieldNames[f], " is missing");
+        TORCH_CHECK_VALUE(f == kQkvBias || f == kQNorm || f == kKNorm || f == kV || f == kAttnOutNorm ||
+                              f == kMlpOutNorm,
+                          "decoder_layers: layer ", l, " ", kFieldNames[f], " is missing");
         continue;
       }
       const bool matrix = f == kQkv || f == kO || f == kGateUp || f == kDown || f == kV;  // may be GGUF blocks
       const bool blocks = w[f].scalar_type() == at::kByte || w[f].scalar_type() == at::kChar;
-      TORCH_CHECK_TYPE(w[f].scalar_type() == dtype || (matrix && blocks),
+      const bool norm = f == kInputNorm || f == kPostNorm || f == kQNorm || f == kKNorm || f == kAttnOutNorm ||
+                        f == kMlpOutNorm;  // (float32 too: norm_rows)
+      TORCH_CHECK_TYPE(w[f].scalar_type() == dtype || (matrix && blocks) || (norm && w[f].scalar_type() == at::kFloat),
                        "decoder_layers: layer ", l, " ", kFieldNames[f], " must be ", dtype, " like hidden",
-                       matrix ? " (or uint8 GGUF blocks)" : "", ", got ", w[f].scalar_type());
+                       matrix ? " (or uint8 GGUF blocks)" : norm ? " (or float32)" : "", ", got ", w[f].scalar_type());
       TORCH_CHECK_VALUE(w[f].device() == device && w[f].is_contiguous(), "decoder_layers: layer ", l, " ",
                         kFieldNames[f], " must be contiguous and on ", device);
     }
@@ -303,6 +394,12 @@ Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, con
     if (w[kQkvBias].defined()) check_vector(w[kQkvBias], qkv_width, "qkv bias", l);
     check_matrix(w[kO], d.H, d.Hq * d.D, "o", l);
     check_vector(w[kPostNorm], d.H, "post-attention norm", l);
+    if (w[kAttnOutNorm].defined()) check_vector(w[kAttnOutNorm], d.H, "attn_out_norm", l);
+    if (w[kMlpOutNorm].defined()) check_vector(w[kMlpOutNorm], d.H, "mlp_out_norm", l);
+    for (const int f : {kAttnOutNorm, kMlpOutNorm}) {
+      TORCH_CHECK_VALUE(w[f].defined() == weights[f].defined(), "decoder_layers: ", kFieldNames[f],
+                        " must be given in every layer or in none (layer ", l, ")");
+    }
     check_matrix(w[kGateUp], 2 * d.I, d.H, "gate_up", l);
     check_matrix(w[kDown], d.H, d.I, "down", l);
     if (w[kQNorm].defined()) {
@@ -310,8 +407,10 @@ Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, con
       check_vector(w[kKNorm], d.D, "k_norm", l);
     }
   }
-  TORCH_CHECK_VALUE(final_norm.dim() == 1 && final_norm.size(0) == d.H && final_norm.scalar_type() == dtype,
-                    "decoder_layers: final_norm must be ", dtype, " [", d.H, "], got ", final_norm.sizes());
+  TORCH_CHECK_VALUE(final_norm.dim() == 1 && final_norm.size(0) == d.H &&
+                        (final_norm.scalar_type() == dtype || final_norm.scalar_type() == at::kFloat),
+                    "decoder_layers: final_norm must be ", dtype, " (or float32) [", d.H, "], got ",
+                    final_norm.sizes(), " ", final_norm.scalar_type());
   TORCH_CHECK_VALUE(final_norm.device() == device && kv_cache.device() == device,
                     "decoder_layers: all tensors must be on ", device);
   return d;
@@ -389,17 +488,47 @@ void check_positions(const Problem<T>& p, int64_t B, int64_t T_) {
   }
 }
 
+// What a family changes in the layer (spec_kernels/decoder_layers/ref.py: LayerVariant; the defaults are Llama's):
+// per layer a sliding window (empty: none), the windowed layers' RoPE [2, B, T, D] (undefined: the call's), the
+// query scale (0: D^-1/2), the scores' soft cap (0: none), a GELU-tanh MLP.
+struct Variant {
+  std::vector<int64_t> windows;
+  at::Tensor rope_local;
+  double softmax_scale = 0., softcap = 0.;
+  bool gelu = false;
+};
+
+// Each row's depth in its tree [B, T]: the nodes its mask row sees, less itself.
+std::vector<int64_t> tree_depths(const bool* mask, int64_t B, int64_t T) {
+  std::vector<int64_t> depths(B * T);
+  for (int64_t r = 0; r < B * T; ++r) depths[r] = std::count(mask + r * T, mask + (r + 1) * T, true) - 1;
+  return depths;
+}
+
 // Checks the values (positions and block ids; free on CPU), runs the layers and the final norm into out [B, T, H].
 template <typename T>
 void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tensor>& weights,
              const at::Tensor& final_norm, at::Tensor& kv_cache, const at::Tensor& cache_seqlens,
              const at::Tensor& mask,
              const at::Tensor& cos_sin, const at::Tensor& table, double eps, const std::vector<int64_t>& capture,
-             at::Tensor& out, at::Tensor& features) {
+             at::Tensor& out, at::Tensor& features, const Variant& variant = {}) {
   Problem<T> p{};
   p.B = d.B, p.T_ = d.T, p.H = d.H, p.Hq = d.Hq, p.Hkv = d.Hkv, p.D = d.D, p.I = d.I, p.num_layers = d.num_layers;
   p.eps = static_cast<float>(eps);
-  p.scale = 1.f / std::sqrt(static_cast<float>(d.D));
+  p.scale = variant.softmax_scale > 0. ? static_cast<float>(variant.softmax_scale)
+                                       : 1.f / std::sqrt(static_cast<float>(d.D));
+  p.softcap = static_cast<float>(variant.softcap);
+  p.gelu = variant.gelu;
+  std::vector<int64_t> depths;
+  if (!variant.windows.empty()) {
+    p.windows = variant.windows.data();
+    depths = tree_depths(mask.data_ptr<bool>(), d.B, d.T);
+    p.depths = depths.data();
+  }
+  if (variant.rope_local.defined()) {
+    p.cos_local = variant.rope_local.data_ptr<T>();
+    p.sin_local = p.cos_local + d.B * d.T * d.D;
+  }
   p.cache_seqlens = cache_seqlens.data_ptr<int64_t>();
   p.tree_mask = mask.data_ptr<bool>();
   p.num_blocks = kv_cache.size(2);
@@ -418,7 +547,7 @@ void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tens
   std::vector<float> h(d.B * d.T * d.H);  // the residual stream in float32
   const T* in = hidden.data_ptr<T>();
   for (size_t i = 0; i < h.size(); ++i) h[i] = to_f(in[i]);
-  run_layers(p, weights, final_norm.data_ptr<T>(), h.data(), out.data_ptr<T>());
+  run_layers(p, weights, final_norm, h.data(), out.data_ptr<T>());
 }
 
 }  // namespace

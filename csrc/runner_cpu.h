@@ -200,7 +200,7 @@ class ChainRunner {
     p.sin = p.cos + M * D;
     check_positions(p, B, T_);
     if (M == 0) return;
-    run_layers(p, weights_, norm_.data_ptr<T>(), h_.data(), out_.data(), with_logits ? head() : Weight{},
+    run_layers(p, weights_, norm_, h_.data(), out_.data(), with_logits ? head() : Weight{},
                vocab(), logits_.data());
     if (feats != nullptr) raw_.assign(h_.begin(), h_.end());
   }

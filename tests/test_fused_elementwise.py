@@ -190,7 +190,7 @@ def _layer_inputs(dtype: torch.dtype, qk_norm: bool, gen: torch.Generator):
         weights += [torch.rand(H, generator=gen) + 0.5, torch.randn((Hq + 2 * Hkv) * D, H, generator=gen) / H**0.5,
                     None, torch.randn(H, Hq * D, generator=gen) / (Hq * D) ** 0.5, torch.rand(H, generator=gen) + 0.5,
                     torch.randn(2 * inter, H, generator=gen) / H**0.5,
-                    torch.randn(H, inter, generator=gen) / inter**0.5, *norms, None]  # fmt: skip
+                    torch.randn(H, inter, generator=gen) / inter**0.5, *norms, None, None, None]  # fmt: skip
     weights = [None if w is None else w.to(dtype) for w in weights]
     kv_cache = (torch.randn(L, 2, 8, 4, Hkv, D, generator=gen)).to(dtype)  # [L, 2, blocks, block_size, Hkv, D]
     block_table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
@@ -222,7 +222,7 @@ def test_layer_loop_with_fused_kernels(dtype, qk_norm):
     def run(ops):
         cache = kv_cache.clone()
 
-        def attend(q, k_cache, v_cache):
+        def attend(q, k_cache, v_cache, window):
             return tree_attention_ref(q, k_cache, v_cache, cache_seqlens, mask, block_table=table)
 
         out = decoder_layer_loop(hidden, weights, final_norm, cache, cache_seqlens, rope, mask, table, hq, EPS,

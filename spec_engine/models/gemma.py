@@ -16,8 +16,9 @@ Gemma's layer is Llama's with:
 - **sliding-window layers** (``ModelConfig.layer_types``): ``tree_attention``'s ``window``; Gemma 3's sliding layers
   rotate with their own RoPE base (``rope_local``), q and k are RMS-normed per head before RoPE.
 
-The native C++ decoder layers run Llama's layer only: a Gemma model has no native handle (``native`` stays None), so
-the step planner never picks a native path for it; every step is a regular one, through ``_decoder`` below.
+Every forward is one ``decoder_layers`` call with Gemma's ``LayerVariant`` (on CPU the native C++ layers; the sandwich
+norms are its "attn_out_norm" and "mlp_out_norm" fields). The native step runners (chains, trees in one C++ call) run
+Llama's layer only: a Gemma model has no native handle (``native`` stays None), so every step is a regular one.
 """
 
 from __future__ import annotations
@@ -26,11 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from spec_engine.models.config import SLIDING, ModelConfig, rope_inv_freq
-from spec_engine.models.llama import LlamaForCausalLM, RMSNorm, cache_slots
-from spec_kernels import linear
-from spec_kernels.decoder_layers.ref import LAYER_FIELDS, qkv_projection
-from spec_kernels.fused_elementwise import rope_qk
-from spec_kernels.tree_attention import plan_tree_attention, tree_attention
+from spec_engine.models.llama import LlamaForCausalLM, RMSNorm
+from spec_kernels import decoder_layers
+from spec_kernels.decoder_layers import LayerVariant
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -57,6 +56,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 layer.self_attn.q_norm, layer.self_attn.k_norm = GemmaRMSNorm(D, eps), GemmaRMSNorm(D, eps)
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg.rope_local, D), persistent=False)
         self.rope_table_local: torch.Tensor | None = None  # [2, max_positions, D] for the sliding layers, once fused
+        windows = tuple(cfg.sliding_window if kind == SLIDING else 0 for kind in cfg.layer_types)
+        # Gemma's layer as decoder_layers takes it
+        self.variant = LayerVariant(windows=windows, softmax_scale=cfg.query_pre_attn_scalar**-0.5,
+                                    softcap=cfg.attn_logit_softcapping, activation="gelu_tanh",
+                                    float32_norms=True)  # fmt: skip
 
     def reset_rope(self) -> None:
         super().reset_rope()
@@ -69,6 +73,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
             self.rope_table_local = torch.stack(self._rope_from_freqs(positions, self.lm_head.weight.dtype,
                                                                       self.inv_freq_local))  # fmt: skip
         return self
+
+    def _norms(self, layer) -> tuple:
+        return (layer.input_layernorm.weight, layer.pre_feedforward_layernorm.weight,
+                layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight)  # fmt: skip
 
     def _build_native(self) -> None:
         self.native = None  # the native layers run Llama's layer, not Gemma's (module docstring)
@@ -105,39 +113,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if self.layer_weights is None:
             self.fuse()
         cfg = self.config
-        B, T = input_ids.shape
-        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         embed = self.model.embed_tokens(input_ids)  # [B, T, H]
         h = embed * torch.tensor(cfg.hidden_size**0.5).to(embed.dtype)
-        ropes = {kind: self._rope_of(kind, positions, h.dtype) for kind in set(cfg.layer_types)}  # [2, B, T, D] each
-        pos = cache_seqlens.long()[:, None] + torch.arange(T, device=h.device)  # [B, T]: the cache slots written
-        blocks, offsets = cache_slots(pos, kv_cache.shape[3], block_table)
-        plan = plan_tree_attention(kv_cache[0, 0], cache_seqlens, tree_mask, num_q_heads=Hq, block_table=block_table)
-        streams = {}
-        for i, layer in enumerate(self.model.layers):
-            if capture is not None and i in capture:
-                streams[i] = h
-            w = dict(zip(LAYER_FIELDS, self.layer_weights[i * len(LAYER_FIELDS) : (i + 1) * len(LAYER_FIELDS)]))
-            attn, kind = layer.self_attn, cfg.layer_types[i]
-            qkv = qkv_projection(layer.input_layernorm(h), w, linear)  # [B, T, (Hq + 2 Hkv) D]
-            q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
-            q, k, v = q.reshape(B, T, Hq, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
-            if cfg.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = rope_qk(q, k, *ropes[kind])  # (one kernel on CUDA)
-            kv_cache[i, 0, blocks, offsets] = k
-            kv_cache[i, 1, blocks, offsets] = v
-            out = tree_attention(q, kv_cache[i, 0], kv_cache[i, 1], cache_seqlens, tree_mask, block_table=block_table,
-                                 softmax_scale=cfg.query_pre_attn_scalar**-0.5, softcap=cfg.attn_logit_softcapping,
-                                 window=cfg.sliding_window if kind == SLIDING else None, plan=plan)  # fmt: skip
-            h = h + layer.post_attention_layernorm(linear(out.flatten(2), w["o"], None))  # [B, T, H]
-            gate, up = linear(layer.pre_feedforward_layernorm(h), w["gate_up"], None).chunk(2, dim=-1)
-            mlp = linear(F.gelu(gate, approximate="tanh") * up, w["down"], None)  # [B, T, H]
-            h = h + layer.post_feedforward_layernorm(mlp)
-        out = self.model.norm(h)
-        if capture is None:
-            return out
-        return out, torch.cat([streams[i] for i in capture], dim=-1) if capture else h.new_empty(B, T, 0)
+        local = self._rope_of(SLIDING, positions, h.dtype) if SLIDING in cfg.layer_types else None  # [2, B, T, D]
+        return decoder_layers(
+            h, self.layer_weights, self.model.norm.weight, kv_cache, cache_seqlens, self._rope(positions, h.dtype),
+            tree_mask, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps, block_table=block_table,
+            capture=capture, variant=self.variant, rope_local=local,
+        )  # fmt: skip
 
 
 __all__ = ["GemmaForCausalLM", "GemmaRMSNorm"]

@@ -130,13 +130,21 @@ def _fuse_rows(linears, bias: bool = False) -> torch.Tensor:
     return fused
 
 
-def _layer_fields(layer: DecoderLayer) -> list[torch.Tensor | None]:
-    """One fused layer's tensors in the order of ``spec_kernels.decoder_layers.ref.LAYER_FIELDS``."""
+def _llama_norms(layer: DecoderLayer) -> tuple:
+    """A layer's norm weights as ``LAYER_FIELDS`` names them: input_norm, post_norm (the MLP's input),
+    attn_out_norm and mlp_out_norm (None: the Llama layer has neither)."""
+    return layer.input_layernorm.weight, layer.post_attention_layernorm.weight, None, None
+
+
+def _layer_fields(layer: DecoderLayer, norms: tuple | None = None) -> list[torch.Tensor | None]:
+    """One fused layer's tensors in the order of ``spec_kernels.decoder_layers.ref.LAYER_FIELDS``, with its model's
+    ``_norms(layer)`` (None: the Llama layer's)."""
     attn, mlp = layer.self_attn, layer.mlp
-    norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+    head_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+    input_norm, post_norm, attn_out_norm, mlp_out_norm = norms or _llama_norms(layer)
     return [
-        layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
-        layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.down_proj.weight, *norms, None,
+        input_norm, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight, post_norm, mlp.gate_up_weight,
+        mlp.down_proj.weight, *head_norms, None, attn_out_norm, mlp_out_norm,
     ]  # fmt: skip
 
 
@@ -193,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.model.layers:
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
-            self.layer_weights = LayerWeights(w for layer in self.model.layers for w in _layer_fields(layer))
+            self.layer_weights = LayerWeights(w for layer in self.model.layers
+                                              for w in _layer_fields(layer, self._norms(layer)))  # fmt: skip
         if max_positions is not None:
             positions = torch.arange(max_positions, device=self.inv_freq.device)
             cos, sin = self._rope_from_freqs(positions, self.lm_head.weight.dtype)
@@ -262,16 +271,21 @@ class LlamaForCausalLM(nn.Module):
         attn = layer.self_attn
         q, k, v = (f"{p}self_attn.{n}_proj.weight" for n in "qkv")
         bias = None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-        norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+        head_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+        input_norm, post_norm, attn_out_norm, mlp_out_norm = self._norms(layer)
         qtypes = {getattr(self.quantized.get(n), "qtype", None) for n in (q, k, v)}
         v_apart = v in self.quantized and len(qtypes) > 1
         qkv = self._matrix([q, k]) if v_apart else self._matrix([q, k, v])
         return [
-            layer.input_layernorm.weight, qkv, bias, self._matrix([f"{p}self_attn.o_proj.weight"]),
-            layer.post_attention_layernorm.weight,
+            input_norm, qkv, bias, self._matrix([f"{p}self_attn.o_proj.weight"]), post_norm,
             self._matrix([f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
-            self._matrix([f"{p}mlp.down_proj.weight"]), *norms, self._matrix([v]) if v_apart else None,
+            self._matrix([f"{p}mlp.down_proj.weight"]), *head_norms, self._matrix([v]) if v_apart else None,
+            attn_out_norm, mlp_out_norm,
         ]  # fmt: skip
+
+    def _norms(self, layer: DecoderLayer) -> tuple:
+        """A layer's norm weights in ``LAYER_FIELDS``' terms (``_llama_norms``); a family with others overrides it."""
+        return _llama_norms(layer)
 
     def _embed_weight(self) -> torch.Tensor | QuantizedWeight:
         """The embedding the native chains look tokens up in: the file's blocks when quantized (each row dequantized

@@ -174,7 +174,7 @@ class ShardedLlama:
             norms = (read(a + "q_norm.weight", (D,)), read(a + "k_norm.weight", (D,))) if cfg.qk_norm else (None, None)
             self.weights += [read(p + "input_layernorm.weight", (H,)), qkv, bias, o,
                              read(p + "post_attention_layernorm.weight", (H,)), gate_up, down,
-                             *norms, None]  # fmt: skip
+                             *norms, None, None, None]  # fmt: skip
             self._row_parallel |= {id(o), id(down)}
         self.inv_freq = rope_inv_freq(cfg.rope, D).to(device)
 
@@ -202,7 +202,7 @@ class ShardedLlama:
         plan = plan_tree_attention(kv_cache[0, 0], cache_seqlens, tree_mask, num_q_heads=self.plan.num_q_heads,
                                    block_table=block_table)  # fmt: skip
 
-        def attend(q, k_cache, v_cache):
+        def attend(q, k_cache, v_cache, window):  # (the Llama layer's: no window)
             return tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, plan=plan)
 
         return decoder_layer_loop(

@@ -35,13 +35,14 @@ from spec_kernels.decoder_layers.cpu import (
     spec_chain,
     tree_step,
 )
-from spec_kernels.decoder_layers.ref import LAYER_FIELDS, decoder_layer_loop, decoder_layers_ref
+from spec_kernels.decoder_layers.ref import LAYER_FIELDS, LLAMA, LayerVariant, decoder_layer_loop, decoder_layers_ref
 from spec_kernels.fused_elementwise import layer_ops
 from spec_kernels.linear import linear
 from spec_kernels.tree_attention import plan_tree_attention, tree_attention
 
 __all__ = [
     "SPEC_CHAIN_MAX_NODES",
+    "LayerVariant",
     "LayerWeights",
     "NativeHead",
     "NativeModel",
@@ -76,6 +77,8 @@ def decoder_layers(
     eps: float,
     block_table: torch.Tensor | None = None,
     capture: Sequence[int] | None = None,
+    variant: LayerVariant = LLAMA,
+    rope_local: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run T new tokens per sequence through every decoder layer and return the final-normed hidden states.
@@ -105,6 +108,10 @@ def decoder_layers(
     block_table : int32 ``[B, max_blocks]`` for a paged cache.
     capture : layer indices whose input residual stream to return too (EAGLE-3's low/mid/high features), in the
         order given; None returns the hidden states alone.
+    variant : what the family changes in the layer (``LayerVariant``: Gemma's sliding windows, query scale,
+        soft-capping, GELU-tanh and float32 norms); its "attn_out_norm" / "mlp_out_norm" fields (Gemma's sandwich
+        norms) normalise the attention's and the MLP's outputs before the residual add.
+    rope_local : ``[2, B, T, D]``, the RoPE of the layers with a window (Gemma 3's local base); None: ``rope``.
     backend : None (native on CPU float32 / bfloat16, torch ops around the device kernels elsewhere), "native",
         "torch" (the reference). "triton" raises: this op composes the Triton kernels rather than being one.
 
@@ -125,14 +132,17 @@ def decoder_layers(
     layers = None if capture is None else [int(i) for i in capture]
     if layers is not None and not all(0 <= i < len(weights) // len(LAYER_FIELDS) for i in layers):
         raise ValueError(f"decoder_layers: capture {layers} names a layer the model does not have")
+    num_layers = len(weights) // len(LAYER_FIELDS)
+    if variant.windows is not None and len(variant.windows) != num_layers:
+        raise ValueError(f"decoder_layers: variant.windows has {len(variant.windows)} entries for {num_layers} layers")
     if backend is None and flat is None:
         return _device_layers(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
-                              num_heads, eps, layers)  # fmt: skip
+                              num_heads, eps, layers, variant, rope_local)  # fmt: skip
     backend = resolve_backend("decoder_layers", backend, hidden.device, has_triton=False)
     if backend == "torch":
         return decoder_layers_ref(
-            hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask,
-            num_heads=num_heads, eps=eps, block_table=block_table, capture=layers,
+            hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, num_heads=num_heads, eps=eps,
+            block_table=block_table, capture=layers, variant=variant, rope_local=rope_local,
         )  # fmt: skip
     if not hidden.is_cpu:
         raise RuntimeError(f"decoder_layers: backend='native' is the CPU path; got {hidden.device.type} tensors")
@@ -141,24 +151,28 @@ def decoder_layers(
     load_ext()
     if flat is None:  # backend="native" asked for tensors it does not take: the C++ op says which
         flat = [_op_tensor(w) for w in weights]
-    inputs = [cache_seqlens, rope, tree_mask, block_table]  # LayerInputs in csrc/decoder_layers_cpu.cpp
+    inputs = [cache_seqlens, rope, tree_mask, block_table, rope_local]  # LayerInputs in csrc/decoder_layers_cpu.cpp
     out, features = torch.ops.spec_kernels.decoder_layers(
-        hidden, flat, final_norm, kv_cache, inputs, num_heads, eps, layers or []
-    )
+        hidden, flat, final_norm, kv_cache, inputs, num_heads, eps, layers or [], list(variant.windows or []),
+        variant.softmax_scale or 0.0, variant.softcap or 0.0, variant.activation,
+    )  # fmt: skip
     return out if layers is None else (out, features)
 
 
 def _device_layers(
-    hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps, capture=None
-):
+    hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps, capture=None,
+    variant=LLAMA, rope_local=None,
+):  # fmt: skip
     """The loop of torch ops with the fast kernels (the matmul, the attention, the fused elementwise ops): CUDA, meta,
     and dtypes the C++ op does not take."""
     plan = plan_tree_attention(kv_cache[0, 0], cache_seqlens, tree_mask, num_q_heads=num_heads, block_table=block_table)
 
-    def attend(q, k_cache, v_cache):
-        return tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, plan=plan)
+    def attend(q, k_cache, v_cache, window):
+        scale, cap = variant.softmax_scale, variant.softcap
+        return tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table,
+                              softmax_scale=scale, softcap=cap, window=window, plan=plan)  # fmt: skip
 
     return decoder_layer_loop(
         hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table, num_heads, eps,
-        linear, attend, capture, layer_ops(),
+        linear, attend, capture, layer_ops(), variant, rope_local,
     )  # fmt: skip

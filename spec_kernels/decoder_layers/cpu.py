@@ -33,7 +33,9 @@ class LayerWeights(list):
         self._dtype = self._one_dtype()
 
     def _one_dtype(self) -> torch.dtype | None:
-        dtypes = {w.dtype for w in self if isinstance(w, torch.Tensor)}
+        tensors = [w for w in self if isinstance(w, torch.Tensor)]
+        # (norm vectors may be float32 beside 16-bit matrices: Gemma's 1 + w, which the C++ op reads as float32)
+        dtypes = {w.dtype for w in tensors if w.dim() > 1 or w.dtype != torch.float32} or {w.dtype for w in tensors}
         quant_cpu = all(w.device.type == "cpu" for w in self if isinstance(w, QuantizedWeight))
         return dtypes.pop() if len(dtypes) == 1 and quant_cpu else None
 

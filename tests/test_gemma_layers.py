@@ -1,0 +1,134 @@
+"""decoder_layers with Gemma's layer (``LayerVariant``: sliding windows, a query scale, soft-capped scores, GELU-tanh,
+float32 sandwich norms, a local RoPE): the native C++ stack against the float64 reference, tree nodes bitwise plain
+decoding's with a window that binds, and the variant's errors. The model-level parity with HF is tests/test_families.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decoder_layers import CONFIGS, EPS, LAYERS, H, make_problem, make_weights, rope_rows
+
+from spec_kernels.decoder_layers import LayerVariant, decoder_layers
+from spec_kernels.decoder_layers.ref import LAYER_FIELDS, decoder_layers_ref
+
+# layer 0 slides over 4 positions (it binds: the prefixes below are longer), layer 1 sees everything
+GEMMA = LayerVariant(windows=(4, 0), softmax_scale=0.3, softcap=1.5, activation="gelu_tanh", float32_norms=True)
+
+
+def gemma_weights(name, seed=0):
+    """make_weights' layers with float32 sandwich norms (Gemma's 1 + w)."""
+    Hq, Hkv, D, bias, qk_norm = CONFIGS[name]
+    weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    n = len(LAYER_FIELDS)
+    for i in range(LAYERS):
+        for field in ("attn_out_norm", "mlp_out_norm"):
+            weights[i * n + LAYER_FIELDS.index(field)] = 1 + 0.2 * torch.randn(H, generator=g)
+    return weights, final_norm
+
+
+def run(backend, weights, final_norm, hidden, kv, lens, rope, mask, table, Hq, dtype, variant=GEMMA, local=None):
+    """Matrices in dtype, norms in float32 (float64 for the exact reference), as a Gemma model holds them."""
+    norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    cast = [None if w is None else w.to(norm_dtype if w.dim() == 1 else dtype) for w in weights]
+    kv = kv.to(dtype).clone()
+    local = None if local is None else local.to(dtype)
+    out = (decoder_layers_ref if backend == "ref" else decoder_layers)(
+        hidden.to(dtype), cast, final_norm.to(norm_dtype), kv, lens, rope.to(dtype), mask, num_heads=Hq, eps=EPS,
+        block_table=table, variant=variant, rope_local=local, **({} if backend == "ref" else {"backend": backend}),
+    )  # fmt: skip
+    return out, kv
+
+
+def local_rope(lens, mask, D):
+    """The sliding layers' own RoPE (another base, as Gemma 3's local layers)."""
+    positions = lens.long()[:, None] + mask.sum(-1) - 1
+    inv = 1.0 / (100 ** (torch.arange(0, D, 2).float() / D))
+    emb = torch.cat((positions.float()[..., None] * inv,) * 2, dim=-1)
+    return torch.stack((emb.cos(), emb.sin()))
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_qk_norm", "mha"])
+@pytest.mark.parametrize("cache_seqlens, T, mask", [([9, 2, 6], 5, "tree"), ([7], 12, "causal")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_gemma_matches_float64_reference(name, cache_seqlens, T, mask, dtype):
+    Hq, Hkv, D, *_ = CONFIGS[name]
+    weights, final_norm = gemma_weights(name)
+    hidden, kv, lens, rope, tree, table = make_problem(Hq, Hkv, D, cache_seqlens, T, paged=True, mask=mask)
+    local = local_rope(lens, tree, D)
+    problem = (hidden, kv, lens, rope, tree, table, Hq)
+    if dtype == torch.bfloat16:  # the exact result of the bfloat16 inputs
+        hidden, kv, rope, local = hidden.bfloat16(), kv.bfloat16(), rope.bfloat16(), local.bfloat16()
+        weights = [w if w is None or w.dim() == 1 else w.bfloat16() for w in weights]  # (norms stay float32)
+    exact, _ = run("ref", weights, final_norm, hidden, kv, lens, rope, tree, table, Hq, torch.float64, local=local)
+    same, _ = run("ref", weights, final_norm, *problem, dtype, local=local)
+    native, _ = run("native", weights, final_norm, *problem, dtype, local=local)
+    err_torch = (same.double() - exact).abs().max().item()
+    err_native = (native.double() - exact).abs().max().item()
+    assert err_native <= 2 * err_torch + (1e-5 if dtype == torch.float32 else 1e-3), (err_native, err_torch)
+    if dtype != torch.float32:
+        return
+    # each part of the variant moves the output here (so a native path that dropped one would fail above)
+    for part in (dict(windows=None), dict(softcap=None), dict(softmax_scale=None), dict(activation="silu")):
+        other, _ = run("native", weights, final_norm, *problem, dtype, variant=GEMMA.__class__(
+            **{**GEMMA.__dict__, **part}), local=local)  # fmt: skip
+        assert (other.double() - native.double()).abs().max() > 10 * err_native + 1e-3, part
+    no_local, _ = run("native", weights, final_norm, *problem, dtype)
+    assert (no_local.double() - native.double()).abs().max() > 10 * err_native + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["llama_gqa", "mha"])  # (mha: D 32, several rows a KV head: the shared widening)
+def test_gemma_tree_nodes_equal_plain_decoding_bitwise(name, dtype):
+    """A tree whose node indices are not its depths (node 2 at depth 1, node 3 at depth 2), verified in one pass
+    over prefixes longer than layer 0's window: each node's hidden state is bitwise the one plain decoding of its
+    path gives it. A window counted from the node's index instead of its depth would see other positions."""
+    Hq, Hkv, D, *_ = CONFIGS[name]
+    weights, final_norm = gemma_weights(name)
+    parents = [-1, 0, 0, 2, 1, 3, 3, 5]
+    T, B = len(parents), 2
+    hidden, kv, lens, _, _, table = make_problem(Hq, Hkv, D, [9, 13], T, paged=True, mask="causal")
+    tree = torch.zeros(T, T, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        tree[i] = tree[p] if p >= 0 else tree[i]
+        tree[i, i] = True
+    tree = tree.expand(B, T, T).clone()
+    depth = tree.sum(-1) - 1  # [B, T]
+    rope, local = rope_rows(lens.long()[:, None] + depth, D), local_rope(lens, tree, D)
+    together, _ = run("native", weights, final_norm, hidden, kv, lens, rope, tree, table, Hq, dtype, local=local)
+    for leaf in (4, 6, 7):
+        path = [leaf]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        cache = kv.to(dtype).clone()
+        for step, node in enumerate(path):  # plain decoding of the path, the cache growing by one
+            one = torch.ones(B, 1, 1, dtype=torch.bool)
+            at = lens + step
+            out, cache = run("native", weights, final_norm, hidden[:, node : node + 1], cache, at,
+                             rope[:, :, node : node + 1], one, table, Hq, dtype,
+                             local=local[:, :, node : node + 1])  # fmt: skip
+            assert torch.equal(out[:, 0], together[:, node]), (leaf, node)
+
+
+def test_variant_errors_are_clear():
+    Hq, Hkv, D, *_ = CONFIGS["llama_gqa"]
+    weights, final_norm = gemma_weights("llama_gqa")
+    hidden, kv, lens, rope, tree, table = make_problem(Hq, Hkv, D, [3, 4], 2, paged=True)
+    kwargs = dict(num_heads=Hq, eps=EPS, block_table=table)
+    with pytest.raises(ValueError, match="windows has 1 entries for 2 layers"):
+        decoder_layers(hidden, weights, final_norm, kv, lens, rope, tree, **kwargs, variant=LayerVariant(windows=(4,)))
+    with pytest.raises(ValueError, match="activation"):
+        LayerVariant(activation="relu")
+    with pytest.raises(ValueError, match="softcap"):
+        LayerVariant(softcap=0.0)
+    with pytest.raises(ValueError, match="rope_local must be like rope"):
+        decoder_layers(hidden, weights, final_norm, kv, lens, rope, tree, **kwargs, rope_local=rope[:, :1])
+    half = [w.bfloat16() if w is not None and w.dim() == 1 and w is weights[0] else w for w in weights]
+    with pytest.raises(TypeError, match="input_norm must be Float like hidden .or float32., got BFloat16"):
+        decoder_layers(hidden, half, final_norm, kv, lens, rope, tree, **kwargs, backend="native")
+    uneven = list(weights)
+    uneven[len(LAYER_FIELDS) + LAYER_FIELDS.index("mlp_out_norm")] = None
+    with pytest.raises(ValueError, match="mlp_out_norm must be given in every layer or in none"):
+        decoder_layers(hidden, uneven, final_norm, kv, lens, rope, tree, **kwargs)
