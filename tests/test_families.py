@@ -220,8 +220,8 @@ def test_what_is_not_taken_is_named(tmp_path):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_speculation_equals_plain_decoding_in_bfloat16(family_dirs, family):
-    """The engine's contract in a 16-bit dtype, where only batch-invariant kernels keep it (Gemma's regular steps
-    attend through tree_attention's native path, which reduces 16-bit inputs in float64)."""
+    """The engine's contract in a 16-bit dtype, where only batch-invariant kernels keep it (Gemma's regular steps run
+    the C++ layers with its LayerVariant, batch-invariant as the Llama layer's)."""
     target, _, draft = family_dirs(family)
     prompts = [{"prompt_token_ids": p} for p in (PROMPT, [1, 2, 3, 4, 1, 2], [77])]
     specs = [None, {"method": "ngram", "num_speculative_tokens": 4}, *(dict(s, model=str(draft)) for s in
