@@ -69,7 +69,7 @@ Variant layer_variant(const Dims& d, const LayerInputs& in, at::IntArrayRef wind
     TORCH_CHECK_VALUE(r.sizes() == in.rope.sizes() && r.scalar_type() == in.rope.scalar_type() &&
                           r.device() == in.rope.device(),
                       "decoder_layers: rope_local must be like rope (", in.rope.sizes(), " ", in.rope.scalar_type(),
-                      "), got ", r.sizes(), " ", r.scalar_type());
+                      " on ", in.rope.device(), "), got ", r.sizes(), " ", r.scalar_type(), " on ", r.device());
     v.rope_local = r.contiguous();
   }
   return v;

@@ -272,8 +272,9 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         float *kf = widened_k[w.id()].get(), *vf = widened_v[w.id()].get();
         if (widen_once && b * Hkv + kvh != widened_of) {
           const int64_t* cache_rows = positions.data() + cu_positions[b];
-          // from the first position any row here sees (a window's: the depth-0 row's), each at its own row j D
-          const int64_t from = window > 0 ? std::max<int64_t>(0, L - window + 1) : 0;
+          // from the first position any row here may see (a window's: a row at depth -1, whose mask hides every
+          // node, sees from L - window), each at its own row j D
+          const int64_t from = window > 0 ? std::max<int64_t>(0, L - window) : 0;
           widen_positions(k_plane + kvh * D, v_plane + kvh * D, cache_rows + from, L + p.T_ - from, D, kf + from * D,
                           vf + from * D);
           widened_of = b * Hkv + kvh;
@@ -380,7 +381,8 @@ Dims check_model(at::ScalarType dtype, const c10::Device& device, int64_t H, con
                         f == kMlpOutNorm;  // (float32 too: norm_rows)
       TORCH_CHECK_TYPE(w[f].scalar_type() == dtype || (matrix && blocks) || (norm && w[f].scalar_type() == at::kFloat),
                        "decoder_layers: layer ", l, " ", kFieldNames[f], " must be ", dtype, " like hidden",
-                       matrix ? " (or uint8 GGUF blocks)" : norm ? " (or float32)" : "", ", got ", w[f].scalar_type());
+                       matrix ? " (or uint8 GGUF blocks)" : norm && dtype != at::kFloat ? " (or float32)" : "", ", got ",
+                       w[f].scalar_type());
       TORCH_CHECK_VALUE(w[f].device() == device && w[f].is_contiguous(), "decoder_layers: layer ", l, " ",
                         kFieldNames[f], " must be contiguous and on ", device);
     }

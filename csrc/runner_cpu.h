@@ -61,6 +61,17 @@ class ChainRunner {
                       " (dense, or as GGUF blocks), got ", embed.sizes(), " and ", lm_head.sizes());
     const at::ScalarType dtype = rope.scalar_type();
     d_ = check_model(dtype, embed.device(), H, weights_, norm, kv, heads, hidden_norm.defined() ? 2 * H : 0);
+    for (int64_t l = 0; l < d_.num_layers; ++l) {  // (decoder_layers' variant, Gemma's, is not the runners')
+      const at::Tensor* w = weights_.data() + l * kNumFields;
+      for (const int f : {kInputNorm, kPostNorm, kQNorm, kKNorm}) {
+        TORCH_CHECK_TYPE(!w[f].defined() || w[f].scalar_type() == dtype, op, ": layer ", l, " ", kFieldNames[f],
+                         " must be ", dtype, " (the step runners run the Llama layer), got ", w[f].scalar_type());
+      }
+      TORCH_CHECK_VALUE(!w[kAttnOutNorm].defined() && !w[kMlpOutNorm].defined(), op,
+                        ": the step runners run the Llama layer; a model with attn_out_norm / mlp_out_norm (Gemma's) ",
+                        "runs decoder_layers with its variant");
+    }
+    TORCH_CHECK_TYPE(norm.scalar_type() == dtype, op, ": the final norm must be ", dtype, ", got ", norm.scalar_type());
     TORCH_CHECK_VALUE(!hidden_norm.defined() || (d_.num_layers == 1 && hidden_norm.dim() == 1 &&
                                                  hidden_norm.size(0) == H && hidden_norm.scalar_type() == dtype &&
                                                  hidden_norm.is_contiguous()),

@@ -5,6 +5,8 @@ decoding's with a window that binds, and the variant's errors. The model-level p
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_decoder_layers import CONFIGS, EPS, LAYERS, H, make_problem, make_weights, rope_rows
@@ -71,8 +73,8 @@ def test_native_gemma_matches_float64_reference(name, cache_seqlens, T, mask, dt
         return
     # each part of the variant moves the output here (so a native path that dropped one would fail above)
     for part in (dict(windows=None), dict(softcap=None), dict(softmax_scale=None), dict(activation="silu")):
-        other, _ = run("native", weights, final_norm, *problem, dtype, variant=GEMMA.__class__(
-            **{**GEMMA.__dict__, **part}), local=local)  # fmt: skip
+        other, _ = run("native", weights, final_norm, *problem, dtype, variant=dataclasses.replace(GEMMA, **part),
+                       local=local)  # fmt: skip
         assert (other.double() - native.double()).abs().max() > 10 * err_native + 1e-3, part
     no_local, _ = run("native", weights, final_norm, *problem, dtype)
     assert (no_local.double() - native.double()).abs().max() > 10 * err_native + 1e-3
@@ -112,6 +114,33 @@ def test_gemma_tree_nodes_equal_plain_decoding_bitwise(name, dtype):
             assert torch.equal(out[:, 0], together[:, node]), (leaf, node)
 
 
+@pytest.mark.parametrize("lens", [[4], [6]])
+def test_a_row_that_sees_no_node_under_a_window(lens):
+    """A mask row with no node (depth -1: the prefix alone, from L - window) under a window that binds: the native
+    stack widens that position too (it read an unwritten one before) and matches the reference."""
+    Hq, Hkv, D, *_ = CONFIGS["d80_group5"]
+    weights, final_norm = gemma_weights("d80_group5")
+    hidden, kv, lens, rope, tree, table = make_problem(Hq, Hkv, D, lens, 4, paged=True, mask="causal")
+    tree[:, 3] = False
+    exact, _ = run("ref", weights, final_norm, hidden, kv, lens, rope, tree, table, Hq, torch.float64)
+    native, _ = run("native", weights, final_norm, hidden, kv, lens, rope, tree, table, Hq, torch.float32)
+    torch.testing.assert_close(native.double(), exact, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_weights_take_float32_norms_beside_any_matrices():
+    """The native op takes float32 norm vectors beside bfloat16 matrices (Gemma's 1 + w); with no dense matrix (a
+    GGUF file's blocks and float32 norms) either dtype of activations; mixed dense dtypes, none."""
+    from spec_kernels.decoder_layers import LayerWeights
+
+    matrix, norm = torch.ones(4, 4, dtype=torch.bfloat16), torch.ones(4)
+    assert LayerWeights([norm, matrix]).takes(torch.bfloat16) and not LayerWeights([norm, matrix]).takes(torch.float32)
+    assert LayerWeights([norm, None]).takes(torch.bfloat16) and LayerWeights([norm]).takes(torch.float32)
+    assert not LayerWeights([matrix, torch.ones(4, 4)]).takes(torch.bfloat16)
+    layers = LayerWeights([norm, matrix.clone()])
+    layers[1].data = layers[1].data.float()  # (as Module.to converts a parameter in place)
+    assert not layers.takes(torch.bfloat16)
+
+
 def test_variant_errors_are_clear():
     Hq, Hkv, D, *_ = CONFIGS["llama_gqa"]
     weights, final_norm = gemma_weights("llama_gqa")
@@ -126,7 +155,7 @@ def test_variant_errors_are_clear():
     with pytest.raises(ValueError, match="rope_local must be like rope"):
         decoder_layers(hidden, weights, final_norm, kv, lens, rope, tree, **kwargs, rope_local=rope[:, :1])
     half = [w.bfloat16() if w is not None and w.dim() == 1 and w is weights[0] else w for w in weights]
-    with pytest.raises(TypeError, match="input_norm must be Float like hidden .or float32., got BFloat16"):
+    with pytest.raises(TypeError, match="input_norm must be Float like hidden, got BFloat16"):
         decoder_layers(hidden, half, final_norm, kv, lens, rope, tree, **kwargs, backend="native")
     uneven = list(weights)
     uneven[len(LAYER_FIELDS) + LAYER_FIELDS.index("mlp_out_norm")] = None

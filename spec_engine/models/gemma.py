@@ -1,4 +1,5 @@
-"""Gemma 2 and Gemma 3 (text) on the engine's KV cache, as HF transformers computes them.
+"""Gemma 2 and Gemma 3 (text) on the engine's KV cache: HF transformers' layer (in bfloat16 the C++ layers keep the
+residual stream in float32 and round less often, as they do for Llama's).
 
 Gemma's layer is Llama's with:
 

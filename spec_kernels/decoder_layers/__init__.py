@@ -6,7 +6,8 @@ size, Hq / Hkv query / KV heads of D elements, L_b the committed length of seque
 Why one op: at the sizes where a CPU serves (the default target: 8 layers, H = 320) a forward is ~250 small torch
 ops, and their dispatch, not the arithmetic, is the cost: about 5x what the matmuls take per decode step.
 The native backend (``csrc/decoder_layers_cpu.cpp``) runs every layer in one C++ call: the small-M linear kernel for
-the four matmuls of a layer, and plain loops over rows for RMSNorm, RoPE, the KV write, tree attention and SiLU.
+the four matmuls of a layer, and plain loops over rows for RMSNorm, RoPE, the KV write, tree attention and SiLU (or
+the GELU-tanh of Gemma's ``LayerVariant``).
 It is batch-invariant like ``linear``: a tree node's hidden state is bitwise plain decoding's of the same tokens.
 
 On CUDA and meta tensors the same computation runs as torch ops around the fast kernels (``linear``,
@@ -22,7 +23,6 @@ import torch
 
 from spec_kernels._backend import resolve_backend
 from spec_kernels.decoder_layers.cpu import (
-    NATIVE_DTYPES,
     SPEC_CHAIN_MAX_NODES,
     LayerWeights,
     NativeHead,
@@ -60,7 +60,7 @@ def _native_weights(x: torch.Tensor, weights: Sequence, kv_cache: torch.Tensor) 
     """The flat weights where backend=None takes the C++ op (CPU, one float32 or bfloat16 dtype for the activations
     ``x``, the layers and the cache), else None."""
     layers = weights if isinstance(weights, LayerWeights) else LayerWeights(weights)
-    fits = x.is_cpu and x.dtype in NATIVE_DTYPES and layers.dtype == x.dtype == kv_cache.dtype
+    fits = x.is_cpu and layers.takes(x.dtype) and x.dtype == kv_cache.dtype
     return layers.flat if fits else None
 
 
@@ -135,6 +135,9 @@ def decoder_layers(
     num_layers = len(weights) // len(LAYER_FIELDS)
     if variant.windows is not None and len(variant.windows) != num_layers:
         raise ValueError(f"decoder_layers: variant.windows has {len(variant.windows)} entries for {num_layers} layers")
+    if rope_local is not None and (rope_local.shape != rope.shape or rope_local.dtype != rope.dtype):
+        raise ValueError(f"decoder_layers: rope_local must be like rope ({tuple(rope.shape)} {rope.dtype}), got "
+                         f"{tuple(rope_local.shape)} {rope_local.dtype}")  # fmt: skip
     if backend is None and flat is None:
         return _device_layers(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
                               num_heads, eps, layers, variant, rope_local)  # fmt: skip

@@ -23,27 +23,33 @@ class LayerWeights(list):
     with the C++ op's list of them built once: a model builds this at ``fuse``, and flattening and checking ~90
     entries on every native call would be a measurable part of a speculative step.
 
-    ``flat``: ``_op_tensor`` of each entry; ``dtype``: the one dtype of its float tensors where every quantized one
-    is on the CPU (what the native op takes), else None. A plain list passed to ``decoder_layers`` is flattened on
-    each call."""
+    ``flat``: ``_op_tensor`` of each entry; ``takes(dtype)``: whether the native op takes these layers with
+    activations of that dtype (every quantized matrix on the CPU, every other tensor in that dtype, norm vectors in
+    it or in float32: Gemma's 1 + w, which the C++ op reads as float32). A plain list passed to ``decoder_layers``
+    is flattened on each call."""
 
     def __init__(self, weights):
         super().__init__(weights)
         self.flat = [_op_tensor(w) for w in self]
-        self._dtype = self._one_dtype()
+        self._decide()
 
-    def _one_dtype(self) -> torch.dtype | None:
-        tensors = [w for w in self if isinstance(w, torch.Tensor)]
-        # (norm vectors may be float32 beside 16-bit matrices: Gemma's 1 + w, which the C++ op reads as float32)
-        dtypes = {w.dtype for w in tensors if w.dim() > 1 or w.dtype != torch.float32} or {w.dtype for w in tensors}
+    def _decide(self) -> None:
+        """The one dtype the non-float32-vector tensors share (None: they do not, or a quantized matrix is off the
+        CPU), and the entry that tells it (None: only quantized matrices and float32 vectors, any dtype)."""
         quant_cpu = all(w.device.type == "cpu" for w in self if isinstance(w, QuantizedWeight))
-        return dtypes.pop() if len(dtypes) == 1 and quant_cpu else None
+        tell = [
+            i for i, w in enumerate(self) if isinstance(w, torch.Tensor) and (w.dim() > 1 or w.dtype != torch.float32)
+        ]
+        dtypes = {self[i].dtype for i in tell}
+        self._witness = tell[0] if tell else None
+        self._dtype = dtypes.pop() if len(dtypes) == 1 and quant_cpu else None
+        self._any = not tell and quant_cpu
 
-    @property
-    def dtype(self) -> torch.dtype | None:
-        if self._dtype is not None and self.flat[0].dtype != self._dtype:  # Module.to() converts parameters in place
-            self._dtype = self._one_dtype()
-        return self._dtype
+    def takes(self, dtype: torch.dtype) -> bool:
+        witness = self._witness
+        if self._dtype is not None and self.flat[witness].dtype != self._dtype:  # Module.to() converts in place
+            self._decide()
+        return dtype in NATIVE_DTYPES and (self._any or self._dtype == dtype)
 
 
 def _op_tensor(w: torch.Tensor | QuantizedWeight | None) -> torch.Tensor:
@@ -115,7 +121,7 @@ def native_model(embed, layers: LayerWeights, final_norm, lm_head, rope_table, *
     fits = (
         rope_table.is_cpu
         and dtype in NATIVE_DTYPES
-        and layers.dtype == dtype
+        and layers.takes(dtype)
         and final_norm.dtype == dtype
         and all(isinstance(t, QuantizedWeight) or t.dtype == dtype for t in (embed, lm_head))
         and embed.device.type == "cpu"
