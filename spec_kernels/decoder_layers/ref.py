@@ -33,7 +33,8 @@ class LayerVariant:
     ``rope_local`` where one is given; ``softmax_scale``: None for ``D ** -0.5``; ``softcap``: attention scores
     ``c * tanh(s / c)``; ``activation``: the MLP's ``"silu"`` or ``"gelu_tanh"``; ``float32_norms``: each norm's
     product with its (float32) weight in float32, rounded once (``gemma_add_rms_norm``), not Llama's normed row
-    rounded before it."""
+    rounded before it (the C++ op tells this by the weights' dtype: a model passes float32 norms exactly when it sets
+    this)."""
 
     windows: tuple[int, ...] | None = None
     softmax_scale: float | None = None
