@@ -142,8 +142,8 @@ def test_llama3_gguf_scales_the_frequencies_as_hf_and_the_native_path_reads_them
 @pytest.mark.parametrize("family", ["phi3", "gemma2"])
 def test_quantized_blocks_kept(family_dirs, tmp_path, family):
     """quantization="gguf" keeps the file's blocks: Phi-3's fused q/k/v and gate/up split by rows into the same
-    blocks, its quantized model's logits the dequantized one's bit for bit (float32, the native layers); Gemma's
-    Python layers multiply the blocks through ``linear`` (to float32 rounding) and keep its norms in float32."""
+    blocks, the quantized model's logits the dequantized one's bit for bit (float32, the native layers: Gemma's with
+    its variant); Gemma keeps its norms in float32, and its blocks beside them in bfloat16 still take the C++ op."""
     from spec_engine.models.gguf import read_gguf_raw
     from spec_kernels.types import QuantizedWeight
 
@@ -157,12 +157,11 @@ def test_quantized_blocks_kept(family_dirs, tmp_path, family):
     assert isinstance(quant.layer_weights[1], QuantizedWeight) and isinstance(quant.layer_weights[5], QuantizedWeight)
     with torch.no_grad():
         got, want = engine_logits(quant, PROMPT, split=7), engine_logits(dense, PROMPT, split=7)
-    if family == "phi3":
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
-        half = load_model(path, quantization="gguf", dtype=torch.bfloat16)
+    assert torch.equal(got, want)
+    if family == "gemma2":
+        half = load_model(path, quantization="gguf", dtype=torch.bfloat16).fuse(max_positions=64)
         assert half.model.norm.weight.dtype == torch.float32 and half.lm_head.weight.dtype == torch.bfloat16
+        assert half.layer_weights.takes(torch.bfloat16)
 
 
 def _write_bare(path: Path, arch: str, extra_tensors=(), **meta) -> Path:
