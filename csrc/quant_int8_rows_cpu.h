@@ -446,13 +446,101 @@ void rows16_pass(const Int8Args& x, int64_t n0, int64_t rows, int64_t m0, bool m
   rows16_vnni<Q, MB>(x, n0, rows, m0, more);
 }
 
+// Blocks a step of rows16_passes decodes at once: a K-quant's super-block (its scales are gathered together), else one.
+template <QuantType Q>
+constexpr int kStepBlocks = kSubBlocks<Q> == 1 ? 1 : 8;
+
+// Sub-block S of the super-block at `off` (or the block there) of a tile's 16 rows as VNNI's columns (w [8]).
+template <QuantType Q, int S>
+SPECDEC_QVNNI_INLINE void decode_columns(const PairRows& pr, int64_t off, __m512i* w) {
+  __m512i q[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) q[i] = pair_quants<Q, S>(pr.p[i] + off, pr.stride[i]);
+  pairs_to_columns<Q>(q, w);
+}
+
+// x rows m0 .. m0 + MB - 1 times one step's decoded columns (cols [kStepBlocks][8], blocks from b0): rows16_block's
+// dots and epilogue, the rows' accumulators read from and written back to acc [MB].
+template <QuantType Q, int MB>
+SPECDEC_QVNNI void columns_pass(const Int8Args& x, const __m512i (*cols)[8], int64_t b0, int64_t m0,
+                                const Scales16& k, __m512* acc) {
+  const int64_t K = x.a->K;
+  __m512 sum[MB];
+#pragma GCC unroll 8
+  for (int r = 0; r < MB; ++r) sum[r] = acc[r];
+  for (int s = 0; s < kStepBlocks<Q>; ++s) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MB; ++r) {
+      const int8_t* xq = x.x->xq.data() + (m0 + r) * K + (b0 + s) * 32;
+      __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();  // rows 0-15's sums of quants 0-15, 16-31
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        h0 = _mm512_dpbusd_epi32(h0, cols[s][j], _mm512_set1_epi32(dword_at(xq + 4 * j)));
+        h1 = _mm512_dpbusd_epi32(h1, cols[s][4 + j], _mm512_set1_epi32(dword_at(xq + 16 + 4 * j)));
+      }
+      sum[r] = rows16_epilogue<Q>(x, h0, h1, m0 + r, b0 + s, k, s, sum[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MB; ++r) acc[r] = sum[r];
+}
+
+// Rows n0 .. n0 + rows - 1 (rows <= 16) times every x row, past one pass (kPassRows < M <= kRowWiseRows): each step's
+// columns decoded once for all the passes, which rows16_pass would decode again for each (the passes' accumulators
+// wait in memory between steps). The same dots and epilogue, so the same bits.
+template <QuantType Q>
+SPECDEC_QVNNI void rows16_passes(const Int8Args& x, int64_t n0, int64_t rows, bool more) {
+  const QuantArgs& a = *x.a;
+  const int64_t M = a.M;
+  const TileReads t = tile_reads(a, n0, rows);
+  __m512i cols[kStepBlocks<Q>][8];
+  __m512 acc[kRowWiseRows];
+  for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  Scales16 k;
+  for (int64_t b0 = 0; b0 < a.K / 32; b0 += kStepBlocks<Q>) {
+    const int64_t off = b0 / kStepBlocks<Q> * kBlockBytes<Q>;  // the step's block or super-block
+    prefetch_ahead<Q>(t.base, a.row_bytes, off, rows, more);
+    if constexpr (kStepBlocks<Q> == 1) {
+      gather_block_scales<Q>(t, off, 0, k);
+      decode_columns<Q, 0>(t.pr, off, cols[0]);
+    } else {
+      gather_k_scales<Q>(t.base + off, t.live, t.offsets, k);
+      decode_columns<Q, 0>(t.pr, off, cols[0]), decode_columns<Q, 1>(t.pr, off, cols[1]);
+      decode_columns<Q, 2>(t.pr, off, cols[2]), decode_columns<Q, 3>(t.pr, off, cols[3]);
+      decode_columns<Q, 4>(t.pr, off, cols[4]), decode_columns<Q, 5>(t.pr, off, cols[5]);
+      decode_columns<Q, 6>(t.pr, off, cols[6]), decode_columns<Q, 7>(t.pr, off, cols[7]);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
+      __m512* pass = acc + m0;
+      switch (std::min<int64_t>(kPassRows, M - m0)) {
+        case 1: columns_pass<Q, 1>(x, cols, b0, m0, k, pass); break;
+        case 2: columns_pass<Q, 2>(x, cols, b0, m0, k, pass); break;
+        case 3: columns_pass<Q, 3>(x, cols, b0, m0, k, pass); break;
+        case 4: columns_pass<Q, 4>(x, cols, b0, m0, k, pass); break;
+        case 5: columns_pass<Q, 5>(x, cols, b0, m0, k, pass); break;
+        case 6: columns_pass<Q, 6>(x, cols, b0, m0, k, pass); break;
+        case 7: columns_pass<Q, 7>(x, cols, b0, m0, k, pass); break;
+        default: columns_pass<Q, 8>(x, cols, b0, m0, k, pass); break;
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, acc[m]);
+    for (int64_t i = 0; i < rows; ++i) store(a, m, n0 + i, out[i]);
+  }
+}
+
 template <QuantType Q>
 void int8_rowwise_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
     const int64_t rows = std::min<int64_t>(16, n_end - n0);
-    for (int64_t m0 = 0; m0 < x.a->M; m0 += kPassRows) {
-      rows16_pass<Q>(x, n0, rows, m0, n0 + 16 < n_end);  // (more: this thread reads the next tile too)
+    const bool more = n0 + 16 < n_end;  // this thread reads the next tile too
+    if (x.a->M > kPassRows) {
+      rows16_passes<Q>(x, n0, rows, more);
+      continue;
     }
+    rows16_pass<Q>(x, n0, rows, 0, more);
   }
 }
 
