@@ -79,7 +79,8 @@ def _decoding_x(m: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", ALL_QTYPES)
 def test_decoding_rows(qtype, threads):
     """Up to 32 rows of x take the row-wise kernel, every format (AVX512-VNNI), 8 rows a pass over each
-    tile (past 8, each step's columns decoded once for all the passes), more the panel; past 8 rows, the AMX tiles where the CPU has them, 16 rows a pass: every M from 1 to 17
+    tile (past 8, each step's columns decoded once for all the passes), more the panel; past 8 rows, the AMX tiles
+    where the CPU has them, 16 rows a pass: every M from 1 to 17
     (passes of 8, 8 and 1, or one of 16 and one of 1) and 32 gives the reference's bits, and row i of a 40-row call
     (the panel, or the tiles) is the 1-row call's on row i (the row-wise kernel), bit for bit. K of one block or
     super-block and of an odd number of them, N past every 16-row tile's tail."""
