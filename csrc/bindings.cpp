@@ -211,7 +211,8 @@ TORCH_LIBRARY(spec_kernels, m) {
   m.class_<specdec::NativeModel>("NativeModel")
       .def(torch::init<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
                        c10::optional<at::Tensor>>())
-      .def("set_head", &specdec::NativeModel::set_head);
+      .def("set_head", &specdec::NativeModel::set_head)
+      .def("set_variant", &specdec::NativeModel::set_variant);
   m.def(
       "draft_chain(Tensor root_logits, __torch__.torch.classes.spec_kernels.NativeModel model, Tensor(a!) kv_cache, "
       "Tensor cache_seqlens, Tensor? block_table, int gamma, bool strict=False) -> Tensor");

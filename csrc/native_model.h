@@ -43,6 +43,12 @@ struct NativeModel : torch::CustomClassHolder {
   // entering layers `capture` (C of them), norm_before_residual: the residual stream starts at the normed feature.
   void set_head(at::Tensor hidden_norm, at::Tensor fc, bool norm_before_residual, std::vector<int64_t> capture);
 
+  // Gemma's layer for the runners' forwards: decoder_layers' variant (per-layer windows, the windowed layers' RoPE
+  // table [2, P, D] like rope_table, the query scale and soft cap with 0 for none, "silu" or "gelu_tanh") and the
+  // embedding's scale (each row times it, rounded to the dtype as HF's normalizer; 0: none).
+  void set_variant(std::vector<int64_t> windows, c10::optional<at::Tensor> rope_local, double softmax_scale,
+                   double softcap, std::string activation, double embed_scale);
+
   bool is_head() const { return hidden_norm.defined(); }
   bool restricted() const { return ids.defined(); }  // a draft's vocabulary: lm_head's rows are vocab_map's ids
   const int64_t* vocab_ids() const { return restricted() ? ids.data_ptr<int64_t>() : nullptr; }
@@ -55,6 +61,11 @@ struct NativeModel : torch::CustomClassHolder {
   at::Tensor hidden_norm, fc;
   bool norm_before_residual = false;
   std::vector<int64_t> capture;
+  bool has_variant = false;  // set_variant's, else the Llama layer
+  std::vector<int64_t> windows;
+  at::Tensor rope_local;
+  double softmax_scale = 0., softcap = 0., embed_scale = 0.;
+  bool gelu = false;
 };
 
 }  // namespace specdec

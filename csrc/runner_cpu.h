@@ -41,7 +41,7 @@ class ChainRunner {
   ChainRunner(const char* op, const at::Tensor& embed, at::TensorList weights, const at::Tensor& norm,
               const at::Tensor& lm_head, const at::Tensor& kv, const at::Tensor& rope, int64_t heads, double eps,
               const at::Tensor& table, int64_t B, const at::Tensor& hidden_norm = at::Tensor(),
-              bool norm_before_residual = false)
+              bool norm_before_residual = false, bool variant = false)
       : op_(op),
         weights_(present(weights)),
         embed_(embed.contiguous()),
@@ -61,7 +61,7 @@ class ChainRunner {
                       " (dense, or as GGUF blocks), got ", embed.sizes(), " and ", lm_head.sizes());
     const at::ScalarType dtype = rope.scalar_type();
     d_ = check_model(dtype, embed.device(), H, weights_, norm, kv, heads, hidden_norm.defined() ? 2 * H : 0);
-    for (int64_t l = 0; l < d_.num_layers; ++l) {  // (decoder_layers' variant, Gemma's, is not the runners')
+    for (int64_t l = 0; l < d_.num_layers && !variant; ++l) {  // (Gemma's fields come with its variant: set_variant)
       const at::Tensor* w = weights_.data() + l * kNumFields;
       for (const int f : {kInputNorm, kPostNorm, kQNorm, kKNorm}) {
         TORCH_CHECK_TYPE(!w[f].defined() || w[f].scalar_type() == dtype, op, ": layer ", l, " ", kFieldNames[f],
@@ -69,9 +69,10 @@ class ChainRunner {
       }
       TORCH_CHECK_VALUE(!w[kAttnOutNorm].defined() && !w[kMlpOutNorm].defined(), op,
                         ": the step runners run the Llama layer; a model with attn_out_norm / mlp_out_norm (Gemma's) ",
-                        "runs decoder_layers with its variant");
+                        "needs its variant (NativeModel.set_variant)");
     }
-    TORCH_CHECK_TYPE(norm.scalar_type() == dtype, op, ": the final norm must be ", dtype, ", got ", norm.scalar_type());
+    TORCH_CHECK_TYPE(norm.scalar_type() == dtype || (variant && norm.scalar_type() == at::kFloat), op,
+                     ": the final norm must be ", dtype, ", got ", norm.scalar_type());
     TORCH_CHECK_VALUE(!hidden_norm.defined() || (d_.num_layers == 1 && hidden_norm.dim() == 1 &&
                                                  hidden_norm.size(0) == H && hidden_norm.scalar_type() == dtype &&
                                                  hidden_norm.is_contiguous()),
@@ -96,6 +97,18 @@ class ChainRunner {
     p_.block_table = table.defined() ? table.data_ptr<int32_t>() : nullptr;
     p_.max_blocks = table.defined() ? table.size(1) : 1;
     p_.kv = kv.data_ptr<T>();
+  }
+
+  // Gemma's layer (NativeModel.set_variant; decoder_layers' variant): per-layer windows (their RoPE from rope_local
+  // [2, P, D], where defined), the query scale and the scores' soft cap (0: the defaults), GELU-tanh, and the
+  // embedding rows' scale (0: none).
+  void set_variant(const std::vector<int64_t>& windows, const at::Tensor& rope_local, double softmax_scale,
+                   double softcap, bool gelu, double embed_scale) {
+    windows_ = windows;
+    rope_local_ = rope_local;
+    if (softmax_scale > 0.) p_.scale = static_cast<float>(softmax_scale);
+    p_.softcap = static_cast<float>(softcap), p_.gelu = gelu;
+    embed_scale_ = embed_scale;
   }
 
   int64_t vocab() const { return head_.size(0); }
@@ -182,6 +195,10 @@ class ChainRunner {
     row_.resize(H);
     const T* cos = rope_.data_ptr<T>();
     const T* sin = cos + P * D;
+    const T* cos_l = rope_local_.defined() ? rope_local_.data_ptr<T>() : nullptr;  // the windowed layers' [2, P, D]
+    if (cos_l != nullptr) cos_sin_local_.resize(2 * M * D);
+    if (!windows_.empty()) depths_.resize(M);
+    const float embed_scale = to_f(static_cast<T>(embed_scale_));  // HF's normalizer, in the dtype
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t t = 0; t < T_; ++t) {
         const int64_t m = b * T_ + t, tok = tokens[b * ld + t], pos = start[b] + (depths ? depths[m] : t);
@@ -193,8 +210,16 @@ class ChainRunner {
           dequant_row(emb_blocks, embed_qtype_, H / kQuantBlock, tok, row_.data());
           for (int64_t i = 0; i < H; ++i) h_[m * H + i] = to_f(row_[i]);
         }
+        if (embed_scale_ > 0.) {  // rounded to the dtype as the embedding times HF's normalizer is
+          for (int64_t i = 0; i < H; ++i) h_[m * H + i] = to_f(static_cast<T>(h_[m * H + i] * embed_scale));
+        }
         std::copy(cos + pos * D, cos + (pos + 1) * D, cos_sin_.data() + m * D);
         std::copy(sin + pos * D, sin + (pos + 1) * D, cos_sin_.data() + (M + m) * D);
+        if (cos_l != nullptr) {
+          std::copy(cos_l + pos * D, cos_l + (pos + 1) * D, cos_sin_local_.data() + m * D);
+          std::copy(cos_l + (P + pos) * D, cos_l + (P + pos + 1) * D, cos_sin_local_.data() + (M + m) * D);
+        }
+        if (!windows_.empty()) depths_[m] = depths ? depths[m] : t;
         for (int64_t j = 0; j < T_; ++j) mask_[m * T_ + j] = tree_mask ? tree_mask[m * T_ + j] : j <= t;
       }
     }
@@ -209,6 +234,8 @@ class ChainRunner {
     p.tree_mask = mask_.get();
     p.cos = cos_sin_.data();
     p.sin = p.cos + M * D;
+    if (cos_l != nullptr) p.cos_local = cos_sin_local_.data(), p.sin_local = p.cos_local + M * D;
+    if (!windows_.empty()) p.windows = windows_.data(), p.depths = depths_.data();
     check_positions(p, B, T_);
     if (M == 0) return;
     run_layers(p, weights_, norm_, h_.data(), out_.data(), with_logits ? head() : Weight{},
@@ -242,7 +269,10 @@ class ChainRunner {
     quant_dequant_row_bf16(w, qtype, blocks, row, out);
   }
 
-  at::Tensor embed_, norm_, head_, rope_, table_, hidden_norm_;
+  at::Tensor embed_, norm_, head_, rope_, table_, hidden_norm_, rope_local_;
+  std::vector<int64_t> windows_, depths_;  // the variant's windows per layer; each row's depth in its tree [M]
+  std::vector<T> cos_sin_local_;           // [2, M, D]: the windowed layers' RoPE rows
+  double embed_scale_ = 0.;
   bool norm_before_residual_ = false;
   std::vector<T> attn_in_, raw_;  // a head's [M, 2 H] attention input and [M, H] raw outputs
   std::vector<int64_t> capture_;  // a head's target: the layers whose input streams go to captured_ [M, C * H]

@@ -161,3 +161,37 @@ def test_variant_errors_are_clear():
     uneven[len(LAYER_FIELDS) + LAYER_FIELDS.index("mlp_out_norm")] = None
     with pytest.raises(ValueError, match="mlp_out_norm must be given in every layer or in none"):
         decoder_layers(hidden, uneven, final_norm, kv, lens, rope, tree, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runner_tree_pass_equals_the_layers_op(tmp_path, dtype):
+    """Gemma 3's native handle (the step runners' forwards: the embedding's scale, the variant, the local RoPE table)
+    gives a tree's nodes the hidden states ``decoder_layers`` gives them, bit for bit: the streams entering the last
+    layer of a 6-node tree whose indices are not its depths, after a 20-token prefix (past the window of 8)."""
+    from tiny_models import make_model
+
+    from spec_engine.models import load_model
+    from spec_kernels.decoder_layers import tree_step
+
+    # (hidden 48: sqrt(48) scales the embedding inexactly, so its rounding shows)
+    model = load_model(make_model(tmp_path / "g3", "gemma3", layers=6, hidden=48, norm_noise=0.2), dtype=dtype).fuse(64)
+    assert model.native is not None and model.native.variant.windows == (8, 8, 8, 8, 8, 0)
+    cfg, L, last = model.config, 20, 5
+    kv = torch.zeros(cfg.num_hidden_layers, 2, 1, 64, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+    prompt = torch.randint(0, cfg.vocab_size, (1, L), generator=torch.Generator().manual_seed(3))
+    causal = torch.ones(1, L, L, dtype=torch.bool).tril()
+    model(prompt, torch.arange(L)[None], kv, torch.zeros(1, dtype=torch.int32), causal)  # the prefix's K/V
+    parents = torch.tensor([[-1, 0, 0, 2, 1, 3]])
+    T = parents.shape[1]
+    tokens = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(4))
+    mask = torch.zeros(1, T, T, dtype=torch.bool)
+    for i in range(T):
+        j = i
+        while j >= 0:
+            mask[0, i, j], j = True, int(parents[0, j])
+    lens = torch.tensor([L], dtype=torch.int32)
+    positions = L + mask.sum(-1) - 1  # [1, T]
+    _, want = model._decoder(tokens, positions, kv.clone(), lens, mask, None, capture=[last])
+    result = tree_step(model.native, tokens, parents, lens, kv.clone(), capture=[last])
+    assert result is not None
+    assert torch.equal(result[1], want)

@@ -18,8 +18,10 @@ Gemma's layer is Llama's with:
   rotate with their own RoPE base (``rope_local``), q and k are RMS-normed per head before RoPE.
 
 Every forward is one ``decoder_layers`` call with Gemma's ``LayerVariant`` (on CPU the native C++ layers; the sandwich
-norms are its "attn_out_norm" and "mlp_out_norm" fields). The native step runners (chains, trees in one C++ call) run
-Llama's layer only: a Gemma model has no native handle (``native`` stays None), so every step is a regular one.
+norms are its "attn_out_norm" and "mlp_out_norm" fields). The native step runners (several steps in one C++ call) run
+it too from the native handle, with the embedding's scale and the local RoPE table; a model whose final logits are
+soft-capped (Gemma 2) has no handle (the runners' argmax and sampling read the logits uncapped): its steps are
+regular ones.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from spec_engine.models.config import SLIDING, ModelConfig, rope_inv_freq
 from spec_engine.models.llama import LlamaForCausalLM, RMSNorm
 from spec_kernels import decoder_layers
-from spec_kernels.decoder_layers import LayerVariant
+from spec_kernels.decoder_layers import LayerVariant, native_model
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -73,6 +75,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             positions = torch.arange(max_positions, device=self.inv_freq_local.device)
             self.rope_table_local = torch.stack(self._rope_from_freqs(positions, self.lm_head.weight.dtype,
                                                                       self.inv_freq_local))  # fmt: skip
+            self._build_native()  # (the base class built it before this table)
         return self
 
     def _norms(self, layer) -> tuple:
@@ -80,7 +83,19 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight)  # fmt: skip
 
     def _build_native(self) -> None:
-        self.native = None  # the native layers run Llama's layer, not Gemma's (module docstring)
+        """The native handle with Gemma's variant, once fused with both RoPE tables; none where the model soft-caps
+        its final logits (Gemma 2: the runners' argmax and sampling read the logits uncapped)."""
+        self.native = None
+        local = getattr(self, "rope_table_local", None)
+        if self.config.final_logit_softcapping is not None or self.layer_weights is None or local is None:
+            return
+        if self.rope_table is None or local.dtype != self.rope_table.dtype:
+            return
+        cfg = self.config
+        self.native = native_model(self._embed_weight(), self.layer_weights, self.model.norm.weight, self._head(),
+                                   self.rope_table, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps,
+                                   vocab_map=self.vocab_map, variant=self.variant, rope_local=local,
+                                   embed_scale=cfg.hidden_size**0.5)  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V] float32, soft-capped where the model says (-inf outside a restricted vocabulary

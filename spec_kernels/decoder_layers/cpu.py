@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spec_kernels.decoder_layers.ref import LayerVariant
 from spec_kernels.types import QuantizedWeight, VerifyResult
 
 _EMPTY = torch.empty(0)  # stands for a missing optional weight in the C++ op's list (its schema has no holes)
@@ -76,7 +77,9 @@ class NativeModel:
 
     Shapes: embed ``[V, H]``; lm_head ``[V, H]``, or ``[K, H]`` over ``vocab_map`` ``[K]`` int64 (a draft's
     restricted vocabulary, ``LlamaForCausalLM.restrict_vocab``; None: the whole vocabulary); final_norm ``[H]``;
-    rope_table ``[2, P, D]`` (cos, sin by position P)."""
+    rope_table ``[2, P, D]`` (cos, sin by position P). ``variant`` (``LayerVariant``: Gemma's layer, its float32
+    norms included), ``rope_local`` ``[2, P, D]`` (its windowed layers' table) and ``embed_scale`` (each embedding row
+    times it, rounded to the dtype; 0: none): a family's layer other than Llama's."""
 
     embed: torch.Tensor | QuantizedWeight
     layers: LayerWeights
@@ -86,6 +89,9 @@ class NativeModel:
     num_heads: int
     eps: float
     vocab_map: torch.Tensor | None = None
+    variant: LayerVariant | None = None
+    rope_local: torch.Tensor | None = None
+    embed_scale: float = 0.0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -102,9 +108,14 @@ class NativeModel:
         from spec_kernels._ext import load_ext
 
         load_ext()
-        return torch.classes.spec_kernels.NativeModel(_op_tensor(self.embed), self.layers.flat, self.final_norm,
-                                                      _op_tensor(self.lm_head), self.rope_table, self.num_heads,
-                                                      self.eps, self.vocab_map)  # fmt: skip
+        handle = torch.classes.spec_kernels.NativeModel(_op_tensor(self.embed), self.layers.flat, self.final_norm,
+                                                        _op_tensor(self.lm_head), self.rope_table, self.num_heads,
+                                                        self.eps, self.vocab_map)  # fmt: skip
+        v = self.variant
+        if v is not None:
+            handle.set_variant(list(v.windows or []), self.rope_local, v.softmax_scale or 0.0, v.softcap or 0.0,
+                               v.activation, self.embed_scale)  # fmt: skip
+        return handle
 
     def check_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """``kv_cache``, or ValueError for a cache of another dtype (the model's decides its cache's)."""
@@ -114,20 +125,26 @@ class NativeModel:
 
 
 def native_model(embed, layers: LayerWeights, final_norm, lm_head, rope_table, *, num_heads: int, eps: float,
-                 vocab_map: torch.Tensor | None = None) -> NativeModel | None:  # fmt: skip
+                 vocab_map: torch.Tensor | None = None, variant: LayerVariant | None = None,
+                 rope_local: torch.Tensor | None = None, embed_scale: float = 0.0) -> NativeModel | None:  # fmt: skip
     """The model as the native step ops take it, or None where they cannot run it (a device other than the CPU, a
     dtype other than float32 / bfloat16, tensors of mixed dtypes): decided once, when the model is built."""
     dtype = rope_table.dtype
+    float32_norms = variant is not None and variant.float32_norms
     fits = (
         rope_table.is_cpu
         and dtype in NATIVE_DTYPES
         and layers.takes(dtype)
-        and final_norm.dtype == dtype
+        and (final_norm.dtype == dtype or (float32_norms and final_norm.dtype == torch.float32))
+        and (rope_local is None or (rope_local.dtype == dtype and rope_local.shape == rope_table.shape))
         and all(isinstance(t, QuantizedWeight) or t.dtype == dtype for t in (embed, lm_head))
         and embed.device.type == "cpu"
         and lm_head.device.type == "cpu"
     )
-    return NativeModel(embed, layers, final_norm, lm_head, rope_table, num_heads, eps, vocab_map) if fits else None
+    if not fits:
+        return None
+    return NativeModel(embed, layers, final_norm, lm_head, rope_table, num_heads, eps, vocab_map, variant, rope_local,
+                       embed_scale)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
