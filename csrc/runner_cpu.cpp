@@ -49,6 +49,8 @@ void NativeModel::set_variant(std::vector<int64_t> windows_, c10::optional<at::T
                       "NativeModel.set_variant: rope_local must be like rope_table (", rope_table.sizes(), " ",
                       rope_table.scalar_type(), "), got ", rope_local_->sizes(), " ", rope_local_->scalar_type());
     rope_local = rope_local_->contiguous();
+  } else {
+    rope_local = at::Tensor();
   }
   windows = std::move(windows_);
   softmax_scale = softmax_scale_, softcap = softcap_, embed_scale = embed_scale_, gelu = activation_ == "gelu_tanh";

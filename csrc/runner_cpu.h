@@ -65,14 +65,17 @@ class ChainRunner {
       const at::Tensor* w = weights_.data() + l * kNumFields;
       for (const int f : {kInputNorm, kPostNorm, kQNorm, kKNorm}) {
         TORCH_CHECK_TYPE(!w[f].defined() || w[f].scalar_type() == dtype, op, ": layer ", l, " ", kFieldNames[f],
-                         " must be ", dtype, " (the step runners run the Llama layer), got ", w[f].scalar_type());
+                         " must be ", dtype, " (float32 norms come with a variant: NativeModel.set_variant), got ",
+                         w[f].scalar_type());
       }
       TORCH_CHECK_VALUE(!w[kAttnOutNorm].defined() && !w[kMlpOutNorm].defined(), op,
                         ": the step runners run the Llama layer; a model with attn_out_norm / mlp_out_norm (Gemma's) ",
                         "needs its variant (NativeModel.set_variant)");
     }
     TORCH_CHECK_TYPE(norm.scalar_type() == dtype || (variant && norm.scalar_type() == at::kFloat), op,
-                     ": the final norm must be ", dtype, ", got ", norm.scalar_type());
+                     ": the final norm must be ", dtype, variant ? " or float32" : "", ", got ", norm.scalar_type());
+    TORCH_CHECK_VALUE(!(variant && hidden_norm.defined()), op,
+                      ": an EAGLE-3 head runs the Llama layer (a variant is a target's or a draft model's)");
     TORCH_CHECK_VALUE(!hidden_norm.defined() || (d_.num_layers == 1 && hidden_norm.dim() == 1 &&
                                                  hidden_norm.size(0) == H && hidden_norm.scalar_type() == dtype &&
                                                  hidden_norm.is_contiguous()),

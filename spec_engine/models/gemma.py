@@ -89,8 +89,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         local = getattr(self, "rope_table_local", None)
         if self.config.final_logit_softcapping is not None or self.layer_weights is None or local is None:
             return
-        if self.rope_table is None or local.dtype != self.rope_table.dtype:
-            return
+        if self.rope_table is None or not local.dtype == self.rope_table.dtype == self.lm_head.weight.dtype:
+            return  # (a table of another dtype than the weights: Module.to since the fuse)
         cfg = self.config
         self.native = native_model(self._embed_weight(), self.layer_weights, self.model.norm.weight, self._head(),
                                    self.rope_table, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps,
