@@ -195,3 +195,29 @@ def test_runner_tree_pass_equals_the_layers_op(tmp_path, dtype):
     result = tree_step(model.native, tokens, parents, lens, kv.clone(), capture=[last])
     assert result is not None
     assert torch.equal(result[1], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runner_plain_steps_equal_regular_steps(tmp_path, dtype):
+    """Gemma 3's plain steps in one native call (``plain_steps``: a token a forward, its window binding past 8
+    positions) give the tokens regular steps (``decoder_layers`` and the logits' argmax, one step at a time) give."""
+    from tiny_models import make_model
+
+    from spec_engine.models import load_model
+    from spec_kernels.decoder_layers import plain_steps
+
+    path = make_model(tmp_path / "g3", "gemma3", layers=6, hidden=48, norm_noise=0.2, logit_scale=4.0)
+    model = load_model(path, dtype=dtype).fuse(64)
+    cfg, L, K = model.config, 12, 16
+    kv = torch.zeros(cfg.num_hidden_layers, 2, 1, 64, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+    prompt = torch.randint(0, cfg.vocab_size, (1, L + 1), generator=torch.Generator().manual_seed(5))
+    causal = torch.ones(1, L, L, dtype=torch.bool).tril()
+    model(prompt[:, :L], torch.arange(L)[None], kv, torch.zeros(1, dtype=torch.int32), causal)  # the prefix's K/V
+    native = plain_steps(prompt[:, L], model.native, kv.clone(), torch.tensor([L], dtype=torch.int32), steps=K)
+    regular, cache, token = [], kv.clone(), prompt[:, L : L + 1]
+    for d in range(K):
+        one = torch.ones(1, 1, 1, dtype=torch.bool)
+        hidden = model(token, torch.tensor([[L + d]]), cache, torch.tensor([L + d], dtype=torch.int32), one)
+        token = model.logits(hidden)[:, -1].argmax(-1, keepdim=True)
+        regular.append(int(token))
+    assert native[0].tolist() == regular
