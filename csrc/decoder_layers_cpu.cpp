@@ -14,7 +14,7 @@
 //                             q, k, v = x @ Wqkv^T (+ b), [q_norm, k_norm], RoPE(q, k) from the given cos / sin
 //                             K/V -> cache at L_b + t;  a = tree attention (prefix + the nodes the mask allows)
 //                             h += a @ Wo^T;  x = rms_norm(h) * w_post;  h += (silu(x Wg^T) * (x Wu^T)) @ Wd^T
-// and at the end h = rms_norm(h) * w_final. Gemma's variant (Variant in csrc/layers_cpu.h): each block's output
+// and at the end h = rms_norm(h) * w_final. Gemma's variant (Variant in csrc/native_model.h): each block's output
 // normed before it joins h (attn_out_norm, mlp_out_norm), GELU-tanh for SiLU, its query scale, soft-capped scores,
 // and per layer a sliding window (a row at L_b + its depth sees the positions past that less the window) with its own
 // RoPE. A norm's weight may be float32 (Gemma's 1 + w).
@@ -51,30 +51,6 @@ LayerInputs layer_inputs(const OptTensorList& inputs) {
   return {*cache_seqlens, *rope, *mask, inputs.get(3), inputs.get(4)};
 }
 
-// The variant's arguments checked against the model (Dims) and made one Variant.
-Variant layer_variant(const Dims& d, const LayerInputs& in, at::IntArrayRef windows, double softmax_scale,
-                      double softcap, c10::string_view activation) {
-  TORCH_CHECK_VALUE(windows.empty() || static_cast<int64_t>(windows.size()) == d.num_layers,
-                    "decoder_layers: windows must hold one entry per layer (", d.num_layers, "), got ", windows.size());
-  for (const int64_t w : windows) TORCH_CHECK_VALUE(w >= 0, "decoder_layers: windows must be >= 0, got ", w);
-  TORCH_CHECK_VALUE(softmax_scale >= 0. && softcap >= 0., "decoder_layers: softmax_scale and softcap must be >= 0 ",
-                    "(0: the default), got ", softmax_scale, " and ", softcap);
-  TORCH_CHECK_VALUE(activation == "silu" || activation == "gelu_tanh",
-                    "decoder_layers: activation must be 'silu' or 'gelu_tanh', got '", std::string(activation), "'");
-  Variant v;
-  v.windows.assign(windows.begin(), windows.end());
-  v.softmax_scale = softmax_scale, v.softcap = softcap, v.gelu = activation == "gelu_tanh";
-  if (in.rope_local.has_value()) {
-    const at::Tensor& r = *in.rope_local;
-    TORCH_CHECK_VALUE(r.sizes() == in.rope.sizes() && r.scalar_type() == in.rope.scalar_type() &&
-                          r.device() == in.rope.device(),
-                      "decoder_layers: rope_local must be like rope (", in.rope.sizes(), " ", in.rope.scalar_type(),
-                      " on ", in.rope.device(), "), got ", r.sizes(), " ", r.scalar_type(), " on ", r.device());
-    v.rope_local = r.contiguous();
-  }
-  return v;
-}
-
 }  // namespace
 
 // Returns (out [B, T, H], features [B, T, len(capture) * H]): the final-normed hidden states, and the residual
@@ -90,7 +66,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
   const std::vector<at::Tensor> weights = present(weights_list);
   const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
                               num_heads, capture);
-  const Variant variant = layer_variant(d, in, windows, softmax_scale, softcap, activation);
+  const Variant variant = make_variant("decoder_layers", d.num_layers, {windows.begin(), windows.end()},
+                                       in.rope_local, in.rope, softmax_scale, softcap, activation);
   TORCH_CHECK_VALUE(hidden.device().is_cpu(), "decoder_layers: the native kernel runs on CPU, got ", hidden.device());
   const at::Tensor cache_seqlens_long = cache_seqlens.to(at::kLong).contiguous();  // [B]
   const at::Tensor mask = tree_mask.contiguous();  // [B, T, T]
@@ -125,7 +102,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden,
   const std::vector<at::Tensor> weights = present(weights_list);
   const Dims d = check_inputs(hidden, weights, final_norm, kv_cache, cache_seqlens, rope, tree_mask, block_table,
                               num_heads, capture);
-  layer_variant(d, in, windows, softmax_scale, softcap, activation);
+  make_variant("decoder_layers", d.num_layers, {windows.begin(), windows.end()}, in.rope_local, in.rope,
+               softmax_scale, softcap, activation);
   return {at::empty(hidden.sizes(), hidden.options()),
           at::empty({d.B, d.T, static_cast<int64_t>(capture.size()) * d.H}, hidden.options())};
 }

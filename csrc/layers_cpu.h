@@ -4,6 +4,7 @@
 #pragma once
 
 #include "attention_cpu.h"
+#include "native_model.h"
 
 namespace specdec {
 namespace {
@@ -490,15 +491,14 @@ void check_positions(const Problem<T>& p, int64_t B, int64_t T_) {
   }
 }
 
-// What a family changes in the layer (spec_kernels/decoder_layers/ref.py: LayerVariant; the defaults are Llama's):
-// per layer a sliding window (empty: none), the windowed layers' RoPE [2, B, T, D] (undefined: the call's), the
-// query scale (0: D^-1/2), the scores' soft cap (0: none), a GELU-tanh MLP.
-struct Variant {
-  std::vector<int64_t> windows;
-  at::Tensor rope_local;
-  double softmax_scale = 0., softcap = 0.;
-  bool gelu = false;
-};
+// The variant's scalars into a problem (its windows, depths and local RoPE rows the caller's: they differ between
+// the op's rows and the runners' tables).
+template <typename T>
+void apply_variant(Problem<T>& p, const Variant& v) {
+  if (v.softmax_scale > 0.) p.scale = static_cast<float>(v.softmax_scale);
+  p.softcap = static_cast<float>(v.softcap);
+  p.gelu = v.gelu;
+}
 
 // Each row's depth in its tree [B, T]: the nodes its mask row sees, less itself.
 std::vector<int64_t> tree_depths(const bool* mask, int64_t B, int64_t T) {
@@ -517,10 +517,8 @@ void forward(const Dims& d, const at::Tensor& hidden, const std::vector<at::Tens
   Problem<T> p{};
   p.B = d.B, p.T_ = d.T, p.H = d.H, p.Hq = d.Hq, p.Hkv = d.Hkv, p.D = d.D, p.I = d.I, p.num_layers = d.num_layers;
   p.eps = static_cast<float>(eps);
-  p.scale = variant.softmax_scale > 0. ? static_cast<float>(variant.softmax_scale)
-                                       : 1.f / std::sqrt(static_cast<float>(d.D));
-  p.softcap = static_cast<float>(variant.softcap);
-  p.gelu = variant.gelu;
+  p.scale = 1.f / std::sqrt(static_cast<float>(d.D));
+  apply_variant(p, variant);
   std::vector<int64_t> depths;
   if (!variant.windows.empty()) {
     p.windows = variant.windows.data();

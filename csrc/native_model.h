@@ -12,6 +12,8 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace specdec {
@@ -30,6 +32,42 @@ inline at::Tensor int32_block_table(const char* op, const at::Tensor& table) {
                       ": block_table holds ids an int32 cannot (", lo, " .. ", hi, ")");
   }
   return table.to(at::kInt).contiguous();
+}
+
+// What a family changes in the layer (spec_kernels/decoder_layers/ref.py: LayerVariant; the defaults are Llama's):
+// per layer a sliding window (empty: none), the windowed layers' RoPE (undefined: the model's; shaped like it), the
+// query scale (0: D^-1/2), the scores' soft cap (0: none), a GELU-tanh MLP. The decoder_layers op and the step
+// runners (NativeModel.set_variant) take it so.
+struct Variant {
+  std::vector<int64_t> windows;
+  at::Tensor rope_local;
+  double softmax_scale = 0., softcap = 0.;
+  bool gelu = false;
+};
+
+// A Variant from an op's arguments, checked (op names the caller) against a model of `layers` layers whose RoPE
+// tensor is `rope`.
+inline Variant make_variant(const char* op, int64_t layers, std::vector<int64_t> windows,
+                            const c10::optional<at::Tensor>& rope_local, const at::Tensor& rope, double softmax_scale,
+                            double softcap, c10::string_view activation) {
+  TORCH_CHECK_VALUE(windows.empty() || static_cast<int64_t>(windows.size()) == layers, op,
+                    ": windows must hold one entry per layer (", layers, "), got ", windows.size());
+  for (const int64_t w : windows) TORCH_CHECK_VALUE(w >= 0, op, ": windows must be >= 0, got ", w);
+  TORCH_CHECK_VALUE(softmax_scale >= 0. && softcap >= 0., op, ": softmax_scale and softcap must be >= 0 ",
+                    "(0: the default), got ", softmax_scale, " and ", softcap);
+  TORCH_CHECK_VALUE(activation == "silu" || activation == "gelu_tanh", op,
+                    ": activation must be 'silu' or 'gelu_tanh', got '", std::string(activation), "'");
+  Variant v;
+  v.windows = std::move(windows);
+  v.softmax_scale = softmax_scale, v.softcap = softcap, v.gelu = activation == "gelu_tanh";
+  if (rope_local.has_value()) {
+    const at::Tensor& r = *rope_local;
+    TORCH_CHECK_VALUE(r.sizes() == rope.sizes() && r.scalar_type() == rope.scalar_type() && r.device() == rope.device(),
+                      op, ": rope_local must be like rope (", rope.sizes(), " ", rope.scalar_type(), " on ",
+                      rope.device(), "), got ", r.sizes(), " ", r.scalar_type(), " on ", r.device());
+    v.rope_local = r.contiguous();
+  }
+  return v;
 }
 
 struct NativeModel : torch::CustomClassHolder {
@@ -62,10 +100,8 @@ struct NativeModel : torch::CustomClassHolder {
   bool norm_before_residual = false;
   std::vector<int64_t> capture;
   bool has_variant = false;  // set_variant's, else the Llama layer
-  std::vector<int64_t> windows;
-  at::Tensor rope_local;
-  double softmax_scale = 0., softcap = 0., embed_scale = 0.;
-  bool gelu = false;
+  Variant variant;
+  double embed_scale = 0.;
 };
 
 }  // namespace specdec

@@ -35,25 +35,11 @@ NativeModel::NativeModel(at::Tensor embed_, std::vector<at::Tensor> weights_, at
 void NativeModel::set_variant(std::vector<int64_t> windows_, c10::optional<at::Tensor> rope_local_,
                               double softmax_scale_, double softcap_, std::string activation_, double embed_scale_) {
   const int64_t layers = static_cast<int64_t>(weights.size()) / kNumFields;
-  TORCH_CHECK_VALUE(windows_.empty() || static_cast<int64_t>(windows_.size()) == layers,
-                    "NativeModel.set_variant: windows must hold one entry per layer (", layers, "), got ",
-                    windows_.size());
-  for (const int64_t w : windows_) TORCH_CHECK_VALUE(w >= 0, "NativeModel.set_variant: windows must be >= 0, got ", w);
-  TORCH_CHECK_VALUE(softmax_scale_ >= 0. && softcap_ >= 0. && embed_scale_ >= 0.,
-                    "NativeModel.set_variant: softmax_scale, softcap and embed_scale must be >= 0 (0: none)");
-  TORCH_CHECK_VALUE(activation_ == "silu" || activation_ == "gelu_tanh",
-                    "NativeModel.set_variant: activation must be 'silu' or 'gelu_tanh', got '", activation_, "'");
-  if (rope_local_.has_value()) {
-    TORCH_CHECK_VALUE(rope_local_->sizes() == rope_table.sizes() &&
-                          rope_local_->scalar_type() == rope_table.scalar_type() && rope_local_->device().is_cpu(),
-                      "NativeModel.set_variant: rope_local must be like rope_table (", rope_table.sizes(), " ",
-                      rope_table.scalar_type(), "), got ", rope_local_->sizes(), " ", rope_local_->scalar_type());
-    rope_local = rope_local_->contiguous();
-  } else {
-    rope_local = at::Tensor();
-  }
-  windows = std::move(windows_);
-  softmax_scale = softmax_scale_, softcap = softcap_, embed_scale = embed_scale_, gelu = activation_ == "gelu_tanh";
+  TORCH_CHECK_VALUE(embed_scale_ >= 0., "NativeModel.set_variant: embed_scale must be >= 0 (0: none), got ",
+                    embed_scale_);
+  variant = make_variant("NativeModel.set_variant", layers, std::move(windows_), rope_local_, rope_table,
+                         softmax_scale_, softcap_, activation_);
+  embed_scale = embed_scale_;
   has_variant = true;
 }
 
@@ -87,7 +73,7 @@ ChainRunner<T> runner_of(const char* op, const NativeModel& m, const at::Tensor&
                          int64_t B) {
   ChainRunner<T> runner(op, m.embed, m.weights, m.final_norm, m.lm_head, kv, m.rope_table, m.num_heads, m.eps, table,
                         B, m.hidden_norm, m.norm_before_residual, m.has_variant);
-  if (m.has_variant) runner.set_variant(m.windows, m.rope_local, m.softmax_scale, m.softcap, m.gelu, m.embed_scale);
+  if (m.has_variant) runner.set_variant(m.variant, m.embed_scale);
   return runner;
 }
 

@@ -102,15 +102,11 @@ class ChainRunner {
     p_.kv = kv.data_ptr<T>();
   }
 
-  // Gemma's layer (NativeModel.set_variant; decoder_layers' variant): per-layer windows (their RoPE from rope_local
-  // [2, P, D], where defined), the query scale and the scores' soft cap (0: the defaults), GELU-tanh, and the
+  // Gemma's layer (NativeModel.set_variant's Variant, its rope_local a table [2, P, D] like the model's) and the
   // embedding rows' scale (0: none).
-  void set_variant(const std::vector<int64_t>& windows, const at::Tensor& rope_local, double softmax_scale,
-                   double softcap, bool gelu, double embed_scale) {
-    windows_ = windows;
-    rope_local_ = rope_local;
-    if (softmax_scale > 0.) p_.scale = static_cast<float>(softmax_scale);
-    p_.softcap = static_cast<float>(softcap), p_.gelu = gelu;
+  void set_variant(const Variant& variant, double embed_scale) {
+    variant_ = variant;
+    apply_variant(p_, variant);
     embed_scale_ = embed_scale;
   }
 
@@ -198,9 +194,9 @@ class ChainRunner {
     row_.resize(H);
     const T* cos = rope_.data_ptr<T>();
     const T* sin = cos + P * D;
-    const T* cos_l = rope_local_.defined() ? rope_local_.data_ptr<T>() : nullptr;  // the windowed layers' [2, P, D]
+    const T* cos_l = variant_.rope_local.defined() ? variant_.rope_local.data_ptr<T>() : nullptr;  // the windowed layers' [2, P, D]
     if (cos_l != nullptr) cos_sin_local_.resize(2 * M * D);
-    if (!windows_.empty()) depths_.resize(M);
+    if (!variant_.windows.empty()) depths_.resize(M);
     const float embed_scale = to_f(static_cast<T>(embed_scale_));  // HF's normalizer, in the dtype
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t t = 0; t < T_; ++t) {
@@ -222,7 +218,7 @@ class ChainRunner {
           std::copy(cos_l + pos * D, cos_l + (pos + 1) * D, cos_sin_local_.data() + m * D);
           std::copy(cos_l + (P + pos) * D, cos_l + (P + pos + 1) * D, cos_sin_local_.data() + (M + m) * D);
         }
-        if (!windows_.empty()) depths_[m] = depths ? depths[m] : t;
+        if (!variant_.windows.empty()) depths_[m] = depths ? depths[m] : t;
         for (int64_t j = 0; j < T_; ++j) mask_[m * T_ + j] = tree_mask ? tree_mask[m * T_ + j] : j <= t;
       }
     }
@@ -238,7 +234,7 @@ class ChainRunner {
     p.cos = cos_sin_.data();
     p.sin = p.cos + M * D;
     if (cos_l != nullptr) p.cos_local = cos_sin_local_.data(), p.sin_local = p.cos_local + M * D;
-    if (!windows_.empty()) p.windows = windows_.data(), p.depths = depths_.data();
+    if (!variant_.windows.empty()) p.windows = variant_.windows.data(), p.depths = depths_.data();
     check_positions(p, B, T_);
     if (M == 0) return;
     run_layers(p, weights_, norm_, h_.data(), out_.data(), with_logits ? head() : Weight{},
@@ -272,8 +268,9 @@ class ChainRunner {
     quant_dequant_row_bf16(w, qtype, blocks, row, out);
   }
 
-  at::Tensor embed_, norm_, head_, rope_, table_, hidden_norm_, rope_local_;
-  std::vector<int64_t> windows_, depths_;  // the variant's windows per layer; each row's depth in its tree [M]
+  at::Tensor embed_, norm_, head_, rope_, table_, hidden_norm_;
+  Variant variant_;                        // Gemma's layer (set_variant), else the Llama layer's defaults
+  std::vector<int64_t> depths_;            // each row's depth in its tree [M], where the variant has windows
   std::vector<T> cos_sin_local_;           // [2, M, D]: the windowed layers' RoPE rows
   double embed_scale_ = 0.;
   bool norm_before_residual_ = false;
