@@ -85,22 +85,17 @@ int64_t key_rows(const Problem<T>& p, const int64_t* positions, int64_t b, int64
   return start;
 }
 
-// Soft-capped scores (Gemma 2): s = cap tanh(s / cap) for n scores, element by element (cap 0: none).
-inline void cap_scores(float* s, int64_t n, float cap) {
-  if (cap <= 0.f) return;
-  for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
-}
-
 // Attention of G query heads q [G, D] (float32) over the keys at `rows` (n of them) of one KV head of k / v planes
 // (pointers already offset to the head), into out [G, D]. p [G, n] is scratch for the scores and probabilities.
-// The scores are soft-capped (cap_scores) before the softmax. Scalar version: sequential sums in key order.
+// The scores are soft-capped (soft_cap; softcap 0: none) before the softmax. Scalar version: sequential sums in key
+// order.
 template <typename T>
 void attend_scalar(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G, int64_t D,
                    float scale, float softcap, float* p, float* out) {
   for (int64_t g = 0; g < G; ++g) {
     float* s = p + g * n;
     for (int64_t j = 0; j < n; ++j) s[j] = simd::dot8(q + g * D, k + rows[j], D) * scale;
-    cap_scores(s, n, softcap);
+    if (softcap > 0.f) soft_cap(s, s, n, softcap);
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
     float sum = 0.f;
@@ -168,7 +163,7 @@ SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, i
       _mm512_mask_storeu_ps(p + g * n + j0, live, _mm512_mul_ps(simd::reduce16(acc), scale_v));
     }
   }
-  cap_scores(p, G * n, softcap);
+  if (softcap > 0.f) soft_cap(p, p, G * n, softcap);
   thread_local std::vector<float> totals;  // [G]: each head's softmax sum
   totals.resize(static_cast<size_t>(G));
   for (int64_t g = 0; g < G; ++g) {
@@ -277,7 +272,7 @@ SPECDEC_AVX2 void attend_avx2(const T* k, const T* v, const int64_t* rows, int64
       std::memcpy(p + g * n + j0, block, static_cast<size_t>(count) * sizeof(float));
     }
   }
-  cap_scores(p, G * n, softcap);
+  if (softcap > 0.f) soft_cap(p, p, G * n, softcap);
   for (int64_t g = 0; g < G; ++g) {
     float* s = p + g * n;
     float mx = -std::numeric_limits<float>::infinity();

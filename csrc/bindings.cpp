@@ -50,6 +50,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
                                                       const OptTensorList& inputs, int64_t num_heads, double eps,
                                                       at::IntArrayRef capture, at::IntArrayRef windows,
                                                       double softmax_scale, double softcap, c10::string_view activation);
+at::Tensor softcap_cpu(const at::Tensor& z, double cap);
 at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_ptr<NativeModel>& model,
                            at::Tensor kv_cache, const at::Tensor& cache_seqlens,
                            const c10::optional<at::Tensor>& block_table, int64_t gamma, bool strict);
@@ -203,6 +204,7 @@ TORCH_LIBRARY(spec_kernels, m) {
       "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!) kv_cache, Tensor?[] inputs, "
       "int num_heads, float eps, int[] capture=[], int[] windows=[], float softmax_scale=0., float softcap=0., "
       "str activation='silu') -> (Tensor, Tensor)");  // inputs and the variant: csrc/decoder_layers_cpu.cpp
+  m.def("softcap(Tensor z, float cap) -> Tensor");  // Gemma 2's final logits: csrc/decoder_layers_cpu.cpp
   m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor, Tensor, Tensor)");
   m.def("rng_uniform(Tensor keys, int n) -> Tensor");  // csrc/rng_cpu.cpp
   m.def("rng_gumbel(Tensor keys, int n) -> Tensor");
@@ -247,6 +249,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, CPU, m) {
   m.impl("linear", &specdec::linear_cpu);
   m.impl("quant_linear", &specdec::quant_linear_cpu);
   m.impl("decoder_layers", &specdec::decoder_layers_cpu);
+  m.impl("softcap", &specdec::softcap_cpu);
   m.impl("verify_greedy", &specdec::verify_greedy_cpu);
   m.impl("draft_chain", &specdec::draft_chain_cpu);
   m.impl("plain_steps", &specdec::plain_steps_cpu);

@@ -279,6 +279,91 @@ void rope_head(float* x, const T* cos, const T* sin, int64_t D) {
   }
 }
 
+// Soft capping (Gemma 2's attention scores and final logits): out = cap tanh(z / cap) for n elements of z (float32 or
+// bfloat16), cap > 0; +-inf and NaN stay themselves (a logit outside a restricted vocabulary stays -inf). tanh as
+// Cephes' tanhf: an odd polynomial below |y| = 0.625, 1 - 2 / (e^(2 |y|) + 1) above (simd::exp16 / exp8: the same
+// values lane by lane), its sign copied back. The attention and the final logits of every path (the decoder layers,
+// the step runners, the softcap op) run this one function, its body chosen once per process, so a native step's
+// capped logits are a regular step's bit for bit. out may be z (float32).
+constexpr float kTanhSmall = 0.625f;
+constexpr float kTanhPoly[5] = {-5.70498872745E-3f, 2.06390887954E-2f, -5.37397155531E-2f, 1.33314422036E-1f,
+                                -3.33332819422E-1f};
+
+inline float soft_cap_scalar(float z, float cap) {
+  if (std::isinf(z) || z != z) return z;
+  const float y = z / cap, a = std::fabs(y), s = y * y;
+  float t;
+  if (a < kTanhSmall) {
+    float poly = kTanhPoly[0];
+    for (int i = 1; i < 5; ++i) poly = std::fma(poly, s, kTanhPoly[i]);
+    t = std::fma(poly * s, a, a);
+  } else {
+    t = 1.f - 2.f / (std::exp(a + a) + 1.f);
+  }
+  return std::copysign(t, y) * cap;
+}
+
+#if SPECDEC_DECODER_X86
+SPECDEC_AVX512 inline __m512 soft_cap16(__m512 z, __m512 cap) {
+  const __m512 one = _mm512_set1_ps(1.f), y = _mm512_div_ps(z, cap), a = _mm512_abs_ps(y), s = _mm512_mul_ps(y, y);
+  __m512 poly = _mm512_set1_ps(kTanhPoly[0]);
+  for (int i = 1; i < 5; ++i) poly = _mm512_fmadd_ps(poly, s, _mm512_set1_ps(kTanhPoly[i]));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(poly, s), a, a);
+  const __m512 e = simd::exp16(_mm512_add_ps(a, a));
+  const __m512 large = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+  const __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(kTanhSmall), _CMP_LT_OQ), large, small);
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+  const __m512 out = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)), cap);
+  const __mmask16 keep = _mm512_cmp_ps_mask(z, z, _CMP_UNORD_Q) |
+                         _mm512_cmp_ps_mask(_mm512_abs_ps(z), _mm512_set1_ps(std::numeric_limits<float>::infinity()),
+                                            _CMP_EQ_OQ);
+  return _mm512_mask_blend_ps(keep, out, z);
+}
+
+SPECDEC_AVX2 inline __m256 soft_cap8(__m256 z, __m256 cap) {
+  const __m256 one = _mm256_set1_ps(1.f), y = _mm256_div_ps(z, cap), s = _mm256_mul_ps(y, y);
+  const __m256 sign_bit = _mm256_set1_ps(-0.f), a = _mm256_andnot_ps(sign_bit, y);
+  __m256 poly = _mm256_set1_ps(kTanhPoly[0]);
+  for (int i = 1; i < 5; ++i) poly = _mm256_fmadd_ps(poly, s, _mm256_set1_ps(kTanhPoly[i]));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(poly, s), a, a);
+  const __m256 e = simd::exp8(_mm256_add_ps(a, a));
+  const __m256 large = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
+  const __m256 t = _mm256_blendv_ps(large, small, _mm256_cmp_ps(a, _mm256_set1_ps(kTanhSmall), _CMP_LT_OQ));
+  const __m256 out = _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign_bit, y)), cap);
+  const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(z, z, _CMP_UNORD_Q),
+                                   _mm256_cmp_ps(_mm256_andnot_ps(sign_bit, z),
+                                                 _mm256_set1_ps(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ));
+  return _mm256_blendv_ps(out, z, keep);
+}
+
+template <typename T>
+SPECDEC_AVX512 void soft_cap_avx512(const T* z, float* out, int64_t n, float cap) {
+  const __m512 c = _mm512_set1_ps(cap);
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t count = std::min<int64_t>(16, n - i);
+    store16(out + i, soft_cap16(load16(z + i, count), c), count);
+  }
+}
+
+template <typename T>
+SPECDEC_AVX2 void soft_cap_avx2(const T* z, float* out, int64_t n, float cap) {
+  const __m256 c = _mm256_set1_ps(cap);
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t count = std::min<int64_t>(8, n - i);
+    simd::store8(out + i, soft_cap8(simd::load8(z + i, count), c), count);
+  }
+}
+#endif
+
+template <typename T>
+void soft_cap(const T* z, float* out, int64_t n, float cap) {
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return soft_cap_avx512(z, out, n, cap);
+  if (cpu_has_avx2()) return soft_cap_avx2(z, out, n, cap);
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = soft_cap_scalar(to_f(z[i]), cap);
+}
+
 // A matrix of the model [N, K]: dense in the model's dtype (qtype 0), or GGUF blocks as the file stores them
 // (csrc/quant_linear_cpu.h; qtype its ggml type id, told by the blocks' shape: qtype_of).
 struct Weight {

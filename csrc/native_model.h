@@ -82,10 +82,11 @@ struct NativeModel : torch::CustomClassHolder {
   void set_head(at::Tensor hidden_norm, at::Tensor fc, bool norm_before_residual, std::vector<int64_t> capture);
 
   // Gemma's layer for the runners' forwards: decoder_layers' variant (per-layer windows, the windowed layers' RoPE
-  // table [2, P, D] like rope_table, the query scale and soft cap with 0 for none, "silu" or "gelu_tanh") and the
-  // embedding's scale (each row times it, rounded to the dtype as HF's normalizer; 0: none).
+  // table [2, P, D] like rope_table, the query scale and soft cap with 0 for none, "silu" or "gelu_tanh"), the
+  // embedding's scale (each row times it, rounded to the dtype as HF's normalizer; 0: none) and the final logits'
+  // soft cap (Gemma 2; 0: none), which the runners' argmax and sampling read through (soft_cap).
   void set_variant(std::vector<int64_t> windows, c10::optional<at::Tensor> rope_local, double softmax_scale,
-                   double softcap, std::string activation, double embed_scale);
+                   double softcap, std::string activation, double embed_scale, double final_softcap);
 
   bool is_head() const { return hidden_norm.defined(); }
   bool restricted() const { return ids.defined(); }  // a draft's vocabulary: lm_head's rows are vocab_map's ids
@@ -102,6 +103,7 @@ struct NativeModel : torch::CustomClassHolder {
   bool has_variant = false;  // set_variant's, else the Llama layer
   Variant variant;
   double embed_scale = 0.;
+  double final_softcap = 0.;
 };
 
 }  // namespace specdec

@@ -33,13 +33,15 @@ NativeModel::NativeModel(at::Tensor embed_, std::vector<at::Tensor> weights_, at
 }
 
 void NativeModel::set_variant(std::vector<int64_t> windows_, c10::optional<at::Tensor> rope_local_,
-                              double softmax_scale_, double softcap_, std::string activation_, double embed_scale_) {
+                              double softmax_scale_, double softcap_, std::string activation_, double embed_scale_,
+                              double final_softcap_) {
   const int64_t layers = static_cast<int64_t>(weights.size()) / kNumFields;
-  TORCH_CHECK_VALUE(embed_scale_ >= 0., "NativeModel.set_variant: embed_scale must be >= 0 (0: none), got ",
-                    embed_scale_);
+  TORCH_CHECK_VALUE(embed_scale_ >= 0. && final_softcap_ >= 0., "NativeModel.set_variant: embed_scale and ",
+                    "final_softcap must be >= 0 (0: none), got ", embed_scale_, " and ", final_softcap_);
   variant = make_variant("NativeModel.set_variant", layers, std::move(windows_), rope_local_, rope_table,
                          softmax_scale_, softcap_, activation_);
   embed_scale = embed_scale_;
+  final_softcap = final_softcap_;
   has_variant = true;
 }
 
@@ -73,7 +75,7 @@ ChainRunner<T> runner_of(const char* op, const NativeModel& m, const at::Tensor&
                          int64_t B) {
   ChainRunner<T> runner(op, m.embed, m.weights, m.final_norm, m.lm_head, kv, m.rope_table, m.num_heads, m.eps, table,
                         B, m.hidden_norm, m.norm_before_residual, m.has_variant);
-  if (m.has_variant) runner.set_variant(m.variant, m.embed_scale);
+  if (m.has_variant) runner.set_variant(m.variant, m.embed_scale, m.final_softcap);
   return runner;
 }
 

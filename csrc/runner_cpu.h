@@ -102,13 +102,15 @@ class ChainRunner {
     p_.kv = kv.data_ptr<T>();
   }
 
-  // Gemma's layer (NativeModel.set_variant's Variant, its rope_local a table [2, P, D] like the model's) and the
-  // embedding rows' scale (0: none).
-  void set_variant(const Variant& variant, double embed_scale) {
+  // Gemma's layer (NativeModel.set_variant's Variant, its rope_local a table [2, P, D] like the model's), the
+  // embedding rows' scale and the final logits' soft cap (0: none).
+  void set_variant(const Variant& variant, double embed_scale, double final_cap) {
     variant_ = variant;
     apply_variant(p_, variant);
     embed_scale_ = embed_scale;
+    final_cap_ = static_cast<float>(final_cap);
   }
+  float final_cap() const { return final_cap_; }
 
   int64_t vocab() const { return head_.size(0); }
   int64_t hidden_size() const { return d_.H; }
@@ -273,6 +275,7 @@ class ChainRunner {
   std::vector<int64_t> depths_;            // each row's depth in its tree [M], where the variant has windows
   std::vector<T> cos_sin_local_;           // [2, M, D]: the windowed layers' RoPE rows
   double embed_scale_ = 0.;
+  float final_cap_ = 0.f;
   bool norm_before_residual_ = false;
   std::vector<T> attn_in_, raw_;  // a head's [M, 2 H] attention input and [M, H] raw outputs
   std::vector<int64_t> capture_;  // a head's target: the layers whose input streams go to captured_ [M, C * H]
@@ -289,20 +292,34 @@ class ChainRunner {
   int64_t mask_size_ = 0;
 };
 
+// pick(z) of one row of a model's logits z [V] as its output reads them: soft-capped into `capped` [V] (float32)
+// where the model caps its final logits (Gemma 2: soft_cap, GemmaForCausalLM.logits' function, so a native step
+// chooses what a regular step chooses), else z itself.
+template <typename T, typename Pick>
+int64_t pick_final(const ChainRunner<T>& model, const T* z, int64_t V, std::vector<float>& capped, const Pick& pick) {
+  if (model.final_cap() <= 0.f) return pick(z);
+  capped.resize(V);
+  soft_cap(z, capped.data(), V, model.final_cap());
+  return pick(static_cast<const float*>(capped.data()));
+}
+
 // A greedy chain: tokens tok [B, gamma] (row stride gamma), token d the argmax of token d - 1's logits (the first of
-// the roots' logits [B, V]), tokens 1 .. gamma - 1 run through `model` at positions L_b + d. ``strict``: a row's
-// tokens are -1 from its first non-finite logits on. ``id_of`` [V] (or null): a restricted vocabulary's token ids.
+// the roots' logits [B, V], final ones: capped where the model caps), tokens 1 .. gamma - 1 run through `model` at
+// positions L_b + d. ``strict``: a row's tokens are -1 from its first non-finite logits on. ``id_of`` [V] (or null):
+// a restricted vocabulary's token ids.
 template <typename T, typename R>
 void run_chain(ChainRunner<T>& model, const R* root, int64_t V, const int64_t* L, int64_t B, int64_t gamma,
                bool strict, const int64_t* id_of, int64_t* tok) {
   std::vector<int64_t> ids(B), pos(B);
+  std::vector<float> capped;
   const T* logits = nullptr;  // [B, V]
+  const auto argmax = [&](const auto* z) { return greedy::argmax(z, V, strict); };
   for (int64_t d = 1; d <= gamma; ++d) {
     for (int64_t b = 0; b < B; ++b) {
       int64_t& t = tok[b * gamma + d - 1];
       t = d > 1 && tok[b * gamma + d - 2] < 0 ? -1  // a strict row stays -1 after its first bad logits
-          : d == 1                            ? greedy::argmax(root + b * V, V, strict)
-                                              : greedy::argmax(logits + b * V, V, strict);
+          : d == 1                            ? argmax(root + b * V)
+                                              : pick_final(model, logits + b * V, V, capped, argmax);
       if (id_of != nullptr) t = id_of[t];  // never strict: t >= 0
       ids[b] = std::max<int64_t>(t, 0);    // a -1 row runs token 0
       pos[b] = L[b] + d;                   // the node's slot
@@ -501,7 +518,11 @@ class ModelDraft {
       root_.insert(root_.end(), row, row + H);
     }
     const TD* logits = model_.logits(root_.data(), B);  // [B, V]
-    run_chain(model_, logits, model_.vocab(), r.L.data(), B, r.gamma, false, id_of_, drafts);
+    const int64_t V = model_.vocab();
+    if (model_.final_cap() <= 0.f) return run_chain(model_, logits, V, r.L.data(), B, r.gamma, false, id_of_, drafts);
+    capped_.resize(B * V);  // [B, V]: the roots' final logits
+    soft_cap(logits, capped_.data(), B * V, model_.final_cap());
+    run_chain(model_, capped_.data(), V, r.L.data(), B, r.gamma, false, id_of_, drafts);
   }
 
   // The rows' next catch-ups once `emitted` [B][n] (accepted drafts, then the target's token) is known: the bonus,
@@ -529,6 +550,7 @@ class ModelDraft {
   const int64_t* id_of_;
   std::vector<int64_t> start_;
   std::vector<TD> root_;
+  std::vector<float> capped_;
 };
 
 // One greedy step over given trees (tree_step_cpu): tokens and parents [B, T] (node 0 the root, parents[i] < i, -1
@@ -553,7 +575,7 @@ void run_tree_step(ChainRunner<T>& target, const int64_t* tokens, const int64_t*
   std::unique_ptr<bool[]> mask(new bool[B * T_ * T_]);  // [B, T, T]: each node's ancestors and itself
   for (int64_t b = 0; b < B; ++b) ancestor_mask(parents + b * T_, T_, mask.get() + b * T_ * T_, depths.data() + b * T_);
   const T* logits = target.forward_tree(tokens, B, T_, L, depths.data(), mask.get());  // [B * T, V]
-  std::vector<float> zt, buf;  // a filtered row's scaled logits and its threshold's scratch
+  std::vector<float> zt, buf, capped;  // a filtered row's scaled logits, its threshold's scratch, a capped row
   for (int64_t b = 0; b < B; ++b) {
     const auto row = [&](int64_t i) { return logits + (b * T_ + i) * V; };
     if (sampling != nullptr && sampling->sampled(b)) {
@@ -562,13 +584,18 @@ void run_tree_step(ChainRunner<T>& target, const int64_t* tokens, const int64_t*
       const bool filtered = sampling->filtered(b);
       const auto choose = [&](int64_t i) {
         const uint64_t key = rng::noise_key(seed, L[b] + depths[b * T_ + i]);
-        if (!filtered) return rng::perturbed_argmax(row(i), V, t, key);
-        return sampling::filtered_argmax(row(i), V, t, key, sampling->top_k[b], sampling->top_p[b],
-                                         sampling->min_p[b], zt, buf);
+        return pick_final(target, row(i), V, capped, [&](const auto* z) {
+          if (!filtered) return rng::perturbed_argmax(z, V, t, key);
+          return sampling::filtered_argmax(z, V, t, key, sampling->top_k[b], sampling->top_p[b], sampling->min_p[b],
+                                           zt, buf);
+        });
       };
       counts[b] = greedy::walk_choosing(choose, tokens + b * T_, parents + b * T_, T_, path + b * T_, out + b * T_);
     } else {
-      counts[b] = greedy::walk(row, V, tokens + b * T_, parents + b * T_, T_, path + b * T_, out + b * T_);
+      const auto choose = [&](int64_t i) {
+        return pick_final(target, row(i), V, capped, [&](const auto* z) { return greedy::argmax(z, V, true); });
+      };
+      counts[b] = greedy::walk_choosing(choose, tokens + b * T_, parents + b * T_, T_, path + b * T_, out + b * T_);
     }
   }
 }

@@ -111,16 +111,8 @@ def test_greedy_matches_transformers_and_speculation_matches_plain(family_dirs, 
         if spec is not None:
             assert out.metrics["num_accepted"] > 0, f"{family}/{name}: speculation accepted nothing"
         paths |= {(p.path, p.native_verify) for p in llm.engine.plan_history}
-        runner = llm.engine.runner
-        native = (runner.native_target, runner.native_draft, runner.native_tree)
-        # Gemma 2's final soft cap keeps it off the step runners (their argmax and sampling read raw logits); Gemma
-        # 3's layer runs there with its variant
-        capped = llm.target.config.final_logit_softcapping is not None
-        assert all(n is None for n in native) if capped else runner.native_target is not None
-    if family == "gemma2":
-        assert paths == {(REGULAR, False)}, paths
-    else:
-        assert any(path != REGULAR or verify for path, verify in paths), paths  # the native paths ran
+        assert llm.engine.runner.native_target is not None  # Gemma's with its variant (and Gemma 2's final cap)
+    assert any(path != REGULAR or verify for path, verify in paths), paths  # the native paths ran
     assert tokens["plain"][: trusted - 1] == ref[: trusted - 1], f"{family}/{source}: diverges from HF greedy"
     assert tokens["chain"] == tokens["plain"] and tokens["tree"] == tokens["plain"]
 

@@ -221,3 +221,71 @@ def test_runner_plain_steps_equal_regular_steps(tmp_path, dtype):
         token = model.logits(hidden)[:, -1].argmax(-1, keepdim=True)
         regular.append(int(token))
     assert native[0].tolist() == regular
+
+
+def test_softcap_is_tanh_within_two_ulps():
+    """``softcap`` (the C++ function every CPU path caps Gemma 2's logits and scores with): cap tanh(z / cap) within
+    2 ulp of float64's on both of tanh's branches (below and above |z / cap| = 0.625), odd bit for bit, +-inf, NaN
+    and zeros kept, bfloat16 read as float32; the reference (torch's tanh) within the same."""
+    from spec_kernels.fused_elementwise import softcap
+    from spec_kernels.fused_elementwise.ref import softcap_ref
+
+    z = torch.linspace(-400, 400, 100_001)  # [N]
+    for cap in (5.0, 30.0):
+        got = softcap(z, cap)
+        exact = torch.tanh(z.double() / cap) * cap
+        nonzero = z != 0
+        rel = ((got.double() - exact).abs() / exact.abs())[nonzero]
+        assert rel.max() <= 2 * 2**-23, (cap, rel.max())
+        assert torch.equal(softcap(-z, cap), -got)
+        torch.testing.assert_close(softcap_ref(z, cap), got, rtol=4 * 2**-23, atol=0)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0])
+    out = softcap(special, 30.0)
+    assert out[:2].tolist() == [float("inf"), -float("inf")] and out[2].isnan() and out[3:].tolist() == [0.0, 0.0]
+    half = torch.randn(7, 33, dtype=torch.bfloat16) * 40
+    assert torch.equal(softcap(half, 30.0), softcap(half.float(), 30.0))
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        softcap(z, 0.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_gemma2_native_steps_read_the_capped_logits(tmp_path, monkeypatch, dtype, seeded):
+    """Gemma 2 on the native step runners: plain chains (``plain_steps``) and a draft model's greedy speculative
+    chains emit the tokens one-token regular steps emit, greedy and seeded (top-p). Its final logits are soft-capped
+    (cap 5: it binds), and the runners argmax and sample through the same C++ cap as ``GemmaForCausalLM.logits``.
+    Planted bug: the handle built without the cap changes the seeded tokens."""
+    from tiny_models import make_model, make_noisy_copy
+
+    import spec_engine.models.gemma as gemma_mod
+    from spec_engine import LLM, SamplingParams
+    from spec_engine.engine import EngineConfig
+    from spec_engine.step import PLAIN_CHAIN, REGULAR, SPEC_CHAIN
+
+    target = make_model(tmp_path / "g2", "gemma2", layers=3, norm_noise=0.2, logit_scale=4.0)
+    draft = make_noisy_copy(target, tmp_path / "draft", noise=0.05)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77])]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, **({"temperature": 0.8, "seed": 3, "top_p": 0.9}
+                                                                 if seeded else {}))  # fmt: skip
+
+    def tokens(llm, chain):
+        llm.engine.reconfigure(EngineConfig(plain_chain=chain))
+        llm.engine.plan_history.clear()
+        out = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in out], {p.path for p in llm.engine.plan_history}
+
+    llm = LLM(str(target), dtype=dtype)
+    assert llm.engine.runner.native_target is not None and llm.target.config.final_logit_softcapping == 5.0
+    want, paths = tokens(llm, 1)
+    assert paths == {REGULAR}
+    got, paths = tokens(llm, 16)
+    assert PLAIN_CHAIN in paths and got == want
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    speculative = LLM(str(target), dtype=dtype, speculative_config=spec)
+    assert speculative.generate(prompts, params, use_tqdm=False)[0].metrics["num_accepted"] > 0
+    got, paths = tokens(speculative, 16)
+    assert got == want and (seeded or SPEC_CHAIN in paths)  # (a draft model's sampled rows take regular steps)
+    if seeded:  # the planted bug: the runners read the logits uncapped
+        real = gemma_mod.native_model
+        monkeypatch.setattr(gemma_mod, "native_model", lambda *a, **kw: real(*a, **{**kw, "final_softcap": 0.0}))
+        assert tokens(LLM(str(target), dtype=dtype), 16)[0] != want

@@ -19,9 +19,9 @@ Gemma's layer is Llama's with:
 
 Every forward is one ``decoder_layers`` call with Gemma's ``LayerVariant`` (on CPU the native C++ layers; the sandwich
 norms are its "attn_out_norm" and "mlp_out_norm" fields). The native step runners (several steps in one C++ call) run
-it too from the native handle, with the embedding's scale and the local RoPE table; a model whose final logits are
-soft-capped (Gemma 2) has no handle (the runners' argmax and sampling read the logits uncapped): its steps are
-regular ones.
+it too from the native handle, with the embedding's scale, the local RoPE table and Gemma 2's final soft cap: on CPU
+the logits are capped by one C++ function (``spec_kernels.fused_elementwise.softcap``) that the runners' argmax and
+sampling read through as well, so a native step chooses the token a regular step chooses.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from spec_engine.models.config import SLIDING, ModelConfig, rope_inv_freq
 from spec_engine.models.llama import LlamaForCausalLM, RMSNorm
 from spec_kernels import decoder_layers
 from spec_kernels.decoder_layers import LayerVariant, native_model
+from spec_kernels.fused_elementwise import softcap
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -83,11 +84,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight)  # fmt: skip
 
     def _build_native(self) -> None:
-        """The native handle with Gemma's variant, once fused with both RoPE tables; none where the model soft-caps
-        its final logits (Gemma 2: the runners' argmax and sampling read the logits uncapped)."""
+        """The native handle with Gemma's variant and its final soft cap, once fused with both RoPE tables."""
         self.native = None
         local = getattr(self, "rope_table_local", None)
-        if self.config.final_logit_softcapping is not None or self.layer_weights is None or local is None:
+        if self.layer_weights is None or local is None:
             return
         if self.rope_table is None or not local.dtype == self.rope_table.dtype == self.lm_head.weight.dtype:
             return  # (a table of another dtype than the weights: Module.to since the fuse)
@@ -95,14 +95,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.native = native_model(self._embed_weight(), self.layer_weights, self.model.norm.weight, self._head(),
                                    self.rope_table, num_heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps,
                                    vocab_map=self.vocab_map, variant=self.variant, rope_local=local,
-                                   embed_scale=cfg.hidden_size**0.5)  # fmt: skip
+                                   embed_scale=cfg.hidden_size**0.5,
+                                   final_softcap=cfg.final_logit_softcapping or 0.0)  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V] float32, soft-capped where the model says (-inf outside a restricted vocabulary
         stays -inf)."""
         out = super().logits(hidden)
         cap = self.config.final_logit_softcapping
-        return out if cap is None else torch.where(out.isinf(), out, torch.tanh(out / cap) * cap)
+        return out if cap is None else softcap(out, cap)
 
     def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Causal LM logits [B, T, V] through the engine's forward over a fresh cache (the same computation)."""

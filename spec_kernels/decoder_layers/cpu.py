@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_kernels.decoder_layers.ref import LayerVariant
+from spec_kernels.decoder_layers.ref import LLAMA, LayerVariant
 from spec_kernels.types import QuantizedWeight, VerifyResult
 
 _EMPTY = torch.empty(0)  # stands for a missing optional weight in the C++ op's list (its schema has no holes)
@@ -78,8 +78,9 @@ class NativeModel:
     Shapes: embed ``[V, H]``; lm_head ``[V, H]``, or ``[K, H]`` over ``vocab_map`` ``[K]`` int64 (a draft's
     restricted vocabulary, ``LlamaForCausalLM.restrict_vocab``; None: the whole vocabulary); final_norm ``[H]``;
     rope_table ``[2, P, D]`` (cos, sin by position P). ``variant`` (``LayerVariant``: Gemma's layer, its float32
-    norms included), ``rope_local`` ``[2, P, D]`` (its windowed layers' table) and ``embed_scale`` (each embedding row
-    times it, rounded to the dtype; 0: none): a family's layer other than Llama's."""
+    norms included), ``rope_local`` ``[2, P, D]`` (its windowed layers' table), ``embed_scale`` (each embedding row
+    times it, rounded to the dtype; 0: none) and ``final_softcap`` (the logits' soft cap, Gemma 2's, which the
+    runners' argmax and sampling read through; 0: none): a family's layer other than Llama's."""
 
     embed: torch.Tensor | QuantizedWeight
     layers: LayerWeights
@@ -92,6 +93,7 @@ class NativeModel:
     variant: LayerVariant | None = None
     rope_local: torch.Tensor | None = None
     embed_scale: float = 0.0
+    final_softcap: float = 0.0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -111,10 +113,10 @@ class NativeModel:
         handle = torch.classes.spec_kernels.NativeModel(_op_tensor(self.embed), self.layers.flat, self.final_norm,
                                                         _op_tensor(self.lm_head), self.rope_table, self.num_heads,
                                                         self.eps, self.vocab_map)  # fmt: skip
-        v = self.variant
+        v = self.variant if self.variant is not None or not self.final_softcap else LLAMA
         if v is not None:
             handle.set_variant(list(v.windows or []), self.rope_local, v.softmax_scale or 0.0, v.softcap or 0.0,
-                               v.activation, self.embed_scale)  # fmt: skip
+                               v.activation, self.embed_scale, self.final_softcap)  # fmt: skip
         return handle
 
     def check_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -126,7 +128,8 @@ class NativeModel:
 
 def native_model(embed, layers: LayerWeights, final_norm, lm_head, rope_table, *, num_heads: int, eps: float,
                  vocab_map: torch.Tensor | None = None, variant: LayerVariant | None = None,
-                 rope_local: torch.Tensor | None = None, embed_scale: float = 0.0) -> NativeModel | None:  # fmt: skip
+                 rope_local: torch.Tensor | None = None, embed_scale: float = 0.0,
+                 final_softcap: float = 0.0) -> NativeModel | None:  # fmt: skip
     """The model as the native step ops take it, or None where they cannot run it (a device other than the CPU, a
     dtype other than float32 / bfloat16, tensors of mixed dtypes): decided once, when the model is built."""
     dtype = rope_table.dtype
@@ -144,7 +147,7 @@ def native_model(embed, layers: LayerWeights, final_norm, lm_head, rope_table, *
     if not fits:
         return None
     return NativeModel(embed, layers, final_norm, lm_head, rope_table, num_heads, eps, vocab_map, variant, rope_local,
-                       embed_scale)  # fmt: skip
+                       embed_scale, final_softcap)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,6 +1,7 @@
 """``fused_elementwise``: a decoder layer's elementwise work between its matmuls and its attention, each piece one
 kernel on CUDA: ``add_rms_norm`` (the residual add and the RMSNorm after it), ``silu_mul`` (SiLU of gate times up)
-and ``rope_qk`` (rotate-half RoPE of q and k together).
+and ``rope_qk`` (rotate-half RoPE of q and k together); and ``softcap``, Gemma 2's final logits (on CPU the C++
+function the native step runners apply, so their tokens are a regular step's).
 
 Glossary: a *row* is one token's vector (hidden state, MLP activations, or its q/k heads); M rows in a call.
 
@@ -23,10 +24,11 @@ from spec_kernels.fused_elementwise.ref import (
     add_rms_norm_ref,
     rope_qk_ref,
     silu_mul_ref,
+    softcap_ref,
 )
 from spec_kernels.fused_elementwise.triton import add_rms_norm_triton, rms_norm_triton, rope_qk_triton, silu_mul_triton
 
-__all__ = ["DEVICE_OPS", "ElementwiseOps", "add_rms_norm", "layer_ops", "rope_qk", "silu_mul"]
+__all__ = ["DEVICE_OPS", "ElementwiseOps", "add_rms_norm", "layer_ops", "rope_qk", "silu_mul", "softcap"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -128,6 +130,28 @@ def rope_qk(
     if _pick("rope_qk", backend, q.device, takes) == "torch":
         return rope_qk_ref(q, k, cos, sin)
     return rope_qk_triton(q, k, cos, sin)
+
+
+def softcap(z: torch.Tensor, cap: float) -> torch.Tensor:
+    """Soft-capped logits: ``cap * tanh(z / cap)`` in float32, +-inf kept (``softcap_ref``).
+
+    On the CPU one C++ call (``spec_kernels::softcap``, csrc/layer_ops_cpu.h's ``soft_cap``: Cephes' tanhf, within
+    2 ulp of tanh): the function the native step runners apply to a capped model's logits, so their tokens and draws
+    equal a regular step's bit for bit; elsewhere the reference.
+
+    Shapes
+    ------
+    - z: ``[..., V]`` float32 or bfloat16
+    - out: ``[..., V]`` float32
+    """
+    if not cap > 0:
+        raise ValueError(f"softcap: cap must be > 0, got {cap}")
+    if z.device.type == "cpu" and z.dtype in (torch.float32, torch.bfloat16):
+        from spec_kernels._ext import load_ext
+
+        load_ext()
+        return torch.ops.spec_kernels.softcap(z, float(cap))
+    return softcap_ref(z, cap)
 
 
 DEVICE_OPS = ElementwiseOps(add_rms_norm, silu_mul, rope_qk)

@@ -1,6 +1,6 @@
-"""The readable specs of the fused elementwise ops (``add_rms_norm_ref``, ``silu_mul_ref``, ``rope_qk_ref``), each with
-its op's exact signature, and the two building blocks every Llama-family layer loop shares (``rms_norm_ref``,
-``rope_ref``).
+"""The readable specs of the fused elementwise ops (``add_rms_norm_ref``, ``silu_mul_ref``, ``rope_qk_ref``,
+``softcap_ref``), each with its op's exact signature, and the two building blocks every Llama-family layer loop
+shares (``rms_norm_ref``, ``rope_ref``).
 
 Clarity beats speed here: tests and benchmarks compare against them, ``backend="torch"`` runs them, and
 ``decoder_layers_ref`` (the loop's reference) is written with them. Each rounds to the model's dtype exactly where the
@@ -51,6 +51,13 @@ def rope_qk_ref(
     ``backend`` is ignored."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [B, T, 1, D]
     return rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+
+
+def softcap_ref(z: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(z / cap)`` of logits ``z [..., V]`` in float32, +-inf kept (-inf outside a restricted
+    vocabulary stays -inf): Gemma 2's final logits as HF computes them."""
+    z = z.float()
+    return torch.where(z.isinf(), z, torch.tanh(z / cap) * cap)
 
 
 class ElementwiseOps(NamedTuple):
