@@ -365,14 +365,15 @@ SPECDEC_QVNNI_INLINE void rows16_block(const Int8Args& x, const PairRows& pr, in
 constexpr int64_t kAheadBytes = 512;
 
 // A tile of 16 weight rows at `tile` (`rows` live), read a block or super-block of Q at a time, now at byte `at`
-// of each row: prefetches the lines of the block kAheadBytes further along each row or, past the rows' end, along
-// the next tile's rows (which follow in memory) where `more` says this thread reads that tile next. Each row is one
-// stream kept ahead at the reads' own pace, on into the next tile: 16 rows read side by side are more streams than
-// the hardware prefetchers follow, and pulling in the next tile in bursts stalls the reads behind the prefetches
-// (bench/RESULTS.md).
+// of each row: prefetches the lines of the block kAheadBytes further along each row (twice that into L2 where
+// prefetch_to_l2) or, past the rows' end, along the next tile's rows (which follow in memory) where `more` says this
+// thread reads that tile next. Each row is one stream kept ahead at the reads' own pace, on into the next tile: 16
+// rows read side by side are more streams than the hardware prefetchers follow, and pulling in the next tile in
+// bursts stalls the reads behind the prefetches (bench/RESULTS.md).
 template <QuantType Q>
 SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes, int64_t at, int64_t rows, bool more) {
-  int64_t ahead = at + kAheadBytes;
+  const bool l2 = prefetch_to_l2<Q>();
+  int64_t ahead = at + (l2 ? 2 * kAheadBytes : kAheadBytes);
   if (rows < 16) return;
   if (ahead >= row_bytes) {
     if (!more) return;
@@ -383,7 +384,11 @@ SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes,
   for (int r = 0; r < 16; ++r, p += row_bytes) {
     const uintptr_t last = reinterpret_cast<uintptr_t>(p) + kBlockBytes<Q> - 1;
     for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line <= last; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+      if (l2) {
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+      }
     }
   }
 }
