@@ -14,6 +14,9 @@ us and llama.cpp (``llama-bench``, 2 threads):
 - ``control``: our T = 1 forward timed twice per round; its ratio is the run's noise;
 - ``rss_gib``: our process's resident memory with the model and a ``max_model_len``-token KV cache loaded.
 
+``--types Q4_K_M-random`` writes a file of random K-quant blocks in Q4_K_M's mix instead (``random_mix_type``, no
+``llama-quantize``; without ``--llama-cpp`` only our rows run): our speed on a machine without llama.cpp.
+
 ``--quant-activations float,int8`` runs our engine on a quantized file in each numeric mode (``quant_activations``),
 one model per mode, interleaved with each other and llama.cpp in every round (rows ``ours`` and ``ours int8``).
 
@@ -55,9 +58,25 @@ THREADS = 2
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int = 0) -> None:
-    """A llama-architecture F16 GGUF of ``shape`` with N(0, 0.02) weights and unit norms, written tensor by tensor."""
+RANDOM_MIX = "Q4_K_M-random"  # --types' name for a file of random K-quant blocks (no llama-quantize needed)
+
+
+def random_mix_type(name: str, layer: int) -> str:
+    """The block type of tensor ``name`` (in layer ``layer``) in a random-blocks file: Q4_K_M's mix as llama-quantize
+    makes it, simplified (Q6_K for the embedding / output and for attn_v and ffn_down in every other layer)."""
+    if name.startswith(("token_embd", "output.")) or (name.endswith(("attn_v.weight", "ffn_down.weight"))
+                                                      and layer % 2 == 0):  # fmt: skip
+        return "Q6_K"
+    return "Q4_K"
+
+
+def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int = 0, blocks: bool = False) -> None:
+    """A llama-architecture F16 GGUF of ``shape`` with N(0, 0.02) weights and unit norms, written tensor by tensor;
+    with ``blocks``, its matrices random K-quant blocks instead (``random_mix_type``; scales as
+    ``bench_quant_linear``'s): our side's speed on a machine without llama.cpp."""
     import gguf
+
+    from bench.bench_quant_linear import _blocks
 
     reader = gguf.GGUFReader(str(tokenizer_gguf))
     tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8")
@@ -83,23 +102,37 @@ def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int =
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if blocks else gguf.LlamaFileType.MOSTLY_F16)
     for name, field in reader.fields.items():  # the tokenizer, as SmolLM2's file holds it
         if name.startswith("tokenizer."):
             value = field.contents()
             w.add_key_value(name, value, field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
                             else None)  # fmt: skip
+    rng = np.random.default_rng(seed)
+
+    def qtype(name: str) -> str | None:
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+        return None if name.endswith("norm.weight") or not blocks else random_mix_type(name, layer)
+
     for name, dims in tensors:
+        if qtype(name) is not None:
+            from spec_kernels.types import quant_row_bytes
+
+            byte_shape = (dims[0], quant_row_bytes(qtype(name), dims[1]))
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
+                              raw_dtype=getattr(gguf.GGMLQuantizationType, qtype(name)))  # fmt: skip
+            continue
         dtype = np.float32 if name.endswith("norm.weight") else np.float16
         nbytes = int(np.prod(dims)) * np.dtype(dtype).itemsize
         w.add_tensor_info(name, dims, np.dtype(dtype), nbytes)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
     for name, dims in tensors:
         if name.endswith("norm.weight"):
             data = np.ones(dims, dtype=np.float32)
+        elif qtype(name) is not None:
+            data = _blocks(dims[0], dims[1], qtype(name), rng).numpy()  # [N, row bytes]
         else:
             data = (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
         w.write_tensor_data(data)
@@ -110,14 +143,18 @@ def make_files(out_dir: Path, shape_name: str, types: list[str], quantize: Path 
     """{type: path} for ``shape_name``: the F16 file written once, each other type quantized from it once."""
     out_dir.mkdir(parents=True, exist_ok=True)
     f16 = out_dir / f"{shape_name}.F16.gguf"
-    if not f16.is_file():
+    if not f16.is_file() and any(t != RANDOM_MIX for t in types):
         print(f"writing {f16} ...", flush=True)
         write_random_gguf(f16.with_suffix(".tmp"), SHAPES[shape_name], tokenizer)
         f16.with_suffix(".tmp").rename(f16)
     files = {}
     for t in types:
         path = out_dir / f"{shape_name}.{t}.gguf"
-        if t != "F16" and not path.is_file():
+        if t == RANDOM_MIX and not path.is_file():
+            print(f"writing {path} (random blocks) ...", flush=True)
+            write_random_gguf(path.with_suffix(".tmp"), SHAPES[shape_name], tokenizer, blocks=True)
+            path.with_suffix(".tmp").rename(path)
+        if t not in ("F16", RANDOM_MIX) and not path.is_file():
             if quantize is None:
                 raise SystemExit(f"{t} needs llama-quantize (--llama-cpp DIR)")
             print(f"llama-quantize {t} ...", flush=True)
