@@ -46,7 +46,7 @@ def _layer(shape: str) -> list[tuple[str, int, int]]:
     return [("qkv", qkv, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
 
 
-def _blocks(n: int, k: int, qtype: str, rng: np.random.Generator) -> torch.Tensor:
+def random_blocks(n: int, k: int, qtype: str, rng: np.random.Generator) -> torch.Tensor:
     """Random GGUF blocks [N, row_bytes] with fp16 scales ~ 1/(8 sqrt K) (gguf's quantizer is too slow for 96 MB and
     has none for the K-quants); a minimum (m, dmin) of -8 times that."""
     f = QUANT_FORMATS[qtype]
@@ -90,7 +90,7 @@ def bench_matrices(rows: list[int], reps: int, rng: np.random.Generator, qtypes:
     hidden, vocab = SHAPES[shape][0], SHAPES[shape][3]
     for name, n, k in [*_layer(shape), ("lm_head", vocab, hidden)]:
         qtype = qtypes[1] if name == "lm_head" else qtypes[0]
-        blocks = _blocks(n, k, qtype, rng)
+        blocks = random_blocks(n, k, qtype, rng)
         w16 = dequantize_ref(blocks, qtype).bfloat16()  # [N, K]
         for num_rows in rows:
             x = torch.randn(num_rows, k).bfloat16()  # [M, K]
@@ -111,8 +111,8 @@ def bench_matrices(rows: list[int], reps: int, rng: np.random.Generator, qtypes:
 
 def bench_forwards(rows: list[int], reps: int, rng: np.random.Generator, qtypes: tuple[str, str], shape: str):
     hidden, inter, layers, vocab, _ = SHAPES[shape]
-    weights = [(_blocks(n, k, qtypes[0], rng), qtypes[0]) for _ in range(layers) for _, n, k in _layer(shape)]
-    weights.append((_blocks(vocab, hidden, qtypes[1], rng), qtypes[1]))
+    weights = [(random_blocks(n, k, qtypes[0], rng), qtypes[0]) for _ in range(layers) for _, n, k in _layer(shape)]
+    weights.append((random_blocks(vocab, hidden, qtypes[1], rng), qtypes[1]))
     dense = [dequantize_ref(b, q).bfloat16() for b, q in weights]
     width = {(q, quant_row_bytes(q, k)): k for q in qtypes for k in (hidden, inter)}  # a matrix's K by its row bytes
     quant_bytes = sum(b.numel() for b, _ in weights)
@@ -143,7 +143,7 @@ def bench_int8(qtypes: list[str], reps: int, rng: np.random.Generator, n: int, k
     """float vs int8 activations on one matrix per format, M = 1, 5, 16."""
     out = []
     for qtype in qtypes:
-        blocks = _blocks(n, k, qtype, rng)
+        blocks = random_blocks(n, k, qtype, rng)
         for num_rows in (1, 5, 16):
             x = torch.randn(num_rows, k).bfloat16()  # [M, K]
             fns = {mode: lambda x=x, b=blocks, q=qtype, mode=mode: quant_linear(x, b, q, activations=mode)

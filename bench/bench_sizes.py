@@ -63,7 +63,8 @@ RANDOM_MIX = "Q4_K_M-random"  # --types' name for a file of random K-quant block
 
 def random_mix_type(name: str, layer: int) -> str:
     """The block type of tensor ``name`` (in layer ``layer``) in a random-blocks file: Q4_K_M's mix as llama-quantize
-    makes it, simplified (Q6_K for the embedding / output and for attn_v and ffn_down in every other layer)."""
+    makes it, simplified (Q6_K for the output and for attn_v and ffn_down in every other layer; the embedding Q6_K
+    too, where llama-quantize keeps an untied one Q4_K: a step reads one row of it)."""
     if name.startswith(("token_embd", "output.")) or (name.endswith(("attn_v.weight", "ffn_down.weight"))
                                                       and layer % 2 == 0):  # fmt: skip
         return "Q6_K"
@@ -76,7 +77,8 @@ def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int =
     ``bench_quant_linear``'s): our side's speed on a machine without llama.cpp."""
     import gguf
 
-    from bench.bench_quant_linear import _blocks
+    from bench.bench_quant_linear import random_blocks
+    from spec_kernels.types import quant_row_bytes
 
     reader = gguf.GGUFReader(str(tokenizer_gguf))
     tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8")
@@ -114,13 +116,12 @@ def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int =
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
         return None if name.endswith("norm.weight") or not blocks else random_mix_type(name, layer)
 
+    types = {name: qtype(name) for name, _ in tensors}
     for name, dims in tensors:
-        if qtype(name) is not None:
-            from spec_kernels.types import quant_row_bytes
-
-            byte_shape = (dims[0], quant_row_bytes(qtype(name), dims[1]))
+        if types[name] is not None:
+            byte_shape = (dims[0], quant_row_bytes(types[name], dims[1]))
             w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
-                              raw_dtype=getattr(gguf.GGMLQuantizationType, qtype(name)))  # fmt: skip
+                              raw_dtype=getattr(gguf.GGMLQuantizationType, types[name]))  # fmt: skip
             continue
         dtype = np.float32 if name.endswith("norm.weight") else np.float16
         nbytes = int(np.prod(dims)) * np.dtype(dtype).itemsize
@@ -131,8 +132,8 @@ def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int =
     for name, dims in tensors:
         if name.endswith("norm.weight"):
             data = np.ones(dims, dtype=np.float32)
-        elif qtype(name) is not None:
-            data = _blocks(dims[0], dims[1], qtype(name), rng).numpy()  # [N, row bytes]
+        elif types[name] is not None:
+            data = random_blocks(dims[0], dims[1], types[name], rng).numpy()  # [N, row bytes]
         else:
             data = (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
         w.write_tensor_data(data)
@@ -140,7 +141,8 @@ def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int =
 
 
 def make_files(out_dir: Path, shape_name: str, types: list[str], quantize: Path | None, tokenizer: Path) -> dict:
-    """{type: path} for ``shape_name``: the F16 file written once, each other type quantized from it once."""
+    """{type: path} for ``shape_name``: the F16 file written once, each other type quantized from it once
+    (``RANDOM_MIX``: written with random blocks instead, no F16 file)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     f16 = out_dir / f"{shape_name}.F16.gguf"
     if not f16.is_file() and any(t != RANDOM_MIX for t in types):

@@ -87,8 +87,8 @@ int64_t key_rows(const Problem<T>& p, const int64_t* positions, int64_t b, int64
 
 // Attention of G query heads q [G, D] (float32) over the keys at `rows` (n of them) of one KV head of k / v planes
 // (pointers already offset to the head), into out [G, D]. p [G, n] is scratch for the scores and probabilities.
-// The scores are soft-capped (soft_cap; softcap 0: none) before the softmax. Scalar version: sequential sums in key
-// order.
+// The scores are soft-capped (soft_cap, which keeps a score of +-inf itself: none reaches it, the keys a query does
+// not see are not in `rows`; softcap 0: none) before the softmax. Scalar version: sequential sums in key order.
 template <typename T>
 void attend_scalar(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G, int64_t D,
                    float scale, float softcap, float* p, float* out) {

@@ -51,6 +51,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
                                                       at::IntArrayRef capture, at::IntArrayRef windows,
                                                       double softmax_scale, double softcap, c10::string_view activation);
 at::Tensor softcap_cpu(const at::Tensor& z, double cap);
+at::Tensor softcap_meta(const at::Tensor& z, double cap);
 at::Tensor draft_chain_cpu(const at::Tensor& root_logits, const c10::intrusive_ptr<NativeModel>& model,
                            at::Tensor kv_cache, const at::Tensor& cache_seqlens,
                            const c10::optional<at::Tensor>& block_table, int64_t gamma, bool strict);
@@ -269,6 +270,7 @@ TORCH_LIBRARY_IMPL(spec_kernels, Meta, m) {
   m.impl("linear", &specdec::linear_meta);
   m.impl("quant_linear", &specdec::quant_linear_meta);
   m.impl("decoder_layers", &specdec::decoder_layers_meta);
+  m.impl("softcap", &specdec::softcap_meta);
 }
 
 #ifdef SPECDEC_WITH_CUDA

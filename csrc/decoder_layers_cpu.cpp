@@ -91,16 +91,20 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(const at::Tensor& hidden, 
   return {out, features};
 }
 
+static void check_softcap(const at::Tensor& z, double cap) {
+  TORCH_CHECK_VALUE(cap > 0. && std::isfinite(cap), "softcap: cap must be finite and > 0, got ", cap);
+  TORCH_CHECK_TYPE(z.scalar_type() == at::kFloat || z.scalar_type() == at::kBFloat16,
+                   "softcap: z must be float32 or bfloat16, got ", z.scalar_type());
+}
+
 // The soft cap of logits z [..., V] (float32 or bfloat16): float32 cap tanh(z / cap), +-inf kept (soft_cap, the
 // function the step runners apply to the logits of a model with a final cap).
 at::Tensor softcap_cpu(const at::Tensor& z, double cap) {
-  TORCH_CHECK_VALUE(cap > 0., "softcap: cap must be > 0, got ", cap);
-  TORCH_CHECK_TYPE(z.scalar_type() == at::kFloat || z.scalar_type() == at::kBFloat16,
-                   "softcap: z must be float32 or bfloat16, got ", z.scalar_type());
+  check_softcap(z, cap);
   const at::Tensor in = z.contiguous();
   at::Tensor out = at::empty(z.sizes(), z.options().dtype(at::kFloat));
   const int64_t n = in.numel();
-  const int64_t grain = 1 << 16;
+  const int64_t grain = 1 << 16;  // elements a task (each element's value is the same whatever the split)
   at::parallel_for(0, (n + grain - 1) / grain, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       const int64_t start = c * grain, count = std::min(grain, n - start);
@@ -112,6 +116,11 @@ at::Tensor softcap_cpu(const at::Tensor& z, double cap) {
     }
   });
   return out;
+}
+
+at::Tensor softcap_meta(const at::Tensor& z, double cap) {
+  check_softcap(z, cap);
+  return at::empty(z.sizes(), z.options().dtype(at::kFloat));
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers_meta(const at::Tensor& hidden, at::TensorList weights_list,

@@ -281,10 +281,11 @@ void rope_head(float* x, const T* cos, const T* sin, int64_t D) {
 
 // Soft capping (Gemma 2's attention scores and final logits): out = cap tanh(z / cap) for n elements of z (float32 or
 // bfloat16), cap > 0; +-inf and NaN stay themselves (a logit outside a restricted vocabulary stays -inf). tanh as
-// Cephes' tanhf: an odd polynomial below |y| = 0.625, 1 - 2 / (e^(2 |y|) + 1) above (simd::exp16 / exp8: the same
-// values lane by lane), its sign copied back. The attention and the final logits of every path (the decoder layers,
-// the step runners, the softcap op) run this one function, its body chosen once per process, so a native step's
-// capped logits are a regular step's bit for bit. out may be z (float32).
+// Cephes' tanhf: an odd polynomial below |y| = 0.625, 1 - 2 / (e^(2 |y|) + 1) above, its sign copied back. The
+// AVX-512 and AVX2 bodies agree lane by lane (simd::exp16 / exp8); the scalar one (std::exp) may differ from them in
+// the last bit. The attention and the final logits of every path (the decoder layers, the step runners, the softcap
+// op) run this one function, its body chosen once per process, so a native step's capped logits are a regular
+// step's bit for bit. out may be z (float32).
 constexpr float kTanhSmall = 0.625f;
 constexpr float kTanhPoly[5] = {-5.70498872745E-3f, 2.06390887954E-2f, -5.37397155531E-2f, 1.33314422036E-1f,
                                 -3.33332819422E-1f};

@@ -155,8 +155,9 @@ std::vector<int64_t> shape_of(const char* op, at::IntArrayRef tree, int64_t gamm
 
 }  // namespace
 
-// A greedy draft chain in one call: from the roots' draft logits [B, V], gamma tokens per row, each the argmax of
-// the previous one's logits; the first gamma - 1 run through the model at positions L_b + d (their K/V written there,
+// A greedy draft chain in one call: from the roots' draft logits [B, V] (final ones: capped where the model caps,
+// as its Python logits are; run_chain caps the chain's own), gamma tokens per row, each the argmax of the previous
+// one's logits; the first gamma - 1 run through the model at positions L_b + d (their K/V written there,
 // as the drafter's per-level forwards would). Returns tokens [B, gamma] int64. Why: a drafted level costs its weights
 // plus more than twice that in Python and op dispatch when driven level by level from Python (the default draft); here
 // one call pays the dispatch once. ``strict``: from a row's first non-finite logits on, its tokens are -1.

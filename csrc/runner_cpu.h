@@ -104,13 +104,13 @@ class ChainRunner {
 
   // Gemma's layer (NativeModel.set_variant's Variant, its rope_local a table [2, P, D] like the model's), the
   // embedding rows' scale and the final logits' soft cap (0: none).
-  void set_variant(const Variant& variant, double embed_scale, double final_cap) {
+  void set_variant(const Variant& variant, double embed_scale, double final_softcap) {
     variant_ = variant;
     apply_variant(p_, variant);
     embed_scale_ = embed_scale;
-    final_cap_ = static_cast<float>(final_cap);
+    final_softcap_ = static_cast<float>(final_softcap);
   }
-  float final_cap() const { return final_cap_; }
+  float final_softcap() const { return final_softcap_; }
 
   int64_t vocab() const { return head_.size(0); }
   int64_t hidden_size() const { return d_.H; }
@@ -275,7 +275,7 @@ class ChainRunner {
   std::vector<int64_t> depths_;            // each row's depth in its tree [M], where the variant has windows
   std::vector<T> cos_sin_local_;           // [2, M, D]: the windowed layers' RoPE rows
   double embed_scale_ = 0.;
-  float final_cap_ = 0.f;
+  float final_softcap_ = 0.f;
   bool norm_before_residual_ = false;
   std::vector<T> attn_in_, raw_;  // a head's [M, 2 H] attention input and [M, H] raw outputs
   std::vector<int64_t> capture_;  // a head's target: the layers whose input streams go to captured_ [M, C * H]
@@ -297,9 +297,9 @@ class ChainRunner {
 // chooses what a regular step chooses), else z itself.
 template <typename T, typename Pick>
 int64_t pick_final(const ChainRunner<T>& model, const T* z, int64_t V, std::vector<float>& capped, const Pick& pick) {
-  if (model.final_cap() <= 0.f) return pick(z);
+  if (model.final_softcap() <= 0.f) return pick(z);
   capped.resize(V);
-  soft_cap(z, capped.data(), V, model.final_cap());
+  soft_cap(z, capped.data(), V, model.final_softcap());
   return pick(static_cast<const float*>(capped.data()));
 }
 
@@ -519,9 +519,9 @@ class ModelDraft {
     }
     const TD* logits = model_.logits(root_.data(), B);  // [B, V]
     const int64_t V = model_.vocab();
-    if (model_.final_cap() <= 0.f) return run_chain(model_, logits, V, r.L.data(), B, r.gamma, false, id_of_, drafts);
+    if (model_.final_softcap() <= 0.f) return run_chain(model_, logits, V, r.L.data(), B, r.gamma, false, id_of_, drafts);
     capped_.resize(B * V);  // [B, V]: the roots' final logits
-    soft_cap(logits, capped_.data(), B * V, model_.final_cap());
+    soft_cap(logits, capped_.data(), B * V, model_.final_softcap());
     run_chain(model_, capped_.data(), V, r.L.data(), B, r.gamma, false, id_of_, drafts);
   }
 

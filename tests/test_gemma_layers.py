@@ -242,19 +242,28 @@ def test_softcap_is_tanh_within_two_ulps():
     special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0])
     out = softcap(special, 30.0)
     assert out[:2].tolist() == [float("inf"), -float("inf")] and out[2].isnan() and out[3:].tolist() == [0.0, 0.0]
-    half = torch.randn(7, 33, dtype=torch.bfloat16) * 40
+    half = torch.randn(7, 33, generator=torch.Generator().manual_seed(0)).bfloat16() * 40
     assert torch.equal(softcap(half, 30.0), softcap(half.float(), 30.0))
-    with pytest.raises(ValueError, match="cap must be > 0"):
-        softcap(z, 0.0)
+    assert torch.equal(softcap(z, 5.0, backend="torch"), softcap_ref(z, 5.0))
+    meta = softcap(torch.empty(3, 9, device="meta", dtype=torch.bfloat16), 30.0, backend="native")
+    assert meta.shape == (3, 9) and meta.dtype == torch.float32  # the op's Meta kernel
+    for cap in (0.0, float("inf")):
+        with pytest.raises(ValueError, match="cap must be finite and > 0"):
+            softcap(z, cap)
+    with pytest.raises(ValueError, match="takes float32 / bfloat16 CPU"):
+        softcap(z.double(), 5.0, backend="native")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_gemma2_native_steps_read_the_capped_logits(tmp_path, monkeypatch, dtype, seeded):
-    """Gemma 2 on the native step runners: plain chains (``plain_steps``) and a draft model's greedy speculative
-    chains emit the tokens one-token regular steps emit, greedy and seeded (top-p). Its final logits are soft-capped
-    (cap 5: it binds), and the runners argmax and sample through the same C++ cap as ``GemmaForCausalLM.logits``.
-    Planted bug: the handle built without the cap changes the seeded tokens."""
+@pytest.mark.parametrize("mode", ["greedy", "seeded", "saturated"])
+def test_gemma2_native_steps_read_the_capped_logits(tmp_path, monkeypatch, dtype, mode):
+    """Gemma 2 on the native step runners: plain chains (``plain_steps``) emit the tokens one-token regular steps
+    emit, and a draft model's greedy speculative chains (``spec_chain``) the steps, drafts and acceptances of
+    regular speculative steps; greedy, seeded (top-p), and with a cap that saturates (0.05: the largest logits all
+    cap to one value, so the first of them wins, not the largest: an argmax that skipped the cap would differ). The
+    runners argmax and sample through the C++ cap ``GemmaForCausalLM.logits`` applies. Planted bug: the handles
+    built without the cap change the tokens (seeded, saturated)."""
+    from test_native_steps import STEP_METRICS
     from tiny_models import make_model, make_noisy_copy
 
     import spec_engine.models.gemma as gemma_mod
@@ -262,30 +271,36 @@ def test_gemma2_native_steps_read_the_capped_logits(tmp_path, monkeypatch, dtype
     from spec_engine.engine import EngineConfig
     from spec_engine.step import PLAIN_CHAIN, REGULAR, SPEC_CHAIN
 
-    target = make_model(tmp_path / "g2", "gemma2", layers=3, norm_noise=0.2, logit_scale=4.0)
+    cap = 0.05 if mode == "saturated" else 5.0
+    target = make_model(tmp_path / "g2", "gemma2", layers=3, norm_noise=0.2, logit_scale=4.0,
+                        final_logit_softcapping=cap)  # fmt: skip
     draft = make_noisy_copy(target, tmp_path / "draft", noise=0.05)
     prompts = [{"prompt_token_ids": p} for p in ([5, 17, 3, 60, 42, 7, 5, 17, 3], [1, 2, 3, 4, 1, 2], [77])]
-    params = SamplingParams(max_tokens=24, ignore_eos=True, **({"temperature": 0.8, "seed": 3, "top_p": 0.9}
-                                                                 if seeded else {}))  # fmt: skip
+    sampled = {"temperature": 0.8, "seed": 3, "top_p": 0.9} if mode == "seeded" else {}
+    params = SamplingParams(max_tokens=24, ignore_eos=True, **sampled)
 
-    def tokens(llm, chain):
-        llm.engine.reconfigure(EngineConfig(plain_chain=chain))
+    def run(llm, **config):
+        llm.engine.reconfigure(EngineConfig(**config))
         llm.engine.plan_history.clear()
         out = llm.generate(prompts, params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in out], {p.path for p in llm.engine.plan_history}
+        return [o.outputs[0].token_ids for o in out], out, {p.path for p in llm.engine.plan_history}
 
     llm = LLM(str(target), dtype=dtype)
-    assert llm.engine.runner.native_target is not None and llm.target.config.final_logit_softcapping == 5.0
-    want, paths = tokens(llm, 1)
+    assert llm.engine.runner.native_target is not None and llm.target.config.final_logit_softcapping == cap
+    want, _, paths = run(llm, plain_chain=1)
     assert paths == {REGULAR}
-    got, paths = tokens(llm, 16)
+    got, _, paths = run(llm, plain_chain=16)
     assert PLAIN_CHAIN in paths and got == want
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     speculative = LLM(str(target), dtype=dtype, speculative_config=spec)
-    assert speculative.generate(prompts, params, use_tqdm=False)[0].metrics["num_accepted"] > 0
-    got, paths = tokens(speculative, 16)
-    assert got == want and (seeded or SPEC_CHAIN in paths)  # (a draft model's sampled rows take regular steps)
-    if seeded:  # the planted bug: the runners read the logits uncapped
+    regular, ref, _ = run(speculative, spec_chain_steps=0)
+    got, out, paths = run(speculative, spec_chain_steps=4)
+    assert regular == got == want and sum(o.metrics["num_accepted"] for o in out) > 0
+    if not sampled:  # (a draft model's sampled rows take regular steps)
+        assert SPEC_CHAIN in paths
+        for a, b in zip(out, ref):
+            assert {k: a.metrics[k] for k in STEP_METRICS} == {k: b.metrics[k] for k in STEP_METRICS}
+    if mode != "greedy":  # the planted bug: the runners read the logits uncapped
         real = gemma_mod.native_model
         monkeypatch.setattr(gemma_mod, "native_model", lambda *a, **kw: real(*a, **{**kw, "final_softcap": 0.0}))
-        assert tokens(LLM(str(target), dtype=dtype), 16)[0] != want
+        assert run(LLM(str(target), dtype=dtype), plain_chain=16)[0] != want

@@ -262,7 +262,8 @@ def test_narrower_cpu_paths(setting):
     invariance, tree nodes bitwise equal to plain decoding, greedy acceptance) must pass on each, in a process of its
     own (the path is chosen once per process). A run capped above this CPU's own path repeats the suite's."""
     root = Path(__file__).resolve().parent.parent
-    files = ["tests/test_linear.py", "tests/test_decoder_layers.py", "tests/test_verify_tree.py"]
+    files = ["tests/test_linear.py", "tests/test_decoder_layers.py", "tests/test_verify_tree.py",
+             "tests/test_gemma_layers.py"]  # fmt: skip
     env = {**os.environ, **setting}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
            "-k", "not triton and not interpret and not narrower_cpu_paths"]  # fmt: skip

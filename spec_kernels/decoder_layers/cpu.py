@@ -113,7 +113,7 @@ class NativeModel:
         handle = torch.classes.spec_kernels.NativeModel(_op_tensor(self.embed), self.layers.flat, self.final_norm,
                                                         _op_tensor(self.lm_head), self.rope_table, self.num_heads,
                                                         self.eps, self.vocab_map)  # fmt: skip
-        v = self.variant if self.variant is not None or not self.final_softcap else LLAMA
+        v = self.variant or (LLAMA if self.final_softcap else None)  # (a final cap alone rides on Llama's layer)
         if v is not None:
             handle.set_variant(list(v.windows or []), self.rope_local, v.softmax_scale or 0.0, v.softcap or 0.0,
                                v.activation, self.embed_scale, self.final_softcap)  # fmt: skip
@@ -188,8 +188,9 @@ def draft_chain(
     strict: bool = False,
 ) -> torch.Tensor:
     """A greedy draft chain in one native call: ``gamma`` tokens per row, token d the argmax of token d-1's logits
-    (the first of them of ``root_logits``), tokens 1 .. gamma-1 run through the layers at positions ``L_b + d``
-    (their K/V written there).
+    (the first of them of ``root_logits``, final logits as ``model.logits`` returns them: a capped model's already
+    capped, not capped again; the chain's own are, as that), tokens 1 .. gamma-1 run through the layers at positions
+    ``L_b + d`` (their K/V written there).
 
     Shapes: root_logits ``[B, V]`` (``[B, K]`` over ``model.vocab_map`` for a restricted vocabulary); cache_seqlens
     ``[B]`` the roots' positions L_b; returns ``[B, gamma]`` int64. ``strict``: from a row's first logits with a NaN

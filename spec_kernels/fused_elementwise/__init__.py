@@ -13,6 +13,7 @@ references instead (the unfused torch ops: the comparison bench/gpu_decode.py ti
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -132,26 +133,35 @@ def rope_qk(
     return rope_qk_triton(q, k, cos, sin)
 
 
-def softcap(z: torch.Tensor, cap: float) -> torch.Tensor:
+def softcap(z: torch.Tensor, cap: float, *, backend: str | None = None) -> torch.Tensor:
     """Soft-capped logits: ``cap * tanh(z / cap)`` in float32, +-inf kept (``softcap_ref``).
 
-    On the CPU one C++ call (``spec_kernels::softcap``, csrc/layer_ops_cpu.h's ``soft_cap``: Cephes' tanhf, within
-    2 ulp of tanh): the function the native step runners apply to a capped model's logits, so their tokens and draws
-    equal a regular step's bit for bit; elsewhere the reference.
+    backend None: on CPU float32 / bfloat16 tensors one C++ call ("native": ``spec_kernels::softcap``,
+    csrc/layer_ops_cpu.h's ``soft_cap``, Cephes' tanhf within 2 ulp of tanh), the function the native step runners
+    apply to a capped model's logits, so their tokens and draws equal a regular step's bit for bit; elsewhere "torch"
+    (the reference). There is no Triton kernel.
 
     Shapes
     ------
-    - z: ``[..., V]`` float32 or bfloat16
+    - z: ``[..., V]`` float32 or bfloat16 (any dtype for "torch")
     - out: ``[..., V]`` float32
     """
-    if not cap > 0:
-        raise ValueError(f"softcap: cap must be > 0, got {cap}")
-    if z.device.type == "cpu" and z.dtype in (torch.float32, torch.bfloat16):
-        from spec_kernels._ext import load_ext
+    if not (cap > 0 and math.isfinite(cap)):
+        raise ValueError(f"softcap: cap must be finite and > 0, got {cap}")
+    takes = z.dtype in (torch.float32, torch.bfloat16)
+    if backend is None:
+        backend = "native" if takes and z.device.type == "cpu" else "torch"
+    if backend not in ("native", "torch"):
+        raise ValueError(f"softcap: backend must be None, 'native' or 'torch', got {backend!r}")
+    if backend == "torch":
+        return softcap_ref(z, cap)
+    if not takes or z.device.type not in ("cpu", "meta"):
+        raise ValueError(f"softcap: backend='native' takes float32 / bfloat16 CPU (or meta) tensors, got {z.dtype} "
+                         f"on {z.device}")  # fmt: skip
+    from spec_kernels._ext import load_ext
 
-        load_ext()
-        return torch.ops.spec_kernels.softcap(z, float(cap))
-    return softcap_ref(z, cap)
+    load_ext()
+    return torch.ops.spec_kernels.softcap(z, float(cap))
 
 
 DEVICE_OPS = ElementwiseOps(add_rms_norm, silu_mul, rope_qk)

@@ -54,8 +54,8 @@ def rope_qk_ref(
 
 
 def softcap_ref(z: torch.Tensor, cap: float) -> torch.Tensor:
-    """``cap * tanh(z / cap)`` of logits ``z [..., V]`` in float32, +-inf kept (-inf outside a restricted
-    vocabulary stays -inf): Gemma 2's final logits as HF computes them."""
+    """``cap * tanh(z / cap)`` of logits ``z [..., V]`` in float32: Gemma 2's final logits as HF computes them,
+    except that +-inf stays itself (-inf outside a restricted vocabulary stays -inf)."""
     z = z.float()
     return torch.where(z.isinf(), z, torch.tanh(z / cap) * cap)
 
