@@ -5,9 +5,9 @@ transformers on the same weights, the bandwidth each reaches, the verify cost r(
 
 1. **Bandwidth**: the read probe (``bench/bench_bandwidth.py``): what a step that streams its weights can reach.
 2. **Batch-1 greedy decode** (tok/s, generation only): ours in bfloat16 (the GGUF dequantized at load), ours on the
-   Q4_1 weights as stored (``quantization="gguf"``), a control (our bfloat16 again, under another name: its ratio
-   is the noise floor), HF transformers (float32, from an export of the same GGUF), llama.cpp (``llama-bench -n``)
-   on an F16 copy of the same tensors and on the Q4_1 file. Every mode once per round, the order rotating. Our rows
+   file's weights as stored (``quantization="gguf"``; the pulled file is Q4_1), a control (our bfloat16 again,
+   under another name: its ratio is the noise floor), HF transformers (float32, from an export of the same GGUF), llama.cpp (``llama-bench -n``)
+   on an F16 copy of the same tensors and on the file itself. Every mode once per round, the order rotating. Our rows
    also report the weight bytes streamed per token times tok/s, as GB/s and as a share of the read probe.
 3. **r(T)**: one T-token forward (+ logits) over a CTX-token cache, divided by a 1-token forward, ours against
    llama.cpp's (``llama-bench -p T -d CTX``: one ubatch of T tokens).
@@ -67,6 +67,16 @@ def weight_bytes(gguf_path: Path, quantized: bool) -> int:
 
     tensors = [t for t in GGUFReader(str(gguf_path)).tensors if len(t.shape) == 2]
     return sum(int(t.n_bytes) if quantized else 2 * int(t.n_elements) for t in tensors)
+
+
+def file_type(gguf_path: Path) -> str:
+    """The GGUF file's type name as llama.cpp gives it (``general.file_type``: "Q4_1", "Q4_K_M", ...)."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(str(gguf_path)).fields.get("general.file_type")
+    if field is None:
+        return "quantized"
+    return LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")
 
 
 def chat_prompts(llm: LLM, num: int) -> list[tuple[str, list[int]]]:
@@ -139,15 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("llama.cpp skipped: no llama-bench/llama-quantize under --llama-cpp (see bench/llama_cpp.md)")
     f16 = llama_cpp.f16_copy(lquant, gguf, cache) if lquant else None
 
+    stored = file_type(gguf)  # the file's own type (Q4_1 for the pulled SmolLM2), as the rows name it
     llms = {"ours bf16": LLM(str(gguf), None, dtype="bfloat16", max_num_seqs=max(BATCHES))}
     try:
-        llms["ours Q4_1 as stored"] = LLM(str(gguf), None, dtype="bfloat16", quantization="gguf",
-                                          max_num_seqs=max(BATCHES))  # fmt: skip
+        llms[f"ours {stored} as stored"] = LLM(str(gguf), None, dtype="bfloat16", quantization="gguf",
+                                               max_num_seqs=max(BATCHES))  # fmt: skip
     except (TypeError, ValueError) as e:
-        notes.append(f"ours Q4_1 as stored skipped: {e}")
+        notes.append(f"ours {stored} as stored skipped: {e}")
     prompts = chat_prompts(llms["ours bf16"], num_prompts)
     records: dict = {}
-    bytes_per_token = {"ours bf16": weight_bytes(gguf, False), "ours Q4_1 as stored": weight_bytes(gguf, True)}
+    bytes_per_token = {"ours bf16": weight_bytes(gguf, False), f"ours {stored} as stored": weight_bytes(gguf, True)}
 
     # part 2: batch-1 decode
     modes = [Mode(name, ours_sampler(llm, prompts, args.max_tokens, records.setdefault(name, {})), "tok/s")
@@ -158,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         modes.append(Mode("HF transformers f32", hf_sampler(str(hf_dir), torch.float32, prompts, args.max_tokens,
                                                             records.setdefault("hf", {})), "tok/s"))  # fmt: skip
     if lbench:
-        for label, path in (("llama.cpp F16", f16), ("llama.cpp Q4_1", gguf)):
+        for label, path in (("llama.cpp F16", f16), (f"llama.cpp {stored}", gguf)):
             if path is None:  # (no llama-quantize: no F16 copy to time)
                 continue
             modes.append(
