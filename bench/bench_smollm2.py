@@ -6,9 +6,10 @@ transformers on the same weights, the bandwidth each reaches, the verify cost r(
 1. **Bandwidth**: the read probe (``bench/bench_bandwidth.py``): what a step that streams its weights can reach.
 2. **Batch-1 greedy decode** (tok/s, generation only): ours in bfloat16 (the GGUF dequantized at load), ours on the
    file's weights as stored (``quantization="gguf"``; the pulled file is Q4_1), a control (our bfloat16 again,
-   under another name: its ratio is the noise floor), HF transformers (float32, from an export of the same GGUF), llama.cpp (``llama-bench -n``)
-   on an F16 copy of the same tensors and on the file itself. Every mode once per round, the order rotating. Our rows
-   also report the weight bytes streamed per token times tok/s, as GB/s and as a share of the read probe.
+   under another name: its ratio is the noise floor), HF transformers (float32, from an export of the same GGUF),
+   llama.cpp (``llama-bench -n``) on an F16 copy of the same tensors and on the file itself. Every mode once per
+   round, the order rotating. Our rows also report the weight bytes streamed per token times tok/s, as GB/s and as
+   a share of the read probe.
 3. **r(T)**: one T-token forward (+ logits) over a CTX-token cache, divided by a 1-token forward, ours against
    llama.cpp's (``llama-bench -p T -d CTX``: one ubatch of T tokens).
 4. **Batch throughput**: plain greedy decoding of B requests together (B = 1, 4, 16), summed generation tok/s, ours
