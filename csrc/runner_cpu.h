@@ -519,9 +519,10 @@ class ModelDraft {
     }
     const TD* logits = model_.logits(root_.data(), B);  // [B, V]
     const int64_t V = model_.vocab();
-    if (model_.final_softcap() <= 0.f) return run_chain(model_, logits, V, r.L.data(), B, r.gamma, false, id_of_, drafts);
+    const float cap = model_.final_softcap();
+    if (cap <= 0.f) return run_chain(model_, logits, V, r.L.data(), B, r.gamma, false, id_of_, drafts);
     capped_.resize(B * V);  // [B, V]: the roots' final logits
-    soft_cap(logits, capped_.data(), B * V, model_.final_softcap());
+    soft_cap(logits, capped_.data(), B * V, cap);
     run_chain(model_, capped_.data(), V, r.L.data(), B, r.gamma, false, id_of_, drafts);
   }
 
