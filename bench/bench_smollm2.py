@@ -61,23 +61,17 @@ def resolve_gguf(model: str) -> Path:
     return pull(model)
 
 
-def weight_bytes(gguf_path: Path, quantized: bool) -> int:
-    """Bytes of the matrices one decode token streams: every 2-D tensor (the tied embedding is the lm_head, read
-    whole; the embedding lookup itself reads one row), as stored or as bfloat16."""
-    from gguf import GGUFReader
-
-    tensors = [t for t in GGUFReader(str(gguf_path)).tensors if len(t.shape) == 2]
-    return sum(int(t.n_bytes) if quantized else 2 * int(t.n_elements) for t in tensors)
-
-
-def file_type(gguf_path: Path) -> str:
-    """The GGUF file's type name as llama.cpp gives it (``general.file_type``: "Q4_1", "Q4_K_M", ...)."""
+def stored_weights(gguf_path: Path) -> tuple[str, int, int]:
+    """The file read once: its type name as llama.cpp gives it (``general.file_type``: "Q4_1", "Q4_K_M", ...), and
+    the bytes of the matrices one decode token streams, as stored and as bfloat16: every 2-D tensor (the tied
+    embedding is the lm_head, read whole; the embedding lookup itself reads one row)."""
     from gguf import GGUFReader, LlamaFileType
 
-    field = GGUFReader(str(gguf_path)).fields.get("general.file_type")
-    if field is None:
-        return "quantized"
-    return LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")
+    reader = GGUFReader(str(gguf_path))
+    field = reader.fields.get("general.file_type")
+    name = "quantized" if field is None else LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")
+    tensors = [t for t in reader.tensors if len(t.shape) == 2]
+    return name, sum(int(t.n_bytes) for t in tensors), sum(2 * int(t.n_elements) for t in tensors)
 
 
 def chat_prompts(llm: LLM, num: int) -> list[tuple[str, list[int]]]:
@@ -150,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("llama.cpp skipped: no llama-bench/llama-quantize under --llama-cpp (see bench/llama_cpp.md)")
     f16 = llama_cpp.f16_copy(lquant, gguf, cache) if lquant else None
 
-    stored = file_type(gguf)  # the file's own type (Q4_1 for the pulled SmolLM2), as the rows name it
+    stored, stored_bytes, bf16_bytes = stored_weights(gguf)  # the type: Q4_1 for the pulled SmolLM2
     llms = {"ours bf16": LLM(str(gguf), None, dtype="bfloat16", max_num_seqs=max(BATCHES))}
     try:
         llms[f"ours {stored} as stored"] = LLM(str(gguf), None, dtype="bfloat16", quantization="gguf",
@@ -159,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"ours {stored} as stored skipped: {e}")
     prompts = chat_prompts(llms["ours bf16"], num_prompts)
     records: dict = {}
-    bytes_per_token = {"ours bf16": weight_bytes(gguf, False), f"ours {stored} as stored": weight_bytes(gguf, True)}
+    bytes_per_token = {"ours bf16": bf16_bytes, f"ours {stored} as stored": stored_bytes}
 
     # part 2: batch-1 decode
     modes = [Mode(name, ours_sampler(llm, prompts, args.max_tokens, records.setdefault(name, {})), "tok/s")
