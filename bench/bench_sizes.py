@@ -16,6 +16,7 @@ us and llama.cpp (``llama-bench``, 2 threads):
 
 ``--types Q4_K_M-random`` writes a file of random K-quant blocks in Q4_K_M's mix instead (``random_mix_type``, no
 ``llama-quantize``; without ``--llama-cpp`` only our rows run): our speed on a machine without llama.cpp.
+``Q8_0-random`` likewise, every matrix Q8_0: an 8B Q8_0 file without the 16 GB F16 file first.
 
 ``--quant-activations float,int8`` runs our engine on a quantized file in each numeric mode (``quant_activations``),
 one model per mode, interleaved with each other and llama.cpp in every round (rows ``ours`` and ``ours int8``).
@@ -58,7 +59,8 @@ THREADS = 2
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-RANDOM_MIX = "Q4_K_M-random"  # --types' name for a file of random K-quant blocks (no llama-quantize needed)
+# --types' names for files of random blocks (no llama-quantize needed): each matrix's type, the file's type
+RANDOM_TYPES = {"Q4_K_M-random": ("random_mix_type", "MOSTLY_Q4_K_M"), "Q8_0-random": ("Q8_0", "MOSTLY_Q8_0")}
 
 
 def random_mix_type(name: str, layer: int) -> str:
@@ -71,10 +73,10 @@ def random_mix_type(name: str, layer: int) -> str:
     return "Q4_K"
 
 
-def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int = 0, blocks: bool = False) -> None:
+def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int = 0, blocks: str | None = None) -> None:
     """A llama-architecture F16 GGUF of ``shape`` with N(0, 0.02) weights and unit norms, written tensor by tensor;
-    with ``blocks``, its matrices random K-quant blocks instead (``random_mix_type``; scales as
-    ``bench_quant_linear``'s): our side's speed on a machine without llama.cpp."""
+    with ``blocks`` (a key of ``RANDOM_TYPES``), its matrices random blocks instead (Q4_K_M's mix: ``random_mix_type``;
+    scales as ``bench_quant_linear``'s): our side's speed on a machine without llama.cpp."""
     import gguf
 
     from bench.bench_quant_linear import random_blocks
@@ -104,7 +106,8 @@ def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int =
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if blocks else gguf.LlamaFileType.MOSTLY_F16)
+    matrix_type, file_type = RANDOM_TYPES[blocks] if blocks else (None, "MOSTLY_F16")
+    w.add_file_type(getattr(gguf.LlamaFileType, file_type))
     for name, field in reader.fields.items():  # the tokenizer, as SmolLM2's file holds it
         if name.startswith("tokenizer."):
             value = field.contents()
@@ -114,7 +117,9 @@ def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int =
 
     def qtype(name: str) -> str | None:
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
-        return None if name.endswith("norm.weight") or not blocks else random_mix_type(name, layer)
+        if name.endswith("norm.weight") or not blocks:
+            return None
+        return random_mix_type(name, layer) if matrix_type == "random_mix_type" else matrix_type
 
     types = {name: qtype(name) for name, _ in tensors}
     for name, dims in tensors:
@@ -142,21 +147,21 @@ def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int =
 
 def make_files(out_dir: Path, shape_name: str, types: list[str], quantize: Path | None, tokenizer: Path) -> dict:
     """{type: path} for ``shape_name``: the F16 file written once, each other type quantized from it once
-    (``RANDOM_MIX``: written with random blocks instead, no F16 file)."""
+    (``RANDOM_TYPES``: written with random blocks instead, no F16 file)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     f16 = out_dir / f"{shape_name}.F16.gguf"
-    if not f16.is_file() and any(t != RANDOM_MIX for t in types):
+    if not f16.is_file() and any(t not in RANDOM_TYPES for t in types):
         print(f"writing {f16} ...", flush=True)
         write_random_gguf(f16.with_suffix(".tmp"), SHAPES[shape_name], tokenizer)
         f16.with_suffix(".tmp").rename(f16)
     files = {}
     for t in types:
         path = out_dir / f"{shape_name}.{t}.gguf"
-        if t == RANDOM_MIX and not path.is_file():
+        if t in RANDOM_TYPES and not path.is_file():
             print(f"writing {path} (random blocks) ...", flush=True)
-            write_random_gguf(path.with_suffix(".tmp"), SHAPES[shape_name], tokenizer, blocks=True)
+            write_random_gguf(path.with_suffix(".tmp"), SHAPES[shape_name], tokenizer, blocks=t)
             path.with_suffix(".tmp").rename(path)
-        if t not in ("F16", RANDOM_MIX) and not path.is_file():
+        if t != "F16" and t not in RANDOM_TYPES and not path.is_file():
             if quantize is None:
                 raise SystemExit(f"{t} needs llama-quantize (--llama-cpp DIR)")
             print(f"llama-quantize {t} ...", flush=True)
