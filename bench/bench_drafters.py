@@ -19,11 +19,12 @@ Sets (bf16, batch 1 unless said, greedy unless ``--temperature``, requests stop 
 - ``lookup``: llama.cpp's model-free speculation (``llama-lookup``, an F16 copy of the same tensors) on the
   HumanEval requests, against our best HumanEval row.
 
-Contenders: plain decoding (the control every ratio divides by), the shipped EAGLE-3 head adaptive (the default
-depth), at fixed depths 1-4, as two small static trees and as EAGLE-2's dynamic trees (``--dynamic``), suffix decoding
-and the hybrid (the CLI's default). The ``control`` row is plain decoding again, by the process's first engine (plain
-decoding's own loads after all the others): its speedup is the run's noise and the cost of being a process's first
-engine (bench/RESULTS-log.md, "A process's first engine").
+Contenders: plain decoding (the control every ratio divides by), the shipped EAGLE-3 head adaptive (the default: on a
+CPU a chain or a dynamic tree chosen each step; ``eagle-chain``: the adaptive chains alone), at fixed depths 1-4, as
+two small static trees and as EAGLE-2's dynamic trees (``--dynamic``), suffix decoding and the hybrid (the CLI's
+default; ``hybrid-chain``: its head's chains alone). The ``control`` row is plain decoding again, by the process's
+first engine (plain decoding's own loads after all the others): its speedup is the run's noise and the cost of being
+a process's first engine (bench/RESULTS-log.md, "A process's first engine").
 Speedup = median over requests of (contender tok/s / plain tok/s), both timed within seconds of each other
 (``round_robin``); "decode" the same ratio of generation alone (from the prompt's last prefill chunk to the last
 token), which leaves out the prompt processing speculation cannot speed up and so compares with the bound. Each
@@ -269,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         sets.insert(0, "humaneval")
     if unknown := set(sets) - set(SETS):
         ap.error(f"unknown sets {sorted(unknown)}; choose from {', '.join(SETS)}")
-    rows = ["eagle-auto", *(f"eagle-g{g}" for g in CHAINS), *("eagle-t" + "".join(map(str, t)) for t in trees),
-            *(f"eagle-k{k}x{g or 'auto'}" for k, g in dynamic), "eagle-kauto", "suffix", "hybrid",
-            "hybrid-kauto", "control"]  # fmt: skip
+    rows = ["eagle-auto", "eagle-chain", *(f"eagle-g{g}" for g in CHAINS),
+            *("eagle-t" + "".join(map(str, t)) for t in trees), *(f"eagle-k{k}x{g or 'auto'}" for k, g in dynamic),
+            "eagle-kauto", "suffix", "hybrid", "hybrid-chain", "hybrid-kauto", "control"]  # fmt: skip
     if args.rows and (unknown := set(args.rows.split(",")) - set(rows)):
         ap.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(rows)}")
     if "humaneval" in sets and not humaneval_path().is_file():  # (before a dozen engines load)
@@ -286,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     # loaded later (bench/RESULTS-log.md, "A process's first engine"), and every contender is a later one
     first = LLM(args.model, **kw)
     eagle = {"method": "eagle"} | ({"model": args.head} if args.head else {})
-    engines = {"eagle-auto": eagle, **{f"eagle-g{g}": eagle | {"num_speculative_tokens": g} for g in CHAINS},
+    engines = {"eagle-auto": eagle, "eagle-chain": eagle | {"tree": "chain"},
+               **{f"eagle-g{g}": eagle | {"num_speculative_tokens": g} for g in CHAINS},
                **{"eagle-t" + "".join(map(str, t)): eagle | {"num_speculative_tokens": len(t), "tree": list(t)}
                   for t in trees},
                **{f"eagle-k{k}x{g or 'auto'}": eagle | {"num_speculative_tokens": g or "auto", "tree": "dynamic",
@@ -294,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                "eagle-kauto": eagle | {"tree": "auto", "eagle_topk": args.auto_topk},
                "suffix": {"method": "suffix"}, "hybrid": {"method": "hybrid"} | ({"model": args.head} if args.head
                                                                                   else {}),
+               "hybrid-chain": {"method": "hybrid", "tree": "chain"} | ({"model": args.head} if args.head else {}),
                "hybrid-kauto": {"method": "hybrid", "tree": "auto", "eagle_topk": args.auto_topk}
                | ({"model": args.head} if args.head else {}),
                "control": None}  # fmt: skip

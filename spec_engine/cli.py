@@ -33,9 +33,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the drafted depth (default: adaptive, per row and step)")  # fmt: skip
     g.add_argument("--tree", type=str, default=None,
                    help="static tree, children per depth, e.g. 3,2,1; 'dynamic': EAGLE-2's dynamic tree; 'auto': a "
-                   "chain or the dynamic tree, chosen each step (an EAGLE head, adaptive depth)")  # fmt: skip
+                   "chain or the dynamic tree, chosen each step (an EAGLE head, adaptive depth: the default on a CPU); "
+                   "'chain': chains alone")  # fmt: skip
     g.add_argument("--eagle-topk", type=int, default=None,
-                   help="nodes a level of the dynamic tree (--tree dynamic or auto; default 4)")  # fmt: skip
+                   help="nodes a level of the dynamic tree (--tree dynamic: default 4; auto: 3)")  # fmt: skip
     g.add_argument("--draft-vocab-size", type=int, default=None,
                    help="the draft's logits over its K most frequent ids (its draft_vocab.json; default: the "
                    "file's K, the full vocabulary without one; the vocabulary size turns it off)")  # fmt: skip
@@ -187,14 +188,14 @@ def build_llm(args: argparse.Namespace, *, speculate: bool = True, fallback: boo
             spec["draft_dtype"] = args.draft_dtype
         if args.eagle_topk is not None:
             spec["eagle_topk"] = args.eagle_topk
-        if args.tree in ("dynamic", "auto"):
+        if args.tree in ("dynamic", "auto", "chain"):
             spec["tree"] = args.tree
         elif args.tree is not None:
             try:
                 spec["tree"] = [int(x) for x in args.tree.split(",")]
             except ValueError:
                 raise ValueError(
-                    f"--tree must be comma-separated ints, 'dynamic' or 'auto', got {args.tree!r}"
+                    f"--tree must be comma-separated ints, 'dynamic', 'auto' or 'chain', got {args.tree!r}"
                 ) from None
     # --compare times the same request over and over: a cached prompt would skip the prompt processing a first
     # request pays, in both engines

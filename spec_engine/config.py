@@ -25,6 +25,11 @@ EAGLE_ADAPTIVE_MAX_GAMMA = 4
 # suffix speculations under "auto": the most nodes a row's tree may have (a repeated passage is accepted whole, so
 # deeper than a model's chains; the adaptive controller still picks each row's cap from what the rows accepted)
 SUFFIX_ADAPTIVE_MAX_TOKENS = 16
+# An EAGLE head's shape with adaptive depth on a CPU when "tree" is left out: "auto", a chain or a dynamic tree of
+# AUTO_EAGLE_TOPK nodes a level chosen each step (bench/RESULTS.md, "Dynamic trees against chains"); "chain" asks for
+# the chains alone. Elsewhere (a GPU) the chains stay the default: trees there are unmeasured.
+DEFAULT_HEAD_TREE = "auto"
+AUTO_EAGLE_TOPK = 3
 MAX_SUFFIX_TOKENS = 32  # the largest num_speculative_tokens (tree nodes) of method="suffix"
 SPECULATIVE_METHODS = tuple(DEFAULT_NUM_SPECULATIVE_TOKENS)
 MODEL_METHODS = ("draft_model", "eagle")  # drafters with weights, proposing chains or static trees
@@ -41,12 +46,13 @@ SUFFIX_KEYS = {
 }
 
 
-def parse_speculative_config(spec: dict | None) -> dict | None:
+def parse_speculative_config(spec: dict | None, device: str | torch.device = "cpu") -> dict | None:
     """``LLM(speculative_config=...)`` checked, defaults filled in: the dict given plus "method", "model_method"
     (the drafter with weights: "draft_model", "eagle", or None where none is named yet or the method has none),
-    "num_speculative_tokens" (an int: "auto"'s cap), "adaptive", "suffix" (``_parse_suffix_keys``) and "widths"
-    (tree="auto": {1: the chains' deepest, eagle_topk: the dynamic trees'}, the widths the adaptive controller picks
-    from each step; else None). None: no speculation. ValueError names the key at fault."""
+    "num_speculative_tokens" (an int: "auto"'s cap), "adaptive", "suffix" (``_parse_suffix_keys``), "tree" (an
+    EAGLE head's ``DEFAULT_HEAD_TREE`` on a CPU ``device`` where left out; "chain": None) and "widths" (tree="auto":
+    {1: the chains' deepest, eagle_topk: the dynamic trees'}, the widths the adaptive controller picks from each step;
+    else None). None: no speculation. ValueError names the key at fault."""
     if spec is None:
         return None
     if not isinstance(spec, dict):
@@ -66,14 +72,20 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
                 raise ValueError(f"speculative_config.{key} needs a drafter with weights (method 'draft_model', "
                                  f"'eagle' or 'hybrid'), not {method!r}")  # fmt: skip
     tree = spec.get("tree")
-    if "eagle_topk" in spec and tree not in ("dynamic", "auto"):
-        raise ValueError("eagle_topk (nodes a level of EAGLE-2's dynamic tree) needs tree='dynamic' or 'auto'")
     gamma = spec.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[method])
     adaptive = gamma == "auto"
+    hybrid_head = method == "hybrid" and bool(spec.get("model")) and is_eagle_head(spec["model"])
+    if tree == "chain":
+        if method not in WEIGHTED_METHODS:
+            raise ValueError("tree='chain' (a model drafter's chains) needs method='draft_model', 'eagle' or 'hybrid'")
+        tree = None
+    elif tree is None and adaptive and (method == "eagle" or hybrid_head) and torch.device(device).type == "cpu":
+        tree = DEFAULT_HEAD_TREE
+    if "eagle_topk" in spec and tree not in ("dynamic", "auto"):
+        raise ValueError("eagle_topk (nodes a level of EAGLE-2's dynamic tree) needs tree='dynamic' or 'auto'")
     if tree == "auto" and not adaptive:
         raise ValueError("tree='auto' (the adaptive controller picks a chain or EAGLE-2's dynamic tree each step) "
                          f"needs num_speculative_tokens='auto', got {gamma!r}")  # fmt: skip
-    hybrid_head = method == "hybrid" and bool(spec.get("model")) and is_eagle_head(spec["model"])
     if adaptive:
         default = SUFFIX_ADAPTIVE_MAX_TOKENS if method == "suffix" else ADAPTIVE_MAX_GAMMA
         if (method == "eagle" or hybrid_head) and tree is None:  # (chains: a dynamic tree keeps its own choice)
@@ -86,7 +98,7 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
     if tree in ("dynamic", "auto"):
         if method not in ("eagle", "hybrid"):
             raise ValueError(f"tree={tree!r} (EAGLE-2's dynamic tree) needs method='eagle' or 'hybrid' (an EAGLE head)")
-        topk = spec.get("eagle_topk", DEFAULT_EAGLE_TOPK)
+        topk = spec.get("eagle_topk", AUTO_EAGLE_TOPK if tree == "auto" else DEFAULT_EAGLE_TOPK)
         least = 2 if tree == "auto" else 1  # (auto's width 1 is the chain)
         if isinstance(topk, bool) or not isinstance(topk, int) or not least <= topk <= 16:
             raise ValueError(f"eagle_topk must be an int in [{least}, 16], got {topk!r}")
@@ -126,7 +138,7 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
             raise ValueError(f"min_n ({spec.get('min_n', 1)}) exceeds max_n ({spec.get('max_n', NGRAM_MAX_N)})")
     if method in WEIGHTED_METHODS and not spec.get("model"):  # LLM fills in the shipped drafter
         return {**spec, "method": method, "model_method": None, "num_speculative_tokens": gamma,
-                "adaptive": adaptive, "suffix": suffix, "widths": widths}  # fmt: skip
+                "adaptive": adaptive, "suffix": suffix, "tree": tree, "widths": widths}  # fmt: skip
     model_method = method
     if method == "hybrid":
         model_method = "eagle" if hybrid_head else "draft_model"
@@ -135,7 +147,7 @@ def parse_speculative_config(spec: dict | None) -> dict | None:
         if (vocab is not None or draft_dtype is not None) and model_method != "draft_model":
             raise ValueError("draft_vocab_size and draft_dtype need a draft model, not an EAGLE head")
     return {**spec, "method": method, "model_method": model_method, "num_speculative_tokens": gamma,
-            "adaptive": adaptive, "suffix": suffix, "widths": widths}  # fmt: skip
+            "adaptive": adaptive, "suffix": suffix, "tree": tree, "widths": widths}  # fmt: skip
 
 
 def _parse_suffix_keys(spec: dict, method: str) -> dict | None:

@@ -114,7 +114,9 @@ class LLM:
         "tree": [b1, b2, ...]}`` (children per depth, padded with 1 up to g) or ``{"method": "ngram", ...}``.
         ``num_speculative_tokens`` left out or ``"auto"`` is adaptive speculation: each step the engine picks the
         depth per request, 0 (no drafting) to 8 for chains or to the tree's depth, to maximise the tokens per
-        second it expects from measured acceptance and measured step costs. An int fixes the depth.
+        second it expects from measured acceptance and measured step costs. An int fixes the depth. With an EAGLE
+        head (``"method": "eagle"``, or the hybrid's) on a CPU it picks each step's width too (``"tree": "auto"``,
+        the default there: a chain or EAGLE-2's dynamic tree of ``eagle_topk`` nodes a level, 3; ``"chain"``: chains).
         ``draft_vocab_size``: K, the draft's logits over the K most frequent token ids of its directory's
         ``draft_vocab.json`` only (FR-Spec; lossless: the target decides); left out, the file's own K, or the full
         vocabulary without the file; the vocabulary size turns it off.
@@ -207,7 +209,7 @@ class LLM:
         if kind == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but no CUDA device is available")
         torch_dtype = DTYPES[dtype]
-        spec = parse_speculative_config(speculative_config)
+        spec = parse_speculative_config(speculative_config, device)
         model = resolve_model(model)
         self.model_dir = Path(model)
         if tensor_parallel_size > 1 and gguf_path_or_none(model) is not None:
@@ -234,7 +236,7 @@ class LLM:
                              f"({cfg.max_position_embeddings} positions)")  # fmt: skip
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if spec and spec["model_method"] is None:  # a model-drafter method given no "model": the one shipped
-            spec = parse_speculative_config({**speculative_config, "model": shipped_model(cfg, spec["method"])})
+            spec = parse_speculative_config({**speculative_config, "model": shipped_model(cfg, spec["method"])}, device)
             model_method = spec["model_method"]
         self.speculative_config = spec
 

@@ -1046,18 +1046,20 @@ def test_smollm2_head_native_steps_draft_as_the_regular_step(smollm2_head):
 
 
 def test_adaptive_eagle_chains_stop_at_their_own_depth(models):
-    """``"auto"`` caps an EAGLE head's chains at EAGLE_ADAPTIVE_MAX_GAMMA, alone and in the hybrid; a draft model's
-    chains and an EAGLE-2 dynamic tree keep ADAPTIVE_MAX_GAMMA, and a fixed depth is the user's."""
+    """``"auto"`` caps an EAGLE head's chains at EAGLE_ADAPTIVE_MAX_GAMMA, alone and in the hybrid (the chains alone:
+    "chain"; a GPU's default); a draft model's chains and an EAGLE-2 dynamic tree keep ADAPTIVE_MAX_GAMMA, and a
+    fixed depth is the user's."""
     from spec_engine.config import ADAPTIVE_MAX_GAMMA, EAGLE_ADAPTIVE_MAX_GAMMA, parse_speculative_config
 
     _, head = models
     assert EAGLE_ADAPTIVE_MAX_GAMMA < ADAPTIVE_MAX_GAMMA
     for method in ("eagle", "hybrid"):
-        spec = parse_speculative_config({"method": method, "model": str(head)})
-        assert spec["adaptive"] and spec["num_speculative_tokens"] == EAGLE_ADAPTIVE_MAX_GAMMA, method
+        for extra, device in (({"tree": "chain"}, "cpu"), ({}, "cuda")):
+            spec = parse_speculative_config({"method": method, "model": str(head), **extra}, device)
+            assert spec["adaptive"] and spec["num_speculative_tokens"] == EAGLE_ADAPTIVE_MAX_GAMMA, method
     dynamic = parse_speculative_config({"method": "eagle", "model": str(head), "tree": "dynamic"})
     assert dynamic["num_speculative_tokens"] == ADAPTIVE_MAX_GAMMA
     fixed = parse_speculative_config({"method": "eagle", "model": str(head), "num_speculative_tokens": 6})
     assert not fixed["adaptive"] and fixed["num_speculative_tokens"] == 6
-    llm = _llm(models, {})
+    llm = _llm(models, {"tree": "chain"})
     assert llm.engine.gamma == EAGLE_ADAPTIVE_MAX_GAMMA

@@ -8,6 +8,7 @@
   the regular step's trees;
 - greedy output with the width chosen per step is plain decoding's (EAGLE and the hybrid, native calls and regular
   steps);
+- an EAGLE head on a CPU takes "auto" by default ("chain": the chains);
 - bad settings raise clear errors.
 """
 
@@ -219,7 +220,9 @@ def test_rejection_sampled_rows_draft_chains_and_coupled_rows_trees():
         ({"method": "suffix", "tree": "auto"}, r"tree='auto' \(EAGLE-2's dynamic tree\) needs method='eagle' or"),
         ({"method": "eagle", "tree": "auto", "eagle_topk": 1}, r"eagle_topk must be an int in \[2, 16\], got 1"),
         ({"method": "eagle", "tree": "auto", "eagle_topk": "3"}, r"eagle_topk must be an int in \[2, 16\], got '3'"),
-        ({"method": "eagle", "eagle_topk": 3}, "eagle_topk .* needs tree='dynamic' or 'auto'"),
+        ({"method": "eagle", "eagle_topk": 3, "tree": "chain"}, "eagle_topk .* needs tree='dynamic' or 'auto'"),
+        ({"method": "eagle", "eagle_topk": 3, "num_speculative_tokens": 4}, "eagle_topk .* needs tree='dynamic' or"),
+        ({"method": "suffix", "tree": "chain"}, r"tree='chain' \(a model drafter's chains\) needs method="),
         ({"method": "eagle", "tree": "wide"}, "speculative_config.tree must be a list of positive ints"),
     ],
 )
@@ -234,6 +237,27 @@ def test_tree_auto_needs_an_eagle_head_not_a_draft_model(pair, tmp_path):  # noq
         parse_speculative_config({"method": "hybrid", "model": target, "tree": "auto"})
     parsed = parse_speculative_config({"method": "eagle", "model": pair[1], "tree": "auto", "eagle_topk": 3})
     assert parsed["widths"] == {1: 4, 3: 8} and parsed["num_speculative_tokens"] == 8
+
+
+def test_an_eagle_head_on_a_cpu_takes_tree_auto_by_default(pair):  # noqa: F811
+    """Left out, an EAGLE head's tree is "auto" (k 3) where its depth is adaptive and the device a CPU, alone and in
+    the hybrid, and the engine built so prices both widths; "chain" asks for the adaptive chains (depth 4), which a
+    GPU keeps too, and a fixed depth and a draft model are untouched."""
+    target, head = pair
+    for method in ("eagle", "hybrid"):
+        parsed = parse_speculative_config({"method": method, "model": head})
+        assert parsed["tree"] == "auto" and parsed["widths"] == {1: 4, 3: 8}, method
+    for spec, device in (({"tree": "chain"}, "cpu"), ({}, "cuda"), ({}, "cuda:0")):
+        chains = parse_speculative_config({"method": "eagle", "model": head, **spec}, device)
+        assert chains["tree"] is None and chains["widths"] is None and chains["num_speculative_tokens"] == 4
+    assert parse_speculative_config({"method": "eagle", "model": head, "num_speculative_tokens": 3})["widths"] is None
+    assert parse_speculative_config({"method": "hybrid", "model": target})["widths"] is None  # a draft model
+    assert parse_speculative_config({"method": "eagle", "model": head, "eagle_topk": 5})["widths"] == {1: 4, 5: 8}
+    llm = LLM(target, speculative_config={"method": "hybrid"} | {"model": head}, dtype="float32", max_model_len=128)
+    assert llm.speculative_config["tree"] == "auto" and llm.engine.controller.widths == {1: 4, 3: 8}
+    chains = LLM(target, speculative_config={"method": "eagle", "model": head, "tree": "chain"}, dtype="float32",
+                 max_model_len=128)  # fmt: skip
+    assert chains.speculative_config["widths"] is None and chains.engine.gamma == 4
 
 
 def test_the_thread_tuner_compares_a_chain_and_a_tree_of_one_depth_apart(pair, monkeypatch):  # noqa: F811
