@@ -388,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                        f"<= {args.edit_max_tokens} tokens)")  # fmt: skip
     if "long" in sets:
         with tempfile.TemporaryDirectory() as tmp:
-            useless = LLM(args.model, speculative_config={"method": "eagle", "model": useless_head(head_dir,
-                          Path(tmp))}, **kw)  # fmt: skip
+            useless = llms["useless-head"] = LLM(args.model, speculative_config={"method": "eagle", "model":
+                                                  useless_head(head_dir, Path(tmp))}, **kw)  # fmt: skip
             prompts = []
             for n in LONG_LENGTHS:
                 found, _ = build_prompts(plain, args.long_prompts, 0, length=n)
@@ -409,11 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     if "concurrent" in sets:
         # Engines of their own, their global suffix trees off: the chat set's engines already hold these requests'
         # answers, and each repeat would serve the last one's.
-        for name in ("suffix", "hybrid"):
+        fresh = ("suffix", "hybrid", "hybrid-chain")
+        for name in fresh:
             spec = engines[name] | {"suffix_decoding_max_cached_requests": 0}
             llms[name + "-fresh"] = LLM(args.model, speculative_config=spec, **kw)
         chat = [Prompt(f"chat{i}", chat_ids(plain, q)) for i, q in enumerate(CHAT[: args.concurrent])]
-        runs = timed_set("concurrent", contenders([n + "-fresh" for n in ("suffix", "hybrid")] + ["control"]),
+        runs = timed_set("concurrent", contenders([n + "-fresh" for n in fresh] + ["control"]),
                          [(list(range(args.concurrent)), chat)], args.max_tokens, repeats=3)  # fmt: skip
         report("concurrent", runs, f"{args.concurrent} chat requests in one generate call (summed tok/s, best of 3)")
     if "lookup" in sets:
