@@ -234,7 +234,8 @@ def test_drafter_flags_without_a_drafter_are_refused(capsys):
 
 def test_tree_auto_and_eagle_topk_reach_the_controller(pair, monkeypatch, capsys):
     """--tree auto --eagle-topk K (the embedded EAGLE head): the controller picks between a chain and K-wide dynamic
-    trees each step; on a draft model, or with an int depth, the flags are refused cleanly (exit 2)."""
+    trees each step (left out: "auto" on a CPU; --tree chain: chains); on a draft model, or with an int depth, the
+    flags are refused cleanly (exit 2)."""
     import spec_engine.cli as cli
 
     built, real = [], cli.build_llm
@@ -242,6 +243,10 @@ def test_tree_auto_and_eagle_topk_reach_the_controller(pair, monkeypatch, capsys
     argv = ["generate", "--prompt", "def fib(n):", "--max-tokens", "4", "--dtype", "float32", "--method", "eagle"]
     assert main(argv + ["--tree", "auto", "--eagle-topk", "3"]) == 0
     assert sorted(built[-1].engine.controller.widths) == [1, 3]
+    assert main(argv) == 0  # an EAGLE head's default on a CPU: "auto", k 3
+    assert built[-1].speculative_config["tree"] == "auto" and sorted(built[-1].engine.controller.widths) == [1, 3]
+    assert main(argv + ["--tree", "chain"]) == 0
+    assert built[-1].speculative_config["widths"] is None and built[-1].engine.gamma == 4
     assert main(argv + ["--tree", "dynamic", "--eagle-topk", "2", "-k", "3"]) == 0
     assert built[-1].speculative_config["tree"] == "dynamic" and built[-1].speculative_config["eagle_topk"] == 2
     capsys.readouterr()
