@@ -253,7 +253,7 @@ def test_an_eagle_head_on_a_cpu_takes_tree_auto_by_default(pair):  # noqa: F811
     assert parse_speculative_config({"method": "eagle", "model": head, "num_speculative_tokens": 3})["widths"] is None
     assert parse_speculative_config({"method": "hybrid", "model": target})["widths"] is None  # a draft model
     assert parse_speculative_config({"method": "eagle", "model": head, "eagle_topk": 5})["widths"] == {1: 4, 5: 8}
-    llm = LLM(target, speculative_config={"method": "hybrid"} | {"model": head}, dtype="float32", max_model_len=128)
+    llm = LLM(target, speculative_config={"method": "hybrid", "model": head}, dtype="float32", max_model_len=128)
     assert llm.speculative_config["tree"] == "auto" and llm.engine.controller.widths == {1: 4, 3: 8}
     chains = LLM(target, speculative_config={"method": "eagle", "model": head, "tree": "chain"}, dtype="float32",
                  max_model_len=128)  # fmt: skip
