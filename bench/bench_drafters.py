@@ -72,6 +72,7 @@ from bench.harness import (  # noqa: E402
     time_interleaved,
 )
 from spec_engine import LLM, SamplingParams  # noqa: E402
+from spec_engine.drafters.factory import AUTO_EAGLE_TOPK  # noqa: E402
 from spec_kernels.linear import native_path  # noqa: E402
 
 SETS = ("humaneval", "chat", "edit", "second", "long", "concurrent", "lookup")
@@ -233,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         help="eagle-k rows: EAGLE-2 dynamic trees, k nodes per level x depth ('auto': the adaptive depth), "
         "';'-separated (e.g. '3x4;3xauto')",
     )
-    ap.add_argument("--auto-topk", type=int, default=3, help="the *-kauto rows (tree='auto': a chain or a dynamic "
-                    "tree of this k, the adaptive controller's choice per step)")  # fmt: skip
+    ap.add_argument("--auto-topk", type=int, default=AUTO_EAGLE_TOPK, help="the *-kauto rows (tree='auto': a chain "
+                    "or a dynamic tree of this k, the adaptive controller's choice per step)")  # fmt: skip
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample the humaneval and chat sets at this temperature, each request seeded (the coupling: "
                     "every row's tokens are plain decoding's)")  # fmt: skip
@@ -286,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     # the control loads first and plain decoding last: a process's first engine decoded slower than the same weights
     # loaded later (bench/RESULTS-log.md, "A process's first engine"), and every contender is a later one
     first = LLM(args.model, **kw)
-    eagle = {"method": "eagle"} | ({"model": args.head} if args.head else {})
+    head_model = {"model": args.head} if args.head else {}
+    eagle, hybrid = {"method": "eagle"} | head_model, {"method": "hybrid"} | head_model
     engines = {"eagle-auto": eagle, "eagle-chain": eagle | {"tree": "chain"},
                **{f"eagle-g{g}": eagle | {"num_speculative_tokens": g} for g in CHAINS},
                **{"eagle-t" + "".join(map(str, t)): eagle | {"num_speculative_tokens": len(t), "tree": list(t)}
@@ -294,11 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                **{f"eagle-k{k}x{g or 'auto'}": eagle | {"num_speculative_tokens": g or "auto", "tree": "dynamic",
                                                          "eagle_topk": k} for k, g in dynamic},
                "eagle-kauto": eagle | {"tree": "auto", "eagle_topk": args.auto_topk},
-               "suffix": {"method": "suffix"}, "hybrid": {"method": "hybrid"} | ({"model": args.head} if args.head
-                                                                                  else {}),
-               "hybrid-chain": {"method": "hybrid", "tree": "chain"} | ({"model": args.head} if args.head else {}),
-               "hybrid-kauto": {"method": "hybrid", "tree": "auto", "eagle_topk": args.auto_topk}
-               | ({"model": args.head} if args.head else {}),
+               "suffix": {"method": "suffix"}, "hybrid": hybrid, "hybrid-chain": hybrid | {"tree": "chain"},
+               "hybrid-kauto": hybrid | {"tree": "auto", "eagle_topk": args.auto_topk},
                "control": None}  # fmt: skip
     llms = {name: first if spec is None else LLM(args.model, speculative_config=spec, **kw)
             for name, spec in tqdm(engines.items(), desc="load")}  # fmt: skip

@@ -59,10 +59,6 @@ THREADS = 2
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-# --types' names for files of random blocks (no llama-quantize needed): each matrix's type, the file's type
-RANDOM_TYPES = {"Q4_K_M-random": ("random_mix_type", "MOSTLY_Q4_K_M"), "Q8_0-random": ("Q8_0", "MOSTLY_Q8_0")}
-
-
 def random_mix_type(name: str, layer: int) -> str:
     """The block type of tensor ``name`` (in layer ``layer``) in a random-blocks file: Q4_K_M's mix as llama-quantize
     makes it, simplified (Q6_K for the output and for attn_v and ffn_down in every other layer; the embedding Q6_K
@@ -71,6 +67,12 @@ def random_mix_type(name: str, layer: int) -> str:
                                                       and layer % 2 == 0):  # fmt: skip
         return "Q6_K"
     return "Q4_K"
+
+
+# --types' names for files of random blocks (no llama-quantize needed): each matrix's type (of its name and layer),
+# the file's type
+RANDOM_TYPES = {"Q4_K_M-random": (random_mix_type, "MOSTLY_Q4_K_M"),
+                "Q8_0-random": (lambda name, layer: "Q8_0", "MOSTLY_Q8_0")}  # fmt: skip
 
 
 def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int = 0, blocks: str | None = None) -> None:
@@ -106,7 +108,7 @@ def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int =
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    matrix_type, file_type = RANDOM_TYPES[blocks] if blocks else (None, "MOSTLY_F16")
+    matrix_type, file_type = RANDOM_TYPES[blocks] if blocks else (None, "MOSTLY_F16")  # (name, layer) -> type
     w.add_file_type(getattr(gguf.LlamaFileType, file_type))
     for name, field in reader.fields.items():  # the tokenizer, as SmolLM2's file holds it
         if name.startswith("tokenizer."):
@@ -117,9 +119,7 @@ def write_random_gguf(path: Path, shape: dict, tokenizer_gguf: Path, seed: int =
 
     def qtype(name: str) -> str | None:
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
-        if name.endswith("norm.weight") or not blocks:
-            return None
-        return random_mix_type(name, layer) if matrix_type == "random_mix_type" else matrix_type
+        return None if name.endswith("norm.weight") or not blocks else matrix_type(name, layer)
 
     types = {name: qtype(name) for name, _ in tensors}
     for name, dims in tensors:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from spec_engine.drafters import suffix as suffix_defaults
-from spec_engine.drafters.factory import DEFAULT_EAGLE_TOPK
+from spec_engine.drafters.factory import AUTO_EAGLE_TOPK, DEFAULT_EAGLE_TOPK
 from spec_engine.drafters.ngram import NGRAM_MAX_N
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,7 +29,6 @@ SUFFIX_ADAPTIVE_MAX_TOKENS = 16
 # AUTO_EAGLE_TOPK nodes a level chosen each step (bench/RESULTS.md, "Dynamic trees against chains"); "chain" asks for
 # the chains alone. Elsewhere (a GPU) the chains stay the default: trees there are unmeasured.
 DEFAULT_HEAD_TREE = "auto"
-AUTO_EAGLE_TOPK = 3
 MAX_SUFFIX_TOKENS = 32  # the largest num_speculative_tokens (tree nodes) of method="suffix"
 SPECULATIVE_METHODS = tuple(DEFAULT_NUM_SPECULATIVE_TOKENS)
 MODEL_METHODS = ("draft_model", "eagle")  # drafters with weights, proposing chains or static trees

@@ -25,6 +25,7 @@ from spec_engine.tree import StaticTree, chain
 from spec_engine.zoo.pull import resolve_model
 
 DEFAULT_EAGLE_TOPK = 4  # nodes per level of EAGLE-2's dynamic tree (tree="dynamic")
+AUTO_EAGLE_TOPK = 3  # ... of tree="auto"'s dynamic trees (bench/RESULTS.md, "Dynamic trees against chains")
 
 
 class DrafterFactory:
