@@ -363,33 +363,44 @@ SPECDEC_QVNNI_INLINE void rows16_block(const Int8Args& x, const PairRows& pr, in
 
 // How far ahead of its reads a tile prefetches, in bytes along each row: a few K-quant super-blocks.
 constexpr int64_t kAheadBytes = 512;
+constexpr int64_t kShortRowBytes = 2 * kAheadBytes;
+
+SPECDEC_QVNNI_INLINE void prefetch_lines(uintptr_t from, uintptr_t to, bool l2) {  // the lines of [from, to)
+  for (uintptr_t line = from & ~uintptr_t{63}; line < to; line += 64) {
+    if (l2) {
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    }
+  }
+}
 
 // A tile of 16 weight rows at `tile` (`rows` live), read a block or super-block of Q at a time, now at byte `at`
 // of each row: prefetches the lines of the block kAheadBytes further along each row (twice that into L2 where
 // prefetch_to_l2) or, past the rows' end, along the next tile's rows (which follow in memory) where `more` says this
 // thread reads that tile next. Each row is one stream kept ahead at the reads' own pace, on into the next tile: 16
 // rows read side by side are more streams than the hardware prefetchers follow, and pulling in the next tile in
-// bursts stalls the reads behind the prefetches (bench/RESULTS.md).
+// bursts stalls the reads behind the prefetches (bench/RESULTS.md). Rows of at most kShortRowBytes (SmolLM2's
+// 576-wide ones) are too short for a stream per row to run ahead: there the next tile, contiguous, is one stream,
+// each step pulling in as large a share of it as the step reads of this tile.
 template <QuantType Q>
 SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes, int64_t at, int64_t rows, bool more) {
   const bool l2 = prefetch_to_l2<Q>();
-  int64_t ahead = at + (l2 ? 2 * kAheadBytes : kAheadBytes);
   if (rows < 16) return;
-  if (ahead >= row_bytes) {
+  if (row_bytes <= kShortRowBytes) {
+    if (!more) return;
+    const uintptr_t next = reinterpret_cast<uintptr_t>(tile) + 16 * (row_bytes + at);
+    prefetch_lines(next, next + 16 * kBlockBytes<Q>, l2);
+    return;
+  }
+  int64_t ahead = at + (l2 ? 2 * kAheadBytes : kAheadBytes);
+  if (ahead >= row_bytes) {  // (still within the next tile's rows: they are longer than the distance)
     if (!more) return;
     tile += 16 * row_bytes, ahead -= row_bytes;
   }
-  if (ahead >= row_bytes) return;  // rows shorter than the distance: the hardware's streams keep up
   const uint8_t* p = tile + ahead;
   for (int r = 0; r < 16; ++r, p += row_bytes) {
-    const uintptr_t last = reinterpret_cast<uintptr_t>(p) + kBlockBytes<Q> - 1;
-    for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line <= last; line += 64) {
-      if (l2) {
-        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
-      } else {
-        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
-      }
-    }
+    prefetch_lines(reinterpret_cast<uintptr_t>(p), reinterpret_cast<uintptr_t>(p) + kBlockBytes<Q>, l2);
   }
 }
 
