@@ -170,6 +170,14 @@ void int8_rows_scalar(const Int8Args& p, int64_t n_begin, int64_t n_end) {
 
 #define SPECDEC_QVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
+// acc + vpdpbusd(w, the dword at p in every lane), the broadcast embedded in the instruction's memory operand: GCC 12
+// does not fold _mm512_set1_epi32 of a load into vpdpbusd, which then takes a vpbroadcastd of its own per product.
+typedef int32_t unaligned_dword __attribute__((may_alias, aligned(1)));
+SPECDEC_QVNNI __attribute__((always_inline)) inline __m512i dpbusd_dword(__m512i acc, __m512i w, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const unaligned_dword*>(p)));
+  return acc;
+}
+
 // 32 bytes from p, each (v >> shift) & mask: one 16-bit shift serves every byte, the mask dropping what crossed in.
 SPECDEC_QAVX2 inline __m256i field32(const uint8_t* p, int shift, int mask) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -479,7 +487,7 @@ SPECDEC_QVNNI void int8_tile_vnni(const Int8Args& x, const Panel<16>& p, int64_t
 #pragma GCC unroll 4
       for (int r = 0; r < MB; ++r) {
         const int8_t* xq = x.x->xq.data() + (m0 + r) * a.K + b * 32;
-        half[r][j / 4] = _mm512_dpbusd_epi32(half[r][j / 4], w, _mm512_set1_epi32(dword_at(xq + 4 * j)));
+        half[r][j / 4] = dpbusd_dword(half[r][j / 4], w, xq + 4 * j);
       }
     }
     const __m512 scale = _mm512_loadu_ps(p.a.data() + b * 16);

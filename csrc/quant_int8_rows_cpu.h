@@ -343,8 +343,8 @@ SPECDEC_QVNNI_INLINE void rows16_block(const Int8Args& x, const PairRows& pr, in
     if constexpr (kColumns) {
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(dword_at(xq + 4 * j)));
-        h1 = _mm512_dpbusd_epi32(h1, w[4 + j], _mm512_set1_epi32(dword_at(xq + 16 + 4 * j)));
+        h0 = dpbusd_dword(h0, w[j], xq + 4 * j);
+        h1 = dpbusd_dword(h1, w[4 + j], xq + 16 + 4 * j);
       }
     } else {
       __m512i xb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
@@ -491,8 +491,8 @@ SPECDEC_QVNNI void columns_pass(const Int8Args& x, const __m512i (*cols)[8], int
       __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();  // rows 0-15's sums of quants 0-15, 16-31
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        h0 = _mm512_dpbusd_epi32(h0, cols[s][j], _mm512_set1_epi32(dword_at(xq + 4 * j)));
-        h1 = _mm512_dpbusd_epi32(h1, cols[s][4 + j], _mm512_set1_epi32(dword_at(xq + 16 + 4 * j)));
+        h0 = dpbusd_dword(h0, cols[s][j], xq + 4 * j);
+        h1 = dpbusd_dword(h1, cols[s][4 + j], xq + 16 + 4 * j);
       }
       sum[r] = rows16_epilogue<Q>(x, h0, h1, m0 + r, b0 + s, k, s, sum[r]);
     }
