@@ -304,6 +304,18 @@ SPECDEC_QAVX2 void fill_scales(const uint8_t* row, int64_t blocks, int i, Panel<
   }
 }
 
+// The cache lines of [from, to), into L2 (`l2`) or L1: a tile's reads pulling in what follows them (fill_panel,
+// prefetch_ahead).
+inline void prefetch_lines(uintptr_t from, uintptr_t to, bool l2) {
+  for (uintptr_t line = from & ~uintptr_t{63}; line < to; line += 64) {
+    if (l2) {
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    }
+  }
+}
+
 // The quants of rows n0 .. n0 + rows - 1 (rows <= NB; the rest zero) into the panel; `flip` adds 128 to every quant
 // (VNNI multiplies unsigned bytes by signed ones: sum((q + 128) xq) - 128 sum(xq)).
 template <QuantType Q, int NB>
@@ -311,13 +323,13 @@ SPECDEC_QAVX2 void fill_panel(const QuantArgs& a, int64_t n0, int64_t rows, bool
   const int64_t blocks = a.K / 32;
   // The next tile's rows (contiguous after these) pulled in at this tile's pace: NB rows read a block at a time are NB
   // streams, more than the hardware prefetchers follow (without this, M = 1 waited on DRAM in the quants' loads).
-  const char* next = reinterpret_cast<const char*>(a.w + (n0 + NB) * a.row_bytes);
+  const uintptr_t next = reinterpret_cast<uintptr_t>(a.w) + (n0 + NB) * a.row_bytes;
   const int64_t step = NB * a.row_bytes / blocks;  // bytes of the next tile per block
   const uint8_t* const w = a.w;
   const int64_t row_bytes = a.row_bytes;
   int8_t* const q = p.q.data();
   for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t off = 0; off < step; off += 64) _mm_prefetch(next + b * step + off, _MM_HINT_T0);
+    prefetch_lines(next + b * step, next + (b + 1) * step, false);
     for (int h = 0; h < NB / 8; ++h) {
       __m256i r[8], t[8];
 #pragma GCC unroll 8

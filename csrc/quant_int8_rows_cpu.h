@@ -365,16 +365,6 @@ SPECDEC_QVNNI_INLINE void rows16_block(const Int8Args& x, const PairRows& pr, in
 constexpr int64_t kAheadBytes = 512;
 constexpr int64_t kShortRowBytes = 2 * kAheadBytes;
 
-SPECDEC_QVNNI_INLINE void prefetch_lines(uintptr_t from, uintptr_t to, bool l2) {  // the lines of [from, to)
-  for (uintptr_t line = from & ~uintptr_t{63}; line < to; line += 64) {
-    if (l2) {
-      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
-    } else {
-      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
-    }
-  }
-}
-
 // A tile of 16 weight rows at `tile` (`rows` live), read a block or super-block of Q at a time, now at byte `at`
 // of each row: prefetches the lines of the block kAheadBytes further along each row (twice that into L2 where
 // prefetch_to_l2) or, past the rows' end, along the next tile's rows (which follow in memory) where `more` says this
