@@ -66,7 +66,10 @@ def _build_key(cuda: bool) -> str:
             digest.update(str(path.relative_to(CSRC_DIR)).encode())
             digest.update(path.read_bytes())
     # Everything that changes the compile command: two configurations sharing a folder would rebuild it in turn.
-    config = (torch.__version__, torch.__file__, sys.executable, cuda, build_flags(cuda), os.environ.get("CXX"))
+    # The interpreter by its file, not the name it was started by: a venv's `python`, `python3` and its scripts'
+    # shebangs are links to one binary, and each name used to build a copy of its own (a minute each).
+    interpreter = os.path.realpath(sys.executable)
+    config = (torch.__version__, torch.__file__, interpreter, cuda, build_flags(cuda), os.environ.get("CXX"))
     digest.update(repr(config).encode())
     return digest.hexdigest()[:16]
 

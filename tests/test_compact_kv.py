@@ -361,3 +361,19 @@ def test_a_build_killed_midway_does_not_stall_later_loads():
     finally:
         stale.unlink(missing_ok=True)
     assert out.split() == ["loaded"]
+
+
+def test_one_build_per_interpreter_file(tmp_path, monkeypatch):
+    """A venv's `python`, `python3` and a console script's shebang name one binary by different links: they share
+    one build folder (each name built its own, a minute each); another interpreter file does not."""
+    from spec_kernels import _ext
+
+    link = tmp_path / "python-link"
+    link.symlink_to(os.path.realpath(sys.executable))
+    key = _ext._build_key(False)
+    monkeypatch.setattr(sys, "executable", str(link))
+    assert _ext._build_key(False) == key
+    other = tmp_path / "python-copy"
+    other.write_bytes(b"")  # another file: another interpreter
+    monkeypatch.setattr(sys, "executable", str(other))
+    assert _ext._build_key(False) != key
