@@ -45,7 +45,7 @@ constexpr int64_t kSubBlocks = quant_format(static_cast<int64_t>(Q)).block_weigh
 // Whether a kernel streaming Q's blocks prefetches them into L2 rather than L1: the K-quants on AMD's cores (measured
 // on Zen 4), where streaming their matrices from DRAM ran faster so (L1 no longer holds the lines of 16 rows' next
 // super-blocks beside the ones being read); the 32-weight formats, whose kernels are bound by their instructions
-// there, and Intel's cores (tuned with L1 prefetches) keep L1 (bench/RESULTS.md, "K-quant files on Zen 4").
+// there, and Intel's cores (tuned with L1 prefetches) keep L1 (bench/RESULTS-log.md, "K-quant files on Zen 4").
 template <QuantType Q>
 inline bool prefetch_to_l2() {
   return kSubBlocks<Q> > 1 && simd::cpu_is_amd();
