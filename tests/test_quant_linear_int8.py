@@ -258,3 +258,32 @@ def test_the_tiles_run_where_the_cpu_has_them():
     if os.environ.get("SPECDEC_CPU_ISA") or os.environ.get("SPECDEC_LINEAR_SCALAR"):
         pytest.skip("the paths are capped in this process")
     assert int8_path() == "amx"
+
+
+def test_the_row_kernels_prefetch():
+    """Every compiled VNNI row kernel (rows16_vnni, rows16_passes, AMX's tiles16) holds its prefetch instructions:
+    with the helper that issues them a plain inline function, GCC emitted none (5a5ab6f), the same bits at up to a
+    third of the speed, which no test of values sees (bench/RESULTS.md, "A prefetch helper that was not inlined")."""
+    import platform
+    import re
+    import shutil
+    import subprocess
+
+    from spec_kernels._ext import load_ext
+
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None:
+        pytest.skip("the x86 kernels, read by objdump")
+    library = load_ext().__file__
+    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", library], capture_output=True, text=True,
+                             check=True, timeout=120).stdout  # fmt: skip
+    kernels: dict[str, int] = {}  # each instantiation of a row kernel -> its prefetch instructions
+    name = None
+    for line in listing.splitlines():
+        if m := re.match(r"^[0-9a-f]+ <(.*)>:$", line):
+            name = m.group(1) if re.search(r"::(rows16_vnni|rows16_passes|tiles16)<", m.group(1)) else None
+            if name is not None:
+                kernels[name] = 0
+        elif name is not None and "prefetch" in line:
+            kernels[name] += 1
+    assert len(kernels) >= 10, "the row kernels were not found in the extension's listing"
+    assert [k for k, n in kernels.items() if n == 0] == []
