@@ -136,7 +136,7 @@ SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, i
     }
     for (int64_t j = 0; kf == widened.data() && j < count; ++j) {
       const T* row = k + rows[j0 + j];
-      if (j0 + j + kKeysAhead < n) prefetch_row(k + rows[j0 + j + kKeysAhead], D * sizeof(T));
+      if (j0 + j + kKeysAhead < n) prefetch_row(k + rows[j0 + j + kKeysAhead], D);
       float* staged = widened.data() + j * Dp;
       if (D == 64) {  // the common head size: four full vectors, no masks
 #pragma GCC unroll 4

@@ -154,6 +154,20 @@ inline float dot8(const float* a, const T* b, int64_t n) {
 namespace specdec {
 namespace simd {
 
+// The cache lines of [from, to), into L2 (`l2`) or L1, ahead of their reads: the int8 kernels' next tiles
+// (csrc/quant_int8_cpu.h's fill_panel, csrc/quant_int8_rows_cpu.h's prefetch_ahead) and attention's K and V rows
+// (gathered by index from the paged cache). Always inlined: as a plain inline function (5a5ab6f) GCC emitted none of
+// these in the row kernels (bench/RESULTS.md, "A prefetch helper that was not inlined").
+__attribute__((always_inline)) inline void prefetch_lines(uintptr_t from, uintptr_t to, bool l2) {
+  for (uintptr_t line = from & ~uintptr_t{63}; line < to; line += 64) {
+    if (l2) {
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    }
+  }
+}
+
 // Sums the lanes of 16 accumulators at once: lane 4q + r of the result is the sum of acc[4r + q]. Every accumulator
 // goes through the same tree, ((v0+v8)+(v4+v12)) + ((v1+v9)+(v5+v13)) + ... (lane pairs i, i+8, then i, i+4, then
 // adjacent), whatever the others hold; unused accumulators are zero and never mix into used ones. One transposing

@@ -58,12 +58,12 @@ void axpy_scalar(float alpha, const T* x, float* y, int64_t n) {
 // bench/RESULTS.md, "Attention's reads of the cache, prefetched").
 constexpr int64_t kKeysAhead = 64;
 
-// Every cache line of the `bytes` at p, into L1: a K or V row of the paged cache, which attention gathers by index
-// (a KV head's rows a stride apart, blocks anywhere), ahead of its read. A row of D = 64 bfloat16 spans two lines.
-// Always inlined, as every prefetch helper of the kernels (csrc/quant_int8_cpu.h, prefetch_lines).
-__attribute__((always_inline)) inline void prefetch_row(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+// Every cache line of a K or V row of the paged cache (n elements at p), into L1 ahead of its read: attention gathers
+// the rows by index (a KV head's rows a stride apart, blocks anywhere). A row of D = 64 bfloat16 spans two lines.
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_row(const T* p, int64_t n) {
+  const uintptr_t from = reinterpret_cast<uintptr_t>(p);
+  simd::prefetch_lines(from, from + n * sizeof(T), false);
 }
 
 // 16 elements (the first `count` of them; the rest zero) as float32 lanes.
@@ -144,7 +144,7 @@ SPECDEC_AVX512 inline void accumulate_values16(const float* s, int64_t ld_s, con
     // bfloat16 rows are the cache's own; float32 ones are mostly attention's widened copies, read in order (a
     // float32 cache's rows go without)
     if constexpr (!std::is_same_v<T, float>) {
-      if (j + kKeysAhead < n) prefetch_row(v + rows[j + kKeysAhead], 16 * C * sizeof(T));
+      if (j + kKeysAhead < n) prefetch_row(v + rows[j + kKeysAhead], 16 * C);
     }
     __m512 vr[C];
 #pragma GCC unroll 8

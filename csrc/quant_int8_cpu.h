@@ -304,19 +304,6 @@ SPECDEC_QAVX2 void fill_scales(const uint8_t* row, int64_t blocks, int i, Panel<
   }
 }
 
-// The cache lines of [from, to), into L2 (`l2`) or L1: a tile's reads pulling in what follows them (fill_panel,
-// prefetch_ahead). Always inlined: as a plain inline function (5a5ab6f) the row-wise kernel ran far slower at
-// M <= 16 (bench/RESULTS.md, "A prefetch helper that was not inlined").
-__attribute__((always_inline)) inline void prefetch_lines(uintptr_t from, uintptr_t to, bool l2) {
-  for (uintptr_t line = from & ~uintptr_t{63}; line < to; line += 64) {
-    if (l2) {
-      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
-    } else {
-      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
-    }
-  }
-}
-
 // The quants of rows n0 .. n0 + rows - 1 (rows <= NB; the rest zero) into the panel; `flip` adds 128 to every quant
 // (VNNI multiplies unsigned bytes by signed ones: sum((q + 128) xq) - 128 sum(xq)).
 template <QuantType Q, int NB>
@@ -330,7 +317,7 @@ SPECDEC_QAVX2 void fill_panel(const QuantArgs& a, int64_t n0, int64_t rows, bool
   const int64_t row_bytes = a.row_bytes;
   int8_t* const q = p.q.data();
   for (int64_t b = 0; b < blocks; ++b) {
-    prefetch_lines(next + b * step, next + (b + 1) * step, false);
+    simd::prefetch_lines(next + b * step, next + (b + 1) * step, false);
     for (int h = 0; h < NB / 8; ++h) {
       __m256i r[8], t[8];
 #pragma GCC unroll 8

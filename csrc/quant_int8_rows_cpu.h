@@ -380,7 +380,7 @@ SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes,
   if (row_bytes <= kShortRowBytes) {
     if (!more) return;
     const uintptr_t next = reinterpret_cast<uintptr_t>(tile) + 16 * (row_bytes + at);
-    prefetch_lines(next, next + 16 * kBlockBytes<Q>, l2);
+    simd::prefetch_lines(next, next + 16 * kBlockBytes<Q>, l2);
     return;
   }
   int64_t ahead = at + (l2 ? 2 * kAheadBytes : kAheadBytes);
@@ -390,7 +390,7 @@ SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes,
   }
   const uint8_t* p = tile + ahead;
   for (int r = 0; r < 16; ++r, p += row_bytes) {
-    prefetch_lines(reinterpret_cast<uintptr_t>(p), reinterpret_cast<uintptr_t>(p) + kBlockBytes<Q>, l2);
+    simd::prefetch_lines(reinterpret_cast<uintptr_t>(p), reinterpret_cast<uintptr_t>(p) + kBlockBytes<Q>, l2);
   }
 }
 
