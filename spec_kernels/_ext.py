@@ -67,7 +67,7 @@ def _build_key(cuda: bool) -> str:
             digest.update(path.read_bytes())
     # Everything that changes the compile command: two configurations sharing a folder would rebuild it in turn.
     # The interpreter by its file, not the name it was started by: a venv's `python`, `python3` and its scripts'
-    # shebangs are links to one binary, and each name used to build a copy of its own (a minute each).
+    # shebangs are links to one binary, and each name used to build a copy of its own (a full build each).
     interpreter = os.path.realpath(sys.executable)
     config = (torch.__version__, torch.__file__, interpreter, cuda, build_flags(cuda), os.environ.get("CXX"))
     digest.update(repr(config).encode())

@@ -365,7 +365,7 @@ def test_a_build_killed_midway_does_not_stall_later_loads():
 
 def test_one_build_per_interpreter_file(tmp_path, monkeypatch):
     """A venv's `python`, `python3` and a console script's shebang name one binary by different links: they share
-    one build folder (each name built its own, a minute each); another interpreter file does not."""
+    one build folder (each name built its own, a full build each); another interpreter file does not."""
     from spec_kernels import _ext
 
     link = tmp_path / "python-link"

@@ -263,8 +263,8 @@ def test_the_tiles_run_where_the_cpu_has_them():
 def test_the_kernels_prefetch():
     """Every compiled instantiation of the kernels that prefetch (the int8 row kernels rows16_vnni, rows16_passes,
     AMX's tiles16 and the panel's fill_panel; the bf16 / float32 tiles; attention) holds prefetch instructions: with
-    the row kernels' helper a plain inline function, GCC emitted none there (5a5ab6f), the same bits at up to a third
-    of the speed, which no test of values sees (bench/RESULTS.md, "A prefetch helper that was not inlined")."""
+    the row kernels' helper a plain inline function, GCC emitted none there (5a5ab6f): the same bits, far slower, which
+    no test of values sees (bench/RESULTS.md, "A prefetch helper that was not inlined")."""
     import platform
     import re
     import shutil
