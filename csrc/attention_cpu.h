@@ -64,7 +64,7 @@ void position_rows(const Problem<T>& p, std::vector<int64_t>& rows, std::vector<
 }
 
 // The keys a query row sees, in attention order, as row offsets of the sequence's positions (`positions`: sequence
-// b's part of position_rows' table, cache offsets at KV head 0; or widen_positions' rows): the prefix 0 .. L_b - 1,
+// b's part of position_rows' table, cache offsets at KV head 0): the prefix 0 .. L_b - 1,
 // then the tree slots its mask allows. Plain decoding of the same token sees the same list (its ancestors are then
 // committed positions, in the same order), so every sum below runs over the same index sequence in both: the
 // attention of a tree node equals plain decoding's bit for bit. Slots the mask hides are not in the list. With a
@@ -112,43 +112,33 @@ void attend_scalar(const T* k, const T* v, const int64_t* rows, int64_t n, const
 }
 
 #if SPECDEC_DECODER_X86
-// The same with AVX-512: scores 16 keys at a time (each key's dot summed lane-wise over D, then by reduce16's fixed
-// tree: a key's score does not depend on which keys share its block), the max and the exponentials by vectors, the
-// softmax sum in lanes by list index (index j in lane j % 16, one fixed reduction at the end), and the weighted sum
-// of V rows in list order. Each key's and value's bf16 row is widened once for the G query heads of its KV head.
-// `in_place` (float32 keys only): the first in_place keys are rows k + j * D (j the list index, D a multiple of 16),
-// read where they lie instead of staged (widen_positions made them once for every query row that shares them).
+// Scores of `heads` query heads (q [heads, D], float32) against the keys at rows[from .. to) (cache row offsets),
+// scaled, into p + h ld + j for head h and key j. 16 keys at a time, each bf16 row widened once into `staged` (16 Dp
+// floats, D padded to Dp = 16 k with zeros, as load16's masked tail reads it) for all the heads; each key's dot is
+// summed lane-wise over D, then by reduce16's fixed tree: a key's score does not depend on which keys share its block.
 template <typename T>
-SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G,
-                                  int64_t D, float scale, float softcap, float* p, float* out, int64_t in_place = 0) {
+SPECDEC_AVX512 void score_keys_avx512(const T* k, const int64_t* rows, int64_t from, int64_t to, const float* q,
+                                      int64_t heads, int64_t D, float scale, float* staged, float* p, int64_t ld) {
   const __m512 scale_v = _mm512_set1_ps(scale);
-  // bf16 keys are widened once per block of 16 into kf (fp32, D padded to 16 with zeros, as load16's masked tail
-  // reads them) for all G heads: the same products and sums as widening them head by head
   const int64_t Dp = (D + 15) / 16 * 16;
-  thread_local std::vector<float> widened;
-  widened.resize(static_cast<size_t>(16 * Dp));
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t count = std::min<int64_t>(16, n - j0);
+  for (int64_t j0 = from; j0 < to; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, to - j0);
     const __mmask16 live = count == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-    const float* kf = widened.data();
-    if constexpr (std::is_same_v<T, float>) {
-      if (j0 + 16 <= in_place) kf = k + j0 * D;
-    }
-    for (int64_t j = 0; kf == widened.data() && j < count; ++j) {
+    for (int64_t j = 0; j < count; ++j) {
       const T* row = k + rows[j0 + j];
-      if (j0 + j + kKeysAhead < n) prefetch_row(k + rows[j0 + j + kKeysAhead], D);
-      float* staged = widened.data() + j * Dp;
+      if (j0 + j + kKeysAhead < to) prefetch_row(k + rows[j0 + j + kKeysAhead], D);
+      float* dst = staged + j * Dp;
       if (D == 64) {  // the common head size: four full vectors, no masks
 #pragma GCC unroll 4
-        for (int64_t d = 0; d < 64; d += 16) _mm512_storeu_ps(staged + d, load16(row + d, 16));
+        for (int64_t d = 0; d < 64; d += 16) _mm512_storeu_ps(dst + d, load16(row + d, 16));
       } else {
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(staged + d, load16(row + d, D - d));
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(row + d, D - d));
       }
     }
-    // a short last block's missing keys as zeros: every block then runs the same 16 unconditional chains (the dead
-    // lanes are not stored, and no chain mixes into another's lane)
-    if (kf == widened.data()) std::fill(widened.data() + count * Dp, widened.data() + 16 * Dp, 0.f);
-    for (int64_t g = 0; g < G; ++g) {
+    // a short block's missing keys as zeros: every block then runs the same 16 unconditional chains (the dead lanes
+    // are not stored, and no chain mixes into another's lane)
+    std::fill(staged + count * Dp, staged + 16 * Dp, 0.f);
+    for (int64_t g = 0; g < heads; ++g) {
       __m512 acc[16];
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
@@ -157,45 +147,66 @@ SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* rows, i
 #pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) {
           const int slot = 4 * (j % 4) + j / 4;  // reduce16 leaves acc[slot] in lane j
-          acc[slot] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + j * Dp + d), acc[slot]);
+          acc[slot] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(staged + j * Dp + d), acc[slot]);
         }
       }
-      _mm512_mask_storeu_ps(p + g * n + j0, live, _mm512_mul_ps(simd::reduce16(acc), scale_v));
+      _mm512_mask_storeu_ps(p + g * ld + j0, live, _mm512_mul_ps(simd::reduce16(acc), scale_v));
     }
-  }
-  if (softcap > 0.f) soft_cap(p, p, G * n, softcap);
-  thread_local std::vector<float> totals;  // [G]: each head's softmax sum
-  totals.resize(static_cast<size_t>(G));
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = p + g * n;
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 live = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
-      mx = _mm512_mask_max_ps(mx, live, mx, _mm512_maskz_loadu_ps(live, s + j));
-    }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 live = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(live, simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), m)));
-      _mm512_mask_storeu_ps(s + j, live, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    totals[g] = _mm512_reduce_add_ps(sum);
-  }
-  weighted_sums_heads_avx512(p, n, v, rows, n, D, G, out);  // each V row widened once for the G heads
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = n > 0 ? 1.f / totals[g] : 0.f;  // a row that sees nothing (L_b = 0, all-False mask row): zeros
-    for (int64_t i = 0; i < D; ++i) out[g * D + i] *= inv;
   }
 }
 
+// s [n] scores -> their exponentials less the max, in place; returns their sum, summed in lanes by index (index j in
+// lane j % 16, one fixed reduction at the end).
+SPECDEC_AVX512 inline float exp_scores_avx512(float* s, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 live = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    mx = _mm512_mask_max_ps(mx, live, mx, _mm512_maskz_loadu_ps(live, s + j));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 live = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(live, simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), m)));
+    _mm512_mask_storeu_ps(s + j, live, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// The attention of R query rows of G heads each (q [R G, D], float32) over one KV head's keys (k / v planes already
+// offset to the head), into out [R G, D]: row r over the keys at keys[r] (n[r] cache row offsets), whose first S are
+// the same for every row (a verify's or a prompt chunk's rows share the prefix). The shared keys and their values
+// are read and widened once for all R G heads, each row's own keys for its G heads. Every head's sums are its own and
+// run as for one row alone: the scores (score_keys_avx512), the max and the exponentials by vectors, the softmax sum
+// by list index (exp_scores_avx512), then the weighted sum of V rows in list order (the shared keys', then the row's
+// own continuing from them). p [R G, ld] (ld >= every n[r]) is scratch for the scores; the scores are soft-capped
+// (soft_cap, which keeps a score of +-inf itself; softcap 0: none) before the softmax.
 template <typename T>
-SPECDEC_AVX512 void widen_positions_avx512(const T* k, const T* v, const int64_t* rows, int64_t n, int64_t D,
-                                           float* kf, float* vf) {
-  for (int64_t j = 0; j < n; ++j) {
-    convert_row_avx512(k + rows[j], kf + j * D, D);
-    convert_row_avx512(v + rows[j], vf + j * D, D);
+SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* const* keys, const int64_t* n, int64_t R,
+                                  int64_t S, const float* q, int64_t G, int64_t D, float scale, float softcap,
+                                  float* p, int64_t ld, float* out) {
+  thread_local std::vector<float> staged, totals;
+  staged.resize(static_cast<size_t>(16 * ((D + 15) / 16 * 16)));
+  totals.resize(static_cast<size_t>(R * G));
+  score_keys_avx512(k, keys[0], 0, S, q, R * G, D, scale, staged.data(), p, ld);
+  for (int64_t r = 0; r < R; ++r) {
+    score_keys_avx512(k, keys[r], S, n[r], q + r * G * D, G, D, scale, staged.data(), p + r * G * ld, ld);
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = p + (r * G + g) * ld;
+      if (softcap > 0.f) soft_cap(s, s, n[r], softcap);
+      totals[r * G + g] = exp_scores_avx512(s, n[r]);
+    }
+  }
+  weighted_sums_heads_avx512(p, ld, v, keys[0], S, D, R * G, out, false);
+  for (int64_t r = 0; r < R; ++r) {
+    weighted_sums_heads_avx512(p + r * G * ld + S, ld, v, keys[r] + S, n[r] - S, D, G, out + r * G * D, true);
+    for (int64_t g = 0; g < G; ++g) {
+      // a row that sees nothing (L_b = 0, all-False mask row): zeros
+      const float inv = n[r] > 0 ? 1.f / totals[r * G + g] : 0.f;
+      float* o = out + (r * G + g) * D;
+      for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+    }
   }
 }
 
@@ -297,33 +308,34 @@ SPECDEC_AVX2 void attend_avx2(const T* k, const T* v, const int64_t* rows, int64
 
 template <typename T>
 void attend(const T* k, const T* v, const int64_t* rows, int64_t n, const float* q, int64_t G, int64_t D, float scale,
-            float softcap, float* p, float* out, int64_t in_place = 0) {
+            float softcap, float* p, float* out) {
 #if SPECDEC_DECODER_X86
-  if (cpu_has_avx512()) return attend_avx512(k, v, rows, n, q, G, D, scale, softcap, p, out, in_place);
+  if (cpu_has_avx512()) return attend_avx512(k, v, &rows, &n, 1, n, q, G, D, scale, softcap, p, n, out);
   if (cpu_has_avx2()) return attend_avx2(k, v, rows, n, q, G, D, scale, softcap, p, out);
 #endif
   attend_scalar(k, v, rows, n, q, G, D, scale, softcap, p, out);
 }
 
-// Whether a worker's attention widens each sequence's keys and values once per KV head (widen_positions) for all the
-// query rows it attends there: on AVX-512, D a multiple of 16, and several query rows (T >= 2: a verify or a prompt
-// chunk) making at least two units per worker and KV head (T * groups of them; one would only copy them twice).
-inline bool widens_once(int64_t D, int64_t T, int64_t groups, int64_t workers) {
-  return cpu_has_avx512() && D % 16 == 0 && T >= 2 && T * groups >= 2 * workers;
+// attend_avx512 over R rows sharing their first S keys (see there), where attends_row_sets holds.
+template <typename T>
+void attend_rows(const T* k, const T* v, const int64_t* const* keys, const int64_t* n, int64_t R, int64_t S,
+                 const float* q, int64_t G, int64_t D, float scale, float softcap, float* p, int64_t ld, float* out) {
+#if SPECDEC_DECODER_X86
+  if (cpu_has_avx512()) return attend_avx512(k, v, keys, n, R, S, q, G, D, scale, softcap, p, ld, out);
+#endif
+  TORCH_CHECK(false, "attend_rows: AVX-512 only (attends_row_sets)");
 }
 
-// Keys and values of the n positions at `rows` (cache row offsets, already at the KV head) as float32 rows [n, D]
-// in kf and vf: the floats attend_avx512 stages per block of 16, so reading them (attend's in_place) changes no sum.
-template <typename T>
-void widen_positions(const T* k, const T* v, const int64_t* rows, int64_t n, int64_t D, float* kf, float* vf) {
-#if SPECDEC_DECODER_X86
-  if (cpu_has_avx512()) return widen_positions_avx512(k, v, rows, n, D, kf, vf);
-#endif
-  for (int64_t j = 0; j < n; ++j) {
-    convert_row(k + rows[j], kf + j * D, D);
-    convert_row(v + rows[j], vf + j * D, D);
-  }
-}
+// The most query rows one attend_avx512 call takes (its scores scratch: kMaxSharedRows G keys floats per worker).
+constexpr int64_t kMaxSharedRows = 16;
+
+// A row set's scores' most bytes (kMaxSharedRows aside): past L2 they slowed the sets more than their shared reads
+// gained.
+constexpr int64_t kSetScoreBytes = 256 << 10;
+
+// Whether a forward's attention runs in row sets (attend_avx512 over several query rows of one sequence and KV head,
+// sharing their common keys): on AVX-512 and where a sequence has several query rows (a verify, a prompt chunk).
+inline bool attends_row_sets(int64_t T) { return cpu_has_avx512() && T >= 2; }
 
 }  // namespace
 }  // namespace specdec

@@ -141,15 +141,11 @@ SPECDEC_AVX512 inline void accumulate_values16(const float* s, int64_t ld_s, con
                                                int64_t n, __m512* acc) {
   for (int64_t j = 0; j < n; ++j) {
     const T* row = v + rows[j];
-    // bfloat16 rows are the cache's own; float32 ones are mostly attention's widened copies, read in order (a
-    // float32 cache's rows go without)
-    if constexpr (!std::is_same_v<T, float>) {
-      if (j + kKeysAhead < n) prefetch_row(v + rows[j + kKeysAhead], 16 * C);
-    }
+    if (j + kKeysAhead < n) prefetch_row(v + rows[j + kKeysAhead], 16 * C);
     __m512 vr[C];
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) vr[c] = load16(row + 16 * c, 16);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) {
       const __m512 a = _mm512_set1_ps(s[g * ld_s + j]);
 #pragma GCC unroll 8
@@ -158,22 +154,23 @@ SPECDEC_AVX512 inline void accumulate_values16(const float* s, int64_t ld_s, con
   }
 }
 
-// o [D] = sum over keys j, in order, of s[j] * v[rows[j]]: one fused multiply-add per key and element from zero, as
-// axpy_avx512 key by key does (the same values), with up to 128 elements' sums in registers across the keys. Through
-// memory each key's adds waited on the previous key's stores. D not a multiple of 16 takes axpy_avx512.
+// o [D] = sum over keys j, in order, of s[j] * v[rows[j]]: one fused multiply-add per key and element from zero (or,
+// `resume`, from o's values: a sum continued over more keys), as axpy_avx512 key by key does (the same values), with
+// up to 128 elements' sums in registers across the keys. Through memory each key's adds waited on the previous key's
+// stores. D not a multiple of 16 takes axpy_avx512.
 template <typename T>
 SPECDEC_AVX512 void weighted_sum_avx512(const float* s, const T* v, const int64_t* rows, int64_t n, int64_t D,
-                                        float* o) {
+                                        float* o, bool resume) {
   if (D % 16 != 0) {
-    std::fill(o, o + D, 0.f);
+    if (!resume) std::fill(o, o + D, 0.f);
     for (int64_t j = 0; j < n; ++j) axpy_avx512(s[j], v + rows[j], o, D);
     return;
   }
   for (int64_t d0 = 0; d0 < D; d0 += 128) {
+    const int64_t chunks = std::min<int64_t>(8, (D - d0) / 16);
     __m512 acc[8];
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
-    const int64_t chunks = std::min<int64_t>(8, (D - d0) / 16);
+    for (int c = 0; c < 8; ++c) acc[c] = resume && c < chunks ? _mm512_loadu_ps(o + d0 + 16 * c) : _mm512_setzero_ps();
     switch (chunks) {
       case 8: accumulate_values16<8, 1>(s, 0, v + d0, rows, n, acc); break;
       case 7: accumulate_values16<7, 1>(s, 0, v + d0, rows, n, acc); break;
@@ -192,25 +189,46 @@ SPECDEC_AVX512 void weighted_sum_avx512(const float* s, const T* v, const int64_
 // multiply-adds in the same key order for every head (the same values), each V row widened once.
 template <int C, int NG, typename T>
 SPECDEC_AVX512 void weighted_sums_avx512(const float* s, int64_t ld_s, const T* v, const int64_t* rows, int64_t n,
-                                         float* o) {
+                                         float* o, bool resume) {
   __m512 acc[NG * C];
 #pragma GCC unroll 32
-  for (int i = 0; i < NG * C; ++i) acc[i] = _mm512_setzero_ps();
+  for (int i = 0; i < NG * C; ++i) acc[i] = resume ? _mm512_loadu_ps(o + 16 * i) : _mm512_setzero_ps();
   accumulate_values16<C, NG>(s, ld_s, v, rows, n, acc);
 #pragma GCC unroll 32
   for (int i = 0; i < NG * C; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);  // head g, chunk c at o + g D + 16 c
 }
 
-// G heads' weighted sums (s [G, ld_s] -> o [G, D]): together where the shape has an instance above (SmolLM2's D = 64
-// with 2-3 heads of a KV group, D = 128 with 2-3), else head by head.
+// G heads' weighted sums (s [G, ld_s] -> o [G, D]; `resume`: continued from o's values): up to 6 heads at once for
+// D = 64, 3 for D = 128 (every accumulator in a register), else head by head.
 template <typename T>
 SPECDEC_AVX512 void weighted_sums_heads_avx512(const float* s, int64_t ld_s, const T* v, const int64_t* rows,
-                                               int64_t n, int64_t D, int64_t G, float* o) {
-  if (D == 64 && G == 2) return weighted_sums_avx512<4, 2>(s, ld_s, v, rows, n, o);
-  if (D == 64 && G == 3) return weighted_sums_avx512<4, 3>(s, ld_s, v, rows, n, o);
-  if (D == 128 && G == 2) return weighted_sums_avx512<8, 2>(s, ld_s, v, rows, n, o);
-  if (D == 128 && G == 3) return weighted_sums_avx512<8, 3>(s, ld_s, v, rows, n, o);
-  for (int64_t g = 0; g < G; ++g) weighted_sum_avx512(s + g * ld_s, v, rows, n, D, o + g * D);
+                                               int64_t n, int64_t D, int64_t G, float* o, bool resume) {
+  for (int64_t g = 0; g < G;) {
+    const float* sg = s + g * ld_s;
+    float* og = o + g * D;
+    const int64_t left = G - g;
+    if (D == 64) {
+      switch (std::min<int64_t>(left, 6)) {
+        case 6: weighted_sums_avx512<4, 6>(sg, ld_s, v, rows, n, og, resume); break;
+        case 5: weighted_sums_avx512<4, 5>(sg, ld_s, v, rows, n, og, resume); break;
+        case 4: weighted_sums_avx512<4, 4>(sg, ld_s, v, rows, n, og, resume); break;
+        case 3: weighted_sums_avx512<4, 3>(sg, ld_s, v, rows, n, og, resume); break;
+        case 2: weighted_sums_avx512<4, 2>(sg, ld_s, v, rows, n, og, resume); break;
+        default: weighted_sums_avx512<4, 1>(sg, ld_s, v, rows, n, og, resume); break;
+      }
+      g += std::min<int64_t>(left, 6);
+    } else if (D == 128) {
+      switch (std::min<int64_t>(left, 3)) {
+        case 3: weighted_sums_avx512<8, 3>(sg, ld_s, v, rows, n, og, resume); break;
+        case 2: weighted_sums_avx512<8, 2>(sg, ld_s, v, rows, n, og, resume); break;
+        default: weighted_sums_avx512<8, 1>(sg, ld_s, v, rows, n, og, resume); break;
+      }
+      g += std::min<int64_t>(left, 3);
+    } else {
+      weighted_sum_avx512(sg, v, rows, n, D, og, resume);
+      g += 1;
+    }
+  }
 }
 
 // AVX2: lane l sums a[i] * b[i] for i = l, l + 8, ...; then reduce_add8's fixed tree.

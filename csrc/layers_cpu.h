@@ -3,6 +3,9 @@
 // native step runners (csrc/runner_cpu.cpp).
 #pragma once
 
+#include <algorithm>
+#include <array>
+
 #include "attention_cpu.h"
 #include "native_model.h"
 
@@ -163,18 +166,34 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
   const int64_t max_workers = team_size();
   std::vector<std::vector<int64_t>> key_lists(max_workers);
   std::vector<std::vector<float>> score_bufs(max_workers);
-  for (int64_t i = 0; i < max_workers; ++i) key_lists[i].reserve(max_keys), score_bufs[i].reserve(G * max_keys);
-  // Each worker's float32 keys and values [max_keys, D] of one sequence's positions at one KV head (widen_positions),
-  // where its query rows there share them: allocated uninitialized here (pages untouched until written).
-  // widened_rows: position j's row offset there (j D), as key_rows reads a sequence's cache offsets.
-  std::vector<std::unique_ptr<float[]>> widened_k(max_workers), widened_v(max_workers);
-  std::vector<int64_t> widened_rows;
-  if (widens_once(D, p.T_, 1, 1)) {  // true wherever the team's call below can be
-    for (int64_t i = 0; i < max_workers; ++i) {
-      widened_k[i].reset(new float[max_keys * D]), widened_v[i].reset(new float[max_keys * D]);
+  // Row sets (attends_row_sets): each worker's keys of up to kMaxSharedRows rows, their scores, q and outputs
+  const bool row_sets = attends_row_sets(p.T_);
+  const int64_t set_rows = row_sets ? std::min(kMaxSharedRows, p.T_) : 1;
+  std::vector<std::vector<std::vector<int64_t>>> set_keys(max_workers);
+  std::vector<std::vector<float>> set_q(max_workers), set_out(max_workers);
+  for (int64_t i = 0; i < max_workers; ++i) {
+    key_lists[i].reserve(max_keys), score_bufs[i].reserve(set_rows * G * max_keys);
+    if (!row_sets) continue;
+    set_keys[i].resize(set_rows);
+    for (auto& keys : set_keys[i]) keys.reserve(max_keys);
+    set_q[i].resize(set_rows * G * D), set_out[i].resize(set_rows * G * D);
+  }
+  // Row sets' split over the workers: (b, KV head, t) in order, each worker a contiguous run of about equal keys
+  // (a causal chunk's later rows have more), so a worker's rows of one sequence and KV head share their keys' reads.
+  // cost_end[i]: the keys of the first i + 1 of them.
+  std::vector<int64_t> cost_end;
+  if (row_sets) {
+    cost_end.resize(p.B * Hkv * p.T_);
+    int64_t total = 0;
+    for (int64_t b = 0; b < p.B; ++b) {
+      for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+        for (int64_t t = 0; t < p.T_; ++t) {
+          const bool* mask = p.tree_mask + (b * p.T_ + t) * p.T_;  // [T]
+          total += p.cache_seqlens[b] + std::count(mask, mask + p.T_, true) + 1;
+          cost_end[(b * Hkv + kvh) * p.T_ + t] = total;
+        }
+      }
     }
-    widened_rows.resize(max_keys);
-    for (int64_t j = 0; j < max_keys; ++j) widened_rows[j] = j * D;
   }
 
   run_team([&](const Worker& w) {
@@ -192,7 +211,19 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
     const int64_t groups = rows_units % w.size() == 0 || rows_units >= 4 * w.size() ? 1 : std::min(G, w.size());
     const int64_t per_group = (G + groups - 1) / groups;
     const int64_t num_units = rows_units * groups;
-    const bool widen_once = widens_once(D, p.T_, groups, w.size());
+    // this worker's row sets: the (b, KV head, t) whose keys' midpoint falls in its share of all the keys
+    int64_t set_begin = 0, set_end = 0;
+    if (!cost_end.empty()) {
+      const int64_t total = cost_end.back();
+      const auto owner = [&](int64_t i) {
+        const int64_t mid2 = cost_end[i] + (i > 0 ? cost_end[i - 1] : 0);  // twice the midpoint of its keys
+        return std::min<int64_t>(w.size() - 1, mid2 * w.size() / (2 * total));
+      };
+      const int64_t n_pairs = static_cast<int64_t>(cost_end.size());
+      while (set_begin < n_pairs && owner(set_begin) < w.id()) ++set_begin;
+      set_end = set_begin;
+      while (set_end < n_pairs && owner(set_end) == w.id()) ++set_end;
+    }
     // A block's output (delta, this worker's rows) joins the residual stream: through its own norm where the layer
     // has one (Gemma's sandwich norms: rounded to T as the block's output is), else as it is.
     const auto join = [&](const at::Tensor& out_norm) {
@@ -251,50 +282,57 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         std::copy(v_row + (hd - Hq) * D, v_row + (hd - Hq + 1) * D, v_plane + dst);  // V head hd - Hq
       }
       w.sync();
-      int64_t keys_of = -1;  // the query row whose keys `keys` holds
-      int64_t first_key = 0;  // the first prefix position among them (past 0 where a window binds)
-      int64_t widened_of = -1;  // with widen_once: the (b, KV head) whose positions widened_k / widened_v hold
-      // With widen_once the units are visited sequence by sequence and KV head by KV head (then row by row), so one
-      // widening serves all of a worker's rows there: the same units per worker, and each unit's sums are its own.
-      const auto unit = [&](int64_t i) {
-        if (!widen_once) return i;
-        const int64_t b = i / (Hkv * p.T_ * groups), kvh = i / (p.T_ * groups) % Hkv, t = i / groups % p.T_;
-        return ((b * p.T_ + t) * Hkv + kvh) * groups + i % groups;
-      };
-      for (int64_t i = 0; i < num_units; ++i) {
-        const int64_t u = unit(i);
-        if (u % w.size() != w.id()) continue;
-        const int64_t m = u / (Hkv * groups), kvh = u / groups % Hkv;
-        const int64_t h0 = kvh * G + u % groups * per_group, heads = std::min(per_group, (kvh + 1) * G - h0);
-        if (heads <= 0) continue;
-        const int64_t b = m / p.T_, L = p.cache_seqlens[b];
-        float* a = attn_f.data() + (m * Hq + h0) * D;  // [heads, D]
-        const float* q = qk.data() + m * (Hq + Hkv) * D + h0 * D;
-        float *kf = widened_k[w.id()].get(), *vf = widened_v[w.id()].get();
-        if (widen_once && b * Hkv + kvh != widened_of) {
-          const int64_t* cache_rows = positions.data() + cu_positions[b];
-          // from the first position any row here may see (a window's: a row at depth -1, whose mask hides every
-          // node, sees from L - window), each at its own row j D
-          const int64_t from = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-          widen_positions(k_plane + kvh * D, v_plane + kvh * D, cache_rows + from, L + p.T_ - from, D, kf + from * D,
-                          vf + from * D);
-          widened_of = b * Hkv + kvh;
+      if (row_sets) {
+        for (int64_t i = set_begin; i < set_end;) {  // a run of one sequence's rows at one KV head, at most set_rows
+          const int64_t b = i / (Hkv * p.T_), kvh = i / p.T_ % Hkv, t0 = i % p.T_;
+          // at most as many rows as keep their scores [R G, L_b + T] within kSetScoreBytes (L2 holds them)
+          const int64_t fit = kSetScoreBytes / static_cast<int64_t>(sizeof(float) * G * (p.cache_seqlens[b] + p.T_));
+          const int64_t R = std::min({set_rows, p.T_ - t0, set_end - i, std::max<int64_t>(1, fit)});
+          std::vector<std::vector<int64_t>>& lists = set_keys[w.id()];
+          std::array<const int64_t*, kMaxSharedRows> set_lists;
+          std::array<int64_t, kMaxSharedRows> counts;
+          int64_t shared = std::numeric_limits<int64_t>::max(), longest = 0;
+          for (int64_t r = 0; r < R; ++r) {
+            key_rows(p, positions.data() + cu_positions[b], b, t0 + r, lists[r], window);
+            set_lists[r] = lists[r].data(), counts[r] = static_cast<int64_t>(lists[r].size());
+            longest = std::max(longest, counts[r]);
+            // the keys every row of the set sees at the same places of its list (the prefix, at least)
+            const int64_t common = std::min(shared, counts[r]);
+            shared = std::mismatch(lists[0].begin(), lists[0].begin() + common, lists[r].begin()).first -
+                     lists[0].begin();
+          }
+          float* q = set_q[w.id()].data();  // [R G, D]: the rows' query heads of this KV head
+          for (int64_t r = 0; r < R; ++r) {
+            const float* from = qk.data() + (b * p.T_ + t0 + r) * (Hq + Hkv) * D + kvh * G * D;
+            std::copy(from, from + G * D, q + r * G * D);
+          }
+          scores.resize(R * G * longest);
+          float* a = set_out[w.id()].data();  // [R G, D]
+          attend_rows(k_plane + kvh * D, v_plane + kvh * D, set_lists.data(), counts.data(), R, shared, q, G, D,
+                      p.scale, p.softcap, scores.data(), longest, a);
+          for (int64_t r = 0; r < R; ++r) {
+            convert_row(a + r * G * D, attn.data() + ((b * p.T_ + t0 + r) * Hq + kvh * G) * D, G * D);
+          }
+          i += R;
         }
-        if (m != keys_of) {  // the row's keys as offsets into the widened positions, or into the cache
-          first_key = key_rows(p, widen_once ? widened_rows.data() : positions.data() + cu_positions[b], b, m % p.T_,
-                               keys, window);
-          keys_of = m;
+      } else {
+        int64_t keys_of = -1;  // the query row whose keys `keys` holds
+        for (int64_t u = w.id(); u < num_units; u += w.size()) {
+          const int64_t m = u / (Hkv * groups), kvh = u / groups % Hkv;
+          const int64_t h0 = kvh * G + u % groups * per_group, heads = std::min(per_group, (kvh + 1) * G - h0);
+          if (heads <= 0) continue;
+          const int64_t b = m / p.T_;
+          float* a = attn_f.data() + (m * Hq + h0) * D;  // [heads, D]
+          const float* q = qk.data() + m * (Hq + Hkv) * D + h0 * D;
+          if (m != keys_of) {  // the row's keys as offsets into the cache
+            key_rows(p, positions.data() + cu_positions[b], b, m % p.T_, keys, window);
+            keys_of = m;
+          }
+          scores.resize(heads * keys.size());
+          attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), static_cast<int64_t>(keys.size()), q, heads, D,
+                 p.scale, p.softcap, scores.data(), a);
+          convert_row(a, attn.data() + (m * Hq + h0) * D, heads * D);
         }
-        scores.resize(heads * keys.size());
-        const int64_t n = static_cast<int64_t>(keys.size());
-        if (widen_once) {
-          // (the whole prefix read in place: its keys are then rows 0 .. L - 1 of the widened ones)
-          attend(kf, vf, keys.data(), n, q, heads, D, p.scale, p.softcap, scores.data(), a, first_key == 0 ? L : 0);
-        } else {
-          attend(k_plane + kvh * D, v_plane + kvh * D, keys.data(), n, q, heads, D, p.scale, p.softcap, scores.data(),
-                 a);
-        }
-        convert_row(a, attn.data() + (m * Hq + h0) * D, heads * D);
       }
       w.sync();
       linear(w, attn.data(), weight_of(wl[kO], Hq * D), nullptr, delta.data(), M, H, Hq * D);

@@ -19,6 +19,7 @@ CONFIGS = {
     "d80_group5": (5, 1, 80, False, False),
     "mha": (2, 2, 32, False, False),
     "d12_tail": (3, 1, 12, False, False),
+    "d64_group3": (6, 2, 64, False, False),
 }
 H, INTER, LAYERS, EPS = 48, 72, 2, 1e-5
 
@@ -207,14 +208,17 @@ def test_any_thread_count_gives_the_same_bits(name, cache_seqlens, T, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize(
-    "name, lengths, T", [("d80_group5", [7, 2, 11], 4), ("mha", [37, 2, 50], 8)], ids=["d80", "widened_once"]
-)
+    "name, lengths, T",
+    [("d80_group5", [7, 2, 11], 4), ("mha", [37, 2, 50], 8), ("d64_group3", [37, 2, 50], 8),
+     ("mha", [9000, 2, 70], 8)],
+    ids=["d80", "row_sets", "row_sets_d64", "row_sets_cut"],
+)  # fmt: skip
 def test_tree_nodes_equal_plain_decoding_bitwise(paged, dtype, name, lengths, T):
     """A chain verified in one pass gives each node the hidden state plain decoding gives it, bit for bit, and
     a sequence's rows do not depend on the other sequences of the batch (what greedy speculation relies on).
-    "widened_once": D a multiple of 16 and 8 rows a sequence, so on AVX-512 each worker widens a sequence's keys
-    and values once per KV head for its rows (attention_cpu.h, widens_once) and reads whole blocks of the prefix in
-    place; plain decoding's one row does not."""
+    On AVX-512 a worker attends a sequence's rows at one KV head as one set, each shared key read once for all of
+    them (attention_cpu.h, attends_row_sets); plain decoding's one row is a set of its own. "row_sets_d64": a set's
+    24 heads summed 6 at a time; "row_sets_cut": a 9,000-token prefix, whose scores cut the rows into several sets."""
     Hq, Hkv, D, bias, qk_norm = CONFIGS[name]
     weights, final_norm = make_weights(Hq, Hkv, D, bias, qk_norm)
     hidden, kv, cache_seqlens, _, _, table = make_problem(Hq, Hkv, D, lengths, T, paged=paged, mask="causal")
