@@ -12,8 +12,8 @@ Two parts, each with 2 threads (torch.set_num_threads):
    median us per call (p20-p80), weight GB/s (the DRAM roofline) and GFLOP/s (the FMA roofline: 2 cores x 2 FMA
    ports x 8 fp32 lanes x 2 flops per cycle on AVX2, ~190 GFLOP/s at ~3 GHz).
 2. **Forward**: the engine's own forward + logits of SmolLM2 (``--model``, default the pulled GGUF) in bfloat16 over a
-   ``CTX``-token cached prefix at T = 1, 2, 4, 8, 16 (spec_engine.benchmark.forward_step), interleaved round by round,
-   and r(T) from the medians.
+   ``--context``-token cached prefix (default ``CTX``) at T = 1, 2, 4, 8, 16 (bench.harness.forward_step),
+   interleaved round by round, and r(T) from the medians.
 
 The machine is shared: rounds interleave every config so load drift hits all alike; medians carry the noise. With
 more runnable threads than cores, a two-thread call can wait a scheduler slice for its second thread (milliseconds,
@@ -23,7 +23,7 @@ processes (not to their share of DRAM bandwidth and L3). To compare two builds o
 each checkout alternately (each with its own SPECDEC_CACHE).
 
 Usage: python bench/bench_verify_width.py [--quick] [--part matmuls|forward|both] [--model DIR] [--threads N]
-[--clock wall|cpu].
+[--clock wall|cpu] [--context N] [--quantization gguf].
 Results go to bench/out/bench_verify_width.json.
 """
 
@@ -34,12 +34,16 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from spec_kernels.linear import linear
+if __package__ in (None, ""):  # run as a file: the repository root, not bench/, heads the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from spec_kernels.linear import linear  # noqa: E402
 
 CTX = 96  # committed tokens under every timed forward
 WIDTHS = (1, 2, 4, 8, 16)
@@ -97,14 +101,16 @@ def bench_matmuls(reps: int, clock) -> list[dict]:
     return out
 
 
-def bench_forward(model_dir: str, reps: int, clock) -> dict:
-    """Median ms of the bf16 forward + logits at each T (rounds interleave the T values) and r(T)."""
+def bench_forward(model_dir: str, reps: int, clock, ctx: int = CTX, quantization: str | None = None) -> dict:
+    """Median ms of the bf16 forward + logits at each T over a ``ctx``-token prefix (rounds interleave the T values)
+    and r(T); ``quantization="gguf"``: a GGUF file's blocks kept."""
     from bench.harness import forward_step
     from spec_engine.llm import LLM
 
-    llm = LLM(model=model_dir, dtype="bfloat16", max_num_seqs=1)
+    llm = LLM(model=model_dir, dtype="bfloat16", max_num_seqs=1, max_model_len=max(4096, 2 * (ctx + max(WIDTHS))),
+              quantization=quantization)  # fmt: skip
     eng = llm.engine
-    fns = {t: forward_step(eng.target, eng.kv, 1, CTX, t) for t in WIDTHS}
+    fns = {t: forward_step(eng.target, eng.kv, 1, ctx, t) for t in WIDTHS}
     for fn in fns.values():  # warm-up: lazy builds, first-call allocations
         fn()
         fn()
@@ -133,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2", help="the target: an HF directory, a GGUF file or a pulled name")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: this thread's CPU time")
+    parser.add_argument("--context", type=int, default=CTX, help="the forward part's cached prefix, in tokens")
+    parser.add_argument("--quantization", choices=("gguf",), help="the forward part: a GGUF file's blocks kept")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "bench_verify_width.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -144,7 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.part in ("matmuls", "both"):
         result["matmuls"] = bench_matmuls(7 if args.quick else 25, clock)
     if args.part in ("forward", "both"):
-        result["forward"] = bench_forward(args.model, 15 if args.quick else 60, clock)
+        if args.context < 0:
+            parser.error("--context takes a count of tokens (0 or more)")
+        result["forward"] = bench_forward(args.model, 15 if args.quick else 60, clock, args.context, args.quantization)
     result["meta"] = {
         "machine": platform.node(),
         "processor": platform.processor() or platform.machine(),

@@ -157,7 +157,7 @@ namespace simd {
 // The cache lines of [from, to), into L2 (`l2`) or L1, ahead of their reads: the int8 kernels' next tiles
 // (csrc/quant_int8_cpu.h's fill_panel, csrc/quant_int8_rows_cpu.h's prefetch_ahead) and attention's K and V rows
 // (gathered by index from the paged cache). Always inlined: as a plain inline function (5a5ab6f) GCC emitted none of
-// these in the row kernels (bench/RESULTS.md, "A prefetch helper that was not inlined").
+// these in the row kernels (bench/RESULTS-log.md, "A prefetch helper that was not inlined").
 __attribute__((always_inline)) inline void prefetch_lines(uintptr_t from, uintptr_t to, bool l2) {
   for (uintptr_t line = from & ~uintptr_t{63}; line < to; line += 64) {
     if (l2) {

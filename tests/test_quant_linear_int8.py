@@ -264,7 +264,7 @@ def test_the_kernels_prefetch():
     """Every compiled instantiation of the kernels that prefetch (the int8 row kernels rows16_vnni, rows16_passes,
     AMX's tiles16 and the panel's fill_panel; the bf16 / float32 tiles; attention's scores and weighted sums) holds
     prefetch instructions: with the row kernels' helper a plain inline function, GCC emitted none there (5a5ab6f):
-    the same bits, far slower, which no test of values sees (bench/RESULTS.md, "A prefetch helper that was not
+    the same bits, far slower, which no test of values sees (bench/RESULTS-log.md, "A prefetch helper that was not
     inlined")."""
     import platform
     import re
