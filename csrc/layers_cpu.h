@@ -172,7 +172,9 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
   std::vector<std::vector<std::vector<int64_t>>> set_keys(max_workers);
   std::vector<std::vector<float>> set_q(max_workers), set_out(max_workers);
   for (int64_t i = 0; i < max_workers; ++i) {
-    key_lists[i].reserve(max_keys), score_bufs[i].reserve(set_rows * G * max_keys);
+    // (a set's rows are as many as keep R G (L_b + T) scores within kSetScoreBytes, or one)
+    key_lists[i].reserve(max_keys);
+    score_bufs[i].reserve(row_sets ? std::max(kSetScoreBytes / int64_t{sizeof(float)}, G * max_keys) : G * max_keys);
     if (!row_sets) continue;
     set_keys[i].resize(set_rows);
     for (auto& keys : set_keys[i]) keys.reserve(max_keys);
@@ -184,12 +186,16 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
   std::vector<int64_t> cost_end;
   if (row_sets) {
     cost_end.resize(p.B * Hkv * p.T_);
+    std::vector<int64_t> row_keys(p.T_);
     int64_t total = 0;
     for (int64_t b = 0; b < p.B; ++b) {
+      for (int64_t t = 0; t < p.T_; ++t) {
+        const bool* mask = p.tree_mask + (b * p.T_ + t) * p.T_;  // [T]
+        row_keys[t] = p.cache_seqlens[b] + std::count(mask, mask + p.T_, true) + 1;
+      }
       for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
         for (int64_t t = 0; t < p.T_; ++t) {
-          const bool* mask = p.tree_mask + (b * p.T_ + t) * p.T_;  // [T]
-          total += p.cache_seqlens[b] + std::count(mask, mask + p.T_, true) + 1;
+          total += row_keys[t];
           cost_end[(b * Hkv + kvh) * p.T_ + t] = total;
         }
       }
@@ -201,12 +207,11 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
     std::vector<float>& scores = score_bufs[w.id()];
     const auto [m_begin, m_end] = w.share(M);  // this worker's rows of h in the row-wise stages
     const int64_t my_rows = m_end - m_begin;
-    // Attention units: (b, t, KV head, a group of its G query heads). A group shares each key's loads across its
-    // heads, so a unit is all G heads, except where the units would not spread evenly over the workers: then the G
-    // heads split into `groups` parts. With one KV head (the default target) a decode token was a single unit, its
-    // attention on one thread. Interleaved, L = 1024, bfloat16: a forward takes 22% less time at T = 1, 11% at T = 3.
-    // Each head's sums are its own, so the split changes no value. Workers take every size()-th unit: a causal
-    // chunk's later rows have more keys.
+    // Attention units without row sets (a decode token; CPUs without AVX-512): (b, t, KV head, a group of its G
+    // query heads). A group shares each key's loads across its heads, so a unit is all G heads, except where the units
+    // would not spread evenly over the workers: then the G heads split into `groups` parts (with one KV head, a decode
+    // token would be a single unit, on one thread). Each head's sums are its own, so the split changes no value.
+    // Workers take every size()-th unit: a causal chunk's later rows have more keys.
     const int64_t rows_units = M * Hkv;
     const int64_t groups = rows_units % w.size() == 0 || rows_units >= 4 * w.size() ? 1 : std::min(G, w.size());
     const int64_t per_group = (G + groups - 1) / groups;

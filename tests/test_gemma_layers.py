@@ -81,7 +81,7 @@ def test_native_gemma_matches_float64_reference(name, cache_seqlens, T, mask, dt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["llama_gqa", "mha"])  # (mha: D 32, several rows a KV head: the shared widening)
+@pytest.mark.parametrize("name", ["llama_gqa", "mha"])  # (mha: D 32, several rows a KV head: row sets, windowed)
 def test_gemma_tree_nodes_equal_plain_decoding_bitwise(name, dtype):
     """A tree whose node indices are not its depths (node 2 at depth 1, node 3 at depth 2), verified in one pass
     over prefixes longer than layer 0's window: each node's hidden state is bitwise the one plain decoding of its
