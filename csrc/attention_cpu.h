@@ -326,7 +326,7 @@ void attend_rows(const T* k, const T* v, const int64_t* const* keys, const int64
   TORCH_CHECK(false, "attend_rows: AVX-512 only (attends_row_sets)");
 }
 
-// The most query rows one attend_avx512 call takes (its scores scratch: kMaxSharedRows G keys floats per worker).
+// The most query rows one attend_avx512 call takes (one set of a verify's or a prompt chunk's rows).
 constexpr int64_t kMaxSharedRows = 16;
 
 // A row set's scores' most bytes (kMaxSharedRows aside): past L2 they slowed the sets more than their shared reads
