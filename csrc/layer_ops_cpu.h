@@ -199,7 +199,7 @@ SPECDEC_AVX512 void weighted_sums_avx512(const float* s, int64_t ld_s, const T* 
 }
 
 // G heads' weighted sums (s [G, ld_s] -> o [G, D]; `resume`: continued from o's values): up to 6 heads at once for
-// D = 64, 3 for D = 128 (every accumulator in a register), else head by head.
+// D = 64 and 3 for D = 128 (as many as the registers hold), else head by head.
 template <typename T>
 SPECDEC_AVX512 void weighted_sums_heads_avx512(const float* s, int64_t ld_s, const T* v, const int64_t* rows,
                                                int64_t n, int64_t D, int64_t G, float* o, bool resume) {
