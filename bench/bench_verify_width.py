@@ -107,7 +107,7 @@ def bench_forward(model_dir: str, reps: int, clock, ctx: int = CTX, quantization
     from bench.harness import forward_step
     from spec_engine.llm import LLM
 
-    llm = LLM(model=model_dir, dtype="bfloat16", max_num_seqs=1, max_model_len=max(4096, 2 * (ctx + max(WIDTHS))),
+    llm = LLM(model=model_dir, dtype="bfloat16", max_num_seqs=1, max_model_len=max(4096, ctx + 4 * max(WIDTHS)),
               quantization=quantization)  # fmt: skip
     eng = llm.engine
     fns = {t: forward_step(eng.target, eng.kv, 1, ctx, t) for t in WIDTHS}
