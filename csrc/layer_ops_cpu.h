@@ -54,16 +54,17 @@ void axpy_scalar(float alpha, const T* x, float* y, int64_t n) {
 }
 
 #if SPECDEC_DECODER_X86
-// How many keys ahead attention's reads of the cache prefetch their K and V rows (tried 16 and 64 on Zen 4:
-// bench/RESULTS.md, "Attention's reads of the cache, prefetched").
-constexpr int64_t kKeysAhead = 64;
+// How many keys ahead attention's reads of the cache prefetch their K and V rows (tried 8-256 on Zen 4:
+// bench/RESULTS.md, "Attention's reads of the cache, into L2").
+constexpr int64_t kKeysAhead = 32;
 
-// Every cache line of a K or V row of the paged cache (n elements at p), into L1 ahead of its read: attention gathers
+// Every cache line of a K or V row of the paged cache (n elements at p), into L2 ahead of its read: attention gathers
 // the rows by index (a KV head's rows a stride apart, blocks anywhere). A row of D = 64 bfloat16 spans two lines.
+// Into L1 (before), a long context's loads still stalled on their rows.
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_row(const T* p, int64_t n) {
   const uintptr_t from = reinterpret_cast<uintptr_t>(p);
-  simd::prefetch_lines(from, from + n * sizeof(T), false);
+  simd::prefetch_lines(from, from + n * sizeof(T), true);
 }
 
 // 16 elements (the first `count` of them; the rest zero) as float32 lanes.
