@@ -217,6 +217,7 @@ SPECDEC_AVX2 inline void accumulate_values(const float* s, const T* v, const int
   for (int64_t j = 0; j < n; ++j) {
     const __m256 a = _mm256_set1_ps(s[j]);
     const T* row = v + rows[j];
+    if (j + kKeysAhead < n) prefetch_row(v + rows[j + kKeysAhead], 8 * C);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(a, simd::load8(row + 8 * c, 8), acc[c]);
   }
@@ -260,6 +261,7 @@ SPECDEC_AVX2 void attend_avx2(const T* k, const T* v, const int64_t* rows, int64
   alignas(32) float block[8];
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
     const int64_t count = std::min<int64_t>(8, n - j0);
+    for (int64_t j = j0 + kKeysAhead; j < std::min(j0 + 8 + kKeysAhead, n); ++j) prefetch_row(k + rows[j], D);
     for (int64_t g = 0; g < G; ++g) {
       __m256 acc[8];
 #pragma GCC unroll 8
