@@ -73,8 +73,7 @@ decoding (bench/RESULTS-log.md, "Figures moved from code comments (2026-11-26)")
 or a run of successful probes still buys one. The success rate starts from a prior worth a single probe, so a draft
 whose probes all miss stops buying a long prompt's catch-up within a few requests (``probe_success``). A request's first
 drafted step (its whole prompt to catch up) is priced the same way, at the rate its evidence promises without the
-optimism bonus: the bonus buys evidence where the cache is current, not a whole prompt's catch-up at alpha ~0.45, where
-depth 1 only breaks even on a CPU.
+optimism bonus: it buys evidence where the cache is current, not a prompt's catch-up at alpha ~0.45 (break-even).
 """
 
 from __future__ import annotations
@@ -418,8 +417,9 @@ class AdaptiveController:
         return chance * saving > catch_up + max(step - plain_step, 0.0)
 
     def _commit_choice(self, reqs: Sequence, states: list[RowState], gammas: list[int]) -> list[int]:
-        # a draft model first feeds each drafted row the tokens its cache lacks (1 after a full chain; the prompt
-        # and the undrafted steps' tokens when a row is drafted for the first time or after a stretch without)
+        # no row deeper than its tokens left but one (the widest tree before costs are measured, probes: unpriced)
+        gammas = [min(g, max(r.params.max_tokens - len(r.output_token_ids), 1) - 1) for r, g in zip(reqs, gammas)]
+        # a draft model first feeds each drafted row what its cache lacks (1 after a full chain; a first draft: all)
         self._catch_up_tokens = sum(self.cache_lag(r) for r, gamma in zip(reqs, gammas) if gamma)
         return gammas
 

@@ -178,3 +178,20 @@ def test_a_draft_that_turns_useful_is_noticed():
     assert sum(G > 0 for G in deepest[300:600]) < 15  # (off: a probe or a drift back now and then, at depth 1)
     back = next(s for s in range(600, 900) if deepest[s] == 8)
     assert back - 600 <= MAX_PROBE_INTERVAL + PROBE_INTERVAL + 8
+
+
+@pytest.mark.parametrize("sized", [False, True], ids=["depths", "sized"])
+def test_no_row_drafts_past_the_tokens_it_can_keep(sized):
+    """A row's depth is at most its tokens left but one, whatever the controller would choose: before any cost is
+    measured it offers the widest tree (a suffix drafter's largest budget always), and a 3-token request's step at
+    depth 8 verified a tree whose last tokens it could never keep (the engine's hybrid did so on its last token)."""
+    ctl = AdaptiveController(8, lambda g: g + 1, sized=sized)
+    reqs = [request(max_tokens=3), request(max_tokens=1), request()]
+    assert ctl.choose(reqs) == [2, 0, 8]
+    reqs[0].output_token_ids.extend([0, 0])
+    assert ctl.choose(reqs)[0] == 0
+    deepest = run(AdaptiveController(8, lambda g: g + 1, sized=sized), [request(max_tokens=40)], perfect, 100)
+    left = 40
+    for depth in deepest:  # (a perfect draft keeps every drafted token)
+        assert depth <= left - 1
+        left -= depth + 1
