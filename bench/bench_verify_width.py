@@ -107,6 +107,7 @@ def bench_forward(model_dir: str, reps: int, clock, ctx: int = CTX, quantization
     from bench.harness import forward_step
     from spec_engine.llm import LLM
 
+    # (room for the prefix, the widest forward and forward_step's table, which starts at block 1)
     llm = LLM(model=model_dir, dtype="bfloat16", max_num_seqs=1, max_model_len=max(4096, ctx + 4 * max(WIDTHS)),
               quantization=quantization)  # fmt: skip
     eng = llm.engine
