@@ -36,6 +36,9 @@ struct Problem {
   const int64_t* depths = nullptr;
   float softcap = 0.f;
   bool gelu = false;
+  // The last layer stops once its K/V are written (a causal chunk whose outputs nobody reads: the caller wants the
+  // cache; h and the outputs are left as they were).
+  bool kv_only = false;
 
   // Offset of logical position p of sequence b in one cache plane, in elements, at KV head 0.
   int64_t row_offset(int64_t b, int64_t p) const {

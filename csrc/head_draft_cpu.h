@@ -64,36 +64,35 @@ class HeadDraft {
     cache_ = features.data_ptr<T>();
   }
 
-  // Entries (b, t): tokens[b * ld + t] at positions start[b] + t, their K/V written. Their raw outputs [B * T, H],
-  // valid until the next forward.
-  const T* entries(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start) {
-    const int64_t H = head_.hidden_size();
-    feats_.assign(B * T_ * H, static_cast<T>(0.f));  // [B * T, H]
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t t = 0; t < T_; ++t) {
-        if (start[b] + t >= 1) {
-          const T* src = row(b, start[b] + t - 1);
-          std::copy(src, src + H, feats_.begin() + (b * T_ + t) * H);
-        }
-      }
+  // Entries (b, t): tokens[b * ld + t] at positions start[b] + t, their K/V written; each row's root, entry last[b]
+  // at R_b = start[b] + last[b] (roots() [B]), then runs alone for its output: nothing reads the others' (a
+  // prompt's, a catch-up's), and an entry's K/V need only the entries before it, so they are written first, K/V
+  // only (the root's outputs the same bits as in one causal chunk: the kernels are batch-invariant). The roots' raw
+  // outputs [B, H] (normed() holds them final-normed), valid until the next forward.
+  const T* entries(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start,
+                   const int64_t* last) {
+    if (T_ > 1) {
+      feature_rows(B, T_, start);  // [B * T, H]
+      head_.head_kv(tokens, ld, B, T_, start, feats_.data());
     }
-    return head_.forward_head(tokens, ld, B, T_, start, feats_.data(), false);
+    roots_.resize(B), root_tok_.resize(B);
+    for (int64_t b = 0; b < B; ++b) roots_[b] = start[b] + last[b], root_tok_[b] = tokens[b * ld + last[b]];
+    feature_rows(B, 1, roots_.data());  // [B, H]
+    return head_.forward_head(root_tok_.data(), 1, B, 1, roots_.data(), feats_.data(), false);
   }
+  const int64_t* roots() const { return roots_.data(); }
 
-  // From each row's root, entry last[b] of the entries just run (T per row, the first at start[b]), gamma greedy
+  // From each row's root (raw [B, H], the roots' outputs entries() just returned; at roots[b] = R_b), gamma greedy
   // tokens into chain [B, gamma]: token d the argmax of node d - 1's draft logits, node d run at R_b + d. With
   // ``draws`` (a sampled chain), token d of a row whose inv_temp is > 0 is the argmax of logits * inv_temp + noise
   // over the draft vocabulary instead (Gumbel-max: a draw from softmax(logits / temperature)), and each level's
   // logits are copied out.
-  void chain(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, int64_t gamma,
-             int64_t* out, const ChainDraws* draws = nullptr) {
+  void chain(const T* raw, int64_t B, const int64_t* roots, int64_t gamma, int64_t* out,
+             const ChainDraws* draws = nullptr) {
     const int64_t H = head_.hidden_size(), V = head_.vocab();
-    prev_.resize(B * H), normed_.resize(B * H), ids_.resize(B), pos_.resize(B);
-    for (int64_t b = 0; b < B; ++b) {  // the roots: raw outputs feed node 1, normed ones give the first logits
-      const int64_t m = b * T_ + last[b];
-      std::copy(raw + m * H, raw + (m + 1) * H, prev_.begin() + b * H);
-      std::copy(head_.normed() + m * H, head_.normed() + (m + 1) * H, normed_.begin() + b * H);
-    }
+    ids_.resize(B), pos_.resize(B);
+    prev_.assign(raw, raw + B * H);  // the roots: raw outputs feed node 1, normed ones give the first logits
+    normed_.assign(head_.normed(), head_.normed() + B * H);
     const T* logits = head_.logits(normed_.data(), B);  // [B, V]
     for (int64_t d = 1; d <= gamma; ++d) {
       for (int64_t b = 0; b < B; ++b) {
@@ -107,7 +106,7 @@ class HeadDraft {
                                  ? draws->argmax(row_logits, b, level, V)
                                  : std::max<int64_t>(greedy::argmax(row_logits, V, false), 0);
         ids_[b] = out[b * gamma + d - 1] = id_of_ != nullptr ? id_of_[best] : best;
-        pos_[b] = start[b] + last[b] + d;
+        pos_[b] = roots[b] + d;
       }
       if (d == gamma) return;
       const T* h = head_.forward_head(ids_.data(), 1, B, 1, pos_.data(), prev_.data(), true);  // [B, H]
@@ -116,32 +115,30 @@ class HeadDraft {
     }
   }
 
-  // Each row's root (entry last[b] of the entries just run, T per row, the first at start[b]) as node 0 of a tree of
-  // N nodes: its raw output into nodes_ [B, N, H] (the nodes' raw outputs), node 1's slot R_b + 1 into pos_, the
-  // nodes' target ids tree_tok_ [B, N] cleared. Returns the roots' draft logits [B, V].
-  const T* tree_roots(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, int64_t N) {
+  // Each row's root (raw [B, H], at roots[b] = R_b) as node 0 of a tree of N nodes: its raw output into nodes_
+  // [B, N, H] (the nodes' raw outputs), node 1's slot R_b + 1 into pos_, the nodes' target ids tree_tok_ [B, N]
+  // cleared. Returns the roots' draft logits [B, V].
+  const T* tree_roots(const T* raw, int64_t B, const int64_t* roots, int64_t N) {
     const int64_t H = head_.hidden_size();
     nodes_.resize(B * N * H);
-    normed_.resize(B * H), pos_.resize(B);
+    pos_.resize(B);
     tree_tok_.assign(B * N, 0);
+    normed_.assign(head_.normed(), head_.normed() + B * H);
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t m = b * T_ + last[b];
-      std::copy(raw + m * H, raw + (m + 1) * H, nodes_.begin() + b * N * H);
-      std::copy(head_.normed() + m * H, head_.normed() + (m + 1) * H, normed_.begin() + b * H);
-      pos_[b] = start[b] + last[b] + 1;
+      std::copy(raw + b * H, raw + (b + 1) * H, nodes_.begin() + b * N * H);
+      pos_[b] = roots[b] + 1;
     }
     return head_.logits(normed_.data(), B);
   }
 
-  // From each row's root (entry last[b] of the entries just run, T per row, the first at start[b]), the nodes 1 ..
-  // N - 1 of `tree` into out [B, N - 1]: the children of a node are the branching[d] most likely tokens of its draft
-  // logits (the first index of the maximum when one; ties to the lower id), level by level. Below the last level,
-  // levels 1 .. d + 1 run together, re-rooted at slot R_b + 1 (each node at position R_b + its depth, seeing the
-  // prefix through the root and its own ancestors), each fed its parent's raw output as its feature.
-  void tree(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, const TreeShape& tree,
-            int64_t* out) {
+  // From each row's root (raw [B, H], at roots[b] = R_b, as chain's), the nodes 1 .. N - 1 of `tree` into out
+  // [B, N - 1]: the children of a node are the branching[d] most likely tokens of its draft logits (the first index
+  // of the maximum when one; ties to the lower id), level by level. Below the last level, levels 1 .. d + 1 run
+  // together, re-rooted at slot R_b + 1 (each node at position R_b + its depth, seeing the prefix through the root
+  // and its own ancestors), each fed its parent's raw output as its feature.
+  void tree(const T* raw, int64_t B, const int64_t* roots, const TreeShape& tree, int64_t* out) {
     const int64_t H = head_.hidden_size(), V = head_.vocab(), N = tree.nodes();
-    const T* logits = tree_roots(raw, B, T_, start, last, N);  // [B, n_level, V] with level 0's one node
+    const T* logits = tree_roots(raw, B, roots, N);  // [B, n_level, V] with level 0's one node
     for (int64_t d = 0; d < tree.depth(); ++d) {
       const int64_t first = tree.levels[d], n_level = tree.levels[d + 1] - first, kids = tree.branching[d];
       for (int64_t b = 0; b < B; ++b) {
@@ -184,22 +181,22 @@ class HeadDraft {
     }
   }
 
-  // EAGLE-2's dynamic tree from each row's root (entry last[b] of the entries just run, T per row, the first at
-  // start[b]): gamma levels of k nodes, their target ids into out [B, N - 1] and their parents into parents [B, N]
-  // (N = 1 + k gamma; the root's -1). Level d keeps the k best children of level d - 1's nodes by path score, the
-  // rule of spec_engine/drafters/dynamic_tree.py's dynamic_level, mirrored bit for bit (path_scores, better): each
-  // node's k best children, then the level's k best of those, best first. Below the last level, levels 1 .. d run
-  // together re-rooted at slot R_b + 1 as HeadDraft::tree runs them, with each row's mask from its chosen parents.
+  // EAGLE-2's dynamic tree from each row's root (raw [B, H], at roots[b] = R_b, as chain's): gamma levels of k
+  // nodes, their target ids into out [B, N - 1] and their parents into parents [B, N] (N = 1 + k gamma; the root's
+  // -1). Level d keeps the k best children of level d - 1's nodes by path score, the rule of
+  // spec_engine/drafters/dynamic_tree.py's dynamic_level, mirrored bit for bit (path_scores, better): each node's k
+  // best children, then the level's k best of those, best first. Below the last level, levels 1 .. d run together
+  // re-rooted at slot R_b + 1 as HeadDraft::tree runs them, with each row's mask from its chosen parents.
   // With `draws` (coupled rows), a row whose inv_temp s = 1 / t is > 0 scores its children on its perturbed logits
   // z + t g, g its level's noise (every node of level d sits at the position its children are sampled at, so one
   // noise per level): a Gumbel-top-k, scored as the chance that the coupled walk takes each, were the head the target.
-  void dynamic_tree(const T* raw, int64_t B, int64_t T_, const int64_t* start, const int64_t* last, int64_t gamma,
-                    int64_t k, int64_t* out, int64_t* parents, const ChainDraws* draws = nullptr) {
+  void dynamic_tree(const T* raw, int64_t B, const int64_t* roots, int64_t gamma, int64_t k, int64_t* out,
+                    int64_t* parents, const ChainDraws* draws = nullptr) {
     const int64_t H = head_.hidden_size(), V = head_.vocab(), N = 1 + k * gamma;
     path_.resize(V), perturbed_.resize(V);
     score_.assign(B * N, 0.0f);  // [B, N]: the nodes' path scores
     for (int64_t b = 0; b < B; ++b) parents[b * N] = -1;
-    const T* logits = tree_roots(raw, B, T_, start, last, N);  // [B, n_parent, V] with level 0's one node
+    const T* logits = tree_roots(raw, B, roots, N);  // [B, n_parent, V] with level 0's one node
     for (int64_t d = 1; d <= gamma; ++d) {
       const int64_t n_parent = d == 1 ? 1 : k, first = d == 1 ? 0 : 1 + (d - 2) * k, level = 1 + (d - 1) * k;
       for (int64_t b = 0; b < B; ++b) {
@@ -261,18 +258,18 @@ class HeadDraft {
     const int64_t B = r.B, width = *std::max_element(r.catch_up_len.begin(), r.catch_up_len.end());
     start_.resize(B), last_.resize(B);
     for (int64_t b = 0; b < B; ++b) start_[b] = r.L[b] - r.catch_up_len[b] + 1, last_[b] = r.catch_up_len[b] - 1;
-    const T* raw = entries(r.catch_up.data(), r.ld, B, width, start_.data());
+    const T* raw = entries(r.catch_up.data(), r.ld, B, width, start_.data(), last_.data());
     if (r.tree.dynamic()) {  // (coupled rows on their level's noise, as their chains)
       const ChainDraws draws = r.sampling.any() ? coupled_draws(r) : ChainDraws{nullptr, nullptr, nullptr};
-      dynamic_tree(raw, B, width, start_.data(), last_.data(), r.gamma, r.tree.topk, drafts, parents,
+      dynamic_tree(raw, B, roots(), r.gamma, r.tree.topk, drafts, parents,
                    draws.inv_temp != nullptr ? &draws : nullptr);
     } else if (r.sampling.any()) {  // (chains only: spec_chain_cpu refuses sampled rows' static trees)
       const ChainDraws draws = coupled_draws(r);
-      chain(raw, B, width, start_.data(), last_.data(), r.gamma, drafts, &draws);
+      chain(raw, B, roots(), r.gamma, drafts, &draws);
     } else if (r.tree.is_chain()) {
-      chain(raw, B, width, start_.data(), last_.data(), r.gamma, drafts);
+      chain(raw, B, roots(), r.gamma, drafts);
     } else {
-      tree(raw, B, width, start_.data(), last_.data(), r.tree, drafts);
+      tree(raw, B, roots(), r.tree, drafts);
     }
   }
 
@@ -327,6 +324,20 @@ class HeadDraft {
   }
 
  private:
+  // feats_ [B * T, H]: entry (b, t) at position start[b] + t reads the feature of the position before it (zeros at 0).
+  void feature_rows(int64_t B, int64_t T_, const int64_t* start) {
+    const int64_t H = head_.hidden_size();
+    feats_.assign(B * T_ * H, static_cast<T>(0.f));
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T_; ++t) {
+        if (start[b] + t >= 1) {
+          const T* src = row(b, start[b] + t - 1);
+          std::copy(src, src + H, feats_.begin() + (b * T_ + t) * H);
+        }
+      }
+    }
+  }
+
   // Row b's feature cache entry at position pos (its block checked: the ops check positions against the table).
   T* row(int64_t b, int64_t pos) const {
     TORCH_CHECK_VALUE(pos >= 0 && pos / block_size_ < max_blocks_, "EAGLE-3 head: position ", pos, " of row ", b,
@@ -406,7 +417,7 @@ class HeadDraft {
 
   std::vector<float> inv_temp_, noise_;  // coupled_draws': [B] and [B, gamma, K]
   std::vector<T> feats_, prev_, normed_, nodes_, level_;
-  std::vector<int64_t> start_, last_, ids_, pos_, tree_tok_, sub_tok_, sub_depth_, best_, order_;
+  std::vector<int64_t> start_, last_, roots_, root_tok_, ids_, pos_, tree_tok_, sub_tok_, sub_depth_, best_, order_;
   std::vector<float> score_, path_, perturbed_, cand_score_;  // a dynamic tree's: [B, N], [V], [V], [n_parent * k]
   std::vector<int64_t> cand_tok_, sub_parent_;
   std::unique_ptr<bool[]> mask_;

@@ -287,6 +287,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         std::copy(v_row + (hd - Hq) * D, v_row + (hd - Hq + 1) * D, v_plane + dst);  // V head hd - Hq
       }
       w.sync();
+      if (p.kv_only && l + 1 == p.num_layers) return;  // (every worker alike: no sync follows)
       if (row_sets) {
         for (int64_t i = set_begin; i < set_end;) {  // a run of one sequence's rows at one KV head, at most set_rows
           const int64_t b = i / (Hkv * p.T_), kvh = i / p.T_ % Hkv, t0 = i % p.T_;

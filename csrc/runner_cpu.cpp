@@ -259,10 +259,11 @@ at::Tensor plain_steps_cpu(const at::Tensor& roots, const c10::intrusive_ptr<Nat
 // their feature (K/V written there), as the drafter's level-by-level chain does. A sampled chain passes inv_temp
 // [B] float32 (1 / temperature; 0 for a greedy row) and noise [B, gamma, K] float32 (each level's Gumbel noise over
 // the draft vocabulary): token d of a sampled row is then the argmax of logits * inv_temp + noise (a draw from
-// softmax(logits / temperature)). Returns (the entries' raw outputs [B, T, H], the chain [B, gamma] int64; [B, 0]
-// for gamma = 0; a sampled chain's logits at each level [B, gamma, K] float32, [0] otherwise). Why: driven from
-// Python, a head step is dozens of small torch ops (two norms, a cat, the layer, a 49152-wide scatter of the draft
-// logits) whose dispatch cost more than the head's weights.
+// softmax(logits / temperature)). Returns (the roots' raw outputs [B, H] (only the roots run whole:
+// HeadDraft::entries), the chain [B, gamma] int64; [B, 0] for gamma = 0; a sampled chain's logits at each level
+// [B, gamma, K] float32, [0] otherwise). Why: driven from Python, a head step is dozens of small torch ops (two
+// norms, a cat, the layer, a 49152-wide scatter of the draft logits) whose dispatch cost more than the head's
+// weights.
 // `entries` is [tokens, start, last]; `draws` [inv_temp, noise] for a sampled chain, [] for a greedy one. `topk` k >
 // 0 drafts EAGLE-2's dynamic tree instead of the chain (HeadDraft::dynamic_tree; with draws, a sampled row's children
 // ranked on its perturbed logits, the noise of level d at its parents' position): gamma levels of k nodes, the
@@ -299,7 +300,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
   }
   const int64_t K = m.lm_head.size(0);                               // the draft vocabulary
   shape_of("eagle3_draft", {}, gamma, topk, K);
-  at::Tensor out = at::empty({B, T_, H}, m.rope_table.options());         // [B, T, H]
+  at::Tensor out = at::empty({B, H}, m.rope_table.options());             // [B, H]
   at::Tensor chain = at::empty({B, gamma * std::max<int64_t>(topk, 1)}, ids.options());  // [B, gamma] or [B, k gamma]
   TORCH_CHECK_VALUE(inv_temp.has_value() == noise.has_value(), "eagle3_draft: inv_temp and noise go together");
   at::Tensor temps, gumbel, logits;
@@ -325,16 +326,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_draft_cpu(
     using T = decltype(type);
     ChainRunner<T> model = runner_of<T>("eagle3_draft", m, kv_cache, table, B);
     HeadDraft<T> draft(model, feature_cache, table, m.vocab_ids());
-    const T* raw = draft.entries(ids.data_ptr<int64_t>(), T_, B, T_, S);  // [B * T, H]
-    std::copy(raw, raw + B * T_ * H, out.data_ptr<T>());
+    const T* raw = draft.entries(ids.data_ptr<int64_t>(), T_, B, T_, S, R);  // [B, H]
+    std::copy(raw, raw + B * H, out.data_ptr<T>());
     ChainDraws draws{temps.defined() ? temps.data_ptr<float>() : nullptr,
                      gumbel.defined() ? gumbel.data_ptr<float>() : nullptr,
                      topk == 0 ? logits.data_ptr<float>() : nullptr};
     if (gamma > 0 && topk > 0) {
-      draft.dynamic_tree(raw, B, T_, S, R, gamma, topk, chain.data_ptr<int64_t>(), logits.data_ptr<int64_t>(),
+      draft.dynamic_tree(raw, B, draft.roots(), gamma, topk, chain.data_ptr<int64_t>(), logits.data_ptr<int64_t>(),
                          gumbel.defined() ? &draws : nullptr);
     } else if (gamma > 0) {
-      draft.chain(raw, B, T_, S, R, gamma, chain.data_ptr<int64_t>(), gumbel.defined() ? &draws : nullptr);
+      draft.chain(raw, B, draft.roots(), gamma, chain.data_ptr<int64_t>(), gumbel.defined() ? &draws : nullptr);
     }
   });
   return {out, chain, logits};

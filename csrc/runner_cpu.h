@@ -150,6 +150,11 @@ class ChainRunner {
     run(tokens, ld, B, T_, start, with_logits, feats);
     return raw_.data();
   }
+  // The same entries' K/V only (Problem::kv_only): no outputs.
+  void head_kv(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start, const T* feats) {
+    TORCH_CHECK(hidden_norm_.defined(), op_, ": head_kv needs a head's runner");
+    run(tokens, ld, B, T_, start, false, feats, nullptr, nullptr, true);
+  }
   // The same over trees: entry t of row b at slot start[b] + t and position start[b] + depths[b * T + t], seeing the
   // prefix and the entries tree_mask [B, T, T] allows. No logits.
   const T* forward_head_tree(const int64_t* tokens, int64_t B, int64_t T_, const int64_t* start,
@@ -181,9 +186,10 @@ class ChainRunner {
   }
 
  private:
-  // A causal chunk, or trees where `depths` and `tree_mask` are given (forward_tree).
+  // A causal chunk, or trees where `depths` and `tree_mask` are given (forward_tree); `kv_only`: its K/V alone.
   void run(const int64_t* tokens, int64_t ld, int64_t B, int64_t T_, const int64_t* start, bool with_logits,
-           const T* feats = nullptr, const int64_t* depths = nullptr, const bool* tree_mask = nullptr) {
+           const T* feats = nullptr, const int64_t* depths = nullptr, const bool* tree_mask = nullptr,
+           bool kv_only = false) {
     const int64_t H = d_.H, D = d_.D, M = B * T_, V = embed_.size(0), P = rope_.size(1);
     h_.resize(M * H);
     cos_sin_.resize(2 * M * D);
@@ -230,7 +236,7 @@ class ChainRunner {
       captured_.resize(M * num_capture() * H);
       p.capture = capture_.data(), p.num_capture = num_capture(), p.features = captured_.data();
     }
-    p.B = B, p.T_ = T_;
+    p.B = B, p.T_ = T_, p.kv_only = kv_only;
     p.cache_seqlens = cache_seqlens_.data();
     p.tree_mask = mask_.get();
     p.cos = cos_sin_.data();
@@ -241,7 +247,7 @@ class ChainRunner {
     if (M == 0) return;
     run_layers(p, weights_, norm_, h_.data(), out_.data(), with_logits ? head() : Weight{},
                vocab(), logits_.data());
-    if (feats != nullptr) raw_.assign(h_.begin(), h_.end());
+    if (feats != nullptr && !kv_only) raw_.assign(h_.begin(), h_.end());
   }
 
   // A head's attention input and residual stream from the embeddings in h_ and the features feats [M, H].

@@ -255,13 +255,14 @@ def test_published_layouts_load_and_stay_lossless(models, plain_greedy, tmp_path
 
 def _head_op_by_op(head, tokens, start, last, fcache, kv, table, gamma):
     """``eagle3_draft``'s result the torch way: the head's forward over the entries (features gathered from the
-    cache), then its chain level by level, each node's feature its parent's output."""
+    cache), the roots' outputs [B, H], then its chain level by level, each node's feature its parent's output."""
     B, T = tokens.shape
     positions = start.long()[:, None] + torch.arange(T)  # [B, T]
     blocks, offsets = cache_slots((positions - 1).clamp(min=0), fcache.shape[2], table)
     feats = fcache[0, blocks, offsets] * (positions >= 1)[..., None]  # [B, T, H]
     out = head(tokens, feats, positions, kv, start, causal_mask(B, T, "cpu"), table)  # [B, T, H]
-    prev, root, chain = out[torch.arange(B), last], start.long() + last, []  # [B, H], [B]
+    out = out[torch.arange(B), last]  # [B, H]: the roots'
+    prev, root, chain = out, start.long() + last, []  # [B, H], [B]
     for d in range(1, gamma + 1):
         chain.append(head.logits(prev).argmax(-1))  # [B]
         if d < gamma:
@@ -311,10 +312,39 @@ def test_native_eagle3_draft_matches_the_head_op_by_op(models, tmp_path, dtype, 
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
         assert chain.tolist() == ref_chain.tolist()
         torch.testing.assert_close(kv, ref_kv, atol=1e-5, rtol=1e-5)
-    else:  # the chains may part at a near-tie: compare the entries, and the cache where the chains agree
+    else:  # the chains may part at a near-tie: compare the roots' outputs
         torch_out, _, _ = run(dtype, native=False)
         assert (out - ref_out).abs().max() <= 2 * (torch_out - ref_out).abs().max() + 1e-2
     assert (chain % 2 == 0).all()  # the draft vocabulary's ids (target tokens 0, 2, 4, ...)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_eagle3_draft_entries_in_one_chunk_or_one_by_one(models, tmp_path, dtype):
+    """Only each row's root runs the head's layer whole; the entries before it write their K/V alone. A chunk
+    caught up in one call leaves the same cache, bit for bit, as the same entries fed one call at a time (each then
+    its own root), and its root's output and chain are the last call's."""
+    target_dir, _ = models
+    head = load_eagle_head(write_published_head(tmp_path / "eagle3", "eagle3"), load_model(target_dir).to(dtype),
+                           dtype=dtype).fuse(max_positions=64)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    B, T, block_size, num_blocks, gamma = 2, 6, 4, 16, 3
+    fcache = torch.randn(1, num_blocks, block_size, HIDDEN, generator=g).to(dtype)  # [1, blocks, block_size, H]
+    table = torch.randperm(num_blocks, generator=g)[: B * 8].reshape(B, 8).int()  # [B, 8]
+    tokens = torch.randint(0, 96, (B, T), generator=g)
+    start = torch.tensor([5, 0], dtype=torch.int32)
+
+    def run(one_by_one: bool):
+        kv = torch.zeros(1, 2, num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=dtype)
+        calls = [(t, t + 1) for t in range(T)] if one_by_one else [(0, T)]
+        for a, b in calls:
+            out, chain, _ = eagle3_draft(head.native, tokens[:, a:b].contiguous(), start + a,
+                                         torch.full((B,), b - a - 1), fcache, kv, gamma=gamma if b == T else 0,
+                                         block_table=table)  # fmt: skip
+        return out, chain, kv
+
+    out, chain, kv = run(one_by_one=False)
+    ref_out, ref_chain, ref_kv = run(one_by_one=True)
+    assert torch.equal(out, ref_out) and torch.equal(chain, ref_chain) and torch.equal(kv, ref_kv)
 
 
 def test_native_eagle3_draft_rejects_bad_inputs(models, tmp_path):

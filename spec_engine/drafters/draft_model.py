@@ -125,10 +125,12 @@ class DraftModelDrafter(Drafter):
     def prefill(self, input_ids, positions, cache_seqlens, mask, block_table, hidden=None) -> None:
         self._forward_prefix(input_ids, positions, cache_seqlens, mask, block_table)
 
-    def _forward_prefix(self, tokens, positions, cache_seqlens, mask, block_table) -> torch.Tensor:
+    def _forward_prefix(self, tokens, positions, cache_seqlens, mask, block_table, last=None) -> torch.Tensor | None:
         """Tokens [B, T] of the sequences themselves (prompt, catch-up), a causal chunk at ``positions`` = cache_seqlens
-        + t: their hidden states."""
-        return (self.graphs or self._hidden)(tokens, positions, cache_seqlens, mask, block_table)[0]
+        + t, their K/V written; with ``last`` [B] int64, the hidden states of those entries [B, H] (a prefill's and a
+        long catch-up's chunks read none)."""
+        hidden = (self.graphs or self._hidden)(tokens, positions, cache_seqlens, mask, block_table)[0]  # [B, T, H]
+        return None if last is None else hidden[torch.arange(tokens.shape[0], device=self.device), last]
 
     def _forward_nodes(self, tokens, nodes, sub, positions, cache_seqlens, mask, block_table) -> torch.Tensor:
         """Tree nodes ``tokens[:, sub]``: their hidden states [B, n, H]. ``nodes`` [B, T, H] holds every node's
@@ -157,9 +159,8 @@ class DraftModelDrafter(Drafter):
         tokens, start, lags = self._catch_up_entries(batch)
         T = tokens.shape[1]
         positions = start.long()[:, None] + torch.arange(T, device=self.device)  # [B, T]
-        hidden = self._forward_prefix(tokens, positions, start, causal_mask(batch.size, T, self.device),
-                                      batch.block_table)  # fmt: skip
-        return hidden[torch.arange(batch.size, device=self.device), lags]  # [B, H]: the roots' only
+        return self._forward_prefix(tokens, positions, start, causal_mask(batch.size, T, self.device),
+                                    batch.block_table, lags)  # fmt: skip
 
     def _catch_up_entries(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Feed each row's long lag; return the catch-up's last forward: tokens [B, T] (each row's few remaining

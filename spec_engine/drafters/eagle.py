@@ -320,13 +320,15 @@ class EagleDrafter(DraftModelDrafter):
     def store_features(self, positions, block_table, hidden) -> None:
         self._store(hidden, positions, block_table)
 
-    def _forward_prefix(self, tokens, positions, cache_seqlens, mask, block_table) -> torch.Tensor:
+    def _forward_prefix(self, tokens, positions, cache_seqlens, mask, block_table, last=None) -> torch.Tensor | None:
         native = self.model.native
-        if native is not None:  # the head's layer in one call, each entry's feature read from the cache there
-            last = torch.zeros_like(cache_seqlens, dtype=torch.int64)  # [B]: no chain follows
-            return eagle3_draft(native, tokens, cache_seqlens, last, self.features, self.kv.data, gamma=0,
-                                block_table=block_table)[0]  # fmt: skip
-        return (self.graphs or self._hidden)(tokens, positions, cache_seqlens, mask, block_table)[0]
+        if native is None:
+            return super()._forward_prefix(tokens, positions, cache_seqlens, mask, block_table, last)
+        # the head's layer in one call, each entry's feature read from the cache there, no chain after it
+        roots = torch.zeros_like(cache_seqlens, dtype=torch.int64) if last is None else last  # [B]
+        hidden = eagle3_draft(native, tokens, cache_seqlens, roots, self.features, self.kv.data, gamma=0,
+                              block_table=block_table)[0]  # fmt: skip
+        return None if last is None else hidden
 
     def _hidden(self, tokens, positions, cache_seqlens, mask, block_table) -> tuple[torch.Tensor]:
         """Entries of the sequences themselves, each reading the feature cache at the position before it: (the

@@ -338,9 +338,10 @@ def eagle3_draft(
     the argmax of logits * inv_temp + noise, a draw from softmax(logits / temperature).
 
     Shapes: tokens ``[B, T]``; start, last ``[B]``; feature_cache ``[1, num_blocks, block_size, H]`` and kv_cache
-    ``[1, 2, num_blocks, block_size, Hkv, D]`` on ``block_table`` ``[B, max_blocks]``. Returns (the entries' raw
-    outputs ``[B, T, H]``, the stand-ins for their features; the chain ``[B, gamma]`` int64; a sampled chain's logits
-    at each level ``[B, gamma, K]`` float32, empty otherwise). ``topk`` k > 0 drafts EAGLE-2's dynamic tree instead,
+    ``[1, 2, num_blocks, block_size, Hkv, D]`` on ``block_table`` ``[B, max_blocks]``. Returns (the roots' raw
+    outputs ``[B, H]``, the stand-ins for their features: the other entries' outputs feed nothing, so only their
+    K/V are made; the chain ``[B, gamma]`` int64; a sampled chain's logits at each level ``[B, gamma, K]`` float32,
+    empty otherwise). ``topk`` k > 0 drafts EAGLE-2's dynamic tree instead,
     as ``spec_chain`` does (``spec_engine.drafters.dynamic_tree``'s rule; with draws, a sampled row's children ranked
     on its level's perturbed logits): then the second result is its nodes' tokens ``[B, k * gamma]`` (nodes 1 ..)
     and the third their parents ``[B, 1 + k * gamma]`` int64 (the root's -1).
