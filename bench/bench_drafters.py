@@ -1,7 +1,7 @@
 """The drafters on a real target, in one run: every must-show row of the drafters issue, each timed request by
 request back to back with plain decoding and checked token for token against it.
 
-    python bench/bench_drafters.py [--model smollm2] [--sets humaneval,chat,edit,second,long,concurrent,lookup]
+    python bench/bench_drafters.py [--model smollm2] [--sets humaneval,chat,edit,second,explain,long,concurrent,lookup]
                                    [--prompts 20] [--max-tokens 128] [--llama-cpp DIR] [--out bench/out]
 
 Sets (bf16, batch 1 unless said, greedy unless ``--temperature``, requests stop at the end of the answer):
@@ -12,6 +12,8 @@ Sets (bf16, batch 1 unless said, greedy unless ``--temperature``, requests stop 
   code given in the prompt).
 - ``second``: the edit requests served again by the same engines, whose global suffix trees now hold the first
   pass's answers.
+- ``explain``: long prompts: held-out stdlib modules, each cut to ``--explain-tokens`` prompt tokens, and "explain
+  what this code does" (the answer quotes the prompt; each verify attends over thousands of positions).
 - ``long``: a useless head (the shipped head's shapes, random weights) against plain decoding on held-out code
   prompts of 64-2000 tokens, 64 tokens each: the never-slower rule.
 - ``concurrent``: 8 chat requests (``--concurrent``) in one ``generate`` call: summed throughput (suffix and hybrid
@@ -75,7 +77,7 @@ from spec_engine import LLM, SamplingParams  # noqa: E402
 from spec_engine.drafters.factory import AUTO_EAGLE_TOPK  # noqa: E402
 from spec_kernels.linear import native_path  # noqa: E402
 
-SETS = ("humaneval", "chat", "edit", "second", "long", "concurrent", "lookup")
+SETS = ("humaneval", "chat", "edit", "second", "explain", "long", "concurrent", "lookup")
 CHAINS = (1, 2, 3, 4)
 TREES = ((2, 1), (2, 1, 1))  # static trees (children per depth) for the head: 5 and 7 nodes, where r(T) is still low
 LONG_LENGTHS = (64, 256, 1000, 2000)
@@ -142,6 +144,24 @@ def humaneval_prompts(llm: LLM, n: int) -> list[Prompt]:
 def edit_prompts(llm: LLM, n: int) -> list[Prompt]:
     return [Prompt(f"edit{i}", chat_ids(llm, f"{EDITS[i % len(EDITS)]}\n\n```python\n{src}\n```"))
             for i, src in enumerate(functions(n))]  # fmt: skip
+
+
+def explain_prompts(llm: LLM, n: int, tokens: int) -> list[Prompt]:
+    """``n`` held-out stdlib modules (evenly spread among those long enough), each cut at a line to at most
+    ``tokens`` prompt tokens, with a request to explain it."""
+    from spec_engine.training.train import corpus_files, parsed_files
+
+    ask = "Explain what this code does, function by function.\n\n```python\n{}\n```"
+    long = [text for text, _ in parsed_files(corpus_files()[1]) if len(text) >= 4 * tokens]
+    out = []
+    for i, text in enumerate(long[:: max(len(long) // n, 1)][:n]):
+        ids = chat_ids(llm, ask.format(text))
+        while len(ids) > tokens:  # (a cut's tokens are about proportional to its characters)
+            text = text[: int(len(text) * tokens / len(ids) * 0.98)]
+            text = text[: text.rfind("\n")]
+            ids = chat_ids(llm, ask.format(text))
+        out.append(Prompt(f"explain{i}", ids))
+    return out
 
 
 def useless_head(head_dir: str, out_dir: Path) -> str:
@@ -220,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=20, help="requests per set")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--edit-max-tokens", type=int, default=256, help="edits rewrite whole functions")
+    ap.add_argument("--explain-tokens", type=int, default=3800, help="the explain set's prompt tokens (at most)")
     ap.add_argument("--long-prompts", type=int, default=6, help="prompts per length of the long set (one noisy "
                     "request moves a median of two by 10-30%%)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2)
@@ -244,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"the concurrent set's chat requests in one generate call (1-{len(CHAT)})")  # fmt: skip
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
+    if not 64 <= args.explain_tokens <= 4096 - args.max_tokens:  # (the engines' max_model_len: 4096)
+        ap.error(f"--explain-tokens must be in [64, {4096 - args.max_tokens}], got {args.explain_tokens}")
     if not 1 <= args.concurrent <= len(CHAT):
         ap.error(f"--concurrent must be in [1, {len(CHAT)}], got {args.concurrent}")
     if not (0.0 <= args.temperature <= 2.0):
@@ -375,6 +398,15 @@ def main(argv: list[str] | None = None) -> int:
             "chat",
             timed_set("chat", contenders(every), groups, args.max_tokens),
             f"general chat, {len(chat)} requests, <= {args.max_tokens} tokens",
+        )
+    if "explain" in sets:
+        explain = explain_prompts(plain, args.prompts, args.explain_tokens)
+        lengths = sorted(len(p.ids) for p in explain)
+        report(
+            "explain",
+            timed_set("explain", contenders(every), [([i], [p]) for i, p in enumerate(explain)], args.max_tokens),
+            f"explain this code, {len(explain)} held-out stdlib modules of {lengths[0]}-{lengths[-1]} prompt tokens, "
+            f"<= {args.max_tokens} tokens",
         )
     if "edit" in sets or "second" in sets:
         edits = edit_prompts(plain, args.prompts)
