@@ -341,10 +341,10 @@ def eagle3_draft(
     ``[1, 2, num_blocks, block_size, Hkv, D]`` on ``block_table`` ``[B, max_blocks]``. Returns (the roots' raw
     outputs ``[B, H]``, the stand-ins for their features: the other entries' outputs feed nothing, so only their
     K/V are made; the chain ``[B, gamma]`` int64; a sampled chain's logits at each level ``[B, gamma, K]`` float32,
-    empty otherwise). ``topk`` k > 0 drafts EAGLE-2's dynamic tree instead,
-    as ``spec_chain`` does (``spec_engine.drafters.dynamic_tree``'s rule; with draws, a sampled row's children ranked
-    on its level's perturbed logits): then the second result is its nodes' tokens ``[B, k * gamma]`` (nodes 1 ..)
-    and the third their parents ``[B, 1 + k * gamma]`` int64 (the root's -1).
+    empty otherwise). ``topk`` k > 0 drafts EAGLE-2's dynamic tree instead, as ``spec_chain`` does
+    (``spec_engine.drafters.dynamic_tree``'s rule; with draws, a sampled row's children ranked on its level's perturbed
+    logits): then the second result is its nodes' tokens ``[B, k * gamma]`` (nodes 1 ..) and the third their parents
+    ``[B, 1 + k * gamma]`` int64 (the root's -1).
     """
     draws = [] if inv_temp is None and noise is None else [inv_temp, noise]  # eagle3_draft_cpu's draws, in its order
     return _native_ops().eagle3_draft([tokens, start, last], feature_cache, head.handle,
