@@ -92,8 +92,7 @@ class HeadDraft {
     const int64_t H = head_.hidden_size(), V = head_.vocab();
     ids_.resize(B), pos_.resize(B);
     prev_.assign(raw, raw + B * H);  // the roots: raw outputs feed node 1, normed ones give the first logits
-    normed_.assign(head_.normed(), head_.normed() + B * H);
-    const T* logits = head_.logits(normed_.data(), B);  // [B, V]
+    const T* logits = head_.logits(head_.normed(), B);  // [B, V]
     for (int64_t d = 1; d <= gamma; ++d) {
       for (int64_t b = 0; b < B; ++b) {
         const T* row_logits = logits + b * V;
@@ -123,12 +122,11 @@ class HeadDraft {
     nodes_.resize(B * N * H);
     pos_.resize(B);
     tree_tok_.assign(B * N, 0);
-    normed_.assign(head_.normed(), head_.normed() + B * H);
     for (int64_t b = 0; b < B; ++b) {
       std::copy(raw + b * H, raw + (b + 1) * H, nodes_.begin() + b * N * H);
       pos_[b] = roots[b] + 1;
     }
-    return head_.logits(normed_.data(), B);
+    return head_.logits(head_.normed(), B);  // (the roots' final-normed outputs)
   }
 
   // From each row's root (raw [B, H], at roots[b] = R_b, as chain's), the nodes 1 .. N - 1 of `tree` into out
@@ -416,7 +414,7 @@ class HeadDraft {
   }
 
   std::vector<float> inv_temp_, noise_;  // coupled_draws': [B] and [B, gamma, K]
-  std::vector<T> feats_, prev_, normed_, nodes_, level_;
+  std::vector<T> feats_, prev_, nodes_, level_;
   std::vector<int64_t> start_, last_, roots_, root_tok_, ids_, pos_, tree_tok_, sub_tok_, sub_depth_, best_, order_;
   std::vector<float> score_, path_, perturbed_, cand_score_;  // a dynamic tree's: [B, N], [V], [V], [n_parent * k]
   std::vector<int64_t> cand_tok_, sub_parent_;

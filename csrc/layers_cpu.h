@@ -271,9 +271,11 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
       const bool local = window > 0 && p.cos_local != nullptr;  // the windowed layers' own RoPE (Gemma 3)
       const T* cos = local ? p.cos_local : p.cos;
       const T* sin = local ? p.sin_local : p.sin;
+      const bool kv_only = p.kv_only && l + 1 == p.num_layers;  // (then its queries feed nothing)
       const auto [hd_begin, hd_end] = w.share(M * (Hq + Hkv));
       for (int64_t u = hd_begin; u < hd_end; ++u) {
         const int64_t m = u / (Hq + Hkv), hd = u % (Hq + Hkv);
+        if (kv_only && hd < Hq) continue;
         const T* row = qkv.data() + m * qk_width;  // [Hq D | Hkv D] (then [Hkv D] of v, where not apart)
         float* head = qk.data() + u * D;           // [D] of qk's row m: [Hq D | Hkv D]
         convert_row(row + hd * D, head, D);
@@ -287,7 +289,7 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
         std::copy(v_row + (hd - Hq) * D, v_row + (hd - Hq + 1) * D, v_plane + dst);  // V head hd - Hq
       }
       w.sync();
-      if (p.kv_only && l + 1 == p.num_layers) return;  // (every worker alike: no sync follows)
+      if (kv_only) return;  // (every worker alike: no sync follows)
       if (row_sets) {
         for (int64_t i = set_begin; i < set_end;) {  // a run of one sequence's rows at one KV head, at most set_rows
           const int64_t b = i / (Hkv * p.T_), kvh = i / p.T_ % Hkv, t0 = i % p.T_;
