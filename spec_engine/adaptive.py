@@ -204,7 +204,7 @@ class AdaptiveController:
         if not (self.target_cost.num_observed and self.draft_cost.num_observed):
             self.width = max(widths)  # the widest tree, whose measured pass bounds the chords to the untried widths
             return self._commit_choice(reqs, states, [widths[self.width]] * B)  # optimistic until costs are measured
-        caps = [max(r.params.max_tokens - len(r.output_token_ids), 1) for r in reqs]  # later tokens are worth nothing
+        caps = [max(r.tokens_left, 1) for r in reqs]  # later tokens are worth nothing
         # the rate to beat: plain decoding's, raised by the margin
         margin = MIN_GAIN + TAIL_MARGIN * (1.0 - 1.0 / B)
         plain_rate = margin * B / max(self.plain_cost(B), 1e-9)
@@ -361,7 +361,7 @@ class AdaptiveController:
             return
         what_if = list(E)
         for b in due:
-            cap = max(reqs[b].params.max_tokens - len(reqs[b].output_token_ids), 1)
+            cap = max(reqs[b].tokens_left, 1)
             what_if[b] = [max(e, x) for e, x in zip(E[b], geometric_tokens(PROBE_ALPHA, self.max_gamma, cap))]
         found_G, _, good_rate = self._scan(what_if, plain_rate)
         if found_G == 0:
@@ -388,7 +388,7 @@ class AdaptiveController:
         return self._row_rate(self.state(req), req, B, G)
 
     def _row_rate(self, state: RowState, req, B: int, G: int) -> float:
-        cap = max(req.params.max_tokens - len(req.output_token_ids), 1)
+        cap = max(req.tokens_left, 1)
         e = state.acceptance.expected_tokens(cap, rescue=self.rescue_rate)[G]
         t = self.target_time(B * self.nodes[G]) + self.draft_cost.predict(G, self.draft_tokens[G] / TOKENS_REF)
         return (B - 1 + e) / max(t, 1e-9)
@@ -410,7 +410,7 @@ class AdaptiveController:
         if lag <= 2:
             return True
         plain_step = self.plain_cost(B)
-        left = max(req.params.max_tokens - len(req.output_token_ids), 0)
+        left = max(req.tokens_left, 0)
         saving = left * B * max(plain_step / B - 1.0 / max(rate, 1e-9), 0.0)  # seconds over the row's life
         catch_up = self.draft_cost.predict(0.0, lag / TOKENS_REF)
         step = self.target_time(B * self.nodes[1]) + self.draft_cost.predict(1.0, 0.0)
@@ -418,7 +418,7 @@ class AdaptiveController:
 
     def _commit_choice(self, reqs: Sequence, states: list[RowState], gammas: list[int]) -> list[int]:
         # no row deeper than its tokens left but one (the widest tree before costs are measured, probes: unpriced)
-        gammas = [min(g, max(r.params.max_tokens - len(r.output_token_ids), 1) - 1) for r, g in zip(reqs, gammas)]
+        gammas = [min(g, max(r.tokens_left, 1) - 1) for r, g in zip(reqs, gammas)]
         # a draft model first feeds each drafted row what its cache lacks (1 after a full chain; a first draft: all)
         self._catch_up_tokens = sum(self.cache_lag(r) for r, gamma in zip(reqs, gammas) if gamma)
         return gammas
@@ -426,7 +426,7 @@ class AdaptiveController:
     def expected_accepted(self, req, gamma: int) -> float:
         """The drafted tokens ``req`` is expected to keep from a step drafted at depth ``gamma``: sum over d <= gamma
         of prod_{j<=d} alpha_j (no optimism bonus), what a hybrid drafter's suffix speculation must beat."""
-        cap = max(req.params.max_tokens - len(req.output_token_ids), 1)
+        cap = max(req.tokens_left, 1)
         expected = self.state(req).acceptance.expected_tokens(cap, rescue=self.rescue_rate)
         return expected[min(gamma, self.max_gamma)] - 1.0
 

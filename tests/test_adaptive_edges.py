@@ -9,14 +9,15 @@ import random
 from types import SimpleNamespace
 
 import pytest
+from stub_requests import StubRequest
 
 from spec_engine.adaptive import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AdaptiveController
 
 NAN, INF = float("nan"), float("inf")
 
 
-def request(max_tokens: int = 1 << 20) -> SimpleNamespace:
-    return SimpleNamespace(spec_state=None, params=SimpleNamespace(max_tokens=max_tokens), output_token_ids=[],
+def request(max_tokens: int = 1 << 20) -> StubRequest:
+    return StubRequest(spec_state=None, params=SimpleNamespace(max_tokens=max_tokens), output_token_ids=[],
                            metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
 
 

@@ -18,6 +18,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+from stub_requests import StubRequest
 from test_native_dynamic_tree import MAX_TOKENS, _run, pair  # noqa: F401 (pair: the fixture)
 
 import spec_engine.tree_pricing as tree_pricing
@@ -33,8 +34,8 @@ WIDTHS = {1: 4, 4: 8}  # chains up to depth 4, dynamic trees of 4 a level up to 
 ALPHA, RESCUE = 0.7, 0.4  # the simulated row: its chain acceptance, and the tree's rescue rate
 
 
-def request() -> SimpleNamespace:
-    return SimpleNamespace(spec_state=None, params=SimpleNamespace(max_tokens=1 << 20, greedy=True), coupled=False,
+def request() -> StubRequest:
+    return StubRequest(spec_state=None, params=SimpleNamespace(max_tokens=1 << 20, greedy=True), coupled=False,
                            output_token_ids=[], metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
 
 
