@@ -25,17 +25,20 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.harness import cpu_name
-from spec_kernels.linear import linear
-from spec_kernels.quant_linear import quant_linear
-from spec_kernels.quant_linear.ref import quant_linear_ref
-from spec_kernels.types import QUANT_FORMATS, dequantize_ref, quant_row_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
+
+from bench.harness import cpu_name  # noqa: E402
+from spec_kernels.linear import linear  # noqa: E402
+from spec_kernels.quant_linear import quant_linear  # noqa: E402
+from spec_kernels.quant_linear.ref import quant_linear_ref  # noqa: E402
+from spec_kernels.types import QUANT_FORMATS, dequantize_ref, quant_row_bytes  # noqa: E402
 
 # name -> (hidden, intermediate, layers, vocab, qkv rows)
 SHAPES = {"smollm2": (576, 1536, 30, 49152, 960), "llama-1b": (2048, 8192, 16, 128256, 3072)}
