@@ -18,7 +18,7 @@ NAN, INF = float("nan"), float("inf")
 
 def request(max_tokens: int = 1 << 20) -> StubRequest:
     return StubRequest(spec_state=None, params=SimpleNamespace(max_tokens=max_tokens), output_token_ids=[],
-                           metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
+                       metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
 
 
 def step_seconds(B: int, G: int, num_drafted: int) -> tuple[float, float]:

@@ -345,7 +345,6 @@ def test_acceptance_estimate_is_the_forgetful_geometric_mle():
 @pytest.mark.parametrize("alpha,expected", [(0.02, 0), (0.98, 8)])
 def test_controller_decision_with_known_costs(alpha, expected):
     """Costs with a target pass of 10 ms + 0.1 ms per token, a draft forward of 1 ms: the scan's optimum."""
-
     ctl = AdaptiveController(8, lambda g: g + 1)
     ctl.target_cost.theta, ctl.target_cost.num_observed = np.array([10e-3, 1.6e-3]), 1
     ctl.draft_cost.theta, ctl.draft_cost.num_observed = np.array([1e-3, 0.0]), 1
@@ -360,7 +359,7 @@ def test_controller_decision_with_known_costs(alpha, expected):
     assert ctl.choose(reqs) == [expected]
     # a request that keeps failing next to one that accepts everything: it alone stops being drafted
     good, bad = (StubRequest(spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[],
-                                 cache_seqlen=0, draft_len=0) for _ in range(2))  # fmt: skip
+                             cache_seqlen=0, draft_len=0) for _ in range(2))  # fmt: skip
     ctl.population.prior = 0.98
     for _ in range(10):
         ctl.state(good).acceptance.update(8, 8)
@@ -371,12 +370,11 @@ def test_controller_decision_with_known_costs(alpha, expected):
 
 def test_optimism_keeps_a_row_drafting_until_the_evidence_is_real():
     """Two failed steps are weak evidence: the row stays drafted (shallowly); twenty are not: it goes off."""
-
     ctl = AdaptiveController(8, lambda g: g + 1)
     ctl.target_cost.theta, ctl.target_cost.num_observed = (10e-3, 1.6e-3), 1
     ctl.draft_cost.theta, ctl.draft_cost.num_observed = (2e-3, 0.0), 1  # depth 1 pays off from alpha ~0.2
     req = StubRequest(spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[],
-                          cache_seqlen=0, draft_len=0)  # fmt: skip
+                      cache_seqlen=0, draft_len=0)  # fmt: skip
     ctl.num_steps = 1  # not a probe step
     acceptance = ctl.state(req).acceptance
     for _ in range(2):
@@ -392,7 +390,6 @@ def test_optimism_keeps_a_row_drafting_until_the_evidence_is_real():
 
 def test_margin_grows_with_the_batch():
     """A promised +11% drafts at batch 1 (margin 1.05) but not at batch 16 (margin 1.19: the closed-batch tail)."""
-
     ctl = AdaptiveController(8, lambda g: g + 1)
     ctl.target_cost.theta, ctl.target_cost.num_observed = (10e-3, 0.0), 1  # verification width is free here
     ctl.draft_cost.theta, ctl.draft_cost.num_observed = (0.8e-3, 0.0), 1  # 0.8 ms per draft forward
@@ -400,7 +397,7 @@ def test_margin_grows_with_the_batch():
 
     def rows(n):
         reqs = [StubRequest(spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[],
-                                cache_seqlen=0, draft_len=0) for _ in range(n)]  # fmt: skip
+                            cache_seqlen=0, draft_len=0) for _ in range(n)]  # fmt: skip
         for r in reqs:
             ctl.state(r).acceptance.num_trials = 10**6  # alpha known: no optimism bonus
         return reqs
@@ -415,14 +412,13 @@ def test_probes_only_where_a_good_draft_could_pay():
     """Verification that costs 10 ms per 16 tokens: at batch 16 even an alpha-0.8 draft loses to plain decoding,
     so due rows are not probed (they are off for the cost, not their drafts); at batch 1 a due row with a
     useless draft is probed at depth 1, so it could recover."""
-
     ctl = AdaptiveController(8, lambda g: g + 1)
     ctl.target_cost.theta, ctl.target_cost.num_observed = (10e-3, 10e-3), 1
     ctl.draft_cost.theta, ctl.draft_cost.num_observed = (1e-3, 0.0), 1
 
     def due_rows(n, alpha):
         reqs = [StubRequest(spec_state=None, params=SamplingParams(max_tokens=100), output_token_ids=[],
-                                cache_seqlen=0, draft_len=0) for _ in range(n)]  # fmt: skip
+                            cache_seqlen=0, draft_len=0) for _ in range(n)]  # fmt: skip
         for r in reqs:
             ctl.population.prior = alpha
             state = ctl.state(r)
@@ -487,7 +483,7 @@ def test_the_rate_to_beat_is_measured_plain_steps():
 
     ctl = AdaptiveController(8, lambda g: g + 1)
     req = StubRequest(spec_state=None, params=SamplingParams(max_tokens=10**6), output_token_ids=[],
-                          cache_seqlen=0, draft_len=0, metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
+                      cache_seqlen=0, draft_len=0, metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
     plain, fixed = 4e-3, 3e-3  # a plain step; what any drafted step adds besides its tokens
     gammas = []
     for _ in range(3 * PLAIN_PROBE_INTERVAL):
@@ -507,7 +503,7 @@ def _row(max_tokens=10**6):
     from types import SimpleNamespace
 
     return StubRequest(spec_state=None, params=SamplingParams(max_tokens=max_tokens), output_token_ids=[],
-                           cache_seqlen=0, draft_len=0, metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
+                       cache_seqlen=0, draft_len=0, metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
 
 
 def test_a_native_call_stops_at_a_reject_only_while_the_request_is_new():

@@ -36,7 +36,7 @@ ALPHA, RESCUE = 0.7, 0.4  # the simulated row: its chain acceptance, and the tre
 
 def request() -> StubRequest:
     return StubRequest(spec_state=None, params=SimpleNamespace(max_tokens=1 << 20, greedy=True), coupled=False,
-                           output_token_ids=[], metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
+                       output_token_ids=[], metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
 
 
 def simulated_ranks(rng: random.Random, width: int, gamma: int) -> list[int]:
