@@ -48,10 +48,18 @@ import spec_engine.estimates as estimates  # noqa: E402
 from spec_engine import LLM, SamplingParams, default_model_paths  # noqa: E402
 from spec_engine.drafters.draft_model import read_draft_vocab  # noqa: E402
 from spec_engine.engine import EngineConfig  # noqa: E402
+from spec_engine.request import Request  # noqa: E402
 
 CHAIN = 8  # draft tokens recorded per position (the adaptive maximum depth)
 ENGINE = EngineConfig()  # the engine's call structure: plain chains, speculative calls (full, and while unsure)
 DEMO = ["def fibonacci(n):", "import os", "class Stack:", "def read_csv(path):", "for i in range(10):"]
+
+
+class StubRequest(SimpleNamespace):
+    """A request as the adaptive controller reads it, without an engine (this replay's, and the tests'): the fields
+    its maker gives, and ``Request``'s own ``tokens_left``."""
+
+    tokens_left = Request.tokens_left  # (the property itself: max_tokens less the output's tokens)
 
 
 @dataclass(frozen=True)
@@ -204,9 +212,9 @@ def replay(ctl, rec: dict, max_tokens: int, costs: Costs, fixed: int = 0, noise=
     ``noise()`` if given; the total is the model's."""
     c, n, L0 = costs, answer_len(rec, max_tokens), rec["prompt_len"]
     jitter = noise or (lambda: 1.0)
-    req = SimpleNamespace(spec_state=None, params=SimpleNamespace(max_tokens=max_tokens), output_token_ids=[],
-                          cache_seqlen=L0 - 1, draft_len=0,
-                          metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
+    req = StubRequest(spec_state=None, params=SimpleNamespace(max_tokens=max_tokens), output_token_ids=[],
+                      cache_seqlen=L0 - 1, draft_len=0,
+                      metrics=SimpleNamespace(alpha_estimate=None))  # fmt: skip
     total, pos = 0.0, 0
     if fixed:  # a fixed depth prefills the draft with the prompt
         total += c.catch_up_call + c.catch_up_token * req.cache_seqlen

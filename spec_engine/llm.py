@@ -407,8 +407,7 @@ class LLM:
             with tqdm(total=total, desc="generate", unit="tok", disable=not use_tqdm, dynamic_ncols=True) as bar:
                 while any(not r.finished for r in reqs):
                     for out in self.engine.step():
-                        bar.update(len(out.new_token_ids) + (out.request.params.max_tokens - len(
-                            out.request.output_token_ids) if out.finished else 0))  # fmt: skip
+                        bar.update(len(out.new_token_ids) + (out.request.tokens_left if out.finished else 0))
         except BaseException:
             for r in reqs:
                 if not r.finished:

@@ -9,8 +9,8 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from stub_requests import StubRequest
 
+from bench.replay_adaptive import StubRequest
 from spec_engine.adaptive import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AdaptiveController
 
 NAN, INF = float("nan"), float("inf")

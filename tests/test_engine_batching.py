@@ -11,9 +11,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from stub_requests import StubRequest
 from tiny_models import make_model, make_noisy_copy
 
+from bench.replay_adaptive import StubRequest
 from spec_engine import LLM, SamplingParams
 from spec_engine.adaptive import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AdaptiveController
 from spec_engine.config import ADAPTIVE_MAX_GAMMA, parse_speculative_config

@@ -18,10 +18,10 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from stub_requests import StubRequest
 from test_native_dynamic_tree import MAX_TOKENS, _run, pair  # noqa: F401 (pair: the fixture)
 
 import spec_engine.tree_pricing as tree_pricing
+from bench.replay_adaptive import StubRequest
 from spec_engine import LLM, SamplingParams
 from spec_engine.adaptive import AdaptiveController
 from spec_engine.config import parse_speculative_config
