@@ -19,6 +19,19 @@
 // Formats read as integers: all but none. Q2_K / Q3_K / Q6_K carry per-16 group scales (Q2_K its minima too).
 template <QuantType Q>
 constexpr bool kGroupScales = Q == QuantType::kQ2_K || Q == QuantType::kQ3_K || Q == QuantType::kQ6_K;
+// What makes int_quants' integers unsigned bytes (VNNI's vpdpbusd and AVX2's vpmaddubsw multiply unsigned bytes by
+// signed ones), taken off after as offset times the x block's sum.
+template <QuantType Q>
+constexpr int kUnsignedOffset = Q == QuantType::kQ8_0   ? 128
+                                : Q == QuantType::kQ4_0 ? 8
+                                : Q == QuantType::kQ5_0 ? 16
+                                : Q == QuantType::kQ6_K ? 32
+                                : Q == QuantType::kQ3_K ? 4
+                                                        : 0;
+// AVX2's: every format's but Q8_0's, whose q + 128 times xq would overflow maddubs's int16 pair sums (those take |q|
+// and xq with q's sign); the others stay <= 63 (2 * 63 * 127 < 2^15).
+template <QuantType Q>
+constexpr int kAvx2Offset = Q == QuantType::kQ8_0 ? 0 : kUnsignedOffset<Q>;
 template <QuantType Q>
 constexpr bool kIntMin = Q == QuantType::kQ4_1 || Q == QuantType::kQ5_1 || Q == QuantType::kQ2_K ||
                          Q == QuantType::kQ4_K || Q == QuantType::kQ5_K;
@@ -196,11 +209,13 @@ SPECDEC_QAVX2 inline __m256i fifth_bits(const uint8_t* qh) {
   return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
-// Block b's quants as 32 signed bytes (int_quants' integers).
-template <QuantType Q>
+// Block b's quants as 32 bytes: int_quants' integers plus kOff (0: signed; kUnsignedOffset<Q>: unsigned).
+template <QuantType Q, int kOff = 0>
 SPECDEC_QAVX2 inline __m256i int_quants_avx2(const uint8_t* row, int64_t b) {
+  static_assert(kOff == 0 || kOff == kUnsignedOffset<Q>, "signed or unsigned");
   if constexpr (Q == QuantType::kQ8_0) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlockBytes<Q> + 2));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlockBytes<Q> + 2));
+    return kOff != 0 ? _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))) : q;
   } else if constexpr (kSubBlocks<Q> == 1) {  // Q4_0, Q4_1, Q5_0, Q5_1
     const uint8_t* blk = row + b * kBlockBytes<Q>;
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBlockBytes<Q> - 16));
@@ -210,7 +225,7 @@ SPECDEC_QAVX2 inline __m256i int_quants_avx2(const uint8_t* row, int64_t b) {
     if constexpr (Q == QuantType::kQ5_0 || Q == QuantType::kQ5_1) {
       v = _mm256_or_si256(v, fifth_bits(blk + (kMin ? 4 : 2)));
     }
-    constexpr int kOffset = kMin ? 0 : (Q == QuantType::kQ5_0 ? 16 : 8);
+    constexpr int kOffset = (kMin ? 0 : (Q == QuantType::kQ5_0 ? 16 : 8)) - kOff;
     return kOffset != 0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(kOffset)) : v;
   } else {
     const uint8_t* sb = row + b / 8 * kBlockBytes<Q>;
@@ -219,8 +234,8 @@ SPECDEC_QAVX2 inline __m256i int_quants_avx2(const uint8_t* row, int64_t b) {
       return field32(sb + 16 + 32 * (s / 4), 2 * (s % 4), 3);
     } else if constexpr (Q == QuantType::kQ3_K) {  // a clear high bit subtracts 4
       const __m256i high = _mm256_slli_epi16(field32(sb, s, 1), 2);
-      return _mm256_sub_epi8(_mm256_add_epi8(field32(sb + 32 + 32 * (s / 4), 2 * (s % 4), 3), high),
-                             _mm256_set1_epi8(4));
+      const __m256i v = _mm256_add_epi8(field32(sb + 32 + 32 * (s / 4), 2 * (s % 4), 3), high);
+      return kOff == 4 ? v : _mm256_sub_epi8(v, _mm256_set1_epi8(4));
     } else if constexpr (Q == QuantType::kQ4_K) {
       return field32(sb + 16 + 32 * (s / 2), 4 * (s % 2), 15);
     } else if constexpr (Q == QuantType::kQ5_K) {
@@ -230,7 +245,8 @@ SPECDEC_QAVX2 inline __m256i int_quants_avx2(const uint8_t* row, int64_t b) {
       static_assert(Q == QuantType::kQ6_K, "a K-quant");
       const __m256i low = field32(sb + 64 * (s / 4) + 32 * (s % 2), 4 * ((s / 2) % 2), 15);
       const __m256i high = _mm256_slli_epi16(field32(sb + 128 + 32 * (s / 4), 2 * (s % 4), 3), 4);
-      return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+      const __m256i v = _mm256_or_si256(low, high);
+      return kOff == 32 ? v : _mm256_sub_epi8(v, _mm256_set1_epi8(32));
     }
   }
 }
@@ -271,9 +287,19 @@ struct Panel {
   }
 };
 
-// F16C's fp16 conversion as a function object, so the decoders inline it into the vector paths.
+// F16C's fp16 conversion as a function object for int_scales, which has no target of its own: GCC inlines no
+// function with the F16C target into one without it, so this one spells vcvtph2ps in assembly (no target needed) and
+// inlines into the vector paths (a call per block was most of Q6_K's slowness on AVX2: bench/RESULTS.md, "K-quants on
+// AVX2"). Only code that checked F16C calls it.
 struct F16c {
-  SPECDEC_QAVX2 float operator()(const uint8_t* p) const { return fp16_f16c(p); }
+  __attribute__((always_inline)) float operator()(const uint8_t* p) const {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    const __m128i h = _mm_cvtsi32_si128(v);
+    __m128 f;
+    __asm__("vcvtph2ps %1, %0" : "=x"(f) : "x"(h));
+    return _mm_cvtss_f32(f);
+  }
 };
 
 // Row i's scales for every block: one call per block, except Q4_K / Q5_K's, whose sub-block scales load_scales_avx2
@@ -304,10 +330,10 @@ SPECDEC_QAVX2 void fill_scales(const uint8_t* row, int64_t blocks, int i, Panel<
   }
 }
 
-// The quants of rows n0 .. n0 + rows - 1 (rows <= NB; the rest zero) into the panel; `flip` adds 128 to every quant
-// (VNNI multiplies unsigned bytes by signed ones: sum((q + 128) xq) - 128 sum(xq)).
-template <QuantType Q, int NB>
-SPECDEC_QAVX2 void fill_panel(const QuantArgs& a, int64_t n0, int64_t rows, bool flip, Panel<NB>& p) {
+// The quants of rows n0 .. n0 + rows - 1 (rows <= NB; the rest zero) into the panel, each plus kOff: 0 (signed),
+// kUnsignedOffset<Q> (AVX2's maddubs) or 128 (VNNI's vpdpbusd, every format); the kernels take off kOff sum(xq).
+template <QuantType Q, int NB, int kOff>
+SPECDEC_QAVX2 void fill_panel(const QuantArgs& a, int64_t n0, int64_t rows, Panel<NB>& p) {
   const int64_t blocks = a.K / 32;
   // The next tile's rows (contiguous after these) pulled in at this tile's pace: NB rows read a block at a time are NB
   // streams, more than the hardware prefetchers follow (without this, M = 1 waited on DRAM in the quants' loads).
@@ -323,8 +349,12 @@ SPECDEC_QAVX2 void fill_panel(const QuantArgs& a, int64_t n0, int64_t rows, bool
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) {
         const int64_t n = n0 + 8 * h + i;
-        r[i] = n < n0 + rows ? int_quants_avx2<Q>(w + n * row_bytes, b) : _mm256_setzero_si256();
-        if (flip) r[i] = _mm256_xor_si256(r[i], _mm256_set1_epi8(static_cast<char>(0x80)));
+        if constexpr (kOff == 128) {  // the signed quants' sign bit flipped
+          r[i] = n < n0 + rows ? int_quants_avx2<Q>(w + n * row_bytes, b) : _mm256_setzero_si256();
+          r[i] = _mm256_xor_si256(r[i], _mm256_set1_epi8(static_cast<char>(0x80)));
+        } else {
+          r[i] = n < n0 + rows ? int_quants_avx2<Q, kOff>(w + n * row_bytes, b) : _mm256_setzero_si256();
+        }
       }
       transpose8x8(r, t);
 #pragma GCC unroll 8
@@ -352,6 +382,28 @@ inline int32_t dword_at(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
+}
+
+// maddubs and madd: dword j of the result sums q's bytes 4j .. 4j + 3 times xq's (q: int_quants plus kAvx2Offset<Q>).
+template <QuantType Q>
+SPECDEC_QAVX2 inline __m256i dot_avx2(__m256i q, __m256i xq) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Q == QuantType::kQ8_0) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xq, q)), ones);
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), ones);
+  }
+}
+
+// half0 and half1 (8 rows' sums of elements 0-15 and 16-31 with their quants plus kAvx2Offset<Q>) less that offset
+// times x row m's two sums of block b: int_quants' sums.
+template <QuantType Q>
+SPECDEC_QAVX2 inline void take_offset_avx2(const Int8Args& x, int64_t m, int64_t b, __m256i& half0, __m256i& half1) {
+  if constexpr (kAvx2Offset<Q> != 0) {
+    const int32_t* xs = x.x->xs.data() + m * (x.a->K / 16) + 2 * b;
+    half0 = _mm256_sub_epi32(half0, _mm256_set1_epi32(kAvx2Offset<Q> * xs[0]));
+    half1 = _mm256_sub_epi32(half1, _mm256_set1_epi32(kAvx2Offset<Q> * xs[1]));
+  }
 }
 
 // The AVX2 epilogue of block b for x row m on 8 weight rows (lane i: row i), from the integer sums of each row's
@@ -383,12 +435,11 @@ SPECDEC_QAVX2 inline __m256 int8_epilogue_avx2(const Int8Args& x, const Panel<8>
   return _mm256_add_ps(acc, rounded(_mm256_mul_ps(_mm256_set1_ps(x.x->dx[m * (a.K / 32) + b]), u)));
 }
 
-// AVX2: the signed quants times xq by maddubs on |q| and xq carrying q's sign, then madd into dword sums per row.
+// AVX2: the panel's quants (plus kAvx2Offset) times each x row's dwords by dot_avx2, into dword sums per row.
 template <QuantType Q>
 SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t n0, int64_t rows) {
   const QuantArgs& a = *x.a;
   const int64_t blocks = a.K / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t m = 0; m < a.M; ++m) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -397,10 +448,9 @@ SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t 
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q.data() + (b * 8 + j) * 32));
-        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(dword_at(xq + 4 * j)), w);
-        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), xs), ones);
-        half[j / 4] = _mm256_add_epi32(half[j / 4], d);
+        half[j / 4] = _mm256_add_epi32(half[j / 4], dot_avx2<Q>(w, _mm256_set1_epi32(dword_at(xq + 4 * j))));
       }
+      take_offset_avx2<Q>(x, m, b, half[0], half[1]);
       acc = int8_epilogue_avx2<Q>(x, p, m, b, half[0], half[1], acc);
     }
     alignas(32) float out[8];
@@ -414,21 +464,24 @@ SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t 
 // The panel's transpose is what one x row cannot pay back (csrc/quant_int8_rows_cpu.h says more); with two x rows
 // the panel's shared decoding costs as much as this kernel's, so it stays there.
 template <QuantType Q>
-SPECDEC_QAVX2 void int8_row_avx2(const Int8Args& x, const Panel<8>& p, int64_t n0, int64_t rows) {
+SPECDEC_QAVX2 void int8_row_avx2(const Int8Args& x, const Panel<8>& p, int64_t n0, int64_t rows, bool more) {
   const QuantArgs& a = *x.a;
+  const int64_t blocks = a.K / 32;
   const uint8_t* row[8];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) row[i] = a.w + (n0 + std::min<int64_t>(i, rows - 1)) * a.row_bytes;  // dead: a copy
-  const __m256i ones = _mm256_set1_epi16(1);
+  // `more`: this thread's next tile (contiguous after these rows) is pulled in at this tile's pace, a block's share
+  // per block, so that its scales' pass (the first to read each line) does not wait on DRAM
+  const uintptr_t next = reinterpret_cast<uintptr_t>(a.w + (n0 + 8) * a.row_bytes);
+  const int64_t tile_bytes = 8 * a.row_bytes;
+  const bool l2 = prefetch_to_l2<Q>();
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.K / 32; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (more) simd::prefetch_lines(next + b * tile_bytes / blocks, next + (b + 1) * tile_bytes / blocks, l2);
     const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x->xq.data() + b * 32));
     __m256i d[8], s[4], t[2];
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      const __m256i q = int_quants_avx2<Q>(row[i], b);
-      d[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xq, q)), ones);
-    }
+    for (int i = 0; i < 8; ++i) d[i] = dot_avx2<Q>(int_quants_avx2<Q, kAvx2Offset<Q>>(row[i], b), xq);
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {  // lane sums: dword j of t[k / 2]'s lane L is vector 4 (k / 2) + j's lane L
       s[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(d[2 * k], d[2 * k + 1]),
@@ -439,8 +492,9 @@ SPECDEC_QAVX2 void int8_row_avx2(const Int8Args& x, const Panel<8>& p, int64_t n
       t[k] = _mm256_add_epi32(_mm256_unpacklo_epi64(s[2 * k], s[2 * k + 1]),
                               _mm256_unpackhi_epi64(s[2 * k], s[2 * k + 1]));
     }
-    acc = int8_epilogue_avx2<Q>(x, p, 0, b, _mm256_permute2x128_si256(t[0], t[1], 0x20),
-                                _mm256_permute2x128_si256(t[0], t[1], 0x31), acc);
+    __m256i half0 = _mm256_permute2x128_si256(t[0], t[1], 0x20), half1 = _mm256_permute2x128_si256(t[0], t[1], 0x31);
+    take_offset_avx2<Q>(x, 0, b, half0, half1);
+    acc = int8_epilogue_avx2<Q>(x, p, 0, b, half0, half1, acc);
   }
   alignas(32) float out[8];
   _mm256_store_ps(out, acc);
@@ -455,9 +509,9 @@ void int8_rows_avx2(const Int8Args& x, int64_t n_begin, int64_t n_end) {
     const int64_t rows = std::min<int64_t>(8, n_end - n0);
     fill_panel_scales<Q, 8>(*x.a, n0, rows, p);
     if (x.a->M == 1) {
-      int8_row_avx2<Q>(x, p, n0, rows);
+      int8_row_avx2<Q>(x, p, n0, rows, n0 + 8 < n_end);
     } else {
-      fill_panel<Q, 8>(*x.a, n0, rows, false, p);
+      fill_panel<Q, 8, kAvx2Offset<Q>>(*x.a, n0, rows, p);
       int8_tile_avx2<Q>(x, p, n0, rows);
     }
   }
@@ -531,7 +585,7 @@ void int8_rows_vnni(const Int8Args& x, int64_t n_begin, int64_t n_end) {
   p.resize(x.a->K / 32);
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
     const int64_t rows = std::min<int64_t>(16, n_end - n0);
-    fill_panel<Q, 16>(*x.a, n0, rows, true, p);
+    fill_panel<Q, 16, 128>(*x.a, n0, rows, p);
     gather_panel_scales<Q>(*x.a, n0, rows, p);
     for (int64_t m0 = 0; m0 < x.a->M; m0 += kRows) {
       switch (std::min(kRows, x.a->M - m0)) {

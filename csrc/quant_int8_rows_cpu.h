@@ -22,14 +22,6 @@
 #if SPECDEC_CPU_X86
 
 template <QuantType Q>
-constexpr int kUnsignedOffset = Q == QuantType::kQ8_0   ? 128
-                                : Q == QuantType::kQ4_0 ? 8
-                                : Q == QuantType::kQ5_0 ? 16
-                                : Q == QuantType::kQ6_K ? 32
-                                : Q == QuantType::kQ3_K ? 4
-                                                        : 0;
-
-template <QuantType Q>
 constexpr bool kSplitHalves = kSubBlocks<Q> == 1 && Q != QuantType::kQ8_0;
 
 // _mm512_shuffle_i32x4's selectors that take, from two vectors in a pair's lane order (rows 0-7 in the first, 8-15 in

@@ -58,8 +58,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     # spec_kernels.types.QUANT_ACTIVATIONS, not imported: the parser stays free of torch
     g.add_argument("--quant-activations", default=None, choices=["float", "int8"],
                    help="with --quantization gguf: float multiplies the blocks by float activations, int8 quantizes "
-                   "them to int8 per 32 weights and multiplies integers (default: int8 where the CPU has AVX512-VNNI, "
-                   "else float)")  # fmt: skip
+                   "them to int8 per 32 weights and multiplies integers (default: int8 where the CPU has AVX2 or "
+                   "AVX-512, else float)")  # fmt: skip
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step's target pass eagerly (default on CUDA: replayed from CUDA graphs captured "
                    "per batch size and verify width; no effect on CPU)")  # fmt: skip

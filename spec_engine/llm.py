@@ -159,9 +159,9 @@ class LLM:
         weights are dequantized at load, with a warning.
     quant_activations : how quantized weights multiply (``quantization="gguf"`` only): ``"float"`` (float32 products,
         the dequantized model's logits) or ``"int8"`` (llama.cpp's way: activations quantized to int8 per 32
-        weights, integer dot products; logits near the float path's). None: int8 where the CPU has AVX512-VNNI,
-        float elsewhere (``spec_engine.models.loader.default_quant_activations``, by measurement). Speculation stays
-        lossless in either mode. ValueError for another value.
+        weights, integer dot products; logits near the float path's). None: int8 where the CPU has AVX2 or
+        AVX-512, float elsewhere (``spec_engine.models.loader.default_quant_activations``, by measurement).
+        Speculation stays lossless in either mode. ValueError for another value.
     """
 
     def __init__(

@@ -106,10 +106,10 @@ def test_errors(tied_llama_dir, gguf_files):
         model.forward_train(torch.tensor([[1, 2, 3]]))
 
 
-def test_the_default_numeric_mode_is_int8_where_the_cpu_has_vnni(gguf_files):
-    """quant_activations=None: 8-bit activations where int8 blocks multiply on AVX512-VNNI, float elsewhere (on AVX2
-    they decoded slower than float: bench/RESULTS.md); the same choice in a process whose kernels are capped at AVX2
-    (SPECDEC_CPU_ISA, as on a CPU without AVX-512) is float."""
+def test_the_default_numeric_mode_is_int8_where_a_vector_kernel_runs_it(gguf_files):
+    """quant_activations=None: 8-bit activations where int8 blocks multiply with vector instructions (AVX2 and up),
+    float where only the scalar kernel would (bench/RESULTS.md): in a process whose kernels are capped at AVX2
+    (SPECDEC_CPU_ISA, as on a CPU without AVX-512) int8 too, where the CPU has AVX2 and F16C; at scalar, float."""
     import os
     import subprocess
     import sys
@@ -117,7 +117,7 @@ def test_the_default_numeric_mode_is_int8_where_the_cpu_has_vnni(gguf_files):
     from spec_engine.models.loader import default_quant_activations
     from spec_kernels.quant_linear import int8_path
 
-    expected = "int8" if int8_path() in ("vnni", "amx") else "float"
+    expected = "float" if int8_path() == "scalar" else "int8"
     assert default_quant_activations() == expected
     cpuinfo = Path("/proc/cpuinfo")
     flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
@@ -127,9 +127,10 @@ def test_the_default_numeric_mode_is_int8_where_the_cpu_has_vnni(gguf_files):
     model = load_model(gguf_files["Q8_0"], quantization="gguf")
     assert {w.activations for w in model.quantized.values()} == {expected}
     code = "from spec_engine.models.loader import default_quant_activations as d; print(d())"
-    env = {**os.environ, "SPECDEC_CPU_ISA": "avx2"}
-    capped = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert capped.stdout.split()[-1] == "float"
+    for isa, want in (("avx2", "int8" if "f16c" in flags and "avx2" in flags else "float"), ("scalar", "float")):
+        env = {k: v for k, v in os.environ.items() if k != "SPECDEC_LINEAR_SCALAR"} | {"SPECDEC_CPU_ISA": isa}
+        capped = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert capped.stdout.split()[-1] == want, isa
 
 
 def model_cache(model, length: int = 64) -> torch.Tensor:

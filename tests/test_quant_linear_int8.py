@@ -261,11 +261,11 @@ def test_the_tiles_run_where_the_cpu_has_them():
 
 
 def test_the_kernels_prefetch():
-    """Every compiled instantiation of the kernels that prefetch (the int8 row kernels rows16_vnni, rows16_passes,
-    AMX's tiles16 and the panel's fill_panel; the bf16 / float32 tiles; attention's scores and weighted sums, AVX2's
-    attend_avx2) holds prefetch instructions: with the row kernels' helper a plain inline function, GCC emitted none
-    there (5a5ab6f): the same bits, far slower, which no test of values sees (bench/RESULTS-log.md, "A prefetch
-    helper that was not inlined")."""
+    """Every compiled instantiation of the kernels that prefetch (the int8 row kernels rows16_vnni, rows16_passes and
+    int8_row_avx2, AMX's tiles16 and the panel's fill_panel; the bf16 / float32 tiles; attention's scores and weighted
+    sums, AVX2's attend_avx2) holds prefetch instructions: with the row kernels' helper a plain inline function, GCC
+    emitted none there (5a5ab6f): the same bits, far slower, which no test of values sees (bench/RESULTS-log.md, "A
+    prefetch helper that was not inlined")."""
     import platform
     import re
     import shutil
@@ -278,7 +278,7 @@ def test_the_kernels_prefetch():
     library = load_ext().__file__
     listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", library], capture_output=True, text=True,
                              check=True, timeout=120).stdout  # fmt: skip
-    int8 = "rows16_vnni|rows16_passes|tiles16|fill_panel"
+    int8 = "rows16_vnni|rows16_passes|tiles16|fill_panel|int8_row_avx2"
     families = rf"::({int8}|tile_bf16|tile_f32|score_keys_avx512|weighted_sums?_avx512|attend_avx2)<"
     kernels: dict[str, int] = {}  # each instantiation of those kernels -> its prefetch instructions
     name = None

@@ -35,12 +35,13 @@ QUANTIZATIONS = ("gguf",)  # LLM(quantization=...): vLLM's name for a GGUF file'
 
 
 def default_quant_activations() -> str:
-    """LLM(quant_activations=...)'s default: "int8" where this CPU multiplies int8 blocks with AVX512-VNNI (with or
-    without AMX tiles), "float" elsewhere: with VNNI, 8-bit activations (llama.cpp's numerics) decoded and prefilled
-    faster than the float path; capped at AVX2 they decoded slower (bench/RESULTS.md, "8-bit activations")."""
+    """LLM(quant_activations=...)'s default: "int8" where this CPU multiplies int8 blocks with vector instructions
+    (AVX2 with F16C, AVX512-VNNI, AMX tiles), "float" where only the scalar kernel would: 8-bit activations
+    (llama.cpp's numerics, the same bits on every path) decode and verify faster than the float path there
+    (bench/RESULTS.md, "8-bit activations")."""
     from spec_kernels.quant_linear import int8_path
 
-    return "int8" if int8_path() in ("vnni", "amx") else "float"
+    return "float" if int8_path() == "scalar" else "int8"
 
 
 def load_model(
