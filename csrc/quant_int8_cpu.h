@@ -365,10 +365,38 @@ SPECDEC_QAVX2 void fill_panel(const QuantArgs& a, int64_t n0, int64_t rows, Pane
   }
 }
 
-// The scales of rows n0 .. n0 + rows - 1 into the panel, row by row (the rest zero).
+// The fp16 at byte `off` of 8 rows, converted side by side: lane i row r[i].
+SPECDEC_QAVX2 inline __m256 fp16_rows8(const uint8_t* const* r, int64_t off) {
+  uint16_t v[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) std::memcpy(&v[i], r[i] + off, 2);
+  return _mm256_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(v[0]), static_cast<int16_t>(v[1]),
+                                        static_cast<int16_t>(v[2]), static_cast<int16_t>(v[3]),
+                                        static_cast<int16_t>(v[4]), static_cast<int16_t>(v[5]),
+                                        static_cast<int16_t>(v[6]), static_cast<int16_t>(v[7])));
+}
+
+// The scales of rows n0 .. n0 + rows - 1 into the panel (the rest zero): the 32-weight formats' fp16 fields (a = d,
+// c = the minimum's factor) 8 rows at a time, each block's at once; the others row by row.
 template <QuantType Q, int NB>
 SPECDEC_QAVX2 void fill_panel_scales(const QuantArgs& a, int64_t n0, int64_t rows, Panel<NB>& p) {
   const int64_t blocks = a.K / 32;
+  if constexpr (kSubBlocks<Q> == 1 && NB == 8) {
+    const uint8_t* r[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) r[i] = a.w + (n0 + std::min<int64_t>(i, rows - 1)) * a.row_bytes;  // dead: a copy
+    const __m256 live = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    float* const pa = p.a.data();
+    float* const pc = p.c.data();
+    for (int64_t b = 0; b < blocks; ++b) {
+      _mm256_storeu_ps(pa + b * 8, _mm256_and_ps(fp16_rows8(r, b * kBlockBytes<Q>), live));
+      if constexpr (kIntMin<Q>) {
+        _mm256_storeu_ps(pc + b * 8, _mm256_and_ps(fp16_rows8(r, b * kBlockBytes<Q> + 2), live));
+      }
+    }
+    return;
+  }
   for (int i = 0; i < NB; ++i) {
     if (i < rows) {
       fill_scales<Q, NB>(a.w + (n0 + i) * a.row_bytes, blocks, i, p);
