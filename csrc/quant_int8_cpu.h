@@ -376,19 +376,61 @@ SPECDEC_QAVX2 inline __m256 fp16_rows8(const uint8_t* const* r, int64_t off) {
                                         static_cast<int16_t>(v[6]), static_cast<int16_t>(v[7])));
 }
 
-// The scales of rows n0 .. n0 + rows - 1 into the panel (the rest zero): the 32-weight formats' fp16 fields (a = d,
-// c = the minimum's factor) 8 rows at a time, each block's at once; the others row by row.
+// Q6_K's 16 group scales (int8, at byte 192 of the super-block at `off`) of 8 rows, as int32 side by side: out[g]
+// lane i is row r[i]'s scale g. An 8 x 16 byte transpose by unpacks (bytes, then pairs, then quads of rows).
+SPECDEC_QAVX2 inline void q6k_group_scales8(const uint8_t* const* r, int64_t off, __m256i* out) {
+  __m128i v[8], u[8], w[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) v[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r[i] + off + 192));
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {  // u[2k]: groups 0-7 of rows 2k, 2k + 1 (a 16-bit unit each); u[2k + 1]: 8-15
+    u[2 * k] = _mm_unpacklo_epi8(v[2 * k], v[2 * k + 1]), u[2 * k + 1] = _mm_unpackhi_epi8(v[2 * k], v[2 * k + 1]);
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {  // w[4h + q]: groups 4q .. 4q + 3 of rows 4h .. 4h + 3 (a 32-bit unit each)
+    const __m128i* x = u + 4 * h;
+    w[4 * h] = _mm_unpacklo_epi16(x[0], x[2]), w[4 * h + 1] = _mm_unpackhi_epi16(x[0], x[2]);
+    w[4 * h + 2] = _mm_unpacklo_epi16(x[1], x[3]), w[4 * h + 3] = _mm_unpackhi_epi16(x[1], x[3]);
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {  // groups 4q, 4q + 1 and 4q + 2, 4q + 3: rows 0-7 in each 64-bit half
+    const __m128i lo = _mm_unpacklo_epi32(w[q], w[4 + q]), hi = _mm_unpackhi_epi32(w[q], w[4 + q]);
+    out[4 * q] = _mm256_cvtepi8_epi32(lo), out[4 * q + 1] = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo));
+    out[4 * q + 2] = _mm256_cvtepi8_epi32(hi), out[4 * q + 3] = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi));
+  }
+}
+
+// The scales of rows n0 .. n0 + rows - 1 into the panel (the rest zero), int_scales' values: the 32-weight formats'
+// fp16 fields (a = d, c = the minimum's factor) and Q6_K's (a = d, its group scales) 8 rows at a time, a block or
+// super-block at once; the others row by row.
 template <QuantType Q, int NB>
 SPECDEC_QAVX2 void fill_panel_scales(const QuantArgs& a, int64_t n0, int64_t rows, Panel<NB>& p) {
   const int64_t blocks = a.K / 32;
-  if constexpr (kSubBlocks<Q> == 1 && NB == 8) {
+  if constexpr ((kSubBlocks<Q> == 1 || Q == QuantType::kQ6_K) && NB == 8) {
     const uint8_t* r[8];
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) r[i] = a.w + (n0 + std::min<int64_t>(i, rows - 1)) * a.row_bytes;  // dead: a copy
-    const __m256 live = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const __m256i live_i =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 live = _mm256_castsi256_ps(live_i);
     float* const pa = p.a.data();
     float* const pc = p.c.data();
+    int32_t* const psc = p.sc.data();
+    if constexpr (Q == QuantType::kQ6_K) {
+      for (int64_t j = 0; j < blocks / 8; ++j) {
+        const int64_t off = j * kBlockBytes<Q>;
+        const __m256 d = _mm256_and_ps(fp16_rows8(r, off + 208), live);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; ++s) _mm256_storeu_ps(pa + (8 * j + s) * 8, d);
+        __m256i sc[16];
+        q6k_group_scales8(r, off, sc);
+#pragma GCC unroll 16
+        for (int g = 0; g < 16; ++g) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(psc + (16 * j + g) * 8), _mm256_and_si256(sc[g], live_i));
+        }
+      }
+      return;
+    }
     for (int64_t b = 0; b < blocks; ++b) {
       _mm256_storeu_ps(pa + b * 8, _mm256_and_ps(fp16_rows8(r, b * kBlockBytes<Q>), live));
       if constexpr (kIntMin<Q>) {
