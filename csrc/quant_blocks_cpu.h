@@ -203,10 +203,17 @@ inline void dequant_scalar(const uint8_t* row, int64_t b, const ScalesOf<Q>& k, 
 
 // load_scales with F16C conversions and 4-16 scales per instruction: the same values (the products are exact, and a
 // minimum's negation flips the sign bit, as the scalar `-` does).
-SPECDEC_QAVX2 inline float fp16_f16c(const uint8_t* p) {
+
+// F16C's conversion of the fp16 at p, spelled in assembly so that it needs no target of its own: GCC inlines no
+// F16C-target function into one without that target (csrc/quant_int8_cpu.h's int_scales: a call per block was most
+// of Q6_K's slowness on AVX2, bench/RESULTS.md, "K-quants on AVX2"). Only code that checked F16C calls it.
+__attribute__((always_inline)) inline float fp16_f16c(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
-  return _cvtsh_ss(v);
+  const __m128i h = _mm_cvtsi32_si128(v);
+  __m128 f;
+  __asm__("vcvtph2ps %1, %0" : "=x"(f) : "x"(h));
+  return _mm_cvtss_f32(f);
 }
 
 SPECDEC_QAVX2 inline __m128i bytes4(const uint8_t* p) {

@@ -287,19 +287,9 @@ struct Panel {
   }
 };
 
-// F16C's fp16 conversion as a function object for int_scales, which has no target of its own: GCC inlines no
-// function with the F16C target into one without it, so this one spells vcvtph2ps in assembly (no target needed) and
-// inlines into the vector paths (a call per block was most of Q6_K's slowness on AVX2: bench/RESULTS.md, "K-quants on
-// AVX2"). Only code that checked F16C calls it.
+// fp16_f16c as a function object for int_scales (which has no target of its own: fp16_f16c needs none, and inlines).
 struct F16c {
-  __attribute__((always_inline)) float operator()(const uint8_t* p) const {
-    uint16_t v;
-    std::memcpy(&v, p, 2);
-    const __m128i h = _mm_cvtsi32_si128(v);
-    __m128 f;
-    __asm__("vcvtph2ps %1, %0" : "=x"(f) : "x"(h));
-    return _mm_cvtss_f32(f);
-  }
+  __attribute__((always_inline)) float operator()(const uint8_t* p) const { return fp16_f16c(p); }
 };
 
 // Row i's scales for every block: one call per block, except Q4_K / Q5_K's, whose sub-block scales load_scales_avx2
@@ -413,10 +403,9 @@ SPECDEC_QAVX2 void fill_panel_scales(const QuantArgs& a, int64_t n0, int64_t row
     const __m256i live_i =
         _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256 live = _mm256_castsi256_ps(live_i);
-    float* const pa = p.a.data();
-    float* const pc = p.c.data();
-    int32_t* const psc = p.sc.data();
     if constexpr (Q == QuantType::kQ6_K) {
+      float* const pa = p.a.data();
+      int32_t* const psc = p.sc.data();
       for (int64_t j = 0; j < blocks / 8; ++j) {
         const int64_t off = j * kBlockBytes<Q>;
         const __m256 d = _mm256_and_ps(fp16_rows8(r, off + 208), live);
@@ -429,12 +418,14 @@ SPECDEC_QAVX2 void fill_panel_scales(const QuantArgs& a, int64_t n0, int64_t row
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(psc + (16 * j + g) * 8), _mm256_and_si256(sc[g], live_i));
         }
       }
-      return;
-    }
-    for (int64_t b = 0; b < blocks; ++b) {
-      _mm256_storeu_ps(pa + b * 8, _mm256_and_ps(fp16_rows8(r, b * kBlockBytes<Q>), live));
-      if constexpr (kIntMin<Q>) {
-        _mm256_storeu_ps(pc + b * 8, _mm256_and_ps(fp16_rows8(r, b * kBlockBytes<Q> + 2), live));
+    } else {
+      float* const pa = p.a.data();
+      float* const pc = p.c.data();
+      for (int64_t b = 0; b < blocks; ++b) {
+        _mm256_storeu_ps(pa + b * 8, _mm256_and_ps(fp16_rows8(r, b * kBlockBytes<Q>), live));
+        if constexpr (kIntMin<Q>) {
+          _mm256_storeu_ps(pc + b * 8, _mm256_and_ps(fp16_rows8(r, b * kBlockBytes<Q> + 2), live));
+        }
       }
     }
     return;
