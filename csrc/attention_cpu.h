@@ -115,45 +115,81 @@ void attend_scalar(const T* k, const T* v, const int64_t* rows, int64_t n, const
 }
 
 #if SPECDEC_DECODER_X86
+// Keys rows[j0 .. j0 + count) (count <= 16; cache row offsets) transposed into staged [D, 16] float32: element d of
+// key j at staged[16 d + j], the missing keys' lanes zero. Whole groups of 16 32-bit words (16 float32 elements, or
+// 32 bfloat16 ones in pairs) go through transpose16, which moves bits; the bfloat16 pairs are then widened exactly.
+template <typename T>
+SPECDEC_AVX512 void stage_keys_avx512(const T* k, const int64_t* rows, int64_t count, int64_t D, float* staged) {
+  constexpr int64_t kPer = std::is_same_v<T, float> ? 16 : 32;  // elements per 32-bit word group
+  int64_t d0 = 0;
+  for (; d0 + kPer <= D; d0 += kPer) {
+    __m512 r[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      r[j] = j < count ? _mm512_castsi512_ps(_mm512_loadu_si512(k + rows[j] + d0)) : _mm512_setzero_ps();
+    }
+    simd::transpose16(r);  // r[i] lane j: word i of key j
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_storeu_ps(staged + (d0 + i) * 16, r[i]);
+      } else {  // word i: elements 2i (its low half) and 2i + 1
+        const __m512i w = _mm512_castps_si512(r[i]);
+        _mm512_storeu_ps(staged + (d0 + 2 * i) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        _mm512_storeu_ps(staged + (d0 + 2 * i + 1) * 16,
+                         _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+      }
+    }
+  }
+  for (; d0 < D; ++d0) {  // a head size with a partial group
+    for (int64_t j = 0; j < 16; ++j) staged[d0 * 16 + j] = j < count ? to_f(k[rows[j] + d0]) : 0.f;
+  }
+}
+
+// H heads' scores against one staged block of 16 keys (stage_keys_avx512), scaled, into p + h ld for head h: each
+// head's 16 scores are one vector, summed over d = 0, 1, ..., D - 1 by one multiply-add each (H chains side by
+// side, each staged row loaded once for all of them).
+template <int H>
+SPECDEC_AVX512 inline void score_block_avx512(const float* staged, const float* q, int64_t D, __m512 scale,
+                                              __mmask16 live, float* p, int64_t ld) {
+  __m512 acc[H];
+#pragma GCC unroll 8
+  for (int h = 0; h < H; ++h) acc[h] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 kv = _mm512_loadu_ps(staged + d * 16);
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * D + d]), kv, acc[h]);
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < H; ++h) _mm512_mask_storeu_ps(p + h * ld, live, _mm512_mul_ps(acc[h], scale));
+}
+
 // Scores of `heads` query heads (q [heads, D], float32) against the keys at rows[from .. to) (cache row offsets),
-// scaled, into p + h ld + j for head h and key j. 16 keys at a time, each bf16 row widened once into `staged` (16 Dp
-// floats, D padded to Dp = 16 k with zeros, as load16's masked tail reads it) for all the heads; each key's dot is
-// summed lane-wise over D, then by reduce16's fixed tree: a key's score does not depend on which keys share its block.
+// scaled, into p + h ld + j for head h and key j. 16 keys at a time, transposed once into `staged` (16 D floats) for
+// all the heads, 8 heads' sums at a time: a key's score is the same sequence of operations whichever keys share its
+// block and whichever heads run beside it.
 template <typename T>
 SPECDEC_AVX512 void score_keys_avx512(const T* k, const int64_t* rows, int64_t from, int64_t to, const float* q,
                                       int64_t heads, int64_t D, float scale, float* staged, float* p, int64_t ld) {
   const __m512 scale_v = _mm512_set1_ps(scale);
-  const int64_t Dp = (D + 15) / 16 * 16;
   for (int64_t j0 = from; j0 < to; j0 += 16) {
     const int64_t count = std::min<int64_t>(16, to - j0);
     const __mmask16 live = count == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-    for (int64_t j = 0; j < count; ++j) {
-      const T* row = k + rows[j0 + j];
-      if (j0 + j + kKeysAhead < to) prefetch_row(k + rows[j0 + j + kKeysAhead], D);
-      float* dst = staged + j * Dp;
-      if (D == 64) {  // the common head size: four full vectors, no masks
-#pragma GCC unroll 4
-        for (int64_t d = 0; d < 64; d += 16) _mm512_storeu_ps(dst + d, load16(row + d, 16));
-      } else {
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(row + d, D - d));
+    for (int64_t j = j0 + kKeysAhead; j < std::min(j0 + 16 + kKeysAhead, to); ++j) prefetch_row(k + rows[j], D);
+    stage_keys_avx512(k, rows + j0, count, D, staged);
+    for (int64_t g = 0; g < heads; g += 8) {
+      const float* qg = q + g * D;
+      float* pg = p + g * ld + j0;
+      switch (std::min<int64_t>(8, heads - g)) {
+        case 8: score_block_avx512<8>(staged, qg, D, scale_v, live, pg, ld); break;
+        case 7: score_block_avx512<7>(staged, qg, D, scale_v, live, pg, ld); break;
+        case 6: score_block_avx512<6>(staged, qg, D, scale_v, live, pg, ld); break;
+        case 5: score_block_avx512<5>(staged, qg, D, scale_v, live, pg, ld); break;
+        case 4: score_block_avx512<4>(staged, qg, D, scale_v, live, pg, ld); break;
+        case 3: score_block_avx512<3>(staged, qg, D, scale_v, live, pg, ld); break;
+        case 2: score_block_avx512<2>(staged, qg, D, scale_v, live, pg, ld); break;
+        default: score_block_avx512<1>(staged, qg, D, scale_v, live, pg, ld); break;
       }
-    }
-    // a short block's missing keys as zeros: every block then runs the same 16 unconditional chains (the dead lanes
-    // are not stored, and no chain mixes into another's lane)
-    std::fill(staged + count * Dp, staged + 16 * Dp, 0.f);
-    for (int64_t g = 0; g < heads; ++g) {
-      __m512 acc[16];
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 qv = load16(q + g * D + d, D - d);
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) {
-          const int slot = 4 * (j % 4) + j / 4;  // reduce16 leaves acc[slot] in lane j
-          acc[slot] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(staged + j * Dp + d), acc[slot]);
-        }
-      }
-      _mm512_mask_storeu_ps(p + g * ld + j0, live, _mm512_mul_ps(simd::reduce16(acc), scale_v));
     }
   }
 }
@@ -190,7 +226,7 @@ SPECDEC_AVX512 void attend_avx512(const T* k, const T* v, const int64_t* const* 
                                   int64_t S, const float* q, int64_t G, int64_t D, float scale, float softcap,
                                   float* p, int64_t ld, float* out) {
   thread_local std::vector<float> staged, totals;
-  staged.resize(static_cast<size_t>(16 * ((D + 15) / 16 * 16)));
+  staged.resize(static_cast<size_t>(16 * D));
   totals.resize(static_cast<size_t>(R * G));
   score_keys_avx512(k, keys[0], 0, S, q, R * G, D, scale, staged.data(), p, ld);
   for (int64_t r = 0; r < R; ++r) {
