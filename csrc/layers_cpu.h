@@ -211,9 +211,9 @@ void run_layers(const Problem<T>& p, const std::vector<at::Tensor>& weights, con
     // query heads). A group shares each key's loads across its heads, so a unit is all G heads, except where the units
     // would not spread evenly over the workers: then the G heads split into `groups` parts (with one KV head, a decode
     // token would be a single unit, on one thread). With AVX-512 a unit transposes each block of keys once for its
-    // heads (score_keys_avx512), which a split repeats: there only fewer units than workers split. Each head's sums
-    // are its own, so the split changes no value. Workers take every size()-th unit: a causal chunk's later rows have
-    // more keys.
+    // heads (score_keys_avx512), which a split would repeat: there the heads split only where the units are fewer
+    // than the workers. Each head's sums are its own, so the split changes no value. Workers take every size()-th
+    // unit: a causal chunk's later rows have more keys.
     const int64_t rows_units = M * Hkv;
     const bool whole = cpu_has_avx512() ? rows_units >= w.size()
                                         : rows_units % w.size() == 0 || rows_units >= 4 * w.size();
