@@ -19,7 +19,8 @@ us and llama.cpp (``llama-bench``, 2 threads):
 ``Q8_0-random`` likewise, every matrix Q8_0: an 8B Q8_0 file without the 16 GB F16 file first.
 
 ``--quant-activations float,int8`` runs our engine on a quantized file in each numeric mode (``quant_activations``),
-one model per mode, interleaved with each other and llama.cpp in every round (rows ``ours`` and ``ours int8``).
+one model per mode, interleaved with each other and llama.cpp in every round (rows ``ours`` and ``ours int8``);
+by default the engine's own mode (``default_quant_activations``: int8 with AVX2 and up).
 
 Usage: python bench/bench_sizes.py --llama-cpp DIR [--shapes 1b,8b] [--types F16,Q8_0,Q4_K_M] [--dir /tmp/sizes]
 [--rounds 3] [--quick] [--quant-activations float,int8]. Writes bench/out/bench_sizes.json and prints one markdown
@@ -302,9 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the tiny shape, F16 only, one round")
     parser.add_argument("--out", type=Path, default=Path("bench/out/bench_sizes.json"))
-    parser.add_argument("--quant-activations", default="float",
-                        help="comma-separated numeric modes of ours on quantized files: float, int8")  # fmt: skip
+    parser.add_argument("--quant-activations", default=None,
+                        help="comma-separated numeric modes of ours on quantized files: float, int8 (default: the "
+                             "engine's own)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.quant_activations is None:
+        from spec_engine.models.loader import default_quant_activations
+
+        args.quant_activations = default_quant_activations()
     modes = tuple(args.quant_activations.split(","))
     if not modes or any(m not in ("float", "int8") for m in modes):
         parser.error(f"--quant-activations takes float and/or int8, got {args.quant_activations!r}")
