@@ -10,7 +10,6 @@ the dequantized model's in bfloat16.
 from __future__ import annotations
 
 import math
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -152,30 +151,21 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 # --- SmolLM2-135M-Instruct ----------------------------------------------------------------------------------------
 
-HELD_OUT = (
-    "The lighthouse keeper climbed the spiral stairs every evening, counting the steps as his father had taught him. "
-    "At the top he trimmed the wick, polished the great lens and watched the fishing boats come home through the "
-    "fog. Most nights were quiet, but in winter the storms rolled in from the west, and then he stayed awake until "
-    "dawn, listening to the wind and the waves breaking on the rocks below."
-)
-
 
 def test_smollm2_perplexity_within_one_percent(smollm2):
-    """The blocks kept (8-bit activations where the CPU has them) against the dequantized model, over the paragraph
-    and 512 tokens of Python's textwrap.py. Over the paragraph alone the per-token differences' standard error was
-    about the bound itself, so a change of summation order anywhere could carry the ratio past it (bench/RESULTS.md,
-    "Attention's scores, keys in lanes")."""
+    """The blocks kept (8-bit activations where the CPU has them) against the dequantized model, over eval_int8's
+    held-out text: its paragraph and the first 512 tokens of Python's textwrap.py. Over the paragraph alone the
+    per-token differences' standard error was about the bound itself, so a change of summation order anywhere could
+    carry the ratio past it (bench/RESULTS.md, "Attention's scores, keys in lanes")."""
+    from bench.eval_int8 import held_out_ids
     from spec_engine.llm import load_tokenizer
 
-    tokenizer = load_tokenizer(smollm2)
-    code = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")
-    texts = [tokenizer.encode(HELD_OUT).ids, tokenizer.encode(code).ids[:512]]
+    texts = held_out_ids(load_tokenizer(smollm2), window=512, windows=1)  # [1, T] each
     nll = {}
     for quantization in ("gguf", None):
         model = load_model(smollm2, dtype=torch.bfloat16, quantization=quantization).fuse()
         per_token = []
         for ids in texts:
-            ids = torch.tensor([ids])  # [1, T]
             logits = _logits(model, ids)  # [T, V]
             per_token.append(torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="none"))
         nll[quantization] = torch.cat(per_token).mean().item()
