@@ -80,7 +80,10 @@ def parse_speculative_config(spec: dict | None, device: str | torch.device = "cp
         tree = None
     elif tree is None and adaptive and (method == "eagle" or hybrid_head) and torch.device(device).type == "cpu":
         tree = DEFAULT_HEAD_TREE
-    if "eagle_topk" in spec and tree not in ("dynamic", "auto"):
+    # (the hybrid given no "model" takes the one shipped for the target, and tree="auto" where that is an EAGLE head:
+    # LLM parses again with it, and eagle_topk is checked then)
+    head_unknown = method == "hybrid" and not spec.get("model") and spec.get("tree") is None
+    if "eagle_topk" in spec and tree not in ("dynamic", "auto") and not head_unknown:
         raise ValueError("eagle_topk (nodes a level of EAGLE-2's dynamic tree) needs tree='dynamic' or 'auto'")
     if tree == "auto" and not adaptive:
         raise ValueError("tree='auto' (the adaptive controller picks a chain or EAGLE-2's dynamic tree each step) "

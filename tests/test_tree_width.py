@@ -261,6 +261,20 @@ def test_an_eagle_head_on_a_cpu_takes_tree_auto_by_default(pair):  # noqa: F811
     assert chains.speculative_config["widths"] is None and chains.engine.gamma == 4
 
 
+def test_eagle_topk_waits_for_the_hybrid_s_shipped_drafter(pair):  # noqa: F811
+    """The hybrid named no drafter takes the one shipped for the target, known only once the target is loaded, so
+    eagle_topk is checked when the drafter is: kept where it is an EAGLE head (tree "auto" then, the CLI's
+    ``--eagle-topk 4`` with ``--model smollm2``), refused where it is a draft model."""
+    target, head = pair
+    first = parse_speculative_config({"method": "hybrid", "eagle_topk": 4})
+    assert first["model_method"] is None  # LLM parses again with the shipped drafter, as below
+    assert parse_speculative_config({"method": "hybrid", "eagle_topk": 4, "model": head})["widths"] == {1: 4, 4: 8}
+    with pytest.raises(ValueError, match="eagle_topk .* needs tree='dynamic' or 'auto'"):
+        parse_speculative_config({"method": "hybrid", "eagle_topk": 4, "model": target})
+    with pytest.raises(ValueError, match="eagle_topk .* needs tree='dynamic' or 'auto'"):
+        parse_speculative_config({"method": "hybrid", "eagle_topk": 4, "tree": "chain"})
+
+
 def test_the_thread_tuner_compares_a_chain_and_a_tree_of_one_depth_apart(pair, monkeypatch):  # noqa: F811
     """tree='auto' runs chains and dynamic trees of one depth; a tree verifies 3x the tokens, so the thread tuner's
     windows must keep them apart: mixed, a probe's chain steps on one thread beat the other choice's tree steps and
