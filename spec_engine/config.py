@@ -80,9 +80,9 @@ def parse_speculative_config(spec: dict | None, device: str | torch.device = "cp
         tree = None
     elif tree is None and adaptive and (method == "eagle" or hybrid_head) and torch.device(device).type == "cpu":
         tree = DEFAULT_HEAD_TREE
-    # (the hybrid given no "model" takes the one shipped for the target, and tree="auto" where that is an EAGLE head:
-    # LLM parses again with it, and eagle_topk is checked then)
-    head_unknown = method == "hybrid" and not spec.get("model") and spec.get("tree") is None
+    unnamed = method in WEIGHTED_METHODS and not spec.get("model")  # LLM parses again with the drafter shipped
+    # (a hybrid's default tree is "auto" where that drafter is an EAGLE head: its eagle_topk is checked then)
+    head_unknown = unnamed and method == "hybrid" and spec.get("tree") is None
     if "eagle_topk" in spec and tree not in ("dynamic", "auto") and not head_unknown:
         raise ValueError("eagle_topk (nodes a level of EAGLE-2's dynamic tree) needs tree='dynamic' or 'auto'")
     if tree == "auto" and not adaptive:
@@ -138,7 +138,7 @@ def parse_speculative_config(spec: dict | None, device: str | torch.device = "cp
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
         if spec.get("min_n", 1) > spec.get("max_n", NGRAM_MAX_N):
             raise ValueError(f"min_n ({spec.get('min_n', 1)}) exceeds max_n ({spec.get('max_n', NGRAM_MAX_N)})")
-    if method in WEIGHTED_METHODS and not spec.get("model"):  # LLM fills in the shipped drafter
+    if unnamed:  # LLM fills in the shipped drafter
         return {**spec, "method": method, "model_method": None, "num_speculative_tokens": gamma,
                 "adaptive": adaptive, "suffix": suffix, "tree": tree, "widths": widths}  # fmt: skip
     model_method = method
