@@ -32,6 +32,18 @@ constexpr int kUnsignedOffset = Q == QuantType::kQ8_0   ? 128
 // and xq with q's sign); the others stay <= 63 (2 * 63 * 127 < 2^15).
 template <QuantType Q>
 constexpr int kAvx2Offset = Q == QuantType::kQ8_0 ? 0 : kUnsignedOffset<Q>;
+// The largest of those unsigned quants (|q| for Q8_0), and so how many of maddubs's int16 pair sums (each at most
+// 2 * that * 128, x's quants being at most 127 in magnitude) one int16 lane can add up before vpmaddwd widens it:
+// the AVX2 kernels sum that many in int16, which keeps the integers exact and saves the widening multiplies.
+template <QuantType Q>
+constexpr int kAvx2Max = Q == QuantType::kQ8_0   ? 128
+                         : Q == QuantType::kQ2_K ? 3
+                         : Q == QuantType::kQ3_K ? 7
+                         : Q == QuantType::kQ5_0 || Q == QuantType::kQ5_1 || Q == QuantType::kQ5_K ? 31
+                         : Q == QuantType::kQ6_K ? 63
+                                                 : 15;
+template <QuantType Q>
+constexpr int kInt16Sums = std::max(1, 32767 / (2 * kAvx2Max<Q> * 128));
 template <QuantType Q>
 constexpr bool kIntMin = Q == QuantType::kQ4_1 || Q == QuantType::kQ5_1 || Q == QuantType::kQ2_K ||
                          Q == QuantType::kQ4_K || Q == QuantType::kQ5_K;
@@ -445,16 +457,18 @@ inline int32_t dword_at(const int8_t* p) {
   return v;
 }
 
-// maddubs and madd: dword j of the result sums q's bytes 4j .. 4j + 3 times xq's (q: int_quants plus kAvx2Offset<Q>).
+// maddubs: int16 lane i of the result sums q's bytes 2i, 2i + 1 times xq's (q: int_quants plus kAvx2Offset<Q>).
 template <QuantType Q>
-SPECDEC_QAVX2 inline __m256i dot_avx2(__m256i q, __m256i xq) {
-  const __m256i ones = _mm256_set1_epi16(1);
+SPECDEC_QAVX2 inline __m256i dot16_avx2(__m256i q, __m256i xq) {
   if constexpr (Q == QuantType::kQ8_0) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xq, q)), ones);
+    return _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xq, q));
   } else {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), ones);
+    return _mm256_maddubs_epi16(q, xq);
   }
 }
+
+// vpmaddwd by ones: dword j sums int16 lanes 2j and 2j + 1.
+SPECDEC_QAVX2 inline __m256i widen16(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
 
 // half0 and half1 (8 rows' sums of elements 0-15 and 16-31 with their quants plus kAvx2Offset<Q>) less that offset
 // times x row m's two sums of block b: int_quants' sums.
@@ -496,27 +510,47 @@ SPECDEC_QAVX2 inline __m256 int8_epilogue_avx2(const Int8Args& x, const Panel<8>
   return _mm256_add_ps(acc, rounded(_mm256_mul_ps(_mm256_set1_ps(x.x->dx[m * (a.K / 32) + b]), u)));
 }
 
-// AVX2: the panel's quants (plus kAvx2Offset) times each x row's dwords by dot_avx2, into dword sums per row.
+// AVX2: the panel's quants (plus kAvx2Offset) times each x row's dwords, into dword sums per row. A block's 8 panel
+// vectors are loaded once and stay in registers while up to kAvx2TileRows x rows take their turn, each row's
+// accumulator on the stack: independent chains, and each row still adds its blocks in order (the same bits).
+constexpr int64_t kAvx2TileRows = 16;
 template <QuantType Q>
 SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t n0, int64_t rows) {
   const QuantArgs& a = *x.a;
   const int64_t blocks = a.K / 32;
-  for (int64_t m = 0; m < a.M; ++m) {
-    __m256 acc = _mm256_setzero_ps();
+  constexpr int kRun = std::min(4, kInt16Sums<Q>);  // dword j's products summed in int16, then widened
+  for (int64_t m0 = 0; m0 < a.M; m0 += kAvx2TileRows) {
+    const int64_t mb = std::min(kAvx2TileRows, a.M - m0);
+    __m256 acc[kAvx2TileRows];
+    for (int64_t i = 0; i < mb; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-      const int8_t* xq = x.x->xq.data() + m * a.K + b * 32;
-      __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      __m256i w[8];
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q.data() + (b * 8 + j) * 32));
-        half[j / 4] = _mm256_add_epi32(half[j / 4], dot_avx2<Q>(w, _mm256_set1_epi32(dword_at(xq + 4 * j))));
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q.data() + (b * 8 + j) * 32));
       }
-      take_offset_avx2<Q>(x, m, b, half[0], half[1]);
-      acc = int8_epilogue_avx2<Q>(x, p, m, b, half[0], half[1], acc);
+      for (int64_t i = 0; i < mb; ++i) {
+        const int64_t m = m0 + i;
+        const int8_t* xq = x.x->xq.data() + m * a.K + b * 32;
+        __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 8
+        for (int j0 = 0; j0 < 8; j0 += kRun) {
+          __m256i s16 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+          for (int j = j0; j < j0 + kRun; ++j) {
+            s16 = _mm256_add_epi16(s16, dot16_avx2<Q>(w[j], _mm256_set1_epi32(dword_at(xq + 4 * j))));
+          }
+          half[j0 / 4] = _mm256_add_epi32(half[j0 / 4], widen16(s16));
+        }
+        take_offset_avx2<Q>(x, m, b, half[0], half[1]);
+        acc[i] = int8_epilogue_avx2<Q>(x, p, m, b, half[0], half[1], acc[i]);
+      }
     }
-    alignas(32) float out[8];
-    _mm256_store_ps(out, acc);
-    for (int64_t i = 0; i < rows; ++i) store(a, m, n0 + i, out[i]);
+    for (int64_t i = 0; i < mb; ++i) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[i]);
+      for (int64_t r = 0; r < rows; ++r) store(a, m0 + i, n0 + r, out[r]);
+    }
   }
 }
 
@@ -540,18 +574,28 @@ SPECDEC_QAVX2 void int8_row_avx2(const Int8Args& x, const Panel<8>& p, int64_t n
   for (int64_t b = 0; b < blocks; ++b) {
     if (more) simd::prefetch_lines(next + b * tile_bytes / blocks, next + (b + 1) * tile_bytes / blocks, l2);
     const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x->xq.data() + b * 32));
+    // Lane sums: dword j of t[k / 2]'s lane L is vector 4 (k / 2) + j's lane L. The unpacks move whole dwords, so the
+    // adds run on int16 lanes (two per dword) while a lane holds at most kInt16Sums maddubs sums, then widen16.
+    constexpr int kRun = kInt16Sums<Q>;
     __m256i d[8], s[4], t[2];
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) d[i] = dot_avx2<Q>(int_quants_avx2<Q, kAvx2Offset<Q>>(row[i], b), xq);
+    for (int i = 0; i < 8; ++i) {
+      d[i] = dot16_avx2<Q>(int_quants_avx2<Q, kAvx2Offset<Q>>(row[i], b), xq);
+      if constexpr (kRun < 2) d[i] = widen16(d[i]);
+    }
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {  // lane sums: dword j of t[k / 2]'s lane L is vector 4 (k / 2) + j's lane L
-      s[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(d[2 * k], d[2 * k + 1]),
-                              _mm256_unpackhi_epi32(d[2 * k], d[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) {
+      const __m256i lo = _mm256_unpacklo_epi32(d[2 * k], d[2 * k + 1]);
+      const __m256i hi = _mm256_unpackhi_epi32(d[2 * k], d[2 * k + 1]);
+      s[k] = kRun >= 2 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi32(lo, hi);
+      if constexpr (kRun == 2 || kRun == 3) s[k] = widen16(s[k]);
     }
 #pragma GCC unroll 2
     for (int k = 0; k < 2; ++k) {
-      t[k] = _mm256_add_epi32(_mm256_unpacklo_epi64(s[2 * k], s[2 * k + 1]),
-                              _mm256_unpackhi_epi64(s[2 * k], s[2 * k + 1]));
+      const __m256i lo = _mm256_unpacklo_epi64(s[2 * k], s[2 * k + 1]);
+      const __m256i hi = _mm256_unpackhi_epi64(s[2 * k], s[2 * k + 1]);
+      t[k] = kRun >= 4 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi32(lo, hi);
+      if constexpr (kRun >= 4) t[k] = widen16(t[k]);
     }
     __m256i half0 = _mm256_permute2x128_si256(t[0], t[1], 0x20), half1 = _mm256_permute2x128_si256(t[0], t[1], 0x31);
     take_offset_avx2<Q>(x, 0, b, half0, half1);

@@ -132,6 +132,31 @@ def test_batch_invariant(qtype, dtype):
     assert torch.equal(_int8(others, blocks, qtype)[:3], full[:3])
 
 
+def _largest_quants(n: int, k: int, qtype: str) -> torch.Tensor:
+    """Blocks whose every quant takes the format's largest unsigned value (every quant bit and high bit set: Q4 15,
+    Q5 31, Q6_K 63 ...; Q8_0 -128, the largest magnitude), the scales random: the largest integer sums there are."""
+    f = QUANT_FORMATS[qtype]
+    blocks = random_blocks(n, k, qtype, 7).view(-1, f.block_bytes).clone()
+    scales = blocks[:, [off + i for off in f.fp16_offsets for i in (0, 1)]].clone()
+    blocks[:] = 0x80 if qtype == "Q8_0" else 0xFF
+    blocks[:, [off + i for off in f.fp16_offsets for i in (0, 1)]] = scales
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", ALL_QTYPES)
+def test_the_largest_integer_sums(qtype):
+    """Every quant at its largest against x's at +-127 (one value per block, random in sign and size, so that
+    blocks do not cancel): the AVX2 kernels add maddubs's int16 sums in int16 before widening (kInt16Sums), which
+    would wrap here if they added one too many."""
+    k = 512
+    blocks = _largest_quants(11, k, qtype)
+    per_block = _x(17, k // 32, torch.float32, 8)  # [17, K / 32]
+    x = per_block.repeat_interleave(32, dim=1)  # [17, K]
+    for num_rows in (1, 5, 17):
+        out = _int8(x[:num_rows], blocks, qtype)
+        assert same_bits(out, quant_linear_ref(x[:num_rows], blocks, qtype, activations="int8")), f"M={num_rows}"
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_close_to_the_float_path(qtype):
     """Against float64 x @ W: the int8 path's error is at most 2x torch's on the same int8 activations (float64 on
