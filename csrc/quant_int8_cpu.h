@@ -512,7 +512,9 @@ SPECDEC_QAVX2 inline __m256 int8_epilogue_avx2(const Int8Args& x, const Panel<8>
 
 // AVX2: the panel's quants (plus kAvx2Offset) times each x row's dwords, into dword sums per row. A block's 8 panel
 // vectors are loaded once and stay in registers while up to kAvx2TileRows x rows take their turn, each row's
-// accumulator on the stack: independent chains, and each row still adds its blocks in order (the same bits).
+// accumulator on the stack: independent chains, and each row still adds its blocks in order (the same bits). Row i's
+// float epilogue runs after row i + 1's integer sums (software pipelining): its operands are ready when it is issued,
+// so the long chain (loads, maddubs, widening, the float epilogue) does not fill the scheduler.
 constexpr int64_t kAvx2TileRows = 16;
 template <QuantType Q>
 SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t n0, int64_t rows) {
@@ -529,6 +531,7 @@ SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t 
       for (int j = 0; j < 8; ++j) {
         w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q.data() + (b * 8 + j) * 32));
       }
+      __m256i prev[2];
       for (int64_t i = 0; i < mb; ++i) {
         const int64_t m = m0 + i;
         const int8_t* xq = x.x->xq.data() + m * a.K + b * 32;
@@ -543,8 +546,10 @@ SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t 
           half[j0 / 4] = _mm256_add_epi32(half[j0 / 4], widen16(s16));
         }
         take_offset_avx2<Q>(x, m, b, half[0], half[1]);
-        acc[i] = int8_epilogue_avx2<Q>(x, p, m, b, half[0], half[1], acc[i]);
+        if (i > 0) acc[i - 1] = int8_epilogue_avx2<Q>(x, p, m - 1, b, prev[0], prev[1], acc[i - 1]);
+        prev[0] = half[0], prev[1] = half[1];
       }
+      acc[mb - 1] = int8_epilogue_avx2<Q>(x, p, m0 + mb - 1, b, prev[0], prev[1], acc[mb - 1]);
     }
     for (int64_t i = 0; i < mb; ++i) {
       alignas(32) float out[8];
