@@ -226,6 +226,22 @@ SPECDEC_QAVX2 inline __m256i bytes8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
+// Q4_K / Q5_K's super-block at sb: its 8 sub-blocks' scales (d times the 6-bit scale) and shifts (-dmin times the
+// 6-bit minimum), lane s sub-block s. Sub-blocks 0-3 from the low 6 bits of bytes 0-3 (scales) and 4-7 (minima); 4-7
+// from bytes 8-11's nibbles under those bytes' top 2 bits (k4_scale_min).
+SPECDEC_QAVX2 inline void k4_scales_avx2(const uint8_t* sb, __m256& scale, __m256& shift) {
+  const __m128 d = _mm_set1_ps(fp16_f16c(sb)), dmin = _mm_set1_ps(fp16_f16c(sb + 2));
+  const __m128i lo = bytes4(sb + 4), mid = bytes4(sb + 8), hi = bytes4(sb + 12);
+  const __m128i six = _mm_set1_epi32(63), four = _mm_set1_epi32(15);
+  const __m128i sc_hi = _mm_or_si128(_mm_and_si128(hi, four), _mm_slli_epi32(_mm_srli_epi32(lo, 6), 4));
+  const __m128i mn_hi = _mm_or_si128(_mm_srli_epi32(hi, 4), _mm_slli_epi32(_mm_srli_epi32(mid, 6), 4));
+  const __m128 neg = _mm_set1_ps(-0.f);
+  scale = _mm256_set_m128(_mm_mul_ps(d, _mm_cvtepi32_ps(sc_hi)),
+                          _mm_mul_ps(d, _mm_cvtepi32_ps(_mm_and_si128(lo, six))));
+  shift = _mm256_set_m128(_mm_xor_ps(_mm_mul_ps(dmin, _mm_cvtepi32_ps(mn_hi)), neg),
+                          _mm_xor_ps(_mm_mul_ps(dmin, _mm_cvtepi32_ps(_mm_and_si128(mid, six))), neg));
+}
+
 template <QuantType Q>
 SPECDEC_QAVX2 inline void load_scales_avx2(const uint8_t* sb, KScales& k) {
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -252,18 +268,10 @@ SPECDEC_QAVX2 inline void load_scales_avx2(const uint8_t* sb, KScales& k) {
     _mm256_storeu_ps(k.scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(s0)));
     _mm256_storeu_ps(k.scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(s1)));
   } else if constexpr (Q == QuantType::kQ4_K || Q == QuantType::kQ5_K) {
-    // sub-blocks 0-3 from the low 6 bits of bytes 0-3 (scales) and 4-7 (minima); 4-7 from bytes 8-11's nibbles
-    // under those bytes' top 2 bits (k4_scale_min)
-    const __m128 d = _mm_set1_ps(fp16_f16c(sb)), dmin = _mm_set1_ps(fp16_f16c(sb + 2));
-    const __m128i lo = bytes4(sb + 4), mid = bytes4(sb + 8), hi = bytes4(sb + 12);
-    const __m128i six = _mm_set1_epi32(63), four = _mm_set1_epi32(15);
-    const __m128i sc_hi = _mm_or_si128(_mm_and_si128(hi, four), _mm_slli_epi32(_mm_srli_epi32(lo, 6), 4));
-    const __m128i mn_hi = _mm_or_si128(_mm_srli_epi32(hi, 4), _mm_slli_epi32(_mm_srli_epi32(mid, 6), 4));
-    const __m128 neg = _mm_set1_ps(-0.f);
-    _mm_storeu_ps(k.scale, _mm_mul_ps(d, _mm_cvtepi32_ps(_mm_and_si128(lo, six))));
-    _mm_storeu_ps(k.scale + 4, _mm_mul_ps(d, _mm_cvtepi32_ps(sc_hi)));
-    _mm_storeu_ps(k.shift, _mm_xor_ps(_mm_mul_ps(dmin, _mm_cvtepi32_ps(_mm_and_si128(mid, six))), neg));
-    _mm_storeu_ps(k.shift + 4, _mm_xor_ps(_mm_mul_ps(dmin, _mm_cvtepi32_ps(mn_hi)), neg));
+    __m256 scale, shift;
+    k4_scales_avx2(sb, scale, shift);
+    _mm256_storeu_ps(k.scale, scale);
+    _mm256_storeu_ps(k.shift, shift);
   } else {
     static_assert(Q == QuantType::kQ6_K, "a K-quant");
     const __m256 d = _mm256_set1_ps(fp16_f16c(sb + 208));

@@ -304,8 +304,7 @@ struct F16c {
   __attribute__((always_inline)) float operator()(const uint8_t* p) const { return fp16_f16c(p); }
 };
 
-// Row i's scales for every block: one call per block, except Q4_K / Q5_K's, whose sub-block scales load_scales_avx2
-// decodes 8 at a time (its scale and shift are a and c: the same exact products).
+// Row i's scales for every block, one call per block (int_scales).
 template <QuantType Q, int NB>
 SPECDEC_QAVX2 void fill_scales(const uint8_t* row, int64_t blocks, int i, Panel<NB>& p) {
   // raw pointers: a store through the vectors' own would make the compiler reload them after every store
@@ -313,21 +312,13 @@ SPECDEC_QAVX2 void fill_scales(const uint8_t* row, int64_t blocks, int i, Panel<
   float* const pc = p.c.data();
   int32_t* const psc = p.sc.data();
   int32_t* const pmn = p.mn.data();
-  if constexpr (kPerSubBlock<Q>) {
-    for (int64_t b = 0; b < blocks; b += 8) {
-      KScales k;
-      load_scales_avx2<Q>(row + b / 8 * kBlockBytes<Q>, k);
-      for (int s = 0; s < 8; ++s) pa[(b + s) * NB + i] = k.scale[s], pc[(b + s) * NB + i] = k.shift[s];
-    }
-  } else {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const BlockScales k = int_scales<Q>(row, b, F16c{});
-      pa[b * NB + i] = k.a;
-      if constexpr (kIntMin<Q>) pc[b * NB + i] = k.c;
-      for (int h = 0; h < 2 && kGroupScales<Q>; ++h) {
-        psc[(b * 2 + h) * NB + i] = k.sc[h];
-        if constexpr (kIntMin<Q>) pmn[(b * 2 + h) * NB + i] = k.mn[h];  // Q2_K's minima factors
-      }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const BlockScales k = int_scales<Q>(row, b, F16c{});
+    pa[b * NB + i] = k.a;
+    if constexpr (kIntMin<Q>) pc[b * NB + i] = k.c;
+    for (int h = 0; h < 2 && kGroupScales<Q>; ++h) {
+      psc[(b * 2 + h) * NB + i] = k.sc[h];
+      if constexpr (kIntMin<Q>) pmn[(b * 2 + h) * NB + i] = k.mn[h];  // Q2_K's minima factors
     }
   }
 }
@@ -403,12 +394,12 @@ SPECDEC_QAVX2 inline void q6k_group_scales8(const uint8_t* const* r, int64_t off
 }
 
 // The scales of rows n0 .. n0 + rows - 1 into the panel (the rest zero), int_scales' values: the 32-weight formats'
-// fp16 fields (a = d, c = the minimum's factor) and Q6_K's (a = d, its group scales) 8 rows at a time, a block or
-// super-block at once; the others row by row.
+// fp16 fields (a = d, c = the minimum's factor), Q6_K's (a = d, its group scales) and Q4_K / Q5_K's (a and c, each
+// sub-block's scale and shift) 8 rows at a time, a block or super-block at once; Q2_K / Q3_K's row by row.
 template <QuantType Q, int NB>
 SPECDEC_QAVX2 void fill_panel_scales(const QuantArgs& a, int64_t n0, int64_t rows, Panel<NB>& p) {
   const int64_t blocks = a.K / 32;
-  if constexpr ((kSubBlocks<Q> == 1 || Q == QuantType::kQ6_K) && NB == 8) {
+  if constexpr ((kSubBlocks<Q> == 1 || Q == QuantType::kQ6_K || kPerSubBlock<Q>) && NB == 8) {
     const uint8_t* r[8];
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) r[i] = a.w + (n0 + std::min<int64_t>(i, rows - 1)) * a.row_bytes;  // dead: a copy
@@ -428,6 +419,28 @@ SPECDEC_QAVX2 void fill_panel_scales(const QuantArgs& a, int64_t n0, int64_t row
 #pragma GCC unroll 16
         for (int g = 0; g < 16; ++g) {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(psc + (16 * j + g) * 8), _mm256_and_si256(sc[g], live_i));
+        }
+      }
+    } else if constexpr (kPerSubBlock<Q>) {  // each row's 8 sub-block scales and shifts, transposed to lane = row
+      float* const pa = p.a.data();
+      float* const pc = p.c.data();
+      for (int64_t j = 0; j < blocks / 8; ++j) {
+        __m256i sc[8], sh[8], t[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          __m256 scale, shift;
+          k4_scales_avx2(r[i] + j * kBlockBytes<Q>, scale, shift);
+          sc[i] = _mm256_castps_si256(scale), sh[i] = _mm256_castps_si256(shift);
+        }
+        transpose8x8(sc, t);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; ++s) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pa + (8 * j + s) * 8), _mm256_and_si256(t[s], live_i));
+        }
+        transpose8x8(sh, t);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; ++s) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pc + (8 * j + s) * 8), _mm256_and_si256(t[s], live_i));
         }
       }
     } else {
