@@ -586,11 +586,12 @@ SPECDEC_QAVX2 void int8_row_avx2(const Int8Args& x, const Panel<8>& p, int64_t n
   // `more`: this thread's next tile (contiguous after these rows) is pulled in at this tile's pace, a block's share
   // per block, so that its scales' pass (the first to read each line) does not wait on DRAM
   const uintptr_t next = reinterpret_cast<uintptr_t>(a.w + (n0 + 8) * a.row_bytes);
-  const int64_t tile_bytes = 8 * a.row_bytes;
+  const int64_t step = 8 * a.row_bytes / blocks;  // the next tile per block: exact (whole super-blocks per row)
   const bool l2 = prefetch_to_l2<Q>();
   __m256 acc = _mm256_setzero_ps();
+  __m256i prev0, prev1;
   for (int64_t b = 0; b < blocks; ++b) {
-    if (more) simd::prefetch_lines(next + b * tile_bytes / blocks, next + (b + 1) * tile_bytes / blocks, l2);
+    if (more) simd::prefetch_lines(next + b * step, next + (b + 1) * step, l2);
     const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x->xq.data() + b * 32));
     // Lane sums: dword j of t[k / 2]'s lane L is vector 4 (k / 2) + j's lane L. The unpacks move whole dwords, so the
     // adds run on int16 lanes (two per dword) while a lane holds at most kInt16Sums maddubs sums, then widen16.
@@ -617,8 +618,10 @@ SPECDEC_QAVX2 void int8_row_avx2(const Int8Args& x, const Panel<8>& p, int64_t n
     }
     __m256i half0 = _mm256_permute2x128_si256(t[0], t[1], 0x20), half1 = _mm256_permute2x128_si256(t[0], t[1], 0x31);
     take_offset_avx2<Q>(x, 0, b, half0, half1);
-    acc = int8_epilogue_avx2<Q>(x, p, 0, b, half0, half1, acc);
+    if (b > 0) acc = int8_epilogue_avx2<Q>(x, p, 0, b - 1, prev0, prev1, acc);  // pipelined as in the tile
+    prev0 = half0, prev1 = half1;
   }
+  acc = int8_epilogue_avx2<Q>(x, p, 0, blocks - 1, prev0, prev1, acc);
   alignas(32) float out[8];
   _mm256_store_ps(out, acc);
   for (int64_t i = 0; i < rows; ++i) store(a, 0, n0 + i, out[i]);
