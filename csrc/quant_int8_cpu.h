@@ -572,12 +572,13 @@ SPECDEC_QAVX2 void int8_tile_avx2(const Int8Args& x, const Panel<8>& p, int64_t 
   }
 }
 
-// AVX2 at M = 1 (decoding): each of 8 weight rows' quants dotted with x's block in place, one row per vector, then
-// each row's two 128-bit lanes (its halves) summed by a transpose of the 8 vectors; the panel's scales and epilogue.
-// The panel's transpose is what one x row cannot pay back (csrc/quant_int8_rows_cpu.h says more); with two x rows
-// the panel's shared decoding costs as much as this kernel's, so it stays there.
-template <QuantType Q>
-SPECDEC_QAVX2 void int8_row_avx2(const Int8Args& x, const Panel<8>& p, int64_t n0, int64_t rows, bool more) {
+// AVX2 for up to kAvx2RowWiseRows x rows (decoding, short verifies): each of 8 weight rows' quants decoded once per
+// block and dotted in place with each x row's block, one weight row per vector, each row's two 128-bit lanes (its
+// halves) then summed by a transpose of the 8 vectors, per x row; the panel's scales and epilogue. The panel
+// transposes the quants once for every x row (stored, then loaded back); past 3 x rows the lane sums cost more.
+constexpr int64_t kAvx2RowWiseRows = 3;
+template <QuantType Q, int MB>
+SPECDEC_QAVX2 void int8_rowwise_avx2(const Int8Args& x, const Panel<8>& p, int64_t n0, int64_t rows, bool more) {
   const QuantArgs& a = *x.a;
   const int64_t blocks = a.K / 32;
   const uint8_t* row[8];
@@ -588,54 +589,77 @@ SPECDEC_QAVX2 void int8_row_avx2(const Int8Args& x, const Panel<8>& p, int64_t n
   const uintptr_t next = reinterpret_cast<uintptr_t>(a.w + (n0 + 8) * a.row_bytes);
   const int64_t step = 8 * a.row_bytes / blocks;  // the next tile per block: exact (whole super-blocks per row)
   const bool l2 = prefetch_to_l2<Q>();
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[MB];
+#pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   __m256i prev0, prev1;
   for (int64_t b = 0; b < blocks; ++b) {
     if (more) simd::prefetch_lines(next + b * step, next + (b + 1) * step, l2);
-    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x->xq.data() + b * 32));
-    // Lane sums: dword j of t[k / 2]'s lane L is vector 4 (k / 2) + j's lane L. The unpacks move whole dwords, so the
-    // adds run on int16 lanes (two per dword) while a lane holds at most kInt16Sums maddubs sums, then widen16.
-    constexpr int kRun = kInt16Sums<Q>;
-    __m256i d[8], s[4], t[2];
+    __m256i q[8];
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      d[i] = dot16_avx2<Q>(int_quants_avx2<Q, kAvx2Offset<Q>>(row[i], b), xq);
-      if constexpr (kRun < 2) d[i] = widen16(d[i]);
-    }
+    for (int i = 0; i < 8; ++i) q[i] = int_quants_avx2<Q, kAvx2Offset<Q>>(row[i], b);
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      const __m256i lo = _mm256_unpacklo_epi32(d[2 * k], d[2 * k + 1]);
-      const __m256i hi = _mm256_unpackhi_epi32(d[2 * k], d[2 * k + 1]);
-      s[k] = kRun >= 2 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi32(lo, hi);
-      if constexpr (kRun == 2 || kRun == 3) s[k] = widen16(s[k]);
-    }
+    for (int m = 0; m < MB; ++m) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x->xq.data() + m * a.K + b * 32));
+      // Lane sums: dword j of t[k / 2]'s lane L is vector 4 (k / 2) + j's lane L. The unpacks move whole dwords, so
+      // the adds run on int16 lanes (two per dword) while a lane holds at most kInt16Sums maddubs sums, then widen16.
+      constexpr int kRun = kInt16Sums<Q>;
+      __m256i d[8], s[4], t[2];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        d[i] = dot16_avx2<Q>(q[i], xq);
+        if constexpr (kRun < 2) d[i] = widen16(d[i]);
+      }
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const __m256i lo = _mm256_unpacklo_epi32(d[2 * k], d[2 * k + 1]);
+        const __m256i hi = _mm256_unpackhi_epi32(d[2 * k], d[2 * k + 1]);
+        s[k] = kRun >= 2 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi32(lo, hi);
+        if constexpr (kRun == 2 || kRun == 3) s[k] = widen16(s[k]);
+      }
 #pragma GCC unroll 2
-    for (int k = 0; k < 2; ++k) {
-      const __m256i lo = _mm256_unpacklo_epi64(s[2 * k], s[2 * k + 1]);
-      const __m256i hi = _mm256_unpackhi_epi64(s[2 * k], s[2 * k + 1]);
-      t[k] = kRun >= 4 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi32(lo, hi);
-      if constexpr (kRun >= 4) t[k] = widen16(t[k]);
+      for (int k = 0; k < 2; ++k) {
+        const __m256i lo = _mm256_unpacklo_epi64(s[2 * k], s[2 * k + 1]);
+        const __m256i hi = _mm256_unpackhi_epi64(s[2 * k], s[2 * k + 1]);
+        t[k] = kRun >= 4 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi32(lo, hi);
+        if constexpr (kRun >= 4) t[k] = widen16(t[k]);
+      }
+      __m256i half0 = _mm256_permute2x128_si256(t[0], t[1], 0x20);
+      __m256i half1 = _mm256_permute2x128_si256(t[0], t[1], 0x31);
+      take_offset_avx2<Q>(x, m, b, half0, half1);
+      // pipelined as in the tile: the epilogue of the (block, x row) before this one, its operands ready
+      if (m > 0) {
+        acc[m - 1] = int8_epilogue_avx2<Q>(x, p, m - 1, b, prev0, prev1, acc[m - 1]);
+      } else if (b > 0) {
+        acc[MB - 1] = int8_epilogue_avx2<Q>(x, p, MB - 1, b - 1, prev0, prev1, acc[MB - 1]);
+      }
+      prev0 = half0, prev1 = half1;
     }
-    __m256i half0 = _mm256_permute2x128_si256(t[0], t[1], 0x20), half1 = _mm256_permute2x128_si256(t[0], t[1], 0x31);
-    take_offset_avx2<Q>(x, 0, b, half0, half1);
-    if (b > 0) acc = int8_epilogue_avx2<Q>(x, p, 0, b - 1, prev0, prev1, acc);  // pipelined as in the tile
-    prev0 = half0, prev1 = half1;
   }
-  acc = int8_epilogue_avx2<Q>(x, p, 0, blocks - 1, prev0, prev1, acc);
-  alignas(32) float out[8];
-  _mm256_store_ps(out, acc);
-  for (int64_t i = 0; i < rows; ++i) store(a, 0, n0 + i, out[i]);
+  acc[MB - 1] = int8_epilogue_avx2<Q>(x, p, MB - 1, blocks - 1, prev0, prev1, acc[MB - 1]);
+#pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[m]);
+    for (int64_t i = 0; i < rows; ++i) store(a, m, n0 + i, out[i]);
+  }
 }
 
 template <QuantType Q>
 void int8_rows_avx2(const Int8Args& x, int64_t n_begin, int64_t n_end) {
   thread_local Panel<8> p;
   p.resize(x.a->K / 32);
+  const int64_t M = x.a->M;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 8) {
     const int64_t rows = std::min<int64_t>(8, n_end - n0);
+    const bool more = n0 + 8 < n_end;
     fill_panel_scales<Q, 8>(*x.a, n0, rows, p);
-    if (x.a->M == 1) {
-      int8_row_avx2<Q>(x, p, n0, rows, n0 + 8 < n_end);
+    if (M == 1) {
+      int8_rowwise_avx2<Q, 1>(x, p, n0, rows, more);
+    } else if (M == 2) {
+      int8_rowwise_avx2<Q, 2>(x, p, n0, rows, more);
+    } else if (M == kAvx2RowWiseRows) {
+      int8_rowwise_avx2<Q, kAvx2RowWiseRows>(x, p, n0, rows, more);
     } else {
       fill_panel<Q, 8, kAvx2Offset<Q>>(*x.a, n0, rows, p);
       int8_tile_avx2<Q>(x, p, n0, rows);

@@ -78,7 +78,7 @@ def _decoding_x(m: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("qtype", ALL_QTYPES)
 def test_decoding_rows(qtype, threads):
-    """Up to 32 rows of x take the row-wise kernel, every format (AVX512-VNNI), 8 rows a pass over each
+    """Up to 32 rows of x take the row-wise kernel, every format (AVX512-VNNI; AVX2 to 4), 8 rows a pass over each
     tile (past 8, each step's columns decoded once for all the passes), more the panel; past 8 rows, the AMX tiles
     where the CPU has them, 16 rows a pass: every M from 1 to 17
     (passes of 8, 8 and 1, or one of 16 and one of 1) and 32 gives the reference's bits, and row i of a 40-row call
@@ -286,11 +286,11 @@ def test_the_tiles_run_where_the_cpu_has_them():
 
 
 def test_the_kernels_prefetch():
-    """Every compiled instantiation of the kernels that prefetch (the int8 row kernels rows16_vnni, rows16_passes and
-    int8_row_avx2, AMX's tiles16 and the panel's fill_panel; the bf16 / float32 tiles; attention's scores and weighted
-    sums, AVX2's attend_avx2) holds prefetch instructions: with the row kernels' helper a plain inline function, GCC
-    emitted none there (5a5ab6f): the same bits, far slower, which no test of values sees (bench/RESULTS-log.md, "A
-    prefetch helper that was not inlined")."""
+    """Every compiled instantiation of the kernels that prefetch (the int8 row kernels rows16_vnni, rows16_passes
+    and int8_rowwise_avx2, AMX's tiles16 and the panel's fill_panel; the bf16 / float32 tiles; attention's scores and
+    weighted sums, AVX2's attend_avx2) holds prefetch instructions: with the row kernels' helper a plain inline
+    function, GCC emitted none there (5a5ab6f): the same bits, far slower, which no test of values sees
+    (bench/RESULTS-log.md, "A prefetch helper that was not inlined")."""
     import platform
     import re
     import shutil
@@ -303,7 +303,7 @@ def test_the_kernels_prefetch():
     library = load_ext().__file__
     listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", library], capture_output=True, text=True,
                              check=True, timeout=120).stdout  # fmt: skip
-    int8 = "rows16_vnni|rows16_passes|tiles16|fill_panel|int8_row_avx2"
+    int8 = "rows16_vnni|rows16_passes|tiles16|fill_panel|int8_rowwise_avx2"
     families = rf"::({int8}|tile_bf16|tile_f32|score_keys_avx512|weighted_sums?_avx512|attend_avx2)<"
     kernels: dict[str, int] = {}  # each instantiation of those kernels -> its prefetch instructions
     name = None
