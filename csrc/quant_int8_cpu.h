@@ -393,6 +393,45 @@ SPECDEC_QAVX2 inline void q6k_group_scales8(const uint8_t* const* r, int64_t off
   }
 }
 
+// Q4_K / Q5_K's sub-block scales and shifts (k4_scales_avx2's values) of the super-blocks at `off` of 8 rows, lane i
+// row r[i]: each row's 16-byte head (d, dmin, 12 bytes of 6-bit scales and minima) transposed to four dwords with
+// rows in lanes, then each sub-block's fields taken out of all 8 rows at once.
+SPECDEC_QAVX2 inline void k4_scales_rows8(const uint8_t* const* r, int64_t off, __m256* scale, __m256* shift) {
+  __m256i v[4], t[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // rows i and i + 4, one per 128-bit lane
+    v[i] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(r[i + 4] + off),
+                               reinterpret_cast<const __m128i*>(r[i] + off));
+  }
+  t[0] = _mm256_unpacklo_epi32(v[0], v[1]), t[1] = _mm256_unpackhi_epi32(v[0], v[1]);
+  t[2] = _mm256_unpacklo_epi32(v[2], v[3]), t[3] = _mm256_unpackhi_epi32(v[2], v[3]);
+  const __m256i head = _mm256_unpacklo_epi64(t[0], t[2]);  // dword 0 of rows 0-7: d | dmin << 16
+  const __m256i lo = _mm256_unpackhi_epi64(t[0], t[2]), mid = _mm256_unpacklo_epi64(t[1], t[3]);  // bytes 4-7, 8-11
+  const __m256i hi = _mm256_unpackhi_epi64(t[1], t[3]);  // bytes 12-15
+  // d and dmin as 8 halves each, rows in order: [d 0-3, dmin 0-3 | d 4-7, dmin 4-7], then the 64-bit quarters sorted
+  const __m256i halves = _mm256_permute4x64_epi64(
+      _mm256_packus_epi32(_mm256_and_si256(head, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(head, 16)), 0xd8);
+  const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+  const __m256 dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+  const __m256 neg = _mm256_set1_ps(-0.f);
+  const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15), two = _mm256_set1_epi32(3);
+  // sub-block k: the low 6 bits of head bytes 4 + k (scale) and 8 + k (minimum); k + 4: byte 12 + k's nibbles under
+  // the top 2 bits of those bytes (k4_scales_avx2's rule)
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const __m256i sc = _mm256_and_si256(_mm256_srli_epi32(lo, 8 * k), six);
+    const __m256i mn = _mm256_and_si256(_mm256_srli_epi32(mid, 8 * k), six);
+    const __m256i sc_top = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(lo, 8 * k + 6), two), 4);
+    const __m256i mn_top = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(mid, 8 * k + 6), two), 4);
+    const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(hi, 8 * k), four), sc_top);
+    const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(hi, 8 * k + 4), four), mn_top);
+    scale[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+    scale[k + 4] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc_hi));
+    shift[k] = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)), neg);
+    shift[k + 4] = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn_hi)), neg);
+  }
+}
+
 // The scales of rows n0 .. n0 + rows - 1 into the panel (the rest zero), int_scales' values: the 32-weight formats'
 // fp16 fields (a = d, c = the minimum's factor), Q6_K's (a = d, its group scales) and Q4_K / Q5_K's (a and c, each
 // sub-block's scale and shift) 8 rows at a time, a block or super-block at once; Q2_K / Q3_K's row by row.
@@ -421,26 +460,16 @@ SPECDEC_QAVX2 void fill_panel_scales(const QuantArgs& a, int64_t n0, int64_t row
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(psc + (16 * j + g) * 8), _mm256_and_si256(sc[g], live_i));
         }
       }
-    } else if constexpr (kPerSubBlock<Q>) {  // each row's 8 sub-block scales and shifts, transposed to lane = row
+    } else if constexpr (kPerSubBlock<Q>) {  // 8 rows' sub-block scales and shifts, lane = row
       float* const pa = p.a.data();
       float* const pc = p.c.data();
       for (int64_t j = 0; j < blocks / 8; ++j) {
-        __m256i sc[8], sh[8], t[8];
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {
-          __m256 scale, shift;
-          k4_scales_avx2(r[i] + j * kBlockBytes<Q>, scale, shift);
-          sc[i] = _mm256_castps_si256(scale), sh[i] = _mm256_castps_si256(shift);
-        }
-        transpose8x8(sc, t);
+        __m256 scale[8], shift[8];
+        k4_scales_rows8(r, j * kBlockBytes<Q>, scale, shift);
 #pragma GCC unroll 8
         for (int s = 0; s < 8; ++s) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pa + (8 * j + s) * 8), _mm256_and_si256(t[s], live_i));
-        }
-        transpose8x8(sh, t);
-#pragma GCC unroll 8
-        for (int s = 0; s < 8; ++s) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pc + (8 * j + s) * 8), _mm256_and_si256(t[s], live_i));
+          _mm256_storeu_ps(pa + (8 * j + s) * 8, _mm256_and_ps(scale[s], live));
+          _mm256_storeu_ps(pc + (8 * j + s) * 8, _mm256_and_ps(shift[s], live));
         }
       }
     } else {
