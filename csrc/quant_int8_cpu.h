@@ -395,7 +395,8 @@ SPECDEC_QAVX2 inline void q6k_group_scales8(const uint8_t* const* r, int64_t off
 
 // Q4_K / Q5_K's sub-block scales and shifts (k4_scales_avx2's values) of the super-blocks at `off` of 8 rows, lane i
 // row r[i]: each row's 16-byte head (d, dmin, 12 bytes of 6-bit scales and minima) transposed to four dwords with
-// rows in lanes, then each sub-block's fields taken out of all 8 rows at once.
+// rows in lanes, then each sub-block's fields taken out of all 8 rows at once (gather_k_scales' rule, which VNNI's
+// kernels apply to 16 rows gathered, csrc/quant_int8_rows_cpu.h).
 SPECDEC_QAVX2 inline void k4_scales_rows8(const uint8_t* const* r, int64_t off, __m256* scale, __m256* shift) {
   __m256i v[4], t[4];
 #pragma GCC unroll 4
@@ -683,6 +684,7 @@ void int8_rows_avx2(const Int8Args& x, int64_t n_begin, int64_t n_end) {
     const int64_t rows = std::min<int64_t>(8, n_end - n0);
     const bool more = n0 + 8 < n_end;
     fill_panel_scales<Q, 8>(*x.a, n0, rows, p);
+    static_assert(kAvx2RowWiseRows == 3, "a branch for each x row count up to kAvx2RowWiseRows");
     if (M == 1) {
       int8_rowwise_avx2<Q, 1>(x, p, n0, rows, more);
     } else if (M == 2) {
