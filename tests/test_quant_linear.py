@@ -313,6 +313,9 @@ def test_errors(case, error, match):
     assert quant_type_name(14) == quant_type_name(gguf.GGMLQuantizationType.Q6_K) == "Q6_K"
     with pytest.raises(ValueError, match="Q5_K's 256-weight block"):
         QuantizedWeight(torch.zeros(2, 88, dtype=torch.uint8), "Q5_K", (2, 128))
+    from spec_kernels._ext import load_ext
+
+    load_ext()  # the op itself: the checks above may raise before anything loads it (this test run alone)
     native = torch.ops.spec_kernels.quant_linear
     with pytest.raises(ValueError, match=r"unsupported GGML type id 20.*Q6_K \(14\)"):
         native(torch.randn(2, 64), torch.zeros(5, 36, dtype=torch.uint8), 20, None)
