@@ -130,11 +130,7 @@ SPECDEC_QAMX8 void tiles16(const Int8Args& x, int64_t n0, int64_t rows, int64_t 
       }
     }
   }
-  for (int r = 0; r < live; ++r) {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, acc[r]);
-    for (int64_t i = 0; i < rows; ++i) store(a, m0 + r, n0 + i, out[i]);
-  }
+  for (int r = 0; r < live; ++r) store_lanes(a, m0 + r, n0, rows, acc[r]);
 }
 
 // Every x row, kTileRows a pass over each 16-row tile of weights (further passes read it from the cache).

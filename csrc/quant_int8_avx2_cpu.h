@@ -136,11 +136,7 @@ SPECDEC_QAVX2 void int8_tile_avx2(const QuantArgs& a, const XTiles& x, const Pan
     const int64_t s = base + b * mb + mb - 1;
     acc[mb - 1] = int8_epilogue_avx2<Q>(p, b, &x.xs[2 * s], x.sum[s], x.dx[s], prev[0], prev[1], acc[mb - 1]);
   }
-  for (int64_t i = 0; i < mb; ++i) {
-    alignas(32) float out[8];
-    _mm256_store_ps(out, acc[i]);
-    for (int64_t r = 0; r < rows; ++r) store(a, m0 + i, n0 + r, out[r]);
-  }
+  for (int64_t i = 0; i < mb; ++i) store_lanes(a, m0 + i, n0, rows, acc[i]);
 }
 
 // The epilogue of x row m's block b as Int8Rows holds it (the row-wise kernel's few rows).
@@ -215,12 +211,7 @@ SPECDEC_QAVX2 void int8_rowwise_avx2(const Int8Args& x, const Panel<8>& p, int64
     }
   }
   acc[MB - 1] = int8_epilogue_rows<Q>(x, p, MB - 1, blocks - 1, prev0, prev1, acc[MB - 1]);
-#pragma GCC unroll 4
-  for (int m = 0; m < MB; ++m) {
-    alignas(32) float out[8];
-    _mm256_store_ps(out, acc[m]);
-    for (int64_t i = 0; i < rows; ++i) store(a, m, n0 + i, out[i]);
-  }
+  for (int m = 0; m < MB; ++m) store_lanes(a, m, n0, rows, acc[m]);
 }
 
 template <QuantType Q>
@@ -247,6 +238,5 @@ void int8_rows_avx2(const Int8Args& x, int64_t n_begin, int64_t n_end) {
     }
   }
 }
-
 
 #endif  // SPECDEC_CPU_X86

@@ -548,12 +548,7 @@ SPECDEC_QVNNI void int8_tile_vnni(const Int8Args& x, const Panel<16>& p, int64_t
       acc[r] = _mm512_add_ps(acc[r], rounded(_mm512_mul_ps(_mm512_set1_ps(x.x->dx[(m0 + r) * blocks + b]), u)));
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < MB; ++r) {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, acc[r]);
-    for (int64_t i = 0; i < rows; ++i) store(a, m0 + r, n0 + i, out[i]);
-  }
+  for (int r = 0; r < MB; ++r) store_lanes(a, m0 + r, n0, rows, acc[r]);
 }
 
 template <QuantType Q>

@@ -419,12 +419,7 @@ SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int6
       rows16_block<Q, 7, MB>(x, pr, off, 8 * sb + 7, m0, k, acc);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < MB; ++r) {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, acc[r]);
-    for (int64_t i = 0; i < rows; ++i) store(a, m0 + r, n0 + i, out[i]);
-  }
+  for (int r = 0; r < MB; ++r) store_lanes(a, m0 + r, n0, rows, acc[r]);
 }
 
 // x rows per pass over a tile: their accumulators, the pairs and their columns fit the 32 registers. More x rows take
@@ -522,11 +517,7 @@ SPECDEC_QVNNI void rows16_passes(const Int8Args& x, int64_t n0, int64_t rows, bo
       }
     }
   }
-  for (int64_t m = 0; m < M; ++m) {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, acc[m]);
-    for (int64_t i = 0; i < rows; ++i) store(a, m, n0 + i, out[i]);
-  }
+  for (int64_t m = 0; m < M; ++m) store_lanes(a, m, n0, rows, acc[m]);
 }
 
 template <QuantType Q>

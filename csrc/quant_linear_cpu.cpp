@@ -67,6 +67,12 @@ struct QuantArgs {
 
 inline void store(const QuantArgs& a, int64_t m, int64_t n, float sum) { a.sums[m * a.ldo + n - a.n0] = sum; }
 
+// A vector's lanes 0 .. rows - 1 (its 8 or 16 floats: weight rows n0 ...) as x row m's sums.
+template <typename V>
+inline void store_lanes(const QuantArgs& a, int64_t m, int64_t n0, int64_t rows, const V& v) {
+  std::memcpy(a.sums + m * a.ldo + n0 - a.n0, &v, static_cast<size_t>(rows) * sizeof(float));
+}
+
 #include "quant_int8_cpu.h"  // the 8-bit activation path (uses QuantArgs and store)
 #if SPECDEC_CPU_AMX
 #include "quant_amx_cpu.h"  // rows_amx_groups: the K-quants' bfloat16 path on AMX tiles (uses QuantArgs)
