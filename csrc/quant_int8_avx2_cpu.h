@@ -160,7 +160,8 @@ SPECDEC_QAVX2 void int8_rowwise_avx2(const Int8Args& x, const Panel<8>& p, int64
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) row[i] = a.w + (n0 + std::min<int64_t>(i, rows - 1)) * a.row_bytes;  // dead: a copy
   // `more`: this thread's next tile (contiguous after these rows) is pulled in at this tile's pace, a block's share
-  // per block, so that its scales' pass (the first to read each line) does not wait on DRAM
+  // per block (a super-block's share at once ran slower), so that its scales' pass (the first to read each line) does
+  // not wait on DRAM
   const uintptr_t next = reinterpret_cast<uintptr_t>(a.w + (n0 + 8) * a.row_bytes);
   const int64_t step = 8 * a.row_bytes / blocks;  // the next tile per block: exact (whole super-blocks per row)
   const bool l2 = prefetch_to_l2<Q>();
@@ -168,46 +169,55 @@ SPECDEC_QAVX2 void int8_rowwise_avx2(const Int8Args& x, const Panel<8>& p, int64
 #pragma GCC unroll 4
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   __m256i prev0, prev1;
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (more) simd::prefetch_lines(next + b * step, next + (b + 1) * step, l2);
-    __m256i q[8];
+  // Up to 2 x rows a K-quant's super-block is unrolled: each block's offsets and shifts are constants, and blocks that
+  // share bytes can load them once. At kAvx2RowWiseRows x rows the unrolled body ran slower (RESULTS-log).
+  constexpr int kStep = MB < kAvx2RowWiseRows ? kStepBlocks<Q> : 1;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kStep) {
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) q[i] = int_quants_avx2<Q, kAvx2Offset<Q>>(row[i], b);
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m) {
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x->xq.data() + m * a.K + b * 32));
-      // Lane sums: dword j of t[k / 2]'s lane L is vector 4 (k / 2) + j's lane L. The unpacks move whole dwords, so
-      // the adds run on int16 lanes (two per dword) while a lane holds at most kInt16Sums maddubs sums, then widen16.
-      constexpr int kRun = kInt16Sums<Q>;
-      __m256i d[8], s[4], t[2];
+    for (int u = 0; u < kStep; ++u) {
+      const int64_t b = b0 + u;
+      if (more) simd::prefetch_lines(next + b * step, next + (b + 1) * step, l2);
+      const int64_t at = (kStep > 1 ? b0 : b) / kStepBlocks<Q> * kBlockBytes<Q>;  // block b's step (b0's, unrolled)
+      const int place = kStep > 1 ? u : static_cast<int>(b % kStepBlocks<Q>);   // and its place there
+      __m256i q[8];
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {
-        d[i] = dot16_avx2<Q>(q[i], xq);
-        if constexpr (kRun < 2) d[i] = widen16(d[i]);
-      }
+      for (int i = 0; i < 8; ++i) q[i] = step_quants_avx2<Q, kAvx2Offset<Q>>(row[i] + at, place);
 #pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        const __m256i lo = _mm256_unpacklo_epi32(d[2 * k], d[2 * k + 1]);
-        const __m256i hi = _mm256_unpackhi_epi32(d[2 * k], d[2 * k + 1]);
-        s[k] = kRun >= 2 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi32(lo, hi);
-        if constexpr (kRun == 2 || kRun == 3) s[k] = widen16(s[k]);
-      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x->xq.data() + m * a.K + b * 32));
+        // Lane sums: dword j of t[k / 2]'s lane L is vector 4 (k / 2) + j's lane L. The unpacks move whole dwords, so
+        // the adds run on int16 lanes (two per dword) while a lane holds at most kInt16Sums maddubs sums, then widen16.
+        constexpr int kRun = kInt16Sums<Q>;
+        __m256i d[8], s[4], t[2];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          d[i] = dot16_avx2<Q>(q[i], xq);
+          if constexpr (kRun < 2) d[i] = widen16(d[i]);
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          const __m256i lo = _mm256_unpacklo_epi32(d[2 * k], d[2 * k + 1]);
+          const __m256i hi = _mm256_unpackhi_epi32(d[2 * k], d[2 * k + 1]);
+          s[k] = kRun >= 2 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi32(lo, hi);
+          if constexpr (kRun == 2 || kRun == 3) s[k] = widen16(s[k]);
+        }
 #pragma GCC unroll 2
-      for (int k = 0; k < 2; ++k) {
-        const __m256i lo = _mm256_unpacklo_epi64(s[2 * k], s[2 * k + 1]);
-        const __m256i hi = _mm256_unpackhi_epi64(s[2 * k], s[2 * k + 1]);
-        t[k] = kRun >= 4 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi32(lo, hi);
-        if constexpr (kRun >= 4) t[k] = widen16(t[k]);
+        for (int k = 0; k < 2; ++k) {
+          const __m256i lo = _mm256_unpacklo_epi64(s[2 * k], s[2 * k + 1]);
+          const __m256i hi = _mm256_unpackhi_epi64(s[2 * k], s[2 * k + 1]);
+          t[k] = kRun >= 4 ? _mm256_add_epi16(lo, hi) : _mm256_add_epi32(lo, hi);
+          if constexpr (kRun >= 4) t[k] = widen16(t[k]);
+        }
+        __m256i half0 = _mm256_permute2x128_si256(t[0], t[1], 0x20);
+        __m256i half1 = _mm256_permute2x128_si256(t[0], t[1], 0x31);
+        // pipelined as in the tile: the epilogue of the (block, x row) before this one, its operands ready
+        if (m > 0) {
+          acc[m - 1] = int8_epilogue_rows<Q>(x, p, m - 1, b, prev0, prev1, acc[m - 1]);
+        } else if (b > 0) {
+          acc[MB - 1] = int8_epilogue_rows<Q>(x, p, MB - 1, b - 1, prev0, prev1, acc[MB - 1]);
+        }
+        prev0 = half0, prev1 = half1;
       }
-      __m256i half0 = _mm256_permute2x128_si256(t[0], t[1], 0x20);
-      __m256i half1 = _mm256_permute2x128_si256(t[0], t[1], 0x31);
-      // pipelined as in the tile: the epilogue of the (block, x row) before this one, its operands ready
-      if (m > 0) {
-        acc[m - 1] = int8_epilogue_rows<Q>(x, p, m - 1, b, prev0, prev1, acc[m - 1]);
-      } else if (b > 0) {
-        acc[MB - 1] = int8_epilogue_rows<Q>(x, p, MB - 1, b - 1, prev0, prev1, acc[MB - 1]);
-      }
-      prev0 = half0, prev1 = half1;
     }
   }
   acc[MB - 1] = int8_epilogue_rows<Q>(x, p, MB - 1, blocks - 1, prev0, prev1, acc[MB - 1]);

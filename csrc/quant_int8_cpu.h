@@ -204,7 +204,7 @@ SPECDEC_QVNNI __attribute__((always_inline)) inline __m512i dpbusd_dword(__m512i
 }
 
 // 32 bytes from p, each (v >> shift) & mask: one 16-bit shift serves every byte, the mask dropping what crossed in.
-SPECDEC_QAVX2 inline __m256i field32(const uint8_t* p, int shift, int mask) {
+SPECDEC_QAVX2 __attribute__((always_inline)) inline __m256i field32(const uint8_t* p, int shift, int mask) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(static_cast<char>(mask)));
 }
@@ -221,15 +221,20 @@ SPECDEC_QAVX2 inline __m256i fifth_bits(const uint8_t* qh) {
   return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
-// Block b's quants as 32 bytes: int_quants' integers plus kOff (0: signed; kUnsignedOffset<Q>: unsigned).
+// Blocks a kernel's step takes at once: a K-quant's super-block (its scales are gathered together), else one.
+template <QuantType Q>
+constexpr int kStepBlocks = kSubBlocks<Q> == 1 ? 1 : 8;
+
+// Block s of the step at `blk` (a super-block, or the block itself) as 32 bytes: int_quants' integers plus kOff (0:
+// signed; kUnsignedOffset<Q>: unsigned). Always inlined: a kernel that unrolls its step's blocks gets each block's
+// offsets and shifts as constants, and one load for the two blocks that share a K-quant's bytes.
 template <QuantType Q, int kOff = 0>
-SPECDEC_QAVX2 inline __m256i int_quants_avx2(const uint8_t* row, int64_t b) {
+SPECDEC_QAVX2 __attribute__((always_inline)) inline __m256i step_quants_avx2(const uint8_t* blk, int s) {
   static_assert(kOff == 0 || kOff == kUnsignedOffset<Q>, "signed or unsigned");
   if constexpr (Q == QuantType::kQ8_0) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlockBytes<Q> + 2));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     return kOff != 0 ? _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))) : q;
   } else if constexpr (kSubBlocks<Q> == 1) {  // Q4_0, Q4_1, Q5_0, Q5_1
-    const uint8_t* blk = row + b * kBlockBytes<Q>;
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBlockBytes<Q> - 16));
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs);  // elements 0-15 low nibbles, 16-31 high
     __m256i v = _mm256_and_si256(both, _mm256_set1_epi8(15));
@@ -240,8 +245,7 @@ SPECDEC_QAVX2 inline __m256i int_quants_avx2(const uint8_t* row, int64_t b) {
     constexpr int kOffset = (kMin ? 0 : (Q == QuantType::kQ5_0 ? 16 : 8)) - kOff;
     return kOffset != 0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(kOffset)) : v;
   } else {
-    const uint8_t* sb = row + b / 8 * kBlockBytes<Q>;
-    const int s = static_cast<int>(b % 8);
+    const uint8_t* sb = blk;  // the super-block
     if constexpr (Q == QuantType::kQ2_K) {
       return field32(sb + 16 + 32 * (s / 4), 2 * (s % 4), 3);
     } else if constexpr (Q == QuantType::kQ3_K) {  // a clear high bit subtracts 4
@@ -261,6 +265,12 @@ SPECDEC_QAVX2 inline __m256i int_quants_avx2(const uint8_t* row, int64_t b) {
       return kOff == 32 ? v : _mm256_sub_epi8(v, _mm256_set1_epi8(32));
     }
   }
+}
+
+// Block b of `row` as step_quants_avx2 gives it.
+template <QuantType Q, int kOff = 0>
+SPECDEC_QAVX2 inline __m256i int_quants_avx2(const uint8_t* row, int64_t b) {
+  return step_quants_avx2<Q, kOff>(row + b / kStepBlocks<Q> * kBlockBytes<Q>, static_cast<int>(b % kStepBlocks<Q>));
 }
 
 // 8 rows of 8 dwords -> 8 vectors, vector j holding dword j (elements 4j .. 4j + 3) of rows 0-7.

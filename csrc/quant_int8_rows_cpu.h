@@ -439,10 +439,6 @@ void rows16_pass(const Int8Args& x, int64_t n0, int64_t rows, int64_t m0, bool m
   rows16_vnni<Q, MB>(x, n0, rows, m0, more);
 }
 
-// Blocks a step of rows16_passes decodes at once: a K-quant's super-block (its scales are gathered together), else one.
-template <QuantType Q>
-constexpr int kStepBlocks = kSubBlocks<Q> == 1 ? 1 : 8;
-
 // Sub-block S of the super-block at `off` (or the block there) of a tile's 16 rows as VNNI's columns (w [8]).
 template <QuantType Q, int S>
 SPECDEC_QVNNI_INLINE void decode_columns(const PairRows& pr, int64_t off, __m512i* w) {
