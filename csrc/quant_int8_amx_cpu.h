@@ -122,12 +122,15 @@ SPECDEC_QAMX8 void tiles16(const Int8Args& x, int64_t n0, int64_t rows, int64_t 
       tile_step<Q, 0>(xq, a.K, step, run);
       if (step + 1 < n * kG) tile_step<Q, 1>(xq, a.K, step + 1, run);
     }
-    for (int s = 0; s < n; ++s) {
-      for (int r = 0; r < live; ++r) {
+    for (int r = 0; r < live; ++r) {  // row by row: its accumulator stays in a register for the run's blocks
+      __m512 sum = acc[r];
+#pragma GCC unroll 8
+      for (int s = 0; s < n; ++s) {
         const __m512i h0 = _mm512_load_si512(run.sums[kG * s][r]);
         const __m512i h1 = kG == 2 ? _mm512_load_si512(run.sums[kG * s + 1][r]) : _mm512_setzero_si512();
-        acc[r] = rows16_epilogue<Q, 0>(x, h0, h1, m0 + r, b0 + s, k, s, acc[r]);
+        sum = rows16_epilogue<Q, 0>(x, h0, h1, m0 + r, b0 + s, k, s, sum);
       }
+      acc[r] = sum;
     }
   }
   for (int r = 0; r < live; ++r) store_lanes(a, m0 + r, n0, rows, acc[r]);
