@@ -45,9 +45,14 @@ SPECDEC_QAVX2 inline __m256 int8_epilogue_avx2(const Panel<8>& p, int64_t b, con
     I = _mm256_add_epi32(_mm256_mullo_epi32(s0, half0), _mm256_mullo_epi32(s1, half1));
   } else {
     I = _mm256_add_epi32(half0, half1);
-    if constexpr (kOff != 0) I = _mm256_sub_epi32(I, _mm256_set1_epi32(kOff * (xs[0] + xs[1])));
   }
-  __m256 u = rounded(_mm256_mul_ps(_mm256_loadu_ps(p.a.data() + b * 8), _mm256_cvtepi32_ps(I)));
+  __m256 fI = _mm256_cvtepi32_ps(I);
+  if constexpr (!kGroupScales<Q> && kOff != 0) {
+    // the offset taken off in float, where a block has one scale: the sums, kOff times x's (S) and their difference
+    // are integers below 2^24, so fnmadd rounds nothing and gives float(I) itself, with no integer broadcast of kOff S
+    fI = _mm256_fnmadd_ps(_mm256_set1_ps(kOff), _mm256_set1_ps(sum), fI);
+  }
+  __m256 u = rounded(_mm256_mul_ps(_mm256_loadu_ps(p.a.data() + b * 8), fI));
   if constexpr (kIntMin<Q>) {
     __m256 S = _mm256_set1_ps(sum);  // exact: float(xs[0] + xs[1])
     if constexpr (kGroupScales<Q>) {  // Q2_K's per-16 minima

@@ -233,9 +233,13 @@ SPECDEC_QVNNI_INLINE __m512 rows16_epilogue(const Int8Args& x, __m512i h0, __m51
     I = _mm512_add_epi32(_mm512_mullo_epi32(k.sc[2 * s], _mm512_sub_epi32(h0, _mm512_set1_epi32(kOff * xs[0]))),
                          _mm512_mullo_epi32(k.sc[2 * s + 1], _mm512_sub_epi32(h1, _mm512_set1_epi32(kOff * xs[1]))));
   } else {
-    I = _mm512_sub_epi32(_mm512_add_epi32(h0, h1), _mm512_set1_epi32(kOff * (xs[0] + xs[1])));
+    I = _mm512_add_epi32(h0, h1);
   }
-  __m512 u = rounded(_mm512_mul_ps(k.a[s], _mm512_cvtepi32_ps(I)));
+  __m512 fI = _mm512_cvtepi32_ps(I);
+  if constexpr (!kGroupScales<Q> && kOff != 0) {  // the offset taken off in float (int8_epilogue_avx2's rule)
+    fI = _mm512_fnmadd_ps(_mm512_set1_ps(kOff), _mm512_set1_ps(x.x->sum[m * (K / 32) + b]), fI);
+  }
+  __m512 u = rounded(_mm512_mul_ps(k.a[s], fI));
   if constexpr (kIntMin<Q> && kGroupScales<Q>) {  // Q2_K: S = mn0 xs0 + mn1 xs1
     const __m512i S = _mm512_add_epi32(_mm512_mullo_epi32(k.mn[2 * s], _mm512_set1_epi32(xs[0])),
                                        _mm512_mullo_epi32(k.mn[2 * s + 1], _mm512_set1_epi32(xs[1])));
