@@ -73,7 +73,7 @@ inline void store_lanes(const QuantArgs& a, int64_t m, int64_t n0, int64_t rows,
   std::memcpy(a.sums + m * a.ldo + n0 - a.n0, &v, static_cast<size_t>(rows) * sizeof(float));
 }
 
-#include "quant_int8_cpu.h"  // the 8-bit activation path (uses QuantArgs and store)
+#include "quant_int8_cpu.h"  // the 8-bit activation path (uses QuantArgs, store and store_lanes)
 #if SPECDEC_CPU_AMX
 #include "quant_amx_cpu.h"  // rows_amx_groups: the K-quants' bfloat16 path on AMX tiles (uses QuantArgs)
 #endif
