@@ -88,15 +88,6 @@ inline bool cpu_has_avx512_bf16() {
 #endif
 }
 
-// An AMD core (Zen): the K-quant kernels' prefetches go to L2 there (csrc/quant_int8_rows_cpu.h, prefetch_ahead).
-inline bool cpu_is_amd() {
-#if SPECDEC_CPU_X86
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
-#else
-  return false;
-#endif
-}
 
 // AMX tiles (Intel Sapphire Rapids and later): CPUID leaf 7's EDX bit `feature` (22 AMX-BF16, 25 AMX-INT8) beside
 // AMX-TILE (bit 24). Linux hands a process the tile registers' 8 KB state only on request (arch_prctl

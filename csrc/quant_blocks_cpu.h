@@ -42,13 +42,13 @@
 template <QuantType Q>
 constexpr int64_t kSubBlocks = quant_format(static_cast<int64_t>(Q)).block_weights / kQuantBlock;
 
-// Whether a kernel streaming Q's blocks prefetches them into L2 rather than L1: the K-quants on AMD's cores (measured
-// on Zen 4), where streaming their matrices from DRAM ran faster so (L1 no longer holds the lines of 16 rows' next
-// super-blocks beside the ones being read); the 32-weight formats, whose kernels are bound by their instructions
-// there, and Intel's cores (tuned with L1 prefetches) keep L1 (bench/RESULTS-log.md, "K-quant files on Zen 4").
+// Whether a kernel streaming Q's blocks prefetches them into L2 rather than L1: the K-quants, where streaming their
+// matrices from DRAM ran faster so (L1 no longer holds the lines of 16 rows' next super-blocks beside the ones being
+// read; measured on Zen 4, then on the Xeon with AMX); the 32-weight formats, whose kernels are bound by their
+// instructions, keep L1 (bench/RESULTS-log.md, "K-quant files on Zen 4" and "The AMX-INT8 tiles taken apart").
 template <QuantType Q>
 inline bool prefetch_to_l2() {
-  return kSubBlocks<Q> > 1 && simd::cpu_is_amd();
+  return kSubBlocks<Q> > 1;
 }
 
 template <QuantType Q>
