@@ -88,7 +88,6 @@ inline bool cpu_has_avx512_bf16() {
 #endif
 }
 
-
 // AMX tiles (Intel Sapphire Rapids and later): CPUID leaf 7's EDX bit `feature` (22 AMX-BF16, 25 AMX-INT8) beside
 // AMX-TILE (bit 24). Linux hands a process the tile registers' 8 KB state only on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM), made here; where the request fails, or SPECDEC_CPU_ISA caps the paths (=avx512 keeps AVX-512
