@@ -47,7 +47,7 @@ constexpr int64_t kSubBlocks = quant_format(static_cast<int64_t>(Q)).block_weigh
 // read; measured on Zen 4, then on the Xeon with AMX); the 32-weight formats, whose kernels are bound by their
 // instructions, keep L1 (bench/RESULTS-log.md, "K-quant files on Zen 4" and "The AMX-INT8 tiles taken apart").
 template <QuantType Q>
-inline bool prefetch_to_l2() {
+constexpr bool prefetch_to_l2() {
   return kSubBlocks<Q> > 1;
 }
 

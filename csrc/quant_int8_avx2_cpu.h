@@ -169,7 +169,7 @@ SPECDEC_QAVX2 void int8_rowwise_avx2(const Int8Args& x, const Panel<8>& p, int64
   // not wait on DRAM
   const uintptr_t next = reinterpret_cast<uintptr_t>(a.w + (n0 + 8) * a.row_bytes);
   const int64_t step = 8 * a.row_bytes / blocks;  // the next tile per block: exact (whole super-blocks per row)
-  const bool l2 = prefetch_to_l2<Q>();
+  constexpr bool l2 = prefetch_to_l2<Q>();
   __m256 acc[MB];
 #pragma GCC unroll 4
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();

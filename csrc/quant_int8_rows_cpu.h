@@ -371,7 +371,7 @@ constexpr int64_t kShortRowBytes = 2 * kAheadBytes;
 // each step pulling in as large a share of it as the step reads of this tile.
 template <QuantType Q>
 SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes, int64_t at, int64_t rows, bool more) {
-  const bool l2 = prefetch_to_l2<Q>();
+  constexpr bool l2 = prefetch_to_l2<Q>();
   if (rows < 16) return;
   if (row_bytes <= kShortRowBytes) {
     if (!more) return;
