@@ -106,16 +106,15 @@ SPECDEC_QAMX8 void tiles16(const Int8Args& x, int64_t n0, int64_t rows, int64_t 
       }
     } else {
       const int64_t off = b0 / 8 * kBlockBytes<Q>;
-      prefetch_ahead<Q>(base, a.row_bytes, off, rows, more);
       gather_k_scales<Q>(base + off, t.live, t.offsets, k);
-      store_columns<Q, 0>(pr, off, 0, run);
-      store_columns<Q, 1>(pr, off, 1, run);
-      store_columns<Q, 2>(pr, off, 2, run);
-      store_columns<Q, 3>(pr, off, 3, run);
-      store_columns<Q, 4>(pr, off, 4, run);
-      store_columns<Q, 5>(pr, off, 5, run);
-      store_columns<Q, 6>(pr, off, 6, run);
-      store_columns<Q, 7>(pr, off, 7, run);
+      prefetch_part<Q, 0>(base, a.row_bytes, off, rows, more), store_columns<Q, 0>(pr, off, 0, run);
+      prefetch_part<Q, 1>(base, a.row_bytes, off, rows, more), store_columns<Q, 1>(pr, off, 1, run);
+      prefetch_part<Q, 2>(base, a.row_bytes, off, rows, more), store_columns<Q, 2>(pr, off, 2, run);
+      prefetch_part<Q, 3>(base, a.row_bytes, off, rows, more), store_columns<Q, 3>(pr, off, 3, run);
+      prefetch_part<Q, 4>(base, a.row_bytes, off, rows, more), store_columns<Q, 4>(pr, off, 4, run);
+      prefetch_part<Q, 5>(base, a.row_bytes, off, rows, more), store_columns<Q, 5>(pr, off, 5, run);
+      prefetch_part<Q, 6>(base, a.row_bytes, off, rows, more), store_columns<Q, 6>(pr, off, 6, run);
+      prefetch_part<Q, 7>(base, a.row_bytes, off, rows, more), store_columns<Q, 7>(pr, off, 7, run);
     }
     const int8_t* xq = x.x->xq.data() + m0 * a.K + b0 * 32;
     for (int step = 0; step < n * kG; step += 2) {

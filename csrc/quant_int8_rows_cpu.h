@@ -362,21 +362,23 @@ constexpr int64_t kAheadBytes = 512;
 constexpr int64_t kShortRowBytes = 2 * kAheadBytes;
 
 // A tile of 16 weight rows at `tile` (`rows` live), read a block or super-block of Q at a time, now at byte `at`
-// of each row: prefetches the lines of the block kAheadBytes further along each row (twice that into L2 where
-// prefetch_to_l2) or, past the rows' end, along the next tile's rows (which follow in memory) where `more` says this
-// thread reads that tile next. Each row is one stream kept ahead at the reads' own pace, on into the next tile: 16
-// rows read side by side are more streams than the hardware prefetchers follow, and pulling in the next tile in
-// bursts stalls the reads behind the prefetches (bench/RESULTS.md). Rows of at most kShortRowBytes (SmolLM2's
-// 576-wide ones) are too short for a stream per row to run ahead: there the next tile, contiguous, is one stream,
-// each step pulling in as large a share of it as the step reads of this tile.
+// of each row: prefetches the lines of the block kAheadBytes further along rows r0 .. r1 - 1 (twice that into L2
+// where prefetch_to_l2) or, past the rows' end, along the next tile's rows (which follow in memory) where `more` says
+// this thread reads that tile next. Each row is one stream kept ahead at the reads' own pace, on into the next tile:
+// 16 rows read side by side are more streams than the hardware prefetchers follow, and pulling in the next tile in
+// bursts stalls the reads behind the prefetches (bench/RESULTS.md). A super-block's step spreads its rows over its
+// sub-blocks (prefetch_part). Rows of at most kShortRowBytes (SmolLM2's 576-wide ones) are too short for a stream per
+// row to run ahead: there the next tile, contiguous, is one stream, each step pulling in as large a share of it as
+// the step reads of this tile (rows r0 .. r1 - 1's share).
 template <QuantType Q>
-SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes, int64_t at, int64_t rows, bool more) {
+SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes, int64_t at, int64_t rows, bool more,
+                                         int r0 = 0, int r1 = 16) {
   constexpr bool l2 = prefetch_to_l2<Q>();
   if (rows < 16) return;
   if (row_bytes <= kShortRowBytes) {
     if (!more) return;
     const uintptr_t next = reinterpret_cast<uintptr_t>(tile) + 16 * (row_bytes + at);
-    simd::prefetch_lines(next, next + 16 * kBlockBytes<Q>, l2);
+    simd::prefetch_lines(next + r0 * kBlockBytes<Q>, next + r1 * kBlockBytes<Q>, l2);
     return;
   }
   int64_t ahead = at + (l2 ? 2 * kAheadBytes : kAheadBytes);
@@ -384,10 +386,18 @@ SPECDEC_QVNNI_INLINE void prefetch_ahead(const uint8_t* tile, int64_t row_bytes,
     if (!more) return;
     tile += 16 * row_bytes, ahead -= row_bytes;
   }
-  const uint8_t* p = tile + ahead;
-  for (int r = 0; r < 16; ++r, p += row_bytes) {
+  const uint8_t* p = tile + ahead + r0 * row_bytes;
+  for (int r = r0; r < r1; ++r, p += row_bytes) {
     simd::prefetch_lines(reinterpret_cast<uintptr_t>(p), reinterpret_cast<uintptr_t>(p) + kBlockBytes<Q>, l2);
   }
+}
+
+// Sub-block S's share of a K-quant step's prefetch_ahead: 2 of the 16 rows, issued beside that sub-block's work. One
+// burst of all 16 rows' lines per super-block stalled the step's reads behind them (bench/RESULTS.md).
+template <QuantType Q, int S>
+SPECDEC_QVNNI_INLINE void prefetch_part(const uint8_t* tile, int64_t row_bytes, int64_t at, int64_t rows, bool more) {
+  static_assert(kSubBlocks<Q> == 8 && S < 8, "a K-quant super-block's sub-block");
+  prefetch_ahead<Q>(tile, row_bytes, at, rows, more, 2 * S, 2 * S + 2);
 }
 
 // Rows n0 .. n0 + rows - 1 (rows <= 16) times x rows m0 .. m0 + MB - 1; `more`: this thread's next tile follows.
@@ -410,16 +420,23 @@ SPECDEC_QVNNI void rows16_vnni(const Int8Args& x, int64_t n0, int64_t rows, int6
     }
   } else {
     for (int64_t sb = 0; sb < blocks / 8; ++sb) {
-      prefetch_ahead<Q>(base, a.row_bytes, sb * kBlockBytes<Q>, rows, more);
       const int64_t off = sb * kBlockBytes<Q>;
       gather_k_scales<Q>(base + off, t.live, t.offsets, k);
+      prefetch_part<Q, 0>(base, a.row_bytes, off, rows, more);
       rows16_block<Q, 0, MB>(x, pr, off, 8 * sb, m0, k, acc);
+      prefetch_part<Q, 1>(base, a.row_bytes, off, rows, more);
       rows16_block<Q, 1, MB>(x, pr, off, 8 * sb + 1, m0, k, acc);
+      prefetch_part<Q, 2>(base, a.row_bytes, off, rows, more);
       rows16_block<Q, 2, MB>(x, pr, off, 8 * sb + 2, m0, k, acc);
+      prefetch_part<Q, 3>(base, a.row_bytes, off, rows, more);
       rows16_block<Q, 3, MB>(x, pr, off, 8 * sb + 3, m0, k, acc);
+      prefetch_part<Q, 4>(base, a.row_bytes, off, rows, more);
       rows16_block<Q, 4, MB>(x, pr, off, 8 * sb + 4, m0, k, acc);
+      prefetch_part<Q, 5>(base, a.row_bytes, off, rows, more);
       rows16_block<Q, 5, MB>(x, pr, off, 8 * sb + 5, m0, k, acc);
+      prefetch_part<Q, 6>(base, a.row_bytes, off, rows, more);
       rows16_block<Q, 6, MB>(x, pr, off, 8 * sb + 6, m0, k, acc);
+      prefetch_part<Q, 7>(base, a.row_bytes, off, rows, more);
       rows16_block<Q, 7, MB>(x, pr, off, 8 * sb + 7, m0, k, acc);
     }
   }
@@ -492,16 +509,20 @@ SPECDEC_QVNNI void rows16_passes(const Int8Args& x, int64_t n0, int64_t rows, bo
   Scales16 k;
   for (int64_t b0 = 0; b0 < a.K / 32; b0 += kStepBlocks<Q>) {
     const int64_t off = b0 / kStepBlocks<Q> * kBlockBytes<Q>;  // the step's block or super-block
-    prefetch_ahead<Q>(t.base, a.row_bytes, off, rows, more);
     if constexpr (kStepBlocks<Q> == 1) {
+      prefetch_ahead<Q>(t.base, a.row_bytes, off, rows, more);
       gather_block_scales<Q>(t, off, 0, k);
       decode_columns<Q, 0>(t.pr, off, cols[0]);
     } else {
       gather_k_scales<Q>(t.base + off, t.live, t.offsets, k);
-      decode_columns<Q, 0>(t.pr, off, cols[0]), decode_columns<Q, 1>(t.pr, off, cols[1]);
-      decode_columns<Q, 2>(t.pr, off, cols[2]), decode_columns<Q, 3>(t.pr, off, cols[3]);
-      decode_columns<Q, 4>(t.pr, off, cols[4]), decode_columns<Q, 5>(t.pr, off, cols[5]);
-      decode_columns<Q, 6>(t.pr, off, cols[6]), decode_columns<Q, 7>(t.pr, off, cols[7]);
+      prefetch_part<Q, 0>(t.base, a.row_bytes, off, rows, more), decode_columns<Q, 0>(t.pr, off, cols[0]);
+      prefetch_part<Q, 1>(t.base, a.row_bytes, off, rows, more), decode_columns<Q, 1>(t.pr, off, cols[1]);
+      prefetch_part<Q, 2>(t.base, a.row_bytes, off, rows, more), decode_columns<Q, 2>(t.pr, off, cols[2]);
+      prefetch_part<Q, 3>(t.base, a.row_bytes, off, rows, more), decode_columns<Q, 3>(t.pr, off, cols[3]);
+      prefetch_part<Q, 4>(t.base, a.row_bytes, off, rows, more), decode_columns<Q, 4>(t.pr, off, cols[4]);
+      prefetch_part<Q, 5>(t.base, a.row_bytes, off, rows, more), decode_columns<Q, 5>(t.pr, off, cols[5]);
+      prefetch_part<Q, 6>(t.base, a.row_bytes, off, rows, more), decode_columns<Q, 6>(t.pr, off, cols[6]);
+      prefetch_part<Q, 7>(t.base, a.row_bytes, off, rows, more), decode_columns<Q, 7>(t.pr, off, cols[7]);
     }
     for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
       __m512* pass = acc + m0;
