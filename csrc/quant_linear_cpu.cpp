@@ -452,6 +452,23 @@ void with_qtype(int64_t qtype, F&& f) {
   TORCH_CHECK_VALUE(false, "quant_linear: unsupported GGML type id ", qtype, "; the kernel reads ", kTakenTypes);
 }
 
+// o[i] = T(x[i]) for n elements: 8 at a time where AVX2 is (simd::store8 rounds to bfloat16 as the cast does), so
+// every path writes the same bits.
+#if SPECDEC_CPU_X86
+template <typename T>
+SPECDEC_AVX2 void store_row_avx2(const float* x, T* o, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) simd::store8(o + i, simd::load8(x + i, n - i), n - i);
+}
+#endif
+
+template <typename T>
+void store_row(const float* x, T* o, int64_t n) {
+#if SPECDEC_CPU_X86
+  if (simd::cpu_isa() >= simd::Isa::kAvx2) return store_row_avx2(x, o, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(x[i]);
+}
+
 // Weight rows [n_begin, n_end) of x (T) @ W: a bfloat16 x widened into this thread's buffer first.
 template <typename T>
 void run_rows(const T* x, const uint8_t* w, int64_t qtype, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
@@ -490,11 +507,11 @@ void run_rows(const T* x, const uint8_t* w, int64_t qtype, const T* bias, T* out
   }
   // linear's store: the bias last (fp32), then one rounding to the output dtype
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      float sum = sums[m * a.ldo + n - n_begin];
-      if (bias != nullptr) sum += to_float(bias[n]);
-      out[m * N + n] = static_cast<T>(sum);
+    float* row = sums.data() + m * a.ldo;  // [n_end - n_begin]
+    if (bias != nullptr) {
+      for (int64_t n = n_begin; n < n_end; ++n) row[n - n_begin] += to_float(bias[n]);
     }
+    store_row(row, out + m * N + n_begin, n_end - n_begin);
   }
 }
 
