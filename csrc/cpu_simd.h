@@ -351,6 +351,13 @@ SPECDEC_AVX2 inline void store8(T* p, __m256 v, int64_t count) {
   }
 }
 
+// o[i] = x[i] for n elements, float32 or bfloat16 either side, 8 at a time: widened exactly, or rounded as
+// c10::BFloat16 rounds (store8), so bitwise what the scalar cast writes.
+template <typename I, typename O>
+SPECDEC_AVX2 void convert_row8(const I* x, O* o, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) store8(o + i, load8(x + i, n - i), n - i);
+}
+
 }  // namespace simd
 }  // namespace specdec
 #endif  // SPECDEC_CPU_X86

@@ -91,7 +91,7 @@ SPECDEC_AVX512 inline void store16(T* p, __m512 v, int64_t count) {
   }
 }
 
-// scale_row and convert_row (below), 16 and 8 elements at a time.
+// scale_row and convert_row (below), 16 and 8 elements at a time (convert_row's 8: simd::convert_row8).
 template <typename W, typename O>
 SPECDEC_AVX512 void scale_row_avx512(const float* x, float inv, const W* w, O* o, int64_t n) {
   const __m512 s = _mm512_set1_ps(inv);
@@ -103,11 +103,6 @@ SPECDEC_AVX512 void scale_row_avx512(const float* x, float inv, const W* w, O* o
 template <typename I, typename O>
 SPECDEC_AVX512 inline void convert_row_avx512(const I* x, O* o, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) store16(o + i, load16(x + i, n - i), n - i);
-}
-
-template <typename I, typename O>
-SPECDEC_AVX2 void convert_row_avx2(const I* x, O* o, int64_t n) {
-  for (int64_t i = 0; i < n; i += 8) simd::store8(o + i, simd::load8(x + i, n - i), n - i);
 }
 
 template <typename W, typename O>
@@ -277,7 +272,7 @@ template <typename I, typename O>
 void convert_row(const I* x, O* o, int64_t n) {
 #if SPECDEC_DECODER_X86
   if (cpu_has_avx512()) return convert_row_avx512(x, o, n);
-  if (cpu_has_avx2()) return convert_row_avx2(x, o, n);
+  if (cpu_has_avx2()) return simd::convert_row8(x, o, n);
 #endif
   for (int64_t i = 0; i < n; ++i) o[i] = static_cast<O>(to_f(x[i]));
 }
