@@ -452,9 +452,10 @@ void with_qtype(int64_t qtype, F&& f) {
   TORCH_CHECK_VALUE(false, "quant_linear: unsupported GGML type id ", qtype, "; the kernel reads ", kTakenTypes);
 }
 
-// o[i] = T(x[i]) for n elements: 8 at a time where AVX2 is (simd::convert_row8: the same bits as the cast).
+// o[i] = T(x[i]) for n elements, as the decoder's convert_row (csrc/layer_ops_cpu.h) without its AVX-512 path: 8 at a
+// time where AVX2 is (simd::convert_row8: the same bits as the cast).
 template <typename T>
-void store_row(const float* x, T* o, int64_t n) {
+void convert_row(const float* x, T* o, int64_t n) {
 #if SPECDEC_CPU_X86
   if (simd::cpu_isa() >= simd::Isa::kAvx2) return simd::convert_row8(x, o, n);
 #endif
@@ -503,7 +504,7 @@ void run_rows(const T* x, const uint8_t* w, int64_t qtype, const T* bias, T* out
     if (bias != nullptr) {
       for (int64_t n = n_begin; n < n_end; ++n) row[n - n_begin] += to_float(bias[n]);
     }
-    store_row(row, out + m * N + n_begin, n_end - n_begin);
+    convert_row(row, out + m * N + n_begin, n_end - n_begin);
   }
 }
 
